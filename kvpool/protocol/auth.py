@@ -1,0 +1,65 @@
+"""Cluster-token cryptography: the connection handshake MACs and the signed write grants.
+
+Pure functions over bytes, no sockets and no clocks (callers pass `now_ms`). The cluster key is
+derived once from the operator's token; every MAC is HMAC-SHA256 with a purpose label, so a MAC
+made for one purpose can never be replayed as another.
+
+Handshake (only when the server has a token):
+
+    server -> client  AuthChallenge(nonce_s, required=True)
+    client -> server  AuthResponse(nonce_c, mac=client_proof(key, nonce_s, nonce_c))
+    server -> client  AuthOk(mac=server_proof(key, nonce_s, nonce_c))     or the server closes
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from kvpool.protocol.messages import WriteGrant
+
+_GRANT_MAC_SIZE_BYTES = 16
+
+
+def cluster_key(token: str) -> bytes:
+    """The 32-byte key every MAC uses, derived from the operator's token."""
+    assert token, "an empty token means 'no token': pass None instead"
+    return hashlib.sha256(b"kvpool-cluster-key\0" + token.encode()).digest()
+
+
+def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.digest(key, b"client\0" + server_nonce + client_nonce, "sha256")
+
+
+def server_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.digest(key, b"server\0" + server_nonce + client_nonce, "sha256")
+
+
+def is_valid_proof(expected: bytes, received: bytes) -> bool:
+    return hmac.compare_digest(expected, received)
+
+
+def _grant_body(segment_id: str, offset: int, size: int, expiry_ms: int) -> bytes:
+    return f"grant\0{segment_id}\0{offset}\0{size}\0{expiry_ms}".encode()
+
+
+def sign_grant(
+    key: bytes | None, segment_id: str, offset: int, size: int, expiry_ms: int
+) -> WriteGrant:
+    """A write grant for a byte range, signed when the cluster has a key."""
+    mac = b""
+    if key is not None:
+        body = _grant_body(segment_id, offset, size, expiry_ms)
+        mac = hmac.digest(key, body, "sha256")[:_GRANT_MAC_SIZE_BYTES]
+    return WriteGrant(segment_id, offset, size, expiry_ms, mac)
+
+
+def is_valid_grant(key: bytes | None, grant: WriteGrant, now_ms: int) -> bool:
+    """True when the grant is unexpired and, with a key, carries the master's signature."""
+    if grant.expiry_ms < now_ms:
+        return False
+    if key is None:
+        return True
+    body = _grant_body(grant.segment_id, grant.offset, grant.size, grant.expiry_ms)
+    expected = hmac.digest(key, body, "sha256")[:_GRANT_MAC_SIZE_BYTES]
+    return hmac.compare_digest(expected, grant.mac)

@@ -1,0 +1,387 @@
+"""Every control message kvpool sends, as typed msgspec structs: the contract between processes.
+
+A message is metadata only (keys, offsets, sizes, codes); object bytes never go through msgpack
+but ride after it as the frame's raw payload (frames.py). Messages are encoded as msgpack arrays
+with a small integer tag, which keeps batches of thousands of keys cheap to encode and decode.
+
+Who sends what:
+
+    client -> master   PutStart PutEnd PutRevoke GetReplicaList ExistKeys LongestPrefix
+                       Remove RemoveByRegex RemoveAll QueryObjects ListObjects ClusterStatus
+    node   -> master   MountSegment Heartbeat UnmountSegment DrainSegment
+    master -> node     CommitObjects DropObjects            (on the node's own connection)
+    client -> node     WriteSlices (+ payload)  ReadSlices (reply + payload)
+    server -> client   AuthChallenge, then client AuthResponse, server AuthOk (first frames)
+
+Every request is answered by exactly one reply frame carrying the same request id: its typed
+reply or an `ErrorReply(code, message)`. Batch replies carry one code per key.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Message(msgspec.Struct, array_like=True, tag_field="t", frozen=False):
+    """Base of every message; never sent itself."""
+
+
+# --- shared records -------------------------------------------------------------------------
+
+
+class ReplicateConfig(msgspec.Struct, array_like=True):
+    """How a put is placed: replica count, pins and placement strategy.
+
+    Placement is one of "random" (default), "free_ratio" (emptiest segment first), "local"
+    (segments on the client's host first) and "preferred" (the given segments first).
+    """
+
+    replica_num: int = 1
+    with_soft_pin: bool = False
+    with_hard_pin: bool = False
+    placement: str = "random"
+    preferred_segments: list[str] = []
+
+
+PLACEMENTS = ("random", "free_ratio", "local", "preferred")
+
+
+class SegmentInfo(msgspec.Struct, array_like=True):
+    """A mounted segment as clients need to reach it.
+
+    `endpoint` is the node's transfer server "host:port". `shm_path` is the segment file a
+    same-host client may map ("" when the node turned the shm path off); `shm_token` is the
+    random token written in that file's header, which proves the client mapped the right file.
+    """
+
+    segment_id: str
+    node_id: str
+    hostname: str
+    endpoint: str
+    shm_path: str
+    shm_token: bytes
+    capacity_bytes: int
+
+
+class Replica(msgspec.Struct, array_like=True):
+    """Where one replica of an object lies: a byte range of a segment's data area."""
+
+    segment_id: str
+    offset: int
+
+
+class WriteGrant(msgspec.Struct, array_like=True):
+    """The master's permission to write `size` bytes at `offset` of a segment until `expiry_ms`
+    (wall clock). `mac` is an HMAC of the other fields with the cluster key, empty without one."""
+
+    segment_id: str
+    offset: int
+    size: int
+    expiry_ms: int
+    mac: bytes = b""
+
+
+class InventoryEntry(msgspec.Struct, array_like=True):
+    """One complete object held by a node: the node's own record, the truth the master rebuilds from."""
+
+    key: str
+    offset: int
+    size: int
+    checksum: int
+
+
+class SegmentStatus(msgspec.Struct, array_like=True):
+    segment: SegmentInfo
+    state: str
+    used_bytes: int
+    object_count: int
+
+
+# --- replies --------------------------------------------------------------------------------
+
+
+class ErrorReply(Message, tag=1):
+    code: int
+    message: str = ""
+
+
+class OkReply(Message, tag=2):
+    pass
+
+
+class CodesReply(Message, tag=3):
+    """One `ErrorCode` per key of a batch request, in request order."""
+
+    codes: list[int]
+
+
+class CountReply(Message, tag=4):
+    count: int
+
+
+# --- authentication ---------------------------------------------------------------------------
+
+
+class AuthChallenge(Message, tag=5):
+    """First frame from any server. `required` is False when the server has no cluster token."""
+
+    nonce: bytes
+    required: bool
+
+
+class AuthResponse(Message, tag=6):
+    nonce: bytes
+    mac: bytes
+
+
+class AuthOk(Message, tag=7):
+    """The server's proof that it holds the token too (empty when auth is not required)."""
+
+    mac: bytes
+
+
+# --- client -> master -------------------------------------------------------------------------
+
+
+class PutStart(Message, tag=10):
+    keys: list[str]
+    sizes: list[int]
+    config: ReplicateConfig
+    client_hostname: str = ""
+
+
+class PutStartReply(Message, tag=11):
+    """Per key: a code and the grants to write (one per replica). OBJECT_ALREADY_EXISTS means
+    the object is complete already: nothing to write, and the put counts as done."""
+
+    codes: list[int]
+    grants: list[list[WriteGrant]]
+    segments: dict[str, SegmentInfo]
+
+
+class PutEnd(Message, tag=12):
+    keys: list[str]
+    checksums: list[int]
+
+
+class PutRevoke(Message, tag=13):
+    keys: list[str]
+
+
+class GetReplicaList(Message, tag=14):
+    keys: list[str]
+
+
+class GetReplicaListReply(Message, tag=15):
+    """Per key: a code, the size, checksum and replicas (nearest first is the client's choice).
+    Every found object is under a read lease of `lease_ttl_ms` from the master's reply."""
+
+    codes: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    replicas: list[list[Replica]]
+    lease_ttl_ms: int
+    segments: dict[str, SegmentInfo]
+
+
+class ExistKeys(Message, tag=16):
+    keys: list[str]
+
+
+class ExistsReply(Message, tag=17):
+    flags: list[bool]
+
+
+class LongestPrefix(Message, tag=18):
+    keys: list[str]
+
+
+class Remove(Message, tag=19):
+    keys: list[str]
+    force: bool = False
+
+
+class RemoveByRegex(Message, tag=20):
+    pattern: str
+    force: bool = False
+
+
+class RemoveAll(Message, tag=21):
+    force: bool = False
+
+
+class QueryObjects(Message, tag=22):
+    """Sizes and replicas without a lease (get_size, stat)."""
+
+    keys: list[str]
+
+
+class QueryReply(Message, tag=23):
+    codes: list[int]
+    sizes: list[int]
+    replicas: list[list[Replica]]
+
+
+class ListObjects(Message, tag=24):
+    pattern: str = ""
+    limit: int = 1000
+
+
+class ListReply(Message, tag=25):
+    keys: list[str]
+    sizes: list[int]
+    truncated: bool
+
+
+class ClusterStatus(Message, tag=26):
+    pass
+
+
+class ClusterStatusReply(Message, tag=27):
+    segments: list[SegmentStatus]
+    object_count: int
+    pending_count: int
+    evicted_count: int
+
+
+# --- node <-> master --------------------------------------------------------------------------
+
+
+class MountSegment(Message, tag=40):
+    """Mount (or re-mount after a master restart) a segment with the objects it already holds."""
+
+    segment: SegmentInfo
+    inventory: list[InventoryEntry]
+
+
+class MountReply(Message, tag=41):
+    """`rejected` lists inventory entries the master refused (overlap, conflict): drop them."""
+
+    rejected: list[InventoryEntry]
+
+
+class Heartbeat(Message, tag=42):
+    segment_ids: list[str]
+
+
+class HeartbeatReply(Message, tag=43):
+    """Segments the master does not know (it restarted): the node re-mounts them."""
+
+    unknown_segment_ids: list[str]
+
+
+class UnmountSegment(Message, tag=44):
+    segment_id: str
+
+
+class DrainSegment(Message, tag=45):
+    """Stop new allocations on a segment; unmount it after `timeout_ms` (readable till then)."""
+
+    segment_id: str
+    timeout_ms: int
+
+
+class CommitObjects(Message, tag=46):
+    """master -> node at put_end: record these complete objects in the inventory. The node
+    verifies size and checksum against its bytes first; the reply has one code per entry."""
+
+    segment_id: str
+    entries: list[InventoryEntry]
+
+
+class DropObjects(Message, tag=47):
+    """master -> node before a range is reused: forget these objects (by key and offset)."""
+
+    segment_id: str
+    entries: list[InventoryEntry]
+
+
+# --- client <-> node --------------------------------------------------------------------------
+
+
+class WriteItem(msgspec.Struct, array_like=True):
+    """Write `size` payload bytes at `grant.offset + start`; the range must lie inside the grant."""
+
+    grant: WriteGrant
+    start: int
+    size: int
+
+
+class WriteSlices(Message, tag=60):
+    """The frame's payload is the items' bytes, concatenated in item order."""
+
+    items: list[WriteItem]
+
+
+class ReadItem(msgspec.Struct, array_like=True):
+    segment_id: str
+    offset: int
+    size: int
+
+
+class ReadSlices(Message, tag=61):
+    items: list[ReadItem]
+
+
+class ReadReply(Message, tag=62):
+    """The frame's payload is the requested ranges, concatenated in item order."""
+
+    size: int
+
+
+AnyMessage = Union[
+    ErrorReply,
+    OkReply,
+    CodesReply,
+    CountReply,
+    AuthChallenge,
+    AuthResponse,
+    AuthOk,
+    PutStart,
+    PutStartReply,
+    PutEnd,
+    PutRevoke,
+    GetReplicaList,
+    GetReplicaListReply,
+    ExistKeys,
+    ExistsReply,
+    LongestPrefix,
+    Remove,
+    RemoveByRegex,
+    RemoveAll,
+    QueryObjects,
+    QueryReply,
+    ListObjects,
+    ListReply,
+    ClusterStatus,
+    ClusterStatusReply,
+    MountSegment,
+    MountReply,
+    Heartbeat,
+    HeartbeatReply,
+    UnmountSegment,
+    DrainSegment,
+    CommitObjects,
+    DropObjects,
+    WriteSlices,
+    ReadSlices,
+    ReadReply,
+]
+
+REPLY_TYPES = (
+    ErrorReply,
+    OkReply,
+    CodesReply,
+    CountReply,
+    PutStartReply,
+    GetReplicaListReply,
+    ExistsReply,
+    QueryReply,
+    ListReply,
+    ClusterStatusReply,
+    MountReply,
+    HeartbeatReply,
+    ReadReply,
+)
