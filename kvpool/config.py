@@ -65,3 +65,86 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
             raise InvalidParams(f"token file {token_file} is empty")
         return text
     return os.environ.get("KVPOOL_TOKEN") or None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """What a Store needs: where the master is, how to authenticate, how to move bytes."""
+
+    master: str = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
+    token: str | None = None
+    shm_enabled: bool = True
+    hostname: str = ""  # "" = socket.gethostname(); used for local-first placement
+    connections_per_peer: int = limits.CONNECTIONS_PER_PEER_DEFAULT
+    rpc_timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT
+    connect_timeout_ms: int = limits.CONNECT_TIMEOUT_MS_DEFAULT
+    transfer_timeout_ms: int = limits.TRANSFER_TIMEOUT_MS_DEFAULT
+    # Embedded mode: contribute a segment of this size from the client process (0 = none).
+    embedded_memory_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX:
+            raise InvalidParams(
+                f"connections_per_peer must be in [1, {limits.CONNECTIONS_PER_PEER_MAX}]"
+            )
+        for name in ("rpc_timeout_ms", "connect_timeout_ms", "transfer_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise InvalidParams(f"{name} must be positive")
+
+
+# The node section: its two imports stay local to it, so that it was appended without edits above.
+def _node_id_default() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:12]
+
+
+def _hostname_default() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """A storage node (kvpool/node/server.py): its segment, its listener and its master.
+
+    `advertise_host` is what clients dial: None means the listen host, or this host's address
+    when listening on a wildcard (0.0.0.0 or ::). `shm_enabled=False` hides the segment file
+    from same-host clients (they then use TCP). `metrics_port` None serves no HTTP; 0 picks a
+    free port. `metrics_host` None means the listen host.
+    """
+
+    master: str
+    memory_bytes: int
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    advertise_host: str | None = None
+    shm_dir: str = "/dev/shm"
+    shm_enabled: bool = True
+    token: str | None = None
+    heartbeat_interval_ms: int = limits.HEARTBEAT_INTERVAL_MS_DEFAULT
+    rpc_timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT
+    connect_timeout_ms: int = limits.CONNECT_TIMEOUT_MS_DEFAULT
+    node_id: str = dataclasses.field(default_factory=_node_id_default)
+    hostname: str = dataclasses.field(default_factory=_hostname_default)
+    metrics_port: int | None = None
+    metrics_host: str | None = None
+
+    def __post_init__(self) -> None:
+        if not limits.SEGMENT_SIZE_BYTES_MIN <= self.memory_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
+            raise InvalidParams(
+                f"memory_bytes {self.memory_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
+                f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
+            )
+        for name in ("heartbeat_interval_ms", "rpc_timeout_ms", "connect_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise InvalidParams(f"{name} must be positive")
+        for name in ("listen_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise InvalidParams(f"{name} {port} out of range")
+        if not self.node_id or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.node_id):
+            raise InvalidParams(f"node_id {self.node_id!r}: use letters, digits, '_', '.', '-'")
+        if self.token == "":
+            raise InvalidParams("an empty token means no token: pass None")

@@ -1,0 +1,381 @@
+"""The `kvpool` command: servers (master, node), object commands and the demo.
+
+This is where configuration is read (flags, `KVPOOL_*` environment variables, token files) and
+turned into the config records that the cores take; nothing below cli/ reads the environment.
+Object commands talk to a running cluster through the sync `Store`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvpool import limits
+from kvpool.config import parse_size, token_from
+from kvpool.errors import ErrorCode, KVPoolError
+
+app = typer.Typer(
+    name="kvpool",
+    help="kvpool: a pooled KV-cache store. Host DRAM of many servers as one cache for LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+MasterOption = Annotated[
+    str,
+    typer.Option("--master", "-m", envvar="KVPOOL_MASTER", help="Master address HOST:PORT."),
+]
+TokenFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--token-file", envvar="KVPOOL_TOKEN_FILE",
+        help="File holding the cluster token (or set KVPOOL_TOKEN). Without a token, servers "
+        "bind loopback only.",
+    ),
+]  # fmt: skip
+MASTER_DEFAULT = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _token(token_file: Optional[Path]) -> str | None:
+    return token_from(None, str(token_file) if token_file else None)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+def _store(master: str, token_file: Optional[Path]):
+    from kvpool.client.sync import Store
+
+    try:
+        return Store(master, token=_token(token_file), connect_timeout_ms=2_000, rpc_timeout_ms=5_000)
+    except KVPoolError as exc:
+        raise _fail(f"cannot reach the master at {master}: {exc}") from None
+
+
+# --- servers ----------------------------------------------------------------------------------
+
+
+@app.command()
+def master(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="RPC port (0 = any free port).")] = limits.MASTER_PORT_DEFAULT,
+    http_port: Annotated[
+        int, typer.Option(help="Port of /metrics, /health, /status (0 = any free port).")
+    ] = limits.MASTER_HTTP_PORT_DEFAULT,
+    lease_ttl_ms: Annotated[int, typer.Option(help="Read lease of a get.")] = limits.LEASE_TTL_MS_DEFAULT,
+    node_ttl_ms: Annotated[
+        int, typer.Option(help="A node silent this long is dropped with its replicas.")
+    ] = limits.NODE_TTL_MS_DEFAULT,
+    put_discard_timeout_ms: Annotated[
+        int, typer.Option(help="A put not ended within this is discarded.")
+    ] = limits.PUT_DISCARD_TIMEOUT_MS_DEFAULT,
+    put_release_timeout_ms: Annotated[
+        int, typer.Option(help="A discarded put's space is reused only after this.")
+    ] = limits.PUT_RELEASE_TIMEOUT_MS_DEFAULT,
+    evict_watermark_high: Annotated[
+        float, typer.Option(help="Eviction starts above this used ratio.")
+    ] = limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT,
+    evict_ratio: Annotated[
+        float, typer.Option(help="Fraction of a segment freed per eviction.")
+    ] = limits.EVICT_RATIO_DEFAULT,
+    token_file: TokenFileOption = None,
+    ready_file: Annotated[
+        Optional[Path], typer.Option(help="Write {\"endpoint\", \"http_port\"} here once serving.")
+    ] = None,
+    log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
+) -> None:
+    """Run the metadata master (no object bytes pass through it)."""
+    import uvloop
+
+    from kvpool.config import MasterConfig
+    from kvpool.master.server import MasterServer
+
+    _setup_logging(log_level)
+    try:
+        config = MasterConfig(
+            lease_ttl_ms=lease_ttl_ms,
+            node_ttl_ms=node_ttl_ms,
+            put_discard_timeout_ms=put_discard_timeout_ms,
+            put_release_timeout_ms=put_release_timeout_ms,
+            evict_watermark_ratio_high=evict_watermark_high,
+            evict_ratio=evict_ratio,
+        )
+        server = MasterServer(
+            config, host=host, port=port, http_port=http_port, token=_token(token_file)
+        )
+    except KVPoolError as exc:
+        raise _fail(str(exc)) from None
+
+    async def main() -> None:
+        await server.start()
+        if ready_file:
+            _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
+        await _until_signalled()
+        await server.stop()
+
+    try:
+        uvloop.run(main())
+    except KVPoolError as exc:
+        raise _fail(str(exc)) from None
+
+
+@app.command()
+def node(
+    master: MasterOption = MASTER_DEFAULT,
+    memory: Annotated[str, typer.Option(help="DRAM segment size, e.g. 1GiB.")] = "1GiB",
+    host: Annotated[str, typer.Option(help="Address the transfer server listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Transfer port (0 = any free port).")] = 0,
+    advertise_host: Annotated[
+        Optional[str], typer.Option(help="Address clients dial (default: the listen address).")
+    ] = None,
+    shm_dir: Annotated[
+        str, typer.Option(help="Directory of the segment file: /dev/shm or a hugetlbfs mount.")
+    ] = "/dev/shm",
+    shm: Annotated[bool, typer.Option(help="Let same-host clients map the segment.")] = True,
+    metrics_port: Annotated[
+        Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).")
+    ] = None,
+    token_file: TokenFileOption = None,
+    ready_file: Annotated[
+        Optional[Path], typer.Option(help="Write {\"endpoint\", \"segment_id\"} here once mounted.")
+    ] = None,
+    log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
+) -> None:
+    """Run a storage node: contributes a DRAM segment to the pool and serves its bytes."""
+    import uvloop
+
+    from kvpool.config import NodeConfig
+    from kvpool.node.server import Node
+
+    _setup_logging(log_level)
+    try:
+        config = NodeConfig(
+            master_endpoint=master,
+            memory_bytes=parse_size(memory),
+            listen_host=host,
+            listen_port=port,
+            advertise_host=advertise_host,
+            shm_dir=shm_dir,
+            shm_enabled=shm,
+            token=_token(token_file),
+            metrics_port=metrics_port,
+        )
+    except KVPoolError as exc:
+        raise _fail(str(exc)) from None
+
+    async def main() -> None:
+        storage_node = Node(config)
+        await storage_node.start()
+        if ready_file:
+            _write_ready(
+                ready_file,
+                {"endpoint": storage_node.endpoint, "segment_id": storage_node.segment_info.segment_id},
+            )
+        await _until_signalled()
+        await storage_node.stop()
+
+    try:
+        uvloop.run(main())
+    except KVPoolError as exc:
+        raise _fail(str(exc)) from None
+
+
+async def _until_signalled() -> None:
+    """Wait for SIGTERM or SIGINT (a server's whole life)."""
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _write_ready(path: Path, payload: dict) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(payload))
+    temporary.rename(path)  # atomic: a reader never sees half a file
+
+
+# --- object commands --------------------------------------------------------------------------
+
+
+@app.command()
+def put(
+    key: Annotated[str, typer.Argument(help="Object key.")],
+    source: Annotated[
+        Optional[Path], typer.Argument(help="File to store ('-' or absent: standard input).")
+    ] = None,
+    replicas: Annotated[int, typer.Option(help="Replicas on distinct segments.")] = 1,
+    master: MasterOption = MASTER_DEFAULT,
+    token_file: TokenFileOption = None,
+) -> None:
+    """Store a file (or stdin) as one object."""
+    from kvpool.protocol.messages import ReplicateConfig
+
+    data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
+    with _store(master, token_file) as store:
+        try:
+            store.put(key, data, ReplicateConfig(replica_num=replicas))
+        except KVPoolError as exc:
+            raise _fail(f"put {key}: {exc}") from None
+    err_console.print(f"stored {key} ({len(data)} bytes)")
+
+
+@app.command()
+def get(
+    key: Annotated[str, typer.Argument(help="Object key.")],
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")
+    ] = None,
+    master: MasterOption = MASTER_DEFAULT,
+    token_file: TokenFileOption = None,
+) -> None:
+    """Fetch an object (exit code 2 on a miss)."""
+    with _store(master, token_file) as store:
+        data = store.get(key)
+    if data is None:
+        raise _fail(f"{key}: not found", code=2)
+    if output is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    else:
+        output.write_bytes(data)
+
+
+@app.command()
+def rm(
+    keys: Annotated[Optional[list[str]], typer.Argument(help="Keys to remove.")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Remove every key matching this regex.")] = None,
+    all_objects: Annotated[bool, typer.Option("--all", help="Remove every object.")] = False,
+    force: Annotated[bool, typer.Option(help="Also remove objects under a read lease.")] = False,
+    master: MasterOption = MASTER_DEFAULT,
+    token_file: TokenFileOption = None,
+) -> None:
+    """Remove objects by key, by regex, or all of them."""
+    if not keys and regex is None and not all_objects:
+        raise _fail("name keys, --regex PATTERN or --all", code=2)
+    with _store(master, token_file) as store:
+        try:
+            if all_objects:
+                count = store.remove_all(force)
+            elif regex is not None:
+                count = store.remove_by_regex(regex, force)
+            else:
+                codes = store.batch_remove(keys or [], force)
+                for key, code in zip(keys or [], codes):
+                    if code != ErrorCode.OK:
+                        err_console.print(f"{key}: {ErrorCode(code).name}")
+                count = sum(1 for c in codes if c == ErrorCode.OK)
+        except KVPoolError as exc:
+            raise _fail(str(exc)) from None
+    err_console.print(f"removed {count} object(s)")
+
+
+@app.command()
+def ls(
+    pattern: Annotated[str, typer.Argument(help="Regex the keys must contain.")] = "",
+    limit: Annotated[int, typer.Option(help="At most this many keys.")] = 1000,
+    master: MasterOption = MASTER_DEFAULT,
+    token_file: TokenFileOption = None,
+) -> None:
+    """List objects (key and size)."""
+    with _store(master, token_file) as store:
+        try:
+            reply = store.list_objects(pattern, limit)
+        except KVPoolError as exc:
+            raise _fail(str(exc)) from None
+    for key, size in zip(reply.keys, reply.sizes):
+        console.print(f"{size:>12}  {key}", highlight=False, markup=False)
+    if reply.truncated:
+        err_console.print(f"(first {limit} shown)")
+
+
+@app.command()
+def stat(
+    keys: Annotated[Optional[list[str]], typer.Argument(help="Objects to describe (none: the cluster).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    master: MasterOption = MASTER_DEFAULT,
+    token_file: TokenFileOption = None,
+) -> None:
+    """Show the cluster's segments and usage, or where given objects live."""
+    import msgspec
+
+    with _store(master, token_file) as store:
+        if keys:
+            reply = store.query(keys)
+            rows = [
+                {"key": k, "code": ErrorCode(c).name, "size": s, "replicas": [[r.segment_id, r.offset] for r in rs]}
+                for k, c, s, rs in zip(keys, reply.codes, reply.sizes, reply.replicas)
+            ]
+            if as_json:
+                print(json.dumps(rows))
+                return
+            table = Table("key", "status", "size", "replicas (segment@offset)")
+            for row in rows:
+                table.add_row(row["key"], row["code"], str(row["size"]), ", ".join(f"{s}@{o}" for s, o in row["replicas"]))
+            console.print(table)
+            return
+        status = store.cluster_status()
+    if as_json:
+        print(json.dumps(msgspec.to_builtins(status)))
+        return
+    table = Table("segment", "node endpoint", "state", "used", "capacity", "objects")
+    for segment in status.segments:
+        table.add_row(
+            segment.segment.segment_id,
+            segment.segment.endpoint,
+            segment.state,
+            _human(segment.used_bytes),
+            _human(segment.segment.capacity_bytes),
+            str(segment.object_count),
+        )
+    console.print(table)
+    console.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")
+
+
+def _human(size_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size_bytes < 1024 or unit == "TiB":
+            return f"{size_bytes:.0f} {unit}" if unit == "B" else f"{size_bytes:.1f} {unit}"
+        size_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@app.command()
+def demo(
+    nodes: Annotated[int, typer.Option(help="Storage nodes to start.")] = 3,
+    memory: Annotated[str, typer.Option(help="DRAM segment per node.")] = "128MiB",
+    objects: Annotated[int, typer.Option(help="Objects to write and read back.")] = 64,
+    object_size: Annotated[str, typer.Option(help="Size of each object.")] = "1MiB",
+) -> None:
+    """Start a master and nodes on loopback, move objects across them, report, stop everything."""
+    from kvpool.cli.demo import run_demo
+
+    try:
+        run_demo(nodes, parse_size(memory), objects, parse_size(object_size), console)
+    except KVPoolError as exc:
+        raise _fail(str(exc)) from None
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,107 @@
+"""Registered buffers: caller memory that zero-copy puts read from and gets write into.
+
+Callers register memory once (`register_buffer`), by raw address and size as Mooncake's API
+does, or by passing any writable buffer object (bytearray, numpy array, mmap). Zero-copy calls
+then name a range by address; the registry turns it into a memoryview after checking that the
+whole range lies inside one registered buffer, so a wrong address is an InvalidParams error,
+never a write to arbitrary memory. It is not an allocator and does not own the memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+
+from kvpool import limits
+from kvpool.errors import BufferOverflow, InvalidParams
+
+
+def address_of(buffer: object) -> int:
+    """The start address of a writable buffer object (bytearray, numpy array, mmap...)."""
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    if view.readonly:
+        raise InvalidParams("a registered buffer must be writable")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class BufferRegistry:
+    """Registered ranges, sorted by start address; they never overlap. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._views: dict[int, memoryview] = {}
+        self._owners: dict[int, object] = {}  # keeps registered objects alive
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def register(self, buffer: object | int, size_bytes: int | None = None) -> int:
+        """Register `size_bytes` at address `buffer`, or a buffer object. Returns its address.
+
+        Raises:
+            InvalidParams: bad size, overlap with a registered range, or too many buffers.
+        """
+        if isinstance(buffer, int):
+            if size_bytes is None or size_bytes <= 0 or buffer <= 0:
+                raise InvalidParams("register_buffer(address, size) needs a positive size")
+            view = memoryview((ctypes.c_char * size_bytes).from_address(buffer)).cast("B")
+            address, owner = buffer, None
+        else:
+            view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+            address, owner = address_of(buffer), buffer
+            if size_bytes is not None:
+                if not 0 < size_bytes <= len(view):
+                    raise InvalidParams(f"size {size_bytes} outside the buffer of {len(view)}")
+                view = view[:size_bytes]
+        with self._lock:
+            if len(self._starts) >= limits.REGISTERED_BUFFERS_MAX:
+                raise InvalidParams(f"more than {limits.REGISTERED_BUFFERS_MAX} registered buffers")
+            index = bisect.bisect_right(self._starts, address)
+            if index and self._starts[index - 1] + len(self._views[self._starts[index - 1]]) > address:
+                raise InvalidParams(f"buffer at 0x{address:x} overlaps a registered buffer")
+            if index < len(self._starts) and address + len(view) > self._starts[index]:
+                raise InvalidParams(f"buffer at 0x{address:x} overlaps a registered buffer")
+            self._starts.insert(index, address)
+            self._views[address] = view
+            if owner is not None:
+                self._owners[address] = owner
+        return address
+
+    def unregister(self, address: int) -> None:
+        """Raises InvalidParams if nothing is registered at `address`."""
+        with self._lock:
+            view = self._views.pop(address, None)
+            if view is None:
+                raise InvalidParams(f"no buffer registered at 0x{address:x}")
+            self._starts.remove(address)
+            self._owners.pop(address, None)
+
+    def view(self, address: int, size_bytes: int) -> memoryview:
+        """A memoryview of a range inside a registered buffer.
+
+        Raises:
+            InvalidParams: the range is not inside one registered buffer.
+        """
+        if size_bytes < 0:
+            raise InvalidParams(f"negative size {size_bytes}")
+        with self._lock:
+            index = bisect.bisect_right(self._starts, address) - 1
+            if index < 0:
+                raise InvalidParams(f"address 0x{address:x} is not in a registered buffer")
+            start = self._starts[index]
+            view = self._views[start]
+        offset = address - start
+        if offset + size_bytes > len(view):
+            raise InvalidParams(
+                f"range 0x{address:x}+{size_bytes} runs past its registered buffer"
+            )
+        return view[offset : offset + size_bytes]
+
+
+def check_fits(object_size_bytes: int, buffer_size_bytes: int) -> None:
+    if object_size_bytes > buffer_size_bytes:
+        raise BufferOverflow(
+            f"object of {object_size_bytes} bytes does not fit a buffer of {buffer_size_bytes}"
+        )

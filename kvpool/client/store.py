@@ -1,0 +1,419 @@
+"""`AsyncStore`: the client library on asyncio. `Store` (sync.py) drives the same phases.
+
+A put asks the master for space (put_start), writes the bytes straight to every replica (a
+memcpy into a mapped segment on the same host, TCP frames to other nodes) and makes them
+visible (put_end). A get asks for replicas under a read lease (get_replica_list), reads the
+nearest one, verifies the checksum and that the lease held, and only then returns bytes. A miss
+is `None` (or a negative code in batch forms), never partial or stale bytes.
+
+This module holds the public API and the I/O; replica choice, framing and checks live in
+transfer.py, connections in pool.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable, Sequence
+
+from kvpool import limits
+from kvpool.config import ClientConfig
+from kvpool.client.buffers import BufferRegistry
+from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
+from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, now_monotonic_ms
+from kvpool.errors import (
+    ErrorCode,
+    InvalidParams,
+    KVPoolError,
+    SegmentNotFound,
+    error_from_code,
+)
+from kvpool.node.segment import Segment
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    CodesReply,
+    CountReply,
+    ExistKeys,
+    ExistsReply,
+    GetReplicaList,
+    GetReplicaListReply,
+    ListObjects,
+    ListReply,
+    LongestPrefix,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    QueryObjects,
+    QueryReply,
+    ClusterStatus,
+    ClusterStatusReply,
+    Remove,
+    RemoveAll,
+    RemoveByRegex,
+    ReplicateConfig,
+    SegmentInfo,
+    WriteSlices,
+)
+
+log = logging.getLogger(__name__)
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class AsyncStore:
+    """A connection to a kvpool cluster. Create with `await AsyncStore.open(...)`.
+
+    Holds the master link, pooled node connections, mapped same-host segments and registered
+    buffers. Safe to use from many tasks of one event loop; `aclose()` ends it.
+    """
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.hostname = config.hostname or socket.gethostname()
+        self._key = auth.cluster_key(config.token) if config.token else None
+        self._master = MasterLink(
+            config.master, self._key, config.connect_timeout_ms, config.rpc_timeout_ms
+        )
+        self._peers = PeerPool(self._key, config.connections_per_peer, config.connect_timeout_ms)
+        self._mapped: dict[str, Segment | None] = {}
+        self.buffers = BufferRegistry()
+        self._embedded_node = None
+
+    def __repr__(self) -> str:
+        return f"<AsyncStore master={self.config.master} mapped={len(self._mapped)} {self._peers!r}>"
+
+    @classmethod
+    async def open(cls, master: str | None = None, **options: object) -> AsyncStore:
+        """Connect to the cluster whose master is at `master` ("host:port").
+
+        Options are ClientConfig fields (token, shm_enabled, embedded_memory_bytes, ...).
+
+        Raises:
+            ConnectFailed, Unauthorized: the master cannot be reached or rejects the token.
+        """
+        if master is not None:
+            options["master"] = master
+        store = cls(ClientConfig(**options))  # type: ignore[arg-type]
+        await store._start()
+        return store
+
+    async def _start(self) -> None:
+        await self._master.call(ClusterStatus(), is_idempotent=True)
+        if self.config.embedded_memory_bytes:
+            from kvpool.config import NodeConfig
+            from kvpool.node.server import Node
+
+            self._embedded_node = Node(
+                NodeConfig(
+                    master_endpoint=self.config.master,
+                    memory_bytes=self.config.embedded_memory_bytes,
+                    token=self.config.token,
+                    shm_enabled=self.config.shm_enabled,
+                )
+            )
+            await self._embedded_node.start()
+
+    async def aclose(self) -> None:
+        if self._embedded_node is not None:
+            await self._embedded_node.stop()
+        self._master.close()
+        self._peers.close()
+        for segment in self._mapped.values():
+            if segment is not None:
+                segment.close()
+        self._mapped.clear()
+
+    async def __aenter__(self) -> AsyncStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # --- plain bytes API ------------------------------------------------------------------
+
+    async def put(self, key: str, value: BytesLike, config: ReplicateConfig | None = None) -> None:
+        """Store `value` under `key`. A key that exists already is left as it is (success).
+
+        Raises:
+            NoAvailableHandle: no room even after eviction. InvalidKey, InvalidParams.
+            TransportError: the master or every replica node failed.
+        """
+        code = (await self.put_batch([key], [value], config))[0]
+        if code != ErrorCode.OK:
+            raise error_from_code(code, f"put {key!r} failed")
+
+    async def put_batch(
+        self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        """Store many objects with one master round trip per phase; one ErrorCode per key."""
+        if len(keys) != len(values):
+            raise InvalidParams(f"{len(keys)} keys but {len(values)} values")
+        parts = [[memoryview(v).cast("B")] for v in values]
+        job = await self._put_start(keys, parts, config)
+        job.copy_local()
+        return await self._put_finish(job)
+
+    async def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None on a miss (absent, evicted, lease lapsed, bad replica)."""
+        return (await self.get_batch([key]))[0]
+
+    async def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        job = await self._locate(keys, [None] * len(keys))
+        job.copy_local()
+        await self._read_remote(job)
+        job.finish(now_monotonic_ms())
+        return [r if isinstance(r, bytes) else None for r in job.results]
+
+    # --- zero-copy API --------------------------------------------------------------------
+
+    def register_buffer(self, buffer: object | int, size_bytes: int | None = None) -> int:
+        """Register caller memory (an address and size, or a writable buffer object) for the
+        zero-copy calls. Returns its address. Raises InvalidParams."""
+        return self.buffers.register(buffer, size_bytes)
+
+    def unregister_buffer(self, address: int) -> None:
+        self.buffers.unregister(address)
+
+    async def put_from(
+        self, key: str, address: int, size_bytes: int, config: ReplicateConfig | None = None
+    ) -> int:
+        return (await self.batch_put_from([key], [address], [size_bytes], config))[0]
+
+    async def get_into(self, key: str, address: int, size_bytes: int) -> int:
+        """Read an object into registered memory. Returns its size, or a negative ErrorCode."""
+        return (await self.batch_get_into([key], [address], [size_bytes]))[0]
+
+    async def batch_put_from(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        sizes: Sequence[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        """Put each key from one registered range; one ErrorCode per key."""
+        return await self.batch_put_from_multi_buffers(
+            keys, [[a] for a in addresses], [[s] for s in sizes], config
+        )
+
+    async def batch_get_into(
+        self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """Get each key into one registered range; per key its size or a negative ErrorCode."""
+        return await self.batch_get_into_multi_buffers(
+            keys, [[a] for a in addresses], [[s] for s in sizes]
+        )
+
+    async def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        """Put each key gathered from several registered ranges (e.g. one per layer)."""
+        job = await self._put_start(keys, self._views(keys, addresses, sizes), config)
+        job.copy_local()
+        return await self._put_finish(job)
+
+    async def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Get each key scattered into several registered ranges, filled in order."""
+        job = await self._locate(keys, self._views(keys, addresses, sizes))
+        job.copy_local()
+        await self._read_remote(job)
+        job.finish(now_monotonic_ms())
+        return get_into_results(job)
+
+    def _views(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[list[memoryview]]:
+        if not len(keys) == len(addresses) == len(sizes):
+            raise InvalidParams("keys, buffers and sizes differ in length")
+        views = []
+        for key_addresses, key_sizes in zip(addresses, sizes):
+            if len(key_addresses) != len(key_sizes) or not key_addresses:
+                raise InvalidParams("each key needs as many sizes as buffers, and at least one")
+            views.append([self.buffers.view(a, s) for a, s in zip(key_addresses, key_sizes)])
+        return views
+
+    # --- metadata API ---------------------------------------------------------------------
+
+    async def exists(self, key: str) -> bool:
+        return (await self.batch_exists([key]))[0]
+
+    async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        reply = await self._master.call(ExistKeys(list(keys)), is_idempotent=True)
+        assert isinstance(reply, ExistsReply)
+        return reply.flags
+
+    async def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are present, in one round trip (engines' prefix lookup)."""
+        reply = await self._master.call(LongestPrefix(list(keys)), is_idempotent=True)
+        assert isinstance(reply, CountReply)
+        return reply.count
+
+    async def get_size(self, key: str) -> int:
+        """Raises ObjectNotFound."""
+        reply = await self._master.call(QueryObjects([key]), is_idempotent=True)
+        assert isinstance(reply, QueryReply)
+        if reply.codes[0] != ErrorCode.OK:
+            raise error_from_code(reply.codes[0], f"no object {key!r}")
+        return reply.sizes[0]
+
+    async def query(self, keys: Sequence[str]) -> QueryReply:
+        reply = await self._master.call(QueryObjects(list(keys)), is_idempotent=True)
+        assert isinstance(reply, QueryReply)
+        return reply
+
+    async def remove(self, key: str, force: bool = False) -> None:
+        """Raises ObjectNotFound, or ObjectHasLease while a reader holds it (unless force)."""
+        code = (await self.batch_remove([key], force))[0]
+        if code != ErrorCode.OK:
+            raise error_from_code(code, f"remove {key!r} failed")
+
+    async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        reply = await self._master.call(Remove(list(keys), force), is_idempotent=False)
+        assert isinstance(reply, CodesReply)
+        return reply.codes
+
+    async def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        reply = await self._master.call(RemoveByRegex(pattern, force), is_idempotent=False)
+        assert isinstance(reply, CountReply)
+        return reply.count
+
+    async def remove_all(self, force: bool = False) -> int:
+        reply = await self._master.call(RemoveAll(force), is_idempotent=False)
+        assert isinstance(reply, CountReply)
+        return reply.count
+
+    async def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
+        reply = await self._master.call(ListObjects(pattern, limit), is_idempotent=True)
+        assert isinstance(reply, ListReply)
+        return reply
+
+    async def cluster_status(self) -> ClusterStatusReply:
+        reply = await self._master.call(ClusterStatus(), is_idempotent=True)
+        assert isinstance(reply, ClusterStatusReply)
+        return reply
+
+    # --- phases (also driven by the sync Store) ---------------------------------------------
+
+    async def _put_start(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[memoryview]],
+        config: ReplicateConfig | None,
+    ) -> PutJob:
+        sizes = [sum(len(p) for p in key_parts) for key_parts in parts]
+        message = PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
+        reply = await self._master.call(message, is_idempotent=False)
+        assert isinstance(reply, PutStartReply)
+        return PutJob(keys, parts, reply, self._local_segment)
+
+    async def _put_finish(self, job: PutJob) -> list[int]:
+        """Write the remote replicas, then put_end what was written and revoke the rest."""
+        outcomes = await self._run_batches(job.remote)
+        # A key fails only if every replica failed; a partly written replica fails its
+        # checksum at commit and the master drops just that replica.
+        written_somewhere = {index for index, _ in job.local}
+        tried: set[int] = set()
+        for batch, failed in zip(job.remote, outcomes):
+            keys = {i for owners in batch.owners for i in owners}
+            tried |= keys
+            written_somewhere |= keys - failed
+        job.fail_keys(sorted(tried - written_somewhere), ErrorCode.TRANSFER_FAIL)
+        end = [i for i, needs in enumerate(job.needs_end) if needs and job.codes[i] == ErrorCode.OK]
+        revoke = [i for i, needs in enumerate(job.needs_end) if needs and job.codes[i] != ErrorCode.OK]
+        if end:
+            reply = await self._master.call(
+                PutEnd([job.keys[i] for i in end], [job.checksums[i] for i in end]),
+                is_idempotent=False,
+            )
+            assert isinstance(reply, CodesReply)
+            for index, code in zip(end, reply.codes):
+                job.codes[index] = code
+        if revoke:
+            try:
+                await self._master.call(PutRevoke([job.keys[i] for i in revoke]), is_idempotent=False)
+            except KVPoolError as exc:
+                # The master discards the put at its timeout anyway: nothing leaks.
+                log.info("put_revoke failed (the master will discard the put): %s", exc)
+        return job.codes
+
+    async def _locate(self, keys: Sequence[str], targets: Sequence[list[memoryview] | None]) -> GetJob:
+        lease_start_ms = now_monotonic_ms()
+        reply = await self._master.call(GetReplicaList(list(keys)), is_idempotent=True)
+        assert isinstance(reply, GetReplicaListReply)
+        return GetJob(reply, targets, lease_start_ms, self._local_segment)
+
+    async def _read_remote(self, job: GetJob) -> None:
+        """Fetch every pending key over TCP, falling back replica by replica."""
+        for _ in range(limits.REPLICA_NUM_MAX):
+            batches = job.remote_batches()
+            if not batches:
+                return
+            asked = {i for batch in batches for owners in batch.owners for i in owners}
+            failed: set[int] = set()
+            for outcome in await self._run_batches(batches):
+                failed |= outcome
+            job.remote_done(asked, failed)
+            job.copy_local()
+
+    async def _run_batches(self, batches: Sequence[RemoteBatch]) -> list[set[int]]:
+        """Send every batch's frames over lanes to its endpoint, all endpoints at once.
+        Returns, per batch, the key indexes whose frames failed."""
+        return list(await asyncio.gather(*(self._run_batch(b) for b in batches)))
+
+    async def _run_batch(self, batch: RemoteBatch) -> set[int]:
+        try:
+            lanes = await self._peers.lanes(batch.endpoint, len(batch.frames))
+        except KVPoolError as exc:
+            log.info("node %s unreachable: %s", batch.endpoint, exc)
+            return {i for owners in batch.owners for i in owners}
+        requests = []
+        for message, views in batch.frames:
+            if isinstance(message, WriteSlices):
+                requests.append((message, views, None))
+            else:
+                requests.append((message, [], _fixed_sinks(views)))
+        results = await request_on_lanes(lanes, requests, self.config.transfer_timeout_ms)
+        failed: set[int] = set()
+        for owners, result in zip(batch.owners, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, (KVPoolError, asyncio.TimeoutError)):
+                    raise result
+                log.info("transfer to %s failed: %s", batch.endpoint, result)
+                failed.update(owners)
+        return failed
+
+    def _local_segment(self, info: SegmentInfo) -> Segment | None:
+        """The mapped segment if it is on this host and its token matches, else None."""
+        if not self.config.shm_enabled or not info.shm_path:
+            return None
+        if info.segment_id in self._mapped:
+            return self._mapped[info.segment_id]
+        segment = None
+        if info.hostname == self.hostname:
+            try:
+                segment = Segment.open_mapped(info.shm_path, info.shm_token)
+            except SegmentNotFound as exc:
+                log.info("segment %s not mappable, using TCP: %s", info.segment_id, exc)
+        if len(self._mapped) < limits.REGISTERED_BUFFERS_MAX:
+            self._mapped[info.segment_id] = segment
+        return segment
+
+
+def _fixed_sinks(views: list[memoryview]) -> Callable[[object], list[memoryview]]:
+    return lambda _reply: views
+
+
+def get_into_results(job: GetJob) -> list[int]:
+    """Per key: bytes read, or the negative ErrorCode of the miss."""
+    return [
+        int(r) if code == ErrorCode.OK and isinstance(r, int) else int(code)
+        for r, code in zip(job.results, job.codes)
+    ]
+

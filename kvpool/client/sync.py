@@ -1,0 +1,225 @@
+"""`Store`: the synchronous, thread-safe client, driving AsyncStore on a private loop thread.
+
+Every process has one loop thread (started on first use) that runs all its Stores' I/O. A call
+submits its network phases there and waits with a bound; the same-host memcpy and checksum
+work of a put or get runs in the caller's own thread, so that many threads copy in parallel
+and the loop only does I/O. The methods mirror AsyncStore's one for one (see there for
+semantics); nothing here decides anything on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import uvloop
+
+from kvpool.client.store import AsyncStore, BytesLike, get_into_results
+from kvpool.client.transfer import GetJob, now_monotonic_ms
+from kvpool.config import ClientConfig
+from kvpool.errors import ErrorCode, InvalidParams, RpcTimeout, error_from_code
+from kvpool.protocol.messages import ClusterStatusReply, ListReply, QueryReply, ReplicateConfig
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """The process's private event loop, on a daemon thread."""
+
+    _instance: _LoopThread | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        started = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, args=(started,), name="kvpool-loop", daemon=True
+        )
+        self.thread.start()
+        started.wait()
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(started.set)
+        self.loop.run_forever()  # Runs for the life of the process (daemon thread).
+
+    @classmethod
+    def get(cls) -> _LoopThread:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_ms: int) -> T:
+        assert threading.current_thread() is not self.thread, "Store used from its own loop"
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout_ms / 1000)
+        except TimeoutError:
+            future.cancel()
+            raise RpcTimeout(f"call did not finish within {timeout_ms} ms") from None
+
+
+class Store:
+    """A synchronous, thread-safe handle on a kvpool cluster (see AsyncStore).
+
+    Example:
+        with Store("127.0.0.1:50051") as store:
+            store.put("k", b"bytes")
+            assert store.get("k") == b"bytes"
+    """
+
+    def __init__(self, master: str | None = None, **options: Any) -> None:
+        self._loop = _LoopThread.get()
+        config = ClientConfig(**({"master": master} if master else {}), **options)
+        # The outer bound covers a whole batch: lookups, transfers and the closing round trip.
+        self._timeout_ms = config.transfer_timeout_ms + 3 * config.rpc_timeout_ms
+        self._async: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
+
+    def __repr__(self) -> str:
+        return f"<Store {self._async!r}>"
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coroutine, self._timeout_ms)
+
+    def close(self) -> None:
+        self._run(self._async.aclose())
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def hostname(self) -> str:
+        return self._async.hostname
+
+    # --- bytes API ------------------------------------------------------------------------
+
+    def put(self, key: str, value: BytesLike, config: ReplicateConfig | None = None) -> None:
+        code = self.put_batch([key], [value], config)[0]
+        if code != ErrorCode.OK:
+            raise error_from_code(code, f"put {key!r} failed")
+
+    def put_batch(
+        self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        if len(keys) != len(values):
+            raise InvalidParams(f"{len(keys)} keys but {len(values)} values")
+        return self._put([[memoryview(v).cast("B")] for v in values], keys, config)
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        job = self._get(keys, [None] * len(keys))
+        return [r if isinstance(r, bytes) else None for r in job.results]
+
+    # --- zero-copy API --------------------------------------------------------------------
+
+    def register_buffer(self, buffer: object | int, size_bytes: int | None = None) -> int:
+        return self._async.register_buffer(buffer, size_bytes)
+
+    def unregister_buffer(self, address: int) -> None:
+        self._async.unregister_buffer(address)
+
+    def put_from(
+        self, key: str, address: int, size_bytes: int, config: ReplicateConfig | None = None
+    ) -> int:
+        return self.batch_put_from([key], [address], [size_bytes], config)[0]
+
+    def get_into(self, key: str, address: int, size_bytes: int) -> int:
+        return self.batch_get_into([key], [address], [size_bytes])[0]
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        sizes: Sequence[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        return self.batch_put_from_multi_buffers(
+            keys, [[a] for a in addresses], [[s] for s in sizes], config
+        )
+
+    def batch_get_into(
+        self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        return self.batch_get_into_multi_buffers(
+            keys, [[a] for a in addresses], [[s] for s in sizes]
+        )
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        return self._put(self._async._views(keys, addresses, sizes), keys, config)
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        return get_into_results(self._get(keys, self._async._views(keys, addresses, sizes)))
+
+    # --- metadata API ---------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self._run(self._async.exists(key))
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._run(self._async.batch_exists(keys))
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        return self._run(self._async.longest_prefix(keys))
+
+    def get_size(self, key: str) -> int:
+        return self._run(self._async.get_size(key))
+
+    def query(self, keys: Sequence[str]) -> QueryReply:
+        return self._run(self._async.query(keys))
+
+    def remove(self, key: str, force: bool = False) -> None:
+        self._run(self._async.remove(key, force))
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        return self._run(self._async.batch_remove(keys, force))
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        return self._run(self._async.remove_by_regex(pattern, force))
+
+    def remove_all(self, force: bool = False) -> int:
+        return self._run(self._async.remove_all(force))
+
+    def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
+        return self._run(self._async.list_objects(pattern, limit))
+
+    def cluster_status(self) -> ClusterStatusReply:
+        return self._run(self._async.cluster_status())
+
+    # --- the two data paths: network phases on the loop, copies here -------------------------
+
+    def _put(
+        self,
+        parts: Sequence[Sequence[memoryview]],
+        keys: Sequence[str],
+        config: ReplicateConfig | None,
+    ) -> list[int]:
+        job = self._run(self._async._put_start(keys, parts, config))
+        job.copy_local()
+        return self._run(self._async._put_finish(job))
+
+    def _get(self, keys: Sequence[str], targets: Sequence[list[memoryview] | None]) -> GetJob:
+        job = self._run(self._async._locate(keys, targets))
+        job.copy_local()
+        if job.pending_indexes():
+            self._run(self._async._read_remote(job))
+        job.finish(now_monotonic_ms())
+        return job
+
+
+__all__ = ["Store", "ClientConfig"]

@@ -1,0 +1,126 @@
+"""The master's Prometheus metrics and HTTP surface (/metrics, /health, /status, /drain).
+
+The service keeps plain integer counters (no prometheus calls on the hot path); a collector
+reads them at scrape time, with per-segment gauges from the service's cluster status. Each
+master has its own registry, so several masters (tests, HA) can share a process.
+
+Metric names (prefix kvpool_master_): objects, pending_puts, requests_total{kind},
+puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_total,
+evicted_bytes_total, removes_total, errors_total, and per segment
+segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter as CountByName
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.errors import KVPoolError
+from kvpool.protocol.messages import ClusterStatus, DrainSegment
+
+if TYPE_CHECKING:
+    from kvpool.master.server import MasterServer
+    from kvpool.master.service import MasterService
+
+_PREFIX = "kvpool_master_"
+COUNTER_NAMES = (
+    "puts",
+    "put_bytes",
+    "gets",
+    "hits",
+    "misses",
+    "evictions",
+    "evicted_bytes",
+    "removes",
+    "errors",
+)
+
+
+class MasterMetrics(Collector):
+    """Reads the service's counters when Prometheus scrapes."""
+
+    def __init__(self, service: MasterService) -> None:
+        self._service = service
+        self.requests: CountByName[str] = CountByName()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def count_request(self, kind: str) -> None:
+        self.requests[kind] += 1
+
+    def collect(self) -> Iterator[Any]:
+        status = self._service.cluster_status(ClusterStatus(), 0)
+        yield GaugeMetricFamily(_PREFIX + "objects", "Complete objects.", value=status.object_count)
+        yield GaugeMetricFamily(
+            _PREFIX + "pending_puts", "Puts started and not yet ended.", value=status.pending_count
+        )
+        counters = self._service.counters
+        for name in COUNTER_NAMES:
+            yield CounterMetricFamily(
+                _PREFIX + name, f"Master {name.replace('_', ' ')}.", value=getattr(counters, name)
+            )
+        requests = CounterMetricFamily(_PREFIX + "requests", "Requests by kind.", labels=["kind"])
+        for kind, count in sorted(self.requests.items()):
+            requests.add_metric([kind], count)
+        yield requests
+        labels = ["segment", "node", "endpoint"]
+        capacity = GaugeMetricFamily(_PREFIX + "segment_capacity_bytes", "Segment size.", labels=labels)
+        used = GaugeMetricFamily(_PREFIX + "segment_used_bytes", "Bytes allocated.", labels=labels)
+        objects = GaugeMetricFamily(_PREFIX + "segment_objects", "Replicas held.", labels=labels)
+        for segment in status.segments:
+            values = [segment.segment.segment_id, segment.segment.node_id, segment.segment.endpoint]
+            capacity.add_metric(values, segment.segment.capacity_bytes)
+            used.add_metric(values, segment.used_bytes)
+            objects.add_metric(values, segment.object_count)
+        yield from (capacity, used, objects)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.AppRunner, int]:
+    """Serve the HTTP surface; returns the runner (for cleanup) and the bound port."""
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "endpoint": server.endpoint})
+
+    async def status(_request: web.Request) -> web.Response:
+        reply = server.service.cluster_status(ClusterStatus(), 0)
+        return web.Response(
+            body=json.dumps(msgspec.to_builtins(reply, str_keys=True), default=str),
+            content_type="application/json",
+        )
+
+    async def drain(request: web.Request) -> web.Response:
+        from kvpool.master.server import wall_clock_ms
+
+        segment_id = request.match_info["segment_id"]
+        timeout_ms = int(request.query.get("timeout_ms", "30000"))
+        try:
+            server.service.drain_segment(DrainSegment(segment_id, timeout_ms), wall_clock_ms())
+        except KVPoolError as exc:
+            return web.json_response({"error": str(exc), "code": int(exc.code)}, status=404)
+        return web.json_response({"draining": segment_id, "timeout_ms": timeout_ms})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/status", status)
+    app.router.add_post("/drain/{segment_id}", drain)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, bound_port

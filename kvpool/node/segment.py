@@ -1,0 +1,182 @@
+"""A DRAM segment: a file in /dev/shm (or hugetlbfs), mapped and pre-faulted, with a header.
+
+The node creates the segment; a same-host client maps the same file to copy bytes with one
+memcpy (DESIGN.md §3). Mapping proves sameness by the random token in the header, never by IP.
+This module is the file format and the mapping, not the allocator (the master owns allocation)
+nor the transfer server.
+
+    0        8         12            16              24        40           4096
+    +--------+---------+-------------+---------------+---------+-----~~-----+----------------+
+    | magic  | version | header_size | capacity_bytes| token   | owner pid  | data area ...  |
+    +--------+---------+-------------+---------------+---------+-----~~-----+----------------+
+
+Offsets that the master hands out are offsets into the data area. The file is created with
+mode 0600 (exclusive create), so only processes of the same user can map it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from kvpool import limits
+from kvpool.errors import InvalidParams, SegmentNotFound, map_exceptions
+
+_MAGIC = b"KVPOOLSG"
+_VERSION = 1
+_HEADER = struct.Struct("<8sII Q 16s Q")  # magic, version, header size, capacity, token, pid
+SHM_DIR_DEFAULT = "/dev/shm"
+SEGMENT_FILE_PREFIX = "kvpool-"
+SEGMENT_FILE_SUFFIX = ".seg"
+
+assert _HEADER.size <= limits.SEGMENT_HEADER_SIZE_BYTES
+assert limits.SEGMENT_TOKEN_SIZE_BYTES == 16
+
+
+class Segment:
+    """A mapped segment file: `data` is a writable memoryview of exactly `capacity_bytes`.
+
+    The owner (`create`) unlinks the file on `close`; a mapper (`open_mapped`) only unmaps.
+    """
+
+    def __init__(self, path: Path, file_map: mmap.mmap, capacity_bytes: int, token: bytes, is_owner: bool):
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.token = token
+        self.is_owner = is_owner
+        self._map = file_map
+        start = limits.SEGMENT_HEADER_SIZE_BYTES
+        self.data = memoryview(file_map)[start : start + capacity_bytes]
+
+    def __repr__(self) -> str:
+        role = "owner" if self.is_owner else "mapped"
+        return f"<Segment {self.path} {self.capacity_bytes} bytes {role}>"
+
+    @classmethod
+    def create(cls, directory: str, name: str, capacity_bytes: int, token: bytes) -> Segment:
+        """Create, map and pre-fault a new segment file `directory/kvpool-<name>.seg`.
+
+        Raises:
+            InvalidParams: a capacity out of bounds, or the directory cannot hold the file.
+        """
+        if not limits.SEGMENT_SIZE_BYTES_MIN <= capacity_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
+            raise InvalidParams(
+                f"segment size {capacity_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
+                f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
+            )
+        assert len(token) == limits.SEGMENT_TOKEN_SIZE_BYTES, len(token)
+        path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
+        with map_exceptions({OSError: InvalidParams}):
+            # hugetlbfs reports its huge page size here and refuses a file size that is not a
+            # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
+            block_size = max(os.statvfs(directory).f_bsize, limits.PAGE_SIZE_BYTES)
+        file_size = limits.SEGMENT_HEADER_SIZE_BYTES + capacity_bytes
+        file_size -= file_size % block_size
+        capacity_bytes = file_size - limits.SEGMENT_HEADER_SIZE_BYTES
+        if capacity_bytes < limits.SEGMENT_SIZE_BYTES_MIN:
+            raise InvalidParams(
+                f"segment size rounds down to {max(capacity_bytes, 0)} bytes in {directory} "
+                f"(pages of {block_size} bytes): ask for more"
+            )
+        assert capacity_bytes % limits.PAGE_SIZE_BYTES == 0, capacity_bytes
+        with map_exceptions({OSError: InvalidParams}):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, file_size)
+                file_map = mmap.mmap(fd, file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            os.close(fd)
+        _HEADER.pack_into(
+            file_map, 0, _MAGIC, _VERSION, limits.SEGMENT_HEADER_SIZE_BYTES, capacity_bytes,
+            token, os.getpid(),
+        )  # fmt: skip
+        segment = cls(path, file_map, capacity_bytes, token, is_owner=True)
+        segment._prefault()
+        return segment
+
+    @classmethod
+    def open_mapped(cls, path: str, token: bytes) -> Segment:
+        """Map an existing segment file and prove it is the one advertised.
+
+        Raises:
+            SegmentNotFound: the file is absent, unreadable, malformed or has another token.
+        """
+        with map_exceptions({OSError: SegmentNotFound, ValueError: SegmentNotFound}):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                file_size = os.fstat(fd).st_size
+                if file_size < limits.SEGMENT_HEADER_SIZE_BYTES:
+                    raise SegmentNotFound(f"{path} is too small to be a segment")
+                file_map = mmap.mmap(fd, file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        magic, version, header_size, capacity_bytes, file_token, _pid = _HEADER.unpack_from(file_map, 0)
+        problem = ""
+        if magic != _MAGIC or version != _VERSION or header_size != limits.SEGMENT_HEADER_SIZE_BYTES:
+            problem = "not a kvpool segment"
+        elif file_token != token:
+            problem = "token mismatch (another segment took this path)"
+        elif header_size + capacity_bytes > file_size:
+            problem = "truncated"
+        if problem:
+            file_map.close()
+            raise SegmentNotFound(f"{path}: {problem}")
+        return cls(Path(path), file_map, capacity_bytes, token, is_owner=False)
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, unlink). Views handed out must be released first."""
+        self.data.release()
+        try:
+            self._map.close()
+        except BufferError:
+            # A transfer still holds a view (e.g. a send in flight at shutdown): the mapping
+            # goes when the process does. The file is unlinked regardless.
+            pass
+        if self.is_owner:
+            self.path.unlink(missing_ok=True)
+
+    def _prefault(self) -> None:
+        # Touch every page once now, so that the first puts do not pay page faults (tmpfs
+        # allocates on first write). One store per page, done by numpy at memory speed.
+        pages = np.frombuffer(self.data, dtype=np.uint8)[:: limits.PAGE_SIZE_BYTES]
+        pages[:] = 0
+        del pages
+
+
+def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
+    """Unlink segment files whose owner process is gone (a node killed with SIGKILL).
+
+    Only files of this user whose header names a pid that no longer exists are removed.
+    """
+    removed = []
+    for path in Path(directory).glob(f"{SEGMENT_FILE_PREFIX}*{SEGMENT_FILE_SUFFIX}"):
+        try:
+            with open(path, "rb") as file:
+                header = file.read(_HEADER.size)
+            if len(header) < _HEADER.size:
+                continue
+            magic, *_, pid = _HEADER.unpack(header)
+            if magic != _MAGIC or _is_process_alive(pid):
+                continue
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _is_process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

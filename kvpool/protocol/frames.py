@@ -1,0 +1,309 @@
+"""The wire format, sans-IO: frames in, events out; no sockets, no clocks.
+
+A frame is a fixed header, a msgpack control message, then raw payload bytes:
+
+    0        2     3      4            8              12                     20
+    +--------+-----+------+------------+--------------+----------------------+
+    | magic  | ver | flags| request_id | control_size |     payload_size     |
+    +--------+-----+------+------------+--------------+----------------------+
+    | control message: msgpack, control_size bytes (messages.py)            |
+    +------------------------------------------------------------------------+
+    | payload: payload_size raw bytes (object data), optional                |
+    +------------------------------------------------------------------------+
+
+`FrameDecoder` turns received bytes into `Frame` and `PayloadDone` events. It is built for
+zero-copy reception: when a frame announces a payload, its owner names where the bytes must go
+(`set_payload_sinks`, e.g. a range of a mapped segment or a caller's registered buffer) and the
+decoder then hands out those very buffers to the socket (`get_buffer`, the asyncio
+BufferedProtocol contract). Only bytes that arrived together with the header are copied, once.
+
+Malformed input (bad magic or version, oversized lengths, undecodable or unknown messages)
+raises `RemoteProtocolError`; the decoder is then unusable and the connection must be closed.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+from kvpool import limits
+from kvpool.errors import LocalProtocolError, RemoteProtocolError
+from kvpool.protocol.messages import REPLY_TYPES, AnyMessage, Message
+
+FLAG_REPLY: Final = 0x01  # The frame answers the peer's request with the same id.
+_FLAGS_KNOWN: Final = FLAG_REPLY
+
+_header = struct.Struct(limits.FRAME_HEADER_FMT)
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+# Room for many small frames per receive call; a larger control message grows the buffer.
+_STAGING_SIZE_BYTES: Final = 256 * limits.KIB
+
+
+class Sentinel(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA: Final = Sentinel.NEED_DATA
+
+
+class Frame(msgspec.Struct):
+    """A decoded header and control message. When `payload_size` > 0 the decoder waits for
+    `set_payload_sinks` before it returns anything else."""
+
+    request_id: int
+    is_reply: bool
+    message: Message
+    payload_size: int
+
+
+class PayloadDone(msgspec.Struct):
+    """All payload bytes of the frame with this request id are in their sinks."""
+
+    request_id: int
+
+
+Event = Frame | PayloadDone | Sentinel
+
+
+def encode_frame(
+    message: Message, request_id: int, *, is_reply: bool = False, payload_size: int = 0
+) -> bytes:
+    """Header plus control message; the caller sends `payload_size` payload bytes after it.
+
+    Raises:
+        LocalProtocolError: a field is out of range (a bug on the sending side).
+    """
+    if not 0 <= request_id <= limits.REQUEST_ID_MAX:
+        raise LocalProtocolError(f"request id {request_id} out of range")
+    if not 0 <= payload_size <= limits.FRAME_PAYLOAD_SIZE_BYTES_MAX:
+        raise LocalProtocolError(f"payload of {payload_size} bytes exceeds the frame limit")
+    if is_reply != isinstance(message, REPLY_TYPES):
+        raise LocalProtocolError(f"{type(message).__name__} sent with is_reply={is_reply}")
+    buffer = bytearray(limits.FRAME_HEADER_SIZE_BYTES)
+    _encoder.encode_into(message, buffer, limits.FRAME_HEADER_SIZE_BYTES)
+    control_size = len(buffer) - limits.FRAME_HEADER_SIZE_BYTES
+    if control_size > limits.FRAME_CONTROL_SIZE_BYTES_MAX:
+        raise LocalProtocolError(f"control message of {control_size} bytes exceeds the limit")
+    flags = FLAG_REPLY if is_reply else 0
+    _header.pack_into(
+        buffer, 0, limits.FRAME_MAGIC, limits.FRAME_VERSION, flags, request_id,
+        control_size, payload_size,
+    )  # fmt: skip
+    return bytes(buffer)
+
+
+class _State(enum.Enum):
+    FRAME = "FRAME"  # Expecting a header and control message (from the staging buffer).
+    NEED_SINK = "NEED_SINK"  # A Frame with payload was returned; waiting for its sinks.
+    PAYLOAD = "PAYLOAD"  # Filling the sinks.
+    BROKEN = "BROKEN"
+
+
+class FrameDecoder:
+    """Incremental decoder for one direction of one connection.
+
+    Bytes arrive either through `receive_data(bytes)` (tests, fuzzing) or through the
+    `get_buffer()` / `buffer_updated(n)` pair (asyncio.BufferedProtocol). Events come out of
+    `next_event()` until it returns NEED_DATA.
+
+    Invariants: `_start <= _end <= len(_staging)`; in PAYLOAD state `_sink_left` is the number
+    of payload bytes still owed, and the current sink has room for at least one of them.
+    """
+
+    def __init__(
+        self,
+        control_size_bytes_max: int = limits.FRAME_CONTROL_SIZE_BYTES_MAX,
+        payload_size_bytes_max: int = limits.FRAME_PAYLOAD_SIZE_BYTES_MAX,
+    ) -> None:
+        self._control_size_bytes_max = control_size_bytes_max
+        self._payload_size_bytes_max = payload_size_bytes_max
+        self._staging = bytearray(_STAGING_SIZE_BYTES)
+        self._start = 0
+        self._end = 0
+        self._state = _State.FRAME
+        self._request_id = 0
+        self._sinks: list[memoryview] = []
+        self._sink_index = 0
+        self._sink_pos = 0
+        self._sink_left = 0
+        self._discard = False
+        self._buffer_is_sink = False  # where the buffer last handed out by get_buffer points
+
+    def __repr__(self) -> str:
+        return f"<FrameDecoder {self._state.value} buffered={self._end - self._start}>"
+
+    # --- input --------------------------------------------------------------------------
+
+    def get_buffer(self) -> memoryview:
+        """Where the next received bytes must be written (never empty)."""
+        assert self._state is not _State.BROKEN, "decoder used after a protocol error"
+        self._buffer_is_sink = (
+            self._state is _State.PAYLOAD
+            and self._sink_left > 0
+            and self._start == self._end
+            and not self._discard
+        )
+        if self._buffer_is_sink:
+            sink = self._sinks[self._sink_index]
+            return sink[self._sink_pos :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._staging) - self._end < 4 * limits.KIB:
+            self._compact()
+            if self._end == len(self._staging):
+                # Full of one unfinished frame: grow (next_event bounds what a frame may need).
+                self._grow(2 * len(self._staging))
+        return memoryview(self._staging)[self._end :]
+
+    def buffer_updated(self, size_bytes: int) -> None:
+        """`size_bytes` bytes were written into the buffer last returned by get_buffer."""
+        assert size_bytes > 0, size_bytes
+        if self._buffer_is_sink:
+            self._advance_sink(size_bytes)
+        else:
+            self._end += size_bytes
+            assert self._end <= len(self._staging), (self._end, len(self._staging))
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes by copying them (the h11-style entry point for tests and fuzzing)."""
+        view = memoryview(data)
+        while view:
+            buffer = self.get_buffer()
+            size = min(len(buffer), len(view))
+            buffer[:size] = view[:size]
+            view = view[size:]
+            self.buffer_updated(size)
+            # Payload bytes sitting in staging must move to their sinks before staging fills.
+            if self._state is _State.PAYLOAD and self._start != self._end:
+                self._drain_staging_into_sinks()
+
+    # --- output -------------------------------------------------------------------------
+
+    def set_payload_sinks(self, sinks: Sequence[memoryview] | None) -> None:
+        """Name the buffers for the payload of the last Frame, in order; None discards it.
+
+        Raises:
+            LocalProtocolError: not expected now, or the sinks do not add up to the payload.
+        """
+        if self._state is not _State.NEED_SINK:
+            raise LocalProtocolError(f"set_payload_sinks in state {self._state.value}")
+        if sinks is None:
+            self._discard = True
+            self._sinks = []
+        else:
+            views = [memoryview(s).cast("B") for s in sinks]
+            total = sum(len(v) for v in views)
+            if total != self._sink_left:
+                raise LocalProtocolError(f"sinks hold {total} bytes, payload is {self._sink_left}")
+            self._sinks = [v for v in views if len(v)]
+            self._discard = False
+        self._sink_index = 0
+        self._sink_pos = 0
+        self._state = _State.PAYLOAD
+
+    def next_event(self) -> Event:
+        """The next complete event, or NEED_DATA.
+
+        Raises:
+            RemoteProtocolError: the peer sent a malformed frame; the decoder is now broken.
+            LocalProtocolError: called while a Frame's payload sinks are still owed.
+        """
+        if self._state is _State.NEED_SINK:
+            raise LocalProtocolError("set_payload_sinks must follow a Frame with a payload")
+        if self._state is _State.BROKEN:
+            raise LocalProtocolError("decoder used after a protocol error")
+        if self._state is _State.PAYLOAD:
+            self._drain_staging_into_sinks()
+            if self._sink_left:
+                return NEED_DATA
+            self._state = _State.FRAME
+            self._sinks = []
+            return PayloadDone(self._request_id)
+        try:
+            return self._next_frame()
+        except RemoteProtocolError:
+            self._state = _State.BROKEN
+            raise
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _next_frame(self) -> Event:
+        available = self._end - self._start
+        if available < limits.FRAME_HEADER_SIZE_BYTES:
+            return NEED_DATA
+        magic, version, flags, request_id, control_size, payload_size = _header.unpack_from(
+            self._staging, self._start
+        )
+        if magic != limits.FRAME_MAGIC:
+            raise RemoteProtocolError(f"bad frame magic 0x{magic:04x}")
+        if version != limits.FRAME_VERSION:
+            raise RemoteProtocolError(f"unsupported frame version {version}")
+        if flags & ~_FLAGS_KNOWN:
+            raise RemoteProtocolError(f"unknown frame flags 0x{flags:02x}")
+        if control_size > self._control_size_bytes_max:
+            raise RemoteProtocolError(f"control message of {control_size} bytes is too large")
+        if payload_size > self._payload_size_bytes_max:
+            raise RemoteProtocolError(f"payload of {payload_size} bytes is too large")
+        frame_size = limits.FRAME_HEADER_SIZE_BYTES + control_size
+        if available < frame_size:
+            if self._start + frame_size > len(self._staging):
+                self._grow(frame_size)
+            return NEED_DATA
+        body_start = self._start + limits.FRAME_HEADER_SIZE_BYTES
+        body = memoryview(self._staging)[body_start : body_start + control_size]
+        try:
+            message = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise RemoteProtocolError(f"undecodable control message: {exc}") from exc
+        finally:
+            body.release()
+        is_reply = bool(flags & FLAG_REPLY)
+        if is_reply != isinstance(message, REPLY_TYPES):
+            raise RemoteProtocolError(f"{type(message).__name__} with reply flag {is_reply}")
+        self._start += frame_size
+        if payload_size:
+            self._state = _State.NEED_SINK
+            self._request_id = request_id
+            self._sink_left = payload_size
+        return Frame(request_id, is_reply, message, payload_size)
+
+    def _drain_staging_into_sinks(self) -> None:
+        """Move payload bytes that arrived in the staging buffer to their sinks."""
+        while self._sink_left and self._start < self._end:
+            size = min(self._end - self._start, self._sink_left)
+            if not self._discard:
+                sink = self._sinks[self._sink_index]
+                size = min(size, len(sink) - self._sink_pos)
+                sink[self._sink_pos : self._sink_pos + size] = memoryview(self._staging)[
+                    self._start : self._start + size
+                ]
+                self._start += size
+                self._advance_sink(size)
+            else:
+                self._start += size
+                self._sink_left -= size
+
+    def _advance_sink(self, size_bytes: int) -> None:
+        assert size_bytes <= self._sink_left, (size_bytes, self._sink_left)
+        self._sink_left -= size_bytes
+        self._sink_pos += size_bytes
+        if self._sink_pos == len(self._sinks[self._sink_index]):
+            self._sink_index += 1
+            self._sink_pos = 0
+        assert self._sink_left == 0 or self._sink_index < len(self._sinks), "sinks exhausted"
+
+    def _compact(self) -> None:
+        size = self._end - self._start
+        self._staging[:size] = self._staging[self._start : self._end]
+        self._start, self._end = 0, size
+
+    def _grow(self, frame_size: int) -> None:
+        self._compact()
+        if len(self._staging) < frame_size:
+            self._staging.extend(bytes(frame_size - len(self._staging)))

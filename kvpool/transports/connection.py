@@ -1,0 +1,495 @@
+"""One TCP connection carrying kvpool frames both ways: the only asyncio I/O shell of the RPC.
+
+Every process (master, node, client) talks through `Connection`: it authenticates the peer,
+sends requests and awaits their replies by request id, and dispatches the peer's requests to a
+`RequestHandler`. Either side may send requests (the master calls nodes on the connection the
+node opened). Payload bytes are received straight into buffers the handler or the requester
+names (asyncio.BufferedProtocol + frames.FrameDecoder), and sent with `writelines` of
+memoryviews, never joined into a Python bytes object.
+
+It is not a pool (pool.py) and holds no policy: timeouts and retries belong to callers, except
+that a reply that misses its deadline while its payload is landing in a caller's buffer closes
+the connection, so no late byte can ever reach a buffer the caller got back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+from kvpool import limits
+from kvpool.errors import (
+    ConnectFailed,
+    InvalidParams,
+    KVPoolError,
+    ProtocolError,
+    RemoteProtocolError,
+    RpcFailed,
+    RpcTimeout,
+    Unauthorized,
+    error_from_code,
+    map_exceptions,
+)
+from kvpool.protocol import auth
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, PayloadDone, encode_frame
+from kvpool.protocol.messages import (
+    AuthChallenge,
+    AuthOk,
+    AuthResponse,
+    ErrorReply,
+    Message,
+)
+
+log = logging.getLogger(__name__)
+
+Payload = Sequence[memoryview | bytes]
+ReplySinks = Callable[[Message], Sequence[memoryview] | None]
+HandlerResult = Message | tuple[Message, Payload]
+
+
+class RequestHandler(Protocol):
+    """What a server (or a client that accepts calls) implements."""
+
+    def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
+        """Buffers for the payload of `message`, or None to discard it (the request then fails
+        in `handle` with the reason). Called before any payload byte is read."""
+        ...
+
+    def handle(
+        self, conn: Connection, message: Message
+    ) -> HandlerResult | Awaitable[HandlerResult]:
+        """The reply (and its payload) for a request; raise KVPoolError for an error reply."""
+        ...
+
+    def connection_closed(self, conn: Connection) -> None: ...
+
+
+class Connection(asyncio.BufferedProtocol):
+    """An authenticated, multiplexed request/reply channel over one socket.
+
+    Holds the pending requests (id -> future) this side sent, and the payload-bearing request
+    of the peer whose bytes are arriving. Once closed it stays closed: every pending and later
+    request fails with RpcFailed.
+    """
+
+    def __init__(
+        self,
+        handler: RequestHandler | None,
+        *,
+        key: bytes | None,
+        is_server: bool,
+        name: str = "",
+    ) -> None:
+        self.name = name
+        self.peer = ""
+        self._handler = handler
+        self._key = key
+        self._is_server = is_server
+        self._decoder = FrameDecoder()
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._closed: asyncio.Future[None] = self._loop.create_future()
+        self._nonce_server = b""
+        self._nonce_client = b""
+        self._next_request_id = 1
+        self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None]] = {}
+        self._incoming: Message | None = None  # the peer's request whose payload is arriving
+        self._incoming_id = 0
+        self._incoming_reply: Message | None = None
+        self._incoming_is_reply = False
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.close_reason = ""
+
+    def __repr__(self) -> str:
+        state = "closed" if self.is_closed() else ("ready" if self._ready.done() else "handshake")
+        return f"<Connection {self.name} {self.peer} {state} pending={len(self._pending)}>"
+
+    # --- public API ---------------------------------------------------------------------
+
+    def is_closed(self) -> bool:
+        return self._closed.done()
+
+    def inflight_count(self) -> int:
+        return len(self._pending)
+
+    async def wait_ready(self, timeout_ms: int) -> None:
+        """Wait for the handshake. Raises ConnectFailed, Unauthorized or RpcTimeout."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            self.close("handshake timed out")
+            raise RpcTimeout(f"handshake with {self.peer} timed out after {timeout_ms} ms") from None
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    async def request(
+        self,
+        message: Message,
+        payload: Payload = (),
+        *,
+        reply_sinks: ReplySinks | None = None,
+        timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT,
+    ) -> Message:
+        """Send a request and return its reply message.
+
+        Args:
+            message: the request.
+            payload: buffers sent after the control message, in order.
+            reply_sinks: given the reply message, the buffers its payload goes into.
+            timeout_ms: bound on the whole exchange.
+
+        Raises:
+            RpcFailed: the connection is or becomes closed.
+            RpcTimeout: no reply within timeout_ms (a late reply is dropped; if its payload was
+                landing in the caller's buffers the connection is closed).
+            KVPoolError subclass: the peer replied with an error code.
+        """
+        if self.is_closed():
+            raise RpcFailed(f"connection to {self.peer} is closed: {self.close_reason}")
+        if len(self._pending) >= limits.INFLIGHT_REQUESTS_PER_CONNECTION_MAX:
+            raise RpcFailed(f"too many requests in flight to {self.peer}")
+        request_id = self._take_request_id()
+        future: asyncio.Future[Message] = self._loop.create_future()
+        self._pending[request_id] = (future, reply_sinks)
+        try:
+            await self._send(message, request_id, False, payload)
+            reply = await asyncio.wait_for(future, timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            if reply_sinks is not None:
+                self.close(f"reply to {type(message).__name__} timed out mid-transfer")
+            raise RpcTimeout(
+                f"{type(message).__name__} to {self.peer} timed out after {timeout_ms} ms"
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    def close(self, reason: str = "closed") -> None:
+        """Abort the socket and fail everything pending. Idempotent."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.abort()
+        self._finish(reason)
+
+    # --- asyncio.BufferedProtocol ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._is_server:
+            self._nonce_server = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
+            challenge = AuthChallenge(self._nonce_server, self._key is not None)
+            self._write_now(encode_frame(challenge, 0))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._finish(f"connection lost: {exc}" if exc else "connection closed by peer")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._decoder.buffer_updated(nbytes)
+        try:
+            self._process_events()
+        except ProtocolError as exc:
+            log.warning("closing connection %s %s: %s", self.name, self.peer, exc)
+            self.close(str(exc))
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _take_request_id(self) -> int:
+        request_id = self._next_request_id
+        self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
+        return request_id
+
+    def _write_now(self, data: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(data)
+
+    async def _send(self, message: Message, request_id: int, is_reply: bool, payload: Payload) -> None:
+        if not self._ready.done() and not is_reply:
+            await asyncio.shield(self._ready)
+        if self.is_closed() or self._transport is None:
+            raise RpcFailed(f"connection to {self.peer} is closed: {self.close_reason}")
+        payload_size = sum(len(p) for p in payload)
+        header = encode_frame(message, request_id, is_reply=is_reply, payload_size=payload_size)
+        if payload:
+            self._transport.writelines([header, *payload])
+        else:
+            self._transport.write(header)
+        if self._write_paused:
+            waiter = self._loop.create_future()
+            self._drain_waiters.append(waiter)
+            await asyncio.wait_for(waiter, limits.TRANSFER_TIMEOUT_MS_DEFAULT / 1000)
+
+    def _finish(self, reason: str) -> None:
+        if self._closed.done():
+            return
+        self.close_reason = reason
+        self._closed.set_result(None)
+        error = RpcFailed(f"connection to {self.peer} closed: {reason}")
+        if not self._ready.done():
+            self._ready.set_exception(ConnectFailed(f"{self.peer}: {reason}"))
+            self._ready.exception()  # Mark retrieved: a failed handshake is reported by wait_ready.
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        if self._handler is not None:
+            self._handler.connection_closed(self)
+
+    def _process_events(self) -> None:
+        while not self.is_closed():
+            event = self._decoder.next_event()
+            if event is NEED_DATA:
+                return
+            if isinstance(event, Frame):
+                self._on_frame(event)
+            else:
+                assert isinstance(event, PayloadDone), event
+                self._on_payload_done(event)
+
+    def _on_frame(self, frame: Frame) -> None:
+        message = frame.message
+        if not self._ready.done():
+            self._on_handshake(frame)
+            return
+        if isinstance(message, (AuthChallenge, AuthResponse, AuthOk)):
+            raise RemoteProtocolError(f"unexpected {type(message).__name__} after the handshake")
+        if frame.is_reply:
+            entry = self._pending.get(frame.request_id)
+            if frame.payload_size:
+                sinks = None
+                if entry is not None and entry[1] is not None and not isinstance(message, ErrorReply):
+                    sinks = entry[1](message)
+                self._decoder.set_payload_sinks(sinks)
+                self._incoming_id = frame.request_id
+                self._incoming_reply = message
+                self._incoming_is_reply = True
+            elif entry is not None and not entry[0].done():
+                entry[0].set_result(message)
+            return
+        if self._handler is None:
+            raise RemoteProtocolError(f"peer sent a {type(message).__name__} request to a client")
+        if frame.payload_size:
+            sinks = None
+            try:
+                sinks = self._handler.payload_sinks(self, message)
+            except KVPoolError as exc:
+                log.info("rejecting payload of %s from %s: %s", type(message).__name__, self.peer, exc)
+            self._decoder.set_payload_sinks(sinks)
+            self._incoming = message
+            self._incoming_id = frame.request_id
+            self._incoming_is_reply = False
+            self._incoming_reply = None
+            return
+        self._dispatch(frame.request_id, message)
+
+    def _on_payload_done(self, event: PayloadDone) -> None:
+        if self._incoming_is_reply:
+            entry = self._pending.get(event.request_id)
+            if entry is not None and not entry[0].done():
+                assert self._incoming_reply is not None
+                entry[0].set_result(self._incoming_reply)
+            self._incoming_reply = None
+            return
+        message, self._incoming = self._incoming, None
+        assert message is not None, "payload done without a request"
+        self._dispatch(event.request_id, message)
+
+    def _dispatch(self, request_id: int, message: Message) -> None:
+        assert self._handler is not None
+        try:
+            result = self._handler.handle(self, message)
+        except KVPoolError as exc:
+            self._reply_error(request_id, exc)
+            return
+        except AssertionError:
+            log.critical("invariant broken handling %s", type(message).__name__, exc_info=True)
+            raise
+        if isinstance(result, Awaitable):
+            task = self._loop.create_task(self._reply_later(request_id, message, result))
+            task.add_done_callback(_log_task_failure)
+        else:
+            self._reply(request_id, result)
+
+    async def _reply_later(
+        self, request_id: int, message: Message, result: Awaitable[HandlerResult]
+    ) -> None:
+        try:
+            reply = await result
+        except KVPoolError as exc:
+            self._reply_error(request_id, exc)
+            return
+        self._reply(request_id, reply)
+
+    def _reply(self, request_id: int, result: HandlerResult) -> None:
+        if self.is_closed():
+            return
+        message, payload = result if isinstance(result, tuple) else (result, ())
+        header = encode_frame(
+            message, request_id, is_reply=True, payload_size=sum(len(p) for p in payload)
+        )
+        assert self._transport is not None
+        if payload:
+            self._transport.writelines([header, *payload])
+        else:
+            self._transport.write(header)
+
+    def _reply_error(self, request_id: int, exc: KVPoolError) -> None:
+        self._reply(request_id, ErrorReply(int(exc.code), str(exc)))
+
+    def _on_handshake(self, frame: Frame) -> None:
+        message = frame.message
+        if self._is_server:
+            if not isinstance(message, AuthResponse):
+                raise RemoteProtocolError(f"expected AuthResponse, got {type(message).__name__}")
+            if self._key is None:
+                self._write_now(encode_frame(AuthOk(b""), 0))
+            else:
+                expected = auth.client_proof(self._key, self._nonce_server, message.nonce)
+                if not auth.is_valid_proof(expected, message.mac):
+                    log.warning("rejecting %s: wrong cluster token", self.peer)
+                    self.close("wrong cluster token")
+                    return
+                proof = auth.server_proof(self._key, self._nonce_server, message.nonce)
+                self._write_now(encode_frame(AuthOk(proof), 0))
+            self._ready.set_result(None)
+            return
+        if isinstance(message, AuthChallenge):
+            if message.required and self._key is None:
+                self._fail_handshake(Unauthorized(f"{self.peer} requires a cluster token"))
+                return
+            if not message.required and self._key is not None:
+                self._fail_handshake(
+                    Unauthorized(f"{self.peer} has no cluster token; refusing to trust it")
+                )
+                return
+            self._nonce_server = message.nonce
+            self._nonce_client = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
+            mac = b""
+            if self._key is not None:
+                mac = auth.client_proof(self._key, message.nonce, self._nonce_client)
+            self._write_now(encode_frame(AuthResponse(self._nonce_client, mac), 0))
+            return
+        if isinstance(message, AuthOk):
+            if self._key is not None:
+                expected = auth.server_proof(self._key, self._nonce_server, self._nonce_client)
+                if not auth.is_valid_proof(expected, message.mac):
+                    self._fail_handshake(Unauthorized(f"{self.peer} failed to prove the token"))
+                    return
+            self._ready.set_result(None)
+            return
+        raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
+
+    def _fail_handshake(self, exc: KVPoolError) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(exc)
+            self._ready.exception()
+        self.close(str(exc))
+
+
+def _log_task_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("request handler failed", exc_info=task.exception())
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+async def start_server(
+    host: str,
+    port: int,
+    handler: RequestHandler,
+    *,
+    key: bytes | None,
+    name: str,
+) -> asyncio.Server:
+    """Listen for kvpool connections. Without a cluster key only loopback may be bound.
+
+    Raises:
+        Unauthorized: a non-loopback host without a cluster token.
+        ConnectFailed: the address cannot be bound.
+    """
+    if key is None and not is_loopback(host):
+        raise Unauthorized(
+            f"refusing to listen on {host} without a cluster token: set KVPOOL_TOKEN or "
+            "--token-file, or bind 127.0.0.1"
+        )
+    loop = asyncio.get_running_loop()
+    with map_exceptions({OSError: ConnectFailed}):
+        return await loop.create_server(
+            lambda: Connection(handler, key=key, is_server=True, name=name),
+            host,
+            port,
+            reuse_address=True,
+            backlog=1024,
+        )
+
+
+async def connect(
+    endpoint: str,
+    *,
+    key: bytes | None,
+    handler: RequestHandler | None = None,
+    timeout_ms: int = limits.CONNECT_TIMEOUT_MS_DEFAULT,
+    name: str = "",
+) -> Connection:
+    """Open and authenticate a connection to "host:port".
+
+    Raises:
+        ConnectFailed: refused, unreachable or timed out.
+        Unauthorized: the token does not match.
+    """
+    host, port = split_endpoint(endpoint)
+    loop = asyncio.get_running_loop()
+    try:
+        with map_exceptions({OSError: ConnectFailed}):
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Connection(handler, key=key, is_server=False, name=name), host, port
+                ),
+                timeout_ms / 1000,
+            )
+    except asyncio.TimeoutError:
+        raise ConnectFailed(f"connect to {endpoint} timed out after {timeout_ms} ms") from None
+    assert isinstance(conn, Connection)
+    await conn.wait_ready(timeout_ms)
+    return conn
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """("host", port) from "host:port" (IPv6 in brackets). Raises InvalidParams."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not port_text.isdigit() or not host:
+        raise InvalidParams(f"not a host:port endpoint: {endpoint!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise InvalidParams(f"port out of range in {endpoint!r}")
+    return host.strip("[]"), port
+

@@ -1,0 +1,192 @@
+"""The sans-IO wire format: frames encoded, then decoded whole, byte by byte and with trailing
+bytes (h11's habit); payloads land in the sinks the owner names; malformed input of every kind
+raises RemoteProtocolError and nothing else (hypothesis feeds random and mutated frames)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool import limits
+from kvpool.errors import LocalProtocolError, RemoteProtocolError
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, PayloadDone, encode_frame
+from kvpool.protocol.messages import (
+    CodesReply,
+    GetReplicaList,
+    PutStart,
+    ReadReply,
+    ReplicateConfig,
+    WriteGrant,
+    WriteItem,
+    WriteSlices,
+)
+
+
+def drain(decoder: FrameDecoder, sinks_for=None) -> list:
+    events = []
+    while True:
+        event = decoder.next_event()
+        if event is NEED_DATA:
+            return events
+        events.append(event)
+        if isinstance(event, Frame) and event.payload_size:
+            decoder.set_payload_sinks(sinks_for(event) if sinks_for else None)
+
+
+def test_control_frame_round_trips_whole_and_byte_by_byte():
+    message = PutStart(["a", "b" * 100], [4096, 1 << 20], ReplicateConfig(replica_num=2), "host")
+    wire = encode_frame(message, 7)
+    whole = FrameDecoder()
+    whole.receive_data(wire)
+    assert drain(whole) == [Frame(7, False, message, 0)]
+
+    trickled = FrameDecoder()
+    events = []
+    for byte in wire:
+        trickled.receive_data(bytes([byte]))
+        events += drain(trickled)
+    assert events == [Frame(7, False, message, 0)]
+
+
+def test_many_frames_in_one_buffer_and_trailing_partial_frame():
+    messages = [GetReplicaList([f"key-{i}"]) for i in range(50)]
+    wire = b"".join(encode_frame(m, i + 1) for i, m in enumerate(messages))
+    extra = encode_frame(CodesReply([0, -704]), 99, is_reply=True)
+    decoder = FrameDecoder()
+    decoder.receive_data(wire + extra[:5])
+    events = drain(decoder)
+    assert [e.message for e in events] == messages
+    decoder.receive_data(extra[5:])
+    assert drain(decoder) == [Frame(99, True, CodesReply([0, -704]), 0)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64, 4096, 1 << 20])
+def test_payload_lands_in_scattered_sinks(chunk):
+    payload = bytes(range(256)) * 1000  # 256,000 bytes
+    grant = WriteGrant("seg", 0, len(payload), 0)
+    message = WriteSlices([WriteItem(grant, 0, len(payload))])
+    wire = encode_frame(message, 3, payload_size=len(payload)) + payload
+    wire += encode_frame(CodesReply([0]), 4, is_reply=True)
+    sinks = [bytearray(1000), bytearray(0), bytearray(len(payload) - 1000)]
+    decoder = FrameDecoder()
+    events = []
+    for start in range(0, len(wire), chunk):
+        decoder.receive_data(wire[start : start + chunk])
+        events += drain(decoder, lambda frame: [memoryview(s) for s in sinks])
+    assert events[0] == Frame(3, False, message, len(payload))
+    assert events[1] == PayloadDone(3)
+    assert events[2].message == CodesReply([0])
+    assert bytes(sinks[0] + sinks[2]) == payload
+
+
+def test_payload_via_buffer_protocol_goes_straight_to_the_sink():
+    payload = b"x" * (1 << 20)
+    wire = encode_frame(ReadReply(len(payload)), 5, is_reply=True, payload_size=len(payload))
+    decoder = FrameDecoder()
+    decoder.receive_data(wire)
+    frame = decoder.next_event()
+    sink = bytearray(len(payload))
+    decoder.set_payload_sinks([memoryview(sink)])
+    buffer = decoder.get_buffer()
+    assert buffer.obj is sink  # zero copy: the socket writes into the caller's buffer
+    buffer[: len(payload)] = payload
+    decoder.buffer_updated(len(payload))
+    assert decoder.next_event() == PayloadDone(frame.request_id)
+    assert sink == payload
+
+
+def test_discarded_payload_is_skipped():
+    payload = b"y" * 5000
+    wire = encode_frame(ReadReply(5000), 1, is_reply=True, payload_size=5000) + payload
+    wire += encode_frame(CodesReply([1]), 2, is_reply=True)
+    decoder = FrameDecoder()
+    decoder.receive_data(wire)
+    events = drain(decoder)  # sinks None: discard
+    assert [type(e) for e in events] == [Frame, PayloadDone, Frame]
+
+
+def test_sinks_must_match_the_payload_size():
+    wire = encode_frame(ReadReply(10), 1, is_reply=True, payload_size=10)
+    decoder = FrameDecoder()
+    decoder.receive_data(wire)
+    decoder.next_event()
+    with pytest.raises(LocalProtocolError):
+        decoder.set_payload_sinks([memoryview(bytearray(9))])
+
+
+def test_encode_rejects_a_reply_flag_mismatch_and_oversized_payload():
+    with pytest.raises(LocalProtocolError):
+        encode_frame(CodesReply([0]), 1)
+    with pytest.raises(LocalProtocolError):
+        encode_frame(GetReplicaList(["a"]), 1, payload_size=limits.FRAME_PAYLOAD_SIZE_BYTES_MAX + 1)
+
+
+def _header(magic=limits.FRAME_MAGIC, version=limits.FRAME_VERSION, flags=0, rid=1, control=0, payload=0):
+    return struct.pack(limits.FRAME_HEADER_FMT, magic, version, flags, rid, control, payload)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        _header(magic=0xDEAD),
+        _header(version=9),
+        _header(flags=0x80),
+        _header(control=limits.FRAME_CONTROL_SIZE_BYTES_MAX + 1),
+        _header(payload=limits.FRAME_PAYLOAD_SIZE_BYTES_MAX + 1),
+        _header(control=3) + b"\xff\xff\xff",  # not msgpack
+        _header(control=3) + b"\x92\x7f\x00",  # unknown message tag 127
+        _header(flags=1, control=len(b"\x92\x0e\x90")) + b"\x92\x0e\x90",  # request flagged as reply
+    ],
+    ids=["magic", "version", "flags", "huge-control", "huge-payload", "garbage", "unknown-tag", "flag"],
+)
+def test_malformed_frames_raise_remote_protocol_error(wire):
+    decoder = FrameDecoder()
+    decoder.receive_data(wire)
+    with pytest.raises(RemoteProtocolError):
+        drain(decoder)
+
+
+def test_truncated_frame_waits_for_more():
+    wire = encode_frame(GetReplicaList(["k"]), 1)
+    decoder = FrameDecoder()
+    decoder.receive_data(wire[:-1])
+    assert decoder.next_event() is NEED_DATA
+
+
+def test_control_message_larger_than_staging_buffer():
+    keys = [f"{i:064d}" for i in range(10_000)]  # ~700 KB of control message
+    wire = encode_frame(GetReplicaList(keys), 1)
+    assert len(wire) > 256 * 1024
+    decoder = FrameDecoder()
+    for start in range(0, len(wire), 65536):
+        decoder.receive_data(wire[start : start + 65536])
+    assert drain(decoder)[0].message.keys == keys
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2000))
+def test_random_bytes_only_ever_raise_remote_protocol_error(data):
+    decoder = FrameDecoder()
+    decoder.receive_data(data)
+    try:
+        drain(decoder)
+    except RemoteProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_valid_frames_only_ever_raise_remote_protocol_error(data):
+    wire = bytearray(encode_frame(PutStart(["k1", "k2"], [10, 20], ReplicateConfig()), 5))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(wire) - 1))
+        wire[position] = data.draw(st.integers(0, 255))
+    decoder = FrameDecoder()
+    decoder.receive_data(bytes(wire))
+    try:
+        drain(decoder)
+    except RemoteProtocolError:
+        pass
