@@ -115,7 +115,7 @@ class NodeConfig:
     free port. `metrics_host` None means the listen host.
     """
 
-    master: str
+    master_endpoint: str
     memory_bytes: int
     listen_host: str = "127.0.0.1"
     listen_port: int = 0

@@ -62,10 +62,17 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
 
 
 def _store(master: str, token_file: Optional[Path]):
+    import os
+
     from kvpool.client.sync import Store
 
+    # KVPOOL_SHM=0 makes object commands use TCP even on the nodes' host.
+    shm_enabled = os.environ.get("KVPOOL_SHM", "1") not in ("0", "false", "no")
     try:
-        return Store(master, token=_token(token_file), connect_timeout_ms=2_000, rpc_timeout_ms=5_000)
+        return Store(
+            master, token=_token(token_file), shm_enabled=shm_enabled,
+            connect_timeout_ms=2_000, rpc_timeout_ms=5_000,
+        )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(f"cannot reach the master at {master}: {exc}") from None
 

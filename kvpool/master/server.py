@@ -173,11 +173,16 @@ class MasterServer:
 
     # --- flows that call nodes ----------------------------------------------------------------
 
-    async def _put_start(self, message: PutStart) -> PutStartReply:
+    def _put_start(self, message: PutStart) -> PutStartReply | Awaitable[PutStartReply]:
         reply = self.service.put_start(message, wall_clock_ms())
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
         if not retry or not self.service.has_pending_drops():
-            return reply
+            return reply  # the common case answers at once, without a task
+        return self._put_start_after_drops(message, reply, retry)
+
+    async def _put_start_after_drops(
+        self, message: PutStart, reply: PutStartReply, retry: list[int]
+    ) -> PutStartReply:
         # Eviction scheduled drops; their space is free once the nodes forgot the objects.
         await self._flush_drops()
         again = self.service.put_start(

@@ -1,0 +1,181 @@
+"""Core store speed against the machine's own limits, side by side in one run.
+
+Between two processes (this client and a node process; the master is a third):
+  - TCP path (shm off) and same-host shm path, 1 MiB and 4 MiB objects, zero-copy batch API,
+    against a plain Python socket pair (sendall/recv_into of 1 MiB buffers) and a numpy copy of
+    the same bytes, measured in the same run;
+  - 4 KiB objects in batches of 128 through one client (objects/s, put and get);
+  - a single 4 KiB get (median latency).
+Prints JSON (medians of --repeats runs, with the ratios the targets are stated in).
+
+    python benchmarks/bench_core.py [--repeats 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from kvpool import ErrorCode, Store
+from kvpool.cli.launcher import LocalCluster
+
+MIB = 1 << 20
+
+
+def median_of(repeats: int, measure) -> float:
+    return statistics.median(measure() for _ in range(repeats))
+
+
+def numpy_copy_gbps(object_size: int, total_bytes: int) -> float:
+    count = total_bytes // object_size
+    sources = [np.random.randint(0, 255, object_size, dtype=np.uint8) for _ in range(min(count, 64))]
+    target = np.empty(object_size * min(count, 64), dtype=np.uint8)
+    started = time.perf_counter()
+    for i in range(count):
+        j = i % len(sources)
+        np.copyto(target[j * object_size : (j + 1) * object_size], sources[j])
+    return total_bytes / (time.perf_counter() - started) / 1e9
+
+
+def socket_pair_gbps(total_bytes: int, chunk: int = MIB) -> float:
+    """A plain Python socket pair over TCP loopback between two processes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    pid = os.fork()
+    if pid == 0:
+        conn, _ = listener.accept()
+        buffer = memoryview(bytearray(chunk))
+        received = 0
+        while received < total_bytes:
+            received += conn.recv_into(buffer[: min(chunk, total_bytes - received)])
+        conn.sendall(b"k")
+        os._exit(0)
+    conn = socket.create_connection(("127.0.0.1", port))
+    data = memoryview(bytearray(os.urandom(chunk)))
+    started = time.perf_counter()
+    sent = 0
+    while sent < total_bytes:
+        conn.sendall(data)
+        sent += chunk
+    conn.recv(1)
+    elapsed = time.perf_counter() - started
+    conn.close()
+    listener.close()
+    os.waitpid(pid, 0)
+    return total_bytes / elapsed / 1e9
+
+
+class ZeroCopyRun:
+    """Registered source and target buffers for `count` objects of `size` bytes."""
+
+    def __init__(self, store: Store, prefix: str, size: int, count: int) -> None:
+        self.store = store
+        self.size = size
+        self.keys = [f"{prefix}-{size}-{i}" for i in range(count)]
+        self.source = np.random.randint(0, 255, size * count, dtype=np.uint8)
+        self.target = np.zeros(size * count, dtype=np.uint8)
+        base_source = store.register_buffer(self.source)
+        base_target = store.register_buffer(self.target)
+        self.source_addresses = [base_source + i * size for i in range(count)]
+        self.target_addresses = [base_target + i * size for i in range(count)]
+
+    def put_gbps(self, batch: int) -> float:
+        self.store.remove_by_regex(f"^{self.keys[0].rsplit('-', 1)[0]}-", force=True)
+        started = time.perf_counter()
+        for start in range(0, len(self.keys), batch):
+            end = start + batch
+            codes = self.store.batch_put_from(
+                self.keys[start:end], self.source_addresses[start:end], [self.size] * len(self.keys[start:end])
+            )
+            assert all(c == ErrorCode.OK for c in codes), codes
+        return self.size * len(self.keys) / (time.perf_counter() - started) / 1e9
+
+    def get_gbps(self, batch: int) -> float:
+        started = time.perf_counter()
+        for start in range(0, len(self.keys), batch):
+            end = start + batch
+            sizes = self.store.batch_get_into(
+                self.keys[start:end], self.target_addresses[start:end], [self.size] * len(self.keys[start:end])
+            )
+            assert all(s == self.size for s in sizes), sizes
+        elapsed = time.perf_counter() - started
+        assert np.array_equal(self.source, self.target)
+        return self.size * len(self.keys) / elapsed / 1e9
+
+
+def small_objects(store: Store, repeats: int) -> dict:
+    keys = [f"small-{i}" for i in range(128 * 40)]
+    value = os.urandom(4096)
+    values = [value] * 128
+
+    def put_rate() -> float:
+        store.remove_by_regex("^small-", force=True)
+        started = time.perf_counter()
+        for start in range(0, len(keys), 128):
+            store.put_batch(keys[start : start + 128], values)
+        return len(keys) / (time.perf_counter() - started)
+
+    def get_rate() -> float:
+        started = time.perf_counter()
+        for start in range(0, len(keys), 128):
+            got = store.get_batch(keys[start : start + 128])
+            assert got[0] == value
+        return len(keys) / (time.perf_counter() - started)
+
+    put = median_of(repeats, put_rate)
+    get = median_of(repeats, get_rate)
+    latencies = []
+    for i in range(2000):
+        started = time.perf_counter_ns()
+        store.get(keys[i])
+        latencies.append((time.perf_counter_ns() - started) / 1000)
+    return {
+        "put_objects_per_s": round(put),
+        "get_objects_per_s": round(get),
+        "single_get_4k_us_p50": round(statistics.median(latencies), 1),
+        "single_get_4k_us_p99": round(sorted(latencies)[int(len(latencies) * 0.99)], 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smaller volumes, for a smoke run")
+    args = parser.parse_args()
+    total = (64 if args.quick else 256) * MIB
+    result: dict = {"machine": {"cpus": os.cpu_count()}, "total_bytes_per_run": total}
+    baseline_socket = median_of(args.repeats, lambda: socket_pair_gbps(total))
+    result["socket_pair_gbps"] = round(baseline_socket, 3)
+    with LocalCluster(1, f"{2 * total // MIB + 64}MiB") as cluster:
+        for path, shm_enabled in (("tcp", False), ("shm", True)):
+            with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
+                for size in (MIB, 4 * MIB):
+                    run = ZeroCopyRun(store, path, size, total // size)
+                    put = median_of(args.repeats, lambda: run.put_gbps(batch=16))
+                    get = median_of(args.repeats, lambda: run.get_gbps(batch=16))
+                    row = {"put_gbps": round(put, 3), "get_gbps": round(get, 3)}
+                    if path == "tcp":
+                        row["put_vs_socket_pair"] = round(put / baseline_socket, 2)
+                        row["get_vs_socket_pair"] = round(get / baseline_socket, 2)
+                    else:
+                        copy = median_of(args.repeats, lambda: numpy_copy_gbps(size, total))
+                        row["numpy_copy_gbps"] = round(copy, 3)
+                        row["put_vs_numpy_copy"] = round(put / copy, 2)
+                        row["get_vs_numpy_copy"] = round(get / copy, 2)
+                    result[f"{path}_{size // MIB}MiB"] = row
+                    store.remove_all(force=True)
+        with Store(cluster.master_endpoint) as store:
+            result["small_4KiB_batch128_shm"] = small_objects(store, args.repeats)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

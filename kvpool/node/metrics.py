@@ -1,0 +1,131 @@
+"""A node's Prometheus metrics and its small HTTP surface (/metrics, /health).
+
+`NodeMetrics` owns one `CollectorRegistry` per node, so that several nodes (embedded mode, tests)
+can live in one process without colliding in prometheus_client's global registry. The transfer
+handlers count into it on the data path (a counter increment, no I/O). `MetricsServer` is the
+aiohttp shell that exposes it; it is started only when a metrics port is configured. This module
+is not where anything is measured for benchmarks (benchmarks/ does that).
+
+Metric names (all prefixed kvpool_node_):
+
+    segment_capacity_bytes   gauge    bytes of the segment's data area
+    segment_used_bytes       gauge    bytes held by complete objects (the inventory)
+    objects                  gauge    complete objects in the inventory
+    master_connected         gauge    1 while mounted on a master, else 0
+    info{node_id,segment_id,endpoint}  gauge, always 1
+    write_bytes_total        counter  payload bytes accepted into the segment
+    read_bytes_total         counter  payload bytes served from the segment
+    write_requests_total     counter  WriteSlices requests answered OK
+    read_requests_total      counter  ReadSlices requests answered OK
+    errors_total{code}       counter  requests answered with an error, by ErrorCode name
+    commits_total{result}    counter  entries committed by the master, result ok|checksum|bounds
+    mounts_total             counter  successful MountSegment calls (first mount and re-mounts)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvpool.errors import ErrorCode, KVPoolError
+
+_PREFIX = "kvpool_node_"
+
+
+class NodeMetrics:
+    """Counters and gauges of one node, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.segment_capacity_bytes = Gauge(
+            _PREFIX + "segment_capacity_bytes", "Bytes of the segment's data area.", registry=r
+        )
+        self.segment_used_bytes = Gauge(
+            _PREFIX + "segment_used_bytes", "Bytes held by complete objects.", registry=r
+        )
+        self.objects = Gauge(_PREFIX + "objects", "Complete objects in the inventory.", registry=r)
+        self.master_connected = Gauge(
+            _PREFIX + "master_connected", "1 while mounted on a master, else 0.", registry=r
+        )
+        self.info = Gauge(
+            _PREFIX + "info", "Identity of this node (always 1).",
+            ["node_id", "segment_id", "endpoint"], registry=r,
+        )  # fmt: skip
+        self.write_bytes = Counter(
+            _PREFIX + "write_bytes", "Payload bytes accepted into the segment.", registry=r
+        )
+        self.read_bytes = Counter(
+            _PREFIX + "read_bytes", "Payload bytes served from the segment.", registry=r
+        )
+        self.write_requests = Counter(
+            _PREFIX + "write_requests", "WriteSlices requests answered OK.", registry=r
+        )
+        self.read_requests = Counter(
+            _PREFIX + "read_requests", "ReadSlices requests answered OK.", registry=r
+        )
+        self.errors = Counter(
+            _PREFIX + "errors", "Requests answered with an error.", ["code"], registry=r
+        )
+        self.commits = Counter(
+            _PREFIX + "commits", "Entries committed by the master, by result.", ["result"],
+            registry=r,
+        )  # fmt: skip
+        self.mounts = Counter(
+            _PREFIX + "mounts", "Successful MountSegment calls (mounts and re-mounts).", registry=r
+        )
+
+    def track_inventory(self, used_bytes: Callable[[], float], objects: Callable[[], float]) -> None:
+        """Read the inventory's size at scrape time rather than on every change."""
+        self.segment_used_bytes.set_function(used_bytes)
+        self.objects.set_function(objects)
+
+    def count_error(self, exc: KVPoolError) -> None:
+        self.errors.labels(code=ErrorCode(exc.code).name).inc()
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (what /metrics serves)."""
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """aiohttp server for GET /metrics (Prometheus text) and GET /health (JSON)."""
+
+    def __init__(self, metrics: NodeMetrics, health: Callable[[], dict[str, Any]]) -> None:
+        self._metrics = metrics
+        self._health = health
+        self._runner: web.AppRunner | None = None
+        self.endpoint = ""
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on host:port (0: ephemeral); `endpoint` is then the bound "host:port"."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._get_metrics)
+        app.router.add_get("/health", self._get_health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        bound = runner.addresses[0]
+        self.endpoint = f"{host}:{bound[1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _get_metrics(self, request: web.Request) -> web.Response:
+        body = self._metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _get_health(self, request: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(self._health()), content_type="application/json")

@@ -1,0 +1,585 @@
+"""The storage node: a DRAM segment, its transfer server, and its link to the master.
+
+`Node` is the asyncio I/O shell around the node's cores (segment.py, inventory.py, and the
+handlers of transfer.py). It runs as a process (`kvpool node` calls `run_node`) or embedded in
+a client's event loop (a Store that contributes memory). It is not a place for policy: the
+master decides where objects go and when they leave; the node stores bytes, checks every
+request, and keeps the inventory that lets a restarted master rebuild (DESIGN.md §4).
+
+Life of a node:
+
+    start():  remove stale segment files ─► create + pre-fault the segment ─► transfer server
+              ─► master link task: connect ─► MountSegment(info, inventory) ─► heartbeats
+    master link (until stop): every heartbeat_interval_ms Heartbeat([segment_id]);
+              reply says "unknown" (master restarted) ─► re-mount with the whole inventory;
+              link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount.
+              Reads and writes keep being served whatever the master's state.
+    drain():  DrainSegment ─► wait (still serving reads) ─► UnmountSegment
+    stop():   UnmountSegment ─► close server and connections ─► close segment (unlinks file)
+
+States (transitions in `_TRANSITIONS`): NEW ─► STARTING ─► SERVING ─► DRAINING ─► STOPPED, and
+any state ─► STOPPED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+import secrets
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+from kvpool import limits
+from kvpool.config import NodeConfig
+from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, Unauthorized
+from kvpool.node.inventory import Inventory
+from kvpool.node.metrics import MetricsServer, NodeMetrics
+from kvpool.node.segment import Segment, remove_stale_segments
+from kvpool.node.transfer import MasterCallHandler, TransferHandler, wall_clock_ms
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    DrainSegment,
+    Heartbeat,
+    HeartbeatReply,
+    InventoryEntry,
+    Message,
+    MountReply,
+    MountSegment,
+    SegmentInfo,
+    UnmountSegment,
+)
+from kvpool.transports.connection import Connection, connect, is_loopback, split_endpoint, start_server
+
+log = logging.getLogger(__name__)
+
+# First retry delay after the master link fails; it doubles up to RECONNECT_BACKOFF_MS_MAX,
+# with jitter so that the nodes of a cluster do not all re-mount on a new master at once.
+_RECONNECT_BACKOFF_MS_MIN = 50
+# How long stop() waits for client connections to finish closing after it aborted them.
+_SERVER_CLOSE_WAIT_MS_MAX = 500
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# A MountSegment is one control frame (FRAME_CONTROL_SIZE_BYTES_MAX): a larger inventory goes
+# in several, which the master merges into one segment (MasterService.mount_segment). Half the
+# frame limit leaves room for msgpack's overhead, estimated at 32 bytes an entry.
+_MOUNT_ENTRIES_MAX = limits.BATCH_KEYS_MAX
+_MOUNT_CHUNK_SIZE_BYTES_MAX = limits.FRAME_CONTROL_SIZE_BYTES_MAX // 2
+_MOUNT_ENTRY_OVERHEAD_BYTES = 32
+
+_M = TypeVar("_M", bound=Message)
+
+
+class NodeState(enum.Enum):
+    NEW = "NEW"
+    STARTING = "STARTING"
+    SERVING = "SERVING"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+
+
+_TRANSITIONS: dict[NodeState, tuple[NodeState, ...]] = {
+    NodeState.NEW: (NodeState.STARTING, NodeState.STOPPED),
+    NodeState.STARTING: (NodeState.SERVING, NodeState.STOPPED),
+    NodeState.SERVING: (NodeState.DRAINING, NodeState.STOPPED),
+    NodeState.DRAINING: (NodeState.STOPPED,),
+    NodeState.STOPPED: (),
+}
+
+
+class Node:
+    """One node: its segment, inventory, transfer server, master link and metrics.
+
+    Holds the segment (owned: closing it unlinks the file), the inventory of complete objects
+    in it, the asyncio server clients dial, and one background task that keeps the node
+    mounted on the master. Invariant: while SERVING or DRAINING, the segment is mapped and the
+    transfer server listens; `is_mounted` is True only while a master has accepted our
+    MountSegment on the current link.
+    """
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.metrics = NodeMetrics()
+        self._key = auth.cluster_key(config.token) if config.token else None
+        self._state = NodeState.NEW
+        self._segment: Segment | None = None
+        self._segment_id = ""
+        self._segment_info: SegmentInfo | None = None
+        self._inventory: Inventory | None = None
+        self._transfer: TransferHandler | None = None
+        self._master_calls: MasterCallHandler | None = None
+        self._server: asyncio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._endpoint = ""
+        self._master_conn: Connection | None = None
+        self._master_task: asyncio.Task[None] | None = None
+        self._mounted = asyncio.Event()
+        self._first_attempt = asyncio.Event()
+        self._leave = asyncio.Event()
+        self._drain_deadline_ms = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<Node {self.config.node_id} {self._state.value} segment={self._segment_id} "
+            f"endpoint={self._endpoint} mounted={self.is_mounted} {self._inventory!r}>"
+        )
+
+    # --- properties ------------------------------------------------------------------------
+
+    @property
+    def state(self) -> NodeState:
+        return self._state
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    @property
+    def segment_id(self) -> str:
+        return self._segment_id
+
+    @property
+    def endpoint(self) -> str:
+        """The transfer server's advertised "host:port" (set by start)."""
+        assert self._endpoint, "Node.endpoint read before start()"
+        return self._endpoint
+
+    @property
+    def segment_info(self) -> SegmentInfo:
+        """What the node mounts on the master, and what clients are told (set by start)."""
+        assert self._segment_info is not None, "Node.segment_info read before start()"
+        return self._segment_info
+
+    @property
+    def segment(self) -> Segment:
+        assert self._segment is not None, "Node.segment read before start()"
+        return self._segment
+
+    @property
+    def inventory(self) -> Inventory:
+        assert self._inventory is not None, "Node.inventory read before start()"
+        return self._inventory
+
+    @property
+    def is_mounted(self) -> bool:
+        return self._mounted.is_set()
+
+    @property
+    def metrics_endpoint(self) -> str:
+        """The HTTP "host:port" of /metrics and /health, or "" when metrics are off."""
+        return self._metrics_server.endpoint if self._metrics_server is not None else ""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the segment, listen, and mount on the master.
+
+        Returns once the first mount succeeded or the first attempt failed (bounded by the
+        connect and RPC timeouts); a master that is down is retried in the background, so a
+        node can start before its master.
+
+        Raises:
+            Unauthorized: a non-loopback listen host without a cluster token.
+            InvalidParams: a bad master endpoint, or the segment cannot be created.
+            ConnectFailed: the listen address cannot be bound.
+            After an exception everything started is torn down and the node is STOPPED.
+        """
+        self._set_state(NodeState.STARTING)
+        try:
+            await self._start()
+        except BaseException:
+            await self._teardown()
+            self._set_state(NodeState.STOPPED)
+            raise
+        self._set_state(NodeState.SERVING)
+
+    async def _start(self) -> None:
+        config = self.config
+        master_host, _ = split_endpoint(config.master_endpoint)
+        if self._key is None and not is_loopback(config.listen_host):
+            # start_server refuses too; saying it first leaves no segment file behind.
+            raise Unauthorized(
+                f"refusing to listen on {config.listen_host} without a cluster token: set a "
+                "token, or bind 127.0.0.1"
+            )
+        for path in remove_stale_segments(config.shm_dir):
+            log.info("removed stale segment file %s", path)
+        token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
+        self._segment = Segment.create(config.shm_dir, config.node_id, config.memory_bytes, token)
+        # A new id per incarnation: a restarted node's DRAM is empty, so it must never be
+        # mistaken for the segment (and replicas) its previous run had mounted.
+        self._segment_id = f"{config.node_id}-{secrets.token_hex(4)}"
+        self._inventory = Inventory(self._segment.capacity_bytes)
+        self._transfer = TransferHandler(
+            self._segment, self._segment_id, self._inventory, self.metrics, key=self._key,
+            clock_ms=wall_clock_ms,
+        )  # fmt: skip
+        self._master_calls = MasterCallHandler(
+            self._segment, self._segment_id, self._inventory, self.metrics
+        )
+        self._server = await start_server(
+            config.listen_host, config.listen_port, self._transfer, key=self._key,
+            name=f"node {config.node_id}",
+        )  # fmt: skip
+        port = self._server.sockets[0].getsockname()[1]
+        host = await _advertise_host(config, master_host)
+        self._endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        shm_enabled = config.shm_enabled
+        self._segment_info = SegmentInfo(
+            segment_id=self._segment_id,
+            node_id=config.node_id,
+            hostname=config.hostname,
+            endpoint=self._endpoint,
+            shm_path=str(self._segment.path) if shm_enabled else "",
+            shm_token=self._segment.token if shm_enabled else b"",
+            capacity_bytes=self._segment.capacity_bytes,
+        )
+        self._init_metrics()
+        if config.metrics_port is not None:
+            self._metrics_server = MetricsServer(self.metrics, self._health)
+            await self._metrics_server.start(config.metrics_host or config.listen_host,
+                                             config.metrics_port)  # fmt: skip
+        log.info(
+            "node %s serving segment %s (%d bytes) on %s, shm %s",
+            config.node_id, self._segment_id, self._segment.capacity_bytes, self._endpoint,
+            self._segment_info.shm_path or "off",
+        )  # fmt: skip
+        self._master_task = asyncio.get_running_loop().create_task(
+            self._master_link(), name=f"kvpool node {config.node_id} master link"
+        )
+        self._master_task.add_done_callback(_log_task_death)
+        first_attempt_ms = config.connect_timeout_ms + config.rpc_timeout_ms + 1_000
+        try:
+            await asyncio.wait_for(self._first_attempt.wait(), first_attempt_ms / 1000)
+        except asyncio.TimeoutError:
+            log.warning("node %s: not mounted yet; retrying in the background", config.node_id)
+
+    async def wait_mounted(self, timeout_ms: int) -> None:
+        """Wait until a master has accepted the segment.
+
+        Raises:
+            RpcTimeout: not mounted within timeout_ms.
+        """
+        try:
+            await asyncio.wait_for(self._mounted.wait(), timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(
+                f"node {self.node_id} not mounted on {self.config.master_endpoint} "
+                f"after {timeout_ms} ms"
+            ) from None
+
+    async def drain(self, timeout_ms: int = limits.DRAIN_TIMEOUT_MS_DEFAULT) -> None:
+        """Leave gracefully: no new allocations here, reads served for timeout_ms, then unmount.
+
+        The node keeps its segment and server until `stop()`; call it next. If the master
+        link is down the drain request is re-sent when the node re-mounts within timeout_ms.
+        """
+        assert timeout_ms >= 0, timeout_ms
+        if self._state is not NodeState.SERVING:
+            return
+        self._set_state(NodeState.DRAINING)
+        self._drain_deadline_ms = wall_clock_ms() + timeout_ms
+        conn = self._master_conn
+        if conn is not None and self.is_mounted:
+            await self._send_drain(conn)
+        else:
+            log.warning("node %s: draining without a master link", self.node_id)
+        # Reads of what we hold keep being served while we wait: this is the point of a drain.
+        await asyncio.sleep(timeout_ms / 1000)
+        await self._leave_master()
+
+    async def stop(self) -> None:
+        """Unmount, close the server and every connection, close the segment (unlinks it).
+
+        Idempotent. Bounded: the unmount waits at most rpc_timeout_ms; an unreachable master
+        drops the node after its TTL instead.
+        """
+        if self._state is NodeState.STOPPED:
+            return
+        if self._state is NodeState.NEW:
+            self._set_state(NodeState.STOPPED)
+            return
+        await self._leave_master()
+        await self._teardown()
+        self._set_state(NodeState.STOPPED)
+        log.info("node %s stopped", self.node_id)
+
+    # --- master link -----------------------------------------------------------------------
+
+    async def _master_link(self) -> None:
+        """Keep the node mounted. Runs until `_leave` is set: the node outlives master outages."""
+        backoff_ms = _RECONNECT_BACKOFF_MS_MIN
+        while not self._leave.is_set():
+            conn: Connection | None = None
+            try:
+                conn = await connect(
+                    self.config.master_endpoint, key=self._key, handler=self._master_calls,
+                    timeout_ms=self.config.connect_timeout_ms, name=f"node {self.node_id}",
+                )  # fmt: skip
+                self._master_conn = conn
+                await self._mount(conn)
+                backoff_ms = _RECONNECT_BACKOFF_MS_MIN
+                self._first_attempt.set()
+                await self._heartbeat(conn)
+            except KVPoolError as exc:
+                level = logging.ERROR if isinstance(exc, Unauthorized) else logging.WARNING
+                log.log(level, "node %s: master link to %s: %s: %s", self.node_id,
+                        self.config.master_endpoint, type(exc).__name__, exc)  # fmt: skip
+            finally:
+                self._set_unmounted()
+                self._master_conn = None
+                if conn is not None:
+                    conn.close("master link closed")
+            self._first_attempt.set()
+            if self._leave.is_set():
+                return
+            delay_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
+            backoff_ms = min(backoff_ms * 2, limits.RECONNECT_BACKOFF_MS_MAX)
+            try:
+                await asyncio.wait_for(self._leave.wait(), delay_ms / 1000)
+            except asyncio.TimeoutError:
+                pass  # Time to try again.
+
+    async def _heartbeat(self, conn: Connection) -> None:
+        """Heartbeat until the link closes (return to reconnect) or the node leaves (unmount)."""
+        interval_s = self.config.heartbeat_interval_ms / 1000
+        closed = asyncio.ensure_future(conn.wait_closed())
+        leave = asyncio.ensure_future(self._leave.wait())
+        try:
+            while True:  # Ends when the link closes or the node leaves.
+                await asyncio.wait((closed, leave), timeout=interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if leave.done():
+                    await self._unmount(conn)
+                    return
+                if closed.done():
+                    log.warning("node %s: master link lost: %s", self.node_id, conn.close_reason)
+                    return
+                reply = _expect(
+                    await conn.request(
+                        Heartbeat([self._segment_id]), timeout_ms=self.config.rpc_timeout_ms
+                    ),
+                    HeartbeatReply,
+                )
+                if self._segment_id in reply.unknown_segment_ids:
+                    log.warning("node %s: master does not know segment %s (restarted?); "
+                                "re-mounting", self.node_id, self._segment_id)  # fmt: skip
+                    self._set_unmounted()
+                    await self._mount(conn)
+        finally:
+            closed.cancel()
+            leave.cancel()
+
+    async def _mount(self, conn: Connection) -> None:
+        """Mount (or re-mount) the segment with everything the inventory holds.
+
+        Raises:
+            KVPoolError: the master refused or the link failed (the caller reconnects).
+        """
+        if self._state is NodeState.DRAINING and self._drain_remaining_ms() == 0:
+            # The master ended our drain by unmounting us: coming back would invite allocations.
+            log.info("node %s: drain over, not re-mounting", self.node_id)
+            return
+        inventory = self.inventory
+        entries = inventory.entries()
+        for chunk in _inventory_chunks(entries):
+            reply = _expect(
+                await conn.request(
+                    MountSegment(self.segment_info, chunk), timeout_ms=self.config.rpc_timeout_ms
+                ),
+                MountReply,
+            )
+            dropped = inventory.drop(reply.rejected)
+            if reply.rejected:
+                log.warning("node %s: master rejected %d inventory entries; dropped %d",
+                            self.node_id, len(reply.rejected), len(dropped))  # fmt: skip
+        self._mounted.set()
+        self.metrics.master_connected.set(1)
+        self.metrics.mounts.inc()
+        log.info("node %s: segment %s mounted on %s with %d objects", self.node_id,
+                 self._segment_id, self.config.master_endpoint, len(inventory))  # fmt: skip
+        if self._state is NodeState.DRAINING:
+            await self._send_drain(conn)
+
+    def _drain_remaining_ms(self) -> int:
+        return max(0, self._drain_deadline_ms - wall_clock_ms())
+
+    async def _send_drain(self, conn: Connection) -> None:
+        try:
+            await conn.request(DrainSegment(self._segment_id, self._drain_remaining_ms()),
+                               timeout_ms=self.config.rpc_timeout_ms)  # fmt: skip
+        except KVPoolError as exc:
+            log.warning("node %s: drain request failed: %s", self.node_id, exc)
+
+    async def _unmount(self, conn: Connection) -> None:
+        if not self.is_mounted:
+            return
+        try:
+            await conn.request(UnmountSegment(self._segment_id),
+                               timeout_ms=self.config.rpc_timeout_ms)  # fmt: skip
+        except KVPoolError as exc:
+            # The master drops a silent node after its TTL: nothing is lost by carrying on.
+            log.warning("node %s: unmount failed (%s); the master will time us out",
+                        self.node_id, exc)  # fmt: skip
+        self._set_unmounted()
+
+    async def _leave_master(self) -> None:
+        """Unmount and end the master link, within one RPC timeout plus a margin."""
+        self._leave.set()
+        task = self._master_task
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.config.rpc_timeout_ms / 1000 + 1)
+        except asyncio.TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _set_unmounted(self) -> None:
+        self._mounted.clear()
+        self.metrics.master_connected.set(0)
+
+    # --- teardown, state, metrics ----------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        """Release whatever start() acquired, in reverse order. Safe on a partial start."""
+        self._leave.set()
+        if self._master_task is not None and not self._master_task.done():
+            self._master_task.cancel()
+            await asyncio.gather(self._master_task, return_exceptions=True)
+        if self._master_conn is not None:
+            self._master_conn.close("node stopping")
+        for handler in (self._transfer, self._master_calls):
+            if handler is not None:
+                handler.close()
+        if self._server is not None:
+            self._server.close()
+            assert self._transfer is not None
+            for conn in list(self._transfer.connections):
+                conn.close("node stopping")
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), _SERVER_CLOSE_WAIT_MS_MAX / 1000)
+            except asyncio.TimeoutError:
+                # A client that connected but never sent a request is not tracked by the
+                # handler; the listener is closed and its socket goes when the peer hangs up.
+                pass
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        if self._segment is not None:
+            self._segment.close()
+
+    def _set_state(self, state: NodeState) -> None:
+        assert state in _TRANSITIONS[self._state], f"node state {self._state} -> {state}"
+        self._state = state
+
+    def _init_metrics(self) -> None:
+        inventory = self.inventory
+        self.metrics.segment_capacity_bytes.set(self.segment.capacity_bytes)
+        self.metrics.track_inventory(lambda: inventory.used_bytes, lambda: len(inventory))
+        self.metrics.info.labels(
+            node_id=self.node_id, segment_id=self._segment_id, endpoint=self._endpoint
+        ).set(1)
+
+    def _health(self) -> dict[str, Any]:
+        inventory = self._inventory
+        return {
+            "status": "ok" if self._state in (NodeState.SERVING, NodeState.DRAINING) else "down",
+            "state": self._state.value,
+            "node_id": self.node_id,
+            "segment_id": self._segment_id,
+            "endpoint": self._endpoint,
+            "mounted": self.is_mounted,
+            "objects": len(inventory) if inventory is not None else 0,
+            "used_bytes": inventory.used_bytes if inventory is not None else 0,
+            "capacity_bytes": inventory.capacity_bytes if inventory is not None else 0,
+        }
+
+
+async def run_node(config: NodeConfig, *, drain_timeout_ms: int = 0) -> None:
+    """Run a node until SIGTERM or SIGINT, then leave gracefully (the `kvpool node` command).
+
+    Args:
+        config: the node's configuration.
+        drain_timeout_ms: when > 0, drain for this long (reads still served) before stopping.
+
+    Raises:
+        KVPoolError: the node could not start (see Node.start).
+    """
+    node = Node(config)
+    await node.start()
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        await stop_requested.wait()  # Serves forever: only a signal ends a node.
+        log.info("node %s: signal received, leaving", node.node_id)
+        if drain_timeout_ms > 0:
+            await node.drain(drain_timeout_ms)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await node.stop()
+
+
+async def _advertise_host(config: NodeConfig, master_host: str) -> str:
+    """The host clients dial: configured, else the listen host, else (wildcard) our address.
+
+    For a wildcard listen host: the hostname's first non-loopback IPv4 address, else the
+    address of the interface that routes to the master, else the hostname itself.
+    """
+    if config.advertise_host:
+        return config.advertise_host
+    if config.listen_host not in _WILDCARD_HOSTS:
+        return config.listen_host
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(config.hostname, None, family=socket.AF_INET,
+                                       type=socket.SOCK_STREAM)  # fmt: skip
+    except OSError:  # Not mapped: a failed lookup only means "try the next way".
+        infos = []
+    for *_, sockaddr in infos:
+        if not is_loopback(sockaddr[0]):
+            return str(sockaddr[0])
+    try:
+        # Connecting a UDP socket sends nothing; it only picks the route to the master.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_host, 9))
+            address = str(probe.getsockname()[0])
+        if not is_loopback(address):
+            return address
+    except OSError:  # Not mapped: as above.
+        pass
+    return config.hostname
+
+
+def _inventory_chunks(entries: list[InventoryEntry]) -> Iterator[list[InventoryEntry]]:
+    """`entries` cut into MountSegment-sized lists, in order; always at least one list."""
+    chunk: list[InventoryEntry] = []
+    chunk_size_bytes = 0
+    for entry in entries:
+        entry_size_bytes = len(entry.key.encode()) + _MOUNT_ENTRY_OVERHEAD_BYTES
+        is_full = chunk_size_bytes + entry_size_bytes > _MOUNT_CHUNK_SIZE_BYTES_MAX
+        if chunk and (len(chunk) == _MOUNT_ENTRIES_MAX or is_full):
+            yield chunk
+            chunk, chunk_size_bytes = [], 0
+        chunk.append(entry)
+        chunk_size_bytes += entry_size_bytes
+    yield chunk
+
+
+def _expect(reply: Message, cls: type[_M]) -> _M:
+    if not isinstance(reply, cls):
+        raise RemoteProtocolError(f"expected {cls.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+def _log_task_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("node master link died", exc_info=task.exception())
+
+
+__all__ = ["Node", "NodeState", "run_node"]

@@ -1,0 +1,323 @@
+"""The node's request handlers: client reads and writes of the segment, and the master's calls.
+
+Two `RequestHandler`s (transports/connection.py) sit on the two kinds of connection a node has:
+
+- `TransferHandler`, on the transfer server clients dial: `WriteSlices` (payload lands straight
+  in the segment, zero copy) and `ReadSlices` (reply payload is memoryviews of the mapping,
+  zero copy). Every item is validated before any byte moves (DESIGN.md §7): a write needs a
+  grant for this segment, signed with the cluster key and unexpired, and must stay inside both
+  the grant and the segment and off every committed object; a read must stay inside the segment.
+- `MasterCallHandler`, on the connection the node opened to the master: `CommitObjects`
+  (verify each entry's size and checksum against the bytes, then record it in the inventory:
+  STYLE.md "pair the checks") and `DropObjects`.
+
+It is not the allocator (the master decides where objects go), not the server loop (server.py)
+and not a transport: it never touches a socket. Each request is handled synchronously in the
+event loop, in arrival order, so a commit and a later drop of the same range never reorder.
+
+Write path, one frame:
+
+    WriteSlices(items) + payload ─► payload_sinks(): validate all items ─┬─ ok: views into
+                                                                         │   segment.data
+                                                                         └─ error: remembered,
+                                                                             payload discarded
+                                    handle(): CodesReply([0] * n)  or  ErrorReply(remembered)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+from kvpool import limits
+from kvpool.errors import (
+    ErrorCode,
+    InvalidParams,
+    KVPoolError,
+    SegmentNotFound,
+    Unauthorized,
+)
+from kvpool.node.inventory import Inventory
+from kvpool.node.metrics import NodeMetrics
+from kvpool.node.segment import Segment
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    CodesReply,
+    CommitObjects,
+    DropObjects,
+    Message,
+    OkReply,
+    ReadReply,
+    ReadSlices,
+    WriteSlices,
+)
+from kvpool.transports.connection import Connection, HandlerResult
+
+log = logging.getLogger(__name__)
+
+
+def wall_clock_ms() -> int:
+    """Wall-clock time in ms: grants carry wall-clock expiries signed by the master."""
+    return time.time_ns() // 1_000_000
+
+
+class _SegmentHandler:
+    """What both handlers share: the segment, its id, the inventory, and payload verdicts.
+
+    A payload-bearing request is judged in `payload_sinks` before its bytes arrive; the
+    Connection then reads the payload and calls `handle` with the same message object. The
+    verdict travels between the two calls in `_verdicts`, keyed by connection: a connection
+    receives one payload at a time, so one slot per connection is enough.
+    """
+
+    def __init__(self, segment: Segment, segment_id: str, inventory: Inventory, metrics: NodeMetrics):
+        assert inventory.capacity_bytes == segment.capacity_bytes, (
+            inventory.capacity_bytes, segment.capacity_bytes,
+        )  # fmt: skip
+        self.segment = segment
+        self.segment_id = segment_id
+        self.inventory = inventory
+        self.metrics = metrics
+        self.connections: set[Connection] = set()
+        self._verdicts: dict[Connection, tuple[Message, KVPoolError | None]] = {}
+        self._is_closed = False
+
+    def close(self) -> None:
+        """Refuse every later request (the segment is about to be unmapped)."""
+        self._is_closed = True
+
+    def connection_closed(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        self._verdicts.pop(conn, None)
+
+    def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
+        self.connections.add(conn)
+        try:
+            self._check_open()
+            sinks = self._sinks_for(message)
+        except KVPoolError as exc:
+            self._verdicts[conn] = (message, exc)
+            raise
+        self._verdicts[conn] = (message, None)
+        return sinks
+
+    def handle(self, conn: Connection, message: Message) -> HandlerResult:
+        self.connections.add(conn)
+        try:
+            self._check_open()
+            verdict = self._verdicts.pop(conn, None)
+            if verdict is not None:
+                assert verdict[0] is message, "payload verdict of another request"
+                if verdict[1] is not None:
+                    raise verdict[1]
+                return self._handle_landed(message)
+            return self._handle(message)
+        except KVPoolError as exc:
+            self.metrics.count_error(exc)
+            raise
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise SegmentNotFound(f"segment {self.segment_id} is being unmounted")
+
+    def _check_segment_id(self, segment_id: str) -> None:
+        if segment_id != self.segment_id:
+            raise SegmentNotFound(f"segment {segment_id!r} is not on this node ({self.segment_id})")
+
+    def _check_range(self, offset: int, size_bytes: int, what: str) -> None:
+        if offset < 0 or size_bytes <= 0 or offset + size_bytes > self.segment.capacity_bytes:
+            raise InvalidParams(
+                f"{what} [{offset}, +{size_bytes}) is outside segment {self.segment_id} "
+                f"of {self.segment.capacity_bytes} bytes"
+            )
+
+    # Subclasses: --------------------------------------------------------------------------
+
+    def _sinks_for(self, message: Message) -> Sequence[memoryview]:
+        """Validate a payload-bearing request; the views its payload goes into."""
+        raise InvalidParams(f"{type(message).__name__} carries no payload")
+
+    def _handle_landed(self, message: Message) -> HandlerResult:
+        """Reply to a request whose payload has landed in the views `_sinks_for` gave."""
+        raise AssertionError(f"no payload handling for {type(message).__name__}")
+
+    def _handle(self, message: Message) -> HandlerResult:
+        raise InvalidParams(f"unexpected {type(message).__name__} request")
+
+
+class TransferHandler(_SegmentHandler):
+    """Serves clients on the node's transfer server: WriteSlices and ReadSlices.
+
+    Args:
+        segment: the mapped segment (owned by the Node).
+        segment_id: the id the master knows it by; grants and reads must name it.
+        inventory: committed objects; a write must not touch one.
+        metrics: where requests and bytes are counted.
+        key: the cluster key grants are signed with, or None (grants then need only be
+            unexpired).
+        clock_ms: wall clock in ms (grant expiries are wall-clock times).
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        segment_id: str,
+        inventory: Inventory,
+        metrics: NodeMetrics,
+        *,
+        key: bytes | None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        super().__init__(segment, segment_id, inventory, metrics)
+        self._key = key
+        self._clock_ms = clock_ms
+
+    def __repr__(self) -> str:
+        return f"<TransferHandler {self.segment_id} connections={len(self.connections)}>"
+
+    def _sinks_for(self, message: Message) -> Sequence[memoryview]:
+        if not isinstance(message, WriteSlices):
+            return super()._sinks_for(message)
+        self._check_write(message)
+        data = self.segment.data
+        # The payload lands in the mapping itself: no staging copy, no per-slice bytes object.
+        return [
+            data[item.grant.offset + item.start : item.grant.offset + item.start + item.size]
+            for item in message.items
+        ]
+
+    def _handle_landed(self, message: Message) -> HandlerResult:
+        assert isinstance(message, WriteSlices), type(message).__name__
+        self.metrics.write_requests.inc()
+        self.metrics.write_bytes.inc(sum(item.size for item in message.items))
+        return CodesReply([ErrorCode.OK] * len(message.items))
+
+    def _handle(self, message: Message) -> HandlerResult:
+        if isinstance(message, ReadSlices):
+            return self._read(message)
+        if isinstance(message, WriteSlices):
+            # No payload came (a frame with payload goes through payload_sinks): valid only
+            # for an empty batch, and _check_write says why otherwise.
+            self._check_write(message)
+            return CodesReply([])
+        return super()._handle(message)
+
+    def _check_write(self, message: WriteSlices) -> None:
+        """Every item of a write, before any byte is read.
+
+        Raises:
+            SegmentNotFound: a grant for another segment (misrouted, or this node restarted).
+            Unauthorized: a forged or expired grant, or a range holding a committed object
+                (a stale grant: the master drops an object before it reuses its range).
+            InvalidParams: a range outside the grant or the segment.
+        """
+        now_ms = self._clock_ms()
+        capacity = self.segment.capacity_bytes
+        # The slices of one object share its grant: verify each distinct grant's MAC once.
+        valid_grants: set[tuple[int, int, int, bytes]] = set()
+        for index, item in enumerate(message.items):
+            grant = item.grant
+            self._check_segment_id(grant.segment_id)
+            fields = (grant.offset, grant.size, grant.expiry_ms, grant.mac)
+            if fields not in valid_grants:
+                if not auth.is_valid_grant(self._key, grant, now_ms=now_ms):
+                    raise Unauthorized(
+                        f"item {index}: grant for [{grant.offset}, +{grant.size}) is forged or "
+                        "expired"
+                    )
+                valid_grants.add(fields)
+            if grant.offset < 0 or grant.size <= 0 or grant.offset + grant.size > capacity:
+                raise InvalidParams(
+                    f"item {index}: grant [{grant.offset}, +{grant.size}) is outside the segment "
+                    f"of {capacity} bytes"
+                )
+            if item.start < 0 or item.size <= 0 or item.start + item.size > grant.size:
+                raise InvalidParams(
+                    f"item {index}: slice [{item.start}, +{item.size}) is outside its grant of "
+                    f"{grant.size} bytes"
+                )
+            offset = grant.offset + item.start
+            held = self.inventory.overlapping(offset, item.size)
+            if held:
+                raise Unauthorized(
+                    f"item {index}: [{offset}, +{item.size}) holds committed object "
+                    f"{held[0].key!r}: stale grant"
+                )
+        # The payload must equal the sum of the sizes; the Connection enforces it when it hands
+        # our views to the decoder (a mismatch is a malformed frame and closes the connection).
+
+    def _read(self, message: ReadSlices) -> HandlerResult:
+        total = 0
+        for index, item in enumerate(message.items):
+            self._check_segment_id(item.segment_id)
+            self._check_range(item.offset, item.size, f"read item {index}")
+            total += item.size
+        if total > limits.FRAME_PAYLOAD_SIZE_BYTES_MAX:
+            raise InvalidParams(
+                f"read of {total} bytes exceeds one frame ({limits.FRAME_PAYLOAD_SIZE_BYTES_MAX})"
+            )
+        data = self.segment.data
+        views = [data[item.offset : item.offset + item.size] for item in message.items]
+        self.metrics.read_requests.inc()
+        self.metrics.read_bytes.inc(total)
+        return ReadReply(total), views
+
+
+class MasterCallHandler(_SegmentHandler):
+    """Serves the master's calls on the node's own connection: CommitObjects and DropObjects.
+
+    A commit hashes the committed bytes in the event loop (xxh3 runs at memory speed: about
+    0.1 s per GiB), so that commits and drops apply strictly in the order the master sent them.
+    """
+
+    def __repr__(self) -> str:
+        return f"<MasterCallHandler {self.segment_id} {self.inventory!r}>"
+
+    def _handle(self, message: Message) -> HandlerResult:
+        if isinstance(message, CommitObjects):
+            return self._commit(message)
+        if isinstance(message, DropObjects):
+            self._check_segment_id(message.segment_id)
+            dropped = self.inventory.drop(message.entries)
+            log.debug("segment %s: dropped %d of %d objects", self.segment_id, len(dropped),
+                      len(message.entries))  # fmt: skip
+            return OkReply()
+        return super()._handle(message)
+
+    def _commit(self, message: CommitObjects) -> HandlerResult:
+        self._check_segment_id(message.segment_id)
+        data = self.segment.data
+        codes: list[int] = []
+        verified = []
+        for entry in message.entries:
+            try:
+                self._check_range(entry.offset, entry.size, f"object {entry.key!r}")
+            except InvalidParams as exc:
+                log.warning("segment %s: refusing commit: %s", self.segment_id, exc)
+                self.metrics.commits.labels(result="bounds").inc()
+                codes.append(ErrorCode.INVALID_PARAMS)
+                continue
+            checksum = xxhash.xxh3_64_intdigest(data[entry.offset : entry.offset + entry.size])
+            if checksum != entry.checksum:
+                log.warning(
+                    "segment %s: refusing commit of %r at %d: checksum %x, bytes hash to %x",
+                    self.segment_id, entry.key, entry.offset, entry.checksum, checksum,
+                )  # fmt: skip
+                self.metrics.commits.labels(result="checksum").inc()
+                codes.append(ErrorCode.TRANSFER_FAIL)
+                continue
+            self.metrics.commits.labels(result="ok").inc()
+            codes.append(ErrorCode.OK)
+            verified.append(entry)
+        displaced = self.inventory.add(verified)
+        if displaced:
+            # The master drops a range before reusing it (DESIGN.md §4): reaching here means
+            # it did not, or a drop was lost. The newest commit wins.
+            log.warning(
+                "segment %s: commit displaced %d objects without a drop: %s",
+                self.segment_id, len(displaced), [e.key for e in displaced[:8]],
+            )  # fmt: skip
+        return CodesReply(codes)

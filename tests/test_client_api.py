@@ -1,0 +1,186 @@
+"""The client API end to end, in one process: a real MasterServer and real Nodes on one event
+loop over loopback sockets, driven through AsyncStore (and Store on its own loop thread). Covers
+every call of the bytes, zero-copy, multi-buffer and metadata APIs, both data paths (same-host
+shm and TCP) and embedded mode. Faster than the multi-process tests, same code paths."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import uvloop
+
+from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store
+from kvpool.config import MasterConfig, NodeConfig
+from kvpool.errors import InvalidParams, ObjectHasLease, ObjectNotFound
+from kvpool.master.server import MasterServer
+from kvpool.node.server import Node
+
+
+@contextlib.asynccontextmanager
+async def cluster(node_count: int = 2, memory_bytes: int = 16 << 20, **master_options):
+    master = MasterServer(MasterConfig(**master_options), port=0, seed=1)
+    await master.start()
+    nodes = [Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=memory_bytes)) for _ in range(node_count)]
+    try:
+        for node in nodes:
+            await node.start()
+        yield master, nodes
+    finally:
+        for node in nodes:
+            await node.stop()
+        await master.stop()
+
+
+def run(coroutine):
+    return uvloop.run(asyncio.wait_for(coroutine, 60))
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
+def test_bytes_api_round_trip(shm_enabled):
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                values = {f"k{i}": os.urandom(size) for i, size in enumerate([1, 4096, 100_000, 3 << 20])}
+                assert await store.put_batch(list(values), list(values.values())) == [0] * 4
+                assert await store.get_batch(list(values)) == list(values.values())
+                await store.put("k0", b"different")  # immutable: a second put keeps the first
+                assert await store.get("k0") == values["k0"]
+                assert await store.get("absent") is None
+                assert await store.get_size("k3") == 3 << 20
+                with pytest.raises(ObjectNotFound):
+                    await store.get_size("absent")
+
+    run(main())
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
+def test_zero_copy_and_multi_buffer_api(shm_enabled):
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                layers = [np.random.randint(0, 255, 64 * 1024, dtype=np.uint8) for _ in range(4)]
+                source = [store.register_buffer(layer) for layer in layers]
+                codes = await store.batch_put_from_multi_buffers(
+                    ["obj"], [source], [[len(layer) for layer in layers]]
+                )
+                assert codes == [0]
+                whole = np.zeros(4 * 64 * 1024, dtype=np.uint8)
+                address = store.register_buffer(whole)
+                assert await store.get_into("obj", address, whole.nbytes) == whole.nbytes
+                assert np.array_equal(whole, np.concatenate(layers))
+                scattered = [np.zeros(64 * 1024, dtype=np.uint8) for _ in range(4)]
+                targets = [store.register_buffer(t) for t in scattered]
+                sizes = [[t.nbytes for t in scattered]]
+                assert await store.batch_get_into_multi_buffers(["obj"], [targets], sizes) == [whole.nbytes]
+                for got, want in zip(scattered, layers):
+                    assert np.array_equal(got, want)
+                # Batch forms with one buffer per key; a too-small buffer is BUFFER_OVERFLOW.
+                assert await store.batch_put_from(["a", "b"], [source[0], source[1]], [100, 200]) == [0, 0]
+                small = store.register_buffer(bytearray(50))
+                codes = await store.batch_get_into(["a", "b", "zz"], [small, address, address], [50, 200, 200])
+                assert codes == [ErrorCode.BUFFER_OVERFLOW, 200, ErrorCode.OBJECT_NOT_FOUND]
+                with pytest.raises(InvalidParams):
+                    await store.get_into("a", 12345, 10)  # not registered memory
+
+    run(main())
+
+
+def test_metadata_api():
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                keys = [f"chain/{i}" for i in range(8)]
+                await store.put_batch(keys[:5], [b"x" * 10] * 5)
+                assert await store.batch_exists(keys) == [True] * 5 + [False] * 3
+                assert await store.longest_prefix(keys) == 5
+                assert await store.longest_prefix(["chain/9", *keys]) == 0
+                assert await store.exists("chain/0")
+                await store.get("chain/0")  # read lease
+                with pytest.raises(ObjectHasLease):
+                    await store.remove("chain/0")
+                await store.remove("chain/0", force=True)
+                assert not await store.exists("chain/0")
+                assert await store.remove_by_regex(r"^chain/[12]$") == 2
+                listed = await store.list_objects("chain")
+                assert sorted(listed.keys) == ["chain/3", "chain/4"]
+                assert await store.remove_all() == 2
+                assert await store.longest_prefix(keys) == 0
+
+    run(main())
+
+
+def test_replicas_on_distinct_segments_and_placement():
+    async def main():
+        async with cluster(node_count=3) as (master, nodes):
+            async with await AsyncStore.open(master.endpoint) as store:
+                await store.put_batch(
+                    [f"r{i}" for i in range(10)], [b"y" * 1000] * 10, ReplicateConfig(replica_num=3)
+                )
+                reply = await store.query([f"r{i}" for i in range(10)])
+                assert all(len({r.segment_id for r in rs}) == 3 for rs in reply.replicas)
+                target = nodes[1].segment_info.segment_id
+                config = ReplicateConfig(placement="preferred", preferred_segments=[target])
+                await store.put("pinned-here", b"z" * 100, config)
+                reply = await store.query(["pinned-here"])
+                assert reply.replicas[0][0].segment_id == target
+
+    run(main())
+
+
+def test_embedded_mode_contributes_a_segment():
+    async def main():
+        master = MasterServer(MasterConfig(), port=0)
+        await master.start()
+        try:
+            store = await AsyncStore.open(master.endpoint, embedded_memory_bytes=8 << 20)
+            try:
+                await store.put("local", b"q" * 5000)
+                assert await store.get("local") == b"q" * 5000
+                status = await store.cluster_status()
+                assert len(status.segments) == 1
+            finally:
+                await store.aclose()
+        finally:
+            await master.stop()
+
+    run(main())
+
+
+def test_sync_store_from_threads():
+    async def serve(ready, stop):
+        async with cluster() as (master, _):
+            ready.set_result(master.endpoint)
+            await stop
+
+    loop = uvloop.new_event_loop()
+    ready = loop.create_future()
+    stop = loop.create_future()
+    import threading
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve(ready, stop)))
+    thread.start()
+    try:
+        import concurrent.futures
+        import time
+
+        deadline = time.monotonic() + 20
+        while not ready.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        endpoint = ready.result()
+        with Store(endpoint) as store:
+
+            def worker(n: int) -> bool:
+                keys = [f"t{n}-{i}" for i in range(20)]
+                values = [os.urandom(10_000) for _ in keys]
+                store.put_batch(keys, values)
+                return store.get_batch(keys) == values
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                assert all(pool.map(worker, range(8)))
+    finally:
+        loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
+        thread.join(30)

@@ -1,0 +1,171 @@
+"""The store as users run it: a master and nodes as real processes on loopback, clients in this
+process and in other processes (the `kvpool` CLI). Faults are real signals: SIGKILL of a node,
+of the master, of a writer between put_start and put_end. Every check is on bytes a user gets
+back: equal to what was put, or a clean miss, never anything else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvpool import ErrorCode, ReplicateConfig, Store
+from kvpool.errors import KVPoolError
+
+TIMEOUT_S = 15.0
+
+
+def wait_until(predicate, timeout_s: float = TIMEOUT_S, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def kvpool_cli(*args: str, env: dict | None = None, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", *args],
+        input=stdin, capture_output=True, timeout=60, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def values_for(prefix: str, count: int, size: int) -> dict[str, bytes]:
+    return {f"{prefix}-{i}": os.urandom(size) for i in range(count)}
+
+
+def test_object_put_by_one_client_process_is_read_by_another(make_cluster, tmp_path):
+    cluster = make_cluster(3)
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    (tmp_path / "in").write_bytes(data)
+    put = kvpool_cli("put", "shared/key", str(tmp_path / "in"), "--master", cluster.master_endpoint)
+    assert put.returncode == 0, put.stderr.decode()
+    for shm in ("1", "0"):  # same-host shared memory, then TCP only
+        out = tmp_path / f"out-{shm}"
+        got = kvpool_cli("get", "shared/key", "-o", str(out), "--master", cluster.master_endpoint,
+                         env={"KVPOOL_SHM": shm})  # fmt: skip
+        assert got.returncode == 0, got.stderr.decode()
+        assert out.read_bytes() == data
+    miss = kvpool_cli("get", "no/such/key", "--master", cluster.master_endpoint)
+    assert miss.returncode == 2
+    assert b"not found" in miss.stderr
+
+
+def test_replicas_land_on_distinct_segments(make_cluster):
+    cluster = make_cluster(3)
+    values = values_for("replicated", 30, 64 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        codes = store.put_batch(list(values), list(values.values()), ReplicateConfig(replica_num=3))
+        assert codes == [ErrorCode.OK] * len(values)
+        reply = store.query(list(values))
+    for replicas in reply.replicas:
+        assert len({r.segment_id for r in replicas}) == 3
+
+
+def test_node_killed_leaves_surviving_replica_or_clean_miss_and_space_is_reclaimed(make_cluster):
+    cluster = make_cluster(3, master_args=("--node-ttl-ms", "1500"))
+    doubled = values_for("two-replicas", 20, 128 * 1024)
+    single = values_for("one-replica", 30, 128 * 1024)
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        store.put_batch(list(doubled), list(doubled.values()), ReplicateConfig(replica_num=2))
+        store.put_batch(list(single), list(single.values()))
+        victim = cluster.nodes[0]
+        victim_segment = victim.info["segment_id"]
+        victim.kill()
+        # Before and after the master notices: surviving replicas are read, the rest is a miss.
+        for _ in range(2):
+            for key, value in doubled.items():
+                assert store.get(key) == value
+            for key, value in single.items():
+                assert store.get(key) in (value, None)
+            wait_until(lambda: victim_segment not in _segment_ids(store))
+        lost = [k for k in single if not store.exists(k)]
+        assert lost, "the killed node held none of the single-replica objects"
+        status = store.cluster_status()
+        assert status.object_count == len(doubled) + len(single) - len(lost)
+        # Space is reclaimed: the survivors' usage is exactly the replicas they still hold.
+        replicas = store.query(list(doubled) + list(single)).replicas
+        held = sum(len(r) for r in replicas)
+        assert sum(s.used_bytes for s in status.segments) == held * 128 * 1024
+        assert all(r.segment_id != victim_segment for rs in replicas for r in rs)
+        assert store.put_batch(list(single), list(single.values())) == [ErrorCode.OK] * len(single)
+
+
+def _segment_ids(store: Store) -> set[str]:
+    return {s.segment.segment_id for s in store.cluster_status().segments}
+
+
+def test_master_killed_and_restarted_serves_every_object_the_nodes_hold(make_cluster):
+    cluster = make_cluster(3)
+    values = values_for("survives-master", 60, 32 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
+    cluster.master.kill()
+    cluster.start_master()
+    with Store(cluster.master_endpoint) as store:
+        wait_until(lambda: store.cluster_status().object_count == len(values))
+        assert store.get_batch(list(values)) == list(values.values())
+
+
+def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
+    cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000"))
+    object_size = 256 * 1024
+    leased = values_for("leased", 8, object_size)
+    with Store(cluster.master_endpoint) as store:
+        store.put_batch(list(leased), list(leased.values()))
+        assert store.get_batch(list(leased)) == list(leased.values())  # takes read leases
+        flood = values_for("flood", 80, object_size)  # 20 MiB through an 8 MiB segment
+        for key, value in flood.items():
+            store.put(key, value)
+        assert store.get_batch(list(leased)) == list(leased.values())
+        assert sum(store.batch_exists(list(flood))) < len(flood)  # something was evicted
+
+
+def test_zombie_put_is_reclaimed(make_cluster):
+    cluster = make_cluster(
+        1, "8MiB", master_args=("--put-discard-timeout-ms", "1000", "--put-release-timeout-ms", "2500")
+    )
+    writer = subprocess.Popen([sys.executable, "-c", ZOMBIE_WRITER, cluster.master_endpoint],
+                              stdout=subprocess.PIPE)  # fmt: skip
+    assert writer.stdout.readline().strip() == b"started"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(10)
+    with Store(cluster.master_endpoint) as store:
+        assert not store.exists("zombie")
+        assert store.cluster_status().segments[0].used_bytes >= 4 * 1024 * 1024
+        # After the discard timeout the key is free again; after the release timeout the space.
+        wait_until(lambda: store.put_batch(["zombie"], [b"fresh"])[0] == ErrorCode.OK)
+        assert store.get("zombie") == b"fresh"
+        wait_until(lambda: store.cluster_status().segments[0].used_bytes < 1024 * 1024)
+
+
+ZOMBIE_WRITER = """
+import sys, uvloop
+from kvpool.client.store import AsyncStore
+
+async def main():
+    store = await AsyncStore.open(sys.argv[1])
+    await store._put_start(["zombie"], [[memoryview(bytes(4 * 1024 * 1024))]], None)
+    print("started", flush=True)
+    import asyncio
+    await asyncio.sleep(3600)
+
+uvloop.run(main())
+"""
+
+
+def test_wrong_or_missing_token_is_rejected(make_cluster):
+    cluster = make_cluster(1, token="s3cret-token")
+    with pytest.raises(KVPoolError):
+        Store(cluster.master_endpoint, connect_timeout_ms=1000)
+    with pytest.raises(KVPoolError):
+        Store(cluster.master_endpoint, token="wrong", connect_timeout_ms=1000)
+    with Store(cluster.master_endpoint, token="s3cret-token") as store:
+        store.put("k", b"v" * 1000)
+        assert store.get("k") == b"v" * 1000

@@ -1,0 +1,169 @@
+"""Inventory (kvpool/node/inventory.py): the node's record of complete objects in its segment.
+
+How: plain unit tests of add/drop/overlap on a small segment, then a hypothesis stateful test
+that runs random adds and drops against a naive model (a dict of key -> entry, where an add
+first removes every entry with the same key or an overlapping range) and, after every step,
+calls check_invariants() and compares entries, length and used_bytes with the model. No I/O.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvpool.node.inventory import Inventory
+from kvpool.protocol.messages import InventoryEntry
+
+CAPACITY = 4096
+
+
+def e(key: str, offset: int, size: int, checksum: int = 0) -> InventoryEntry:
+    return InventoryEntry(key, offset, size, checksum)
+
+
+def test_add_get_entries_sorted_by_offset() -> None:
+    inv = Inventory(CAPACITY)
+    assert inv.add([e("b", 100, 50), e("a", 0, 10), e("c", 4000, 96)]) == []
+    inv.check_invariants()
+    assert [x.key for x in inv.entries()] == ["a", "b", "c"]
+    assert len(inv) == 3 and "a" in inv and "z" not in inv
+    assert inv.used_bytes == 156
+    assert inv.get("b") == e("b", 100, 50)
+    assert inv.get("z") is None
+
+
+def test_overlapping_finds_neighbours_only() -> None:
+    inv = Inventory(CAPACITY)
+    inv.add([e("a", 0, 10), e("b", 10, 10), e("c", 30, 10)])
+    assert inv.overlapping(0, 10) == [e("a", 0, 10)]
+    assert inv.overlapping(9, 2) == [e("a", 0, 10), e("b", 10, 10)]
+    assert inv.overlapping(20, 10) == []  # The gap [20, 30) touches neither side.
+    assert inv.overlapping(25, 6) == [e("c", 30, 10)]
+    assert inv.overlapping(39, 100) == [e("c", 30, 10)]
+    assert inv.overlapping(40, 100) == []
+    assert inv.overlapping(5, 0) == []
+    assert inv.is_range_free(20, 10)
+    assert not inv.is_range_free(0, 1)
+
+
+def test_add_overlapping_displaces_old_entries() -> None:
+    inv = Inventory(CAPACITY)
+    inv.add([e("a", 0, 10), e("b", 10, 10), e("c", 30, 10)])
+    displaced = inv.add([e("d", 5, 10)])
+    inv.check_invariants()
+    assert displaced == [e("a", 0, 10), e("b", 10, 10)]
+    assert [x.key for x in inv.entries()] == ["d", "c"]
+    assert inv.used_bytes == 20
+
+
+def test_add_same_key_moves_it_and_identical_readd_is_a_no_op() -> None:
+    inv = Inventory(CAPACITY)
+    inv.add([e("a", 0, 10, 7)])
+    assert inv.add([e("a", 0, 10, 7)]) == []
+    assert inv.add([e("a", 100, 20, 8)]) == [e("a", 0, 10, 7)]
+    inv.check_invariants()
+    assert inv.entries() == [e("a", 100, 20, 8)]
+    assert inv.used_bytes == 20
+
+
+def test_drop_matches_key_and_offset_and_ignores_unknown() -> None:
+    inv = Inventory(CAPACITY)
+    inv.add([e("a", 0, 10), e("b", 10, 10)])
+    assert inv.drop([e("a", 64, 10), e("zz", 0, 1)]) == []  # wrong offset, unknown key
+    assert inv.drop([e("a", 0, 999)]) == [e("a", 0, 10)]  # size and checksum are not matched
+    inv.check_invariants()
+    assert inv.entries() == [e("b", 10, 10)]
+    assert inv.used_bytes == 10
+    inv.clear()
+    inv.check_invariants()
+    assert len(inv) == 0 and inv.used_bytes == 0
+
+
+@pytest.mark.parametrize("bad", [e("x", 0, 0), e("x", -1, 4), e("x", CAPACITY - 1, 2)])
+def test_add_outside_the_segment_is_a_caller_bug(bad: InventoryEntry) -> None:
+    inv = Inventory(CAPACITY)
+    with pytest.raises(AssertionError):
+        inv.add([bad])
+
+
+def test_check_invariants_catches_corruption() -> None:
+    inv = Inventory(CAPACITY)
+    inv.add([e("a", 0, 10)])
+    inv.used_bytes += 1
+    with pytest.raises(AssertionError):
+        inv.check_invariants()
+
+
+# --- stateful test against a naive model ------------------------------------------------------
+
+SMALL_CAPACITY = 256
+keys = st.sampled_from([f"k{i}" for i in range(12)])
+offsets = st.integers(0, SMALL_CAPACITY - 1)
+
+
+def _model_add(model: dict[str, InventoryEntry], entry: InventoryEntry) -> None:
+    for key, old in list(model.items()):
+        overlaps = old.offset < entry.offset + entry.size and entry.offset < old.offset + old.size
+        if key == entry.key or overlaps:
+            del model[key]
+    model[entry.key] = entry
+
+
+class InventoryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inv = Inventory(SMALL_CAPACITY)
+        self.model: dict[str, InventoryEntry] = {}
+
+    @rule(batch=st.lists(st.tuples(keys, offsets, st.integers(1, 64), st.integers(0, 3)),
+                         max_size=4))  # fmt: skip
+    def add(self, batch: list[tuple[str, int, int, int]]) -> None:
+        entries = [e(k, o, min(s, SMALL_CAPACITY - o), c) for k, o, s, c in batch]
+        before = dict(self.model)
+        displaced = self.inv.add(entries)
+        for entry in entries:
+            _model_add(self.model, entry)
+        # Whatever was displaced was held before (or added earlier in this very batch).
+        for old in displaced:
+            assert old in before.values() or old in entries, old
+
+    @rule(key=keys)
+    def drop_held(self, key: str) -> None:
+        held = self.model.get(key)
+        if held is None:
+            return
+        assert self.inv.drop([e(key, held.offset, 1)]) == [held]
+        del self.model[key]
+
+    @rule(key=keys, offset=offsets)
+    def drop_maybe_unknown(self, key: str, offset: int) -> None:
+        held = self.model.get(key)
+        dropped = self.inv.drop([e(key, offset, 1)])
+        if held is not None and held.offset == offset:
+            assert dropped == [held]
+            del self.model[key]
+        else:
+            assert dropped == []
+
+    @rule(offset=offsets, size=st.integers(1, 64))
+    def overlap_query(self, offset: int, size: int) -> None:
+        expected = sorted(
+            (x for x in self.model.values()
+             if x.offset < offset + size and offset < x.offset + x.size),
+            key=lambda x: x.offset,
+        )  # fmt: skip
+        assert self.inv.overlapping(offset, size) == expected
+
+    @invariant()
+    def matches_model(self) -> None:
+        self.inv.check_invariants()
+        assert self.inv.entries() == sorted(self.model.values(), key=lambda x: x.offset)
+        assert len(self.inv) == len(self.model)
+        assert self.inv.used_bytes == sum(x.size for x in self.model.values())
+
+
+InventoryMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                              deadline=None)  # fmt: skip
+test_inventory_against_model = InventoryMachine.TestCase

@@ -1,0 +1,801 @@
+"""The storage node end to end: kvpool/node/server.py, transfer.py and metrics.py over real TCP.
+
+How: each test runs one asyncio loop (`asyncio.run` under `asyncio.wait_for`, so every test is
+bounded in time) holding a real `Node` on 127.0.0.1 with an ephemeral port and a segment file in
+pytest's tmp_path, a tiny fake master (a RequestHandler served with start_server that answers
+MountSegment and Heartbeat, records every call, and calls CommitObjects / DropObjects back on the
+node's own connection), and clients that are plain `connect()`ed Connections. Malformed input is
+sent over raw asyncio streams after a hand-made handshake. Every test checks the segment file is
+gone after stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import xxhash
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool import limits
+from kvpool.config import NodeConfig
+from kvpool.errors import (
+    ConnectFailed,
+    ErrorCode,
+    InvalidParams,
+    RpcFailed,
+    SegmentNotFound,
+    Unauthorized,
+)
+from kvpool.node import server as node_server
+from kvpool.node.segment import Segment
+from kvpool.node.server import Node, NodeState, run_node
+from kvpool.node.transfer import wall_clock_ms
+from kvpool.protocol import auth
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
+from kvpool.protocol.messages import (
+    AuthChallenge,
+    AuthResponse,
+    CodesReply,
+    CommitObjects,
+    DrainSegment,
+    DropObjects,
+    Heartbeat,
+    HeartbeatReply,
+    InventoryEntry,
+    Message,
+    MountReply,
+    MountSegment,
+    OkReply,
+    ReadItem,
+    ReadReply,
+    ReadSlices,
+    UnmountSegment,
+    WriteGrant,
+    WriteItem,
+    WriteSlices,
+)
+from kvpool.transports.connection import Connection, connect, start_server
+
+TOKEN = "test-cluster-token"
+KEY = auth.cluster_key(TOKEN)
+MEMORY_BYTES = 1 * limits.MIB
+TEST_TIMEOUT_S = 20
+
+
+def run(main: Callable[[], Awaitable[None]], timeout_s: float = TEST_TIMEOUT_S) -> None:
+    asyncio.run(asyncio.wait_for(main(), timeout_s))
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll `predicate` every 10 ms; fail the test after timeout_s."""
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+class FakeMaster:
+    """Just enough master for a node: mounts, heartbeats, and calls back on the node's link."""
+
+    def __init__(self, key: bytes | None = KEY) -> None:
+        self.key = key
+        self.calls: list[Message] = []
+        self.mounts: list[MountSegment] = []
+        self.conns: list[Connection] = []
+        self.node_conn: Connection | None = None
+        self.unknown = False  # Answer heartbeats with "unknown segment" (a restarted master).
+        self.rejected: list[InventoryEntry] = []  # What the next MountReply rejects.
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    def payload_sinks(self, conn: Connection, message: Message) -> None:
+        return None
+
+    def handle(self, conn: Connection, message: Message) -> Message:
+        self.calls.append(message)
+        if conn not in self.conns:
+            self.conns.append(conn)
+        if isinstance(message, MountSegment):
+            self.mounts.append(message)
+            self.node_conn = conn
+            self.unknown = False
+            rejected, self.rejected = self.rejected, []
+            return MountReply(rejected)
+        if isinstance(message, Heartbeat):
+            return HeartbeatReply(list(message.segment_ids) if self.unknown else [])
+        if isinstance(message, (UnmountSegment, DrainSegment)):
+            return OkReply()
+        raise InvalidParams(f"fake master does not do {type(message).__name__}")
+
+    def connection_closed(self, conn: Connection) -> None:
+        pass
+
+    def of_type(self, cls: type) -> list[Any]:
+        return [m for m in self.calls if isinstance(m, cls)]
+
+    async def start(self, port: int = 0) -> None:
+        self.server = await start_server("127.0.0.1", port, self, key=self.key, name="fake master")
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for conn in self.conns:
+            conn.close("fake master stopping")
+        self.conns.clear()
+
+    async def commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int]:
+        assert self.node_conn is not None
+        reply = await self.node_conn.request(CommitObjects(segment_id, entries), timeout_ms=2_000)
+        assert isinstance(reply, CodesReply)
+        return reply.codes
+
+    async def drop(self, segment_id: str, entries: list[InventoryEntry]) -> None:
+        assert self.node_conn is not None
+        reply = await self.node_conn.request(DropObjects(segment_id, entries), timeout_ms=2_000)
+        assert isinstance(reply, OkReply)
+
+
+def node_config(
+    shm_dir: Path, master_port: int, token: str | None = TOKEN, **options: Any
+) -> NodeConfig:
+    options.setdefault("heartbeat_interval_ms", 50)
+    options.setdefault("rpc_timeout_ms", 1_000)
+    options.setdefault("connect_timeout_ms", 500)
+    return NodeConfig(
+        master_endpoint=f"127.0.0.1:{master_port}", memory_bytes=MEMORY_BYTES, shm_dir=str(shm_dir),
+        token=token, **options,
+    )  # fmt: skip
+
+
+def segment_files(shm_dir: Path) -> list[Path]:
+    return list(shm_dir.glob("kvpool-*.seg"))
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    shm_dir: Path, token: str | None = TOKEN, **options: Any
+) -> AsyncIterator[tuple[FakeMaster, Node]]:
+    master = FakeMaster(auth.cluster_key(token) if token else None)
+    await master.start()
+    node = Node(node_config(shm_dir, master.port, token, **options))
+    await node.start()
+    try:
+        assert node.is_mounted, node
+        yield master, node
+    finally:
+        await node.stop()
+        await master.stop()
+        assert node.state is NodeState.STOPPED
+        assert segment_files(shm_dir) == []
+
+
+def grant_for(node: Node, offset: int, size: int, *, key: bytes | None = KEY,
+              expiry_ms: int | None = None, segment_id: str | None = None) -> WriteGrant:  # fmt: skip
+    expiry = wall_clock_ms() + 60_000 if expiry_ms is None else expiry_ms
+    return auth.sign_grant(key, segment_id or node.segment_id, offset, size, expiry)
+
+
+async def write(conn: Connection, grant: WriteGrant, data: bytes, start: int = 0) -> list[int]:
+    reply = await conn.request(WriteSlices([WriteItem(grant, start, len(data))]), [data],
+                               timeout_ms=2_000)  # fmt: skip
+    assert isinstance(reply, CodesReply)
+    return reply.codes
+
+
+async def read(conn: Connection, segment_id: str, offset: int, size: int) -> bytes:
+    buffer = bytearray(size)
+    reply = await conn.request(
+        ReadSlices([ReadItem(segment_id, offset, size)]),
+        reply_sinks=lambda message: [memoryview(buffer)],
+        timeout_ms=2_000,
+    )
+    assert isinstance(reply, ReadReply) and reply.size == size
+    return bytes(buffer)
+
+
+def entry(key: str, offset: int, data: bytes) -> InventoryEntry:
+    return InventoryEntry(key, offset, len(data), xxhash.xxh3_64_intdigest(data))
+
+
+async def put(
+    master: FakeMaster, node: Node, conn: Connection, key: str, offset: int, data: bytes
+) -> None:
+    """What a client and the master do for one replica: grant, write, commit."""
+    assert await write(conn, grant_for(node, offset, len(data)), data) == [0]
+    assert await master.commit(node.segment_id, [entry(key, offset, data)]) == [0]
+
+
+# --- raw sockets for malformed input ------------------------------------------------------------
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame:
+    decoder = FrameDecoder()
+    while True:
+        event = decoder.next_event()
+        if event is not NEED_DATA:
+            assert isinstance(event, Frame)
+            return event
+        data = await asyncio.wait_for(reader.read(4096), 2)
+        assert data, "connection closed during the handshake"
+        decoder.receive_data(data)
+
+
+async def raw_connect(
+    endpoint: str, key: bytes | None = KEY
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw socket past the handshake, ready to send anything."""
+    host, port = endpoint.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    challenge = (await read_frame(reader)).message
+    assert isinstance(challenge, AuthChallenge)
+    nonce = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
+    mac = auth.client_proof(key, challenge.nonce, nonce) if key else b""
+    writer.write(encode_frame(AuthResponse(nonce, mac), 0))
+    await read_frame(reader)  # AuthOk
+    return reader, writer
+
+
+async def is_closed_by_peer(reader: asyncio.StreamReader, timeout_s: float = 3.0) -> bool:
+    try:
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), timeout_s)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def header(control_size: int, payload_size: int = 0, *, flags: int = 0, magic: int = limits.FRAME_MAGIC,
+           version: int = limits.FRAME_VERSION) -> bytes:  # fmt: skip
+    return struct.pack(limits.FRAME_HEADER_FMT, magic, version, flags, 7, control_size, payload_size)
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+def test_write_commit_read_roundtrip(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            info = node.segment_info
+            assert master.mounts[0].segment == info and master.mounts[0].inventory == []
+            assert info.endpoint == node.endpoint and info.capacity_bytes == MEMORY_BYTES
+            # The shm path is real: a same-host client maps it and sees the written bytes.
+            mapped = Segment.open_mapped(info.shm_path, info.shm_token)
+            conn = await connect(node.endpoint, key=KEY, name="client")
+            data = os.urandom(10_000)
+            # One grant, two slices in one frame: the payload lands straight in the segment.
+            grant = grant_for(node, 4096, len(data))
+            items = [WriteItem(grant, 0, 6_000), WriteItem(grant, 6_000, 4_000)]
+            reply = await conn.request(WriteSlices(items), [data[:6_000], data[6_000:]])
+            assert isinstance(reply, CodesReply) and reply.codes == [0, 0]
+            assert await master.commit(node.segment_id, [entry("obj", 4096, data)]) == [0]
+            assert node.inventory.entries() == [entry("obj", 4096, data)]
+            node.inventory.check_invariants()
+            assert await read(conn, node.segment_id, 4096, len(data)) == data
+            assert bytes(mapped.data[4096 : 4096 + len(data)]) == data
+            mapped.close()
+            # Several ranges in one read come back concatenated, in item order.
+            buffer = bytearray(300)
+            reply = await conn.request(
+                ReadSlices([ReadItem(node.segment_id, 4096 + 100, 200),
+                            ReadItem(node.segment_id, 4096, 100)]),
+                reply_sinks=lambda m: [memoryview(buffer)],
+            )  # fmt: skip
+            assert bytes(buffer) == data[100:300] + data[:100]
+            metrics = node.metrics.render().decode()
+            assert "kvpool_node_write_bytes_total 10000.0" in metrics
+            assert "kvpool_node_read_bytes_total 10300.0" in metrics
+            assert "kvpool_node_segment_used_bytes 10000.0" in metrics
+            assert "kvpool_node_objects 1.0" in metrics
+            conn.close()
+
+    run(main)
+
+
+def test_forged_expired_and_misrouted_grants_are_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY, name="client")
+            data = b"\xab" * 4096
+            other_key = auth.cluster_key("another cluster")
+            forged = [
+                grant_for(node, 0, 4096, key=other_key),
+                grant_for(node, 0, 4096, key=None),  # unsigned, on a cluster with a key
+                grant_for(node, 0, 4096, expiry_ms=wall_clock_ms() - 1),  # expired
+            ]
+            real = grant_for(node, 0, 4096)
+            forged.append(WriteGrant(real.segment_id, 0, 8192, real.expiry_ms, real.mac))  # widened
+            for grant in forged:
+                with pytest.raises(Unauthorized):
+                    await write(conn, grant, data)
+            with pytest.raises(SegmentNotFound):
+                await write(conn, grant_for(node, 0, 4096, segment_id="elsewhere"), data)
+            # The payloads were discarded: not one byte landed, and the connection still works.
+            assert await read(conn, node.segment_id, 0, 4096) == bytes(4096)
+            # One bad item fails the whole frame before any byte is read.
+            items = [WriteItem(grant_for(node, 0, 4096), 0, 4096), WriteItem(forged[0], 0, 4096)]
+            with pytest.raises(Unauthorized):
+                await conn.request(WriteSlices(items), [data, data])
+            assert await read(conn, node.segment_id, 0, 4096) == bytes(4096)
+            # A valid grant over a committed object is stale: the object stays intact.
+            await put(master, node, conn, "kept", 8192, b"\x01" * 512)
+            with pytest.raises(Unauthorized):
+                await write(conn, grant_for(node, 8000, 1024), b"\x02" * 1024)
+            assert await read(conn, node.segment_id, 8192, 512) == b"\x01" * 512
+            metrics = node.metrics.render().decode()
+            assert 'kvpool_node_errors_total{code="ILLEGAL_CLIENT"} 6.0' in metrics
+            conn.close()
+
+    run(main)
+
+
+def test_out_of_range_requests_get_invalid_params_and_others_keep_working(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            bad = await connect(node.endpoint, key=KEY, name="bad client")
+            good = await connect(node.endpoint, key=KEY, name="good client")
+            await put(master, node, good, "a", 0, b"A" * 1000)
+            cap = node.segment.capacity_bytes
+            sid = node.segment_id
+            writes = [
+                (grant_for(node, 0, 100), 50, 100),  # slice runs past the grant
+                (grant_for(node, 2048, 100), -1, 10),  # negative start
+                (grant_for(node, cap - 100, 200), 0, 100),  # grant past the segment
+                (grant_for(node, -64, 128), 64, 64),  # grant before the segment
+            ]
+            for grant, start, size in writes:
+                with pytest.raises(InvalidParams):
+                    await bad.request(WriteSlices([WriteItem(grant, start, size)]), [bytes(size)])
+            with pytest.raises(InvalidParams):  # an empty slice, with no payload at all
+                await bad.request(WriteSlices([WriteItem(grant_for(node, 2048, 100), 0, 0)]))
+            reads = [(cap - 10, 11), (-1, 10), (0, 0), (cap, 1), (0, cap + 1)]
+            for offset, size in reads:
+                with pytest.raises(InvalidParams):
+                    await bad.request(ReadSlices([ReadItem(sid, offset, size)]))
+            with pytest.raises(SegmentNotFound):
+                await bad.request(ReadSlices([ReadItem("nope", 0, 10)]))
+            # More than one frame's payload in one read.
+            count = limits.FRAME_PAYLOAD_SIZE_BYTES_MAX // cap + 1
+            with pytest.raises(InvalidParams):
+                await bad.request(ReadSlices([ReadItem(sid, 0, cap)] * count))
+            # A request kind the transfer server does not serve.
+            with pytest.raises(InvalidParams):
+                await bad.request(Heartbeat([sid]))
+            assert await bad.request(WriteSlices([])) == CodesReply([])
+            assert await read(bad, sid, 0, 1000) == b"A" * 1000
+            assert await read(good, sid, 0, 1000) == b"A" * 1000
+            assert node.inventory.entries() == [entry("a", 0, b"A" * 1000)]
+            bad.close()
+            good.close()
+
+    run(main)
+
+
+def test_commit_verifies_checksum_and_bounds_and_drop_forgets(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY, name="client")
+            sid = node.segment_id
+            one, two = os.urandom(700), os.urandom(900)
+            assert await write(conn, grant_for(node, 0, 700), one) == [0]
+            assert await write(conn, grant_for(node, 1024, 900), two) == [0]
+            wrong = InventoryEntry("bad", 1024, 900, xxhash.xxh3_64_intdigest(two) ^ 1)
+            outside = InventoryEntry("out", node.segment.capacity_bytes - 10, 20, 0)
+            codes = await master.commit(sid, [entry("one", 0, one), wrong, outside])
+            assert codes == [ErrorCode.OK, ErrorCode.TRANSFER_FAIL, ErrorCode.INVALID_PARAMS]
+            assert [x.key for x in node.inventory.entries()] == ["one"]
+            # Committing more bytes than were written fails too: length is part of the check.
+            longer = InventoryEntry("two", 1024, 901, xxhash.xxh3_64_intdigest(two))
+            assert await master.commit(sid, [longer]) == [ErrorCode.TRANSFER_FAIL]
+            assert await master.commit(sid, [entry("two", 1024, two)]) == [0]
+            assert len(node.inventory) == 2
+            # A commit for another segment is refused whole.
+            with pytest.raises(SegmentNotFound):
+                await master.commit("elsewhere", [entry("one", 0, one)])
+            # Drops match key and offset; unknown entries are ignored.
+            await master.drop(sid, [entry("one", 0, one), InventoryEntry("zz", 5, 5, 0),
+                                    InventoryEntry("two", 0, 900, 0)])  # fmt: skip
+            assert [x.key for x in node.inventory.entries()] == ["two"]
+            await master.drop(sid, [entry("two", 1024, two)])
+            assert len(node.inventory) == 0 and node.inventory.used_bytes == 0
+            # The range is free again: a fresh grant may overwrite it now.
+            assert await write(conn, grant_for(node, 1024, 900), one + one[:200]) == [0]
+            metrics = node.metrics.render().decode()
+            assert 'kvpool_node_commits_total{result="checksum"} 2.0' in metrics
+            conn.close()
+
+    run(main)
+
+
+def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            good = await connect(node.endpoint, key=KEY, name="good client")
+            stored = os.urandom(5000)
+            await put(master, node, good, "stored", 0, stored)
+            sid = node.segment_id
+            free_grant = grant_for(node, 8192, 100)
+            write_msg = encode_frame(WriteSlices([WriteItem(free_grant, 0, 100)]), 3, payload_size=50)
+            body = msgspec.msgpack.encode([99, "what"])  # an unknown message tag
+            attacks: dict[str, bytes] = {
+                "random bytes": os.urandom(4096),
+                "bad magic": header(0, magic=0x1234),
+                "bad version": header(0, version=99),
+                "unknown flags": header(0, flags=0x80),
+                "huge control size": header(limits.FRAME_CONTROL_SIZE_BYTES_MAX + 1),
+                "huge payload size": header(10, limits.FRAME_PAYLOAD_SIZE_BYTES_MAX + 1),
+                "undecodable control": header(5) + b"\xc1" * 5,
+                "unknown message tag": header(len(body)) + body,
+                "reply flag on a request": encode_frame(ReadSlices([]), 3)[:2] + b"\x01\x01"
+                + encode_frame(ReadSlices([]), 3)[4:],
+                "payload size unlike the items": write_msg + bytes(50),
+                "second handshake": encode_frame(AuthResponse(b"x", b"y"), 0),
+            }
+            for name, attack in attacks.items():
+                reader, writer = await raw_connect(node.endpoint)
+                writer.write(attack)
+                assert await is_closed_by_peer(reader), name
+                writer.close()
+                # The server keeps serving everyone else, and nothing it stores changed.
+                assert await read(good, sid, 0, len(stored)) == stored, name
+            # Garbage instead of a handshake.
+            host, port = node.endpoint.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(os.urandom(100))
+            assert await is_closed_by_peer(reader)
+            writer.close()
+            # A frame cut short by the peer hanging up.
+            reader, writer = await raw_connect(node.endpoint)
+            frame = encode_frame(ReadSlices([ReadItem(sid, 0, 10)]), 5)
+            writer.write(frame[: len(frame) - 3])
+            writer.write_eof()
+            assert await is_closed_by_peer(reader)
+            writer.close()
+            # A truncated frame that just sits there holds only its own connection.
+            reader, writer = await raw_connect(node.endpoint)
+            writer.write(frame[:10])
+            await writer.drain()
+            assert await read(good, sid, 0, len(stored)) == stored
+            writer.close()
+            assert bytes(node.segment.data[8192 : 8192 + 100]) == bytes(100)
+            assert node.inventory.entries() == [entry("stored", 0, stored)]
+            good.close()
+
+    run(main)
+
+
+def test_wrong_cluster_token_is_rejected(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            with pytest.raises((ConnectFailed, Unauthorized)):
+                await connect(node.endpoint, key=auth.cluster_key("wrong"), timeout_ms=1_000)
+            with pytest.raises(Unauthorized):
+                await connect(node.endpoint, key=None, timeout_ms=1_000)
+            conn = await connect(node.endpoint, key=KEY)
+            assert await read(conn, node.segment_id, 0, 10) == bytes(10)
+            conn.close()
+            # A node with the wrong token never mounts, but starts and serves its own clients.
+            other = Node(node_config(tmp_path, master.port, "wrong token"))
+            await other.start()
+            assert not other.is_mounted
+            assert [m.segment.segment_id for m in master.mounts] == [node.segment_id]
+            wrong_key = auth.cluster_key("wrong token")
+            conn = await connect(other.endpoint, key=wrong_key)
+            assert await read(conn, other.segment_id, 0, 10) == bytes(10)
+            conn.close()
+            await other.stop()
+
+    run(main)
+
+
+def test_node_remounts_when_master_forgets_its_segment(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY)
+            data = os.urandom(3000)
+            await put(master, node, conn, "survivor", 64, data)
+            await put(master, node, conn, "refused", 8192, b"r" * 100)
+            assert len(master.mounts) == 1
+            master.unknown = True  # The master restarted behind the same connection.
+            master.rejected = [entry("refused", 8192, b"r" * 100)]
+            await until(lambda: len(master.mounts) == 2)
+            remount = master.mounts[1]
+            assert remount.segment == node.segment_info
+            refused = entry("refused", 8192, b"r" * 100)
+            assert remount.inventory == [entry("survivor", 64, data), refused]
+            # What the master rejected is dropped from the node's inventory.
+            await until(lambda: len(node.inventory) == 1)
+            assert node.inventory.entries() == [entry("survivor", 64, data)]
+            assert node.is_mounted
+            conn.close()
+
+    run(main)
+
+
+def test_large_inventory_remounts_in_several_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node_server, "_MOUNT_ENTRIES_MAX", 2)
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY)
+            held = [entry(f"k{i}", i * 1024, bytes([i]) * 100) for i in range(5)]
+            for i, e in enumerate(held):
+                await put(master, node, conn, e.key, e.offset, bytes([i]) * 100)
+            master.unknown = True
+            master.rejected = [held[3]]
+            await until(lambda: len(master.mounts) == 4)
+            await node.wait_mounted(2_000)
+            assert [m.inventory for m in master.mounts[1:]] == [held[0:2], held[2:4], held[4:5]]
+            assert node.inventory.entries() == held[:3] + held[4:]
+            conn.close()
+
+    run(main)
+
+
+def test_inventory_chunks_respect_the_frame_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert list(node_server._inventory_chunks([])) == [[]]
+    monkeypatch.setattr(node_server, "_MOUNT_CHUNK_SIZE_BYTES_MAX", 100)
+    entries = [InventoryEntry("k" * 30, i * 64, 64, 0) for i in range(5)]  # 62 bytes each
+    assert list(node_server._inventory_chunks(entries)) == [[e] for e in entries]
+
+
+def test_node_survives_master_restart_and_remounts_with_inventory(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY)
+            data = os.urandom(2000)
+            await put(master, node, conn, "survivor", 128, data)
+            port = master.port
+            await master.stop()
+            await until(lambda: not node.is_mounted)
+            # With the master down the node keeps serving what it holds.
+            await asyncio.sleep(0.2)
+            assert await read(conn, node.segment_id, 128, len(data)) == data
+            restarted = FakeMaster()
+            await restarted.start(port)
+            try:
+                await node.wait_mounted(5_000)
+                assert len(restarted.mounts) == 1
+                assert restarted.mounts[0].inventory == [entry("survivor", 128, data)]
+                assert restarted.mounts[0].segment.segment_id == node.segment_id
+                # The new master can call the node back on the new link.
+                await restarted.drop(node.segment_id, [entry("survivor", 128, data)])
+                assert len(node.inventory) == 0
+            finally:
+                master.conns = restarted.conns  # so that cluster() closes the live ones
+                master.server = restarted.server
+            conn.close()
+
+    run(main)
+
+
+def test_node_starts_before_its_master(tmp_path: Path) -> None:
+    async def main() -> None:
+        with socket.socket() as probe:  # a port with nobody listening (yet)
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        node = Node(node_config(tmp_path, port))
+        await node.start()
+        try:
+            assert node.state is NodeState.SERVING and not node.is_mounted
+            conn = await connect(node.endpoint, key=KEY)
+            assert await write(conn, grant_for(node, 0, 10), b"0123456789") == [0]
+            master = FakeMaster()
+            await master.start(port)
+            await node.wait_mounted(5_000)
+            assert master.mounts[0].segment == node.segment_info
+            conn.close()
+            await node.stop()
+            assert [type(m) for m in master.calls][-1] is UnmountSegment
+            await master.stop()
+        finally:
+            await node.stop()
+        assert segment_files(tmp_path) == []
+
+    run(main)
+
+
+def test_stop_unmounts_closes_connections_and_unlinks(tmp_path: Path) -> None:
+    async def main() -> None:
+        master = FakeMaster()
+        await master.start()
+        node = Node(node_config(tmp_path, master.port))
+        await node.start()
+        path = Path(node.segment_info.shm_path)
+        assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+        conn = await connect(node.endpoint, key=KEY)
+        assert await read(conn, node.segment_id, 0, 10) == bytes(10)
+        idle = await connect(node.endpoint, key=KEY)  # never sends a request before the stop
+        await node.stop()
+        assert master.of_type(UnmountSegment) == [UnmountSegment(node.segment_id)]
+        assert not path.exists()
+        await until(conn.is_closed)
+        with pytest.raises(RpcFailed):
+            await read(conn, node.segment_id, 0, 10)
+        # The handler never saw the idle connection, so stop() could not close it; it is
+        # answered with a clean error, never with bytes of an unmapped segment.
+        with pytest.raises((RpcFailed, SegmentNotFound)):
+            await read(idle, node.segment_id, 0, 10)
+        idle.close()
+        with pytest.raises(ConnectFailed):
+            await connect(node.endpoint, key=KEY, timeout_ms=500)
+        await node.stop()  # idempotent
+        await master.stop()
+
+    run(main)
+
+
+def test_drain_then_unmount_while_serving_reads(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY)
+            await put(master, node, conn, "k", 0, b"x" * 64)
+            drain = asyncio.ensure_future(node.drain(300))
+            await until(lambda: bool(master.of_type(DrainSegment)))
+            assert node.state is NodeState.DRAINING
+            assert master.of_type(DrainSegment)[0].segment_id == node.segment_id
+            assert await read(conn, node.segment_id, 0, 64) == b"x" * 64
+            assert not master.of_type(UnmountSegment)
+            await drain
+            assert master.of_type(UnmountSegment) == [UnmountSegment(node.segment_id)]
+            assert not node.is_mounted
+            conn.close()
+
+    run(main)
+
+
+def test_no_token_on_a_non_loopback_address_is_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        node = Node(node_config(tmp_path, 1, token=None, listen_host="0.0.0.0"))
+        with pytest.raises(Unauthorized):
+            await node.start()
+        assert node.state is NodeState.STOPPED
+        assert segment_files(tmp_path) == []
+        await node.stop()
+
+    run(main)
+
+
+def test_wildcard_listen_advertises_a_dialable_address(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path, listen_host="0.0.0.0", advertise_host="127.0.0.1") as (_, node):
+            assert node.endpoint.startswith("127.0.0.1:")
+        async with cluster(tmp_path, listen_host="0.0.0.0") as (_, node):
+            host = node.endpoint.rsplit(":", 1)[0]
+            assert host and host not in ("0.0.0.0", "")
+
+    run(main)
+
+
+def test_shm_disabled_hides_the_segment_file(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path, token=None, shm_enabled=False) as (master, node):
+            assert node.segment_info.shm_path == "" and node.segment_info.shm_token == b""
+            assert master.mounts[0].segment.shm_path == ""
+            conn = await connect(node.endpoint, key=None)
+            await put(master, node, conn, "k", 0, b"no token, loopback only")
+            assert await read(conn, node.segment_id, 0, 23) == b"no token, loopback only"
+            conn.close()
+
+    run(main)
+
+
+def test_stale_segment_files_are_removed_at_start(tmp_path: Path) -> None:
+    async def main() -> None:
+        stale = Segment.create(str(tmp_path), "dead", MEMORY_BYTES, os.urandom(16))
+        stale_path = stale.path
+        stale.is_owner = False  # leave the file behind, as a SIGKILLed node would
+        stale.close()
+        with open(stale_path, "r+b") as file:  # rewrite the owner pid to one that cannot exist
+            file.seek(40)
+            file.write(struct.pack("<Q", 2**22 + 12345))
+        async with cluster(tmp_path, node_id="dead") as (_, node):
+            # The same path now holds this node's fresh segment (its token, its pid).
+            assert segment_files(tmp_path) == [stale_path]
+            fresh = Segment.open_mapped(str(stale_path), node.segment_info.shm_token)
+            fresh.close()
+
+    run(main)
+
+
+def test_metrics_and_health_over_http(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path, metrics_port=0) as (master, node):
+            conn = await connect(node.endpoint, key=KEY)
+            await put(master, node, conn, "k", 0, b"m" * 128)
+            with pytest.raises(Unauthorized):
+                await write(conn, grant_for(node, 0, 10, key=None), bytes(10))
+            base = f"http://{node.metrics_endpoint}"
+            async with aiohttp.ClientSession() as session:
+                async with session.get(base + "/metrics") as response:
+                    assert response.status == 200
+                    text = await response.text()
+                async with session.get(base + "/health") as response:
+                    assert response.status == 200
+                    health = json.loads(await response.text())
+            samples = {
+                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+            }
+            expected = {
+                "kvpool_node_segment_capacity_bytes": MEMORY_BYTES,
+                "kvpool_node_segment_used_bytes": 128,
+                "kvpool_node_objects": 1,
+                "kvpool_node_write_bytes_total": 128,
+                "kvpool_node_write_requests_total": 1,
+                "kvpool_node_read_requests_total": 0,
+                "kvpool_node_master_connected": 1,
+                "kvpool_node_mounts_total": 1,
+            }
+            for name, value in expected.items():
+                assert samples[(name, ())] == value, name
+            assert samples[("kvpool_node_errors_total", (("code", "ILLEGAL_CLIENT"),))] == 1
+            info = (("endpoint", node.endpoint), ("node_id", node.node_id),
+                    ("segment_id", node.segment_id))  # fmt: skip
+            assert samples[("kvpool_node_info", info)] == 1
+            assert health["status"] == "ok" and health["mounted"] is True
+            assert health["segment_id"] == node.segment_id and health["objects"] == 1
+            conn.close()
+
+    run(main)
+
+
+def test_two_nodes_in_one_process(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, first):
+            second = Node(node_config(tmp_path, master.port))
+            await second.start()
+            assert second.is_mounted and second.segment_id != first.segment_id
+            assert len(segment_files(tmp_path)) == 2
+            await second.stop()
+
+    run(main)
+
+
+def test_run_node_serves_until_sigterm(tmp_path: Path) -> None:
+    async def main() -> None:
+        master = FakeMaster()
+        await master.start()
+        task = asyncio.ensure_future(run_node(node_config(tmp_path, master.port)))
+        await until(lambda: bool(master.mounts))
+        assert len(segment_files(tmp_path)) == 1
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(task, 5)
+        assert master.of_type(UnmountSegment)
+        assert segment_files(tmp_path) == []
+        await master.stop()
+
+    run(main)
+
+
+def test_node_config_validates() -> None:
+    with pytest.raises(InvalidParams):
+        NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=1)
+    with pytest.raises(InvalidParams):
+        NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES, heartbeat_interval_ms=0)
+    with pytest.raises(InvalidParams):
+        NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES, node_id="../evil")
+    with pytest.raises(InvalidParams):
+        NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES, token="")
+    a = NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES)
+    b = NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES)
+    assert a.node_id != b.node_id and len(a.node_id) == 12
