@@ -58,6 +58,7 @@ from kvpool.protocol.messages import (
     MountReply,
     MountSegment,
     OkReply,
+    ErrorReply,
     ReadItem,
     ReadReply,
     ReadSlices,
@@ -128,13 +129,11 @@ class FakeMaster:
 
     async def start(self, port: int = 0) -> None:
         self.server = await start_server("127.0.0.1", port, self, key=self.key, name="fake master")
-        self.port = self.server.sockets[0].getsockname()[1]
+        self.port = self.server.port
 
     async def stop(self) -> None:
         assert self.server is not None
-        self.server.close()
-        for conn in self.conns:
-            conn.close("fake master stopping")
+        await self.server.close()
         self.conns.clear()
 
     async def commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int]:
@@ -444,9 +443,20 @@ def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
                 "unknown message tag": header(len(body)) + body,
                 "reply flag on a request": encode_frame(ReadSlices([]), 3)[:2] + b"\x01\x01"
                 + encode_frame(ReadSlices([]), 3)[4:],
-                "payload size unlike the items": write_msg + bytes(50),
                 "second handshake": encode_frame(AuthResponse(b"x", b"y"), 0),
             }
+            # A payload whose size differs from its items is refused with a reply; the payload
+            # is discarded and the connection stays usable.
+            reader, writer = await raw_connect(node.endpoint)
+            writer.write(write_msg + bytes(50))
+            refusal = await read_frame(reader)
+            assert isinstance(refusal.message, ErrorReply), refusal
+            assert refusal.message.code == ErrorCode.INVALID_PARAMS
+            writer.write(encode_frame(ReadSlices([ReadItem(sid, 0, len(stored))]), 4))
+            reply = await read_frame(reader)
+            assert isinstance(reply.message, ReadReply)
+            writer.close()
+            assert bytes(node.segment.data[8192 : 8192 + 100]) == bytes(100)
             for name, attack in attacks.items():
                 reader, writer = await raw_connect(node.endpoint)
                 writer.write(attack)

@@ -191,6 +191,7 @@ def node(
     async def main() -> None:
         storage_node = Node(config)
         await storage_node.start()
+        await storage_node.wait_mounted(limits.CONNECT_TIMEOUT_MS_DEFAULT * 5)
         if ready_file:
             _write_ready(
                 ready_file,

@@ -44,7 +44,7 @@ from kvpool.protocol.messages import (
     RemoveByRegex,
     UnmountSegment,
 )
-from kvpool.transports.connection import Connection, HandlerResult, start_server
+from kvpool.transports.connection import Connection, HandlerResult, Listener, start_server
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class MasterServer:
         self.metrics = MasterMetrics(self.service)
         self._node_conns: dict[str, Connection] = {}
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self._http = None
         self._tick_task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
@@ -92,7 +92,7 @@ class MasterServer:
 
     async def start(self) -> None:
         self._server = await start_server(self.host, self.port, self, key=self._key, name="master")
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = self._server.port
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
@@ -102,9 +102,7 @@ class MasterServer:
         if self._tick_task is not None:
             self._tick_task.cancel()
         if self._server is not None:
-            self._server.close()
-        for conn in list(self._node_conns.values()):
-            conn.close("master stopping")
+            await self._server.close()
         if self._http is not None:
             await self._http.cleanup()
 
@@ -112,6 +110,9 @@ class MasterServer:
 
     def payload_sinks(self, conn: Connection, message: Message) -> None:
         raise InvalidParams(f"the master takes no payload ({type(message).__name__})")
+
+    def payload_received(self, conn: Connection, message: Message) -> None:
+        raise AssertionError("payload_sinks refuses every payload")
 
     def connection_closed(self, conn: Connection) -> None:
         # The node may reconnect and re-mount; liveness (node TTL) decides when it is gone.

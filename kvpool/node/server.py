@@ -52,7 +52,14 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     UnmountSegment,
 )
-from kvpool.transports.connection import Connection, connect, is_loopback, split_endpoint, start_server
+from kvpool.transports.connection import (
+    Connection,
+    Listener,
+    connect,
+    is_loopback,
+    split_endpoint,
+    start_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +117,7 @@ class Node:
         self._inventory: Inventory | None = None
         self._transfer: TransferHandler | None = None
         self._master_calls: MasterCallHandler | None = None
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self._metrics_server: MetricsServer | None = None
         self._endpoint = ""
         self._master_conn: Connection | None = None
@@ -223,7 +230,7 @@ class Node:
             config.listen_host, config.listen_port, self._transfer, key=self._key,
             name=f"node {config.node_id}",
         )  # fmt: skip
-        port = self._server.sockets[0].getsockname()[1]
+        port = self._server.port
         host = await _advertise_host(config, master_host)
         self._endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         shm_enabled = config.shm_enabled
@@ -455,16 +462,7 @@ class Node:
             if handler is not None:
                 handler.close()
         if self._server is not None:
-            self._server.close()
-            assert self._transfer is not None
-            for conn in list(self._transfer.connections):
-                conn.close("node stopping")
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), _SERVER_CLOSE_WAIT_MS_MAX / 1000)
-            except asyncio.TimeoutError:
-                # A client that connected but never sent a request is not tracked by the
-                # handler; the listener is closed and its socket goes when the peer hangs up.
-                pass
+            await self._server.close(_SERVER_CLOSE_WAIT_MS_MAX)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         if self._segment is not None:

@@ -67,10 +67,9 @@ def wall_clock_ms() -> int:
 class _SegmentHandler:
     """What both handlers share: the segment, its id, the inventory, and payload verdicts.
 
-    A payload-bearing request is judged in `payload_sinks` before its bytes arrive; the
-    Connection then reads the payload and calls `handle` with the same message object. The
-    verdict travels between the two calls in `_verdicts`, keyed by connection: a connection
-    receives one payload at a time, so one slot per connection is enough.
+    A payload-bearing request is judged in `payload_sinks` before its bytes arrive. A refusal
+    (raised) is the reply, sent by the Connection; once an accepted payload has landed the
+    Connection calls `payload_received`.
     """
 
     def __init__(self, segment: Segment, segment_id: str, inventory: Inventory, metrics: NodeMetrics):
@@ -82,7 +81,6 @@ class _SegmentHandler:
         self.inventory = inventory
         self.metrics = metrics
         self.connections: set[Connection] = set()
-        self._verdicts: dict[Connection, tuple[Message, KVPoolError | None]] = {}
         self._is_closed = False
 
     def close(self) -> None:
@@ -91,7 +89,6 @@ class _SegmentHandler:
 
     def connection_closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
-        self._verdicts.pop(conn, None)
 
     def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
         self.connections.add(conn)
@@ -99,22 +96,23 @@ class _SegmentHandler:
             self._check_open()
             sinks = self._sinks_for(message)
         except KVPoolError as exc:
-            self._verdicts[conn] = (message, exc)
+            self.metrics.count_error(exc)
             raise
-        self._verdicts[conn] = (message, None)
         return sinks
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult:
         self.connections.add(conn)
         try:
             self._check_open()
-            verdict = self._verdicts.pop(conn, None)
-            if verdict is not None:
-                assert verdict[0] is message, "payload verdict of another request"
-                if verdict[1] is not None:
-                    raise verdict[1]
-                return self._handle_landed(message)
             return self._handle(message)
+        except KVPoolError as exc:
+            self.metrics.count_error(exc)
+            raise
+
+    def payload_received(self, conn: Connection, message: Message) -> HandlerResult:
+        try:
+            self._check_open()
+            return self._handle_landed(message)
         except KVPoolError as exc:
             self.metrics.count_error(exc)
             raise

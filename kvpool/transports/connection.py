@@ -55,14 +55,22 @@ class RequestHandler(Protocol):
     """What a server (or a client that accepts calls) implements."""
 
     def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
-        """Buffers for the payload of `message`, or None to discard it (the request then fails
-        in `handle` with the reason). Called before any payload byte is read."""
+        """Buffers for the payload of `message`, adding up to exactly its size. Raise a
+        KVPoolError to refuse it: the payload is then discarded and the error is the reply
+        (`handle` is not called). Called before any payload byte is read."""
         ...
 
     def handle(
         self, conn: Connection, message: Message
     ) -> HandlerResult | Awaitable[HandlerResult]:
-        """The reply (and its payload) for a request; raise KVPoolError for an error reply."""
+        """The reply (and its payload) for a request without payload; raise KVPoolError for
+        an error reply."""
+        ...
+
+    def payload_received(
+        self, conn: Connection, message: Message
+    ) -> HandlerResult | Awaitable[HandlerResult]:
+        """The reply for a request whose payload has landed in the sinks `payload_sinks` gave."""
         ...
 
     def connection_closed(self, conn: Connection) -> None: ...
@@ -83,8 +91,10 @@ class Connection(asyncio.BufferedProtocol):
         key: bytes | None,
         is_server: bool,
         name: str = "",
+        registry: set[Connection] | None = None,
     ) -> None:
         self.name = name
+        self._registry = registry
         self.peer = ""
         self._handler = handler
         self._key = key
@@ -101,6 +111,7 @@ class Connection(asyncio.BufferedProtocol):
         self._incoming: Message | None = None  # the peer's request whose payload is arriving
         self._incoming_id = 0
         self._incoming_reply: Message | None = None
+        self._incoming_error: KVPoolError | None = None
         self._incoming_is_reply = False
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
@@ -183,6 +194,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        if self._registry is not None:
+            self._registry.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         sock = transport.get_extra_info("socket")
@@ -249,6 +262,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.close_reason = reason
         self._closed.set_result(None)
+        if self._registry is not None:
+            self._registry.discard(self)
         error = RpcFailed(f"connection to {self.peer} closed: {reason}")
         if not self._ready.done():
             self._ready.set_exception(ConnectFailed(f"{self.peer}: {reason}"))
@@ -297,10 +312,17 @@ class Connection(asyncio.BufferedProtocol):
             raise RemoteProtocolError(f"peer sent a {type(message).__name__} request to a client")
         if frame.payload_size:
             sinks = None
+            self._incoming_error = None
             try:
                 sinks = self._handler.payload_sinks(self, message)
+                if sinks is not None and sum(len(s) for s in sinks) != frame.payload_size:
+                    raise InvalidParams(
+                        f"payload of {frame.payload_size} bytes does not match the request"
+                    )
             except KVPoolError as exc:
                 log.info("rejecting payload of %s from %s: %s", type(message).__name__, self.peer, exc)
+                self._incoming_error = exc
+                sinks = None
             self._decoder.set_payload_sinks(sinks)
             self._incoming = message
             self._incoming_id = frame.request_id
@@ -319,12 +341,19 @@ class Connection(asyncio.BufferedProtocol):
             return
         message, self._incoming = self._incoming, None
         assert message is not None, "payload done without a request"
-        self._dispatch(event.request_id, message)
+        if self._incoming_error is not None:
+            # The payload was refused before it arrived and has been discarded.
+            self._reply_error(event.request_id, self._incoming_error)
+            return
+        self._dispatch(event.request_id, message, has_payload=True)
 
-    def _dispatch(self, request_id: int, message: Message) -> None:
+    def _dispatch(self, request_id: int, message: Message, has_payload: bool = False) -> None:
         assert self._handler is not None
         try:
-            result = self._handler.handle(self, message)
+            if has_payload:
+                result = self._handler.payload_received(self, message)
+            else:
+                result = self._handler.handle(self, message)
         except KVPoolError as exc:
             self._reply_error(request_id, exc)
             return
@@ -422,6 +451,28 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+class Listener:
+    """A listening socket and the connections it accepted, so that stopping a server ends
+    every conversation it had (an idle client must not keep talking to a stopped server)."""
+
+    def __init__(self, server: asyncio.Server, connections: set[Connection]) -> None:
+        self._server = server
+        self.connections = connections
+
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self, timeout_ms: int = limits.CONNECT_TIMEOUT_MS_DEFAULT) -> None:
+        self._server.close()
+        for conn in list(self.connections):
+            conn.close("server stopping")
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            log.warning("listener did not close within %d ms", timeout_ms)
+
+
 async def start_server(
     host: str,
     port: int,
@@ -429,7 +480,7 @@ async def start_server(
     *,
     key: bytes | None,
     name: str,
-) -> asyncio.Server:
+) -> Listener:
     """Listen for kvpool connections. Without a cluster key only loopback may be bound.
 
     Raises:
@@ -442,14 +493,16 @@ async def start_server(
             "--token-file, or bind 127.0.0.1"
         )
     loop = asyncio.get_running_loop()
+    connections: set[Connection] = set()
     with map_exceptions({OSError: ConnectFailed}):
-        return await loop.create_server(
-            lambda: Connection(handler, key=key, is_server=True, name=name),
+        server = await loop.create_server(
+            lambda: Connection(handler, key=key, is_server=True, name=name, registry=connections),
             host,
             port,
             reuse_address=True,
             backlog=1024,
         )
+    return Listener(server, connections)
 
 
 async def connect(
