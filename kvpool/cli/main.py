@@ -162,7 +162,7 @@ def node(
     ] = None,
     token_file: TokenFileOption = None,
     ready_file: Annotated[
-        Optional[Path], typer.Option(help="Write {\"endpoint\", \"segment_id\"} here once mounted.")
+        Optional[Path], typer.Option(help="Write the node's endpoints as JSON here once mounted.")
     ] = None,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
@@ -195,7 +195,11 @@ def node(
         if ready_file:
             _write_ready(
                 ready_file,
-                {"endpoint": storage_node.endpoint, "segment_id": storage_node.segment_info.segment_id},
+                {
+                    "endpoint": storage_node.endpoint,
+                    "segment_id": storage_node.segment_info.segment_id,
+                    "metrics_endpoint": storage_node.metrics_endpoint,
+                },
             )
         await _until_signalled()
         await storage_node.stop()
@@ -292,8 +296,11 @@ def rm(
                 codes = store.batch_remove(keys or [], force)
                 for key, code in zip(keys or [], codes):
                     if code != ErrorCode.OK:
-                        err_console.print(f"{key}: {ErrorCode(code).name}")
+                        err_console.print(f"{key}: not removed ({ErrorCode(code).name})")
                 count = sum(1 for c in codes if c == ErrorCode.OK)
+                if count < len(codes):
+                    err_console.print(f"removed {count} of {len(codes)} object(s)")
+                    raise typer.Exit(1)
         except KVPoolError as exc:
             raise _fail(str(exc)) from None
     err_console.print(f"removed {count} object(s)")
@@ -326,8 +333,6 @@ def stat(
     token_file: TokenFileOption = None,
 ) -> None:
     """Show the cluster's segments and usage, or where given objects live."""
-    import msgspec
-
     with _store(master, token_file) as store:
         if keys:
             reply = store.query(keys)
@@ -345,7 +350,7 @@ def stat(
             return
         status = store.cluster_status()
     if as_json:
-        print(json.dumps(msgspec.to_builtins(status)))
+        print(json.dumps(status.to_dict()))
         return
     table = Table("segment", "node endpoint", "state", "used", "capacity", "objects")
     for segment in status.segments:

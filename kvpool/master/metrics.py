@@ -12,12 +12,10 @@ segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_
 
 from __future__ import annotations
 
-import json
 from collections import Counter as CountByName
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -97,10 +95,7 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
 
     async def status(_request: web.Request) -> web.Response:
         reply = server.service.cluster_status(ClusterStatus(), 0)
-        return web.Response(
-            body=json.dumps(msgspec.to_builtins(reply, str_keys=True), default=str),
-            content_type="application/json",
-        )
+        return web.json_response(reply.to_dict())
 
     async def drain(request: web.Request) -> web.Response:
         from kvpool.master.server import wall_clock_ms

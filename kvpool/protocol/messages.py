@@ -245,6 +245,27 @@ class ClusterStatusReply(Message, tag=27):
     pending_count: int
     evicted_count: int
 
+    def to_dict(self) -> dict:
+        """A JSON-ready view with named fields (the wire form is positional)."""
+        return {
+            "object_count": self.object_count,
+            "pending_count": self.pending_count,
+            "evicted_count": self.evicted_count,
+            "segments": [
+                {
+                    "segment_id": s.segment.segment_id,
+                    "node_id": s.segment.node_id,
+                    "hostname": s.segment.hostname,
+                    "endpoint": s.segment.endpoint,
+                    "state": s.state,
+                    "capacity_bytes": s.segment.capacity_bytes,
+                    "used_bytes": s.used_bytes,
+                    "object_count": s.object_count,
+                }
+                for s in self.segments
+            ],
+        }
+
 
 # --- node <-> master --------------------------------------------------------------------------
 

@@ -169,16 +169,28 @@ class Connection(asyncio.BufferedProtocol):
         request_id = self._take_request_id()
         future: asyncio.Future[Message] = self._loop.create_future()
         self._pending[request_id] = (future, reply_sinks)
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            future.cancel()
+
+        # A plain timer instead of asyncio.wait_for: this is the hot path of every call.
+        timer = self._loop.call_later(timeout_ms / 1000, expire)
         try:
             await self._send(message, request_id, False, payload)
-            reply = await asyncio.wait_for(future, timeout_ms / 1000)
-        except asyncio.TimeoutError:
+            reply = await future
+        except asyncio.CancelledError:
+            if not expired:
+                raise  # the caller was cancelled, not timed out
             if reply_sinks is not None:
                 self.close(f"reply to {type(message).__name__} timed out mid-transfer")
             raise RpcTimeout(
                 f"{type(message).__name__} to {self.peer} timed out after {timeout_ms} ms"
             ) from None
         finally:
+            timer.cancel()
             self._pending.pop(request_id, None)
         if isinstance(reply, ErrorReply):
             raise error_from_code(reply.code, reply.message)
@@ -202,6 +214,8 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._is_server:
+            # A peer that does not finish the handshake in time is cut off (slow loris).
+            self._loop.call_later(limits.AUTH_TIMEOUT_MS / 1000, self._handshake_deadline)
             self._nonce_server = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
             challenge = AuthChallenge(self._nonce_server, self._key is not None)
             self._write_now(encode_frame(challenge, 0))
@@ -434,6 +448,11 @@ class Connection(asyncio.BufferedProtocol):
             self._ready.set_result(None)
             return
         raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
+
+    def _handshake_deadline(self) -> None:
+        if not self._ready.done() and not self.is_closed():
+            log.warning("closing %s: no handshake within %d ms", self.peer, limits.AUTH_TIMEOUT_MS)
+            self.close("handshake timed out")
 
     def _fail_handshake(self, exc: KVPoolError) -> None:
         if not self._ready.done():

@@ -1,0 +1,323 @@
+"""Mounted segments: their state, liveness, and the ranges waiting to be freed on each.
+
+This module is the master's view of membership: which segments are mounted, by which node,
+whether they still take allocations (active) or only serve reads until a deadline (draining),
+and when their node last spoke. Each `Segment` also owns the byte-range accounting that is not
+an object: its offset allocator, its quarantined ranges (discarded puts whose writer may still
+be writing) and its drops (ranges of removed or evicted objects that its node must forget
+before they are reused). It is not where objects live (metadata.py) nor where the decisions
+are made (service.py).
+
+    segment data area, as the master accounts it (check_invariants proves the tiling):
+    |[object replica]|[free]|[pending put]|[quarantined]|[drop sent, not acked]|[free]...|
+     ObjectMeta       allocator  PendingPut  Segment.quarantined  Segment.drops_*
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterator
+
+from kvpool.master.allocator import OffsetAllocator, footprint_bytes
+from kvpool.master.metadata import SEGMENT_COUNT_MAX
+from kvpool.protocol.messages import InventoryEntry, SegmentInfo
+
+
+class SegmentState(enum.Enum):
+    ACTIVE = "active"  # takes allocations and serves reads.
+    DRAINING = "draining"  # serves reads until drain_deadline_ms; no new allocations.
+    UNMOUNTED = "unmounted"  # gone: its replicas were removed; the record is dead.
+
+
+_TRANSITIONS: dict[SegmentState, frozenset[SegmentState]] = {
+    SegmentState.ACTIVE: frozenset({SegmentState.DRAINING, SegmentState.UNMOUNTED}),
+    SegmentState.DRAINING: frozenset({SegmentState.UNMOUNTED}),
+    SegmentState.UNMOUNTED: frozenset(),
+}
+
+
+class Segment:
+    """One mounted segment and the byte ranges of it that are not free.
+
+    Fields: `index` (the small int that packed replicas carry), `info` (as the node sent it),
+    `allocator`, `state`, `last_seen_ms` (last mount or heartbeat), `drain_deadline_ms`,
+    `object_count` (complete objects with a replica here), `quarantined` (offset -> size of
+    ranges of discarded puts, freed at their release time), `drops_unsent` (entries the node
+    must forget, not yet taken by the server), `drops_sent` (offset -> entry, taken but not yet
+    acknowledged) and `drop_bytes` (footprint of both). Every allocated byte belongs to exactly
+    one of: an object replica, a pending put, a quarantined range, a drop.
+    """
+
+    __slots__ = (
+        "index",
+        "info",
+        "allocator",
+        "state",
+        "last_seen_ms",
+        "drain_deadline_ms",
+        "object_count",
+        "quarantined",
+        "quarantined_bytes",
+        "drops_unsent",
+        "drops_sent",
+        "drop_bytes",
+    )
+
+    def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int):
+        self.index = index
+        self.info = info
+        self.allocator = allocator
+        self.state = SegmentState.ACTIVE
+        self.last_seen_ms = now_ms
+        self.drain_deadline_ms = 0
+        self.object_count = 0
+        self.quarantined: dict[int, int] = {}
+        self.quarantined_bytes = 0
+        self.drops_unsent: list[InventoryEntry] = []
+        self.drops_sent: dict[int, InventoryEntry] = {}
+        self.drop_bytes = 0
+
+    @property
+    def segment_id(self) -> str:
+        return self.info.segment_id
+
+    @property
+    def is_active(self) -> bool:
+        return self.state is SegmentState.ACTIVE
+
+    @property
+    def is_mounted(self) -> bool:
+        return self.state is not SegmentState.UNMOUNTED
+
+    def transition(self, to: SegmentState) -> None:
+        assert to in _TRANSITIONS[self.state], f"segment {self.segment_id}: {self.state} -> {to}"
+        self.state = to
+
+    # --- quarantine: ranges of discarded puts ---------------------------------------------
+
+    def quarantine(self, offset: int, size_bytes: int) -> None:
+        assert offset not in self.quarantined, f"{self.segment_id}: quarantine twice at {offset}"
+        self.quarantined[offset] = size_bytes
+        self.quarantined_bytes += self.allocator.footprint_bytes(size_bytes)
+
+    def release(self, offset: int) -> None:
+        """Free a quarantined range: its writer's grant has long expired."""
+        size_bytes = self.quarantined.pop(offset)
+        self.quarantined_bytes -= self.allocator.footprint_bytes(size_bytes)
+        self.allocator.free(offset, size_bytes)
+
+    # --- drops: ranges of removed objects, freed once the node forgot them ---------------
+
+    def schedule_drop(self, entry: InventoryEntry) -> None:
+        self.drops_unsent.append(entry)
+        self.drop_bytes += self.allocator.footprint_bytes(entry.size)
+
+    def take_drops(self) -> list[InventoryEntry]:
+        entries = self.drops_unsent
+        self.drops_unsent = []
+        for entry in entries:
+            assert entry.offset not in self.drops_sent, f"{self.segment_id}: drop twice at {entry.offset}"
+            self.drops_sent[entry.offset] = entry
+        return entries
+
+    def finish_drop(self, entry: InventoryEntry) -> bool:
+        """The node forgot `entry`: free its range. False (nothing done) unless it matches a
+        drop that was sent and not yet acknowledged, so a repeated ack never frees twice."""
+        sent = self.drops_sent.get(entry.offset)
+        if sent is None or sent.key != entry.key or sent.size != entry.size:
+            return False
+        del self.drops_sent[entry.offset]
+        self.drop_bytes -= self.allocator.footprint_bytes(sent.size)
+        self.allocator.free(sent.offset, sent.size)
+        return True
+
+    def iter_held_ranges(self) -> Iterator[tuple[int, int]]:
+        """(offset, size_bytes) of the quarantined and dropped ranges."""
+        yield from self.quarantined.items()
+        for entry in self.drops_unsent:
+            yield entry.offset, entry.size
+        for entry in self.drops_sent.values():
+            yield entry.offset, entry.size
+
+    def check_invariants(self, object_ranges: list[tuple[int, int]]) -> None:
+        """O(r log r): the object and pending-put ranges given, plus this segment's quarantined
+        ranges, drops and free extents, tile the data area exactly; the byte counts agree."""
+        allocator = self.allocator
+        allocator.check_invariants()
+        assert self.quarantined_bytes == sum(footprint_bytes(size) for size in self.quarantined.values()), (
+            self
+        )
+        drop_sizes = [entry.size for entry in self.drops_unsent]
+        drop_sizes += [entry.size for entry in self.drops_sent.values()]
+        assert self.drop_bytes == sum(footprint_bytes(size) for size in drop_sizes), self
+        pieces = [(offset, footprint_bytes(size), True) for offset, size in object_ranges]
+        pieces += [(offset, footprint_bytes(size), True) for offset, size in self.iter_held_ranges()]
+        used_bytes = sum(size for _, size, _ in pieces)
+        assert used_bytes == allocator.used_bytes, (self, used_bytes)
+        pieces += [(offset, size, False) for offset, size in allocator.iter_free_extents()]
+        pieces.sort()
+        end = 0
+        for offset, size, is_used in pieces:
+            assert offset == end, f"{self}: gap or overlap at {offset} (expected {end}, used={is_used})"
+            end = offset + size
+        assert end == allocator.capacity_bytes, (self, end)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Segment {self.segment_id!r} #{self.index} {self.state.value} "
+            f"objects={self.object_count} used={self.allocator.used_bytes}/"
+            f"{self.allocator.capacity_bytes} quarantined={self.quarantined_bytes} "
+            f"drops={self.drop_bytes}>"
+        )
+
+
+class Quarantine:
+    """When each quarantined range may be freed: a heap of (release_ms, seq, segment, offset).
+
+    A discarded put's writer may still hold an unexpired grant, so its ranges are freed only
+    at put_start + put_release_timeout_ms. Entries of a segment unmounted meanwhile are
+    skipped when they come due (the ranges went with the segment). A range is released only
+    through its own entry, so an entry never frees a later quarantine at the same offset.
+    """
+
+    __slots__ = ("_heap", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Segment, int]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, segment: Segment, offset: int, size_bytes: int, release_ms: int) -> None:
+        segment.quarantine(offset, size_bytes)
+        self._seq += 1
+        heapq.heappush(self._heap, (release_ms, self._seq, segment, offset))
+
+    def release_due(self, now_ms: int) -> int:
+        """Free every range due by `now_ms`; returns how many. O(due log q)."""
+        heap = self._heap
+        count = 0
+        while heap and heap[0][0] <= now_ms:
+            _, _, segment, offset = heapq.heappop(heap)
+            if segment.is_mounted:
+                segment.release(offset)
+                count += 1
+        return count
+
+    def check_invariants(self, registry: SegmentRegistry) -> None:
+        """Every quarantined range of a mounted segment has exactly one entry here."""
+        live = [(segment.index, offset) for _, _, segment, offset in self._heap if segment.is_mounted]
+        assert len(set(live)) == len(live), "two quarantine entries for one range"
+        assert len(live) == sum(len(segment.quarantined) for segment in registry), len(live)
+        for index, offset in live:
+            assert offset in registry.by_index(index).quarantined, (index, offset)
+
+
+class SegmentRegistry:
+    """Every mounted segment by id and by index, and the active ones for placement.
+
+    Holds `_by_id`, `_by_index` (a list with None holes; freed indexes are reused), `active`
+    (the ACTIVE segments, in mount order) and `active_by_hostname`. Invariants: the maps agree
+    with one another; no UNMOUNTED segment is registered; `active` is exactly the ACTIVE ones.
+    Mount, unmount and drain are rare, so the placement views are rebuilt on each (O(s)).
+    """
+
+    __slots__ = ("_by_id", "_by_index", "_free_indexes", "active", "active_by_hostname")
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Segment] = {}
+        self._by_index: list[Segment | None] = []
+        self._free_indexes: list[int] = []
+        self.active: list[Segment] = []
+        self.active_by_hostname: dict[str, list[Segment]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Segment]:
+        return iter(list(self._by_id.values()))
+
+    def get(self, segment_id: str) -> Segment | None:
+        return self._by_id.get(segment_id)
+
+    def by_index(self, index: int) -> Segment:
+        segment = self._by_index[index]
+        assert segment is not None, f"no segment at index {index}"
+        return segment
+
+    def is_full(self) -> bool:
+        return len(self._by_id) >= SEGMENT_COUNT_MAX
+
+    def add(self, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int) -> Segment:
+        assert info.segment_id not in self._by_id, f"segment {info.segment_id} mounted twice"
+        assert not self.is_full(), "too many segments"
+        if self._free_indexes:
+            index = self._free_indexes.pop()
+        else:
+            index = len(self._by_index)
+            self._by_index.append(None)
+        segment = Segment(index, info, allocator, now_ms)
+        self._by_index[index] = segment
+        self._by_id[info.segment_id] = segment
+        self._rebuild_views()
+        return segment
+
+    def remove(self, segment: Segment) -> None:
+        """Forget an unmounted segment; the caller already removed every reference to its index."""
+        assert segment.state is SegmentState.UNMOUNTED, segment
+        assert self._by_id.get(segment.segment_id) is segment, segment
+        del self._by_id[segment.segment_id]
+        self._by_index[segment.index] = None
+        self._free_indexes.append(segment.index)
+        self._rebuild_views()
+
+    def set_draining(self, segment: Segment, deadline_ms: int) -> None:
+        if segment.state is SegmentState.ACTIVE:
+            segment.transition(SegmentState.DRAINING)
+        segment.drain_deadline_ms = deadline_ms
+        self._rebuild_views()
+
+    def replace_info(self, segment: Segment, info: SegmentInfo) -> None:
+        assert info.segment_id == segment.segment_id, (info.segment_id, segment.segment_id)
+        segment.info = info
+        self._rebuild_views()
+
+    def silent_since(self, deadline_ms: int) -> list[Segment]:
+        """Segments whose node has not spoken since before `deadline_ms`. O(s)."""
+        return [seg for seg in self._by_id.values() if seg.last_seen_ms < deadline_ms]
+
+    def drains_due(self, now_ms: int) -> list[Segment]:
+        return [
+            seg
+            for seg in self._by_id.values()
+            if seg.state is SegmentState.DRAINING and seg.drain_deadline_ms <= now_ms
+        ]
+
+    def check_invariants(self) -> None:
+        count = 0
+        for index, segment in enumerate(self._by_index):
+            if segment is None:
+                assert index in self._free_indexes, index
+                continue
+            count += 1
+            assert segment.index == index, (segment, index)
+            assert self._by_id.get(segment.segment_id) is segment, segment
+            assert segment.is_mounted, segment
+        assert count == len(self._by_id), (count, len(self._by_id))
+        assert len(set(self._free_indexes)) == len(self._free_indexes), self._free_indexes
+        active = [seg for seg in self._by_id.values() if seg.is_active]
+        assert active == self.active, (active, self.active)
+        by_host = sum(len(segs) for segs in self.active_by_hostname.values())
+        assert by_host == len(active), (by_host, len(active))
+        for hostname, segments in self.active_by_hostname.items():
+            for segment in segments:
+                assert segment.info.hostname == hostname and segment.is_active, segment
+
+    def _rebuild_views(self) -> None:
+        self.active = [seg for seg in self._by_id.values() if seg.is_active]
+        by_host: dict[str, list[Segment]] = {}
+        for segment in self.active:
+            by_host.setdefault(segment.info.hostname, []).append(segment)
+        self.active_by_hostname = by_host

@@ -1,0 +1,299 @@
+"""The two-phase put on the master: grants at put_start, commits at put_end, and the ends of a
+put that never finished (revoke, zombie discard).
+
+This module moves a key through its put states and the ranges through the allocators:
+
+    put_start --grant--> writing --put_end--> committing --finish_put_end--> complete (table)
+                            |                                         \\--> none ok: key free
+                            |-- put_revoke ----------> ranges freed now
+                            |-- discard (timeout,   -> ranges quarantined until
+                            |   or forced remove)      start + put_release_timeout_ms
+
+A committing put cannot be discarded or revoked: a node may be adding it to its inventory, and
+a range in an inventory must never be reused before it is dropped. This module is not the
+request surface (service.py validates requests and runs eviction) and it decides no placement
+order (placement.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from kvpool.config import MasterConfig
+from kvpool.master import codes
+from kvpool.master.allocator import footprint_bytes
+from kvpool.master.counters import MasterCounters
+from kvpool.master.membership import Quarantine, Segment, SegmentRegistry
+from kvpool.master.metadata import (
+    ObjectMeta,
+    ObjectTable,
+    PendingPut,
+    is_valid_checksum,
+    is_valid_key,
+    is_valid_size,
+    pack_replica,
+)
+from kvpool.master.placement import candidate_segments
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    CodesReply,
+    InventoryEntry,
+    PutStartReply,
+    ReplicateConfig,
+    SegmentInfo,
+    WriteGrant,
+)
+
+
+@dataclasses.dataclass(slots=True)
+class PendingCommit:
+    """What put_end decided, and what the server must ask the nodes before finish_put_end.
+
+    `codes` has one code per key of the PutEnd, in order; keys whose commit is in flight hold
+    OK until finish_put_end gives their final code. `commits` maps a segment id to the entries
+    to send in one CommitObjects to that segment's node; the server passes back the node's
+    per-entry codes in the same order. The other fields are the master's own.
+    """
+
+    keys: list[str]
+    codes: list[int]
+    commits: dict[str, list[InventoryEntry]]
+    awaiting: list[int] = dataclasses.field(default_factory=list, repr=False)
+    puts: dict[str, PendingPut] = dataclasses.field(default_factory=dict, repr=False)
+    segments: dict[str, Segment] = dataclasses.field(default_factory=dict, repr=False)
+    is_finished: bool = False
+
+
+class PutFlow:
+    """Moves puts through their states over the master's shared structures.
+
+    Holds references only (the registry, the table, the quarantine and the counters belong to
+    MasterService); its own state is nothing. Requests reach it validated at request level
+    (batch length, replica config); per-key validation happens here.
+    """
+
+    __slots__ = ("_config", "_rng", "_cluster_key", "_registry", "_table", "_quarantine", "_counters")
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        rng: random.Random,
+        cluster_key: bytes | None,
+        registry: SegmentRegistry,
+        table: ObjectTable,
+        quarantine: Quarantine,
+        counters: MasterCounters,
+    ):
+        self._config = config
+        self._rng = rng
+        self._cluster_key = cluster_key
+        self._registry = registry
+        self._table = table
+        self._quarantine = quarantine
+        self._counters = counters
+
+    def start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig, client_hostname: str, now_ms: int
+    ) -> tuple[PutStartReply, int]:
+        """Allocate and grant; returns the reply and the footprint bytes that found no room."""
+        table = self._table
+        objects, pending = table.objects, table.pending
+        expiry_ms = now_ms + self._config.put_discard_timeout_ms
+        cluster_key = self._cluster_key
+        is_hard_pinned = bool(config.with_hard_pin)
+        is_soft_pinned = bool(config.with_soft_pin) and not is_hard_pinned
+        codes_out: list[int] = []
+        grants: list[list[WriteGrant]] = []
+        infos: dict[str, SegmentInfo] = {}
+        shortfall_bytes = 0
+        for key, size in zip(keys, sizes):
+            if not is_valid_key(key):
+                code = codes.INVALID_KEY
+            elif not is_valid_size(size):
+                code = codes.INVALID_PARAMS
+            elif key in objects:
+                code = codes.OBJECT_ALREADY_EXISTS
+            elif key in pending:
+                code = codes.REPLICA_IS_NOT_READY
+            else:
+                replicas = self._allocate_replicas(size, config, client_hostname)
+                if replicas:
+                    pending[key] = PendingPut(size, replicas, now_ms, is_soft_pinned, is_hard_pinned)
+                    key_grants = []
+                    for segment, offset in replicas:
+                        info = segment.info
+                        key_grants.append(
+                            auth.sign_grant(cluster_key, info.segment_id, offset, size, expiry_ms)
+                        )
+                        infos[info.segment_id] = info
+                    codes_out.append(codes.OK)
+                    grants.append(key_grants)
+                    continue
+                code = codes.NO_AVAILABLE_HANDLE
+                shortfall_bytes += footprint_bytes(size)
+            if code != codes.OBJECT_ALREADY_EXISTS and code != codes.REPLICA_IS_NOT_READY:
+                self._counters.errors += 1
+            codes_out.append(code)
+            grants.append([])
+        return PutStartReply(codes_out, grants, infos), shortfall_bytes
+
+    def end(self, keys: list[str], checksums: list[int]) -> PendingCommit:
+        """Decide what can be decided now; list the commits for the rest (see service.put_end)."""
+        table = self._table
+        pending = table.pending
+        is_length_ok = len(checksums) == len(keys)
+        commit = PendingCommit(keys=list(keys), codes=[], commits={})
+        for index, key in enumerate(keys):
+            put = pending.get(key)
+            if not is_length_ok:
+                code = codes.INVALID_PARAMS
+            elif put is None:
+                code = codes.OBJECT_ALREADY_EXISTS if key in table.objects else codes.OBJECT_NOT_FOUND
+            elif put.is_committing:
+                code = codes.REPLICA_IS_NOT_READY
+            elif not is_valid_checksum(checksums[index]):
+                code = codes.INVALID_PARAMS
+            elif not put.replicas:
+                del pending[key]  # Every segment it was granted on is gone.
+                code = codes.TRANSFER_FAIL
+            else:
+                checksum = checksums[index]
+                put.is_committing = True
+                put.checksum = checksum
+                for segment, offset in put.replicas:
+                    segment_id = segment.info.segment_id
+                    entry = InventoryEntry(key, offset, put.size_bytes, checksum)
+                    commit.commits.setdefault(segment_id, []).append(entry)
+                    commit.segments[segment_id] = segment
+                commit.puts[key] = put
+                commit.awaiting.append(index)
+                code = codes.OK
+            if code == codes.INVALID_PARAMS or code == codes.TRANSFER_FAIL:
+                self._counters.errors += 1
+            commit.codes.append(code)
+        return commit
+
+    def finish(self, pending: PendingCommit, results: dict[str, list[int]], now_ms: int) -> CodesReply:
+        """Apply the nodes' codes (see service.finish_put_end)."""
+        assert not pending.is_finished, "finish_put_end called twice for one put_end"
+        pending.is_finished = True
+        table = self._table
+        for segment_id, entries in pending.commits.items():
+            segment = pending.segments[segment_id]
+            node_codes = results.get(segment_id)
+            if node_codes is None or len(node_codes) != len(entries):
+                node_codes = [codes.TRANSFER_FAIL] * len(entries)
+            for entry, code in zip(entries, node_codes):
+                put = pending.puts[entry.key]
+                replica = (segment, entry.offset)
+                if replica not in put.replicas:
+                    continue  # Its segment was unmounted meanwhile; the range went with it.
+                if code != codes.OK:
+                    # Never entered the node's inventory: no drop is needed before reuse.
+                    put.replicas.remove(replica)
+                    segment.allocator.free(entry.offset, entry.size)
+        codes_out = list(pending.codes)
+        for index in pending.awaiting:
+            key = pending.keys[index]
+            put = pending.puts[key]
+            assert table.pending.get(key) is put, f"committing put of {key!r} vanished"
+            del table.pending[key]
+            if not put.replicas:
+                codes_out[index] = codes.TRANSFER_FAIL
+                self._counters.errors += 1
+                continue
+            packed = []
+            for segment, offset in put.replicas:
+                packed.append(pack_replica(segment.index, offset))
+                segment.object_count += 1
+            soft_pin_expiry_ms = 0
+            if put.is_soft_pinned:
+                soft_pin_expiry_ms = max(1, now_ms + self._config.soft_pin_ttl_ms)
+            replicas = packed[0] if len(packed) == 1 else tuple(packed)
+            meta = ObjectMeta(put.size_bytes, put.checksum, replicas, soft_pin_expiry_ms, put.is_hard_pinned)
+            table.insert(key, meta)
+            self._counters.puts += 1
+            self._counters.put_bytes += put.size_bytes
+        return CodesReply(codes_out)
+
+    def revoke(self, keys: list[str]) -> CodesReply:
+        """Free the ranges of writing puts at once (see service.put_revoke)."""
+        table = self._table
+        codes_out: list[int] = []
+        for key in keys:
+            put = table.pending.get(key)
+            if put is None:
+                codes_out.append(
+                    codes.OBJECT_ALREADY_EXISTS if key in table.objects else codes.OBJECT_NOT_FOUND
+                )
+            elif put.is_committing:
+                codes_out.append(codes.REPLICA_IS_NOT_READY)
+            else:
+                del table.pending[key]
+                for segment, offset in put.replicas:
+                    segment.allocator.free(offset, put.size_bytes)
+                codes_out.append(codes.OK)
+        return CodesReply(codes_out)
+
+    def discard(self, key: str, put: PendingPut) -> None:
+        """Forget a writing put; quarantine its ranges until its writer cannot write any more
+        (its grants expired at start + put_discard_timeout_ms; the release timeout is larger)."""
+        assert not put.is_committing, f"discard of committing put {key!r}"
+        assert self._table.pending.get(key) is put, f"discard of unknown put {key!r}"
+        del self._table.pending[key]
+        release_ms = put.start_ms + self._config.put_release_timeout_ms
+        for segment, offset in put.replicas:
+            self._quarantine.add(segment, offset, put.size_bytes, release_ms)
+
+    def discard_zombies(self, now_ms: int) -> int:
+        """Discard writing puts older than put_discard_timeout_ms; returns how many.
+
+        O(discarded + committing + 1): `pending` is in put_start order, so the scan stops at
+        the first young writing put (a wall clock that stepped back only delays a discard).
+        """
+        discard_before_ms = now_ms - self._config.put_discard_timeout_ms
+        zombies: list[tuple[str, PendingPut]] = []
+        for key, put in self._table.pending.items():
+            if put.is_committing:
+                continue
+            if put.start_ms > discard_before_ms:
+                break
+            zombies.append((key, put))
+        for key, put in zombies:
+            self.discard(key, put)
+        return len(zombies)
+
+    def _allocate_replicas(
+        self, size_bytes: int, config: ReplicateConfig, client_hostname: str
+    ) -> list[tuple[Segment, int]]:
+        """Up to replica_num ranges on distinct active segments, in placement order."""
+        replica_num = config.replica_num
+        chosen: list[tuple[Segment, int]] = []
+        tried: set[int] = set()
+        active = self._registry.active
+        if config.placement == "random" and replica_num == 1 and active:
+            # The common case, without the generator: one draw that usually fits.
+            segment = active[int(self._rng.random() * len(active))]
+            offset = segment.allocator.allocate(size_bytes)
+            if offset is not None:
+                return [(segment, offset)]
+            tried.add(segment.index)
+        for segment in candidate_segments(
+            self._registry,
+            config.placement,
+            replica_num,
+            self._rng,
+            client_hostname,
+            config.preferred_segments,
+        ):
+            if segment.index in tried:
+                continue
+            tried.add(segment.index)
+            offset = segment.allocator.allocate(size_bytes)
+            if offset is None:
+                continue
+            chosen.append((segment, offset))
+            if len(chosen) == replica_num:
+                break
+        return chosen

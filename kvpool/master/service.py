@@ -1,0 +1,746 @@
+"""The master's pure metadata service: every request of the control protocol, as method calls.
+
+`MasterService` is the whole brain of the master: segments and their allocators, objects and
+their replicas, puts in flight, read leases, pins, eviction, node liveness and drains. It takes
+decoded messages and `now_ms` (wall-clock milliseconds) and returns reply messages; it does no
+I/O, reads no clock or environment, and draws randomness only from the `rng` it is given, so
+tests and the simulator drive it directly. It is not the server: server.py owns sockets,
+timers, the node connections that carry CommitObjects and DropObjects, and retries.
+
+Two exchanges need the nodes in the middle, so the service hands the server an outbox:
+
+    put_end(msg)          -> PendingCommit: codes decided now + CommitObjects to send per segment
+    finish_put_end(p, r)  <- per segment, the node's per-entry codes (or TRANSFER_FAIL)
+    take_drops()          -> per segment, DropObjects entries (removed/evicted objects)
+    drops_done(seg, e)    <- the node forgot them: only now are their ranges free for reuse
+
+Errors: a malformed request raises a typed `KVPoolError` (nothing changed); batch requests
+return one `ErrorCode` per key (partial failure is normal). Costs per key (put, get, exists)
+are O(log f) in free extents plus O(replicas); O(n) paths are named where they are: unmount of
+a segment that holds objects, remove_by_regex / remove_all / list_objects, check_invariants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import InvalidParams, KVPoolError, SegmentAlreadyExists, SegmentNotFound
+from kvpool.master import codes
+from kvpool.master.allocator import OffsetAllocator, footprint_bytes
+from kvpool.master.counters import MasterCounters, SegmentCounters
+from kvpool.master.eviction import (
+    EVICT_SHORTFALL_BACKOFF_MS,
+    EvictionPolicy,
+    LruPolicy,
+    select_above_watermark,
+    select_for_room,
+)
+from kvpool.master.membership import Quarantine, Segment, SegmentRegistry, SegmentState
+from kvpool.master.metadata import (
+    ObjectMeta,
+    ObjectTable,
+    is_valid_checksum,
+    is_valid_key,
+    is_valid_size,
+    pack_replica,
+    replica_offset,
+    replica_segment_index,
+)
+from kvpool.master.puts import PendingCommit, PutFlow
+from kvpool.protocol.messages import (
+    PLACEMENTS,
+    ClusterStatus,
+    ClusterStatusReply,
+    CodesReply,
+    CountReply,
+    DrainSegment,
+    ExistKeys,
+    ExistsReply,
+    GetReplicaList,
+    GetReplicaListReply,
+    Heartbeat,
+    HeartbeatReply,
+    InventoryEntry,
+    ListObjects,
+    ListReply,
+    LongestPrefix,
+    MountReply,
+    MountSegment,
+    OkReply,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    QueryObjects,
+    QueryReply,
+    Remove,
+    RemoveAll,
+    RemoveByRegex,
+    Replica,
+    ReplicateConfig,
+    SegmentInfo,
+    SegmentStatus,
+    UnmountSegment,
+)
+
+
+class MasterService:
+    """The master's metadata: segments, objects, puts in flight, leases, pins, drops.
+
+    Holds `_registry` (mounted segments), `_table` (complete objects in eviction order, puts in
+    flight, soft pins), `_quarantine` (release times of the ranges of discarded puts) and
+    `_puts` (the put state machine over those). Invariants (check_invariants, O(n log n)): in
+    every segment the object replicas, pending-put ranges, quarantined ranges, drops and free
+    extents tile the data area exactly; per-segment counts add up; every replica names a
+    mounted segment, and an object's replicas lie on distinct segments; a key is either
+    complete or pending, never both.
+
+    Args:
+        config: timeouts, TTLs and watermarks.
+        rng: the only source of randomness (placement).
+        cluster_key: signs write grants (auth.cluster_key); None in a cluster without a token.
+        policy: eviction order; LRU by last access when None.
+    """
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        rng: random.Random,
+        cluster_key: bytes | None,
+        policy: EvictionPolicy | None = None,
+    ):
+        self.config = config
+        self.counters = MasterCounters()
+        self._registry = SegmentRegistry()
+        self._table = ObjectTable(policy if policy is not None else LruPolicy())
+        self._quarantine = Quarantine()
+        # Set when an eviction fell short (everything leased or pinned): see eviction.py.
+        self._evict_for_room_after_ms = 0
+        self._evict_watermark_after_ms = 0
+        self._puts = PutFlow(
+            config, rng, cluster_key, self._registry, self._table, self._quarantine, self.counters
+        )
+
+    # --- gauges -------------------------------------------------------------------------
+
+    @property
+    def object_count(self) -> int:
+        return len(self._table.objects)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._table.pending)
+
+    def segment_counters(self) -> list[SegmentCounters]:
+        return [
+            SegmentCounters(
+                segment_id=seg.segment_id,
+                node_id=seg.info.node_id,
+                state=seg.state.value,
+                capacity_bytes=seg.allocator.capacity_bytes,
+                used_bytes=seg.allocator.used_bytes,
+                free_bytes=seg.allocator.free_bytes,
+                object_count=seg.object_count,
+                quarantined_bytes=seg.quarantined_bytes,
+                drop_bytes=seg.drop_bytes,
+            )
+            for seg in self._registry
+        ]
+
+    # --- node side ----------------------------------------------------------------------
+
+    def mount_segment(self, msg: MountSegment, now_ms: int) -> MountReply:
+        """Mount a segment, or re-mount one (after a node or master restart) with its inventory.
+
+        A known segment id from the same node with the same capacity and segment token is
+        refreshed (liveness, info) and its inventory merged, so a node may also send a large
+        inventory as several MountSegments. A different shm_token means the node made a new
+        segment file: the old incarnation is unmounted first (its replicas are gone).
+        Inventory entries become replicas of complete objects, allocated exactly where the node
+        holds them; an entry that overlaps another range, lies outside the segment, or disagrees
+        on size or checksum with the object's other replicas is returned in `rejected`.
+
+        Raises:
+            InvalidParams: malformed segment info, or too many segments.
+            SegmentAlreadyExists: the id is mounted by another node or with another capacity.
+        """
+        info = msg.segment
+        self._check_segment_info(info)
+        segment = self._registry.get(info.segment_id)
+        if segment is not None:
+            old = segment.info
+            if old.node_id != info.node_id or old.capacity_bytes != info.capacity_bytes:
+                raise self._count_error(
+                    SegmentAlreadyExists(
+                        f"segment {info.segment_id!r} is mounted by node {old.node_id!r} "
+                        f"with {old.capacity_bytes} bytes"
+                    )
+                )
+            if old.shm_token != info.shm_token:
+                self._unmount(segment)
+                segment = None
+            else:
+                self._registry.replace_info(segment, info)
+                segment.last_seen_ms = now_ms
+        if segment is None:
+            if self._registry.is_full():
+                raise self._count_error(InvalidParams("too many segments mounted"))
+            segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
+        return MountReply(self._adopt(segment, msg.inventory))
+
+    def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
+        """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""
+        self._check_batch(msg.segment_ids)
+        unknown: list[str] = []
+        for segment_id in msg.segment_ids:
+            segment = self._registry.get(segment_id)
+            if segment is None:
+                unknown.append(segment_id)
+            else:
+                segment.last_seen_ms = now_ms
+        return HeartbeatReply(unknown)
+
+    def unmount_segment(self, msg: UnmountSegment, now_ms: int) -> OkReply:
+        """Unmount now: replicas there vanish, objects left with none are removed.
+
+        Raises:
+            SegmentNotFound: the id is not mounted.
+        """
+        self._unmount(self._segment_or_raise(msg.segment_id))
+        return OkReply()
+
+    def drain_segment(self, msg: DrainSegment, now_ms: int) -> OkReply:
+        """Stop allocating on a segment; it serves reads until now + timeout_ms, then tick()
+        unmounts it. Draining again moves the deadline.
+
+        Raises:
+            SegmentNotFound: the id is not mounted.
+            InvalidParams: a negative timeout.
+        """
+        segment = self._segment_or_raise(msg.segment_id)
+        if type(msg.timeout_ms) is not int or msg.timeout_ms < 0:
+            raise self._count_error(InvalidParams(f"drain timeout_ms {msg.timeout_ms!r}"))
+        self._registry.set_draining(segment, now_ms + msg.timeout_ms)
+        return OkReply()
+
+    # --- client side: puts --------------------------------------------------------------
+
+    def put_start(self, msg: PutStart, now_ms: int) -> PutStartReply:
+        """Allocate replicas for each key and grant the writes.
+
+        Per key: OK with one grant per replica (1..replica_num, on distinct active segments,
+        each signed until now + put_discard_timeout_ms); OBJECT_ALREADY_EXISTS (complete:
+        nothing to write); REPLICA_IS_NOT_READY (another put of it is in flight); INVALID_KEY
+        / INVALID_PARAMS; NO_AVAILABLE_HANDLE. When a key finds no room, least recently used
+        objects are evicted into the drop outbox; their ranges are free only after drops_done,
+        so the server flushes the drops and retries those keys.
+
+        Raises:
+            InvalidParams: keys and sizes differ in length, too many keys, bad replica config
+                (nothing is allocated).
+        """
+        self._check_batch(msg.keys)
+        if len(msg.sizes) != len(msg.keys):
+            raise self._count_error(InvalidParams(f"{len(msg.keys)} keys but {len(msg.sizes)} sizes"))
+        self._check_replicate_config(msg.config)
+        reply, shortfall_bytes = self._puts.start(
+            msg.keys, msg.sizes, msg.config, msg.client_hostname, now_ms
+        )
+        if shortfall_bytes and now_ms >= self._evict_for_room_after_ms:
+            victims, is_short = select_for_room(
+                self._table.policy, self._registry.active, shortfall_bytes, now_ms
+            )
+            for key in victims:
+                self._evict(key)
+            if is_short:
+                self._evict_for_room_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+        return reply
+
+    def put_end(self, msg: PutEnd, now_ms: int) -> PendingCommit:
+        """End the writes of each key: decide what can be decided, and list the commits.
+
+        Per key, decided now: OBJECT_NOT_FOUND (no put in flight: never started, revoked or
+        discarded), OBJECT_ALREADY_EXISTS (complete already), REPLICA_IS_NOT_READY (its
+        put_end is already being committed), INVALID_PARAMS (bad checksum, or the checksum
+        list does not match the keys), TRANSFER_FAIL (every replica's segment is gone). The
+        other keys go into `commits` and get their code from finish_put_end; until then they
+        are neither visible nor discardable.
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        self._check_batch(msg.keys)
+        return self._puts.end(msg.keys, msg.checksums)
+
+    def finish_put_end(
+        self, pending: PendingCommit, results: dict[str, list[int]], now_ms: int
+    ) -> CodesReply:
+        """Apply the nodes' answers to a put_end's commits and make the objects visible.
+
+        Args:
+            pending: what put_end returned; finish it exactly once.
+            results: per segment id of `pending.commits`, the node's code for each entry in
+                order; a missing segment or a list of the wrong length counts as
+                TRANSFER_FAIL for all of its entries.
+
+        Returns:
+            One code per key of the PutEnd: OK when at least one replica committed (the
+            others' ranges are freed: they never entered a node's inventory), TRANSFER_FAIL
+            when none did (the key is free again), or the code put_end decided.
+        """
+        return self._puts.finish(pending, results, now_ms)
+
+    def put_revoke(self, msg: PutRevoke, now_ms: int) -> CodesReply:
+        """The writer gave up: free its ranges at once (it says it stopped writing).
+
+        Per key: OK; OBJECT_NOT_FOUND (no put in flight); OBJECT_ALREADY_EXISTS (complete:
+        use remove); REPLICA_IS_NOT_READY (its put_end is being committed).
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        self._check_batch(msg.keys)
+        return self._puts.revoke(msg.keys)
+
+    # --- client side: reads -------------------------------------------------------------
+
+    def get_replica_list(self, msg: GetReplicaList, now_ms: int) -> GetReplicaListReply:
+        """Where each object's replicas are, under a read lease of `lease_ttl_ms`.
+
+        Per key: OK (lease extended to max(old, now + lease_ttl_ms), last access updated);
+        REPLICA_IS_NOT_READY (a put is in flight); OBJECT_NOT_FOUND. Replicas on a draining
+        segment are listed: they stay readable until the drain deadline.
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        keys = msg.keys
+        self._check_batch(keys)
+        table = self._table
+        objects, pending = table.objects, table.pending
+        by_index = self._registry.by_index
+        lease_ttl_ms, soft_pin_ttl_ms = self.config.lease_ttl_ms, self.config.soft_pin_ttl_ms
+        codes_out: list[int] = []
+        sizes: list[int] = []
+        checksums: list[int] = []
+        replica_lists: list[list[Replica]] = []
+        infos: dict[str, SegmentInfo] = {}
+        hits = 0
+        for key in keys:
+            meta = objects.get(key)
+            if meta is None:
+                codes_out.append(codes.REPLICA_IS_NOT_READY if key in pending else codes.OBJECT_NOT_FOUND)
+                sizes.append(0)
+                checksums.append(0)
+                replica_lists.append([])
+                continue
+            hits += 1
+            table.access(key, meta, now_ms, lease_ttl_ms, soft_pin_ttl_ms)
+            replicas = []
+            for packed in meta.replica_tuple():
+                info = by_index(replica_segment_index(packed)).info
+                infos[info.segment_id] = info
+                replicas.append(Replica(info.segment_id, replica_offset(packed)))
+            codes_out.append(codes.OK)
+            sizes.append(meta.size_bytes)
+            checksums.append(meta.checksum)
+            replica_lists.append(replicas)
+        self.counters.gets += len(keys)
+        self.counters.hits += hits
+        self.counters.misses += len(keys) - hits
+        return GetReplicaListReply(codes_out, sizes, checksums, replica_lists, lease_ttl_ms, infos)
+
+    def exist_keys(self, msg: ExistKeys, now_ms: int) -> ExistsReply:
+        """Whether each key is a complete object. Grants no lease and is not an access, so
+        existence checks can never keep objects from eviction.
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        self._check_batch(msg.keys)
+        objects = self._table.objects
+        return ExistsReply([key in objects for key in msg.keys])
+
+    def longest_prefix(self, msg: LongestPrefix, now_ms: int) -> CountReply:
+        """The number of leading keys that are complete objects (no lease, not an access).
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        self._check_batch(msg.keys)
+        objects = self._table.objects
+        count = 0
+        for key in msg.keys:
+            if key not in objects:
+                break
+            count += 1
+        return CountReply(count)
+
+    def query_objects(self, msg: QueryObjects, now_ms: int) -> QueryReply:
+        """Size and replicas of each key, without a lease and without counting as an access.
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        self._check_batch(msg.keys)
+        table = self._table
+        codes_out: list[int] = []
+        sizes: list[int] = []
+        replica_lists: list[list[Replica]] = []
+        for key in msg.keys:
+            meta = table.objects.get(key)
+            if meta is None:
+                codes_out.append(
+                    codes.REPLICA_IS_NOT_READY if key in table.pending else codes.OBJECT_NOT_FOUND
+                )
+                sizes.append(0)
+                replica_lists.append([])
+                continue
+            codes_out.append(codes.OK)
+            sizes.append(meta.size_bytes)
+            replica_lists.append(self._replicas_of(meta))
+        return QueryReply(codes_out, sizes, replica_lists)
+
+    def list_objects(self, msg: ListObjects, now_ms: int) -> ListReply:
+        """Complete objects whose key matches `pattern` (re.search; "" matches all), at most
+        `limit`, in eviction order (least recently accessed first under LRU). O(n).
+
+        Raises:
+            InvalidParams: a bad pattern, or a limit outside 1..LIST_OBJECTS_MAX.
+        """
+        if type(msg.limit) is not int or not 0 < msg.limit <= limits.LIST_OBJECTS_MAX:
+            raise self._count_error(
+                InvalidParams(f"list limit {msg.limit!r} not in 1..{limits.LIST_OBJECTS_MAX}")
+            )
+        search = self._compile(msg.pattern).search if msg.pattern else None
+        keys: list[str] = []
+        sizes: list[int] = []
+        truncated = False
+        for key, meta in self._table.objects.items():
+            if search is not None and search(key) is None:
+                continue
+            if len(keys) == msg.limit:
+                truncated = True
+                break
+            keys.append(key)
+            sizes.append(meta.size_bytes)
+        return ListReply(keys, sizes, truncated)
+
+    def cluster_status(self, msg: ClusterStatus, now_ms: int) -> ClusterStatusReply:
+        statuses = [
+            SegmentStatus(seg.info, seg.state.value, seg.allocator.used_bytes, seg.object_count)
+            for seg in self._registry
+        ]
+        return ClusterStatusReply(
+            statuses, len(self._table.objects), len(self._table.pending), self.counters.evictions
+        )
+
+    # --- client side: removes -----------------------------------------------------------
+
+    def remove(self, msg: Remove, now_ms: int) -> CodesReply:
+        """Remove objects; their replicas go to the drop outbox (ranges freed at drops_done).
+
+        Per key: OK; OBJECT_HAS_LEASE (a reader holds a lease; `force` overrides);
+        OBJECT_NOT_FOUND; REPLICA_IS_NOT_READY (a put is in flight; with `force` a writing put
+        is discarded: the key is free at once, its ranges are quarantined like a zombie's
+        because the writer may still be writing; a committing put is never removed).
+
+        Raises:
+            InvalidParams: too many keys.
+        """
+        self._check_batch(msg.keys)
+        table = self._table
+        codes_out: list[int] = []
+        for key in msg.keys:
+            meta = table.objects.get(key)
+            if meta is not None:
+                if not msg.force and meta.has_lease(now_ms):
+                    codes_out.append(codes.OBJECT_HAS_LEASE)
+                    continue
+                self._drop_object(key)
+                self.counters.removes += 1
+                codes_out.append(codes.OK)
+                continue
+            put = table.pending.get(key)
+            if put is None:
+                codes_out.append(codes.OBJECT_NOT_FOUND)
+            elif put.is_committing or not msg.force:
+                codes_out.append(codes.REPLICA_IS_NOT_READY)
+            else:
+                self._puts.discard(key, put)
+                codes_out.append(codes.OK)
+        return CodesReply(codes_out)
+
+    def remove_by_regex(self, msg: RemoveByRegex, now_ms: int) -> CountReply:
+        """Remove every complete object whose key matches (re.search, as Mooncake's
+        std::regex_search), skipping leased ones unless `force`. O(n).
+
+        Raises:
+            InvalidParams: the pattern is too long or does not compile.
+        """
+        search = self._compile(msg.pattern).search
+        return CountReply(self._remove_where(lambda key: search(key) is not None, msg.force, now_ms))
+
+    def remove_all(self, msg: RemoveAll, now_ms: int) -> CountReply:
+        """Remove every complete object, skipping leased ones unless `force`. O(n)."""
+        return CountReply(self._remove_where(lambda key: True, msg.force, now_ms))
+
+    # --- time ---------------------------------------------------------------------------
+
+    def tick(self, now_ms: int) -> None:
+        """Housekeeping, every 100-500 ms: unmount segments of silent nodes and finished drains,
+        discard zombie puts, release quarantined ranges, expire soft pins, evict above the
+        high watermark. O(s + expired + eviction scan)."""
+        config = self.config
+        for segment in self._registry:
+            if segment.last_seen_ms + config.node_ttl_ms <= now_ms:
+                self._unmount(segment)
+            elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= now_ms:
+                self._unmount(segment)
+        self._puts.discard_zombies(now_ms)
+        self._quarantine.release_due(now_ms)
+        self._table.expire_soft_pins(now_ms)
+        if now_ms >= self._evict_watermark_after_ms:
+            victims, is_short = select_above_watermark(
+                self._table.policy,
+                self._registry.active,
+                config.evict_watermark_ratio_high,
+                config.evict_ratio,
+                now_ms,
+            )
+            for key in victims:
+                self._evict(key)
+            if is_short:
+                self._evict_watermark_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+
+    # --- drops outbox -------------------------------------------------------------------
+
+    def take_drops(self) -> dict[str, list[InventoryEntry]]:
+        """Per segment id, the objects its node must forget (send as DropObjects). Their
+        ranges stay allocated until drops_done. O(s)."""
+        return {seg.segment_id: seg.take_drops() for seg in self._registry if seg.drops_unsent}
+
+    def drops_done(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> None:
+        """The node forgot these entries: free their ranges. Entries not sent or already acked
+        are ignored; so is a segment unmounted meanwhile (its ranges went with it)."""
+        segment = self._registry.get(segment_id)
+        if segment is None:
+            return
+        for entry in entries:
+            segment.finish_drop(entry)
+
+    def has_segment(self, segment_id: str) -> bool:
+        return self._registry.get(segment_id) is not None
+
+    def has_pending_drops(self) -> bool:
+        """True when take_drops() has something to send."""
+        return any(seg.drops_unsent for seg in self._registry)
+
+    # --- invariants ---------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """O(n log n): every segment is tiled exactly by object replicas, pending-put ranges,
+        quarantined ranges, drops and free extents; counts and indexes agree."""
+        registry, table = self._registry, self._table
+        registry.check_invariants()
+        table.check_invariants()
+        ranges: dict[int, list[tuple[int, int]]] = {seg.index: [] for seg in registry}
+        object_counts: dict[int, int] = {seg.index: 0 for seg in registry}
+        for key, meta in table.objects.items():
+            for packed in meta.replica_tuple():
+                index = replica_segment_index(packed)
+                assert index in ranges, f"{key!r} has a replica on unmounted segment #{index}"
+                ranges[index].append((replica_offset(packed), meta.size_bytes))
+                object_counts[index] += 1
+        for key, put in table.pending.items():
+            segment_ids = [seg.segment_id for seg, _ in put.replicas]
+            assert len(set(segment_ids)) == len(segment_ids), f"{key!r}: two replicas on one segment"
+            for segment, offset in put.replicas:
+                assert registry.get(segment.segment_id) is segment, f"{key!r} pending on dead {segment}"
+                ranges[segment.index].append((offset, put.size_bytes))
+        for segment in registry:
+            assert segment.object_count == object_counts[segment.index], segment
+            segment.check_invariants(ranges[segment.index])
+        self._quarantine.check_invariants(registry)
+        for name, value in dataclasses.asdict(self.counters).items():
+            assert value >= 0, (name, value)
+        assert self.counters.hits + self.counters.misses == self.counters.gets, self.counters
+
+    def __repr__(self) -> str:
+        return (
+            f"<MasterService segments={len(self._registry)} objects={len(self._table.objects)} "
+            f"pending={len(self._table.pending)} quarantined={len(self._quarantine)}>"
+        )
+
+    # --- internals: validation ----------------------------------------------------------
+
+    def _count_error(self, exc: KVPoolError) -> KVPoolError:
+        self.counters.errors += 1
+        return exc
+
+    def _check_batch(self, keys: list) -> None:
+        if len(keys) > limits.BATCH_KEYS_MAX:
+            raise self._count_error(InvalidParams(f"{len(keys)} keys in one batch > {limits.BATCH_KEYS_MAX}"))
+
+    def _check_replicate_config(self, config: ReplicateConfig) -> None:
+        if type(config.replica_num) is not int or not 1 <= config.replica_num <= limits.REPLICA_NUM_MAX:
+            raise self._count_error(
+                InvalidParams(f"replica_num {config.replica_num!r} not in 1..{limits.REPLICA_NUM_MAX}")
+            )
+        if config.placement not in PLACEMENTS:
+            raise self._count_error(InvalidParams(f"placement {config.placement!r} not one of {PLACEMENTS}"))
+        if len(config.preferred_segments) > limits.BATCH_KEYS_MAX:
+            raise self._count_error(InvalidParams("too many preferred segments"))
+
+    def _check_segment_info(self, info: SegmentInfo) -> None:
+        if not is_valid_key(info.segment_id) or not isinstance(info.node_id, str) or not info.node_id:
+            raise self._count_error(
+                InvalidParams(f"bad segment or node id: {info.segment_id!r} {info.node_id!r}")
+            )
+        capacity = info.capacity_bytes
+        if (
+            type(capacity) is not int
+            or not limits.SEGMENT_SIZE_BYTES_MIN <= capacity <= limits.SEGMENT_SIZE_BYTES_MAX
+        ):
+            raise self._count_error(
+                InvalidParams(
+                    f"segment capacity {capacity!r} not in "
+                    f"{limits.SEGMENT_SIZE_BYTES_MIN}..{limits.SEGMENT_SIZE_BYTES_MAX}"
+                )
+            )
+
+    def _compile(self, pattern: str) -> re.Pattern[str]:
+        if type(pattern) is not str or len(pattern.encode(errors="replace")) > limits.REGEX_SIZE_BYTES_MAX:
+            raise self._count_error(InvalidParams(f"pattern longer than {limits.REGEX_SIZE_BYTES_MAX} bytes"))
+        try:
+            return re.compile(pattern)
+        except re.error as exc:
+            raise self._count_error(InvalidParams(f"bad pattern {pattern!r}: {exc}")) from exc
+
+    def _segment_or_raise(self, segment_id: str) -> Segment:
+        segment = self._registry.get(segment_id)
+        if segment is None:
+            raise self._count_error(SegmentNotFound(f"segment {segment_id!r} is not mounted"))
+        return segment
+
+    # --- internals: placement and objects -----------------------------------------------
+
+    def _adopt(self, segment: Segment, inventory: list[InventoryEntry]) -> list[InventoryEntry]:
+        """Take a node's inventory entries as replicas on `segment`; returns the rejected ones.
+
+        First every entry is checked against the table (valid fields, no put in flight, same
+        size and checksum as the object's other replicas, at most one offset per key here),
+        then the survivors' ranges are allocated in one sweep, then the objects are recorded.
+        An entry already recorded at the same place is accepted as is (a refresh).
+        """
+        table = self._table
+        rejected: list[InventoryEntry] = []
+        candidates: list[InventoryEntry] = []
+        first_of_key: dict[str, InventoryEntry] = {}
+        repeats: list[tuple[InventoryEntry, InventoryEntry]] = []
+        for entry in inventory:
+            key, offset, size, checksum = entry.key, entry.offset, entry.size, entry.checksum
+            if not is_valid_key(key) or not is_valid_size(size) or type(offset) is not int:
+                rejected.append(entry)
+                continue
+            first = first_of_key.get(key)
+            if first is not None:
+                if (first.offset, first.size, first.checksum) == (offset, size, checksum):
+                    repeats.append((entry, first))  # The same line twice: as its first fares.
+                else:
+                    rejected.append(entry)
+                continue
+            meta = table.objects.get(key)
+            if not is_valid_checksum(checksum) or key in table.pending:
+                rejected.append(entry)  # A put of it in flight would race the node's copy.
+            elif meta is not None and (meta.size_bytes != size or meta.checksum != checksum):
+                rejected.append(entry)
+            else:
+                first_of_key[key] = entry
+                here = None if meta is None else self._replica_offset_on(meta, segment)
+                if here is None:
+                    candidates.append(entry)
+                elif here != offset:
+                    rejected.append(entry)
+        results = segment.allocator.allocate_many_at([(entry.offset, entry.size) for entry in candidates])
+        for entry, is_allocated in zip(candidates, results):
+            if not is_allocated:
+                rejected.append(entry)
+                continue
+            packed = pack_replica(segment.index, entry.offset)
+            meta = table.objects.get(entry.key)
+            if meta is None:
+                table.insert(entry.key, ObjectMeta(entry.size, entry.checksum, packed))
+            else:
+                meta.set_replicas([*meta.replica_tuple(), packed])
+            segment.object_count += 1
+        if repeats:
+            rejected_ids = {id(entry) for entry in rejected}
+            rejected.extend(entry for entry, first in repeats if id(first) in rejected_ids)
+        return rejected
+
+    @staticmethod
+    def _replica_offset_on(meta: ObjectMeta, segment: Segment) -> int | None:
+        for packed in meta.replica_tuple():
+            if replica_segment_index(packed) == segment.index:
+                return replica_offset(packed)
+        return None
+
+    def _replicas_of(self, meta: ObjectMeta) -> list[Replica]:
+        by_index = self._registry.by_index
+        return [
+            Replica(by_index(replica_segment_index(packed)).segment_id, replica_offset(packed))
+            for packed in meta.replica_tuple()
+        ]
+
+    def _drop_object(self, key: str) -> ObjectMeta:
+        """Remove a complete object; each replica goes to its segment's drop outbox."""
+        meta = self._table.remove(key)
+        for packed in meta.replica_tuple():
+            segment = self._registry.by_index(replica_segment_index(packed))
+            segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
+            segment.object_count -= 1
+        return meta
+
+    def _remove_where(self, matches, force: bool, now_ms: int) -> int:
+        doomed = [
+            key
+            for key, meta in self._table.objects.items()
+            if matches(key) and (force or not meta.has_lease(now_ms))
+        ]
+        for key in doomed:
+            self._drop_object(key)
+        self.counters.removes += len(doomed)
+        return len(doomed)
+
+    def _unmount(self, segment: Segment) -> None:
+        """Remove a segment: its replicas vanish (O(n) scan when it holds any object), puts in
+        flight lose their ranges there, its quarantine and drops go with it."""
+        index = segment.index
+        table = self._table
+        if segment.object_count:
+            hit = [(key, meta) for key, meta in table.objects.items() if meta.has_replica_on(index)]
+            for key, meta in hit:
+                remaining = [r for r in meta.replica_tuple() if replica_segment_index(r) != index]
+                if remaining:
+                    meta.set_replicas(remaining)
+                else:
+                    table.remove(key)
+                    self.counters.lost += 1
+        for put in table.pending.values():
+            if any(seg is segment for seg, _ in put.replicas):
+                put.replicas = [(seg, offset) for seg, offset in put.replicas if seg is not segment]
+        segment.object_count = 0
+        segment.transition(SegmentState.UNMOUNTED)
+        self._registry.remove(segment)
+
+    # --- internals: eviction ------------------------------------------------------------
+
+    def _evict(self, key: str) -> None:
+        meta = self._drop_object(key)
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += footprint_bytes(meta.size_bytes) * len(meta.replica_tuple())

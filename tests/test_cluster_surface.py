@@ -1,0 +1,149 @@
+"""What operators touch on a running cluster of real processes: hostile bytes on the master's and
+a node's ports (the servers keep serving and no stored object changes), the object commands of
+the `kvpool` CLI, and the Prometheus /metrics of master and node."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool import Store, limits
+from kvpool.errors import InvalidParams, SegmentNotFound, Unauthorized
+from kvpool.protocol.frames import encode_frame
+from kvpool.protocol.messages import GetReplicaList, ReadItem, ReadSlices, WriteGrant, WriteItem, WriteSlices
+
+
+def kvpool_cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", *args], input=stdin, capture_output=True, timeout=60
+    )
+
+
+def hostile_payloads() -> dict[str, bytes]:
+    header = struct.Struct(limits.FRAME_HEADER_FMT)
+    return {
+        "random bytes": os.urandom(64 * 1024),
+        "truncated frame": encode_frame(GetReplicaList(["k"] * 100), 1)[:-7],
+        "huge control size": header.pack(limits.FRAME_MAGIC, 1, 0, 1, 2**32 - 1, 0),
+        "huge payload size": header.pack(limits.FRAME_MAGIC, 1, 0, 1, 4, 2**64 - 1),
+        "garbage control": header.pack(limits.FRAME_MAGIC, 1, 0, 1, 8, 0) + b"\xc1" * 8,
+    }
+
+
+def send_and_wait_for_close(endpoint: str, data: bytes) -> bool:
+    """Send bytes without a handshake; True if the server closed the connection."""
+    host, port = endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.recv(4096)  # the server's challenge
+        try:
+            sock.sendall(data)
+        except OSError:
+            return True
+        sock.settimeout(5)
+        try:
+            while sock.recv(65536):
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        return True
+
+
+def test_hostile_bytes_leave_master_and_node_serving_and_objects_intact(make_cluster):
+    cluster = make_cluster(2, "16MiB")
+    values = {f"precious-{i}": os.urandom(50_000) for i in range(20)}
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        store.put_batch(list(values), list(values.values()))
+        for endpoint in [cluster.master_endpoint, *(n.info["endpoint"] for n in cluster.nodes)]:
+            for name, data in hostile_payloads().items():
+                assert send_and_wait_for_close(endpoint, data), (endpoint, name)
+                assert store.get_batch(list(values)) == list(values.values()), (endpoint, name)
+        # Authenticated but out of bounds: refused with a typed error, nothing written.
+        node = cluster.nodes[0]
+        segment_id = node.info["segment_id"]
+        conn = store._run(store._async._peers.lanes(node.info["endpoint"], 1))[0]
+        for offset, size in [(-1, 10), (16 << 20, 1), (0, 1 << 40)]:
+            try:
+                store._run(conn.request(ReadSlices([ReadItem(segment_id, offset, size)])))
+                raise AssertionError("out-of-range read accepted")
+            except InvalidParams:
+                pass
+        forged = WriteGrant(segment_id, 0, 16, expiry_ms=1)  # long expired
+        try:
+            store._run(conn.request(WriteSlices([WriteItem(forged, 0, 16)]), [b"X" * 16]))
+            raise AssertionError("expired grant accepted")
+        except (Unauthorized, InvalidParams):
+            pass
+        try:
+            store._run(conn.request(ReadSlices([ReadItem("no-such-segment", 0, 1)])))
+            raise AssertionError("unknown segment accepted")
+        except SegmentNotFound:
+            pass
+        assert store.get_batch(list(values)) == list(values.values())
+        assert all(n.is_alive() for n in cluster.nodes) and cluster.master.is_alive()
+
+
+def test_object_commands_of_the_cli(make_cluster, tmp_path):
+    cluster = make_cluster(2, "16MiB")
+    master = ["--master", cluster.master_endpoint]
+    assert kvpool_cli("put", "cli/a", *master, stdin=b"alpha").returncode == 0
+    source = tmp_path / "b.bin"
+    source.write_bytes(os.urandom(200_000))
+    assert kvpool_cli("put", "cli/b", str(source), "--replicas", "2", *master).returncode == 0
+    got = kvpool_cli("get", "cli/a", *master)
+    assert got.returncode == 0 and got.stdout == b"alpha"
+    listing = kvpool_cli("ls", "^cli/", *master).stdout.decode()
+    assert "cli/a" in listing and "cli/b" in listing and "200000" in listing
+    stat = kvpool_cli("stat", "cli/b", "--json", *master)
+    import json
+
+    row = json.loads(stat.stdout)[0]
+    assert row["size"] == 200_000 and len(row["replicas"]) == 2 and row["code"] == "OK"
+    cluster_stat = json.loads(kvpool_cli("stat", "--json", *master).stdout)
+    assert cluster_stat["object_count"] == 2 and len(cluster_stat["segments"]) == 2
+    leased = kvpool_cli("rm", "cli/a", *master)  # the get above holds a read lease
+    assert leased.returncode == 1 and b"OBJECT_HAS_LEASE" in leased.stderr
+    assert kvpool_cli("rm", "cli/a", "--force", *master).returncode == 0
+    assert kvpool_cli("get", "cli/a", *master).returncode == 2
+    assert kvpool_cli("rm", "--all", "--force", *master).returncode == 0
+    assert kvpool_cli("ls", *master).stdout == b""
+    assert kvpool_cli("rm", *master).returncode == 2  # nothing named: usage error
+    unreachable = kvpool_cli("get", "x", "--master", "127.0.0.1:1")
+    assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr
+    for command in ("master", "node", "put", "get", "rm", "ls", "stat", "demo"):
+        assert kvpool_cli(command, "--help").returncode == 0
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_prometheus_metrics_of_master_and_node(make_cluster):
+    cluster = make_cluster(1, "16MiB", node_args=("--metrics-port", "0"))
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        store.put_batch([f"m{i}" for i in range(10)], [b"z" * 4096] * 10)
+        store.get_batch([f"m{i}" for i in range(10)] + ["absent"])
+    master = scrape(cluster.http_port)
+    assert master["kvpool_master_objects"] == 10
+    assert master["kvpool_master_puts_total"] == 10
+    assert master["kvpool_master_hits_total"] == 10
+    assert master["kvpool_master_misses_total"] == 1
+    used = [v for k, v in master.items() if k.startswith("kvpool_master_segment_used_bytes")]
+    assert used == [10 * 4096]
+    node = scrape(int(cluster.nodes[0].info["metrics_endpoint"].rsplit(":", 1)[1]))
+    assert node["kvpool_node_objects"] == 10
+    assert node["kvpool_node_segment_used_bytes"] == 10 * 4096
+    assert node["kvpool_node_read_bytes_total"] >= 10 * 4096
+    health = urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=5).read()
+    assert b"ok" in health

@@ -1,0 +1,885 @@
+"""MasterService, request by request: puts, reads, leases, pins, eviction, drops, membership.
+
+How: each test builds a pure MasterService (seeded rng, a cluster key, time passed in as
+`now_ms`) behind a `Checked` proxy that calls `check_invariants()` after every call, so every
+step of every test also proves that the segments are tiled exactly by object replicas,
+pending puts, quarantined ranges, drops and free extents. Nodes are simulated by the test:
+commits succeed unless a test says otherwise, and drops are acknowledged explicitly, so the
+order "drop before reuse" is visible. No sockets, no sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import ErrorCode, InvalidParams, SegmentAlreadyExists, SegmentNotFound
+from kvpool.master.allocator import footprint_bytes
+from kvpool.master.eviction import EVICT_SHORTFALL_BACKOFF_MS, EvictionPolicy, Verdict
+from kvpool.master.service import MasterService, PendingCommit
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    ClusterStatus,
+    DrainSegment,
+    ExistKeys,
+    GetReplicaList,
+    Heartbeat,
+    InventoryEntry,
+    ListObjects,
+    LongestPrefix,
+    MountSegment,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    QueryObjects,
+    Remove,
+    RemoveAll,
+    RemoveByRegex,
+    ReplicateConfig,
+    SegmentInfo,
+    UnmountSegment,
+)
+
+KIB, MIB = limits.KIB, limits.MIB
+OK = ErrorCode.OK
+OBJECT_SIZE = 64 * KIB  # 16 objects fill a 1 MiB segment
+CLUSTER_KEY = auth.cluster_key("test-token")
+
+
+class Checked:
+    """Proxy that runs check_invariants() after every method call of the service."""
+
+    def __init__(self, service: MasterService):
+        self.raw = service
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.raw, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self.raw.check_invariants()
+
+        return call
+
+
+def make(seed: int = 0, **config) -> Checked:
+    return Checked(MasterService(MasterConfig(**config), random.Random(seed), CLUSTER_KEY))
+
+
+def info(
+    segment_id: str, capacity: int = MIB, node: str = "", hostname: str = "host-a", token: bytes = b"t"
+) -> SegmentInfo:
+    return SegmentInfo(
+        segment_id, node or f"node-{segment_id}", hostname, f"{hostname}:1", "/dev/shm/x", token, capacity
+    )
+
+
+def mount(svc, segment_id: str, now: int = 0, inventory=(), **kwargs) -> list[InventoryEntry]:
+    return svc.mount_segment(MountSegment(info(segment_id, **kwargs), list(inventory)), now).rejected
+
+
+def config(**kwargs) -> ReplicateConfig:
+    return ReplicateConfig(**kwargs)
+
+
+def checksum_of(key: str) -> int:
+    return hash(key) & (2**64 - 1)
+
+
+NodeAnswer = Callable[[str, list[InventoryEntry]], list[int]]
+
+
+def all_ok(segment_id: str, entries: list[InventoryEntry]) -> list[int]:
+    return [0] * len(entries)
+
+
+def commit(svc, pending: PendingCommit, now: int, node: NodeAnswer = all_ok) -> list[int]:
+    results = {segment_id: node(segment_id, entries) for segment_id, entries in pending.commits.items()}
+    return svc.finish_put_end(pending, results, now).codes
+
+
+def put(
+    svc, keys, size: int = OBJECT_SIZE, now: int = 0, node: NodeAnswer = all_ok, **replicate
+) -> list[int]:
+    """The whole put as the server runs it; returns the final code per key."""
+    keys = list(keys)
+    start = svc.put_start(PutStart(keys, [size] * len(keys), config(**replicate)), now)
+    started = [key for key, code in zip(keys, start.codes) if code == OK]
+    pending = svc.put_end(PutEnd(started, [checksum_of(k) for k in started]), now)
+    final = dict(zip(started, commit(svc, pending, now, node)))
+    return [final.get(key, code) for key, code in zip(keys, start.codes)]
+
+
+def get(svc, keys, now: int = 0):
+    return svc.get_replica_list(GetReplicaList(list(keys)), now)
+
+
+def exists(svc, keys, now: int = 0) -> list[bool]:
+    return svc.exist_keys(ExistKeys(list(keys)), now).flags
+
+
+def used(svc, segment_id: str) -> int:
+    return next(c.used_bytes for c in svc.segment_counters() if c.segment_id == segment_id)
+
+
+def ack_drops(svc, now: int = 0) -> dict[str, list[InventoryEntry]]:
+    drops = svc.take_drops()
+    for segment_id, entries in drops.items():
+        svc.drops_done(segment_id, entries, now)
+    return drops
+
+
+# --- puts -------------------------------------------------------------------------------
+
+
+def test_put_then_get_returns_size_checksum_and_signed_grants() -> None:
+    svc = make()
+    mount(svc, "s1")
+    reply = svc.put_start(PutStart(["k"], [1000], config()), 5)
+    assert reply.codes == [OK]
+    (grant,) = reply.grants[0]
+    assert grant.segment_id == "s1" and grant.size == 1000
+    assert grant.expiry_ms == 5 + MasterConfig().put_discard_timeout_ms
+    assert auth.is_valid_grant(CLUSTER_KEY, grant, 5)
+    assert reply.segments["s1"].segment_id == "s1"
+    pending = svc.put_end(PutEnd(["k"], [1234]), 6)
+    assert pending.commits == {"s1": [InventoryEntry("k", grant.offset, 1000, 1234)]}
+    assert exists(svc, ["k"]) == [False]  # not visible until the node committed it
+    assert commit(svc, pending, 7) == [OK]
+    got = get(svc, ["k"], 8)
+    assert got.codes == [OK] and got.sizes == [1000] and got.checksums == [1234]
+    assert [(r.segment_id, r.offset) for r in got.replicas[0]] == [("s1", grant.offset)]
+    assert set(got.segments) == {"s1"}
+    assert svc.counters.puts == 1 and svc.counters.put_bytes == 1000
+
+
+def test_put_start_rejects_bad_keys_and_sizes_per_key() -> None:
+    svc = make()
+    mount(svc, "s1")
+    keys = ["", "x" * (limits.KEY_SIZE_BYTES_MAX + 1), "\ud800", "ok1", "ok2", "ok3", "ok4", "é" * 2049]
+    sizes = [10, 10, 10, 0, -1, limits.OBJECT_SIZE_BYTES_MAX + 1, 10, 10]
+    codes = svc.put_start(PutStart(keys, sizes, config()), 0).codes
+    assert codes == [ErrorCode.INVALID_KEY] * 3 + [ErrorCode.INVALID_PARAMS] * 3 + [OK, ErrorCode.INVALID_KEY]
+    assert svc.counters.errors == 7
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        PutStart(["a", "b"], [1], ReplicateConfig()),
+        PutStart(["a"] * (limits.BATCH_KEYS_MAX + 1), [1] * (limits.BATCH_KEYS_MAX + 1), ReplicateConfig()),
+        PutStart(["a"], [1], ReplicateConfig(replica_num=0)),
+        PutStart(["a"], [1], ReplicateConfig(replica_num=limits.REPLICA_NUM_MAX + 1)),
+        PutStart(["a"], [1], ReplicateConfig(placement="nearest")),
+    ],
+)
+def test_put_start_raises_on_bad_requests_and_allocates_nothing(msg: PutStart) -> None:
+    svc = make()
+    mount(svc, "s1")
+    with pytest.raises(InvalidParams):
+        svc.put_start(msg, 0)
+    assert used(svc, "s1") == 0 and svc.pending_count == 0
+
+
+def test_batch_limits_raise_everywhere() -> None:
+    svc = make()
+    too_many = ["k"] * (limits.BATCH_KEYS_MAX + 1)
+    for call in (
+        lambda: svc.put_end(PutEnd(too_many, [0] * len(too_many)), 0),
+        lambda: svc.put_revoke(PutRevoke(too_many), 0),
+        lambda: svc.get_replica_list(GetReplicaList(too_many), 0),
+        lambda: svc.exist_keys(ExistKeys(too_many), 0),
+        lambda: svc.longest_prefix(LongestPrefix(too_many), 0),
+        lambda: svc.remove(Remove(too_many), 0),
+        lambda: svc.query_objects(QueryObjects(too_many), 0),
+        lambda: svc.heartbeat(Heartbeat(too_many), 0),
+    ):
+        with pytest.raises(InvalidParams):
+            call()
+
+
+def test_existing_and_pending_keys() -> None:
+    svc = make()
+    mount(svc, "s1")
+    assert put(svc, ["done"]) == [OK]
+    svc.put_start(PutStart(["busy"], [10], config()), 0)
+    codes = svc.put_start(PutStart(["done", "busy", "busy2", "busy2"], [10] * 4, config()), 0).codes
+    assert codes == [
+        ErrorCode.OBJECT_ALREADY_EXISTS,
+        ErrorCode.REPLICA_IS_NOT_READY,
+        OK,
+        ErrorCode.REPLICA_IS_NOT_READY,
+    ]
+    got = get(svc, ["busy", "nope"])
+    assert got.codes == [ErrorCode.REPLICA_IS_NOT_READY, ErrorCode.OBJECT_NOT_FOUND]
+    assert got.replicas == [[], []]
+    assert exists(svc, ["done", "busy", "nope"]) == [True, False, False]
+    assert svc.counters.misses == 2 and svc.counters.hits == 0
+
+
+def test_no_segment_means_no_available_handle() -> None:
+    svc = make()
+    assert svc.put_start(PutStart(["k"], [10], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    mount(svc, "s1")
+    too_big = svc.put_start(PutStart(["k"], [2 * MIB], config()), 0)
+    assert too_big.codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+
+
+def test_replicas_on_distinct_segments_best_effort() -> None:
+    svc = make()
+    for segment_id in ("s1", "s2", "s3"):
+        mount(svc, segment_id)
+    reply = svc.put_start(PutStart(["a", "b"], [10, 10], config(replica_num=3)), 0)
+    for grants in reply.grants:
+        assert sorted(g.segment_id for g in grants) == ["s1", "s2", "s3"]
+    reply = svc.put_start(PutStart(["c"], [10], config(replica_num=5)), 0)
+    assert reply.codes == [OK] and len(reply.grants[0]) == 3
+    assert set(reply.segments) == {"s1", "s2", "s3"}
+
+
+def test_put_end_codes() -> None:
+    svc = make()
+    mount(svc, "s1")
+    assert put(svc, ["done"]) == [OK]
+    svc.put_start(PutStart(["a", "b"], [10, 10], config()), 0)
+    # A checksum list that does not match the keys: every key is refused, the puts stay.
+    bad = svc.put_end(PutEnd(["a", "b"], [1]), 0)
+    assert bad.codes == [ErrorCode.INVALID_PARAMS] * 2 and bad.commits == {}
+    assert svc.finish_put_end(bad, {}, 0).codes == [ErrorCode.INVALID_PARAMS] * 2
+    pending = svc.put_end(PutEnd(["a", "b", "nope", "done", "a"], [1, -1, 0, 0, 1]), 0)
+    assert pending.codes[1:] == [
+        ErrorCode.INVALID_PARAMS,
+        ErrorCode.OBJECT_NOT_FOUND,
+        ErrorCode.OBJECT_ALREADY_EXISTS,
+        ErrorCode.REPLICA_IS_NOT_READY,  # its first put_end in this very batch is committing
+    ]
+    assert [e.key for e in pending.commits["s1"]] == ["a"]
+    assert commit(svc, pending, 0)[0] == OK
+    assert exists(svc, ["a", "b"]) == [True, False]
+
+
+def test_commit_failures_free_ranges_and_the_key() -> None:
+    svc = make()
+    for segment_id in ("s1", "s2"):
+        mount(svc, segment_id)
+
+    def only_s1(segment_id: str, entries) -> list[int]:
+        return [0 if segment_id == "s1" else ErrorCode.TRANSFER_FAIL] * len(entries)
+
+    assert put(svc, ["half"], replica_num=2, node=only_s1) == [OK]
+    got = get(svc, ["half"])
+    assert [r.segment_id for r in got.replicas[0]] == ["s1"]
+    assert used(svc, "s2") == 0  # the failed replica's range is free: it never reached an inventory
+
+    def none(segment_id: str, entries) -> list[int]:
+        return [ErrorCode.TRANSFER_FAIL] * len(entries)
+
+    assert put(svc, ["lost"], replica_num=2, node=none) == [ErrorCode.TRANSFER_FAIL]
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE) and used(svc, "s2") == 0
+    assert put(svc, ["lost"]) == [OK]  # the key is free again
+
+    # A node that never answered, or answered the wrong number of codes, failed.
+    svc.put_start(PutStart(["x", "y"], [10, 10], config(placement="preferred", preferred_segments=["s2"])), 0)
+    pending = svc.put_end(PutEnd(["x", "y"], [1, 2]), 0)
+    assert svc.finish_put_end(pending, {"s2": [0]}, 0).codes == [ErrorCode.TRANSFER_FAIL] * 2
+    assert exists(svc, ["x", "y"]) == [False, False]
+
+
+def test_finish_put_end_twice_is_a_programmer_error() -> None:
+    svc = make()
+    mount(svc, "s1")
+    svc.put_start(PutStart(["k"], [10], config()), 0)
+    pending = svc.put_end(PutEnd(["k"], [1]), 0)
+    commit(svc, pending, 0)
+    with pytest.raises(AssertionError):
+        svc.raw.finish_put_end(pending, {}, 0)
+
+
+def test_revoke_frees_at_once() -> None:
+    svc = make()
+    mount(svc, "s1")
+    assert put(svc, ["done"]) == [OK]
+    svc.put_start(PutStart(["w", "c"], [OBJECT_SIZE, OBJECT_SIZE], config()), 0)
+    pending = svc.put_end(PutEnd(["c"], [1]), 0)
+    codes = svc.put_revoke(PutRevoke(["w", "c", "done", "nope"]), 0).codes
+    assert codes == [
+        OK,
+        ErrorCode.REPLICA_IS_NOT_READY,
+        ErrorCode.OBJECT_ALREADY_EXISTS,
+        ErrorCode.OBJECT_NOT_FOUND,
+    ]
+    assert used(svc, "s1") == 2 * footprint_bytes(OBJECT_SIZE)
+    assert commit(svc, pending, 0) == [OK]
+    assert svc.put_end(PutEnd(["w"], [1]), 0).codes == [ErrorCode.OBJECT_NOT_FOUND]
+
+
+# --- zombies ----------------------------------------------------------------------------
+
+
+def test_zombie_put_is_discarded_then_its_space_released() -> None:
+    svc = make(put_discard_timeout_ms=1_000, put_release_timeout_ms=5_000)
+    mount(svc, "s1")
+    svc.put_start(PutStart(["z"], [OBJECT_SIZE], config()), 100)
+    svc.tick(1_099)
+    assert svc.put_start(PutStart(["z"], [10], config()), 1_099).codes == [ErrorCode.REPLICA_IS_NOT_READY]
+    svc.heartbeat(Heartbeat(["s1"]), 1_100)
+    svc.tick(1_100)  # discarded: the key is free, the range quarantined
+    assert svc.pending_count == 0
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)
+    assert svc.put_end(PutEnd(["z"], [1]), 1_101).codes == [ErrorCode.OBJECT_NOT_FOUND]
+    svc.tick(5_099)
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)
+    svc.heartbeat(Heartbeat(["s1"]), 5_100)
+    svc.tick(5_100)  # put_start + release timeout: the writer's grant is long expired
+    assert used(svc, "s1") == 0
+
+
+def test_committing_put_is_never_discarded() -> None:
+    svc = make(put_discard_timeout_ms=1_000, node_ttl_ms=100_000)
+    mount(svc, "s1")
+    svc.put_start(PutStart(["k"], [10], config()), 0)
+    pending = svc.put_end(PutEnd(["k"], [7]), 10)
+    svc.tick(50_000)
+    assert commit(svc, pending, 50_001) == [OK]
+    assert get(svc, ["k"], 50_002).checksums == [7]
+
+
+def test_force_remove_of_a_writing_put_quarantines_its_range() -> None:
+    svc = make(put_release_timeout_ms=60_000, node_ttl_ms=100_000)
+    mount(svc, "s1")
+    svc.put_start(PutStart(["w"], [OBJECT_SIZE], config()), 0)
+    assert svc.remove(Remove(["w"]), 0).codes == [ErrorCode.REPLICA_IS_NOT_READY]
+    assert svc.remove(Remove(["w"], force=True), 0).codes == [OK]
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)  # the writer may still be writing
+    assert put(svc, ["w"], now=1) == [OK]  # but the key is free
+    svc.tick(60_000)
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)
+
+
+# --- leases, existence, removal ----------------------------------------------------------
+
+
+def test_lease_blocks_remove_until_it_expires() -> None:
+    svc = make(lease_ttl_ms=1_000)
+    mount(svc, "s1")
+    put(svc, ["k"])
+    assert get(svc, ["k"], 100).lease_ttl_ms == 1_000
+    get(svc, ["k"], 50)  # an older read never shortens the lease
+    assert svc.remove(Remove(["k"]), 1_099).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    assert svc.remove(Remove(["k"]), 1_100).codes == [OK]
+    assert svc.remove(Remove(["k"]), 1_100).codes == [ErrorCode.OBJECT_NOT_FOUND]
+    put(svc, ["f"])
+    get(svc, ["f"], 0)
+    assert svc.remove(Remove(["f"], force=True), 1).codes == [OK]
+    assert svc.counters.removes == 2
+
+
+def test_exists_longest_prefix_and_query_grant_no_lease() -> None:
+    svc = make()
+    mount(svc, "s1")
+    put(svc, ["a", "b", "d"])
+    assert exists(svc, ["a", "c"]) == [True, False]
+    assert svc.longest_prefix(LongestPrefix(["a", "b", "c", "d"]), 0).count == 2
+    assert svc.longest_prefix(LongestPrefix([]), 0).count == 0
+    query = svc.query_objects(QueryObjects(["a", "c"]), 0)
+    assert query.codes == [OK, ErrorCode.OBJECT_NOT_FOUND] and query.sizes == [OBJECT_SIZE, 0]
+    assert query.replicas[0][0].segment_id == "s1"
+    assert svc.remove(Remove(["a", "b", "d"]), 0).codes == [OK, OK, OK]  # no lease anywhere
+    assert svc.counters.gets == 0
+
+
+def test_removed_ranges_are_reused_only_after_drops_done() -> None:
+    svc = make()
+    mount(svc, "s1")  # 16 objects of 64 KiB fill it
+    keys = [f"k{i}" for i in range(16)]
+    assert put(svc, keys) == [OK] * 16
+    for key in keys:
+        get(svc, [key])  # leases: nothing is evictable
+    svc.remove(Remove(["k3"], force=True), 0)
+    offset = svc.query_objects(QueryObjects(["k3"]), 0)
+    assert offset.codes == [ErrorCode.OBJECT_NOT_FOUND]
+    assert svc.has_pending_drops()
+    # The node has not forgotten k3 yet: its range cannot be handed out.
+    assert svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 0).codes == [
+        ErrorCode.NO_AVAILABLE_HANDLE
+    ]
+    drops = svc.take_drops()
+    assert [(e.key, e.size) for e in drops["s1"]] == [("k3", OBJECT_SIZE)]
+    assert not svc.has_pending_drops()
+    assert svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 0).codes == [
+        ErrorCode.NO_AVAILABLE_HANDLE
+    ]
+    svc.drops_done("s1", drops["s1"], 0)
+    svc.drops_done("s1", drops["s1"], 0)  # a repeated ack frees nothing twice
+    svc.drops_done("gone", drops["s1"], 0)  # an unknown segment is ignored
+    reply = svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 0)
+    assert reply.codes == [OK] and reply.grants[0][0].offset == drops["s1"][0].offset
+
+
+def test_remove_by_regex_and_remove_all() -> None:
+    svc = make(lease_ttl_ms=1_000)
+    mount(svc, "s1")
+    put(svc, ["user/1", "user/2", "sys/1", "user/3"])
+    get(svc, ["user/3"], 0)
+    assert svc.remove_by_regex(RemoveByRegex("^user/"), 0).count == 2  # user/3 is leased
+    assert svc.remove_by_regex(RemoveByRegex("3"), 0).count == 0
+    assert svc.remove_by_regex(RemoveByRegex("3", force=True), 0).count == 1
+    assert exists(svc, ["sys/1"]) == [True]
+    with pytest.raises(InvalidParams):
+        svc.remove_by_regex(RemoveByRegex("(unclosed"), 0)
+    with pytest.raises(InvalidParams):
+        svc.remove_by_regex(RemoveByRegex("a" * (limits.REGEX_SIZE_BYTES_MAX + 1)), 0)
+    put(svc, ["x", "y"])
+    get(svc, ["x"], 0)
+    assert svc.remove_all(RemoveAll(), 0).count == 2  # sys/1 and y
+    assert svc.remove_all(RemoveAll(force=True), 0).count == 1
+    assert svc.object_count == 0
+    ack_drops(svc)
+    assert used(svc, "s1") == 0
+
+
+def test_list_objects() -> None:
+    svc = make()
+    mount(svc, "s1")
+    put(svc, ["a1", "a2", "b1"])
+    listed = svc.list_objects(ListObjects("", 10), 0)
+    assert sorted(listed.keys) == ["a1", "a2", "b1"] and not listed.truncated
+    assert listed.sizes == [OBJECT_SIZE] * 3
+    listed = svc.list_objects(ListObjects("^a", 1), 0)
+    assert len(listed.keys) == 1 and listed.keys[0].startswith("a") and listed.truncated
+    for limit in (0, limits.LIST_OBJECTS_MAX + 1):
+        with pytest.raises(InvalidParams):
+            svc.list_objects(ListObjects("", limit), 0)
+    with pytest.raises(InvalidParams):
+        svc.list_objects(ListObjects("[", 10), 0)
+
+
+# --- placement ---------------------------------------------------------------------------
+
+
+def test_placement_free_ratio_takes_the_emptiest() -> None:
+    svc = make()
+    mount(svc, "s1")
+    mount(svc, "s2", capacity=2 * MIB)
+    put(svc, [f"k{i}" for i in range(4)], placement="preferred", preferred_segments=["s2"])
+    # s1: empty (ratio 1.0); s2: 4 * 64 KiB used of 2 MiB (0.875)
+    reply = svc.put_start(PutStart(["f"], [10], config(placement="free_ratio")), 0)
+    assert reply.grants[0][0].segment_id == "s1"
+
+
+def test_placement_local_then_random() -> None:
+    svc = make()
+    mount(svc, "a1", hostname="alpha")
+    mount(svc, "b1", hostname="beta")
+    mount(svc, "b2", hostname="beta")
+    for i in range(20):
+        grants = svc.put_start(PutStart([f"k{i}"], [10], config(placement="local")), 0).grants[0]
+        assert grants[0].segment_id in ("a1", "b1", "b2")
+    msg = PutStart([f"l{i}" for i in range(20)], [10] * 20, config(placement="local", replica_num=2), "beta")
+    for grants in svc.put_start(msg, 0).grants:
+        assert sorted(g.segment_id for g in grants) == ["b1", "b2"]
+    msg = PutStart(["m"], [10], config(placement="local", replica_num=2), "alpha")
+    grants = svc.put_start(msg, 0).grants[0]
+    assert grants[0].segment_id == "a1" and grants[1].segment_id in ("b1", "b2")
+
+
+def test_placement_preferred_in_order_then_random() -> None:
+    svc = make()
+    for segment_id in ("s1", "s2", "s3"):
+        mount(svc, segment_id)
+    cfg = config(placement="preferred", preferred_segments=["s3", "missing", "s1"], replica_num=3)
+    grants = svc.put_start(PutStart(["k"], [10], cfg), 0).grants[0]
+    assert [g.segment_id for g in grants] == ["s3", "s1", "s2"]
+
+
+def test_placement_random_spreads_over_segments() -> None:
+    svc = make(seed=7)
+    for segment_id in ("s1", "s2", "s3", "s4"):
+        mount(svc, segment_id, capacity=64 * MIB)
+    reply = svc.put_start(PutStart([f"k{i}" for i in range(400)], [10] * 400, config()), 0)
+    counts: dict[str, int] = {}
+    for grants in reply.grants:
+        counts[grants[0].segment_id] = counts.get(grants[0].segment_id, 0) + 1
+    assert set(counts) == {"s1", "s2", "s3", "s4"} and min(counts.values()) > 60
+
+
+def test_random_placement_finds_the_one_segment_with_room() -> None:
+    svc = make()
+    for segment_id in ("s1", "s2", "s3", "s4", "s5"):
+        mount(svc, segment_id)
+        if segment_id != "s5":
+            put(
+                svc,
+                [f"{segment_id}-{i}" for i in range(16)],
+                placement="preferred",
+                preferred_segments=[segment_id],
+            )
+    for i in range(16):
+        grants = svc.put_start(PutStart([f"x{i}"], [OBJECT_SIZE], config()), 0).grants[0]
+        assert grants[0].segment_id == "s5"
+
+
+# --- eviction -------------------------------------------------------------------------
+
+
+def fill(svc, segment_id: str, count: int, prefix: str = "k", now: int = 0, **replicate) -> list[str]:
+    keys = [f"{prefix}{i}" for i in range(count)]
+    assert (
+        put(svc, keys, now=now, placement="preferred", preferred_segments=[segment_id], **replicate)
+        == [OK] * count
+    )
+    return keys
+
+
+def test_watermark_eviction_is_lru_and_spares_leases() -> None:
+    svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=0.9, evict_ratio=0.2)
+    mount(svc, "s1")
+    keys = fill(svc, "s1", 15)  # 15/16 = 0.94 > 0.9
+    get(svc, ["k0"], 10)  # k0 becomes the most recent, and leased
+    svc.tick(11)
+    # max(0.2, 0.9375 - 0.9 + 0.2) * 1 MiB = 0.2375 MiB: four 64 KiB objects.
+    drops = svc.take_drops()
+    assert [e.key for e in drops["s1"]] == ["k1", "k2", "k3", "k4"]
+    assert svc.counters.evictions == 4 and svc.counters.evicted_bytes == 4 * OBJECT_SIZE
+    assert exists(svc, keys[:6]) == [True, False, False, False, False, True]
+    assert used(svc, "s1") == 15 * OBJECT_SIZE  # drops are not acknowledged yet
+    svc.tick(12)  # the scheduled drops count: no second round of eviction
+    assert svc.counters.evictions == 4
+    for segment_id, entries in drops.items():
+        svc.drops_done(segment_id, entries, 13)
+    assert used(svc, "s1") == 11 * OBJECT_SIZE
+    assert svc.cluster_status(ClusterStatus(), 13).evicted_count == 4
+
+
+def test_eviction_never_takes_leased_or_hard_pinned_and_soft_pinned_last() -> None:
+    svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=0.5, evict_ratio=0.4)
+    mount(svc, "s1")
+    fill(svc, "s1", 4, prefix="soft", with_soft_pin=True)
+    fill(svc, "s1", 4, prefix="hard", with_hard_pin=True)
+    fill(svc, "s1", 4, prefix="plain")
+    fill(svc, "s1", 4, prefix="read")
+    get(svc, [f"read{i}" for i in range(4)], 0)
+    svc.tick(1)
+    # Goal max(0.4, 1.0 - 0.5 + 0.4) = 0.9 MiB: every evictable object, soft-pinned last.
+    evicted = [e.key for e in svc.take_drops()["s1"]]
+    assert evicted == [f"plain{i}" for i in range(4)] + [f"soft{i}" for i in range(4)]
+
+
+def test_soft_pin_expires_without_access() -> None:
+    svc = make(soft_pin_ttl_ms=1_000, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    mount(svc, "s1")
+    fill(svc, "s1", 1, prefix="soft", with_soft_pin=True)
+    fill(svc, "s1", 14, prefix="plain")
+    svc.tick(999)
+    # 15/16 used: max(0.05, 0.9375 - 0.9 + 0.05) of 1 MiB to free is two objects.
+    drops = svc.take_drops()
+    assert [e.key for e in drops["s1"]] == ["plain0", "plain1"]
+    svc.tick(1_000)  # the pin lapsed: soft0 is the least recently used object now
+    svc.drops_done("s1", drops["s1"], 1_000)
+    fill(svc, "s1", 2, prefix="more")
+    svc.tick(1_001)
+    assert [e.key for e in svc.take_drops()["s1"]] == ["soft0", "plain2"]
+
+
+def test_get_refreshes_the_soft_pin_and_lru_position() -> None:
+    svc = make(soft_pin_ttl_ms=1_000, lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    mount(svc, "s1")
+    fill(svc, "s1", 1, prefix="soft", with_soft_pin=True)
+    fill(svc, "s1", 14, prefix="plain")
+    get(svc, ["soft0", "plain0"], 900)
+    svc.tick(1_500)  # the pin was refreshed at 900: still pinned; plain0 was read: plain1 goes
+    assert [e.key for e in svc.take_drops()["s1"]] == ["plain1", "plain2"]
+
+
+def test_allocation_failure_evicts_then_the_retry_fits() -> None:
+    svc = make(evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")
+    fill(svc, "s1", 16)
+    get(svc, ["k0"], 0)
+    reply = svc.put_start(PutStart(["n1", "n2"], [OBJECT_SIZE] * 2, config()), 0)
+    assert reply.codes == [ErrorCode.NO_AVAILABLE_HANDLE] * 2
+    assert svc.has_pending_drops()
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k1", "k2"]  # k0 is leased
+    assert svc.put_start(PutStart(["n1", "n2"], [OBJECT_SIZE] * 2, config()), 0).codes == [OK, OK]
+
+
+def test_eviction_that_finds_nothing_backs_off() -> None:
+    svc = make(lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    mount(svc, "s1")
+    keys = fill(svc, "s1", 16)
+    get(svc, keys, 0)  # everything leased until 100
+    svc.tick(1)
+    assert not svc.has_pending_drops()
+    svc.tick(150)  # leases are over, but the scan that came up short backs off for a while
+    assert not svc.has_pending_drops()
+    svc.tick(1 + EVICT_SHORTFALL_BACKOFF_MS)
+    assert [e.key for e in svc.take_drops()["s1"]] == ["k0", "k1", "k2"]
+
+
+class NewestFirst(EvictionPolicy):
+    """A toy policy (most recently inserted first) to show the policy is swappable."""
+
+    def attach(self, table) -> None:
+        self.table = table
+
+    def on_insert(self, key, meta) -> None:
+        pass
+
+    def on_access(self, key, meta) -> None:
+        pass
+
+    def on_remove(self, key, meta) -> None:
+        pass
+
+    def select_victims(self, judge, scan_max: int) -> list[str]:
+        victims = []
+        for key in reversed(list(self.table.objects)[-scan_max:]):
+            meta = self.table.objects[key]
+            if meta.is_hard_pinned:
+                continue
+            verdict = judge(key, meta)
+            if verdict is Verdict.STOP:
+                break
+            if verdict is Verdict.TAKE:
+                victims.append(key)
+        return victims
+
+
+def test_the_eviction_policy_is_pluggable() -> None:
+    config = MasterConfig(evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    svc = Checked(MasterService(config, random.Random(0), None, policy=NewestFirst()))
+    mount(svc, "s1")
+    fill(svc, "s1", 16)
+    svc.tick(1)
+    assert [e.key for e in svc.take_drops()["s1"]] == ["k15", "k14", "k13"]
+
+
+def test_eviction_never_touches_a_put_in_flight() -> None:
+    svc = make(evict_watermark_ratio_high=0.5, evict_ratio=0.4)
+    mount(svc, "s1")
+    svc.put_start(PutStart([f"w{i}" for i in range(8)], [OBJECT_SIZE] * 8, config()), 0)
+    fill(svc, "s1", 8)
+    svc.tick(1)
+    assert sorted(e.key for e in svc.take_drops()["s1"]) == sorted(f"k{i}" for i in range(8))
+    assert svc.pending_count == 8
+
+
+def test_watermark_eviction_targets_the_full_segment_only() -> None:
+    svc = make(evict_watermark_ratio_high=0.9, evict_ratio=0.1)
+    mount(svc, "s1")
+    mount(svc, "s2", capacity=4 * MIB)
+    fill(svc, "s2", 4, prefix="other")  # older, but on a segment with room
+    fill(svc, "s1", 16, prefix="full")
+    svc.tick(1)
+    evicted = svc.take_drops()
+    assert set(evicted) == {"s1"}
+    # max(0.1, 1.0 - 0.9 + 0.1) of 1 MiB: four objects, all from s1 though "other*" are older.
+    assert [e.key for e in evicted["s1"]] == ["full0", "full1", "full2", "full3"]
+
+
+# --- membership ---------------------------------------------------------------------------
+
+
+def test_heartbeat_keeps_segments_and_silence_unmounts_them() -> None:
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1", now=0)
+    mount(svc, "s2", now=0)
+    put(svc, ["both"], replica_num=2)
+    put(svc, ["only2"], placement="preferred", preferred_segments=["s2"])
+    assert svc.heartbeat(Heartbeat(["s1", "ghost"]), 900).unknown_segment_ids == ["ghost"]
+    svc.tick(999)
+    assert len(svc.cluster_status(ClusterStatus(), 999).segments) == 2
+    svc.tick(1_000)  # s2 silent for node_ttl_ms
+    status = svc.cluster_status(ClusterStatus(), 1_000)
+    assert [s.segment.segment_id for s in status.segments] == ["s1"]
+    assert exists(svc, ["both", "only2"]) == [True, False]
+    assert [r.segment_id for r in get(svc, ["both"], 1_000).replicas[0]] == ["s1"]
+    assert svc.counters.lost == 1
+    assert svc.heartbeat(Heartbeat(["s2"]), 1_001).unknown_segment_ids == ["s2"]
+
+
+def test_unmount() -> None:
+    svc = make()
+    mount(svc, "s1")
+    mount(svc, "s2")
+    put(svc, ["k"], replica_num=2)
+    with pytest.raises(SegmentNotFound):
+        svc.unmount_segment(UnmountSegment("nope"), 0)
+    svc.unmount_segment(UnmountSegment("s1"), 0)
+    assert [r.segment_id for r in get(svc, ["k"]).replicas[0]] == ["s2"]
+    svc.unmount_segment(UnmountSegment("s2"), 0)
+    assert exists(svc, ["k"]) == [False]
+    assert svc.object_count == 0
+
+
+def test_segment_lost_mid_put() -> None:
+    svc = make()
+    mount(svc, "s1")
+    mount(svc, "s2")
+    svc.put_start(PutStart(["a", "b"], [10, 10], config(replica_num=2)), 0)
+    svc.put_start(PutStart(["c"], [10], config(placement="preferred", preferred_segments=["s1"])), 0)
+    pending = svc.put_end(PutEnd(["a"], [1]), 0)
+    svc.unmount_segment(UnmountSegment("s1"), 0)  # while a's commit is in flight
+    assert commit(svc, pending, 0) == [OK]
+    assert [r.segment_id for r in get(svc, ["a"]).replicas[0]] == ["s2"]
+    pending = svc.put_end(PutEnd(["b", "c"], [1, 1]), 0)
+    assert pending.codes == [OK, ErrorCode.TRANSFER_FAIL]  # c's only segment is gone
+    assert commit(svc, pending, 0) == [OK, ErrorCode.TRANSFER_FAIL]
+
+
+def test_drain_stops_allocation_then_unmounts() -> None:
+    svc = make(node_ttl_ms=100_000)
+    mount(svc, "s1")
+    mount(svc, "s2")
+    put(svc, ["on1"], placement="preferred", preferred_segments=["s1"])
+    svc.drain_segment(DrainSegment("s1", 5_000), 1_000)
+    with pytest.raises(SegmentNotFound):
+        svc.drain_segment(DrainSegment("nope", 5), 0)
+    with pytest.raises(InvalidParams):
+        svc.drain_segment(DrainSegment("s2", -1), 0)
+    for i in range(10):
+        cfg = config(placement="preferred", preferred_segments=["s1"], replica_num=2)
+        grants = svc.put_start(PutStart([f"n{i}"], [10], cfg), 1_000).grants[0]
+        assert [g.segment_id for g in grants] == ["s2"]
+    assert get(svc, ["on1"], 2_000).codes == [OK]  # still readable
+    states = {s.segment.segment_id: s.state for s in svc.cluster_status(ClusterStatus(), 0).segments}
+    assert states == {"s1": "draining", "s2": "active"}
+    svc.tick(5_999)
+    assert exists(svc, ["on1"]) == [True]
+    svc.tick(6_000)
+    assert exists(svc, ["on1"]) == [False]
+    assert not svc.has_segment("s1")
+
+
+# --- mount and rebuild --------------------------------------------------------------------
+
+
+def inventories(svc) -> dict[str, list[InventoryEntry]]:
+    """What the nodes hold: every complete object's replicas, by segment (as nodes would know)."""
+    listed = svc.list_objects(ListObjects("", limits.LIST_OBJECTS_MAX), 0).keys
+    query = svc.query_objects(QueryObjects(listed), 0)
+    checks = get(svc, listed, 0).checksums
+    held: dict[str, list[InventoryEntry]] = {}
+    for key, size, checksum, replicas in zip(listed, query.sizes, checks, query.replicas):
+        for replica in replicas:
+            held.setdefault(replica.segment_id, []).append(
+                InventoryEntry(key, replica.offset, size, checksum)
+            )
+    return held
+
+
+def test_restarted_master_rebuilds_from_inventories() -> None:
+    old = make(seed=1)
+    for segment_id in ("s1", "s2", "s3"):
+        mount(old, segment_id)
+    put(old, [f"k{i}" for i in range(20)], replica_num=2)
+    put(old, ["big"], size=300 * KIB)
+    held = inventories(old)
+    keys = sorted(held_keys(held))
+    before = get(old, keys, 0)
+
+    new = make(seed=2)
+    for segment_id, entries in held.items():
+        assert mount(new, segment_id, inventory=entries) == []
+    got = get(new, keys, 0)
+    assert got.codes == [OK] * len(keys)
+    assert (got.sizes, got.checksums) == (before.sizes, before.checksums)
+    for key, replicas in zip(keys, got.replicas):
+        old_replicas = get(old, [key], 0).replicas[0]
+        assert sorted((r.segment_id, r.offset) for r in replicas) == sorted(
+            (r.segment_id, r.offset) for r in old_replicas
+        )
+    for counters in new.segment_counters():
+        assert counters.used_bytes == used(old, counters.segment_id)
+    # A re-mount of the same segment is a refresh: nothing changes, nothing is rejected.
+    assert mount(new, "s1", inventory=held["s1"]) == []
+    assert new.object_count == old.object_count
+
+
+def held_keys(held: dict[str, list[InventoryEntry]]) -> set[str]:
+    return {entry.key for entries in held.values() for entry in entries}
+
+
+def test_mount_rejects_conflicting_inventory_entries() -> None:
+    svc = make()
+    mount(svc, "s1", inventory=[InventoryEntry("a", 0, 100, 1)])
+    svc.put_start(PutStart(["pending"], [10], config(placement="preferred", preferred_segments=["s1"])), 0)
+    inventory = [
+        InventoryEntry("b", 64, 100, 2),  # ok: [64, 192)
+        InventoryEntry("c", 128, 10, 3),  # overlaps b
+        InventoryEntry("a", 4096, 100, 9),  # a with another checksum
+        InventoryEntry("d", MIB - 64, 100, 4),  # runs past the end
+        InventoryEntry("e", 33, 10, 5),  # unaligned
+        InventoryEntry("", 8192, 10, 5),  # bad key
+        InventoryEntry("f", 8192, 0, 5),  # bad size
+        InventoryEntry("g", 12288, 10, -5),  # bad checksum
+        InventoryEntry("pending", 16384, 10, 5),  # a put of it is in flight
+        InventoryEntry("b", 20480, 100, 2),  # b twice at two offsets
+        InventoryEntry("h", 24576, 10, 6),
+        InventoryEntry("h", 24576, 10, 6),  # the same line twice: accepted with the first
+    ]
+    rejected = mount(svc, "s2", inventory=inventory)
+    assert sorted(e.key for e in rejected) == sorted(["c", "a", "d", "e", "", "f", "g", "pending", "b"])
+    assert [e.offset for e in rejected if e.key == "b"] == [20480]
+    assert exists(svc, ["b", "c", "h"]) == [True, False, True]
+    # s1 holds a at offset 0; a second entry for a on s1 at another offset is a conflict.
+    assert mount(svc, "s1", inventory=[InventoryEntry("a", 640, 100, 1)]) == [
+        InventoryEntry("a", 640, 100, 1)
+    ]
+    # a on a third segment with the same size and checksum is another replica.
+    assert mount(svc, "s3", inventory=[InventoryEntry("a", 0, 100, 1)]) == []
+    assert sorted(r.segment_id for r in get(svc, ["a"]).replicas[0]) == ["s1", "s3"]
+
+
+def test_mount_identity_rules() -> None:
+    svc = make()
+    mount(svc, "s1", node="n1", inventory=[InventoryEntry("a", 0, 100, 1)])
+    with pytest.raises(SegmentAlreadyExists):
+        mount(svc, "s1", node="n2")
+    with pytest.raises(SegmentAlreadyExists):
+        mount(svc, "s1", node="n1", capacity=2 * MIB)
+    with pytest.raises(InvalidParams):
+        mount(svc, "tiny", capacity=limits.SEGMENT_SIZE_BYTES_MIN - 1)
+    with pytest.raises(InvalidParams):
+        mount(svc, "")
+    # Same node, same capacity, a new segment token: a new segment file, the old replicas are gone.
+    mount(svc, "s1", node="n1", token=b"new")
+    assert exists(svc, ["a"]) == [False]
+    assert svc.counters.errors == 4
+
+
+def test_segment_index_reuse_keeps_replicas_straight() -> None:
+    svc = make()
+    mount(svc, "s1")
+    mount(svc, "s2")
+    put(svc, ["on2"], placement="preferred", preferred_segments=["s2"])
+    svc.unmount_segment(UnmountSegment("s1"), 0)
+    mount(svc, "s3")  # takes s1's freed index
+    put(svc, ["on3"], placement="preferred", preferred_segments=["s3"])
+    assert get(svc, ["on2"]).replicas[0][0].segment_id == "s2"
+    assert get(svc, ["on3"]).replicas[0][0].segment_id == "s3"
+
+
+def test_cluster_status_and_counters() -> None:
+    svc = make()
+    mount(svc, "s1")
+    put(svc, ["a", "b"])
+    svc.put_start(PutStart(["p"], [10], config()), 0)
+    get(svc, ["a", "x"])
+    status = svc.cluster_status(ClusterStatus(), 0)
+    assert status.object_count == 2 and status.pending_count == 1 and status.evicted_count == 0
+    (segment,) = status.segments
+    assert segment.state == "active" and segment.object_count == 2
+    assert segment.used_bytes == 2 * OBJECT_SIZE + 64
+    counters = svc.counters
+    assert (counters.puts, counters.gets, counters.hits, counters.misses) == (2, 2, 1, 1)
+    (gauges,) = svc.segment_counters()
+    assert gauges.capacity_bytes == MIB and gauges.object_count == 2

@@ -1,0 +1,540 @@
+"""The object lifecycle of MasterService against a naive model, under random interleavings.
+
+How: a hypothesis RuleBasedStateMachine drives mount / heartbeat / drain / unmount,
+put_start / put_end (+ finish, immediately or held across other steps) / put_revoke, get,
+exists, remove, remove_by_regex, advance_clock, tick, drop acknowledgements and a master
+restart (a new service rebuilt from the nodes' inventories). The model is plain dicts: the
+acknowledged objects with their replicas, puts in flight, leases, and for every segment the
+byte ranges that must not be handed out (replicas, puts in flight, quarantined ranges, drops
+not yet acknowledged). After every step the invariant calls `check_invariants()` and compares:
+exactly the model's objects are visible, with their size, checksum and replicas; per-segment
+used bytes equal the model's busy ranges; every new grant lies on free model space (so a range
+is never reused before its drop is acknowledged). Evictions are the one thing the model does
+not predict: it reads them from the drop outbox after each step and checks that no evicted
+object was leased or hard-pinned, and that an eviction took every replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import ErrorCode, SegmentNotFound
+from kvpool.master.allocator import footprint_bytes
+from kvpool.master.service import MasterService, PendingCommit
+from kvpool.protocol.messages import (
+    DrainSegment,
+    ExistKeys,
+    GetReplicaList,
+    Heartbeat,
+    InventoryEntry,
+    LongestPrefix,
+    MountSegment,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    QueryObjects,
+    Remove,
+    RemoveByRegex,
+    ReplicateConfig,
+    SegmentInfo,
+    UnmountSegment,
+)
+
+KIB, MIB = limits.KIB, limits.MIB
+OK = int(ErrorCode.OK)
+KEYS = [f"k{i}" for i in range(10)]
+SEGMENTS = ["s0", "s1", "s2"]
+SIZES = [1, 100 * KIB, 256 * KIB, 320 * KIB]
+PATTERNS = ["^k[0-3]$", "5", "k", "^x"]
+CONFIG = MasterConfig(
+    lease_ttl_ms=1_000,
+    soft_pin_ttl_ms=3_000,
+    put_discard_timeout_ms=2_000,
+    put_release_timeout_ms=5_000,
+    evict_watermark_ratio_high=0.8,
+    evict_ratio=0.2,
+    node_ttl_ms=8_000,
+)
+
+
+def checksum_of(key: str, size: int) -> int:
+    return (hash(key) * 31 + size) & (2**64 - 1)
+
+
+@dataclasses.dataclass
+class Obj:
+    size: int
+    checksum: int
+    replicas: dict[str, int]  # segment id -> offset
+    is_hard_pinned: bool
+
+
+@dataclasses.dataclass
+class Put:
+    size: int
+    start_ms: int
+    grants: dict[str, int]  # segment id -> offset
+    is_hard_pinned: bool
+    is_committing: bool = False
+
+
+@dataclasses.dataclass
+class Seg:
+    capacity: int
+    last_seen_ms: int
+    drain_deadline_ms: int | None = None
+    busy: dict[int, tuple[int, str, str]] = dataclasses.field(default_factory=dict)
+    # offset -> (footprint, kind, key); kind: obj | put | quar | drop
+
+
+class MasterMachine(RuleBasedStateMachine):
+    @initialize(seed=st.integers(0, 2**16))
+    def setup(self, seed: int) -> None:
+        self.seed = seed
+        self.service = MasterService(CONFIG, random.Random(seed), None)
+        self.now = 1_000
+        self.segments: dict[str, Seg] = {}
+        self.objects: dict[str, Obj] = {}
+        self.pending: dict[str, Put] = {}
+        self.leases: dict[str, int] = {}
+        self.quarantine: list[tuple[int, str, int]] = []  # release_ms, segment, offset
+        self.taken: list[tuple[str, InventoryEntry]] = []  # drops sent, not yet acknowledged
+        self.held: PendingCommit | None = None
+        for segment_id, capacity in (("s0", MIB), ("s1", 2 * MIB)):
+            self._mount(segment_id, capacity)
+
+    def _mount(self, segment_id: str, capacity: int) -> None:
+        info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", b"t", capacity)
+        reply = self.service.mount_segment(MountSegment(info, []), self.now)
+        assert reply.rejected == []
+        self.segments[segment_id] = Seg(capacity, self.now)
+
+    # --- model helpers ---------------------------------------------------------------
+
+    def _occupy(self, segment_id: str, offset: int, size: int, kind: str, key: str) -> None:
+        seg = self.segments[segment_id]
+        footprint = footprint_bytes(size)
+        for other, (other_size, other_kind, other_key) in seg.busy.items():
+            assert offset + footprint <= other or other + other_size <= offset, (
+                f"{kind} {key} at {segment_id}:{offset}+{footprint} overlaps "
+                f"{other_kind} {other_key} at {other}+{other_size}"
+            )
+        seg.busy[offset] = (footprint, kind, key)
+
+    def _release(self, segment_id: str, offset: int) -> None:
+        seg = self.segments.get(segment_id)
+        if seg is not None:
+            del seg.busy[offset]
+
+    def _mark(self, segment_id: str, offset: int, kind: str) -> None:
+        seg = self.segments[segment_id]
+        footprint, _, key = seg.busy[offset]
+        seg.busy[offset] = (footprint, kind, key)
+
+    def _drop_object(self, key: str) -> None:
+        obj = self.objects.pop(key)
+        self.leases.pop(key, None)
+        for segment_id, offset in obj.replicas.items():
+            self._mark(segment_id, offset, "drop")
+
+    def _unmount_model(self, segment_id: str) -> None:
+        del self.segments[segment_id]
+        for key in list(self.objects):
+            obj = self.objects[key]
+            obj.replicas.pop(segment_id, None)
+            if not obj.replicas:
+                del self.objects[key]
+                self.leases.pop(key, None)
+        for put in self.pending.values():
+            put.grants.pop(segment_id, None)
+        self.quarantine = [q for q in self.quarantine if q[1] != segment_id]
+        self.taken = [t for t in self.taken if t[0] != segment_id]
+
+    def _is_leased(self, key: str) -> bool:
+        return self.leases.get(key, 0) > self.now
+
+    def _sync_drops(self, may_evict: bool) -> None:
+        """Read the drop outbox: expected drops (removes) and evictions (checked)."""
+        evicted: dict[str, dict[str, int]] = {}
+        for segment_id, entries in self.service.take_drops().items():
+            seg = self.segments[segment_id]
+            for entry in entries:
+                footprint, kind, key = seg.busy[entry.offset]
+                assert key == entry.key, (entry, key)
+                if kind == "obj":
+                    evicted.setdefault(entry.key, {})[segment_id] = entry.offset
+                else:
+                    assert kind == "drop", (entry, kind)
+                self.taken.append((segment_id, entry))
+        for key, replicas in evicted.items():
+            assert may_evict, f"{key} evicted by a step that never evicts"
+            obj = self.objects[key]
+            assert replicas == obj.replicas, f"eviction of {key} left replicas: {replicas} vs {obj.replicas}"
+            assert not self._is_leased(key), f"evicted {key} under a lease"
+            assert not obj.is_hard_pinned, f"evicted hard-pinned {key}"
+            self._drop_object(key)
+            event("evicted")
+
+    # --- membership ------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.segments) < len(SEGMENTS))
+    @rule(data=st.data(), capacity=st.sampled_from([MIB, 2 * MIB]))
+    def mount(self, data, capacity: int) -> None:
+        segment_id = data.draw(st.sampled_from([s for s in SEGMENTS if s not in self.segments]))
+        self._mount(segment_id, capacity)
+
+    @precondition(lambda self: self.segments)
+    @rule(data=st.data())
+    def heartbeat(self, data) -> None:
+        ids = data.draw(st.lists(st.sampled_from(SEGMENTS), unique=True, min_size=1))
+        unknown = self.service.heartbeat(Heartbeat(ids), self.now).unknown_segment_ids
+        assert unknown == [s for s in ids if s not in self.segments]
+        for segment_id in ids:
+            if segment_id in self.segments:
+                self.segments[segment_id].last_seen_ms = self.now
+
+    @rule(segment_id=st.sampled_from(SEGMENTS))
+    def unmount(self, segment_id: str) -> None:
+        if segment_id not in self.segments:
+            try:
+                self.service.unmount_segment(UnmountSegment(segment_id), self.now)
+            except SegmentNotFound:
+                return
+            raise AssertionError("unmount of an unknown segment succeeded")
+        self.service.unmount_segment(UnmountSegment(segment_id), self.now)
+        self._unmount_model(segment_id)
+
+    @precondition(lambda self: self.segments)
+    @rule(data=st.data(), timeout_ms=st.integers(0, 10_000))
+    def drain(self, data, timeout_ms: int) -> None:
+        segment_id = data.draw(st.sampled_from(sorted(self.segments)))
+        self.service.drain_segment(DrainSegment(segment_id, timeout_ms), self.now)
+        self.segments[segment_id].drain_deadline_ms = self.now + timeout_ms
+
+    # --- puts ----------------------------------------------------------------------------
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=4),
+        size=st.sampled_from(SIZES),
+        replica_num=st.integers(1, 3),
+        pin=st.sampled_from(["none", "none", "soft", "hard"]),
+        placement=st.sampled_from(["random", "free_ratio", "local", "preferred"]),
+    )
+    def put_start(self, keys: list[str], size: int, replica_num: int, pin: str, placement: str) -> None:
+        self._start(keys, size, replica_num, pin, placement)
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=4),
+        size=st.sampled_from(SIZES),
+        replica_num=st.integers(1, 3),
+        pin=st.sampled_from(["none", "none", "none", "soft", "hard"]),
+        data=st.data(),
+    )
+    def put(self, keys: list[str], size: int, replica_num: int, pin: str, data) -> None:
+        """The whole put in one step, as most puts go."""
+        self._start(keys, size, replica_num, pin, "random")
+        started = [key for key in keys if key in self.pending and not self.pending[key].is_committing]
+        if started:
+            self._finish(self._end(started), data)
+
+    def _start(self, keys: list[str], size: int, replica_num: int, pin: str, placement: str) -> None:
+        config = ReplicateConfig(
+            replica_num=replica_num,
+            with_soft_pin=pin == "soft",
+            with_hard_pin=pin == "hard",
+            placement=placement,
+            preferred_segments=list(reversed(SEGMENTS)),
+        )
+        reply = self.service.put_start(PutStart(keys, [size] * len(keys), config, "host"), self.now)
+        for key, code, grants in zip(keys, reply.codes, reply.grants):
+            if key in self.objects:
+                assert code == ErrorCode.OBJECT_ALREADY_EXISTS, (key, code)
+            elif key in self.pending:
+                assert code == ErrorCode.REPLICA_IS_NOT_READY, (key, code)
+            elif code == ErrorCode.NO_AVAILABLE_HANDLE:
+                assert grants == []
+                event("no room")
+            else:
+                assert code == OK, (key, code)
+                assert 1 <= len(grants) <= replica_num
+                put = Put(size, self.now, {}, pin == "hard")
+                for grant in grants:
+                    seg = self.segments[grant.segment_id]
+                    assert seg.drain_deadline_ms is None, "allocated on a draining segment"
+                    assert grant.segment_id not in put.grants, "two replicas on one segment"
+                    assert grant.size == size
+                    self._occupy(grant.segment_id, grant.offset, size, "put", key)
+                    put.grants[grant.segment_id] = grant.offset
+                self.pending[key] = put
+        self._sync_drops(may_evict=True)
+
+    def _end(self, keys: list[str]) -> PendingCommit:
+        pending = self.service.put_end(PutEnd(keys, [checksum_of(k, self._size(k)) for k in keys]), self.now)
+        for key, code in zip(keys, pending.codes):
+            put = self.pending.get(key)
+            if put is None:
+                expected = (
+                    ErrorCode.OBJECT_ALREADY_EXISTS if key in self.objects else ErrorCode.OBJECT_NOT_FOUND
+                )
+            elif put.is_committing:
+                expected = ErrorCode.REPLICA_IS_NOT_READY
+            elif not put.grants:
+                expected = ErrorCode.TRANSFER_FAIL
+                del self.pending[key]
+            else:
+                expected = OK
+                put.is_committing = True
+            assert code == expected, (key, code, expected)
+        return pending
+
+    def _size(self, key: str) -> int:
+        put = self.pending.get(key)
+        return put.size if put is not None else 1
+
+    def _finish(self, pending: PendingCommit, data) -> None:
+        results = {}
+        for segment_id, entries in pending.commits.items():
+            answer = data.draw(st.sampled_from(["ok", "ok", "fail", "mixed", "silent"]))
+            if answer == "silent":
+                continue
+            codes = [OK if answer == "ok" else int(ErrorCode.TRANSFER_FAIL)] * len(entries)
+            if answer == "mixed":
+                codes = [data.draw(st.sampled_from([OK, int(ErrorCode.TRANSFER_FAIL)])) for _ in entries]
+            results[segment_id] = codes
+        good: dict[str, set[str]] = {}
+        for segment_id, entries in pending.commits.items():
+            for entry, code in zip(entries, results.get(segment_id, [-1] * len(entries))):
+                put = self.pending[entry.key]
+                if put.grants.get(segment_id) != entry.offset:
+                    continue  # its segment went away during the commit
+                if code == OK:
+                    good.setdefault(entry.key, set()).add(segment_id)
+                else:
+                    del put.grants[segment_id]
+                    self._release(segment_id, entry.offset)
+        codes = self.service.finish_put_end(pending, results, self.now).codes
+        for index in pending.awaiting:
+            key = pending.keys[index]
+            put = self.pending.pop(key)
+            assert set(put.grants) == good.get(key, set()), (key, put.grants, good)
+            if put.grants:
+                assert codes[index] == OK, (key, codes[index])
+                event("put acknowledged")
+                checksum = checksum_of(key, put.size)
+                self.objects[key] = Obj(put.size, checksum, dict(put.grants), put.is_hard_pinned)
+                for segment_id, offset in put.grants.items():
+                    self._mark(segment_id, offset, "obj")
+            else:
+                assert codes[index] == ErrorCode.TRANSFER_FAIL, (key, codes[index])
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=4), data=st.data())
+    def put_end(self, keys: list[str], data) -> None:
+        self._finish(self._end(keys), data)
+
+    @precondition(lambda self: self.held is None and any(not p.is_committing for p in self.pending.values()))
+    @rule(data=st.data())
+    def put_end_and_hold(self, data) -> None:
+        writing = sorted(k for k, p in self.pending.items() if not p.is_committing)
+        key = data.draw(st.sampled_from(writing))
+        self.held = self._end([key])
+
+    @precondition(lambda self: self.held is not None)
+    @rule(data=st.data())
+    def finish_held(self, data) -> None:
+        held, self.held = self.held, None
+        self._finish(held, data)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3))
+    def put_revoke(self, keys: list[str]) -> None:
+        codes = self.service.put_revoke(PutRevoke(keys), self.now).codes
+        for key, code in zip(keys, codes):
+            put = self.pending.get(key)
+            if put is None:
+                expected = (
+                    ErrorCode.OBJECT_ALREADY_EXISTS if key in self.objects else ErrorCode.OBJECT_NOT_FOUND
+                )
+            elif put.is_committing:
+                expected = ErrorCode.REPLICA_IS_NOT_READY
+            else:
+                expected = OK
+                del self.pending[key]
+                for segment_id, offset in put.grants.items():
+                    self._release(segment_id, offset)
+            assert code == expected, (key, code, expected)
+
+    # --- reads and removes -------------------------------------------------------------
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4))
+    def get(self, keys: list[str]) -> None:
+        reply = self.service.get_replica_list(GetReplicaList(keys), self.now)
+        for key, code, size, checksum, replicas in zip(
+            keys, reply.codes, reply.sizes, reply.checksums, reply.replicas
+        ):
+            obj = self.objects.get(key)
+            if obj is None:
+                expected = (
+                    ErrorCode.REPLICA_IS_NOT_READY if key in self.pending else ErrorCode.OBJECT_NOT_FOUND
+                )
+                assert code == expected, (key, code)
+                continue
+            assert code == OK and (size, checksum) == (obj.size, obj.checksum), (key, size, checksum, obj)
+            assert {r.segment_id: r.offset for r in replicas} == obj.replicas
+            event("hit")
+            self.leases[key] = max(self.leases.get(key, 0), self.now + CONFIG.lease_ttl_ms)
+
+    @precondition(lambda self: self.objects)
+    @rule()
+    def read_everything(self) -> None:
+        """Every object under a lease at once: eviction must then find nothing to take."""
+        self.get(sorted(self.objects))
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=0, max_size=5))
+    def exists_and_prefix(self, keys: list[str]) -> None:
+        flags = self.service.exist_keys(ExistKeys(keys), self.now).flags
+        assert flags == [key in self.objects for key in keys]
+        prefix = self.service.longest_prefix(LongestPrefix(keys), self.now).count
+        expected = next((i for i, key in enumerate(keys) if key not in self.objects), len(keys))
+        assert prefix == expected
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3), force=st.booleans())
+    def remove(self, keys: list[str], force: bool) -> None:
+        codes = self.service.remove(Remove(keys, force), self.now).codes
+        for key, code in zip(keys, codes):
+            put = self.pending.get(key)
+            if key in self.objects:
+                if self._is_leased(key) and not force:
+                    expected = ErrorCode.OBJECT_HAS_LEASE
+                else:
+                    expected = OK
+                    self._drop_object(key)
+            elif put is None:
+                expected = ErrorCode.OBJECT_NOT_FOUND
+            elif put.is_committing or not force:
+                expected = ErrorCode.REPLICA_IS_NOT_READY
+            else:
+                expected = OK
+                self._discard(key)
+            assert code == expected, (key, code, expected)
+        self._sync_drops(may_evict=False)
+
+    @rule(pattern=st.sampled_from(PATTERNS), force=st.booleans())
+    def remove_by_regex(self, pattern: str, force: bool) -> None:
+        count = self.service.remove_by_regex(RemoveByRegex(pattern, force), self.now).count
+        doomed = [k for k in self.objects if re.search(pattern, k) and (force or not self._is_leased(k))]
+        assert count == len(doomed)
+        for key in doomed:
+            self._drop_object(key)
+        self._sync_drops(may_evict=False)
+
+    # --- time and drops ------------------------------------------------------------------
+
+    def _discard(self, key: str) -> None:
+        put = self.pending.pop(key)
+        for segment_id, offset in put.grants.items():
+            self._mark(segment_id, offset, "quar")
+            self.quarantine.append((put.start_ms + CONFIG.put_release_timeout_ms, segment_id, offset))
+
+    @rule(delta_ms=st.sampled_from([1, 100, 999, 1_000, 2_500, 6_000, 9_000]), keep_alive=st.booleans())
+    def advance_clock(self, delta_ms: int, keep_alive: bool) -> None:
+        """Time passes; with keep_alive every node heartbeats on time."""
+        self.now += delta_ms
+        if keep_alive and self.segments:
+            self.service.heartbeat(Heartbeat(sorted(self.segments)), self.now)
+            for seg in self.segments.values():
+                seg.last_seen_ms = self.now
+
+    @rule()
+    def tick(self) -> None:
+        self.service.tick(self.now)
+        for segment_id, seg in list(self.segments.items()):
+            if seg.last_seen_ms + CONFIG.node_ttl_ms <= self.now:
+                self._unmount_model(segment_id)
+                event("node expired")
+            elif seg.drain_deadline_ms is not None and seg.drain_deadline_ms <= self.now:
+                self._unmount_model(segment_id)
+        for key, put in list(self.pending.items()):
+            if not put.is_committing and put.start_ms + CONFIG.put_discard_timeout_ms <= self.now:
+                self._discard(key)
+                event("zombie discarded")
+        due = [q for q in self.quarantine if q[0] <= self.now]
+        self.quarantine = [q for q in self.quarantine if q[0] > self.now]
+        for _, segment_id, offset in due:
+            self._release(segment_id, offset)
+            event("quarantine released")
+        self._sync_drops(may_evict=True)
+
+    @precondition(lambda self: self.taken)
+    @rule(data=st.data())
+    def ack_drops(self, data) -> None:
+        count = data.draw(st.integers(1, len(self.taken)))
+        acked, self.taken = self.taken[:count], self.taken[count:]
+        by_segment: dict[str, list[InventoryEntry]] = {}
+        for segment_id, entry in acked:
+            by_segment.setdefault(segment_id, []).append(entry)
+            self._release(segment_id, entry.offset)
+        for segment_id, entries in by_segment.items():
+            self.service.drops_done(segment_id, entries, self.now)
+            self.service.drops_done(segment_id, entries, self.now)  # a repeated ack is harmless
+
+    @precondition(lambda self: self.held is None)
+    @rule()
+    def restart_master(self) -> None:
+        """A new master with no memory: nodes flush their drops, then re-mount with their
+        inventories. Puts in flight, leases, pins and drains are forgotten."""
+        for segment_id, entries in self.service.take_drops().items():
+            self.taken.extend((segment_id, entry) for entry in entries)
+        for segment_id, entry in self.taken:
+            self._release(segment_id, entry.offset)
+        self.taken = []
+        inventories: dict[str, list[InventoryEntry]] = {s: [] for s in self.segments}
+        for key, obj in self.objects.items():
+            obj.is_hard_pinned = False
+            for segment_id, offset in obj.replicas.items():
+                inventories[segment_id].append(InventoryEntry(key, offset, obj.size, obj.checksum))
+        self.service = MasterService(CONFIG, random.Random(self.seed + self.now), None)
+        for segment_id, seg in self.segments.items():
+            seg.last_seen_ms = self.now
+            seg.drain_deadline_ms = None
+            seg.busy = {o: b for o, b in seg.busy.items() if b[1] == "obj"}
+            info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", b"t", seg.capacity)
+            reply = self.service.mount_segment(MountSegment(info, inventories[segment_id]), self.now)
+            assert reply.rejected == []
+        event(f"restart with {len(self.objects)} objects")
+        self.pending = {}
+        self.leases = {}
+        self.quarantine = []
+
+    # --- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        service = self.service
+        service.check_invariants()
+        assert service.exist_keys(ExistKeys(KEYS), self.now).flags == [k in self.objects for k in KEYS]
+        query = service.query_objects(QueryObjects(KEYS), self.now)
+        for key, code, size, replicas in zip(KEYS, query.codes, query.sizes, query.replicas):
+            obj = self.objects.get(key)
+            if obj is None:
+                continue
+            assert code == OK and size == obj.size, (key, code, size)
+            assert {r.segment_id: r.offset for r in replicas} == obj.replicas, (key, replicas, obj)
+        counters = {c.segment_id: c for c in service.segment_counters()}
+        assert set(counters) == set(self.segments)
+        for segment_id, seg in self.segments.items():
+            busy = sum(size for size, _, _ in seg.busy.values())
+            assert counters[segment_id].used_bytes == busy, (segment_id, counters[segment_id], seg.busy)
+            state = "active" if seg.drain_deadline_ms is None else "draining"
+            assert counters[segment_id].state == state
+        assert service.pending_count == len(self.pending)
+
+
+TestMasterMachine = MasterMachine.TestCase
+TestMasterMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
