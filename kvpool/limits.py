@@ -45,6 +45,9 @@ SEGMENT_SIZE_BYTES_MAX = 1024 * GIB
 SEGMENT_HEADER_SIZE_BYTES = 4 * KIB
 SEGMENT_TOKEN_SIZE_BYTES = 16
 PAGE_SIZE_BYTES = 4 * KIB
+# A client maps same-host segments up to this size with their page tables filled at once;
+# larger ones fault in lazily (page tables for 8 GiB of 4 KiB pages take 16 MiB).
+SHM_POPULATE_SIZE_BYTES_MAX = 8 * GIB
 
 # --- leases, puts, eviction (Mooncake's defaults where they exist) ----------------------------
 LEASE_TTL_MS_DEFAULT = 10_000  # Mooncake default_kv_lease_ttl: 10 s.

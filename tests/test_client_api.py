@@ -184,3 +184,42 @@ def test_sync_store_from_threads():
     finally:
         loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
         thread.join(30)
+
+
+def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):
+    from kvpool.client.transfer import GetJob
+
+    finish = GetJob.finish
+
+    async def main():
+        async with cluster(lease_ttl_ms=2_000) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                await store.put("short-lease", b"v" * 200_000)
+                address = store.register_buffer(bytearray(200_000))
+                assert await store.get("short-lease") == b"v" * 200_000
+                # The read now "takes" 3 s: longer than the lease, so the bytes are not trusted.
+                monkeypatch.setattr(GetJob, "finish", lambda job, now_ms: finish(job, now_ms + 3_000))
+                assert await store.get("short-lease") is None
+                assert await store.get_into("short-lease", address, 200_000) == ErrorCode.LEASE_EXPIRED
+
+    run(main())
+
+
+def test_an_unreachable_master_is_a_typed_error_within_the_bound():
+    import time
+
+    from kvpool.errors import TransportError
+
+    async def main():
+        async with cluster() as (master, _):
+            store = await AsyncStore.open(master.endpoint, rpc_timeout_ms=500, connect_timeout_ms=500)
+            await store.put("before", b"x")
+        # The master and nodes are gone now.
+        started = time.monotonic()
+        for call in (store.get("before"), store.put("after", b"y"), store.exists("before")):
+            with pytest.raises(TransportError):
+                await call
+        assert time.monotonic() - started < 5
+        await store.aclose()
+
+    run(main())

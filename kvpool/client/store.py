@@ -150,20 +150,14 @@ class AsyncStore:
         """Store many objects with one master round trip per phase; one ErrorCode per key."""
         if len(keys) != len(values):
             raise InvalidParams(f"{len(keys)} keys but {len(values)} values")
-        parts = [[memoryview(v).cast("B")] for v in values]
-        job = await self._put_start(keys, parts, config)
-        job.copy_local()
-        return await self._put_finish(job)
+        return await self._put_parts(keys, [[memoryview(v).cast("B")] for v in values], config)
 
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss (absent, evicted, lease lapsed, bad replica)."""
         return (await self.get_batch([key]))[0]
 
     async def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        job = await self._locate(keys, [None] * len(keys))
-        job.copy_local()
-        await self._read_remote(job)
-        job.finish(now_monotonic_ms())
+        job = await self._get_parts(keys, [None] * len(keys))
         return [r if isinstance(r, bytes) else None for r in job.results]
 
     # --- zero-copy API --------------------------------------------------------------------
@@ -213,19 +207,13 @@ class AsyncStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Put each key gathered from several registered ranges (e.g. one per layer)."""
-        job = await self._put_start(keys, self._views(keys, addresses, sizes), config)
-        job.copy_local()
-        return await self._put_finish(job)
+        return await self._put_parts(keys, self._views(keys, addresses, sizes), config)
 
     async def batch_get_into_multi_buffers(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Get each key scattered into several registered ranges, filled in order."""
-        job = await self._locate(keys, self._views(keys, addresses, sizes))
-        job.copy_local()
-        await self._read_remote(job)
-        job.finish(now_monotonic_ms())
-        return get_into_results(job)
+        return get_into_results(await self._get_parts(keys, self._views(keys, addresses, sizes)))
 
     def _views(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -300,6 +288,27 @@ class AsyncStore:
         return reply
 
     # --- phases (also driven by the sync Store) ---------------------------------------------
+
+    async def _put_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[memoryview]],
+        config: ReplicateConfig | None,
+    ) -> list[int]:
+        """A whole put, every phase on this loop."""
+        job = await self._put_start(keys, parts, config)
+        job.copy_local()
+        return await self._put_finish(job)
+
+    async def _get_parts(
+        self, keys: Sequence[str], targets: Sequence[list[memoryview] | None]
+    ) -> GetJob:
+        """A whole get, every phase on this loop."""
+        job = await self._locate(keys, targets)
+        job.copy_local()
+        await self._read_remote(job)
+        job.finish(now_monotonic_ms())
+        return job
 
     async def _put_start(
         self,

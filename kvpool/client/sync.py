@@ -24,6 +24,10 @@ from kvpool.protocol.messages import ClusterStatusReply, ListReply, QueryReply, 
 
 T = TypeVar("T")
 
+# Batches up to this many bytes are copied on the loop thread in the same hand-off as their
+# round trips; larger ones are copied here, in the caller's thread, in parallel with others.
+INLINE_COPY_BYTES_MAX = 1 << 20
+
 
 class _LoopThread:
     """The process's private event loop, on a daemon thread."""
@@ -209,6 +213,9 @@ class Store:
         keys: Sequence[str],
         config: ReplicateConfig | None,
     ) -> list[int]:
+        if sum(len(p) for key_parts in parts for p in key_parts) <= INLINE_COPY_BYTES_MAX:
+            # Small batches: the copies cost less than a second thread hand-off (~50 us).
+            return self._run(self._async._put_parts(keys, parts, config))
         job = self._run(self._async._put_start(keys, parts, config))
         job.copy_local()
         return self._run(self._async._put_finish(job))

@@ -43,6 +43,7 @@ class Inventory:
         self.used_bytes = 0
         self._by_key: dict[str, InventoryEntry] = {}
         self._by_offset: SortedDict[int, InventoryEntry] = SortedDict()
+        self._offsets = self._by_offset.keys()  # a live, indexable sorted view
 
     def __repr__(self) -> str:
         return (
@@ -75,14 +76,16 @@ class Inventory:
         if size_bytes <= 0:
             return []
         end = offset + size_bytes
+        offsets = self._offsets
+        index = self._by_offset.bisect_left(offset)
         found = []
-        before = self._by_offset.bisect_left(offset) - 1
-        if before >= 0:
-            entry = self._by_offset.peekitem(before)[1]
+        if index > 0:
+            entry = self._by_offset[offsets[index - 1]]
             if entry.offset + entry.size > offset:
                 found.append(entry)
-        for start in self._by_offset.irange(offset, end, inclusive=(True, False)):
-            found.append(self._by_offset[start])
+        while index < len(offsets) and offsets[index] < end:
+            found.append(self._by_offset[offsets[index]])
+            index += 1
         return found
 
     def is_range_free(self, offset: int, size_bytes: int) -> bool:
