@@ -21,12 +21,16 @@ import statistics
 import sys
 import time
 
-import numpy as np
+from concurrent.futures import ThreadPoolExecutor
 
-from kvpool import ErrorCode, Store
+import numpy as np
+import uvloop
+
+from kvpool import AsyncStore, ErrorCode, Store
 from kvpool.cli.launcher import LocalCluster
 
 MIB = 1 << 20
+BATCH_BYTES = 32 * MIB  # one zero-copy batch call moves this much (32 x 1 MiB, 8 x 4 MiB)
 
 
 def median_of(repeats: int, measure) -> float:
@@ -110,37 +114,59 @@ class ZeroCopyRun:
         return self.size * len(self.keys) / elapsed / 1e9
 
 
-def small_objects(store: Store, repeats: int) -> dict:
-    keys = [f"small-{i}" for i in range(128 * 40)]
+def small_objects(store: Store, repeats: int, threads: int) -> dict:
+    """4 KiB objects in batches of 128 through one Store, from `threads` caller threads."""
+    batches = [[f"small-{b}-{i}" for i in range(128)] for b in range(48)]
     value = os.urandom(4096)
     values = [value] * 128
 
     def put_rate() -> float:
         store.remove_by_regex("^small-", force=True)
         started = time.perf_counter()
-        for start in range(0, len(keys), 128):
-            store.put_batch(keys[start : start + 128], values)
-        return len(keys) / (time.perf_counter() - started)
+        with ThreadPoolExecutor(threads) as pool:
+            for codes in pool.map(lambda keys: store.put_batch(keys, values), batches):
+                assert codes == [0] * 128, codes
+        return 128 * len(batches) / (time.perf_counter() - started)
 
     def get_rate() -> float:
         started = time.perf_counter()
-        for start in range(0, len(keys), 128):
-            got = store.get_batch(keys[start : start + 128])
-            assert got[0] == value
-        return len(keys) / (time.perf_counter() - started)
+        with ThreadPoolExecutor(threads) as pool:
+            for got in pool.map(store.get_batch, batches):
+                assert got[0] == value
+        return 128 * len(batches) / (time.perf_counter() - started)
 
-    put = median_of(repeats, put_rate)
-    get = median_of(repeats, get_rate)
-    latencies = []
-    for i in range(2000):
-        started = time.perf_counter_ns()
-        store.get(keys[i])
-        latencies.append((time.perf_counter_ns() - started) / 1000)
     return {
-        "put_objects_per_s": round(put),
-        "get_objects_per_s": round(get),
-        "single_get_4k_us_p50": round(statistics.median(latencies), 1),
-        "single_get_4k_us_p99": round(sorted(latencies)[int(len(latencies) * 0.99)], 1),
+        "threads": threads,
+        "put_objects_per_s": round(median_of(repeats, put_rate)),
+        "get_objects_per_s": round(median_of(repeats, get_rate)),
+    }
+
+
+def single_get_latency(store: Store) -> dict:
+    """One 4 KiB get at a time: the sync Store, and AsyncStore on its own loop."""
+    keys = [f"latency-{i}" for i in range(256)]
+    store.put_batch(keys, [os.urandom(4096)] * len(keys))
+    sync_us = []
+    for i in range(3000):
+        started = time.perf_counter_ns()
+        assert store.get(keys[i % len(keys)]) is not None
+        sync_us.append((time.perf_counter_ns() - started) / 1000)
+
+    async def async_latencies() -> list[float]:
+        async with await AsyncStore.open(store._async.config.master) as async_store:
+            out = []
+            for i in range(3000):
+                started = time.perf_counter_ns()
+                assert await async_store.get(keys[i % len(keys)]) is not None
+                out.append((time.perf_counter_ns() - started) / 1000)
+            return out
+
+    async_us = uvloop.run(async_latencies())
+    return {
+        "sync_store_us_p50": round(statistics.median(sync_us), 1),
+        "sync_store_us_p99": round(sorted(sync_us)[int(len(sync_us) * 0.99)], 1),
+        "async_store_us_p50": round(statistics.median(async_us), 1),
+        "async_store_us_p99": round(sorted(async_us)[int(len(async_us) * 0.99)], 1),
     }
 
 
@@ -158,9 +184,12 @@ def main() -> None:
             with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
                 for size in (MIB, 4 * MIB):
                     run = ZeroCopyRun(store, path, size, total // size)
-                    put = median_of(args.repeats, lambda: run.put_gbps(batch=16))
-                    get = median_of(args.repeats, lambda: run.get_gbps(batch=16))
-                    row = {"put_gbps": round(put, 3), "get_gbps": round(get, 3)}
+                    batch = BATCH_BYTES // size
+                    run.put_gbps(batch)  # warm-up: connections, mappings, page tables
+                    run.get_gbps(batch)
+                    put = median_of(args.repeats, lambda: run.put_gbps(batch))
+                    get = median_of(args.repeats, lambda: run.get_gbps(batch))
+                    row = {"batch_objects": batch, "put_gbps": round(put, 3), "get_gbps": round(get, 3)}
                     if path == "tcp":
                         row["put_vs_socket_pair"] = round(put / baseline_socket, 2)
                         row["get_vs_socket_pair"] = round(get / baseline_socket, 2)
@@ -172,7 +201,12 @@ def main() -> None:
                     result[f"{path}_{size // MIB}MiB"] = row
                     store.remove_all(force=True)
         with Store(cluster.master_endpoint) as store:
-            result["small_4KiB_batch128_shm"] = small_objects(store, args.repeats)
+            for threads in (1, 4):
+                result[f"small_4KiB_batch128_shm_{threads}_threads"] = small_objects(
+                    store, args.repeats, threads
+                )
+            store.remove_all(force=True)
+            result["single_get_4KiB"] = single_get_latency(store)
     json.dump(result, sys.stdout, indent=2)
     print()
 

@@ -142,14 +142,23 @@ class PutJob:
         ]
 
     def copy_local(self) -> None:
-        """Checksum every key to be written, and copy the same-host replicas: one memcpy per
-        part into the mapped segment. Runs in the caller's thread."""
-        self.checksums = [checksum_of(p) if end else 0 for p, end in zip(self.parts, self.needs_end)]
+        """Copy the same-host replicas (one memcpy per part into the mapped segment) and
+        checksum every key to be written. Runs in the caller's thread. A key with a local
+        replica is hashed from its fresh copy, still in cache, rather than from the source."""
+        checksums = [0] * len(self.keys)
+        hashed = [False] * len(self.keys)
         for index, destination in self.local:
             position = 0
             for part in self.parts[index]:
                 destination[position : position + len(part)] = part
                 position += len(part)
+            if not hashed[index]:
+                checksums[index] = xxhash.xxh3_64_intdigest(destination)
+                hashed[index] = True
+        for index, needs_end in enumerate(self.needs_end):
+            if needs_end and not hashed[index]:
+                checksums[index] = checksum_of(self.parts[index])
+        self.checksums = checksums
 
     def fail_keys(self, key_indexes: Sequence[int], code: ErrorCode) -> None:
         # A failed replica write is caught again at commit (the node's checksum check), so a

@@ -26,9 +26,11 @@ Write path, one frame:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import xxhash
 
@@ -47,6 +49,7 @@ from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CodesReply,
     CommitObjects,
+    InventoryEntry,
     DropObjects,
     Message,
     OkReply,
@@ -57,6 +60,19 @@ from kvpool.protocol.messages import (
 from kvpool.transports.connection import Connection, HandlerResult
 
 log = logging.getLogger(__name__)
+
+
+# Commits of at least this many bytes are hashed on two threads.
+COMMIT_PARALLEL_BYTES_MIN = 1 << 20
+_HASH_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Two hashing threads per process, shared by its nodes (started on first use)."""
+    global _HASH_POOL
+    if _HASH_POOL is None:
+        _HASH_POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvpool-hash")
+    return _HASH_POOL
 
 
 def wall_clock_ms() -> int:
@@ -267,8 +283,9 @@ class TransferHandler(_SegmentHandler):
 class MasterCallHandler(_SegmentHandler):
     """Serves the master's calls on the node's own connection: CommitObjects and DropObjects.
 
-    A commit hashes the committed bytes in the event loop (xxh3 runs at memory speed: about
-    0.1 s per GiB), so that commits and drops apply strictly in the order the master sent them.
+    A commit hashes the committed bytes (xxh3 runs at memory speed, ~15 GB/s here), on two
+    threads when the commit is large. Only the hashing leaves the loop: entries enter the
+    inventory on the loop, and the master never drops an object whose commit is unanswered.
     """
 
     def __repr__(self) -> str:
@@ -285,30 +302,49 @@ class MasterCallHandler(_SegmentHandler):
             return OkReply()
         return super()._handle(message)
 
-    def _commit(self, message: CommitObjects) -> HandlerResult:
+    def _commit(self, message: CommitObjects) -> HandlerResult | Awaitable[HandlerResult]:
         self._check_segment_id(message.segment_id)
+        entries = message.entries
+        total_bytes = sum(entry.size for entry in entries)
+        if total_bytes < COMMIT_PARALLEL_BYTES_MIN or len(entries) < 2:
+            return self._record(entries, self._verify(entries))
+        return self._commit_in_threads(entries)
+
+    async def _commit_in_threads(self, entries: list[InventoryEntry]) -> HandlerResult:
+        """Hash a large commit on two threads (xxhash releases the GIL): the writer is waiting
+        for this reply, so its core is free, and the commit takes half the time."""
+        loop = asyncio.get_running_loop()
+        middle = len(entries) // 2
+        halves = await asyncio.gather(
+            loop.run_in_executor(_hash_pool(), self._verify, entries[:middle]),
+            loop.run_in_executor(_hash_pool(), self._verify, entries[middle:]),
+        )
+        return self._record(entries, halves[0] + halves[1])
+
+    def _verify(self, entries: list[InventoryEntry]) -> list[int]:
+        """Per entry: OK if in bounds and its bytes hash to its checksum. Reads only."""
         data = self.segment.data
         codes: list[int] = []
-        verified = []
-        for entry in message.entries:
-            try:
-                self._check_range(entry.offset, entry.size, f"object {entry.key!r}")
-            except InvalidParams as exc:
-                log.warning("segment %s: refusing commit: %s", self.segment_id, exc)
-                self.metrics.commits.labels(result="bounds").inc()
+        for entry in entries:
+            if entry.offset < 0 or entry.size <= 0 or entry.offset + entry.size > self.segment.capacity_bytes:
                 codes.append(ErrorCode.INVALID_PARAMS)
-                continue
-            checksum = xxhash.xxh3_64_intdigest(data[entry.offset : entry.offset + entry.size])
-            if checksum != entry.checksum:
-                log.warning(
-                    "segment %s: refusing commit of %r at %d: checksum %x, bytes hash to %x",
-                    self.segment_id, entry.key, entry.offset, entry.checksum, checksum,
-                )  # fmt: skip
-                self.metrics.commits.labels(result="checksum").inc()
+            elif xxhash.xxh3_64_intdigest(data[entry.offset : entry.offset + entry.size]) != entry.checksum:
                 codes.append(ErrorCode.TRANSFER_FAIL)
+            else:
+                codes.append(ErrorCode.OK)
+        return codes
+
+    def _record(self, entries: list[InventoryEntry], codes: list[int]) -> HandlerResult:
+        """Add the verified entries to the inventory; log and count the refused ones."""
+        verified = []
+        for entry, code in zip(entries, codes):
+            if code == ErrorCode.OK:
+                verified.append(entry)
                 continue
-            codes.append(ErrorCode.OK)
-            verified.append(entry)
+            reason = "bounds" if code == ErrorCode.INVALID_PARAMS else "checksum"
+            log.warning("segment %s: refusing commit of %r at %d+%d: %s",
+                        self.segment_id, entry.key, entry.offset, entry.size, reason)  # fmt: skip
+            self.metrics.commits.labels(result=reason).inc()
         self.metrics.commits.labels(result="ok").inc(len(verified))  # once per batch: hot path
         displaced = self.inventory.add(verified)
         if displaced:
