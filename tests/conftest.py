@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from kvpool.cli.launcher import LocalCluster
+
+# Masters started by tests check every structure after every request (STYLE.md).
+os.environ.setdefault("KVPOOL_DEBUG_INVARIANTS", "1")
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kvpool.node.server import Node
 
 @contextlib.asynccontextmanager
 async def cluster(node_count: int = 2, memory_bytes: int = 16 << 20, **master_options):
-    master = MasterServer(MasterConfig(**master_options), port=0, seed=1)
+    master = MasterServer(MasterConfig(**master_options), port=0, seed=1, debug_invariants=True)
     await master.start()
     nodes = [Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=memory_bytes)) for _ in range(node_count)]
     try:

@@ -107,6 +107,10 @@ def master(
     ready_file: Annotated[
         Optional[Path], typer.Option(help="Write {\"endpoint\", \"http_port\"} here once serving.")
     ] = None,
+    debug_invariants: Annotated[
+        bool,
+        typer.Option(envvar="KVPOOL_DEBUG_INVARIANTS", help="Check every structure after every request (slow)."),
+    ] = False,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the metadata master (no object bytes pass through it)."""
@@ -126,8 +130,9 @@ def master(
             evict_ratio=evict_ratio,
         )
         server = MasterServer(
-            config, host=host, port=port, http_port=http_port, token=_token(token_file)
-        )
+            config, host=host, port=port, http_port=http_port, token=_token(token_file),
+            debug_invariants=debug_invariants,
+        )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
 

@@ -68,8 +68,11 @@ class MasterServer:
         http_port: int | None = None,
         token: str | None = None,
         seed: int | None = None,
+        debug_invariants: bool = False,
     ) -> None:
         self.config = config
+        # Check every structure after every request (KVPOOL_DEBUG_INVARIANTS=1): O(n) each.
+        self.debug_invariants = debug_invariants
         self.host = host
         self.port = port
         self.http_port = http_port
@@ -121,6 +124,20 @@ class MasterServer:
                 del self._node_conns[segment_id]
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
+        result = self._dispatch(conn, message)
+        if not self.debug_invariants:
+            return result
+        if isinstance(result, Awaitable):
+            return self._checked_later(result)
+        self.service.check_invariants()
+        return result
+
+    async def _checked_later(self, result: Awaitable[HandlerResult]) -> HandlerResult:
+        reply = await result
+        self.service.check_invariants()
+        return reply
+
+    def _dispatch(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         now_ms = wall_clock_ms()
         service = self.service
         self.metrics.count_request(type(message).__name__)
@@ -177,7 +194,10 @@ class MasterServer:
     def _put_start(self, message: PutStart) -> PutStartReply | Awaitable[PutStartReply]:
         reply = self.service.put_start(message, wall_clock_ms())
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
-        if not retry or not self.service.has_pending_drops():
+        # Room is coming if eviction scheduled drops, or drops are in flight (a tick's flush
+        # holds the lock): wait for their acknowledgements, then try those keys once more.
+        is_room_coming = self.service.has_pending_drops() or self._flush_lock.locked()
+        if not retry or not is_room_coming:
             return reply  # the common case answers at once, without a task
         return self._put_start_after_drops(message, reply, retry)
 
@@ -259,6 +279,8 @@ class MasterServer:
             try:
                 self.service.tick(wall_clock_ms())
                 await self._flush_drops()
+                if self.debug_invariants:
+                    self.service.check_invariants()
             except KVPoolError as exc:
                 log.warning("tick: %s", exc)
 
