@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 from kvpool import limits
+from kvpool.checksums import checksums_of
 from kvpool.errors import ErrorCode
 from kvpool.node.segment import Segment
 from kvpool.protocol.messages import (
@@ -29,7 +30,6 @@ from kvpool.protocol.messages import (
     ReadSlices,
     Replica,
     SegmentInfo,
-    WriteGrant,
     WriteItem,
     WriteSlices,
 )
@@ -38,16 +38,6 @@ from kvpool.protocol.messages import (
 FRAME_BYTES_TARGET = 4 * limits.MIB
 
 LocalSegments = Callable[[SegmentInfo], Segment | None]
-
-
-def checksum_of(parts: Sequence[memoryview]) -> int:
-    """xxh3-64 of the concatenation of `parts`."""
-    if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
-    hasher = xxhash.xxh3_64()
-    for part in parts:
-        hasher.update(part)
-    return hasher.intdigest()
 
 
 def now_monotonic_ms() -> int:
@@ -64,36 +54,60 @@ class RemoteBatch:
     owners: list[list[int]]
 
 
-def _cut_frames(
-    endpoint: str,
-    pieces: Sequence[tuple[int, object, int, memoryview]],
-    make_item: Callable[[object, int, int], WriteItem | ReadItem],
-    make_message: Callable[[list], WriteSlices | ReadSlices],
-) -> RemoteBatch:
-    """Cut (key index, target, start, view) pieces into frames of ~FRAME_BYTES_TARGET bytes,
-    splitting any view larger than a slice."""
-    batch = RemoteBatch(endpoint, [], [])
-    items: list = []
-    views: list[memoryview] = []
-    owners: list[int] = []
-    frame_bytes = 0
-    for key_index, target, start, view in pieces:
-        position = 0
-        while position < len(view):
-            size = min(len(view) - position, limits.SLICE_SIZE_BYTES_MAX)
-            items.append(make_item(target, start + position, size))
-            views.append(view[position : position + size])
-            owners.append(key_index)
-            frame_bytes += size
-            position += size
-            if frame_bytes >= FRAME_BYTES_TARGET or len(items) >= limits.BATCH_KEYS_MAX:
-                batch.frames.append((make_message(items), views))
-                batch.owners.append(owners)
-                items, views, owners, frame_bytes = [], [], [], 0
-    if items:
-        batch.frames.append((make_message(items), views))
-        batch.owners.append(owners)
-    return batch
+class _FrameCutter:
+    """Cuts objects into items of at most a slice and items into frames of about
+    FRAME_BYTES_TARGET bytes. An item covers a contiguous range of one object and may span
+    several of its buffers (one per layer, say): the payload is a plain concatenation, so the
+    node sees one range however the caller's memory is split."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        make_item: Callable[[object, int, int], WriteItem | ReadItem],
+        make_message: Callable[[list], WriteSlices | ReadSlices],
+    ) -> None:
+        self.batch = RemoteBatch(endpoint, [], [])
+        self._make_item = make_item
+        self._make_message = make_message
+        self._items: list = []
+        self._views: list[memoryview] = []
+        self._owners: list[int] = []
+        self._frame_bytes = 0
+
+    def add(self, key_index: int, target: object, parts: Sequence[memoryview]) -> None:
+        start = 0
+        item_views: list[memoryview] = []
+        item_bytes = 0
+        for part in parts:
+            position = 0
+            while position < len(part):
+                take = min(len(part) - position, limits.SLICE_SIZE_BYTES_MAX - item_bytes)
+                item_views.append(part[position : position + take])
+                item_bytes += take
+                position += take
+                if item_bytes == limits.SLICE_SIZE_BYTES_MAX:
+                    self._add_item(key_index, target, start, item_bytes, item_views)
+                    start, item_views, item_bytes = start + item_bytes, [], 0
+        if item_bytes:
+            self._add_item(key_index, target, start, item_bytes, item_views)
+
+    def finish(self) -> RemoteBatch:
+        if self._items:
+            self._close_frame()
+        return self.batch
+
+    def _add_item(self, key_index: int, target: object, start: int, size: int, views: list[memoryview]) -> None:
+        self._items.append(self._make_item(target, start, size))
+        self._views.extend(views)
+        self._owners.append(key_index)
+        self._frame_bytes += size
+        if self._frame_bytes >= FRAME_BYTES_TARGET or len(self._items) >= limits.BATCH_KEYS_MAX:
+            self._close_frame()
+
+    def _close_frame(self) -> None:
+        self.batch.frames.append((self._make_message(self._items), self._views))
+        self.batch.owners.append(self._owners)
+        self._items, self._views, self._owners, self._frame_bytes = [], [], [], 0
 
 
 class PutJob:
@@ -116,7 +130,7 @@ class PutJob:
         self.codes: list[int] = []
         self.needs_end: list[bool] = []
         self.local: list[tuple[int, memoryview]] = []  # (key index, destination in a segment)
-        pieces_by_endpoint: dict[str, list[tuple[int, WriteGrant, int, memoryview]]] = {}
+        cutters: dict[str, _FrameCutter] = {}
         for index, code in enumerate(reply.codes):
             if code == ErrorCode.OBJECT_ALREADY_EXISTS:
                 self.codes.append(int(ErrorCode.OK))
@@ -132,14 +146,11 @@ class PutJob:
                 if segment is not None:
                     self.local.append((index, segment.data[grant.offset : grant.offset + grant.size]))
                     continue
-                start = 0
-                for part in parts[index]:
-                    pieces_by_endpoint.setdefault(info.endpoint, []).append((index, grant, start, part))
-                    start += len(part)
-        self.remote = [
-            _cut_frames(endpoint, pieces, WriteItem, WriteSlices)
-            for endpoint, pieces in pieces_by_endpoint.items()
-        ]
+                cutter = cutters.get(info.endpoint)
+                if cutter is None:
+                    cutter = cutters[info.endpoint] = _FrameCutter(info.endpoint, WriteItem, WriteSlices)
+                cutter.add(index, grant, parts[index])
+        self.remote = [cutter.finish() for cutter in cutters.values()]
 
     def copy_local(self) -> None:
         """Copy the same-host replicas (one memcpy per part into the mapped segment) and
@@ -155,9 +166,9 @@ class PutJob:
             if not hashed[index]:
                 checksums[index] = xxhash.xxh3_64_intdigest(destination)
                 hashed[index] = True
-        for index, needs_end in enumerate(self.needs_end):
-            if needs_end and not hashed[index]:
-                checksums[index] = checksum_of(self.parts[index])
+        remote_only = [i for i, needs_end in enumerate(self.needs_end) if needs_end and not hashed[i]]
+        for index, checksum in zip(remote_only, checksums_of([self.parts[i] for i in remote_only])):
+            checksums[index] = checksum
         self.checksums = checksums
 
     def fail_keys(self, key_indexes: Sequence[int], code: ErrorCode) -> None:
@@ -167,18 +178,13 @@ class PutJob:
             self.codes[index] = int(code)
 
 
-@dataclasses.dataclass
-class _Target:
-    """Where key i's bytes land: registered-buffer parts, or None for a new bytes object."""
-
-    parts: list[memoryview] | None
-
-
 class GetJob:
     """One get batch after get_replica_list: replica choice, copies, checks, results.
 
     `results[i]` is the object's bytes (plain API) or its size (into-buffer API) once read and
-    verified; `codes[i]` is OK or why key i is a miss. Nothing unverified is ever returned.
+    verified; `codes[i]` is OK or why key i is a miss. Nothing unverified is ever returned:
+    bytes land in `_landed[i]` (plain API) or the caller's buffers, and become a result only
+    once their checksum matches.
     """
 
     def __init__(
@@ -195,12 +201,14 @@ class GetJob:
         self.lease_deadline_ms = lease_start_ms + reply.lease_ttl_ms
         self._local_segments = local_segments
         self._candidates: list[list[Replica]] = []
-        self._buffers: list[bytearray | None] = [None] * len(reply.codes)
+        self._landed: list[bytes | bytearray | None] = [None] * len(reply.codes)
         for index, code in enumerate(reply.codes):
             if code == ErrorCode.OK and targets[index] is not None:
                 capacity = sum(len(p) for p in targets[index])  # type: ignore[union-attr]
                 if reply.sizes[index] > capacity:
                     self.codes[index] = int(ErrorCode.BUFFER_OVERFLOW)
+            if code == ErrorCode.OK and not reply.replicas[index]:
+                self.codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
             self._candidates.append(self._order(reply.replicas[index]) if self.codes[index] == 0 else [])
 
     def _order(self, replicas: list[Replica]) -> list[Replica]:
@@ -212,29 +220,26 @@ class GetJob:
         return [i for i, c in enumerate(self.codes) if c == ErrorCode.OK and self.results[i] is None]
 
     def copy_local(self) -> None:
-        """Read every pending key whose next candidate replica is mapped here."""
+        """Read every pending key whose next candidate replica is mapped here, then verify."""
+        copied = []
         for index in self.pending_indexes():
             replica = self._candidates[index][0]
             segment = self._local_segments(self.reply.segments[replica.segment_id])
             if segment is None:
                 continue
             self._candidates[index].pop(0)
-            size = self.reply.sizes[index]
-            source = segment.data[replica.offset : replica.offset + size]
+            source = segment.data[replica.offset : replica.offset + self.reply.sizes[index]]
             target = self.targets[index]
             if target is None:
-                data = source.tobytes()
-                if xxhash.xxh3_64_intdigest(data) == self.reply.checksums[index]:
-                    self.results[index] = data
-                else:
-                    self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
-                continue
-            _scatter(source, target)
-            self._verify_target(index)
+                self._landed[index] = source.tobytes()  # the one copy: into the new object
+            else:
+                _scatter(source, target)
+            copied.append(index)
+        self._verify(copied)
 
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
-        pieces_by_endpoint: dict[str, list[tuple[int, ReadItem, int, memoryview]]] = {}
+        cutters: dict[str, _FrameCutter] = {}
         for index in self.pending_indexes():
             replica = self._candidates[index][0]
             info = self.reply.segments[replica.segment_id]
@@ -242,40 +247,26 @@ class GetJob:
             target = self.targets[index]
             if target is None:
                 buffer = bytearray(size)
-                self._buffers[index] = buffer
+                self._landed[index] = buffer
                 parts = [memoryview(buffer)]
             else:
                 parts = _prefix(target, size)
-            start = 0
-            item = ReadItem(replica.segment_id, replica.offset, size)
-            for part in parts:
-                pieces_by_endpoint.setdefault(info.endpoint, []).append((index, item, start, part))
-                start += len(part)
-        return [
-            _cut_frames(
-                endpoint,
-                pieces,
-                lambda item, start, size: ReadItem(item.segment_id, item.offset + start, size),
-                ReadSlices,
-            )
-            for endpoint, pieces in pieces_by_endpoint.items()
-        ]
+            cutter = cutters.get(info.endpoint)
+            if cutter is None:
+                cutter = cutters[info.endpoint] = _FrameCutter(info.endpoint, _read_item, ReadSlices)
+            cutter.add(index, replica, parts)
+        return [cutter.finish() for cutter in cutters.values()]
 
     def remote_done(self, key_indexes: set[int], failed: set[int]) -> None:
         """TCP reads of `key_indexes` finished; those in `failed` did not arrive whole."""
-        for index in key_indexes:
+        arrived = []
+        for index in sorted(key_indexes):
             self._candidates[index].pop(0)
             if index in failed:
                 self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
-                continue
-            buffer = self._buffers[index]
-            if buffer is None:
-                self._verify_target(index)
-            elif xxhash.xxh3_64_intdigest(buffer) == self.reply.checksums[index]:
-                self.results[index] = bytes(buffer)
-                self._buffers[index] = None
             else:
-                self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+                arrived.append(index)
+        self._verify(arrived)
 
     def finish(self, now_ms: int) -> None:
         """The lease must still hold after the copies; otherwise the bytes may be stale."""
@@ -285,17 +276,32 @@ class GetJob:
                 self.codes[index] = int(ErrorCode.LEASE_EXPIRED if expired else ErrorCode.TRANSFER_FAIL)
                 self.results[index] = None
 
-    def _verify_target(self, index: int) -> None:
-        size = self.reply.sizes[index]
-        parts = _prefix(self.targets[index], size)  # type: ignore[arg-type]
-        if checksum_of(parts) == self.reply.checksums[index]:
-            self.results[index] = size
-        else:
-            self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+    def _verify(self, indexes: list[int]) -> None:
+        """Checksum what landed for these keys (one batch, on several threads when large)."""
+        sizes = self.reply.sizes
+        landed = [
+            [self._landed[i]] if self.targets[i] is None else _prefix(self.targets[i], sizes[i])  # type: ignore[arg-type]
+            for i in indexes
+        ]
+        for index, checksum in zip(indexes, checksums_of(landed)):
+            if checksum != self.reply.checksums[index]:
+                self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+            elif self.targets[index] is not None:
+                self.results[index] = sizes[index]
+            else:
+                data = self._landed[index]
+                self.results[index] = data if isinstance(data, bytes) else bytes(data)  # type: ignore[arg-type]
+                self._landed[index] = None
 
     def _next_candidate(self, index: int, code: ErrorCode) -> None:
+        self._landed[index] = None
         if not self._candidates[index]:
             self.codes[index] = int(code)
+
+
+def _read_item(replica: object, start: int, size: int) -> ReadItem:
+    assert isinstance(replica, Replica), replica
+    return ReadItem(replica.segment_id, replica.offset + start, size)
 
 
 def _prefix(parts: Sequence[memoryview], size: int) -> list[memoryview]:

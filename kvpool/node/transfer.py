@@ -27,14 +27,11 @@ Write path, one frame:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import xxhash
-
-from kvpool import limits
+from kvpool import checksums, limits
 from kvpool.errors import (
     ErrorCode,
     InvalidParams,
@@ -60,19 +57,6 @@ from kvpool.protocol.messages import (
 from kvpool.transports.connection import Connection, HandlerResult
 
 log = logging.getLogger(__name__)
-
-
-# Commits of at least this many bytes are hashed on two threads.
-COMMIT_PARALLEL_BYTES_MIN = 1 << 20
-_HASH_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Two hashing threads per process, shared by its nodes (started on first use)."""
-    global _HASH_POOL
-    if _HASH_POOL is None:
-        _HASH_POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvpool-hash")
-    return _HASH_POOL
 
 
 def wall_clock_ms() -> int:
@@ -305,30 +289,31 @@ class MasterCallHandler(_SegmentHandler):
     def _commit(self, message: CommitObjects) -> HandlerResult | Awaitable[HandlerResult]:
         self._check_segment_id(message.segment_id)
         entries = message.entries
-        total_bytes = sum(entry.size for entry in entries)
-        if total_bytes < COMMIT_PARALLEL_BYTES_MIN or len(entries) < 2:
-            return self._record(entries, self._verify(entries))
-        return self._commit_in_threads(entries)
-
-    async def _commit_in_threads(self, entries: list[InventoryEntry]) -> HandlerResult:
-        """Hash a large commit on two threads (xxhash releases the GIL): the writer is waiting
-        for this reply, so its core is free, and the commit takes half the time."""
-        loop = asyncio.get_running_loop()
-        middle = len(entries) // 2
-        halves = await asyncio.gather(
-            loop.run_in_executor(_hash_pool(), self._verify, entries[:middle]),
-            loop.run_in_executor(_hash_pool(), self._verify, entries[middle:]),
-        )
-        return self._record(entries, halves[0] + halves[1])
-
-    def _verify(self, entries: list[InventoryEntry]) -> list[int]:
-        """Per entry: OK if in bounds and its bytes hash to its checksum. Reads only."""
+        capacity_bytes = self.segment.capacity_bytes
+        in_bounds = [0 <= e.offset and 0 < e.size and e.offset + e.size <= capacity_bytes for e in entries]
         data = self.segment.data
-        codes: list[int] = []
-        for entry in entries:
-            if entry.offset < 0 or entry.size <= 0 or entry.offset + entry.size > self.segment.capacity_bytes:
+        views = [[data[e.offset : e.offset + e.size]] for e, ok in zip(entries, in_bounds) if ok]
+        if sum(e.size for e, ok in zip(entries, in_bounds) if ok) < checksums.PARALLEL_BYTES_MIN:
+            return self._record(entries, self._codes(entries, in_bounds, checksums.checksums_of(views)))
+        return self._commit_later(entries, in_bounds, views)
+
+    async def _commit_later(
+        self, entries: list[InventoryEntry], in_bounds: list[bool], views: list[list[memoryview]]
+    ) -> HandlerResult:
+        """A large commit is hashed off the loop, on several threads: the writer is waiting
+        for this reply, so its core is free."""
+        sums = await asyncio.get_running_loop().run_in_executor(None, checksums.checksums_of, views)
+        return self._record(entries, self._codes(entries, in_bounds, sums))
+
+    @staticmethod
+    def _codes(entries: list[InventoryEntry], in_bounds: list[bool], sums: list[int]) -> list[int]:
+        """Per entry: OK when in bounds and its bytes hash to its checksum."""
+        found = iter(sums)
+        codes = []
+        for entry, ok in zip(entries, in_bounds):
+            if not ok:
                 codes.append(ErrorCode.INVALID_PARAMS)
-            elif xxhash.xxh3_64_intdigest(data[entry.offset : entry.offset + entry.size]) != entry.checksum:
+            elif next(found) != entry.checksum:
                 codes.append(ErrorCode.TRANSFER_FAIL)
             else:
                 codes.append(ErrorCode.OK)
