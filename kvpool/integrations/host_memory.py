@@ -1,0 +1,50 @@
+"""Registering an engine's host KV memory with a kvpool Store, for zero-copy transfers.
+
+Engines keep their KV cache in a few large tensors, often as views of one another (SGLang's
+K and V buffers are halves of one kv_buffer; vLLM may carve every layer out of one block of
+memory). A Store's registered buffers must not overlap, so this module registers the union of
+the tensors' storages as disjoint ranges. It is not an allocator and owns no memory: the
+engine's tensors must outlive the registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvpool.client.sync import Store
+
+
+def covering_ranges(tensors: Iterable[Any]) -> list[tuple[int, int]]:
+    """The union of the tensors' storages as sorted, disjoint (start address, size) ranges."""
+    spans = sorted(
+        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+        for t in tensors
+        if t is not None and t.numel()
+    )
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end - start) for start, end in merged]
+
+
+def register_tensors(store: Store, tensors: Iterable[Any]) -> list[int]:
+    """Register the memory of `tensors` with `store`; returns the registered addresses.
+
+    Raises:
+        InvalidParams: a range overlaps memory registered earlier, or too many buffers;
+            the ranges registered by this call are unregistered again first.
+    """
+    addresses = []
+    try:
+        for start, size in covering_ranges(tensors):
+            store.register_buffer(start, size)
+            addresses.append(start)
+    except BaseException:
+        for address in addresses:
+            store.unregister_buffer(address)
+        raise
+    return addresses

@@ -1,0 +1,297 @@
+"""kvpool as an LMCache remote storage plugin (LMCache's `remote_storage_plugins`).
+
+LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LMCACHE_* env):
+
+    chunk_size: 256
+    local_cpu: true
+    max_local_cpu_size: 5
+    remote_storage_plugins: ["kvpool"]
+    extra_config:
+      remote_storage_plugin.kvpool.module_path: kvpool.integrations.lmcache
+      remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
+      kvpool.master: 10.0.0.1:50051
+      # optional: kvpool.token_file, kvpool.embedded_memory (a size), kvpool.replica_num
+
+A URL works too once the plugin is listed: `remote_url: kvpool://10.0.0.1:50051`.
+
+Each LMCache chunk is one kvpool object named by `CacheEngineKey.to_string()` (which carries
+the model, world size, worker and chunk hash). With LMCache's default `save_chunk_meta`, the
+object is LMCache's RemoteMetadata header followed by the chunk's bytes, as LMCache's own
+Mooncake connector stores it, so partial chunks read back with their shapes; without it, only
+the bytes, read straight into a buffer from LMCache's local CPU backend. Writes gather the
+header and the chunk with the multi-buffer API (no concatenation copy).
+
+The Store is synchronous and bounded; every call runs in a worker thread (`asyncio.to_thread`)
+so LMCache's event loop never blocks. Operating errors become misses (None, False, 0) and
+logged failed puts, never exceptions into LMCache. This module is not used without LMCache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector import (
+    ConnectorAdapter,
+    ConnectorContext,
+    extract_plugin_type,
+)
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from kvpool.client.sync import Store
+from kvpool.config import parse_size, token_from
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.protocol.messages import ReplicateConfig
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "kvpool"
+URL_SCHEME = "kvpool://"
+_PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+
+
+class KVPoolConnectorAdapter(ConnectorAdapter):
+    """What `remote_storage_plugin.<name>.class_name` names: builds the connector for URLs
+    `kvpool://host:port` and `plugin://kvpool[.instance]`."""
+
+    def __init__(self) -> None:
+        super().__init__(URL_SCHEME)
+
+    def can_parse(self, url: str) -> bool:
+        if url.startswith(URL_SCHEME):
+            return True
+        return url.startswith("plugin://") and extract_plugin_type(url[len("plugin://") :]) == PLUGIN_TYPE
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        master = context.url[len(URL_SCHEME) :].strip("/") if context.url.startswith(URL_SCHEME) else None
+        return KVPoolRemoteConnector(
+            context.loop, context.local_cpu_backend, context.config, context.metadata, master
+        )
+
+
+class KVPoolRemoteConnector(RemoteConnector):
+    """LMCache's RemoteConnector on a kvpool Store. Holds the Store and the local CPU backend
+    that get() allocates chunks from."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: Any,
+        config: Any,
+        metadata: Any,
+        master: str | None = None,
+    ) -> None:
+        super().__init__(config, metadata)
+        extra = dict(config.extra_config or {})
+        master = master or extra.get("kvpool.master")
+        if not master:
+            raise InvalidParams("set kvpool.master in LMCache's extra_config (or remote_url kvpool://)")
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self._store = Store(
+            str(master),
+            token=token_from(extra.get("kvpool.token"), extra.get("kvpool.token_file")),
+            embedded_memory_bytes=parse_size(str(extra.get("kvpool.embedded_memory", 0))),
+        )
+        self._replicate = ReplicateConfig(replica_num=int(extra.get("kvpool.replica_num", 1)))
+
+    def __repr__(self) -> str:
+        return f"<KVPoolRemoteConnector {self._store!r}>"
+
+    # --- existence --------------------------------------------------------------------------
+
+    def exists_sync(self, key: Any) -> bool:
+        try:
+            return self._store.exists(key.to_string())
+        except KVPoolError as exc:
+            log.info("kvpool exists failed, reporting a miss: %s", exc)
+            return False
+
+    async def exists(self, key: Any) -> bool:
+        return await asyncio.to_thread(self.exists_sync, key)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[Any]) -> int:
+        """How many leading chunks are stored, in one round trip."""
+        if not keys:
+            return 0
+        try:
+            return self._store.longest_prefix([k.to_string() for k in keys])
+        except KVPoolError as exc:
+            log.info("kvpool lookup failed, reporting a miss: %s", exc)
+            return 0
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[Any], pin: bool = False) -> int:
+        return await asyncio.to_thread(self.batched_contains, keys)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def get(self, key: Any) -> Any:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[Any]) -> list[Any]:
+        """One MemoryObj per key (allocated from the local CPU backend), None for a miss."""
+        return await asyncio.to_thread(self._get_objects, keys)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
+        """The leading run of chunks that could be read; later ones are released."""
+        objects = await self.batched_get(keys)
+        run = []
+        for index, obj in enumerate(objects):
+            if obj is None:
+                for later in objects[index + 1 :]:
+                    if later is not None:
+                        later.ref_count_down()
+                break
+            run.append(obj)
+        return run
+
+    def _get_objects(self, keys: Sequence[Any]) -> list[Any]:
+        if not keys:
+            return []
+        names = [k.to_string() for k in keys]
+        if self.save_chunk_meta:
+            try:
+                values = self._store.get_batch(names)
+            except KVPoolError as exc:
+                log.info("kvpool get failed, reporting misses: %s", exc)
+                return [None] * len(keys)
+            return [self._from_stored(v) if v is not None else None for v in values]
+        return self._get_into_full_chunks(names)
+
+    def _from_stored(self, data: bytes) -> Any:
+        """A MemoryObj from a stored header and chunk, or None (unreadable or no memory)."""
+        header_size = self.remote_metadata_bytes
+        if len(data) < header_size:
+            return None
+        meta = RemoteMetadata.deserialize(memoryview(data)[:header_size])
+        if meta.length != len(data) - header_size:
+            log.warning("kvpool chunk of %d bytes, header says %d", len(data) - header_size, meta.length)
+            return None
+        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
+        if obj is None or obj.raw_tensor is None:
+            return None
+        view = obj.raw_tensor.view(-1).view(torch.uint8)[: meta.length]
+        view.numpy()[:] = memoryview(data)[header_size:]
+        return obj
+
+    def _get_into_full_chunks(self, names: list[str]) -> list[Any]:
+        """Zero-copy reads of headerless chunks into freshly allocated full-chunk objects."""
+        objects = [self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+                   for _ in names]  # fmt: skip
+        usable = [i for i, obj in enumerate(objects) if obj is not None and obj.raw_tensor is not None]
+        results: list[Any] = [None] * len(names)
+        registered: list[int] = []
+        try:
+            for i in usable:
+                self._store.register_buffer(objects[i].data_ptr, objects[i].get_size())
+                registered.append(objects[i].data_ptr)
+            read = self._store.batch_get_into(
+                [names[i] for i in usable],
+                [objects[i].data_ptr for i in usable],
+                [objects[i].get_size() for i in usable],
+            )
+            for i, count in zip(usable, read):
+                if count > 0:
+                    results[i] = self.reshape_partial_chunk(objects[i], count)
+        except KVPoolError as exc:
+            log.info("kvpool get failed, reporting misses: %s", exc)
+        finally:
+            for address in registered:
+                self._store.unregister_buffer(address)
+        for obj, result in zip(objects, results):
+            if obj is not None and result is None:
+                obj.ref_count_down()
+        return results
+
+    # --- writes -----------------------------------------------------------------------------
+
+    async def put(self, key: Any, memory_obj: Any) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
+        await asyncio.to_thread(self._put_objects, keys, memory_objs)
+
+    def _put_objects(self, keys: Sequence[Any], memory_objs: Sequence[Any]) -> list[int]:
+        """Store each chunk (header + bytes, or bytes), gathered without a copy. Returns the
+        per-chunk codes; failures are logged (LMCache treats a lost put as a future miss)."""
+        if not keys:
+            return []
+        headers = bytearray()
+        addresses: list[list[int]] = []
+        sizes: list[list[int]] = []
+        registered: list[int] = []
+        try:
+            if self.save_chunk_meta:
+                for obj in memory_objs:
+                    headers += RemoteMetadata(obj.get_size(), obj.get_shapes(), obj.get_dtypes(),
+                                              obj.get_memory_format()).serialize()  # fmt: skip
+                registered.append(self._store.register_buffer(headers))
+            for index, obj in enumerate(memory_objs):
+                registered.append(self._store.register_buffer(obj.data_ptr, obj.get_size()))
+                if self.save_chunk_meta:
+                    header = registered[0] + index * self.remote_metadata_bytes
+                    addresses.append([header, obj.data_ptr])
+                    sizes.append([self.remote_metadata_bytes, obj.get_size()])
+                else:
+                    addresses.append([obj.data_ptr])
+                    sizes.append([obj.get_size()])
+            codes = self._store.batch_put_from_multi_buffers(
+                [k.to_string() for k in keys], addresses, sizes, self._replicate
+            )
+        except KVPoolError as exc:
+            log.warning("kvpool put of %d chunks failed: %s", len(keys), exc)
+            return [int(exc.code)] * len(keys)
+        finally:
+            for address in registered:
+                self._store.unregister_buffer(address)
+        failed = sum(code not in _PUT_OK for code in codes)
+        if failed:
+            log.warning("kvpool put: %d of %d chunks failed", failed, len(codes))
+        return codes
+
+    # --- the rest ---------------------------------------------------------------------------
+
+    def remove_sync(self, key: Any) -> bool:
+        try:
+            self._store.remove(key.to_string(), force=True)
+        except KVPoolError:
+            return False
+        return True
+
+    async def list(self) -> list[str]:
+        """Stored keys (at most the Store's listing bound), [] when the pool is unreachable."""
+        try:
+            reply = await asyncio.to_thread(self._store.list_objects, "", 100_000)
+        except KVPoolError as exc:
+            log.info("kvpool list failed: %s", exc)
+            return []
+        return list(reply.keys)
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        try:
+            await asyncio.to_thread(self._store.cluster_status)
+        except KVPoolError as exc:
+            return int(exc.code)
+        return 0
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._store.close)

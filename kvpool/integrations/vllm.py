@@ -1,0 +1,300 @@
+"""kvpool as a vLLM V1 KV connector, loaded out of tree with no patch to vLLM:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"master": "10.0.0.1:50051"}}'
+
+Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
+default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
+true), "cache_prefix" (a namespace for separate deployments). $KVPOOL_MASTER is read when
+"master" is absent.
+
+Each full block of a prompt is one object holding that block of every layer (K then V per
+layer for FlashAttention-style caches; the block as it lies for block-first and MLA caches),
+named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
+mooncake/store/data.py PoolKey): `model@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
+
+- Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
+  prompt every TP rank holds, in one `longest_prefix` round trip, and always leaves at least
+  one token to compute. Loads are synchronous; the plan goes to the workers in the metadata.
+- Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
+  (`batch_get_into_multi_buffers`, one range per layer and K/V); `wait_for_save` writes the
+  prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
+  load is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it rather than use
+  bad KV; a failed save is a future miss. Operating errors never raise into vLLM.
+
+Not supported: the hybrid KV cache manager (run with --disable-hybrid-kv-cache-manager when
+vLLM enables it), prefix/decode context parallelism, KV caches on a device the Store cannot
+address (the paged cache must be host memory, e.g. vLLM's CPU backend), layer-wise
+pipelining.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool.client.sync import Store
+from kvpool.config import parse_size, token_from
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.integrations.host_memory import register_tensors
+from kvpool.protocol.messages import ReplicateConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+
+
+@dataclasses.dataclass
+class BlockTransfer:
+    """Blocks of one request to move: block hashes (hex) and the vLLM block ids they occupy."""
+
+    request_id: str
+    block_hashes: list[str]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler to every worker: what to load before the forward
+    pass and what to save after it."""
+
+    loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _RequestState:
+    """The scheduler's view of a running request: its prompt's block hashes, the blocks vLLM
+    gave it, and how many leading blocks are in the pool already (found or saved)."""
+
+    block_hashes: list[str]
+    prompt_token_count: int
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    stored_block_count: int = 0
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for kvpool; vLLM builds one per role (scheduler, each worker)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        master = extra.get("master") or os.environ.get("KVPOOL_MASTER")
+        if not master:
+            raise InvalidParams("set 'master' in kv_connector_extra_config")
+        self._store = Store(
+            str(master),
+            token=token_from(extra.get("token"), extra.get("token_file")),
+            embedded_memory_bytes=parse_size(str(extra.get("embedded_memory", 0))),
+            shm_enabled=str(extra.get("shm_enabled", True)).lower() not in ("0", "false", "no"),
+        )
+        self._replicate = ReplicateConfig(replica_num=int(extra.get("replica_num", 1)))
+        self.block_size = vllm_config.cache_config.block_size
+        model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
+        prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
+        self._model_prefix = f"{prefix}{model}"
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank, self.pp_rank = _parallel_ranks()
+        # Scheduler state.
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        # Worker state: per layer (base address, bytes between blocks, bytes per range), one
+        # entry per K/V range of a block.
+        self._layer_ranges: list[tuple[int, int, int]] = []
+        self._registered: list[int] = []
+        self._load_errors: set[int] = set()
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def _key(self, block_hash: str, tp_rank: int | None = None) -> str:
+        tp = self.tp_rank if tp_rank is None else tp_rank
+        return f"{self._model_prefix}@tp_rank:{tp}@pcp0@dcp0@pp_rank:{self.pp_rank}@group:0@{block_hash}"
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` whose KV the pool holds for every TP rank."""
+        prompt_blocks = len(request.prompt_token_ids or ()) // self.block_size
+        hashes = [_hex(h) for h in request.block_hashes[:prompt_blocks]]
+        self._requests[request.request_id] = _RequestState(hashes, len(request.prompt_token_ids or ()))
+        if not hashes:
+            return 0, False
+        keys = [self._key(h, rank) for h in hashes for rank in range(self.tp_size)]
+        try:
+            hit_blocks = self._store.longest_prefix(keys) // self.tp_size
+        except KVPoolError as exc:
+            log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
+            return 0, False
+        # vLLM must compute at least the last token to sample from it.
+        if hit_blocks * self.block_size >= request.num_tokens:
+            hit_blocks -= 1
+        self._requests[request.request_id].stored_block_count = hit_blocks
+        return max(0, hit_blocks * self.block_size - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens == 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first = request.num_computed_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        assert last <= len(block_ids), (first, last, len(block_ids))
+        self._pending_loads.append(
+            BlockTransfer(request.request_id, state.block_hashes[first:last], block_ids[first:last])
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
+        """This step's loads (planned at allocation) and saves: every full prompt block that
+        becomes computed in this step and is not in the pool yet."""
+        meta = KVPoolConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for index, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if req_id in resumed:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids += list(new_ids[0])
+            computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
+            self._plan_save(meta, req_id, state, computed)
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def _plan_save(self, meta: KVPoolConnectorMetadata, req_id: str, state: _RequestState, computed_tokens: int) -> None:
+        full = min(computed_tokens, state.prompt_token_count) // self.block_size
+        full = min(full, len(state.block_hashes), len(state.block_ids))
+        if full > state.stored_block_count:
+            first = state.stored_block_count
+            meta.saves.append(BlockTransfer(req_id, state.block_hashes[first:full], state.block_ids[first:full]))
+            state.stored_block_count = full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves finish within the step: vLLM may free the blocks now
+
+    # --- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Learn each layer's paged cache layout and register its memory with the Store.
+
+        A layer is (2, num_blocks, ...) for FlashAttention-style caches, whose blocks are
+        one K range and one V range, or (num_blocks, ...) for block-first and MLA caches.
+
+        Raises:
+            InvalidParams: a block of some layer is not one contiguous range.
+        """
+        ranges = []
+        for name, tensor in kv_caches.items():
+            if tensor.dim() >= 3 and tensor.shape[0] == 2:
+                parts = [tensor[0], tensor[1]]
+            else:
+                parts = [tensor]
+            for part in parts:
+                block = part[0]
+                if not block.is_contiguous() or part.stride(0) * part.element_size() < block.numel() * block.element_size():
+                    raise InvalidParams(f"layer {name}: a KV block is not one contiguous range")
+                ranges.append((part.data_ptr(), part.stride(0) * part.element_size(),
+                               block.numel() * block.element_size()))  # fmt: skip
+        self._layer_ranges = ranges
+        self._registered = register_tensors(self._store, kv_caches.values())
+
+    def _block_buffers(self, block_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        addresses = [[base + b * stride for base, stride, _ in self._layer_ranges] for b in block_ids]
+        sizes = [[size for _, _, size in self._layer_ranges] for _ in block_ids]
+        return addresses, sizes
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Read this step's planned blocks into the paged cache before the forward pass."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
+        for load in meta.loads:
+            keys = [self._key(h) for h in load.block_hashes]
+            addresses, sizes = self._block_buffers(load.block_ids)
+            try:
+                read = self._store.batch_get_into_multi_buffers(keys, addresses, sizes)
+            except KVPoolError as exc:
+                log.warning("kvpool load of %s failed, vLLM recomputes: %s", load.request_id, exc)
+                self._load_errors.update(load.block_ids)
+                continue
+            for block_id, count, block_sizes in zip(load.block_ids, read, sizes):
+                if count != sum(block_sizes):
+                    self._load_errors.add(block_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks of every layer are saved in wait_for_save
+
+    def wait_for_save(self) -> None:
+        """Write the prompt blocks this step computed. A failure is logged: a future miss."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
+        for save in meta.saves:
+            keys = [self._key(h) for h in save.block_hashes]
+            addresses, sizes = self._block_buffers(save.block_ids)
+            try:
+                codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
+            except KVPoolError as exc:
+                log.warning("kvpool save of %s failed: %s", save.request_id, exc)
+                continue
+            failed = sum(code not in _PUT_OK for code in codes)
+            if failed:
+                log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for address in self._registered:
+            self._store.unregister_buffer(address)
+        self._registered = []
+        self._store.close()
+
+
+def _hex(block_hash: Any) -> str:
+    return block_hash.hex() if isinstance(block_hash, (bytes, bytearray)) else str(block_hash)
+
+
+def _parallel_ranks() -> tuple[int, int]:
+    """This worker's (TP rank, PP rank); (0, 0) where vLLM's model parallel groups are not set
+    up (the scheduler process, or a single-process engine)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group

@@ -1,0 +1,135 @@
+"""kvpool's LMCache remote storage plugin, loaded and driven through the real LMCache package.
+
+How: LMCache's own CreateConnector("plugin://kvpool", ...) finds kvpool's adapter from the
+`remote_storage_plugins` + `remote_storage_plugin.kvpool.*` extra config, exactly as LMCache's
+RemoteBackend does, against a LocalCluster; chunks are real MemoryObjs allocated by a real
+LocalCPUBackend. Instance A stores chunks; instance B (its own CPU backend and Store) finds
+them (batched contains, exists), reads them back (full and partial chunks, with and without
+LMCache's remote metadata header) and lists them; then a dead master turns every call into a
+miss without an exception.
+
+LMCache cannot be installed with its dependencies here (it needs cupy-cuda13x, cuda-python,
+nvtx and cufile-python, and numpy<=2.2.6); scripts/install-peers.sh lmcache installs it with
+--no-deps plus the pure-Python packages its storage modules import. Skipped unless it imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
+pytest.importorskip(
+    "lmcache.v1.storage_backend.connector",
+    reason="LMCache is not installed (scripts/install-peers.sh lmcache)",
+)
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+
+CHUNK = 16
+KV_SHAPE = (3, 2, CHUNK, 2, 8)  # layers, k/v, tokens, heads, head size
+
+
+class Instance:
+    """One LMCache worker: its config, CPU backend and connector, on its own event loop."""
+
+    def __init__(self, master: str, save_chunk_meta: bool = True) -> None:
+        self.config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
+            remote_storage_plugins=["kvpool"],
+            extra_config={
+                "remote_storage_plugin.kvpool.module_path": "kvpool.integrations.lmcache",
+                "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
+                "kvpool.master": master, "save_chunk_meta": save_chunk_meta,
+            },
+        )  # fmt: skip
+        self.metadata = LMCacheMetadata(
+            model_name="org/tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+            kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK,
+        )  # fmt: skip
+        self.cpu = LocalCPUBackend(self.config, self.metadata, dst_device="cpu")
+        self.loop = asyncio.new_event_loop()
+        self.conn = CreateConnector("plugin://kvpool", self.loop, self.cpu, self.config, self.metadata, "kvpool")
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(asyncio.wait_for(coroutine, 60))
+
+    def chunk(self, seed: int, tokens: int = CHUNK):
+        shape = torch.Size([2, KV_SHAPE[0], tokens, KV_SHAPE[3] * KV_SHAPE[4]])
+        obj = self.cpu.allocate([shape], [torch.bfloat16], MemoryFormat.KV_2LTD)
+        generator = torch.Generator().manual_seed(seed)
+        obj.raw_tensor.view(torch.bfloat16).copy_(
+            torch.randn(obj.raw_tensor.numel() // 2, generator=generator).to(torch.bfloat16)
+        )
+        return obj
+
+    def close(self) -> None:
+        self.run(self.conn.close())
+        self.loop.close()
+
+
+def key(chunk_hash: int) -> CacheEngineKey:
+    return CacheEngineKey("org/tiny", 1, 0, chunk_hash, torch.bfloat16)
+
+
+@pytest.mark.parametrize("save_chunk_meta", [True, False], ids=["with-header", "zero-copy"])
+def test_instance_b_reads_chunks_instance_a_stored(make_cluster, save_chunk_meta):
+    cluster = make_cluster(2, "16MiB")
+    a = Instance(cluster.master_endpoint, save_chunk_meta)
+    b = Instance(cluster.master_endpoint, save_chunk_meta)
+    try:
+        assert "KVPoolRemoteConnector" in repr(a.conn)
+        chunks = [a.chunk(seed) for seed in range(3)]
+        originals = [c.raw_tensor.clone() for c in chunks]  # put releases the chunks (LMCache)
+        keys = [key(h) for h in (11, 12, 13)]
+        assert b.conn.batched_contains(keys) == 0
+        a.run(a.conn.batched_put(keys, chunks))
+        a.run(a.conn.put(key(14), a.chunk(4)))
+        assert b.conn.batched_contains([*keys, key(99), key(14)]) == 3
+        assert b.run(b.conn.batched_async_contains("lookup-1", keys)) == 3
+        assert b.run(b.conn.exists(keys[0])) and not b.conn.exists_sync(key(99))
+        got = b.run(b.conn.batched_get([*keys, key(99)]))
+        assert got[3] is None
+        for original, theirs in zip(originals, got[:3]):
+            assert torch.equal(theirs.raw_tensor, original)
+            assert list(theirs.get_shapes()[0]) == [2, KV_SHAPE[0], CHUNK, KV_SHAPE[3] * KV_SHAPE[4]]
+            theirs.ref_count_down()
+        assert b.run(b.conn.get(key(99))) is None
+        run = b.run(b.conn.batched_get_non_blocking("lookup-2", [keys[0], key(99), keys[1]]))
+        assert len(run) == 1 and torch.equal(run[0].raw_tensor, originals[0])
+        run[0].ref_count_down()
+        # A partial chunk (the prompt's tail) keeps its token count.
+        tail = a.chunk(seed=7, tokens=5)
+        tail_bytes = tail.raw_tensor.clone().view(-1)
+        a.run(a.conn.put(key(15), tail))
+        back = b.run(b.conn.get(key(15)))
+        assert back.meta.shape[2] == 5
+        assert torch.equal(back.raw_tensor.reshape(-1)[: tail_bytes.numel()], tail_bytes)
+        back.ref_count_down()
+        assert sorted(b.run(b.conn.list())) == sorted(k.to_string() for k in [*keys, key(14), key(15)])
+        assert b.run(b.conn.ping()) == 0
+        assert b.conn.remove_sync(key(14)) and not b.conn.exists_sync(key(14))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_master_turns_calls_into_misses(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    a = Instance(cluster.master_endpoint)
+    try:
+        a.run(a.conn.put(key(1), a.chunk(1)))
+        cluster.master.kill()
+        assert a.conn.batched_contains([key(1)]) == 0
+        assert a.run(a.conn.exists(key(1))) is False
+        assert a.run(a.conn.batched_get([key(1)])) == [None]
+        a.run(a.conn.batched_put([key(2)], [a.chunk(2)]))  # logged, not raised
+        assert a.run(a.conn.list()) == []
+        assert a.run(a.conn.ping()) < 0
+    finally:
+        a.close()

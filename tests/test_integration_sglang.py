@@ -1,0 +1,266 @@
+"""kvpool's SGLang HiCache backend, loaded and driven through the real SGLang package.
+
+How: SGLang's own `StorageBackendFactory.create_backend("dynamic", ...)` loads
+kvpool.integrations.sglang.KVPoolHiCacheStorage from the extra config SGLang passes on
+`--hicache-storage-backend-extra-config`, against a LocalCluster on loopback. Two backends with
+separate host pools play two SGLang instances: A backs pages up (batch_set_v1), B finds them
+(batch_exists) and loads them into other host slots (batch_get_v1); bytes are compared page by
+page, for MHA and MLA pools in page-first and layer-first layouts, then the v0 tensor path,
+rank namespacing and a master that dies (no exception may reach SGLang's threads).
+
+Host pools: SGLang's real MHATokenToKVPoolHost / MLATokenToKVPoolHost cannot be built here (they
+import sglang.srt.configs, which needs torchvision; PyPI's torchvision does not load beside the
+CPU torch 2.13.0 this project uses, and they want a device KV pool's pointer tables). So the
+pools below expose exactly the members SGLang's host pools offer to storage backends and that
+kvpool uses: kv_buffer, page_size, layout, dtype, layer_num, size, get_page_buffer_meta(indices),
+get_ksize_per_token(), get_size_per_token(), get_data_page(), get_dummy_flat_data_page(),
+set_from_flat_data_page(); their buffer shapes and page address arithmetic follow
+sglang/srt/mem_cache/pool_host/mha.py and mla.py (sglang 0.5.23).
+
+Skipped unless `sglang` imports (scripts/install-peers.sh sglang installs it without its CUDA
+dependencies).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
+factory_module = pytest.importorskip(
+    "sglang.srt.mem_cache.storage.backend_factory",
+    reason="SGLang is not installed (scripts/install-peers.sh sglang)",
+)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+
+StorageBackendFactory = factory_module.StorageBackendFactory
+
+PAGE_SIZE = 4
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 8
+MLA_DIM = 24
+POOL_TOKENS = 64
+
+
+class MHAHostPool:
+    """SGLang's MHA host pool as storage backends see it (pool_host/mha.py)."""
+
+    def __init__(self, layout: str) -> None:
+        self.layout, self.page_size, self.dtype = layout, PAGE_SIZE, torch.bfloat16
+        self.layer_num, self.size, self.head_num, self.head_dim = LAYERS, POOL_TOKENS, HEADS, HEAD_DIM
+        if layout == "layer_first":
+            dims = (2, LAYERS, POOL_TOKENS, HEADS, HEAD_DIM)
+        else:
+            dims = (2, POOL_TOKENS, LAYERS, HEADS, HEAD_DIM)
+        self.kv_buffer = torch.zeros(dims, dtype=self.dtype)
+
+    def get_size_per_token(self) -> int:
+        return 2 * HEAD_DIM * HEADS * LAYERS * self.dtype.itemsize
+
+    def get_ksize_per_token(self) -> int:
+        return self.get_size_per_token() // 2
+
+    def get_page_buffer_meta(self, indices):
+        item = self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        v_offset = LAYERS * POOL_TOKENS * HEADS * HEAD_DIM * item
+        pointers = []
+        for start in indices.tolist()[::PAGE_SIZE]:
+            if self.layout == "layer_first":
+                for layer in range(LAYERS):
+                    k = base + (layer * POOL_TOKENS + start) * HEADS * HEAD_DIM * item
+                    pointers += [k, k + v_offset]
+            else:
+                k = base + start * LAYERS * HEADS * HEAD_DIM * item
+                pointers += [k, k + v_offset]
+        if self.layout == "layer_first":
+            size = PAGE_SIZE * HEADS * HEAD_DIM * item
+        else:
+            size = LAYERS * PAGE_SIZE * HEADS * HEAD_DIM * item
+        return pointers, [size] * len(pointers)
+
+    def page(self, start: int):
+        """The page's K and V, in a layout-independent order (for comparisons)."""
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, start : start + PAGE_SIZE].clone()
+        return self.kv_buffer[:, start : start + PAGE_SIZE].transpose(1, 2).clone()
+
+    def _page_view(self, index: int):
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, index : index + PAGE_SIZE]
+        return self.kv_buffer[:, index : index + PAGE_SIZE]
+
+    def get_data_page(self, index: int, flat: bool = True):
+        return self._page_view(index).flatten()
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(2 * LAYERS * PAGE_SIZE * HEADS * HEAD_DIM, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data) -> None:
+        view = self._page_view(index)
+        view.copy_(data.reshape(view.shape))
+
+
+class MLAHostPool:
+    """SGLang's MLA host pool as storage backends see it (pool_host/mla.py)."""
+
+    def __init__(self, layout: str) -> None:
+        self.layout, self.page_size, self.dtype = layout, PAGE_SIZE, torch.float16
+        self.layer_num, self.size, self.kv_cache_dim = LAYERS, POOL_TOKENS, MLA_DIM
+        if layout == "layer_first":
+            dims = (LAYERS, POOL_TOKENS, 1, MLA_DIM)
+        else:
+            dims = (POOL_TOKENS, LAYERS, 1, MLA_DIM)
+        self.kv_buffer = torch.zeros(dims, dtype=self.dtype)
+
+    def get_size_per_token(self) -> int:
+        return MLA_DIM * LAYERS * self.dtype.itemsize
+
+    def get_ksize_per_token(self) -> int:
+        return self.get_size_per_token()
+
+    def get_page_buffer_meta(self, indices):
+        item = self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        pointers = []
+        for start in indices.tolist()[::PAGE_SIZE]:
+            if self.layout == "layer_first":
+                pointers += [base + (layer * POOL_TOKENS + start) * MLA_DIM * item for layer in range(LAYERS)]
+            else:
+                pointers.append(base + start * LAYERS * MLA_DIM * item)
+        size = PAGE_SIZE * MLA_DIM * item * (1 if self.layout == "layer_first" else LAYERS)
+        return pointers, [size] * len(pointers)
+
+    def page(self, start: int):
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, start : start + PAGE_SIZE].clone()
+        return self.kv_buffer[start : start + PAGE_SIZE].transpose(0, 1).clone()
+
+
+def storage_config(master: str, *, mla: bool = False, tp_rank: int = 0, metrics: bool = True,
+                   model: str = "org/tiny-model") -> HiCacheStorageConfig:  # fmt: skip
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
+        model_name=model,
+        extra_config={
+            "backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
+            "class_name": "KVPoolHiCacheStorage", "interface_v1": 1, "master": master,
+        },
+    )  # fmt: skip
+
+
+def create(config: HiCacheStorageConfig, pool):
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)  # as SGLang's cache controller does after creating it
+    return backend
+
+
+def host_indices(pages: list[int]):
+    return torch.tensor([p * PAGE_SIZE + t for p in pages for t in range(PAGE_SIZE)], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_instance_b_loads_pages_instance_a_backed_up(make_cluster, mla, layout):
+    cluster = make_cluster(2, "16MiB")
+    pool_class = MLAHostPool if mla else MHAHostPool
+    pool_a, pool_b = pool_class(layout), pool_class(layout)
+    torch.manual_seed(0)
+    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
+    a = create(storage_config(cluster.master_endpoint, mla=mla), pool_a)
+    b = create(storage_config(cluster.master_endpoint, mla=mla), pool_b)
+    try:
+        assert type(a).__name__ == "KVPoolHiCacheStorage"
+        keys = [f"hash{i}" for i in range(5)]
+        assert b.batch_exists(keys) == 0
+        assert a.batch_set_v1(keys, host_indices([1, 2, 3, 4, 5])) == [True] * 5
+        assert a.batch_set_v1(keys[:2], host_indices([1, 2])) == [True] * 2  # present: success
+        assert b.batch_exists(keys + ["absent"]) == 5
+        assert b.batch_exists(["absent", *keys]) == 0
+        assert b.exists("hash0") and not b.exists("absent")
+        assert b.batch_get_v1(keys + ["absent"], host_indices([10, 11, 12, 13, 14, 15])) == [True] * 5 + [False]
+        for source, target in zip([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]):
+            assert torch.equal(pool_b.page(target * PAGE_SIZE), pool_a.page(source * PAGE_SIZE))
+        listed = sorted(b._store.list_objects("org-tiny-model").keys)
+        prefix = "org-tiny-model_layer_first_" if layout == "layer_first" else "org-tiny-model_"
+        expected = [f"{prefix}hash0__k"] if mla else [f"{prefix}hash0_0_k", f"{prefix}hash0_0_v"]
+        assert listed[: len(expected)] == expected
+        stats = a.get_stats()
+        assert stats is None or stats.backup_pgs == [5, 2]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    pool = MHAHostPool("page_first")
+    pool.kv_buffer.fill_(1)
+    rank0 = create(storage_config(cluster.master_endpoint), pool)
+    rank1 = create(storage_config(cluster.master_endpoint, tp_rank=1), MHAHostPool("page_first"))
+    other_model = create(storage_config(cluster.master_endpoint, model="org/other"), MHAHostPool("page_first"))
+    mla0 = create(storage_config(cluster.master_endpoint, mla=True), MLAHostPool("page_first"))
+    mla1 = create(storage_config(cluster.master_endpoint, mla=True, tp_rank=1), MLAHostPool("page_first"))
+    backends = [rank0, rank1, other_model, mla0, mla1]
+    try:
+        keys = ["p0", "p1", "p2"]
+        assert rank0.batch_set_v1(keys, host_indices([0, 1, 2])) == [True] * 3
+        assert rank0.batch_exists(keys) == 3
+        assert rank1.batch_exists(keys) == 0  # each TP rank holds its own heads
+        assert other_model.batch_exists(keys) == 0  # models never share pages
+        rank0._store.remove("org-tiny-model_p1_0_v", force=True)  # page 1 loses its V
+        assert rank0.batch_exists(keys) == 1
+        assert mla0.batch_set_v1(keys, host_indices([0, 1, 2])) == [True] * 3
+        assert mla1.batch_exists(keys) == 3  # MLA pages are one copy for every rank
+        other_model.clear()
+        assert rank0.batch_exists(keys) == 1 and mla1.batch_exists(keys) == 3
+        rank0.clear()  # this model's namespace, every rank
+        assert mla1.batch_exists(keys) == 0
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def test_v0_page_tensor_interface(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    pool_a, pool_b = MHAHostPool("page_first"), MHAHostPool("page_first")
+    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
+    config = storage_config(cluster.master_endpoint)
+    config.extra_config["interface_v1"] = 0
+    a, b = create(config, pool_a), create(config, pool_b)
+    try:
+        pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(3)]
+        assert a.batch_set(["t0", "t1", "t2"], pages) is True
+        assert a.set("t3", pool_a.get_data_page(3 * PAGE_SIZE)) is True
+        dummies = [pool_b.get_dummy_flat_data_page() for _ in range(5)]
+        got = b.batch_get(["t0", "t1", "t2", "t3", "absent"], dummies)
+        assert got[4] is None and all(t is not None for t in got[:4])
+        for index, tensor in enumerate(got[:4]):
+            pool_b.set_from_flat_data_page(index * PAGE_SIZE, tensor)
+            assert torch.equal(pool_b.page(index * PAGE_SIZE), pool_a.page(index * PAGE_SIZE))
+        assert b.get("absent", pool_b.get_dummy_flat_data_page()) is None
+        assert b.batch_get([], []) == [] and b.batch_get(["t0"], None) == [None]
+        assert a.batch_set([], []) is False
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_master_fails_pages_without_raising(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    pool = MHAHostPool("page_first")
+    backend = create(storage_config(cluster.master_endpoint), pool)
+    try:
+        assert backend.batch_set_v1(["x0"], host_indices([0])) == [True]
+        cluster.master.kill()
+        assert backend.batch_exists(["x0"]) == 0
+        assert backend.batch_get_v1(["x0", "x1"], host_indices([1, 2])) == [False, False]
+        assert backend.batch_set_v1(["x2"], host_indices([3])) == [False]
+        assert backend.exists("x0") is False
+        assert backend.batch_get(["x0"], [pool.get_dummy_flat_data_page()]) == [None]
+        assert backend.batch_set(["x0"], [pool.get_data_page(0)]) is False
+        backend.clear()  # logs, does not raise
+        assert backend.batch_get_v1([], host_indices([])) == []
+    finally:
+        backend.close()

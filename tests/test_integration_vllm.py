@@ -1,0 +1,197 @@
+"""kvpool's vLLM KV connector, built and driven through the real vLLM package's classes on CPU.
+
+How: vLLM's own KVConnectorFactory loads kvpool.integrations.vllm.KVPoolConnector from a real
+VllmConfig/KVTransferConfig (kv_connector_module_path), once per role, against a LocalCluster.
+Requests are real vllm.v1.request.Request objects whose block hashes come from vLLM's own block
+hasher; allocations are real KVCacheBlocks; each step's plan goes through real SchedulerOutput /
+NewRequestData objects, as vLLM's scheduler would send them. Instance A prefills and saves;
+instance B (another scheduler and worker, another paged cache) looks the prompt up, loads the
+blocks into different block ids, and its blocks must equal A's, byte for byte, in every layer.
+Then the failure paths: a block evicted between lookup and load is reported for recompute, and
+a dead master makes lookups miss and loads fail without raising.
+
+vLLM itself cannot be installed with its dependencies here: vllm 0.33.0 pins torch==2.14.0,
+a CUDA build of several GB. scripts/install-peers.sh vllm installs it with --no-deps plus the
+few pure-Python packages its connector, config and scheduler modules import; VLLM_TARGET_DEVICE
+is set to cpu so that vLLM's platform detection picks its CPU platform. Skipped unless vllm
+imports.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM decides its platform on first use; this wheel is not a CPU build, so say it (as its CPU
+# docs do). Only read by vLLM.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.factory",
+    reason="vLLM is not installed (scripts/install-peers.sh vllm)",
+)
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+LAYERS = 3
+KV_HEADS = 2
+HEAD_SIZE = 8
+
+
+def vllm_config(master: str) -> VllmConfig:
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVPoolConnector",
+            kv_connector_module_path="kvpool.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"master": master, "model_name": "org/tiny"},
+        ),
+    )
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    return config
+
+
+def connector(config: VllmConfig, role: KVConnectorRole):
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    return KVConnectorFactory.create_connector(config, role, kv_cache_config)
+
+
+def paged_cache(seed: int | None) -> dict[str, torch.Tensor]:
+    """FlashAttention-style layers: (2, num_blocks, block_size, kv_heads, head_size)."""
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    return {
+        f"model.layers.{i}.self_attn.attn": (
+            torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+            if generator is not None else torch.zeros(shape, dtype=torch.bfloat16)
+        )
+        for i in range(LAYERS)
+    }  # fmt: skip
+
+
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+
+def request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
+
+
+def blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+def step(new: list[NewRequestData], scheduled: dict[str, int]) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[],
+        finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )  # fmt: skip
+
+
+def new_request_data(req: Request, block_ids: list[int], num_computed_tokens: int) -> NewRequestData:
+    return NewRequestData(
+        req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[],
+        sampling_params=req.sampling_params, pooling_params=None, block_ids=(block_ids,),
+        num_computed_tokens=num_computed_tokens, lora_request=None,
+    )  # fmt: skip
+
+
+def run_worker_step(worker, meta) -> set[int]:
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return worker.get_block_ids_with_load_errors()
+
+
+PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks and 2 tokens
+
+
+def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
+    cluster = make_cluster(2, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    cache_a, cache_b = paged_cache(seed=1), paged_cache(seed=None)
+    worker_a.register_kv_caches(cache_a)
+    worker_b.register_kv_caches(cache_b)
+    try:
+        assert type(sched_a).__name__ == "KVPoolConnector"
+        # Instance A: a miss, then prefill of the whole prompt into blocks 5..8; saves 3 blocks.
+        req_a = request("a-1", PROMPT)
+        assert len(req_a.block_hashes) == 3
+        assert sched_a.get_num_new_matched_tokens(req_a, 0) == (0, False)
+        sched_a.update_state_after_alloc(req_a, blocks([5, 6, 7, 8]), 0)
+        meta = sched_a.build_connector_meta(step([new_request_data(req_a, [5, 6, 7, 8], 0)], {"a-1": 14}))
+        assert meta.loads == [] and [s.block_ids for s in meta.saves] == [[5, 6, 7]]
+        assert run_worker_step(worker_a, meta) == set()
+        keys = sorted(worker_a._store.list_objects("org/tiny").keys)
+        assert len(keys) == 3 and keys[0].startswith("org/tiny@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@")
+
+        # Instance B: the same prompt and a new turn; 3 blocks come from the pool.
+        req_b = request("b-1", PROMPT + [7, 8, 9, 10, 11, 12])
+        assert sched_b.get_num_new_matched_tokens(req_b, 0) == (12, False)
+        sched_b.update_state_after_alloc(req_b, blocks([1, 2, 3, 9, 10]), 12)
+        meta = sched_b.build_connector_meta(step([new_request_data(req_b, [1, 2, 3, 9, 10], 12)], {"b-1": 8}))
+        assert [(l.block_ids, len(l.block_hashes)) for l in meta.loads] == [([1, 2, 3], 3)]
+        assert [s.block_ids for s in meta.saves] == [[9, 10]]  # B's own new full blocks
+        assert run_worker_step(worker_b, meta) == set()
+        for name in cache_a:
+            for kv in (0, 1):
+                assert torch.equal(cache_b[name][kv, 1:4], cache_a[name][kv, 5:8]), (name, kv)
+        assert not cache_b[name][:, 0].any() and not cache_b[name][:, 4:9].any()
+
+        # A prompt that is all cached still leaves its last block to compute.
+        req_c = request("c-1", PROMPT[:12])
+        assert sched_b.get_num_new_matched_tokens(req_c, 0) == (8, False)
+        # Locally computed tokens are not loaded again.
+        assert sched_b.get_num_new_matched_tokens(request("d-1", PROMPT), 8) == (4, False)
+    finally:
+        for worker in (worker_a, worker_b):
+            worker.shutdown()
+        for sched in (sched_a, sched_b):
+            sched.shutdown()
+
+
+def test_failed_loads_are_reported_for_recompute(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=2))
+    try:
+        req = request("r-1", PROMPT)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
+        run_worker_step(worker, sched.build_connector_meta(step([new_request_data(req, [0, 1, 2, 3], 0)], {"r-1": 14})))
+
+        again = request("r-2", PROMPT + [1, 2, 3, 4])
+        assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
+        sched.update_state_after_alloc(again, blocks([6, 7, 8, 9, 10]), 12)
+        meta = sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
+        middle = worker._key(meta.loads[0].block_hashes[1])
+        worker._store.remove(middle, force=True)  # evicted between lookup and load
+        assert run_worker_step(worker, meta) == {7}
+        assert worker.get_block_ids_with_load_errors() == set()  # reported once
+
+        cluster.master.kill()
+        later = request("r-3", PROMPT)
+        assert sched.get_num_new_matched_tokens(later, 0) == (0, False)
+        assert run_worker_step(worker, meta) == {6, 7, 8}
+    finally:
+        worker.shutdown()
+        sched.shutdown()
