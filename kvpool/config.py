@@ -26,6 +26,10 @@ class MasterConfig:
     evict_ratio: float = limits.EVICT_RATIO_DEFAULT
     node_ttl_ms: int = limits.NODE_TTL_MS_DEFAULT
     remount_grace_ms: int = limits.REMOUNT_GRACE_MS_DEFAULT
+    # Tiers (docs/tiers.md): an object read this many times from disk or DFS within the
+    # window is copied back into DRAM (0: never).
+    promote_reads: int = limits.PROMOTE_READS_DEFAULT
+    promotion_window_ms: int = limits.PROMOTION_WINDOW_MS_DEFAULT
 
     def __post_init__(self) -> None:
         if not 0.0 < self.evict_ratio < self.evict_watermark_ratio_high <= 1.0:
@@ -35,6 +39,8 @@ class MasterConfig:
         for name in ("lease_ttl_ms", "put_discard_timeout_ms", "node_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise InvalidParams(f"{name} must be positive")
+        if self.promote_reads < 0 or self.promotion_window_ms <= 0:
+            raise InvalidParams("need promote_reads >= 0 and promotion_window_ms > 0")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -81,6 +87,9 @@ class ClientConfig:
     transfer_timeout_ms: int = limits.TRANSFER_TIMEOUT_MS_DEFAULT
     # Embedded mode: contribute a segment of this size from the client process (0 = none).
     embedded_memory_bytes: int = 0
+    # This host's mount of the shared filesystem's kvpool directory: DFS replicas are read
+    # straight from it ("" = none: DFS replicas are skipped). Appended with the tiers.
+    dfs_dir: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX:
@@ -130,8 +139,22 @@ class NodeConfig:
     hostname: str = dataclasses.field(default_factory=_hostname_default)
     metrics_port: int | None = None
     metrics_host: str | None = None
+    # Tiers (docs/tiers.md). disk_dir "": no disk tier. disk_bytes: its capacity when the
+    # directory is new (0: use the stored one; a new directory needs a size). disk_fsync:
+    # fdatasync each file and fsync the directory before the master hears of it (off: a
+    # power loss may lose recent files, never serve a wrong one). dfs_dir: this host's mount
+    # of the shared filesystem's kvpool directory ("": none).
+    disk_dir: str = ""
+    disk_bytes: int = 0
+    disk_fsync: bool = True
+    dfs_dir: str = ""
 
     def __post_init__(self) -> None:
+        if self.disk_bytes and not limits.SEGMENT_SIZE_BYTES_MIN <= self.disk_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
+            raise InvalidParams(
+                f"disk_bytes {self.disk_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
+                f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
+            )
         if not limits.SEGMENT_SIZE_BYTES_MIN <= self.memory_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
             raise InvalidParams(
                 f"memory_bytes {self.memory_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "

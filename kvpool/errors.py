@@ -12,7 +12,9 @@ return `None` for expected outcomes, services raise these, batch APIs return one
       CapacityError      NoAvailableHandle(-200)  BufferOverflow(-10)
       InvalidRequest     InvalidKey(-400)  InvalidParams(-600)  Unauthorized(-601)
       MembershipError    SegmentNotFound(-101)  ClientNotFound(-103)  SegmentAlreadyExists(-102)
+                         NotLeader(-1010)
       TransportError     TransferFailed(-800)  RpcFailed(-900)  RpcTimeout(-901)  ConnectFailed(-900)
+                         CoordinationError(-1000)
       ProtocolError      LocalProtocolError  RemoteProtocolError   (h11's split by who is at fault)
       InternalError(-1)
 """
@@ -46,6 +48,8 @@ class ErrorCode(enum.IntEnum):
     TRANSFER_FAIL = -800
     RPC_FAIL = -900
     RPC_TIMEOUT = -901
+    ETCD_OPERATION_ERROR = -1000
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
 
 
 class KVPoolError(Exception):
@@ -220,3 +224,28 @@ def map_exceptions(mapping: dict[type[BaseException], type[KVPoolError]]) -> Ite
             if isinstance(exc, from_exc):
                 raise to_exc(f"{type(exc).__name__}: {exc}") from exc
         raise
+
+
+# --- high availability (appended with kvpool/master/election.py) -----------------------------
+
+
+class NotLeader(MembershipError):
+    """This master does not take the request now, and did nothing with it: it is a standby, a
+    leader that stepped down (its etcd lease may have lapsed), or a new leader still waiting
+    for the nodes to re-mount before it takes puts. Ask the leader (again): a client or node
+    given `etcd://...` re-resolves and retries by itself within its call's bound.
+    Mooncake's UNAVAILABLE_IN_CURRENT_STATUS (types.h)."""
+
+    code = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
+
+
+class CoordinationError(TransportError):
+    """etcd answered, but with an error (or with something that is not etcd's v3 JSON API).
+    An unreachable etcd is a ConnectFailed or an RpcTimeout instead. Mooncake's
+    ETCD_OPERATION_ERROR (types.h)."""
+
+    code = ErrorCode.ETCD_OPERATION_ERROR
+
+
+_CLASS_BY_CODE[ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS] = NotLeader
+_CLASS_BY_CODE[ErrorCode.ETCD_OPERATION_ERROR] = CoordinationError

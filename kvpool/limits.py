@@ -93,3 +93,71 @@ assert PUT_DISCARD_TIMEOUT_MS_DEFAULT < PUT_RELEASE_TIMEOUT_MS_DEFAULT
 assert HEARTBEAT_INTERVAL_MS_DEFAULT * 3 <= NODE_TTL_MS_DEFAULT
 assert 0.0 < EVICT_RATIO_DEFAULT < EVICT_WATERMARK_RATIO_HIGH_DEFAULT <= 1.0
 assert CONNECTIONS_PER_PEER_DEFAULT <= CONNECTIONS_PER_PEER_MAX
+
+# --- high availability: etcd election and discovery (master/election.py, discovery.py) -----
+# The leader's etcd lease (Mooncake's ETCD_MASTER_VIEW_LEASE_TTL = 5 s, types.h). etcd counts
+# lease TTLs in whole seconds.
+ETCD_LEASE_TTL_MS_DEFAULT = 5_000
+# A leader stops answering this long before its lease can lapse at etcd, measured from when
+# it *sent* its last successful keepalive (etcd renewed later than that, never earlier). It
+# covers the drift between the leader's clock and etcd's over one TTL (ppm: nil) and the
+# delay between a request's leadership check and its effect (one loop turn; a stalled loop
+# is caught by the check itself, which reads the clock). A lost keepalive is retried every
+# third of a TTL, so a leader that cannot reach etcd steps down TTL - margin after the last
+# renewal that worked: 4 s with the defaults.
+LEADER_STEP_DOWN_MARGIN_MS_DEFAULT = 1_000
+ETCD_KEEPALIVES_PER_TTL = 3
+# One etcd request (range, txn, lease grant/keepalive/revoke), per endpoint tried.
+ETCD_REQUEST_TIMEOUT_MS = 1_000
+ETCD_ENDPOINTS_MAX = 16
+# What kvpool ever reads back from etcd is a leader record or a segment list.
+ETCD_RESPONSE_SIZE_BYTES_MAX = 4 * MIB
+# A standby's watch of the leader key is re-armed after this, re-checking the key even if a
+# watch event was lost (a compacted revision, a restarted etcd).
+ETCD_WATCH_TIMEOUT_MS = 10_000
+# Retry delay of a candidate whose etcd is unreachable, doubling from 100 ms.
+ELECTION_RETRY_BACKOFF_MS_MAX = 1_000
+# The segment ids a leader records for its successor (one etcd value: well under etcd's
+# default 1.5 MiB request limit at ~30 bytes an id).
+LEADER_RECORD_SEGMENTS_MAX = 16_384
+CLUSTER_ID_SIZE_BYTES_MAX = 128
+CLUSTER_ID_DEFAULT = "default"
+# A client call that meets no leader (failover in progress) re-resolves and retries at most
+# this often within its own bound (connect + RPC timeout), backing off up to the max below.
+MASTER_CALL_ATTEMPTS_MAX = 32
+MASTER_RESOLVE_BACKOFF_MS_MIN = 50
+MASTER_RESOLVE_BACKOFF_MS_MAX = 500
+
+assert ETCD_LEASE_TTL_MS_DEFAULT % 1_000 == 0
+assert 2 * LEADER_STEP_DOWN_MARGIN_MS_DEFAULT < ETCD_LEASE_TTL_MS_DEFAULT
+# Two keepalives may fail before the leader steps down.
+assert ETCD_LEASE_TTL_MS_DEFAULT // ETCD_KEEPALIVES_PER_TTL * 2 < (
+    ETCD_LEASE_TTL_MS_DEFAULT - LEADER_STEP_DOWN_MARGIN_MS_DEFAULT
+)
+assert MASTER_RESOLVE_BACKOFF_MS_MIN <= MASTER_RESOLVE_BACKOFF_MS_MAX <= RECONNECT_BACKOFF_MS_MAX
+
+# --- tiers: the node disk tier and the shared filesystem (docs/tiers.md) ----------------------
+# A node copies between its tiers (offload, promotion, write-through) on this many threads.
+DISK_IO_THREADS = 4
+# Bytes of moves a node admits at once; a MoveObjects beyond it waits (bounded) for room.
+MOVE_QUEUE_BYTES_MAX = 512 * MIB
+# The master keeps at most this many bytes of offloads and promotions in flight per node, so
+# a slow disk holds DRAM full (puts wait, then fail cleanly) instead of queueing without end.
+MOVE_INFLIGHT_BYTES_PER_NODE_MAX = 256 * MIB
+MOVE_ITEMS_PER_REQUEST_MAX = 1_024
+# One MoveObjects round trip: its copies, their fsyncs, and the wait for admission.
+MOVE_TIMEOUT_MS = 60_000
+# An object read this many times from a slower tier within a promotion window is copied back
+# into DRAM; at most PROMOTIONS_PER_TICK_MAX are started per master tick, and at most
+# PROMOTION_CANDIDATES_MAX keys are counted at once (the counts restart when it fills up).
+PROMOTE_READS_DEFAULT = 3
+PROMOTION_WINDOW_MS_DEFAULT = 60_000
+PROMOTIONS_PER_TICK_MAX = 32
+PROMOTION_CANDIDATES_MAX = 65_536
+# A temporary file in the DFS directory older than this has lost its writer: a starting
+# master removes it.
+DFS_TEMP_FILE_AGE_MS_MAX = 3_600_000
+
+assert MOVE_INFLIGHT_BYTES_PER_NODE_MAX <= MOVE_QUEUE_BYTES_MAX
+assert OBJECT_SIZE_BYTES_MAX <= MOVE_QUEUE_BYTES_MAX * 2
+assert MOVE_ITEMS_PER_REQUEST_MAX <= BATCH_KEYS_MAX

@@ -27,3 +27,15 @@ def make_cluster() -> Iterator:
     yield make
     for cluster in clusters:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory) -> Iterator[str]:
+    """A real etcd on 127.0.0.1 (free ports, temporary data dir), shared by the session and
+    ended by its pid; tests give each cluster its own cluster id. Skips where etcd is absent."""
+    from kvpool.cli.launcher import LocalEtcd, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed: run scripts/install-etcd.sh (Debian etcd-server)")
+    with LocalEtcd(tmp_path_factory.mktemp("etcd")) as etcd:
+        yield etcd.endpoint

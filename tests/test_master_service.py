@@ -19,7 +19,7 @@ from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams, SegmentAlreadyExists, SegmentNotFound
 from kvpool.master.allocator import footprint_bytes
-from kvpool.master.eviction import EVICT_SHORTFALL_BACKOFF_MS, EvictionPolicy, Verdict
+from kvpool.master.eviction import EVICT_SHORTFALL_BACKOFF_MS, EvictionPolicy, Verdict, make_policy
 from kvpool.master.service import MasterService, PendingCommit
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -70,8 +70,10 @@ class Checked:
         return call
 
 
-def make(seed: int = 0, **config) -> Checked:
-    return Checked(MasterService(MasterConfig(**config), random.Random(seed), CLUSTER_KEY))
+def make(seed: int = 0, policy: str | None = None, **config) -> Checked:
+    """A checked service; `policy` names an eviction policy (None: the master's default)."""
+    chosen = None if policy is None else make_policy(policy)
+    return Checked(MasterService(MasterConfig(**config), random.Random(seed), CLUSTER_KEY, policy=chosen))
 
 
 def info(
@@ -529,6 +531,12 @@ def test_random_placement_finds_the_one_segment_with_room() -> None:
 
 # --- eviction -------------------------------------------------------------------------
 
+# These scenarios order victims the same way under LRU and under the default ProbationLru
+# (objects read in them are read last, so probation order equals LRU order); each runs under
+# both, so LRU stays tested now that it is not the default. Where the two differ, see
+# tests/test_master_eviction.py.
+EVICTION_POLICIES = ["lru", "probation"]
+
 
 def fill(svc, segment_id: str, count: int, prefix: str = "k", now: int = 0, **replicate) -> list[str]:
     keys = [f"{prefix}{i}" for i in range(count)]
@@ -539,8 +547,9 @@ def fill(svc, segment_id: str, count: int, prefix: str = "k", now: int = 0, **re
     return keys
 
 
-def test_watermark_eviction_is_lru_and_spares_leases() -> None:
-    svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=0.9, evict_ratio=0.2)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_watermark_eviction_is_lru_and_spares_leases(policy: str) -> None:
+    svc = make(policy=policy, lease_ttl_ms=1_000, evict_watermark_ratio_high=0.9, evict_ratio=0.2)
     mount(svc, "s1")
     keys = fill(svc, "s1", 15)  # 15/16 = 0.94 > 0.9
     get(svc, ["k0"], 10)  # k0 becomes the most recent, and leased
@@ -559,8 +568,9 @@ def test_watermark_eviction_is_lru_and_spares_leases() -> None:
     assert svc.cluster_status(ClusterStatus(), 13).evicted_count == 4
 
 
-def test_eviction_never_takes_leased_or_hard_pinned_and_soft_pinned_last() -> None:
-    svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=0.5, evict_ratio=0.4)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_eviction_never_takes_leased_or_hard_pinned_and_soft_pinned_last(policy: str) -> None:
+    svc = make(policy=policy, lease_ttl_ms=1_000, evict_watermark_ratio_high=0.5, evict_ratio=0.4)
     mount(svc, "s1")
     fill(svc, "s1", 4, prefix="soft", with_soft_pin=True)
     fill(svc, "s1", 4, prefix="hard", with_hard_pin=True)
@@ -573,8 +583,9 @@ def test_eviction_never_takes_leased_or_hard_pinned_and_soft_pinned_last() -> No
     assert evicted == [f"plain{i}" for i in range(4)] + [f"soft{i}" for i in range(4)]
 
 
-def test_soft_pin_expires_without_access() -> None:
-    svc = make(soft_pin_ttl_ms=1_000, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_soft_pin_expires_without_access(policy: str) -> None:
+    svc = make(policy=policy, soft_pin_ttl_ms=1_000, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
     mount(svc, "s1")
     fill(svc, "s1", 1, prefix="soft", with_soft_pin=True)
     fill(svc, "s1", 14, prefix="plain")
@@ -589,8 +600,9 @@ def test_soft_pin_expires_without_access() -> None:
     assert [e.key for e in svc.take_drops()["s1"]] == ["soft0", "plain2"]
 
 
-def test_get_refreshes_the_soft_pin_and_lru_position() -> None:
-    svc = make(soft_pin_ttl_ms=1_000, lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_get_refreshes_the_soft_pin_and_lru_position(policy: str) -> None:
+    svc = make(policy=policy, soft_pin_ttl_ms=1_000, lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
     mount(svc, "s1")
     fill(svc, "s1", 1, prefix="soft", with_soft_pin=True)
     fill(svc, "s1", 14, prefix="plain")
@@ -599,8 +611,9 @@ def test_get_refreshes_the_soft_pin_and_lru_position() -> None:
     assert [e.key for e in svc.take_drops()["s1"]] == ["plain1", "plain2"]
 
 
-def test_allocation_failure_evicts_then_the_retry_fits() -> None:
-    svc = make(evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_allocation_failure_evicts_then_the_retry_fits(policy: str) -> None:
+    svc = make(policy=policy, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
     mount(svc, "s1")
     fill(svc, "s1", 16)
     get(svc, ["k0"], 0)
@@ -611,8 +624,9 @@ def test_allocation_failure_evicts_then_the_retry_fits() -> None:
     assert svc.put_start(PutStart(["n1", "n2"], [OBJECT_SIZE] * 2, config()), 0).codes == [OK, OK]
 
 
-def test_eviction_that_finds_nothing_backs_off() -> None:
-    svc = make(lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_eviction_that_finds_nothing_backs_off(policy: str) -> None:
+    svc = make(policy=policy, lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
     mount(svc, "s1")
     keys = fill(svc, "s1", 16)
     get(svc, keys, 0)  # everything leased until 100
@@ -662,8 +676,9 @@ def test_the_eviction_policy_is_pluggable() -> None:
     assert [e.key for e in svc.take_drops()["s1"]] == ["k15", "k14", "k13"]
 
 
-def test_eviction_never_touches_a_put_in_flight() -> None:
-    svc = make(evict_watermark_ratio_high=0.5, evict_ratio=0.4)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_eviction_never_touches_a_put_in_flight(policy: str) -> None:
+    svc = make(policy=policy, evict_watermark_ratio_high=0.5, evict_ratio=0.4)
     mount(svc, "s1")
     svc.put_start(PutStart([f"w{i}" for i in range(8)], [OBJECT_SIZE] * 8, config()), 0)
     fill(svc, "s1", 8)
@@ -672,8 +687,9 @@ def test_eviction_never_touches_a_put_in_flight() -> None:
     assert svc.pending_count == 8
 
 
-def test_watermark_eviction_targets_the_full_segment_only() -> None:
-    svc = make(evict_watermark_ratio_high=0.9, evict_ratio=0.1)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_watermark_eviction_targets_the_full_segment_only(policy: str) -> None:
+    svc = make(policy=policy, evict_watermark_ratio_high=0.9, evict_ratio=0.1)
     mount(svc, "s1")
     mount(svc, "s2", capacity=4 * MIB)
     fill(svc, "s2", 4, prefix="other")  # older, but on a segment with room

@@ -11,7 +11,8 @@ exactly the model's objects are visible, with their size, checksum and replicas;
 used bytes equal the model's busy ranges; every new grant lies on free model space (so a range
 is never reused before its drop is acknowledged). Evictions are the one thing the model does
 not predict: it reads them from the drop outbox after each step and checks that no evicted
-object was leased or hard-pinned, and that an eviction took every replica.
+object was leased or hard-pinned, and that an eviction took every replica. The machine runs
+twice: with the default eviction policy (ProbationLru) and with LRU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, SegmentNotFound
 from kvpool.master.allocator import footprint_bytes
+from kvpool.master.eviction import POLICY_DEFAULT, make_policy
 from kvpool.master.service import MasterService, PendingCommit
 from kvpool.protocol.messages import (
     DrainSegment,
@@ -96,10 +98,12 @@ class Seg:
 
 
 class MasterMachine(RuleBasedStateMachine):
+    POLICY = POLICY_DEFAULT  # eviction policy (LruMasterMachine below runs LRU)
+
     @initialize(seed=st.integers(0, 2**16))
     def setup(self, seed: int) -> None:
         self.seed = seed
-        self.service = MasterService(CONFIG, random.Random(seed), None)
+        self.service = MasterService(CONFIG, random.Random(seed), None, policy=make_policy(self.POLICY))
         self.now = 1_000
         self.segments: dict[str, Seg] = {}
         self.objects: dict[str, Obj] = {}
@@ -499,7 +503,7 @@ class MasterMachine(RuleBasedStateMachine):
             obj.is_hard_pinned = False
             for segment_id, offset in obj.replicas.items():
                 inventories[segment_id].append(InventoryEntry(key, offset, obj.size, obj.checksum))
-        self.service = MasterService(CONFIG, random.Random(self.seed + self.now), None)
+        self.service = MasterService(CONFIG, random.Random(self.seed + self.now), None, policy=make_policy(self.POLICY))
         for segment_id, seg in self.segments.items():
             seg.last_seen_ms = self.now
             seg.drain_deadline_ms = None
@@ -538,3 +542,13 @@ class MasterMachine(RuleBasedStateMachine):
 
 TestMasterMachine = MasterMachine.TestCase
 TestMasterMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+
+
+class LruMasterMachine(MasterMachine):
+    """The same rules and model with the LRU policy, which is no longer the default."""
+
+    POLICY = "lru"
+
+
+TestLruMasterMachine = LruMasterMachine.TestCase
+TestLruMasterMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)

@@ -3,7 +3,8 @@
 Starts a master and N nodes as separate processes on loopback, writes objects through one
 client, reads them back through a second client (same-host shared memory) and a third (TCP
 only), checks every byte, prints where the objects landed and the throughput of each path,
-and stops every process it started.
+and stops every process it started. It ends with a short live trace replay, local caches
+against one pool (cli/replay.py `run_demo_replay`, ~10 s).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
         console.print(results)
         console.print(f"[green]all {object_count} objects read back intact on both paths[/green]")
     console.print("stopped master and nodes")
+    # Issue 6: end with a short live trace replay, pooled vs local caches (cli/replay.py).
+    from kvpool.cli.replay import run_demo_replay
+
+    run_demo_replay(console)
 
 
 def _timed_batches(console: Console, label: str, keys: list[str], action) -> float:

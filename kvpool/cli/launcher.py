@@ -1,9 +1,11 @@
-"""A local cluster of real processes: one master and N nodes on loopback.
+"""A local cluster of real processes: one master (or HA candidates on etcd) and N nodes on loopback.
 
 Used by `kvpool demo`, the cluster and chaos tests and the benchmarks. Every process is a real
 `python -m kvpool.cli.main ...` child on 127.0.0.1 with ephemeral ports; it reports readiness
 through a ready file (no port guessing, no sleeps), logs to a file in the work directory, and
-is ended by its pid: SIGTERM, then SIGKILL after a bound. Not a deployment tool.
+is ended by its pid: SIGTERM, then SIGKILL after a bound. `LocalEtcd` is a one-member etcd on
+127.0.0.1 with free ports and a data directory of its own, for HA clusters. Not a deployment
+tool.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import socket
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from kvpool.errors import ConnectFailed
@@ -67,8 +73,17 @@ class Process:
             return ""
 
 
-def spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Process:
+def spawn(
+    name: str,
+    args: list[str],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    wrapper: tuple[str, ...] = (),
+) -> Process:
     """Start `kvpool <args> --ready-file ...` and wait until it reports ready.
+
+    `wrapper` prefixes the command with one that execs it (`ip netns exec NS`), so that the pid
+    is still the kvpool process's.
 
     Raises:
         ConnectFailed: it exited or did not become ready within READY_TIMEOUT_S.
@@ -76,7 +91,7 @@ def spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None 
     ready = workdir / f"{name}.ready"
     ready.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
-    command = [sys.executable, "-m", "kvpool.cli.main", *args, "--ready-file", str(ready)]
+    command = [*wrapper, sys.executable, "-m", "kvpool.cli.main", *args, "--ready-file", str(ready)]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -106,8 +121,18 @@ class LocalCluster:
         node_args: tuple[str, ...] = (),
         token: str | None = None,
         workdir: Path | None = None,
+        etcd_endpoint: str | None = None,
+        cluster_id: str = "local",
+        master_count: int = 1,
     ) -> None:
+        assert master_count >= 1, master_count
+        assert etcd_endpoint or master_count == 1, "several masters need etcd to elect a leader"
         self.node_count = node_count
+        self.etcd_endpoint = etcd_endpoint
+        self.cluster_id = cluster_id
+        self.master_count = master_count
+        self.masters: list[Process] = []
+        self._master_serial = 0
         self.memory = memory
         self.master_args = master_args
         self.node_args = node_args
@@ -142,37 +167,195 @@ class LocalCluster:
         return self.master.info["endpoint"]
 
     @property
+    def master_address(self) -> str:
+        """What nodes and clients are given: etcd://... in an HA cluster, else HOST:PORT."""
+        if self.etcd_endpoint:
+            return f"etcd://{self.etcd_endpoint}/{self.cluster_id}"
+        return self.master_endpoint
+
+    @property
     def http_port(self) -> int:
         assert self.master is not None, "cluster not started"
         return self.master.info["http_port"]
 
     def start(self) -> None:
         self.start_master()
+        if self.etcd_endpoint:
+            self.wait_leader()
+        for _ in range(self.master_count - 1):
+            self.start_master()
         for _ in range(self.node_count):
             self.start_node()
 
     def start_master(self, extra_args: tuple[str, ...] = ()) -> Process:
-        """Start (or restart, on the same port) the master."""
+        """Start (or restart, on the same port) the master; with etcd, one more candidate."""
+        if self.etcd_endpoint:
+            self._master_serial += 1
+            args = ["master", "--port", "0", "--http-port", "0", "--etcd", self.etcd_endpoint,
+                    "--cluster-id", self.cluster_id, *self.master_args, *extra_args]  # fmt: skip
+            process = spawn(f"master{self._master_serial}", args, self.workdir, self.env)
+            self.masters.append(process)
+            if self.master is None or not self.master.is_alive():
+                self.master = process
+            return process
         args = ["master", "--port", str(self.master_port), "--http-port", "0", *self.master_args, *extra_args]
         self.master = spawn("master", args, self.workdir, self.env)
+        self.masters = [self.master]
         self.master_port = int(self.master_endpoint.rsplit(":", 1)[1])
         return self.master
 
-    def start_node(self, extra_args: tuple[str, ...] = (), memory: str | None = None) -> Process:
+    def role_of(self, master: Process) -> str:
+        """The master's role from its /health ("leader", "recovering", "standby", "single"),
+        or "down"."""
+        if not master.is_alive():
+            return "down"
+        url = f"http://127.0.0.1:{master.info['http_port']}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return str(json.loads(response.read()).get("role", "single"))
+        except (OSError, urllib.error.URLError, ValueError):
+            return "down"
+
+    def wait_leader(self, timeout_s: float = READY_TIMEOUT_S, roles: tuple[str, ...] = ("leader",)) -> Process:
+        """The master that leads (in one of `roles`), once there is one; sets `self.master`.
+
+        Raises:
+            ConnectFailed: none within timeout_s.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for master in self.masters:
+                if self.role_of(master) in roles:
+                    self.master = master
+                    return master
+            time.sleep(0.05)
+        raise ConnectFailed(f"no master became {'/'.join(roles)} within {timeout_s} s")
+
+    def start_node(
+        self, extra_args: tuple[str, ...] = (), memory: str | None = None, wrapper: tuple[str, ...] = ()
+    ) -> Process:
         self._node_serial += 1
         args = [
-            "node", "--master", self.master_endpoint, "--memory", memory or self.memory,
+            "node", "--master", self.master_address, "--memory", memory or self.memory,
             *self.node_args, *extra_args,
         ]  # fmt: skip
-        process = spawn(f"node{self._node_serial}", args, self.workdir, self.env)
+        process = spawn(f"node{self._node_serial}", args, self.workdir, self.env, wrapper)
         self.nodes.append(process)
         return process
 
     def stop(self) -> None:
         for process in reversed(self.nodes):
             process.stop()
-        if self.master is not None:
-            self.master.stop()
+        for process in {id(m): m for m in [*self.masters, self.master] if m is not None}.values():
+            process.stop()
         if self._tempdir is not None:
             self._tempdir.cleanup()
             self._tempdir = None
+
+
+# --- etcd -------------------------------------------------------------------------------------
+
+ETCD_READY_TIMEOUT_S = 15.0
+_ETCD_START_ATTEMPTS_MAX = 3
+
+
+def etcd_binary() -> str | None:
+    """The etcd server binary (Debian's etcd-server package: scripts/install-etcd.sh), or None."""
+    return shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago (the caller retries if it is taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class LocalEtcd:
+    """A one-member etcd on 127.0.0.1: free client and peer ports, its own data directory,
+    ended by its pid. A context manager: stopped on exit, whatever happened."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.process: subprocess.Popen[bytes] | None = None
+        self.client_port = 0
+        self.log_path = workdir / "etcd.log"
+
+    def __enter__(self) -> LocalEtcd:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def endpoint(self) -> str:
+        assert self.client_port, "etcd not started"
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        """Start etcd and wait until it answers.
+
+        Raises:
+            ConnectFailed: no etcd binary, or it did not come up (after a few port choices).
+        """
+        binary = etcd_binary()
+        if binary is None:
+            raise ConnectFailed("no etcd binary: run scripts/install-etcd.sh (Debian etcd-server)")
+        for _ in range(_ETCD_START_ATTEMPTS_MAX):
+            if self._start_once(binary):
+                return
+        raise ConnectFailed(f"etcd did not start:\n{self.log_tail()}")
+
+    def _start_once(self, binary: str) -> bool:
+        self.stop()
+        client_port, peer_port = free_port(), free_port()
+        data_dir = Path(tempfile.mkdtemp(prefix="etcd-data-", dir=self.workdir))
+        client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+        command = [
+            binary, "--name", "kvpool-local", "--data-dir", str(data_dir),
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"kvpool-local={peer_url}",
+            "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
+        ]  # fmt: skip
+        # etcd reads ETCD_* variables as flags: none of the caller's may leak in.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
+        self.client_port = client_port
+        deadline = time.monotonic() + ETCD_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False  # A port was taken meanwhile, most likely: try others.
+            try:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1.0) as response:
+                    if json.loads(response.read()).get("health") in ("true", True):
+                        return True
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(STOP_TIMEOUT_S)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

@@ -33,7 +33,12 @@ err_console = Console(stderr=True)
 
 MasterOption = Annotated[
     str,
-    typer.Option("--master", "-m", envvar="KVPOOL_MASTER", help="Master address HOST:PORT."),
+    typer.Option(
+        "--master", "-m", envvar="KVPOOL_MASTER",
+        help="Master address HOST:PORT, or etcd://HOST:PORT,HOST:PORT/CLUSTER_ID (one etcd "
+        "endpoint or more; the cluster id defaults to 'default') to follow the leader that HA "
+        "masters elect there.",
+    ),
 ]
 TokenFileOption = Annotated[
     Optional[Path],
@@ -68,10 +73,12 @@ def _store(master: str, token_file: Optional[Path]):
 
     # KVPOOL_SHM=0 makes object commands use TCP even on the nodes' host.
     shm_enabled = os.environ.get("KVPOOL_SHM", "1") not in ("0", "false", "no")
+    # KVPOOL_DFS_DIR: this host's mount of the DFS tier, so that `get` reads DFS objects too.
+    dfs_dir = os.environ.get("KVPOOL_DFS_DIR", "")
     try:
         return Store(
             master, token=_token(token_file), shm_enabled=shm_enabled,
-            connect_timeout_ms=2_000, rpc_timeout_ms=5_000,
+            connect_timeout_ms=2_000, rpc_timeout_ms=5_000, dfs_dir=dfs_dir,
         )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(f"cannot reach the master at {master}: {exc}") from None
@@ -111,6 +118,36 @@ def master(
         bool,
         typer.Option(envvar="KVPOOL_DEBUG_INVARIANTS", help="Check every structure after every request (slow)."),
     ] = False,
+    etcd: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="KVPOOL_ETCD",
+            help="etcd HOST:PORT[,HOST:PORT...]: run as one of several HA master candidates "
+            "that elect a leader there (see docs/ha.md).",
+        ),
+    ] = None,
+    cluster_id: Annotated[
+        str, typer.Option(envvar="KVPOOL_CLUSTER_ID", help="Name of the cluster in etcd.")
+    ] = limits.CLUSTER_ID_DEFAULT,
+    etcd_lease_ttl_ms: Annotated[
+        int, typer.Option(help="The leader's etcd lease (whole seconds): how long a failover waits for a dead leader.")
+    ] = limits.ETCD_LEASE_TTL_MS_DEFAULT,
+    remount_grace_ms: Annotated[
+        int, typer.Option(help="A new leader takes puts once its predecessor's nodes re-mount, or after this.")
+    ] = limits.REMOUNT_GRACE_MS_DEFAULT,
+    advertise_host: Annotated[
+        Optional[str], typer.Option(help="Address the leader record tells clients and nodes to dial (default: --host).")
+    ] = None,
+    dfs_dir: Annotated[
+        Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR",
+                                     help="The shared filesystem tier's directory (indexed from its files at start).")
+    ] = None,
+    dfs_size: Annotated[
+        Optional[str], typer.Option(help="DFS tier capacity (default: the filesystem's size, at most 1 TiB).")
+    ] = None,
+    promote_reads: Annotated[
+        int, typer.Option(help="Copy an object back into DRAM after this many reads from disk or DFS (0: never).")
+    ] = limits.PROMOTE_READS_DEFAULT,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the metadata master (no object bytes pass through it)."""
@@ -128,10 +165,19 @@ def master(
             put_release_timeout_ms=put_release_timeout_ms,
             evict_watermark_ratio_high=evict_watermark_high,
             evict_ratio=evict_ratio,
+            remount_grace_ms=remount_grace_ms,
+            promote_reads=promote_reads,
         )
+        election = None
+        if etcd:
+            from kvpool.master.election import ElectionConfig
+            from kvpool.transports.etcd import parse_etcd_endpoints
+
+            election = ElectionConfig(parse_etcd_endpoints(etcd), cluster_id, etcd_lease_ttl_ms)
         server = MasterServer(
             config, host=host, port=port, http_port=http_port, token=_token(token_file),
-            debug_invariants=debug_invariants,
+            debug_invariants=debug_invariants, election=election, advertise_host=advertise_host,
+            dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=parse_size(dfs_size) if dfs_size else 0,
         )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
@@ -165,13 +211,28 @@ def node(
     metrics_port: Annotated[
         Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).")
     ] = None,
+    disk_dir: Annotated[
+        Optional[Path],
+        typer.Option(help="Directory of the node's disk tier (NVMe): objects evicted from DRAM "
+                     "move there, and survive a restart with the same directory."),
+    ] = None,
+    disk_size: Annotated[
+        Optional[str], typer.Option(help="Disk tier capacity, e.g. 100GiB (needed for a new --disk-dir).")
+    ] = None,
+    disk_fsync: Annotated[
+        bool, typer.Option(help="fsync every disk tier file before the master hears of it.")
+    ] = True,
+    dfs_dir: Annotated[
+        Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR",
+                                     help="This host's mount of the shared filesystem tier's directory.")
+    ] = None,
     token_file: TokenFileOption = None,
     ready_file: Annotated[
         Optional[Path], typer.Option(help="Write the node's endpoints as JSON here once mounted.")
     ] = None,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
-    """Run a storage node: contributes a DRAM segment to the pool and serves its bytes."""
+    """Run a storage node: contributes a DRAM segment (and a disk tier) to the pool and serves its bytes."""
     import uvloop
 
     from kvpool.config import NodeConfig
@@ -189,6 +250,10 @@ def node(
             shm_enabled=shm,
             token=_token(token_file),
             metrics_port=metrics_port,
+            disk_dir=str(disk_dir) if disk_dir else "",
+            disk_bytes=parse_size(disk_size) if disk_size else 0,
+            disk_fsync=disk_fsync,
+            dfs_dir=str(dfs_dir) if dfs_dir else "",
         )
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
@@ -204,6 +269,7 @@ def node(
                     "endpoint": storage_node.endpoint,
                     "segment_id": storage_node.segment_info.segment_id,
                     "metrics_endpoint": storage_node.metrics_endpoint,
+                    "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
                 },
             )
         await _until_signalled()
@@ -357,10 +423,11 @@ def stat(
     if as_json:
         print(json.dumps(status.to_dict()))
         return
-    table = Table("segment", "node endpoint", "state", "used", "capacity", "objects")
+    table = Table("segment", "tier", "node endpoint", "state", "used", "capacity", "objects")
     for segment in status.segments:
         table.add_row(
             segment.segment.segment_id,
+            segment.segment.tier,
             segment.segment.endpoint,
             segment.state,
             _human(segment.used_bytes),
@@ -368,6 +435,14 @@ def stat(
             str(segment.object_count),
         )
     console.print(table)
+    if status.tiers:
+        tiers = Table("tier", "capacity", "used", "objects", "hits", "offloads", "promotions", "evictions")
+        for tier in status.tiers:
+            tiers.add_row(
+                tier.tier, _human(tier.capacity_bytes), _human(tier.used_bytes), str(tier.object_count),
+                str(tier.hits), str(tier.offloads), str(tier.promotions), str(tier.evictions),
+            )  # fmt: skip
+        console.print(tiers)
     console.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")
 
 
@@ -393,6 +468,12 @@ def demo(
         run_demo(nodes, parse_size(memory), objects, parse_size(object_size), console)
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
+
+
+# `kvpool replay` (trace replay, issue 6) lives in cli/replay.py; it imports kvpool.sim lazily.
+from kvpool.cli.replay import replay as _replay  # noqa: E402
+
+app.command(name="replay")(_replay)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,26 @@
 `PeerPool` keeps up to `connections_per_peer` authenticated connections per endpoint, opened
 on demand, and hands out the least busy one, so that a batch moves on several lanes at once.
 Dead connections are dropped and replaced on the next call. `MasterLink` is the client's single
-multiplexed connection to the master, re-opened when it breaks. Neither retries a request on
-its own beyond what the caller asks: timeouts and retries are the caller's policy.
+multiplexed connection to the master, re-opened when it breaks; given `etcd://...` it dials
+the elected leader (discovery.py) and follows a failover within the bound of each call.
+Neither retries a request on its own beyond what is said here: timeouts are the caller's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
+import time
 from collections.abc import Sequence
 
 from kvpool import limits
-from kvpool.errors import ConnectFailed, RpcFailed
+from kvpool.discovery import MasterResolver
+from kvpool.errors import ConnectFailed, NotLeader, RpcFailed, RpcTimeout
 from kvpool.protocol.messages import Message
 from kvpool.transports.connection import Connection, ReplySinks, connect
+
+log = logging.getLogger(__name__)
 
 
 class PeerPool:
@@ -69,45 +76,121 @@ class PeerPool:
 
 
 class MasterLink:
-    """The client's connection to the master, reconnected on demand."""
+    """The client's connection to the master, reconnected on demand.
+
+    `endpoint` is "host:port", or "etcd://host:port[,...][/cluster-id]" to follow the elected
+    leader. Every call is bounded by connect_timeout_ms + its RPC timeout, whatever happens:
+
+    - NotLeader (a standby, a deposed leader, or a new leader not yet taking puts) means the
+      master did nothing, so any request is sent again, to the leader etcd names then;
+    - no connection (refused, timed out, no leader in etcd) means nothing was sent: with etcd
+      the leader is looked up again and the request retried, with a fixed address it fails;
+    - a connection that broke after the request left may have carried it out: only an
+      idempotent request is sent again (once, as before etcd: a master restart).
+
+    Between attempts it backs off from MASTER_RESOLVE_BACKOFF_MS_MIN, doubling, to
+    MASTER_RESOLVE_BACKOFF_MS_MAX, for at most MASTER_CALL_ATTEMPTS_MAX attempts.
+    """
 
     def __init__(self, endpoint: str, key: bytes | None, connect_timeout_ms: int, rpc_timeout_ms: int):
         self.endpoint = endpoint
+        self._resolver = MasterResolver(endpoint)
         self._key = key
         self._connect_timeout_ms = connect_timeout_ms
         self._rpc_timeout_ms = rpc_timeout_ms
         self._conn: Connection | None = None
+        self._conn_endpoint = ""
+        # Set when the master answered NotLeader: look the leader up again before the next
+        # request, but keep the connection if it still is the leader (one still recovering).
+        self._is_stale = False
         self._lock = asyncio.Lock()
 
-    async def _connection(self) -> Connection:
-        if self._conn is not None and not self._conn.is_closed():
-            return self._conn
+    def __repr__(self) -> str:
+        return f"<MasterLink {self._resolver!r} {self._conn!r}>"
+
+    def _usable(self) -> Connection | None:
+        conn = self._conn
+        if conn is None or conn.is_closed() or self._is_stale:
+            return None
+        return conn
+
+    async def _connection(self, timeout_ms: int) -> Connection:
+        conn = self._usable()
+        if conn is not None:
+            return conn
         async with self._lock:
-            if self._conn is None or self._conn.is_closed():
-                self._conn = await connect(
-                    self.endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="master"
-                )
-            return self._conn
+            conn = self._usable()
+            if conn is not None:
+                return conn
+            timeout_ms = max(1, min(timeout_ms, self._connect_timeout_ms))
+            endpoint = await self._resolver.resolve(timeout_ms)
+            old = self._conn
+            if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
+                self._is_stale = False  # Still the leader: other calls keep their connection.
+                return old
+            conn = await connect(endpoint, key=self._key, timeout_ms=timeout_ms, name="master")
+            if old is not None:
+                old.close("the master moved")
+            self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False
+            return conn
+
+    def _drop(self, conn: Connection | None, reason: str) -> None:
+        """Forget a connection that failed us (not a newer one another task opened since)."""
+        if conn is not None:
+            conn.close(reason)
+        current = self._conn
+        if current is None or current is conn or current.is_closed():
+            self._conn = None
+            self._resolver.forget()
 
     async def call(self, message: Message, *, is_idempotent: bool, timeout_ms: int | None = None) -> Message:
-        """One request to the master.
-
-        An idempotent request is retried once on a fresh connection if the first one broke
-        (a master restart); a put is not, since its first attempt may have taken effect.
+        """One request to the master, within connect_timeout_ms + timeout_ms (see the class).
 
         Raises:
-            ConnectFailed, RpcFailed, RpcTimeout, or the master's error for the request.
+            ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
+            request.
         """
         timeout_ms = timeout_ms or self._rpc_timeout_ms
-        attempts = 2 if is_idempotent else 1
-        for attempt in range(attempts):
-            conn = await self._connection()
+        deadline = time.monotonic() + (self._connect_timeout_ms + timeout_ms) / 1000
+        is_dynamic = self._resolver.is_dynamic
+        broken_retries = 1 if is_idempotent else 0
+        backoff_ms = limits.MASTER_RESOLVE_BACKOFF_MS_MIN
+        for _ in range(limits.MASTER_CALL_ATTEMPTS_MAX):
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            conn: Connection | None = None
             try:
-                return await conn.request(message, timeout_ms=timeout_ms)
-            except RpcFailed:
-                if attempt + 1 == attempts:
+                conn = await self._connection(remaining_ms)
+                remaining_ms = max(1, min(timeout_ms, int((deadline - time.monotonic()) * 1000)))
+                return await conn.request(message, timeout_ms=remaining_ms)
+            except NotLeader as exc:
+                # Nothing was done; a fixed address has nowhere else to go.
+                if not is_dynamic:
                     raise
-        raise AssertionError("unreachable")
+                self._resolver.forget()
+                if conn is not None and conn is self._conn:
+                    self._is_stale = True
+                error: Exception = exc
+            except (ConnectFailed, RpcTimeout) as exc:
+                if conn is not None:
+                    raise  # The request may be running: the call's time is spent anyway.
+                self._drop(None, f"unreachable: {exc}")
+                if not is_dynamic:
+                    raise
+                error = exc
+            except RpcFailed as exc:
+                self._drop(conn, f"broken: {exc}")
+                if not broken_retries:
+                    raise
+                broken_retries -= 1
+                error = exc
+                continue  # A broken connection is retried at once (a restarted master).
+            pause_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
+            if (deadline - time.monotonic()) * 1000 <= pause_ms:
+                raise error
+            log.debug("master call %s: %s; retrying in %d ms", type(message).__name__, error, pause_ms)
+            await asyncio.sleep(pause_ms / 1000)
+            backoff_ms = min(backoff_ms * 2, limits.MASTER_RESOLVE_BACKOFF_MS_MAX)
+        raise error
 
     def close(self) -> None:
         if self._conn is not None:

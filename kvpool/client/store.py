@@ -16,6 +16,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvpool import limits
 from kvpool.config import ClientConfig
@@ -32,6 +33,8 @@ from kvpool.errors import (
 from kvpool.node.segment import Segment
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
     CodesReply,
     CountReply,
     ExistKeys,
@@ -56,6 +59,8 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     WriteSlices,
 )
+from kvpool.transports import files
+from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,8 @@ class AsyncStore:
         )
         self._peers = PeerPool(self._key, config.connections_per_peer, config.connect_timeout_ms)
         self._mapped: dict[str, Segment | None] = {}
+        # Disk and DFS segments whose object files this host can open (docs/tiers.md).
+        self._directories: dict[str, Path | None] = {}
         self.buffers = BufferRegistry()
         self._embedded_node = None
 
@@ -356,7 +363,7 @@ class AsyncStore:
         lease_start_ms = now_monotonic_ms()
         reply = await self._master.call(GetReplicaList(list(keys)), is_idempotent=True)
         assert isinstance(reply, GetReplicaListReply)
-        return GetJob(reply, targets, lease_start_ms, self._local_segment)
+        return GetJob(reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory)
 
     async def _read_remote(self, job: GetJob) -> None:
         """Fetch every pending key over TCP, falling back replica by replica."""
@@ -397,6 +404,28 @@ class AsyncStore:
                 log.info("transfer to %s failed: %s", batch.endpoint, result)
                 failed.update(owners)
         return failed
+
+    def _local_directory(self, info: SegmentInfo) -> Path | None:
+        """The directory of a disk or DFS segment's object files, if this host can open them:
+        a disk tier of a node on this host (its identity file holds the advertised token),
+        or the DFS at this client's own dfs_dir (likewise). Else None (read over TCP, or not
+        at all for the DFS)."""
+        if info.segment_id in self._directories:
+            return self._directories[info.segment_id]
+        directory: Path | None = None
+        if info.tier == TIER_DISK:
+            if self.config.shm_enabled and info.shm_path and info.hostname == self.hostname:
+                identity = files.load_identity(Path(info.shm_path))
+                if identity is not None and identity.token == info.shm_token:
+                    directory = Path(info.shm_path)
+        elif info.tier == TIER_DFS and self.config.dfs_dir:
+            if DfsDirectory(self.config.dfs_dir).has_token(info.shm_token):
+                directory = Path(self.config.dfs_dir)
+            else:
+                log.info("DFS %s is not at %s: DFS replicas are skipped", info.segment_id, self.config.dfs_dir)
+        if len(self._directories) < limits.REGISTERED_BUFFERS_MAX:
+            self._directories[info.segment_id] = directory
+        return directory
 
     def _local_segment(self, info: SegmentInfo) -> Segment | None:
         """The mapped segment if it is on this host and its token matches, else None."""

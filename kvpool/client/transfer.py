@@ -9,21 +9,35 @@ caller's thread while the event loop only does I/O (STYLE.md: no sync/async dupl
 This module holds the jobs and the pure parts (which replica to read, how to cut a batch into
 frames and slices, checksum and lease checks); the I/O itself is AsyncStore's. Each job is
 owned by one call and is never shared between threads at the same time.
+
+With slower tiers (docs/tiers.md) a get tries replicas nearest first: local DRAM (mapped),
+remote DRAM, local disk, remote disk, DFS. "Local" disk and DFS replicas are object files this
+host can open (a same-host node's disk directory, this host's mount of the DFS), read by
+copy_local with preadv straight into the caller's buffers; remote disk replicas come over TCP
+like DRAM ones (the node sends them with sendfile). A DFS replica this host cannot open is
+skipped: no node serves it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import xxhash
 
 from kvpool import limits
 from kvpool.checksums import checksums_of
-from kvpool.errors import ErrorCode
+from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
+from kvpool.protocol import objectfile
 from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
+    TIERS,
     GetReplicaListReply,
     PutStartReply,
     ReadItem,
@@ -33,11 +47,18 @@ from kvpool.protocol.messages import (
     WriteItem,
     WriteSlices,
 )
+from kvpool.transports import files
 
 # A batch is cut into frames of about this many bytes, so that it spreads over the lanes.
 FRAME_BYTES_TARGET = 4 * limits.MIB
 
 LocalSegments = Callable[[SegmentInfo], Segment | None]
+# A get advises this many bytes of the object files it is about to read, ahead of reading them,
+# and reads them on this many threads.
+FILE_PREFETCH_BYTES_MAX = 64 * limits.MIB
+FILE_READ_THREADS = 4
+# The directory of a disk or DFS segment's object files if this host can open them, else None.
+LocalDirectories = Callable[[SegmentInfo], Path | None]
 
 
 def now_monotonic_ms() -> int:
@@ -193,9 +214,13 @@ class GetJob:
         targets: Sequence[list[memoryview] | None],
         lease_start_ms: int,
         local_segments: LocalSegments,
+        keys: Sequence[str] = (),
+        local_directories: LocalDirectories | None = None,
     ) -> None:
         self.reply = reply
         self.targets = targets
+        self.keys = keys
+        self._local_directories = local_directories
         self.codes = list(reply.codes)
         self.results: list[bytes | int | None] = [None] * len(reply.codes)
         self.lease_deadline_ms = lease_start_ms + reply.lease_ttl_ms
@@ -210,11 +235,26 @@ class GetJob:
             if code == ErrorCode.OK and not reply.replicas[index]:
                 self.codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
             self._candidates.append(self._order(reply.replicas[index]) if self.codes[index] == 0 else [])
+            if self.codes[index] == ErrorCode.OK and not self._candidates[index]:
+                self.codes[index] = int(ErrorCode.TRANSFER_FAIL)  # only DFS replicas, no DFS here
 
     def _order(self, replicas: list[Replica]) -> list[Replica]:
-        """Local (mapped) replicas first, then the others in the master's order."""
-        local = [r for r in replicas if self._local_segments(self.reply.segments[r.segment_id])]
-        return local + [r for r in replicas if r not in local]
+        """Nearest first: local DRAM, remote DRAM, local disk, remote disk, DFS (each in the
+        master's order); a DFS replica this host cannot open is left out."""
+        segments = self.reply.segments
+        ranked: list[tuple[int, Replica]] = []
+        for replica in replicas:
+            info = segments[replica.segment_id]
+            tier = info.tier if info.tier in TIERS else TIERS[0]
+            if tier == TIERS[0]:
+                is_local = self._local_segments(info) is not None
+            else:
+                is_local = self._local_directories is not None and self._local_directories(info) is not None
+                if tier == TIER_DFS and not is_local:
+                    continue
+            ranked.append((2 * TIERS.index(tier) + (0 if is_local else 1), replica))
+        ranked.sort(key=lambda pair: pair[0])
+        return [replica for _, replica in ranked]
 
     def pending_indexes(self) -> list[int]:
         return [i for i, c in enumerate(self.codes) if c == ErrorCode.OK and self.results[i] is None]
@@ -222,9 +262,27 @@ class GetJob:
     def copy_local(self) -> None:
         """Read every pending key whose next candidate replica is mapped here, then verify."""
         copied = []
-        for index in self.pending_indexes():
+        pending = self.pending_indexes()
+        files_here = [(i, self._file_path(i)) for i in pending]
+        prefetched_bytes = 0
+        for index, path in files_here:
+            if path is not None and prefetched_bytes < FILE_PREFETCH_BYTES_MAX:
+                files.prefetch(path)  # the device reads them all at once
+                prefetched_bytes += self.reply.sizes[index]
+        reads = [(index, path) for index, path in files_here if path is not None]
+        if len(reads) > 1:  # several files: on several threads, so the device has them all
+            landed = _file_readers().map(lambda read: self._read_file(*read), reads)
+        else:
+            landed = (self._read_file(*read) for read in reads)
+        copied.extend(index for (index, _), is_landed in zip(reads, landed) if is_landed)
+        for (index, path) in files_here:
+            if path is not None:
+                continue
             replica = self._candidates[index][0]
-            segment = self._local_segments(self.reply.segments[replica.segment_id])
+            info = self.reply.segments[replica.segment_id]
+            if info.tier in (TIER_DISK, TIER_DFS):
+                continue  # a remote disk replica: over TCP
+            segment = self._local_segments(info)
             if segment is None:
                 continue
             self._candidates[index].pop(0)
@@ -236,6 +294,36 @@ class GetJob:
                 _scatter(source, target)
             copied.append(index)
         self._verify(copied)
+
+    def _file_path(self, index: int) -> Path | None:
+        """The object file of key `index`'s next candidate, if it is a disk or DFS replica
+        this host can open; else None (DRAM, or read over TCP)."""
+        replica = self._candidates[index][0]
+        info = self.reply.segments[replica.segment_id]
+        if info.tier not in (TIER_DISK, TIER_DFS) or self._local_directories is None:
+            return None
+        directory = self._local_directories(info)
+        if directory is None:
+            return None
+        if info.tier == TIER_DISK:
+            return directory / objectfile.OBJECTS_DIR / objectfile.disk_name(replica.offset)
+        return directory / objectfile.dfs_relative_path(self.keys[index], replica.offset)
+
+    def _read_file(self, index: int, path: Path) -> bool:
+        """Read key `index` from its object file here. True when bytes landed (to be
+        verified); False when the file is gone or unreadable (the next replica, then)."""
+        self._candidates[index].pop(0)
+        key, size = self.keys[index], self.reply.sizes[index]
+        target = self.targets[index]
+        try:
+            if target is None:
+                self._landed[index] = files.read_object_bytes(path, key, size)
+            else:
+                files.read_object_into(path, key, size, target)
+        except KVPoolError:  # Gone (dropped, moved) or unreadable: the next replica.
+            self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+            return False
+        return True
 
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
@@ -302,6 +390,22 @@ class GetJob:
 def _read_item(replica: object, start: int, size: int) -> ReadItem:
     assert isinstance(replica, Replica), replica
     return ReadItem(replica.segment_id, replica.offset + start, size)
+
+
+_file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_file_pool_lock = threading.Lock()
+
+
+def _file_readers() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads that read disk and DFS object files for gets (preadv releases
+    the GIL): a batch's files are read at once, as the device prefers."""
+    global _file_pool
+    with _file_pool_lock:
+        if _file_pool is None:
+            _file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_READ_THREADS, thread_name_prefix="kvpool-file-read"
+            )
+        return _file_pool
 
 
 def _prefix(parts: Sequence[memoryview], size: int) -> list[memoryview]:

@@ -41,3 +41,17 @@ class SegmentCounters:
     object_count: int
     quarantined_bytes: int
     drop_bytes: int
+
+
+@dataclasses.dataclass(slots=True)
+class TierCounters:
+    """Monotonic counts per tier (appended with the tiers, docs/tiers.md): `hits` gets whose
+    nearest replica was in the tier; `offloads` objects moved into it from a faster tier;
+    `promotions` objects copied into it from a slower tier; `copies` write-through copies into
+    it; `evictions` replicas that left it to make room (moved down or dropped)."""
+
+    hits: int = 0
+    offloads: int = 0
+    promotions: int = 0
+    copies: int = 0
+    evictions: int = 0

@@ -9,8 +9,12 @@ before they are reused). It is not where objects live (metadata.py) nor where th
 are made (service.py).
 
     segment data area, as the master accounts it (check_invariants proves the tiling):
-    |[object replica]|[free]|[pending put]|[quarantined]|[drop sent, not acked]|[free]...|
-     ObjectMeta       allocator  PendingPut  Segment.quarantined  Segment.drops_*
+    |[object replica]|[free]|[pending put]|[quarantined]|[drop sent, not acked]|[move]|...|
+     ObjectMeta       allocator  PendingPut  Segment.quarantined  Segment.drops_*   tiers.Move
+
+A segment lives in a tier (SegmentInfo.tier: a DRAM segment, a node's disk tier, the DFS);
+only DRAM segments take puts (`active`), the others are filled by moves (tiers.py), and each
+tier's active segments are listed apart (`active_by_tier`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 
 from kvpool.master.allocator import OffsetAllocator, footprint_bytes
 from kvpool.master.metadata import SEGMENT_COUNT_MAX
-from kvpool.protocol.messages import InventoryEntry, SegmentInfo
+from kvpool.protocol.messages import TIER_DRAM, TIERS, InventoryEntry, SegmentInfo
 
 
 class SegmentState(enum.Enum):
@@ -45,12 +49,16 @@ class Segment:
     `object_count` (complete objects with a replica here), `quarantined` (offset -> size of
     ranges of discarded puts, freed at their release time), `drops_unsent` (entries the node
     must forget, not yet taken by the server), `drops_sent` (offset -> entry, taken but not yet
-    acknowledged) and `drop_bytes` (footprint of both). Every allocated byte belongs to exactly
-    one of: an object replica, a pending put, a quarantined range, a drop.
+    acknowledged) and `drop_bytes` (footprint of both, and of the replicas an offload is moving
+    out of here: `leaving_bytes`; eviction counts all of them as room already coming). Every
+    allocated byte belongs to exactly one of: an object replica, a pending put, a quarantined
+    range, a drop, a move's range (tiers.py).
     """
 
     __slots__ = (
         "index",
+        "tier",
+        "leaving_bytes",
         "info",
         "allocator",
         "state",
@@ -66,6 +74,8 @@ class Segment:
 
     def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int):
         self.index = index
+        self.tier = info.tier
+        self.leaving_bytes = 0
         self.info = info
         self.allocator = allocator
         self.state = SegmentState.ACTIVE
@@ -132,6 +142,19 @@ class Segment:
         self.allocator.free(sent.offset, sent.size)
         return True
 
+    # --- replicas moving out (an offload in flight) ----------------------------------------
+
+    def start_leaving(self, size_bytes: int) -> None:
+        footprint = self.allocator.footprint_bytes(size_bytes)
+        self.leaving_bytes += footprint
+        self.drop_bytes += footprint
+
+    def end_leaving(self, size_bytes: int) -> None:
+        footprint = self.allocator.footprint_bytes(size_bytes)
+        self.leaving_bytes -= footprint
+        self.drop_bytes -= footprint
+        assert self.leaving_bytes >= 0, self
+
     def iter_held_ranges(self) -> Iterator[tuple[int, int]]:
         """(offset, size_bytes) of the quarantined and dropped ranges."""
         yield from self.quarantined.items()
@@ -150,7 +173,7 @@ class Segment:
         )
         drop_sizes = [entry.size for entry in self.drops_unsent]
         drop_sizes += [entry.size for entry in self.drops_sent.values()]
-        assert self.drop_bytes == sum(footprint_bytes(size) for size in drop_sizes), self
+        assert self.drop_bytes == sum(footprint_bytes(size) for size in drop_sizes) + self.leaving_bytes, self
         pieces = [(offset, footprint_bytes(size), True) for offset, size in object_ranges]
         pieces += [(offset, footprint_bytes(size), True) for offset, size in self.iter_held_ranges()]
         used_bytes = sum(size for _, size, _ in pieces)
@@ -219,12 +242,17 @@ class SegmentRegistry:
     """Every mounted segment by id and by index, and the active ones for placement.
 
     Holds `_by_id`, `_by_index` (a list with None holes; freed indexes are reused), `active`
-    (the ACTIVE segments, in mount order) and `active_by_hostname`. Invariants: the maps agree
-    with one another; no UNMOUNTED segment is registered; `active` is exactly the ACTIVE ones.
-    Mount, unmount and drain are rare, so the placement views are rebuilt on each (O(s)).
+    (the ACTIVE DRAM segments, in mount order: where puts go), `active_by_hostname` (the same,
+    by host), `active_by_tier` (the ACTIVE segments of each tier) and `_active_by_node` (node
+    id and tier -> its ACTIVE segment). Invariants: the maps agree with one another; no
+    UNMOUNTED segment is registered; `active` is exactly the ACTIVE DRAM ones. Mount, unmount
+    and drain are rare, so the placement views are rebuilt on each (O(s)).
     """
 
-    __slots__ = ("_by_id", "_by_index", "_free_indexes", "active", "active_by_hostname")
+    __slots__ = (
+        "_by_id", "_by_index", "_free_indexes", "active", "active_by_hostname", "active_by_tier",
+        "_active_by_node",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._by_id: dict[str, Segment] = {}
@@ -232,6 +260,8 @@ class SegmentRegistry:
         self._free_indexes: list[int] = []
         self.active: list[Segment] = []
         self.active_by_hostname: dict[str, list[Segment]] = {}
+        self.active_by_tier: dict[str, list[Segment]] = {tier: [] for tier in TIERS}
+        self._active_by_node: dict[tuple[str, str], Segment] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -284,6 +314,10 @@ class SegmentRegistry:
         segment.info = info
         self._rebuild_views()
 
+    def active_of_node(self, node_id: str, tier: str) -> Segment | None:
+        """The node's ACTIVE segment in `tier`, if any (a node mounts one per tier)."""
+        return self._active_by_node.get((node_id, tier))
+
     def silent_since(self, deadline_ms: int) -> list[Segment]:
         """Segments whose node has not spoken since before `deadline_ms`. O(s)."""
         return [seg for seg in self._by_id.values() if seg.last_seen_ms < deadline_ms]
@@ -307,8 +341,10 @@ class SegmentRegistry:
             assert segment.is_mounted, segment
         assert count == len(self._by_id), (count, len(self._by_id))
         assert len(set(self._free_indexes)) == len(self._free_indexes), self._free_indexes
-        active = [seg for seg in self._by_id.values() if seg.is_active]
+        active = [seg for seg in self._by_id.values() if seg.is_active and seg.tier == TIER_DRAM]
         assert active == self.active, (active, self.active)
+        for tier, segments in self.active_by_tier.items():
+            assert segments == [s for s in self._by_id.values() if s.is_active and s.tier == tier], tier
         by_host = sum(len(segs) for segs in self.active_by_hostname.values())
         assert by_host == len(active), (by_host, len(active))
         for hostname, segments in self.active_by_hostname.items():
@@ -316,7 +352,15 @@ class SegmentRegistry:
                 assert segment.info.hostname == hostname and segment.is_active, segment
 
     def _rebuild_views(self) -> None:
-        self.active = [seg for seg in self._by_id.values() if seg.is_active]
+        by_tier: dict[str, list[Segment]] = {tier: [] for tier in TIERS}
+        by_node: dict[tuple[str, str], Segment] = {}
+        for seg in self._by_id.values():
+            if seg.is_active:
+                by_tier.setdefault(seg.tier, []).append(seg)
+                by_node[(seg.info.node_id, seg.tier)] = seg
+        self.active_by_tier = by_tier
+        self._active_by_node = by_node
+        self.active = by_tier[TIER_DRAM]
         by_host: dict[str, list[Segment]] = {}
         for segment in self.active:
             by_host.setdefault(segment.info.hostname, []).append(segment)

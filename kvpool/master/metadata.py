@@ -12,6 +12,18 @@ named by a small index rather than its id string, and absent times are the cache
 
     replica (int) = offset << SEGMENT_INDEX_BITS | segment_index
                     |<----- up to 40 bits ----->|<---- 16 bits ---->|
+
+With slower tiers (docs/tiers.md) the table is split by where an object lives, so that each
+tier's eviction scans only its own objects: `objects` holds the objects with a DRAM replica
+(the eviction policy's domain, as before), `lower` the others (on disk or DFS only), and a
+`TierView` per slower tier orders its objects by last access for that tier's own LRU:
+
+    ObjectTable.objects   key -> meta   has a DRAM replica        EvictionPolicy (pluggable)
+    ObjectTable.lower     key -> meta   no DRAM replica
+    views["disk"].objects key -> meta   has a disk replica        LruPolicy over the view
+    views["dfs"].objects  key -> meta   has a DFS replica         LruPolicy over the view
+
+A cluster without slower tiers pays nothing: `lower` and the views stay empty.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvpool import limits
+from kvpool.protocol.messages import TIER_DRAM
 
 if TYPE_CHECKING:
     from kvpool.master.eviction import EvictionPolicy
@@ -117,7 +130,8 @@ class PendingPut:
     came, the nodes are verifying; the server owes a finish_put_end). A committing put cannot
     be discarded, revoked or removed, because a node may be adding it to its inventory.
     `replicas` are (segment, offset) of the ranges granted; a segment lost meanwhile is removed
-    from the list, so a put can end up with none.
+    from the list, so a put can end up with none. `copy_tiers` are the slower tiers a copy is
+    asked for once the object is complete (write-through, docs/tiers.md).
     """
 
     __slots__ = (
@@ -128,6 +142,7 @@ class PendingPut:
         "is_committing",
         "is_soft_pinned",
         "is_hard_pinned",
+        "copy_tiers",
     )
 
     def __init__(
@@ -137,7 +152,9 @@ class PendingPut:
         start_ms: int,
         is_soft_pinned: bool,
         is_hard_pinned: bool,
+        copy_tiers: tuple[str, ...] = (),
     ):
+        self.copy_tiers = copy_tiers
         self.size_bytes = size_bytes
         self.replicas = replicas
         self.start_ms = start_ms
@@ -152,82 +169,200 @@ class PendingPut:
         return f"<PendingPut {state} size={self.size_bytes} start={self.start_ms} replicas={where}>"
 
 
+class TierView:
+    """The objects resident in one slower tier, in last-access order: what an LruPolicy
+    orders that tier's eviction by (it reads `objects` and `soft_pinned`, like a table).
+
+    `objects` (key -> meta) and `soft_pinned` (the soft-pinned among them) are both in
+    last-access order. Invariant: `soft_pinned` holds exactly the keys of `objects` whose
+    soft pin is set.
+    """
+
+    __slots__ = ("tier", "objects", "soft_pinned", "policy")
+
+    def __init__(self, tier: str, policy: EvictionPolicy):
+        self.tier = tier
+        self.objects: dict[str, ObjectMeta] = {}
+        self.soft_pinned: dict[str, None] = {}
+        self.policy = policy
+        policy.attach(self)  # type: ignore[arg-type]  # table-like: objects, soft_pinned
+
+    def __repr__(self) -> str:
+        return f"<TierView {self.tier} objects={len(self.objects)} soft_pinned={len(self.soft_pinned)}>"
+
+
 class ObjectTable:
     """Every complete object by key, every put in flight by key, and the soft-pinned objects.
 
-    Holds `objects` (key -> ObjectMeta; its order belongs to the eviction policy, which the
-    table notifies of every insert, access and remove), `pending` (key -> PendingPut, in
-    put_start order) and `soft_pinned` (keys of soft-pinned objects, in last-access order,
-    hence in soft-pin expiry order). Invariants: a key is never both complete and pending;
-    `soft_pinned` holds exactly the objects whose `soft_pin_expiry_ms` is set; a hard-pinned
-    object is not soft-pinned.
+    Holds `objects` (key -> ObjectMeta of objects with a DRAM replica; its order belongs to
+    the eviction policy, which the table notifies of every insert, access and remove),
+    `lower` (key -> ObjectMeta of the complete objects without one), `views` (per slower
+    tier, its resident objects in last-access order), `pending` (key -> PendingPut, in
+    put_start order), `soft_pinned` and `lower_soft_pinned` (keys of soft-pinned objects of
+    `objects` and of `lower`, in last-access order, hence in soft-pin expiry order).
+    Invariants: a key is in at most one of `objects`, `lower` and `pending`; the soft-pin
+    sets hold exactly the objects whose `soft_pin_expiry_ms` is set; a hard-pinned object is
+    not soft-pinned. Which tiers an object is resident in is the service's to say (`place`).
     """
 
-    __slots__ = ("objects", "pending", "soft_pinned", "policy")
+    __slots__ = ("objects", "lower", "pending", "soft_pinned", "lower_soft_pinned", "policy", "views")
 
-    def __init__(self, policy: EvictionPolicy):
+    def __init__(self, policy: EvictionPolicy, view_policies: dict[str, EvictionPolicy] | None = None):
         self.objects: dict[str, ObjectMeta] = {}
+        self.lower: dict[str, ObjectMeta] = {}
         self.pending: dict[str, PendingPut] = {}
         self.soft_pinned: dict[str, None] = {}
+        self.lower_soft_pinned: dict[str, None] = {}
         self.policy = policy
         policy.attach(self)
+        self.views = {tier: TierView(tier, p) for tier, p in (view_policies or {}).items()}
 
     def __len__(self) -> int:
-        return len(self.objects)
+        return len(self.objects) + len(self.lower)
 
-    def insert(self, key: str, meta: ObjectMeta) -> None:
-        assert key not in self.objects, f"insert of existing object {key!r}"
+    def __contains__(self, key: object) -> bool:
+        return key in self.objects or key in self.lower
+
+    def get(self, key: str) -> ObjectMeta | None:
+        meta = self.objects.get(key)
+        return meta if meta is not None else self.lower.get(key)
+
+    def items(self) -> list[tuple[str, ObjectMeta]]:
+        """Every complete object: DRAM-resident ones in policy order, then the others. O(n)."""
+        return [*self.objects.items(), *self.lower.items()]
+
+    def insert(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...] = (TIER_DRAM,)) -> None:
+        """A new complete object, resident in `tiers` (a put's: DRAM)."""
+        assert key not in self.objects and key not in self.lower, f"insert of existing object {key!r}"
         assert key not in self.pending, f"insert of pending object {key!r}"
         assert not (meta.is_hard_pinned and meta.soft_pin_expiry_ms), key
-        self.objects[key] = meta
-        if meta.soft_pin_expiry_ms:
-            self.soft_pinned[key] = None
-        self.policy.on_insert(key, meta)
+        if TIER_DRAM in tiers:
+            self.objects[key] = meta
+            if meta.soft_pin_expiry_ms:
+                self.soft_pinned[key] = None
+            self.policy.on_insert(key, meta)
+        else:
+            self.lower[key] = meta
+            if meta.soft_pin_expiry_ms:
+                self.lower_soft_pinned[key] = None
+        self._place_views(key, meta, tiers)
 
     def remove(self, key: str) -> ObjectMeta:
-        meta = self.objects.pop(key)
-        if meta.soft_pin_expiry_ms:
-            del self.soft_pinned[key]
-        self.policy.on_remove(key, meta)
+        meta = self.objects.pop(key, None)
+        if meta is not None:
+            if meta.soft_pin_expiry_ms:
+                del self.soft_pinned[key]
+            self.policy.on_remove(key, meta)
+        else:
+            meta = self.lower.pop(key)
+            if meta.soft_pin_expiry_ms:
+                del self.lower_soft_pinned[key]
+        self._place_views(key, meta, ())
         return meta
+
+    def place(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...]) -> None:
+        """Re-index an object after its replicas changed: it is resident in `tiers` now (an
+        empty set while its only replicas are moving out)."""
+        assert self.get(key) is meta, f"place of unknown object {key!r}"
+        is_in_dram = key in self.objects
+        if TIER_DRAM in tiers and not is_in_dram:
+            del self.lower[key]
+            self.objects[key] = meta
+            if meta.soft_pin_expiry_ms:
+                del self.lower_soft_pinned[key]
+                self.soft_pinned[key] = None
+            self.policy.on_insert(key, meta)
+        elif TIER_DRAM not in tiers and is_in_dram:
+            del self.objects[key]
+            self.lower[key] = meta
+            if meta.soft_pin_expiry_ms:
+                del self.soft_pinned[key]
+                self.lower_soft_pinned[key] = None
+            self.policy.on_remove(key, meta)
+        self._place_views(key, meta, tiers)
+
+    def _place_views(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...]) -> None:
+        for tier, view in self.views.items():
+            is_in_view = key in view.objects
+            if tier in tiers:
+                if not is_in_view:
+                    view.objects[key] = meta
+                    if meta.soft_pin_expiry_ms:
+                        view.soft_pinned[key] = None
+                    view.policy.on_insert(key, meta)
+            elif is_in_view:
+                del view.objects[key]
+                view.soft_pinned.pop(key, None)
+                view.policy.on_remove(key, meta)
 
     def access(
         self, key: str, meta: ObjectMeta, now_ms: int, lease_ttl_ms: int, soft_pin_ttl_ms: int
     ) -> None:
-        """A read: extend the lease, refresh the soft pin, tell the eviction policy."""
+        """A read: extend the lease, refresh the soft pin, tell the eviction policies."""
         lease_expiry_ms = now_ms + lease_ttl_ms
         if lease_expiry_ms > meta.lease_expiry_ms:
             meta.lease_expiry_ms = lease_expiry_ms
+        is_in_dram = key in self.objects
         if meta.soft_pin_expiry_ms:
             meta.soft_pin_expiry_ms = now_ms + soft_pin_ttl_ms
-            soft_pinned = self.soft_pinned
+            soft_pinned = self.soft_pinned if is_in_dram else self.lower_soft_pinned
             del soft_pinned[key]
             soft_pinned[key] = None
-        self.policy.on_access(key, meta)
+        if is_in_dram:
+            self.policy.on_access(key, meta)
+        for view in self.views.values():
+            if key in view.objects:
+                if key in view.soft_pinned:
+                    del view.soft_pinned[key]
+                    view.soft_pinned[key] = None
+                view.policy.on_access(key, meta)
 
     def expire_soft_pins(self, now_ms: int) -> int:
         """Unpin soft pins not refreshed for the TTL; returns how many. O(expired + 1).
 
-        `soft_pinned` is in last-access order, so the scan stops at the first live pin (a wall
-        clock that stepped back only delays an expiry, never advances one).
+        The soft-pin sets are in last-access order, so each scan stops at the first live pin
+        (a wall clock that stepped back only delays an expiry, never advances one).
         """
-        expired: list[str] = []
-        for key in self.soft_pinned:
-            if self.objects[key].soft_pin_expiry_ms > now_ms:
-                break
-            expired.append(key)
-        for key in expired:
-            del self.soft_pinned[key]
-            meta = self.objects[key]
-            meta.soft_pin_expiry_ms = 0
-            self.policy.on_unpin(key, meta)
-        return len(expired)
+        count = 0
+        for soft_pinned, objects, policy in (
+            (self.soft_pinned, self.objects, self.policy),
+            (self.lower_soft_pinned, self.lower, None),
+        ):
+            expired: list[str] = []
+            for key in soft_pinned:
+                if objects[key].soft_pin_expiry_ms > now_ms:
+                    break
+                expired.append(key)
+            for key in expired:
+                del soft_pinned[key]
+                meta = objects[key]
+                meta.soft_pin_expiry_ms = 0
+                if policy is not None:
+                    policy.on_unpin(key, meta)
+                for view in self.views.values():
+                    if key in view.soft_pinned:
+                        del view.soft_pinned[key]
+                        view.policy.on_unpin(key, meta)
+            count += len(expired)
+        return count
 
     def check_invariants(self) -> None:
-        """O(n): the key sets agree; pins are consistent; the policy agrees with the table."""
-        objects = self.objects
+        """O(n): the key sets agree; pins are consistent; the policies agree with the table."""
+        objects, lower = self.objects, self.lower
         for key in self.pending:
             assert key not in objects, f"{key!r} both pending and complete"
+            assert key not in lower, f"{key!r} both pending and complete (lower)"
+        for key, meta in lower.items():
+            assert key not in objects, f"{key!r} both in DRAM and lower"
+            assert meta.size_bytes > 0, (key, meta)
+            assert (key in self.lower_soft_pinned) == bool(meta.soft_pin_expiry_ms), key
+        assert all(key in lower for key in self.lower_soft_pinned), "stale lower soft pin"
+        for tier, view in self.views.items():
+            for key, meta in view.objects.items():
+                assert self.get(key) is meta, f"view {tier} holds stale {key!r}"
+                assert (key in view.soft_pinned) == bool(meta.soft_pin_expiry_ms), (tier, key)
+            assert all(key in view.objects for key in view.soft_pinned), f"view {tier}: stale soft pin"
+            view.policy.check_invariants()
         soft_count = 0
         for key, meta in objects.items():
             assert meta.size_bytes > 0, (key, meta)

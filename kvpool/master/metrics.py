@@ -6,8 +6,11 @@ master has its own registry, so several masters (tests, HA) can share a process.
 
 Metric names (prefix kvpool_master_): objects, pending_puts, requests_total{kind},
 puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_total,
-evicted_bytes_total, removes_total, errors_total, and per segment
-segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...}.
+evicted_bytes_total, removes_total, errors_total, per segment
+segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
+and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
+tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
+tier_evictions_total{tier}.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.errors import KVPoolError
-from kvpool.protocol.messages import ClusterStatus, DrainSegment
+from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply, DrainSegment
 
 if TYPE_CHECKING:
     from kvpool.master.server import MasterServer
@@ -79,9 +82,35 @@ class MasterMetrics(Collector):
             used.add_metric(values, segment.used_bytes)
             objects.add_metric(values, segment.object_count)
         yield from (capacity, used, objects)
+        yield from _tier_metrics(status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _tier_metrics(status: ClusterStatusReply) -> Iterator[Any]:
+    """Per tier (dram, disk, dfs; docs/tiers.md): capacity, use and the tier counters."""
+    gauges = {
+        "capacity_bytes": GaugeMetricFamily(_PREFIX + "tier_capacity_bytes", "Bytes of the tier's mounted segments.", labels=["tier"]),
+        "used_bytes": GaugeMetricFamily(_PREFIX + "tier_used_bytes", "Bytes allocated in the tier.", labels=["tier"]),
+        "object_count": GaugeMetricFamily(_PREFIX + "tier_objects", "Replicas in the tier.", labels=["tier"]),
+    }
+    counters = {
+        name: CounterMetricFamily(_PREFIX + f"tier_{name}", f"Tier {name}: {help_text}", labels=["tier"])
+        for name, help_text in (
+            ("hits", "gets whose nearest replica was in the tier."),
+            ("offloads", "objects moved into the tier from a faster one."),
+            ("promotions", "objects copied into the tier from a slower one."),
+            ("evictions", "replicas that left the tier to make room."),
+        )
+    }
+    for tier in status.tiers:
+        for name, family in gauges.items():
+            family.add_metric([tier.tier], getattr(tier, name))
+        for name, family in counters.items():
+            family.add_metric([tier.tier], getattr(tier, name))
+    yield from gauges.values()
+    yield from counters.values()
 
 
 async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.AppRunner, int]:
@@ -91,7 +120,8 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
         return web.Response(body=server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "endpoint": server.endpoint})
+        # role: "single", "leader", "recovering" or "standby" (HA masters, election.py).
+        return web.json_response({"status": "ok", "endpoint": server.endpoint, "role": server.role})
 
     async def status(_request: web.Request) -> web.Response:
         reply = server.service.cluster_status(ClusterStatus(), 0)

@@ -37,6 +37,8 @@ from kvpool.master.metadata import (
 from kvpool.master.placement import candidate_segments
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
     CodesReply,
     InventoryEntry,
     PutStartReply,
@@ -44,6 +46,16 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     WriteGrant,
 )
+
+
+def copy_tiers_of(config: ReplicateConfig) -> tuple[str, ...]:
+    """The slower tiers a put asked for a write-through copy on, fastest first."""
+    tiers: tuple[str, ...] = ()
+    if config.with_disk_copy:
+        tiers += (TIER_DISK,)
+    if config.with_dfs_copy:
+        tiers += (TIER_DFS,)
+    return tiers
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,8 +110,9 @@ class PutFlow:
     ) -> tuple[PutStartReply, int]:
         """Allocate and grant; returns the reply and the footprint bytes that found no room."""
         table = self._table
-        objects, pending = table.objects, table.pending
+        objects, lower, pending = table.objects, table.lower, table.pending
         expiry_ms = now_ms + self._config.put_discard_timeout_ms
+        copy_tiers = copy_tiers_of(config)
         cluster_key = self._cluster_key
         is_hard_pinned = bool(config.with_hard_pin)
         is_soft_pinned = bool(config.with_soft_pin) and not is_hard_pinned
@@ -112,14 +125,14 @@ class PutFlow:
                 code = codes.INVALID_KEY
             elif not is_valid_size(size):
                 code = codes.INVALID_PARAMS
-            elif key in objects:
+            elif key in objects or key in lower:
                 code = codes.OBJECT_ALREADY_EXISTS
             elif key in pending:
                 code = codes.REPLICA_IS_NOT_READY
             else:
                 replicas = self._allocate_replicas(size, config, client_hostname)
                 if replicas:
-                    pending[key] = PendingPut(size, replicas, now_ms, is_soft_pinned, is_hard_pinned)
+                    pending[key] = PendingPut(size, replicas, now_ms, is_soft_pinned, is_hard_pinned, copy_tiers)
                     key_grants = []
                     for segment, offset in replicas:
                         info = segment.info
@@ -149,7 +162,7 @@ class PutFlow:
             if not is_length_ok:
                 code = codes.INVALID_PARAMS
             elif put is None:
-                code = codes.OBJECT_ALREADY_EXISTS if key in table.objects else codes.OBJECT_NOT_FOUND
+                code = codes.OBJECT_ALREADY_EXISTS if key in table else codes.OBJECT_NOT_FOUND
             elif put.is_committing:
                 code = codes.REPLICA_IS_NOT_READY
             elif not is_valid_checksum(checksums[index]):
@@ -225,7 +238,7 @@ class PutFlow:
             put = table.pending.get(key)
             if put is None:
                 codes_out.append(
-                    codes.OBJECT_ALREADY_EXISTS if key in table.objects else codes.OBJECT_NOT_FOUND
+                    codes.OBJECT_ALREADY_EXISTS if key in table else codes.OBJECT_NOT_FOUND
                 )
             elif put.is_committing:
                 codes_out.append(codes.REPLICA_IS_NOT_READY)

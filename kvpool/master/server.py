@@ -4,6 +4,21 @@ All decisions are MasterService's (service.py, pure). This module only moves mes
 feeds requests to the service with the wall clock, sends the service's outbox to nodes
 (CommitObjects at put_end, DropObjects before a range is reused) on the connection each node
 opened, runs `tick` periodically, and serves /metrics, /health and /status over HTTP.
+
+Tiers (docs/tiers.md): the service's move outbox (offloads, promotions) is sent as MoveObjects
+to the node that holds the bytes, in the background after each tick; a put that found no room
+waits (bounded) for the moves in flight and their drops before it tries again; a put_end with
+write-through copies replies once its copies are done. With a DFS directory the master mounts
+the shared filesystem as one more segment, rebuilt from the directory's files whenever a
+service starts (at start, and each new term), and removes DFS files itself when the service
+drops DFS replicas.
+
+With an `ElectionConfig` the master is one candidate of an HA group (election.py): while it
+is not the leader, or past its leadership deadline, every request gets NotLeader and nothing
+reaches a node; each term of leadership starts from a fresh MasterService that the nodes
+re-mount into, and takes puts and removes once the takeover (takeover.py) is over. A flow
+that awaits a node keeps the service of the term it started in, so a late reply can never
+touch the state of a later term.
 """
 
 from __future__ import annotations
@@ -11,16 +26,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
+import socket
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 
 from kvpool import limits
 from kvpool.config import MasterConfig
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.discovery import LeaderRecord
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NotLeader
+from kvpool.master.election import ElectionConfig, Elector
 from kvpool.master.metrics import MasterMetrics, start_http
 from kvpool.master.service import MasterService
+from kvpool.master.takeover import Takeover
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
+    TIER_DFS,
     ClusterStatus,
     CodesReply,
     CommitObjects,
@@ -34,6 +56,8 @@ from kvpool.protocol.messages import (
     LongestPrefix,
     Message,
     MountSegment,
+    MoveItem,
+    MoveObjects,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -42,14 +66,24 @@ from kvpool.protocol.messages import (
     Remove,
     RemoveAll,
     RemoveByRegex,
+    SegmentInfo,
     UnmountSegment,
 )
+from kvpool.transports import files
 from kvpool.transports.connection import Connection, HandlerResult, Listener, start_server
+from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
 
 TICK_INTERVAL_MS = 200
 NODE_CALL_TIMEOUT_MS = limits.RPC_TIMEOUT_MS_DEFAULT
+# What a new leader refuses until its takeover is over: requests that change what exists.
+_TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# A put that found no room waits at most this long for moves and drops in flight to free some.
+PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
+# Inventory entries per MountSegment of the DFS (its files, scanned at start).
+_DFS_MOUNT_CHUNK = limits.BATCH_KEYS_MAX
 
 
 def wall_clock_ms() -> int:
@@ -69,6 +103,10 @@ class MasterServer:
         token: str | None = None,
         seed: int | None = None,
         debug_invariants: bool = False,
+        election: ElectionConfig | None = None,
+        advertise_host: str | None = None,
+        dfs_dir: str | None = None,
+        dfs_bytes: int = 0,
     ) -> None:
         self.config = config
         # Check every structure after every request (KVPOOL_DEBUG_INVARIANTS=1): O(n) each.
@@ -77,33 +115,77 @@ class MasterServer:
         self.port = port
         self.http_port = http_port
         self._key = auth.cluster_key(token) if token else None
+        self._seed = seed
         self.service = MasterService(config, random.Random(seed), self._key)
         self.metrics = MasterMetrics(self.service)
+        self.advertise_host = advertise_host
+        self._election = election
+        self.elector: Elector | None = None
+        self._takeover: Takeover | None = None
         self._node_conns: dict[str, Connection] = {}
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
         self._server: Listener | None = None
         self._http = None
         self._tick_task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
+        self._move_tasks: set[asyncio.Task[None]] = set()
+        self._dfs_dir = dfs_dir
+        self._dfs_bytes = dfs_bytes
+        self._dfs: DfsDirectory | None = None
+        self._dfs_info: SegmentInfo | None = None
+        self._dfs_service: MasterService | None = None
 
     def __repr__(self) -> str:
-        return f"<MasterServer {self.endpoint} nodes={len(self._node_conns)}>"
+        return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_conns)}>"
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def advertised_endpoint(self) -> str:
+        """What the leader record tells clients and nodes to dial."""
+        host = self.advertise_host or self.host
+        if host in _WILDCARD_HOSTS:
+            host = socket.gethostname()
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def role(self) -> str:
+        """"single" (no election), "leader", "recovering" (leader, takeover not over) or "standby"."""
+        if self.elector is None:
+            return "single"
+        if not self.elector.is_leader():
+            return "standby"
+        takeover = self._takeover
+        return "leader" if takeover is None or takeover.is_open(wall_clock_ms()) else "recovering"
+
     async def start(self) -> None:
+        if self._dfs_dir:
+            await self._open_dfs()
+            await self._ensure_dfs()
         self._server = await start_server(self.host, self.port, self, key=self._key, name="master")
         self.port = self._server.port
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
         log.info("master listening on %s (auth %s)", self.endpoint, "on" if self._key else "off")
+        if self._election is not None:
+            http = f"{self.advertised_endpoint.rpartition(':')[0]}:{self.http_port or 0}"
+            record = LeaderRecord(self.advertised_endpoint, http, secrets.token_hex(6))
+            self.elector = Elector(self._election, record, self)
+            self.elector.start()
+            log.info("master %s is a candidate of cluster %s (etcd %s)", record.endpoint,
+                     self._election.cluster_id, ",".join(self._election.etcd_endpoints))  # fmt: skip
 
     async def stop(self) -> None:
+        if self.elector is not None:
+            await self.elector.stop()  # A leader revokes its lease: a standby takes over now.
         if self._tick_task is not None:
             self._tick_task.cancel()
+        for task in list(self._move_tasks):
+            task.cancel()
         if self._server is not None:
             await self._server.close()
         if self._http is not None:
@@ -139,6 +221,8 @@ class MasterServer:
 
     def _dispatch(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         now_ms = wall_clock_ms()
+        if self.elector is not None:
+            self._check_leading(message, now_ms)
         service = self.service
         self.metrics.count_request(type(message).__name__)
         match message:
@@ -169,6 +253,8 @@ class MasterServer:
             case MountSegment():
                 reply = service.mount_segment(message, now_ms)
                 self._node_conns[message.segment.segment_id] = conn
+                if self._takeover is not None:
+                    self._takeover.mounted(message.segment.segment_id)
                 log.info(
                     "mounted segment %s of %s (%d bytes, %d objects re-adopted, %d rejected)",
                     message.segment.segment_id, message.segment.endpoint,
@@ -192,21 +278,32 @@ class MasterServer:
     # --- flows that call nodes ----------------------------------------------------------------
 
     def _put_start(self, message: PutStart) -> PutStartReply | Awaitable[PutStartReply]:
-        reply = self.service.put_start(message, wall_clock_ms())
+        service = self.service
+        reply = service.put_start(message, wall_clock_ms())
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
         # Room is coming if eviction scheduled drops, or drops are in flight (a tick's flush
         # holds the lock): wait for their acknowledgements, then try those keys once more.
-        is_room_coming = self.service.has_pending_drops() or self._flush_lock.locked()
+        is_room_coming = service.has_pending_drops() or self._flush_lock.locked()
+        # ... or moves (offloads to a slower tier) are on their way: their drops will follow.
+        is_room_coming = is_room_coming or service.has_unsent_moves() or bool(self._move_tasks)
         if not retry or not is_room_coming:
             return reply  # the common case answers at once, without a task
-        return self._put_start_after_drops(message, reply, retry)
+        return self._put_start_after_drops(service, message, reply, retry)
 
     async def _put_start_after_drops(
-        self, message: PutStart, reply: PutStartReply, retry: list[int]
+        self, service: MasterService, message: PutStart, reply: PutStartReply, retry: list[int]
     ) -> PutStartReply:
         # Eviction scheduled drops; their space is free once the nodes forgot the objects.
+        # Offloads free theirs once copied: wait (bounded) for them, then flush their drops.
+        if service.has_unsent_moves() or self._move_tasks:
+            self._send_moves()
+            tasks = list(self._move_tasks)
+            if tasks:
+                await asyncio.wait(tasks, timeout=PUT_ROOM_WAIT_MS / 1000)
         await self._flush_drops()
-        again = self.service.put_start(
+        if service is not self.service:
+            return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
+        again = service.put_start(
             PutStart(
                 [message.keys[i] for i in retry],
                 [message.sizes[i] for i in retry],
@@ -222,18 +319,27 @@ class MasterServer:
         return reply
 
     async def _put_end(self, message: PutEnd) -> CodesReply:
-        pending = self.service.put_end(message, wall_clock_ms())
+        # The term's service finishes what it started, even if the term ends meanwhile: a
+        # commit that reached a node is in its inventory and re-mounts with it, one that did
+        # not is reported failed, so the reply stays true in the next term too.
+        service = self.service
+        pending = service.put_end(message, wall_clock_ms())
         segment_ids = list(pending.commits)
         outcomes = await asyncio.gather(
             *(self._commit(s, pending.commits[s]) for s in segment_ids)
         )
         results = dict(zip(segment_ids, outcomes))
-        return self.service.finish_put_end(pending, results, wall_clock_ms())
+        reply = service.finish_put_end(pending, results, wall_clock_ms())
+        copies = service.start_copies(pending, reply, wall_clock_ms())
+        if copies:
+            # Write-through: the put returns once its copies are on disk (or DFS), or failed.
+            await asyncio.gather(*(self._move(service, s, items) for s, items in copies.items()))
+        return reply
 
     async def _commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int]:
         failed = [int(ErrorCode.TRANSFER_FAIL)] * len(entries)
         conn = self._node_conns.get(segment_id)
-        if conn is None:
+        if conn is None or not self._is_leading():
             return failed
         try:
             reply = await conn.request(
@@ -251,36 +357,179 @@ class MasterServer:
     async def _flush_drops(self) -> None:
         """Send the service's drop outbox; ranges are freed as each node acknowledges."""
         async with self._flush_lock:
-            for segment_id, entries in self.service.take_drops().items():
+            service = self.service
+            for segment_id, entries in service.take_drops().items():
                 self._unsent_drops.setdefault(segment_id, []).extend(entries)
             batches = list(self._unsent_drops.items())
             self._unsent_drops = {}
-            await asyncio.gather(*(self._drop(s, e) for s, e in batches))
+            dfs_id = self._dfs_info.segment_id if self._dfs_info is not None else None
+            await asyncio.gather(
+                *(self._drop_dfs(service, e) if s == dfs_id else self._drop(service, s, e) for s, e in batches)
+            )
 
-    async def _drop(self, segment_id: str, entries: list[InventoryEntry]) -> None:
+    async def _drop(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
         conn = self._node_conns.get(segment_id)
         sent = 0
         if conn is not None:
             try:
                 while sent < len(entries):
+                    if service is not self.service or not self._is_leading():
+                        return  # The term is over: its drops die with its state.
                     chunk = entries[sent : sent + limits.BATCH_KEYS_MAX]
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
-                    self.service.drops_done(segment_id, chunk, wall_clock_ms())
+                    service.drops_done(segment_id, chunk, wall_clock_ms())
                     sent += len(chunk)
             except KVPoolError as exc:
                 log.info("drop on segment %s deferred: %s", segment_id, exc)
-        if sent < len(entries) and self.service.has_segment(segment_id):
+        if sent < len(entries) and service is self.service and service.has_segment(segment_id):
             # Kept until the node is back, or its segment is gone (the ranges go with it).
             self._unsent_drops.setdefault(segment_id, []).extend(entries[sent:])
 
     async def _tick_forever(self) -> None:
         while True:  # Runs until stop() cancels it.
             await asyncio.sleep(TICK_INTERVAL_MS / 1000)
+            if self._dfs is not None and self._is_leading():
+                await self._ensure_dfs()
+            if self.elector is not None and self.role != "leader":
+                continue  # A standby keeps no state; a new leader waits for its nodes first.
             try:
                 self.service.tick(wall_clock_ms())
+                self._send_moves()
                 await self._flush_drops()
                 if self.debug_invariants:
                     self.service.check_invariants()
             except KVPoolError as exc:
                 log.warning("tick: %s", exc)
 
+
+    # --- tiers: moves and the DFS (docs/tiers.md) ---------------------------------------------
+
+    def _send_moves(self) -> None:
+        """Send the service's move outbox in the background (a move may take seconds)."""
+        service = self.service
+        for segment_id, items in service.take_moves().items():
+            task = asyncio.get_running_loop().create_task(self._move(service, segment_id, items))
+            self._move_tasks.add(task)
+            task.add_done_callback(self._move_tasks.discard)
+
+    async def _move(self, service: MasterService, segment_id: str, items: list[MoveItem]) -> None:
+        """One node's moves, in requests of at most MOVE_ITEMS_PER_REQUEST_MAX items; every
+        item gets a code back into `service` (TRANSFER_FAIL when its request failed)."""
+        conn = self._node_conns.get(segment_id)
+        for start in range(0, len(items), limits.MOVE_ITEMS_PER_REQUEST_MAX):
+            chunk = items[start : start + limits.MOVE_ITEMS_PER_REQUEST_MAX]
+            codes = [int(ErrorCode.TRANSFER_FAIL)] * len(chunk)
+            if conn is not None and self._is_leading() and service is self.service:
+                try:
+                    reply = await conn.request(MoveObjects(chunk), timeout_ms=limits.MOVE_TIMEOUT_MS)
+                    if isinstance(reply, CodesReply) and len(reply.codes) == len(chunk):
+                        codes = reply.codes
+                except KVPoolError as exc:
+                    log.warning("moves on segment %s failed: %s", segment_id, exc)
+            service.finish_moves(segment_id, chunk, codes, wall_clock_ms())
+        if service is self.service and service.has_pending_drops():
+            await self._flush_drops()  # The offloaded replicas: their room is what puts wait for.
+
+    async def _open_dfs(self) -> None:
+        assert self._dfs_dir
+        path = self._dfs_dir
+        capacity_bytes = self._dfs_bytes
+        await asyncio.to_thread(files.make_directory, Path(path))
+        if not capacity_bytes:
+            filesystem_bytes = await asyncio.to_thread(files.statvfs_bytes, Path(path))
+            capacity_bytes = min(filesystem_bytes, limits.SEGMENT_SIZE_BYTES_MAX)
+        self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, path, capacity_bytes)
+        identity = self._dfs.identity()
+        assert identity is not None
+        self._dfs_info = SegmentInfo(
+            segment_id=identity.segment_id, node_id="dfs", hostname="", endpoint="",
+            shm_path=str(self._dfs.path), shm_token=identity.token,
+            capacity_bytes=identity.capacity_bytes, tier=TIER_DFS,
+        )  # fmt: skip
+
+    async def _ensure_dfs(self) -> None:
+        """Mount the DFS in the current service (once per service: at start, each new term),
+        from a scan of its files, and keep it alive (it has no node to heartbeat for it)."""
+        service, dfs, info = self.service, self._dfs, self._dfs_info
+        assert dfs is not None and info is not None
+        if self._dfs_service is service and service.has_segment(info.segment_id):
+            service.heartbeat(Heartbeat([info.segment_id]), wall_clock_ms())
+            return
+        entries = await asyncio.to_thread(lambda: list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)))
+        if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
+            return  # A new term began during the scan (or another call mounted it): next tick.
+        rejected: list[InventoryEntry] = []
+        for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
+            reply = service.mount_segment(MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK]), wall_clock_ms())
+            rejected.extend(reply.rejected)
+        self._dfs_service = service
+        if self._takeover is not None:
+            self._takeover.mounted(info.segment_id)
+        log.info("mounted the DFS %s at %s: %d objects, %d files rejected", info.segment_id, dfs.path,
+                 len(entries) - len(rejected), len(rejected))  # fmt: skip
+        if rejected:
+            await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in rejected])
+
+    async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
+        """Remove DFS files of dropped replicas, then free their ranges."""
+        dfs, info = self._dfs, self._dfs_info
+        assert dfs is not None and info is not None
+        try:
+            await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in entries])
+        except KVPoolError as exc:
+            log.warning("removing DFS files failed (kept for the next flush): %s", exc)
+            if service is self.service:
+                self._unsent_drops.setdefault(info.segment_id, []).extend(entries)
+            return
+        service.drops_done(info.segment_id, entries, wall_clock_ms())
+
+    # --- high availability (election.py calls these; see the module docstring) --------------
+
+    def _is_leading(self) -> bool:
+        return self.elector is None or self.elector.is_leader()
+
+    def _check_leading(self, message: Message, now_ms: int) -> None:
+        """Raise NotLeader unless this master may answer `message` now."""
+        elector = self.elector
+        assert elector is not None
+        if not elector.is_leader():
+            leader = elector.leader
+            where = f"; the leader is {leader.endpoint}" if leader is not None else ""
+            raise NotLeader(f"master {self.advertised_endpoint} is not the leader of cluster "
+                            f"{elector.config.cluster_id}{where}")  # fmt: skip
+        takeover = self._takeover
+        if takeover is not None and isinstance(message, _TAKEOVER_REFUSED) and not takeover.is_open(now_ms):
+            raise NotLeader(
+                f"new leader {self.advertised_endpoint} takes {type(message).__name__} once "
+                f"{takeover.waiting_count()} more node(s) re-mount, within "
+                f"{takeover.remaining_ms(now_ms)} ms"
+            )
+
+    def elected(self, term: int, expected_segment_ids: list[str] | None) -> None:
+        self._new_term()
+        self._takeover = Takeover(expected_segment_ids, wall_clock_ms(), self.config.remount_grace_ms)
+        log.info("master %s leads (term %d); waiting for %s segment(s) to re-mount before "
+                 "taking puts (at most %d ms)", self.advertised_endpoint, term,
+                 "unknown" if expected_segment_ids is None else len(expected_segment_ids),
+                 self.config.remount_grace_ms)  # fmt: skip
+
+    def deposed(self, reason: str) -> None:
+        # Requests were refused from the deadline on; now end every conversation of the term
+        # so that clients and nodes look for the new leader, and forget the term's state.
+        if self._server is not None:
+            for conn in list(self._server.connections):
+                conn.close(f"master stepped down: {reason}")
+        self._new_term()
+        self._takeover = None
+
+    def live_segment_ids(self) -> list[str] | None:
+        takeover = self._takeover
+        if takeover is None or not takeover.is_open(wall_clock_ms()):
+            return None
+        return [counters.segment_id for counters in self.service.segment_counters()]
+
+    def _new_term(self) -> None:
+        self.service = MasterService(self.config, random.Random(self._seed), self._key)
+        self.metrics = MasterMetrics(self.service)
+        self._node_conns = {}
+        self._unsent_drops = {}

@@ -36,6 +36,7 @@ from kvpool.master.eviction import (
     EVICT_SHORTFALL_BACKOFF_MS,
     EvictionPolicy,
     LruPolicy,
+    make_policy,
     select_above_watermark,
     select_for_room,
 )
@@ -51,8 +52,11 @@ from kvpool.master.metadata import (
     replica_segment_index,
 )
 from kvpool.master.puts import PendingCommit, PutFlow
+from kvpool.master.tiers import SLOWER_TIERS, Move, TierFlow
 from kvpool.protocol.messages import (
     PLACEMENTS,
+    TIER_DRAM,
+    TIERS,
     ClusterStatus,
     ClusterStatusReply,
     CodesReply,
@@ -70,6 +74,7 @@ from kvpool.protocol.messages import (
     LongestPrefix,
     MountReply,
     MountSegment,
+    MoveItem,
     OkReply,
     PutEnd,
     PutRevoke,
@@ -84,6 +89,7 @@ from kvpool.protocol.messages import (
     ReplicateConfig,
     SegmentInfo,
     SegmentStatus,
+    TierStatus,
     UnmountSegment,
 )
 
@@ -103,7 +109,7 @@ class MasterService:
         config: timeouts, TTLs and watermarks.
         rng: the only source of randomness (placement).
         cluster_key: signs write grants (auth.cluster_key); None in a cluster without a token.
-        policy: eviction order; LRU by last access when None.
+        policy: eviction order; eviction.POLICY_DEFAULT (probation LRU) when None.
     """
 
     def __init__(
@@ -116,7 +122,11 @@ class MasterService:
         self.config = config
         self.counters = MasterCounters()
         self._registry = SegmentRegistry()
-        self._table = ObjectTable(policy if policy is not None else LruPolicy())
+        # DRAM eviction follows `policy`; each slower tier has its own LRU (docs/tiers.md).
+        self._table = ObjectTable(
+            policy if policy is not None else make_policy(),
+            {tier: LruPolicy() for tier in SLOWER_TIERS},
+        )
         self._quarantine = Quarantine()
         # Set when an eviction fell short (everything leased or pinned): see eviction.py.
         self._evict_for_room_after_ms = 0
@@ -124,12 +134,13 @@ class MasterService:
         self._puts = PutFlow(
             config, rng, cluster_key, self._registry, self._table, self._quarantine, self.counters
         )
+        self._tiers = TierFlow(config, rng, self._registry, self._table, self._evict)
 
     # --- gauges -------------------------------------------------------------------------
 
     @property
     def object_count(self) -> int:
-        return len(self._table.objects)
+        return len(self._table)
 
     @property
     def pending_count(self) -> int:
@@ -171,9 +182,12 @@ class MasterService:
         info = msg.segment
         self._check_segment_info(info)
         segment = self._registry.get(info.segment_id)
+        if segment is not None and self._is_new_incarnation(segment.info, info):
+            self._unmount(segment)  # A restarted node's disk tier: its inventory is the truth.
+            segment = None
         if segment is not None:
             old = segment.info
-            if old.node_id != info.node_id or old.capacity_bytes != info.capacity_bytes:
+            if old.node_id != info.node_id or old.capacity_bytes != info.capacity_bytes or old.tier != info.tier:
                 raise self._count_error(
                     SegmentAlreadyExists(
                         f"segment {info.segment_id!r} is mounted by node {old.node_id!r} "
@@ -254,9 +268,8 @@ class MasterService:
             victims, is_short = select_for_room(
                 self._table.policy, self._registry.active, shortfall_bytes, now_ms
             )
-            for key in victims:
-                self._evict(key)
-            if is_short:
+            is_done = self._tiers.demote_all(victims, TIER_DRAM, now_ms)
+            if is_short or not is_done:
                 self._evict_for_room_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return reply
 
@@ -321,7 +334,7 @@ class MasterService:
         keys = msg.keys
         self._check_batch(keys)
         table = self._table
-        objects, pending = table.objects, table.pending
+        objects, lower, pending = table.objects, table.lower, table.pending
         by_index = self._registry.by_index
         lease_ttl_ms, soft_pin_ttl_ms = self.config.lease_ttl_ms, self.config.soft_pin_ttl_ms
         codes_out: list[int] = []
@@ -330,14 +343,23 @@ class MasterService:
         replica_lists: list[list[Replica]] = []
         infos: dict[str, SegmentInfo] = {}
         hits = 0
+        tier_counters = self._tiers.counters
+        dram_hits = 0
         for key in keys:
             meta = objects.get(key)
-            if meta is None:
-                codes_out.append(codes.REPLICA_IS_NOT_READY if key in pending else codes.OBJECT_NOT_FOUND)
-                sizes.append(0)
-                checksums.append(0)
-                replica_lists.append([])
-                continue
+            if meta is not None:
+                dram_hits += 1
+            else:
+                meta = lower.get(key)
+                if meta is None:
+                    codes_out.append(codes.REPLICA_IS_NOT_READY if key in pending else codes.OBJECT_NOT_FOUND)
+                    sizes.append(0)
+                    checksums.append(0)
+                    replica_lists.append([])
+                    continue
+                # Not in DRAM: served from a slower tier, and counted towards a promotion.
+                tier_counters[self._tiers.tier_of_nearest(meta)].hits += 1
+                self._tiers.count_read(key, now_ms)
             hits += 1
             table.access(key, meta, now_ms, lease_ttl_ms, soft_pin_ttl_ms)
             replicas = []
@@ -352,6 +374,7 @@ class MasterService:
         self.counters.gets += len(keys)
         self.counters.hits += hits
         self.counters.misses += len(keys) - hits
+        tier_counters[TIER_DRAM].hits += dram_hits
         return GetReplicaListReply(codes_out, sizes, checksums, replica_lists, lease_ttl_ms, infos)
 
     def exist_keys(self, msg: ExistKeys, now_ms: int) -> ExistsReply:
@@ -362,8 +385,8 @@ class MasterService:
             InvalidParams: too many keys.
         """
         self._check_batch(msg.keys)
-        objects = self._table.objects
-        return ExistsReply([key in objects for key in msg.keys])
+        objects, lower = self._table.objects, self._table.lower
+        return ExistsReply([key in objects or key in lower for key in msg.keys])
 
     def longest_prefix(self, msg: LongestPrefix, now_ms: int) -> CountReply:
         """The number of leading keys that are complete objects (no lease, not an access).
@@ -372,10 +395,10 @@ class MasterService:
             InvalidParams: too many keys.
         """
         self._check_batch(msg.keys)
-        objects = self._table.objects
+        objects, lower = self._table.objects, self._table.lower
         count = 0
         for key in msg.keys:
-            if key not in objects:
+            if key not in objects and key not in lower:
                 break
             count += 1
         return CountReply(count)
@@ -392,7 +415,7 @@ class MasterService:
         sizes: list[int] = []
         replica_lists: list[list[Replica]] = []
         for key in msg.keys:
-            meta = table.objects.get(key)
+            meta = table.get(key)
             if meta is None:
                 codes_out.append(
                     codes.REPLICA_IS_NOT_READY if key in table.pending else codes.OBJECT_NOT_FOUND
@@ -420,7 +443,7 @@ class MasterService:
         keys: list[str] = []
         sizes: list[int] = []
         truncated = False
-        for key, meta in self._table.objects.items():
+        for key, meta in self._table.items():
             if search is not None and search(key) is None:
                 continue
             if len(keys) == msg.limit:
@@ -436,7 +459,8 @@ class MasterService:
             for seg in self._registry
         ]
         return ClusterStatusReply(
-            statuses, len(self._table.objects), len(self._table.pending), self.counters.evictions
+            statuses, len(self._table), len(self._table.pending), self.counters.evictions,
+            self._tier_statuses(),
         )
 
     # --- client side: removes -----------------------------------------------------------
@@ -456,7 +480,7 @@ class MasterService:
         table = self._table
         codes_out: list[int] = []
         for key in msg.keys:
-            meta = table.objects.get(key)
+            meta = table.get(key)
             if meta is not None:
                 if not msg.force and meta.has_lease(now_ms):
                     codes_out.append(codes.OBJECT_HAS_LEASE)
@@ -512,10 +536,78 @@ class MasterService:
                 config.evict_ratio,
                 now_ms,
             )
-            for key in victims:
-                self._evict(key)
-            if is_short:
+            is_done = self._tiers.demote_all(victims, TIER_DRAM, now_ms)
+            if is_short or not is_done:
                 self._evict_watermark_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+        self._tiers.evict_above_watermark(now_ms)
+        self._tiers.promote_due(now_ms)
+
+    # --- tiers: moves outbox (docs/tiers.md) ---------------------------------------------
+
+    def take_moves(self) -> dict[str, list[MoveItem]]:
+        """Per segment id (whose node runs them), the moves started since the last call:
+        offloads (eviction), promotions (tick). Send each list as MoveObjects on that segment's
+        node connection, then pass the codes to finish_moves. O(moves taken)."""
+        return self._tiers.moves.take_unsent()
+
+    def has_unsent_moves(self) -> bool:
+        return self._tiers.moves.has_unsent()
+
+    def moves_in_flight(self) -> int:
+        return len(self._tiers.moves)
+
+    def start_copies(self, pending: PendingCommit, reply: CodesReply, now_ms: int) -> dict[str, list[MoveItem]]:
+        """After finish_put_end: the write-through copies its puts asked for
+        (with_disk_copy, with_dfs_copy), per segment id of the node that copies them. The put's
+        reply waits for them (finish_moves) but does not depend on them: an object whose copy
+        failed is still stored."""
+        moves: list[Move] = []
+        for index in pending.awaiting:
+            key = pending.keys[index]
+            copy_tiers = pending.puts[key].copy_tiers
+            if copy_tiers and reply.codes[index] == codes.OK:
+                move = self._tiers.start_copy(key, copy_tiers, now_ms)
+                if move is not None:
+                    moves.append(move)
+        return self._tiers.moves.take(moves) if moves else {}
+
+    def finish_moves(self, segment_id: str, items: list[MoveItem], results: list[int], now_ms: int) -> None:
+        """The node's codes for the items sent to `segment_id` (TRANSFER_FAIL for each item
+        when the request failed). A successful offload drops the replicas it replaced (unless
+        a reader holds a lease), a promotion or copy adds a replica; a failed one frees its
+        target. Items already finished or unknown are ignored."""
+        if len(results) != len(items):
+            results = [int(codes.TRANSFER_FAIL)] * len(items)
+        self._tiers.finish(items, results, now_ms)
+
+    def _is_new_incarnation(self, old: SegmentInfo, info: SegmentInfo) -> bool:
+        """A slower tier mounted again by a new node (a restart with the same directory): the
+        same id and token, proven by the directory's identity file, under another node id."""
+        return (
+            old.tier != TIER_DRAM
+            and info.tier == old.tier
+            and old.node_id != info.node_id
+            and bool(info.shm_token)
+            and old.shm_token == info.shm_token
+            and old.capacity_bytes == info.capacity_bytes
+        )
+
+    def _tier_statuses(self) -> list[TierStatus]:
+        statuses = {tier: TierStatus(tier) for tier in TIERS}
+        for segment in self._registry:
+            status = statuses.get(segment.tier)
+            if status is None:
+                continue
+            status.capacity_bytes += segment.allocator.capacity_bytes
+            status.used_bytes += segment.allocator.used_bytes
+            status.object_count += segment.object_count
+        for tier, counters in self._tiers.counters.items():
+            status = statuses[tier]
+            status.hits = counters.hits
+            status.offloads = counters.offloads
+            status.promotions = counters.promotions
+            status.evictions = counters.evictions
+        return list(statuses.values())
 
     # --- drops outbox -------------------------------------------------------------------
 
@@ -550,12 +642,14 @@ class MasterService:
         table.check_invariants()
         ranges: dict[int, list[tuple[int, int]]] = {seg.index: [] for seg in registry}
         object_counts: dict[int, int] = {seg.index: 0 for seg in registry}
-        for key, meta in table.objects.items():
+        for key, meta in table.items():
             for packed in meta.replica_tuple():
                 index = replica_segment_index(packed)
                 assert index in ranges, f"{key!r} has a replica on unmounted segment #{index}"
                 ranges[index].append((replica_offset(packed), meta.size_bytes))
                 object_counts[index] += 1
+        for segment, offset, size_bytes, _ in self._tiers.iter_held_ranges():
+            ranges[segment.index].append((offset, size_bytes))
         for key, put in table.pending.items():
             segment_ids = [seg.segment_id for seg, _ in put.replicas]
             assert len(set(segment_ids)) == len(segment_ids), f"{key!r}: two replicas on one segment"
@@ -566,13 +660,14 @@ class MasterService:
             assert segment.object_count == object_counts[segment.index], segment
             segment.check_invariants(ranges[segment.index])
         self._quarantine.check_invariants(registry)
+        self._tiers.check_invariants()
         for name, value in dataclasses.asdict(self.counters).items():
             assert value >= 0, (name, value)
         assert self.counters.hits + self.counters.misses == self.counters.gets, self.counters
 
     def __repr__(self) -> str:
         return (
-            f"<MasterService segments={len(self._registry)} objects={len(self._table.objects)} "
+            f"<MasterService segments={len(self._registry)} objects={len(self._table)} "
             f"pending={len(self._table.pending)} quarantined={len(self._quarantine)}>"
         )
 
@@ -597,6 +692,8 @@ class MasterService:
             raise self._count_error(InvalidParams("too many preferred segments"))
 
     def _check_segment_info(self, info: SegmentInfo) -> None:
+        if info.tier not in TIERS:
+            raise self._count_error(InvalidParams(f"segment tier {info.tier!r} not one of {TIERS}"))
         if not is_valid_key(info.segment_id) or not isinstance(info.node_id, str) or not info.node_id:
             raise self._count_error(
                 InvalidParams(f"bad segment or node id: {info.segment_id!r} {info.node_id!r}")
@@ -654,7 +751,7 @@ class MasterService:
                 else:
                     rejected.append(entry)
                 continue
-            meta = table.objects.get(key)
+            meta = table.get(key)
             if not is_valid_checksum(checksum) or key in table.pending:
                 rejected.append(entry)  # A put of it in flight would race the node's copy.
             elif meta is not None and (meta.size_bytes != size or meta.checksum != checksum):
@@ -672,11 +769,12 @@ class MasterService:
                 rejected.append(entry)
                 continue
             packed = pack_replica(segment.index, entry.offset)
-            meta = table.objects.get(entry.key)
+            meta = table.get(entry.key)
             if meta is None:
-                table.insert(entry.key, ObjectMeta(entry.size, entry.checksum, packed))
+                table.insert(entry.key, ObjectMeta(entry.size, entry.checksum, packed), (segment.tier,))
             else:
                 meta.set_replicas([*meta.replica_tuple(), packed])
+                self._tiers.place(entry.key, meta)
             segment.object_count += 1
         if repeats:
             rejected_ids = {id(entry) for entry in rejected}
@@ -698,18 +796,21 @@ class MasterService:
         ]
 
     def _drop_object(self, key: str) -> ObjectMeta:
-        """Remove a complete object; each replica goes to its segment's drop outbox."""
+        """Remove a complete object; each replica goes to its segment's drop outbox (but the
+        ranges a move of it holds: the move drops those when it ends, tiers.py)."""
         meta = self._table.remove(key)
+        held = self._tiers.release_for_removal(key)
         for packed in meta.replica_tuple():
             segment = self._registry.by_index(replica_segment_index(packed))
-            segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
             segment.object_count -= 1
+            if packed not in held:
+                segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
         return meta
 
     def _remove_where(self, matches, force: bool, now_ms: int) -> int:
         doomed = [
             key
-            for key, meta in self._table.objects.items()
+            for key, meta in self._table.items()
             if matches(key) and (force or not meta.has_lease(now_ms))
         ]
         for key in doomed:
@@ -723,13 +824,15 @@ class MasterService:
         index = segment.index
         table = self._table
         if segment.object_count:
-            hit = [(key, meta) for key, meta in table.objects.items() if meta.has_replica_on(index)]
+            hit = [(key, meta) for key, meta in table.items() if meta.has_replica_on(index)]
             for key, meta in hit:
                 remaining = [r for r in meta.replica_tuple() if replica_segment_index(r) != index]
                 if remaining:
                     meta.set_replicas(remaining)
+                    self._tiers.place(key, meta)
                 else:
                     table.remove(key)
+                    self._tiers.promotions.forget(key)
                     self.counters.lost += 1
         for put in table.pending.values():
             if any(seg is segment for seg, _ in put.replicas):

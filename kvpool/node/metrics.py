@@ -129,3 +129,41 @@ class MetricsServer:
 
     async def _get_health(self, request: web.Request) -> web.Response:
         return web.Response(text=json.dumps(self._health()), content_type="application/json")
+
+
+class TierMetrics:
+    """The node's disk and DFS tier metrics, in the node's registry (appended with the tiers).
+
+    Names (prefixed kvpool_node_): disk_capacity_bytes, disk_used_bytes, disk_objects (gauges
+    read at scrape time), disk_read_bytes_total and disk_read_requests_total (bytes and items
+    clients read from the disk tier), moves_total{src,dst,result} and move_bytes_total{src,dst}
+    (copies between tiers the master asked for: offloads, promotions, write-through), and
+    move_queue_bytes (bytes of moves admitted and not finished).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.disk_capacity_bytes = Gauge(_PREFIX + "disk_capacity_bytes", "Bytes of the disk tier.", registry=r)
+        self.disk_used_bytes = Gauge(_PREFIX + "disk_used_bytes", "Bytes of objects on the disk tier.", registry=r)
+        self.disk_objects = Gauge(_PREFIX + "disk_objects", "Objects on the disk tier.", registry=r)
+        self.disk_read_bytes = Counter(
+            _PREFIX + "disk_read_bytes", "Bytes clients read from the disk tier.", registry=r
+        )
+        self.disk_read_requests = Counter(
+            _PREFIX + "disk_read_requests", "Read items served from the disk tier.", registry=r
+        )
+        self.moves = Counter(
+            _PREFIX + "moves", "Copies between tiers, by source, destination and result.",
+            ["src", "dst", "result"], registry=r,
+        )  # fmt: skip
+        self.move_bytes = Counter(
+            _PREFIX + "move_bytes", "Bytes copied between tiers.", ["src", "dst"], registry=r
+        )
+        self.move_queue_bytes = Gauge(
+            _PREFIX + "move_queue_bytes", "Bytes of moves admitted and not finished.", registry=r
+        )
+
+    def track_disk(self, capacity_bytes: int, used_bytes: Callable[[], float], objects: Callable[[], float]) -> None:
+        self.disk_capacity_bytes.set(capacity_bytes)
+        self.disk_used_bytes.set_function(used_bytes)
+        self.disk_objects.set_function(objects)

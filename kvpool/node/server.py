@@ -13,6 +13,8 @@ Life of a node:
     master link (until stop): every heartbeat_interval_ms Heartbeat([segment_id]);
               reply says "unknown" (master restarted) ─► re-mount with the whole inventory;
               link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount.
+              With `etcd://...` each reconnect dials the leader etcd names (discovery.py),
+              looking again at most every MASTER_RESOLVE_BACKOFF_MS_MAX during a failover.
               Reads and writes keep being served whatever the master's state.
     drain():  DrainSegment ─► wait (still serving reads) ─► UnmountSegment
     stop():   UnmountSegment ─► close server and connections ─► close segment (unlinks file)
@@ -35,10 +37,14 @@ from typing import Any, TypeVar
 
 from kvpool import limits
 from kvpool.config import NodeConfig
+from kvpool.discovery import MasterResolver, parse_master_address
 from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, Unauthorized
+from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
-from kvpool.node.metrics import MetricsServer, NodeMetrics
+from kvpool.node.metrics import MetricsServer, NodeMetrics, TierMetrics
+from kvpool.node.moves import Mover
 from kvpool.node.segment import Segment, remove_stale_segments
+from kvpool.node.tiered import TieredMasterCalls, TieredTransferHandler
 from kvpool.node.transfer import MasterCallHandler, TransferHandler, wall_clock_ms
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -57,9 +63,9 @@ from kvpool.transports.connection import (
     Listener,
     connect,
     is_loopback,
-    split_endpoint,
     start_server,
 )
+from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +122,18 @@ class Node:
         self._segment_info: SegmentInfo | None = None
         self._inventory: Inventory | None = None
         self._transfer: TransferHandler | None = None
-        self._master_calls: MasterCallHandler | None = None
+        self._master_calls: TieredMasterCalls | None = None
+        # The slower tiers (docs/tiers.md): the disk tier, if configured, mounts as a second
+        # segment on the same master link; moves between tiers run on the mover's threads.
+        self._disk: DiskTier | None = None
+        self._disk_info: SegmentInfo | None = None
+        self._mover: Mover | None = None
+        self.tier_metrics = TierMetrics(self.metrics.registry)
         self._server: Listener | None = None
         self._metrics_server: MetricsServer | None = None
         self._endpoint = ""
         self._master_conn: Connection | None = None
+        self._resolver: MasterResolver | None = None  # set by start()
         self._master_task: asyncio.Task[None] | None = None
         self._mounted = asyncio.Event()
         self._first_attempt = asyncio.Event()
@@ -158,6 +171,15 @@ class Node:
         """What the node mounts on the master, and what clients are told (set by start)."""
         assert self._segment_info is not None, "Node.segment_info read before start()"
         return self._segment_info
+
+    @property
+    def disk_info(self) -> SegmentInfo | None:
+        """The disk tier's segment (set by start), or None without a disk tier."""
+        return self._disk_info
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self._disk
 
     @property
     def segment(self) -> Segment:
@@ -204,7 +226,8 @@ class Node:
 
     async def _start(self) -> None:
         config = self.config
-        master_host, _ = split_endpoint(config.master_endpoint)
+        self._resolver = MasterResolver(parse_master_address(config.master_endpoint))
+        master_host = self._resolver.address.probe_host
         if self._key is None and not is_loopback(config.listen_host):
             # start_server refuses too; saying it first leaves no segment file behind.
             raise Unauthorized(
@@ -223,12 +246,22 @@ class Node:
             self._segment, self._segment_id, self._inventory, self.metrics, key=self._key,
             clock_ms=wall_clock_ms,
         )  # fmt: skip
-        self._master_calls = MasterCallHandler(
-            self._segment, self._segment_id, self._inventory, self.metrics
-        )
+        if config.disk_dir:
+            self._disk = DiskTier.open(config.disk_dir, config.disk_bytes, config.node_id,
+                                       is_durable=config.disk_fsync)  # fmt: skip
+        self._mover = Mover(
+            self._segment, self._segment_id, self._inventory, self._disk,
+            DfsDirectory(config.dfs_dir) if config.dfs_dir else None, self.tier_metrics,
+            is_durable=config.disk_fsync,
+        )  # fmt: skip
+        self._master_calls = TieredMasterCalls(
+            MasterCallHandler(self._segment, self._segment_id, self._inventory, self.metrics),
+            self._disk, self._mover,
+        )  # fmt: skip
         self._server = await start_server(
-            config.listen_host, config.listen_port, self._transfer, key=self._key,
-            name=f"node {config.node_id}",
+            config.listen_host, config.listen_port,
+            TieredTransferHandler(self._transfer, self._disk, self._mover, self.tier_metrics),
+            key=self._key, name=f"node {config.node_id}",
         )  # fmt: skip
         port = self._server.port
         host = await _advertise_host(config, master_host)
@@ -243,6 +276,8 @@ class Node:
             shm_token=self._segment.token if shm_enabled else b"",
             capacity_bytes=self._segment.capacity_bytes,
         )
+        if self._disk is not None:
+            self._disk_info = self._disk.info(config.node_id, config.hostname, self._endpoint, shm_enabled)
         self._init_metrics()
         if config.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics, self._health)
@@ -318,11 +353,14 @@ class Node:
     async def _master_link(self) -> None:
         """Keep the node mounted. Runs until `_leave` is set: the node outlives master outages."""
         backoff_ms = _RECONNECT_BACKOFF_MS_MIN
+        resolver = self._resolver
+        assert resolver is not None, "master link started before start()"
         while not self._leave.is_set():
             conn: Connection | None = None
             try:
+                endpoint = await resolver.resolve(self.config.connect_timeout_ms)
                 conn = await connect(
-                    self.config.master_endpoint, key=self._key, handler=self._master_calls,
+                    endpoint, key=self._key, handler=self._master_calls,
                     timeout_ms=self.config.connect_timeout_ms, name=f"node {self.node_id}",
                 )  # fmt: skip
                 self._master_conn = conn
@@ -339,11 +377,12 @@ class Node:
                 self._master_conn = None
                 if conn is not None:
                     conn.close("master link closed")
+                resolver.forget()  # With etcd: the leader may have changed.
             self._first_attempt.set()
             if self._leave.is_set():
                 return
             delay_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
-            backoff_ms = min(backoff_ms * 2, limits.RECONNECT_BACKOFF_MS_MAX)
+            backoff_ms = min(backoff_ms * 2, resolver.retry_backoff_ms_max)
             try:
                 await asyncio.wait_for(self._leave.wait(), delay_ms / 1000)
             except asyncio.TimeoutError:
@@ -366,11 +405,11 @@ class Node:
                     return
                 reply = _expect(
                     await conn.request(
-                        Heartbeat([self._segment_id]), timeout_ms=self.config.rpc_timeout_ms
+                        Heartbeat(self._segment_ids()), timeout_ms=self.config.rpc_timeout_ms
                     ),
                     HeartbeatReply,
                 )
-                if self._segment_id in reply.unknown_segment_ids:
+                if reply.unknown_segment_ids:
                     log.warning("node %s: master does not know segment %s (restarted?); "
                                 "re-mounting", self.node_id, self._segment_id)  # fmt: skip
                     self._set_unmounted()
@@ -389,19 +428,17 @@ class Node:
             # The master ended our drain by unmounting us: coming back would invite allocations.
             log.info("node %s: drain over, not re-mounting", self.node_id)
             return
+        for info, inventory in self._mounts():
+            for chunk in _inventory_chunks(inventory.entries()):
+                reply = _expect(
+                    await conn.request(MountSegment(info, chunk), timeout_ms=self.config.rpc_timeout_ms),
+                    MountReply,
+                )
+                if reply.rejected:
+                    dropped = await self._drop_rejected(info, reply.rejected)
+                    log.warning("node %s: master rejected %d inventory entries; dropped %d",
+                                self.node_id, len(reply.rejected), dropped)  # fmt: skip
         inventory = self.inventory
-        entries = inventory.entries()
-        for chunk in _inventory_chunks(entries):
-            reply = _expect(
-                await conn.request(
-                    MountSegment(self.segment_info, chunk), timeout_ms=self.config.rpc_timeout_ms
-                ),
-                MountReply,
-            )
-            dropped = inventory.drop(reply.rejected)
-            if reply.rejected:
-                log.warning("node %s: master rejected %d inventory entries; dropped %d",
-                            self.node_id, len(reply.rejected), len(dropped))  # fmt: skip
         self._mounted.set()
         self.metrics.master_connected.set(1)
         self.metrics.mounts.inc()
@@ -424,8 +461,9 @@ class Node:
         if not self.is_mounted:
             return
         try:
-            await conn.request(UnmountSegment(self._segment_id),
-                               timeout_ms=self.config.rpc_timeout_ms)  # fmt: skip
+            for segment_id in self._segment_ids():
+                await conn.request(UnmountSegment(segment_id),
+                                   timeout_ms=self.config.rpc_timeout_ms)  # fmt: skip
         except KVPoolError as exc:
             # The master drops a silent node after its TTL: nothing is lost by carrying on.
             log.warning("node %s: unmount failed (%s); the master will time us out",
@@ -448,6 +486,28 @@ class Node:
         self._mounted.clear()
         self.metrics.master_connected.set(0)
 
+    # --- the node's segments: DRAM, and the disk tier (docs/tiers.md) -------------------------
+
+    def _segment_ids(self) -> list[str]:
+        """Every segment this node mounts: its DRAM segment, then its disk tier."""
+        return [info.segment_id for info, _ in self._mounts()]
+
+    def _mounts(self) -> list[tuple[SegmentInfo, Inventory]]:
+        mounts = [(self.segment_info, self.inventory)]
+        if self._disk is not None and self._disk_info is not None:
+            mounts.append((self._disk_info, self._disk.inventory))
+        return mounts
+
+    async def _drop_rejected(self, info: SegmentInfo, rejected: list[InventoryEntry]) -> int:
+        """Forget inventory entries the master refused (a disk tier removes their files)."""
+        disk = self._disk
+        if disk is not None and info.segment_id == disk.segment_id:
+            assert self._mover is not None
+            paths = disk.forget(rejected)
+            await self._mover.run_in_thread(disk.remove_files, paths)
+            return len(paths)
+        return len(self.inventory.drop(rejected))
+
     # --- teardown, state, metrics ----------------------------------------------------------
 
     async def _teardown(self) -> None:
@@ -465,6 +525,10 @@ class Node:
             await self._server.close(_SERVER_CLOSE_WAIT_MS_MAX)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
+        if self._mover is not None:
+            self._mover.close()
+        if self._disk is not None:
+            self._disk.close()
         if self._segment is not None:
             self._segment.close()
 
@@ -479,6 +543,11 @@ class Node:
         self.metrics.info.labels(
             node_id=self.node_id, segment_id=self._segment_id, endpoint=self._endpoint
         ).set(1)
+        disk = self._disk
+        if disk is not None:
+            self.tier_metrics.track_disk(
+                disk.capacity_bytes, lambda: disk.inventory.used_bytes, lambda: len(disk.inventory)
+            )
 
     def _health(self) -> dict[str, Any]:
         inventory = self._inventory

@@ -9,7 +9,7 @@ Who sends what:
     client -> master   PutStart PutEnd PutRevoke GetReplicaList ExistKeys LongestPrefix
                        Remove RemoveByRegex RemoveAll QueryObjects ListObjects ClusterStatus
     node   -> master   MountSegment Heartbeat UnmountSegment DrainSegment
-    master -> node     CommitObjects DropObjects            (on the node's own connection)
+    master -> node     CommitObjects DropObjects MoveObjects (on the node's own connection)
     client -> node     WriteSlices (+ payload)  ReadSlices (reply + payload)
     server -> client   AuthChallenge, then client AuthResponse, server AuthOk (first frames)
 
@@ -43,9 +43,20 @@ class ReplicateConfig(msgspec.Struct, array_like=True):
     with_hard_pin: bool = False
     placement: str = "random"
     preferred_segments: list[str] = []
+    # Appended with the tiers (docs/tiers.md); old encodings decode with the defaults.
+    # with_disk_copy: put_end returns once a copy is also on the disk tier of the node that
+    # holds the DRAM replica (write-through). with_dfs_copy: likewise on the shared filesystem.
+    with_disk_copy: bool = False
+    with_dfs_copy: bool = False
 
 
 PLACEMENTS = ("random", "free_ratio", "local", "preferred")
+
+# Where a replica lives (SegmentInfo.tier), fastest first: the order a get tries them in.
+TIER_DRAM = "dram"
+TIER_DISK = "disk"
+TIER_DFS = "dfs"
+TIERS = (TIER_DRAM, TIER_DISK, TIER_DFS)
 
 
 class SegmentInfo(msgspec.Struct, array_like=True):
@@ -63,6 +74,11 @@ class SegmentInfo(msgspec.Struct, array_like=True):
     shm_path: str
     shm_token: bytes
     capacity_bytes: int
+    # Appended with the tiers (docs/tiers.md). "dram": a DRAM segment as above. "disk": a
+    # node's disk tier, addressed like a segment (offset: where the master accounts the object
+    # in the tier, which names its file); shm_path is its directory and shm_token the token
+    # of its identity file. "dfs": the shared filesystem (one per cluster, no endpoint).
+    tier: str = TIER_DRAM
 
 
 class Replica(msgspec.Struct, array_like=True):
@@ -97,6 +113,23 @@ class SegmentStatus(msgspec.Struct, array_like=True):
     state: str
     used_bytes: int
     object_count: int
+
+
+class TierStatus(msgspec.Struct, array_like=True):
+    """One tier across the cluster: its mounted segments' capacity and use, and what the
+    master counted since it started. `object_count` counts replicas in the tier; `hits` gets
+    whose nearest replica was in the tier; `offloads` objects moved into it from a faster
+    tier; `promotions` objects copied into it from a slower tier (DRAM only); `evictions`
+    replicas that left it to make room (moved down or dropped)."""
+
+    tier: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    object_count: int = 0
+    hits: int = 0
+    offloads: int = 0
+    promotions: int = 0
+    evictions: int = 0
 
 
 # --- replies --------------------------------------------------------------------------------
@@ -244,6 +277,7 @@ class ClusterStatusReply(Message, tag=27):
     object_count: int
     pending_count: int
     evicted_count: int
+    tiers: list[TierStatus] = []  # appended with the tiers; empty from an older master
 
     def to_dict(self) -> dict:
         """A JSON-ready view with named fields (the wire form is positional)."""
@@ -251,12 +285,14 @@ class ClusterStatusReply(Message, tag=27):
             "object_count": self.object_count,
             "pending_count": self.pending_count,
             "evicted_count": self.evicted_count,
+            "tiers": [msgspec.structs.asdict(t) for t in self.tiers],
             "segments": [
                 {
                     "segment_id": s.segment.segment_id,
                     "node_id": s.segment.node_id,
                     "hostname": s.segment.hostname,
                     "endpoint": s.segment.endpoint,
+                    "tier": s.segment.tier,
                     "state": s.state,
                     "capacity_bytes": s.segment.capacity_bytes,
                     "used_bytes": s.used_bytes,
@@ -317,6 +353,33 @@ class DropObjects(Message, tag=47):
 
     segment_id: str
     entries: list[InventoryEntry]
+
+
+class MoveItem(msgspec.Struct, array_like=True):
+    """Copy one object from a replica to a range the master allocated in another tier.
+
+    The source is a replica the node holds (its DRAM segment or disk tier) or the shared
+    filesystem; the destination is the node's DRAM segment, its disk tier, or the shared
+    filesystem. The node records the destination in that tier's inventory once the copy is
+    complete (and durable, for a file), and never changes the source: the master drops it
+    afterwards when the move was an offload.
+    """
+
+    key: str
+    size: int
+    checksum: int
+    src_segment_id: str
+    src_offset: int
+    dst_segment_id: str
+    dst_offset: int
+
+
+class MoveObjects(Message, tag=48):
+    """master -> node: copy objects between tiers (offload, promotion, write-through). The
+    reply is a CodesReply with one code per item: OK, OBJECT_NOT_FOUND (the source is gone or
+    corrupt: forget it), or another code (the copy failed; nothing was recorded)."""
+
+    items: list[MoveItem]
 
 
 # --- client <-> node --------------------------------------------------------------------------
@@ -386,6 +449,7 @@ AnyMessage = Union[
     DrainSegment,
     CommitObjects,
     DropObjects,
+    MoveObjects,
     WriteSlices,
     ReadSlices,
     ReadReply,

@@ -5,7 +5,9 @@ sends requests and awaits their replies by request id, and dispatches the peer's
 `RequestHandler`. Either side may send requests (the master calls nodes on the connection the
 node opened). Payload bytes are received straight into buffers the handler or the requester
 names (asyncio.BufferedProtocol + frames.FrameDecoder), and sent with `writelines` of
-memoryviews, never joined into a Python bytes object.
+memoryviews, never joined into a Python bytes object. A reply payload may also name ranges of
+files (files.FileRange, the disk tier's reads): such a frame is sent by os.sendfile from a
+worker thread, and the frames after it wait their turn (see `_write_frame`).
 
 It is not a pool (pool.py) and holds no policy: timeouts and retries belong to callers, except
 that a reply that misses its deadline while its payload is landing in a caller's buffer closes
@@ -15,6 +17,8 @@ the connection, so no late byte can ever reach a buffer the caller got back.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import os
 import socket
@@ -43,10 +47,17 @@ from kvpool.protocol.messages import (
     ErrorReply,
     Message,
 )
+from kvpool.transports import files
+from kvpool.transports.files import FileRange
+
+# Threads that send file-backed frames (sendfile blocks on the disk): one frame per connection
+# at a time, so this bounds the disk reads in flight per process.
+FILE_SENDER_THREADS = 8
+_file_senders: concurrent.futures.ThreadPoolExecutor | None = None
 
 log = logging.getLogger(__name__)
 
-Payload = Sequence[memoryview | bytes]
+Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
 HandlerResult = Message | tuple[Message, Payload]
 
@@ -115,6 +126,10 @@ class Connection(asyncio.BufferedProtocol):
         self._incoming_is_reply = False
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
+        # While a frame with file ranges is being sent from a thread: the frames queued behind
+        # it (None otherwise), and the thread's dup() of the socket.
+        self._held: list[list] | None = None
+        self._sender_fd: int | None = None
         self.close_reason = ""
 
     def __repr__(self) -> str:
@@ -198,6 +213,14 @@ class Connection(asyncio.BufferedProtocol):
 
     def close(self, reason: str = "closed") -> None:
         """Abort the socket and fail everything pending. Idempotent."""
+        if self._sender_fd is not None:
+            # Wake the sending thread: its dup() would keep the socket open otherwise.
+            with contextlib.suppress(OSError):
+                probe = socket.socket(fileno=self._sender_fd)
+                try:
+                    probe.shutdown(socket.SHUT_RDWR)
+                finally:
+                    probe.detach()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.abort()
         self._finish(reason)
@@ -252,20 +275,76 @@ class Connection(asyncio.BufferedProtocol):
         return request_id
 
     def _write_now(self, data: bytes) -> None:
-        assert self._transport is not None
-        self._transport.write(data)
+        self._write_frame([data])
+
+    def _write_frame(self, parts: list) -> None:
+        """Write one frame (header, then payload), in order with every other frame.
+
+        A frame whose payload holds file ranges goes out from a worker thread (sendfile); the
+        frames written meanwhile wait in `_held` and follow it, in order.
+        """
+        transport = self._transport
+        assert transport is not None
+        if self._held is not None:
+            self._held.append(parts)
+        elif any(type(part) is FileRange for part in parts):
+            self._held = []
+            task = self._loop.create_task(self._send_file_frames(parts))
+            task.add_done_callback(_log_task_failure)
+        elif len(parts) == 1:
+            transport.write(parts[0])
+        else:
+            transport.writelines(parts)
+
+    async def _send_file_frames(self, parts: list) -> None:
+        """Send a file-backed frame from a thread, then the held frames up to the next one."""
+        transport = self._transport
+        assert transport is not None
+        try:
+            while True:
+                deadline_s = self._loop.time() + limits.TRANSFER_TIMEOUT_MS_DEFAULT / 1000
+                # The thread writes to the socket itself: what the transport buffered goes first.
+                while transport.get_write_buffer_size() and not self.is_closed():
+                    if self._loop.time() > deadline_s:
+                        raise RpcTimeout("peer took no bytes before the transfer deadline")
+                    await asyncio.sleep(0.001)
+                if self.is_closed():
+                    return
+                sock = transport.get_extra_info("socket")
+                self._sender_fd = os.dup(sock.fileno())
+                try:
+                    await self._loop.run_in_executor(
+                        _file_sender_pool(), files.send_parts, self._sender_fd, parts,
+                        limits.TRANSFER_TIMEOUT_MS_DEFAULT,
+                    )  # fmt: skip
+                finally:
+                    os.close(self._sender_fd)
+                    self._sender_fd = None
+                    files.close_parts(parts)
+                    parts = []
+                held, self._held = self._held or [], None
+                for index, frame in enumerate(held):
+                    if self._held is None and any(type(part) is FileRange for part in frame):
+                        self._held = held[index + 1 :]
+                        parts = frame
+                        break
+                    if not self.is_closed():
+                        transport.writelines(frame)
+                if not parts:
+                    return
+        except (KVPoolError, OSError) as exc:
+            log.warning("closing connection %s %s: sending a file failed: %s", self.name, self.peer, exc)
+            files.close_parts(parts)
+            self.close(f"sending a file failed: {exc}")
 
     async def _send(self, message: Message, request_id: int, is_reply: bool, payload: Payload) -> None:
         if not self._ready.done() and not is_reply:
             await asyncio.shield(self._ready)
         if self.is_closed() or self._transport is None:
             raise RpcFailed(f"connection to {self.peer} is closed: {self.close_reason}")
-        payload_size = sum(len(p) for p in payload)
+        payload_size = _payload_size(payload)
         header = encode_frame(message, request_id, is_reply=is_reply, payload_size=payload_size)
-        if payload:
-            self._transport.writelines([header, *payload])
-        else:
-            self._transport.write(header)
+        self._write_frame([header, *payload])
         if self._write_paused:
             waiter = self._loop.create_future()
             self._drain_waiters.append(waiter)
@@ -288,6 +367,9 @@ class Connection(asyncio.BufferedProtocol):
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
+        held, self._held = self._held, None
+        for frame in held or ():
+            files.close_parts(frame)  # never sent: release their files
         if self._handler is not None:
             self._handler.connection_closed(self)
 
@@ -391,17 +473,12 @@ class Connection(asyncio.BufferedProtocol):
         self._reply(request_id, reply)
 
     def _reply(self, request_id: int, result: HandlerResult) -> None:
-        if self.is_closed():
-            return
         message, payload = result if isinstance(result, tuple) else (result, ())
-        header = encode_frame(
-            message, request_id, is_reply=True, payload_size=sum(len(p) for p in payload)
-        )
-        assert self._transport is not None
-        if payload:
-            self._transport.writelines([header, *payload])
-        else:
-            self._transport.write(header)
+        if self.is_closed():
+            files.close_parts(payload)
+            return
+        header = encode_frame(message, request_id, is_reply=True, payload_size=_payload_size(payload))
+        self._write_frame([header, *payload])
 
     def _reply_error(self, request_id: int, exc: KVPoolError) -> None:
         self._reply(request_id, ErrorReply(int(exc.code), str(exc)))
@@ -459,6 +536,19 @@ class Connection(asyncio.BufferedProtocol):
             self._ready.set_exception(exc)
             self._ready.exception()
         self.close(str(exc))
+
+
+def _payload_size(payload: Payload) -> int:
+    return sum(part.size if type(part) is FileRange else len(part) for part in payload)  # type: ignore[union-attr]
+
+
+def _file_sender_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _file_senders
+    if _file_senders is None:
+        _file_senders = concurrent.futures.ThreadPoolExecutor(
+            FILE_SENDER_THREADS, thread_name_prefix="kvpool-sendfile"
+        )
+    return _file_senders
 
 
 def _log_task_failure(task: asyncio.Task[None]) -> None:

@@ -1,0 +1,339 @@
+"""Leader election of master candidates on etcd, and the fence that keeps one leader.
+
+Every master started with `--etcd` is a candidate. A candidate takes a lease (TTL about 5 s)
+and creates the leader key `/kvpool/<cluster-id>/leader` attached to it, if the key does not
+exist (one etcd transaction); the one that creates it is the leader and keeps the lease
+alive, the others watch the key and try again when it goes (lease lapsed or revoked). This
+module is that loop (`Elector`, asyncio) and the leader's fence (`Leadership`, pure): it is
+not the master's I/O (server.py decides what a request gets from `Leadership.is_leader`) nor
+the wait for re-mounting nodes after a takeover (takeover.py).
+
+Never two leaders taking puts. etcd deletes the key only when the lease lapses, no earlier
+than `ttl` after etcd last renewed it, and etcd renewed it after we *sent* that keepalive.
+So a leader that stops answering at `sent + ttl - margin` on its own clock has stopped
+before any successor can exist, whatever happened in between (etcd unreachable, this process
+paused by SIGSTOP, a stalled event loop: the check reads the clock, so a request that arrives
+after a pause is refused):
+
+    keepalive sent at t ─┬─► etcd renews at t+d (d >= 0) ─► key can lapse from t+d+ttl
+                         └─► leader answers until t+ttl-margin, then refuses (NotLeader)
+                               standby may win at >= t+d+ttl: at least `margin` later
+
+A standby needs no fence: it answers nothing but NotLeader until it has won. The clock is
+CLOCK_BOOTTIME where the platform has it (it keeps counting while the host is suspended, as
+etcd's own clock on another host does), else the monotonic clock.
+
+The leader also writes, fenced on its lease, the segments mounted on it under
+`/kvpool/<cluster-id>/segments`, so that its successor knows which nodes to wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import random
+import time
+from typing import Protocol
+
+from kvpool import limits
+from kvpool.discovery import (
+    LeaderRecord,
+    check_cluster_id,
+    decode_segments_record,
+    encode_segments_record,
+    leader_key,
+    segments_key,
+)
+from kvpool.errors import ConnectFailed, CoordinationError, InvalidParams, RpcTimeout
+from kvpool.transports.etcd import EtcdClient
+
+log = logging.getLogger(__name__)
+
+_ETCD_ERRORS = (ConnectFailed, RpcTimeout, CoordinationError)
+_RETRY_BACKOFF_MS_MIN = 100
+_CLOCK_ID = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def lease_clock_ms() -> int:
+    """The clock of leadership deadlines, in ms (see the module docstring)."""
+    return time.clock_gettime_ns(_CLOCK_ID) // 1_000_000
+
+
+class Role(enum.Enum):
+    STANDBY = "standby"
+    LEADER = "leader"
+
+
+_TRANSITIONS: dict[Role, tuple[Role, ...]] = {
+    Role.STANDBY: (Role.LEADER,),
+    Role.LEADER: (Role.STANDBY,),
+}
+
+
+class Leadership:
+    """Whether this candidate may act as leader at a given time.
+
+    Holds the role, the lease and term of the current leadership (the leader key's create
+    revision: it grows with every election) and `valid_until_ms`, the lease clock time at
+    which a leader must stop answering. Invariant: a STANDBY has `valid_until_ms == 0`, so
+    `is_leader` is False for it whatever the clock says.
+    """
+
+    __slots__ = ("role", "lease_id", "term", "valid_until_ms", "_margin_ms")
+
+    def __init__(self, step_down_margin_ms: int) -> None:
+        assert step_down_margin_ms >= 0, step_down_margin_ms
+        self._margin_ms = step_down_margin_ms
+        self.role = Role.STANDBY
+        self.lease_id = 0
+        self.term = 0
+        self.valid_until_ms = 0
+
+    def __repr__(self) -> str:
+        return f"<Leadership {self.role.value} term={self.term} until={self.valid_until_ms}>"
+
+    def elect(self, lease_id: int, term: int, ttl_ms: int, sent_ms: int) -> None:
+        """We created the leader key with a lease granted by a request sent at `sent_ms`."""
+        assert lease_id != 0, "a leader needs a lease"
+        assert ttl_ms > self._margin_ms, (ttl_ms, self._margin_ms)
+        self._transition(Role.LEADER)
+        self.lease_id = lease_id
+        self.term = term
+        self.valid_until_ms = sent_ms + ttl_ms - self._margin_ms
+
+    def renew(self, ttl_ms: int, sent_ms: int) -> None:
+        """A keepalive sent at `sent_ms` succeeded with `ttl_ms` left on the lease."""
+        assert self.role is Role.LEADER, "renewing a lease we do not lead with"
+        self.valid_until_ms = max(self.valid_until_ms, sent_ms + ttl_ms - self._margin_ms)
+
+    def step_down(self) -> None:
+        if self.role is Role.LEADER:
+            self._transition(Role.STANDBY)
+        self.valid_until_ms = 0
+
+    def is_leader(self, now_ms: int) -> bool:
+        return self.role is Role.LEADER and now_ms < self.valid_until_ms
+
+    def remaining_ms(self, now_ms: int) -> int:
+        """How long this leadership lasts without another successful keepalive (0: over)."""
+        return max(0, self.valid_until_ms - now_ms) if self.role is Role.LEADER else 0
+
+    def _transition(self, role: Role) -> None:
+        assert role in _TRANSITIONS[self.role], f"leadership {self.role} -> {role}"
+        self.role = role
+
+
+class ElectionListener(Protocol):
+    """What the master server does when leadership changes (called on the event loop)."""
+
+    def elected(self, term: int, expected_segment_ids: list[str] | None) -> None:
+        """This candidate leads from now on; `expected_segment_ids` is the predecessor's
+        record of live segments (None: unreadable)."""
+        ...
+
+    def deposed(self, reason: str) -> None:
+        """This candidate no longer leads (it already refuses requests: the fence is the
+        clock). Drop the state and the connections of the term."""
+        ...
+
+    def live_segment_ids(self) -> list[str] | None:
+        """The segments to record for a successor, or None while there is nothing to record
+        yet (still waiting for the predecessor's nodes)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ElectionConfig:
+    """Where the election happens and how long a leadership lasts without etcd."""
+
+    etcd_endpoints: tuple[str, ...]
+    cluster_id: str
+    lease_ttl_ms: int = limits.ETCD_LEASE_TTL_MS_DEFAULT
+    step_down_margin_ms: int = limits.LEADER_STEP_DOWN_MARGIN_MS_DEFAULT
+
+    def __post_init__(self) -> None:
+        if not self.etcd_endpoints:
+            raise InvalidParams("an election needs at least one etcd endpoint")
+        check_cluster_id(self.cluster_id)
+        if self.lease_ttl_ms <= 0 or self.lease_ttl_ms % 1000:
+            raise InvalidParams(f"lease TTL {self.lease_ttl_ms} ms: etcd takes whole seconds")
+        if not 0 <= 2 * self.step_down_margin_ms < self.lease_ttl_ms:
+            raise InvalidParams(
+                f"step-down margin {self.step_down_margin_ms} ms must be under half the lease TTL"
+            )
+
+
+class Elector:
+    """One candidate's election loop: campaign, lead (keepalives), or watch; until stopped.
+
+    Holds the etcd client, the `Leadership` (read by the server on every request) and the
+    last leader record seen (`leader`, to tell clients where to go).
+    """
+
+    def __init__(
+        self,
+        config: ElectionConfig,
+        record: LeaderRecord,
+        listener: ElectionListener,
+        *,
+        clock_ms=lease_clock_ms,
+    ) -> None:
+        self.config = config
+        self.record = record
+        self.leadership = Leadership(config.step_down_margin_ms)
+        self.leader: LeaderRecord | None = None
+        self._listener = listener
+        self._clock_ms = clock_ms
+        self._etcd = EtcdClient(config.etcd_endpoints)
+        self._key = leader_key(config.cluster_id)
+        self._segments_key = segments_key(config.cluster_id)
+        self._task: asyncio.Task[None] | None = None
+        self._held_lease_id = 0
+
+    def __repr__(self) -> str:
+        return f"<Elector {self.config.cluster_id} {self.record.endpoint} {self.leadership!r}>"
+
+    def is_leader(self) -> bool:
+        return self.leadership.is_leader(self._clock_ms())
+
+    def start(self) -> None:
+        assert self._task is None, "Elector started twice"
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kvpool election {self.config.cluster_id}"
+        )
+
+    async def stop(self) -> None:
+        """Stop campaigning; a leader revokes its lease so that a standby takes over at once.
+
+        Bounded by one etcd request timeout.
+        """
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._held_lease_id:
+            await self._revoke_quietly(self._held_lease_id)
+        await self._etcd.close()
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff_ms = _RETRY_BACKOFF_MS_MIN
+        while True:  # Campaigns until stop() cancels it.
+            try:
+                await self._campaign()
+                backoff_ms = _RETRY_BACKOFF_MS_MIN
+            except _ETCD_ERRORS as exc:
+                delay_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
+                log.warning("election: etcd %s: %s: %s; retrying in %d ms",
+                            ",".join(self.config.etcd_endpoints), type(exc).__name__, exc,
+                            delay_ms)  # fmt: skip
+                await asyncio.sleep(delay_ms / 1000)
+                backoff_ms = min(backoff_ms * 2, limits.ELECTION_RETRY_BACKOFF_MS_MAX)
+
+    async def _campaign(self) -> None:
+        """One round: try to create the leader key; lead until deposed, or watch it."""
+        etcd = self._etcd
+        sent_ms = self._clock_ms()
+        lease_id, ttl_ms = await etcd.grant_lease(self.config.lease_ttl_ms)
+        try:
+            created, holder, revision = await etcd.create(
+                self._key, self.record.encode(), lease_id=lease_id
+            )
+        except BaseException:
+            await self._revoke_quietly(lease_id)
+            raise
+        if not created:
+            await self._revoke_quietly(lease_id)
+            if holder is not None:
+                self.leader = LeaderRecord.decode(holder.value)
+                log.info("election: %s leads cluster %s (term %d); standing by",
+                         self.leader.endpoint, self.config.cluster_id,
+                         holder.create_revision)  # fmt: skip
+                await etcd.wait_for_change(self._key, revision, limits.ETCD_WATCH_TIMEOUT_MS)
+            return
+        self._held_lease_id = lease_id
+        self.leadership.elect(lease_id, revision, ttl_ms, sent_ms)
+        self.leader = self.record
+        expected = await self._read_expected()
+        log.info("election: elected leader of cluster %s (term %d, lease %x, %s segments to "
+                 "wait for)", self.config.cluster_id, revision, lease_id,
+                 "unknown" if expected is None else len(expected))  # fmt: skip
+        reason = "master stopping"
+        try:
+            self._listener.elected(revision, expected)
+            reason = await self._lead(lease_id, revision)
+        finally:
+            self.leadership.step_down()
+            if self.leader is self.record:
+                self.leader = None
+            log.warning("election: stepped down as leader of cluster %s (term %d): %s",
+                        self.config.cluster_id, revision, reason)  # fmt: skip
+            self._listener.deposed(reason)
+        # Not cancelled: give the lease up, so that a successor need not wait for it to lapse.
+        self._held_lease_id = 0
+        await self._revoke_quietly(lease_id)
+
+    async def _lead(self, lease_id: int, term: int) -> str:
+        """Keep the lease alive and the record current; returns why leadership ended."""
+        etcd, leadership = self._etcd, self.leadership
+        interval_ms = self.config.lease_ttl_ms // limits.ETCD_KEEPALIVES_PER_TTL
+        published: list[str] | None = None
+        wait_ms = interval_ms
+        while True:  # Ends when leadership ends (returns) or the elector stops (cancelled).
+            now_ms = self._clock_ms()
+            if not leadership.is_leader(now_ms):
+                return "no keepalive succeeded before the step-down deadline"
+            await asyncio.sleep(min(wait_ms, leadership.remaining_ms(now_ms)) / 1000)
+            sent_ms = self._clock_ms()
+            remaining_ms = leadership.remaining_ms(sent_ms)
+            if remaining_ms == 0:
+                return "no keepalive succeeded before the step-down deadline"
+            try:
+                ttl_ms = await etcd.keep_alive(lease_id, timeout_ms=remaining_ms)
+                if ttl_ms == 0:
+                    return "etcd says the lease has expired"
+                leadership.renew(ttl_ms, sent_ms)
+                kv, _ = await etcd.get(
+                    self._key, timeout_ms=max(1, leadership.remaining_ms(self._clock_ms()))
+                )
+                if kv is None or kv.lease_id != lease_id:
+                    return "the leader key is gone or held under another lease"
+                segment_ids = self._listener.live_segment_ids()
+                if segment_ids is not None and segment_ids != published:
+                    if len(segment_ids) > limits.LEADER_RECORD_SEGMENTS_MAX:
+                        log.warning("election: %d segments: too many to record", len(segment_ids))
+                    elif not await etcd.put_if_held(self._key, lease_id, self._segments_key,
+                                                    encode_segments_record(term, segment_ids)):  # fmt: skip
+                        return "fenced out of the segment record: the leader key is not ours"
+                    published = segment_ids
+                wait_ms = interval_ms
+            except _ETCD_ERRORS as exc:
+                wait_ms = interval_ms // 2
+                log.warning("election: keepalive failed (%s: %s); stepping down in %d ms unless "
+                            "one succeeds", type(exc).__name__, exc,
+                            leadership.remaining_ms(self._clock_ms()))  # fmt: skip
+
+    async def _read_expected(self) -> list[str] | None:
+        try:
+            kv, _ = await self._etcd.get(self._segments_key)
+        except _ETCD_ERRORS as exc:
+            log.warning("election: cannot read the segment record (%s); waiting the full grace", exc)
+            return None
+        if kv is None:
+            return []
+        try:
+            return decode_segments_record(kv.value)
+        except CoordinationError as exc:
+            log.warning("election: %s; waiting the full grace", exc)
+            return None
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            await self._etcd.revoke_lease(lease_id)
+        except _ETCD_ERRORS as exc:
+            log.info("election: lease %x not revoked (%s); it lapses by itself", lease_id, exc)
+
+
+__all__ = ["ElectionConfig", "ElectionListener", "Elector", "Leadership", "Role", "lease_clock_ms"]

@@ -1,0 +1,657 @@
+"""The master's record of objects moving between tiers, and of reads that earn a promotion.
+
+A replica lives in a tier: a DRAM segment, a node's disk tier, or the shared filesystem (DFS),
+fastest first (messages.TIERS). Objects move between tiers by copies the master asks a node to
+make (MoveObjects); this module holds those moves while they are in flight, and counts the
+reads of objects that are not in DRAM. It is pure (no I/O, no clock: `now_ms` is passed in) and
+decides nothing: service.py starts moves, finishes them and places objects.
+
+    kind      source            targets                  when                  after success
+    OFFLOAD   last copy in a    the node's disk tier,    evicted from its      retiring replicas
+              full tier         else the DFS             tier                  dropped (unless leased)
+    PROMOTE   disk or DFS       a DRAM segment           read often enough     both kept
+    COPY      the DRAM replica  disk tier and/or DFS     put with_disk_copy /  both kept
+                                                         with_dfs_copy
+
+While a move is in flight its source range is never reused (a remove of the object defers the
+source's drop to the move's end), its targets' ranges are allocated to it, and its retiring
+replicas still serve reads but no longer count as the object's residence (the object is not an
+eviction candidate of their tier). One move per key at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Iterator
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import ErrorCode
+from kvpool.master.allocator import footprint_bytes
+from kvpool.master.counters import TierCounters
+from kvpool.master.eviction import (
+    EVICT_SHORTFALL_BACKOFF_MS,
+    select_above_watermark,
+    select_for_room,
+)
+from kvpool.master.membership import Segment, SegmentRegistry
+from kvpool.master.metadata import (
+    SEGMENT_COUNT_MAX,
+    ObjectMeta,
+    ObjectTable,
+    pack_replica,
+    replica_offset,
+    replica_segment_index,
+)
+from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
+    TIER_DRAM,
+    TIERS,
+    InventoryEntry,
+    MoveItem,
+)
+
+# Where an object evicted from a tier goes, in order of preference (none: it is dropped).
+LOWER_TIERS: dict[str, tuple[str, ...]] = {TIER_DRAM: (TIER_DISK, TIER_DFS), TIER_DISK: (TIER_DFS,), TIER_DFS: ()}
+SLOWER_TIERS = (TIER_DISK, TIER_DFS)
+
+
+class MoveKind(enum.Enum):
+    OFFLOAD = "offload"
+    PROMOTE = "promote"
+    COPY = "copy"
+
+
+Place = tuple[Segment, int]  # (segment, offset)
+
+
+class Move:
+    """One object's copy from `source` to `targets`, run by the node of `executor`.
+
+    `meta` is the object's record when the move started: a move whose object was removed (or
+    removed and put again) meanwhile is cancelled, and its targets are dropped. `retiring`
+    are the replicas an offload removes once it succeeded (the source among them). `results`
+    collects the node's code per target index.
+    """
+
+    __slots__ = (
+        "key", "meta", "kind", "source", "retiring", "targets", "executor", "results",
+        "is_sent", "is_cancelled",
+    )  # fmt: skip
+
+    def __init__(
+        self, key: str, meta: ObjectMeta, kind: MoveKind, source: Place, retiring: list[Place],
+        targets: list[Place], executor: Segment,
+    ) -> None:
+        assert targets, f"move of {key!r} without a target"
+        assert kind is MoveKind.OFFLOAD or not retiring, (kind, retiring)
+        self.key = key
+        self.meta = meta
+        self.kind = kind
+        self.source = source
+        self.retiring = retiring
+        self.targets = targets
+        self.executor = executor
+        self.results: dict[int, int] = {}
+        self.is_sent = False
+        self.is_cancelled = False
+
+    def __repr__(self) -> str:
+        source = (self.source[0].segment_id, self.source[1])
+        targets = [(segment.segment_id, offset) for segment, offset in self.targets]
+        return f"<Move {self.kind.value} {self.key!r} {source} -> {targets} cancelled={self.is_cancelled}>"
+
+    @property
+    def budget_key(self) -> str:
+        """The node whose disk threads run it: moves in flight are bounded per node."""
+        return self.executor.info.node_id
+
+    def held(self) -> list[Place]:
+        """Ranges the move keeps from reuse until it ends: its source and retiring replicas."""
+        return [self.source, *[place for place in self.retiring if place != self.source]]
+
+    def items(self) -> list[MoveItem]:
+        size_bytes, checksum = self.meta.size_bytes, self.meta.checksum
+        source_segment, source_offset = self.source
+        return [
+            MoveItem(
+                self.key, size_bytes, checksum, source_segment.segment_id, source_offset,
+                segment.segment_id, offset,
+            )
+            for segment, offset in self.targets
+        ]
+
+
+class MoveBook:
+    """The moves in flight: by key, the unsent ones in start order, and the bytes in flight
+    per executing node. Invariants (check_invariants): every unsent move is in `by_key` and
+    not sent; the bytes per node are the sum of its moves' sizes."""
+
+    __slots__ = ("by_key", "_unsent", "_inflight_bytes")
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, Move] = {}
+        self._unsent: list[Move] = []
+        self._inflight_bytes: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.by_key
+
+    def __iter__(self) -> Iterator[Move]:
+        return iter(list(self.by_key.values()))
+
+    def has_room(self, executor: Segment, size_bytes: int) -> bool:
+        """Whether a move of `size_bytes` fits the executing node's budget (an object larger
+        than the whole budget goes alone)."""
+        inflight = self._inflight_bytes.get(executor.info.node_id, 0)
+        return inflight == 0 or inflight + size_bytes <= limits.MOVE_INFLIGHT_BYTES_PER_NODE_MAX
+
+    def inflight_bytes(self) -> int:
+        return sum(self._inflight_bytes.values())
+
+    def add(self, move: Move) -> None:
+        assert move.key not in self.by_key, f"two moves of {move.key!r}"
+        self.by_key[move.key] = move
+        self._unsent.append(move)
+        budget_key = move.budget_key
+        self._inflight_bytes[budget_key] = self._inflight_bytes.get(budget_key, 0) + move.meta.size_bytes
+
+    def take_unsent(self) -> dict[str, list[MoveItem]]:
+        """Per executing segment id, the items of every move not yet sent (now sent)."""
+        batches: dict[str, list[MoveItem]] = {}
+        for move in self._unsent:
+            move.is_sent = True
+            batches.setdefault(move.executor.segment_id, []).extend(move.items())
+        self._unsent = []
+        return batches
+
+    def take(self, moves: list[Move]) -> dict[str, list[MoveItem]]:
+        """Like take_unsent, for these moves only (a put_end's copies, sent by its flow)."""
+        batches: dict[str, list[MoveItem]] = {}
+        chosen = {id(move) for move in moves}
+        self._unsent = [move for move in self._unsent if id(move) not in chosen]
+        for move in moves:
+            assert not move.is_sent, move
+            move.is_sent = True
+            batches.setdefault(move.executor.segment_id, []).extend(move.items())
+        return batches
+
+    def has_unsent(self) -> bool:
+        return bool(self._unsent)
+
+    def target_index(self, move: Move, item: MoveItem) -> int | None:
+        for index, (segment, offset) in enumerate(move.targets):
+            if segment.segment_id == item.dst_segment_id and offset == item.dst_offset:
+                return index
+        return None
+
+    def end(self, move: Move) -> None:
+        assert self.by_key.get(move.key) is move, f"end of unknown move {move!r}"
+        del self.by_key[move.key]
+        if not move.is_sent:
+            self._unsent.remove(move)
+        budget_key = move.budget_key
+        left = self._inflight_bytes[budget_key] - move.meta.size_bytes
+        assert left >= 0, (budget_key, left)
+        if left:
+            self._inflight_bytes[budget_key] = left
+        else:
+            del self._inflight_bytes[budget_key]
+
+    def check_invariants(self) -> None:
+        for move in self._unsent:
+            assert self.by_key.get(move.key) is move, move
+            assert not move.is_sent, move
+        totals: dict[str, int] = {}
+        for move in self.by_key.values():
+            totals[move.budget_key] = totals.get(move.budget_key, 0) + move.meta.size_bytes
+            assert len(move.results) < len(move.targets), move
+        assert totals == self._inflight_bytes, (totals, self._inflight_bytes)
+
+
+class PromotionCounter:
+    """Reads of objects outside DRAM, per key, within a window; keys that reached the
+    threshold wait in `_due` (insertion order) for a tick to promote them.
+
+    Bounded: at most PROMOTION_CANDIDATES_MAX keys are counted; when the window ends or the
+    counts fill up they restart from zero (an approximate, cheap way to age them).
+    """
+
+    __slots__ = ("_threshold", "_window_ms", "_window_end_ms", "_counts", "_due")
+
+    def __init__(self, threshold: int, window_ms: int) -> None:
+        assert threshold >= 1, threshold
+        assert window_ms > 0, window_ms
+        self._threshold = threshold
+        self._window_ms = window_ms
+        self._window_end_ms = 0
+        self._counts: dict[str, int] = {}
+        self._due: dict[str, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def count(self, key: str, now_ms: int) -> None:
+        if now_ms >= self._window_end_ms or len(self._counts) >= limits.PROMOTION_CANDIDATES_MAX:
+            self._counts.clear()
+            self._window_end_ms = now_ms + self._window_ms
+        count = self._counts.get(key, 0) + 1
+        if count >= self._threshold:
+            self._counts.pop(key, None)
+            if len(self._due) < limits.PROMOTION_CANDIDATES_MAX:
+                self._due[key] = None
+        else:
+            self._counts[key] = count
+
+    def take_due(self, count_max: int) -> list[str]:
+        """Up to `count_max` keys due for promotion, oldest first (they leave the queue)."""
+        taken: list[str] = []
+        for key in self._due:
+            if len(taken) == count_max:
+                break
+            taken.append(key)
+        for key in taken:
+            del self._due[key]
+        return taken
+
+    def retry(self, key: str) -> None:
+        """A due key that could not be promoted now (no room yet): due again, last."""
+        if len(self._due) < limits.PROMOTION_CANDIDATES_MAX:
+            self._due[key] = None
+
+    def forget(self, key: str) -> None:
+        self._counts.pop(key, None)
+        self._due.pop(key, None)
+
+
+class Room(enum.Enum):
+    """Why no range was found in a tier: none there at all, or room is on its way (evictions
+    or moves in flight there, or the executing node's move budget is spent)."""
+
+    NONE = "none"
+    LATER = "later"
+
+
+class TierFlow:
+    """Moves objects between tiers over the master's shared structures (like puts.PutFlow).
+
+    Holds references to the registry and the table (MasterService's) and owns the moves in
+    flight (`moves`), the read counts that earn promotions (`promotions`) and the per-tier
+    counters (`counters`). Every replica change goes through `place`, which keeps the table's
+    split by residence true. `evict_object` is the service's whole-object eviction, for an
+    object that has nowhere lower to go.
+    """
+
+    __slots__ = (
+        "_config", "_rng", "_registry", "_table", "_evict_object", "moves", "promotions",
+        "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs",
+    )  # fmt: skip
+
+    def __init__(
+        self, config: MasterConfig, rng: random.Random, registry: SegmentRegistry, table: ObjectTable,
+        evict_object: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self._config = config
+        self._rng = rng
+        self._registry = registry
+        self._table = table
+        self._evict_object = evict_object
+        self.moves = MoveBook()
+        self.promotions = PromotionCounter(max(1, config.promote_reads), config.promotion_window_ms)
+        self.counters = {tier: TierCounters() for tier in TIERS}
+        self._watermark_after_ms = {tier: 0 for tier in SLOWER_TIERS}
+        self._room_after_ms = {tier: 0 for tier in TIERS}
+        # Nodes that answered a DFS move with SEGMENT_NOT_FOUND: the DFS is not mounted there,
+        # so no more DFS moves are asked of them (bounded: forgotten when it fills up).
+        self._without_dfs: set[str] = set()
+
+    # --- residence -------------------------------------------------------------------------
+
+    def resident_tiers(self, key: str, meta: ObjectMeta) -> frozenset[str]:
+        """The tiers of the object's replicas, less those an offload is moving out."""
+        move = self.moves.by_key.get(key)
+        retiring = (
+            {(seg.index, offset) for seg, offset in move.retiring if self._is_live(seg)} if move is not None else ()
+        )
+        by_index = self._registry.by_index
+        tiers = set()
+        for packed in meta.replica_tuple():
+            index = replica_segment_index(packed)
+            if retiring and (index, replica_offset(packed)) in retiring:
+                continue
+            tiers.add(by_index(index).tier)
+        return frozenset(tiers)
+
+    def place(self, key: str, meta: ObjectMeta) -> None:
+        self._table.place(key, meta, self.resident_tiers(key, meta))
+
+    def tier_of_nearest(self, meta: ObjectMeta) -> str:
+        """The fastest tier holding a replica (what a get will most likely read)."""
+        by_index = self._registry.by_index
+        ranks = [TIERS.index(by_index(replica_segment_index(p)).tier) for p in meta.replica_tuple()]
+        return TIERS[min(ranks)]
+
+    # --- eviction: down a tier -------------------------------------------------------------
+
+    def demote(self, key: str, tier: str, now_ms: int) -> bool:
+        """An eviction victim of `tier`: make its replicas there go.
+
+        With a replica in another tier, those replicas are dropped. Otherwise the object is
+        offloaded to the next tier down that has room (the node's disk tier, then the DFS),
+        and dropped only when there is none. Returns False when nothing could be done now
+        (room is coming, or the node's move budget is spent): the caller backs off.
+        """
+        table = self._table
+        meta = table.get(key)
+        if meta is None or key in self.moves:
+            return True
+        by_index = self._registry.by_index
+        here: list[Place] = []
+        elsewhere = False
+        for packed in meta.replica_tuple():
+            segment = by_index(replica_segment_index(packed))
+            if segment.tier == tier:
+                here.append((segment, replica_offset(packed)))
+            else:
+                elsewhere = True
+        if not here:
+            return True
+        counters = self.counters[tier]
+        if elsewhere:
+            self._drop_replicas(key, meta, here)
+            counters.evictions += len(here)
+            self.place(key, meta)
+            return True
+        source = here[0]
+        size_bytes = meta.size_bytes
+        for lower in LOWER_TIERS[tier]:
+            if not self.moves.has_room(source[0], size_bytes):
+                return False  # Back-pressure: the DRAM stays full until the node catches up.
+            room = self._room_in(lower, source[0], size_bytes, now_ms)
+            if room is Room.LATER:
+                return False
+            if room is Room.NONE:
+                continue
+            for segment, _ in here:
+                segment.start_leaving(size_bytes)
+            self.moves.add(Move(key, meta, MoveKind.OFFLOAD, source, here, [room], source[0]))
+            counters.evictions += len(here)
+            self.place(key, meta)
+            return True
+        counters.evictions += len(here)
+        self._evict_object(key)
+        return True
+
+    def demote_all(self, keys: list[str], tier: str, now_ms: int) -> bool:
+        """demote() each key (every one, even after one could not go); False if any could not."""
+        is_done = True
+        for key in keys:
+            is_done = self.demote(key, tier, now_ms) and is_done
+        return is_done
+
+    def _room_in(self, tier: str, near: Segment, size_bytes: int, now_ms: int) -> Place | Room:
+        """A range in `tier` for an object held on `near`'s node: its own disk tier, or the
+        DFS. When that tier is full its own eviction runs (bounded), and the answer is LATER
+        if that frees room, NONE if not."""
+        if tier == TIER_DISK:
+            segment = self._registry.active_of_node(near.info.node_id, TIER_DISK)
+        elif near.info.node_id in self._without_dfs:
+            return Room.NONE
+        else:
+            segments = self._registry.active_by_tier[tier]
+            segment = segments[0] if segments else None
+        if segment is None:
+            return Room.NONE
+        offset = segment.allocator.allocate(size_bytes)
+        if offset is not None:
+            return (segment, offset)
+        if now_ms >= self._room_after_ms[tier]:
+            victims, is_short = select_for_room(
+                self._table.views[tier].policy, [segment], footprint_bytes(size_bytes), now_ms
+            )
+            is_done = self.demote_all(victims, tier, now_ms)
+            if is_short or not is_done:
+                self._room_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+        return Room.LATER if segment.drop_bytes else Room.NONE
+
+    def evict_above_watermark(self, now_ms: int) -> None:
+        """The slower tiers' own watermark eviction (tick); DRAM's is the service's."""
+        config = self._config
+        for tier in SLOWER_TIERS:
+            if now_ms < self._watermark_after_ms[tier]:
+                continue
+            segments = self._registry.active_by_tier[tier]
+            if not segments:
+                continue
+            victims, is_short = select_above_watermark(
+                self._table.views[tier].policy, segments, config.evict_watermark_ratio_high,
+                config.evict_ratio, now_ms,
+            )  # fmt: skip
+            is_done = self.demote_all(victims, tier, now_ms)
+            if is_short or not is_done:
+                self._watermark_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+
+    def _drop_replicas(self, key: str, meta: ObjectMeta, places: list[Place]) -> None:
+        """Drop some (not all) of an object's replicas: to their segments' drop outboxes."""
+        doomed = {pack_replica(segment.index, offset) for segment, offset in places}
+        kept = [packed for packed in meta.replica_tuple() if packed not in doomed]
+        assert kept, f"dropping every replica of {key!r}: that is an eviction"
+        for segment, offset in places:
+            segment.schedule_drop(InventoryEntry(key, offset, meta.size_bytes, meta.checksum))
+            segment.object_count -= 1
+        meta.set_replicas(kept)
+
+    # --- promotion: up to DRAM -------------------------------------------------------------
+
+    def count_read(self, key: str, now_ms: int) -> None:
+        """A get found `key` outside DRAM."""
+        if self._config.promote_reads:
+            self.promotions.count(key, now_ms)
+
+    def promote_due(self, now_ms: int) -> None:
+        """Copy back into DRAM the objects read often enough (at most PROMOTIONS_PER_TICK_MAX
+        a tick). A promotion keeps DRAM below its high watermark: without room it evicts the
+        least valuable DRAM objects (by the DRAM policy; they move down a tier) and waits for
+        a later tick. An object read `promote_reads` times is worth more than the one the
+        policy offers first, else it would not be offered first."""
+        if not self._config.promote_reads:
+            return
+        table, registry = self._table, self._registry
+        ratio_high = self._config.evict_watermark_ratio_high
+        waiting: list[str] = []
+        for key in self.promotions.take_due(limits.PROMOTIONS_PER_TICK_MAX):
+            meta = table.lower.get(key)
+            if meta is None or key in self.moves:
+                continue
+            source = self._fastest_lower_replica(meta)
+            if source is None:
+                continue
+            if source[0].tier == TIER_DISK:
+                target = registry.active_of_node(source[0].info.node_id, TIER_DRAM)
+                executor = source[0]
+            else:
+                active = registry.active
+                target = active[int(self._rng.random() * len(active))] if active else None
+                executor = target
+                if target is not None and target.info.node_id in self._without_dfs:
+                    continue  # That node cannot read the DFS; another draw next time.
+            if target is None or executor is None:
+                continue
+            allocator = target.allocator
+            footprint = allocator.footprint_bytes(meta.size_bytes)
+            excess_bytes = allocator.used_bytes + footprint - int(ratio_high * allocator.capacity_bytes)
+            offset = None
+            if excess_bytes <= 0 and self.moves.has_room(executor, meta.size_bytes):
+                offset = allocator.allocate(meta.size_bytes)
+            if offset is None:
+                if excess_bytes > 0 and now_ms >= self._room_after_ms[TIER_DRAM]:
+                    victims, is_short = select_for_room(table.policy, [target], excess_bytes, now_ms)
+                    is_done = self.demote_all(victims, TIER_DRAM, now_ms)
+                    if is_short or not is_done:
+                        self._room_after_ms[TIER_DRAM] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+                waiting.append(key)
+                continue
+            self.moves.add(Move(key, meta, MoveKind.PROMOTE, source, [], [(target, offset)], executor))
+        for key in waiting:
+            self.promotions.retry(key)
+
+    def _fastest_lower_replica(self, meta: ObjectMeta) -> Place | None:
+        by_index = self._registry.by_index
+        best: Place | None = None
+        for packed in meta.replica_tuple():
+            segment = by_index(replica_segment_index(packed))
+            if segment.tier == TIER_DISK:
+                return (segment, replica_offset(packed))
+            if segment.tier == TIER_DFS and best is None:
+                best = (segment, replica_offset(packed))
+        return best
+
+    # --- write-through: copies at put_end --------------------------------------------------
+
+    def start_copy(self, key: str, tiers: tuple[str, ...], now_ms: int) -> Move | None:
+        """Copy a just-put object from its DRAM replica to `tiers` (its node's disk tier, the
+        DFS). Tiers without room now are skipped (and not counted). None: nothing to copy."""
+        meta = self._table.objects.get(key)
+        if meta is None or key in self.moves:
+            return None
+        by_index = self._registry.by_index
+        packed = meta.replica_tuple()[0]
+        source = (by_index(replica_segment_index(packed)), replica_offset(packed))
+        targets: list[Place] = []
+        for tier in tiers:
+            room = self._room_in(tier, source[0], meta.size_bytes, now_ms)
+            if isinstance(room, tuple):
+                targets.append(room)
+        if not targets:
+            return None
+        move = Move(key, meta, MoveKind.COPY, source, [], targets, source[0])
+        self.moves.add(move)
+        return move
+
+    # --- the end of a move -----------------------------------------------------------------
+
+    def finish(self, items: list[MoveItem], codes: list[int], now_ms: int) -> None:
+        """The executing node's codes for sent items (TRANSFER_FAIL for items that never got
+        an answer). Items of unknown or already finished moves are ignored."""
+        assert len(items) == len(codes), (len(items), len(codes))
+        moves = self.moves
+        for item, code in zip(items, codes):
+            move = moves.by_key.get(item.key)
+            if move is None or not move.is_sent:
+                continue
+            index = moves.target_index(move, item)
+            if index is None or index in move.results:
+                continue
+            move.results[index] = code
+            if len(move.results) == len(move.targets):
+                self._end(move, now_ms)
+
+    def release_for_removal(self, key: str) -> set[int]:
+        """The object is being removed: cancel its move, if any, and return the packed
+        replicas the move holds (the move drops them when it ends, not the remove)."""
+        self.promotions.forget(key)
+        move = self.moves.by_key.get(key)
+        if move is None:
+            return set()
+        move.is_cancelled = True
+        return {pack_replica(segment.index, offset) for segment, offset in move.held() if self._is_live(segment)}
+
+    def _is_live(self, segment: Segment) -> bool:
+        return self._registry.get(segment.segment_id) is segment
+
+    def _end(self, move: Move, now_ms: int) -> None:
+        self.moves.end(move)
+        key, meta = move.key, move.meta
+        size_bytes, checksum = meta.size_bytes, meta.checksum
+        is_current = not move.is_cancelled and self._table.get(key) is meta
+        for segment, _ in move.retiring:
+            if self._is_live(segment):
+                segment.end_leaving(size_bytes)
+        added: list[int] = []
+        is_source_gone = False
+        for index, (segment, offset) in enumerate(move.targets):
+            code = move.results[index]
+            is_source_gone |= code == ErrorCode.OBJECT_NOT_FOUND
+            if code == ErrorCode.SEGMENT_NOT_FOUND and TIER_DFS in (segment.tier, move.source[0].tier):
+                if len(self._without_dfs) >= SEGMENT_COUNT_MAX:
+                    self._without_dfs.clear()
+                self._without_dfs.add(move.executor.info.node_id)
+            if not self._is_live(segment):
+                continue
+            if code != ErrorCode.OK:
+                segment.allocator.free(offset, size_bytes)  # Never recorded by the node.
+            elif is_current:
+                added.append(pack_replica(segment.index, offset))
+                segment.object_count += 1
+                counters = self.counters[segment.tier]
+                if move.kind is MoveKind.OFFLOAD:
+                    counters.offloads += 1
+                elif move.kind is MoveKind.PROMOTE:
+                    counters.promotions += 1
+                else:
+                    counters.copies += 1
+            else:
+                segment.schedule_drop(InventoryEntry(key, offset, size_bytes, checksum))
+        if not is_current:
+            # Removed meanwhile: the remove left the ranges the move held to us.
+            for segment, offset in move.held():
+                if self._is_live(segment):
+                    segment.schedule_drop(InventoryEntry(key, offset, size_bytes, checksum))
+            return
+        doomed: list[Place] = []
+        if is_source_gone:
+            doomed.append(move.source)
+        if move.kind is MoveKind.OFFLOAD and not meta.has_lease(now_ms):
+            # Moved (or not: the room was needed all the same). A reader under a lease may
+            # be copying from them: then they stay, as ordinary replicas.
+            doomed.extend(place for place in move.retiring if place != move.source or not is_source_gone)
+        doomed = [place for place in doomed if self._is_live(place[0])]
+        doomed_packed = {pack_replica(segment.index, offset) for segment, offset in doomed}
+        kept = [packed for packed in meta.replica_tuple() if packed not in doomed_packed] + added
+        if not kept:
+            self._evict_object(key)  # Nowhere to keep it: evicted, like an object without tiers.
+            return
+        meta.set_replicas(kept)
+        for segment, offset in doomed:
+            segment.schedule_drop(InventoryEntry(key, offset, size_bytes, checksum))
+            segment.object_count -= 1
+        self.place(key, meta)
+
+    # --- invariants ------------------------------------------------------------------------
+
+    def iter_held_ranges(self) -> Iterator[tuple[Segment, int, int, bool]]:
+        """(segment, offset, size, is_object_replica) of every range a move holds on a live
+        segment: its targets (never object replicas yet), and for a cancelled move its held
+        source and retiring ranges (no longer object replicas)."""
+        table = self._table
+        for move in self.moves:
+            size_bytes = move.meta.size_bytes
+            for segment, offset in move.targets:
+                if self._is_live(segment):
+                    yield segment, offset, size_bytes, False
+            if move.is_cancelled or table.get(move.key) is not move.meta:
+                for segment, offset in move.held():
+                    if self._is_live(segment):
+                        yield segment, offset, size_bytes, False
+
+    def check_invariants(self) -> None:
+        self.moves.check_invariants()
+        leaving: dict[int, int] = {}
+        for move in self.moves:
+            assert move.executor is not None, move
+            for segment, _ in move.retiring:
+                if self._is_live(segment):
+                    leaving[segment.index] = leaving.get(segment.index, 0) + footprint_bytes(move.meta.size_bytes)
+        for segment in self._registry:
+            assert segment.leaving_bytes == leaving.get(segment.index, 0), (segment, segment.leaving_bytes)
+        table = self._table
+        for key, meta in table.items():
+            tiers = self.resident_tiers(key, meta)
+            assert (key in table.objects) == (TIER_DRAM in tiers), (key, tiers)
+            for tier, view in table.views.items():
+                assert (key in view.objects) == (tier in tiers), (key, tier, tiers)

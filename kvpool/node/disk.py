@@ -1,0 +1,241 @@
+"""A node's disk tier: a directory of object files on local NVMe, mounted like a segment.
+
+The disk tier holds objects that DRAM had no room for (offload on evict), copies asked for at
+put (write-through), and keeps them across restarts. The master accounts it as one more
+segment of the node (SegmentInfo.tier "disk"): it allocates a range of the tier's capacity for
+each object, and that range's offset names the object's file. `DiskTier` is the directory,
+its identity and lock, and the inventory of the complete files in it; it is not where objects
+are copied (node/moves.py), nor how they are served (node/tiered.py), nor where eviction is
+decided (the master).
+
+    <disk_dir>/kvpool-tier.json     identity: tier "disk", segment id, token, capacity
+    <disk_dir>/kvpool-tier.lock     flock'ed while a node uses the directory
+    <disk_dir>/objects/<offset>.kvo one complete object (protocol/objectfile.py)
+    <disk_dir>/objects/*.tmp        being written; removed at the next start
+
+Crash consistency (docs/tiers.md): a file is written under a temporary name and renamed into
+place only once whole (fdatasync'ed first, and the directory fsync'ed before the master hears
+of it, when `is_durable`), so a node killed at any moment leaves whole files or temporary ones.
+At start every file's header is checked (key, size, checksum of the header itself and the
+file's length), torn or foreign ones are removed, and the survivors are the inventory the node
+re-mounts with. The object's own checksum is in the header; every reader verifies it after
+every read, so even bytes rotted on the device are never served as the object.
+
+The identity keeps the segment id and token stable across restarts: a restarted node mounts
+the same disk segment again (a new node id is fine: the token proves the directory), and the
+master re-adopts its objects without any client writing them anew.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvpool import limits
+from kvpool.errors import InvalidParams, ObjectNotFound
+from kvpool.node.inventory import Inventory
+from kvpool.protocol import objectfile
+from kvpool.protocol.messages import TIER_DISK, InventoryEntry, SegmentInfo
+from kvpool.protocol.objectfile import TierIdentity
+from kvpool.transports import files
+from kvpool.transports.files import FileRange
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """An open disk tier directory: identity, lock and inventory of complete object files.
+
+    The inventory is changed on the event loop only (`record`, `forget`); file I/O runs in
+    worker threads (write_file, remove_files, open_range). Invariant: every inventory entry
+    has a whole file named `disk_name(entry.offset)`; a file without an entry is either being
+    written (a temporary name) or about to be removed.
+    """
+
+    def __init__(self, directory: Path, identity: TierIdentity, lock_fd: int, is_durable: bool) -> None:
+        self.directory = directory
+        self.objects_path = directory / objectfile.OBJECTS_DIR
+        self.identity = identity
+        self.is_durable = is_durable
+        self.inventory = Inventory(identity.capacity_bytes)
+        self._lock_fd: int | None = lock_fd
+
+    def __repr__(self) -> str:
+        return f"<DiskTier {self.directory} {self.segment_id} {self.inventory!r}>"
+
+    @property
+    def segment_id(self) -> str:
+        return self.identity.segment_id
+
+    @property
+    def token(self) -> bytes:
+        return self.identity.token
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.identity.capacity_bytes
+
+    @classmethod
+    def open(cls, directory: str | Path, capacity_bytes: int, node_id: str, *, is_durable: bool) -> DiskTier:
+        """Open (or create) the disk tier at `directory` and adopt the object files in it.
+
+        The capacity is fixed when the directory is created; a later start with another
+        size keeps the stored one (and says so), so that no adopted object falls outside it.
+
+        Raises:
+            InvalidParams: the directory cannot be used, is locked by another process, or is
+                another tier's.
+        """
+        path = Path(directory)
+        files.make_directory(path / objectfile.OBJECTS_DIR)
+        lock_fd = files.lock_directory(path)
+        try:
+            identity = files.load_identity(path)
+            if identity is None:
+                if not limits.SEGMENT_SIZE_BYTES_MIN <= capacity_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
+                    raise InvalidParams(
+                        f"disk size {capacity_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
+                        f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
+                    )
+                identity = TierIdentity(
+                    TIER_DISK, f"{node_id}-{secrets.token_hex(4)}/disk",
+                    secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes,
+                )  # fmt: skip
+                files.store_identity(path, identity)
+            elif identity.tier != TIER_DISK:
+                raise InvalidParams(f"{path} is a {identity.tier} tier, not a disk tier")
+            elif capacity_bytes and identity.capacity_bytes != capacity_bytes:
+                log.warning("disk tier %s keeps its capacity of %d bytes (asked: %d)", path,
+                            identity.capacity_bytes, capacity_bytes)  # fmt: skip
+            tier = cls(path, identity, lock_fd, is_durable)
+            tier._adopt_files()
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return tier
+
+    def close(self) -> None:
+        """Release the directory lock (files stay: they are the tier)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def info(self, node_id: str, hostname: str, endpoint: str, is_shared: bool) -> SegmentInfo:
+        """The disk segment as the master and clients see it. `is_shared`: same-host clients
+        may read the files directly (they find them at shm_path and check the token). The
+        token is always there: it is also how the master knows a restarted node's disk tier."""
+        return SegmentInfo(
+            segment_id=self.segment_id,
+            node_id=node_id,
+            hostname=hostname,
+            endpoint=endpoint,
+            shm_path=str(self.directory) if is_shared else "",
+            shm_token=self.token,
+            capacity_bytes=self.capacity_bytes,
+            tier=TIER_DISK,
+        )
+
+    def path_of(self, offset: int) -> Path:
+        return self.objects_path / objectfile.disk_name(offset)
+
+    # --- inventory (event loop) -----------------------------------------------------------
+
+    def entry_at(self, key: str, offset: int) -> InventoryEntry | None:
+        entry = self.inventory.get(key)
+        return entry if entry is not None and entry.offset == offset else None
+
+    def record(self, entries: list[InventoryEntry]) -> list[Path]:
+        """Record whole files in the inventory. Returns the files of entries they displaced
+        (the master lost track of those: the newest wins), for the caller to remove."""
+        written = {entry.offset for entry in entries}
+        displaced = self.inventory.add(entries)
+        if displaced:
+            log.warning("disk tier %s: %d objects displaced: %s", self.segment_id, len(displaced),
+                        [entry.key for entry in displaced[:8]])  # fmt: skip
+        # A displaced entry at the same offset as a new one shared its file name: the rename
+        # already replaced that file.
+        return [self.path_of(e.offset) for e in displaced if e.offset not in written]
+
+    def forget(self, entries: Iterable[InventoryEntry]) -> list[Path]:
+        """Drop entries (by key and offset) from the inventory; returns their files, for the
+        caller to remove before it acknowledges the drop."""
+        return [self.path_of(entry.offset) for entry in self.inventory.drop(entries)]
+
+    # --- files (worker threads) -----------------------------------------------------------
+
+    def write_file(self, entry: InventoryEntry, source: list[memoryview] | FileRange) -> None:
+        """Write the file of `entry` (not yet recorded). Raises TransferFailed."""
+        assert 0 <= entry.offset and entry.offset + entry.size <= self.capacity_bytes, entry
+        files.write_object(
+            self.objects_path, objectfile.disk_name(entry.offset), entry.key, entry.checksum,
+            source, is_durable=self.is_durable,
+        )  # fmt: skip
+
+    def sync(self) -> None:
+        """Make renames and unlinks durable (when the tier is durable). Raises TransferFailed."""
+        if self.is_durable:
+            files.sync_directory(self.objects_path)
+
+    def remove_files(self, paths: list[Path]) -> None:
+        """Remove files, then sync the directory. Raises TransferFailed."""
+        for path in paths:
+            files.remove(path)
+        if paths:
+            self.sync()
+
+    def open_range(self, entry: InventoryEntry, offset: int, size_bytes: int) -> FileRange:
+        """The bytes [offset, offset + size) of the tier, which lie in `entry`'s file, as an
+        open file range (the receiver closes it).
+
+        Raises:
+            ObjectNotFound: the file is gone. ChecksumMismatch: it holds another object.
+        """
+        assert entry.offset <= offset and offset + size_bytes <= entry.offset + entry.size, (entry, offset)
+        fd, header = files.open_object(self.path_of(entry.offset), entry.key, entry.size)
+        start = header.header_size + offset - entry.offset
+        # Read ahead now: the ranges of a frame are opened together and sent one by one.
+        os.posix_fadvise(fd, start, size_bytes, os.POSIX_FADV_WILLNEED)
+        return FileRange(fd, start, size_bytes)
+
+    def containing(self, offset: int, size_bytes: int) -> InventoryEntry:
+        """The one object whose bytes hold [offset, offset + size). Raises ObjectNotFound."""
+        found = self.inventory.overlapping(offset, size_bytes)
+        if len(found) != 1 or found[0].offset > offset or found[0].offset + found[0].size < offset + size_bytes:
+            raise ObjectNotFound(
+                f"disk tier {self.segment_id} holds no object at [{offset}, +{size_bytes})"
+            )
+        return found[0]
+
+    def _adopt_files(self) -> None:
+        """Build the inventory from the files in the directory (at start, before serving)."""
+        found: list[tuple[float, InventoryEntry]] = []
+        removed = 0
+        for item in files.scan(self.objects_path):
+            name = item.name
+            if objectfile.is_temp_name(name):
+                files.remove(item.path)  # A write that never finished: no one knows of it.
+                removed += 1
+                continue
+            offset = objectfile.disk_offset_of(name)
+            if offset is None:
+                continue  # Not ours: left alone.
+            header = files.read_header(item.path)
+            if header is None or offset + header.size > self.capacity_bytes:
+                files.remove(item.path)
+                removed += 1
+                continue
+            modified_s = files.modified_s(item.path) or 0.0
+            found.append((modified_s, InventoryEntry(header.key, offset, header.size, header.checksum)))
+        # Oldest first, so that if two files ever overlapped the newer one wins.
+        found.sort(key=lambda pair: (pair[0], pair[1].offset))
+        entries = [entry for _, entry in found]
+        stale = self.record(entries)
+        self.remove_files(stale)
+        if removed:
+            self.sync()
+        log.info("disk tier %s at %s: adopted %d objects (%d bytes), removed %d stray files",
+                 self.segment_id, self.directory, len(self.inventory), self.inventory.used_bytes,
+                 removed + len(stale))  # fmt: skip

@@ -1,0 +1,320 @@
+"""The node's side of moving objects between tiers: it runs the master's MoveObjects.
+
+The master decides every move (an offload on eviction, a promotion after repeated reads, a
+write-through copy at put) and allocates its destination; the node that holds the bytes copies
+them, in worker threads, and records the destination in that tier's inventory once the copy is
+whole and durable. `Mover` is that executor: validation on the event loop, copies in threads,
+bookkeeping back on the loop, one code per item. It is not a policy (the master's) and never
+changes a source: the master drops an offloaded source afterwards, like any other replica.
+
+    source (this node's)          destination (this node's)       how
+    DRAM segment  ───────────────► disk tier file                 pwritev from the mapping
+    DRAM segment  ───────────────► DFS file                       pwritev from the mapping
+    disk tier file ──────────────► DFS file                       copy_file_range
+    disk tier / DFS file ────────► DRAM segment                   preadv into the mapping,
+                                                                  checksum verified
+
+Back-pressure: at most MOVE_QUEUE_BYTES_MAX bytes of moves are admitted at once; a request
+beyond that waits for room (bounded by MOVE_TIMEOUT_MS), so the queue between DRAM and disk
+never grows without bound. The master keeps its own, smaller, budget per node
+(MOVE_INFLIGHT_BYTES_PER_NODE_MAX), so offloads rarely wait here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+
+import xxhash
+
+from kvpool import limits
+from kvpool.errors import (
+    ChecksumMismatch,
+    ErrorCode,
+    InvalidParams,
+    KVPoolError,
+    NoAvailableHandle,
+    ObjectNotFound,
+    SegmentNotFound,
+)
+from kvpool.node.disk import DiskTier
+from kvpool.node.inventory import Inventory
+from kvpool.node.metrics import TierMetrics
+from kvpool.node.segment import Segment
+from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
+    TIER_DRAM,
+    CodesReply,
+    InventoryEntry,
+    MoveItem,
+    MoveObjects,
+)
+from kvpool.transports import files
+from kvpool.transports.dfs import DfsDirectory
+from kvpool.transports.files import FileRange
+
+log = logging.getLogger(__name__)
+
+
+class _SourceGone(Exception):
+    """The source could not be read as the object (gone, or not its bytes): the master
+    should forget that replica. Raised and caught inside this module only."""
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One item, validated: which tiers, how to copy (in a thread), and what to record."""
+
+    item: MoveItem
+    src: str
+    dst: str
+    copy: Callable[[], None]
+    entry: InventoryEntry  # the destination, as the destination tier records it
+
+
+class Mover:
+    """Runs MoveObjects for one node. Holds the node's tiers (the DRAM segment and its
+    inventory, the disk tier if any, the DFS directory if any), a thread pool and the count of
+    admitted bytes. Invariant: 0 <= `_admitted_bytes` <= max(MOVE_QUEUE_BYTES_MAX, the
+    largest single request in flight)."""
+
+    def __init__(
+        self,
+        segment: Segment,
+        segment_id: str,
+        inventory: Inventory,
+        disk: DiskTier | None,
+        dfs: DfsDirectory | None,
+        metrics: TierMetrics,
+        *,
+        is_durable: bool,
+    ) -> None:
+        self.segment = segment
+        self.segment_id = segment_id
+        self.inventory = inventory
+        self.disk = disk
+        self.dfs = dfs
+        self.metrics = metrics
+        self.is_durable = is_durable
+        self._admitted_bytes = 0
+        self._room = asyncio.Condition()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            limits.DISK_IO_THREADS, thread_name_prefix="kvpool-disk"
+        )
+
+    def __repr__(self) -> str:
+        return f"<Mover {self.segment_id} admitted={self._admitted_bytes}>"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_in_thread(self, function: Callable, *args: object) -> object:
+        """Run blocking file I/O on this node's disk threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+
+    async def move(self, message: MoveObjects) -> CodesReply:
+        """Copy each item; one code per item (see messages.MoveObjects).
+
+        Raises:
+            InvalidParams: too many items.
+            NoAvailableHandle: no room in the queue within MOVE_TIMEOUT_MS (nothing was done).
+        """
+        items = message.items
+        if len(items) > limits.MOVE_ITEMS_PER_REQUEST_MAX:
+            raise InvalidParams(f"{len(items)} move items > {limits.MOVE_ITEMS_PER_REQUEST_MAX}")
+        codes: list[int] = [int(ErrorCode.OK)] * len(items)
+        plans: list[tuple[int, _Plan]] = []
+        for index, item in enumerate(items):
+            try:
+                plans.append((index, self._plan(item)))
+            except _SourceGone as exc:
+                log.info("move of %r: %s", item.key, exc)
+                codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
+            except KVPoolError as exc:
+                log.warning("refusing move of %r: %s", item.key, exc)
+                codes[index] = int(exc.code)
+        size_bytes = sum(plan.item.size for _, plan in plans)
+        await self._admit(size_bytes)
+        try:
+            outcomes = await asyncio.gather(
+                *(self.run_in_thread(plan.copy) for _, plan in plans), return_exceptions=True
+            )
+            to_disk: list[InventoryEntry] = []
+            to_dram: list[InventoryEntry] = []
+            for (index, plan), outcome in zip(plans, outcomes):
+                codes[index] = self._code_of(plan, outcome)
+                if codes[index] != ErrorCode.OK:
+                    continue
+                self.metrics.move_bytes.labels(src=plan.src, dst=plan.dst).inc(plan.item.size)
+                if plan.dst == TIER_DISK:
+                    to_disk.append(plan.entry)
+                elif plan.dst == TIER_DRAM:
+                    to_dram.append(plan.entry)
+            if to_dram:
+                displaced = self.inventory.add(to_dram)
+                assert not displaced, f"a promotion displaced committed objects: {displaced[:4]}"
+            if to_disk:
+                assert self.disk is not None
+                stale = self.disk.record(to_disk)
+                # The master hears of the files only once their renames are durable.
+                await self.run_in_thread(self.disk.remove_files, stale)
+                await self.run_in_thread(self.disk.sync)
+        finally:
+            self._release(size_bytes)
+        return CodesReply(codes)
+
+    def _code_of(self, plan: _Plan, outcome: object) -> int:
+        if outcome is None:
+            result, code = "ok", ErrorCode.OK
+        elif isinstance(outcome, _SourceGone):
+            log.warning("move of %r from %s: %s", plan.item.key, plan.src, outcome)
+            result, code = "source_gone", ErrorCode.OBJECT_NOT_FOUND
+        elif isinstance(outcome, KVPoolError):
+            log.warning("move of %r from %s to %s failed: %s", plan.item.key, plan.src, plan.dst, outcome)
+            result, code = "failed", outcome.code
+        elif isinstance(outcome, BaseException):
+            raise outcome  # A bug: let it crash the request (the master sees a failure).
+        else:
+            raise AssertionError(f"unexpected copy outcome {outcome!r}")
+        self.metrics.moves.labels(src=plan.src, dst=plan.dst, result=result).inc()
+        return int(code)
+
+    # --- admission -------------------------------------------------------------------------
+
+    async def _admit(self, size_bytes: int) -> None:
+        async with self._room:
+            try:
+                await asyncio.wait_for(
+                    self._room.wait_for(
+                        lambda: self._admitted_bytes == 0
+                        or self._admitted_bytes + size_bytes <= limits.MOVE_QUEUE_BYTES_MAX
+                    ),
+                    limits.MOVE_TIMEOUT_MS / 1000,
+                )
+            except asyncio.TimeoutError:
+                raise NoAvailableHandle(
+                    f"move queue full ({self._admitted_bytes} bytes) for {limits.MOVE_TIMEOUT_MS} ms"
+                ) from None
+            self._admitted_bytes += size_bytes
+            self.metrics.move_queue_bytes.set(self._admitted_bytes)
+
+    def _release(self, size_bytes: int) -> None:
+        self._admitted_bytes -= size_bytes
+        assert self._admitted_bytes >= 0, self._admitted_bytes
+        self.metrics.move_queue_bytes.set(self._admitted_bytes)
+
+        async def notify() -> None:
+            async with self._room:
+                self._room.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    # --- planning (event loop) -------------------------------------------------------------
+
+    def _tier_of(self, segment_id: str) -> str:
+        if segment_id == self.segment_id:
+            return TIER_DRAM
+        if self.disk is not None and segment_id == self.disk.segment_id:
+            return TIER_DISK
+        if self.dfs is not None and self.dfs.is_segment(segment_id):
+            return TIER_DFS
+        # The master learns from this code that the DFS is not mounted here (tiers.py).
+        raise SegmentNotFound(f"segment {segment_id!r} is not a tier of this node")
+
+    def _plan(self, item: MoveItem) -> _Plan:
+        src = self._tier_of(item.src_segment_id)
+        dst = self._tier_of(item.dst_segment_id)
+        if src == dst or item.size <= 0:
+            raise InvalidParams(f"move from {src} to {dst} of {item.size} bytes")
+        entry = InventoryEntry(item.key, item.dst_offset, item.size, item.checksum)
+        read = self._source(item, src)
+        if dst == TIER_DISK:
+            disk = self.disk
+            assert disk is not None
+            if not 0 <= item.dst_offset <= disk.capacity_bytes - item.size:
+                raise InvalidParams(f"disk range [{item.dst_offset}, +{item.size}) outside the tier")
+
+            def copy() -> None:
+                with read() as source:
+                    disk.write_file(entry, source)
+
+        elif dst == TIER_DFS:
+            dfs = self.dfs
+            assert dfs is not None
+
+            def copy() -> None:
+                with read() as source:
+                    dfs.write(item.key, item.dst_offset, item.checksum, source, is_durable=self.is_durable)
+
+        else:
+            if not 0 <= item.dst_offset <= self.segment.capacity_bytes - item.size:
+                raise InvalidParams(f"DRAM range [{item.dst_offset}, +{item.size}) outside the segment")
+            if not self.inventory.is_range_free(item.dst_offset, item.size):
+                raise InvalidParams(f"DRAM range [{item.dst_offset}, +{item.size}) holds an object")
+            target = self.segment.data[item.dst_offset : item.dst_offset + item.size]
+
+            def copy() -> None:
+                with read() as source:
+                    if isinstance(source, FileRange):
+                        files.read_range_into(source, [target])
+                    else:
+                        target[:] = source[0]
+                if xxhash.xxh3_64_intdigest(target) != item.checksum:
+                    raise _SourceGone(f"bytes of {item.key!r} do not match its checksum")
+
+        return _Plan(item, src, dst, copy, entry)
+
+    def _source(self, item: MoveItem, src: str) -> Callable[[], _Source]:
+        """Check the source on the loop; returns how a thread opens it."""
+        if src == TIER_DRAM:
+            held = self.inventory.get(item.key)
+            if held is None or (held.offset, held.size, held.checksum) != (item.src_offset, item.size, item.checksum):
+                raise _SourceGone(f"DRAM holds no {item.key!r} at {item.src_offset}")
+            view = self.segment.data[item.src_offset : item.src_offset + item.size]
+            return lambda: _Source([view])
+        if src == TIER_DISK:
+            disk = self.disk
+            assert disk is not None
+            entry = disk.entry_at(item.key, item.src_offset)
+            if entry is None or (entry.size, entry.checksum) != (item.size, item.checksum):
+                raise _SourceGone(f"disk tier holds no {item.key!r} at {item.src_offset}")
+            return lambda: _Source(None, lambda: disk.open_range(entry, entry.offset, entry.size))
+        dfs = self.dfs
+        assert dfs is not None
+        path = dfs.path_of(item.key, item.src_offset)
+
+        def open_dfs() -> FileRange:
+            fd, header = files.open_object(path, item.key, item.size)
+            return FileRange(fd, header.header_size, item.size)
+
+        return lambda: _Source(None, open_dfs)
+
+
+class _Source:
+    """A copy's source, opened in the worker thread: views of the mapping, or a file range
+    (closed on exit). A missing or foreign file becomes _SourceGone."""
+
+    def __init__(self, views: list[memoryview] | None, opener: Callable[[], FileRange] | None = None):
+        self._views = views
+        self._opener = opener
+        self._range: FileRange | None = None
+
+    def __enter__(self) -> list[memoryview] | FileRange:
+        if self._views is not None:
+            return self._views
+        assert self._opener is not None
+        try:
+            self._range = self._opener()
+        except (ObjectNotFound, ChecksumMismatch) as exc:
+            raise _SourceGone(str(exc)) from exc
+        return self._range
+
+    def __exit__(self, *exc: object) -> None:
+        if self._range is not None:
+            os.close(self._range.fd)
+            self._range = None

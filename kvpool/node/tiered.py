@@ -1,0 +1,182 @@
+"""The node's request handlers for its slower tiers, in front of transfer.py's DRAM handlers.
+
+A node with a disk tier (or a DFS directory) serves more than its DRAM segment:
+
+- `TieredTransferHandler`, on the transfer server: a ReadSlices whose items name the disk
+  segment is answered with file ranges, which the Connection sends with os.sendfile from a
+  worker thread (zero copy from the file to the socket; see transports/files.py); items of the
+  DRAM segment in the same frame are views of the mapping, as before. Everything else (every
+  write, DRAM-only reads) goes to the DRAM `TransferHandler` unchanged.
+- `TieredMasterCalls`, on the node's connection to the master: DropObjects of the disk segment
+  (forget the entries, remove their files, sync the directory, then acknowledge: the master
+  reuses the range only after that) and MoveObjects (node/moves.py); CommitObjects and DRAM
+  drops go to the DRAM `MasterCallHandler`.
+
+It is not where bytes are copied (moves.py) or files laid out (disk.py), and decides nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Sequence
+
+from kvpool import limits
+from kvpool.errors import InvalidParams, KVPoolError, SegmentNotFound
+from kvpool.node.disk import DiskTier
+from kvpool.node.metrics import TierMetrics
+from kvpool.node.moves import Mover
+from kvpool.node.transfer import MasterCallHandler, TransferHandler
+from kvpool.protocol.messages import (
+    DropObjects,
+    Message,
+    MoveObjects,
+    OkReply,
+    ReadItem,
+    ReadReply,
+    ReadSlices,
+)
+from kvpool.transports import files
+from kvpool.transports.connection import Connection, HandlerResult
+from kvpool.transports.files import FileRange
+
+log = logging.getLogger(__name__)
+
+
+class TieredTransferHandler:
+    """Client requests: disk tier reads here, everything else to the DRAM handler."""
+
+    def __init__(self, dram: TransferHandler, disk: DiskTier | None, mover: Mover, metrics: TierMetrics) -> None:
+        self.dram = dram
+        self.disk = disk
+        self.mover = mover
+        self.metrics = metrics
+
+    def __repr__(self) -> str:
+        return f"<TieredTransferHandler {self.dram!r} {self.disk!r}>"
+
+    @property
+    def connections(self) -> set[Connection]:
+        return self.dram.connections
+
+    def close(self) -> None:
+        self.dram.close()
+
+    def connection_closed(self, conn: Connection) -> None:
+        self.dram.connection_closed(conn)
+
+    def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
+        return self.dram.payload_sinks(conn, message)  # Clients write to DRAM only.
+
+    def payload_received(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
+        return self.dram.payload_received(conn, message)
+
+    def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
+        disk = self.disk
+        if (
+            disk is None
+            or not isinstance(message, ReadSlices)
+            or not any(item.segment_id == disk.segment_id for item in message.items)
+        ):
+            return self.dram.handle(conn, message)
+        self.dram.connections.add(conn)
+        try:
+            plan = self._plan_read(message.items, disk)
+        except KVPoolError as exc:
+            self.dram.metrics.count_error(exc)
+            raise
+        return self._read(plan)
+
+    def _plan_read(self, items: list[ReadItem], disk: DiskTier) -> list:
+        """Validate every item first (DESIGN.md §7): DRAM ranges inside the segment, disk
+        ranges inside one object each. Returns per item a DRAM view or a disk entry."""
+        self.dram._check_open()
+        total = 0
+        plan: list = []
+        data = self.dram.segment.data
+        for index, item in enumerate(items):
+            if item.segment_id == disk.segment_id:
+                if item.size <= 0 or item.offset < 0:
+                    raise InvalidParams(f"read item {index}: [{item.offset}, +{item.size})")
+                plan.append((disk.containing(item.offset, item.size), item))
+            else:
+                self.dram._check_segment_id(item.segment_id)
+                self.dram._check_range(item.offset, item.size, f"read item {index}")
+                plan.append(data[item.offset : item.offset + item.size])
+            total += item.size
+        if total > limits.FRAME_PAYLOAD_SIZE_BYTES_MAX:
+            raise InvalidParams(f"read of {total} bytes exceeds one frame ({limits.FRAME_PAYLOAD_SIZE_BYTES_MAX})")
+        return plan
+
+    async def _read(self, plan: list) -> HandlerResult:
+        """Open the disk files in a thread (opening may touch the disk), then reply: the
+        Connection sends the ranges with sendfile and closes them."""
+        disk = self.disk
+        assert disk is not None
+
+        def open_all() -> list:
+            payload: list = []
+            try:
+                for step in plan:
+                    if isinstance(step, memoryview):
+                        payload.append(step)
+                    else:
+                        entry, item = step
+                        payload.append(disk.open_range(entry, item.offset, item.size))
+            except BaseException:
+                files.close_parts(payload)
+                raise
+            return payload
+
+        payload = await self.mover.run_in_thread(open_all)
+        assert isinstance(payload, list)
+        disk_bytes = sum(part.size for part in payload if type(part) is FileRange)
+        self.metrics.disk_read_bytes.inc(disk_bytes)
+        self.metrics.disk_read_requests.inc(sum(1 for part in payload if type(part) is FileRange))
+        return ReadReply(sum(step.size if type(step) is FileRange else len(step) for step in payload)), payload
+
+
+class TieredMasterCalls:
+    """The master's calls: disk drops and moves here, commits and DRAM drops to the DRAM
+    handler."""
+
+    def __init__(self, dram: MasterCallHandler, disk: DiskTier | None, mover: Mover) -> None:
+        self.dram = dram
+        self.disk = disk
+        self.mover = mover
+        self._is_closed = False
+
+    def __repr__(self) -> str:
+        return f"<TieredMasterCalls {self.dram!r} {self.disk!r}>"
+
+    def close(self) -> None:
+        self._is_closed = True
+        self.dram.close()
+
+    def connection_closed(self, conn: Connection) -> None:
+        self.dram.connection_closed(conn)
+
+    def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
+        return self.dram.payload_sinks(conn, message)
+
+    def payload_received(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
+        return self.dram.payload_received(conn, message)
+
+    def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
+        if isinstance(message, MoveObjects):
+            if self._is_closed:
+                raise SegmentNotFound("node is stopping")
+            return self.mover.move(message)
+        disk = self.disk
+        if isinstance(message, DropObjects) and disk is not None and message.segment_id == disk.segment_id:
+            if self._is_closed:
+                raise SegmentNotFound("node is stopping")
+            return self._drop_disk(disk, message)
+        return self.dram.handle(conn, message)
+
+    async def _drop_disk(self, disk: DiskTier, message: DropObjects) -> HandlerResult:
+        # Forgotten now (no read is served from them from here on), acknowledged once the
+        # files are gone for good: the master may hand the range to a new object right after.
+        paths = disk.forget(message.entries)
+        await self.mover.run_in_thread(disk.remove_files, paths)
+        log.debug("disk tier %s: dropped %d of %d objects", disk.segment_id, len(paths), len(message.entries))
+        return OkReply()

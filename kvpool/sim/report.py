@@ -1,0 +1,131 @@
+"""Replay reports: the JSON record, a markdown table, and the hit-rate plot.
+
+The plot is hit rate against pool capacity (tokens, log scale), one curve per configuration
+(everything but the capacity: `ReplayResult.label`), as Fig. 9 of the FAST'25 Mooncake paper
+draws it. This module only formats results; it runs nothing (replay.py, live.py do).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from kvpool.sim.replay import ReplayResult
+
+
+def human_tokens(tokens: int) -> str:
+    """3 significant digits, decimal units: 999,936 tokens (1953 blocks) is "1M"."""
+    rounded = float(f"{tokens:.3g}")
+    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if rounded >= size:
+            return f"{rounded / size:g}{unit}"
+    return f"{rounded:g}"
+
+
+def human_bytes(size_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if size_bytes < 1000 or unit == "PB":
+            return f"{size_bytes:.0f} {unit}" if unit == "B" else f"{size_bytes:.1f} {unit}"
+        size_bytes /= 1000
+    raise AssertionError("unreachable")
+
+
+TABLE_COLUMNS = (
+    "configuration", "mode", "capacity/instance", "pool", "block hit", "token hit",
+    "prefill saved", "loaded (remote)", "stored (remote)", "evictions", "time",
+)  # fmt: skip
+
+
+def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
+    """One row of TABLE_COLUMNS per result, as text."""
+    rows = []
+    for r in results:
+        row = [
+            r.label,
+            r.mode,
+            human_tokens(r.capacity_tokens),
+            human_tokens(r.pool_capacity_tokens),
+            f"{r.block_hit_rate:.3f}",
+            f"{r.token_hit_rate:.3f}",
+            f"{human_tokens(r.prefill_tokens_saved)} tok",
+            f"{human_bytes(r.loaded_bytes)} ({human_bytes(r.loaded_bytes_remote)})",
+            f"{human_bytes(r.stored_bytes)} ({human_bytes(r.stored_bytes_remote)})",
+            str(r.evictions),
+            f"{r.runtime_s:.1f} s",
+        ]
+        rows.append(row)
+    return rows
+
+
+def live_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
+    """Throughput and latency of live results: configuration, capacity, req/s, load and store
+    bytes per second, lookup+load p50/p99, request p50/p99, block size."""
+    return [
+        [
+            r.label,
+            human_tokens(r.capacity_tokens),
+            f"{r.requests_per_s:.0f}",
+            f"{human_bytes(r.loaded_bytes_per_s)}/s",
+            f"{human_bytes(r.stored_bytes_per_s)}/s",
+            f"{r.lookup_load_ms_p50:.2f} / {r.lookup_load_ms_p99:.2f} ms",
+            f"{r.request_ms_p50:.2f} / {r.request_ms_p99:.2f} ms",
+            human_bytes(r.block_size_bytes_live),
+        ]
+        for r in results
+        if r.mode == "live"
+    ]
+
+
+LIVE_COLUMNS = ("configuration", "capacity/instance", "req/s", "load", "store", "lookup+load p50/p99", "request p50/p99", "block")
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, results: Sequence[ReplayResult], meta: dict) -> None:
+    payload = {**meta, "results": [msgspec.to_builtins(r) for r in results]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def write_markdown(path: Path, results: Sequence[ReplayResult], meta: dict) -> None:
+    text = f"# kvpool replay\n\n`{meta.get('command', '')}`\n\n"
+    text += markdown_table(TABLE_COLUMNS, table_rows(results))
+    live = live_rows(results)
+    if live:
+        text += "\n" + markdown_table(LIVE_COLUMNS, live)
+    path.write_text(text)
+
+
+def plot_hit_rates(path: Path, results: Sequence[ReplayResult], title: str) -> None:
+    """Hit rate (blocks) against pool capacity in tokens, one curve per label, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: a file only
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, list[ReplayResult]] = {}
+    for result in results:
+        curves.setdefault(f"{result.label} ({result.mode})" if result.mode == "live" else result.label, []).append(result)
+    figure, axes = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for label, points in curves.items():
+        points = sorted(points, key=lambda r: r.pool_capacity_tokens)
+        xs = [r.pool_capacity_tokens for r in points]
+        ys = [r.block_hit_rate for r in points]
+        style = "--" if "belady" in label else ":" if "local" in label else "-"
+        axes.plot(xs, ys, style, marker="o", label=label)
+    axes.set_xscale("log")
+    axes.set_xlabel("pool capacity (tokens, all instances)")
+    axes.set_ylabel("prefix hit rate (blocks)")
+    axes.set_ylim(0, 1)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.set_title(title, fontsize=10)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

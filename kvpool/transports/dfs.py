@@ -1,0 +1,151 @@
+"""The shared-filesystem (DFS) tier's directory, as every process sees it.
+
+Operators mount one distributed filesystem (NFS, Lustre, WEKA, VAST, 3FS) on every server; its
+kvpool directory holds one object file per DFS replica (protocol/objectfile.py names them by
+key hash and offset). The master creates the directory's identity (a segment id "dfs-<hex>"
+and a token) and indexes its files; nodes write objects into it (offload, write-through) and
+read them back (promotion); clients read them straight from the path, with no node involved,
+so DFS objects outlive every node. `DfsDirectory` is that directory: names, identity, atomic
+writes, reads, removal and the scan a master rebuilds its index from. It is not the index
+(the master's) and decides nothing.
+
+Sameness is proven, not assumed from a path: a reader uses its own mount point of the DFS and
+checks that the identity it finds there has the token (or segment id) the master announced,
+so the path may differ from host to host.
+
+    <dfs_dir>/kvpool-tier.json                      identity: tier "dfs", segment id, token
+    <dfs_dir>/objects/<2 hex>/<32 hex>-<12 hex>.kvo one object (key hash, offset in the tier)
+    <dfs_dir>/objects/<2 hex>/....kvo.<hex>.tmp     being written (removed by the master's scan)
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kvpool import limits
+from kvpool.errors import InvalidParams
+from kvpool.protocol import objectfile
+from kvpool.protocol.messages import TIER_DFS, InventoryEntry
+from kvpool.protocol.objectfile import TierIdentity
+from kvpool.transports import files
+from kvpool.transports.files import FileRange
+
+
+class DfsDirectory:
+    """One process's view of the DFS directory at `path` (identity loaded on demand)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.objects_path = self.path / objectfile.OBJECTS_DIR
+        self._identity: TierIdentity | None = None
+
+    def __repr__(self) -> str:
+        segment_id = self._identity.segment_id if self._identity else "?"
+        return f"<DfsDirectory {self.path} {segment_id}>"
+
+    # --- identity ------------------------------------------------------------------------
+
+    @classmethod
+    def create_or_open(cls, path: str | Path, capacity_bytes: int) -> DfsDirectory:
+        """The master's open: create the directory and its identity on first use.
+
+        A later start keeps the stored capacity (objects beyond a smaller one would be lost).
+
+        Raises:
+            InvalidParams: the directory cannot be created, or belongs to another tier.
+        """
+        directory = cls(path)
+        files.make_directory(directory.objects_path)
+        identity = files.load_identity(directory.path)
+        if identity is None:
+            identity = TierIdentity(
+                TIER_DFS, f"dfs-{secrets.token_hex(4)}",
+                secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes,
+            )  # fmt: skip
+            files.store_identity(directory.path, identity)
+        elif identity.tier != TIER_DFS:
+            raise InvalidParams(f"{directory.path} is a {identity.tier} tier, not a DFS directory")
+        directory._identity = identity
+        return directory
+
+    def identity(self) -> TierIdentity | None:
+        """The identity found in the directory (cached once found), or None."""
+        if self._identity is None:
+            identity = files.load_identity(self.path)
+            if identity is not None and identity.tier == TIER_DFS:
+                self._identity = identity
+        return self._identity
+
+    def is_segment(self, segment_id: str) -> bool:
+        """True when this directory is the DFS the master mounts as `segment_id`."""
+        identity = self.identity()
+        return identity is not None and identity.segment_id == segment_id
+
+    def has_token(self, token: bytes) -> bool:
+        """True when this directory is the DFS whose token the master announced."""
+        identity = self.identity()
+        return identity is not None and bool(token) and identity.token == token
+
+    # --- objects -------------------------------------------------------------------------
+
+    def path_of(self, key: str, offset: int) -> Path:
+        return self.path / objectfile.dfs_relative_path(key, offset)
+
+    def write(
+        self, key: str, offset: int, checksum: int, source: Sequence[memoryview] | FileRange,
+        *, is_durable: bool,
+    ) -> None:  # fmt: skip
+        """Write one object atomically (temporary name, then rename). Blocks.
+
+        Raises:
+            TransferFailed: it could not be written (nothing is left under its name).
+        """
+        final = self.path_of(key, offset)
+        files.make_directory(final.parent)
+        files.write_object(final.parent, final.name, key, checksum, source, is_durable=is_durable)
+        if is_durable:
+            files.sync_directory(final.parent)
+
+    def read_into(self, key: str, offset: int, size_bytes: int, views: Sequence[memoryview]) -> None:
+        """Read a whole object into `views`. Blocks. Raises as files.read_object_into."""
+        files.read_object_into(self.path_of(key, offset), key, size_bytes, views)
+
+    def read_bytes(self, key: str, offset: int, size_bytes: int) -> bytes:
+        """Read a whole object. Blocks. Raises as files.read_object_bytes."""
+        return files.read_object_bytes(self.path_of(key, offset), key, size_bytes)
+
+    def remove(self, key: str, offset: int) -> bool:
+        """Unlink one object's file; False if it was gone. Blocks. Raises TransferFailed."""
+        return files.remove(self.path_of(key, offset))
+
+    def scan(self, temp_age_ms_max: int) -> Iterator[InventoryEntry]:
+        """Every whole object file, as an inventory entry (offset: its offset in the tier).
+
+        Removes what cannot be an object: temporary files older than `temp_age_ms_max` (their
+        writer is gone) and files whose header is not whole. Foreign files are left alone.
+        O(files): a master runs it once, at start. Blocks.
+        """
+        now_s = time.time()
+        for bucket in files.scan(self.objects_path):
+            if not bucket.is_dir():
+                continue
+            for entry in files.scan(Path(bucket.path)):
+                name = entry.name
+                if objectfile.is_temp_name(name):
+                    modified_s = files.modified_s(entry.path)
+                    if modified_s is not None and (now_s - modified_s) * 1000 > temp_age_ms_max:
+                        files.remove(entry.path)
+                    continue
+                offset = objectfile.dfs_offset_of(name)
+                if offset is None:
+                    continue
+                header = files.read_header(entry.path)
+                if header is None or objectfile.dfs_relative_path(header.key, offset) != (
+                    f"{objectfile.OBJECTS_DIR}/{bucket.name}/{name}"
+                ):
+                    files.remove(entry.path)  # Torn or misplaced: never an object to serve.
+                    continue
+                yield InventoryEntry(header.key, offset, header.size, header.checksum)

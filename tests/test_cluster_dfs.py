@@ -1,0 +1,68 @@
+"""The shared-filesystem (DFS) tier as operators run it: a master and nodes as real processes,
+all given the same `--dfs-dir` (a directory under pytest's tmp_path standing in for NFS or
+Lustre), and clients that read DFS objects straight from that path.
+
+How: objects are put with a DFS copy (write-through) and more are pushed out of DRAM into the
+DFS by eviction; then every node is killed with SIGKILL and a fresh client, with no node left,
+reads the DFS objects; then the master is killed and restarted and rebuilds its DFS index from
+the directory alone. Every check is on the bytes a user gets back.
+"""
+
+from __future__ import annotations
+
+from kvpool import ErrorCode, ReplicateConfig, Store
+from tests.test_cluster import kvpool_cli, values_for, wait_until
+
+OBJECT_SIZE = 256 * 1024
+
+
+def dfs_keys(store: Store, keys: list[str]) -> list[str]:
+    status = store.cluster_status()
+    dfs_ids = {s.segment.segment_id for s in status.segments if s.segment.tier == "dfs"}
+    reply = store.query(keys)
+    return [k for k, rs in zip(keys, reply.replicas) if any(r.segment_id in dfs_ids for r in rs)]
+
+
+def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_path):
+    dfs = str(tmp_path / "dfs")
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", dfs, "--node-ttl-ms", "1500"))
+    for _ in range(2):
+        cluster.start_node(("--dfs-dir", dfs))
+    persisted = values_for("persisted", 12, OBJECT_SIZE)
+    flood = values_for("flood", 64, OBJECT_SIZE)  # 19 MiB in all through 16 MiB of DRAM
+    with Store(cluster.master_endpoint, dfs_dir=dfs) as writer:
+        codes = writer.put_batch(list(persisted), list(persisted.values()), ReplicateConfig(with_dfs_copy=True))
+        assert codes == [ErrorCode.OK] * len(persisted)
+        assert dfs_keys(writer, list(persisted)) == list(persisted)  # the put returned with them
+        for key, value in flood.items():
+            writer.put(key, value)
+        wait_until(lambda: dfs_keys(writer, list(flood)))  # evicted from DRAM into the DFS
+        offloaded = dfs_keys(writer, list(flood))
+    for node in cluster.nodes:
+        node.kill()
+    with Store(cluster.master_endpoint, dfs_dir=dfs, shm_enabled=False) as reader:
+        wait_until(lambda: not [s for s in reader.cluster_status().segments if s.segment.tier == "dram"])
+        assert reader.get_batch(list(persisted)) == list(persisted.values())
+        assert reader.get_batch(offloaded) == [flood[k] for k in offloaded]
+        for key, data in zip(flood, reader.get_batch(list(flood))):
+            assert data in (flood[key], None)
+        tiers = {t["tier"]: t for t in reader.cluster_status().to_dict()["tiers"]}
+        assert tiers["dfs"]["hits"] >= len(persisted) + len(offloaded)
+    # The CLI too, given the DFS mount; a client without it gets a clean miss.
+    first = next(iter(persisted))
+    got = kvpool_cli("get", first, "-o", str(tmp_path / "out"), "--master", cluster.master_endpoint,
+                     env={"KVPOOL_DFS_DIR": dfs})  # fmt: skip
+    assert got.returncode == 0, got.stderr.decode()
+    assert (tmp_path / "out").read_bytes() == persisted[first]
+    with Store(cluster.master_endpoint, shm_enabled=False) as outsider:
+        assert outsider.get(first) is None
+    cluster.master.kill()
+    cluster.start_master()
+    with Store(cluster.master_endpoint, dfs_dir=dfs, shm_enabled=False) as reader:
+        every = list(persisted) + offloaded
+        assert all(reader.batch_exists(every))  # indexed again from the directory alone
+        assert reader.get_batch(every) == [persisted.get(k) or flood[k] for k in every]
+        reader.remove(every[0], force=True)  # read a moment ago: under a lease
+        assert reader.get(every[0]) is None
+        # The master removes the file itself (no node holds DFS objects).
+        wait_until(lambda: len(list((tmp_path / "dfs" / "objects").rglob("*.kvo"))) == len(every) - 1)

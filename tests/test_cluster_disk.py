@@ -1,0 +1,171 @@
+"""The node disk tier as operators run it: a master and nodes as real processes on loopback,
+each node with `--disk-dir` under pytest's tmp_path, clients in this process (TCP only where a
+test says so, so that disk objects come through the owning node's transfer server).
+
+How: DRAM is filled past its high watermark and everything is read back; a node is killed with
+SIGKILL while it is offloading and restarted on the same directory; a node is stopped and
+restarted and its disk objects are read without any client writing them again. Every check is
+on the bytes a user gets back (equal to what was put, or a clean miss) and on what the master
+reports per tier. Sizes are small (tens of MiB) and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.request
+from pathlib import Path
+
+from kvpool import ErrorCode, Store
+from kvpool.protocol import objectfile
+from tests.test_cluster import kvpool_cli, values_for, wait_until
+
+OBJECT_SIZE = 256 * 1024
+
+
+def disk_args(path: Path, size: str = "64MiB") -> tuple[str, ...]:
+    return ("--disk-dir", str(path), "--disk-size", size)
+
+
+def tiers_of(store: Store) -> dict[str, dict]:
+    return {t["tier"]: t for t in store.cluster_status().to_dict()["tiers"]}
+
+
+def disk_keys(store: Store, keys: list[str], disk_segment_id: str) -> list[str]:
+    reply = store.query(keys)
+    return [k for k, rs in zip(keys, reply.replicas) if any(r.segment_id == disk_segment_id for r in rs)]
+
+
+def object_files(disk_dir: Path) -> dict[str, tuple[int, int]]:
+    """name -> (inode, mtime_ns) of the whole object files of a disk tier."""
+    return {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in (disk_dir / objectfile.OBJECTS_DIR).iterdir()
+        if p.name.endswith(objectfile.SUFFIX)
+    }
+
+
+def temp_files(disk_dir: Path) -> list[str]:
+    return [p.name for p in (disk_dir / objectfile.OBJECTS_DIR).iterdir() if objectfile.is_temp_name(p.name)]
+
+
+def master_metric(cluster, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith((name + " ", name + "{")):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_dram_filled_past_the_watermark_is_read_back_from_disk_by_another_client(make_cluster, tmp_path):
+    cluster = make_cluster(0, "8MiB")
+    for index in range(2):
+        cluster.start_node(disk_args(tmp_path / f"disk{index}"))
+    values = values_for("fill", 96, OBJECT_SIZE)  # 24 MiB through 16 MiB of DRAM
+    with Store(cluster.master_endpoint) as writer:
+        for key, value in values.items():
+            writer.put(key, value)
+        # The tick's watermark eviction brings DRAM below 0.90 by moving objects to disk.
+        wait_until(lambda: tiers_of(writer)["dram"]["used_bytes"] <= 0.9 * 16 * 1024 * 1024)
+    with Store(cluster.master_endpoint, shm_enabled=False) as reader:  # TCP only
+        assert reader.get_batch(list(values)) == list(values.values())
+        tiers = tiers_of(reader)
+        assert tiers["disk"]["object_count"] >= 96 - 64
+        assert tiers["disk"]["offloads"] == tiers["dram"]["evictions"] >= 32
+        assert tiers["disk"]["hits"] >= 32 and tiers["dram"]["hits"] + tiers["disk"]["hits"] >= 96
+        assert tiers["disk"]["capacity_bytes"] == 2 * 64 * 1024 * 1024
+    stat = kvpool_cli("stat", "--json", "--master", cluster.master_endpoint)
+    assert stat.returncode == 0, stat.stderr.decode()
+    assert {t["tier"] for t in json.loads(stat.stdout)["tiers"]} == {"dram", "disk", "dfs"}
+    assert master_metric(cluster, 'kvpool_master_tier_offloads_total{tier="disk"}') >= 32
+
+
+def test_node_killed_mid_offload_restarts_on_its_disk_and_serves_only_whole_objects(make_cluster, tmp_path):
+    cluster = make_cluster(0, "8MiB", master_args=("--node-ttl-ms", "2000"))
+    disk = tmp_path / "disk"
+    args = (*disk_args(disk), "--no-shm")  # no same-host reads: the token alone proves the disk
+    victim = cluster.start_node(args)
+    values = values_for("crash", 120, OBJECT_SIZE)  # 30 MiB through 8 MiB: offloads all along
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with Store(cluster.master_endpoint, rpc_timeout_ms=2_000) as writer:
+                for key, value in values.items():
+                    writer.put_batch([key], [value])  # codes, not exceptions: the node dies
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    # SIGKILL while a file is being written (a temporary file exists) after a few renames.
+    wait_until(lambda: len(object_files(disk)) >= 4 and temp_files(disk), interval_s=0.0005)
+    victim.kill()
+    writer.join(60)
+    assert not writer.is_alive()
+    restarted = cluster.start_node(args)
+    disk_segment = restarted.info["disk_segment_id"]
+    assert disk_segment == victim.info["disk_segment_id"]  # the same disk tier, re-adopted
+    assert not temp_files(disk)  # the restart removed what the kill left half-written
+    with Store(cluster.master_endpoint, shm_enabled=False) as reader:
+        reported = disk_keys(reader, list(values), disk_segment)
+        assert len(reported) >= 4
+        assert len(reported) == len(object_files(disk))
+        got = reader.get_batch(reported)
+        assert got == [values[key] for key in reported]  # every one whole, none wrong
+        # The rest is readable or a clean miss (the dead node's DRAM), never other bytes.
+        for key, data in zip(values, reader.get_batch(list(values))):
+            assert data in (values[key], None)
+    assert not errors, errors
+
+
+def test_restarted_node_serves_its_disk_objects_without_any_client_writing_them_again(make_cluster, tmp_path):
+    cluster = make_cluster(0, "8MiB")
+    disk = tmp_path / "disk"
+    node = cluster.start_node(disk_args(disk))
+    values = values_for("keep", 64, OBJECT_SIZE)  # 16 MiB through 8 MiB
+    with Store(cluster.master_endpoint) as writer:
+        for key, value in values.items():
+            writer.put(key, value)
+        # Settled: below the watermark, and no object half-way (an offload in flight counts
+        # in DRAM only, a finished one in disk only; nothing was read, so none kept both).
+        wait_until(lambda: tiers_of(writer)["dram"]["used_bytes"] <= 0.9 * 8 * 1024 * 1024
+                   and sum(t["object_count"] for t in tiers_of(writer).values()) == 64)  # fmt: skip
+        on_disk = disk_keys(writer, list(values), node.info["disk_segment_id"])
+    assert len(on_disk) >= 32
+    before = object_files(disk)
+    puts_before = master_metric(cluster, "kvpool_master_puts_total")
+    node.stop()  # SIGTERM: the node unmounts both its segments and leaves
+    with Store(cluster.master_endpoint) as store:
+        assert sum(store.batch_exists(on_disk)) == 0  # gone with the node...
+    restarted = cluster.start_node(disk_args(disk))
+    with Store(cluster.master_endpoint, shm_enabled=False) as reader:
+        wait_until(lambda: all(reader.batch_exists(on_disk)))  # ...and back with its disk
+        assert reader.get_batch(on_disk) == [values[key] for key in on_disk]
+        assert tiers_of(reader)["disk"]["object_count"] == len(on_disk)
+    assert restarted.info["disk_segment_id"] == node.info["disk_segment_id"]
+    assert object_files(disk) == before  # the very same files: nothing rewritten
+    assert master_metric(cluster, "kvpool_master_puts_total") == puts_before
+
+
+def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, tmp_path):
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(tmp_path / "disk"))
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    (tmp_path / "in").write_bytes(data)
+    with Store(cluster.master_endpoint) as store:
+        from kvpool import ReplicateConfig
+
+        assert store.put_batch(["wt"], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
+        replicas = store.query(["wt"]).replicas[0]
+        assert {r.segment_id for r in replicas} == {node.info["segment_id"], node.info["disk_segment_id"]}
+    assert len(object_files(tmp_path / "disk")) == 1
+    node.stop()
+    restarted = cluster.start_node(disk_args(tmp_path / "disk"))
+    # Same host, shared memory allowed: the client reads the file itself (the CLI, too).
+    out = tmp_path / "out"
+    got = kvpool_cli("get", "wt", "-o", str(out), "--master", cluster.master_endpoint)
+    assert got.returncode == 0, got.stderr.decode()
+    assert out.read_bytes() == data
+    del restarted

@@ -1,0 +1,344 @@
+"""High availability on etcd: the election's fence, discovery, takeover, and failover.
+
+How: the pure parts (Leadership deadlines, Takeover, address parsing) with `now_ms` passed in;
+the etcd client and the election against a real etcd started by the `etcd_endpoint` fixture
+(127.0.0.1, free ports, its own data dir); masters in-process on one event loop for the
+election's rules, and as real processes for what only a real process shows: a leader frozen
+by SIGSTOP that wakes up after a successor took over must refuse the request that waited in
+its socket, and clients and nodes given etcd:// follow a failover by themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import uvloop
+
+from kvpool import ErrorCode, ReplicateConfig
+from kvpool.client.store import AsyncStore
+from kvpool.config import MasterConfig, NodeConfig
+from kvpool.discovery import (
+    LeaderRecord,
+    MasterResolver,
+    decode_segments_record,
+    encode_segments_record,
+    leader_key,
+    parse_master_address,
+    segments_key,
+)
+from kvpool.errors import CoordinationError, InvalidParams, NotLeader, RpcFailed, error_from_code
+from kvpool.master.election import ElectionConfig, Leadership, Role
+from kvpool.master.server import MasterServer
+from kvpool.master.takeover import Takeover
+from kvpool.node.server import Node
+from kvpool.protocol.messages import ClusterStatus, PutStart
+from kvpool.transports.connection import connect
+from kvpool.transports.etcd import EtcdClient, parse_etcd_endpoints
+
+TTL_MS = 3_000  # Short leases keep these tests quick; the chaos suite runs the 5 s default.
+_cluster_serial = 0
+
+
+def run(coroutine):
+    return uvloop.run(asyncio.wait_for(coroutine, 60))
+
+
+def new_cluster_id() -> str:
+    global _cluster_serial
+    _cluster_serial += 1
+    return f"ha-{os.getpid()}-{_cluster_serial}"
+
+
+# --- pure ---------------------------------------------------------------------------------------
+
+
+def test_leadership_ends_margin_before_the_lease_can_lapse():
+    leadership = Leadership(step_down_margin_ms=1_000)
+    assert not leadership.is_leader(0)
+    leadership.elect(lease_id=7, term=3, ttl_ms=5_000, sent_ms=100)
+    assert leadership.role is Role.LEADER and leadership.term == 3
+    assert leadership.is_leader(4_099)
+    assert not leadership.is_leader(4_100)  # sent + ttl - margin
+    assert leadership.remaining_ms(4_100) == 0
+    leadership.renew(ttl_ms=5_000, sent_ms=3_000)
+    assert leadership.is_leader(6_999) and not leadership.is_leader(7_000)
+    leadership.renew(ttl_ms=5_000, sent_ms=1_000)  # a late answer never shortens the deadline
+    assert leadership.is_leader(6_999)
+    leadership.step_down()
+    assert leadership.role is Role.STANDBY and not leadership.is_leader(0)
+    with pytest.raises(AssertionError):
+        leadership.renew(5_000, 8_000)
+
+
+def test_takeover_opens_when_the_recorded_segments_remount_or_at_the_grace():
+    takeover = Takeover(["a", "b"], elected_ms=1_000, grace_ms=3_000)
+    assert not takeover.is_open(1_000) and takeover.waiting_count() == 2
+    takeover.mounted("a")
+    takeover.mounted("x")  # a node nobody waited for
+    assert not takeover.is_open(3_999)
+    takeover.mounted("b")
+    assert takeover.is_open(1_001)
+    late = Takeover(["a"], elected_ms=1_000, grace_ms=3_000)
+    assert not late.is_open(3_999) and late.remaining_ms(3_000) == 1_000
+    assert late.is_open(4_000) and late.is_open(0)  # open stays open
+    assert Takeover([], 0, 3_000).is_open(0)  # a first leader waits for nobody
+    unknown = Takeover(None, 0, 3_000)  # the record could not be read: the whole grace
+    unknown.mounted("a")
+    assert not unknown.is_open(2_999) and unknown.is_open(3_000)
+
+
+def test_master_addresses_parse():
+    fixed = parse_master_address("10.0.0.1:50051")
+    assert not fixed.is_etcd and fixed.endpoint == "10.0.0.1:50051"
+    ha = parse_master_address("etcd://e1:2379,e2:2379/prod-a")
+    assert ha.etcd_endpoints == ("e1:2379", "e2:2379") and ha.cluster_id == "prod-a"
+    assert str(ha) == "etcd://e1:2379,e2:2379/prod-a" and ha.probe_host == "e1"
+    assert parse_master_address("etcd://e1:2379").cluster_id == "default"
+    for bad in ("nope", "host:", "etcd://", "etcd://e1/../x", "etcd://e1:99999/c", "h:0"):
+        with pytest.raises(InvalidParams):
+            parse_master_address(bad)
+    assert parse_etcd_endpoints("http://a:1, b:2") == ("a:1", "b:2")
+
+
+def test_records_round_trip_and_garbage_is_a_coordination_error():
+    record = LeaderRecord("127.0.0.1:1", "127.0.0.1:2", "abc")
+    assert LeaderRecord.decode(record.encode()) == record
+    assert decode_segments_record(encode_segments_record(4, ["b", "a"])) == ["a", "b"]
+    for garbage in (b"", b"[]", b"{\"x\": 1}", b"\xff"):
+        with pytest.raises(CoordinationError):
+            LeaderRecord.decode(garbage)
+        with pytest.raises(CoordinationError):
+            decode_segments_record(garbage)
+    assert isinstance(error_from_code(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)), NotLeader)
+
+
+# --- the etcd client ------------------------------------------------------------------------
+
+
+def test_etcd_client_create_fence_lease_and_watch(etcd_endpoint):
+    key = leader_key(new_cluster_id())
+
+    async def main():
+        # The first endpoint is down: requests go on to the next one.
+        async with EtcdClient(["127.0.0.1:1", etcd_endpoint]) as etcd:
+            assert (await etcd.get(key))[0] is None
+            lease, ttl_ms = await etcd.grant_lease(TTL_MS)
+            assert ttl_ms >= TTL_MS
+            created, _, revision = await etcd.create(key, b"one", lease_id=lease)
+            assert created
+            created, holder, _ = await etcd.create(key, b"two", lease_id=lease)
+            assert not created and holder.value == b"one" and holder.lease_id == lease
+            assert await etcd.put_if_held(key, lease, key + b"/x", b"ok")
+            assert not await etcd.put_if_held(key, lease + 1, key + b"/x", b"fenced")
+            assert (await etcd.get(key + b"/x"))[0].value == b"ok"
+            assert not await etcd.wait_for_change(key, revision, 200)  # nothing happens: timeout
+            waiter = asyncio.ensure_future(etcd.wait_for_change(key, revision, 5_000))
+            await asyncio.sleep(0.2)
+            await etcd.revoke_lease(lease)
+            assert await waiter
+            assert (await etcd.get(key))[0] is None
+            assert await etcd.keep_alive(lease) == 0  # a revoked lease is gone
+            await etcd.revoke_lease(lease)  # and revoking it again is no error
+
+    run(main())
+
+
+# --- election, in-process ----------------------------------------------------------------------
+
+
+def _candidate(etcd_endpoint: str, cluster_id: str, **config) -> MasterServer:
+    election = ElectionConfig((etcd_endpoint,), cluster_id, lease_ttl_ms=TTL_MS)
+    return MasterServer(MasterConfig(**config), port=0, seed=1, election=election,
+                        debug_invariants=True)  # fmt: skip
+
+
+async def _wait_for(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_one_leader_standby_refuses_and_takes_over_when_the_leader_stops(etcd_endpoint):
+    cluster_id = leader = None
+
+    async def main():
+        nonlocal cluster_id, leader
+        cluster_id = new_cluster_id()
+        first, second = _candidate(etcd_endpoint, cluster_id), _candidate(etcd_endpoint, cluster_id)
+        await first.start()
+        await _wait_for(lambda: first.role == "leader")
+        await second.start()
+        await _wait_for(lambda: second.elector.leader is not None)
+        assert second.role == "standby"
+        address = f"etcd://{etcd_endpoint}/{cluster_id}"
+        node = Node(NodeConfig(master_endpoint=address, memory_bytes=8 << 20))
+        await node.start()
+        try:
+            await node.wait_mounted(5_000)
+            conn = await connect(second.endpoint, key=None)
+            with pytest.raises(NotLeader, match="the leader is"):
+                await conn.request(ClusterStatus())
+            conn.close()
+            store = await AsyncStore.open(address)
+            try:
+                await store.put("k", b"v" * 1000, ReplicateConfig())
+                await first.stop()  # revokes its lease: no waiting for it to lapse
+                started = time.monotonic()
+                await _wait_for(lambda: second.role == "leader", 5.0)
+                assert time.monotonic() - started < 2.0
+                # The node re-mounts by itself; the store finds the new leader by itself.
+                await _wait_for(lambda: second.service.object_count == 1, 5.0)
+                assert await store.get("k") == b"v" * 1000
+                await store.put("k2", b"w" * 1000, ReplicateConfig())
+                assert await store.get("k2") == b"w" * 1000
+            finally:
+                await store.aclose()
+        finally:
+            await node.stop()
+            await second.stop()
+            await first.stop()
+
+    run(main())
+
+
+def test_a_leader_past_its_deadline_refuses_before_its_elector_notices(etcd_endpoint):
+    """The fence is the clock: a paused process's first act on waking is to check it."""
+
+    async def main():
+        master = _candidate(etcd_endpoint, new_cluster_id())
+        await master.start()
+        try:
+            await _wait_for(lambda: master.role == "leader")
+            conn = await connect(master.endpoint, key=None)
+            await conn.request(ClusterStatus())
+            elector = master.elector
+            frozen_at = elector._clock_ms()
+            # As if the process had been stopped for a whole lease: the elector's task has not
+            # run yet, but the next request is already refused.
+            elector._clock_ms = lambda: frozen_at + TTL_MS
+            assert master.role == "standby"
+            with pytest.raises(NotLeader):
+                await conn.request(PutStart(["k"], [10], ReplicateConfig(), "h"))
+            conn.close()
+        finally:
+            await master.stop()
+
+    run(main())
+
+
+def test_new_leader_waits_for_the_recorded_nodes_before_taking_puts(etcd_endpoint):
+    async def main():
+        cluster_id = new_cluster_id()
+        address = f"etcd://{etcd_endpoint}/{cluster_id}"
+        async with EtcdClient([etcd_endpoint]) as etcd:
+            # The previous leader recorded a node that is not coming back.
+            await etcd.put(segments_key(cluster_id), encode_segments_record(1, ["gone-node-1234"]))
+        master = _candidate(etcd_endpoint, cluster_id, remount_grace_ms=1_500)
+        await master.start()
+        try:
+            await _wait_for(lambda: master.role in ("recovering", "leader"))
+            assert master.role == "recovering"
+            store = await AsyncStore.open(address, rpc_timeout_ms=300, connect_timeout_ms=300)
+            try:
+                # Reads are served at once; a put is refused (NotLeader: nothing was done).
+                assert await store.get("absent") is None
+                with pytest.raises(NotLeader, match="re-mount"):
+                    await store.put("early", b"x")
+                await _wait_for(lambda: master.role == "leader", 3.0)
+            finally:
+                await store.aclose()
+            node = Node(NodeConfig(master_endpoint=address, memory_bytes=8 << 20))
+            await node.start()
+            await node.wait_mounted(5_000)
+            store = await AsyncStore.open(address)
+            try:
+                await store.put("late", b"y" * 100)
+                assert await store.get("late") == b"y" * 100
+                # The leader records its live segments for its successor (fenced by its lease).
+                async with EtcdClient([etcd_endpoint]) as etcd:
+                    await _wait_for_async(
+                        lambda: _recorded(etcd, cluster_id), lambda ids: ids == [node.segment_id]
+                    )
+            finally:
+                await store.aclose()
+                await node.stop()
+        finally:
+            await master.stop()
+
+    run(main())
+
+
+async def _recorded(etcd: EtcdClient, cluster_id: str) -> list[str]:
+    kv, _ = await etcd.get(segments_key(cluster_id))
+    return decode_segments_record(kv.value) if kv is not None else []
+
+
+async def _wait_for_async(fetch, predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate(await fetch()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.1)
+
+
+def test_resolver_without_a_leader_says_not_leader(etcd_endpoint):
+    async def main():
+        resolver = MasterResolver(f"etcd://{etcd_endpoint}/{new_cluster_id()}")
+        with pytest.raises(NotLeader, match="no master is the leader"):
+            await resolver.resolve(1_000)
+        assert MasterResolver("127.0.0.1:5").is_dynamic is False
+
+    run(main())
+
+
+# --- real processes ------------------------------------------------------------------------------
+
+
+def test_frozen_leader_refuses_the_put_that_waited_in_its_socket(make_cluster, etcd_endpoint):
+    """SIGSTOP the leader with a put on its way, let a standby take over, SIGCONT: the woken
+    leader never grants it, clients follow the new leader, nothing is lost."""
+    cluster = make_cluster(2, "16MiB", etcd_endpoint=etcd_endpoint, cluster_id=new_cluster_id(),
+                           master_count=2, master_args=("--etcd-lease-ttl-ms", str(TTL_MS)))  # fmt: skip
+    old = cluster.wait_leader()
+    values = {f"frozen-{i}": os.urandom(50_000) for i in range(10)}
+
+    async def main():
+        async with await AsyncStore.open(cluster.master_address) as store:
+            codes = await store.put_batch(list(values), list(values.values()), ReplicateConfig(replica_num=2))
+            assert codes == [ErrorCode.OK] * len(values)
+            conn = await connect(old.info["endpoint"], key=None)
+            old.signal(signal.SIGSTOP)
+            try:
+                late_put = asyncio.ensure_future(
+                    conn.request(PutStart(["late"], [100], ReplicateConfig(), "h"), timeout_ms=20_000)
+                )
+                await asyncio.sleep(0.2)
+                new = await asyncio.to_thread(cluster.wait_leader, 15.0, ("leader", "recovering"))
+                assert new is not old
+            finally:
+                old.signal(signal.SIGCONT)
+            # Whichever it does first on waking, refuse the request or end the conversations
+            # of its term, the put is never granted.
+            with pytest.raises((NotLeader, RpcFailed)):
+                await late_put
+            conn.close()
+            # The store follows the new leader; the objects come back as the nodes re-mount
+            # (a node notices the frozen leader when a heartbeat times out), meanwhile a read
+            # is a clean miss or the right bytes.
+            deadline = time.monotonic() + 15
+            while True:
+                got = await store.get_batch(list(values))
+                assert all(g in (None, v) for g, v in zip(got, values.values()))
+                if got == list(values.values()):
+                    break
+                assert time.monotonic() < deadline, "objects did not come back"
+                await asyncio.sleep(0.1)
+            await store.put("after", b"z" * 10)
+            assert await store.get("after") == b"z" * 10
+
+    run(main())
+    assert cluster.role_of(old) == "standby"

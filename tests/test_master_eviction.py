@@ -1,0 +1,185 @@
+"""Eviction policies in the master: ProbationLru (the default), its ghost filter, and LRU.
+
+How: a pure MasterService (seeded, time passed in) with one 1 MiB segment of sixteen 64 KiB
+objects, and `check_invariants()` (which includes the policy's own) after every step. Victims
+are read from the drop outbox, so the tests see the order the service really evicts in. The
+scenarios are the ones where ProbationLru and LRU part: objects put and never read go first
+under ProbationLru, by put order, even when read objects are older. The ghost filter is tested
+on its own (no false negatives inside its window, forgetting after two windows, few false
+positives). No sockets, no sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import ErrorCode, InvalidParams
+from kvpool.master.eviction import (
+    GHOST_ENTRIES_MIN,
+    POLICY_DEFAULT,
+    GhostFilter,
+    LruPolicy,
+    ProbationLruPolicy,
+    make_policy,
+)
+from kvpool.master.service import MasterService
+from kvpool.protocol.messages import (
+    GetReplicaList,
+    MountSegment,
+    PutEnd,
+    PutStart,
+    ReplicateConfig,
+    SegmentInfo,
+)
+
+OBJECT_SIZE = 64 * limits.KIB  # sixteen fill the segment
+
+
+def service(policy) -> MasterService:
+    svc = MasterService(MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=1.0), random.Random(0), None, policy=policy)
+    info = SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB)
+    svc.mount_segment(MountSegment(info, []), 0)
+    return svc
+
+
+def put(svc: MasterService, keys: list[str], now: int = 0) -> list[int]:
+    """Put, evicting for room (drops acknowledged at once, one retry, as the server does);
+    returns the keys evicted, in order, through `put.evicted`."""
+    reply = svc.put_start(PutStart(keys, [OBJECT_SIZE] * len(keys), ReplicateConfig()), now)
+    retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+    evicted = []
+    for segment_id, entries in svc.take_drops().items():
+        evicted += [entry.key for entry in entries]
+        svc.drops_done(segment_id, entries, now)
+    if retry:
+        again = svc.put_start(PutStart([keys[i] for i in retry], [OBJECT_SIZE] * len(retry), ReplicateConfig()), now)
+        for position, index in enumerate(retry):
+            reply.codes[index] = again.codes[position]
+    ok = [key for key, code in zip(keys, reply.codes) if code == ErrorCode.OK]
+    pending = svc.put_end(PutEnd(ok, [1] * len(ok)), now)
+    svc.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, now)
+    svc.check_invariants()
+    put.evicted = evicted  # type: ignore[attr-defined]
+    return reply.codes
+
+
+def read(svc: MasterService, keys: list[str], now: int) -> None:
+    assert svc.get_replica_list(GetReplicaList(keys), now).codes == [ErrorCode.OK] * len(keys)
+    svc.check_invariants()
+
+
+def keys_of(prefix: str, count: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(count)]
+
+
+def test_the_default_policy_is_probation_lru_and_names_are_checked() -> None:
+    assert POLICY_DEFAULT == "probation"
+    assert isinstance(make_policy(), ProbationLruPolicy)
+    assert isinstance(make_policy("lru"), LruPolicy)
+    with pytest.raises(InvalidParams):
+        make_policy("fifo")
+    with pytest.raises(InvalidParams):
+        ProbationLruPolicy(protected_bytes_ratio_max=0.0)
+    assert isinstance(MasterService(MasterConfig(), random.Random(0), None)._table.policy, ProbationLruPolicy)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        # LRU: the least recently accessed, read or not.
+        ("lru", ["old0", "old1", "old2", "old3"]),
+        # ProbationLru: objects never read go first, by put order. old0 is among them: when
+        # old0..7 were read they were all the bytes in the table, above the 90% cap, so the
+        # least recently read of them was demoted to probation, ahead of the new objects.
+        ("probation", ["old0", "new0", "new1", "new2"]),
+    ],
+)
+def test_unread_objects_go_before_read_ones(policy: str, expected: list[str]) -> None:
+    svc = service(make_policy(policy))
+    put(svc, keys_of("old", 8), now=0)
+    read(svc, keys_of("old", 8), now=1)  # read once: protected under ProbationLru
+    put(svc, keys_of("new", 8), now=100)  # never read
+    put(svc, keys_of("more", 4), now=200)
+    assert put.evicted == expected  # type: ignore[attr-defined]
+
+
+def test_protected_objects_are_lru_among_themselves_and_capped() -> None:
+    policy = ProbationLruPolicy()
+    svc = service(policy)
+    put(svc, keys_of("k", 16), now=0)
+    read(svc, keys_of("k", 16), now=1)  # every object read: protected is capped at 90%
+    assert policy.protected_count == 14  # 14 x 64 KiB <= 0.9 x 16 x 64 KiB < 15 x 64 KiB
+    # The two least recently read were demoted to probation, so they go first.
+    assert not policy.is_protected("k0") and not policy.is_protected("k1")
+    read(svc, ["k0"], now=100)  # read again: protected once more (k2 is demoted in its place)
+    put(svc, keys_of("n", 2), now=200)
+    assert put.evicted == ["k1", "k2"]  # type: ignore[attr-defined]
+
+
+def test_an_object_put_again_soon_after_its_eviction_skips_probation() -> None:
+    policy = ProbationLruPolicy()
+    svc = service(policy)
+    put(svc, keys_of("a", 16), now=0)
+    put(svc, ["b0"], now=10)  # a0 goes: the ghost filter remembers it
+    assert put.evicted == ["a0"]  # type: ignore[attr-defined]
+    put(svc, ["a0"], now=20)  # back: protected at once, without a read
+    assert put.evicted == ["a1"]  # type: ignore[attr-defined]
+    assert policy.is_protected("a0")
+    assert not policy.is_protected("b0")
+
+
+def test_leased_objects_wait_and_pinned_ones_are_spared() -> None:
+    policy = ProbationLruPolicy()
+    svc = service(policy)
+    codes = svc.put_start(PutStart(["hard"], [OBJECT_SIZE], ReplicateConfig(with_hard_pin=True)), 0).codes
+    assert codes == [ErrorCode.OK]
+    pending = svc.put_end(PutEnd(["hard"], [1]), 0)
+    svc.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, 0)
+    put(svc, keys_of("k", 15), now=0)
+    read(svc, ["k0", "k1"], now=50)  # leased until 60
+    put(svc, keys_of("n", 15), now=55)  # needs all but the leased and the pinned
+    assert set(put.evicted) == set(keys_of("k", 15)) - {"k0", "k1"}  # type: ignore[attr-defined]
+    assert "hard" not in put.evicted  # type: ignore[attr-defined]
+    assert svc.object_count == 16  # hard + k0 + k1 + 13 of the new ones
+
+
+def test_ghost_filter_remembers_its_window_and_forgets_after_two() -> None:
+    ghost = GhostFilter(GHOST_ENTRIES_MIN)
+    window = GHOST_ENTRIES_MIN
+    for index in range(window):
+        ghost.add(f"old{index}")
+    for index in range(window // 2):
+        ghost.add(f"new{index}")
+    assert all(ghost.contains(f"old{i}") for i in range(window))  # no false negatives
+    assert all(ghost.contains(f"new{i}") for i in range(window // 2))
+    for index in range(2 * window):
+        ghost.add(f"newer{index}")
+    remembered = sum(ghost.contains(f"old{i}") for i in range(window))
+    assert remembered < window * 0.05  # two rotations later: only false positives remain
+    false_positives = sum(ghost.contains(f"never{i}") for i in range(20_000))
+    assert false_positives < 20_000 * 0.02  # ~0.5% by design
+    assert ghost.size_bytes() == 2 * window * 2
+
+
+def test_ghost_filter_resizes_at_its_next_rotation_only() -> None:
+    ghost = GhostFilter(GHOST_ENTRIES_MIN)
+    ghost.resize(8 * GHOST_ENTRIES_MIN)
+    for index in range(GHOST_ENTRIES_MIN):  # fills the current (small) filter: it rotates
+        ghost.add(f"k{index}")
+    assert ghost.size_bytes() == (8 + 1) * GHOST_ENTRIES_MIN * 2
+    assert all(ghost.contains(f"k{i}") for i in range(GHOST_ENTRIES_MIN))
+    false_positives = sum(ghost.contains(f"never{i}") for i in range(20_000))
+    assert false_positives < 20_000 * 0.02  # the small filter was never overfilled
+
+
+def test_probation_lru_invariants_catch_a_lost_key() -> None:
+    policy = ProbationLruPolicy()
+    svc = service(policy)
+    put(svc, keys_of("k", 4), now=0)
+    policy._probation.pop("k2")  # corrupt the policy behind the table's back
+    with pytest.raises(AssertionError):
+        svc.check_invariants()

@@ -1,0 +1,472 @@
+"""The master's side of the tiers: offload on evict, promotion, write-through, DFS, restarts.
+
+How: a pure MasterService behind the `Checked` proxy of test_master_service.py (every call is
+followed by check_invariants(), which also proves the table's split by residence, the moves'
+held ranges and every segment's leaving bytes). The test plays the nodes: it takes the move
+outbox, answers each item with a code, and acknowledges drops explicitly. No sockets, no
+sleeps, time passed in.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvpool import ReplicateConfig, limits
+from kvpool.errors import ErrorCode, SegmentAlreadyExists
+from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
+    TIER_DRAM,
+    ClusterStatus,
+    ExistKeys,
+    GetReplicaList,
+    Heartbeat,
+    InventoryEntry,
+    MountSegment,
+    MoveItem,
+    PutEnd,
+    PutStart,
+    QueryObjects,
+    Remove,
+    SegmentInfo,
+    UnmountSegment,
+)
+from tests.test_master_service import OBJECT_SIZE, checksum_of, make, put
+
+MIB = limits.MIB
+OK = ErrorCode.OK
+FAIL = ErrorCode.TRANSFER_FAIL
+
+
+def dram(segment_id: str, node: str, capacity: int = MIB) -> SegmentInfo:
+    return SegmentInfo(segment_id, node, "host-a", "host-a:1", "/dev/shm/x", b"t-" + segment_id.encode(), capacity)
+
+
+def disk(segment_id: str, node: str, capacity: int = 8 * MIB, token: bytes = b"disk-token") -> SegmentInfo:
+    return SegmentInfo(segment_id, node, "host-a", "host-a:1", "/nvme/x", token, capacity, TIER_DISK)
+
+
+def dfs(capacity: int = 64 * MIB) -> SegmentInfo:
+    return SegmentInfo("dfs-1", "dfs", "", "", "/dfs", b"dfs-token", capacity, TIER_DFS)
+
+
+def cluster(disk_capacity: int = 8 * MIB, with_dfs: bool = False, **config):
+    """One node "n1" with a DRAM segment "A" (1 MiB) and a disk tier "A/disk" (nodes never
+    time out here: the test plays them)."""
+    config.setdefault("node_ttl_ms", 10**9)
+    svc = make(**config)
+    svc.mount_segment(MountSegment(dram("A", "n1"), []), 0)
+    if disk_capacity:
+        svc.mount_segment(MountSegment(disk("A/disk", "n1", disk_capacity), []), 0)
+    if with_dfs:
+        svc.mount_segment(MountSegment(dfs(), []), 0)
+    return svc
+
+
+def keys(prefix: str, count: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(count)]
+
+
+def ack_drops(svc, now: int = 0) -> dict[str, list[InventoryEntry]]:
+    drops = svc.take_drops()
+    for segment_id, entries in drops.items():
+        svc.drops_done(segment_id, entries, now)
+    return drops
+
+
+def run_moves(svc, now: int = 0, answer=lambda item: OK) -> list[tuple[str, MoveItem]]:
+    """Take the outbox and answer every item; returns (executor segment id, item) pairs."""
+    done = []
+    for segment_id, items in svc.take_moves().items():
+        svc.finish_moves(segment_id, items, [int(answer(item)) for item in items], now)
+        done.extend((segment_id, item) for item in items)
+    return done
+
+
+def where(svc, key: str) -> list[str]:
+    reply = svc.query_objects(QueryObjects([key]), 0)
+    return sorted(r.segment_id for r in reply.replicas[0])
+
+
+def tiers(svc) -> dict[str, dict]:
+    status = svc.cluster_status(ClusterStatus(), 0).to_dict()
+    return {t["tier"]: t for t in status["tiers"]}
+
+
+def fill(svc, count: int = 16, prefix: str = "k", now: int = 0) -> list[str]:
+    names = keys(prefix, count)
+    assert put(svc, names, now=now) == [OK] * count
+    return names
+
+
+def test_dram_eviction_offloads_to_the_nodes_disk_and_the_object_stays_readable_throughout():
+    svc = cluster()
+    names = fill(svc)  # 16 x 64 KiB: the DRAM segment is full (above the 0.90 watermark)
+    svc.tick(1)
+    moves = svc.take_moves()
+    assert list(moves) == ["A"]  # the node that holds the bytes runs the copies
+    items = moves["A"]
+    # Above the watermark by 0.10: free 0.10 + 0.05 of 1 MiB, three 64 KiB objects.
+    assert len(items) == 3
+    assert {(i.src_segment_id, i.dst_segment_id) for i in items} == {("A", "A/disk")}
+    moving = items[0].key
+    assert where(svc, moving) == ["A"]
+    assert svc.get_replica_list(GetReplicaList([moving]), 2).codes == [OK]  # still readable
+    assert svc.take_drops() == {}  # nothing dropped while the bytes are being copied
+    svc.finish_moves("A", items, [OK, OK, OK], 3)
+    # The object now lives on disk; its DRAM range is freed once the node forgot it. The
+    # get above leased `moving` for 10 s: its DRAM replica stays until an eviction without lease.
+    assert where(svc, items[1].key) == ["A/disk"]
+    assert where(svc, moving) == ["A", "A/disk"]
+    drops = ack_drops(svc)
+    assert [e.key for e in drops["A"]] == [items[1].key, items[2].key]
+    status = tiers(svc)
+    assert status[TIER_DISK]["object_count"] == 3
+    assert status[TIER_DISK]["offloads"] == 3
+    assert status[TIER_DRAM]["evictions"] == 3
+    assert svc.exist_keys(ExistKeys(names), 4).flags == [True] * 16
+    reply = svc.get_replica_list(GetReplicaList([items[1].key]), 5)
+    assert reply.codes == [OK] and [r.segment_id for r in reply.replicas[0]] == ["A/disk"]
+    assert reply.segments["A/disk"].tier == TIER_DISK
+
+
+def test_put_without_room_offloads_then_fits():
+    svc = cluster()
+    fill(svc)
+    start = svc.put_start(PutStart(["new"], [OBJECT_SIZE], ReplicateConfig()), 1)
+    assert start.codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    assert svc.has_unsent_moves()  # the server sends them, waits, flushes the drops, retries
+    run_moves(svc, 2)
+    ack_drops(svc, 2)
+    assert put(svc, ["new"], now=3) == [OK]
+
+
+def write_through(svc, names: list[str], now: int = 0, **replicate) -> dict[str, list[MoveItem]]:
+    """A put with copies, as the server runs it: put_end, then start_copies (the reply waits)."""
+    start = svc.put_start(PutStart(names, [OBJECT_SIZE] * len(names), ReplicateConfig(**replicate)), now)
+    assert start.codes == [OK] * len(names)
+    pending = svc.put_end(PutEnd(names, [checksum_of(k) for k in names]), now)
+    results = {segment_id: [0] * len(entries) for segment_id, entries in pending.commits.items()}
+    reply = svc.finish_put_end(pending, results, now)
+    assert reply.codes == [OK] * len(names)
+    return svc.start_copies(pending, reply, now)
+
+
+def test_write_through_copies_to_the_nodes_disk_and_to_the_dfs():
+    svc = cluster(with_dfs=True)
+    copies = write_through(svc, ["w"], with_disk_copy=True, with_dfs_copy=True)
+    assert sorted((i.src_segment_id, i.dst_segment_id) for i in copies["A"]) == [("A", "A/disk"), ("A", "dfs-1")]
+    assert not svc.has_unsent_moves()  # the put's own flow sends them
+    svc.finish_moves("A", copies["A"], [OK, OK], 1)
+    assert where(svc, "w") == ["A", "A/disk", "dfs-1"]
+    assert tiers(svc)[TIER_DISK]["object_count"] == 1
+    assert write_through(svc, ["plain"]) == {}
+
+
+def test_write_through_then_dram_eviction_drops_only_the_dram_replica():
+    svc = cluster()
+    names = keys("w", 16)
+    copies = write_through(svc, names, with_disk_copy=True)
+    svc.finish_moves("A", copies["A"], [OK] * 16, 0)
+    svc.tick(20_000)  # past every lease
+    assert svc.take_moves() == {}  # a disk copy exists: DRAM replicas just go
+    drops = ack_drops(svc, 20_000)
+    assert len(drops["A"]) == 3
+    for entry in drops["A"]:
+        assert where(svc, entry.key) == ["A/disk"]
+
+
+def test_an_offload_finishing_under_a_lease_keeps_both_replicas():
+    svc = cluster()
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    leased = [item.key for item in items]
+    assert svc.get_replica_list(GetReplicaList(leased), 2).codes == [OK] * 3
+    svc.finish_moves("A", items, [OK] * 3, 3)
+    assert ack_drops(svc, 3) == {}
+    for key in leased:
+        assert where(svc, key) == ["A", "A/disk"]
+    assert tiers(svc)[TIER_DRAM]["object_count"] == 16  # kept, as ordinary replicas
+    assert tiers(svc)[TIER_DISK]["object_count"] == 3
+
+
+def test_remove_during_an_offload_drops_its_source_and_target_when_the_move_ends():
+    svc = cluster()
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    victim = items[0].key
+    assert svc.remove(Remove([victim]), 2).codes == [OK]
+    assert svc.exist_keys(ExistKeys([victim]), 2).flags == [False]
+    assert svc.take_drops() == {}  # the node may be reading the source right now
+    svc.finish_moves("A", items, [OK] * 3, 3)
+    drops = ack_drops(svc, 3)
+    assert [e.key for e in drops["A/disk"]] == [victim]  # the copy it made, and
+    assert victim in [e.key for e in drops["A"]]  # the source, both forgotten
+
+
+def test_a_failed_offload_evicts_and_frees_its_target():
+    svc = cluster()
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    svc.finish_moves("A", items, [FAIL] * 3, 3)
+    assert svc.exist_keys(ExistKeys([i.key for i in items]), 3).flags == [False] * 3
+    assert tiers(svc)[TIER_DISK]["used_bytes"] == 0
+    assert len(ack_drops(svc)["A"]) == 3
+
+
+def test_a_source_the_node_does_not_hold_is_forgotten():
+    svc = cluster()
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    svc.finish_moves("A", items, [ErrorCode.OBJECT_NOT_FOUND, OK, OK], 3)
+    assert svc.exist_keys(ExistKeys([items[0].key]), 3).flags == [False]
+    assert where(svc, items[1].key) == ["A/disk"]
+
+
+def test_moves_in_flight_are_bounded_per_node(monkeypatch):
+    monkeypatch.setattr(limits, "MOVE_INFLIGHT_BYTES_PER_NODE_MAX", 2 * OBJECT_SIZE)
+    svc = cluster(evict_ratio=0.5)
+    fill(svc)
+    svc.tick(1)  # wants 8 objects out, may start 2
+    first = svc.take_moves()["A"]
+    assert len(first) == 2
+    svc.tick(2_000)
+    assert svc.take_moves() == {}  # the budget is spent: DRAM stays full (back-pressure)
+    svc.finish_moves("A", first, [OK, OK], 2_001)
+    ack_drops(svc, 2_001)
+    assert put(svc, ["x0", "x1"], now=4_000) == [OK, OK]  # full again
+    svc.tick(4_000)
+    assert len(svc.take_moves()["A"]) == 2
+
+
+def put_through(svc, key: str, now: int) -> None:
+    """One put as the server runs it when DRAM is full: moves, drops, one retry."""
+    if put(svc, [key], now=now) != [OK]:
+        run_moves(svc, now)
+        ack_drops(svc, now)
+        assert put(svc, [key], now=now) == [OK], key
+
+
+def test_a_full_disk_tier_evicts_its_least_recently_used_objects_to_the_dfs():
+    svc = cluster(disk_capacity=MIB, with_dfs=True)
+    now = 0
+    for round_ in range(3):  # 48 objects through 1 MiB of DRAM and 1 MiB of disk
+        for index in range(16):
+            now += 100
+            put_through(svc, f"r{round_}-{index}", now)
+            svc.tick(now)
+            run_moves(svc, now)
+            ack_drops(svc, now)
+    status = tiers(svc)
+    assert status[TIER_DFS]["offloads"] > 0
+    assert status[TIER_DISK]["evictions"] > 0
+    assert svc.raw.object_count == 48  # nothing lost: DRAM -> disk -> DFS
+    # The oldest objects went furthest down.
+    assert where(svc, "r0-0") == ["dfs-1"]
+    reply = svc.get_replica_list(GetReplicaList(["r0-0"]), now)
+    assert reply.segments["dfs-1"].tier == TIER_DFS
+
+
+def test_without_a_lower_tier_eviction_drops_as_before():
+    svc = cluster(disk_capacity=0)
+    fill(svc)
+    svc.tick(1)
+    assert svc.take_moves() == {}
+    assert len(ack_drops(svc)["A"]) == 3
+    assert svc.raw.object_count == 13
+
+
+def test_an_object_read_often_from_disk_is_promoted_back_into_dram():
+    svc = cluster(promote_reads=3)
+    fill(svc)
+    svc.tick(1)
+    run_moves(svc, 1)
+    ack_drops(svc, 1)
+    cold = next(k for k in keys("k", 16) if where(svc, k) == ["A/disk"])
+    for now in (2, 3):
+        svc.get_replica_list(GetReplicaList([cold]), now)
+    svc.tick(4)
+    assert svc.take_moves() == {}  # two reads: not yet
+    svc.get_replica_list(GetReplicaList([cold]), 5)
+    svc.tick(6)
+    moves = svc.take_moves()
+    assert [(i.key, i.src_segment_id, i.dst_segment_id) for i in moves["A/disk"]] == [(cold, "A/disk", "A")]
+    svc.finish_moves("A/disk", moves["A/disk"], [OK], 7)
+    assert where(svc, cold) == ["A", "A/disk"]  # promoted: DRAM first, the disk copy kept
+    assert tiers(svc)[TIER_DRAM]["promotions"] == 1
+    assert tiers(svc)[TIER_DISK]["hits"] == 3
+
+
+def test_a_restarted_nodes_disk_tier_replaces_its_old_incarnation():
+    svc = make()
+    svc.mount_segment(MountSegment(dram("A", "n1"), []), 0)
+    inventory = [InventoryEntry(f"d{i}", i * OBJECT_SIZE, OBJECT_SIZE, checksum_of(f"d{i}")) for i in range(4)]
+    assert svc.mount_segment(MountSegment(disk("X/disk", "n1"), inventory), 0).rejected == []
+    # The node is killed and restarted: a new node id, a new DRAM segment, the same disk tier
+    # (its token proves the directory), now holding one object fewer.
+    svc.mount_segment(MountSegment(dram("B", "n2"), []), 1)
+    reply = svc.mount_segment(MountSegment(disk("X/disk", "n2"), inventory[1:]), 1)
+    assert reply.rejected == []
+    assert svc.exist_keys(ExistKeys([e.key for e in inventory]), 1).flags == [False, True, True, True]
+    status = svc.cluster_status(ClusterStatus(), 1)
+    disks = [s for s in status.segments if s.segment.tier == TIER_DISK]
+    assert [(s.segment.node_id, s.object_count) for s in disks] == [("n2", 3)]
+    # Another token under the same id is someone else's directory: refused.
+    with pytest.raises(SegmentAlreadyExists):
+        svc.mount_segment(MountSegment(disk("X/disk", "n3", token=b"other"), []), 2)
+
+
+def test_dfs_objects_are_indexed_from_an_inventory_and_outlive_every_node():
+    svc = make()
+    svc.mount_segment(MountSegment(dram("A", "n1"), []), 0)
+    inventory = [InventoryEntry("f0", 4096, OBJECT_SIZE, 7)]
+    assert svc.mount_segment(MountSegment(dfs(), inventory), 0).rejected == []
+    svc.unmount_segment(UnmountSegment("A"), 1)
+    svc.heartbeat(Heartbeat(["dfs-1"]), 1)
+    reply = svc.get_replica_list(GetReplicaList(["f0"]), 2)
+    assert reply.codes == [OK] and reply.replicas[0][0].segment_id == "dfs-1"
+    assert tiers(svc)[TIER_DFS]["hits"] == 1
+
+
+def test_puts_never_land_on_a_slower_tier():
+    svc = cluster(with_dfs=True)
+    names = keys("p", 40)
+    codes = put(svc, names)  # more than DRAM holds: the rest finds no room now
+    assert codes[:16] == [OK] * 16 and set(codes[16:]) == {ErrorCode.NO_AVAILABLE_HANDLE}
+    placed = {seg for key in names[:16] for seg in where(svc, key)}
+    assert placed == {"A"}
+
+
+def test_unmounting_the_source_during_a_move_loses_the_objects_and_drops_their_copies():
+    svc = cluster()
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    svc.unmount_segment(UnmountSegment("A"), 2)  # the node died with its DRAM
+    assert svc.raw.object_count == 0
+    svc.finish_moves("A", items, [OK] * 3, 3)  # late answers (or failures) change nothing
+    drops = ack_drops(svc, 3)
+    assert sorted(e.key for e in drops["A/disk"]) == sorted(i.key for i in items)
+    assert tiers(svc)[TIER_DISK]["used_bytes"] == 0
+
+
+# --- random interleavings against the nodes' truth ---------------------------------------------
+
+TIER_KEYS = [f"t{i}" for i in range(40)]
+MOVE_CODES = st.sampled_from([OK, OK, OK, FAIL, ErrorCode.OBJECT_NOT_FOUND])
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Puts (some with write-through), gets, removes, ticks, move answers and drop
+    acknowledgements in any order, on a node with 1 MiB of DRAM, a 2 MiB disk tier and a
+    4 MiB DFS. The model is what the nodes hold (segment -> offset -> (key, size)), changed
+    only the way nodes change it: a commit or a successful move adds an entry, a drop
+    removes it. Invariants: every replica the master lists is held by its node under that key
+    (the master never points a reader at bytes that are not the object), no node is ever told
+    to write over an entry it still holds (no range is reused before it was forgotten), a move
+    only reads a source the node holds, and a removed key never comes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.svc = cluster(disk_capacity=2 * MIB, with_dfs=False, lease_ttl_ms=1_000, promote_reads=2)
+        self.svc.mount_segment(MountSegment(dfs(4 * MIB), []), 0)
+        self.now = 0
+        self.held: dict[str, dict[int, tuple[str, int]]] = {"A": {}, "A/disk": {}, "dfs-1": {}}
+        self.removed: set[str] = set()
+
+    def _hold(self, segment_id: str, offset: int, key: str, size: int) -> None:
+        entries = self.held[segment_id]
+        for other, (other_key, other_size) in entries.items():
+            assert offset + size <= other or other + other_size <= offset, (
+                f"{segment_id}: {key} at {offset} overlaps {other_key} at {other}, still held"
+            )
+        entries[offset] = (key, size)
+
+    @rule(index=st.integers(0, len(TIER_KEYS) - 1), copy=st.sampled_from([(), ("disk",), ("disk", "dfs")]))
+    def do_put(self, index: int, copy: tuple[str, ...]) -> None:
+        key = TIER_KEYS[index]
+        replicate = ReplicateConfig(with_disk_copy="disk" in copy, with_dfs_copy="dfs" in copy)
+        start = self.svc.put_start(PutStart([key], [OBJECT_SIZE], replicate), self.now)
+        if start.codes != [OK]:
+            return
+        self.removed.discard(key)
+        pending = self.svc.put_end(PutEnd([key], [checksum_of(key)]), self.now)
+        for segment_id, entries in pending.commits.items():
+            for entry in entries:
+                self._hold(segment_id, entry.offset, entry.key, entry.size)
+        results = {segment_id: [0] * len(entries) for segment_id, entries in pending.commits.items()}
+        reply = self.svc.finish_put_end(pending, results, self.now)
+        copies = self.svc.start_copies(pending, reply, self.now)
+        for segment_id, items in copies.items():
+            self._answer(segment_id, items, [OK] * len(items))
+
+    @rule(index=st.integers(0, len(TIER_KEYS) - 1))
+    def do_get(self, index: int) -> None:
+        self.svc.get_replica_list(GetReplicaList([TIER_KEYS[index]]), self.now)
+
+    @rule(index=st.integers(0, len(TIER_KEYS) - 1))
+    def do_remove(self, index: int) -> None:
+        key = TIER_KEYS[index]
+        if self.svc.remove(Remove([key], force=True), self.now).codes == [OK]:
+            self.removed.add(key)
+
+    @rule(step_ms=st.integers(1, 1_500))
+    def do_tick(self, step_ms: int) -> None:
+        self.now += step_ms
+        self.svc.tick(self.now)
+
+    @rule(codes=st.lists(MOVE_CODES, min_size=1, max_size=8))
+    def do_moves(self, codes: list[int]) -> None:
+        for segment_id, items in self.svc.take_moves().items():
+            answers = [codes[i % len(codes)] for i in range(len(items))]
+            self._answer(segment_id, items, answers)
+
+    def _answer(self, segment_id: str, items: list[MoveItem], answers: list[int]) -> None:
+        for item, code in zip(items, answers):
+            if code == OK:
+                assert self.held[item.src_segment_id].get(item.src_offset) == (item.key, item.size), item
+                self._hold(item.dst_segment_id, item.dst_offset, item.key, item.size)
+        self.svc.finish_moves(segment_id, items, [int(c) for c in answers], self.now)
+
+    @rule()
+    def do_drops(self) -> None:
+        for segment_id, entries in self.svc.take_drops().items():
+            for entry in entries:
+                if self.held[segment_id].get(entry.offset) == (entry.key, entry.size):
+                    del self.held[segment_id][entry.offset]
+            self.svc.drops_done(segment_id, entries, self.now)
+
+    @invariant()
+    def replicas_point_at_what_nodes_hold(self) -> None:
+        reply = self.svc.query_objects(QueryObjects(TIER_KEYS), self.now)
+        for key, code, replicas in zip(TIER_KEYS, reply.codes, reply.replicas):
+            if code != OK:
+                continue
+            assert key not in self.removed, f"{key} came back after its remove"
+            for replica in replicas:
+                assert self.held[replica.segment_id].get(replica.offset, (None,))[0] == key, (key, replica)
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
+
+
+def test_a_node_without_the_dfs_mounted_is_asked_for_no_more_dfs_moves():
+    svc = cluster(disk_capacity=0, with_dfs=True)
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    assert {i.dst_segment_id for i in items} == {"dfs-1"}
+    svc.finish_moves("A", items, [ErrorCode.SEGMENT_NOT_FOUND] * 3, 2)
+    ack_drops(svc, 2)
+    assert put(svc, ["a", "b", "c"], now=3) == [OK] * 3
+    svc.tick(4)
+    assert svc.take_moves() == {}  # evicted by dropping, as without a DFS
+    assert ack_drops(svc, 4)["A"]

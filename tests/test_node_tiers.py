@@ -1,0 +1,351 @@
+"""The node's disk tier and the DFS directory, from the file format up to a whole get.
+
+How: the object file format is fed whole, byte by byte and corrupted (pure, no I/O); the file
+I/O of transports/files.py runs on pytest's tmp_path, with socketpairs for sendfile and two
+writer processes racing on one name for the torn-file check; the disk tier is opened, filled,
+littered with what a crash leaves (temporary and truncated files) and re-opened; and an
+in-process cluster (a real MasterServer and Nodes on one uvloop over loopback, as in
+test_client_api.py) proves offload on evict, reads by sendfile and by same-host files,
+promotion and write-through end to end, with the master checking its invariants after every
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvloop
+import xxhash
+
+from kvpool import AsyncStore, ReplicateConfig
+from kvpool.config import MasterConfig, NodeConfig
+from kvpool.errors import ChecksumMismatch, InvalidParams, ObjectNotFound
+from kvpool.master.server import MasterServer
+from kvpool.node.disk import DiskTier
+from kvpool.node.server import Node
+from kvpool.protocol import objectfile
+from kvpool.protocol.messages import TIER_DISK, InventoryEntry
+from kvpool.transports import files
+from kvpool.transports.dfs import DfsDirectory
+from kvpool.transports.files import FileRange
+
+MIB = 1 << 20
+
+
+# --- the format (pure) -------------------------------------------------------------------
+
+
+def test_header_round_trips_and_rejects_every_prefix_and_every_flipped_byte():
+    header = objectfile.encode_header("prefix/äöü/0", 12345, 2**64 - 1)
+    assert len(header) % objectfile.ALIGN_BYTES == 0
+    decoded = objectfile.decode_header(header)
+    assert decoded == objectfile.ObjectHeader("prefix/äöü/0", 12345, 2**64 - 1, len(header))
+    assert objectfile.decode_header(header + b"trailing bytes") == decoded
+    used = objectfile.FIXED_SIZE_BYTES + len("prefix/äöü/0".encode())
+    for cut in range(used):
+        assert objectfile.decode_header(header[:cut]) is None, cut
+    for position in range(used):
+        corrupt = bytearray(header)
+        corrupt[position] ^= 0x40
+        assert objectfile.decode_header(bytes(corrupt)) is None, position
+    long_key = "k" * 4096
+    assert objectfile.decode_header(objectfile.encode_header(long_key, 1, 0)).key == long_key
+
+
+def test_names_round_trip():
+    assert objectfile.disk_offset_of(objectfile.disk_name(123_456)) == 123_456
+    assert objectfile.disk_offset_of("000000000001.kvo.ab12.tmp") is None
+    assert objectfile.disk_offset_of("zz.kvo") is None
+    path = objectfile.dfs_relative_path("a/key", 4096)
+    bucket, name = path.split("/")[1:]
+    assert objectfile.dfs_offset_of(name) == 4096 and name.startswith(bucket)
+    assert objectfile.dfs_relative_path("a/key", 4096) != objectfile.dfs_relative_path("a/key", 8192)
+
+
+# --- files --------------------------------------------------------------------------------
+
+
+def write(directory: Path, name: str, key: str, data: bytes, **options) -> Path:
+    files.write_object(directory, name, key, xxhash.xxh3_64_intdigest(data), [memoryview(data)],
+                       is_durable=options.get("is_durable", True))  # fmt: skip
+    return directory / name
+
+
+def test_object_files_are_written_whole_and_read_back_checked(tmp_path):
+    data = os.urandom(300_000)
+    path = write(tmp_path, "a.kvo", "key-a", data)
+    assert not list(tmp_path.glob("*.tmp"))
+    assert files.read_object_bytes(path, "key-a", len(data)) == data
+    target = bytearray(len(data) + 10)
+    files.read_object_into(path, "key-a", len(data), [memoryview(target)[:1000], memoryview(target)[1000:]])
+    assert bytes(target[: len(data)]) == data
+    with pytest.raises(ChecksumMismatch):
+        files.read_object_bytes(path, "another-key", len(data))
+    with pytest.raises(ChecksumMismatch):
+        files.read_object_bytes(path, "key-a", len(data) + 1)
+    with pytest.raises(ObjectNotFound):
+        files.read_object_bytes(tmp_path / "absent.kvo", "key-a", 1)
+    header = files.read_header(path)
+    assert header is not None and header.checksum == xxhash.xxh3_64_intdigest(data)
+    os.truncate(path, header.file_size - 1)  # what a power loss without fsync may leave
+    assert files.read_header(path) is None
+
+
+def test_a_file_range_is_copied_in_the_kernel(tmp_path):
+    data = os.urandom(2 * MIB + 3)
+    source = write(tmp_path, "src.kvo", "k", data)
+    fd, header = files.open_object(source, "k", len(data))
+    try:
+        files.write_object(tmp_path, "dst.kvo", "k", 7, FileRange(fd, header.header_size, len(data)), is_durable=False)
+    finally:
+        os.close(fd)
+    assert files.read_object_bytes(tmp_path / "dst.kvo", "k", len(data)) == data
+
+
+def test_send_parts_mixes_buffers_and_file_ranges_on_a_non_blocking_socket(tmp_path):
+    data = os.urandom(5 * MIB)
+    path = write(tmp_path, "a.kvo", "k", data)
+    fd, header = files.open_object(path, "k", len(data))
+    left, right = socket.socketpair()
+    left.setblocking(False)
+    received = bytearray()
+
+    def drain() -> None:
+        while len(received) < 6 + len(data) - 100:
+            chunk = right.recv(1 << 20)
+            if not chunk:
+                return
+            received.extend(chunk)
+            time.sleep(0.001)  # a slow reader: the sender must wait for room
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        files.send_parts(left.fileno(), [b"head", FileRange(fd, header.header_size + 100, len(data) - 100), b"!!"], 5_000)
+    finally:
+        reader.join(10)
+        files.close_parts([FileRange(fd, 0, 0)])
+        left.close()
+        right.close()
+    assert bytes(received) == b"head" + data[100:] + b"!!"
+
+
+WRITERS_ROUNDS = 150
+
+
+def _racing_writer(directory: str, seed: int) -> None:
+    dfs = DfsDirectory(directory)
+    for round_ in range(WRITERS_ROUNDS):
+        data = bytes([seed]) * (64 * 1024 + round_)
+        dfs.write("same-key", 4096, xxhash.xxh3_64_intdigest(data), [memoryview(data)], is_durable=False)
+
+
+def test_two_writers_of_one_key_never_produce_a_torn_file(tmp_path):
+    DfsDirectory.create_or_open(tmp_path, 64 * MIB)
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_racing_writer, args=(str(tmp_path), seed)) for seed in (1, 2)]
+    for writer in writers:
+        writer.start()
+    dfs = DfsDirectory(tmp_path)
+    path = dfs.path_of("same-key", 4096)
+    seen = 0
+    deadline = time.monotonic() + 30
+    while any(w.is_alive() for w in writers) and time.monotonic() < deadline:
+        try:
+            header, data = files.read_object_file(path)  # one version of the file
+        except ObjectNotFound:
+            continue  # between the two writers' first renames
+        assert header.key == "same-key"
+        assert xxhash.xxh3_64_intdigest(data) == header.checksum  # whole: one writer's bytes
+        assert len(set(data)) == 1
+        seen += 1
+    for writer in writers:
+        writer.join(30)
+        assert writer.exitcode == 0
+    assert seen > 0
+    assert list(dfs.scan(10**9)) and not list(path.parent.glob("*.tmp"))
+
+
+# --- the disk tier ------------------------------------------------------------------------
+
+
+def test_disk_tier_keeps_its_identity_refuses_a_second_user_and_cleans_up_after_a_crash(tmp_path):
+    tier = DiskTier.open(tmp_path / "d", 16 * MIB, "node-1", is_durable=True)
+    segment_id, token = tier.segment_id, tier.token
+    assert segment_id.endswith("/disk") and len(token) == 16
+    with pytest.raises(InvalidParams):
+        DiskTier.open(tmp_path / "d", 16 * MIB, "node-2", is_durable=True)  # locked
+    data = os.urandom(100_000)
+    entry = InventoryEntry("k1", 4096, len(data), xxhash.xxh3_64_intdigest(data))
+    tier.write_file(entry, [memoryview(data)])
+    assert tier.record([entry]) == []
+    objects = tier.objects_path
+    # What a kill -9 can leave: a temporary file, a file with a torn tail, a foreign file.
+    (objects / f"{objectfile.disk_name(8192)}.dead{objectfile.TEMP_SUFFIX}").write_bytes(b"partial")
+    torn = InventoryEntry("k2", 1 << 20, len(data), 1)
+    tier.write_file(torn, [memoryview(data)])
+    os.truncate(tier.path_of(torn.offset), 4096 + 10)
+    (objects / "README").write_text("not ours")
+    tier.close()
+    again = DiskTier.open(tmp_path / "d", 0, "node-2", is_durable=True)  # a restart: size kept
+    assert (again.segment_id, again.token, again.capacity_bytes) == (segment_id, token, 16 * MIB)
+    assert again.inventory.entries() == [entry]
+    assert sorted(p.name for p in objects.iterdir()) == ["000000001000.kvo", "README"]
+    info = again.info("node-2", "host", "h:1", is_shared=True)
+    assert info.tier == TIER_DISK and info.shm_token == token
+    rng = again.open_range(entry, entry.offset + 10, 20)
+    try:
+        assert os.pread(rng.fd, 20, rng.offset) == data[10:30]
+    finally:
+        os.close(rng.fd)
+    with pytest.raises(ObjectNotFound):
+        again.containing(0, 10)
+    assert again.forget([entry]) == [again.path_of(entry.offset)]
+    again.remove_files([again.path_of(entry.offset)])
+    again.close()
+    with pytest.raises(InvalidParams):
+        DiskTier.open(tmp_path / "new", 0, "node-3", is_durable=True)  # a new tier needs a size
+
+
+# --- end to end, in process ---------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def tiered_cluster(tmp_path: Path, memory_bytes: int = 2 * MIB, **master_options):
+    master = MasterServer(MasterConfig(**master_options), port=0, seed=1, debug_invariants=True,
+                          dfs_dir=str(tmp_path / "dfs"))  # fmt: skip
+    await master.start()
+    node = Node(
+        NodeConfig(
+            master_endpoint=master.endpoint, memory_bytes=memory_bytes, disk_dir=str(tmp_path / "disk"),
+            disk_bytes=32 * MIB, dfs_dir=str(tmp_path / "dfs"),
+        )
+    )  # fmt: skip
+    try:
+        await node.start()
+        await node.wait_mounted(5_000)
+        yield master, node
+    finally:
+        await node.stop()
+        await master.stop()
+
+
+def run(coroutine):
+    return uvloop.run(asyncio.wait_for(coroutine, 60))
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def tier_of(store: AsyncStore, keys: list[str]) -> dict[str, list[str]]:
+    reply = await store.query(keys)
+    status = await store.cluster_status()
+    tiers = {s.segment.segment_id: s.segment.tier for s in status.segments}
+    return {key: sorted(tiers[r.segment_id] for r in replicas) for key, replicas in zip(keys, reply.replicas)}
+
+
+def test_objects_evicted_from_dram_are_read_from_disk_by_sendfile_and_by_file(tmp_path):
+    async def main():
+        async with tiered_cluster(tmp_path) as (master, node):
+            values = {f"k{i}": os.urandom(128 * 1024) for i in range(40)}  # 5 MiB through 2 MiB
+            async with await AsyncStore.open(master.endpoint) as writer:
+                for key, value in values.items():
+                    await writer.put(key, value)
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                where = await tier_of(store, list(values))
+                on_disk = [k for k, tiers in where.items() if tiers == [TIER_DISK]]
+                assert len(on_disk) >= 20
+                # A batch mixing DRAM and disk objects: one frame per node, both kinds of items.
+                assert await store.get_batch(list(values)) == list(values.values())
+                assert node.tier_metrics.disk_read_requests._value.get() >= len(on_disk)
+                # Into registered buffers, scattered over three of them.
+                parts = [np.zeros(n, dtype=np.uint8) for n in (1000, 60_000, 71_000)]
+                addresses = [store.register_buffer(p) for p in parts]
+                key = on_disk[0]
+                sizes = [[p.nbytes for p in parts]]
+                assert await store.batch_get_into_multi_buffers([key], [addresses], sizes) == [128 * 1024]
+                assert np.concatenate(parts)[: 128 * 1024].tobytes() == values[key]
+            reads_before = node.tier_metrics.disk_read_requests._value.get()
+            async with await AsyncStore.open(master.endpoint) as local:  # same host: the files
+                assert await local.get_batch(on_disk) == [values[k] for k in on_disk]
+            assert node.tier_metrics.disk_read_requests._value.get() == reads_before
+            status = (await store_status(master)).to_dict()
+            disk = next(t for t in status["tiers"] if t["tier"] == TIER_DISK)
+            assert disk["offloads"] >= len(on_disk) and disk["hits"] >= len(on_disk)
+            # Bytes rotted on the device are never served: the checksum check makes it a miss.
+            rotten = on_disk[1]
+            entry = node.disk.inventory.get(rotten)
+            path = node.disk.path_of(entry.offset)
+            with open(path, "r+b") as file:
+                file.seek(objectfile.header_size_for(rotten) + 1000)
+                byte = file.read(1)
+                file.seek(-1, os.SEEK_CUR)
+                file.write(bytes([byte[0] ^ 1]))
+            for shm_enabled in (False, True):  # through sendfile, and through the file
+                async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                    assert await store.get(rotten) is None
+                    assert await store.get(on_disk[2]) == values[on_disk[2]]
+
+    run(main())
+
+
+async def store_status(master: MasterServer):
+    async with await AsyncStore.open(master.endpoint) as store:
+        return await store.cluster_status()
+
+
+def test_an_object_read_often_from_disk_is_promoted_back_into_dram(tmp_path):
+    async def main():
+        async with tiered_cluster(tmp_path, promote_reads=2) as (master, _):
+            values = {f"p{i}": os.urandom(256 * 1024) for i in range(16)}
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                for key, value in values.items():
+                    await store.put(key, value)
+                where = await tier_of(store, list(values))
+                cold = next(k for k, tiers in where.items() if tiers == [TIER_DISK])
+                for _ in range(2):
+                    assert await store.get(cold) == values[cold]
+
+                async def promoted() -> bool:
+                    return "dram" in (await tier_of(store, [cold]))[cold]
+
+                await wait_for(promoted)
+                assert await store.get(cold) == values[cold]
+                status = (await store.cluster_status()).to_dict()
+                assert next(t for t in status["tiers"] if t["tier"] == "dram")["promotions"] >= 1
+
+    run(main())
+
+
+def test_write_through_puts_return_with_their_disk_and_dfs_copies(tmp_path):
+    async def main():
+        async with tiered_cluster(tmp_path, memory_bytes=8 * MIB) as (master, node):
+            async with await AsyncStore.open(master.endpoint, dfs_dir=str(tmp_path / "dfs")) as store:
+                data = os.urandom(300_000)
+                config = ReplicateConfig(with_disk_copy=True, with_dfs_copy=True)
+                await store.put("durable", data, config)
+                assert (await tier_of(store, ["durable"]))["durable"] == ["dfs", "disk", "dram"]
+                assert len(node.disk.inventory) == 1
+                dfs_files = list((tmp_path / "dfs" / "objects").rglob("*.kvo"))
+                assert len(dfs_files) == 1
+                await store.remove("durable")
+
+                async def gone() -> bool:
+                    return not list((tmp_path / "dfs" / "objects").rglob("*.kvo")) and not len(node.disk.inventory)
+
+                await wait_for(gone)
+
+    run(main())
