@@ -76,6 +76,31 @@ def socket_pair_gbps(total_bytes: int, chunk: int = MIB) -> float:
     return total_bytes / elapsed / 1e9
 
 
+def loopback_rtt_us() -> float:
+    """Median round trip of 64 bytes between two processes over TCP loopback: how quickly this
+    machine wakes a process right now (shared VMs vary several-fold from hour to hour)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    pid = os.fork()
+    if pid == 0:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := conn.recv(64):
+            conn.sendall(data)
+        os._exit(0)
+    conn = socket.create_connection(listener.getsockname())
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    samples = []
+    for _ in range(2000):
+        started = time.perf_counter_ns()
+        conn.sendall(b"x" * 64)
+        conn.recv(64)
+        samples.append((time.perf_counter_ns() - started) / 1000)
+    conn.close()
+    listener.close()
+    os.waitpid(pid, 0)
+    return statistics.median(samples)
+
+
 class ZeroCopyRun:
     """Registered source and target buffers for `count` objects of `size` bytes."""
 
@@ -179,6 +204,7 @@ def main() -> None:
     result: dict = {"machine": {"cpus": os.cpu_count()}, "total_bytes_per_run": total}
     baseline_socket = median_of(args.repeats, lambda: socket_pair_gbps(total))
     result["socket_pair_gbps"] = round(baseline_socket, 3)
+    result["loopback_rtt_us_p50"] = round(loopback_rtt_us(), 1)
     with LocalCluster(1, f"{2 * total // MIB + 64}MiB") as cluster:
         for path, shm_enabled in (("tcp", False), ("shm", True)):
             with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:

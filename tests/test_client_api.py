@@ -223,3 +223,14 @@ def test_an_unreachable_master_is_a_typed_error_within_the_bound():
         await store.aclose()
 
     run(main())
+
+
+def test_a_key_repeated_in_one_batch_is_put_once():
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                codes = await store.put_batch(["d", "e", "d"], [b"same", b"other", b"same"])
+                assert codes == [ErrorCode.OK] * 3
+                assert await store.get_batch(["d", "e"]) == [b"same", b"other"]
+
+    run(main())

@@ -10,6 +10,7 @@ tool.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -73,6 +74,13 @@ class Process:
             return ""
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies, so that a test runner killed
+    mid-test (its fixtures never run) leaves no cluster behind (Linux prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def spawn(
     name: str,
     args: list[str],
@@ -95,7 +103,7 @@ def spawn(
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
         )  # fmt: skip
     process = Process(name, popen, log_path, {})
     deadline = time.monotonic() + READY_TIMEOUT_S

@@ -22,7 +22,7 @@ from kvpool import limits
 from kvpool.config import ClientConfig
 from kvpool.client.buffers import BufferRegistry
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
-from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, now_monotonic_ms
+from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms
 from kvpool.errors import (
     ErrorCode,
     InvalidParams,
@@ -121,6 +121,12 @@ class AsyncStore:
                 )
             )
             await self._embedded_node.start()
+
+    @property
+    def embedded_segment(self) -> SegmentInfo | None:
+        """The segment this client contributes in embedded mode (None otherwise)."""
+        node = self._embedded_node
+        return node.segment_info if node is not None else None
 
     async def aclose(self) -> None:
         if self._embedded_node is not None:
@@ -303,6 +309,10 @@ class AsyncStore:
         config: ReplicateConfig | None,
     ) -> list[int]:
         """A whole put, every phase on this loop."""
+        unique, positions = first_occurrences(keys)
+        if len(unique) < len(keys):
+            codes = await self._put_parts([keys[i] for i in unique], [parts[i] for i in unique], config)
+            return [codes[p] for p in positions]
         job = await self._put_start(keys, parts, config)
         job.copy_local()
         return await self._put_finish(job)

@@ -20,7 +20,7 @@ from kvpool.client.store import AsyncStore, BytesLike, get_into_results
 from kvpool.client.transfer import GetJob, now_monotonic_ms
 from kvpool.config import ClientConfig
 from kvpool.errors import ErrorCode, InvalidParams, RpcTimeout, error_from_code
-from kvpool.protocol.messages import ClusterStatusReply, ListReply, QueryReply, ReplicateConfig
+from kvpool.protocol.messages import ClusterStatusReply, ListReply, QueryReply, ReplicateConfig, SegmentInfo
 
 T = TypeVar("T")
 
@@ -100,6 +100,11 @@ class Store:
     @property
     def hostname(self) -> str:
         return self._async.hostname
+
+    @property
+    def embedded_segment(self) -> SegmentInfo | None:
+        """The segment this client contributes in embedded mode (None otherwise)."""
+        return self._async.embedded_segment
 
     # --- bytes API ------------------------------------------------------------------------
 
@@ -213,8 +218,9 @@ class Store:
         keys: Sequence[str],
         config: ReplicateConfig | None,
     ) -> list[int]:
-        if sum(len(p) for key_parts in parts for p in key_parts) <= INLINE_COPY_BYTES_MAX:
+        if len(set(keys)) < len(keys) or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
             # Small batches: the copies cost less than a second thread hand-off (~50 us).
+            # (Batches that repeat a key go this way too: the loop side puts each key once.)
             return self._run(self._async._put_parts(keys, parts, config))
         job = self._run(self._async._put_start(keys, parts, config))
         job.copy_local()

@@ -61,6 +61,20 @@ FILE_READ_THREADS = 4
 LocalDirectories = Callable[[SegmentInfo], Path | None]
 
 
+def first_occurrences(keys: Sequence[str]) -> tuple[list[int], list[int]]:
+    """Indexes of each key's first occurrence, and for every position the index of its key
+    among those. A key repeated in one batch is put once (keys name immutable content)."""
+    slot_of: dict[str, int] = {}
+    unique: list[int] = []
+    positions: list[int] = []
+    for index, key in enumerate(keys):
+        if key not in slot_of:
+            slot_of[key] = len(unique)
+            unique.append(index)
+        positions.append(slot_of[key])
+    return unique, positions
+
+
 def now_monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 

@@ -220,11 +220,11 @@ class MooncakeDistributedStore:
             log.error("setup: cannot reach kvpool master %s: %s", master, exc)
             return INVALID_PARAMS
         self._local_hostname = local_hostname
-        node = _embedded_node(self._store)
-        if node is not None:
-            port = node.endpoint.rsplit(":", 1)[1]
+        segment = self._store.embedded_segment
+        if segment is not None:
+            port = segment.endpoint.rsplit(":", 1)[1]
             self._segment_name = f"{_host_part(local_hostname)}:{port}"
-            self._segment_id = node.segment_id
+            self._segment_id = segment.segment_id
         return OK
 
     def close(self) -> int:
@@ -541,13 +541,6 @@ def _host_part(hostname: str) -> str:
     return match.group(1)
 
 
-def _embedded_node(store: Store) -> Any:
-    """The Node this Store runs in embedded mode, or None.
-
-    kvpool.Store has no public accessor for its embedded segment's id and endpoint (reported
-    to the client's owners); this reads the one private attribute that holds it.
-    """
-    return getattr(getattr(store, "_async", None), "_embedded_node", None)
 
 
 # --- tensor objects ---------------------------------------------------------------------------
