@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -103,7 +104,10 @@ def spawn(
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
+            env={**os.environ, **(env or {})},
+            # The kernel signals on the death of the spawning *thread*: only the main thread
+            # lives as long as the process (start_all spawns from pool threads).
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )  # fmt: skip
     process = Process(name, popen, log_path, {})
     deadline = time.monotonic() + READY_TIMEOUT_S
