@@ -1,0 +1,693 @@
+"""kvpool against the real Mooncake Store and Redis, side by side in one run on this machine.
+
+For 4 KiB, 64 KiB, 1 MiB, 4 MiB and 32 MiB objects, put and get throughput (GB/s and objects/s)
+between two processes: a client process (started by this script) and a storage process.
+
+  - tcp:       over TCP loopback only. kvpool: Store(master, shm_enabled=False) against a node
+               process of a LocalCluster. Mooncake: a client (global_segment_size 0) against a
+               storage process (a MooncakeDistributedStore holding a 1 GiB segment), TCP
+               protocol, P2PHANDSHAKE, its mooncake_master on 127.0.0.1. Redis: redis-py over TCP.
+  - same-host: the fastest same-host path each offers. kvpool: its shm path (Store default).
+               Mooncake's non-CUDA TCP build has no shared-memory path: same TCP setup as above,
+               measured again and labelled "tcp". Redis: redis-py over a unix socket.
+
+APIs: the zero-copy batch API (register_buffer + batch_put_from / batch_get_into: kvpool and
+Mooncake) and the plain bytes API (put_batch / get_batch; Redis: a pipeline of SETs / MGET).
+Machine limits measured in the same run: numpy memcpy and a plain Python socket pair (functions
+from bench_core.py). Medians of --repeats runs after a warm-up. Prints JSON, and with --write
+rewrites docs/benchmarks.md (table with kvpool/Mooncake and kvpool/Redis on every row) and
+docs/benchmarks.png (matplotlib, if installed).
+
+Mooncake's client listens on every interface, so (as scripts/mooncake_conformance.py does) the
+whole run re-executes itself in a new network namespace holding only loopback (`unshare --net`,
+needs root); without it Mooncake is skipped. Peers are optional: install Mooncake with
+scripts/install-peers.sh mooncake, Redis with `apt-get install redis-server` and `pip install
+redis` (the Python client; not a kvpool dependency). Skipped peers are listed with the reason.
+
+    python benchmarks/bench_peers.py [--repeats 3] [--quick] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import numpy_copy_gbps, socket_pair_gbps
+
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 32 * MIB)
+BATCH_BYTES = 32 * MIB
+MAX_BATCH = 128
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT_TIMEOUT_S = 600
+
+
+def size_label(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+def volume_for(size: int, total: int) -> int:
+    """Bytes moved per measured run: `total`, a quarter of it for 4 KiB objects."""
+    return max(size, total // 4 if size < 64 * KIB else total)
+
+
+def batch_for(size: int) -> int:
+    return max(1, min(MAX_BATCH, BATCH_BYTES // size))
+
+
+def memcpy_gbps(size: int, total: int) -> float:
+    """numpy memcpy of `size`-byte objects into an already-touched target (no page faults):
+    bench_core.numpy_copy_gbps allocates a fresh target on every call, whose first-touch page
+    faults dominate at small volumes; it is reported alongside as numpy_copy_cold_gbps."""
+    count = max(1, total // size)
+    slots = max(1, min(count, (64 * MIB) // size))
+    source = np.random.randint(0, 255, size * slots, dtype=np.uint8)
+    target = np.ones_like(source)
+    np.copyto(target, source)
+    started = time.perf_counter()
+    for i in range(count):
+        j = (i % slots) * size
+        np.copyto(target[j : j + size], source[j : j + size])
+    return count * size / (time.perf_counter() - started) / 1e9
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_port(port: int, process: subprocess.Popen, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.05)
+
+
+def end(process: subprocess.Popen | None) -> None:
+    """End one process that this script started, by its pid."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+# --- client adapters (run in the client process) -----------------------------------------------
+
+
+class KvpoolClient:
+    def __init__(self, master: str, shm: bool) -> None:
+        from kvpool import Store
+
+        self.store = Store(master, shm_enabled=shm)
+
+    def register(self, array: np.ndarray) -> int:
+        return self.store.register_buffer(array)
+
+    def unregister(self, address: int) -> None:
+        self.store.unregister_buffer(address)
+
+    def put_from(self, keys, addresses, sizes) -> None:
+        codes = self.store.batch_put_from(keys, addresses, sizes)
+        assert all(c == 0 for c in codes), codes
+
+    def get_into(self, keys, addresses, sizes) -> None:
+        got = self.store.batch_get_into(keys, addresses, sizes)
+        assert got == sizes, got
+
+    def put_batch(self, keys, values) -> None:
+        codes = self.store.put_batch(keys, values)
+        assert all(c == 0 for c in codes), codes
+
+    def get_batch(self, keys) -> list:
+        return self.store.get_batch(keys)
+
+    def clear(self) -> None:
+        self.store.remove_all(force=True)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class MooncakeClient:
+    def __init__(self, master: str) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        code = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 512 * MIB, "tcp", "", master)
+        assert code == 0, f"mooncake client setup returned {code}"
+
+    def register(self, array: np.ndarray) -> int:
+        code = self.store.register_buffer(array.ctypes.data, array.nbytes)
+        assert code == 0, f"mooncake register_buffer returned {code}"
+        return array.ctypes.data
+
+    def unregister(self, address: int) -> None:
+        self.store.unregister_buffer(address)
+
+    def put_from(self, keys, addresses, sizes) -> None:
+        codes = self.store.batch_put_from(keys, addresses, sizes)
+        assert all(c == 0 for c in codes), codes
+
+    def get_into(self, keys, addresses, sizes) -> None:
+        got = self.store.batch_get_into(keys, addresses, sizes)
+        assert list(got) == sizes, got
+
+    def put_batch(self, keys, values) -> None:
+        code = self.store.put_batch(keys, values)
+        assert code == 0, code
+
+    def get_batch(self, keys) -> list:
+        return self.store.get_batch(keys)
+
+    def clear(self) -> None:
+        self.store.remove_all(force=True)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class RedisClient:
+    def __init__(self, address: str) -> None:
+        import redis
+
+        if address.startswith("/"):
+            self.client = redis.Redis(unix_socket_path=address)
+        else:
+            host, port = address.rsplit(":", 1)
+            self.client = redis.Redis(host=host, port=int(port))
+        self.client.ping()
+
+    def put_batch(self, keys, values) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key, value in zip(keys, values):
+            pipe.set(key, value)
+        assert all(pipe.execute())
+
+    def get_batch(self, keys) -> list:
+        return self.client.mget(keys)
+
+    def clear(self) -> None:
+        self.client.flushall()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def measure_size(client, target: str, size: int, repeats: int, total: int) -> dict:
+    """Both APIs (where the target has them) for objects of one size."""
+    count = volume_for(size, total) // size
+    batch = batch_for(size)
+    keys = [f"b-{size}-{i}" for i in range(count)]
+    spans = [(s, min(s + batch, count)) for s in range(0, count, batch)]
+    source = np.random.randint(0, 255, size * count, dtype=np.uint8)
+    row: dict = {"objects": count, "batch": batch}
+
+    def timed(fn) -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    def record(api: str, put, get, check) -> None:
+        put_s, get_s = [], []
+        for i in range(repeats + 1):  # the first of each is a warm-up
+            client.clear()
+            elapsed = timed(put)
+            if i:
+                put_s.append(elapsed)
+        for i in range(repeats + 1):
+            elapsed = timed(get)
+            if i:
+                get_s.append(elapsed)
+        check()
+        client.clear()
+        moved = size * count
+        for op, seconds in (("put", put_s), ("get", get_s)):
+            median = statistics.median(seconds)
+            row[f"{api}_{op}_gbps"] = round(moved / median / 1e9, 4)
+            row[f"{api}_{op}_objects_per_s"] = round(count / median)
+
+    if target != "redis":
+        target_buf = np.zeros_like(source)
+        src_base, dst_base = client.register(source), client.register(target_buf)
+        src = [src_base + i * size for i in range(count)]
+        dst = [dst_base + i * size for i in range(count)]
+
+        def zc_put() -> None:
+            for a, b in spans:
+                client.put_from(keys[a:b], src[a:b], [size] * (b - a))
+
+        def zc_get() -> None:
+            for a, b in spans:
+                client.get_into(keys[a:b], dst[a:b], [size] * (b - a))
+
+        def zc_check() -> None:
+            assert np.array_equal(source, target_buf), "zero-copy get returned other bytes"
+
+        record("zero_copy", zc_put, zc_get, zc_check)
+        client.unregister(src_base)
+        client.unregister(dst_base)
+
+    values = [source[i * size : (i + 1) * size].tobytes() for i in range(count)]
+    last: list = []
+
+    def plain_put() -> None:
+        for a, b in spans:
+            client.put_batch(keys[a:b], values[a:b])
+
+    def plain_get() -> None:
+        last.clear()
+        for a, b in spans:
+            last.extend(client.get_batch(keys[a:b]))
+
+    def plain_check() -> None:
+        assert len(last) == count and all(bytes(g) == v for g, v in zip(last, values)), (
+            "plain get returned other bytes"
+        )
+
+    record("plain", plain_put, plain_get, plain_check)
+    return row
+
+
+def measure_client(target: str, address: str, shm: bool, repeats: int, total: int) -> dict:
+    """In the client process: every size, both APIs where the target has them."""
+    if target == "kvpool":
+        client = KvpoolClient(address, shm)
+    elif target == "mooncake":
+        client = MooncakeClient(address)
+    else:
+        client = RedisClient(address)
+    out: dict = {}
+    try:
+        for size in SIZES:
+            out[str(size)] = measure_size(client, target, size, repeats, total)
+    finally:
+        client.close()
+    return out
+
+
+# --- servers (started and ended by the orchestrator, by pid) ----------------------------------
+
+
+def mooncake_master_binary() -> str | None:
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    import mooncake
+
+    candidate = Path(mooncake.__file__).parent / "mooncake_master"
+    return str(candidate) if candidate.exists() else None
+
+
+def mooncake_storage_main(master: str) -> None:
+    """The Mooncake storage process: contributes a 1 GiB segment until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    code = store.setup("127.0.0.1", "P2PHANDSHAKE", 1024 * MIB, 16 * MIB, "tcp", "", master)
+    print("ready" if code == 0 else f"setup failed {code}", flush=True)
+    sys.stdin.read()
+    store.close()
+
+
+class Servers:
+    """Whichever storage services can run here; `skipped` says which cannot, and why."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[subprocess.Popen] = []
+        self.cluster = None
+        self.addresses: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
+
+    def _spawn(self, args: list[str], log: str, **kwargs) -> subprocess.Popen:
+        process = subprocess.Popen(
+            args, stdout=open(self.log_dir / log, "wb"), stderr=subprocess.STDOUT, **kwargs  # noqa: SIM115
+        )
+        self.processes.append(process)
+        return process
+
+    def start_kvpool(self) -> None:
+        from kvpool.cli.launcher import LocalCluster
+
+        self.cluster = LocalCluster(1, "1GiB", workdir=self.log_dir / "kvpool")
+        (self.log_dir / "kvpool").mkdir(exist_ok=True)
+        self.cluster.__enter__()
+        self.addresses["kvpool"] = self.cluster.master_endpoint
+
+    def start_mooncake(self, netns: bool) -> None:
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as exc:
+            self.skipped["mooncake"] = f"mooncake.store does not import ({exc}); scripts/install-peers.sh mooncake"
+            return
+        if not netns:
+            self.skipped["mooncake"] = (
+                "Mooncake listens on every interface; it is only run in a private network namespace "
+                "(needs root, unshare and ip)"
+            )
+            return
+        binary = mooncake_master_binary()
+        if binary is None:
+            self.skipped["mooncake"] = "mooncake_master not found"
+            return
+        port = free_port()
+        master = self._spawn(
+            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
+             f"--metrics_port={free_port()}", "--enable_http_metadata_server=false", "--logtostderr"],
+            "mooncake_master.log", stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_port(port, master, "mooncake_master")
+        address = f"127.0.0.1:{port}"
+        storage = subprocess.Popen(
+            [sys.executable, __file__, "--mooncake-storage", address],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(self.log_dir / "mooncake_storage.log", "wb"),  # noqa: SIM115
+        )  # fmt: skip
+        self.processes.append(storage)
+        line = storage.stdout.readline().decode().strip()
+        if line != "ready":
+            self.skipped["mooncake"] = f"Mooncake storage process did not start: {line!r}"
+            return
+        self.addresses["mooncake"] = address
+
+    def start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            self.skipped["redis"] = "the redis Python client is not installed (pip install redis)"
+            return
+        if binary is None:
+            self.skipped["redis"] = "redis-server not found (apt-get install redis-server)"
+            return
+        port = free_port()
+        unix = str(self.log_dir / "redis.sock")
+        process = self._spawn(
+            [binary, "--bind", "127.0.0.1", "--port", str(port), "--unixsocket", unix,
+             "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+             "--protected-mode", "yes", "--dir", str(self.log_dir)],
+            "redis.log", stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_port(port, process, "redis-server")
+        self.addresses["redis"] = f"127.0.0.1:{port}"
+        self.addresses["redis-unix"] = unix
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.__exit__(None, None, None)
+        for process in reversed(self.processes):
+            if process.stdin:
+                process.stdin.close()
+            end(process)
+
+
+def run_client(target: str, address: str, shm: bool, repeats: int, total: int, log_dir: Path) -> dict:
+    """One client process: its own interpreter, ended when it returns."""
+    command = [sys.executable, __file__, "--client", target, "--address", address,
+               "--repeats", str(repeats), "--total", str(total)] + (["--shm"] if shm else [])  # fmt: skip
+    result = subprocess.run(command, capture_output=True, timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
+    (log_dir / f"client-{target}-{'shm' if shm else 'net'}.stderr").write_bytes(result.stderr)
+    if result.returncode != 0:
+        raise RuntimeError(f"{target} client failed: {result.stderr.decode(errors='replace')[-2000:]}")
+    return json.loads(result.stdout.decode().strip().splitlines()[-1])
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "–"
+
+
+def gbps(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def table_rows(result: dict) -> list[dict]:
+    rows = []
+    for path in ("tcp", "same_host"):
+        for api in ("zero_copy", "plain"):
+            for size in SIZES:
+                for op in ("put", "get"):
+                    def get(target: str, field: str = "gbps", path=path, size=size, api=api, op=op):
+                        data = result["runs"].get(path, {}).get(target, {}).get(str(size), {})
+                        return data.get(f"{api}_{op}_{field}")
+
+                    limits = result["machine_limits"][str(size)]
+                    rows.append({
+                        "path": path, "api": api, "size": size, "op": op,
+                        "kvpool": get("kvpool"), "kvpool_objects_per_s": get("kvpool", "objects_per_s"),
+                        "mooncake": get("mooncake"), "redis": get("redis"),
+                        "limit": limits["socket_pair_gbps" if path == "tcp" else "numpy_copy_gbps"],
+                    })  # fmt: skip
+    return rows
+
+
+def markdown(result: dict, command: str) -> str:
+    paths = {
+        "tcp": "TCP only (kvpool shm off)",
+        "same_host": "same host (kvpool shm; Mooncake TCP — no shm path in its non-CUDA build; Redis unix socket)",
+    }
+    lines = [
+        "# Benchmarks against peers",
+        "",
+        (
+            "kvpool, the real Mooncake Store (PyPI `mooncake-transfer-engine-non-cuda`, TCP protocol, "
+            "P2PHANDSHAKE, its master on 127.0.0.1) and Redis (Debian `redis-server`, persistence off, "
+            "redis-py client) measured on the same machine in the same run by"
+        ),
+        "",
+        f"    {command}",
+        "",
+        (
+        "Every row is between two processes: a client process and a storage process (kvpool: a "
+        "LocalCluster node; Mooncake: a process holding a 1 GiB segment, the client contributing "
+        "none; Redis: redis-server). GB/s = 10^9 bytes/s, median of "
+        f"{result['repeats']} runs after a warm-up; objects/s is kvpool's. Zero-copy = "
+        "register_buffer + batch_put_from/batch_get_into (Redis has none: –); plain = "
+        "put_batch/get_batch (Redis: pipelined SET / MGET). Limit: a plain Python socket pair "
+        "over TCP loopback (TCP rows) or a numpy memcpy (same-host rows) of the same object size, "
+        "measured in the same run."
+        ),
+        "",
+        (
+            f"Machine: {result['machine']['cpus']} CPUs, Python {result['machine']['python']}. "
+            f"Skipped: {', '.join(f'{k} ({v})' for k, v in result['skipped'].items()) or 'nothing'}."
+        ),
+        "",
+        (
+        "Redis needs `apt-get install redis-server` and `pip install redis` (not a kvpool "
+        "dependency); Mooncake needs `scripts/install-peers.sh mooncake` and root (it runs in a "
+        "private network namespace holding only loopback, because its client listens on every "
+        "interface)."
+        ),
+        "",
+    ]
+    current = None
+    for row in table_rows(result):
+        if (row["path"], row["api"]) != current:
+            current = (row["path"], row["api"])
+            lines += [
+                "",
+                f"## {paths[row['path']]}, {row['api'].replace('_', '-')} API",
+                "",
+                (
+                    "| size | op | kvpool GB/s | kvpool objects/s | Mooncake GB/s | Redis GB/s "
+                    "| kvpool/Mooncake | kvpool/Redis | limit GB/s |"
+                ),
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+        lines.append(
+            f"| {size_label(row['size'])} | {row['op']} | {gbps(row['kvpool'])} | "
+            f"{row['kvpool_objects_per_s'] or '–'} | {gbps(row['mooncake'])} | {gbps(row['redis'])} | "
+            f"{ratio(row['kvpool'], row['mooncake'])} | {ratio(row['kvpool'], row['redis'])} | "
+            f"{gbps(row['limit'])} |"
+        )
+    lines += ["", "## Targets", ""] + [f"- {line}" for line in result["targets"]]
+    if result.get("chart"):
+        lines += ["", "![throughput chart](benchmarks.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def targets(result: dict) -> list[str]:
+    rows = table_rows(result)
+    out = []
+    for path, need in (("tcp", 2.5), ("same_host", 5.0)):
+        mid = [r for r in rows if r["path"] == path and r["size"] in (MIB, 4 * MIB) and r["mooncake"]]
+        if not mid:
+            out.append(f"{path} 1-4 MiB >= {need}x Mooncake: not measured (Mooncake skipped)")
+            continue
+        worst = min(mid, key=lambda r: r["kvpool"] / r["mooncake"])
+        ok = worst["kvpool"] / worst["mooncake"] >= need
+        out.append(
+            f"{'MET' if ok else 'NOT MET'}: {path} 1-4 MiB >= {need}x Mooncake (every API/op); "
+            f"lowest {worst['kvpool'] / worst['mooncake']:.2f}x ({worst['api']} {worst['op']} "
+            f"{size_label(worst['size'])})"
+        )
+    slower = [
+        f"{r['path']} {r['api']} {r['op']} {size_label(r['size'])} vs {peer} "
+        f"({r['kvpool'] / r[peer]:.2f}x)"
+        for r in rows for peer in ("mooncake", "redis") if r[peer] and r["kvpool"] < r[peer]
+    ]  # fmt: skip
+    out.append(
+        "MET: no row where kvpool is slower than Mooncake or Redis"
+        if not slower
+        else f"NOT MET: kvpool slower on {len(slower)} rows: " + "; ".join(slower)
+    )
+    return out
+
+
+def chart(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = table_rows(result)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    for (i, p), (j, op) in [((i, p), (j, op)) for i, p in enumerate(("tcp", "same_host"))
+                            for j, op in enumerate(("put", "get"))]:  # fmt: skip
+        ax = axes[i][j]
+        for api, style in (("zero_copy", "-"), ("plain", "--")):
+            sel = [r for r in rows if r["path"] == p and r["api"] == api and r["op"] == op]
+            for target, color in (("kvpool", "C0"), ("mooncake", "C1"), ("redis", "C3")):
+                ys = [r[target] for r in sel]
+                if any(ys):
+                    ax.plot([r["size"] for r in sel], ys, style, color=color, marker="o",
+                            label=f"{target} {api}")  # fmt: skip
+        ax.plot(SIZES, [sel[k]["limit"] for k in range(len(SIZES))], ":", color="grey",
+                label="socket pair" if p == "tcp" else "numpy memcpy")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{p} {op}")
+        ax.set_ylabel("GB/s")
+        ax.set_xticks(SIZES, [size_label(s) for s in SIZES])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+
+def in_private_netns() -> bool:
+    try:
+        return [name for _, name in socket.if_nameindex()] == ["lo"]
+    except OSError:
+        return False
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    total = (16 if args.quick else 64) * MIB
+    log_dir = Path(tempfile.mkdtemp(prefix="kvpool-bench-peers-"))
+    result: dict = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "repeats": args.repeats, "bytes_per_row": total, "log_dir": str(log_dir),
+        "skipped": {}, "machine_limits": {}, "runs": {"tcp": {}, "same_host": {}},
+    }  # fmt: skip
+    started = time.monotonic()
+    for size in SIZES:
+        volume = volume_for(size, total)
+        result["machine_limits"][str(size)] = {
+            "numpy_copy_gbps": round(statistics.median(memcpy_gbps(size, volume) for _ in range(args.repeats)), 3),
+            "numpy_copy_cold_gbps": round(numpy_copy_gbps(size, volume), 3),
+            "socket_pair_gbps": round(statistics.median(
+                socket_pair_gbps(volume, chunk=min(size, 4 * MIB)) for _ in range(args.repeats)), 3),
+        }  # fmt: skip
+    servers = Servers(log_dir)
+    try:
+        servers.start_kvpool()
+        servers.start_mooncake(in_private_netns())
+        servers.start_redis()
+        result["skipped"] = dict(servers.skipped)
+        plan = [("tcp", "kvpool", servers.addresses["kvpool"], False),
+                ("same_host", "kvpool", servers.addresses["kvpool"], True)]  # fmt: skip
+        if "mooncake" in servers.addresses:
+            plan += [("tcp", "mooncake", servers.addresses["mooncake"], False)]
+        if "redis" in servers.addresses:
+            plan += [("tcp", "redis", servers.addresses["redis"], False),
+                     ("same_host", "redis", servers.addresses["redis-unix"], False)]  # fmt: skip
+        for path, target, address, shm in plan:
+            print(f"[{time.monotonic() - started:5.0f}s] {target} {path}", file=sys.stderr, flush=True)
+            try:
+                result["runs"][path][target] = run_client(target, address, shm, args.repeats, total, log_dir)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                result["skipped"][f"{target} {path}"] = f"client failed: {str(exc)[-500:]}"
+        if "mooncake" in result["runs"]["tcp"]:
+            # No shm path in Mooncake's non-CUDA TCP build: its same-host figure is its TCP one.
+            result["runs"]["same_host"]["mooncake"] = result["runs"]["tcp"]["mooncake"]
+            result["mooncake_same_host_note"] = "Mooncake same-host rows are its TCP run (no shm path in this build)"
+    finally:
+        servers.stop()
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    result["targets"] = targets(result)
+    if args.write:
+        result["chart"] = chart(result, ROOT / "docs" / "benchmarks.png")
+        (ROOT / "docs" / "benchmarks.md").write_text(markdown(result, args.command_line))
+    json.dump(result, sys.stdout, indent=1)
+    print()
+    for name, reason in result["skipped"].items():
+        print(f"SKIPPED {name}: {reason}", file=sys.stderr)
+    for line in result["targets"]:
+        print(line, file=sys.stderr)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="16 MiB per row instead of 64 MiB")
+    parser.add_argument("--write", action="store_true", help="rewrite docs/benchmarks.md and .png")
+    parser.add_argument("--no-netns", action="store_true", help="do not re-execute in a private netns")
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--shm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--total", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mooncake-storage", help=argparse.SUPPRESS)
+    parser.add_argument("--command-line", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mooncake_storage:
+        mooncake_storage_main(args.mooncake_storage)
+        return 0
+    if args.client:
+        print(json.dumps(measure_client(args.client, args.address, args.shm, args.repeats, args.total)))
+        return 0
+    if not args.command_line:
+        args.command_line = "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if not args.no_netns and not in_private_netns() and os.geteuid() == 0 and unshare and ip:
+        inner = " ".join(
+            ["ip link set lo up &&", "exec", sys.executable, __file__]
+            + [f"'{a}'" for a in sys.argv[1:]] + [f"--command-line='{args.command_line}'"]
+        )
+        return subprocess.run([unshare, "--net", "sh", "-c", inner], stdin=subprocess.DEVNULL, check=False).returncode
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
