@@ -180,15 +180,7 @@ class LruPolicy(EvictionPolicy):
                 break
         # Pass 2: soft-pinned objects, least recently accessed first.
         if not stopped:
-            for key in table.soft_pinned:
-                if scanned >= scan_max:
-                    break
-                scanned += 1
-                verdict = judge(key, objects[key])
-                if verdict is Verdict.TAKE:
-                    victims.append(key)
-                elif verdict is Verdict.STOP:
-                    break
+            _take_soft_pinned(table, judge, scan_max - scanned, victims)
         # Move what could not go behind everything else, so the next scan starts on fresh
         # candidates instead of re-reading the same pinned or leased ones.
         for key in deferred:
@@ -416,15 +408,7 @@ class ProbationLruPolicy(EvictionPolicy):
                 break
         # Pass 3: soft-pinned objects, least recently accessed first.
         if not stopped:
-            for key in table.soft_pinned:
-                if scanned >= scan_max:
-                    break
-                scanned += 1
-                verdict = judge(key, objects[key])
-                if verdict is Verdict.TAKE:
-                    victims.append(key)
-                elif verdict is Verdict.STOP:
-                    break
+            _take_soft_pinned(table, judge, scan_max - scanned, victims)
         ghost = self._ghost
         if ghost is not None and victims:
             ghost.resize(self._ghost_objects_ratio * len(objects))
@@ -470,6 +454,19 @@ def make_policy(name: str = POLICY_DEFAULT) -> EvictionPolicy:
 
 
 # --- what to evict: the judges of the two triggers ---------------------------------------
+
+
+def _take_soft_pinned(table: ObjectTable, judge: Judge, scan_max: int, victims: list[str]) -> None:
+    """The last pass of every policy: soft-pinned objects, least recently accessed first."""
+    objects = table.objects
+    for scanned, key in enumerate(table.soft_pinned):
+        if scanned >= scan_max:
+            break
+        verdict = judge(key, objects[key])
+        if verdict is Verdict.TAKE:
+            victims.append(key)
+        elif verdict is Verdict.STOP:
+            break
 
 
 def select_for_room(
