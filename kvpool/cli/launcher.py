@@ -25,8 +25,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TypeVar
 
 from kvpool.errors import ConnectFailed
+
+_Started = TypeVar("_Started", bound="StartedInContext")
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -120,7 +123,29 @@ def spawn(
     return process
 
 
-class LocalCluster:
+class StartedInContext:
+    """`with X(...) as x:` starts x and stops it on leaving, and stops it too when starting
+    fails halfway, so that no process outlives the block. Subclasses define start and stop."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Started) -> _Started:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalCluster(StartedInContext):
     """A master and nodes as child processes. Use as a context manager: everything it started
     is stopped on exit, whatever happened."""
 
@@ -161,17 +186,6 @@ class LocalCluster:
         self.master_port = 0
         self.nodes: list[Process] = []
         self._node_serial = 0
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def master_endpoint(self) -> str:
@@ -283,7 +297,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-class LocalEtcd:
+class LocalEtcd(StartedInContext):
     """A one-member etcd on 127.0.0.1: free client and peer ports, its own data directory,
     ended by its pid. A context manager: stopped on exit, whatever happened."""
 
@@ -292,17 +306,6 @@ class LocalEtcd:
         self.process: subprocess.Popen[bytes] | None = None
         self.client_port = 0
         self.log_path = workdir / "etcd.log"
-
-    def __enter__(self) -> LocalEtcd:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def endpoint(self) -> str:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 from kvpool import limits
-from kvpool.cli.launcher import LocalCluster
+from kvpool.cli.launcher import LocalCluster, StartedInContext
 from kvpool.client.sync import Store
 from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
 from kvpool.master.eviction import POLICY_DEFAULT
@@ -194,7 +194,7 @@ def _leading_on(store: Store, keys: list[str], segment_id: str) -> int:
     return count
 
 
-class LiveCluster:
+class LiveCluster(StartedInContext):
     """The processes of one configuration (module docstring) and a Store per instance.
 
     `start()` spawns them (clusters side by side), `stop()` ends every process it started,
@@ -215,17 +215,6 @@ class LiveCluster:
         self.clusters = [LocalCluster(nodes_per_cluster, memory, master_args=master_args) for _ in range(cluster_count)]
         self.stores: list[Store] = []
         self.segment_ids: list[str] = []
-
-    def __enter__(self) -> LiveCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         start_all(self.clusters)
