@@ -75,7 +75,12 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
-    """What a Store needs: where the master is, how to authenticate, how to move bytes."""
+    """What a Store needs: where the master is, how to authenticate, how to move bytes.
+
+    `shm_enabled` turns on the same-host paths: copies through mapped segments, and the Unix
+    sockets of same-host servers (transports/connection.py) instead of TCP. Off, a client
+    behaves as if every server were on another host.
+    """
 
     master: str = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
     token: str | None = None
@@ -120,7 +125,8 @@ class NodeConfig:
 
     `advertise_host` is what clients dial: None means the listen host, or this host's address
     when listening on a wildcard (0.0.0.0 or ::). `shm_enabled=False` hides the segment file
-    from same-host clients (they then use TCP). `metrics_port` None serves no HTTP; 0 picks a
+    from same-host clients (they then use TCP) and keeps the node's own link to a same-host
+    master on TCP. `metrics_port` None serves no HTTP; 0 picks a
     free port. `metrics_host` None means the listen host.
     """
 

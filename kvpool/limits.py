@@ -40,7 +40,9 @@ LIST_OBJECTS_MAX = 100_000
 # needlessly. KV-cache slices are multiples of kilobytes, so the waste is nil in practice.
 ALLOCATION_ALIGN_BYTES = 64
 SEGMENT_SIZE_BYTES_MIN = 1 * MIB
-SEGMENT_SIZE_BYTES_MAX = 1024 * GIB
+# A DRAM segment, a node's disk tier or the cluster's DFS tier: 128 TiB each (disk and DFS
+# object file names spell offsets in 12 hex digits, protocol/objectfile.py).
+SEGMENT_SIZE_BYTES_MAX = 128 * 1024 * GIB
 # The segment file starts with one page of header (magic, token, capacity); data follows.
 SEGMENT_HEADER_SIZE_BYTES = 4 * KIB
 SEGMENT_TOKEN_SIZE_BYTES = 16

@@ -81,6 +81,23 @@ def test_capacity_is_rounded_down_to_alignment() -> None:
     allocator.check_invariants()
 
 
+def test_the_largest_tier_is_allocated_to_its_last_byte() -> None:
+    """A 128 TiB tier (a big disk tier or DFS): offsets near the top pack and round-trip."""
+    from kvpool.master.metadata import pack_replica, replica_offset, replica_segment_index
+
+    allocator = OffsetAllocator(limits.SEGMENT_SIZE_BYTES_MAX)
+    first = allocator.allocate(limits.SEGMENT_SIZE_BYTES_MAX - 4 * MIB)
+    last = allocator.allocate(4 * MIB)
+    assert (first, last) == (4 * MIB, 0) or (first, last) == (0, limits.SEGMENT_SIZE_BYTES_MAX - 4 * MIB)
+    assert allocator.free_bytes == 0 and allocator.allocate(64) is None
+    top = max(first, last)
+    packed = pack_replica(65_535, top)
+    assert (replica_segment_index(packed), replica_offset(packed)) == (65_535, top)
+    allocator.free(top, limits.SEGMENT_SIZE_BYTES_MAX - top)
+    assert allocator.largest_free_bytes == limits.SEGMENT_SIZE_BYTES_MAX - top
+    allocator.check_invariants()
+
+
 def test_allocate_at_takes_exact_ranges_and_refuses_overlap() -> None:
     allocator = OffsetAllocator(64 * 10)
     assert allocator.allocate_at(128, 100)  # footprint 128: [128, 256)

@@ -11,14 +11,16 @@ reports per tier. Sizes are small (tens of MiB) and every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
 import urllib.request
 from pathlib import Path
 
-from kvpool import ErrorCode, Store
+from kvpool import AsyncStore, ErrorCode, Store
 from kvpool.protocol import objectfile
+from kvpool.transports import files
 from tests.test_cluster import kvpool_cli, values_for, wait_until
 
 OBJECT_SIZE = 256 * 1024
@@ -149,7 +151,7 @@ def test_restarted_node_serves_its_disk_objects_without_any_client_writing_them_
     assert master_metric(cluster, "kvpool_master_puts_total") == puts_before
 
 
-def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, tmp_path):
+def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, tmp_path, monkeypatch):
     cluster = make_cluster(0, "8MiB")
     node = cluster.start_node(disk_args(tmp_path / "disk"))
     data = os.urandom(3 * 1024 * 1024 + 5)
@@ -168,4 +170,21 @@ def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, t
     got = kvpool_cli("get", "wt", "-o", str(out), "--master", cluster.master_endpoint)
     assert got.returncode == 0, got.stderr.decode()
     assert out.read_bytes() == data
+    # AsyncStore reads the file too, on a worker thread: a disk's latency never stalls the loop.
+    read_on: list[int] = []
+    real_read = files.read_object_bytes
+
+    def recording_read(*args):
+        read_on.append(threading.get_ident())
+        return real_read(*args)
+
+    monkeypatch.setattr(files, "read_object_bytes", recording_read)
+
+    async def read_async() -> tuple[bytes | None, int]:
+        async with await AsyncStore.open(cluster.master_endpoint) as store:
+            return await store.get("wt"), threading.get_ident()
+
+    got_async, loop_thread = asyncio.run(read_async())
+    assert got_async == data
+    assert read_on and loop_thread not in read_on
     del restarted

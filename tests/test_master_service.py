@@ -35,6 +35,7 @@ from kvpool.protocol.messages import (
     PutEnd,
     PutRevoke,
     PutStart,
+    PutStartReply,
     QueryObjects,
     Remove,
     RemoveAll,
@@ -120,6 +121,11 @@ def put(
     return [final.get(key, code) for key, code in zip(keys, start.codes)]
 
 
+def where(reply: PutStartReply, index: int) -> list[tuple[str, int]]:
+    """(segment id, offset of the object) of each replica granted to key `index`."""
+    return [(grant.segment_id, grant.offset + start) for grant, start in reply.replicas_of(index)]
+
+
 def get(svc, keys, now: int = 0):
     return svc.get_replica_list(GetReplicaList(list(keys)), now)
 
@@ -147,8 +153,8 @@ def test_put_then_get_returns_size_checksum_and_signed_grants() -> None:
     mount(svc, "s1")
     reply = svc.put_start(PutStart(["k"], [1000], config()), 5)
     assert reply.codes == [OK]
-    (grant,) = reply.grants[0]
-    assert grant.segment_id == "s1" and grant.size == 1000
+    ((grant, start),) = reply.replicas_of(0)
+    assert grant.segment_id == "s1" and grant.size == 1000 and start == 0
     assert grant.expiry_ms == 5 + MasterConfig().put_discard_timeout_ms
     assert auth.is_valid_grant(CLUSTER_KEY, grant, 5)
     assert reply.segments["s1"].segment_id == "s1"
@@ -240,10 +246,10 @@ def test_replicas_on_distinct_segments_best_effort() -> None:
     for segment_id in ("s1", "s2", "s3"):
         mount(svc, segment_id)
     reply = svc.put_start(PutStart(["a", "b"], [10, 10], config(replica_num=3)), 0)
-    for grants in reply.grants:
-        assert sorted(g.segment_id for g in grants) == ["s1", "s2", "s3"]
+    for index in range(2):
+        assert sorted(segment_id for segment_id, _ in where(reply, index)) == ["s1", "s2", "s3"]
     reply = svc.put_start(PutStart(["c"], [10], config(replica_num=5)), 0)
-    assert reply.codes == [OK] and len(reply.grants[0]) == 3
+    assert reply.codes == [OK] and len(where(reply, 0)) == 3
     assert set(reply.segments) == {"s1", "s2", "s3"}
 
 
@@ -423,7 +429,7 @@ def test_removed_ranges_are_reused_only_after_drops_done() -> None:
     svc.drops_done("s1", drops["s1"], 0)  # a repeated ack frees nothing twice
     svc.drops_done("gone", drops["s1"], 0)  # an unknown segment is ignored
     reply = svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 0)
-    assert reply.codes == [OK] and reply.grants[0][0].offset == drops["s1"][0].offset
+    assert reply.codes == [OK] and where(reply, 0)[0][1] == drops["s1"][0].offset
 
 
 def test_remove_by_regex_and_remove_all() -> None:
@@ -474,7 +480,7 @@ def test_placement_free_ratio_takes_the_emptiest() -> None:
     put(svc, [f"k{i}" for i in range(4)], placement="preferred", preferred_segments=["s2"])
     # s1: empty (ratio 1.0); s2: 4 * 64 KiB used of 2 MiB (0.875)
     reply = svc.put_start(PutStart(["f"], [10], config(placement="free_ratio")), 0)
-    assert reply.grants[0][0].segment_id == "s1"
+    assert where(reply, 0)[0][0] == "s1"
 
 
 def test_placement_local_then_random() -> None:
@@ -483,14 +489,15 @@ def test_placement_local_then_random() -> None:
     mount(svc, "b1", hostname="beta")
     mount(svc, "b2", hostname="beta")
     for i in range(20):
-        grants = svc.put_start(PutStart([f"k{i}"], [10], config(placement="local")), 0).grants[0]
-        assert grants[0].segment_id in ("a1", "b1", "b2")
+        reply = svc.put_start(PutStart([f"k{i}"], [10], config(placement="local")), 0)
+        assert where(reply, 0)[0][0] in ("a1", "b1", "b2")
     msg = PutStart([f"l{i}" for i in range(20)], [10] * 20, config(placement="local", replica_num=2), "beta")
-    for grants in svc.put_start(msg, 0).grants:
-        assert sorted(g.segment_id for g in grants) == ["b1", "b2"]
+    reply = svc.put_start(msg, 0)
+    for index in range(20):
+        assert sorted(segment_id for segment_id, _ in where(reply, index)) == ["b1", "b2"]
     msg = PutStart(["m"], [10], config(placement="local", replica_num=2), "alpha")
-    grants = svc.put_start(msg, 0).grants[0]
-    assert grants[0].segment_id == "a1" and grants[1].segment_id in ("b1", "b2")
+    (first, _), (second, _) = where(svc.put_start(msg, 0), 0)
+    assert first == "a1" and second in ("b1", "b2")
 
 
 def test_placement_preferred_in_order_then_random() -> None:
@@ -498,19 +505,41 @@ def test_placement_preferred_in_order_then_random() -> None:
     for segment_id in ("s1", "s2", "s3"):
         mount(svc, segment_id)
     cfg = config(placement="preferred", preferred_segments=["s3", "missing", "s1"], replica_num=3)
-    grants = svc.put_start(PutStart(["k"], [10], cfg), 0).grants[0]
-    assert [g.segment_id for g in grants] == ["s3", "s1", "s2"]
+    reply = svc.put_start(PutStart(["k"], [10], cfg), 0)
+    assert [segment_id for segment_id, _ in where(reply, 0)] == ["s3", "s1", "s2"]
 
 
 def test_placement_random_spreads_over_segments() -> None:
     svc = make(seed=7)
     for segment_id in ("s1", "s2", "s3", "s4"):
         mount(svc, segment_id, capacity=64 * MIB)
-    reply = svc.put_start(PutStart([f"k{i}" for i in range(400)], [10] * 400, config()), 0)
     counts: dict[str, int] = {}
-    for grants in reply.grants:
-        counts[grants[0].segment_id] = counts.get(grants[0].segment_id, 0) + 1
+    for i in range(400):
+        (segment_id, _), = where(svc.put_start(PutStart([f"k{i}"], [10], config()), 0), 0)
+        counts[segment_id] = counts.get(segment_id, 0) + 1
     assert set(counts) == {"s1", "s2", "s3", "s4"} and min(counts.values()) > 60
+
+
+def test_a_batch_is_placed_in_runs_that_share_one_range_and_grant() -> None:
+    """Keys of one put_start are allocated in runs of up to RUN_BYTES_MAX: per replica one
+    contiguous range, carved in key order, with one grant; runs of a large batch spread."""
+    svc = make(seed=3)
+    for segment_id in ("s1", "s2", "s3", "s4"):
+        mount(svc, segment_id, capacity=64 * MIB)
+    keys = [f"k{i}" for i in range(128)]
+    reply = svc.put_start(PutStart(keys, [4000] * 128, config(replica_num=2)), 0)
+    assert reply.codes == [OK] * 128 and len(reply.grants) == 2
+    first = where(reply, 0)
+    for index in range(128):  # 4000 bytes take 4032 (aligned to 64)
+        assert where(reply, index) == [(s, offset + 4032 * index) for s, offset in first]
+    assert all(g.size == 4032 * 128 and auth.is_valid_grant(CLUSTER_KEY, g, 0) for g in reply.grants)
+    pending = svc.put_end(PutEnd(keys, [checksum_of(k) for k in keys]), 0)
+    assert commit(svc, pending, 0) == [OK] * 128
+    # 64 objects of 1 MiB: 16 runs of 4 MiB (the last footprint would pass the bound)
+    big = [f"big{i}" for i in range(64)]
+    reply = svc.put_start(PutStart(big, [MIB] * 64, config()), 0)
+    assert reply.codes == [OK] * 64 and len(reply.grants) == 16
+    assert len({segment_id for i in range(64) for segment_id, _ in where(reply, i)}) > 1
 
 
 def test_random_placement_finds_the_one_segment_with_room() -> None:
@@ -525,8 +554,8 @@ def test_random_placement_finds_the_one_segment_with_room() -> None:
                 preferred_segments=[segment_id],
             )
     for i in range(16):
-        grants = svc.put_start(PutStart([f"x{i}"], [OBJECT_SIZE], config()), 0).grants[0]
-        assert grants[0].segment_id == "s5"
+        reply = svc.put_start(PutStart([f"x{i}"], [OBJECT_SIZE], config()), 0)
+        assert where(reply, 0)[0][0] == "s5"
 
 
 # --- eviction -------------------------------------------------------------------------
@@ -763,8 +792,8 @@ def test_drain_stops_allocation_then_unmounts() -> None:
         svc.drain_segment(DrainSegment("s2", -1), 0)
     for i in range(10):
         cfg = config(placement="preferred", preferred_segments=["s1"], replica_num=2)
-        grants = svc.put_start(PutStart([f"n{i}"], [10], cfg), 1_000).grants[0]
-        assert [g.segment_id for g in grants] == ["s2"]
+        reply = svc.put_start(PutStart([f"n{i}"], [10], cfg), 1_000)
+        assert [segment_id for segment_id, _ in where(reply, 0)] == ["s2"]
     assert get(svc, ["on1"], 2_000).codes == [OK]  # still readable
     states = {s.segment.segment_id: s.state for s in svc.cluster_status(ClusterStatus(), 0).segments}
     assert states == {"s1": "draining", "s2": "active"}
@@ -796,8 +825,8 @@ def test_restarted_master_rebuilds_from_inventories() -> None:
     old = make(seed=1)
     for segment_id in ("s1", "s2", "s3"):
         mount(old, segment_id)
-    put(old, [f"k{i}" for i in range(20)], replica_num=2)
-    put(old, ["big"], size=300 * KIB)
+    assert put(old, ["big"], size=300 * KIB) == [OK]
+    assert put(old, [f"k{i}" for i in range(20)], replica_num=2) == [OK] * 20
     held = inventories(old)
     keys = sorted(held_keys(held))
     before = get(old, keys, 0)

@@ -258,25 +258,27 @@ class MasterMachine(RuleBasedStateMachine):
             preferred_segments=list(reversed(SEGMENTS)),
         )
         reply = self.service.put_start(PutStart(keys, [size] * len(keys), config, "host"), self.now)
-        for key, code, grants in zip(keys, reply.codes, reply.grants):
+        for index, (key, code) in enumerate(zip(keys, reply.codes)):
+            granted = [(grant.segment_id, grant.offset + start) for grant, start in reply.replicas_of(index)]
             if key in self.objects:
                 assert code == ErrorCode.OBJECT_ALREADY_EXISTS, (key, code)
             elif key in self.pending:
                 assert code == ErrorCode.REPLICA_IS_NOT_READY, (key, code)
             elif code == ErrorCode.NO_AVAILABLE_HANDLE:
-                assert grants == []
+                assert granted == []
                 event("no room")
             else:
                 assert code == OK, (key, code)
-                assert 1 <= len(grants) <= replica_num
+                assert 1 <= len(granted) <= replica_num
                 put = Put(size, self.now, {}, pin == "hard")
-                for grant in grants:
-                    seg = self.segments[grant.segment_id]
+                for segment_id, offset in granted:
+                    seg = self.segments[segment_id]
                     assert seg.drain_deadline_ms is None, "allocated on a draining segment"
-                    assert grant.segment_id not in put.grants, "two replicas on one segment"
-                    assert grant.size == size
-                    self._occupy(grant.segment_id, grant.offset, size, "put", key)
-                    put.grants[grant.segment_id] = grant.offset
+                    assert segment_id not in put.grants, "two replicas on one segment"
+                    self._occupy(segment_id, offset, size, "put", key)
+                    put.grants[segment_id] = offset
+                for grant, start in reply.replicas_of(index):
+                    assert 0 <= start and start + size <= grant.size, "a range outside its grant"
                 self.pending[key] = put
         self._sync_drops(may_evict=True)
 

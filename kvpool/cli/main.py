@@ -143,7 +143,7 @@ def master(
                                      help="The shared filesystem tier's directory (indexed from its files at start).")
     ] = None,
     dfs_size: Annotated[
-        Optional[str], typer.Option(help="DFS tier capacity (default: the filesystem's size, at most 1 TiB).")
+        Optional[str], typer.Option(help="DFS tier capacity (default: the filesystem's size, at most 128 TiB).")
     ] = None,
     promote_reads: Annotated[
         int, typer.Option(help="Copy an object back into DRAM after this many reads from disk or DFS (0: never).")
@@ -207,7 +207,9 @@ def node(
     shm_dir: Annotated[
         str, typer.Option(help="Directory of the segment file: /dev/shm or a hugetlbfs mount.")
     ] = "/dev/shm",
-    shm: Annotated[bool, typer.Option(help="Let same-host clients map the segment.")] = True,
+    shm: Annotated[
+        bool, typer.Option(help="Let same-host clients map the segment; reach a same-host master by Unix socket.")
+    ] = True,
     metrics_port: Annotated[
         Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).")
     ] = None,

@@ -28,9 +28,12 @@ log = logging.getLogger(__name__)
 class PeerPool:
     """Connections by endpoint. Invariant: no closed connection stays in `_conns`."""
 
-    def __init__(self, key: bytes | None, connections_per_peer: int, connect_timeout_ms: int) -> None:
+    def __init__(
+        self, key: bytes | None, connections_per_peer: int, connect_timeout_ms: int, prefer_local: bool
+    ) -> None:
         assert 1 <= connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX, connections_per_peer
         self._key = key
+        self._prefer_local = prefer_local
         self._size = connections_per_peer
         self._connect_timeout_ms = connect_timeout_ms
         self._conns: dict[str, list[Connection]] = {}
@@ -63,8 +66,9 @@ class PeerPool:
 
     async def _open(self, endpoint: str) -> Connection:
         return await connect(
-            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client"
-        )
+            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client",
+            prefer_local=self._prefer_local,
+        )  # fmt: skip
 
     def drop(self, endpoint: str) -> None:
         for conn in self._conns.pop(endpoint, []):
@@ -92,8 +96,11 @@ class MasterLink:
     MASTER_RESOLVE_BACKOFF_MS_MAX, for at most MASTER_CALL_ATTEMPTS_MAX attempts.
     """
 
-    def __init__(self, endpoint: str, key: bytes | None, connect_timeout_ms: int, rpc_timeout_ms: int):
+    def __init__(
+        self, endpoint: str, key: bytes | None, connect_timeout_ms: int, rpc_timeout_ms: int, prefer_local: bool
+    ):
         self.endpoint = endpoint
+        self._prefer_local = prefer_local
         self._resolver = MasterResolver(endpoint)
         self._key = key
         self._connect_timeout_ms = connect_timeout_ms
@@ -128,7 +135,9 @@ class MasterLink:
             if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
                 self._is_stale = False  # Still the leader: other calls keep their connection.
                 return old
-            conn = await connect(endpoint, key=self._key, timeout_ms=timeout_ms, name="master")
+            conn = await connect(
+                endpoint, key=self._key, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
+            )
             if old is not None:
                 old.close("the master moved")
             self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False

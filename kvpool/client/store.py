@@ -79,9 +79,11 @@ class AsyncStore:
         self.hostname = config.hostname or socket.gethostname()
         self._key = auth.cluster_key(config.token) if config.token else None
         self._master = MasterLink(
-            config.master, self._key, config.connect_timeout_ms, config.rpc_timeout_ms
+            config.master, self._key, config.connect_timeout_ms, config.rpc_timeout_ms, config.shm_enabled
         )
-        self._peers = PeerPool(self._key, config.connections_per_peer, config.connect_timeout_ms)
+        self._peers = PeerPool(
+            self._key, config.connections_per_peer, config.connect_timeout_ms, config.shm_enabled
+        )
         self._mapped: dict[str, Segment | None] = {}
         # Disk and DFS segments whose object files this host can open (docs/tiers.md).
         self._directories: dict[str, Path | None] = {}
@@ -322,7 +324,7 @@ class AsyncStore:
     ) -> GetJob:
         """A whole get, every phase on this loop."""
         job = await self._locate(keys, targets)
-        job.copy_local()
+        await self._copy_local(job)
         await self._read_remote(job)
         job.finish(now_monotonic_ms())
         return job
@@ -386,6 +388,15 @@ class AsyncStore:
             for outcome in await self._run_batches(batches):
                 failed |= outcome
             job.remote_done(asked, failed)
+            await self._copy_local(job)
+
+    @staticmethod
+    async def _copy_local(job: GetJob) -> None:
+        """The job's same-host copies: inline from mapped segments, but on a worker thread
+        when it reads object files (a disk's latency must not stall the event loop)."""
+        if job.reads_files():
+            await asyncio.get_running_loop().run_in_executor(None, job.copy_local)
+        else:
             job.copy_local()
 
     async def _run_batches(self, batches: Sequence[RemoteBatch]) -> list[set[int]]:

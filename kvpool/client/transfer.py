@@ -175,16 +175,18 @@ class PutJob:
             self.needs_end.append(code == ErrorCode.OK)
             if code != ErrorCode.OK:
                 continue
-            for grant in reply.grants[index]:
+            size = sum(len(part) for part in parts[index])
+            for grant, start in reply.replicas_of(index):
                 info = reply.segments[grant.segment_id]
                 segment = local_segments(info)
                 if segment is not None:
-                    self.local.append((index, segment.data[grant.offset : grant.offset + grant.size]))
+                    offset = grant.offset + start
+                    self.local.append((index, segment.data[offset : offset + size]))
                     continue
                 cutter = cutters.get(info.endpoint)
                 if cutter is None:
-                    cutter = cutters[info.endpoint] = _FrameCutter(info.endpoint, WriteItem, WriteSlices)
-                cutter.add(index, grant, parts[index])
+                    cutter = cutters[info.endpoint] = _FrameCutter(info.endpoint, _write_item, WriteSlices)
+                cutter.add(index, (grant, start), parts[index])
         self.remote = [cutter.finish() for cutter in cutters.values()]
 
     def copy_local(self) -> None:
@@ -272,6 +274,10 @@ class GetJob:
 
     def pending_indexes(self) -> list[int]:
         return [i for i, c in enumerate(self.codes) if c == ErrorCode.OK and self.results[i] is None]
+
+    def reads_files(self) -> bool:
+        """Whether copy_local would read object files here (disk or DFS replicas)."""
+        return any(self._file_path(i) is not None for i in self.pending_indexes())
 
     def copy_local(self) -> None:
         """Read every pending key whose next candidate replica is mapped here, then verify."""
@@ -399,6 +405,11 @@ class GetJob:
         self._landed[index] = None
         if not self._candidates[index]:
             self.codes[index] = int(code)
+
+
+def _write_item(placement: object, start: int, size: int) -> WriteItem:
+    grant, key_start = placement  # type: ignore[misc]
+    return WriteItem(grant, key_start + start, size)
 
 
 def _read_item(replica: object, start: int, size: int) -> ReadItem:

@@ -32,7 +32,7 @@ from kvpool import limits
 # The by-size index holds one int per free extent, `size << _OFFSET_BITS | offset`, so that
 # best fit is one bisect over plain ints (several times faster than tuples) and equal sizes
 # are ordered by offset: best fit takes the lowest-addressed extent among the smallest that fit.
-_OFFSET_BITS = 42
+_OFFSET_BITS = 48
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 assert limits.SEGMENT_SIZE_BYTES_MAX <= _OFFSET_MASK
 

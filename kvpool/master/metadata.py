@@ -11,7 +11,9 @@ packed ints rather than `Replica` structs, one replica is stored without a tuple
 named by a small index rather than its id string, and absent times are the cached int 0:
 
     replica (int) = offset << SEGMENT_INDEX_BITS | segment_index
-                    |<----- up to 40 bits ----->|<---- 16 bits ---->|
+                    |<----- up to 47 bits ----->|<---- 16 bits ---->|
+
+(a Python int: 8 bytes of digits below 2**60, so offsets past 16 TiB cost 4 bytes more).
 
 With slower tiers (docs/tiers.md) the table is split by where an object lives, so that each
 tier's eviction scans only its own objects: `objects` holds the objects with a DRAM replica

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.master import codes
 from kvpool.master.allocator import footprint_bytes
@@ -77,6 +78,61 @@ class PendingCommit:
     is_finished: bool = False
 
 
+# Keys of one put_start are allocated in runs: consecutive accepted keys whose footprints add up
+# to at most this many bytes share one extent per replica and one signed grant per extent. That
+# is one allocation and one HMAC per run instead of per key (128 keys of 4 KiB: one of each
+# instead of 128, the bulk of put_start's cost), and a run's replica is one contiguous range, so
+# its bytes travel as one slice. Runs are small enough that a large batch still spreads over
+# the segments (a run fills about one client frame, client/transfer.py FRAME_BYTES_TARGET).
+RUN_BYTES_MAX = 4 * limits.MIB
+
+
+class _Grants:
+    """put_start's answer, built run by run (per key a code and its placements, the grants and
+    the segments they name), and the PendingPuts of the request's keys."""
+
+    __slots__ = ("codes", "placements", "grants", "segments", "_key", "_now_ms", "_expiry_ms",
+                 "_is_soft_pinned", "_is_hard_pinned", "_copy_tiers")  # fmt: skip
+
+    def __init__(self, key_count: int, cluster_key: bytes | None, now_ms: int, expiry_ms: int, config: ReplicateConfig):
+        self.codes = [codes.OK] * key_count
+        self.placements: list[list[tuple[int, int]]] = [[] for _ in range(key_count)]
+        self.grants: list[WriteGrant] = []
+        self.segments: dict[str, SegmentInfo] = {}
+        self._key = cluster_key
+        self._now_ms = now_ms
+        self._expiry_ms = expiry_ms
+        self._is_hard_pinned = bool(config.with_hard_pin)
+        self._is_soft_pinned = bool(config.with_soft_pin) and not self._is_hard_pinned
+        self._copy_tiers = copy_tiers_of(config)
+
+    def add(self, segment: Segment, offset: int, size_bytes: int) -> int:
+        """Sign a grant for a range of `segment`; returns its index in the reply."""
+        info = segment.info
+        self.grants.append(auth.sign_grant(self._key, info.segment_id, offset, size_bytes, self._expiry_ms))
+        self.segments[info.segment_id] = info
+        return len(self.grants) - 1
+
+    def new_put(self, size_bytes: int, replicas: list[tuple[Segment, int]]) -> PendingPut:
+        return PendingPut(
+            size_bytes, replicas, self._now_ms, self._is_soft_pinned, self._is_hard_pinned, self._copy_tiers
+        )
+
+    def reply(self) -> PutStartReply:
+        return PutStartReply(self.codes, self.placements, self.grants, self.segments)
+
+
+def merge_retried(reply: PutStartReply, again: PutStartReply, retried: list[int]) -> None:
+    """Fold the answer to a second put_start of some keys (`retried`: their indexes in the
+    first, in order) into the first answer."""
+    base = len(reply.grants)
+    for position, index in enumerate(retried):
+        reply.codes[index] = again.codes[position]
+        reply.placements[index] = [(base + g, start) for g, start in again.placements[position]]
+    reply.grants.extend(again.grants)
+    reply.segments.update(again.segments)
+
+
 class PutFlow:
     """Moves puts through their states over the master's shared structures.
 
@@ -108,48 +164,82 @@ class PutFlow:
     def start(
         self, keys: list[str], sizes: list[int], config: ReplicateConfig, client_hostname: str, now_ms: int
     ) -> tuple[PutStartReply, int]:
-        """Allocate and grant; returns the reply and the footprint bytes that found no room."""
+        """Allocate and grant; returns the reply and the footprint bytes that found no room.
+
+        Accepted keys are allocated in runs (see RUN_BYTES_MAX): one extent per replica for the
+        whole run, carved into the keys' ranges in key order, and one grant per extent.
+        """
         table = self._table
         objects, lower, pending = table.objects, table.lower, table.pending
-        expiry_ms = now_ms + self._config.put_discard_timeout_ms
-        copy_tiers = copy_tiers_of(config)
-        cluster_key = self._cluster_key
-        is_hard_pinned = bool(config.with_hard_pin)
-        is_soft_pinned = bool(config.with_soft_pin) and not is_hard_pinned
-        codes_out: list[int] = []
-        grants: list[list[WriteGrant]] = []
-        infos: dict[str, SegmentInfo] = {}
+        grants = _Grants(len(keys), self._cluster_key, now_ms, now_ms + self._config.put_discard_timeout_ms, config)
+        accepted: set[str] = set()
+        run: list[int] = []
+        run_bytes = 0
         shortfall_bytes = 0
-        for key, size in zip(keys, sizes):
+        for index, (key, size) in enumerate(zip(keys, sizes)):
             if not is_valid_key(key):
                 code = codes.INVALID_KEY
             elif not is_valid_size(size):
                 code = codes.INVALID_PARAMS
             elif key in objects or key in lower:
                 code = codes.OBJECT_ALREADY_EXISTS
-            elif key in pending:
+            elif key in pending or key in accepted:
                 code = codes.REPLICA_IS_NOT_READY
             else:
-                replicas = self._allocate_replicas(size, config, client_hostname)
-                if replicas:
-                    pending[key] = PendingPut(size, replicas, now_ms, is_soft_pinned, is_hard_pinned, copy_tiers)
-                    key_grants = []
-                    for segment, offset in replicas:
-                        info = segment.info
-                        key_grants.append(
-                            auth.sign_grant(cluster_key, info.segment_id, offset, size, expiry_ms)
-                        )
-                        infos[info.segment_id] = info
-                    codes_out.append(codes.OK)
-                    grants.append(key_grants)
-                    continue
-                code = codes.NO_AVAILABLE_HANDLE
-                shortfall_bytes += footprint_bytes(size)
+                footprint = footprint_bytes(size)
+                if run_bytes + footprint > RUN_BYTES_MAX and run:
+                    shortfall_bytes += self._grant_run(grants, keys, sizes, run, run_bytes, config, client_hostname)
+                    run, run_bytes = [], 0
+                accepted.add(key)
+                run.append(index)
+                run_bytes += footprint
+                continue
+            grants.codes[index] = code
             if code != codes.OBJECT_ALREADY_EXISTS and code != codes.REPLICA_IS_NOT_READY:
                 self._counters.errors += 1
-            codes_out.append(code)
-            grants.append([])
-        return PutStartReply(codes_out, grants, infos), shortfall_bytes
+        if run:
+            shortfall_bytes += self._grant_run(grants, keys, sizes, run, run_bytes, config, client_hostname)
+        return grants.reply(), shortfall_bytes
+
+    def _grant_run(
+        self,
+        grants: _Grants,
+        keys: list[str],
+        sizes: list[int],
+        run: list[int],
+        run_bytes: int,
+        config: ReplicateConfig,
+        client_hostname: str,
+    ) -> int:
+        """Allocate and grant one run of keys; returns the footprint bytes that found no room.
+
+        The whole run on each replica's segment when it fits there in one piece, else key by
+        key (a fragmented or nearly full cluster)."""
+        pending = self._table.pending
+        extents = self._allocate_replicas(run_bytes, config, client_hostname) if len(run) > 1 else []
+        if extents:
+            grant_indexes = [grants.add(segment, offset, run_bytes) for segment, offset in extents]
+            position = 0
+            for index in run:
+                size = sizes[index]
+                pending[keys[index]] = grants.new_put(
+                    size, [(segment, offset + position) for segment, offset in extents]
+                )
+                grants.placements[index] = [(g, position) for g in grant_indexes]
+                position += footprint_bytes(size)
+            return 0
+        shortfall_bytes = 0
+        for index in run:
+            size = sizes[index]
+            replicas = self._allocate_replicas(size, config, client_hostname)
+            if not replicas:
+                grants.codes[index] = codes.NO_AVAILABLE_HANDLE
+                self._counters.errors += 1
+                shortfall_bytes += footprint_bytes(size)
+                continue
+            pending[keys[index]] = grants.new_put(size, replicas)
+            grants.placements[index] = [(grants.add(segment, offset, size), 0) for segment, offset in replicas]
+        return shortfall_bytes
 
     def end(self, keys: list[str], checksums: list[int]) -> PendingCommit:
         """Decide what can be decided now; list the commits for the rest (see service.put_end)."""

@@ -38,6 +38,7 @@ from kvpool.discovery import LeaderRecord
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NotLeader
 from kvpool.master.election import ElectionConfig, Elector
 from kvpool.master.metrics import MasterMetrics, start_http
+from kvpool.master.puts import merge_retried
 from kvpool.master.service import MasterService
 from kvpool.master.takeover import Takeover
 from kvpool.protocol import auth
@@ -312,10 +313,7 @@ class MasterServer:
             ),
             wall_clock_ms(),
         )
-        for position, index in enumerate(retry):
-            reply.codes[index] = again.codes[position]
-            reply.grants[index] = again.grants[position]
-        reply.segments.update(again.segments)
+        merge_retried(reply, again, retry)
         return reply
 
     async def _put_end(self, message: PutEnd) -> CodesReply:

@@ -362,6 +362,7 @@ class Node:
                 conn = await connect(
                     endpoint, key=self._key, handler=self._master_calls,
                     timeout_ms=self.config.connect_timeout_ms, name=f"node {self.node_id}",
+                    prefer_local=self.config.shm_enabled,
                 )  # fmt: skip
                 self._master_conn = conn
                 await self._mount(conn)

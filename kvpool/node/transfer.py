@@ -52,6 +52,7 @@ from kvpool.protocol.messages import (
     OkReply,
     ReadReply,
     ReadSlices,
+    WriteGrant,
     WriteSlices,
 )
 from kvpool.transports.connection import Connection, HandlerResult
@@ -213,39 +214,44 @@ class TransferHandler(_SegmentHandler):
             InvalidParams: a range outside the grant or the segment.
         """
         now_ms = self._clock_ms()
-        capacity = self.segment.capacity_bytes
-        # The slices of one object share its grant: verify each distinct grant's MAC once.
-        valid_grants: set[tuple[int, int, int, bytes]] = set()
+        # The slices of one object, and the objects of one run (master/puts.py), share a grant:
+        # check each distinct grant once.
+        checked: set[tuple[int, int, int, bytes]] = set()
         for index, item in enumerate(message.items):
             grant = item.grant
             self._check_segment_id(grant.segment_id)
             fields = (grant.offset, grant.size, grant.expiry_ms, grant.mac)
-            if fields not in valid_grants:
-                if not auth.is_valid_grant(self._key, grant, now_ms=now_ms):
-                    raise Unauthorized(
-                        f"item {index}: grant for [{grant.offset}, +{grant.size}) is forged or "
-                        "expired"
-                    )
-                valid_grants.add(fields)
-            if grant.offset < 0 or grant.size <= 0 or grant.offset + grant.size > capacity:
-                raise InvalidParams(
-                    f"item {index}: grant [{grant.offset}, +{grant.size}) is outside the segment "
-                    f"of {capacity} bytes"
-                )
+            if fields not in checked:
+                self._check_grant(index, grant, now_ms)
+                checked.add(fields)
             if item.start < 0 or item.size <= 0 or item.start + item.size > grant.size:
                 raise InvalidParams(
                     f"item {index}: slice [{item.start}, +{item.size}) is outside its grant of "
                     f"{grant.size} bytes"
                 )
-            offset = grant.offset + item.start
-            held = self.inventory.overlapping(offset, item.size)
-            if held:
-                raise Unauthorized(
-                    f"item {index}: [{offset}, +{item.size}) holds committed object "
-                    f"{held[0].key!r}: stale grant"
-                )
         # The payload must equal the sum of the sizes; the Connection enforces it when it hands
         # our views to the decoder (a mismatch is a malformed frame and closes the connection).
+
+    def _check_grant(self, index: int, grant: WriteGrant, now_ms: int) -> None:
+        if not auth.is_valid_grant(self._key, grant, now_ms=now_ms):
+            raise Unauthorized(
+                f"item {index}: grant for [{grant.offset}, +{grant.size}) is forged or expired"
+            )
+        capacity = self.segment.capacity_bytes
+        if grant.offset < 0 or grant.size <= 0 or grant.offset + grant.size > capacity:
+            raise InvalidParams(
+                f"item {index}: grant [{grant.offset}, +{grant.size}) is outside the segment "
+                f"of {capacity} bytes"
+            )
+        # A granted range was free when granted, and its objects commit only after their
+        # writes: a committed object inside it means the grant is stale (the master drops an
+        # object before it reuses its range), or its writer is writing after its put_end.
+        held = self.inventory.overlapping(grant.offset, grant.size)
+        if held:
+            raise Unauthorized(
+                f"item {index}: grant [{grant.offset}, +{grant.size}) holds committed object "
+                f"{held[0].key!r}: stale grant"
+            )
 
     def _read(self, message: ReadSlices) -> HandlerResult:
         total = 0

@@ -158,10 +158,12 @@ class CountReply(Message, tag=4):
 
 
 class AuthChallenge(Message, tag=5):
-    """First frame from any server. `required` is False when the server has no cluster token."""
+    """First frame from any server. `required` is False when the server has no cluster token;
+    `local_name` is the server's same-host Unix socket (transports/connection.py), if any."""
 
     nonce: bytes
     required: bool
+    local_name: str = ""
 
 
 class AuthResponse(Message, tag=6):
@@ -186,12 +188,19 @@ class PutStart(Message, tag=10):
 
 
 class PutStartReply(Message, tag=11):
-    """Per key: a code and the grants to write (one per replica). OBJECT_ALREADY_EXISTS means
-    the object is complete already: nothing to write, and the put counts as done."""
+    """Per key: a code and where to write each replica, as (index into `grants`, offset of the
+    key's bytes inside that grant's range). Keys of one request share grants: the master
+    allocates a run of keys as one range per replica (master/puts.py). OBJECT_ALREADY_EXISTS
+    means the object is complete already: nothing to write, and the put counts as done."""
 
     codes: list[int]
-    grants: list[list[WriteGrant]]
+    placements: list[list[tuple[int, int]]]
+    grants: list[WriteGrant]
     segments: dict[str, SegmentInfo]
+
+    def replicas_of(self, index: int) -> list[tuple[WriteGrant, int]]:
+        """Key `index`'s replicas: (the grant covering it, its offset inside the grant)."""
+        return [(self.grants[g], start) for g, start in self.placements[index]]
 
 
 class PutEnd(Message, tag=12):

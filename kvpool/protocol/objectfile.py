@@ -54,7 +54,7 @@ SUFFIX = ".kvo"
 TEMP_SUFFIX = ".tmp"
 IDENTITY_FILE = "kvpool-tier.json"
 LOCK_FILE = "kvpool-tier.lock"
-_OFFSET_HEX_DIGITS = 12  # 48 bits: more than any offset (SEGMENT_SIZE_BYTES_MAX is 2**40).
+_OFFSET_HEX_DIGITS = 12  # 48 bits: more than any offset (SEGMENT_SIZE_BYTES_MAX is 2**47).
 
 assert FIXED_SIZE_BYTES == 48
 assert limits.SEGMENT_SIZE_BYTES_MAX < 16**_OFFSET_HEX_DIGITS

@@ -25,6 +25,7 @@ from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.master.eviction import EvictionPolicy
+from kvpool.master.puts import merge_retried
 from kvpool.master.service import MasterService
 from kvpool.protocol.messages import (
     ExistKeys,
@@ -207,17 +208,15 @@ class SimCluster:
             again = service.put_start(
                 PutStart([keys[i] for i in retry], [sizes[i] for i in retry], config, hostname), now_ms
             )
-            for position, index in enumerate(retry):
-                reply.codes[index] = again.codes[position]
-                reply.grants[index] = again.grants[position]
+            merge_retried(reply, again, retry)
         self._ack_drops(now_ms)
         outcome = WriteOutcome()
         granted: list[str] = []
         own = self.segment_ids[segment_index]
-        for index, (key, code, grants) in enumerate(zip(keys, reply.codes, reply.grants)):
+        for index, (key, code) in enumerate(zip(keys, reply.codes)):
             if code == ErrorCode.OK:
                 granted.append(key)
-                if grants[0].segment_id != own:
+                if reply.replicas_of(index)[0][0].segment_id != own:
                     outcome.remote_indexes.append(index)
             elif code == ErrorCode.NO_AVAILABLE_HANDLE:
                 outcome.failed_count += 1
