@@ -49,6 +49,9 @@ from kvpool.protocol.messages import (
 )
 from kvpool.transports import files
 
+_OK = int(ErrorCode.OK)
+_FILE_TIERS = (TIER_DISK, TIER_DFS)
+
 # A batch is cut into frames of about this many bytes, so that it spreads over the lanes.
 FRAME_BYTES_TARGET = 4 * limits.MIB
 
@@ -166,27 +169,34 @@ class PutJob:
         self.needs_end: list[bool] = []
         self.local: list[tuple[int, memoryview]] = []  # (key index, destination in a segment)
         cutters: dict[str, _FrameCutter] = {}
+        # Per grant (keys of a run share one): the mapped segment's data, or None (TCP).
+        mapped_data = [
+            segment.data if (segment := local_segments(reply.segments[grant.segment_id])) else None
+            for grant in reply.grants
+        ]
         for index, code in enumerate(reply.codes):
             if code == ErrorCode.OBJECT_ALREADY_EXISTS:
-                self.codes.append(int(ErrorCode.OK))
+                self.codes.append(_OK)
                 self.needs_end.append(False)
                 continue
             self.codes.append(code)
-            self.needs_end.append(code == ErrorCode.OK)
-            if code != ErrorCode.OK:
+            self.needs_end.append(code == _OK)
+            if code != _OK:
                 continue
-            size = sum(len(part) for part in parts[index])
-            for grant, start in reply.replicas_of(index):
-                info = reply.segments[grant.segment_id]
-                segment = local_segments(info)
-                if segment is not None:
+            key_parts = parts[index]
+            size = len(key_parts[0]) if len(key_parts) == 1 else sum(len(part) for part in key_parts)
+            for grant_index, start in reply.placements[index]:
+                data = mapped_data[grant_index]
+                grant = reply.grants[grant_index]
+                if data is not None:
                     offset = grant.offset + start
-                    self.local.append((index, segment.data[offset : offset + size]))
+                    self.local.append((index, data[offset : offset + size]))
                     continue
-                cutter = cutters.get(info.endpoint)
+                endpoint = reply.segments[grant.segment_id].endpoint
+                cutter = cutters.get(endpoint)
                 if cutter is None:
-                    cutter = cutters[info.endpoint] = _FrameCutter(info.endpoint, _write_item, WriteSlices)
-                cutter.add(index, (grant, start), parts[index])
+                    cutter = cutters[endpoint] = _FrameCutter(endpoint, _write_item, WriteSlices)
+                cutter.add(index, (grant, start), key_parts)
         self.remote = [cutter.finish() for cutter in cutters.values()]
 
     def copy_local(self) -> None:
@@ -243,21 +253,26 @@ class GetJob:
         self._local_segments = local_segments
         self._candidates: list[list[Replica]] = []
         self._landed: list[bytes | bytearray | None] = [None] * len(reply.codes)
-        for index, code in enumerate(reply.codes):
-            if code == ErrorCode.OK and targets[index] is not None:
-                capacity = sum(len(p) for p in targets[index])  # type: ignore[union-attr]
-                if reply.sizes[index] > capacity:
-                    self.codes[index] = int(ErrorCode.BUFFER_OVERFLOW)
-            if code == ErrorCode.OK and not reply.replicas[index]:
-                self.codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
-            self._candidates.append(self._order(reply.replicas[index]) if self.codes[index] == 0 else [])
-            if self.codes[index] == ErrorCode.OK and not self._candidates[index]:
-                self.codes[index] = int(ErrorCode.TRANSFER_FAIL)  # only DFS replicas, no DFS here
+        codes, candidates = self.codes, self._candidates
+        for index, (code, replicas) in enumerate(zip(reply.codes, reply.replicas)):
+            if code != _OK:
+                candidates.append([])
+                continue
+            target = targets[index]
+            if target is not None and reply.sizes[index] > sum(len(p) for p in target):
+                codes[index] = int(ErrorCode.BUFFER_OVERFLOW)
+            elif not replicas:
+                codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
+            candidates.append(self._order(replicas) if codes[index] == _OK else [])
+            if codes[index] == _OK and not candidates[index]:
+                codes[index] = int(ErrorCode.TRANSFER_FAIL)  # only DFS replicas, no DFS here
 
     def _order(self, replicas: list[Replica]) -> list[Replica]:
         """Nearest first: local DRAM, remote DRAM, local disk, remote disk, DFS (each in the
         master's order); a DFS replica this host cannot open is left out."""
         segments = self.reply.segments
+        if len(replicas) == 1 and segments[replicas[0].segment_id].tier != TIER_DFS:
+            return list(replicas)  # The common case: nothing to order, nothing to leave out.
         ranked: list[tuple[int, Replica]] = []
         for replica in replicas:
             info = segments[replica.segment_id]
@@ -273,7 +288,8 @@ class GetJob:
         return [replica for _, replica in ranked]
 
     def pending_indexes(self) -> list[int]:
-        return [i for i, c in enumerate(self.codes) if c == ErrorCode.OK and self.results[i] is None]
+        results = self.results
+        return [i for i, c in enumerate(self.codes) if c == _OK and results[i] is None]
 
     def reads_files(self) -> bool:
         """Whether copy_local would read object files here (disk or DFS replicas)."""
@@ -281,32 +297,33 @@ class GetJob:
 
     def copy_local(self) -> None:
         """Read every pending key whose next candidate replica is mapped here, then verify."""
-        copied = []
-        pending = self.pending_indexes()
-        files_here = [(i, self._file_path(i)) for i in pending]
+        segments, sizes = self.reply.segments, self.reply.sizes
+        reads: list[tuple[int, Path]] = []  # object files this host can open
+        mapped: list[tuple[int, Replica, Segment]] = []  # DRAM replicas in a mapped segment
+        for index in self.pending_indexes():
+            replica = self._candidates[index][0]
+            info = segments[replica.segment_id]
+            if info.tier in _FILE_TIERS:
+                path = self._file_path(index)
+                if path is not None:
+                    reads.append((index, path))
+                continue  # else a remote disk replica: over TCP
+            segment = self._local_segments(info)
+            if segment is not None:
+                mapped.append((index, replica, segment))
         prefetched_bytes = 0
-        for index, path in files_here:
-            if path is not None and prefetched_bytes < FILE_PREFETCH_BYTES_MAX:
+        for index, path in reads:
+            if prefetched_bytes < FILE_PREFETCH_BYTES_MAX:
                 files.prefetch(path)  # the device reads them all at once
-                prefetched_bytes += self.reply.sizes[index]
-        reads = [(index, path) for index, path in files_here if path is not None]
+                prefetched_bytes += sizes[index]
         if len(reads) > 1:  # several files: on several threads, so the device has them all
             landed = _file_readers().map(lambda read: self._read_file(*read), reads)
         else:
             landed = (self._read_file(*read) for read in reads)
-        copied.extend(index for (index, _), is_landed in zip(reads, landed) if is_landed)
-        for (index, path) in files_here:
-            if path is not None:
-                continue
-            replica = self._candidates[index][0]
-            info = self.reply.segments[replica.segment_id]
-            if info.tier in (TIER_DISK, TIER_DFS):
-                continue  # a remote disk replica: over TCP
-            segment = self._local_segments(info)
-            if segment is None:
-                continue
+        copied = [index for (index, _), is_landed in zip(reads, landed) if is_landed]
+        for index, replica, segment in mapped:
             self._candidates[index].pop(0)
-            source = segment.data[replica.offset : replica.offset + self.reply.sizes[index]]
+            source = segment.data[replica.offset : replica.offset + sizes[index]]
             target = self.targets[index]
             if target is None:
                 self._landed[index] = source.tobytes()  # the one copy: into the new object
