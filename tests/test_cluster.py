@@ -75,8 +75,9 @@ def test_node_killed_leaves_surviving_replica_or_clean_miss_and_space_is_reclaim
     with Store(cluster.master_endpoint, shm_enabled=False) as store:
         store.put_batch(list(doubled), list(doubled.values()), ReplicateConfig(replica_num=2))
         store.put_batch(list(single), list(single.values()))
-        victim = cluster.nodes[0]
-        victim_segment = victim.info["segment_id"]
+        # The node holding the first single-replica object (a batch is placed in runs).
+        victim_segment = store.query(list(single)[:1]).replicas[0][0].segment_id
+        victim = next(n for n in cluster.nodes if n.info["segment_id"] == victim_segment)
         victim.kill()
         # Before and after the master notices: surviving replicas are read, the rest is a miss.
         for _ in range(2):
