@@ -234,3 +234,40 @@ def test_a_key_repeated_in_one_batch_is_put_once():
                 assert await store.get_batch(["d", "e"]) == [b"same", b"other"]
 
     run(main())
+
+
+def test_the_sync_hand_off_returns_raises_and_cancels_on_its_bound() -> None:
+    """Store's calls go through the loop thread: results and errors come back as they are,
+    and a call past its bound raises RpcTimeout and is cancelled on the loop."""
+    import threading
+    import time
+
+    from kvpool.client.sync import _LoopThread
+    from kvpool.errors import RpcTimeout
+
+    loop_thread = _LoopThread.get()
+
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    async def fail() -> None:
+        raise ObjectNotFound("gone")
+
+    cancelled = threading.Event()
+
+    async def stall() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    assert loop_thread.run(answer(), 1_000) == 42
+    with pytest.raises(ObjectNotFound):
+        loop_thread.run(fail(), 1_000)
+    started = time.monotonic()
+    with pytest.raises(RpcTimeout):
+        loop_thread.run(stall(), 200)
+    assert time.monotonic() - started < 5
+    assert cancelled.wait(5), "the stalled call was not cancelled on the loop"
