@@ -1,7 +1,8 @@
 """kvpool against the real Mooncake Store and Redis, side by side in one run on this machine.
 
 For 4 KiB, 64 KiB, 1 MiB, 4 MiB and 32 MiB objects, put and get throughput (GB/s and objects/s)
-between two processes: a client process (started by this script) and a storage process.
+in three modes. The first two are between two processes: a client process (started by this
+script) and a storage process; the third has client and storage in one process.
 
   - tcp:       over TCP loopback only. kvpool: Store(master, shm_enabled=False) against a node
                process of a LocalCluster. Mooncake: a client (global_segment_size 0) against a
@@ -10,6 +11,13 @@ between two processes: a client process (started by this script) and a storage p
   - same-host: the fastest same-host path each offers. kvpool: its shm path (Store default).
                Mooncake's non-CUDA TCP build has no shared-memory path: same TCP setup as above,
                measured again and labelled "tcp". Redis: redis-py over a unix socket.
+  - in_process: client and storage in one process, no storage process. kvpool: a master only
+               (LocalCluster with 0 nodes) and Store(master, embedded_memory_bytes=256 MiB), so
+               the client's embedded node holds the only segment: puts land in it and gets
+               copy out of the mapped segment. Mooncake: one MooncakeDistributedStore with its
+               own 256 MiB global segment (the only one: its own mooncake_master), local buffer
+               128 MiB. Redis has no in-process mode: skipped, with that reason. These rows are
+               informative: the targets are stated for the tcp and same_host modes only.
 
 APIs: the zero-copy batch API (register_buffer + batch_put_from / batch_get_into: kvpool and
 Mooncake) and the plain bytes API (put_batch / get_batch; Redis: a pipeline of SETs / MGET).
@@ -116,11 +124,17 @@ def end(process: subprocess.Popen | None) -> None:
 # --- client adapters (run in the client process) -----------------------------------------------
 
 
+IN_PROCESS_SEGMENT = 256 * MIB  # the client's own segment in the in_process mode (both stores)
+IN_PROCESS_MOONCAKE_BUFFER = 128 * MIB  # Mooncake's local buffer there (plain API staging)
+
+
 class KvpoolClient:
-    def __init__(self, master: str, shm: bool) -> None:
+    def __init__(self, master: str, shm: bool, embedded_bytes: int = 0) -> None:
         from kvpool import Store
 
-        self.store = Store(master, shm_enabled=shm)
+        self.store = Store(master, shm_enabled=shm, embedded_memory_bytes=embedded_bytes)
+        if embedded_bytes:
+            assert self.store.embedded_segment is not None, "no embedded segment"
 
     def register(self, array: np.ndarray) -> int:
         return self.store.register_buffer(array)
@@ -151,11 +165,12 @@ class KvpoolClient:
 
 
 class MooncakeClient:
-    def __init__(self, master: str) -> None:
+    def __init__(self, master: str, segment_bytes: int = 0, buffer_bytes: int = 512 * MIB) -> None:
+        """segment_bytes 0: a pure client (tcp mode); > 0: it holds its own global segment."""
         from mooncake.store import MooncakeDistributedStore
 
         self.store = MooncakeDistributedStore()
-        code = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 512 * MIB, "tcp", "", master)
+        code = self.store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, buffer_bytes, "tcp", "", master)
         assert code == 0, f"mooncake client setup returned {code}"
 
     def register(self, array: np.ndarray) -> int:
@@ -290,12 +305,13 @@ def measure_size(client, target: str, size: int, repeats: int, total: int) -> di
     return row
 
 
-def measure_client(target: str, address: str, shm: bool, repeats: int, total: int) -> dict:
-    """In the client process: every size, both APIs where the target has them."""
+def measure_client(target: str, address: str, shm: bool, repeats: int, total: int, in_process: bool = False) -> dict:
+    """In the client process: every size, both APIs where the target has them. in_process: the
+    client holds the store's only segment itself (kvpool embedded mode, Mooncake global segment)."""
     if target == "kvpool":
-        client = KvpoolClient(address, shm)
+        client = KvpoolClient(address, shm, IN_PROCESS_SEGMENT if in_process else 0)
     elif target == "mooncake":
-        client = MooncakeClient(address)
+        client = MooncakeClient(address, IN_PROCESS_SEGMENT, IN_PROCESS_MOONCAKE_BUFFER) if in_process else MooncakeClient(address)
     else:
         client = RedisClient(address)
     out: dict = {}
@@ -338,6 +354,7 @@ class Servers:
         self.log_dir = log_dir
         self.processes: list[subprocess.Popen] = []
         self.cluster = None
+        self.master_only = None
         self.addresses: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
 
@@ -356,6 +373,27 @@ class Servers:
         self.cluster.__enter__()
         self.addresses["kvpool"] = self.cluster.master_endpoint
 
+    def start_kvpool_master_only(self) -> None:
+        """A second kvpool master with no node: in the in_process mode the client's embedded
+        segment is the only one."""
+        from kvpool.cli.launcher import LocalCluster
+
+        (self.log_dir / "kvpool-in-process").mkdir(exist_ok=True)
+        self.master_only = LocalCluster(0, workdir=self.log_dir / "kvpool-in-process")
+        self.master_only.__enter__()
+        self.addresses["kvpool-in-process"] = self.master_only.master_endpoint
+
+    def _mooncake_master(self, log: str) -> str:
+        port = free_port()
+        master = self._spawn(
+            [mooncake_master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+             "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}",
+             "--enable_http_metadata_server=false", "--logtostderr"],
+            log, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_port(port, master, "mooncake_master")
+        return f"127.0.0.1:{port}"
+
     def start_mooncake(self, netns: bool) -> None:
         try:
             import mooncake.store  # noqa: F401
@@ -372,14 +410,9 @@ class Servers:
         if binary is None:
             self.skipped["mooncake"] = "mooncake_master not found"
             return
-        port = free_port()
-        master = self._spawn(
-            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={free_port()}", "--enable_http_metadata_server=false", "--logtostderr"],
-            "mooncake_master.log", stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_port(port, master, "mooncake_master")
-        address = f"127.0.0.1:{port}"
+        # A master of its own for the in_process mode, so the client's segment is the only one.
+        self.addresses["mooncake-in-process"] = self._mooncake_master("mooncake_master_in_process.log")
+        address = self._mooncake_master("mooncake_master.log")
         storage = subprocess.Popen(
             [sys.executable, __file__, "--mooncake-storage", address],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -415,20 +448,25 @@ class Servers:
         self.addresses["redis-unix"] = unix
 
     def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.__exit__(None, None, None)
+        for cluster in (self.master_only, self.cluster):
+            if cluster is not None:
+                cluster.__exit__(None, None, None)
         for process in reversed(self.processes):
             if process.stdin:
                 process.stdin.close()
             end(process)
 
 
-def run_client(target: str, address: str, shm: bool, repeats: int, total: int, log_dir: Path) -> dict:
+def run_client(
+    target: str, address: str, shm: bool, repeats: int, total: int, log_dir: Path, path: str = "tcp"
+) -> dict:
     """One client process: its own interpreter, ended when it returns."""
     command = [sys.executable, __file__, "--client", target, "--address", address,
                "--repeats", str(repeats), "--total", str(total)] + (["--shm"] if shm else [])  # fmt: skip
+    if path == "in_process":
+        command.append("--in-process")
     result = subprocess.run(command, capture_output=True, timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
-    (log_dir / f"client-{target}-{'shm' if shm else 'net'}.stderr").write_bytes(result.stderr)
+    (log_dir / f"client-{target}-{path}.stderr").write_bytes(result.stderr)
     if result.returncode != 0:
         raise RuntimeError(f"{target} client failed: {result.stderr.decode(errors='replace')[-2000:]}")
     return json.loads(result.stdout.decode().strip().splitlines()[-1])
