@@ -305,13 +305,18 @@ def measure_size(client, target: str, size: int, repeats: int, total: int) -> di
     return row
 
 
-def measure_client(target: str, address: str, shm: bool, repeats: int, total: int, in_process: bool = False) -> dict:
+def measure_client(
+    target: str, address: str, shm: bool, repeats: int, total: int, in_process: bool = False
+) -> dict:
     """In the client process: every size, both APIs where the target has them. in_process: the
     client holds the store's only segment itself (kvpool embedded mode, Mooncake global segment)."""
     if target == "kvpool":
         client = KvpoolClient(address, shm, IN_PROCESS_SEGMENT if in_process else 0)
     elif target == "mooncake":
-        client = MooncakeClient(address, IN_PROCESS_SEGMENT, IN_PROCESS_MOONCAKE_BUFFER) if in_process else MooncakeClient(address)
+        if in_process:
+            client = MooncakeClient(address, IN_PROCESS_SEGMENT, IN_PROCESS_MOONCAKE_BUFFER)
+        else:
+            client = MooncakeClient(address)
     else:
         client = RedisClient(address)
     out: dict = {}
@@ -483,9 +488,13 @@ def gbps(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+PATHS = ("tcp", "same_host", "in_process")
+TARGET_PATHS = ("tcp", "same_host")  # the targets are stated for these; in_process is informative
+
+
 def table_rows(result: dict) -> list[dict]:
     rows = []
-    for path in ("tcp", "same_host"):
+    for path in PATHS:
         for api in ("zero_copy", "plain"):
             for size in SIZES:
                 for op in ("put", "get"):
@@ -507,6 +516,7 @@ def markdown(result: dict, command: str) -> str:
     paths = {
         "tcp": "TCP only (kvpool shm off)",
         "same_host": "same host (kvpool shm; Mooncake TCP — no shm path in its non-CUDA build; Redis unix socket)",
+        "in_process": "in one process (kvpool embedded segment; Mooncake client's own global segment; Redis: none)",
     }
     lines = [
         "# Benchmarks against peers",
@@ -520,14 +530,24 @@ def markdown(result: dict, command: str) -> str:
         f"    {command}",
         "",
         (
-        "Every row is between two processes: a client process and a storage process (kvpool: a "
-        "LocalCluster node; Mooncake: a process holding a 1 GiB segment, the client contributing "
-        "none; Redis: redis-server). GB/s = 10^9 bytes/s, median of "
-        f"{result['repeats']} runs after a warm-up; objects/s is kvpool's. Zero-copy = "
-        "register_buffer + batch_put_from/batch_get_into (Redis has none: –); plain = "
-        "put_batch/get_batch (Redis: pipelined SET / MGET). Limit: a plain Python socket pair "
-        "over TCP loopback (TCP rows) or a numpy memcpy (same-host rows) of the same object size, "
-        "measured in the same run."
+        "Three modes. TCP and same host: between two processes, a client process and a storage "
+        "process (kvpool: a LocalCluster node; Mooncake: a process holding a 1 GiB segment, the "
+        "client contributing none; Redis: redis-server). In one process: client and storage in "
+        "the same process, no storage process (kvpool: a master only and "
+        f"`Store(master, embedded_memory_bytes={IN_PROCESS_SEGMENT // MIB} MiB)`, whose embedded "
+        "node holds the only segment, so puts land in it and gets copy out of the mapped segment; "
+        f"Mooncake: one `MooncakeDistributedStore` with its own {IN_PROCESS_SEGMENT // MIB} MiB "
+        "global segment, the only one at its master; Redis has no in-process mode: –). "
+        f"GB/s = 10^9 bytes/s, median of {result['repeats']} runs after a warm-up; objects/s is "
+        "kvpool's. Zero-copy = register_buffer + batch_put_from/batch_get_into (Redis has none: "
+        "–); plain = put_batch/get_batch (Redis: pipelined SET / MGET). Limit: a plain Python "
+        "socket pair over TCP loopback (TCP rows) or a numpy memcpy (same-host and in-process "
+        "rows) of the same object size, measured in the same run."
+        ),
+        "",
+        (
+        "The targets below are stated for the TCP and same-host modes only; the in-process rows "
+        "are informative (no target), and so is the kvpool/Mooncake ratio on them."
         ),
         "",
         (
@@ -570,7 +590,9 @@ def markdown(result: dict, command: str) -> str:
 
 
 def targets(result: dict) -> list[str]:
-    rows = table_rows(result)
+    """The targets, over the tcp and same_host rows; one informative line for in_process."""
+    all_rows = table_rows(result)
+    rows = [r for r in all_rows if r["path"] in TARGET_PATHS]
     out = []
     for path, need in (("tcp", 2.5), ("same_host", 5.0)):
         mid = [r for r in rows if r["path"] == path and r["size"] in (MIB, 4 * MIB) and r["mooncake"]]
@@ -590,10 +612,24 @@ def targets(result: dict) -> list[str]:
         for r in rows for peer in ("mooncake", "redis") if r[peer] and r["kvpool"] < r[peer]
     ]  # fmt: skip
     out.append(
-        "MET: no row where kvpool is slower than Mooncake or Redis"
+        "MET: no tcp/same_host row where kvpool is slower than Mooncake or Redis"
         if not slower
-        else f"NOT MET: kvpool slower on {len(slower)} rows: " + "; ".join(slower)
+        else f"NOT MET: kvpool slower on {len(slower)} tcp/same_host rows: " + "; ".join(slower)
     )
+    inproc = [r for r in all_rows if r["path"] == "in_process" and r["kvpool"] and r["mooncake"]]
+    if inproc:
+        low = min(inproc, key=lambda r: r["kvpool"] / r["mooncake"])
+        high = max(inproc, key=lambda r: r["kvpool"] / r["mooncake"])
+        behind = sum(r["kvpool"] < r["mooncake"] for r in inproc)
+        out.append(
+            "informative, no target: in_process kvpool/Mooncake from "
+            f"{low['kvpool'] / low['mooncake']:.2f}x "
+            f"({low['api']} {low['op']} {size_label(low['size'])}) to {high['kvpool'] / high['mooncake']:.2f}x "
+            f"({high['api']} {high['op']} {size_label(high['size'])}); kvpool slower on {behind} of "
+            f"{len(inproc)} rows"
+        )
+    else:
+        out.append("informative, no target: in_process kvpool vs Mooncake not measured")
     return out
 
 
@@ -606,8 +642,8 @@ def chart(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     rows = table_rows(result)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    for (i, p), (j, op) in [((i, p), (j, op)) for i, p in enumerate(("tcp", "same_host"))
+    fig, axes = plt.subplots(len(PATHS), 2, figsize=(12, 4 * len(PATHS)), sharex=True)
+    for (i, p), (j, op) in [((i, p), (j, op)) for i, p in enumerate(PATHS)
                             for j, op in enumerate(("put", "get"))]:  # fmt: skip
         ax = axes[i][j]
         for api, style in (("zero_copy", "-"), ("plain", "--")):
@@ -646,7 +682,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     result: dict = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "repeats": args.repeats, "bytes_per_row": total, "log_dir": str(log_dir),
-        "skipped": {}, "machine_limits": {}, "runs": {"tcp": {}, "same_host": {}},
+        "skipped": {}, "machine_limits": {}, "runs": {path: {} for path in PATHS},
     }  # fmt: skip
     started = time.monotonic()
     for size in SIZES:
@@ -660,20 +696,29 @@ def orchestrate(args: argparse.Namespace) -> int:
     servers = Servers(log_dir)
     try:
         servers.start_kvpool()
+        servers.start_kvpool_master_only()
         servers.start_mooncake(in_private_netns())
         servers.start_redis()
         result["skipped"] = dict(servers.skipped)
+        result["skipped"]["redis in_process"] = (
+            "Redis has no in-process mode: redis-server is always a separate process, with no "
+            "embeddable library"
+        )
         plan = [("tcp", "kvpool", servers.addresses["kvpool"], False),
-                ("same_host", "kvpool", servers.addresses["kvpool"], True)]  # fmt: skip
+                ("same_host", "kvpool", servers.addresses["kvpool"], True),
+                ("in_process", "kvpool", servers.addresses["kvpool-in-process"], True)]  # fmt: skip
         if "mooncake" in servers.addresses:
-            plan += [("tcp", "mooncake", servers.addresses["mooncake"], False)]
+            plan += [("tcp", "mooncake", servers.addresses["mooncake"], False),
+                     ("in_process", "mooncake", servers.addresses["mooncake-in-process"], False)]  # fmt: skip
         if "redis" in servers.addresses:
             plan += [("tcp", "redis", servers.addresses["redis"], False),
                      ("same_host", "redis", servers.addresses["redis-unix"], False)]  # fmt: skip
         for path, target, address, shm in plan:
             print(f"[{time.monotonic() - started:5.0f}s] {target} {path}", file=sys.stderr, flush=True)
             try:
-                result["runs"][path][target] = run_client(target, address, shm, args.repeats, total, log_dir)
+                result["runs"][path][target] = run_client(
+                    target, address, shm, args.repeats, total, log_dir, path
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 result["skipped"][f"{target} {path}"] = f"client failed: {str(exc)[-500:]}"
         if "mooncake" in result["runs"]["tcp"]:
@@ -705,6 +750,7 @@ def main() -> int:
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--shm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--total", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mooncake-storage", help=argparse.SUPPRESS)
     parser.add_argument("--command-line", default="", help=argparse.SUPPRESS)
@@ -713,7 +759,8 @@ def main() -> int:
         mooncake_storage_main(args.mooncake_storage)
         return 0
     if args.client:
-        print(json.dumps(measure_client(args.client, args.address, args.shm, args.repeats, args.total)))
+        measured = measure_client(args.client, args.address, args.shm, args.repeats, args.total, args.in_process)
+        print(json.dumps(measured))
         return 0
     if not args.command_line:
         args.command_line = "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])

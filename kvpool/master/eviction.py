@@ -207,7 +207,7 @@ class GhostFilter:
     and 3 (add) or up to 6 (contains) byte probes.
     """
 
-    __slots__ = ("_count", "_current", "_current_entries_max", "_entries_max", "_previous")
+    __slots__ = ("_count", "_current", "_current_entries_max", "_entries_max", "_is_empty", "_previous")
 
     def __init__(self, entries_max: int = GHOST_ENTRIES_MIN) -> None:
         self._entries_max = max(entries_max, GHOST_ENTRIES_MIN)
@@ -215,6 +215,7 @@ class GhostFilter:
         self._current = bytearray(self._entries_max * GHOST_BITS_PER_ENTRY // 8)
         self._previous = bytearray(8)
         self._count = 0
+        self._is_empty = True  # nothing added yet (a cluster that never evicted): no hashing
 
     @property
     def entries_max(self) -> int:
@@ -226,6 +227,7 @@ class GhostFilter:
         self._entries_max = max(entries_max, GHOST_ENTRIES_MIN)
 
     def add(self, key: str) -> None:
+        self._is_empty = False
         bits = self._current
         bit_count = len(bits) << 3
         h = xxhash.xxh3_64_intdigest(key.encode())
@@ -241,6 +243,8 @@ class GhostFilter:
             self._count = 0
 
     def contains(self, key: str) -> bool:
+        if self._is_empty:
+            return False
         h = xxhash.xxh3_64_intdigest(key.encode())
         h1, h2 = h & 0xFFFFFFFF, h >> 32 | 1
         for bits in (self._current, self._previous):
