@@ -271,3 +271,37 @@ def test_the_sync_hand_off_returns_raises_and_cancels_on_its_bound() -> None:
         loop_thread.run(stall(), 200)
     assert time.monotonic() - started < 5
     assert cancelled.wait(5), "the stalled call was not cancelled on the loop"
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
+def test_a_writer_whose_bytes_miss_their_checksum_never_serves_them(shm_enabled):
+    """The master answers put_end before the nodes verify the bytes. A writer that sends a
+    checksum its bytes do not have gets its answer, but no reader ever gets those bytes: a
+    read before the node's verdict fails the checksum (a miss), and the verdict drops the
+    object and frees its space."""
+
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                value = os.urandom(300_000)
+                job = await store._put_start(["liar"], [[memoryview(value)]], ReplicateConfig(replica_num=2))
+                job.copy_local()
+                job.checksums[0] ^= 1  # the lie
+                await store._put_finish(job)
+                assert await store.get("liar") is None
+                for _ in range(200):
+                    if not await store.exists("liar"):
+                        break
+                    await asyncio.sleep(0.01)
+                assert not await store.exists("liar")
+                for _ in range(200):  # the drops are acknowledged at the master's next tick
+                    status = await store.cluster_status()
+                    if all(s.used_bytes == 0 for s in status.segments):
+                        break
+                    await asyncio.sleep(0.05)
+                assert [s.used_bytes for s in status.segments] == [0, 0]
+                # An honest writer of the same key is served.
+                await store.put("liar", value)
+                assert await store.get("liar") == value
+
+    run(main())

@@ -928,3 +928,24 @@ def test_cluster_status_and_counters() -> None:
     assert (counters.puts, counters.gets, counters.hits, counters.misses) == (2, 2, 1, 1)
     (gauges,) = svc.segment_counters()
     assert gauges.capacity_bytes == MIB and gauges.object_count == 2
+
+
+def test_a_commit_refused_after_the_put_was_answered_drops_the_object() -> None:
+    """The server answers a put once its commits are on their way; a node that then refuses
+    a replica (bytes not matching the checksum) gets the whole object dropped: every replica
+    goes to its drop outbox, and the space comes back once the nodes acknowledge."""
+    svc = make()
+    for segment_id in ("s1", "s2"):
+        mount(svc, segment_id)
+    assert put(svc, ["bad", "good"], replica_num=2) == [OK, OK]
+    offsets = {r.segment_id: r.offset for r in get(svc, ["bad"]).replicas[0]}
+    refused = [InventoryEntry("bad", offsets["s1"], OBJECT_SIZE, checksum_of("bad"))]
+    assert svc.refuse_commits("s1", refused, 1) == 1
+    assert exists(svc, ["bad", "good"]) == [False, True]
+    drops = ack_drops(svc)
+    assert sorted((s, [e.key for e in entries]) for s, entries in drops.items()) == [("s1", ["bad"]), ("s2", ["bad"])]
+    assert used(svc, "s1") == used(svc, "s2") == footprint_bytes(OBJECT_SIZE)  # "good" only
+    # A refusal that comes too late (the object is gone, or on an unknown segment) is ignored.
+    assert svc.refuse_commits("s1", refused, 2) == 0
+    assert svc.refuse_commits("gone", refused, 2) == 0
+    assert svc.counters.errors == 1

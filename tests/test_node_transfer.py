@@ -809,3 +809,38 @@ def test_node_config_validates() -> None:
     a = NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES)
     b = NodeConfig(master_endpoint="127.0.0.1:1", memory_bytes=MEMORY_BYTES)
     assert a.node_id != b.node_id and len(a.node_id) == 12
+
+
+def test_a_drop_never_overtakes_the_commit_before_it(tmp_path: Path) -> None:
+    """A large commit is verified off the loop. The master answers puts before commits are
+    verified and may drop an object right after: that drop, sent behind the commit on the same
+    link, is applied after it, so the node never keeps an object the master dropped."""
+
+    async def main() -> None:
+        import dataclasses
+
+        master = FakeMaster()
+        await master.start()
+        node = Node(dataclasses.replace(node_config(tmp_path, master.port), memory_bytes=8 * limits.MIB))
+        await node.start()
+        try:
+            data = os.urandom(4 * limits.MIB)  # past checksums.PARALLEL_BYTES_MIN: hashed off the loop
+            node.segment.data[: len(data)] = data  # as a same-host writer does, through the mapping
+            entry = InventoryEntry("big", 0, len(data), xxhash.xxh3_64_intdigest(data))
+            commit = asyncio.ensure_future(master.commit(node.segment_id, [entry]))
+            await asyncio.sleep(0)  # the commit's frame leaves first
+            await master.drop(node.segment_id, [entry])
+            assert await commit == [ErrorCode.OK]
+            assert node.inventory.get("big") is None
+            # And a commit behind another commit keeps its place too.
+            first = asyncio.ensure_future(master.commit(node.segment_id, [entry]))
+            await asyncio.sleep(0)
+            second = InventoryEntry("small", len(data), 64, xxhash.xxh3_64_intdigest(bytes(node.segment.data[len(data) : len(data) + 64])))
+            assert await master.commit(node.segment_id, [second]) == [ErrorCode.OK]
+            assert await first == [ErrorCode.OK]
+            assert sorted(e.key for e in node.inventory.entries()) == ["big", "small"]
+        finally:
+            await node.stop()
+            await master.stop()
+
+    run(main)

@@ -317,39 +317,79 @@ class MasterServer:
         return reply
 
     async def _put_end(self, message: PutEnd) -> CodesReply:
-        # The term's service finishes what it started, even if the term ends meanwhile: a
-        # commit that reached a node is in its inventory and re-mounts with it, one that did
-        # not is reported failed, so the reply stays true in the next term too.
+        # The term's service finishes what it started, even if the term ends meanwhile.
+        #
+        # The answer does not wait for the nodes: once every CommitObjects frame is in the
+        # kernel (the node receives it even if this master dies next), the objects are made
+        # visible and the put is answered. A node that then refuses an entry (its bytes do
+        # not hash to the writer's checksum: a broken or stale writer) gets the object
+        # dropped (refuse_commits); readers verify checksums, so until then a bad replica is
+        # a miss, never wrong bytes. A node the master has no connection to, or a frame
+        # still queued in this process, is waited for as before. This takes the nodes'
+        # verification (a hash of every byte) and a round trip off the put's critical path.
         service = self.service
-        pending = service.put_end(message, wall_clock_ms())
-        segment_ids = list(pending.commits)
-        outcomes = await asyncio.gather(
-            *(self._commit(s, pending.commits[s]) for s in segment_ids)
-        )
-        results = dict(zip(segment_ids, outcomes))
+        now_ms = wall_clock_ms()
+        pending = service.put_end(message, now_ms)
+        calls = {s: asyncio.ensure_future(self._commit(s, e)) for s, e in pending.commits.items()}
+        if calls:
+            await asyncio.sleep(0)  # each call's first step writes its frame, in order
+        results: dict[str, list[int]] = {}
+        later: list[tuple[str, asyncio.Future[list[int] | None]]] = []
+        for segment_id, call in calls.items():
+            conn = self._node_conns.get(segment_id)
+            if call.done() or conn is None or conn.is_write_buffered():
+                codes = await call
+                results[segment_id] = codes if codes is not None else [int(ErrorCode.TRANSFER_FAIL)] * len(
+                    pending.commits[segment_id]
+                )
+            else:
+                results[segment_id] = [int(ErrorCode.OK)] * len(pending.commits[segment_id])
+                later.append((segment_id, call))
         reply = service.finish_put_end(pending, results, wall_clock_ms())
+        for segment_id, call in later:
+            entries = pending.commits[segment_id]
+            call.add_done_callback(lambda done, s=segment_id, e=entries: self._commit_answered(service, s, e, done))
         copies = service.start_copies(pending, reply, wall_clock_ms())
         if copies:
             # Write-through: the put returns once its copies are on disk (or DFS), or failed.
             await asyncio.gather(*(self._move(service, s, items) for s, items in copies.items()))
         return reply
 
-    async def _commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int]:
-        failed = [int(ErrorCode.TRANSFER_FAIL)] * len(entries)
+    def _commit_answered(
+        self,
+        service: MasterService,
+        segment_id: str,
+        entries: list[InventoryEntry],
+        call: asyncio.Future[list[int] | None],
+    ) -> None:
+        """A node answered a commit the put did not wait for: drop what it refused. No answer
+        (the link broke) is no verdict: the object stays, its bytes checked by every read."""
+        codes = None if call.cancelled() else call.result()
+        if codes is None:
+            return
+        refused = [entry for entry, code in zip(entries, codes) if code != ErrorCode.OK]
+        if refused and service is self.service:
+            dropped = service.refuse_commits(segment_id, refused, wall_clock_ms())
+            log.warning("segment %s refused %d commits after the put was answered; %d objects dropped",
+                        segment_id, len(refused), dropped)  # fmt: skip
+
+    async def _commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int] | None:
+        """The node's code for each entry, or None when it did not answer (no connection,
+        not leading, broken, timed out)."""
         conn = self._node_conns.get(segment_id)
         if conn is None or not self._is_leading():
-            return failed
+            return None
         try:
             reply = await conn.request(
                 CommitObjects(segment_id, entries), timeout_ms=NODE_CALL_TIMEOUT_MS
             )
         except KVPoolError as exc:
             log.warning("commit to segment %s failed: %s", segment_id, exc)
-            return failed
+            return None
         assert isinstance(reply, CodesReply)
         if len(reply.codes) != len(entries):
             log.warning("segment %s answered %d codes for %d entries", segment_id, len(reply.codes), len(entries))
-            return failed
+            return None
         return reply.codes
 
     async def _flush_drops(self) -> None:

@@ -307,6 +307,24 @@ class MasterService:
         """
         return self._puts.finish(pending, results, now_ms)
 
+    def refuse_commits(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> int:
+        """A node refused these commits after their put was answered (the server answers once
+        the commits are on their way, master/server.py). Each object that still has the
+        refused replica is dropped, with its other replicas: a writer whose bytes did not
+        hash to its checksum is trusted for none. Returns how many objects were dropped."""
+        segment = self._registry.get(segment_id)
+        if segment is None:
+            return 0
+        dropped = 0
+        for entry in entries:
+            meta = self._table.get(entry.key)
+            if meta is None or self._replica_offset_on(meta, segment) != entry.offset:
+                continue  # Removed meanwhile (its drop is on its way), or moved.
+            self._drop_object(entry.key)
+            self.counters.errors += 1
+            dropped += 1
+        return dropped
+
     def put_revoke(self, msg: PutRevoke, now_ms: int) -> CodesReply:
         """The writer gave up: free its ranges at once (it says it stopped writing).
 

@@ -10,13 +10,17 @@ A node with a disk tier (or a DFS directory) serves more than its DRAM segment:
 - `TieredMasterCalls`, on the node's connection to the master: DropObjects of the disk segment
   (forget the entries, remove their files, sync the directory, then acknowledge: the master
   reuses the range only after that) and MoveObjects (node/moves.py); CommitObjects and DRAM
-  drops go to the DRAM `MasterCallHandler`.
+  drops go to the DRAM `MasterCallHandler`. A large commit is verified off the loop; the calls
+  that come after it wait until it is recorded, so that a drop or a move of an object never
+  overtakes its commit (the master answers a put before its commit is verified, and may drop
+  the object right after).
 
 It is not where bytes are copied (moves.py) or files laid out (disk.py), and decides nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
 
@@ -27,6 +31,7 @@ from kvpool.node.metrics import TierMetrics
 from kvpool.node.moves import Mover
 from kvpool.node.transfer import MasterCallHandler, TransferHandler
 from kvpool.protocol.messages import (
+    CommitObjects,
     DropObjects,
     Message,
     MoveObjects,
@@ -144,6 +149,9 @@ class TieredMasterCalls:
         self.disk = disk
         self.mover = mover
         self._is_closed = False
+        # Set while a commit (or a call queued behind one) has not started or finished: the
+        # next call starts after it (see the module docstring).
+        self._gate: asyncio.Future | None = None
 
     def __repr__(self) -> str:
         return f"<TieredMasterCalls {self.dram!r} {self.disk!r}>"
@@ -162,6 +170,38 @@ class TieredMasterCalls:
         return self.dram.payload_received(conn, message)
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
+        gate = self._gate
+        if gate is None or gate.done():
+            result = self._dispatch(conn, message)
+            if isinstance(message, CommitObjects) and isinstance(result, Awaitable):
+                result = self._gate = asyncio.ensure_future(result)
+            return result
+        # Behind a commit being verified: start in turn, and hold the next call until then.
+        turn = asyncio.get_running_loop().create_future()
+        self._gate = turn
+        return self._in_turn(gate, turn, conn, message)
+
+    async def _in_turn(
+        self, previous: asyncio.Future, turn: asyncio.Future[None], conn: Connection, message: Message
+    ) -> HandlerResult:
+        """Run `message` once the call before it started (a commit: finished); the call
+        after it waits on `turn` likewise."""
+        is_turn_handed_over = False
+        try:
+            await asyncio.wait([previous])
+            result = self._dispatch(conn, message)
+            if isinstance(message, CommitObjects) and isinstance(result, Awaitable):
+                task = asyncio.ensure_future(result)
+                task.add_done_callback(lambda _: turn.done() or turn.set_result(None))
+                is_turn_handed_over = True
+                return await task
+            turn.set_result(None)
+            return await result if isinstance(result, Awaitable) else result
+        finally:
+            if not is_turn_handed_over and not turn.done():
+                turn.set_result(None)
+
+    def _dispatch(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         if isinstance(message, MoveObjects):
             if self._is_closed:
                 raise SegmentNotFound("node is stopping")

@@ -338,9 +338,13 @@ class MasterCallHandler(_SegmentHandler):
             self.metrics.commits.labels(result=reason).inc()
         self.metrics.commits.labels(result="ok").inc(len(verified))  # once per batch: hot path
         displaced = self.inventory.add(verified)
+        # A key put again after a remove replaces its old entry before the old entry's drop
+        # arrives (the drop then matches nothing): normal. A displaced *range* is not: the
+        # master drops a range before reusing it (DESIGN.md §4), so it did not, or a drop was
+        # lost. The newest commit wins either way.
+        committed_keys = {entry.key for entry in verified} if displaced else set()
+        displaced = [entry for entry in displaced if entry.key not in committed_keys]
         if displaced:
-            # The master drops a range before reusing it (DESIGN.md §4): reaching here means
-            # it did not, or a drop was lost. The newest commit wins.
             log.warning(
                 "segment %s: commit displaced %d objects without a drop: %s",
                 self.segment_id, len(displaced), [e.key for e in displaced[:8]],

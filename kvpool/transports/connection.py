@@ -157,6 +157,11 @@ class Connection(asyncio.BufferedProtocol):
     def inflight_count(self) -> int:
         return len(self._pending)
 
+    def is_write_buffered(self) -> bool:
+        """Whether some written bytes wait in this process (the kernel took not all yet)."""
+        transport = self._transport
+        return self._held is not None or (transport is not None and transport.get_write_buffer_size() > 0)
+
     async def wait_ready(self, timeout_ms: int) -> None:
         """Wait for the handshake. Raises ConnectFailed, Unauthorized or RpcTimeout."""
         try:
