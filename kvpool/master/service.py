@@ -383,8 +383,10 @@ class MasterService:
             replicas = []
             for packed in meta.replica_tuple():
                 info = by_index(replica_segment_index(packed)).info
-                infos[info.segment_id] = info
-                replicas.append(Replica(info.segment_id, replica_offset(packed)))
+                segment_id = info.segment_id
+                if segment_id not in infos:
+                    infos[segment_id] = info
+                replicas.append(Replica(segment_id, replica_offset(packed)))
             codes_out.append(codes.OK)
             sizes.append(meta.size_bytes)
             checksums.append(meta.checksum)
