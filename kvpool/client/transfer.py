@@ -30,7 +30,7 @@ from pathlib import Path
 import xxhash
 
 from kvpool import limits
-from kvpool.checksums import checksums_of
+from kvpool.checksums import checksum_of, checksums_of
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
 from kvpool.protocol import objectfile
@@ -317,10 +317,13 @@ class GetJob:
                 files.prefetch(path)  # the device reads them all at once
                 prefetched_bytes += sizes[index]
         if len(reads) > 1:  # several files: on several threads, so the device has them all
-            landed = _file_readers().map(lambda read: self._read_file(*read), reads)
+            sums = list(_file_readers().map(lambda read: self._read_file(*read), reads))
         else:
-            landed = (self._read_file(*read) for read in reads)
-        copied = [index for (index, _), is_landed in zip(reads, landed) if is_landed]
+            sums = [self._read_file(*read) for read in reads]
+        for (index, _), checksum in zip(reads, sums):
+            if checksum is not None:
+                self._check(index, checksum)
+        copied = []
         for index, replica, segment in mapped:
             self._candidates[index].pop(0)
             source = segment.data[replica.offset : replica.offset + sizes[index]]
@@ -346,9 +349,11 @@ class GetJob:
             return directory / objectfile.OBJECTS_DIR / objectfile.disk_name(replica.offset)
         return directory / objectfile.dfs_relative_path(self.keys[index], replica.offset)
 
-    def _read_file(self, index: int, path: Path) -> bool:
-        """Read key `index` from its object file here. True when bytes landed (to be
-        verified); False when the file is gone or unreadable (the next replica, then)."""
+    def _read_file(self, index: int, path: Path) -> int | None:
+        """Read key `index` from its object file here and hash what landed, in the reading
+        thread while the bytes are still in cache (the other threads keep the device busy
+        meanwhile). The checksum, or None when the file is gone or unreadable (the next
+        replica, then)."""
         self._candidates[index].pop(0)
         key, size = self.keys[index], self.reply.sizes[index]
         target = self.targets[index]
@@ -359,8 +364,8 @@ class GetJob:
                 files.read_object_into(path, key, size, target)
         except KVPoolError:  # Gone (dropped, moved) or unreadable: the next replica.
             self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
-            return False
-        return True
+            return None
+        return checksum_of(self._landed_views(index))
 
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
@@ -403,20 +408,25 @@ class GetJob:
 
     def _verify(self, indexes: list[int]) -> None:
         """Checksum what landed for these keys (one batch, on several threads when large)."""
-        sizes = self.reply.sizes
-        landed = [
-            [self._landed[i]] if self.targets[i] is None else _prefix(self.targets[i], sizes[i])  # type: ignore[arg-type]
-            for i in indexes
-        ]
-        for index, checksum in zip(indexes, checksums_of(landed)):
-            if checksum != self.reply.checksums[index]:
-                self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
-            elif self.targets[index] is not None:
-                self.results[index] = sizes[index]
-            else:
-                data = self._landed[index]
-                self.results[index] = data if isinstance(data, bytes) else bytes(data)  # type: ignore[arg-type]
-                self._landed[index] = None
+        for index, checksum in zip(indexes, checksums_of([self._landed_views(i) for i in indexes])):
+            self._check(index, checksum)
+
+    def _landed_views(self, index: int) -> list:
+        target = self.targets[index]
+        if target is None:
+            return [self._landed[index]]
+        return _prefix(target, self.reply.sizes[index])
+
+    def _check(self, index: int, checksum: int) -> None:
+        """Key `index`'s bytes landed with this checksum: a result, or the next replica."""
+        if checksum != self.reply.checksums[index]:
+            self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+        elif self.targets[index] is not None:
+            self.results[index] = self.reply.sizes[index]
+        else:
+            data = self._landed[index]
+            self.results[index] = data if isinstance(data, bytes) else bytes(data)  # type: ignore[arg-type]
+            self._landed[index] = None
 
     def _next_candidate(self, index: int, code: ErrorCode) -> None:
         self._landed[index] = None
