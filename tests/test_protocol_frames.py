@@ -190,3 +190,25 @@ def test_mutated_valid_frames_only_ever_raise_remote_protocol_error(data):
         drain(decoder)
     except RemoteProtocolError:
         pass
+
+
+def test_a_frame_larger_than_the_staging_buffer_while_the_transport_holds_its_view() -> None:
+    """uvloop holds the view get_buffer returned until buffer_updated has returned, and a
+    Connection decodes inside buffer_updated: the decoder must never resize its staging
+    buffer while that view is alive (an exported bytearray cannot be resized). A control
+    message of hundreds of KiB (a drop of thousands of objects) arrives in many reads."""
+    keys = [f"key-{i:060d}" for i in range(8000)]
+    frame = encode_frame(GetReplicaList(keys), 7)
+    decoder = FrameDecoder()
+    events = []
+    position = 0
+    while position < len(frame):
+        view = decoder.get_buffer()  # held across buffer_updated and next_event, as uvloop does
+        size = min(len(view), len(frame) - position, 64 * 1024)
+        view[:size] = frame[position : position + size]
+        position += size
+        decoder.buffer_updated(size)
+        while (event := decoder.next_event()) is not NEED_DATA:
+            events.append(event)
+        view.release()
+    assert len(events) == 1 and events[0].message == GetReplicaList(keys) and events[0].request_id == 7

@@ -134,6 +134,7 @@ class FrameDecoder:
         self._sink_left = 0
         self._discard = False
         self._buffer_is_sink = False  # where the buffer last handed out by get_buffer points
+        self._frame_bytes = 0  # size of the unfinished frame at _start, once its header came
 
     def __repr__(self) -> str:
         return f"<FrameDecoder {self._state.value} buffered={self._end - self._start}>"
@@ -154,11 +155,18 @@ class FrameDecoder:
             return sink[self._sink_pos :]
         if self._start == self._end:
             self._start = self._end = 0
-        elif len(self._staging) - self._end < 4 * limits.KIB:
+        staging_bytes = len(self._staging)
+        if staging_bytes - self._end < 4 * limits.KIB or self._start + self._frame_bytes > staging_bytes:
             self._compact()
-            if self._end == len(self._staging):
-                # Full of one unfinished frame: grow (next_event bounds what a frame may need).
-                self._grow(2 * len(self._staging))
+            # Room for the whole unfinished frame (its size is known once its header came,
+            # and bounded by next_event), or twice the room when even its header is cut off.
+            # Only here: the view get_buffer hands out is held by the transport until
+            # buffer_updated returns, and an exported bytearray cannot be resized.
+            wanted = self._frame_bytes
+            if self._end == staging_bytes:
+                wanted = max(wanted, 2 * staging_bytes)
+            if wanted > staging_bytes:
+                self._grow(wanted)
         return memoryview(self._staging)[self._end :]
 
     def buffer_updated(self, size_bytes: int) -> None:
@@ -252,9 +260,9 @@ class FrameDecoder:
             raise RemoteProtocolError(f"payload of {payload_size} bytes is too large")
         frame_size = limits.FRAME_HEADER_SIZE_BYTES + control_size
         if available < frame_size:
-            if self._start + frame_size > len(self._staging):
-                self._grow(frame_size)
+            self._frame_bytes = frame_size  # get_buffer makes room for it
             return NEED_DATA
+        self._frame_bytes = 0
         body_start = self._start + limits.FRAME_HEADER_SIZE_BYTES
         body = memoryview(self._staging)[body_start : body_start + control_size]
         try:

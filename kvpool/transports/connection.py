@@ -225,6 +225,8 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             timer.cancel()
             self._pending.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: a send that failed left it to _finish
         if isinstance(reply, ErrorReply):
             raise error_from_code(reply.code, reply.message)
         return reply
