@@ -584,6 +584,11 @@ def markdown(result: dict, command: str) -> str:
             f"{gbps(row['limit'])} |"
         )
     lines += ["", "## Targets", ""] + [f"- {line}" for line in result["targets"]]
+    lines += [
+        "",
+        "What these numbers mean, how much they move between runs on this machine, and why the "
+        "targets are met or not: [performance.md, against peers](performance.md#against-peers).",
+    ]
     if result.get("chart"):
         lines += ["", "![throughput chart](benchmarks.png)"]
     return "\n".join(lines) + "\n"
