@@ -223,7 +223,7 @@ def main() -> None:
                     run.put_gbps(batch)  # warm-up: connections, mappings, page tables
                     run.get_gbps(batch)
                     if path == "tcp":
-                        name, limit = "socket_pair", lambda: socket_pair_gbps(total // 4)
+                        name, limit = "socket_pair", lambda: socket_pair_gbps(total)
                     else:
                         name, limit = "numpy_copy", lambda size=size: numpy_copy_gbps(size, total)
                     # Each round measures the limit, the put and the get back to back, so that a
