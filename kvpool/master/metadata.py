@@ -120,6 +120,13 @@ class ObjectMeta(msgspec.Struct, gc=False):
             return replicas & _SEGMENT_INDEX_MASK == segment_index
         return any(r & _SEGMENT_INDEX_MASK == segment_index for r in replicas)
 
+    def offset_on(self, segment_index: int) -> int | None:
+        """The offset of the replica on that segment, or None."""
+        for packed in self.replica_tuple():
+            if packed & _SEGMENT_INDEX_MASK == segment_index:
+                return packed >> SEGMENT_INDEX_BITS
+        return None
+
     def set_replicas(self, replicas: list[int]) -> None:
         assert replicas, "an object keeps at least one replica"
         self.replicas = replicas[0] if len(replicas) == 1 else tuple(replicas)

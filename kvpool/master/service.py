@@ -4,13 +4,16 @@
 their replicas, puts in flight, read leases, pins, eviction, node liveness and drains. It takes
 decoded messages and `now_ms` (wall-clock milliseconds) and returns reply messages; it does no
 I/O, reads no clock or environment, and draws randomness only from the `rng` it is given, so
-tests and the simulator drive it directly. It is not the server: server.py owns sockets,
+tests and the simulator drive it directly. The put flow (puts.py), the tier flow (tiers.py) and
+mounts (mounts.py) are its parts over the same structures. It is not the server: server.py owns sockets,
 timers, the node connections that carry CommitObjects and DropObjects, and retries.
 
 Two exchanges need the nodes in the middle, so the service hands the server an outbox:
 
     put_end(msg)          -> PendingCommit: codes decided now + CommitObjects to send per segment
-    finish_put_end(p, r)  <- per segment, the node's per-entry codes (or TRANSFER_FAIL)
+    finish_put_end(p, r)  <- per segment, the node's per-entry codes (or TRANSFER_FAIL; the
+                             server passes OK for commits it did not wait for, see server.py)
+    refuse_commits(seg,e) <- entries a node refused after the put was answered: drop those
     take_drops()          -> per segment, DropObjects entries (removed/evicted objects)
     drops_done(seg, e)    <- the node forgot them: only now are their ranges free for reuse
 
@@ -28,7 +31,12 @@ import re
 
 from kvpool import limits
 from kvpool.config import MasterConfig
-from kvpool.errors import InvalidParams, KVPoolError, SegmentAlreadyExists, SegmentNotFound
+from kvpool.errors import (
+    InvalidParams,
+    KVPoolError,
+    SegmentAlreadyExists,
+    SegmentNotFound,
+)
 from kvpool.master import codes
 from kvpool.master.allocator import OffsetAllocator, footprint_bytes
 from kvpool.master.counters import MasterCounters, SegmentCounters
@@ -44,13 +52,11 @@ from kvpool.master.membership import Quarantine, Segment, SegmentRegistry, Segme
 from kvpool.master.metadata import (
     ObjectMeta,
     ObjectTable,
-    is_valid_checksum,
     is_valid_key,
-    is_valid_size,
-    pack_replica,
     replica_offset,
     replica_segment_index,
 )
+from kvpool.master.mounts import MountFlow
 from kvpool.master.puts import PendingCommit, PutFlow
 from kvpool.master.tiers import SLOWER_TIERS, Move, TierFlow
 from kvpool.protocol.messages import (
@@ -135,6 +141,7 @@ class MasterService:
             config, rng, cluster_key, self._registry, self._table, self._quarantine, self.counters
         )
         self._tiers = TierFlow(config, rng, self._registry, self._table, self._evict)
+        self._mounts = MountFlow(self._registry, self._table, self._tiers, self.counters)
 
     # --- gauges -------------------------------------------------------------------------
 
@@ -182,8 +189,8 @@ class MasterService:
         info = msg.segment
         self._check_segment_info(info)
         segment = self._registry.get(info.segment_id)
-        if segment is not None and self._is_new_incarnation(segment.info, info):
-            self._unmount(segment)  # A restarted node's disk tier: its inventory is the truth.
+        if segment is not None and MountFlow.is_new_incarnation(segment.info, info):
+            self._mounts.unmount(segment)  # A restarted node's disk tier: its inventory is the truth.
             segment = None
         if segment is not None:
             old = segment.info
@@ -195,7 +202,7 @@ class MasterService:
                     )
                 )
             if old.shm_token != info.shm_token:
-                self._unmount(segment)
+                self._mounts.unmount(segment)
                 segment = None
             else:
                 self._registry.replace_info(segment, info)
@@ -204,7 +211,7 @@ class MasterService:
             if self._registry.is_full():
                 raise self._count_error(InvalidParams("too many segments mounted"))
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
-        return MountReply(self._adopt(segment, msg.inventory))
+        return MountReply(self._mounts.adopt(segment, msg.inventory))
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
         """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""
@@ -224,7 +231,7 @@ class MasterService:
         Raises:
             SegmentNotFound: the id is not mounted.
         """
-        self._unmount(self._segment_or_raise(msg.segment_id))
+        self._mounts.unmount(self._segment_or_raise(msg.segment_id))
         return OkReply()
 
     def drain_segment(self, msg: DrainSegment, now_ms: int) -> OkReply:
@@ -318,7 +325,7 @@ class MasterService:
         dropped = 0
         for entry in entries:
             meta = self._table.get(entry.key)
-            if meta is None or self._replica_offset_on(meta, segment) != entry.offset:
+            if meta is None or meta.offset_on(segment.index) != entry.offset:
                 continue  # Removed meanwhile (its drop is on its way), or moved.
             self._drop_object(entry.key)
             self.counters.errors += 1
@@ -542,9 +549,9 @@ class MasterService:
         config = self.config
         for segment in self._registry:
             if segment.last_seen_ms + config.node_ttl_ms <= now_ms:
-                self._unmount(segment)
+                self._mounts.unmount(segment)
             elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= now_ms:
-                self._unmount(segment)
+                self._mounts.unmount(segment)
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
         self._table.expire_soft_pins(now_ms)
@@ -599,18 +606,6 @@ class MasterService:
         if len(results) != len(items):
             results = [int(codes.TRANSFER_FAIL)] * len(items)
         self._tiers.finish(items, results, now_ms)
-
-    def _is_new_incarnation(self, old: SegmentInfo, info: SegmentInfo) -> bool:
-        """A slower tier mounted again by a new node (a restart with the same directory): the
-        same id and token, proven by the directory's identity file, under another node id."""
-        return (
-            old.tier != TIER_DRAM
-            and info.tier == old.tier
-            and old.node_id != info.node_id
-            and bool(info.shm_token)
-            and old.shm_token == info.shm_token
-            and old.capacity_bytes == info.capacity_bytes
-        )
 
     def _tier_statuses(self) -> list[TierStatus]:
         statuses = {tier: TierStatus(tier) for tier in TIERS}
@@ -746,68 +741,6 @@ class MasterService:
 
     # --- internals: placement and objects -----------------------------------------------
 
-    def _adopt(self, segment: Segment, inventory: list[InventoryEntry]) -> list[InventoryEntry]:
-        """Take a node's inventory entries as replicas on `segment`; returns the rejected ones.
-
-        First every entry is checked against the table (valid fields, no put in flight, same
-        size and checksum as the object's other replicas, at most one offset per key here),
-        then the survivors' ranges are allocated in one sweep, then the objects are recorded.
-        An entry already recorded at the same place is accepted as is (a refresh).
-        """
-        table = self._table
-        rejected: list[InventoryEntry] = []
-        candidates: list[InventoryEntry] = []
-        first_of_key: dict[str, InventoryEntry] = {}
-        repeats: list[tuple[InventoryEntry, InventoryEntry]] = []
-        for entry in inventory:
-            key, offset, size, checksum = entry.key, entry.offset, entry.size, entry.checksum
-            if not is_valid_key(key) or not is_valid_size(size) or type(offset) is not int:
-                rejected.append(entry)
-                continue
-            first = first_of_key.get(key)
-            if first is not None:
-                if (first.offset, first.size, first.checksum) == (offset, size, checksum):
-                    repeats.append((entry, first))  # The same line twice: as its first fares.
-                else:
-                    rejected.append(entry)
-                continue
-            meta = table.get(key)
-            if not is_valid_checksum(checksum) or key in table.pending:
-                rejected.append(entry)  # A put of it in flight would race the node's copy.
-            elif meta is not None and (meta.size_bytes != size or meta.checksum != checksum):
-                rejected.append(entry)
-            else:
-                first_of_key[key] = entry
-                here = None if meta is None else self._replica_offset_on(meta, segment)
-                if here is None:
-                    candidates.append(entry)
-                elif here != offset:
-                    rejected.append(entry)
-        results = segment.allocator.allocate_many_at([(entry.offset, entry.size) for entry in candidates])
-        for entry, is_allocated in zip(candidates, results):
-            if not is_allocated:
-                rejected.append(entry)
-                continue
-            packed = pack_replica(segment.index, entry.offset)
-            meta = table.get(entry.key)
-            if meta is None:
-                table.insert(entry.key, ObjectMeta(entry.size, entry.checksum, packed), (segment.tier,))
-            else:
-                meta.set_replicas([*meta.replica_tuple(), packed])
-                self._tiers.place(entry.key, meta)
-            segment.object_count += 1
-        if repeats:
-            rejected_ids = {id(entry) for entry in rejected}
-            rejected.extend(entry for entry, first in repeats if id(first) in rejected_ids)
-        return rejected
-
-    @staticmethod
-    def _replica_offset_on(meta: ObjectMeta, segment: Segment) -> int | None:
-        for packed in meta.replica_tuple():
-            if replica_segment_index(packed) == segment.index:
-                return replica_offset(packed)
-        return None
-
     def _replicas_of(self, meta: ObjectMeta) -> list[Replica]:
         by_index = self._registry.by_index
         return [
@@ -837,29 +770,6 @@ class MasterService:
             self._drop_object(key)
         self.counters.removes += len(doomed)
         return len(doomed)
-
-    def _unmount(self, segment: Segment) -> None:
-        """Remove a segment: its replicas vanish (O(n) scan when it holds any object), puts in
-        flight lose their ranges there, its quarantine and drops go with it."""
-        index = segment.index
-        table = self._table
-        if segment.object_count:
-            hit = [(key, meta) for key, meta in table.items() if meta.has_replica_on(index)]
-            for key, meta in hit:
-                remaining = [r for r in meta.replica_tuple() if replica_segment_index(r) != index]
-                if remaining:
-                    meta.set_replicas(remaining)
-                    self._tiers.place(key, meta)
-                else:
-                    table.remove(key)
-                    self._tiers.promotions.forget(key)
-                    self.counters.lost += 1
-        for put in table.pending.values():
-            if any(seg is segment for seg, _ in put.replicas):
-                put.replicas = [(seg, offset) for seg, offset in put.replicas if seg is not segment]
-        segment.object_count = 0
-        segment.transition(SegmentState.UNMOUNTED)
-        self._registry.remove(segment)
 
     # --- internals: eviction ------------------------------------------------------------
 
