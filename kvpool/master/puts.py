@@ -287,6 +287,8 @@ class PutFlow:
             node_codes = results.get(segment_id)
             if node_codes is None or len(node_codes) != len(entries):
                 node_codes = [codes.TRANSFER_FAIL] * len(entries)
+            elif not any(node_codes):
+                continue  # every entry committed (codes.OK is 0): nothing to take back
             for entry, code in zip(entries, node_codes):
                 put = pending.puts[entry.key]
                 replica = (segment, entry.offset)
