@@ -949,3 +949,12 @@ def test_a_commit_refused_after_the_put_was_answered_drops_the_object() -> None:
     assert svc.refuse_commits("s1", refused, 2) == 0
     assert svc.refuse_commits("gone", refused, 2) == 0
     assert svc.counters.errors == 1
+
+
+def test_grants_and_mount_replies_carry_the_master_term() -> None:
+    svc = MasterService(MasterConfig(), random.Random(0), CLUSTER_KEY, term=5)
+    reply = svc.mount_segment(MountSegment(info("s1"), []), 0)
+    assert reply.term == 5
+    start = svc.put_start(PutStart(["a", "b"], [10, 10], config()), 0)
+    assert [g.term for g in start.grants] == [5]
+    assert auth.is_valid_grant(CLUSTER_KEY, start.grants[0], 0)

@@ -99,6 +99,7 @@ class FakeMaster:
         self.node_conn: Connection | None = None
         self.unknown = False  # Answer heartbeats with "unknown segment" (a restarted master).
         self.rejected: list[InventoryEntry] = []  # What the next MountReply rejects.
+        self.term = 0  # The master term MountReply names (0: none).
         self.server: asyncio.Server | None = None
         self.port = 0
 
@@ -114,7 +115,7 @@ class FakeMaster:
             self.node_conn = conn
             self.unknown = False
             rejected, self.rejected = self.rejected, []
-            return MountReply(rejected)
+            return MountReply(rejected, self.term)
         if isinstance(message, Heartbeat):
             return HeartbeatReply(list(message.segment_ids) if self.unknown else [])
         if isinstance(message, (UnmountSegment, DrainSegment)):
@@ -183,9 +184,9 @@ async def cluster(
 
 
 def grant_for(node: Node, offset: int, size: int, *, key: bytes | None = KEY,
-              expiry_ms: int | None = None, segment_id: str | None = None) -> WriteGrant:  # fmt: skip
+              expiry_ms: int | None = None, segment_id: str | None = None, term: int = 0) -> WriteGrant:  # fmt: skip
     expiry = wall_clock_ms() + 60_000 if expiry_ms is None else expiry_ms
-    return auth.sign_grant(key, segment_id or node.segment_id, offset, size, expiry)
+    return auth.sign_grant(key, segment_id or node.segment_id, offset, size, expiry, term)
 
 
 async def write(conn: Connection, grant: WriteGrant, data: bytes, start: int = 0) -> list[int]:
@@ -842,5 +843,36 @@ def test_a_drop_never_overtakes_the_commit_before_it(tmp_path: Path) -> None:
         finally:
             await node.stop()
             await master.stop()
+
+    run(main)
+
+
+def test_grants_of_an_earlier_master_term_are_refused_after_a_remount(tmp_path: Path) -> None:
+    """A writer stalled across a master restart or failover holds a grant of the old term; the
+    new master may give that range to another put. Once the node has re-mounted with the new
+    master, it takes grants of the new term only (signed: a writer cannot relabel one)."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            master.term = 7
+            master.unknown = True  # re-mount: the node learns term 7
+            await until(lambda: len(master.mounts) == 2)
+            await node.wait_mounted(2_000)
+            conn = await connect(node.endpoint, key=KEY)
+            assert await write(conn, grant_for(node, 0, 100, term=7), b"a" * 100) == [ErrorCode.OK]
+            stalled = grant_for(node, 4096, 100, term=7)
+            master.term = 8  # the master restarted (or another one leads now)
+            master.unknown = True
+            await until(lambda: len(master.mounts) == 3)
+            await node.wait_mounted(2_000)
+            with pytest.raises(Unauthorized, match="term"):
+                await write(conn, stalled, b"s" * 100)
+            relabelled = WriteGrant(stalled.segment_id, stalled.offset, stalled.size, stalled.expiry_ms,
+                                    stalled.mac, term=8)  # fmt: skip
+            with pytest.raises(Unauthorized):
+                await write(conn, relabelled, b"s" * 100)
+            assert await write(conn, grant_for(node, 4096, 100, term=8), b"n" * 100) == [ErrorCode.OK]
+            assert await read(conn, node.segment_id, 4096, 100) == b"n" * 100
+            conn.close()
 
     run(main)

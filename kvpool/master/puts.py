@@ -91,15 +91,24 @@ class _Grants:
     """put_start's answer, built run by run (per key a code and its placements, the grants and
     the segments they name), and the PendingPuts of the request's keys."""
 
-    __slots__ = ("codes", "placements", "grants", "segments", "_key", "_now_ms", "_expiry_ms",
+    __slots__ = ("codes", "placements", "grants", "segments", "_key", "_term", "_now_ms", "_expiry_ms",
                  "_is_soft_pinned", "_is_hard_pinned", "_copy_tiers")  # fmt: skip
 
-    def __init__(self, key_count: int, cluster_key: bytes | None, now_ms: int, expiry_ms: int, config: ReplicateConfig):
+    def __init__(
+        self,
+        key_count: int,
+        cluster_key: bytes | None,
+        term: int,
+        now_ms: int,
+        expiry_ms: int,
+        config: ReplicateConfig,
+    ):
         self.codes = [codes.OK] * key_count
         self.placements: list[list[tuple[int, int]]] = [[] for _ in range(key_count)]
         self.grants: list[WriteGrant] = []
         self.segments: dict[str, SegmentInfo] = {}
         self._key = cluster_key
+        self._term = term
         self._now_ms = now_ms
         self._expiry_ms = expiry_ms
         self._is_hard_pinned = bool(config.with_hard_pin)
@@ -109,7 +118,9 @@ class _Grants:
     def add(self, segment: Segment, offset: int, size_bytes: int) -> int:
         """Sign a grant for a range of `segment`; returns its index in the reply."""
         info = segment.info
-        self.grants.append(auth.sign_grant(self._key, info.segment_id, offset, size_bytes, self._expiry_ms))
+        self.grants.append(
+            auth.sign_grant(self._key, info.segment_id, offset, size_bytes, self._expiry_ms, self._term)
+        )
         self.segments[info.segment_id] = info
         return len(self.grants) - 1
 
@@ -141,19 +152,21 @@ class PutFlow:
     (batch length, replica config); per-key validation happens here.
     """
 
-    __slots__ = ("_config", "_rng", "_cluster_key", "_registry", "_table", "_quarantine", "_counters")
+    __slots__ = ("_config", "_rng", "_cluster_key", "_term", "_registry", "_table", "_quarantine", "_counters")
 
     def __init__(
         self,
         config: MasterConfig,
         rng: random.Random,
         cluster_key: bytes | None,
+        term: int,
         registry: SegmentRegistry,
         table: ObjectTable,
         quarantine: Quarantine,
         counters: MasterCounters,
     ):
         self._config = config
+        self._term = term
         self._rng = rng
         self._cluster_key = cluster_key
         self._registry = registry
@@ -171,7 +184,9 @@ class PutFlow:
         """
         table = self._table
         objects, lower, pending = table.objects, table.lower, table.pending
-        grants = _Grants(len(keys), self._cluster_key, now_ms, now_ms + self._config.put_discard_timeout_ms, config)
+        grants = _Grants(
+            len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config
+        )
         accepted: set[str] = set()
         run: list[int] = []
         run_bytes = 0

@@ -117,7 +117,7 @@ class MasterServer:
         self.http_port = http_port
         self._key = auth.cluster_key(token) if token else None
         self._seed = seed
-        self.service = MasterService(config, random.Random(seed), self._key)
+        self.service = MasterService(config, random.Random(seed), self._key, term=_new_term_id())
         self.metrics = MasterMetrics(self.service)
         self.advertise_host = advertise_host
         self._election = election
@@ -567,7 +567,12 @@ class MasterServer:
         return [counters.segment_id for counters in self.service.segment_counters()]
 
     def _new_term(self) -> None:
-        self.service = MasterService(self.config, random.Random(self._seed), self._key)
+        self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id())
         self.metrics = MasterMetrics(self.service)
         self._node_conns = {}
         self._unsent_drops = {}
+
+
+def _new_term_id() -> int:
+    """A fresh name for a master term (MasterService `term`): 63 random bits, never 0."""
+    return secrets.randbits(63) | 1

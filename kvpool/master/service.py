@@ -116,6 +116,9 @@ class MasterService:
         rng: the only source of randomness (placement).
         cluster_key: signs write grants (auth.cluster_key); None in a cluster without a token.
         policy: eviction order; eviction.POLICY_DEFAULT (probation LRU) when None.
+        term: names this service (the server draws a new one per start and leadership term);
+            every write grant carries it and a mounted node takes only this term's grants,
+            so a writer stalled across a failover cannot write into a range reallocated since.
     """
 
     def __init__(
@@ -124,8 +127,10 @@ class MasterService:
         rng: random.Random,
         cluster_key: bytes | None,
         policy: EvictionPolicy | None = None,
+        term: int = 0,
     ):
         self.config = config
+        self.term = term
         self.counters = MasterCounters()
         self._registry = SegmentRegistry()
         # DRAM eviction follows `policy`; each slower tier has its own LRU (docs/tiers.md).
@@ -138,7 +143,7 @@ class MasterService:
         self._evict_for_room_after_ms = 0
         self._evict_watermark_after_ms = 0
         self._puts = PutFlow(
-            config, rng, cluster_key, self._registry, self._table, self._quarantine, self.counters
+            config, rng, cluster_key, term, self._registry, self._table, self._quarantine, self.counters
         )
         self._tiers = TierFlow(config, rng, self._registry, self._table, self._evict)
         self._mounts = MountFlow(self._registry, self._table, self._tiers, self.counters)
@@ -211,7 +216,7 @@ class MasterService:
             if self._registry.is_full():
                 raise self._count_error(InvalidParams("too many segments mounted"))
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
-        return MountReply(self._mounts.adopt(segment, msg.inventory))
+        return MountReply(self._mounts.adopt(segment, msg.inventory), self.term)
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
         """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""

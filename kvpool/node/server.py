@@ -435,6 +435,8 @@ class Node:
                     await conn.request(MountSegment(info, chunk), timeout_ms=self.config.rpc_timeout_ms),
                     MountReply,
                 )
+                if info.segment_id == self._segment_id and self._transfer is not None:
+                    self._transfer.term = reply.term  # grants of earlier masters are refused now
                 if reply.rejected:
                     dropped = await self._drop_rejected(info, reply.rejected)
                     log.warning("node %s: master rejected %d inventory entries; dropped %d",

@@ -173,6 +173,8 @@ class TransferHandler(_SegmentHandler):
         super().__init__(segment, segment_id, inventory, metrics)
         self._key = key
         self._clock_ms = clock_ms
+        # The term of the master this segment is mounted with (MountReply); 0 until then.
+        self.term = 0
 
     def __repr__(self) -> str:
         return f"<TransferHandler {self.segment_id} connections={len(self.connections)}>"
@@ -209,8 +211,9 @@ class TransferHandler(_SegmentHandler):
 
         Raises:
             SegmentNotFound: a grant for another segment (misrouted, or this node restarted).
-            Unauthorized: a forged or expired grant, or a range holding a committed object
-                (a stale grant: the master drops an object before it reuses its range).
+            Unauthorized: a forged or expired grant, a grant of another master term, or a
+                range holding a committed object (a stale grant: the master drops an object
+                before it reuses its range).
             InvalidParams: a range outside the grant or the segment.
         """
         now_ms = self._clock_ms()
@@ -237,6 +240,10 @@ class TransferHandler(_SegmentHandler):
             raise Unauthorized(
                 f"item {index}: grant for [{grant.offset}, +{grant.size}) is forged or expired"
             )
+        if self.term and grant.term != self.term:
+            # Granted by an earlier master (before a restart or failover): the master this
+            # segment is mounted with now may have given the range to another put since.
+            raise Unauthorized(f"item {index}: grant of master term {grant.term}, mounted with {self.term}")
         capacity = self.segment.capacity_bytes
         if grant.offset < 0 or grant.size <= 0 or grant.offset + grant.size > capacity:
             raise InvalidParams(

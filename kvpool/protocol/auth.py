@@ -39,19 +39,19 @@ def is_valid_proof(expected: bytes, received: bytes) -> bool:
     return hmac.compare_digest(expected, received)
 
 
-def _grant_body(segment_id: str, offset: int, size: int, expiry_ms: int) -> bytes:
-    return f"grant\0{segment_id}\0{offset}\0{size}\0{expiry_ms}".encode()
+def _grant_body(segment_id: str, offset: int, size: int, expiry_ms: int, term: int) -> bytes:
+    return f"grant\0{segment_id}\0{offset}\0{size}\0{expiry_ms}\0{term}".encode()
 
 
 def sign_grant(
-    key: bytes | None, segment_id: str, offset: int, size: int, expiry_ms: int
+    key: bytes | None, segment_id: str, offset: int, size: int, expiry_ms: int, term: int = 0
 ) -> WriteGrant:
     """A write grant for a byte range, signed when the cluster has a key."""
     mac = b""
     if key is not None:
-        body = _grant_body(segment_id, offset, size, expiry_ms)
+        body = _grant_body(segment_id, offset, size, expiry_ms, term)
         mac = hmac.digest(key, body, "sha256")[:_GRANT_MAC_SIZE_BYTES]
-    return WriteGrant(segment_id, offset, size, expiry_ms, mac)
+    return WriteGrant(segment_id, offset, size, expiry_ms, mac, term)
 
 
 def is_valid_grant(key: bytes | None, grant: WriteGrant, now_ms: int) -> bool:
@@ -60,6 +60,6 @@ def is_valid_grant(key: bytes | None, grant: WriteGrant, now_ms: int) -> bool:
         return False
     if key is None:
         return True
-    body = _grant_body(grant.segment_id, grant.offset, grant.size, grant.expiry_ms)
+    body = _grant_body(grant.segment_id, grant.offset, grant.size, grant.expiry_ms, grant.term)
     expected = hmac.digest(key, body, "sha256")[:_GRANT_MAC_SIZE_BYTES]
     return hmac.compare_digest(expected, grant.mac)

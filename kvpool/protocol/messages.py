@@ -90,13 +90,16 @@ class Replica(msgspec.Struct, array_like=True):
 
 class WriteGrant(msgspec.Struct, array_like=True):
     """The master's permission to write `size` bytes at `offset` of a segment until `expiry_ms`
-    (wall clock). `mac` is an HMAC of the other fields with the cluster key, empty without one."""
+    (wall clock). `term` names the master (a new one per start and per leadership term, see
+    MountReply): a node takes only grants of the master it is mounted with now. `mac` is an
+    HMAC of the other fields with the cluster key, empty without one."""
 
     segment_id: str
     offset: int
     size: int
     expiry_ms: int
     mac: bytes = b""
+    term: int = 0
 
 
 class InventoryEntry(msgspec.Struct, array_like=True):
@@ -323,9 +326,11 @@ class MountSegment(Message, tag=40):
 
 
 class MountReply(Message, tag=41):
-    """`rejected` lists inventory entries the master refused (overlap, conflict): drop them."""
+    """`rejected` lists inventory entries the master refused (overlap, conflict): drop them.
+    `term` names this master; the node refuses write grants of any other (0: none)."""
 
     rejected: list[InventoryEntry]
+    term: int = 0
 
 
 class Heartbeat(Message, tag=42):
