@@ -34,6 +34,21 @@ def test_add_get_entries_sorted_by_offset() -> None:
     assert inv.get("z") is None
 
 
+def test_a_run_of_new_keys_is_added_whole_and_a_run_over_held_bytes_displaces_them() -> None:
+    """The common commit (new keys at ascending, disjoint offsets over a free span) is added in
+    one step; the same checks hold as entry by entry: overlaps and repeated keys displace."""
+    inv = Inventory(1 << 20)
+    run = [e(f"r{i}", 1000 + 100 * i, 100) for i in range(5)]
+    assert inv.add(run) == []
+    assert inv.entries() == run and inv.used_bytes == 500
+    inv.check_invariants()
+    assert inv.add([e("x", 0, 10), e("y", 1050, 10)]) == [run[0]]  # y lands inside r0
+    assert inv.add([e("r1", 5000, 100), e("z", 6000, 10)]) == [run[1]]  # r1 moved: old one out
+    assert inv.add([e("p", 7000, 10), e("q", 7005, 10)]) == [e("p", 7000, 10)]  # within the run
+    assert sorted(x.key for x in inv.entries()) == ["q", "r1", "r2", "r3", "r4", "x", "y", "z"]
+    inv.check_invariants()
+
+
 def test_overlapping_finds_neighbours_only() -> None:
     inv = Inventory(CAPACITY)
     inv.add([e("a", 0, 10), e("b", 10, 10), e("c", 30, 10)])

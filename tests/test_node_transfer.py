@@ -876,3 +876,51 @@ def test_grants_of_an_earlier_master_term_are_refused_after_a_remount(tmp_path: 
             conn.close()
 
     run(main)
+
+
+def test_same_host_connections_move_to_the_unix_socket_and_fall_back_to_tcp(tmp_path: Path) -> None:
+    """A server announces its abstract Unix socket in its first frame; a client that prefers
+    it moves there (same handshake, same token), one that does not stays on TCP, and one that
+    cannot reach the name (another host or network namespace) stays on TCP too."""
+
+    async def main() -> None:
+        master = FakeMaster()
+        await master.start()
+        try:
+            endpoint = f"127.0.0.1:{master.port}"
+            local = await connect(endpoint, key=KEY, prefer_local=True)
+            tcp = await connect(endpoint, key=KEY)
+            assert local.peer == "local" and tcp.peer.startswith("127.0.0.1:")
+            assert tcp.local_name.startswith("\0kvpool-")
+            for conn in (local, tcp):
+                assert isinstance(await conn.request(Heartbeat([]), timeout_ms=2_000), HeartbeatReply)
+            # The Unix socket asks for the token like TCP: a wrong one is refused there too.
+            loop = asyncio.get_running_loop()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, tcp.local_name)
+            _, stranger = await loop.create_unix_connection(
+                lambda: Connection(None, key=auth.cluster_key("another token"), is_server=False), sock=sock
+            )
+            with pytest.raises((ConnectFailed, Unauthorized)):
+                await stranger.wait_ready(2_000)
+            # A name nobody listens on (as on another host): the TCP connection is kept.
+            original = Connection._on_handshake
+
+            def elsewhere(self: Connection, frame: Frame) -> None:
+                original(self, frame)
+                if self.local_name:
+                    self.local_name = "\0kvpool-nobody-listens-here"
+
+            Connection._on_handshake = elsewhere  # type: ignore[method-assign]
+            try:
+                fallback = await connect(endpoint, key=KEY, prefer_local=True)
+            finally:
+                Connection._on_handshake = original  # type: ignore[method-assign]
+            assert fallback.peer.startswith("127.0.0.1:") and not fallback.is_closed()
+            for conn in (local, tcp, fallback):
+                conn.close()
+        finally:
+            await master.stop()
+
+    run(main)
