@@ -958,3 +958,26 @@ def test_grants_and_mount_replies_carry_the_master_term() -> None:
     start = svc.put_start(PutStart(["a", "b"], [10, 10], config()), 0)
     assert [g.term for g in start.grants] == [5]
     assert auth.is_valid_grant(CLUSTER_KEY, start.grants[0], 0)
+
+
+def test_a_rebuilt_master_keeps_the_pins_the_nodes_recorded() -> None:
+    """Commits carry the object's pins into the node's inventory, so a master rebuilt from the
+    nodes evicts as the old one would: never a hard-pinned object, soft-pinned ones last."""
+    from kvpool.protocol.messages import PIN_HARD, PIN_SOFT
+
+    old = make()
+    mount(old, "s1")
+    held: list[InventoryEntry] = []
+    for prefix, pins in (("soft", {"with_soft_pin": True}), ("hard", {"with_hard_pin": True}), ("plain", {})):
+        keys = [f"{prefix}{i}" for i in range(4)]
+        old.put_start(PutStart(keys, [OBJECT_SIZE] * 4, config(**pins)), 0)
+        pending = old.put_end(PutEnd(keys, [checksum_of(k) for k in keys]), 0)
+        held += pending.commits["s1"]
+        assert commit(old, pending, 0) == [OK] * 4
+    assert [e.pins for e in held] == [PIN_SOFT] * 4 + [PIN_HARD] * 4 + [0] * 4
+    new = make(evict_watermark_ratio_high=0.5, evict_ratio=0.4)
+    assert mount(new, "s1", now=10, inventory=held) == []
+    new.tick(11)
+    # Goal max(0.4, 0.75 - 0.5 + 0.4) = 0.65 MiB of 12 objects of 64 KiB: all but the hard ones.
+    evicted = [e.key for e in new.take_drops()["s1"]]
+    assert evicted == [f"plain{i}" for i in range(4)] + [f"soft{i}" for i in range(4)]

@@ -22,7 +22,7 @@ from kvpool.master.metadata import (
     replica_segment_index,
 )
 from kvpool.master.tiers import TierFlow
-from kvpool.protocol.messages import TIER_DRAM, InventoryEntry, SegmentInfo
+from kvpool.protocol.messages import PIN_HARD, PIN_SOFT, TIER_DRAM, InventoryEntry, SegmentInfo
 
 
 class MountFlow:
@@ -49,8 +49,12 @@ class MountFlow:
             and old.capacity_bytes == info.capacity_bytes
         )
 
-    def adopt(self, segment: Segment, inventory: list[InventoryEntry]) -> list[InventoryEntry]:
+    def adopt(
+        self, segment: Segment, inventory: list[InventoryEntry], soft_pin_expiry_ms: int
+    ) -> list[InventoryEntry]:
         """Take a node's inventory entries as replicas on `segment`; returns the rejected ones.
+        An object new to the table keeps the pins its entry records (a soft pin until
+        `soft_pin_expiry_ms`).
 
         First every entry is checked against the table (valid fields, no put in flight, same
         size and checksum as the object's other replicas, at most one offset per key here),
@@ -94,7 +98,10 @@ class MountFlow:
             packed = pack_replica(segment.index, entry.offset)
             meta = table.get(entry.key)
             if meta is None:
-                table.insert(entry.key, ObjectMeta(entry.size, entry.checksum, packed), (segment.tier,))
+                is_hard_pinned = bool(entry.pins & PIN_HARD)
+                soft_pin_ms = soft_pin_expiry_ms if entry.pins & PIN_SOFT and not is_hard_pinned else 0
+                meta = ObjectMeta(entry.size, entry.checksum, packed, soft_pin_ms, is_hard_pinned)
+                table.insert(entry.key, meta, (segment.tier,))
             else:
                 meta.set_replicas([*meta.replica_tuple(), packed])
                 self._tiers.place(entry.key, meta)

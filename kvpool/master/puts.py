@@ -38,6 +38,8 @@ from kvpool.master.metadata import (
 from kvpool.master.placement import candidate_segments
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
+    PIN_HARD,
+    PIN_SOFT,
     TIER_DFS,
     TIER_DISK,
     CodesReply,
@@ -277,11 +279,12 @@ class PutFlow:
                 code = codes.TRANSFER_FAIL
             else:
                 checksum = checksums[index]
+                pins = PIN_HARD if put.is_hard_pinned else PIN_SOFT if put.is_soft_pinned else 0
                 put.is_committing = True
                 put.checksum = checksum
                 for segment, offset in put.replicas:
                     segment_id = segment.info.segment_id
-                    entry = InventoryEntry(key, offset, put.size_bytes, checksum)
+                    entry = InventoryEntry(key, offset, put.size_bytes, checksum, pins)
                     commit.commits.setdefault(segment_id, []).append(entry)
                     commit.segments[segment_id] = segment
                 commit.puts[key] = put

@@ -216,7 +216,8 @@ class MasterService:
             if self._registry.is_full():
                 raise self._count_error(InvalidParams("too many segments mounted"))
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
-        return MountReply(self._mounts.adopt(segment, msg.inventory), self.term)
+        soft_pin_expiry_ms = max(1, now_ms + self.config.soft_pin_ttl_ms)
+        return MountReply(self._mounts.adopt(segment, msg.inventory, soft_pin_expiry_ms), self.term)
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
         """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""

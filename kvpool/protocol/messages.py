@@ -102,13 +102,22 @@ class WriteGrant(msgspec.Struct, array_like=True):
     term: int = 0
 
 
+# InventoryEntry.pins: the object's pins as put, so that a master rebuilding from the nodes'
+# inventories keeps them (a soft pin starts a fresh TTL then).
+PIN_SOFT = 1
+PIN_HARD = 2
+
+
 class InventoryEntry(msgspec.Struct, array_like=True):
-    """One complete object held by a node: the node's own record, the truth the master rebuilds from."""
+    """One complete object held by a node: the node's own record, the truth the master rebuilds
+    from. `pins` is PIN_SOFT, PIN_HARD or 0 (entries of a drop carry 0: drops match by key and
+    offset)."""
 
     key: str
     offset: int
     size: int
     checksum: int
+    pins: int = 0
 
 
 class SegmentStatus(msgspec.Struct, array_like=True):
