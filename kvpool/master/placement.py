@@ -11,8 +11,10 @@ draining segment (the registry's `active` view excludes them).
     "local"       segments on the client's host first (in random order), then random.
     "preferred"   the request's preferred segment ids in the given order, then random.
 
-Costs per key: "random", "local" and "preferred" O(replica_num) when the first tries fit,
-O(s) at worst for s active segments; "free_ratio" O(s log s).
+A put places a run of keys at a time (up to puts.RUN_BYTES_MAX, one range per replica), or a
+key at a time when no segment holds the run in one piece. Costs per placement: "random",
+"local" and "preferred" O(replica_num) when the first tries fit, O(s) at worst for s active
+segments; "free_ratio" O(s log s).
 """
 
 from __future__ import annotations
