@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -147,3 +148,17 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     assert node["kvpool_node_read_bytes_total"] >= 10 * 4096
     health = urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=5).read()
     assert b"ok" in health
+
+
+def test_the_demo_runs_end_to_end_and_leaves_no_process_behind():
+    """The README's first command: a whole local cluster, every byte checked on both paths,
+    the live replay, and every process it started ended."""
+    demo = kvpool_cli("demo", "--nodes", "2", "--memory", "32MiB", "--objects", "16", "--object-size", "64KiB")
+    out = demo.stdout.decode()
+    assert demo.returncode == 0, demo.stderr.decode()[-2000:]
+    assert "all 16 objects read back intact on both paths" in out
+    assert "stopped master and nodes" in out and "pooling the same memory" in out
+    pids = [int(word) for line in out.splitlines() if "node pid" in line for word in line.split() if word.isdigit()]
+    assert len(pids) == 2
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

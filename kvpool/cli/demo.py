@@ -9,6 +9,7 @@ against one pool (cli/replay.py `run_demo_replay`, ~10 s).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections import Counter
@@ -22,10 +23,12 @@ from kvpool.client.sync import Store
 from kvpool.errors import ErrorCode, TransferFailed
 from kvpool.protocol.messages import ReplicateConfig
 
+WARM_UP_KEY = "demo/warm-up"
 BATCH_KEYS = 16
 
 
 def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_bytes: int, console: Console) -> None:
+    _keep_freed_memory()
     memory = f"{memory_bytes // (1 << 20)}MiB"
     console.print(f"[bold]kvpool demo[/bold]: 1 master + {node_count} nodes x {memory} on 127.0.0.1")
     with LocalCluster(node_count, memory) as cluster:
@@ -35,6 +38,10 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
         values = {f"demo/object-{i:05d}": os.urandom(object_size_bytes) for i in range(object_count)}
         keys = list(values)
         with Store(cluster.master_endpoint) as writer:
+            # Untimed: the first put maps the segments it lands on (each pre-faulted at once).
+            warm_up = ReplicateConfig(replica_num=node_count)
+            _check_codes(writer.put_batch([WARM_UP_KEY], [b"w"], warm_up))
+            writer.remove(WARM_UP_KEY)
             put_seconds = _timed_batches(
                 console, "put (shm)", keys,
                 lambda batch: _check_codes(writer.put_batch(batch, [values[k] for k in batch], ReplicateConfig(replica_num=2))),
@@ -42,8 +49,10 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
             placement = writer.query(keys)
             status = writer.cluster_status()
         with Store(cluster.master_endpoint) as reader:
+            reader.get_batch(keys[:BATCH_KEYS])  # untimed: maps the segments, as the writer did
             shm_seconds = _timed_batches(console, "get (shm)", keys, lambda b: _check_values(reader.get_batch(b), b, values))
         with Store(cluster.master_endpoint, shm_enabled=False) as tcp_reader:
+            tcp_reader.get_batch(keys[:BATCH_KEYS])  # untimed: opens the connections
             tcp_seconds = _timed_batches(console, "get (tcp)", keys, lambda b: _check_values(tcp_reader.get_batch(b), b, values))
 
         replicas = Counter(r.segment_id for rs in placement.replicas for r in rs)
@@ -67,6 +76,23 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
     from kvpool.cli.replay import run_demo_replay
 
     run_demo_replay(console)
+
+
+# glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD and M_MMAP_THRESHOLD.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_freed_memory() -> None:
+    """Let this process reuse the memory of freed objects instead of faulting in fresh pages
+    for every bytes object a plain get returns (docs/performance.md: same-host plain gets of
+    4 MiB went from 1.33 to 4.17 GB/s). What an operator sets with GLIBC_TUNABLES for a
+    serving process; the demo sets it for itself. Nothing happens outside glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def _timed_batches(console: Console, label: str, keys: list[str], action) -> float:
