@@ -35,7 +35,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -155,29 +155,8 @@ class LruPolicy(EvictionPolicy):
         assert table is not None, "policy not attached"
         objects = table.objects
         victims: list[str] = []
-        deferred: list[str] = []
-        scanned = 0
-        stopped = False
         # Pass 1: unpinned objects, least recently accessed first.
-        for key, meta in objects.items():
-            if scanned >= scan_max:
-                stopped = True
-                break
-            scanned += 1
-            if meta.is_hard_pinned:
-                deferred.append(key)  # Never a candidate: out of the way for good.
-                continue
-            if meta.soft_pin_expiry_ms:
-                # Left in place: when its pin lapses it competes by its real last access.
-                continue
-            verdict = judge(key, meta)
-            if verdict is Verdict.TAKE:
-                victims.append(key)
-            elif verdict is Verdict.DEFER:
-                deferred.append(key)
-            elif verdict is Verdict.STOP:
-                stopped = True
-                break
+        deferred, scanned, stopped = _take_unpinned(objects, objects, judge, scan_max, victims)
         # Pass 2: soft-pinned objects, least recently accessed first.
         if not stopped:
             _take_soft_pinned(table, judge, scan_max - scanned, victims)
@@ -384,26 +363,8 @@ class ProbationLruPolicy(EvictionPolicy):
         stopped = False
         # Passes 1 and 2: unpinned objects, probation first, each oldest first.
         for keys in (self._probation, self._protected):
-            deferred: list[str] = []
-            for key in keys:
-                if scanned >= scan_max:
-                    stopped = True
-                    break
-                scanned += 1
-                meta = objects[key]
-                if meta.is_hard_pinned:
-                    deferred.append(key)  # Never a candidate: out of the way for good.
-                    continue
-                if meta.soft_pin_expiry_ms:
-                    continue  # Left in place: when its pin lapses it competes where it is.
-                verdict = judge(key, meta)
-                if verdict is Verdict.TAKE:
-                    victims.append(key)
-                elif verdict is Verdict.DEFER:
-                    deferred.append(key)
-                elif verdict is Verdict.STOP:
-                    stopped = True
-                    break
+            deferred, scanned_here, stopped = _take_unpinned(keys, objects, judge, scan_max - scanned, victims)
+            scanned += scanned_here
             # Move what could not go behind the rest of its set, so the next scan starts on
             # fresh candidates instead of re-reading the same pinned or leased ones.
             for key in deferred:
@@ -458,6 +419,36 @@ def make_policy(name: str = POLICY_DEFAULT) -> EvictionPolicy:
 
 
 # --- what to evict: the judges of the two triggers ---------------------------------------
+
+
+def _take_unpinned(
+    keys: Iterable[str], objects: dict[str, ObjectMeta], judge: Judge, scan_max: int, victims: list[str]
+) -> tuple[list[str], int, bool]:
+    """A pass of every policy over unpinned objects, in the order of `keys`: each judged one is
+    appended to `victims` if taken. A soft-pinned object is left in place (when its pin lapses
+    it competes by its real last access). Returns the keys to move behind the rest (hard-pinned
+    ones, never candidates, and deferred ones), how many keys were scanned, and whether the
+    scan must end (`scan_max` reached, or the judge said STOP)."""
+    deferred: list[str] = []
+    scanned = 0
+    for key in keys:
+        if scanned >= scan_max:
+            return deferred, scanned, True
+        scanned += 1
+        meta = objects[key]
+        if meta.is_hard_pinned:
+            deferred.append(key)
+            continue
+        if meta.soft_pin_expiry_ms:
+            continue
+        verdict = judge(key, meta)
+        if verdict is Verdict.TAKE:
+            victims.append(key)
+        elif verdict is Verdict.DEFER:
+            deferred.append(key)
+        elif verdict is Verdict.STOP:
+            return deferred, scanned, True
+    return deferred, scanned, False
 
 
 def _take_soft_pinned(table: ObjectTable, judge: Judge, scan_max: int, victims: list[str]) -> None:
