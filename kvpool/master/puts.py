@@ -190,7 +190,7 @@ class PutFlow:
             len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config
         )
         accepted: set[str] = set()
-        run: list[int] = []
+        run: list[tuple[int, int]] = []  # (key index, where its range starts in the run)
         run_bytes = 0
         shortfall_bytes = 0
         for index, (key, size) in enumerate(zip(keys, sizes)):
@@ -208,7 +208,7 @@ class PutFlow:
                     shortfall_bytes += self._grant_run(grants, keys, sizes, run, run_bytes, config, client_hostname)
                     run, run_bytes = [], 0
                 accepted.add(key)
-                run.append(index)
+                run.append((index, run_bytes))
                 run_bytes += footprint
                 continue
             grants.codes[index] = code
@@ -223,7 +223,7 @@ class PutFlow:
         grants: _Grants,
         keys: list[str],
         sizes: list[int],
-        run: list[int],
+        run: list[tuple[int, int]],
         run_bytes: int,
         config: ReplicateConfig,
         client_hostname: str,
@@ -236,17 +236,14 @@ class PutFlow:
         extents = self._allocate_replicas(run_bytes, config, client_hostname) if len(run) > 1 else []
         if extents:
             grant_indexes = [grants.add(segment, offset, run_bytes) for segment, offset in extents]
-            position = 0
-            for index in run:
-                size = sizes[index]
+            for index, position in run:
                 pending[keys[index]] = grants.new_put(
-                    size, [(segment, offset + position) for segment, offset in extents]
+                    sizes[index], [(segment, offset + position) for segment, offset in extents]
                 )
                 grants.placements[index] = [(g, position) for g in grant_indexes]
-                position += footprint_bytes(size)
             return 0
         shortfall_bytes = 0
-        for index in run:
+        for index, _ in run:
             size = sizes[index]
             replicas = self._allocate_replicas(size, config, client_hostname)
             if not replicas:
