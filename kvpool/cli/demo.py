@@ -84,8 +84,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 def _keep_freed_memory() -> None:
     """Let this process reuse the memory of freed objects instead of faulting in fresh pages
-    for every bytes object a plain get returns (docs/performance.md: same-host plain gets of
-    4 MiB went from 1.33 to 4.17 GB/s). What an operator sets with GLIBC_TUNABLES for a
+    for every bytes object a plain get returns (docs/performance.md; measured by
+    `benchmarks/bench_paths.py landing`). What an operator sets with GLIBC_TUNABLES for a
     serving process; the demo sets it for itself. Nothing happens outside glibc."""
     try:
         libc = ctypes.CDLL(None)

@@ -1,0 +1,423 @@
+"""The small measurements behind docs/performance.md and docs/tiers.md: where a request's time goes.
+
+Each part prints one JSON object (medians); run one with its name, or all by default:
+
+    python benchmarks/bench_paths.py [round-trips|master|node-commit|client|landing|files ...]
+
+  round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
+               Unix socket (blocking sockets); a uvloop ping-pong; one kvpool RPC
+               (GetReplicaList of one key) to a master process over TCP and over its Unix socket.
+  master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
+               MasterService, in batches of 128 4 KiB objects.
+  node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects.
+  client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
+               the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
+               through AsyncStore and Store.
+  landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
+               zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
+               defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md).
+  files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
+               POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
+
+Numbers on a shared VM move between runs: compare within one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import mmap
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import uvloop
+import xxhash
+
+from kvpool import AsyncStore, Store
+from kvpool.cli.launcher import LocalCluster
+from kvpool.config import MasterConfig
+from kvpool.master.service import MasterService
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    CommitObjects,
+    GetReplicaList,
+    InventoryEntry,
+    MountSegment,
+    PutEnd,
+    PutStart,
+    ReplicateConfig,
+    SegmentInfo,
+)
+from kvpool.transports.connection import connect
+
+KIB, MIB = 1 << 10, 1 << 20
+BATCH = 128
+
+
+def median_us(samples_ns: list[int]) -> float:
+    return round(statistics.median(samples_ns) / 1000, 1)
+
+
+def timed(action, count: int) -> list[int]:
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter_ns()
+        action()
+        samples.append(time.perf_counter_ns() - started)
+    return samples
+
+
+# --- round trips -------------------------------------------------------------------------
+
+
+def _socket_pair(family: int) -> tuple[socket.socket, socket.socket]:
+    if family == socket.AF_UNIX:
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(listener.getsockname())
+    theirs, _ = listener.accept()
+    listener.close()
+    for end in (ours, theirs):
+        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ours, theirs
+
+
+def blocking_round_trip(family: int) -> dict:
+    """The sender's cost of a 200-byte send to a process blocked in recv, and the round trip."""
+    ours, theirs = _socket_pair(family)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        while theirs.recv(65536):
+            theirs.send(b"x")
+        os._exit(0)
+    theirs.close()
+    sends, trips = [], []
+    for _ in range(3000):
+        started = time.perf_counter_ns()
+        ours.send(b"a" * 200)
+        sent = time.perf_counter_ns()
+        ours.recv(16)
+        trips.append(time.perf_counter_ns() - started)
+        sends.append(sent - started)
+    ours.close()
+    os.waitpid(pid, 0)
+    return {"send_us": median_us(sends), "round_trip_us": median_us(trips)}
+
+
+def uvloop_ping_pong_us() -> float:
+    """Two uvloop processes echoing 100 bytes over a Unix socket: the floor of an asyncio RPC."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+
+        async def echo() -> None:
+            done = asyncio.get_running_loop().create_future()
+
+            class Echo(asyncio.Protocol):
+                def connection_made(self, transport):
+                    self.transport = transport
+
+                def data_received(self, data):
+                    self.transport.write(data)
+
+                def connection_lost(self, exc):
+                    done.set_result(None)
+
+            await asyncio.get_running_loop().connect_accepted_socket(Echo, theirs)
+            await done
+
+        uvloop.run(echo())
+        os._exit(0)
+    theirs.close()
+
+    async def ping() -> list[int]:
+        loop = asyncio.get_running_loop()
+        waiter: list[asyncio.Future] = []
+
+        class Ping(asyncio.Protocol):
+            def data_received(self, data):
+                waiter[0].set_result(None)
+
+        transport, _ = await loop.connect_accepted_socket(Ping, ours)
+        samples = []
+        for _ in range(3000):
+            waiter[:] = [loop.create_future()]
+            started = time.perf_counter_ns()
+            transport.write(b"x" * 100)
+            await waiter[0]
+            samples.append(time.perf_counter_ns() - started)
+        transport.close()
+        return samples
+
+    samples = uvloop.run(ping())
+    os.waitpid(pid, 0)
+    return median_us(samples)
+
+
+def kvpool_rpc_us() -> dict:
+    """One GetReplicaList of one key to a master process, over TCP and over its Unix socket."""
+    with LocalCluster(0) as cluster:
+
+        async def measure() -> dict:
+            out = {}
+            for name, prefer_local in (("tcp", False), ("unix", True)):
+                conn = await connect(cluster.master_endpoint, key=None, prefer_local=prefer_local)
+                samples = []
+                for _ in range(2000):
+                    started = time.perf_counter_ns()
+                    await conn.request(GetReplicaList(["k"]))
+                    samples.append(time.perf_counter_ns() - started)
+                conn.close()
+                out[f"{name}_us"] = median_us(samples)
+            return out
+
+        return uvloop.run(measure())
+
+
+def round_trips() -> dict:
+    return {
+        "tcp_blocking": blocking_round_trip(socket.AF_INET),
+        "unix_blocking": blocking_round_trip(socket.AF_UNIX),
+        "uvloop_ping_pong_unix_us": uvloop_ping_pong_us(),
+        "kvpool_rpc_get_replica_list_1_key": kvpool_rpc_us(),
+    }
+
+
+# --- the master's and the node's work per key --------------------------------------------
+
+
+def master() -> dict:
+    service = MasterService(MasterConfig(), random.Random(0), auth.cluster_key("bench"), term=1)
+    info = SegmentInfo("bench-segment", "bench-node", "host", "host:1", "/dev/shm/x", b"t", 1 << 30)
+    service.mount_segment(MountSegment(info, []), 0)
+    phases: dict[str, list[int]] = {"put_start": [], "put_end": [], "finish_put_end": [], "get_replica_list": []}
+    for batch in range(200):
+        keys = [f"key-{batch}-{i:058d}" for i in range(BATCH)]
+        a = time.perf_counter_ns()
+        service.put_start(PutStart(keys, [4 * KIB] * BATCH, ReplicateConfig()), 1)
+        b = time.perf_counter_ns()
+        pending = service.put_end(PutEnd(keys, [7] * BATCH), 1)
+        c = time.perf_counter_ns()
+        service.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, 1)
+        d = time.perf_counter_ns()
+        service.get_replica_list(GetReplicaList(keys), 2)
+        e = time.perf_counter_ns()
+        for name, elapsed in zip(phases, (b - a, c - b, d - c, e - d)):
+            phases[name].append(elapsed // BATCH)
+    return {f"{name}_us_per_key": median_us(samples) for name, samples in phases.items()}
+
+
+def node_commit() -> dict:
+    from kvpool.node.inventory import Inventory
+    from kvpool.node.metrics import NodeMetrics
+    from kvpool.node.segment import Segment
+    from kvpool.node.transfer import MasterCallHandler
+
+    segment = Segment.create("/dev/shm", f"bench-{os.getpid()}", 256 * MIB, b"t" * 16)
+    try:
+        handler = MasterCallHandler(segment, "s", Inventory(segment.capacity_bytes), NodeMetrics())
+        data = os.urandom(4 * KIB)
+        checksum = xxhash.xxh3_64_intdigest(data)
+        samples = []
+        for batch in range(200):
+            entries = []
+            for i in range(BATCH):
+                offset = (batch * BATCH + i) * 4 * KIB
+                segment.data[offset : offset + len(data)] = data
+                entries.append(InventoryEntry(f"k-{batch}-{i:058d}", offset, len(data), checksum))
+            started = time.perf_counter_ns()
+            handler.handle(None, CommitObjects("s", entries))  # type: ignore[arg-type]
+            samples.append((time.perf_counter_ns() - started) // BATCH)
+        return {"commit_us_per_key": median_us(samples)}
+    finally:
+        segment.close()
+
+
+# --- the client ----------------------------------------------------------------------------
+
+
+def client() -> dict:
+    from kvpool.client.sync import _LoopThread
+    from kvpool.client.transfer import GetJob
+
+    value = os.urandom(4 * KIB)
+    result: dict = {}
+    with LocalCluster(1, "512MiB") as cluster:
+
+        async def get_job_work() -> dict:
+            async with await AsyncStore.open(cluster.master_endpoint) as store:
+                keys = [f"job-{i}" for i in range(BATCH)]
+                await store.put_batch(keys, [value] * BATCH)
+                reply = await store._master.call(GetReplicaList(keys), is_idempotent=True)
+
+                def new_job() -> GetJob:
+                    return GetJob(reply, [None] * BATCH, 0, store._local_segment, keys, store._local_directory)
+
+                jobs = [new_job() for _ in range(300)]
+                return {
+                    "get_job_init_us": median_us(timed(new_job, 300)),
+                    "get_copy_local_us": median_us(timed(lambda: jobs.pop().copy_local(), 300)),
+                }
+
+        result["get_128_keys_same_host"] = uvloop.run(get_job_work())
+
+        async def nothing() -> None:
+            return None
+
+        loop_thread = _LoopThread.get()
+        result["sync_hand_off_us"] = median_us(timed(lambda: loop_thread.run(nothing(), 1_000), 3000))
+
+        async def async_puts() -> float:
+            async with await AsyncStore.open(cluster.master_endpoint) as store:
+                samples = []
+                for batch in range(150):
+                    keys = [f"a-{batch}-{i}" for i in range(BATCH)]
+                    started = time.perf_counter_ns()
+                    await store.put_batch(keys, [value] * BATCH)
+                    samples.append(time.perf_counter_ns() - started)
+                return BATCH / (statistics.median(samples) / 1e9)
+
+        with Store(cluster.master_endpoint) as store:
+            samples = []
+            for batch in range(150):
+                keys = [f"s-{batch}-{i}" for i in range(BATCH)]
+                samples.append(timed(lambda keys=keys: store.put_batch(keys, [value] * BATCH), 1)[0])
+            sync_rate = BATCH / (statistics.median(samples) / 1e9)
+        result["puts_4KiB_batch128_per_s"] = {"async_store": round(uvloop.run(async_puts())), "store": round(sync_rate)}
+    return result
+
+
+# --- landing of plain gets ---------------------------------------------------------------
+
+
+def landing() -> dict:
+    from kvpool.client.transfer import _new_bytes
+
+    source = memoryview(os.urandom(4 * MIB))
+
+    def in_place() -> bytes:
+        data, view = _new_bytes(len(source))
+        view[:] = source
+        return data
+
+    def via_bytearray() -> bytes:
+        buffer = bytearray(len(source))
+        buffer[:] = source
+        return bytes(buffer)
+
+    def sixteen(fill) -> None:
+        for _ in range(16):  # one result alive at a time, as a caller that drops each one
+            fill()
+
+    out = {}
+    for name, fill in (("bytes_in_place", in_place), ("bytearray_then_bytes", via_bytearray)):
+        samples = timed(lambda fill=fill: sixteen(fill), 10)
+        out[f"{name}_gbps"] = round(16 * len(source) / statistics.median(samples), 2)
+    for name, tunables in (("default", None), ("tunables", KEEP_FREED_MEMORY)):
+        env = {**os.environ, **({"GLIBC_TUNABLES": tunables} if tunables else {})}
+        child = subprocess.run(
+            [sys.executable, __file__, "_same-host-plain-gets"], env=env, capture_output=True, text=True, check=True
+        )
+        out[f"same_host_plain_get_4MiB_{name}_gbps"] = json.loads(child.stdout)
+    out["tunables"] = KEEP_FREED_MEMORY
+    return out
+
+
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=268435456"
+
+
+def same_host_plain_gets() -> float:
+    with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint) as store:
+        keys = [f"p{i}" for i in range(16)]
+        store.put_batch(keys, [os.urandom(4 * MIB)] * 16)
+        store.get_batch(keys[:8])
+        samples = timed(lambda: [store.get_batch(keys[s : s + 8]) for s in (0, 8)], 10)
+        return round(16 * 4 * MIB / statistics.median(samples), 2)
+
+
+# --- reading object files ----------------------------------------------------------------
+
+
+def files_read() -> dict:
+    count, size = 64, 4 * MIB
+    with tempfile.TemporaryDirectory(dir=".") as directory:
+        paths = [Path(directory) / f"f{i}" for i in range(count)]
+        data = os.urandom(size)
+        for path in paths:
+            path.write_bytes(bytes(4 * KIB) + data)
+        buffers = [bytearray(size) for _ in range(count)]
+        aligned = [mmap.mmap(-1, size) for _ in range(count)]
+
+        def evict() -> None:
+            for path in paths:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+        def read(i: int, flags: int, target) -> None:
+            fd = os.open(paths[i], os.O_RDONLY | flags)
+            try:
+                os.preadv(fd, [target[i]], 4 * KIB)
+            finally:
+                os.close(fd)
+
+        def run(threads: int, willneed: bool, flags: int, target) -> float:
+            evict()
+            started = time.perf_counter()
+            if willneed:
+                for path in paths:
+                    fd = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                    os.close(fd)
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda i: read(i, flags, target), range(count)))
+            return count * size / (time.perf_counter() - started) / 1e9
+
+        out = {}
+        for name, args in (
+            ("buffered_1_thread", (1, False, 0, buffers)),
+            ("buffered_4_threads_willneed", (4, True, 0, buffers)),
+            ("o_direct_4_threads", (4, False, os.O_DIRECT, aligned)),
+        ):
+            out[f"{name}_gbps"] = round(statistics.median(run(*args) for _ in range(3)), 2)
+        return out
+
+
+PARTS = {
+    "round-trips": round_trips,
+    "master": master,
+    "node-commit": node_commit,
+    "client": client,
+    "landing": landing,
+    "files": files_read,
+}
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(PARTS)
+    if names == ["_same-host-plain-gets"]:  # the child of `landing`
+        print(json.dumps(same_host_plain_gets()))
+        return
+    unknown = [name for name in names if name not in PARTS]
+    if unknown or "-h" in names or "--help" in names:
+        print(__doc__)
+        sys.exit(2 if unknown else 0)
+    result = {"machine": {"cpus": os.cpu_count()}}
+    for name in names:
+        result[name] = PARTS[name]()
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
