@@ -28,10 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import xxhash
-
 from kvpool import limits
-from kvpool.checksums import checksum_of, checksums_of
+from kvpool.checksums import checksum_of, checksums_of, copies_checksummed
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
 from kvpool.protocol import objectfile
@@ -201,20 +199,20 @@ class PutJob:
         self.remote = [cutter.finish() for cutter in cutters.values()]
 
     def copy_local(self) -> None:
-        """Copy the same-host replicas (one memcpy per part into the mapped segment) and
-        checksum every key to be written. Runs in the caller's thread. A key with a local
-        replica is hashed from its fresh copy, still in cache, rather than from the source."""
+        """Copy the same-host replicas into the mapped segments and checksum every key to be
+        written. Runs in the caller's thread (and the hashing pool's, for a large batch). A key
+        with a local replica is hashed chunk by chunk as it is copied (checksums.py)."""
         checksums = [0] * len(self.keys)
-        hashed = [False] * len(self.keys)
+        first: dict[int, memoryview] = {}  # key index -> its first local replica
         for index, destination in self.local:
-            position = 0
-            for part in self.parts[index]:
-                destination[position : position + len(part)] = part
-                position += len(part)
-            if not hashed[index]:
-                checksums[index] = xxhash.xxh3_64_intdigest(destination)
-                hashed[index] = True
-        remote_only = [i for i, needs_end in enumerate(self.needs_end) if needs_end and not hashed[i]]
+            first.setdefault(index, destination)
+        copies = [(self.parts[index], [destination]) for index, destination in first.items()]
+        for index, checksum in zip(first, copies_checksummed(copies)):
+            checksums[index] = checksum
+        for index, destination in self.local:
+            if destination is not first[index]:  # a second same-host replica: copy the first
+                destination[:] = first[index]
+        remote_only = [i for i, needs_end in enumerate(self.needs_end) if needs_end and i not in first]
         for index, checksum in zip(remote_only, checksums_of([self.parts[i] for i in remote_only])):
             checksums[index] = checksum
         self.checksums = checksums
@@ -324,17 +322,17 @@ class GetJob:
         for (index, _), checksum in zip(reads, sums):
             if checksum is not None:
                 self._check(index, checksum)
-        copied = []
+        copies = []
         for index, replica, segment in mapped:
             self._candidates[index].pop(0)
             source = segment.data[replica.offset : replica.offset + sizes[index]]
             target = self.targets[index]
-            if target is None:
-                self._landed[index] = source.tobytes()  # the one copy: into the new object
-            else:
-                _scatter(source, target)
-            copied.append(index)
-        self._verify(copied)
+            if target is None:  # a plain get: the one copy lands in the bytes object returned
+                self._landed[index], view = _new_bytes(sizes[index])
+                target = [view]
+            copies.append(([source], target))
+        for (index, _, _), checksum in zip(mapped, copies_checksummed(copies)):
+            self._check(index, checksum)
 
     def _file_path(self, index: int) -> Path | None:
         """The object file of key `index`'s next candidate, if it is a disk or DFS replica
@@ -492,13 +490,3 @@ def _prefix(parts: Sequence[memoryview], size: int) -> list[memoryview]:
         out.append(part[:take])
         size -= take
     return out
-
-
-def _scatter(source: memoryview, parts: Sequence[memoryview]) -> None:
-    position = 0
-    for part in parts:
-        take = min(len(part), len(source) - position)
-        if take <= 0:
-            break
-        part[:take] = source[position : position + take]
-        position += take

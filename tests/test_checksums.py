@@ -1,0 +1,71 @@
+"""Checksums and the same-host copies that compute them on the way (kvpool/checksums.py): the
+checksum is xxh3-64 of the object whatever the split of its source and destination buffers,
+the bytes land whole and only where they should, and a batch gives the same answers on
+several threads as on one. Chunk sizes are shrunk so that every boundary appears."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool import checksums
+from kvpool.checksums import checksums_of, copies_checksummed, copy_checksummed
+
+
+def _split(data: bytes, cuts: list[int]) -> list[memoryview]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    edges = [0, *points, len(data)]
+    return [memoryview(data)[a:b] for a, b in zip(edges, edges[1:])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=3000),
+    source_cuts=st.lists(st.integers(0, 3000), max_size=4),
+    target_cuts=st.lists(st.integers(0, 3000), max_size=4),
+    spare=st.integers(0, 40),
+    chunk=st.sampled_from([1, 7, 64, 1000]),
+    small=st.sampled_from([0, 100, 5000]),
+)
+def test_copy_lands_the_object_and_returns_its_checksum(data, source_cuts, target_cuts, spare, chunk, small):
+    checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = chunk, small
+    try:
+        landing = bytearray(b"\xee" * (len(data) + spare))
+        targets = _split(bytes(len(landing)), target_cuts)  # only the sizes matter
+        views, at = [], 0
+        for part in targets:
+            views.append(memoryview(landing)[at : at + len(part)])
+            at += len(part)
+        assert copy_checksummed(_split(data, source_cuts), views) == xxhash.xxh3_64_intdigest(data)
+        assert bytes(landing[: len(data)]) == data
+        assert landing[len(data) :] == b"\xee" * spare  # nothing written past the object
+    finally:
+        checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = 256 << 10, 16 << 10
+
+
+def test_copy_into_a_destination_at_any_offset_from_its_source() -> None:
+    # Offsets 1-31 bytes apart modulo 4 KiB are the ones glibc's memcpy is slow for here.
+    source = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8)
+    for shift in (0, 8, 16, 31, 32, 4095):
+        landing = np.zeros((3 << 20) + 4096, dtype=np.uint8)
+        target = memoryview(landing)[shift : shift + len(source)]
+        assert copy_checksummed([memoryview(source)], [target]) == xxhash.xxh3_64_intdigest(source)
+        assert np.array_equal(landing[shift : shift + len(source)], source)
+
+
+@pytest.mark.parametrize("object_bytes", [4096, 300 << 10])
+def test_a_large_batch_on_several_threads_gives_what_one_thread_gives(monkeypatch, object_bytes) -> None:
+    objects = [os.urandom(object_bytes) for _ in range(16)]
+    expected = [xxhash.xxh3_64_intdigest(o) for o in objects]
+    for parallel_min in (1 << 40, 1):  # one thread; then every batch split
+        monkeypatch.setattr(checksums, "PARALLEL_BYTES_MIN", parallel_min)
+        landings = [bytearray(object_bytes) for _ in objects]
+        copies = [([memoryview(o)], [memoryview(t)]) for o, t in zip(objects, landings)]
+        assert copies_checksummed(copies) == expected
+        assert landings == [bytearray(o) for o in objects]
+        assert checksums_of([[memoryview(o)] for o in objects]) == expected
