@@ -5,6 +5,7 @@ several threads as on one. Chunk sizes are shrunk so that every boundary appears
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -20,7 +21,7 @@ from kvpool.checksums import checksums_of, copies_checksummed, copy_checksummed
 def _split(data: bytes, cuts: list[int]) -> list[memoryview]:
     points = sorted({c % (len(data) + 1) for c in cuts})
     edges = [0, *points, len(data)]
-    return [memoryview(data)[a:b] for a, b in zip(edges, edges[1:])]
+    return [memoryview(data)[a:b] for a, b in itertools.pairwise(edges)]
 
 
 @settings(max_examples=200, deadline=None)

@@ -44,11 +44,12 @@ def test_frames_carry_each_object_contiguously_across_its_buffers(monkeypatch, s
 
 def test_new_bytes_lands_payload_in_the_object_returned() -> None:
     """A plain get's payload lands straight in the bytes object it returns; the view keeps the
-    object alive, and tiny sizes never write into CPython's shared objects."""
+    object alive, and small sizes (tiny ones above all: CPython shares those objects) land in
+    a bytearray instead."""
     import gc
     import os
 
-    from kvpool.client.transfer import _new_bytes
+    from kvpool.client.transfer import _landing, _new_bytes
 
     payload = os.urandom(1 << 20)
     data, view = _new_bytes(len(payload))
@@ -57,8 +58,8 @@ def test_new_bytes_lands_payload_in_the_object_returned() -> None:
     del data
     gc.collect()
     assert bytes(view) == payload  # still alive through the view
-    for size in (0, 1, 2):
-        small, small_view = _new_bytes(size)
+    for size in (0, 1, 2, 4096, (16 << 10) + 1):  # small ones land in a bytearray
+        small, small_view = _landing(size)
         small_view[:] = b"\x07" * size
         assert small == b"\x07" * size
     assert b"" == bytes() and len(b"") == 0

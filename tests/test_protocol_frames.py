@@ -4,6 +4,7 @@ raises RemoteProtocolError and nothing else (hypothesis feeds random and mutated
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 
 from kvpool import limits
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, PayloadDone, encode_frame
+from kvpool.protocol.frames import (
+    DIRECT_SINK_BYTES_MIN,
+    NEED_DATA,
+    Frame,
+    FrameDecoder,
+    PayloadDone,
+    encode_frame,
+)
 from kvpool.protocol.messages import (
     CodesReply,
     GetReplicaList,
@@ -96,6 +104,30 @@ def test_payload_via_buffer_protocol_goes_straight_to_the_sink():
     decoder.buffer_updated(len(payload))
     assert decoder.next_event() == PayloadDone(frame.request_id)
     assert sink == payload
+
+
+def test_small_sinks_fill_through_staging_with_one_receive_for_many():
+    """Many small sinks (a batch of 4 KiB objects) are received into the staging buffer, many
+    per receive call, and copied out; a large sink still gets the socket's bytes directly."""
+    small, large = 4096, DIRECT_SINK_BYTES_MIN
+    payload = os.urandom(32 * small + large)
+    wire = encode_frame(ReadReply(len(payload)), 5, is_reply=True, payload_size=len(payload))
+    decoder = FrameDecoder()
+    decoder.receive_data(wire)
+    frame = decoder.next_event()
+    sinks = [bytearray(small) for _ in range(32)] + [bytearray(large)]
+    decoder.set_payload_sinks([memoryview(s) for s in sinks])
+    buffer = decoder.get_buffer()
+    assert buffer.obj not in sinks and len(buffer) >= 32 * small  # staging: room for all 32
+    buffer[: 32 * small] = payload[: 32 * small]
+    decoder.buffer_updated(32 * small)
+    assert decoder.next_event() is NEED_DATA  # the 32 small ones are copied out now
+    buffer = decoder.get_buffer()
+    assert buffer.obj is sinks[-1]  # the large one: straight from the socket
+    buffer[:large] = payload[32 * small :]
+    decoder.buffer_updated(large)
+    assert decoder.next_event() == PayloadDone(frame.request_id)
+    assert b"".join(sinks) == payload
 
 
 def test_discarded_payload_is_skipped():

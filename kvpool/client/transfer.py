@@ -54,6 +54,9 @@ _FILE_TIERS = (TIER_DISK, TIER_DFS)
 # A batch is cut into frames of about this many bytes, so that it spreads over the lanes.
 FRAME_BYTES_TARGET = 4 * limits.MIB
 
+# A plain get of an object up to this size lands in a bytearray (see _landing).
+SMALL_LANDING_BYTES_MAX = 16 * limits.KIB
+
 LocalSegments = Callable[[SegmentInfo], Segment | None]
 # A get advises this many bytes of the object files it is about to read, ahead of reading them,
 # and reads them on this many threads.
@@ -112,6 +115,9 @@ class _FrameCutter:
         self._frame_bytes = 0
 
     def add(self, key_index: int, target: object, parts: Sequence[memoryview]) -> None:
+        if len(parts) == 1 and 0 < len(parts[0]) <= limits.SLICE_SIZE_BYTES_MAX:
+            self._add_item(key_index, target, 0, len(parts[0]), [parts[0]])  # the common case
+            return
         start = 0
         item_views: list[memoryview] = []
         item_bytes = 0
@@ -328,7 +334,7 @@ class GetJob:
             source = segment.data[replica.offset : replica.offset + sizes[index]]
             target = self.targets[index]
             if target is None:  # a plain get: the one copy lands in the bytes object returned
-                self._landed[index], view = _new_bytes(sizes[index])
+                self._landed[index], view = _landing(sizes[index])
                 target = [view]
             copies.append(([source], target))
         for (index, _, _), checksum in zip(mapped, copies_checksummed(copies)):
@@ -375,7 +381,7 @@ class GetJob:
             size = self.reply.sizes[index]
             target = self.targets[index]
             if target is None:
-                self._landed[index], view = _new_bytes(size)
+                self._landed[index], view = _landing(size)
                 parts = [view]
             else:
                 parts = _prefix(target, size)
@@ -438,16 +444,23 @@ _new_bytes_object.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 _BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # where a bytes object's data starts (ob_sval)
 
 
+def _landing(size: int) -> tuple[bytes | bytearray, memoryview]:
+    """Where a plain get's payload of `size` bytes lands: a bytearray for a small object
+    (cheaper to make, and to copy into bytes once verified, than _new_bytes), else the bytes
+    object returned itself."""
+    if size <= SMALL_LANDING_BYTES_MAX:
+        landing = bytearray(size)
+        return landing, memoryview(landing)
+    return _new_bytes(size)
+
+
 def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     """A new bytes object of `size` bytes and a writable view of its data, so that a plain
     get's payload lands in the very object returned to the caller: no bytearray to zero and
     fault in, and no second copy into bytes (8x faster at 4 MiB here). The view holds the
     object alive. It is written only while the object is still the job's own (a reply that
     misses its deadline while landing closes its connection, transports/connection.py) and
-    is never handed out."""
-    if size < 2:  # CPython shares the empty bytes object: never write into one
-        landing = bytearray(size)
-        return landing, memoryview(landing)  # type: ignore[return-value]
+    is never handed out. `size` > 1: CPython shares its empty and one-byte bytes objects."""
     data = _new_bytes_object(None, size)
     array = (ctypes.c_char * size).from_address(id(data) + _BYTES_DATA_OFFSET)
     array._owner = data  # type: ignore[attr-defined]
