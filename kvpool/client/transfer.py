@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.checksums import checksum_of, checksums_of, copies_checksummed
+from kvpool.checksums import COPY_CHUNK_BYTES, checksum_of, checksums_of, copies_checksummed
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
 from kvpool.protocol import objectfile
@@ -328,17 +328,25 @@ class GetJob:
         for (index, _), checksum in zip(reads, sums):
             if checksum is not None:
                 self._check(index, checksum)
-        copies = []
+        copies: list[tuple[int, list[memoryview], list[memoryview]]] = []  # hashed as they land
+        copied: list[int] = []  # small plain gets, hashed after
         for index, replica, segment in mapped:
             self._candidates[index].pop(0)
-            source = segment.data[replica.offset : replica.offset + sizes[index]]
+            size = sizes[index]
+            source = segment.data[replica.offset : replica.offset + size]
             target = self.targets[index]
-            if target is None:  # a plain get: the one copy lands in the bytes object returned
-                self._landed[index], view = _landing(sizes[index])
+            if target is None and size <= COPY_CHUNK_BYTES:
+                self._landed[index] = source.tobytes()  # one malloc and memcpy, still in cache
+                copied.append(index)
+                continue
+            if target is None:  # a large plain get: the one copy lands in the bytes returned
+                self._landed[index], view = _new_bytes(size)
                 target = [view]
-            copies.append(([source], target))
-        for (index, _, _), checksum in zip(mapped, copies_checksummed(copies)):
+            copies.append((index, [source], target))
+        checksums = copies_checksummed([(source, target) for _, source, target in copies])
+        for (index, _, _), checksum in zip(copies, checksums):
             self._check(index, checksum)
+        self._verify(copied)
 
     def _file_path(self, index: int) -> Path | None:
         """The object file of key `index`'s next candidate, if it is a disk or DFS replica
