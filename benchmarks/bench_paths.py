@@ -2,7 +2,7 @@
 
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
-    python benchmarks/bench_paths.py [round-trips|master|node-commit|client|landing|files ...]
+    python benchmarks/bench_paths.py [round-trips|master|node-commit|client|landing|copies|files ...]
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets); a uvloop ping-pong; one kvpool RPC
@@ -16,6 +16,10 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md).
+  copies       a same-host get's copy of 32 x 1 MiB into a numpy array: glibc's memcpy in
+               256 KiB chunks with the destination 16 and 64 bytes past the source (mod 4 KiB),
+               numpy's SIMD copy, copy then hash, and copy and hash chunk by chunk (checksums.py)
+               on one and two threads; a numpy copy of whole objects as the limit.
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
                POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
 
@@ -38,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import uvloop
 import xxhash
 
@@ -59,6 +64,7 @@ from kvpool.protocol.messages import (
 from kvpool.transports.connection import connect
 
 KIB, MIB = 1 << 10, 1 << 20
+PAGE = 4 * KIB
 BATCH = 128
 
 
@@ -345,6 +351,54 @@ def same_host_plain_gets() -> float:
         return round(16 * 4 * MIB / statistics.median(samples), 2)
 
 
+# --- same-host copies ----------------------------------------------------------------------
+
+
+def copies() -> dict:
+    """32 objects of 1 MiB out of page-aligned memory (a segment) into a numpy array whose
+    data starts 16 bytes past a page, as a same-host get into a registered buffer does."""
+    from kvpool import checksums
+
+    count, size, chunk = 32, MIB, checksums.COPY_CHUNK_BYTES
+    segment = np.frombuffer(mmap.mmap(-1, count * size), dtype=np.uint8)
+    segment[:] = np.random.default_rng(0).integers(0, 255, count * size, dtype=np.uint8)
+    landing = np.zeros(count * size + 2 * PAGE, dtype=np.uint8)
+    page_start = -landing.__array_interface__["data"][0] % PAGE
+
+    def target_at(shift: int) -> np.ndarray:
+        return landing[page_start + shift : page_start + shift + count * size]
+
+    def chunked(target: np.ndarray, copy) -> None:
+        for at in range(0, count * size, chunk):
+            copy(segment[at : at + chunk], target[at : at + chunk])
+
+    target = target_at(16)
+    views = [memoryview(target)[i * size : (i + 1) * size] for i in range(count)]
+    sources = [memoryview(segment)[i * size : (i + 1) * size] for i in range(count)]
+    pairs = list(zip(sources, views))
+
+    def copy_then_hash() -> None:  # the previous same-host get: copy every object, then hash
+        for source, view in zip(sources, views):
+            view[:] = source
+        checksums.checksums_of([[view] for view in views])
+
+    cases = {
+        "numpy_copy_1MiB": lambda: [np.copyto(target[i * size : (i + 1) * size], segment[i * size : (i + 1) * size])
+                                    for i in range(count)],  # fmt: skip
+        "memcpy_256KiB_dst_16_past_src": lambda: chunked(target, lambda a, b: np.copyto(b, a)),
+        "memcpy_256KiB_dst_64_past_src": lambda: chunked(target_at(64), lambda a, b: np.copyto(b, a)),
+        "simd_256KiB_dst_16_past_src": lambda: chunked(target, lambda a, b: np.positive(a, out=b)),
+        "copy_then_hash": copy_then_hash,
+        "copy_and_hash_in_chunks_1_thread": lambda: [checksums.copy_checksummed([s], [v]) for s, v in pairs],
+        "copy_and_hash_in_chunks_2_threads": lambda: checksums.copies_checksummed([([s], [v]) for s, v in pairs]),
+    }
+    out = {}
+    for name, action in cases.items():
+        samples = timed(action, 15)
+        out[f"{name}_gbps"] = round(count * size / statistics.median(samples), 2)
+    return out
+
+
 # --- reading object files ----------------------------------------------------------------
 
 
@@ -399,6 +453,7 @@ PARTS = {
     "node-commit": node_commit,
     "client": client,
     "landing": landing,
+    "copies": copies,
     "files": files_read,
 }
 
