@@ -44,7 +44,7 @@ _decoder = msgspec.msgpack.Decoder(AnyMessage)
 
 # Room for many small frames per receive call; a larger control message grows the buffer.
 _STAGING_SIZE_BYTES: Final = 256 * limits.KIB
-# A payload sink with less room than this is filled through the staging buffer: one receive
+# A payload sink smaller than this is filled through the staging buffer: one receive
 # call for many small sinks (a batch of 4 KiB objects) and a copy out of it cost less than a
 # receive call per sink (a system call and two Python calls each, ~7 us here; a copy of 64 KiB
 # takes about as long).
@@ -155,7 +155,7 @@ class FrameDecoder:
             and self._sink_left > 0
             and self._start == self._end
             and not self._discard
-            and len(self._sinks[self._sink_index]) - self._sink_pos >= DIRECT_SINK_BYTES_MIN
+            and len(self._sinks[self._sink_index]) >= DIRECT_SINK_BYTES_MIN
         )
         if self._buffer_is_sink:
             sink = self._sinks[self._sink_index]
