@@ -35,7 +35,7 @@ COPY_CHUNK_BYTES = 256 << 10
 # Objects up to this size are copied with one memcpy and hashed once.
 SMALL_COPY_BYTES_MAX = 16 << 10
 # A copy through numpy's SIMD loop rather than glibc's memcpy, which copies 2 KiB-512 KiB
-# with `rep movsb`: this machine's CPUs (AMD EPYC) run that 3-4x slower when the destination
+# with `rep movsb`: this machine's CPUs (AMD EPYC) run that 3x slower when the destination
 # is 1-31 bytes past the source modulo 4 KiB, as it is from a segment into a numpy array
 # (data at +16). Both release the GIL; elsewhere they run at the same speed.
 _copy = np.positive
@@ -113,7 +113,8 @@ def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[i
             share_bytes = 0
         shares[-1].append(item)
         share_bytes += size
-    others = [_thread_pool().submit(lambda share=share: [function(item) for item in share]) for share in shares[1:]]
+    pool = _thread_pool()
+    others = [pool.submit(lambda share=share: [function(item) for item in share]) for share in shares[1:]]
     results = [function(item) for item in shares[0]]
     for future in others:
         results.extend(future.result())

@@ -34,6 +34,7 @@ def _split(data: bytes, cuts: list[int]) -> list[memoryview]:
     small=st.sampled_from([0, 100, 5000]),
 )
 def test_copy_lands_the_object_and_returns_its_checksum(data, source_cuts, target_cuts, spare, chunk, small):
+    saved = checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX
     checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = chunk, small
     try:
         landing = bytearray(b"\xee" * (len(data) + spare))
@@ -46,7 +47,7 @@ def test_copy_lands_the_object_and_returns_its_checksum(data, source_cuts, targe
         assert bytes(landing[: len(data)]) == data
         assert landing[len(data) :] == b"\xee" * spare  # nothing written past the object
     finally:
-        checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = 256 << 10, 16 << 10
+        checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = saved
 
 
 def test_copy_into_a_destination_at_any_offset_from_its_source() -> None:
