@@ -19,7 +19,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   copies       a same-host get's copy of 32 x 1 MiB into a numpy array: glibc's memcpy in
                256 KiB chunks with the destination 16 and 64 bytes past the source (mod 4 KiB),
                numpy's SIMD copy, copy then hash, and copy and hash chunk by chunk (checksums.py)
-               on one and two threads; a numpy copy of whole objects as the limit.
+               on one and two threads; a numpy copy of whole objects as the limit; and a put of
+               the same bytes as 64 parts of 16 KiB per object (one per layer), before and now.
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
                POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
 
@@ -386,6 +387,19 @@ def copies() -> dict:
             view[:] = source
         checksums.checksums_of([[view] for view in views])
 
+    # A put of KV pages laid out one part per layer: 64 parts of 16 KiB per object, into the
+    # segment, the previous way (memcpy each part, then hash the object) and now.
+    layers = [[memoryview(target)[i * size + j * 16 * KIB :][: 16 * KIB] for j in range(64)] for i in range(count)]
+    into_segment = [memoryview(segment)[i * size : (i + 1) * size] for i in range(count)]
+
+    def layers_copy_then_hash() -> None:
+        for parts, destination in zip(layers, into_segment):
+            at = 0
+            for part in parts:
+                destination[at : at + len(part)] = part
+                at += len(part)
+            xxhash.xxh3_64_intdigest(destination)
+
     cases = {
         "numpy_copy_1MiB": numpy_copy,
         "memcpy_256KiB_dst_16_past_src": lambda: chunked(target, lambda a, b: np.copyto(b, a)),
@@ -394,6 +408,10 @@ def copies() -> dict:
         "copy_then_hash": copy_then_hash,
         "copy_and_hash_in_chunks_1_thread": lambda: [checksums.copy_checksummed([s], [v]) for s, v in pairs],
         "copy_and_hash_in_chunks_2_threads": lambda: checksums.copies_checksummed([([s], [v]) for s, v in pairs]),
+        "put_64_layers_of_16KiB_copy_then_hash": layers_copy_then_hash,
+        "put_64_layers_of_16KiB_now": lambda: checksums.copies_checksummed(
+            [(parts, [destination]) for parts, destination in zip(layers, into_segment)]
+        ),
     }
     out = {}
     for name, action in cases.items():

@@ -32,10 +32,13 @@ def _split(data: bytes, cuts: list[int]) -> list[memoryview]:
     spare=st.integers(0, 40),
     chunk=st.sampled_from([1, 7, 64, 1000]),
     small=st.sampled_from([0, 100, 5000]),
+    simd=st.sampled_from([1, 64, 100_000]),
 )
-def test_copy_lands_the_object_and_returns_its_checksum(data, source_cuts, target_cuts, spare, chunk, small):
-    saved = checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX
-    checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = chunk, small
+def test_copy_lands_the_object_and_returns_its_checksum(data, source_cuts, target_cuts, spare, chunk, small, simd):
+    names = ("COPY_CHUNK_BYTES", "SMALL_COPY_BYTES_MAX", "SIMD_COPY_BYTES_MIN")
+    saved = [getattr(checksums, name) for name in names]
+    for name, value in zip(names, (chunk, small, simd)):
+        setattr(checksums, name, value)
     try:
         landing = bytearray(b"\xee" * (len(data) + spare))
         targets = _split(bytes(len(landing)), target_cuts)  # only the sizes matter
@@ -47,7 +50,8 @@ def test_copy_lands_the_object_and_returns_its_checksum(data, source_cuts, targe
         assert bytes(landing[: len(data)]) == data
         assert landing[len(data) :] == b"\xee" * spare  # nothing written past the object
     finally:
-        checksums.COPY_CHUNK_BYTES, checksums.SMALL_COPY_BYTES_MAX = saved
+        for name, value in zip(names, saved):
+            setattr(checksums, name, value)
 
 
 def test_copy_into_a_destination_at_any_offset_from_its_source() -> None:
