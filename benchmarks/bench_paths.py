@@ -20,7 +20,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                256 KiB chunks with the destination 16 and 64 bytes past the source (mod 4 KiB),
                numpy's SIMD copy, copy then hash, and copy and hash chunk by chunk (checksums.py)
                on one and two threads; a numpy copy of whole objects as the limit; and a put of
-               the same bytes as 64 parts of 16 KiB per object (one per layer), before and now.
+               the same bytes as 64 parts of 16 KiB per object (one per layer), before and now,
+               and as 16 parts of 64 KiB, by memcpy and by numpy's copy.
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
                POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
 
@@ -391,6 +392,11 @@ def copies() -> dict:
     # segment, the previous way (memcpy each part, then hash the object) and now.
     layers = [[memoryview(target)[i * size + j * 16 * KIB :][: 16 * KIB] for j in range(64)] for i in range(count)]
     into_segment = [memoryview(segment)[i * size : (i + 1) * size] for i in range(count)]
+    # ... and 16 parts of 64 KiB: memcpy (what puts do) against numpy's copy (what gets do)
+    sixteenths = [[memoryview(target)[i * size + j * 64 * KIB :][: 64 * KIB] for j in range(16)] for i in range(count)]
+
+    def put_parts(parts_of: list, simd_bytes_min: int) -> None:
+        checksums.copies_checksummed(list(zip(parts_of, [[d] for d in into_segment])), simd_bytes_min)
 
     def layers_copy_then_hash() -> None:
         for parts, destination in zip(layers, into_segment):
@@ -409,9 +415,9 @@ def copies() -> dict:
         "copy_and_hash_in_chunks_1_thread": lambda: [checksums.copy_checksummed([s], [v]) for s, v in pairs],
         "copy_and_hash_in_chunks_2_threads": lambda: checksums.copies_checksummed([([s], [v]) for s, v in pairs]),
         "put_64_layers_of_16KiB_copy_then_hash": layers_copy_then_hash,
-        "put_64_layers_of_16KiB_now": lambda: checksums.copies_checksummed(
-            [(parts, [destination]) for parts, destination in zip(layers, into_segment)]
-        ),
+        "put_64_layers_of_16KiB_now": lambda: put_parts(layers, checksums.SIMD_COPY_INTO_SEGMENT_BYTES_MIN),
+        "put_16_parts_of_64KiB_memcpy": lambda: put_parts(sixteenths, checksums.SIMD_COPY_INTO_SEGMENT_BYTES_MIN),
+        "put_16_parts_of_64KiB_simd": lambda: put_parts(sixteenths, 64 * KIB),
     }
     out = {}
     for name, action in cases.items():

@@ -11,10 +11,11 @@ the checks"). This module is the arithmetic, and the same-host copies that feed 
   and xxhash both release the GIL on large inputs, and the caller is waiting anyway.
 - Copies go through numpy's SIMD loop, not glibc's memcpy (see _copy).
 
-`python benchmarks/bench_paths.py copies`, 32 x 1 MiB into a numpy array, six runs: copy
-every object then hash them (the previous way) 5.6-6.8 GB/s; chunk by chunk on two threads
-6.8-8.1; a numpy copy alone, no hash, 7.8-9.1. A put of the same bytes in 64 parts of 16 KiB
-per object (one per layer) takes the memcpy path and runs as before (4.5-6.8 GB/s both ways).
+`python benchmarks/bench_paths.py copies`, 32 x 1 MiB into a numpy array, eight runs on this
+shared VM: chunk by chunk on two threads beat copy-then-hash (the previous way) in every run,
+by 1.04-1.41x (median 1.2x; 5.6-8.1 against 4.0-6.8 GB/s; a numpy copy alone, no hash,
+7.1-9.1). A put of the same bytes in 64 parts of 16 KiB per object (one per layer) takes the
+memcpy path: 0.91-1.0x of the previous way in four runs (the per-part bookkeeping).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ PARALLEL_BYTES_MIN = 1 << 20
 COPY_CHUNK_BYTES = 256 << 10
 # Objects up to this size are copied with one memcpy and hashed once.
 SMALL_COPY_BYTES_MAX = 16 << 10
-# Pieces of a larger object smaller than this (a layer of a KV page, say) are copied with
-# memcpy and hashed a chunk at a time; numpy's call costs more than it saves on them.
-SIMD_COPY_BYTES_MIN = COPY_CHUNK_BYTES
+# Pieces from this size up take _copy, smaller ones (a layer of a KV page, say) memcpy: numpy's
+# call costs a few us. Into a caller's buffer (a get) from 64 KiB: such a buffer is often 16
+# bytes past a page (numpy), the case `rep movsb` is slow for. Into a segment (a put), whose
+# ranges are aligned, that case needs a source 1-31 bytes short of a page boundary (rare), so
+# only whole chunks take _copy there (a put in 64 KiB parts: 0.55-0.63x through it, `copies`).
+SIMD_COPY_BYTES_MIN = 64 << 10
+SIMD_COPY_INTO_SEGMENT_BYTES_MIN = COPY_CHUNK_BYTES
 # A copy through numpy's SIMD loop rather than glibc's memcpy, which copies 2 KiB-512 KiB
 # with `rep movsb`: this machine's CPUs (AMD EPYC) run that 3x slower when the destination
 # is 1-31 bytes past the source modulo 4 KiB, as it is from a segment into a numpy array
@@ -67,16 +72,19 @@ def checksums_of(objects: Sequence[Parts]) -> list[int]:
     return _in_shares(checksum_of, objects, [sum(len(p) for p in parts) for parts in objects])
 
 
-def copy_checksummed(sources: Parts, destinations: Sequence[memoryview]) -> int:
+def copy_checksummed(
+    sources: Parts, destinations: Sequence[memoryview], simd_bytes_min: int = SIMD_COPY_BYTES_MIN
+) -> int:
     """Copy the concatenation of `sources` into `destinations` (as many bytes or more) and
     return the xxh3-64 of the bytes copied, hashed from where they landed: what a reader
-    checks is what it got, and a writer's checksum is of what it wrote."""
+    checks is what it got, and a writer's checksum is of what it wrote. Pieces of at least
+    `simd_bytes_min` bytes are copied with _copy, smaller ones with memcpy."""
     if len(destinations) == 1:
-        return _copy_into(sources, destinations[0])
-    return _copy_scattered(sources, destinations)
+        return _copy_into(sources, destinations[0], simd_bytes_min)
+    return _copy_scattered(sources, destinations, simd_bytes_min)
 
 
-def _copy_into(sources: Parts, destination: memoryview) -> int:
+def _copy_into(sources: Parts, destination: memoryview, simd_bytes_min: int) -> int:
     """copy_checksummed into one buffer (a segment range, a bytes object, one registered
     buffer): the common case, kept tight because a KV page may come in one part per layer."""
     if len(sources) == 1 and len(sources[0]) <= SMALL_COPY_BYTES_MAX:
@@ -88,7 +96,7 @@ def _copy_into(sources: Parts, destination: memoryview) -> int:
     at = hashed_to = 0  # bytes of `destination` written, and hashed
     for part in sources:
         size = len(part)
-        if size < SIMD_COPY_BYTES_MIN:  # one piece (a layer of a KV page, say): kept tight
+        if size < simd_bytes_min:  # one piece (a layer of a KV page, say): kept tight
             destination[at : at + size] = part
             at += size
         else:
@@ -106,7 +114,7 @@ def _copy_into(sources: Parts, destination: memoryview) -> int:
     return hasher.intdigest()
 
 
-def _copy_scattered(sources: Parts, destinations: Sequence[memoryview]) -> int:
+def _copy_scattered(sources: Parts, destinations: Sequence[memoryview], simd_bytes_min: int) -> int:
     """copy_checksummed into several buffers (one per layer, say), piece by piece."""
     hasher = xxhash.xxh3_64()
     targets = iter(destinations)
@@ -120,7 +128,7 @@ def _copy_scattered(sources: Parts, destinations: Sequence[memoryview]) -> int:
                 target, at = next(targets), 0
             size = min(COPY_CHUNK_BYTES, len(source) - position, len(target) - at)
             landed = target[at : at + size]
-            if size < SIMD_COPY_BYTES_MIN:
+            if size < simd_bytes_min:
                 landed[:] = source[position : position + size]
             else:
                 _copy(np.frombuffer(source, np.uint8, size, position), out=np.frombuffer(landed, np.uint8))
@@ -130,15 +138,17 @@ def _copy_scattered(sources: Parts, destinations: Sequence[memoryview]) -> int:
     return hasher.intdigest()
 
 
-def copies_checksummed(copies: Sequence[tuple[Parts, Sequence[memoryview]]]) -> list[int]:
+def copies_checksummed(
+    copies: Sequence[tuple[Parts, Sequence[memoryview]]], simd_bytes_min: int = SIMD_COPY_BYTES_MIN
+) -> list[int]:
     """copy_checksummed of each (sources, destinations), on several threads when large and
     in large pieces (small pieces are Python work under the GIL: threads would only take
     turns)."""
     sizes = [sum(len(p) for p in sources) for sources, _ in copies]
-    pieces = sum(len(sources) + len(destinations) for sources, destinations in copies)
-    if sum(sizes) < 2 * SIMD_COPY_BYTES_MIN * pieces:
-        return [copy_checksummed(*copy) for copy in copies]
-    return _in_shares(lambda copy: copy_checksummed(*copy), copies, sizes)
+    pieces = sum(max(len(sources), len(destinations)) for sources, destinations in copies)
+    if sum(sizes) < simd_bytes_min * pieces:  # the average piece is small
+        return [copy_checksummed(*copy, simd_bytes_min) for copy in copies]
+    return _in_shares(lambda copy: copy_checksummed(*copy, simd_bytes_min), copies, sizes)
 
 
 def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[int]) -> list[R]:

@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.checksums import COPY_CHUNK_BYTES, checksum_of, checksums_of, copies_checksummed
+from kvpool.checksums import (
+    COPY_CHUNK_BYTES,
+    SIMD_COPY_INTO_SEGMENT_BYTES_MIN,
+    checksum_of,
+    checksums_of,
+    copies_checksummed,
+)
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
 from kvpool.protocol import objectfile
@@ -213,7 +219,7 @@ class PutJob:
         for index, destination in self.local:
             first.setdefault(index, destination)
         copies = [(self.parts[index], [destination]) for index, destination in first.items()]
-        for index, checksum in zip(first, copies_checksummed(copies)):
+        for index, checksum in zip(first, copies_checksummed(copies, SIMD_COPY_INTO_SEGMENT_BYTES_MIN)):
             checksums[index] = checksum
         for index, destination in self.local:
             if destination is not first[index]:  # a second same-host replica: copy the first
