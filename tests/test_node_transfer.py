@@ -308,6 +308,43 @@ def test_write_commit_read_roundtrip(tmp_path: Path) -> None:
     run(main)
 
 
+def test_a_run_of_small_objects_lands_in_one_view_and_every_slice_in_its_place(tmp_path: Path) -> None:
+    """Items that follow each other in the segment (the keys of a run) are received into one
+    view; items out of order or with gaps between them each get theirs."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (_, node):
+            conn = await connect(node.endpoint, key=KEY, name="client")
+            sinks_given: list[int] = []
+            real_sinks_for = node._transfer._sinks_for
+
+            def recording_sinks_for(message):
+                sinks = real_sinks_for(message)
+                sinks_given.append(len(sinks))
+                return sinks
+
+            node._transfer._sinks_for = recording_sinks_for  # type: ignore[method-assign]
+            run_grant = grant_for(node, 0, 128 * 4096)
+            objects = [os.urandom(4096) for _ in range(128)]
+            items = [WriteItem(run_grant, i * 4096, 4096) for i in range(128)]
+            reply = await conn.request(WriteSlices(items), objects)
+            assert isinstance(reply, CodesReply) and reply.codes == [0] * 128
+            # Out of order, and with a gap: three views, each slice where its item says.
+            other = grant_for(node, 600 * 1024, 3 * 4096)
+            parts = [os.urandom(4096), os.urandom(100), os.urandom(4096)]
+            items = [WriteItem(other, 2 * 4096, 4096), WriteItem(other, 4096, 100), WriteItem(other, 0, 4096)]
+            reply = await conn.request(WriteSlices(items), parts)
+            assert isinstance(reply, CodesReply) and reply.codes == [0, 0, 0]
+            assert sinks_given == [1, 3]
+            assert await read(conn, node.segment_id, 0, 128 * 4096) == b"".join(objects)
+            assert await read(conn, node.segment_id, 600 * 1024, 4096) == parts[2]
+            assert await read(conn, node.segment_id, 600 * 1024 + 4096, 100) == parts[1]
+            assert await read(conn, node.segment_id, 600 * 1024 + 2 * 4096, 4096) == parts[0]
+            conn.close()
+
+    run(main)
+
+
 def test_forged_expired_and_misrouted_grants_are_refused(tmp_path: Path) -> None:
     async def main() -> None:
         async with cluster(tmp_path) as (master, node):

@@ -183,12 +183,19 @@ class TransferHandler(_SegmentHandler):
         if not isinstance(message, WriteSlices):
             return super()._sinks_for(message)
         self._check_write(message)
-        data = self.segment.data
         # The payload lands in the mapping itself: no staging copy, no per-slice bytes object.
-        return [
-            data[item.grant.offset + item.start : item.grant.offset + item.start + item.size]
-            for item in message.items
-        ]
+        # Items that follow each other in the segment (the keys of one run, master/puts.py)
+        # share one view, so that a batch of small objects is received in place in a few
+        # large reads (protocol/frames.py sends sinks under 64 KiB through its staging).
+        ranges: list[list[int]] = []
+        for item in message.items:
+            start = item.grant.offset + item.start
+            if ranges and ranges[-1][1] == start:
+                ranges[-1][1] = start + item.size
+            else:
+                ranges.append([start, start + item.size])
+        data = self.segment.data
+        return [data[start:end] for start, end in ranges]
 
     def _handle_landed(self, message: Message) -> HandlerResult:
         assert isinstance(message, WriteSlices), type(message).__name__
