@@ -12,7 +12,7 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects.
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
-               through AsyncStore and Store.
+               through AsyncStore and Store (and Store with shm off: over TCP).
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md).
@@ -295,13 +295,19 @@ def client() -> dict:
                     samples.append(time.perf_counter_ns() - started)
                 return BATCH / (statistics.median(samples) / 1e9)
 
-        with Store(cluster.master_endpoint) as store:
-            samples = []
-            for batch in range(150):
-                keys = [f"s-{batch}-{i}" for i in range(BATCH)]
-                samples.append(timed(lambda keys=keys: store.put_batch(keys, [value] * BATCH), 1)[0])
-            sync_rate = BATCH / (statistics.median(samples) / 1e9)
-        result["puts_4KiB_batch128_per_s"] = {"async_store": round(uvloop.run(async_puts())), "store": round(sync_rate)}
+        def sync_puts(shm_enabled: bool) -> float:
+            with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
+                samples = []
+                for batch in range(150):
+                    keys = [f"s-{shm_enabled}-{batch}-{i}" for i in range(BATCH)]
+                    samples.append(timed(lambda keys=keys: store.put_batch(keys, [value] * BATCH), 1)[0])
+                return BATCH / (statistics.median(samples) / 1e9)
+
+        result["puts_4KiB_batch128_per_s"] = {
+            "async_store": round(uvloop.run(async_puts())),
+            "store": round(sync_puts(True)),
+            "store_tcp_only": round(sync_puts(False)),
+        }
     return result
 
 
