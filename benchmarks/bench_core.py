@@ -78,19 +78,24 @@ def socket_pair_gbps(total_bytes: int, chunk: int = MIB) -> float:
     return total_bytes / elapsed / 1e9
 
 
+def connected_pair(family: int) -> tuple[socket.socket, socket.socket]:
+    """Two connected sockets: over TCP loopback (Nagle off, as kvpool's) or a Unix socket pair."""
+    if family == socket.AF_UNIX:
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(listener.getsockname())
+    theirs, _ = listener.accept()
+    listener.close()
+    for end in (ours, theirs):
+        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ours, theirs
+
+
 def round_trip_us(family: int = socket.AF_INET) -> float:
     """Median round trip of 64 bytes between two processes, over TCP loopback or a Unix socket
     (what same-host control traffic uses): how quickly this machine wakes a process right now
     (shared VMs vary several-fold from hour to hour)."""
-    if family == socket.AF_UNIX:
-        conn, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    else:
-        listener = socket.create_server(("127.0.0.1", 0))
-        conn = socket.create_connection(listener.getsockname())
-        peer, _ = listener.accept()
-        listener.close()
-        for end in (conn, peer):
-            end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn, peer = connected_pair(family)
     pid = os.fork()
     if pid == 0:
         conn.close()

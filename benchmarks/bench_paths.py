@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import uvloop
 import xxhash
+from bench_core import connected_pair
 
 from kvpool import AsyncStore, Store
 from kvpool.cli.launcher import LocalCluster
@@ -86,21 +87,9 @@ def timed(action, count: int) -> list[int]:
 # --- round trips -------------------------------------------------------------------------
 
 
-def _socket_pair(family: int) -> tuple[socket.socket, socket.socket]:
-    if family == socket.AF_UNIX:
-        return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener = socket.create_server(("127.0.0.1", 0))
-    ours = socket.create_connection(listener.getsockname())
-    theirs, _ = listener.accept()
-    listener.close()
-    for end in (ours, theirs):
-        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return ours, theirs
-
-
 def blocking_round_trip(family: int) -> dict:
     """The sender's cost of a 200-byte send to a process blocked in recv, and the round trip."""
-    ours, theirs = _socket_pair(family)
+    ours, theirs = connected_pair(family)
     pid = os.fork()
     if pid == 0:
         ours.close()
