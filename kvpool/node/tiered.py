@@ -172,9 +172,9 @@ class TieredMasterCalls:
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         gate = self._gate
         if gate is None or gate.done():
-            result = self._dispatch(conn, message)
-            if isinstance(message, CommitObjects) and isinstance(result, Awaitable):
-                result = self._gate = asyncio.ensure_future(result)
+            result, commit = self._start(conn, message)
+            if commit is not None:
+                self._gate = commit
             return result
         # Behind a commit being verified: start in turn, and hold the next call until then.
         turn = asyncio.get_running_loop().create_future()
@@ -189,17 +189,27 @@ class TieredMasterCalls:
         is_turn_handed_over = False
         try:
             await asyncio.wait([previous])
-            result = self._dispatch(conn, message)
-            if isinstance(message, CommitObjects) and isinstance(result, Awaitable):
-                task = asyncio.ensure_future(result)
-                task.add_done_callback(lambda _: turn.done() or turn.set_result(None))
+            result, commit = self._start(conn, message)
+            if commit is not None:
+                commit.add_done_callback(lambda _: turn.done() or turn.set_result(None))
                 is_turn_handed_over = True
-                return await task
+                return await commit
             turn.set_result(None)
             return await result if isinstance(result, Awaitable) else result
         finally:
             if not is_turn_handed_over and not turn.done():
                 turn.set_result(None)
+
+    def _start(
+        self, conn: Connection, message: Message
+    ) -> tuple[HandlerResult | Awaitable[HandlerResult], asyncio.Future | None]:
+        """Dispatch `message`; a commit verified off the loop also comes back as the task the
+        calls after it must wait for."""
+        result = self._dispatch(conn, message)
+        if isinstance(message, CommitObjects) and isinstance(result, Awaitable):
+            commit = asyncio.ensure_future(result)
+            return commit, commit
+        return result, None
 
     def _dispatch(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         if isinstance(message, MoveObjects):
