@@ -635,22 +635,20 @@ async def start_server(
     # Abstract namespace (leading NUL): no file to leave behind, gone with the process.
     local_name = f"\0kvpool-{os.urandom(16).hex()}"
     local_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def serving(announced_name: str = "") -> Connection:
+        return Connection(handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name)
+
     with map_exceptions({OSError: ConnectFailed}):
         try:
             local_socket.bind(local_name)
-            local = await loop.create_unix_server(
-                lambda: Connection(handler, key=key, is_server=True, name=name, registry=connections),
-                sock=local_socket,
-                backlog=1024,
-            )
+            local = await loop.create_unix_server(serving, sock=local_socket, backlog=1024)
         except BaseException:
             local_socket.close()
             raise
         try:
             server = await loop.create_server(
-                lambda: Connection(
-                    handler, key=key, is_server=True, name=name, registry=connections, local_name=local_name
-                ),
+                lambda: serving(local_name),
                 host,
                 port,
                 reuse_address=True,
