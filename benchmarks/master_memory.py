@@ -2,8 +2,10 @@
 
 Mounts a few segments, then puts OBJECTS objects (64-byte keys, one replica) in batches of 128
 through put_start -> put_end -> finish_put_end, as the server would, and reads them back with
-get_replica_list. Memory is the RSS delta (/proc/self/statm) over the inserts, divided by the
-object count; times are wall time per key. Prints one JSON line.
+get_replica_list, then unmounts one segment (its eighth of the objects vanish: a node left).
+Memory is the RSS delta (/proc/self/statm) over the inserts, divided by the object count;
+times are wall time per key, and the unmount's in ms (the master serves no one meanwhile).
+Prints one JSON line.
 
     python benchmarks/master_memory.py [--objects N] [--batch-keys 128]
 
@@ -31,6 +33,7 @@ from kvpool.protocol.messages import (
     PutStart,
     ReplicateConfig,
     SegmentInfo,
+    UnmountSegment,
 )
 
 SEGMENT_COUNT = 8
@@ -92,6 +95,10 @@ def main() -> None:
         assert all(code == 0 for code in reply.codes)
 
     assert service.object_count == objects, service.object_count
+    began = time.perf_counter()
+    service.unmount_segment(UnmountSegment("seg-0"), now_ms)
+    unmount_ms = (time.perf_counter() - began) * 1000
+    lost = objects - service.object_count
     print(
         json.dumps(
             {
@@ -99,6 +106,8 @@ def main() -> None:
                 "rss_bytes_per_object": round((rss_after - rss_before) / objects, 1),
                 "put_us_per_key": round(put_seconds / objects * 1e6, 2),
                 "get_us_per_key": round(get_seconds / get_keys * 1e6, 2),
+                "unmount_ms": round(unmount_ms),
+                "unmount_objects": lost,
                 "batch_keys": batch,
                 "segments": SEGMENT_COUNT,
             }

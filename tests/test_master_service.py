@@ -765,6 +765,28 @@ def test_unmount() -> None:
     assert svc.object_count == 0
 
 
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_unmount_of_a_segment_holding_many_objects(policy: str) -> None:
+    """The bulk path (ObjectTable.on_segment / remove_many): soft-pinned, read (a protected
+    object under probation-lru) and two-replica objects; the policy stays consistent
+    (Checked) and still evicts afterwards."""
+    svc = make(policy=policy, evict_watermark_ratio_high=0.9, evict_ratio=0.2)
+    mount(svc, "s1", capacity=4 * MIB)
+    mount(svc, "s2", capacity=MIB)
+    only_s1 = fill(svc, "s1", 20, prefix="a") + fill(svc, "s1", 1, prefix="soft", with_soft_pin=True)
+    assert put(svc, ["both"], replica_num=2) == [OK]
+    get(svc, ["a3", "a4", "both"], 1)  # a second access: protected under probation-lru
+    fill(svc, "s2", 12, prefix="b")
+    svc.unmount_segment(UnmountSegment("s1"), 2)
+    assert not any(exists(svc, only_s1))
+    assert svc.counters.lost == 21
+    assert [r.segment_id for r in get(svc, ["both"], 3).replicas[0]] == ["s2"]
+    assert svc.object_count == 13
+    fill(svc, "s2", 2, prefix="c", now=4)  # s2 past its watermark: eviction still finds victims
+    svc.tick(5)
+    assert [e.key for e in svc.take_drops()["s2"]][:2] == ["b0", "b1"]
+
+
 def test_segment_lost_mid_put() -> None:
     svc = make()
     mount(svc, "s1")

@@ -357,6 +357,27 @@ def test_unmounting_the_source_during_a_move_loses_the_objects_and_drops_their_c
     assert tiers(svc)[TIER_DISK]["used_bytes"] == 0
 
 
+def test_unmounting_a_dram_segment_keeps_the_disk_copies_and_losing_the_disk_keeps_dram():
+    svc = cluster()
+    copied = keys("w", 4)
+    copies = write_through(svc, copied, with_disk_copy=True)
+    svc.finish_moves("A", copies["A"], [OK] * 4, 0)
+    plain = fill(svc, 4, prefix="p")
+    svc.unmount_segment(UnmountSegment("A/disk"), 1)  # the disk died: DRAM replicas remain
+    assert [where(svc, k) for k in copied + plain] == [["A"]] * 8
+    assert tiers(svc)[TIER_DISK]["object_count"] == 0
+    svc.mount_segment(MountSegment(disk("A/disk2", "n1"), []), 1)
+    copies = write_through(svc, keys("x", 2), now=1, with_disk_copy=True)
+    svc.finish_moves("A", copies["A"], [OK] * 2, 1)
+    svc.unmount_segment(UnmountSegment("A"), 2)  # the DRAM went: only disk copies survive
+    assert svc.raw.object_count == 2
+    assert [where(svc, k) for k in keys("x", 2)] == [["A/disk2"]] * 2
+    assert tiers(svc)[TIER_DISK]["object_count"] == 2
+    svc.unmount_segment(UnmountSegment("A/disk2"), 3)  # and then the disk: nothing is left
+    assert svc.raw.object_count == 0 and svc.counters.lost == 10
+    assert tiers(svc)[TIER_DISK]["object_count"] == 0
+
+
 # --- random interleavings against the nodes' truth ---------------------------------------------
 
 TIER_KEYS = [f"t{i}" for i in range(40)]

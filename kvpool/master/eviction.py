@@ -105,6 +105,11 @@ class EvictionPolicy(abc.ABC):
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
         """The object left the table (removed, evicted, or lost with its segments)."""
 
+    def on_remove_many(self, removed: list[tuple[str, ObjectMeta]]) -> None:
+        """on_remove for each (key, meta): many objects left at once (a segment left)."""
+        for key, meta in removed:
+            self.on_remove(key, meta)
+
     def on_unpin(self, key: str, meta: ObjectMeta) -> None:
         """The object's soft pin expired; it competes with unpinned objects from now on."""
 
@@ -147,6 +152,9 @@ class LruPolicy(EvictionPolicy):
         objects[key] = meta
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
+        pass
+
+    def on_remove_many(self, removed: list[tuple[str, ObjectMeta]]) -> None:
         pass
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
@@ -338,6 +346,16 @@ class ProbationLruPolicy(EvictionPolicy):
         else:
             del self._probation[key]
             self._probation_bytes -= meta.size_bytes
+
+    def on_remove_many(self, removed: list[tuple[str, ObjectMeta]]) -> None:
+        protected, probation = self._protected, self._probation
+        for key, meta in removed:
+            if key in protected:
+                del protected[key]
+                self._protected_bytes -= meta.size_bytes
+            else:
+                del probation[key]
+                self._probation_bytes -= meta.size_bytes
 
     def _demote_overflow(self) -> None:
         """Demote the oldest protected objects while they hold too large a share of the bytes.

@@ -269,6 +269,52 @@ class ObjectTable:
         self._place_views(key, meta, ())
         return meta
 
+    def on_segment(self, segment_index: int) -> tuple[list[str], list[tuple[str, ObjectMeta]]]:
+        """The objects with a replica on a segment: (keys of those with no other replica,
+        (key, meta) of the others). One pass over the table with the packed-int test inline
+        (a leaving segment's objects among millions: mounts.py)."""
+        mask = _SEGMENT_INDEX_MASK
+        only_there: list[str] = []
+        also_elsewhere: list[tuple[str, ObjectMeta]] = []
+        for objects in (self.objects, self.lower):
+            hits = [
+                (key, meta)
+                for key, meta in objects.items()
+                if (
+                    meta.replicas & mask == segment_index
+                    if type(meta.replicas) is int
+                    else any(r & mask == segment_index for r in meta.replicas)
+                )
+            ]
+            for key, meta in hits:
+                if type(meta.replicas) is int:
+                    only_there.append(key)
+                else:
+                    also_elsewhere.append((key, meta))
+        return only_there, also_elsewhere
+
+    def remove_many(self, keys: list[str]) -> None:
+        """remove() for many keys, with the policy told once (EvictionPolicy.on_remove_many)."""
+        objects, lower = self.objects, self.lower
+        views = [view for view in self.views.values() if view.objects]
+        from_dram: list[tuple[str, ObjectMeta]] = []
+        for key in keys:
+            meta = objects.pop(key, None)
+            if meta is not None:
+                if meta.soft_pin_expiry_ms:
+                    del self.soft_pinned[key]
+                from_dram.append((key, meta))
+            else:
+                meta = lower.pop(key)
+                if meta.soft_pin_expiry_ms:
+                    del self.lower_soft_pinned[key]
+            for view in views:
+                if key in view.objects:
+                    del view.objects[key]
+                    view.soft_pinned.pop(key, None)
+                    view.policy.on_remove(key, meta)
+        self.policy.on_remove_many(from_dram)
+
     def place(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...]) -> None:
         """Re-index an object after its replicas changed: it is resident in `tiers` now (an
         empty set while its only replicas are moving out)."""

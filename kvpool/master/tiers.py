@@ -268,6 +268,13 @@ class PromotionCounter:
         self._counts.pop(key, None)
         self._due.pop(key, None)
 
+    def forget_many(self, keys: list[str]) -> None:
+        counts, due = self._counts, self._due
+        if counts or due:
+            for key in keys:
+                counts.pop(key, None)
+                due.pop(key, None)
+
 
 class Room(enum.Enum):
     """Why no range was found in a tier: none there at all, or room is on its way (evictions
