@@ -11,7 +11,7 @@ import pytest
 from kvpool import limits
 from kvpool.client import transfer
 from kvpool.client.transfer import _FrameCutter
-from kvpool.protocol.messages import WriteGrant, WriteItem, WriteSlices
+from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant, WriteItem, WriteSlices
 
 
 @pytest.mark.parametrize("slice_bytes,frame_bytes", [(64, 128), (1000, 10_000), (7, 7)])
@@ -40,6 +40,32 @@ def test_frames_carry_each_object_contiguously_across_its_buffers(monkeypatch, s
             position += item.size
         assert position == len(payload)
     assert {i: bytes(b) for i, b in rebuilt.items()} == {i: b"".join(p) for i, p in objects.items()}
+
+
+@pytest.mark.parametrize("second_key_first_on", ["A", "B"])
+def test_a_put_names_the_segments_it_hashed_in_place(second_key_first_on: str) -> None:
+    """PutEnd.hashed_in_place lists a segment only if every key written there was hashed as it
+    landed: a second same-host replica is copied from the first, not hashed where it lands."""
+    class Mapped:
+        def __init__(self) -> None:
+            self.data = memoryview(bytearray(8192))
+
+    segments = {sid: SegmentInfo(sid, "n", "h", "h:1", "/dev/shm/x", b"t", 8192) for sid in "AB"}
+    mapped = {sid: Mapped() for sid in "AB"}
+    first_of_second = 0 if second_key_first_on == "A" else 1
+    reply = PutStartReply(
+        [0, 0],
+        [[(0, 0), (1, 0)], [(first_of_second, 4096), (1 - first_of_second, 4096)]],
+        [WriteGrant("A", 0, 8192, 0), WriteGrant("B", 0, 8192, 0)],
+        segments,
+    )
+    values = [os.urandom(4096), os.urandom(4096)]
+    parts = [[memoryview(v)] for v in values]
+    job = transfer.PutJob(["k0", "k1"], parts, reply, lambda info: mapped[info.segment_id])
+    job.copy_local()
+    for sid in "AB":
+        assert bytes(mapped[sid].data) == values[0] + values[1]
+    assert job.hashed_in_place == (["A"] if second_key_first_on == "A" else [])
 
 
 def test_new_bytes_lands_payload_in_the_object_returned() -> None:

@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -142,10 +143,21 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     assert master["kvpool_master_misses_total"] == 1
     used = [v for k, v in master.items() if k.startswith("kvpool_master_segment_used_bytes")]
     assert used == [10 * 4096]
-    node = scrape(int(cluster.nodes[0].info["metrics_endpoint"].rsplit(":", 1)[1]))
+    node_port = int(cluster.nodes[0].info["metrics_endpoint"].rsplit(":", 1)[1])
+    node = scrape(node_port)
     assert node["kvpool_node_objects"] == 10
     assert node["kvpool_node_segment_used_bytes"] == 10 * 4096
     assert node["kvpool_node_read_bytes_total"] >= 10 * 4096
+    assert node["kvpool_node_commits_total{result=ok}"] == 10
+    assert node["kvpool_node_commits_hashed_in_place_total"] == 0  # over TCP: the node hashed them
+    with Store(cluster.master_endpoint) as store:  # same host: copied and hashed in the segment
+        store.put_batch([f"s{i}" for i in range(5)], [b"s" * 4096] * 5)
+    deadline = time.monotonic() + 5  # the put is answered before the node records the commit
+    while scrape(node_port)["kvpool_node_commits_total{result=ok}"] < 15 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node = scrape(node_port)
+    assert node["kvpool_node_commits_total{result=ok}"] == 15
+    assert node["kvpool_node_commits_hashed_in_place_total"] == 5
     health = urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=5).read()
     assert b"ok" in health
 

@@ -137,9 +137,12 @@ class FakeMaster:
         await self.server.close()
         self.conns.clear()
 
-    async def commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int]:
+    async def commit(
+        self, segment_id: str, entries: list[InventoryEntry], is_hashed_in_place: bool = False
+    ) -> list[int]:
         assert self.node_conn is not None
-        reply = await self.node_conn.request(CommitObjects(segment_id, entries), timeout_ms=2_000)
+        message = CommitObjects(segment_id, entries, is_hashed_in_place)
+        reply = await self.node_conn.request(message, timeout_ms=2_000)
         assert isinstance(reply, CodesReply)
         return reply.codes
 
@@ -456,6 +459,24 @@ def test_commit_verifies_checksum_and_bounds_and_drop_forgets(tmp_path: Path) ->
             metrics = node.metrics.render().decode()
             assert 'kvpool_node_commits_total{result="checksum"} 2.0' in metrics
             conn.close()
+
+    run(main)
+
+
+def test_a_commit_hashed_in_place_by_its_writer_is_recorded_without_hashing(tmp_path: Path) -> None:
+    """PutEnd.hashed_in_place: the writer copied through the mapping and hashed the bytes
+    there, so the node takes its checksum (readers verify every read); bounds still hold."""
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            sid = node.segment_id
+            data = os.urandom(700)
+            node.segment.data[0:700] = data  # as a same-host writer copies
+            claimed = InventoryEntry("k", 0, 700, xxhash.xxh3_64_intdigest(data) ^ 1)
+            assert await master.commit(sid, [claimed]) == [ErrorCode.TRANSFER_FAIL]  # hashed
+            outside = InventoryEntry("out", node.segment.capacity_bytes - 10, 20, 0)
+            codes = await master.commit(sid, [claimed, outside], is_hashed_in_place=True)
+            assert codes == [ErrorCode.OK, ErrorCode.INVALID_PARAMS]
+            assert [(x.key, x.checksum) for x in node.inventory.entries()] == [("k", claimed.checksum)]
 
     run(main)
 

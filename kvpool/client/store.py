@@ -346,7 +346,7 @@ class AsyncStore:
         outcomes = await self._run_batches(job.remote)
         # A key fails only if every replica failed; a partly written replica fails its
         # checksum at commit and the master drops just that replica.
-        written_somewhere = {index for index, _ in job.local}
+        written_somewhere = {index for index, _, _ in job.local}
         tried: set[int] = set()
         for batch, failed in zip(job.remote, outcomes):
             keys = {i for owners in batch.owners for i in owners}
@@ -357,7 +357,7 @@ class AsyncStore:
         revoke = [i for i, needs in enumerate(job.needs_end) if needs and job.codes[i] != ErrorCode.OK]
         if end:
             reply = await self._master.call(
-                PutEnd([job.keys[i] for i in end], [job.checksums[i] for i in end]),
+                PutEnd([job.keys[i] for i in end], [job.checksums[i] for i in end], job.hashed_in_place),
                 is_idempotent=False,
             )
             assert isinstance(reply, CodesReply)

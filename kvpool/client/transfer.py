@@ -178,7 +178,8 @@ class PutJob:
         self.checksums: list[int] = []
         self.codes: list[int] = []
         self.needs_end: list[bool] = []
-        self.local: list[tuple[int, memoryview]] = []  # (key index, destination in a segment)
+        self.local: list[tuple[int, memoryview, str]] = []  # (key index, destination, segment id)
+        self.hashed_in_place: list[str] = []  # see PutEnd; known after copy_local
         cutters: dict[str, _FrameCutter] = {}
         # Per grant (keys of a run share one): the mapped segment's data, or None (TCP).
         mapped_data = [
@@ -201,7 +202,7 @@ class PutJob:
                 grant = reply.grants[grant_index]
                 if data is not None:
                     offset = grant.offset + start
-                    self.local.append((index, data[offset : offset + size]))
+                    self.local.append((index, data[offset : offset + size], grant.segment_id))
                     continue
                 endpoint = reply.segments[grant.segment_id].endpoint
                 cutter = cutters.get(endpoint)
@@ -216,14 +217,19 @@ class PutJob:
         with a local replica is hashed chunk by chunk as it is copied (checksums.py)."""
         checksums = [0] * len(self.keys)
         first: dict[int, memoryview] = {}  # key index -> its first local replica
-        for index, destination in self.local:
+        for index, destination, _ in self.local:
             first.setdefault(index, destination)
         copies = [(self.parts[index], [destination]) for index, destination in first.items()]
         for index, checksum in zip(first, copies_checksummed(copies, SIMD_COPY_INTO_SEGMENT_BYTES_MIN)):
             checksums[index] = checksum
-        for index, destination in self.local:
-            if destination is not first[index]:  # a second same-host replica: copy the first
+        hashed, copied = set(), set()
+        for index, destination, segment_id in self.local:
+            if destination is first[index]:
+                hashed.add(segment_id)
+            else:  # a second same-host replica: copy the first (not hashed where it landed)
                 destination[:] = first[index]
+                copied.add(segment_id)
+        self.hashed_in_place = sorted(hashed - copied)
         remote_only = [i for i, needs_end in enumerate(self.needs_end) if needs_end and i not in first]
         for index, checksum in zip(remote_only, checksums_of([self.parts[i] for i in remote_only])):
             checksums[index] = checksum

@@ -330,7 +330,8 @@ class MasterServer:
         service = self.service
         now_ms = wall_clock_ms()
         pending = service.put_end(message, now_ms)
-        calls = {s: asyncio.ensure_future(self._commit(s, e)) for s, e in pending.commits.items()}
+        hashed = set(message.hashed_in_place)
+        calls = {s: asyncio.ensure_future(self._commit(s, e, s in hashed)) for s, e in pending.commits.items()}
         if calls:
             await asyncio.sleep(0)  # each call's first step writes its frame, in order
         results: dict[str, list[int]] = {}
@@ -373,7 +374,9 @@ class MasterServer:
             log.warning("segment %s refused %d commits after the put was answered; %d objects dropped",
                         segment_id, len(refused), dropped)  # fmt: skip
 
-    async def _commit(self, segment_id: str, entries: list[InventoryEntry]) -> list[int] | None:
+    async def _commit(
+        self, segment_id: str, entries: list[InventoryEntry], is_hashed_in_place: bool = False
+    ) -> list[int] | None:
         """The node's code for each entry, or None when it did not answer (no connection,
         not leading, broken, timed out)."""
         conn = self._node_conns.get(segment_id)
@@ -381,7 +384,7 @@ class MasterServer:
             return None
         try:
             reply = await conn.request(
-                CommitObjects(segment_id, entries), timeout_ms=NODE_CALL_TIMEOUT_MS
+                CommitObjects(segment_id, entries, is_hashed_in_place), timeout_ms=NODE_CALL_TIMEOUT_MS
             )
         except KVPoolError as exc:
             log.warning("commit to segment %s failed: %s", segment_id, exc)

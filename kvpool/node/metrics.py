@@ -19,6 +19,8 @@ Metric names (all prefixed kvpool_node_):
     read_requests_total      counter  ReadSlices requests answered OK
     errors_total{code}       counter  requests answered with an error, by ErrorCode name
     commits_total{result}    counter  entries committed by the master, result ok|checksum|bounds
+    commits_hashed_in_place_total  counter  of the ok ones, those taken on the writer's hash
+                                   (a same-host copy, PutEnd.hashed_in_place), not hashed again
     mounts_total             counter  successful MountSegment calls (first mount and re-mounts)
 """
 
@@ -75,6 +77,11 @@ class NodeMetrics:
             _PREFIX + "commits", "Entries committed by the master, by result.", ["result"],
             registry=r,
         )  # fmt: skip
+        self.commits_hashed_in_place = Counter(
+            _PREFIX + "commits_hashed_in_place",
+            "Commits recorded on the writer's own hash of the bytes in the segment (same host).",
+            registry=r,
+        )
         self.mounts = Counter(
             _PREFIX + "mounts", "Successful MountSegment calls (mounts and re-mounts).", registry=r
         )

@@ -288,8 +288,10 @@ class MasterCallHandler(_SegmentHandler):
     """Serves the master's calls on the node's own connection: CommitObjects and DropObjects.
 
     A commit hashes the committed bytes (xxh3 runs at memory speed, 12-14 GB/s here), off the
-    loop when the commit is large. Only the hashing leaves the loop: entries enter the
-    inventory on the loop, and the master never drops an object whose commit is unanswered.
+    loop when the commit is large, unless the writer hashed them in this segment as they
+    landed (a same-host copy: PutEnd.hashed_in_place). Only the hashing leaves the loop:
+    entries enter the inventory on the loop, and the master never drops an object whose
+    commit is unanswered.
     """
 
     def __repr__(self) -> str:
@@ -311,6 +313,10 @@ class MasterCallHandler(_SegmentHandler):
         entries = message.entries
         capacity_bytes = self.segment.capacity_bytes
         in_bounds = [0 <= e.offset and 0 < e.size and e.offset + e.size <= capacity_bytes for e in entries]
+        if message.is_hashed_in_place:  # the writer hashed these bytes here (PutEnd.hashed_in_place)
+            codes = [ErrorCode.OK if ok else ErrorCode.INVALID_PARAMS for ok in in_bounds]
+            self.metrics.commits_hashed_in_place.inc(sum(in_bounds))
+            return self._record(entries, codes)
         data = self.segment.data
         views = [[data[e.offset : e.offset + e.size]] for e, ok in zip(entries, in_bounds) if ok]
         if sum(e.size for e, ok in zip(entries, in_bounds) if ok) < checksums.PARALLEL_BYTES_MIN:

@@ -216,8 +216,16 @@ class PutStartReply(Message, tag=11):
 
 
 class PutEnd(Message, tag=12):
+    """`hashed_in_place`: the segments this writer copied every key of the batch into through
+    its mapping (same host), hashing the bytes where they landed (checksums.copy_checksummed).
+    Their nodes record those commits without hashing the bytes again: a copy through a mapping
+    cannot land in part, so the second hash would only repeat the first (readers verify every
+    read regardless). A writer over TCP lists nothing: a write that broke off mid-way is then
+    refused by the node's hash."""
+
     keys: list[str]
     checksums: list[int]
+    hashed_in_place: list[str] = []
 
 
 class PutRevoke(Message, tag=13):
@@ -365,10 +373,13 @@ class DrainSegment(Message, tag=45):
 
 class CommitObjects(Message, tag=46):
     """master -> node at put_end: record these complete objects in the inventory. The node
-    verifies size and checksum against its bytes first; the reply has one code per entry."""
+    verifies size and checksum against its bytes first, unless `is_hashed_in_place` (the
+    writer hashed them in this segment: PutEnd.hashed_in_place); the reply has one code per
+    entry."""
 
     segment_id: str
     entries: list[InventoryEntry]
+    is_hashed_in_place: bool = False
 
 
 class DropObjects(Message, tag=47):
