@@ -2,7 +2,7 @@
 
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
-    python benchmarks/bench_paths.py [round-trips|master|node-commit|client|landing|copies|files ...]
+    python benchmarks/bench_paths.py [round-trips|master|node-commit|client|put-phases|landing|copies|files ...]
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets); a uvloop ping-pong; one kvpool RPC
@@ -13,6 +13,10 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
                through AsyncStore and Store (and Store with shm off: over TCP).
+  put-phases   where a same-host zero-copy put of 32 x 1 MiB spends its time, batches back to
+               back (as bench_core.py runs them): put_start, the copy and hash, put_end, each
+               timed through Store and through AsyncStore; a numpy copy of 32 MiB for scale.
+               Against a node process, and in one process (the client's embedded segment).
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md).
@@ -300,6 +304,79 @@ def client() -> dict:
     return result
 
 
+# --- phases of a same-host put -----------------------------------------------------------
+
+
+def put_phases() -> dict:
+    size, keys_per_batch, batches, rounds = MIB, 32, 8, 6
+    source = np.random.randint(0, 255, size * keys_per_batch * batches, dtype=np.uint8)
+    target = np.empty(size * keys_per_batch, dtype=np.uint8)
+    numpy_ns = timed(lambda: np.copyto(target, source[: len(target)]), 20)
+
+    def spans(store: AsyncStore, base: int, round_index: int) -> list:
+        out = []
+        for b in range(batches):
+            keys = [f"phase-{round_index}-{b}-{i}" for i in range(keys_per_batch)]
+            addresses = [[base + (b * keys_per_batch + i) * size] for i in range(keys_per_batch)]
+            out.append((keys, store._views(keys, addresses, [[size]] * keys_per_batch)))
+        return out
+
+    def summary(samples: dict[str, list[int]]) -> dict:
+        return {f"{phase}_us": median_us(ns) for phase, ns in samples.items()}
+
+    def through_store(master: str, **options) -> dict:
+        samples: dict[str, list[int]] = {"put_start": [], "copy": [], "put_end": []}
+        with Store(master, **options) as store:
+            base = store.register_buffer(source)
+            for round_index in range(rounds):
+                for keys, views in spans(store._async, base, round_index):
+                    began = time.perf_counter_ns()
+                    job = store._run(store._async._put_start(keys, views, None))
+                    copied = time.perf_counter_ns()
+                    job.copy_local()
+                    ended = time.perf_counter_ns()
+                    assert store._run(store._async._put_finish(job)) == [0] * keys_per_batch
+                    if round_index:  # the first round maps the segment and warms up
+                        samples["put_start"].append(copied - began)
+                        samples["copy"].append(ended - copied)
+                        samples["put_end"].append(time.perf_counter_ns() - ended)
+                store.remove_all(force=True)
+        return summary(samples)
+
+    async def through_async_store(master: str, **options) -> dict:
+        samples: dict[str, list[int]] = {"put_start": [], "copy": [], "put_end": []}
+        async with await AsyncStore.open(master, **options) as store:
+            base = store.register_buffer(source)
+            for round_index in range(rounds):
+                for keys, views in spans(store, base, round_index):
+                    began = time.perf_counter_ns()
+                    job = await store._put_start(keys, views, None)
+                    copied = time.perf_counter_ns()
+                    job.copy_local()
+                    ended = time.perf_counter_ns()
+                    assert await store._put_finish(job) == [0] * keys_per_batch
+                    if round_index:
+                        samples["put_start"].append(copied - began)
+                        samples["copy"].append(ended - copied)
+                        samples["put_end"].append(time.perf_counter_ns() - ended)
+                await store.remove_all(force=True)
+        return summary(samples)
+
+    result: dict = {"numpy_copy_32MiB_us": median_us(numpy_ns)}
+    with LocalCluster(1, "512MiB") as cluster:
+        result["node_process"] = {
+            "store": through_store(cluster.master_endpoint),
+            "async_store": uvloop.run(through_async_store(cluster.master_endpoint)),
+        }
+    with LocalCluster(0, "64MiB") as cluster:
+        embedded = {"embedded_memory_bytes": 512 * MIB}
+        result["one_process"] = {
+            "store": through_store(cluster.master_endpoint, **embedded),
+            "async_store": uvloop.run(through_async_store(cluster.master_endpoint, **embedded)),
+        }
+    return result
+
+
 # --- landing of plain gets ---------------------------------------------------------------
 
 
@@ -474,6 +551,7 @@ PARTS = {
     "master": master,
     "node-commit": node_commit,
     "client": client,
+    "put-phases": put_phases,
     "landing": landing,
     "copies": copies,
     "files": files_read,
