@@ -8,7 +8,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                Unix socket (blocking sockets); a uvloop ping-pong; one kvpool RPC
                (GetReplicaList of one key) to a master process over TCP and over its Unix socket.
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
-               MasterService, in batches of 128 4 KiB objects.
+               MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
+               caches and right after a 64 MiB copy (cold, as in put-phases).
   node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects.
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
@@ -65,6 +66,7 @@ from kvpool.protocol.messages import (
     MountSegment,
     PutEnd,
     PutStart,
+    RemoveAll,
     ReplicateConfig,
     SegmentInfo,
 )
@@ -215,7 +217,38 @@ def master() -> dict:
         e = time.perf_counter_ns()
         for name, elapsed in zip(phases, (b - a, c - b, d - c, e - d)):
             phases[name].append(elapsed // BATCH)
-    return {f"{name}_us_per_key": median_us(samples) for name, samples in phases.items()}
+    result = {f"{name}_us_per_key": median_us(samples) for name, samples in phases.items()}
+    result["put_32x1MiB_us"] = put_with_cold_caches(service)
+    return result
+
+
+def put_with_cold_caches(service: MasterService) -> dict:
+    """put_start and put_end + finish_put_end of 32 keys of 1 MiB (bench_core's same-host batch),
+    warm, and right after a 64 MiB copy has flushed the caches, as a client's copies do to a
+    master on the same two vCPUs (put-phases)."""
+    source = np.ones(64 * MIB, dtype=np.uint8)
+    target = np.empty_like(source)
+    result = {}
+    for label, flush in (("warm", lambda: None), ("after_a_64MiB_copy", lambda: np.copyto(target, source))):
+        starts, ends = [], []
+        for batch in range(100):
+            keys = [f"{label}-{batch}-{i:050d}" for i in range(32)]
+            flush()
+            a = time.perf_counter_ns()
+            service.put_start(PutStart(keys, [MIB] * 32, ReplicateConfig()), 1)
+            b = time.perf_counter_ns()
+            flush()
+            c = time.perf_counter_ns()
+            pending = service.put_end(PutEnd(keys, [7] * 32), 1)
+            service.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, 1)
+            starts.append(b - a)
+            ends.append(time.perf_counter_ns() - c)
+            if batch % 8 == 7:  # keep within the segment: remove, and let the node acknowledge
+                service.remove_all(RemoveAll(True), 1)
+                for segment_id, entries in service.take_drops().items():
+                    service.drops_done(segment_id, entries, 1)
+        result[label] = {"put_start_us": median_us(starts), "put_end_us": median_us(ends)}
+    return result
 
 
 def node_commit() -> dict:
