@@ -5,7 +5,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
     python benchmarks/bench_paths.py [round-trips|master|node-commit|client|put-phases|landing|copies|files ...]
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
-               Unix socket (blocking sockets); a uvloop ping-pong; one kvpool RPC
+               Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
+               in epoll_wait as asyncio servers do; a uvloop ping-pong; one kvpool RPC
                (GetReplicaList of one key) to a master process over TCP and over its Unix socket.
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
                MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
@@ -41,6 +42,7 @@ import json
 import mmap
 import os
 import random
+import select
 import socket
 import statistics
 import subprocess
@@ -93,13 +95,18 @@ def timed(action, count: int) -> list[int]:
 # --- round trips -------------------------------------------------------------------------
 
 
-def blocking_round_trip(family: int) -> dict:
-    """The sender's cost of a 200-byte send to a process blocked in recv, and the round trip."""
+def blocking_round_trip(family: int, receiver_waits_in_epoll: bool = False) -> dict:
+    """The sender's cost of a 200-byte send to a process blocked in recv (or waiting in
+    epoll_wait, as every asyncio server does), and the round trip."""
     ours, theirs = connected_pair(family)
     pid = os.fork()
     if pid == 0:
         ours.close()
-        while theirs.recv(65536):
+        poller = select.epoll()
+        poller.register(theirs.fileno(), select.EPOLLIN)
+        while not receiver_waits_in_epoll or poller.poll():
+            if not theirs.recv(65536):
+                break
             theirs.send(b"x")
         os._exit(0)
     theirs.close()
@@ -191,6 +198,7 @@ def round_trips() -> dict:
     return {
         "tcp_blocking": blocking_round_trip(socket.AF_INET),
         "unix_blocking": blocking_round_trip(socket.AF_UNIX),
+        "unix_receiver_in_epoll": blocking_round_trip(socket.AF_UNIX, receiver_waits_in_epoll=True),
         "uvloop_ping_pong_unix_us": uvloop_ping_pong_us(),
         "kvpool_rpc_get_replica_list_1_key": kvpool_rpc_us(),
     }
