@@ -22,9 +22,12 @@ script) and a storage process; the third has client and storage in one process.
 APIs: the zero-copy batch API (register_buffer + batch_put_from / batch_get_into: kvpool and
 Mooncake) and the plain bytes API (put_batch / get_batch; Redis: a pipeline of SETs / MGET).
 Machine limits measured in the same run: numpy memcpy and a plain Python socket pair (functions
-from bench_core.py). Medians of --repeats runs after a warm-up. Prints JSON, and with --write
-rewrites docs/benchmarks.md (table with kvpool/Mooncake and kvpool/Redis on every row) and
-docs/benchmarks.png (matplotlib, if installed).
+from bench_core.py). The run goes round the stores --rounds times (one client process per store
+and mode and round, one warm-up then --repeats measured runs of each row): GB/s are medians over
+the rounds, and a kvpool/peer ratio is the median of the per-round ratios, so that a slow spell
+of this shared machine, which comes and goes within a minute, weighs on every store alike.
+Prints JSON, and with --write rewrites docs/benchmarks.md (table with kvpool/Mooncake and
+kvpool/Redis on every row) and docs/benchmarks.png (matplotlib, if installed).
 
 Mooncake's client listens on every interface, so (as scripts/mooncake_conformance.py does) the
 whole run re-executes itself in a new network namespace holding only loopback (`unshare --net`,
@@ -32,7 +35,7 @@ needs root); without it Mooncake is skipped. Peers are optional: install Mooncak
 scripts/install-peers.sh mooncake, Redis with `apt-get install redis-server` and `pip install
 redis` (the Python client; not a kvpool dependency). Skipped peers are listed with the reason.
 
-    python benchmarks/bench_peers.py [--repeats 3] [--quick] [--write]
+    python benchmarks/bench_peers.py [--rounds 3] [--repeats 1] [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -480,8 +483,8 @@ def run_client(
 # --- report -------------------------------------------------------------------------------------
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "–"
+def ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}x"
 
 
 def gbps(value: float | None) -> str:
@@ -502,11 +505,23 @@ def table_rows(result: dict) -> list[dict]:
                         data = result["runs"].get(path, {}).get(target, {}).get(str(size), {})
                         return data.get(f"{api}_{op}_{field}")
 
+                    def per_round_ratio(peer: str, path=path, size=size, api=api, op=op) -> float | None:
+                        """Median over the rounds of kvpool / peer, each round's pair taken together."""
+                        field = f"{api}_{op}_gbps"
+                        pairs = [
+                            (runs.get("kvpool", {}).get(str(size), {}).get(field),
+                             runs.get(peer, {}).get(str(size), {}).get(field))
+                            for runs in (r.get(path, {}) for r in result["rounds"])
+                        ]  # fmt: skip
+                        ratios = [a / b for a, b in pairs if a and b]
+                        return statistics.median(ratios) if ratios else None
+
                     limits = result["machine_limits"][str(size)]
                     rows.append({
                         "path": path, "api": api, "size": size, "op": op,
                         "kvpool": get("kvpool"), "kvpool_objects_per_s": get("kvpool", "objects_per_s"),
                         "mooncake": get("mooncake"), "redis": get("redis"),
+                        "vs_mooncake": per_round_ratio("mooncake"), "vs_redis": per_round_ratio("redis"),
                         "limit": limits["socket_pair_gbps" if path == "tcp" else "numpy_copy_gbps"],
                     })  # fmt: skip
     return rows
@@ -538,11 +553,13 @@ def markdown(result: dict, command: str) -> str:
         "node holds the only segment, so puts land in it and gets copy out of the mapped segment; "
         f"Mooncake: one `MooncakeDistributedStore` with its own {IN_PROCESS_SEGMENT // MIB} MiB "
         "global segment, the only one at its master; Redis has no in-process mode: –). "
-        f"GB/s = 10^9 bytes/s, median of {result['repeats']} runs after a warm-up; objects/s is "
-        "kvpool's. Zero-copy = register_buffer + batch_put_from/batch_get_into (Redis has none: "
-        "–); plain = put_batch/get_batch (Redis: pipelined SET / MGET). Limit: a plain Python "
-        "socket pair over TCP loopback (TCP rows) or a numpy memcpy (same-host and in-process "
-        "rows) of the same object size, measured in the same run."
+        f"GB/s = 10^9 bytes/s, the median over {result['round_count']} rounds, each of which measures "
+        f"every store in turn ({result['repeats']} measured run(s) per row after a warm-up); a "
+        "kvpool/peer ratio is the median of the per-round ratios; objects/s is kvpool's. "
+        "Zero-copy = register_buffer + batch_put_from/batch_get_into (Redis has none: –); "
+        "plain = put_batch/get_batch (Redis: pipelined SET / MGET). Limit: a plain Python socket "
+        "pair over TCP loopback (TCP rows) or a numpy memcpy (same-host and in-process rows) of "
+        "the same object size, measured in the same run."
         ),
         "",
         (
@@ -580,7 +597,7 @@ def markdown(result: dict, command: str) -> str:
         lines.append(
             f"| {size_label(row['size'])} | {row['op']} | {gbps(row['kvpool'])} | "
             f"{row['kvpool_objects_per_s'] or '–'} | {gbps(row['mooncake'])} | {gbps(row['redis'])} | "
-            f"{ratio(row['kvpool'], row['mooncake'])} | {ratio(row['kvpool'], row['redis'])} | "
+            f"{ratio(row['vs_mooncake'])} | {ratio(row['vs_redis'])} | "
             f"{gbps(row['limit'])} |"
         )
     lines += ["", "## Targets", ""] + [f"- {line}" for line in result["targets"]]
@@ -595,41 +612,39 @@ def markdown(result: dict, command: str) -> str:
 
 
 def targets(result: dict) -> list[str]:
-    """The targets, over the tcp and same_host rows; one informative line for in_process."""
+    """The targets, over the tcp and same_host rows (by the per-round ratios); one informative
+    line for in_process."""
     all_rows = table_rows(result)
     rows = [r for r in all_rows if r["path"] in TARGET_PATHS]
     out = []
     for path, need in (("tcp", 2.5), ("same_host", 5.0)):
-        mid = [r for r in rows if r["path"] == path and r["size"] in (MIB, 4 * MIB) and r["mooncake"]]
+        mid = [r for r in rows if r["path"] == path and r["size"] in (MIB, 4 * MIB) and r["vs_mooncake"]]
         if not mid:
             out.append(f"{path} 1-4 MiB >= {need}x Mooncake: not measured (Mooncake skipped)")
             continue
-        worst = min(mid, key=lambda r: r["kvpool"] / r["mooncake"])
-        ok = worst["kvpool"] / worst["mooncake"] >= need
+        worst = min(mid, key=lambda r: r["vs_mooncake"])
         out.append(
-            f"{'MET' if ok else 'NOT MET'}: {path} 1-4 MiB >= {need}x Mooncake (every API/op); "
-            f"lowest {worst['kvpool'] / worst['mooncake']:.2f}x ({worst['api']} {worst['op']} "
-            f"{size_label(worst['size'])})"
+            f"{'MET' if worst['vs_mooncake'] >= need else 'NOT MET'}: {path} 1-4 MiB >= {need}x "
+            f"Mooncake (every API/op); lowest {worst['vs_mooncake']:.2f}x ({worst['api']} "
+            f"{worst['op']} {size_label(worst['size'])})"
         )
     slower = [
-        f"{r['path']} {r['api']} {r['op']} {size_label(r['size'])} vs {peer} "
-        f"({r['kvpool'] / r[peer]:.2f}x)"
-        for r in rows for peer in ("mooncake", "redis") if r[peer] and r["kvpool"] < r[peer]
+        f"{r['path']} {r['api']} {r['op']} {size_label(r['size'])} vs {peer} ({r[f'vs_{peer}']:.2f}x)"
+        for r in rows for peer in ("mooncake", "redis") if r[f"vs_{peer}"] and r[f"vs_{peer}"] < 1
     ]  # fmt: skip
     out.append(
         "MET: no tcp/same_host row where kvpool is slower than Mooncake or Redis"
         if not slower
         else f"NOT MET: kvpool slower on {len(slower)} tcp/same_host rows: " + "; ".join(slower)
     )
-    inproc = [r for r in all_rows if r["path"] == "in_process" and r["kvpool"] and r["mooncake"]]
+    inproc = [r for r in all_rows if r["path"] == "in_process" and r["vs_mooncake"]]
     if inproc:
-        low = min(inproc, key=lambda r: r["kvpool"] / r["mooncake"])
-        high = max(inproc, key=lambda r: r["kvpool"] / r["mooncake"])
-        behind = sum(r["kvpool"] < r["mooncake"] for r in inproc)
+        low = min(inproc, key=lambda r: r["vs_mooncake"])
+        high = max(inproc, key=lambda r: r["vs_mooncake"])
+        behind = sum(r["vs_mooncake"] < 1 for r in inproc)
         out.append(
-            "informative, no target: in_process kvpool/Mooncake from "
-            f"{low['kvpool'] / low['mooncake']:.2f}x "
-            f"({low['api']} {low['op']} {size_label(low['size'])}) to {high['kvpool'] / high['mooncake']:.2f}x "
+            f"informative, no target: in_process kvpool/Mooncake from {low['vs_mooncake']:.2f}x "
+            f"({low['api']} {low['op']} {size_label(low['size'])}) to {high['vs_mooncake']:.2f}x "
             f"({high['api']} {high['op']} {size_label(high['size'])}); kvpool slower on {behind} of "
             f"{len(inproc)} rows"
         )
@@ -681,22 +696,42 @@ def in_private_netns() -> bool:
         return False
 
 
+LIMIT_SAMPLES = 3  # runs of each machine limit (the median is kept)
+
+
+def medians_over_rounds(rounds: list[dict]) -> dict:
+    """runs[path][target][size][field]: the median over the rounds that measured it."""
+    merged: dict = {path: {} for path in PATHS}
+    for path in PATHS:
+        for target in {t for runs in rounds for t in runs.get(path, {})}:
+            per_size: dict = {}
+            for size in SIZES:
+                rows = [runs[path][target][str(size)] for runs in rounds if target in runs.get(path, {})]
+                fields = {field for row in rows for field in row}
+                medians = {f: statistics.median(row[f] for row in rows if f in row) for f in sorted(fields)}
+                per_size[str(size)] = {
+                    f: round(value, 4) if f.endswith("gbps") else round(value) for f, value in medians.items()
+                }
+            merged[path][target] = per_size
+    return merged
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     total = (16 if args.quick else 64) * MIB
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-bench-peers-"))
     result: dict = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "repeats": args.repeats, "bytes_per_row": total, "log_dir": str(log_dir),
-        "skipped": {}, "machine_limits": {}, "runs": {path: {} for path in PATHS},
+        "round_count": args.rounds, "repeats": args.repeats, "bytes_per_row": total,
+        "log_dir": str(log_dir), "skipped": {}, "machine_limits": {}, "rounds": [],
     }  # fmt: skip
     started = time.monotonic()
     for size in SIZES:
         volume = volume_for(size, total)
         result["machine_limits"][str(size)] = {
-            "numpy_copy_gbps": round(statistics.median(memcpy_gbps(size, volume) for _ in range(args.repeats)), 3),
+            "numpy_copy_gbps": round(statistics.median(memcpy_gbps(size, volume) for _ in range(LIMIT_SAMPLES)), 3),
             "numpy_copy_cold_gbps": round(numpy_copy_gbps(size, volume), 3),
             "socket_pair_gbps": round(statistics.median(
-                socket_pair_gbps(volume, chunk=min(size, 4 * MIB)) for _ in range(args.repeats)), 3),
+                socket_pair_gbps(volume, chunk=min(size, 4 * MIB)) for _ in range(LIMIT_SAMPLES)), 3),
         }  # fmt: skip
     servers = Servers(log_dir)
     try:
@@ -718,20 +753,27 @@ def orchestrate(args: argparse.Namespace) -> int:
         if "redis" in servers.addresses:
             plan += [("tcp", "redis", servers.addresses["redis"], False),
                      ("same_host", "redis", servers.addresses["redis-unix"], False)]  # fmt: skip
-        for path, target, address, shm in plan:
-            print(f"[{time.monotonic() - started:5.0f}s] {target} {path}", file=sys.stderr, flush=True)
-            try:
-                result["runs"][path][target] = run_client(
-                    target, address, shm, args.repeats, total, log_dir, path
+        for round_index in range(args.rounds):
+            runs: dict = {path: {} for path in PATHS}
+            for path, target, address, shm in plan:
+                print(f"[{time.monotonic() - started:5.0f}s] round {round_index + 1}/{args.rounds} "
+                      f"{target} {path}", file=sys.stderr, flush=True)  # fmt: skip
+                try:
+                    runs[path][target] = run_client(target, address, shm, args.repeats, total, log_dir, path)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    result["skipped"][f"{target} {path} round {round_index + 1}"] = (
+                        f"client failed: {str(exc)[-500:]}"
+                    )
+            if "mooncake" in runs["tcp"]:
+                # No shm path in Mooncake's non-CUDA TCP build: its same-host figure is its TCP one.
+                runs["same_host"]["mooncake"] = runs["tcp"]["mooncake"]
+                result["mooncake_same_host_note"] = (
+                    "Mooncake same-host rows are its TCP run (no shm path in this build)"
                 )
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                result["skipped"][f"{target} {path}"] = f"client failed: {str(exc)[-500:]}"
-        if "mooncake" in result["runs"]["tcp"]:
-            # No shm path in Mooncake's non-CUDA TCP build: its same-host figure is its TCP one.
-            result["runs"]["same_host"]["mooncake"] = result["runs"]["tcp"]["mooncake"]
-            result["mooncake_same_host_note"] = "Mooncake same-host rows are its TCP run (no shm path in this build)"
+            result["rounds"].append(runs)
     finally:
         servers.stop()
+    result["runs"] = medians_over_rounds(result["rounds"])
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     result["targets"] = targets(result)
     if args.write:
@@ -748,7 +790,8 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="times round every store (medians over them)")
+    parser.add_argument("--repeats", type=int, default=1, help="measured runs per row in each round")
     parser.add_argument("--quick", action="store_true", help="16 MiB per row instead of 64 MiB")
     parser.add_argument("--write", action="store_true", help="rewrite docs/benchmarks.md and .png")
     parser.add_argument("--no-netns", action="store_true", help="do not re-execute in a private netns")
