@@ -56,6 +56,51 @@ def new_cluster_id() -> str:
 # --- pure ---------------------------------------------------------------------------------------
 
 
+def test_a_master_that_answers_not_leader_all_along_yields_not_leader(monkeypatch):
+    """MasterLink's retries stop with enough of the bound left for a real attempt: a lookup
+    squeezed into the last milliseconds used to time out and replace the master's answer
+    (NotLeader) with an RpcTimeout (test_new_leader_waits_..., flaky under load)."""
+    from kvpool.client.pool import MasterLink
+    from kvpool.errors import RpcTimeout
+
+    class Recovering:  # a master still waiting for its nodes: refuses every put
+        def is_closed(self) -> bool:
+            return False
+
+        async def request(self, message, timeout_ms):
+            await asyncio.sleep(0.002)
+            raise NotLeader("recovering: waiting for the nodes to re-mount")
+
+    class EtcdLookup:  # answers in ~10 ms; given less, it times out like the real one
+        is_dynamic = True
+
+        async def resolve(self, timeout_ms: int) -> str:
+            await asyncio.sleep(min(timeout_ms, 10) / 1000)
+            if timeout_ms < 10:
+                raise RpcTimeout(f"etcd did not answer within {timeout_ms} ms")
+            return "127.0.0.1:1"
+
+        def forget(self) -> None:
+            pass
+
+    async def main() -> list[str]:
+        outcomes = []
+        # Full backoffs (50, 100 ms...) and bounds a few ms apart: some calls have only a sliver
+        # of their bound left after a backoff, which is the case that went wrong.
+        for rpc_timeout_ms in range(40, 112, 3):
+            link = MasterLink("etcd://127.0.0.1:1/x", None, 100, rpc_timeout_ms, prefer_local=False)
+            link._resolver = EtcdLookup()  # type: ignore[assignment]
+            link._conn, link._conn_endpoint = Recovering(), "127.0.0.1:1"  # type: ignore[assignment]
+            try:
+                await link.call(PutStart(["k"], [1], ReplicateConfig()), is_idempotent=False)
+            except (NotLeader, RpcTimeout) as exc:
+                outcomes.append(type(exc).__name__)
+        return outcomes
+
+    monkeypatch.setattr("kvpool.client.pool.random.randrange", lambda n: n - 1)
+    assert set(run(main())) == {"NotLeader"}
+
+
 def test_leadership_ends_margin_before_the_lease_can_lapse():
     leadership = Leadership(step_down_margin_ms=1_000)
     assert not leadership.is_leader(0)

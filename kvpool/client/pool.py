@@ -93,7 +93,8 @@ class MasterLink:
       idempotent request is sent again (once, as before etcd: a master restart).
 
     Between attempts it backs off from MASTER_RESOLVE_BACKOFF_MS_MIN, doubling, to
-    MASTER_RESOLVE_BACKOFF_MS_MAX, for at most MASTER_CALL_ATTEMPTS_MAX attempts.
+    MASTER_RESOLVE_BACKOFF_MS_MAX, for at most MASTER_CALL_ATTEMPTS_MAX attempts, and starts
+    one only with MASTER_ATTEMPT_MS_MIN of the bound left (else the last answer stands).
     """
 
     def __init__(
@@ -194,7 +195,7 @@ class MasterLink:
                 error = exc
                 continue  # A broken connection is retried at once (a restarted master).
             pause_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
-            if (deadline - time.monotonic()) * 1000 <= pause_ms:
+            if (deadline - time.monotonic()) * 1000 <= pause_ms + limits.MASTER_ATTEMPT_MS_MIN:
                 raise error
             log.debug("master call %s: %s; retrying in %d ms", type(message).__name__, error, pause_ms)
             await asyncio.sleep(pause_ms / 1000)
