@@ -13,6 +13,7 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                caches and right after a 64 MiB copy (cold, as in put-phases).
   node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects.
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
+               copying and hashing 128 pages of 4 KiB, and hashing them alone;
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
                through AsyncStore and Store (and Store with shm off: over TCP).
   put-phases   where a same-host zero-copy put of 32 x 1 MiB spends its time, batches back to
@@ -57,6 +58,7 @@ import xxhash
 from bench_core import connected_pair
 
 from kvpool import AsyncStore, Store
+from kvpool.checksums import SIMD_COPY_INTO_SEGMENT_BYTES_MIN, checksums_of, copies_checksummed
 from kvpool.cli.launcher import LocalCluster
 from kvpool.config import MasterConfig
 from kvpool.master.service import MasterService
@@ -312,6 +314,15 @@ def client() -> dict:
                 }
 
         result["get_128_keys_same_host"] = uvloop.run(get_job_work())
+        # The per-key work of a batch of 4 KiB pages: copy into a segment and hash (a same-host
+        # put), and hash alone (a TCP put, a node's commit).
+        segment = memoryview(bytearray(BATCH * 4 * KIB))
+        pages = [memoryview(os.urandom(4 * KIB)) for _ in range(BATCH)]
+        copies = [([page], [segment[i * 4 * KIB : (i + 1) * 4 * KIB]]) for i, page in enumerate(pages)]
+        result["copies_checksummed_128x4KiB_us"] = median_us(
+            timed(lambda: copies_checksummed(copies, SIMD_COPY_INTO_SEGMENT_BYTES_MIN), 2000)
+        )
+        result["checksums_of_128x4KiB_us"] = median_us(timed(lambda: checksums_of([[p] for p in pages]), 2000))
 
         async def nothing() -> None:
             return None

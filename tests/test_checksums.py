@@ -75,3 +75,25 @@ def test_a_large_batch_on_several_threads_gives_what_one_thread_gives(monkeypatc
         assert copies_checksummed(copies) == expected
         assert landings == [bytearray(o) for o in objects]
         assert checksums_of([[memoryview(o)] for o in objects]) == expected
+
+
+def test_a_mixed_batch_lands_every_object_in_order() -> None:
+    """copies_checksummed's tight loop for small one-piece objects and the general path for the
+    rest, in one batch: each answer is its own object's checksum, each object lands whole, and
+    a destination longer than its object keeps its tail."""
+    sizes_and_splits = [(4096, 1, 1), (0, 1, 1), (16 << 10, 1, 1), (5000, 3, 1), (300 << 10, 1, 1),
+                        (7000, 1, 2), (100, 1, 1), ((16 << 10) + 1, 1, 1)]  # fmt: skip
+    objects = [os.urandom(size) for size, _, _ in sizes_and_splits]
+    landings = [bytearray(b"\xee" * (size + 9)) for size, _, _ in sizes_and_splits]
+    copies = []
+    for data, landing, (size, source_parts, target_parts) in zip(objects, landings, sizes_and_splits):
+        sources = _split(data, [size * i // source_parts for i in range(1, source_parts)])
+        cut = (size + 9) // 2 if target_parts == 2 else len(landing)
+        targets = [memoryview(landing)[:cut], memoryview(landing)[cut:]][:target_parts]
+        copies.append((sources, targets))
+    expected = [xxhash.xxh3_64_intdigest(o) for o in objects]
+    assert copies_checksummed(copies) == expected
+    assert checksums_of([sources for sources, _ in copies]) == expected  # some in several parts
+    assert checksums_of([[memoryview(o)] for o in objects]) == expected  # each in one part
+    for data, landing in zip(objects, landings):
+        assert bytes(landing[: len(data)]) == data and landing[len(data) :] == b"\xee" * 9
