@@ -335,7 +335,7 @@ class AsyncStore:
         parts: Sequence[Sequence[memoryview]],
         config: ReplicateConfig | None,
     ) -> PutJob:
-        sizes = [sum(len(p) for p in key_parts) for key_parts in parts]
+        sizes = [len(kp[0]) if len(kp) == 1 else sum(len(p) for p in kp) for kp in parts]
         message = PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
         reply = await self._master.call(message, is_idempotent=False)
         assert isinstance(reply, PutStartReply)

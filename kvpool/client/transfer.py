@@ -75,6 +75,9 @@ LocalDirectories = Callable[[SegmentInfo], Path | None]
 def first_occurrences(keys: Sequence[str]) -> tuple[list[int], list[int]]:
     """Indexes of each key's first occurrence, and for every position the index of its key
     among those. A key repeated in one batch is put once (keys name immutable content)."""
+    if len(set(keys)) == len(keys):  # the common case: no repeats
+        every = list(range(len(keys)))
+        return every, every.copy()
     slot_of: dict[str, int] = {}
     unique: list[int] = []
     positions: list[int] = []
