@@ -132,6 +132,8 @@ MASTER_RESOLVE_BACKOFF_MS_MAX = 500
 # A retry starts only with at least this much of the call's bound left: a lookup squeezed into
 # the last milliseconds would time out and hide the real answer (NotLeader, say).
 MASTER_ATTEMPT_MS_MIN = 50
+# Checks of replicas readers found bad (ReportBadReplicas) the master runs at a time.
+VERIFY_TASKS_MAX = 8
 
 assert ETCD_LEASE_TTL_MS_DEFAULT % 1_000 == 0
 assert 2 * LEADER_STEP_DOWN_MARGIN_MS_DEFAULT < ETCD_LEASE_TTL_MS_DEFAULT

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvpool import ErrorCode, ReplicateConfig, Store
+from kvpool import ErrorCode, ReplicateConfig, Store, limits
 from kvpool.errors import KVPoolError
 
 TIMEOUT_S = 15.0
@@ -66,6 +66,31 @@ def test_replicas_land_on_distinct_segments(make_cluster):
         reply = store.query(list(values))
     for replicas in reply.replicas:
         assert len({r.segment_id for r in replicas}) == 3
+
+
+def test_a_replica_rotted_in_the_node_is_reported_confirmed_and_dropped(make_cluster):
+    """Real processes, the sync Store: bytes flipped in a node's segment file after the commit
+    read as a miss, never as wrong bytes; the reader's report has the node hash them, the
+    master drops the object, and the key can be put and read again."""
+    cluster = make_cluster(1)
+    value = os.urandom(64 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        store.put("rotten", value)
+        (replica,) = store.query(["rotten"]).replicas[0]
+        segments = {s.segment.segment_id: s.segment for s in store.cluster_status().segments}
+        info = segments[replica.segment_id]
+        with open(info.shm_path, "r+b") as segment_file:
+            segment_file.seek(limits.SEGMENT_HEADER_SIZE_BYTES + replica.offset + 1000)
+            byte = segment_file.read(1)
+            segment_file.seek(-1, os.SEEK_CUR)
+            segment_file.write(bytes([byte[0] ^ 1]))
+        assert store.get("rotten") is None
+        deadline = time.monotonic() + 5
+        while store.exists("rotten") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not store.exists("rotten")
+        store.put("rotten", value)
+        assert store.get("rotten") == value
 
 
 def test_node_killed_leaves_surviving_replica_or_clean_miss_and_space_is_reclaimed(make_cluster):

@@ -41,6 +41,7 @@ from kvpool.protocol.messages import (
     RemoveAll,
     RemoveByRegex,
     ReplicateConfig,
+    ReportBadReplicas,
     SegmentInfo,
     UnmountSegment,
 )
@@ -785,6 +786,26 @@ def test_unmount_of_a_segment_holding_many_objects(policy: str) -> None:
     fill(svc, "s2", 2, prefix="c", now=4)  # s2 past its watermark: eviction still finds victims
     svc.tick(5)
     assert [e.key for e in svc.take_drops()["s2"]][:2] == ["b0", "b1"]
+
+
+def test_a_bad_replica_report_names_only_current_replicas_and_changes_nothing() -> None:
+    """suspect_replicas: what to ask the nodes to hash (the master's size and checksum), for
+    replicas that still are at the reported offset; a client's word alone drops nothing, and
+    a confirmed one goes like a refused commit (the whole object)."""
+    svc = make()
+    mount(svc, "s1")
+    mount(svc, "s2")
+    assert put(svc, ["a", "b"], replica_num=2) == [OK, OK]
+    a_on_s1 = next(r.offset for r in get(svc, ["a"]).replicas[0] if r.segment_id == "s1")
+    report = ReportBadReplicas(["a", "a", "b", "ghost", "a"], ["s1", "s1", "s1", "s1", "nope"],
+                               [a_on_s1, a_on_s1, a_on_s1 + 1, 0, a_on_s1])  # fmt: skip
+    suspects = svc.suspect_replicas(report, 1)
+    assert suspects == {"s1": [InventoryEntry("a", a_on_s1, OBJECT_SIZE, checksum_of("a"))]}
+    assert exists(svc, ["a", "b"]) == [True, True]
+    with pytest.raises(InvalidParams):
+        svc.suspect_replicas(ReportBadReplicas(["a"], ["s1", "s2"], [0]), 1)
+    assert svc.refuse_commits("s1", suspects["s1"], 2) == 1  # the node agreed
+    assert exists(svc, ["a", "b"]) == [False, True]
 
 
 def test_segment_lost_mid_put() -> None:

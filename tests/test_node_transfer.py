@@ -63,6 +63,7 @@ from kvpool.protocol.messages import (
     ReadReply,
     ReadSlices,
     UnmountSegment,
+    VerifyObjects,
     WriteGrant,
     WriteItem,
     WriteSlices,
@@ -477,6 +478,29 @@ def test_a_commit_hashed_in_place_by_its_writer_is_recorded_without_hashing(tmp_
             codes = await master.commit(sid, [claimed, outside], is_hashed_in_place=True)
             assert codes == [ErrorCode.OK, ErrorCode.INVALID_PARAMS]
             assert [(x.key, x.checksum) for x in node.inventory.entries()] == [("k", claimed.checksum)]
+
+    run(main)
+
+
+def test_verify_hashes_what_the_inventory_holds_at_that_key_and_offset(tmp_path: Path) -> None:
+    """VerifyObjects (a reader's report, passed on by the master): OK for intact bytes,
+    TRANSFER_FAIL for bytes that changed after the commit, OBJECT_NOT_FOUND for an entry the
+    inventory does not hold there; nothing is dropped by the node itself."""
+    async def main():
+        async with cluster(tmp_path) as (master, node):
+            sid = node.segment_id
+            data = os.urandom(700)
+            node.segment.data[0:700] = data
+            assert await master.commit(sid, [entry("k", 0, data)]) == [ErrorCode.OK]
+            ask = [entry("k", 0, data), InventoryEntry("k", 4096, 700, 0), InventoryEntry("nope", 0, 700, 0)]
+            reply = await master.node_conn.request(VerifyObjects(sid, ask), timeout_ms=2_000)
+            assert reply.codes == [ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.OBJECT_NOT_FOUND]
+            node.segment.data[5] ^= 1
+            reply = await master.node_conn.request(VerifyObjects(sid, ask[:1]), timeout_ms=2_000)
+            assert reply.codes == [ErrorCode.TRANSFER_FAIL]
+            assert [x.key for x in node.inventory.entries()] == ["k"]  # the master decides
+            with pytest.raises(SegmentNotFound):
+                await master.node_conn.request(VerifyObjects("elsewhere", ask[:1]), timeout_ms=2_000)
 
     run(main)
 

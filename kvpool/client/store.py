@@ -56,6 +56,7 @@ from kvpool.protocol.messages import (
     RemoveAll,
     RemoveByRegex,
     ReplicateConfig,
+    ReportBadReplicas,
     SegmentInfo,
     WriteSlices,
 )
@@ -89,6 +90,7 @@ class AsyncStore:
         self._directories: dict[str, Path | None] = {}
         self.buffers = BufferRegistry()
         self._embedded_node = None
+        self._reports: set[asyncio.Task] = set()  # bad-replica reports in flight
 
     def __repr__(self) -> str:
         return f"<AsyncStore master={self.config.master} mapped={len(self._mapped)} {self._peers!r}>"
@@ -131,6 +133,8 @@ class AsyncStore:
         return node.segment_info if node is not None else None
 
     async def aclose(self) -> None:
+        for task in list(self._reports):
+            task.cancel()
         if self._embedded_node is not None:
             await self._embedded_node.stop()
         self._master.close()
@@ -327,7 +331,26 @@ class AsyncStore:
         await self._copy_local(job)
         await self._read_remote(job)
         job.finish(now_monotonic_ms())
+        self.report_bad_replicas(job)
         return job
+
+    def report_bad_replicas(self, job: GetJob) -> None:
+        """Tell the master which replicas read bad (their node checks them, and the master drops
+        what the node confirms), in the background: the get has its answer already. On the loop."""
+        if not job.bad_replicas:
+            return
+        keys = [key for key, _ in job.bad_replicas]
+        segment_ids = [replica.segment_id for _, replica in job.bad_replicas]
+        offsets = [replica.offset for _, replica in job.bad_replicas]
+        report = self._master.call(ReportBadReplicas(keys, segment_ids, offsets), is_idempotent=True)
+        task = asyncio.ensure_future(report)
+        self._reports.add(task)
+        task.add_done_callback(self._report_done)
+
+    def _report_done(self, task: asyncio.Task) -> None:
+        self._reports.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("reporting bad replicas failed (the next bad read reports them again): %s", task.exception())
 
     async def _put_start(
         self,

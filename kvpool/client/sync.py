@@ -275,6 +275,8 @@ class Store:
         if job.pending_indexes():
             self._run(self._async._read_remote(job))
         job.finish(now_monotonic_ms())
+        if job.bad_replicas:
+            self._loop.loop.call_soon_threadsafe(self._async.report_bad_replicas, job)
         return job
 
 

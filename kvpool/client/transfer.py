@@ -276,6 +276,10 @@ class GetJob:
         self._local_segments = local_segments
         self._candidates: list[list[Replica]] = []
         self._landed: list[bytes | bytearray | None] = [None] * len(reply.codes)
+        self._reading: dict[int, Replica] = {}  # key index -> the replica its bytes came from
+        # (key, replica) whose bytes did not match the object's checksum: for the master to
+        # have the node check them, and drop the replica if the node agrees (report_bad).
+        self.bad_replicas: list[tuple[str, Replica]] = []
         codes, candidates = self.codes, self._candidates
         for index, (code, replicas) in enumerate(zip(reply.codes, reply.replicas)):
             if code != _OK:
@@ -351,7 +355,7 @@ class GetJob:
         expected = self.reply.checksums
         digest = xxhash.xxh3_64_intdigest
         for index, replica, segment in mapped:
-            self._candidates[index].pop(0)
+            self._reading[index] = self._candidates[index].pop(0)
             size = sizes[index]
             source = segment.data[replica.offset : replica.offset + size]
             target = self.targets[index]
@@ -360,7 +364,7 @@ class GetJob:
                 if digest(data) == expected[index]:
                     self.results[index] = data
                 else:
-                    self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+                    self._found_bad(index)
                 continue
             if target is None and size <= COPY_CHUNK_BYTES:
                 self._landed[index] = source.tobytes()  # one malloc and memcpy, still in cache
@@ -394,7 +398,7 @@ class GetJob:
         thread while the bytes are still in cache (the other threads keep the device busy
         meanwhile). The checksum, or None when the file is gone or unreadable (the next
         replica, then)."""
-        self._candidates[index].pop(0)
+        self._reading[index] = self._candidates[index].pop(0)
         key, size = self.keys[index], self.reply.sizes[index]
         target = self.targets[index]
         try:
@@ -430,7 +434,7 @@ class GetJob:
         """TCP reads of `key_indexes` finished; those in `failed` did not arrive whole."""
         arrived = []
         for index in sorted(key_indexes):
-            self._candidates[index].pop(0)
+            self._reading[index] = self._candidates[index].pop(0)
             if index in failed:
                 self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
             else:
@@ -459,13 +463,21 @@ class GetJob:
     def _check(self, index: int, checksum: int) -> None:
         """Key `index`'s bytes landed with this checksum: a result, or the next replica."""
         if checksum != self.reply.checksums[index]:
-            self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+            self._found_bad(index)
         elif self.targets[index] is not None:
             self.results[index] = self.reply.sizes[index]
         else:
             data = self._landed[index]
             self.results[index] = data if isinstance(data, bytes) else bytes(data)  # type: ignore[arg-type]
             self._landed[index] = None
+
+    def _found_bad(self, index: int) -> None:
+        """Key `index`'s bytes landed whole but do not match its checksum: note the replica,
+        then try the next one."""
+        replica = self._reading.get(index)
+        if replica is not None and self.keys:
+            self.bad_replicas.append((self.keys[index], replica))
+        self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
 
     def _next_candidate(self, index: int, code: ErrorCode) -> None:
         self._landed[index] = None

@@ -59,6 +59,7 @@ from kvpool.protocol.messages import (
     MountSegment,
     MoveItem,
     MoveObjects,
+    OkReply,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -67,8 +68,10 @@ from kvpool.protocol.messages import (
     Remove,
     RemoveAll,
     RemoveByRegex,
+    ReportBadReplicas,
     SegmentInfo,
     UnmountSegment,
+    VerifyObjects,
 )
 from kvpool.transports import files
 from kvpool.transports.connection import Connection, HandlerResult, Listener, start_server
@@ -131,6 +134,7 @@ class MasterServer:
         self._flush_lock = asyncio.Lock()
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
         self._move_tasks: set[asyncio.Task[None]] = set()
+        self._verify_tasks: set[asyncio.Task[None]] = set()  # checks of reported replicas
         self._dfs_dir = dfs_dir
         self._dfs_bytes = dfs_bytes
         self._dfs: DfsDirectory | None = None
@@ -185,7 +189,7 @@ class MasterServer:
             await self.elector.stop()  # A leader revokes its lease: a standby takes over now.
         if self._tick_task is not None:
             self._tick_task.cancel()
-        for task in list(self._move_tasks):
+        for task in list(self._move_tasks | self._verify_tasks):
             task.cancel()
         if self._server is not None:
             await self._server.close()
@@ -274,6 +278,8 @@ class MasterServer:
                 return reply
             case DrainSegment():
                 return service.drain_segment(message, now_ms)
+            case ReportBadReplicas():
+                return self._verify_reported(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
 
     # --- flows that call nodes ----------------------------------------------------------------
@@ -442,6 +448,41 @@ class MasterServer:
             except KVPoolError as exc:
                 log.warning("tick: %s", exc)
 
+
+    # --- replicas a reader found bad ------------------------------------------------------------
+
+    def _verify_reported(self, message: ReportBadReplicas, now_ms: int) -> OkReply:
+        """Have the nodes hash the reported replicas, in the background; answered at once. At
+        most VERIFY_TASKS_MAX checks run at a time: more reports wait for the next bad read."""
+        service = self.service
+        for segment_id, entries in service.suspect_replicas(message, now_ms).items():
+            if len(self._verify_tasks) >= limits.VERIFY_TASKS_MAX:
+                log.info("ignoring a bad-replica report for segment %s: checks in flight", segment_id)
+                break
+            task = asyncio.get_running_loop().create_task(self._verify(service, segment_id, entries))
+            self._verify_tasks.add(task)
+            task.add_done_callback(self._verify_tasks.discard)
+        return OkReply()
+
+    async def _verify(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
+        """Ask the node that holds them to hash these replicas; drop the objects it finds bad,
+        as for a commit it refused (refuse_commits)."""
+        conn = self._node_conns.get(segment_id)
+        if conn is None or not self._is_leading():
+            return
+        try:
+            reply = await conn.request(VerifyObjects(segment_id, entries), timeout_ms=NODE_CALL_TIMEOUT_MS)
+        except KVPoolError as exc:
+            log.warning("verifying %d objects on segment %s failed: %s", len(entries), segment_id, exc)
+            return
+        if not isinstance(reply, CodesReply) or len(reply.codes) != len(entries):
+            log.warning("segment %s answered a verification with %r", segment_id, reply)
+            return
+        bad = [entry for entry, code in zip(entries, reply.codes) if code == ErrorCode.TRANSFER_FAIL]
+        if bad and service is self.service:
+            dropped = service.refuse_commits(segment_id, bad, wall_clock_ms())
+            log.warning("segment %s: %d objects read bad and confirmed by the node; %d dropped",
+                        segment_id, len(bad), dropped)  # fmt: skip
 
     # --- tiers: moves and the DFS (docs/tiers.md) ---------------------------------------------
 

@@ -93,6 +93,7 @@ from kvpool.protocol.messages import (
     RemoveByRegex,
     Replica,
     ReplicateConfig,
+    ReportBadReplicas,
     SegmentInfo,
     SegmentStatus,
     TierStatus,
@@ -337,6 +338,31 @@ class MasterService:
             self.counters.errors += 1
             dropped += 1
         return dropped
+
+    def suspect_replicas(self, msg: ReportBadReplicas, now_ms: int) -> dict[str, list[InventoryEntry]]:
+        """The reported replicas that still are what a reader read (the object has a replica at
+        that offset of that DRAM segment), by segment id, as the entries to ask each node to
+        hash (the master's size and checksum). O(keys). Nothing changes until a node agrees.
+
+        Raises:
+            InvalidParams: too many keys, or lists of different lengths.
+        """
+        self._check_batch(msg.keys)
+        if not len(msg.keys) == len(msg.segment_ids) == len(msg.offsets):
+            raise self._count_error(InvalidParams("keys, segment_ids and offsets differ in length"))
+        suspects: dict[str, list[InventoryEntry]] = {}
+        seen: set[tuple[str, str]] = set()
+        for key, segment_id, offset in zip(msg.keys, msg.segment_ids, msg.offsets):
+            segment = self._registry.get(segment_id) if type(segment_id) is str else None
+            meta = self._table.get(key) if is_valid_key(key) else None
+            if segment is None or meta is None or segment.tier != TIER_DRAM or (key, segment_id) in seen:
+                continue
+            if type(offset) is int and meta.offset_on(segment.index) == offset:
+                seen.add((key, segment_id))
+                suspects.setdefault(segment_id, []).append(
+                    InventoryEntry(key, offset, meta.size_bytes, meta.checksum)
+                )
+        return suspects
 
     def put_revoke(self, msg: PutRevoke, now_ms: int) -> CodesReply:
         """The writer gave up: free its ranges at once (it says it stopped writing).

@@ -52,6 +52,7 @@ from kvpool.protocol.messages import (
     OkReply,
     ReadReply,
     ReadSlices,
+    VerifyObjects,
     WriteGrant,
     WriteSlices,
 )
@@ -306,7 +307,30 @@ class MasterCallHandler(_SegmentHandler):
             log.debug("segment %s: dropped %d of %d objects", self.segment_id, len(dropped),
                       len(message.entries))  # fmt: skip
             return OkReply()
+        if isinstance(message, VerifyObjects):
+            return self._verify(message)
         return super()._handle(message)
+
+    async def _verify(self, message: VerifyObjects) -> HandlerResult:
+        """Hash the objects a reader found bad (ReportBadReplicas), off the loop; only what the
+        inventory holds at that key and offset is hashed, against its committed checksum."""
+        self._check_segment_id(message.segment_id)
+        data = self.segment.data
+        held = [self.inventory.get(entry.key) for entry in message.entries]
+        found = [h if h is not None and h.offset == e.offset else None for h, e in zip(held, message.entries)]
+        views = [[data[h.offset : h.offset + h.size]] for h in found if h is not None]
+        sums = iter(await asyncio.get_running_loop().run_in_executor(None, _checksums_in_turn, views))
+        codes = []
+        for entry in found:
+            if entry is None:
+                codes.append(ErrorCode.OBJECT_NOT_FOUND)
+            elif next(sums) != entry.checksum:
+                codes.append(ErrorCode.TRANSFER_FAIL)
+                log.warning("segment %s: %r at %d+%d does not hash to its checksum",
+                            self.segment_id, entry.key, entry.offset, entry.size)  # fmt: skip
+            else:
+                codes.append(ErrorCode.OK)
+        return CodesReply(codes)
 
     def _commit(self, message: CommitObjects) -> HandlerResult | Awaitable[HandlerResult]:
         self._check_segment_id(message.segment_id)

@@ -8,8 +8,10 @@ Who sends what:
 
     client -> master   PutStart PutEnd PutRevoke GetReplicaList ExistKeys LongestPrefix
                        Remove RemoveByRegex RemoveAll QueryObjects ListObjects ClusterStatus
+                       ReportBadReplicas
     node   -> master   MountSegment Heartbeat UnmountSegment DrainSegment
-    master -> node     CommitObjects DropObjects MoveObjects (on the node's own connection)
+    master -> node     CommitObjects DropObjects MoveObjects VerifyObjects (on the node's own
+                       connection)
     client -> node     WriteSlices (+ payload)  ReadSlices (reply + payload)
     server -> client   AuthChallenge, then client AuthResponse, server AuthOk (first frames)
 
@@ -297,6 +299,17 @@ class ListReply(Message, tag=25):
     truncated: bool
 
 
+class ReportBadReplicas(Message, tag=28):
+    """client -> master: these replicas' bytes did not match their object's checksum when read
+    (`segment_ids[i]`, `offsets[i]` of `keys[i]`). The master asks each node to hash them
+    (VerifyObjects) and drops the objects whose node agrees; a client's word alone changes
+    nothing. Answered at once (OkReply): the check runs after."""
+
+    keys: list[str]
+    segment_ids: list[str]
+    offsets: list[int]
+
+
 class ClusterStatus(Message, tag=26):
     pass
 
@@ -380,6 +393,15 @@ class CommitObjects(Message, tag=46):
     segment_id: str
     entries: list[InventoryEntry]
     is_hashed_in_place: bool = False
+
+
+class VerifyObjects(Message, tag=49):
+    """master -> node: hash these objects' bytes (matched by key and offset in the inventory);
+    one code per entry: OK, TRANSFER_FAIL (the bytes do not hash to the committed checksum)
+    or OBJECT_NOT_FOUND (not held here, or held elsewhere in the segment)."""
+
+    segment_id: str
+    entries: list[InventoryEntry]
 
 
 class DropObjects(Message, tag=47):
@@ -484,6 +506,8 @@ AnyMessage = Union[
     CommitObjects,
     DropObjects,
     MoveObjects,
+    VerifyObjects,
+    ReportBadReplicas,
     WriteSlices,
     ReadSlices,
     ReadReply,
