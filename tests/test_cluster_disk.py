@@ -188,3 +188,31 @@ def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, t
     assert got_async == data
     assert read_on and loop_thread not in read_on
     del restarted
+
+
+def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cluster, tmp_path):
+    """An object only on the disk tier (the node restarted: its DRAM is gone) whose file rots:
+    a same-host reader gets a miss, never the bytes; its report has the node re-read and hash
+    the file, the master drops the object, and the key can be put again."""
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(tmp_path / "disk"))
+    data = os.urandom(300 * 1024)
+    from kvpool import ReplicateConfig
+
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(["rot"], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
+    node.stop()
+    cluster.start_node(disk_args(tmp_path / "disk"))
+    (name,) = object_files(tmp_path / "disk")
+    path = tmp_path / "disk" / objectfile.OBJECTS_DIR / name
+    with open(path, "r+b") as file:  # the last byte of the object's data
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([last[0] ^ 0x10]))
+    with Store(cluster.master_endpoint) as store:
+        assert wait_until(lambda: store.exists("rot"), 10)  # re-adopted from the disk
+        assert store.get("rot") is None
+        assert wait_until(lambda: not store.exists("rot"), 5)
+        store.put("rot", data)
+        assert store.get("rot") == data

@@ -61,6 +61,7 @@ from kvpool.master.puts import PendingCommit, PutFlow
 from kvpool.master.tiers import SLOWER_TIERS, Move, TierFlow
 from kvpool.protocol.messages import (
     PLACEMENTS,
+    TIER_DFS,
     TIER_DRAM,
     TIERS,
     ClusterStatus,
@@ -341,7 +342,7 @@ class MasterService:
 
     def suspect_replicas(self, msg: ReportBadReplicas, now_ms: int) -> dict[str, list[InventoryEntry]]:
         """The reported replicas that still are what a reader read (the object has a replica at
-        that offset of that DRAM segment), by segment id, as the entries to ask each node to
+        that offset of that DRAM or disk segment: a node holds them), by segment id, as the entries to ask each node to
         hash (the master's size and checksum). O(keys). Nothing changes until a node agrees.
 
         Raises:
@@ -355,7 +356,7 @@ class MasterService:
         for key, segment_id, offset in zip(msg.keys, msg.segment_ids, msg.offsets):
             segment = self._registry.get(segment_id) if type(segment_id) is str else None
             meta = self._table.get(key) if is_valid_key(key) else None
-            if segment is None or meta is None or segment.tier != TIER_DRAM or (key, segment_id) in seen:
+            if segment is None or meta is None or segment.tier == TIER_DFS or (key, segment_id) in seen:
                 continue
             if type(offset) is int and meta.offset_on(segment.index) == offset:
                 seen.add((key, segment_id))

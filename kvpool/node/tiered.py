@@ -24,21 +24,24 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
 
-from kvpool import limits
-from kvpool.errors import InvalidParams, KVPoolError, SegmentNotFound
+from kvpool import checksums, limits
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, SegmentNotFound
 from kvpool.node.disk import DiskTier
 from kvpool.node.metrics import TierMetrics
 from kvpool.node.moves import Mover
 from kvpool.node.transfer import MasterCallHandler, TransferHandler
 from kvpool.protocol.messages import (
+    CodesReply,
     CommitObjects,
     DropObjects,
+    InventoryEntry,
     Message,
     MoveObjects,
     OkReply,
     ReadItem,
     ReadReply,
     ReadSlices,
+    VerifyObjects,
 )
 from kvpool.transports import files
 from kvpool.transports.connection import Connection, HandlerResult
@@ -221,7 +224,26 @@ class TieredMasterCalls:
             if self._is_closed:
                 raise SegmentNotFound("node is stopping")
             return self._drop_disk(disk, message)
+        if isinstance(message, VerifyObjects) and disk is not None and message.segment_id == disk.segment_id:
+            return self._verify_disk(disk, message)
         return self.dram.handle(conn, message)
+
+    async def _verify_disk(self, disk: DiskTier, message: VerifyObjects) -> HandlerResult:
+        """VerifyObjects on the disk tier: read each held object's file on a disk thread and
+        hash it; a file gone, torn or unreadable is as bad as one that hashes wrong."""
+        held = [disk.entry_at(entry.key, entry.offset) for entry in message.entries]
+
+        def check(entry: InventoryEntry | None) -> ErrorCode:
+            if entry is None:
+                return ErrorCode.OBJECT_NOT_FOUND
+            try:
+                data = files.read_object_bytes(disk.path_of(entry.offset), entry.key, entry.size)
+            except KVPoolError:
+                return ErrorCode.TRANSFER_FAIL
+            return ErrorCode.OK if checksums.checksum_of([data]) == entry.checksum else ErrorCode.TRANSFER_FAIL
+
+        codes = await self.mover.run_in_thread(lambda: [check(entry) for entry in held])
+        return CodesReply([int(code) for code in codes])  # type: ignore[union-attr]
 
     async def _drop_disk(self, disk: DiskTier, message: DropObjects) -> HandlerResult:
         # Forgotten now (no read is served from them from here on), acknowledged once the

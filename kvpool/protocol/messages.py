@@ -396,9 +396,10 @@ class CommitObjects(Message, tag=46):
 
 
 class VerifyObjects(Message, tag=49):
-    """master -> node: hash these objects' bytes (matched by key and offset in the inventory);
-    one code per entry: OK, TRANSFER_FAIL (the bytes do not hash to the committed checksum)
-    or OBJECT_NOT_FOUND (not held here, or held elsewhere in the segment)."""
+    """master -> node: hash these objects' bytes (matched by key and offset in the inventory of
+    the DRAM segment or the disk tier `segment_id` names); one code per entry: OK,
+    TRANSFER_FAIL (the bytes do not hash to the committed checksum; for a disk file also gone,
+    torn or unreadable) or OBJECT_NOT_FOUND (not held here, or held elsewhere in the segment)."""
 
     segment_id: str
     entries: list[InventoryEntry]
