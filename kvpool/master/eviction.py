@@ -347,16 +347,6 @@ class ProbationLruPolicy(EvictionPolicy):
             del self._probation[key]
             self._probation_bytes -= meta.size_bytes
 
-    def on_remove_many(self, removed: list[tuple[str, ObjectMeta]]) -> None:
-        protected, probation = self._protected, self._probation
-        for key, meta in removed:
-            if key in protected:
-                del protected[key]
-                self._protected_bytes -= meta.size_bytes
-            else:
-                del probation[key]
-                self._probation_bytes -= meta.size_bytes
-
     def _demote_overflow(self) -> None:
         """Demote the oldest protected objects while they hold too large a share of the bytes.
         Each step moves one object, and each promotion overflows by at most one object's size,

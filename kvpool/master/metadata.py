@@ -257,17 +257,24 @@ class ObjectTable:
         self._place_views(key, meta, tiers)
 
     def remove(self, key: str) -> ObjectMeta:
+        meta, was_in_dram = self._pop(key)
+        if was_in_dram:
+            self.policy.on_remove(key, meta)
+        self._place_views(key, meta, ())
+        return meta
+
+    def _pop(self, key: str) -> tuple[ObjectMeta, bool]:
+        """Take `key` out of `objects` or `lower` (and their soft-pin orders); whether it had
+        a DRAM replica. The policy and the views are the caller's."""
         meta = self.objects.pop(key, None)
         if meta is not None:
             if meta.soft_pin_expiry_ms:
                 del self.soft_pinned[key]
-            self.policy.on_remove(key, meta)
-        else:
-            meta = self.lower.pop(key)
-            if meta.soft_pin_expiry_ms:
-                del self.lower_soft_pinned[key]
-        self._place_views(key, meta, ())
-        return meta
+            return meta, True
+        meta = self.lower.pop(key)
+        if meta.soft_pin_expiry_ms:
+            del self.lower_soft_pinned[key]
+        return meta, False
 
     def on_segment(self, segment_index: int) -> tuple[list[str], list[tuple[str, ObjectMeta]]]:
         """The objects with a replica on a segment: (keys of those with no other replica,
@@ -294,25 +301,16 @@ class ObjectTable:
         return only_there, also_elsewhere
 
     def remove_many(self, keys: list[str]) -> None:
-        """remove() for many keys, with the policy told once (EvictionPolicy.on_remove_many)."""
-        objects, lower = self.objects, self.lower
-        views = [view for view in self.views.values() if view.objects]
+        """remove() for many keys, with the policy told once (EvictionPolicy.on_remove_many)
+        and the tier views visited only when one holds anything."""
+        has_views = any(view.objects for view in self.views.values())
         from_dram: list[tuple[str, ObjectMeta]] = []
         for key in keys:
-            meta = objects.pop(key, None)
-            if meta is not None:
-                if meta.soft_pin_expiry_ms:
-                    del self.soft_pinned[key]
+            meta, was_in_dram = self._pop(key)
+            if was_in_dram:
                 from_dram.append((key, meta))
-            else:
-                meta = lower.pop(key)
-                if meta.soft_pin_expiry_ms:
-                    del self.lower_soft_pinned[key]
-            for view in views:
-                if key in view.objects:
-                    del view.objects[key]
-                    view.soft_pinned.pop(key, None)
-                    view.policy.on_remove(key, meta)
+            if has_views:
+                self._place_views(key, meta, ())
         self.policy.on_remove_many(from_dram)
 
     def place(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...]) -> None:

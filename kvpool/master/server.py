@@ -383,17 +383,19 @@ class MasterServer:
     async def _commit(
         self, segment_id: str, entries: list[InventoryEntry], is_hashed_in_place: bool = False
     ) -> list[int] | None:
-        """The node's code for each entry, or None when it did not answer (no connection,
-        not leading, broken, timed out)."""
+        return await self._node_codes(CommitObjects(segment_id, entries, is_hashed_in_place))
+
+    async def _node_codes(self, message: CommitObjects | VerifyObjects) -> list[int] | None:
+        """The node's code for each of the message's entries, or None when it did not answer
+        (no connection, not leading, broken, timed out, the wrong number of codes)."""
+        segment_id, entries = message.segment_id, message.entries
         conn = self._node_conns.get(segment_id)
         if conn is None or not self._is_leading():
             return None
         try:
-            reply = await conn.request(
-                CommitObjects(segment_id, entries, is_hashed_in_place), timeout_ms=NODE_CALL_TIMEOUT_MS
-            )
+            reply = await conn.request(message, timeout_ms=NODE_CALL_TIMEOUT_MS)
         except KVPoolError as exc:
-            log.warning("commit to segment %s failed: %s", segment_id, exc)
+            log.warning("%s to segment %s failed: %s", type(message).__name__, segment_id, exc)
             return None
         assert isinstance(reply, CodesReply)
         if len(reply.codes) != len(entries):
@@ -467,18 +469,10 @@ class MasterServer:
     async def _verify(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
         """Ask the node that holds them to hash these replicas; drop the objects it finds bad,
         as for a commit it refused (refuse_commits)."""
-        conn = self._node_conns.get(segment_id)
-        if conn is None or not self._is_leading():
+        codes = await self._node_codes(VerifyObjects(segment_id, entries))
+        if codes is None:
             return
-        try:
-            reply = await conn.request(VerifyObjects(segment_id, entries), timeout_ms=NODE_CALL_TIMEOUT_MS)
-        except KVPoolError as exc:
-            log.warning("verifying %d objects on segment %s failed: %s", len(entries), segment_id, exc)
-            return
-        if not isinstance(reply, CodesReply) or len(reply.codes) != len(entries):
-            log.warning("segment %s answered a verification with %r", segment_id, reply)
-            return
-        bad = [entry for entry, code in zip(entries, reply.codes) if code == ErrorCode.TRANSFER_FAIL]
+        bad = [entry for entry, code in zip(entries, codes) if code == ErrorCode.TRANSFER_FAIL]
         if bad and service is self.service:
             dropped = service.refuse_commits(segment_id, bad, wall_clock_ms())
             log.warning("segment %s: %d objects read bad and confirmed by the node; %d dropped",
