@@ -92,12 +92,8 @@ def copy_checksummed(
 
 def _copy_into(sources: Parts, destination: memoryview, simd_bytes_min: int) -> int:
     """copy_checksummed into one buffer (a segment range, a bytes object, one registered
-    buffer): the common case, kept tight because a KV page may come in one part per layer."""
-    if len(sources) == 1 and len(sources[0]) <= SMALL_COPY_BYTES_MAX:
-        size = len(sources[0])  # a small object: one memcpy, one hash
-        landed = destination[:size]
-        landed[:] = sources[0]
-        return xxhash.xxh3_64_intdigest(landed)
+    buffer): the common case, kept tight because a KV page may come in one part per layer.
+    (A small object in one piece never gets here: copies_checksummed copies it inline.)"""
     hasher = xxhash.xxh3_64()
     at = hashed_to = 0  # bytes of `destination` written, and hashed
     for part in sources:

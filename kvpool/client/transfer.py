@@ -352,7 +352,6 @@ class GetJob:
                 self._check(index, checksum)
         copies: list[tuple[int, list[memoryview], list[memoryview]]] = []  # hashed as they land
         copied: list[int] = []  # small plain gets, hashed after
-        expected = self.reply.checksums
         digest = xxhash.xxh3_64_intdigest
         for index, replica, segment in mapped:
             self._reading[index] = self._candidates[index].pop(0)
@@ -360,11 +359,8 @@ class GetJob:
             source = segment.data[replica.offset : replica.offset + size]
             target = self.targets[index]
             if target is None and size <= SMALL_COPY_BYTES_MAX:  # a KV page: copy, hash, check
-                data = source.tobytes()
-                if digest(data) == expected[index]:
-                    self.results[index] = data
-                else:
-                    self._found_bad(index)
+                self._landed[index] = data = source.tobytes()
+                self._check(index, digest(data))
                 continue
             if target is None and size <= COPY_CHUNK_BYTES:
                 self._landed[index] = source.tobytes()  # one malloc and memcpy, still in cache
