@@ -15,14 +15,16 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                copying and hashing 128 pages of 4 KiB, and hashing them alone;
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
-               through AsyncStore and Store (and Store with shm off: over TCP).
+               through AsyncStore and Store (and Store with shm off: over TCP); gets over TCP
+               in batches of 128: plain 4 KiB, zero-copy 4 KiB and 64 KiB (back to back).
   put-phases   where a same-host zero-copy put of 32 x 1 MiB spends its time, batches back to
                back (as bench_core.py runs them): put_start, the copy and hash, put_end, each
                timed through Store and through AsyncStore; a numpy copy of 32 MiB for scale.
                Against a node process, and in one process (the client's embedded segment).
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
-               defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md).
+               defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
+               filling a fresh 32 MiB bytes object in 4 KiB pages and in huge pages.
   copies       a same-host get's copy of 32 x 1 MiB into a numpy array: glibc's memcpy in
                256 KiB chunks with the destination 16 and 64 bytes past the source (mod 4 KiB),
                numpy's SIMD copy, copy then hash, and copy and hash chunk by chunk (checksums.py)
@@ -353,7 +355,33 @@ def client() -> dict:
             "store": round(sync_puts(True)),
             "store_tcp_only": round(sync_puts(False)),
         }
+        result["gets_over_tcp"] = tcp_gets(cluster.master_endpoint)
     return result
+
+
+def tcp_gets(master: str) -> dict:
+    """Batches of 128 gets through a Store with shm off: plain gets of 4 KiB pages (objects/s),
+    and zero-copy gets of 4 KiB and 64 KiB objects laid out back to back in one registered
+    array (GB/s), as an engine's KV pages are."""
+    out: dict = {}
+    with Store(master, shm_enabled=False) as store:
+        keys = [f"tcp-get-{i}" for i in range(BATCH)]
+        store.put_batch(keys, [os.urandom(4 * KIB) for _ in keys])
+        samples = timed(lambda: store.get_batch(keys), 200)
+        out["plain_4KiB_per_s"] = round(BATCH / (statistics.median(samples) / 1e9))
+        for size in (4 * KIB, 64 * KIB):
+            source = np.random.randint(0, 255, size * BATCH, dtype=np.uint8)
+            target = np.zeros_like(source)
+            keys = [f"tcp-zc-{size}-{i}" for i in range(BATCH)]
+            base_in, base_out = store.register_buffer(source), store.register_buffer(target)
+            store.batch_put_from(keys, [base_in + i * size for i in range(BATCH)], [size] * BATCH)
+            addresses = [base_out + i * size for i in range(BATCH)]
+            samples = timed(lambda: store.batch_get_into(keys, addresses, [size] * BATCH), 100)
+            assert np.array_equal(source, target), "zero-copy get returned other bytes"
+            out[f"zero_copy_{size // KIB}KiB_gbps"] = round(size * BATCH / (statistics.median(samples) / 1e9) / 1e9, 3)
+            store.unregister_buffer(base_in)
+            store.unregister_buffer(base_out)
+    return out
 
 
 # --- phases of a same-host put -----------------------------------------------------------
@@ -462,6 +490,28 @@ def landing() -> dict:
         )
         out[f"same_host_plain_get_4MiB_{name}_gbps"] = json.loads(child.stdout)
     out["tunables"] = KEEP_FREED_MEMORY
+    out["fill_fresh_32MiB_ms"] = fill_fresh_bytes_ms(32 * MIB)
+    return out
+
+
+def fill_fresh_bytes_ms(size: int) -> dict:
+    """Filling a new bytes object of `size` bytes, as a plain get's landing (glibc maps a block
+    this large anew each time): in 4 KiB pages, and with transparent huge pages advised."""
+    from kvpool.client import transfer
+
+    source = np.random.randint(0, 255, size, dtype=np.uint8)
+    out = {}
+    for name, huge_min in (("4KiB_pages", 1 << 62), ("huge_pages", transfer.HUGE_PAGES_BYTES_MIN)):
+        saved, transfer.HUGE_PAGES_BYTES_MIN = transfer.HUGE_PAGES_BYTES_MIN, huge_min
+        try:
+
+            def fill() -> None:
+                _, view = transfer._new_bytes(size)
+                np.frombuffer(view, dtype=np.uint8)[:] = source
+
+            out[name] = round(statistics.median(timed(fill, 15)) / 1e6, 2)
+        finally:
+            transfer.HUGE_PAGES_BYTES_MIN = saved
     return out
 
 

@@ -22,7 +22,6 @@ import re
 
 from kvpool import limits
 from kvpool.errors import CoordinationError, InvalidParams, NotLeader
-from kvpool.transports.etcd import EtcdClient, parse_etcd_endpoints
 
 ETCD_SCHEME = "etcd://"
 _CLUSTER_ID_RE = re.compile(r"[A-Za-z0-9_.-]+")
@@ -78,6 +77,10 @@ def parse_master_address(text: str) -> MasterAddress:
     """
     text = text.strip()
     if text.startswith(ETCD_SCHEME):
+        # Imported here: the etcd client brings aiohttp, a sixth of a second of every client
+        # process's start, which a fixed master address never needs.
+        from kvpool.transports.etcd import parse_etcd_endpoints
+
         rest = text[len(ETCD_SCHEME) :]
         hosts, _, cluster_id = rest.partition("/")
         cluster_id = cluster_id.strip("/") or limits.CLUSTER_ID_DEFAULT
@@ -166,6 +169,8 @@ class MasterResolver:
         """
         if self._endpoint:
             return self._endpoint
+        from kvpool.transports.etcd import EtcdClient  # see parse_master_address
+
         address = self.address
         timeout_ms = max(1, min(timeout_ms, limits.ETCD_REQUEST_TIMEOUT_MS))
         async with EtcdClient(address.etcd_endpoints, request_timeout_ms=timeout_ms) as etcd:

@@ -70,12 +70,11 @@ def test_a_put_names_the_segments_it_hashed_in_place(second_key_first_on: str) -
 
 def test_new_bytes_lands_payload_in_the_object_returned() -> None:
     """A plain get's payload lands straight in the bytes object it returns; the view keeps the
-    object alive, and small sizes (tiny ones above all: CPython shares those objects) land in
-    a bytearray instead."""
+    object alive."""
     import gc
     import os
 
-    from kvpool.client.transfer import _landing, _new_bytes
+    from kvpool.client.transfer import _new_bytes
 
     payload = os.urandom(1 << 20)
     data, view = _new_bytes(len(payload))
@@ -84,8 +83,131 @@ def test_new_bytes_lands_payload_in_the_object_returned() -> None:
     del data
     gc.collect()
     assert bytes(view) == payload  # still alive through the view
-    for size in (0, 1, 2, 4096, (16 << 10) + 1):  # small ones land in a bytearray
-        small, small_view = _landing(size)
-        small_view[:] = b"\x07" * size
-        assert small == b"\x07" * size
     assert b"" == bytes() and len(b"") == 0
+
+
+def test_plain_gets_of_pages_land_in_one_buffer_per_frame(monkeypatch) -> None:
+    """Plain gets of small objects over TCP: each frame's payload lands in one buffer (one
+    receive), objects of both nodes come back whole and in order, a page whose bytes do not
+    hash to its checksum is a miss that names its replica, and larger objects and zero-copy
+    targets still get their own sinks."""
+    import xxhash
+
+    from kvpool.protocol.messages import GetReplicaListReply, ReadSlices, Replica
+
+    monkeypatch.setattr(transfer, "FRAME_BYTES_TARGET", 10_000)  # pages span several frames
+    infos = {s: SegmentInfo(s, f"node-{s}", "elsewhere", f"{s}:1", "", b"t", 1 << 20) for s in "AB"}
+    page = transfer.SMALL_LANDING_BYTES_MAX
+    sizes = [4096, 1, page, 4096, page + 1, 4096, 3000, 4096]
+    values = [os.urandom(n) for n in sizes]
+    stored = {"A": bytearray(1 << 20), "B": bytearray(1 << 20)}  # what the nodes hold
+    replicas = []
+    for index, value in enumerate(values):
+        segment_id = "AB"[index % 2]
+        offset = 40_000 * index
+        stored[segment_id][offset : offset + len(value)] = value
+        replicas.append([Replica(segment_id, offset)])
+    checksums = [xxhash.xxh3_64_intdigest(v) for v in values]
+    stored["B"][40_000 * 3] ^= 0xFF  # key 3's only replica rotted
+    reply = GetReplicaListReply([0] * len(values), sizes, checksums, replicas, 10_000, infos)
+    zero_copy = bytearray(4096)
+    targets = [None] * len(values)
+    targets[6] = [memoryview(zero_copy)]
+    keys = [f"k{i}" for i in range(len(values))]
+    job = transfer.GetJob(reply, targets, 0, lambda info: None, keys)
+    job.copy_local()  # nothing is mapped here
+    batches = job.remote_batches()
+    assert sorted(b.endpoint for b in batches) == ["A:1", "B:1"]
+    asked = set()
+    for batch in batches:
+        for (message, sinks), owners in zip(batch.frames, batch.owners):
+            assert isinstance(message, ReadSlices) and len(message.items) == len(owners)
+            payload = b"".join(bytes(stored[i.segment_id][i.offset : i.offset + i.size]) for i in message.items)
+            assert sum(len(s) for s in sinks) == len(payload)
+            if all(targets[o] is None and sizes[o] <= page for o in owners):
+                assert len(sinks) == 1  # a frame of pages: one buffer
+            position = 0
+            for sink in sinks:
+                sink[:] = payload[position : position + len(sink)]
+                position += len(sink)
+            asked |= set(owners)
+    assert asked == set(range(len(values)))
+    job.remote_done(asked, set())
+    job.finish(1)
+    for index, value in enumerate(values):
+        if index == 3:
+            assert job.codes[index] != 0 and job.results[index] is None
+        elif index == 6:
+            assert job.results[index] == len(value) and bytes(zero_copy[: len(value)]) == value
+        else:
+            assert job.codes[index] == 0 and type(job.results[index]) is bytes and job.results[index] == value
+    assert job.bad_replicas == [("k3", Replica("B", 40_000 * 3))]
+
+
+def test_reply_sinks_that_follow_each_other_in_registered_memory_are_received_as_one() -> None:
+    """A zero-copy get's sinks merge where the objects' buffers follow each other in one
+    registered buffer; a gap, a multi-part object, an unknown address or the seam between two
+    registered buffers keeps them apart. Filling the merged sinks fills every object."""
+    import numpy as np
+
+    from kvpool.client.buffers import BufferRegistry
+    from kvpool.protocol.messages import ReadItem, ReadSlices, Replica
+
+    registry = BufferRegistry()
+    memory = np.zeros(64 * 1024, dtype=np.uint8)
+    first = registry.register(memory[: 32 * 1024])
+    second = registry.register(memory[32 * 1024 :])
+    assert second == first + 32 * 1024  # back to back: a view spans one of them only
+    page = 4096
+    layout = [  # (address or None, parts): the object's buffers
+        (first, 1), (first + page, 1), (first + 2 * page, 1),  # a run of three
+        (first + 4 * page, 1),  # a gap before it
+        (None, 2),  # two parts (one per layer): never merged
+        (first + 7 * page, 1), (second, 1),  # follow on, but across the seam
+    ]  # fmt: skip
+    def read_item(replica: Replica, start: int, size: int) -> ReadItem:
+        return ReadItem("s", replica.offset + start, size)
+
+    cutter = _FrameCutter("n:1", read_item, ReadSlices, registry.view)
+    scratch = []
+    for index, (address, parts) in enumerate(layout):
+        if address is None:
+            views = [memoryview(bytearray(page // 2)) for _ in range(parts)]
+            scratch.append(views)
+        else:
+            views = [registry.view(address, page)]
+        cutter.add(index, Replica("s", index * page), views, address)
+    (message, sinks), = cutter.finish().frames
+    assert [len(s) for s in sinks] == [3 * page, page, page // 2, page // 2, page, page]
+    payload = os.urandom(len(layout) * page)
+    position = 0
+    for sink in sinks:
+        sink[:] = payload[position : position + len(sink)]
+        position += len(sink)
+    for index, (address, _) in enumerate(layout):
+        want = payload[index * page : (index + 1) * page]
+        got = b"".join(bytes(v) for v in scratch[0]) if address is None else bytes(registry.view(address, page))
+        assert got == want, index
+
+
+def test_large_plain_get_landings_ask_for_huge_pages_inside_their_bytes_only(monkeypatch) -> None:
+    """A bytes object of at least HUGE_PAGES_BYTES_MIN asks for transparent huge pages on the
+    whole 2 MiB pages inside its own data, never past it; smaller ones ask nothing. The bytes
+    land whole either way."""
+    calls = []
+    monkeypatch.setattr(transfer, "_madvise", lambda start, length, advice: calls.append((start, length, advice)))
+    huge = 2 << 20
+    for size in (transfer.HUGE_PAGES_BYTES_MIN - 1, transfer.HUGE_PAGES_BYTES_MIN, 32 << 20, (32 << 20) + 12345):
+        calls.clear()
+        data, view = transfer._new_bytes(size)
+        address = id(data) + transfer._BYTES_DATA_OFFSET
+        if size < transfer.HUGE_PAGES_BYTES_MIN:
+            assert calls == []
+            continue
+        (start, length, advice), = calls
+        assert advice == 14 and start % huge == 0 and length % huge == 0 and length > 0
+        assert address <= start and start + length <= address + size
+        assert start - address < huge and address + size - (start + length) < huge  # every whole page
+        payload = os.urandom(size)
+        view[:] = payload
+        assert data == payload

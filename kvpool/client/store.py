@@ -232,7 +232,9 @@ class AsyncStore:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Get each key scattered into several registered ranges, filled in order."""
-        return get_into_results(await self._get_parts(keys, self._views(keys, addresses, sizes)))
+        return get_into_results(
+            await self._get_parts(keys, self._views(keys, addresses, sizes), buffer_starts(addresses))
+        )
 
     def _views(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -324,10 +326,13 @@ class AsyncStore:
         return await self._put_finish(job)
 
     async def _get_parts(
-        self, keys: Sequence[str], targets: Sequence[list[memoryview] | None]
+        self,
+        keys: Sequence[str],
+        targets: Sequence[list[memoryview] | None],
+        starts: Sequence[int | None] | None = None,
     ) -> GetJob:
-        """A whole get, every phase on this loop."""
-        job = await self._locate(keys, targets)
+        """A whole get, every phase on this loop. `starts`: see buffer_starts."""
+        job = await self._locate(keys, targets, starts)
         await self._copy_local(job)
         await self._read_remote(job)
         job.finish(now_monotonic_ms())
@@ -394,11 +399,17 @@ class AsyncStore:
                 log.info("put_revoke failed (the master will discard the put): %s", exc)
         return job.codes
 
-    async def _locate(self, keys: Sequence[str], targets: Sequence[list[memoryview] | None]) -> GetJob:
+    async def _locate(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[list[memoryview] | None],
+        starts: Sequence[int | None] | None = None,
+    ) -> GetJob:
         lease_start_ms = now_monotonic_ms()
         reply = await self._master.call(GetReplicaList(list(keys)), is_idempotent=True)
         assert isinstance(reply, GetReplicaListReply)
-        return GetJob(reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory)
+        span = self.buffers.view if starts is not None else None
+        return GetJob(reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span)
 
     async def _read_remote(self, job: GetJob) -> None:
         """Fetch every pending key over TCP, falling back replica by replica."""
@@ -490,6 +501,12 @@ class AsyncStore:
 
 def _fixed_sinks(views: list[memoryview]) -> Callable[[object], list[memoryview]]:
     return lambda _reply: views
+
+
+def buffer_starts(addresses: Sequence[Sequence[int]]) -> list[int | None]:
+    """Per key of a zero-copy get: its buffer's address when it is one registered range, so
+    that replies for keys laid out back to back land in one receive (GetJob)."""
+    return [a[0] if len(a) == 1 else None for a in addresses]
 
 
 def get_into_results(job: GetJob) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from kvpool.client.store import AsyncStore, BytesLike, get_into_results
+from kvpool.client.store import AsyncStore, BytesLike, buffer_starts, get_into_results
 from kvpool.client.transfer import GetJob, now_monotonic_ms
 from kvpool.config import ClientConfig
 from kvpool.errors import ErrorCode, InvalidParams, RpcTimeout, error_from_code
@@ -216,7 +216,7 @@ class Store:
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        return get_into_results(self._get(keys, self._async._views(keys, addresses, sizes)))
+        return get_into_results(self._get(keys, self._async._views(keys, addresses, sizes), buffer_starts(addresses)))
 
     # --- metadata API ---------------------------------------------------------------------
 
@@ -269,8 +269,13 @@ class Store:
         job.copy_local()
         return self._run(self._async._put_finish(job))
 
-    def _get(self, keys: Sequence[str], targets: Sequence[list[memoryview] | None]) -> GetJob:
-        job = self._run(self._async._locate(keys, targets))
+    def _get(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[list[memoryview] | None],
+        starts: Sequence[int | None] | None = None,
+    ) -> GetJob:
+        job = self._run(self._async._locate(keys, targets, starts))
         job.copy_local()
         if job.pending_indexes():
             self._run(self._async._read_remote(job))

@@ -63,10 +63,14 @@ _FILE_TIERS = (TIER_DISK, TIER_DFS)
 # A batch is cut into frames of about this many bytes, so that it spreads over the lanes.
 FRAME_BYTES_TARGET = 4 * limits.MIB
 
-# A plain get of an object up to this size lands in a bytearray (see _landing).
+# Plain gets over TCP of objects up to this size land together, one buffer per frame
+# (GetJob._page_frames); larger ones land in the bytes object returned (_new_bytes).
 SMALL_LANDING_BYTES_MAX = 16 * limits.KIB
 
 LocalSegments = Callable[[SegmentInfo], Segment | None]
+# A view of registered memory: (address, size) -> memoryview; raises KVPoolError when the range
+# is not inside one registered buffer (BufferRegistry.view).
+Span = Callable[[int, int], memoryview]
 # A get advises this many bytes of the object files it is about to read, ahead of reading them,
 # and reads them on this many threads.
 FILE_PREFETCH_BYTES_MAX = 64 * limits.MIB
@@ -117,18 +121,23 @@ class _FrameCutter:
         endpoint: str,
         make_item: Callable[[object, int, int], WriteItem | ReadItem],
         make_message: Callable[[list], WriteSlices | ReadSlices],
+        span: Span | None = None,
     ) -> None:
         self.batch = RemoteBatch(endpoint, [], [])
         self._make_item = make_item
         self._make_message = make_message
+        self._span = span
         self._items: list = []
         self._views: list[memoryview] = []
+        self._addresses: list[int | None] = []  # per view, where it starts in registered memory
         self._owners: list[int] = []
         self._frame_bytes = 0
 
-    def add(self, key_index: int, target: object, parts: Sequence[memoryview]) -> None:
+    def add(self, key_index: int, target: object, parts: Sequence[memoryview], address: int | None = None) -> None:
+        """`address`: where a one-part object's buffer starts in registered memory, if known;
+        with a `span`, the reply sinks of objects that follow each other there become one."""
         if len(parts) == 1 and 0 < len(parts[0]) <= limits.SLICE_SIZE_BYTES_MAX:
-            self._add_item(key_index, target, 0, len(parts[0]), [parts[0]])  # the common case
+            self._add_item(key_index, target, 0, len(parts[0]), [parts[0]], address)  # the common case
             return
         start = 0
         item_views: list[memoryview] = []
@@ -151,18 +160,53 @@ class _FrameCutter:
             self._close_frame()
         return self.batch
 
-    def _add_item(self, key_index: int, target: object, start: int, size: int, views: list[memoryview]) -> None:
+    def _add_item(
+        self, key_index: int, target: object, start: int, size: int, views: list[memoryview], address: int | None = None
+    ) -> None:
         self._items.append(self._make_item(target, start, size))
         self._views.extend(views)
+        if self._span is not None:
+            self._addresses.extend([address] if len(views) == 1 else [None] * len(views))
         self._owners.append(key_index)
         self._frame_bytes += size
         if self._frame_bytes >= FRAME_BYTES_TARGET or len(self._items) >= limits.BATCH_KEYS_MAX:
             self._close_frame()
 
     def _close_frame(self) -> None:
-        self.batch.frames.append((self._make_message(self._items), self._views))
+        views = self._views if self._span is None else _coalesced(self._views, self._addresses, self._span)
+        self.batch.frames.append((self._make_message(self._items), views))
         self.batch.owners.append(self._owners)
         self._items, self._views, self._owners, self._frame_bytes = [], [], [], 0
+        self._addresses = []
+
+
+def _coalesced(views: list[memoryview], addresses: list[int | None], span: Span) -> list[memoryview]:
+    """The views, with each run that follows on in registered memory made one view: a
+    zero-copy get of pages laid out back to back then lands in a few large receives instead
+    of one per page (and the decoder's staging copy for small ones)."""
+    out: list[memoryview] = []
+    run: list[memoryview] = []
+    run_start = run_end = -1
+
+    def close_run() -> None:
+        if len(run) > 1:
+            try:
+                out.append(span(run_start, run_end - run_start))
+                return
+            except KVPoolError:
+                pass  # two registered buffers back to back: a view spans one only
+        out.extend(run)
+
+    for view, address in zip(views, addresses):
+        if address is not None and address == run_end:
+            run.append(view)
+            run_end += len(view)
+            continue
+        close_run()
+        run = [view]
+        run_start, run_end = (address, address + len(view)) if address is not None else (-1, -1)
+    close_run()
+    return out
 
 
 class PutJob:
@@ -265,9 +309,15 @@ class GetJob:
         local_segments: LocalSegments,
         keys: Sequence[str] = (),
         local_directories: LocalDirectories | None = None,
+        starts: Sequence[int | None] | None = None,
+        span: Span | None = None,
     ) -> None:
         self.reply = reply
         self.targets = targets
+        # Where each key's target starts in registered memory (one-buffer targets), and a view
+        # of that memory: reply sinks that follow each other there are received as one.
+        self._starts = starts
+        self._span = span
         self.keys = keys
         self._local_directories = local_directories
         self.codes = list(reply.codes)
@@ -280,19 +330,28 @@ class GetJob:
         # (key, replica) whose bytes did not match the object's checksum: for the master to
         # have the node check them, and drop the replica if the node agrees (report_bad).
         self.bad_replicas: list[tuple[str, Replica]] = []
+        # Per segment id: the mapped segment, or None (looked up once per segment, not per key).
+        self._mapped: dict[str, Segment | None] = {}
+        self._has_file_tiers = any(info.tier in _FILE_TIERS for info in reply.segments.values())
         codes, candidates = self.codes, self._candidates
         for index, (code, replicas) in enumerate(zip(reply.codes, reply.replicas)):
             if code != _OK:
                 candidates.append([])
                 continue
             target = targets[index]
-            if target is not None and reply.sizes[index] > sum(len(p) for p in target):
+            room = 0 if target is None else len(target[0]) if len(target) == 1 else sum(map(len, target))
+            if target is not None and reply.sizes[index] > room:
                 codes[index] = int(ErrorCode.BUFFER_OVERFLOW)
             elif not replicas:
                 codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
-            candidates.append(self._order(replicas) if codes[index] == _OK else [])
-            if codes[index] == _OK and not candidates[index]:
-                codes[index] = int(ErrorCode.TRANSFER_FAIL)  # only DFS replicas, no DFS here
+            if codes[index] != _OK:
+                candidates.append([])
+            elif len(replicas) == 1 and not self._has_file_tiers:
+                candidates.append(list(replicas))  # the common case: nothing to order
+            else:
+                candidates.append(self._order(replicas))
+                if not candidates[index]:
+                    codes[index] = int(ErrorCode.TRANSFER_FAIL)  # only DFS replicas, no DFS here
 
     def _order(self, replicas: list[Replica]) -> list[Replica]:
         """Nearest first: local DRAM, remote DRAM, local disk, remote disk, DFS (each in the
@@ -320,23 +379,38 @@ class GetJob:
 
     def reads_files(self) -> bool:
         """Whether copy_local would read object files here (disk or DFS replicas)."""
-        return any(self._file_path(i) is not None for i in self.pending_indexes())
+        return self._has_file_tiers and any(self._file_path(i) is not None for i in self.pending_indexes())
+
+    def _mapped_segment(self, info: SegmentInfo) -> Segment | None:
+        segment_id = info.segment_id
+        if segment_id not in self._mapped:
+            self._mapped[segment_id] = self._local_segments(info)
+        return self._mapped[segment_id]
 
     def copy_local(self) -> None:
         """Read every pending key whose next candidate replica is mapped here, then verify."""
         segments, sizes = self.reply.segments, self.reply.sizes
         reads: list[tuple[int, Path]] = []  # object files this host can open
         mapped: list[tuple[int, Replica, Segment]] = []  # DRAM replicas in a mapped segment
+        candidates, targets, mapped_segment = self._candidates, self.targets, self._mapped_segment
+        digest = xxhash.xxh3_64_intdigest
         for index in self.pending_indexes():
-            replica = self._candidates[index][0]
+            replica = candidates[index][0]
             info = segments[replica.segment_id]
             if info.tier in _FILE_TIERS:
                 path = self._file_path(index)
                 if path is not None:
                     reads.append((index, path))
                 continue  # else a remote disk replica: over TCP
-            segment = self._local_segments(info)
-            if segment is not None:
+            segment = mapped_segment(info)
+            if segment is None:
+                continue
+            size = sizes[index]
+            if targets[index] is None and size <= SMALL_COPY_BYTES_MAX:  # a KV page: copy, hash, check
+                self._reading[index] = candidates[index].pop(0)
+                self._landed[index] = data = segment.data[replica.offset : replica.offset + size].tobytes()
+                self._check(index, digest(data))
+            else:
                 mapped.append((index, replica, segment))
         prefetched_bytes = 0
         for index, path in reads:
@@ -351,17 +425,12 @@ class GetJob:
             if checksum is not None:
                 self._check(index, checksum)
         copies: list[tuple[int, list[memoryview], list[memoryview]]] = []  # hashed as they land
-        copied: list[int] = []  # small plain gets, hashed after
-        digest = xxhash.xxh3_64_intdigest
+        copied: list[int] = []  # plain gets up to a chunk, hashed after
         for index, replica, segment in mapped:
-            self._reading[index] = self._candidates[index].pop(0)
+            self._reading[index] = candidates[index].pop(0)
             size = sizes[index]
             source = segment.data[replica.offset : replica.offset + size]
-            target = self.targets[index]
-            if target is None and size <= SMALL_COPY_BYTES_MAX:  # a KV page: copy, hash, check
-                self._landed[index] = data = source.tobytes()
-                self._check(index, digest(data))
-                continue
+            target = targets[index]
             if target is None and size <= COPY_CHUNK_BYTES:
                 self._landed[index] = source.tobytes()  # one malloc and memcpy, still in cache
                 copied.append(index)
@@ -410,21 +479,56 @@ class GetJob:
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
         cutters: dict[str, _FrameCutter] = {}
+        pages: dict[str, list[int]] = {}  # plain gets of small objects, by endpoint
+        segments, sizes, targets, candidates = self.reply.segments, self.reply.sizes, self.targets, self._candidates
+        starts = self._starts
         for index in self.pending_indexes():
-            replica = self._candidates[index][0]
-            info = self.reply.segments[replica.segment_id]
-            size = self.reply.sizes[index]
-            target = self.targets[index]
+            replica = candidates[index][0]
+            endpoint = segments[replica.segment_id].endpoint
+            size = sizes[index]
+            target = targets[index]
+            if target is None and size <= SMALL_LANDING_BYTES_MAX:
+                pages.setdefault(endpoint, []).append(index)
+                continue
             if target is None:
-                self._landed[index], view = _landing(size)
+                self._landed[index], view = _new_bytes(size)
                 parts = [view]
             else:
                 parts = _prefix(target, size)
-            cutter = cutters.get(info.endpoint)
+            cutter = cutters.get(endpoint)
             if cutter is None:
-                cutter = cutters[info.endpoint] = _FrameCutter(info.endpoint, _read_item, ReadSlices)
-            cutter.add(index, replica, parts)
-        return [cutter.finish() for cutter in cutters.values()]
+                cutter = cutters[endpoint] = _FrameCutter(endpoint, _read_item, ReadSlices, self._span)
+            cutter.add(index, replica, parts, starts[index] if starts is not None and target is not None else None)
+        batches = {endpoint: cutter.finish() for endpoint, cutter in cutters.items()}
+        for endpoint, indexes in pages.items():
+            batch = batches.setdefault(endpoint, RemoteBatch(endpoint, [], []))
+            self._page_frames(batch, indexes)
+        return list(batches.values())
+
+    def _page_frames(self, batch: RemoteBatch, indexes: list[int]) -> None:
+        """Frames for plain gets of small objects (KV pages): each frame's payload lands in one
+        buffer of the job's own, one receive instead of a sink per object, and each object's
+        view of it is hashed, checked and copied into the bytes returned (_check)."""
+        sizes, candidates = self.reply.sizes, self._candidates
+        frames: list[list[int]] = [[]]
+        frame_bytes = 0
+        for index in indexes:
+            if frame_bytes >= FRAME_BYTES_TARGET or len(frames[-1]) >= limits.BATCH_KEYS_MAX:
+                frames.append([])
+                frame_bytes = 0
+            frames[-1].append(index)
+            frame_bytes += sizes[index]
+        for frame in frames:
+            _, arena = _new_bytes(max(2, sum(sizes[i] for i in frame)))
+            items = []
+            at = 0
+            for index in frame:
+                replica, size = candidates[index][0], sizes[index]
+                items.append(ReadItem(replica.segment_id, replica.offset, size))
+                self._landed[index] = arena[at : at + size]
+                at += size
+            batch.frames.append((ReadSlices(items), [arena[:at]]))
+            batch.owners.append(frame)
 
     def remote_done(self, key_indexes: set[int], failed: set[int]) -> None:
         """TCP reads of `key_indexes` finished; those in `failed` did not arrive whole."""
@@ -486,15 +590,14 @@ _new_bytes_object.restype = ctypes.py_object
 _new_bytes_object.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 _BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # where a bytes object's data starts (ob_sval)
 
-
-def _landing(size: int) -> tuple[bytes | bytearray, memoryview]:
-    """Where a plain get's payload of `size` bytes lands: a bytearray for a small object
-    (cheaper to make, and to copy into bytes once verified, than _new_bytes), else the bytes
-    object returned itself."""
-    if size <= SMALL_LANDING_BYTES_MAX:
-        landing = bytearray(size)
-        return landing, memoryview(landing)
-    return _new_bytes(size)
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_HUGEPAGE = 14  # Linux (mmap.MADV_HUGEPAGE)
+_HUGE_PAGE_BYTES = 2 * limits.MIB
+# A plain get's bytes object of at least this size asks for transparent huge pages: its memory
+# is fresh (glibc maps large blocks anew), and faulting it in 4 KiB pages cost more than the
+# copy itself (32 MiB: 22 ms against 6 ms with huge pages, bench_paths.py landing).
+HUGE_PAGES_BYTES_MIN = 4 * limits.MIB
 
 
 def _new_bytes(size: int) -> tuple[bytes, memoryview]:
@@ -505,9 +608,22 @@ def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     misses its deadline while landing closes its connection, transports/connection.py) and
     is never handed out. `size` > 1: CPython shares its empty and one-byte bytes objects."""
     data = _new_bytes_object(None, size)
-    array = (ctypes.c_char * size).from_address(id(data) + _BYTES_DATA_OFFSET)
+    address = id(data) + _BYTES_DATA_OFFSET
+    if size >= HUGE_PAGES_BYTES_MIN:
+        _advise_huge_pages(address, size)
+    array = (ctypes.c_char * size).from_address(address)
     array._owner = data  # type: ignore[attr-defined]
     return data, memoryview(array).cast("B")
+
+
+def _advise_huge_pages(address: int, size: int) -> None:
+    """Ask for transparent huge pages on the whole 2 MiB pages inside [address, +size), before
+    anything touched them. Only advice: with THP off (or "never") the kernel ignores it, and a
+    failure changes nothing but speed."""
+    start = -(-address // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+    end = (address + size) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    if end > start:
+        _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def _write_item(placement: object, start: int, size: int) -> WriteItem:
@@ -538,6 +654,8 @@ def _file_readers() -> concurrent.futures.ThreadPoolExecutor:
 
 def _prefix(parts: Sequence[memoryview], size: int) -> list[memoryview]:
     """The first `size` bytes of a list of buffers, as views."""
+    if len(parts) == 1 and len(parts[0]) == size:
+        return parts  # type: ignore[return-value]  # the common case: one buffer, the object's size
     out = []
     for part in parts:
         if size <= 0:

@@ -176,14 +176,18 @@ class FrameDecoder:
                 self._grow(wanted)
         return memoryview(self._staging)[self._end :]
 
-    def buffer_updated(self, size_bytes: int) -> None:
-        """`size_bytes` bytes were written into the buffer last returned by get_buffer."""
+    def buffer_updated(self, size_bytes: int) -> bool:
+        """`size_bytes` bytes were written into the buffer last returned by get_buffer.
+        Returns False when next_event has nothing new to say: the bytes went into a payload
+        sink and more are owed (a large payload comes in many receives; this spares each the
+        walk through next_event)."""
         assert size_bytes > 0, size_bytes
         if self._buffer_is_sink:
             self._advance_sink(size_bytes)
-        else:
-            self._end += size_bytes
-            assert self._end <= len(self._staging), (self._end, len(self._staging))
+            return self._sink_left == 0
+        self._end += size_bytes
+        assert self._end <= len(self._staging), (self._end, len(self._staging))
+        return True
 
     def receive_data(self, data: bytes) -> None:
         """Feed bytes by copying them (the h11-style entry point for tests and fuzzing)."""

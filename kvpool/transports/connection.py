@@ -273,7 +273,8 @@ class Connection(asyncio.BufferedProtocol):
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._decoder.buffer_updated(nbytes)
+        if not self._decoder.buffer_updated(nbytes):
+            return
         try:
             self._process_events()
         except ProtocolError as exc:
