@@ -318,6 +318,35 @@ def test_a_writer_whose_bytes_miss_their_checksum_never_serves_them(shm_enabled,
 
 
 @pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
+def test_a_rotten_replica_goes_alone_and_its_object_is_served_from_the_other(shm_enabled):
+    """Two replicas, the one read first rots after the commit: the get still returns the
+    object's bytes (from the other replica), the reader's report has the node confirm the bad
+    one, and only that replica is dropped (from the master and its node's inventory); the
+    object stays, served from the sound replica."""
+
+    async def main():
+        async with cluster(node_count=2) as (master, nodes):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                value = os.urandom(20_000)
+                await store.put("twice", value, ReplicateConfig(replica_num=2))
+                first, second = (await store.query(["twice"])).replicas[0]
+                node = {n.segment_id: n for n in nodes}[first.segment_id]
+                node.segment.data[first.offset + 5] ^= 0x01
+                assert await store.get("twice") == value  # from the second replica
+                deadline = asyncio.get_running_loop().time() + 3
+                while len((await store.query(["twice"])).replicas[0]) == 2:
+                    assert asyncio.get_running_loop().time() < deadline, "the bad replica stayed"
+                    await asyncio.sleep(0.02)
+                assert (await store.query(["twice"])).replicas[0] == [second]
+                while node.inventory.get("twice") is not None:  # dropped at the master's next tick
+                    assert asyncio.get_running_loop().time() < deadline + 2, "the node kept the bad replica"
+                    await asyncio.sleep(0.05)
+                assert await store.get("twice") == value
+
+    run(main())
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
 def test_bytes_that_rot_after_their_commit_are_found_confirmed_and_dropped(shm_enabled):
     """A replica whose bytes change after the commit (a bit flip, a stale writer) reads as a
     miss; the reader reports it, the node hashes it and agrees, the master drops the object,

@@ -790,8 +790,9 @@ def test_unmount_of_a_segment_holding_many_objects(policy: str) -> None:
 
 def test_a_bad_replica_report_names_only_current_replicas_and_changes_nothing() -> None:
     """suspect_replicas: what to ask the nodes to hash (the master's size and checksum), for
-    replicas that still are at the reported offset; a client's word alone drops nothing, and
-    a confirmed one goes like a refused commit (the whole object)."""
+    replicas that still are at the reported offset; a client's word alone drops nothing. A
+    confirmed bad replica goes alone: its object is served from the other replica, and its
+    range is dropped on its node; an object whose last replica is bad goes whole."""
     svc = make()
     mount(svc, "s1")
     mount(svc, "s2")
@@ -804,7 +805,15 @@ def test_a_bad_replica_report_names_only_current_replicas_and_changes_nothing() 
     assert exists(svc, ["a", "b"]) == [True, True]
     with pytest.raises(InvalidParams):
         svc.suspect_replicas(ReportBadReplicas(["a"], ["s1", "s2"], [0]), 1)
-    assert svc.refuse_commits("s1", suspects["s1"], 2) == 1  # the node agreed
+    svc.take_drops()
+    assert svc.drop_bad_replicas("s1", suspects["s1"], 2) == (1, 0)  # the node agreed
+    assert exists(svc, ["a", "b"]) == [True, True]
+    assert [r.segment_id for r in get(svc, ["a"], 3).replicas[0]] == ["s2"]
+    assert svc.take_drops() == {"s1": [InventoryEntry("a", a_on_s1, OBJECT_SIZE, checksum_of("a"))]}
+    assert svc.drop_bad_replicas("s1", suspects["s1"], 4) == (0, 0)  # already gone from s1
+    a_on_s2 = get(svc, ["a"], 5).replicas[0][0].offset
+    last = [InventoryEntry("a", a_on_s2, OBJECT_SIZE, checksum_of("a"))]
+    assert svc.drop_bad_replicas("s2", last, 6) == (1, 1)  # its last replica: the object goes
     assert exists(svc, ["a", "b"]) == [False, True]
 
 

@@ -491,3 +491,30 @@ def test_a_node_without_the_dfs_mounted_is_asked_for_no_more_dfs_moves():
     svc.tick(4)
     assert svc.take_moves() == {}  # evicted by dropping, as without a DFS
     assert ack_drops(svc, 4)["A"]
+
+
+def test_a_confirmed_bad_replica_goes_alone_and_the_object_lives_on_in_its_other_tier():
+    """drop_bad_replicas across tiers: a bad DRAM replica leaves the object on its disk copy
+    (out of the DRAM table, counted by the disk tier); a bad disk replica leaves it in DRAM;
+    the last replica takes the object with it. Drops go to the replicas' own segments."""
+    svc = cluster()
+    copies = write_through(svc, ["d", "k", "last"], with_disk_copy=True)
+    svc.finish_moves("A", copies["A"], [OK] * 3, 0)
+    ack_drops(svc)
+    replicas = {key: {r.segment_id: r.offset for r in svc.query_objects(QueryObjects([key]), 0).replicas[0]}
+                for key in ("d", "k", "last")}  # fmt: skip
+
+    def entry(key: str, segment_id: str) -> list[InventoryEntry]:
+        return [InventoryEntry(key, replicas[key][segment_id], OBJECT_SIZE, checksum_of(key))]
+
+    assert svc.drop_bad_replicas("A", entry("d", "A"), 1) == (1, 0)  # DRAM rotted: disk copy stays
+    assert where(svc, "d") == ["A/disk"]
+    assert svc.get_replica_list(GetReplicaList(["d"]), 1).codes == [OK]
+    assert svc.drop_bad_replicas("A/disk", entry("k", "A/disk"), 1) == (1, 0)  # disk rotted
+    assert where(svc, "k") == ["A"]
+    assert svc.drop_bad_replicas("A/disk", entry("last", "A/disk"), 1) == (1, 0)
+    assert svc.drop_bad_replicas("A", entry("last", "A"), 1) == (1, 1)  # no replica left
+    assert svc.exist_keys(ExistKeys(["d", "k", "last"]), 2).flags == [True, True, False]
+    assert tiers(svc)[TIER_DISK]["object_count"] == 1
+    drops = {s: sorted(e.key for e in entries) for s, entries in svc.take_drops().items()}
+    assert drops == {"A": ["d", "last"], "A/disk": ["k", "last"]}

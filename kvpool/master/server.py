@@ -467,16 +467,16 @@ class MasterServer:
         return OkReply()
 
     async def _verify(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
-        """Ask the node that holds them to hash these replicas; drop the objects it finds bad,
-        as for a commit it refused (refuse_commits)."""
+        """Ask the node that holds them to hash these replicas; drop those it finds bad (an
+        object keeps its other replicas, service.drop_bad_replicas)."""
         codes = await self._node_codes(VerifyObjects(segment_id, entries))
         if codes is None:
             return
         bad = [entry for entry, code in zip(entries, codes) if code == ErrorCode.TRANSFER_FAIL]
         if bad and service is self.service:
-            dropped = service.refuse_commits(segment_id, bad, wall_clock_ms())
-            log.warning("segment %s: %d objects read bad and confirmed by the node; %d dropped",
-                        segment_id, len(bad), dropped)  # fmt: skip
+            replicas, objects = service.drop_bad_replicas(segment_id, bad, wall_clock_ms())
+            log.warning("segment %s: %d replicas read bad and confirmed by the node; %d dropped, "
+                        "%d objects with them", segment_id, len(bad), replicas, objects)  # fmt: skip
 
     # --- tiers: moves and the DFS (docs/tiers.md) ---------------------------------------------
 

@@ -340,6 +340,29 @@ class MasterService:
             dropped += 1
         return dropped
 
+    def drop_bad_replicas(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> tuple[int, int]:
+        """A node confirmed that these replicas no longer hash to their object's checksum (a
+        reader found them bad: a bit flip, a stale writer). Each goes, and its object keeps
+        its other replicas, which were checked on their own at commit and are on every read;
+        an object left with none (or in the middle of a move) goes whole. Returns (replicas
+        dropped, objects dropped)."""
+        segment = self._registry.get(segment_id)
+        if segment is None:
+            return 0, 0
+        replicas = objects = 0
+        for entry in entries:
+            meta = self._table.get(entry.key)
+            if meta is None or meta.offset_on(segment.index) != entry.offset:
+                continue  # Removed or moved meanwhile.
+            if len(meta.replica_tuple()) > 1 and not self._tiers.is_moving(entry.key):
+                self._tiers.drop_replicas(entry.key, meta, [(segment, entry.offset)])
+            else:
+                self._drop_object(entry.key)
+                objects += 1
+            self.counters.errors += 1
+            replicas += 1
+        return replicas, objects
+
     def suspect_replicas(self, msg: ReportBadReplicas, now_ms: int) -> dict[str, list[InventoryEntry]]:
         """The reported replicas that still are what a reader read (the object has a replica at
         that offset of that DRAM or disk segment: a node holds them), by segment id, as the entries to ask each node to

@@ -443,6 +443,15 @@ class TierFlow:
             if is_short or not is_done:
                 self._watermark_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
 
+    def is_moving(self, key: str) -> bool:
+        return key in self.moves
+
+    def drop_replicas(self, key: str, meta: ObjectMeta, places: list[Place]) -> None:
+        """Drop some (not all) of an object's replicas, and place it by those left (an object
+        that lost its last DRAM replica leaves the DRAM table)."""
+        self._drop_replicas(key, meta, places)
+        self.place(key, meta)
+
     def _drop_replicas(self, key: str, meta: ObjectMeta, places: list[Place]) -> None:
         """Drop some (not all) of an object's replicas: to their segments' drop outboxes."""
         doomed = {pack_replica(segment.index, offset) for segment, offset in places}
