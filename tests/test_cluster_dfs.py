@@ -10,7 +10,10 @@ the directory alone. Every check is on the bytes a user gets back.
 
 from __future__ import annotations
 
+import os
+
 from kvpool import ErrorCode, ReplicateConfig, Store
+from kvpool.protocol import objectfile
 from tests.test_cluster import kvpool_cli, values_for, wait_until
 
 OBJECT_SIZE = 256 * 1024
@@ -66,3 +69,29 @@ def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_p
         assert reader.get(every[0]) is None
         # The master removes the file itself (no node holds DFS objects).
         wait_until(lambda: len(list((tmp_path / "dfs" / "objects").rglob("*.kvo"))) == len(every) - 1)
+
+
+def test_a_dfs_file_that_rots_is_checked_by_the_master_and_dropped(make_cluster, tmp_path):
+    """An object whose only replica left is its DFS file (its node died), and the file's bytes
+    change: a get is a miss, never the wrong bytes; the reader's report has the master (no
+    node owns DFS files) re-read and hash the file, and drop it; the sound object stays."""
+    dfs = tmp_path / "dfs"
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs), "--node-ttl-ms", "1500"))
+    node = cluster.start_node(("--dfs-dir", str(dfs)))
+    rotten, sound = os.urandom(OBJECT_SIZE), os.urandom(OBJECT_SIZE)
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs), shm_enabled=False) as store:
+        config = ReplicateConfig(with_dfs_copy=True)
+        assert store.put_batch(["rotten", "sound"], [rotten, sound], config) == [ErrorCode.OK] * 2
+        node.kill()
+        wait_until(lambda: not [s for s in store.cluster_status().segments if s.segment.tier == "dram"])
+        (replica,) = store.query(["rotten"]).replicas[0]  # the DFS file alone
+        path = dfs / objectfile.dfs_relative_path("rotten", replica.offset)
+        with open(path, "r+b") as file:
+            file.seek(-100, os.SEEK_END)  # inside the object's bytes, past the header
+            byte = file.read(1)
+            file.seek(-1, os.SEEK_CUR)
+            file.write(bytes([byte[0] ^ 0x10]))
+        assert store.get("rotten") is None
+        wait_until(lambda: not store.exists("rotten"))
+        wait_until(lambda: not path.exists())  # the master removed the file itself
+        assert store.get("sound") == sound

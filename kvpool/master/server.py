@@ -454,8 +454,9 @@ class MasterServer:
     # --- replicas a reader found bad ------------------------------------------------------------
 
     def _verify_reported(self, message: ReportBadReplicas, now_ms: int) -> OkReply:
-        """Have the nodes hash the reported replicas, in the background; answered at once. At
-        most VERIFY_TASKS_MAX checks run at a time: more reports wait for the next bad read."""
+        """Have the reported replicas hashed, in the background (by their node, or here for
+        the DFS); answered at once. At most VERIFY_TASKS_MAX checks run at a time: more reports
+        wait for the next bad read."""
         service = self.service
         for segment_id, entries in service.suspect_replicas(message, now_ms).items():
             if len(self._verify_tasks) >= limits.VERIFY_TASKS_MAX:
@@ -467,9 +468,17 @@ class MasterServer:
         return OkReply()
 
     async def _verify(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
-        """Ask the node that holds them to hash these replicas; drop those it finds bad (an
-        object keeps its other replicas, service.drop_bad_replicas)."""
-        codes = await self._node_codes(VerifyObjects(segment_id, entries))
+        """Hash these replicas where they are: a node's DRAM range or disk file by asking the
+        node, a DFS file here (no node owns it: the master keeps the DFS index). Drop those
+        found bad (an object keeps its other replicas, service.drop_bad_replicas)."""
+        dfs = self._dfs
+        if dfs is not None and self._dfs_info is not None and segment_id == self._dfs_info.segment_id:
+            sound = await asyncio.to_thread(
+                lambda: [files.holds_object(dfs.path_of(e.key, e.offset), e.key, e.size, e.checksum) for e in entries]
+            )
+            codes: list[int] | None = [int(ErrorCode.OK if ok else ErrorCode.TRANSFER_FAIL) for ok in sound]
+        else:
+            codes = await self._node_codes(VerifyObjects(segment_id, entries))
         if codes is None:
             return
         bad = [entry for entry, code in zip(entries, codes) if code == ErrorCode.TRANSFER_FAIL]

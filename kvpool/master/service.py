@@ -61,7 +61,6 @@ from kvpool.master.puts import PendingCommit, PutFlow
 from kvpool.master.tiers import SLOWER_TIERS, Move, TierFlow
 from kvpool.protocol.messages import (
     PLACEMENTS,
-    TIER_DFS,
     TIER_DRAM,
     TIERS,
     ClusterStatus,
@@ -365,8 +364,8 @@ class MasterService:
 
     def suspect_replicas(self, msg: ReportBadReplicas, now_ms: int) -> dict[str, list[InventoryEntry]]:
         """The reported replicas that still are what a reader read (the object has a replica at
-        that offset of that DRAM or disk segment: a node holds them), by segment id, as the entries to ask each node to
-        hash (the master's size and checksum). O(keys). Nothing changes until a node agrees.
+        that offset of that segment), by segment id, as the entries to hash again where they
+        are (the master's size and checksum). O(keys). Nothing changes until a check agrees.
 
         Raises:
             InvalidParams: too many keys, or lists of different lengths.
@@ -379,7 +378,7 @@ class MasterService:
         for key, segment_id, offset in zip(msg.keys, msg.segment_ids, msg.offsets):
             segment = self._registry.get(segment_id) if type(segment_id) is str else None
             meta = self._table.get(key) if is_valid_key(key) else None
-            if segment is None or meta is None or segment.tier == TIER_DFS or (key, segment_id) in seen:
+            if segment is None or meta is None or (key, segment_id) in seen:
                 continue
             if type(offset) is int and meta.offset_on(segment.index) == offset:
                 seen.add((key, segment_id))

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
 
-from kvpool import checksums, limits
+from kvpool import limits
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, SegmentNotFound
 from kvpool.node.disk import DiskTier
 from kvpool.node.metrics import TierMetrics
@@ -236,11 +236,8 @@ class TieredMasterCalls:
         def check(entry: InventoryEntry | None) -> ErrorCode:
             if entry is None:
                 return ErrorCode.OBJECT_NOT_FOUND
-            try:
-                data = files.read_object_bytes(disk.path_of(entry.offset), entry.key, entry.size)
-            except KVPoolError:
-                return ErrorCode.TRANSFER_FAIL
-            return ErrorCode.OK if checksums.checksum_of([data]) == entry.checksum else ErrorCode.TRANSFER_FAIL
+            is_sound = files.holds_object(disk.path_of(entry.offset), entry.key, entry.size, entry.checksum)
+            return ErrorCode.OK if is_sound else ErrorCode.TRANSFER_FAIL
 
         codes = await self.mover.run_in_thread(lambda: [check(entry) for entry in held])
         return CodesReply([int(code) for code in codes])  # type: ignore[union-attr]

@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvpool import limits
+from kvpool.checksums import checksum_of
 from kvpool.errors import (
     ChecksumMismatch,
     InvalidParams,
+    KVPoolError,
     ObjectNotFound,
     RpcFailed,
     RpcTimeout,
@@ -218,6 +220,16 @@ def read_object_bytes(path: str | Path, key: str, size_bytes: int) -> bytes:
         return data
     finally:
         os.close(fd)
+
+
+def holds_object(path: str | Path, key: str, size_bytes: int, checksum: int) -> bool:
+    """Whether the object file at `path` reads whole and its bytes hash to `checksum`: a file
+    gone, torn or unreadable does not (a bad replica's check, on a disk thread). Blocks."""
+    try:
+        data = read_object_bytes(path, key, size_bytes)
+    except KVPoolError:
+        return False
+    return checksum_of([data]) == checksum
 
 
 # --- writing -------------------------------------------------------------------------------
