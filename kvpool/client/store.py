@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from kvpool import limits
@@ -333,8 +333,10 @@ class AsyncStore:
     ) -> GetJob:
         """A whole get, every phase on this loop. `starts`: see buffer_starts."""
         job = await self._locate(keys, targets, starts)
-        await self._copy_local(job)
-        await self._read_remote(job)
+        if (copying := self._copy_local(job)) is not None:
+            await copying
+        if job.pending_indexes():
+            await self._read_remote(job)
         job.finish(now_monotonic_ms())
         self.report_bad_replicas(job)
         return job
@@ -422,16 +424,18 @@ class AsyncStore:
             for outcome in await self._run_batches(batches):
                 failed |= outcome
             job.remote_done(asked, failed)
-            await self._copy_local(job)
+            if (copying := self._copy_local(job)) is not None:
+                await copying
 
     @staticmethod
-    async def _copy_local(job: GetJob) -> None:
-        """The job's same-host copies: inline from mapped segments, but on a worker thread
-        when it reads object files (a disk's latency must not stall the event loop)."""
+    def _copy_local(job: GetJob) -> Awaitable[None] | None:
+        """The job's same-host copies: done inline from mapped segments (None), or started on
+        a worker thread when it reads object files (a disk's latency must not stall the event
+        loop): await what is returned."""
         if job.reads_files():
-            await asyncio.get_running_loop().run_in_executor(None, job.copy_local)
-        else:
-            job.copy_local()
+            return asyncio.get_running_loop().run_in_executor(None, job.copy_local)
+        job.copy_local()
+        return None
 
     async def _run_batches(self, batches: Sequence[RemoteBatch]) -> list[set[int]]:
         """Send every batch's frames over lanes to its endpoint, all endpoints at once.

@@ -332,7 +332,11 @@ class GetJob:
         self.bad_replicas: list[tuple[str, Replica]] = []
         # Per segment id: the mapped segment, or None (looked up once per segment, not per key).
         self._mapped: dict[str, Segment | None] = {}
-        self._has_file_tiers = any(info.tier in _FILE_TIERS for info in reply.segments.values())
+        self._has_file_tiers = False  # any disk or DFS segment among the replicas
+        for info in reply.segments.values():
+            if info.tier in _FILE_TIERS:
+                self._has_file_tiers = True
+                break
         codes, candidates = self.codes, self._candidates
         for index, (code, replicas) in enumerate(zip(reply.codes, reply.replicas)):
             if code != _OK:
@@ -392,7 +396,7 @@ class GetJob:
         segments, sizes = self.reply.segments, self.reply.sizes
         reads: list[tuple[int, Path]] = []  # object files this host can open
         mapped: list[tuple[int, Replica, Segment]] = []  # DRAM replicas in a mapped segment
-        candidates, targets, mapped_segment = self._candidates, self.targets, self._mapped_segment
+        candidates, targets, mapped_by_id = self._candidates, self.targets, self._mapped
         digest = xxhash.xxh3_64_intdigest
         for index in self.pending_indexes():
             replica = candidates[index][0]
@@ -402,7 +406,7 @@ class GetJob:
                 if path is not None:
                     reads.append((index, path))
                 continue  # else a remote disk replica: over TCP
-            segment = mapped_segment(info)
+            segment = mapped_by_id[info.segment_id] if info.segment_id in mapped_by_id else self._mapped_segment(info)
             if segment is None:
                 continue
             size = sizes[index]
@@ -412,11 +416,18 @@ class GetJob:
                 self._check(index, digest(data))
             else:
                 mapped.append((index, replica, segment))
+        if reads:
+            self._read_files(reads)
+        if mapped:
+            self._copy_mapped(mapped)
+
+    def _read_files(self, reads: list[tuple[int, Path]]) -> None:
+        """Read these keys from their object files here, and check them."""
         prefetched_bytes = 0
         for index, path in reads:
             if prefetched_bytes < FILE_PREFETCH_BYTES_MAX:
                 files.prefetch(path)  # the device reads them all at once
-                prefetched_bytes += sizes[index]
+                prefetched_bytes += self.reply.sizes[index]
         if len(reads) > 1:  # several files: on several threads, so the device has them all
             sums = list(_file_readers().map(lambda read: self._read_file(*read), reads))
         else:
@@ -424,6 +435,11 @@ class GetJob:
         for (index, _), checksum in zip(reads, sums):
             if checksum is not None:
                 self._check(index, checksum)
+
+    def _copy_mapped(self, mapped: list[tuple[int, Replica, Segment]]) -> None:
+        """Copy these keys (larger than a page, or into the caller's buffers) out of mapped
+        segments, and check them."""
+        sizes, targets, candidates = self.reply.sizes, self.targets, self._candidates
         copies: list[tuple[int, list[memoryview], list[memoryview]]] = []  # hashed as they land
         copied: list[int] = []  # plain gets up to a chunk, hashed after
         for index, replica, segment in mapped:
@@ -478,11 +494,14 @@ class GetJob:
 
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
+        pending = self.pending_indexes()
+        if not pending:
+            return []
         cutters: dict[str, _FrameCutter] = {}
         pages: dict[str, list[int]] = {}  # plain gets of small objects, by endpoint
         segments, sizes, targets, candidates = self.reply.segments, self.reply.sizes, self.targets, self._candidates
         starts = self._starts
-        for index in self.pending_indexes():
+        for index in pending:
             replica = candidates[index][0]
             endpoint = segments[replica.segment_id].endpoint
             size = sizes[index]
