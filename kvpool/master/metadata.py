@@ -225,6 +225,7 @@ class ObjectTable:
         self.policy = policy
         policy.attach(self)
         self.views = {tier: TierView(tier, p) for tier, p in (view_policies or {}).items()}
+        assert TIER_DRAM not in self.views, "views are of the slower tiers (insert relies on it)"
 
     def __len__(self) -> int:
         return len(self.objects) + len(self.lower)
@@ -250,6 +251,8 @@ class ObjectTable:
             if meta.soft_pin_expiry_ms:
                 self.soft_pinned[key] = None
             self.policy.on_insert(key, meta)
+            if len(tiers) == 1:
+                return  # a new object in DRAM alone (a put's): in no tier view
         else:
             self.lower[key] = meta
             if meta.soft_pin_expiry_ms:

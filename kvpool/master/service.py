@@ -416,6 +416,7 @@ class MasterService:
         table = self._table
         objects, lower, pending = table.objects, table.lower, table.pending
         by_index = self._registry.by_index
+        access = table.access
         lease_ttl_ms, soft_pin_ttl_ms = self.config.lease_ttl_ms, self.config.soft_pin_ttl_ms
         codes_out: list[int] = []
         sizes: list[int] = []
@@ -441,14 +442,18 @@ class MasterService:
                 tier_counters[self._tiers.tier_of_nearest(meta)].hits += 1
                 self._tiers.count_read(key, now_ms)
             hits += 1
-            table.access(key, meta, now_ms, lease_ttl_ms, soft_pin_ttl_ms)
-            replicas = []
-            for packed in meta.replica_tuple():
+            access(key, meta, now_ms, lease_ttl_ms, soft_pin_ttl_ms)
+            packed = meta.replicas
+            if type(packed) is int:  # one replica: the common case
                 info = by_index(replica_segment_index(packed)).info
-                segment_id = info.segment_id
-                if segment_id not in infos:
-                    infos[segment_id] = info
-                replicas.append(Replica(segment_id, replica_offset(packed)))
+                infos[info.segment_id] = info
+                replicas = [Replica(info.segment_id, replica_offset(packed))]
+            else:
+                replicas = []
+                for one in packed:
+                    info = by_index(replica_segment_index(one)).info
+                    infos[info.segment_id] = info
+                    replicas.append(Replica(info.segment_id, replica_offset(one)))
             codes_out.append(codes.OK)
             sizes.append(meta.size_bytes)
             checksums.append(meta.checksum)
