@@ -2,7 +2,8 @@
 
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
-    python benchmarks/bench_paths.py [round-trips|master|node-commit|client|put-phases|landing|copies|files ...]
+    python benchmarks/bench_paths.py [PART ...]   (round-trips master node-commit client put-phases
+                                                 landing copies files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
@@ -33,6 +34,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                and as 16 parts of 64 KiB, by memcpy and by numpy's copy.
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
                POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
+  bytecodes    Python bytecodes per key (counted, not timed: the same on every run) of the
+               master's put and get phases and the client's planning of a 128-key get over TCP.
 
 Numbers on a shared VM move between runs: compare within one run.
 """
@@ -648,6 +651,71 @@ def files_read() -> dict:
         return out
 
 
+# --- work counted in bytecodes: what timings on this VM cannot show ----------------------------
+
+
+def bytecodes_per_key(action) -> float:
+    """Python bytecodes executed by `action()` (every function it calls, C code not counted),
+    per key of a BATCH-key batch. Deterministic: a change of a few percent in the master's or
+    the client's per-key work shows here while timings on this VM move by 2x."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return round(count / BATCH, 1)
+
+
+def bytecodes() -> dict:
+    """Per key of a 128-key batch of 4 KiB objects: the master's put_start, put_end,
+    finish_put_end and get_replica_list (a first and a second read); the client's GetJob
+    planning a plain get over TCP (pages landing in one buffer per frame) and a zero-copy one
+    into a registered array."""
+    from kvpool.client.buffers import BufferRegistry
+    from kvpool.client.transfer import GetJob
+    from kvpool.protocol.messages import GetReplicaListReply, Replica
+
+    service = MasterService(MasterConfig(), random.Random(0), auth.cluster_key("bench"), term=1)
+    info = SegmentInfo("bench-segment", "bench-node", "host", "host:1", "/dev/shm/x", b"t", 1 << 30)
+    service.mount_segment(MountSegment(info, []), 0)
+    keys = [f"key-{i:060d}" for i in range(BATCH)]
+    start = PutStart(keys, [4 * KIB] * BATCH, ReplicateConfig())
+    out = {"put_start": bytecodes_per_key(lambda: service.put_start(start, 1))}
+    pending = []
+    out["put_end"] = bytecodes_per_key(lambda: pending.append(service.put_end(PutEnd(keys, [7] * BATCH), 1)))
+    answers = {s: [0] * len(e) for s, e in pending[0].commits.items()}
+    out["finish_put_end"] = bytecodes_per_key(lambda: service.finish_put_end(pending[0], answers, 1))
+    lookup = GetReplicaList(keys)
+    out["get_replica_list_first_read"] = bytecodes_per_key(lambda: service.get_replica_list(lookup, 2))
+    out["get_replica_list_again"] = bytecodes_per_key(lambda: service.get_replica_list(lookup, 3))
+    remote = SegmentInfo("remote", "node", "elsewhere", "elsewhere:1", "", b"t", 1 << 30)
+    replicas = [[Replica("remote", i * 4 * KIB)] for i in range(BATCH)]
+    reply = GetReplicaListReply([0] * BATCH, [4 * KIB] * BATCH, [7] * BATCH, replicas, 10_000, {"remote": remote})
+
+    def plan(targets, starts=None, span=None) -> None:
+        job = GetJob(reply, targets, 0, lambda _: None, keys, None, starts, span)
+        job.copy_local()
+        job.remote_batches()
+
+    out["client_plain_get_over_tcp"] = bytecodes_per_key(lambda: plan([None] * BATCH))
+    registry = BufferRegistry()
+    array = np.zeros(BATCH * 4 * KIB, dtype=np.uint8)
+    base = registry.register(array)
+    addresses = [base + i * 4 * KIB for i in range(BATCH)]
+    targets = [[registry.view(a, 4 * KIB)] for a in addresses]
+    out["client_zero_copy_get_over_tcp"] = bytecodes_per_key(lambda: plan(targets, addresses, registry.view))
+    return out
+
+
 PARTS = {
     "round-trips": round_trips,
     "master": master,
@@ -657,6 +725,7 @@ PARTS = {
     "landing": landing,
     "copies": copies,
     "files": files_read,
+    "bytecodes": bytecodes,
 }
 
 

@@ -136,8 +136,8 @@ class _FrameCutter:
     def add(self, key_index: int, target: object, parts: Sequence[memoryview], address: int | None = None) -> None:
         """`address`: where a one-part object's buffer starts in registered memory, if known;
         with a `span`, the reply sinks of objects that follow each other there become one."""
-        if len(parts) == 1 and 0 < len(parts[0]) <= limits.SLICE_SIZE_BYTES_MAX:
-            self._add_item(key_index, target, 0, len(parts[0]), [parts[0]], address)  # the common case
+        if len(parts) == 1 and 0 < len(parts[0]) <= limits.SLICE_SIZE_BYTES_MAX:  # the common case
+            self._add_item(key_index, target, 0, len(parts[0]), parts, address)
             return
         start = 0
         item_views: list[memoryview] = []
@@ -161,12 +161,18 @@ class _FrameCutter:
         return self.batch
 
     def _add_item(
-        self, key_index: int, target: object, start: int, size: int, views: list[memoryview], address: int | None = None
+        self,
+        key_index: int,
+        target: object,
+        start: int,
+        size: int,
+        views: Sequence[memoryview],
+        address: int | None = None,
     ) -> None:
         self._items.append(self._make_item(target, start, size))
-        self._views.extend(views)
+        self._views += views
         if self._span is not None:
-            self._addresses.extend([address] if len(views) == 1 else [None] * len(views))
+            self._addresses += [address] if len(views) == 1 else [None] * len(views)
         self._owners.append(key_index)
         self._frame_bytes += size
         if self._frame_bytes >= FRAME_BYTES_TARGET or len(self._items) >= limits.BATCH_KEYS_MAX:
@@ -650,8 +656,7 @@ def _write_item(placement: object, start: int, size: int) -> WriteItem:
     return WriteItem(grant, key_start + start, size)
 
 
-def _read_item(replica: object, start: int, size: int) -> ReadItem:
-    assert isinstance(replica, Replica), replica
+def _read_item(replica: Replica, start: int, size: int) -> ReadItem:
     return ReadItem(replica.segment_id, replica.offset + start, size)
 
 
