@@ -35,7 +35,7 @@ needs root); without it Mooncake is skipped. Peers are optional: install Mooncak
 scripts/install-peers.sh mooncake, Redis with `apt-get install redis-server` and `pip install
 redis` (the Python client; not a kvpool dependency). Skipped peers are listed with the reason.
 
-    python benchmarks/bench_peers.py [--rounds 3] [--repeats 1] [--quick] [--write]
+    python benchmarks/bench_peers.py [--rounds 5] [--repeats 1] [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -790,7 +790,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="times round every store (medians over them)")
+    parser.add_argument("--rounds", type=int, default=5, help="times round every store (medians over them)")
     parser.add_argument("--repeats", type=int, default=1, help="measured runs per row in each round")
     parser.add_argument("--quick", action="store_true", help="16 MiB per row instead of 64 MiB")
     parser.add_argument("--write", action="store_true", help="rewrite docs/benchmarks.md and .png")
