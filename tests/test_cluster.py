@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -91,6 +92,9 @@ def test_a_replica_rotted_in_the_node_is_reported_confirmed_and_dropped(make_clu
         assert not store.exists("rotten")
         store.put("rotten", value)
         assert store.get("rotten") == value
+    metrics = master_metrics(cluster)
+    assert metrics["kvpool_master_bad_replicas_total"] == 1  # what an operator sees
+    assert metrics["kvpool_master_lost_total"] == 0
 
 
 def test_node_killed_leaves_surviving_replica_or_clean_miss_and_space_is_reclaimed(make_cluster):
@@ -121,6 +125,15 @@ def test_node_killed_leaves_surviving_replica_or_clean_miss_and_space_is_reclaim
         assert sum(s.used_bytes for s in status.segments) == held * 128 * 1024
         assert all(r.segment_id != victim_segment for rs in replicas for r in rs)
         assert store.put_batch(list(single), list(single.values())) == [ErrorCode.OK] * len(single)
+    assert master_metrics(cluster)["kvpool_master_lost_total"] == len(lost)  # what an operator sees
+
+
+def master_metrics(cluster) -> dict[str, float]:
+    """The master's /metrics samples without labels, by name."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.partition(" ") for line in lines)
+            if value and not name.startswith("#") and "{" not in name}  # fmt: skip
 
 
 def _segment_ids(store: Store) -> set[str]:

@@ -13,8 +13,10 @@ import dataclasses
 class MasterCounters:
     """Monotonic event counts for /metrics. `gets` counts keys asked, `hits + misses == gets`;
     `evicted_bytes` is the footprint freed (every replica); `lost` counts objects that vanished
-    with their last segment; `errors` counts raised requests and per-key failure codes
-    (invalid key or parameters, no space, transfer failure)."""
+    with their last segment; `bad_replicas` counts replicas dropped because a check confirmed
+    that their bytes no longer hash to the object's checksum (a reader's report: bit rot, a
+    stale writer); `errors` counts raised requests and per-key failure codes (invalid key or
+    parameters, no space, transfer failure)."""
 
     puts: int = 0
     put_bytes: int = 0
@@ -25,6 +27,7 @@ class MasterCounters:
     evicted_bytes: int = 0
     removes: int = 0
     lost: int = 0
+    bad_replicas: int = 0
     errors: int = 0
 
 

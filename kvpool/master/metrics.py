@@ -41,6 +41,8 @@ COUNTER_NAMES = (
     "evictions",
     "evicted_bytes",
     "removes",
+    "lost",
+    "bad_replicas",
     "errors",
 )
 

@@ -358,6 +358,7 @@ class MasterService:
             else:
                 self._drop_object(entry.key)
                 objects += 1
+            self.counters.bad_replicas += 1
             self.counters.errors += 1
             replicas += 1
         return replicas, objects
