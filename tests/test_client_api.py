@@ -317,17 +317,19 @@ def test_a_writer_whose_bytes_miss_their_checksum_never_serves_them(shm_enabled,
     run(main())
 
 
+@pytest.mark.parametrize("size", [4096, 20_000], ids=["page", "larger"])
 @pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
-def test_a_rotten_replica_goes_alone_and_its_object_is_served_from_the_other(shm_enabled):
+def test_a_rotten_replica_goes_alone_and_its_object_is_served_from_the_other(shm_enabled, size):
     """Two replicas, the one read first rots after the commit: the get still returns the
     object's bytes (from the other replica), the reader's report has the node confirm the bad
     one, and only that replica is dropped (from the master and its node's inventory); the
-    object stays, served from the sound replica."""
+    object stays, served from the sound replica. A page (a plain get over TCP lands pages
+    together, one buffer per frame) and a larger object."""
 
     async def main():
         async with cluster(node_count=2) as (master, nodes):
             async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
-                value = os.urandom(20_000)
+                value = os.urandom(size)
                 await store.put("twice", value, ReplicateConfig(replica_num=2))
                 first, second = (await store.query(["twice"])).replicas[0]
                 node = {n.segment_id: n for n in nodes}[first.segment_id]
