@@ -236,11 +236,17 @@ class PutFlow:
         extents = self._allocate_replicas(run_bytes, config, client_hostname) if len(run) > 1 else []
         if extents:
             grant_indexes = [grants.add(segment, offset, run_bytes) for segment, offset in extents]
+            placements, new_put = grants.placements, grants.new_put
+            if len(extents) == 1:  # one replica, the common case: no per-key comprehensions
+                (segment, offset), grant_index = extents[0], grant_indexes[0]
+                for index, position in run:
+                    pending[keys[index]] = new_put(sizes[index], [(segment, offset + position)])
+                    placements[index] = [(grant_index, position)]
+                return 0
             for index, position in run:
-                pending[keys[index]] = grants.new_put(
-                    sizes[index], [(segment, offset + position) for segment, offset in extents]
-                )
-                grants.placements[index] = [(g, position) for g in grant_indexes]
+                places = [(segment, offset + position) for segment, offset in extents]
+                pending[keys[index]] = new_put(sizes[index], places)
+                placements[index] = [(g, position) for g in grant_indexes]
             return 0
         shortfall_bytes = 0
         for index, _ in run:
