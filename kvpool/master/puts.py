@@ -267,19 +267,21 @@ class PutFlow:
         pending = table.pending
         is_length_ok = len(checksums) == len(keys)
         commit = PendingCommit(keys=list(keys), codes=[], commits={})
+        commits, segments, puts, awaiting = commit.commits, commit.segments, commit.puts, commit.awaiting
+        ok, invalid, failed = codes.OK, codes.INVALID_PARAMS, codes.TRANSFER_FAIL
         for index, key in enumerate(keys):
             put = pending.get(key)
             if not is_length_ok:
-                code = codes.INVALID_PARAMS
+                code = invalid
             elif put is None:
                 code = codes.OBJECT_ALREADY_EXISTS if key in table else codes.OBJECT_NOT_FOUND
             elif put.is_committing:
                 code = codes.REPLICA_IS_NOT_READY
             elif not is_valid_checksum(checksums[index]):
-                code = codes.INVALID_PARAMS
+                code = invalid
             elif not put.replicas:
                 del pending[key]  # Every segment it was granted on is gone.
-                code = codes.TRANSFER_FAIL
+                code = failed
             else:
                 checksum = checksums[index]
                 pins = PIN_HARD if put.is_hard_pinned else PIN_SOFT if put.is_soft_pinned else 0
@@ -288,12 +290,15 @@ class PutFlow:
                 for segment, offset in put.replicas:
                     segment_id = segment.info.segment_id
                     entry = InventoryEntry(key, offset, put.size_bytes, checksum, pins)
-                    commit.commits.setdefault(segment_id, []).append(entry)
-                    commit.segments[segment_id] = segment
-                commit.puts[key] = put
-                commit.awaiting.append(index)
-                code = codes.OK
-            if code == codes.INVALID_PARAMS or code == codes.TRANSFER_FAIL:
+                    if segment_id in commits:
+                        commits[segment_id].append(entry)
+                    else:
+                        commits[segment_id] = [entry]
+                        segments[segment_id] = segment
+                puts[key] = put
+                awaiting.append(index)
+                code = ok
+            if code == invalid or code == failed:
                 self._counters.errors += 1
             commit.codes.append(code)
         return commit
@@ -320,11 +325,13 @@ class PutFlow:
                     put.replicas.remove(replica)
                     segment.allocator.free(entry.offset, entry.size)
         codes_out = list(pending.codes)
+        keys, puts, writing, insert = pending.keys, pending.puts, table.pending, table.insert
+        done = done_bytes = 0
         for index in pending.awaiting:
-            key = pending.keys[index]
-            put = pending.puts[key]
-            assert table.pending.get(key) is put, f"committing put of {key!r} vanished"
-            del table.pending[key]
+            key = keys[index]
+            put = puts[key]
+            assert writing.get(key) is put, f"committing put of {key!r} vanished"
+            del writing[key]
             if not put.replicas:
                 codes_out[index] = codes.TRANSFER_FAIL
                 self._counters.errors += 1
@@ -337,10 +344,11 @@ class PutFlow:
             if put.is_soft_pinned:
                 soft_pin_expiry_ms = max(1, now_ms + self._config.soft_pin_ttl_ms)
             replicas = packed[0] if len(packed) == 1 else tuple(packed)
-            meta = ObjectMeta(put.size_bytes, put.checksum, replicas, soft_pin_expiry_ms, put.is_hard_pinned)
-            table.insert(key, meta)
-            self._counters.puts += 1
-            self._counters.put_bytes += put.size_bytes
+            insert(key, ObjectMeta(put.size_bytes, put.checksum, replicas, soft_pin_expiry_ms, put.is_hard_pinned))
+            done += 1
+            done_bytes += put.size_bytes
+        self._counters.puts += done
+        self._counters.put_bytes += done_bytes
         return CodesReply(codes_out)
 
     def revoke(self, keys: list[str]) -> CodesReply:
