@@ -391,12 +391,6 @@ class GetJob:
         """Whether copy_local would read object files here (disk or DFS replicas)."""
         return self._has_file_tiers and any(self._file_path(i) is not None for i in self.pending_indexes())
 
-    def _mapped_segment(self, info: SegmentInfo) -> Segment | None:
-        segment_id = info.segment_id
-        if segment_id not in self._mapped:
-            self._mapped[segment_id] = self._local_segments(info)
-        return self._mapped[segment_id]
-
     def copy_local(self) -> None:
         """Read every pending key whose next candidate replica is mapped here, then verify."""
         segments, sizes = self.reply.segments, self.reply.sizes
@@ -412,7 +406,10 @@ class GetJob:
                 if path is not None:
                     reads.append((index, path))
                 continue  # else a remote disk replica: over TCP
-            segment = mapped_by_id[info.segment_id] if info.segment_id in mapped_by_id else self._mapped_segment(info)
+            if info.segment_id in mapped_by_id:
+                segment = mapped_by_id[info.segment_id]
+            else:
+                segment = mapped_by_id[info.segment_id] = self._local_segments(info)
             if segment is None:
                 continue
             size = sizes[index]

@@ -484,8 +484,8 @@ class MasterServer:
         bad = [entry for entry, code in zip(entries, codes) if code == ErrorCode.TRANSFER_FAIL]
         if bad and service is self.service:
             replicas, objects = service.drop_bad_replicas(segment_id, bad, wall_clock_ms())
-            log.warning("segment %s: %d replicas read bad and confirmed by the node; %d dropped, "
-                        "%d objects with them", segment_id, len(bad), replicas, objects)  # fmt: skip
+            log.warning("segment %s: %d replicas read bad and confirmed by a check where they are; "
+                        "%d dropped, %d objects with them", segment_id, len(bad), replicas, objects)  # fmt: skip
 
     # --- tiers: moves and the DFS (docs/tiers.md) ---------------------------------------------
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+from collections.abc import Iterator
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -326,14 +327,8 @@ class MasterService:
         the commits are on their way, master/server.py). Each object that still has the
         refused replica is dropped, with its other replicas: a writer whose bytes did not
         hash to its checksum is trusted for none. Returns how many objects were dropped."""
-        segment = self._registry.get(segment_id)
-        if segment is None:
-            return 0
         dropped = 0
-        for entry in entries:
-            meta = self._table.get(entry.key)
-            if meta is None or meta.offset_on(segment.index) != entry.offset:
-                continue  # Removed meanwhile (its drop is on its way), or moved.
+        for _, entry, _ in self._replicas_still_at(segment_id, entries):
             self._drop_object(entry.key)
             self.counters.errors += 1
             dropped += 1
@@ -345,14 +340,8 @@ class MasterService:
         its other replicas, which were checked on their own at commit and are on every read;
         an object left with none (or in the middle of a move) goes whole. Returns (replicas
         dropped, objects dropped)."""
-        segment = self._registry.get(segment_id)
-        if segment is None:
-            return 0, 0
         replicas = objects = 0
-        for entry in entries:
-            meta = self._table.get(entry.key)
-            if meta is None or meta.offset_on(segment.index) != entry.offset:
-                continue  # Removed or moved meanwhile.
+        for segment, entry, meta in self._replicas_still_at(segment_id, entries):
             if len(meta.replica_tuple()) > 1 and not self._tiers.is_moving(entry.key):
                 self._tiers.drop_replicas(entry.key, meta, [(segment, entry.offset)])
             else:
@@ -362,6 +351,20 @@ class MasterService:
             self.counters.errors += 1
             replicas += 1
         return replicas, objects
+
+    def _replicas_still_at(
+        self, segment_id: str, entries: list[InventoryEntry]
+    ) -> Iterator[tuple[Segment, InventoryEntry, ObjectMeta]]:
+        """(segment, entry, object) for each entry whose object still has a replica at that
+        offset of that segment, looked up as the caller goes (not removed or moved meanwhile:
+        a removed object's drop is on its way already)."""
+        segment = self._registry.get(segment_id)
+        if segment is None:
+            return
+        for entry in entries:
+            meta = self._table.get(entry.key)
+            if meta is not None and meta.offset_on(segment.index) == entry.offset:
+                yield segment, entry, meta
 
     def suspect_replicas(self, msg: ReportBadReplicas, now_ms: int) -> dict[str, list[InventoryEntry]]:
         """The reported replicas that still are what a reader read (the object has a replica at
