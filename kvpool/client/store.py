@@ -342,8 +342,9 @@ class AsyncStore:
         return job
 
     def report_bad_replicas(self, job: GetJob) -> None:
-        """Tell the master which replicas read bad (their node checks them, and the master drops
-        what the node confirms), in the background: the get has its answer already. On the loop."""
+        """Tell the master which replicas read bad (it has them hashed again where they are, and
+        drops those the check confirms), in the background: the get has its answer already. On
+        the loop."""
         if not job.bad_replicas:
             return
         keys = [key for key, _ in job.bad_replicas]

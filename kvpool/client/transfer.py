@@ -331,7 +331,7 @@ class GetJob:
         self.lease_deadline_ms = lease_start_ms + reply.lease_ttl_ms
         self._local_segments = local_segments
         self._candidates: list[list[Replica]] = []
-        self._landed: list[bytes | bytearray | None] = [None] * len(reply.codes)
+        self._landed: list[bytes | memoryview | None] = [None] * len(reply.codes)
         self._reading: dict[int, Replica] = {}  # key index -> the replica its bytes came from
         # (key, replica) whose bytes did not match the object's checksum: for the master to
         # have the node check them, and drop the replica if the node agrees (report_bad).
