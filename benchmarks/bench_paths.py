@@ -12,7 +12,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
                MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
                caches and right after a 64 MiB copy (cold, as in put-phases).
-  node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects.
+  node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects, to record
+               one a same-host writer hashed in place, and to drop 128 (400 batches in all).
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                copying and hashing 128 pages of 4 KiB, and hashing them alone;
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
@@ -70,6 +71,7 @@ from kvpool.master.service import MasterService
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CommitObjects,
+    DropObjects,
     GetReplicaList,
     InventoryEntry,
     MountSegment,
@@ -277,17 +279,29 @@ def node_commit() -> dict:
         handler = MasterCallHandler(segment, "s", Inventory(segment.capacity_bytes), NodeMetrics())
         data = os.urandom(4 * KIB)
         checksum = xxhash.xxh3_64_intdigest(data)
-        samples = []
-        for batch in range(200):
+        batches = []
+        for batch in range(400):
             entries = []
             for i in range(BATCH):
                 offset = (batch * BATCH + i) * 4 * KIB
                 segment.data[offset : offset + len(data)] = data
                 entries.append(InventoryEntry(f"k-{batch}-{i:058d}", offset, len(data), checksum))
+            batches.append(entries)
+        result = {}
+        for name, is_hashed_in_place, chosen in (("", False, batches[0::2]), ("_hashed_in_place", True, batches[1::2])):
+            samples = []
+            for entries in chosen:
+                started = time.perf_counter_ns()
+                handler.handle(None, CommitObjects("s", entries, is_hashed_in_place))  # type: ignore[arg-type]
+                samples.append((time.perf_counter_ns() - started) // BATCH)
+            result[f"commit{name}_us_per_key"] = median_us(samples)
+        samples = []
+        for entries in batches:  # in put order, as LRU eviction drops them
             started = time.perf_counter_ns()
-            handler.handle(None, CommitObjects("s", entries))  # type: ignore[arg-type]
+            handler.handle(None, DropObjects("s", entries))  # type: ignore[arg-type]
             samples.append((time.perf_counter_ns() - started) // BATCH)
-        return {"commit_us_per_key": median_us(samples)}
+        result["drop_us_per_key"] = median_us(samples)
+        return result
     finally:
         segment.close()
 

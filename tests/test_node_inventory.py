@@ -1,9 +1,11 @@
 """Inventory (kvpool/node/inventory.py): the node's record of complete objects in its segment.
 
 How: plain unit tests of add/drop/overlap on a small segment, then a hypothesis stateful test
-that runs random adds and drops against a naive model (a dict of key -> entry, where an add
-first removes every entry with the same key or an overlapping range) and, after every step,
-calls check_invariants() and compares entries, length and used_bytes with the model. No I/O.
+that runs random adds (single entries, and runs of keys at ascending offsets as commits bring
+them, with spans of at most 3 entries) and drops against a naive model (a dict of key -> entry,
+where an add first removes every entry with the same key or an overlapping range) and, after
+every step, calls check_invariants() and compares entries, length and used_bytes with the
+model. No I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvpool.node import inventory
 from kvpool.node.inventory import Inventory
 from kvpool.protocol.messages import InventoryEntry
 
@@ -131,6 +134,11 @@ class InventoryMachine(RuleBasedStateMachine):
         super().__init__()
         self.inv = Inventory(SMALL_CAPACITY)
         self.model: dict[str, InventoryEntry] = {}
+        self.span_entries_max = inventory.SPAN_ENTRIES_MAX
+        inventory.SPAN_ENTRIES_MAX = 3  # runs longer than a span, and cuts, in small examples
+
+    def teardown(self) -> None:
+        inventory.SPAN_ENTRIES_MAX = self.span_entries_max
 
     @rule(batch=st.lists(st.tuples(keys, offsets, st.integers(1, 64), st.integers(0, 3)),
                          max_size=4))  # fmt: skip
@@ -143,6 +151,29 @@ class InventoryMachine(RuleBasedStateMachine):
         # Whatever was displaced was held before (or added earlier in this very batch).
         for old in displaced:
             assert old in before.values() or old in entries, old
+
+    @rule(start=offsets, gap=st.integers(0, 8),
+          run=st.lists(st.tuples(keys, st.integers(1, 24)), min_size=1, max_size=8,
+                       unique_by=lambda item: item[0]))  # fmt: skip
+    def add_run(self, start: int, gap: int, run: list[tuple[str, int]]) -> None:
+        """Keys at ascending offsets, as a commit of a run brings them (gaps: refused keys)."""
+        entries = []
+        offset = start
+        for key, size in run:
+            if offset + size > SMALL_CAPACITY:
+                break
+            entries.append(e(key, offset, size))
+            offset += size + gap
+        self.inv.add(entries)
+        for entry in entries:
+            _model_add(self.model, entry)
+
+    @rule(chosen=st.lists(keys, max_size=8, unique=True))
+    def drop_several(self, chosen: list[str]) -> None:
+        held = sorted((self.model[k] for k in chosen if k in self.model), key=lambda x: x.offset)
+        assert self.inv.drop(held) == held
+        for entry in held:
+            del self.model[entry.key]
 
     @rule(key=keys)
     def drop_held(self, key: str) -> None:
@@ -179,6 +210,6 @@ class InventoryMachine(RuleBasedStateMachine):
         assert self.inv.used_bytes == sum(x.size for x in self.model.values())
 
 
-InventoryMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+InventoryMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
                                               deadline=None)  # fmt: skip
 test_inventory_against_model = InventoryMachine.TestCase

@@ -1,8 +1,8 @@
 """The node's own record of the complete objects in its segment: the truth a master rebuilds from.
 
 `Inventory` maps each key to the `InventoryEntry(key, offset, size, checksum)` of the object
-the node holds, and keeps the entries ordered by offset so that an overlap check costs
-O(log n). It is a pure core: no I/O, no clocks, no logging. It is not the allocator (the master
+the node holds, and keeps the entries ordered by offset, in runs, so that an overlap check
+costs O(log n). It is a pure core: no I/O, no clocks, no logging. It is not the allocator (the master
 owns allocation) and it does not verify bytes (transfer.py checks size and checksum before it
 adds an entry).
 
@@ -21,20 +21,33 @@ entry wins and the entries it displaces are returned, for the caller to log.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
 from itertools import pairwise
+from operator import attrgetter
 
 from sortedcontainers import SortedDict
 
 from kvpool.protocol.messages import InventoryEntry
 
+# Most commits are runs of keys the master allocated as one range (master/puts.py): such a run
+# enters the offset index as one item, not one per entry (a sorted insert costs 1-3 µs in
+# Python; a 4 KiB put paid it per key). A run is split into spans of at most this many entries,
+# so that dropping its entries one by one moves few pointers.
+SPAN_ENTRIES_MAX = 256
+
+_offset_of = attrgetter("offset")
+
 
 class Inventory:
     """Complete objects of one segment, by key and by offset.
 
-    Holds `_by_key` (key -> entry) and `_by_offset` (offset -> entry, sorted). Invariants: both
-    indexes hold the same entries; every entry has size > 0 and lies in [0, capacity_bytes);
-    no two entries overlap; `used_bytes` is the sum of the entries' sizes.
+    Holds `_by_key` (key -> entry) and `_spans` (start -> a list of entries at ascending
+    offsets, sorted by start). A span covers [start, end of its last entry); its start is at or
+    before its first entry (dropping the first entry leaves the start where it was).
+    Invariants: both indexes hold the same entries; spans are not empty and do not overlap;
+    every entry has size > 0 and lies in [0, capacity_bytes); no two entries overlap;
+    `used_bytes` is the sum of the entries' sizes.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -42,8 +55,7 @@ class Inventory:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._by_key: dict[str, InventoryEntry] = {}
-        self._by_offset: SortedDict[int, InventoryEntry] = SortedDict()
-        self._offsets = self._by_offset.keys()  # a live, indexable sorted view
+        self._spans: SortedDict[int, list[InventoryEntry]] = SortedDict()
 
     def __repr__(self) -> str:
         return (
@@ -58,35 +70,47 @@ class Inventory:
         return key in self._by_key
 
     def __iter__(self) -> Iterator[InventoryEntry]:
-        return iter(self._by_offset.values())
+        return (entry for span in self._spans.values() for entry in span)
 
     def get(self, key: str) -> InventoryEntry | None:
         return self._by_key.get(key)
 
     def entries(self) -> list[InventoryEntry]:
         """Every entry, by ascending offset (what a MountSegment carries)."""
-        return list(self._by_offset.values())
+        return list(self)
 
     def overlapping(self, offset: int, size_bytes: int) -> list[InventoryEntry]:
         """The entries that share at least one byte with [offset, offset + size_bytes).
 
-        O(log n + k): entries never overlap, so at most one starts before `offset` and reaches
-        into the range; the others start inside it.
+        O(log n + k): spans never overlap, so at most one starts at or before `offset` and
+        reaches into the range; the others start inside it.
         """
         if size_bytes <= 0:
             return []
         end = offset + size_bytes
-        offsets = self._offsets
-        index = self._by_offset.bisect_left(offset)
         found = []
-        if index > 0:
-            entry = self._by_offset[offsets[index - 1]]
-            if entry.offset + entry.size > offset:
-                found.append(entry)
-        while index < len(offsets) and offsets[index] < end:
-            found.append(self._by_offset[offsets[index]])
-            index += 1
+        for start in self._spans_over(offset, end):
+            span = self._spans[start]
+            index = max(bisect_right(span, offset, key=_offset_of) - 1, 0)
+            while index < len(span) and span[index].offset < end:
+                entry = span[index]
+                if entry.offset + entry.size > offset:
+                    found.append(entry)
+                index += 1
         return found
+
+    def _spans_over(self, offset: int, end: int) -> list[int]:
+        """The starts of the spans that cover a byte of [offset, end), in order. irange walks
+        the sorted keys without positional indexing, which would make sortedcontainers keep an
+        index tree that every later insert pays to update."""
+        spans = self._spans
+        starts = list(spans.irange(offset, end, inclusive=(False, False)))
+        before = next(spans.irange(maximum=offset, reverse=True), None)
+        if before is not None:
+            last = spans[before][-1]
+            if last.offset + last.size > offset:
+                starts.insert(0, before)
+        return starts
 
     def is_range_free(self, offset: int, size_bytes: int) -> bool:
         """True when no complete object lies in [offset, offset + size_bytes)."""
@@ -125,15 +149,13 @@ class Inventory:
             for old in self.overlapping(entry.offset, entry.size):
                 self._remove(old)
                 displaced.append(old)
-            self._by_key[entry.key] = entry
-            self._by_offset[entry.offset] = entry
-            self.used_bytes += entry.size
+            self._insert_run([entry])
         return displaced
 
     def _add_fresh_run(self, entries: list[InventoryEntry]) -> bool:
-        """The common commit, in one step: new keys at ascending, disjoint offsets over a span
+        """The common commit, in one step: new keys at ascending, disjoint offsets over a range
         that holds no entry (a run of keys the master allocated as one range, master/puts.py).
-        One overlap check for the span instead of one per entry. False: nothing was added."""
+        One overlap check for the range instead of one per entry. False: nothing was added."""
         if not entries:
             return True
         by_key = self._by_key
@@ -147,11 +169,36 @@ class Inventory:
             return False
         if len({entry.key for entry in entries}) != len(entries):
             return False
+        self._insert_run(entries)
+        return True
+
+    def _insert_run(self, entries: list[InventoryEntry]) -> None:
+        """Index new entries at ascending, disjoint offsets over a range that holds no entry.
+
+        A span that covers part of that range with none of its entries (a gap left by drops or
+        by a commit that was refused) is cut around it first, so that spans stay disjoint."""
+        spans = self._spans
+        start = entries[0].offset
+        end = entries[-1].offset + entries[-1].size
+        for old_start in self._spans_over(start, end):
+            span = spans[old_start]
+            cut = bisect_left(span, start, key=_offset_of)  # its entries from here lie past the run
+            after = span[cut:]
+            if cut:
+                del span[cut:]
+            else:
+                del spans[old_start]
+            if after:
+                spans[after[0].offset] = after
+        by_key = self._by_key
+        size_bytes = 0
         for entry in entries:
             by_key[entry.key] = entry
-        self._by_offset.update((entry.offset, entry) for entry in entries)
-        self.used_bytes += sum(entry.size for entry in entries)
-        return True
+            size_bytes += entry.size
+        self.used_bytes += size_bytes
+        for first in range(0, len(entries), SPAN_ENTRIES_MAX):
+            chunk = entries[first : first + SPAN_ENTRIES_MAX]
+            spans[chunk[0].offset] = chunk
 
     def drop(self, entries: Iterable[InventoryEntry]) -> list[InventoryEntry]:
         """Forget objects, matched by key and offset; entries not held are ignored.
@@ -160,35 +207,55 @@ class Inventory:
             The entries actually removed.
         """
         dropped = []
+        by_key = self._by_key
+        start: int | None = None  # the span of the previous drop: evictions go in runs
         for entry in entries:
-            held = self._by_key.get(entry.key)
+            held = by_key.get(entry.key)
             if held is None or held.offset != entry.offset:
                 continue
-            self._remove(held)
+            start = self._remove(held, start)
             dropped.append(held)
         return dropped
 
     def clear(self) -> None:
         self._by_key.clear()
-        self._by_offset.clear()
+        self._spans.clear()
         self.used_bytes = 0
 
     def check_invariants(self) -> None:
         """O(n) whole-structure check (STYLE.md): raises AssertionError on a broken invariant."""
-        assert len(self._by_key) == len(self._by_offset), (len(self._by_key), len(self._by_offset))
-        total = 0
-        for offset, entry in self._by_offset.items():
-            assert entry.offset == offset, (offset, entry)
-            assert self._by_key.get(entry.key) is entry, f"offset index holds a stale {entry}"
-            assert entry.size > 0, entry
-            assert entry.offset >= 0, entry
-            assert entry.offset + entry.size <= self.capacity_bytes, (self.capacity_bytes, entry)
-            total += entry.size
+        count = total = 0
+        previous_end = 0
+        for start, span in self._spans.items():
+            assert span, f"empty span at {start}"
+            assert previous_end <= start <= span[0].offset, (previous_end, start, span[0])
+            for entry in span:
+                assert self._by_key.get(entry.key) is entry, f"the offset index holds a stale {entry}"
+                assert entry.size > 0, entry
+                assert entry.offset >= 0, entry
+                assert entry.offset + entry.size <= self.capacity_bytes, (self.capacity_bytes, entry)
+                total += entry.size
+            for a, b in pairwise(span):  # entries never overlap
+                assert a.offset + a.size <= b.offset, (a, b)
+            count += len(span)
+            previous_end = span[-1].offset + span[-1].size
+        assert count == len(self._by_key), (count, len(self._by_key))
         assert total == self.used_bytes, (total, self.used_bytes)
-        for a, b in pairwise(self._by_offset.values()):  # entries never overlap
-            assert a.offset + a.size <= b.offset, (a, b)
 
-    def _remove(self, entry: InventoryEntry) -> None:
+    def _remove(self, entry: InventoryEntry, start: int | None = None) -> int | None:
+        """Forget a held entry. `start` may name the span to look in first (what the previous
+        call returned); returns the start of the span it left, None when that span is gone."""
         del self._by_key[entry.key]
-        del self._by_offset[entry.offset]
         self.used_bytes -= entry.size
+        spans, offset = self._spans, entry.offset
+        span = spans.get(start) if start is not None and start <= offset else None
+        if span is None or span[-1].offset < offset:
+            start = next(spans.irange(maximum=offset, reverse=True))
+            span = spans[start]
+        index = bisect_left(span, offset, key=_offset_of)
+        assert span[index] is entry, f"{entry} is not where the offset index says"
+        del span[index]
+        if span:
+            return start
+        del spans[start]
+        return None
