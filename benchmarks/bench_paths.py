@@ -8,7 +8,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
                in epoll_wait as asyncio servers do; a uvloop ping-pong; one kvpool RPC
-               (GetReplicaList of one key) to a master process over TCP and over its Unix socket.
+               (GetReplicaList of one key) to a master process over TCP and over its Unix socket,
+               from an event loop and from a thread blocked in recv (a sync Store's caller).
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
                MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
                caches and right after a 64 MiB copy (cold, as in put-phases).
@@ -184,7 +185,11 @@ def uvloop_ping_pong_us() -> float:
 
 
 def kvpool_rpc_us() -> dict:
-    """One GetReplicaList of one key to a master process, over TCP and over its Unix socket."""
+    """One GetReplicaList of one key to a master process, over TCP and over its Unix socket
+    from an event loop (Connection), and from a thread blocked in recv (BlockingConnection:
+    how a sync Store's caller thread asks)."""
+    from kvpool.transports.blocking import BlockingConnection
+
     with LocalCluster(0) as cluster:
 
         async def measure() -> dict:
@@ -200,7 +205,16 @@ def kvpool_rpc_us() -> dict:
                 out[f"{name}_us"] = median_us(samples)
             return out
 
-        return uvloop.run(measure())
+        out = uvloop.run(measure())
+        blocking = BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=True)
+        samples = []
+        for _ in range(2000):
+            started = time.perf_counter_ns()
+            blocking.request(GetReplicaList(["k"]), 5_000)
+            samples.append(time.perf_counter_ns() - started)
+        blocking.close()
+        out["blocking_thread_unix_us"] = median_us(samples)
+        return out
 
 
 def round_trips() -> dict:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -150,6 +151,46 @@ def test_master_killed_and_restarted_serves_every_object_the_nodes_hold(make_clu
     with Store(cluster.master_endpoint) as store:
         wait_until(lambda: store.cluster_status().object_count == len(values))
         assert store.get_batch(list(values)) == list(values.values())
+
+
+def test_sync_lookups_take_each_threads_own_connection_and_follow_a_master_restart(make_cluster):
+    """A sync Store asks the master for gets, exists, prefixes and sizes on a connection of the
+    calling thread's own (client/sync.py), authenticated with the cluster token like any other,
+    on the master's Unix socket; it closes when its thread ends. When the master is killed and
+    restarted, a thread's next lookup goes through the loop (which reconnects) and later ones
+    take a new connection of their own."""
+    cluster = make_cluster(1, token="s3cret-token")
+    values = values_for("direct", 32, 4096)
+    keys = list(values)
+
+    def lookups(store: Store, n: int) -> None:
+        for i in range(10):
+            key = keys[(n + i) % len(keys)]
+            assert store.get(key) == values[key]
+            assert store.get_batch([key, "absent"]) == [values[key], None]
+            assert store.exists(key) and not store.exists(key + "-absent")
+            assert store.longest_prefix(keys[:5] + ["absent"] + keys[5:]) == 5
+            assert store.get_size(key) == 4096
+
+    with Store(cluster.master_endpoint, token="s3cret-token") as store:
+        assert store.put_batch(keys, list(values.values())) == [ErrorCode.OK] * len(keys)
+        threads = [threading.Thread(target=lookups, args=(store, n)) for n in range(3)]
+        for thread in threads:
+            thread.start()
+        lookups(store, 3)
+        assert len(store._direct.connections()) >= 1
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        wait_until(lambda: len(store._direct.connections()) == 1)  # the other threads' are gone
+        (mine,) = store._direct.connections()
+        assert mine.peer == "local"
+        cluster.master.kill()
+        cluster.start_master()
+        wait_until(lambda: store.cluster_status().object_count == len(keys))
+        lookups(store, 0)
+        (again,) = store._direct.connections()
+        assert again is not mine and mine.is_closed()
+    assert again.is_closed()  # closed with the Store
 
 
 def test_eviction_under_pressure_keeps_leased_objects(make_cluster):

@@ -116,6 +116,11 @@ class MasterLink:
     def __repr__(self) -> str:
         return f"<MasterLink {self._resolver!r} {self._conn!r}>"
 
+    def connected_endpoint(self) -> str | None:
+        """"host:port" of the master this link is connected to now, or None (not yet, broken,
+        or the leader is being looked up again). Plain attribute reads: safe from any thread."""
+        return self._conn_endpoint if self._usable() is not None else None
+
     def _usable(self) -> Connection | None:
         conn = self._conn
         if conn is None or conn.is_closed() or self._is_stale:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from kvpool.protocol.messages import (
     ListObjects,
     ListReply,
     LongestPrefix,
+    Message,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -86,6 +88,7 @@ class AsyncStore:
             self._key, config.connections_per_peer, config.connect_timeout_ms, config.shm_enabled
         )
         self._mapped: dict[str, Segment | None] = {}
+        self._mapping = threading.Lock()
         # Disk and DFS segments whose object files this host can open (docs/tiers.md).
         self._directories: dict[str, Path | None] = {}
         self.buffers = BufferRegistry()
@@ -254,28 +257,18 @@ class AsyncStore:
         return (await self.batch_exists([key]))[0]
 
     async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        reply = await self._master.call(ExistKeys(list(keys)), is_idempotent=True)
-        assert isinstance(reply, ExistsReply)
-        return reply.flags
+        return exists_flags(await self._master.call(ExistKeys(list(keys)), is_idempotent=True))
 
     async def longest_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are present, in one round trip (engines' prefix lookup)."""
-        reply = await self._master.call(LongestPrefix(list(keys)), is_idempotent=True)
-        assert isinstance(reply, CountReply)
-        return reply.count
+        return prefix_count(await self._master.call(LongestPrefix(list(keys)), is_idempotent=True))
 
     async def get_size(self, key: str) -> int:
         """Raises ObjectNotFound."""
-        reply = await self._master.call(QueryObjects([key]), is_idempotent=True)
-        assert isinstance(reply, QueryReply)
-        if reply.codes[0] != ErrorCode.OK:
-            raise error_from_code(reply.codes[0], f"no object {key!r}")
-        return reply.sizes[0]
+        return object_size(await self._master.call(QueryObjects([key]), is_idempotent=True), key)
 
     async def query(self, keys: Sequence[str]) -> QueryReply:
-        reply = await self._master.call(QueryObjects(list(keys)), is_idempotent=True)
-        assert isinstance(reply, QueryReply)
-        return reply
+        return query_reply(await self._master.call(QueryObjects(list(keys)), is_idempotent=True))
 
     async def remove(self, key: str, force: bool = False) -> None:
         """Raises ObjectNotFound, or ObjectHasLease while a reader holds it (unless force)."""
@@ -410,6 +403,18 @@ class AsyncStore:
     ) -> GetJob:
         lease_start_ms = now_monotonic_ms()
         reply = await self._master.call(GetReplicaList(list(keys)), is_idempotent=True)
+        return self._get_job(reply, lease_start_ms, keys, targets, starts)
+
+    def _get_job(
+        self,
+        reply: Message,
+        lease_start_ms: int,
+        keys: Sequence[str],
+        targets: Sequence[list[memoryview] | None],
+        starts: Sequence[int | None] | None,
+    ) -> GetJob:
+        """The get of `keys` the master's GetReplicaList answer describes (a lease taken at
+        `lease_start_ms` or later). Any thread: the sync Store builds it in the caller's."""
         assert isinstance(reply, GetReplicaListReply)
         span = self.buffers.view if starts is not None else None
         return GetJob(reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span)
@@ -493,6 +498,12 @@ class AsyncStore:
             return None
         if info.segment_id in self._mapped:
             return self._mapped[info.segment_id]
+        with self._mapping:  # the sync Store's caller threads build gets too (_get_job)
+            return self._map_segment(info)
+
+    def _map_segment(self, info: SegmentInfo) -> Segment | None:
+        if info.segment_id in self._mapped:
+            return self._mapped[info.segment_id]
         segment = None
         if info.hostname == self.hostname:
             try:
@@ -502,6 +513,32 @@ class AsyncStore:
         if len(self._mapped) < limits.REGISTERED_BUFFERS_MAX:
             self._mapped[info.segment_id] = segment
         return segment
+
+
+# What the master's answers to metadata requests mean, for AsyncStore and the sync Store alike.
+
+
+def exists_flags(reply: Message) -> list[bool]:
+    assert isinstance(reply, ExistsReply)
+    return reply.flags
+
+
+def prefix_count(reply: Message) -> int:
+    assert isinstance(reply, CountReply)
+    return reply.count
+
+
+def object_size(reply: Message, key: str) -> int:
+    """Raises ObjectNotFound."""
+    assert isinstance(reply, QueryReply)
+    if reply.codes[0] != ErrorCode.OK:
+        raise error_from_code(reply.codes[0], f"no object {key!r}")
+    return reply.sizes[0]
+
+
+def query_reply(reply: Message) -> QueryReply:
+    assert isinstance(reply, QueryReply)
+    return reply
 
 
 def _fixed_sinks(views: list[memoryview]) -> Callable[[object], list[memoryview]]:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 
-from kvpool.protocol.messages import WriteGrant
+from kvpool import limits
+from kvpool.errors import Unauthorized
+from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, WriteGrant
 
 _GRANT_MAC_SIZE_BYTES = 16
 
@@ -37,6 +40,39 @@ def server_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
 
 def is_valid_proof(expected: bytes, received: bytes) -> bool:
     return hmac.compare_digest(expected, received)
+
+
+class ClientHandshake:
+    """The client's side of the handshake, for either I/O shell (transports/connection.py and
+    transports/blocking.py): answer the server's challenge, then check the server's proof. A
+    client with a token refuses a server without one, and the other way round."""
+
+    __slots__ = ("_key", "_peer", "_server_nonce", "_client_nonce")
+
+    def __init__(self, key: bytes | None, peer: str) -> None:
+        self._key = key
+        self._peer = peer
+        self._server_nonce = b""
+        self._client_nonce = b""
+
+    def answer(self, challenge: AuthChallenge) -> AuthResponse:
+        """Raises Unauthorized: one side has a cluster token and the other has none."""
+        if challenge.required and self._key is None:
+            raise Unauthorized(f"{self._peer} requires a cluster token")
+        if not challenge.required and self._key is not None:
+            raise Unauthorized(f"{self._peer} has no cluster token; refusing to trust it")
+        self._server_nonce = challenge.nonce
+        self._client_nonce = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
+        mac = b"" if self._key is None else client_proof(self._key, challenge.nonce, self._client_nonce)
+        return AuthResponse(self._client_nonce, mac)
+
+    def check(self, ok: AuthOk) -> None:
+        """Raises Unauthorized: the server did not prove it holds the token."""
+        if self._key is None:
+            return
+        expected = server_proof(self._key, self._server_nonce, self._client_nonce)
+        if not is_valid_proof(expected, ok.mac):
+            raise Unauthorized(f"{self._peer} failed to prove the token")
 
 
 def _grant_body(segment_id: str, offset: int, size: int, expiry_ms: int, term: int) -> bytes:

@@ -128,8 +128,8 @@ class Connection(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[None] = self._loop.create_future()
         self._closed: asyncio.Future[None] = self._loop.create_future()
-        self._nonce_server = b""
-        self._nonce_client = b""
+        self._nonce_server = b""  # the server's side of the handshake; a client's is here:
+        self._handshake: auth.ClientHandshake | None = None
         self._next_request_id = 1
         self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None]] = {}
         self._incoming: Message | None = None  # the peer's request whose payload is arriving
@@ -524,30 +524,19 @@ class Connection(asyncio.BufferedProtocol):
                 self._write_now(encode_frame(AuthOk(proof), 0))
             self._ready.set_result(None)
             return
-        if isinstance(message, AuthChallenge):
-            if message.required and self._key is None:
-                self._fail_handshake(Unauthorized(f"{self.peer} requires a cluster token"))
+        try:
+            if isinstance(message, AuthChallenge):
+                self._handshake = auth.ClientHandshake(self._key, self.peer)
+                response = self._handshake.answer(message)
+                self.local_name = message.local_name
+                self._write_now(encode_frame(response, 0))
                 return
-            if not message.required and self._key is not None:
-                self._fail_handshake(
-                    Unauthorized(f"{self.peer} has no cluster token; refusing to trust it")
-                )
+            if isinstance(message, AuthOk) and self._handshake is not None:
+                self._handshake.check(message)
+                self._ready.set_result(None)
                 return
-            self._nonce_server = message.nonce
-            self.local_name = message.local_name
-            self._nonce_client = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
-            mac = b""
-            if self._key is not None:
-                mac = auth.client_proof(self._key, message.nonce, self._nonce_client)
-            self._write_now(encode_frame(AuthResponse(self._nonce_client, mac), 0))
-            return
-        if isinstance(message, AuthOk):
-            if self._key is not None:
-                expected = auth.server_proof(self._key, self._nonce_server, self._nonce_client)
-                if not auth.is_valid_proof(expected, message.mac):
-                    self._fail_handshake(Unauthorized(f"{self.peer} failed to prove the token"))
-                    return
-            self._ready.set_result(None)
+        except Unauthorized as exc:
+            self._fail_handshake(exc)
             return
         raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
 

@@ -1,0 +1,170 @@
+"""BlockingConnection (kvpool/transports/blocking.py): a caller thread's own connection.
+
+How: a real MasterServer on its own event loop thread, with and without a cluster token, asked
+from this thread; and raw sockets playing a server that authenticates and then never answers,
+or answers garbage. Every failure must be a typed error within the bound, and leave the
+connection closed so that a late reply never answers the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvloop
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import ConnectFailed, InvalidParams, RpcFailed, RpcTimeout, Unauthorized
+from kvpool.master.server import MasterServer
+from kvpool.protocol import auth
+from kvpool.protocol.frames import FrameDecoder, encode_frame
+from kvpool.protocol.messages import (
+    AuthChallenge,
+    AuthOk,
+    CountReply,
+    ExistKeys,
+    ExistsReply,
+    LongestPrefix,
+)
+from kvpool.transports.blocking import BlockingConnection
+
+TOKEN = "blocking-test-token"
+
+
+@contextlib.contextmanager
+def master_on_a_thread(token: str | None = None) -> Iterator[str]:
+    """A MasterServer served by an event loop on another thread; yields its endpoint."""
+    loop = uvloop.new_event_loop()
+    ready: list[str] = []
+    stop = threading.Event()
+
+    async def serve() -> None:
+        master = MasterServer(MasterConfig(), port=0, token=token)
+        await master.start()
+        ready.append(master.endpoint)
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+        await master.stop()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not ready and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.01)
+        assert ready, "the master did not start"
+        yield ready[0]
+    finally:
+        stop.set()
+        thread.join(30)
+        loop.close()
+
+
+def test_requests_and_error_replies_on_the_unix_socket_and_on_tcp() -> None:
+    with master_on_a_thread(TOKEN) as endpoint:
+        key = auth.cluster_key(TOKEN)
+        local = BlockingConnection.open(endpoint, key=key, timeout_ms=2_000, prefer_local=True)
+        tcp = BlockingConnection.open(endpoint, key=key, timeout_ms=2_000, prefer_local=False)
+        assert local.peer == "local" and tcp.peer.startswith("127.0.0.1:")
+        for conn in (local, tcp):
+            assert conn.request(ExistKeys(["a", "b"]), 2_000) == ExistsReply([False, False])
+            assert conn.request(LongestPrefix(["a"]), 2_000) == CountReply(0)
+            with pytest.raises(InvalidParams):  # the master's error answer, typed
+                conn.request(ExistKeys(["k"] * (limits.BATCH_KEYS_MAX + 1)), 2_000)
+            assert conn.request(ExistKeys(["a"]), 2_000) == ExistsReply([False])  # still usable
+            conn.close()
+            assert conn.is_closed()
+            with pytest.raises(RpcFailed):
+                conn.request(ExistKeys(["a"]), 2_000)
+
+
+def test_a_token_that_does_not_match_is_refused_either_way() -> None:
+    with master_on_a_thread(TOKEN) as endpoint:
+        with pytest.raises(Unauthorized):  # no token for a server that requires one
+            BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=True)
+        with pytest.raises((ConnectFailed, Unauthorized)):  # the server closes on a wrong MAC
+            BlockingConnection.open(endpoint, key=auth.cluster_key("wrong"), timeout_ms=2_000, prefer_local=True)
+    with master_on_a_thread(None) as endpoint:
+        with pytest.raises(Unauthorized):  # a token, and a server that has none to prove
+            BlockingConnection.open(endpoint, key=auth.cluster_key(TOKEN), timeout_ms=2_000, prefer_local=False)
+
+
+@contextlib.contextmanager
+def raw_server(after_handshake) -> Iterator[str]:
+    """A TCP server that authenticates one client (no token), then hands the socket and what
+    it read to `after_handshake`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(encode_frame(AuthChallenge(os.urandom(16), False, ""), 0))
+            conn.recv(4096)  # the AuthResponse
+            conn.sendall(encode_frame(AuthOk(b""), 0))
+            after_handshake(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield endpoint
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def test_a_server_that_never_answers_is_a_timeout_within_the_bound() -> None:
+    done = threading.Event()
+    with raw_server(lambda conn: done.wait(10)) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        started = time.monotonic()
+        with pytest.raises(RpcTimeout):
+            conn.request(ExistKeys(["a"]), 300)
+        assert 0.25 < time.monotonic() - started < 2
+        assert conn.is_closed()  # a late reply cannot answer the next request
+        done.set()
+
+
+@pytest.mark.parametrize("answer", ["garbage", "wrong request id", "closed"])
+def test_a_server_that_breaks_the_protocol_is_a_failure_and_closes_the_connection(answer: str) -> None:
+    def reply(conn: socket.socket) -> None:
+        conn.recv(4096)  # the request (id 1)
+        if answer == "garbage":
+            conn.sendall(b"\xff" * 64)
+        elif answer == "wrong request id":
+            conn.sendall(encode_frame(ExistsReply([True]), 7, is_reply=True))
+        time.sleep(0.2)
+
+    with raw_server(reply) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        with pytest.raises(RpcFailed):
+            conn.request(ExistKeys(["a"]), 2_000)
+        assert conn.is_closed()
+
+
+def test_close_from_another_thread_wakes_a_waiting_request() -> None:
+    done = threading.Event()
+    with raw_server(lambda conn: done.wait(10)) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        threading.Timer(0.2, conn.close).start()
+        started = time.monotonic()
+        with pytest.raises(RpcFailed):
+            conn.request(ExistKeys(["a"]), 5_000)
+        assert time.monotonic() - started < 2
+        done.set()
+
+
+def test_frames_decode_as_the_loop_side_sends_them() -> None:
+    """The blocking side and Connection share one codec: a reply encoded for one decodes in
+    the other (a guard against the two shells drifting apart)."""
+    decoder = FrameDecoder()
+    decoder.receive_data(encode_frame(CountReply(3), 5, is_reply=True))
+    frame = decoder.next_event()
+    assert frame.message == CountReply(3) and frame.request_id == 5 and frame.is_reply
