@@ -80,8 +80,8 @@ def test_requests_and_error_replies_on_the_unix_socket_and_on_tcp() -> None:
                 conn.request(ExistKeys(["k"] * (limits.BATCH_KEYS_MAX + 1)), 2_000)
             assert conn.request(ExistKeys(["a"]), 2_000) == ExistsReply([False])  # still usable
             conn.close()
-            assert conn.is_closed()
-            with pytest.raises(RpcFailed):
+            assert conn.is_closed() and not conn.is_usable()
+            with pytest.raises(ConnectFailed):  # never sent
                 conn.request(ExistKeys(["a"]), 2_000)
 
 
@@ -120,6 +120,23 @@ def raw_server(after_handshake) -> Iterator[str]:
         thread.join(10)
 
 
+def test_is_usable_sees_a_peer_that_closed_without_waiting() -> None:
+    closing = threading.Event()
+    with raw_server(lambda conn: closing.wait(10)) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=5_000, prefer_local=False)
+        started = time.monotonic()
+        assert conn.is_usable() and conn.is_usable()
+        assert time.monotonic() - started < 0.5  # a peek, not a wait for the timeout
+        assert not conn.is_closed()  # the peeks leave it open
+        closing.set()  # the server closes its end
+        deadline = time.monotonic() + 5
+        while conn.is_usable() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn.is_closed()
+        with pytest.raises(ConnectFailed):  # nothing is sent on a closed connection
+            conn.request(ExistKeys(["a"]), 1_000)
+
+
 def test_a_server_that_never_answers_is_a_timeout_within_the_bound() -> None:
     done = threading.Event()
     with raw_server(lambda conn: done.wait(10)) as endpoint:
@@ -155,7 +172,7 @@ def test_close_from_another_thread_wakes_a_waiting_request() -> None:
         conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
         threading.Timer(0.2, conn.close).start()
         started = time.monotonic()
-        with pytest.raises(RpcFailed):
+        with pytest.raises((RpcFailed, ConnectFailed)):
             conn.request(ExistKeys(["a"]), 5_000)
         assert time.monotonic() - started < 2
         done.set()

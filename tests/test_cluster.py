@@ -153,12 +153,12 @@ def test_master_killed_and_restarted_serves_every_object_the_nodes_hold(make_clu
         assert store.get_batch(list(values)) == list(values.values())
 
 
-def test_sync_lookups_take_each_threads_own_connection_and_follow_a_master_restart(make_cluster):
-    """A sync Store asks the master for gets, exists, prefixes and sizes on a connection of the
-    calling thread's own (client/sync.py), authenticated with the cluster token like any other,
-    on the master's Unix socket; it closes when its thread ends. When the master is killed and
-    restarted, a thread's next lookup goes through the loop (which reconnects) and later ones
-    take a new connection of their own."""
+def test_sync_requests_take_each_threads_own_connection_and_follow_a_master_restart(make_cluster):
+    """A sync Store asks the master for puts, gets, exists, prefixes and sizes on a connection
+    of the calling thread's own (client/sync.py), authenticated with the cluster token like any
+    other, on the master's Unix socket; it closes when its thread ends. When the master is
+    killed and restarted, a thread's next put sees its connection closed before sending and
+    goes through the loop (which reconnects), and later requests take a new connection."""
     cluster = make_cluster(1, token="s3cret-token")
     values = values_for("direct", 32, 4096)
     keys = list(values)
@@ -187,7 +187,9 @@ def test_sync_lookups_take_each_threads_own_connection_and_follow_a_master_resta
         cluster.master.kill()
         cluster.start_master()
         wait_until(lambda: store.cluster_status().object_count == len(keys))
+        assert store.put_batch(["after-restart"], [b"a" * 5000]) == [ErrorCode.OK]
         lookups(store, 0)
+        assert store.get("after-restart") == b"a" * 5000
         (again,) = store._direct.connections()
         assert again is not mine and mine.is_closed()
     assert again.is_closed()  # closed with the Store

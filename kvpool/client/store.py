@@ -46,7 +46,6 @@ from kvpool.protocol.messages import (
     ListReply,
     LongestPrefix,
     Message,
-    PutEnd,
     PutRevoke,
     PutStart,
     PutStartReply,
@@ -359,34 +358,25 @@ class AsyncStore:
         parts: Sequence[Sequence[memoryview]],
         config: ReplicateConfig | None,
     ) -> PutJob:
+        reply = await self._master.call(self._put_start_message(keys, parts, config), is_idempotent=False)
+        return self._put_job(keys, parts, reply)
+
+    def _put_start_message(
+        self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], config: ReplicateConfig | None
+    ) -> PutStart:
         sizes = [len(kp[0]) if len(kp) == 1 else sum(len(p) for p in kp) for kp in parts]
-        message = PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
-        reply = await self._master.call(message, is_idempotent=False)
+        return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
+
+    def _put_job(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
+        """The put the master's put_start answer describes. Any thread (the sync Store's)."""
         assert isinstance(reply, PutStartReply)
         return PutJob(keys, parts, reply, self._local_segment)
 
     async def _put_finish(self, job: PutJob) -> list[int]:
         """Write the remote replicas, then put_end what was written and revoke the rest."""
-        outcomes = await self._run_batches(job.remote)
-        # A key fails only if every replica failed; a partly written replica fails its
-        # checksum at commit and the master drops just that replica.
-        written_somewhere = {index for index, _, _ in job.local}
-        tried: set[int] = set()
-        for batch, failed in zip(job.remote, outcomes):
-            keys = {i for owners in batch.owners for i in owners}
-            tried |= keys
-            written_somewhere |= keys - failed
-        job.fail_keys(sorted(tried - written_somewhere), ErrorCode.TRANSFER_FAIL)
-        end = [i for i, needs in enumerate(job.needs_end) if needs and job.codes[i] == ErrorCode.OK]
-        revoke = [i for i, needs in enumerate(job.needs_end) if needs and job.codes[i] != ErrorCode.OK]
+        end, revoke = job.settle_writes(await self._run_batches(job.remote))
         if end:
-            reply = await self._master.call(
-                PutEnd([job.keys[i] for i in end], [job.checksums[i] for i in end], job.hashed_in_place),
-                is_idempotent=False,
-            )
-            assert isinstance(reply, CodesReply)
-            for index, code in zip(end, reply.codes):
-                job.codes[index] = code
+            job.ended(end, await self._master.call(job.put_end(end), is_idempotent=False))
         if revoke:
             try:
                 await self._master.call(PutRevoke([job.keys[i] for i in revoke]), is_idempotent=False)

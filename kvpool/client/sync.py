@@ -6,11 +6,13 @@ work of a put or get runs in the caller's own thread, so that many threads copy 
 and the loop only does I/O. The methods mirror AsyncStore's one for one (see there for
 semantics); nothing here decides anything on its own.
 
-Idempotent requests to the master (the lookups of gets, exists, longest_prefix, sizes) take a
-shorter way: each caller thread keeps a blocking connection of its own to the master the loop
-is connected to (transports/blocking.py) and asks there, without waking the loop thread; on
-this project's VM that halves their latency. When that connection fails (a master restart, a
-new leader), the request goes through the loop, which finds the master again.
+Requests to the master take a shorter way: each caller thread keeps a blocking connection of
+its own to the master the loop is connected to (transports/blocking.py) and asks there,
+without waking the loop thread; on this project's VM that halves their latency. The lookups of
+gets, exists, longest_prefix and sizes go this way, and a put's put_start and put_end (a put
+that writes to other hosts' nodes hands those writes and its put_end to the loop). When the
+connection fails (a master restart, a new leader), a lookup goes through the loop, which finds
+the master again; a put_start or put_end goes there only if the master never saw it.
 """
 
 from __future__ import annotations
@@ -191,23 +193,34 @@ class _DirectLinks:
         self._lock = threading.Lock()
         self._is_closed = False
 
-    def ask(self, message: Message) -> Message | None:
-        """The master's reply to an idempotent request, or None when this thread has no
-        working connection (the caller then asks through the loop).
+    def ask(self, message: Message, is_idempotent: bool = True) -> Message | None:
+        """The master's reply, or None when the master has not seen the request from here
+        (no working connection in this thread, or NotLeader): the caller then asks through
+        the loop. A request that is not idempotent is sent only on a connection that is
+        still open at the other end, and not sent again when it broke after leaving.
 
         Raises:
             RpcTimeout: the master did not answer within the RPC timeout.
+            RpcFailed: a request that is not idempotent left, and the connection broke.
             KVPoolError subclass: the master's answer was an error (but NotLeader: None).
         """
         link = self._link()
         conn = self._connection(link)
+        if conn is not None and not is_idempotent and not conn.is_usable():
+            conn = self._connection(link)  # the master restarted: a new connection, or None
         if conn is None:
             return None
         try:
             return conn.request(message, self._rpc_timeout_ms)
-        except (RpcFailed, NotLeader) as exc:
+        except (ConnectFailed, NotLeader) as exc:  # the master did nothing
             log.debug("direct link to %s: %s; asking through the loop", conn.endpoint, exc)
             link.close()
+            return None
+        except RpcFailed as exc:
+            link.close()
+            if not is_idempotent:
+                raise
+            log.debug("direct link to %s: %s; asking through the loop", conn.endpoint, exc)
             return None
         except RpcTimeout:
             link.close()
@@ -420,13 +433,30 @@ class Store:
         keys: Sequence[str],
         config: ReplicateConfig | None,
     ) -> list[int]:
-        if len(set(keys)) < len(keys) or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
-            # Small batches: the copies cost less than a second thread hand-off (~50 us).
-            # (Batches that repeat a key go this way too: the loop side puts each key once.)
-            return self._run(self._async._put_parts(keys, parts, config))
-        job = self._run(self._async._put_start(keys, parts, config))
+        """put_start and put_end from this thread (see the module), the same-host copies here;
+        writes to other hosts' nodes go through the loop, and so does the put_end after them."""
+        async_store = self._async
+        start = async_store._put_start_message(keys, parts, config)
+        reply = None if len(set(keys)) < len(keys) else self._direct.ask(start, is_idempotent=False)
+        if reply is None:  # no direct link, or a batch that repeats a key (put once, on the loop)
+            if len(set(keys)) < len(keys) or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
+                # Small batches: the copies cost less than a second thread hand-off (~50 us).
+                return self._run(async_store._put_parts(keys, parts, config))
+            job = self._run(async_store._put_start(keys, parts, config))
+            job.copy_local()
+            return self._run(async_store._put_finish(job))
+        job = async_store._put_job(keys, parts, reply)
         job.copy_local()
-        return self._run(self._async._put_finish(job))
+        if job.remote:
+            return self._run(async_store._put_finish(job))
+        end, _ = job.settle_writes([])  # nothing to revoke: only remote writes fail keys
+        if end:
+            message = job.put_end(end)
+            ended = self._direct.ask(message, is_idempotent=False)
+            if ended is None:
+                ended = self._run(async_store._master.call(message, is_idempotent=False))
+            job.ended(end, ended)
+        return job.codes
 
     def _get(
         self,

@@ -46,7 +46,10 @@ from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
     TIERS,
+    CodesReply,
     GetReplicaListReply,
+    Message,
+    PutEnd,
     PutStartReply,
     ReadItem,
     ReadSlices,
@@ -291,11 +294,31 @@ class PutJob:
             checksums[index] = checksum
         self.checksums = checksums
 
-    def fail_keys(self, key_indexes: Sequence[int], code: ErrorCode) -> None:
-        # A failed replica write is caught again at commit (the node's checksum check), so a
-        # key fails only when none of its replicas can be written; see AsyncStore._put_finish.
-        for index in key_indexes:
-            self.codes[index] = int(code)
+    def settle_writes(self, failed: Sequence[set[int]]) -> tuple[list[int], list[int]]:
+        """Given, per remote batch, the key indexes whose frames failed: the keys to put_end
+        and the keys to revoke. A key fails only if every replica failed; a partly written
+        replica fails its checksum at commit and the master drops just that replica."""
+        written_somewhere = {index for index, _, _ in self.local}
+        tried: set[int] = set()
+        for batch, failed_keys in zip(self.remote, failed):
+            keys = {i for owners in batch.owners for i in owners}
+            tried |= keys
+            written_somewhere |= keys - failed_keys
+        for index in tried - written_somewhere:
+            self.codes[index] = int(ErrorCode.TRANSFER_FAIL)
+        end = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] == _OK]
+        revoke = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] != _OK]
+        return end, revoke
+
+    def put_end(self, end: Sequence[int]) -> PutEnd:
+        """The PutEnd of the keys at `end` (indexes), with their checksums."""
+        return PutEnd([self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place)
+
+    def ended(self, end: Sequence[int], reply: Message) -> None:
+        """Take the master's codes for the keys of put_end(end)."""
+        assert isinstance(reply, CodesReply)
+        for index, code in zip(end, reply.codes):
+            self.codes[index] = code
 
 
 class GetJob:

@@ -109,18 +109,23 @@ class BlockingConnection:
         """Send a request without payload and return its reply message.
 
         Raises:
-            RpcFailed: the connection is or becomes closed, or the peer broke the protocol.
+            ConnectFailed: the request could not be sent: the peer never saw it.
+            RpcFailed: the connection broke after the request left, or the peer broke the
+                protocol: the request may have been carried out.
             RpcTimeout: no reply within timeout_ms (the connection is closed: a late reply
                 must not answer the next request).
             KVPoolError subclass: the peer replied with an error code.
         """
         if self._socket is None:
-            raise RpcFailed(f"connection to {self.peer} is closed")
+            raise ConnectFailed(f"connection to {self.peer} is closed")
         deadline = time.monotonic() + timeout_ms / 1000
         request_id = self._next_request_id
         self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
         try:
-            self._send(encode_frame(message, request_id), deadline)
+            try:
+                self._send(encode_frame(message, request_id), deadline)
+            except RpcFailed as exc:  # refused whole: a send to a closed peer delivers nothing
+                raise ConnectFailed(str(exc)) from None
             frame = self._receive(deadline)
             if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
                 raise RpcFailed(f"{self.peer} sent an unexpected frame for request {request_id}")
@@ -134,6 +139,23 @@ class BlockingConnection:
 
     def is_closed(self) -> bool:
         return self._socket is None
+
+    def is_usable(self) -> bool:
+        """Open, and the peer has not closed its end (a non-blocking peek: a master that
+        restarted since the last request is seen before a request that must not be sent
+        twice is sent)."""
+        sock = self._socket
+        if sock is None:
+            return False
+        try:
+            sock.settimeout(0.0)  # with a timeout, Python would wait for readability first
+            sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True  # nothing to read: alive, as it should be between requests
+        except OSError:
+            pass
+        self.close()  # closed by the peer, reset, or bytes nobody asked for
+        return False
 
     def close(self) -> None:
         """Idempotent; from any thread (a receive blocked on this connection returns)."""
