@@ -5,6 +5,7 @@ the `kvpool` CLI, and the Prometheus /metrics of master and node."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -174,3 +175,32 @@ def test_the_demo_runs_end_to_end_and_leaves_no_process_behind():
     assert len(pids) == 2
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_node_signalled_while_it_waits_for_its_master_leaves_gracefully(tmp_path: Path) -> None:
+    """SIGTERM while `kvpool node` starts (here: waiting for a master that is not there) ends
+    it through its graceful stop, as once it serves: exit status 0 and its segment file gone.
+    (The signal handler used to be installed after the start: the default one killed it and
+    left the file; the same race made a test of run_node kill the test runner.)"""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nobody listens here
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli.main", "node", "--master", f"127.0.0.1:{port}",
+         "--memory", "16MiB", "--shm-dir", str(shm_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not list(shm_dir.iterdir()) and time.monotonic() < deadline and node.poll() is None:
+            time.sleep(0.02)
+        assert list(shm_dir.iterdir()), "the node never made its segment file"
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(30) == 0, node.stderr.read().decode() if node.stderr else ""
+        assert list(shm_dir.iterdir()) == []
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait(10)

@@ -7,8 +7,10 @@ Object commands talk to a running cluster through the sync `Store`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -183,10 +185,11 @@ def master(
         raise _fail(str(exc)) from None
 
     async def main() -> None:
+        stop = _stop_on_signal()
         await server.start()
         if ready_file:
             _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
-        await _until_signalled()
+        await stop.wait()
         await server.stop()
 
     try:
@@ -261,21 +264,33 @@ def node(
         raise _fail(str(exc)) from None
 
     async def main() -> None:
+        stop = _stop_on_signal()
         storage_node = Node(config)
         await storage_node.start()
-        await storage_node.wait_mounted(limits.CONNECT_TIMEOUT_MS_DEFAULT * 5)
-        if ready_file:
-            _write_ready(
-                ready_file,
-                {
-                    "endpoint": storage_node.endpoint,
-                    "segment_id": storage_node.segment_info.segment_id,
-                    "metrics_endpoint": storage_node.metrics_endpoint,
-                    "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
-                },
-            )
-        await _until_signalled()
-        await storage_node.stop()
+        try:
+            # Until a master takes the segment, or a signal: then the node leaves as it would
+            # once serving (segment file removed).
+            mounted = asyncio.ensure_future(storage_node.wait_mounted(limits.CONNECT_TIMEOUT_MS_DEFAULT * 5))
+            signalled = asyncio.ensure_future(stop.wait())
+            await asyncio.wait((mounted, signalled), return_when=asyncio.FIRST_COMPLETED)
+            if not mounted.done():
+                mounted.cancel()
+                return
+            signalled.cancel()
+            mounted.result()  # raises when no master took the segment in time
+            if ready_file:
+                _write_ready(
+                    ready_file,
+                    {
+                        "endpoint": storage_node.endpoint,
+                        "segment_id": storage_node.segment_info.segment_id,
+                        "metrics_endpoint": storage_node.metrics_endpoint,
+                        "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
+                    },
+                )
+            await stop.wait()
+        finally:
+            await storage_node.stop()
 
     try:
         uvloop.run(main())
@@ -283,16 +298,15 @@ def node(
         raise _fail(str(exc)) from None
 
 
-async def _until_signalled() -> None:
-    """Wait for SIGTERM or SIGINT (a server's whole life)."""
-    import asyncio
-    import signal
-
+def _stop_on_signal() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets, from now on. Taken before a server starts, so
+    that a signal while it starts (a node may wait seconds for its master) ends it through its
+    graceful stop rather than the default handler's instant death."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 def _write_ready(path: Path, payload: dict) -> None:

@@ -577,22 +577,26 @@ async def run_node(config: NodeConfig, *, drain_timeout_ms: int = 0) -> None:
     Raises:
         KVPoolError: the node could not start (see Node.start).
     """
-    node = Node(config)
-    await node.start()
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
+    # Before the start: a signal while the node starts must end it gracefully, not by the
+    # default handler (which would leave its segment file and its master's mount behind).
     for sig in signals:
         loop.add_signal_handler(sig, stop_requested.set)
     try:
-        await stop_requested.wait()  # Serves forever: only a signal ends a node.
-        log.info("node %s: signal received, leaving", node.node_id)
-        if drain_timeout_ms > 0:
-            await node.drain(drain_timeout_ms)
+        node = Node(config)
+        await node.start()
+        try:
+            await stop_requested.wait()  # Serves forever: only a signal ends a node.
+            log.info("node %s: signal received, leaving", node.node_id)
+            if drain_timeout_ms > 0:
+                await node.drain(drain_timeout_ms)
+        finally:
+            await node.stop()
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
-        await node.stop()
 
 
 async def _advertise_host(config: NodeConfig, master_host: str) -> str:
