@@ -158,6 +158,10 @@ class _Call:
 # A thread whose connection to the master could not be opened asks through the loop for this
 # long before it tries again (a master that is down is not dialled twice per request).
 DIRECT_RETRY_AFTER_S = 5.0
+# A thread opens its connection within this bound (at most the connect timeout): a master the
+# loop reached moments ago answers a handshake in milliseconds, and one that stopped answering
+# must not add a whole connect timeout to the call's bound before the loop path is tried.
+DIRECT_OPEN_TIMEOUT_MS = 1_000
 
 
 class _ThreadLink:
@@ -187,7 +191,7 @@ class _DirectLinks:
     def __init__(self, master: MasterLink, key: bytes | None, config: ClientConfig) -> None:
         self._master = master
         self._key = key
-        self._connect_timeout_ms = config.connect_timeout_ms
+        self._open_timeout_ms = min(config.connect_timeout_ms, DIRECT_OPEN_TIMEOUT_MS)
         self._rpc_timeout_ms = config.rpc_timeout_ms
         self._prefer_local = config.shm_enabled
         self._local = threading.local()
@@ -253,7 +257,7 @@ class _DirectLinks:
             return None
         try:
             conn = BlockingConnection.open(
-                endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, prefer_local=self._prefer_local
+                endpoint, key=self._key, timeout_ms=self._open_timeout_ms, prefer_local=self._prefer_local
             )
         except (ConnectFailed, Unauthorized) as exc:
             log.info("no direct link to the master at %s (asking through the loop): %s", endpoint, exc)
