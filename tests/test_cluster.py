@@ -195,6 +195,36 @@ def test_sync_requests_take_each_threads_own_connection_and_follow_a_master_rest
     assert again.is_closed()  # closed with the Store
 
 
+def test_threads_beyond_the_bound_of_own_connections_ask_through_the_loop(make_cluster, monkeypatch):
+    """At most DIRECT_LINKS_MAX threads of a Store hold a connection of their own to the master;
+    the others are served through the loop, as correctly."""
+    from kvpool.client import sync
+
+    monkeypatch.setattr(sync, "DIRECT_LINKS_MAX", 2)
+    cluster = make_cluster(1)
+    values = values_for("bounded", 16, 4096)
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
+        barrier = threading.Barrier(5)
+        results: list[bool] = []
+
+        def reader() -> None:
+            results.append(store.get_batch(list(values)) == list(values.values()))
+            barrier.wait(TIMEOUT_S)  # every thread alive at once
+            results.append(store.longest_prefix(list(values)) == len(values))
+            barrier.wait(TIMEOUT_S)
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        barrier.wait(TIMEOUT_S)
+        assert len(store._direct.connections()) == 2
+        barrier.wait(TIMEOUT_S)
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        assert results == [True] * 8
+
+
 def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
     cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000"))
     object_size = 256 * 1024

@@ -14,7 +14,7 @@ with no other in flight (concurrent puts go through the loop, which carries them
 connection; a put that writes to other hosts' nodes hands those writes and its put_end to the
 loop). When the connection fails (a master restart, a new leader), a lookup goes through the
 loop, which finds the master again; a put_start or put_end goes there only if the master
-never saw it.
+never saw it. At most DIRECT_LINKS_MAX threads of a Store hold such a connection.
 """
 
 from __future__ import annotations
@@ -162,17 +162,22 @@ DIRECT_RETRY_AFTER_S = 5.0
 # loop reached moments ago answers a handshake in milliseconds, and one that stopped answering
 # must not add a whole connect timeout to the call's bound before the loop path is tried.
 DIRECT_OPEN_TIMEOUT_MS = 1_000
+# At most this many threads of one Store hold a connection of their own to the master (a
+# serving process may run large thread pools; the master's connections stay bounded); the
+# others ask through the loop, and try again for a free place after DIRECT_RETRY_AFTER_S.
+DIRECT_LINKS_MAX = 16
 
 
 class _ThreadLink:
     """One caller thread's connection to the master (in a threading.local: it goes, and its
     socket closes, when the thread ends)."""
 
-    __slots__ = ("conn", "retry_at", "__weakref__")
+    __slots__ = ("conn", "retry_at", "is_admitted", "__weakref__")
 
     def __init__(self) -> None:
         self.conn: BlockingConnection | None = None
-        self.retry_at = 0.0  # after a failed open: ask through the loop until then
+        self.retry_at = 0.0  # after a failed open, or no free place: ask through the loop until then
+        self.is_admitted = False  # one of the Store's DIRECT_LINKS_MAX places is this thread's
 
     def __del__(self) -> None:
         self.close()
@@ -241,13 +246,18 @@ class _DirectLinks:
         link: _ThreadLink | None = getattr(self._local, "link", None)
         if link is None:
             link = self._local.link = _ThreadLink()
+        if not link.is_admitted and time.monotonic() >= link.retry_at:
             with self._lock:
-                self._links.add(link)
+                if len(self._links) < DIRECT_LINKS_MAX:
+                    self._links.add(link)
+                    link.is_admitted = True
+                else:
+                    link.retry_at = time.monotonic() + DIRECT_RETRY_AFTER_S
         return link
 
     def _connection(self, link: _ThreadLink) -> BlockingConnection | None:
         endpoint = self._master.connected_endpoint()
-        if endpoint is None or self._is_closed:
+        if endpoint is None or self._is_closed or not link.is_admitted:
             return None
         conn = link.conn
         if conn is not None and conn.endpoint == endpoint and not conn.is_closed():
