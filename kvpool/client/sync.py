@@ -312,12 +312,12 @@ class Store:
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coroutine, self._timeout_ms)
 
-    def _ask(self, message: Message) -> Message:
-        """The master's reply to an idempotent request: on this thread's own connection, or
-        through the loop when that has none (see the module)."""
-        reply = self._direct.ask(message)
+    def _ask(self, message: Message, is_idempotent: bool = True) -> Message:
+        """The master's reply: on this thread's own connection, or through the loop when the
+        master did not see the request there (see the module and _DirectLinks.ask)."""
+        reply = self._direct.ask(message, is_idempotent)
         if reply is None:
-            reply = self._run(self._async._master.call(message, is_idempotent=True))
+            reply = self._run(self._async._master.call(message, is_idempotent=is_idempotent))
         return reply
 
     def close(self) -> None:
@@ -455,11 +455,12 @@ class Store:
             is_alone = not self._puts_in_flight
             self._puts_in_flight += 1
         try:
-            if is_alone and len(set(keys)) == len(keys):
+            repeats_a_key = len(set(keys)) < len(keys)
+            if is_alone and not repeats_a_key:
                 codes = self._put_direct(parts, keys, config)
                 if codes is not None:
                     return codes
-            if len(set(keys)) < len(keys) or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
+            if repeats_a_key or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
                 # Small batches: the copies cost less than a second thread hand-off (~50 us).
                 # (Batches that repeat a key go this way too: the loop side puts each key once.)
                 return self._run(self._async._put_parts(keys, parts, config))
@@ -494,11 +495,7 @@ class Store:
             return self._run(async_store._put_finish(job))
         end, _ = job.settle_writes([])  # nothing to revoke: only remote writes fail keys
         if end:
-            message = job.put_end(end)
-            ended = self._direct.ask(message, is_idempotent=False)
-            if ended is None:
-                ended = self._run(async_store._master.call(message, is_idempotent=False))
-            job.ended(end, ended)
+            job.ended(end, self._ask(job.put_end(end), is_idempotent=False))
         return job.codes
 
     def _get(
