@@ -3,7 +3,7 @@
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
     python benchmarks/bench_paths.py [PART ...]   (round-trips master node-commit client put-phases
-                                                 landing copies files bytecodes)
+                                                 landing copies payload-alignment files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
@@ -34,6 +34,12 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                on one and two threads; a numpy copy of whole objects as the limit; and a put of
                the same bytes as 64 parts of 16 KiB per object (one per layer), before and now,
                and as 16 parts of 64 KiB, by memcpy and by numpy's copy.
+  payload-alignment
+               glibc's memcpy of 64 KiB with the destination 0-64 bytes past the source (mod
+               4 KiB); and frames of 128 x 64 KiB over TCP loopback to a receiver process, as a
+               zero-copy put sends them (from a numpy array into a page-aligned segment) and as
+               a node replies to a get (from a segment into a numpy array), with the control
+               message as encoded before 2026-12-01 and padded (frames.payload_padding).
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
                POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
   bytecodes    Python bytecodes per key (counted, not timed: the same on every run) of the
@@ -631,6 +637,86 @@ def copies() -> dict:
     return out
 
 
+# --- payload alignment --------------------------------------------------------------------
+
+
+def payload_alignment() -> dict:
+    import ctypes
+
+    from kvpool.protocol.frames import buffer_address, encode_frame, payload_padding
+    from kvpool.protocol.messages import ReadReply
+
+    size = 64 * KIB
+    source = np.random.default_rng(0).integers(0, 255, size + 2 * PAGE, dtype=np.uint8)
+    target = np.zeros_like(source)
+    source_page = -source.ctypes.data % PAGE
+    target_page = -target.ctypes.data % PAGE
+    out = {}
+    for shift in (0, 16, 32, 48, 64):
+        src, dst = source.ctypes.data + source_page, target.ctypes.data + target_page + shift
+        samples = timed(lambda: ctypes.memmove(dst, src, size), 2000)
+        out[f"memcpy_64KiB_dst_{shift}_past_src_gbps"] = round(size / statistics.median(samples), 2)
+
+    frame_bytes = 4 * MIB  # kvpool's frames (client/transfer.py FRAME_BYTES_TARGET)
+    # A zero-copy put: from the caller's numpy array (data 16 bytes past a page) into a
+    # page-aligned segment. The control message of 128 write items is some 11 KiB; its length
+    # modulo 4 KiB varies with the keys' grants (21 in bench_peers' 64 KiB rows, 5 bytes past
+    # the source: the slow case). The kernel copies payload bytes, so a header of zeros of the
+    # same length stands for it.
+    array = np.random.default_rng(1).integers(0, 255, frame_bytes + 2 * PAGE, dtype=np.uint8)
+    put_source = memoryview(array)[-array.ctypes.data % PAGE + 16 :][:frame_bytes]
+    # A node's reply to a get: from page-aligned segment memory into such an array.
+    segment = np.frombuffer(mmap.mmap(-1, frame_bytes + PAGE), dtype=np.uint8)
+    segment[:] = 1
+    get_source = memoryview(segment)[PAGE:]
+    reply_bytes = len(encode_frame(ReadReply(frame_bytes), 1, is_reply=True, payload_size=frame_bytes))
+    cases = {  # name: (header bytes, payload, where it lands modulo a page)
+        "put_header_21": (2 * PAGE + 21, put_source, 0),
+        "put_header_80": (2 * PAGE + 80, put_source, 0),
+        "get_reply": (reply_bytes, get_source, 16),
+    }
+    for name, (header_bytes, payload, landing) in cases.items():
+        padding = payload_padding(header_bytes, buffer_address(payload), landing)
+        headers = {"as_encoded": bytes(header_bytes), "padded": bytes(header_bytes + padding)}
+        rates: dict[str, list[float]] = {label: [] for label in headers}
+        for _ in range(7):
+            for label, header in headers.items():
+                rates[label].append(frames_over_tcp(header, payload, landing, 32))
+        for label, values in rates.items():
+            out[f"tcp_{name}_{label}_gbps"] = round(statistics.median(values), 2)
+        out[f"tcp_{name}_padding_bytes"] = padding
+    return out
+
+
+def frames_over_tcp(header: bytes, payload: memoryview, landing_page_offset: int, count: int) -> float:
+    """GB/s of `count` frames (header, payload) to a receiver process that lands each payload
+    at `landing_page_offset` of a page and answers one byte per frame."""
+    ours, theirs = connected_pair(socket.AF_INET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        sink = np.zeros(len(payload) + 2 * PAGE, dtype=np.uint8)
+        landing = memoryview(sink)[-sink.ctypes.data % PAGE + landing_page_offset :][: len(payload)]
+        head = memoryview(bytearray(len(header)))
+        for _ in range(count):
+            for view in (head, landing):
+                got = 0
+                while got < len(view):
+                    got += theirs.recv_into(view[got:])
+            theirs.send(b"k")
+        os._exit(0)
+    theirs.close()
+    started = time.perf_counter()
+    for _ in range(count):
+        sent = ours.sendmsg([header, payload])  # a blocking socket sends it whole
+        assert sent == len(header) + len(payload), sent
+        ours.recv(1)
+    elapsed = time.perf_counter() - started
+    ours.close()
+    os.waitpid(pid, 0)
+    return count * len(payload) / elapsed / 1e9
+
+
 # --- reading object files ----------------------------------------------------------------
 
 
@@ -752,6 +838,7 @@ PARTS = {
     "put-phases": put_phases,
     "landing": landing,
     "copies": copies,
+    "payload-alignment": payload_alignment,
     "files": files_read,
     "bytecodes": bytecodes,
 }

@@ -100,6 +100,57 @@ def test_zero_copy_and_multi_buffer_api(shm_enabled):
     run(main())
 
 
+def test_payloads_over_tcp_are_padded_so_that_no_copy_runs_at_a_slow_offset(monkeypatch):
+    """Zero-copy and plain transfers over TCP from and into buffers at several offsets of a
+    page: every frame with a payload names where it is read from and where it lands, its
+    control message is padded so that neither copy's destination is 1-63 bytes past its
+    source modulo a page (frames.payload_padding), and the bytes arrive intact."""
+    from kvpool import limits
+    from kvpool.protocol import frames
+    from kvpool.transports import connection
+
+    sent = []
+
+    def recording(message, request_id, **options):
+        wire = frames.encode_frame(message, request_id, **options)
+        if options.get("payload_size", 0) >= frames.PADDED_PAYLOAD_BYTES_MIN:
+            sent.append((len(wire), options.get("payload_source"), options.get("payload_landing")))
+        return wire
+
+    monkeypatch.setattr(connection, "encode_frame", recording)
+
+    async def main():
+        async with cluster(node_count=1) as (master, nodes):
+            # write_landing's premise: a node's segment data starts a page.
+            data_start = frames.buffer_address(nodes[0].segment.data)
+            assert data_start % frames.PAGE_BYTES == limits.SEGMENT_HEADER_SIZE_BYTES % frames.PAGE_BYTES
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                size, shifts = 64 * 1024, [0, 16, 40, 4080]
+                arena = np.random.randint(0, 255, len(shifts) * (size + 2 * frames.PAGE_BYTES), dtype=np.uint8)
+                landing = np.zeros_like(arena)
+                base, landing_base = store.register_buffer(arena), store.register_buffer(landing)
+                page = -base % frames.PAGE_BYTES
+                sources = [base + page + i * (size + 2 * frames.PAGE_BYTES) + shift for i, shift in enumerate(shifts)]
+                keys = [f"k{shift}" for shift in shifts]
+                assert await store.batch_put_from(keys, sources, [size] * len(keys)) == [0] * len(keys)
+                page = -landing_base % frames.PAGE_BYTES
+                targets = [landing_base + page + i * (size + 2 * frames.PAGE_BYTES) + s for i, s in enumerate(shifts)]
+                for key, source, target in zip(keys, sources, targets):
+                    assert await store.get_into(key, target, size) == size
+                    assert np.array_equal(landing[target - landing_base :][:size], arena[source - base :][:size])
+                plain = await store.get_batch(keys)
+                assert [bytes(p) for p in plain] == [arena[s - base :][:size].tobytes() for s in sources]
+
+    run(main())
+    # One frame puts the four objects, the node answers four zero-copy gets, then one plain
+    # get of all four: a frame pads for its first object (the others follow in its payload).
+    assert len(sent) == 6, sent
+    for header_bytes, source, landing_at in sent:
+        assert source is not None and landing_at is not None, (header_bytes, source, landing_at)
+        assert not frames.is_slow_copy(source, header_bytes), (header_bytes, source)
+        assert not frames.is_slow_copy(header_bytes, landing_at), (header_bytes, landing_at)
+
+
 def test_metadata_api():
     async def main():
         async with cluster() as (master, _):

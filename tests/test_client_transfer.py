@@ -10,8 +10,8 @@ import pytest
 
 from kvpool import limits
 from kvpool.client import transfer
-from kvpool.client.transfer import _FrameCutter
-from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant, WriteItem, WriteSlices
+from kvpool.client.transfer import _FrameCutter, _read_slices, _write_slices
+from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant, WriteItem
 
 
 @pytest.mark.parametrize("slice_bytes,frame_bytes", [(64, 128), (1000, 10_000), (7, 7)])
@@ -23,7 +23,7 @@ def test_frames_carry_each_object_contiguously_across_its_buffers(monkeypatch, s
         1: [os.urandom(30), os.urandom(0), os.urandom(250), os.urandom(1)],  # one per layer
         2: [os.urandom(64)],
     }
-    cutter = _FrameCutter("n:1", WriteItem, WriteSlices)
+    cutter = _FrameCutter("n:1", WriteItem, _write_slices)
     grants = {i: WriteGrant("s", 10_000 * i, sum(map(len, parts)), 0) for i, parts in objects.items()}
     for index, parts in objects.items():
         cutter.add(index, grants[index], [memoryview(p) for p in parts])
@@ -151,7 +151,7 @@ def test_reply_sinks_that_follow_each_other_in_registered_memory_are_received_as
     import numpy as np
 
     from kvpool.client.buffers import BufferRegistry
-    from kvpool.protocol.messages import ReadItem, ReadSlices, Replica
+    from kvpool.protocol.messages import ReadItem, Replica
 
     registry = BufferRegistry()
     memory = np.zeros(64 * 1024, dtype=np.uint8)
@@ -168,7 +168,7 @@ def test_reply_sinks_that_follow_each_other_in_registered_memory_are_received_as
     def read_item(replica: Replica, start: int, size: int) -> ReadItem:
         return ReadItem("s", replica.offset + start, size)
 
-    cutter = _FrameCutter("n:1", read_item, ReadSlices, registry.view)
+    cutter = _FrameCutter("n:1", read_item, _read_slices, registry.view)
     scratch = []
     for index, (address, parts) in enumerate(layout):
         if address is None:

@@ -15,11 +15,17 @@ from kvpool import limits
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
 from kvpool.protocol.frames import (
     DIRECT_SINK_BYTES_MIN,
+    FLAG_PADDED,
     NEED_DATA,
+    PADDED_PAYLOAD_BYTES_MIN,
+    PADDING_BYTES_MAX,
+    PAGE_BYTES,
     Frame,
     FrameDecoder,
     PayloadDone,
     encode_frame,
+    is_slow_copy,
+    payload_padding,
 )
 from kvpool.protocol.messages import (
     CodesReply,
@@ -154,6 +160,71 @@ def test_encode_rejects_a_reply_flag_mismatch_and_oversized_payload():
         encode_frame(CodesReply([0]), 1)
     with pytest.raises(LocalProtocolError):
         encode_frame(GetReplicaList(["a"]), 1, payload_size=limits.FRAME_PAYLOAD_SIZE_BYTES_MAX + 1)
+
+
+def _flags(wire: bytes) -> int:
+    return struct.unpack_from(limits.FRAME_HEADER_FMT, wire)[2]
+
+
+def test_a_padded_frame_decodes_whole_and_byte_by_byte_with_its_payload_intact():
+    """A frame whose payload is read from 16 bytes past a page: its control message (27 bytes
+    with the header) is padded so the payload starts at least 64 bytes past that in a page."""
+    payload = os.urandom(2 * PADDED_PAYLOAD_BYTES_MIN)
+    wire = encode_frame(ReadReply(len(payload)), 9, is_reply=True, payload_size=len(payload),
+                        payload_source=16, payload_landing=None)  # fmt: skip
+    assert _flags(wire) & FLAG_PADDED
+    assert not is_slow_copy(16, len(wire)) and len(wire) - 16 < PAGE_BYTES
+    for chunk in (len(wire) + len(payload), 1):
+        decoder = FrameDecoder()
+        sink = bytearray(len(payload))
+        events = []
+        data = wire + payload
+        for start in range(0, len(data), chunk):
+            decoder.receive_data(data[start : start + chunk])
+            events += drain(decoder, lambda frame: [memoryview(sink)])
+        assert events == [Frame(9, True, ReadReply(len(payload)), len(payload)), PayloadDone(9)]
+        assert sink == payload
+
+
+def test_small_payloads_and_unknown_addresses_are_not_padded():
+    unpadded = encode_frame(ReadReply(100), 1, is_reply=True, payload_size=100)
+    assert encode_frame(ReadReply(100), 1, is_reply=True, payload_size=100, payload_source=16) == unpadded
+    large = PADDED_PAYLOAD_BYTES_MIN
+    plain = encode_frame(ReadReply(large), 1, is_reply=True, payload_size=large)
+    assert not _flags(plain) & FLAG_PADDED
+    assert encode_frame(ReadReply(large), 1, is_reply=True, payload_size=large, payload_source=len(plain)) == plain
+
+
+@pytest.mark.parametrize("padding_byte", [0, 200], ids=["zero", "longer-than-the-message"])
+def test_bad_padding_is_a_protocol_error(padding_byte):
+    def wire(padding: int) -> bytes:
+        control = b"\x92\x3e\x00" + bytes([padding])  # ReadReply(0), then one byte of padding
+        return _header(flags=1 | FLAG_PADDED, control=len(control)) + control
+
+    decoder = FrameDecoder()
+    decoder.receive_data(wire(1))
+    assert drain(decoder) == [Frame(1, True, ReadReply(0), 0)]
+    decoder.receive_data(wire(padding_byte))
+    with pytest.raises(RemoteProtocolError):
+        drain(decoder)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.integers(limits.FRAME_HEADER_SIZE_BYTES, 1 << 20),
+    st.none() | st.integers(0, 1 << 47),
+    st.none() | st.integers(0, 1 << 47),
+)
+def test_padding_keeps_both_copies_fast_with_the_least_bytes(header_bytes, source, landing):
+    def fast(start: int) -> bool:
+        return not (source is not None and is_slow_copy(source, start)) and not (
+            landing is not None and is_slow_copy(start, landing)
+        )
+
+    padding = payload_padding(header_bytes, source, landing)
+    assert 0 <= padding <= PADDING_BYTES_MAX
+    assert fast(header_bytes + padding)  # two ranges of 63 slow offsets leave room in 256
+    assert not any(fast(header_bytes + fewer) for fewer in range(padding))
 
 
 def _header(magic=limits.FRAME_MAGIC, version=limits.FRAME_VERSION, flags=0, rid=1, control=0, payload=0):

@@ -15,6 +15,7 @@ import threading
 
 from kvpool import limits
 from kvpool.errors import BufferOverflow, InvalidParams
+from kvpool.protocol.frames import buffer_address
 
 
 def address_of(buffer: object) -> int:
@@ -22,7 +23,7 @@ def address_of(buffer: object) -> int:
     view = memoryview(buffer)  # type: ignore[arg-type]
     if view.readonly:
         raise InvalidParams("a registered buffer must be writable")
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return buffer_address(view)
 
 
 class BufferRegistry:

@@ -214,12 +214,13 @@ class MasterLink:
 
 async def request_on_lanes(
     lanes: Sequence[Connection],
-    requests: Sequence[tuple[Message, Sequence[memoryview], ReplySinks | None]],
+    requests: Sequence[tuple[Message, Sequence[memoryview], ReplySinks | None, int | None]],
     timeout_ms: int,
 ) -> list[Message | BaseException]:
-    """Send requests spread round-robin over lanes; results (or exceptions) in request order."""
+    """Send requests spread round-robin over lanes; results (or exceptions) in request order.
+    A request is (message, payload, reply sinks, where the peer lands the payload)."""
     calls = [
-        lanes[i % len(lanes)].request(m, payload, reply_sinks=sinks, timeout_ms=timeout_ms)
-        for i, (m, payload, sinks) in enumerate(requests)
+        lanes[i % len(lanes)].request(m, payload, reply_sinks=sinks, timeout_ms=timeout_ms, landing=landing)
+        for i, (m, payload, sinks, landing) in enumerate(requests)
     ]
     return await asyncio.gather(*calls, return_exceptions=True)

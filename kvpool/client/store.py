@@ -23,7 +23,7 @@ from kvpool import limits
 from kvpool.config import ClientConfig
 from kvpool.client.buffers import BufferRegistry
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
-from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms
+from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms, write_landing
 from kvpool.errors import (
     ErrorCode,
     InvalidParams,
@@ -447,9 +447,9 @@ class AsyncStore:
         requests = []
         for message, views in batch.frames:
             if isinstance(message, WriteSlices):
-                requests.append((message, views, None))
+                requests.append((message, views, None, write_landing(message)))
             else:
-                requests.append((message, [], _fixed_sinks(views)))
+                requests.append((message, [], _fixed_sinks(views), None))
         results = await request_on_lanes(lanes, requests, self.config.transfer_timeout_ms)
         failed: set[int] = set()
         for owners, result in zip(batch.owners, results):

@@ -42,6 +42,7 @@ from kvpool.checksums import (
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
 from kvpool.protocol import objectfile
+from kvpool.protocol.frames import PAGE_BYTES, buffer_address
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
@@ -123,7 +124,7 @@ class _FrameCutter:
         self,
         endpoint: str,
         make_item: Callable[[object, int, int], WriteItem | ReadItem],
-        make_message: Callable[[list], WriteSlices | ReadSlices],
+        make_message: Callable[[list, list[memoryview]], WriteSlices | ReadSlices],
         span: Span | None = None,
     ) -> None:
         self.batch = RemoteBatch(endpoint, [], [])
@@ -183,7 +184,7 @@ class _FrameCutter:
 
     def _close_frame(self) -> None:
         views = self._views if self._span is None else _coalesced(self._views, self._addresses, self._span)
-        self.batch.frames.append((self._make_message(self._items), views))
+        self.batch.frames.append((self._make_message(self._items, views), views))
         self.batch.owners.append(self._owners)
         self._items, self._views, self._owners, self._frame_bytes = [], [], [], 0
         self._addresses = []
@@ -266,7 +267,7 @@ class PutJob:
                 endpoint = reply.segments[grant.segment_id].endpoint
                 cutter = cutters.get(endpoint)
                 if cutter is None:
-                    cutter = cutters[endpoint] = _FrameCutter(endpoint, _write_item, WriteSlices)
+                    cutter = cutters[endpoint] = _FrameCutter(endpoint, _write_item, _write_slices)
                 cutter.add(index, (grant, start), key_parts)
         self.remote = [cutter.finish() for cutter in cutters.values()]
 
@@ -542,7 +543,7 @@ class GetJob:
                 parts = _prefix(target, size)
             cutter = cutters.get(endpoint)
             if cutter is None:
-                cutter = cutters[endpoint] = _FrameCutter(endpoint, _read_item, ReadSlices, self._span)
+                cutter = cutters[endpoint] = _FrameCutter(endpoint, _read_item, _read_slices, self._span)
             cutter.add(index, replica, parts, starts[index] if starts is not None and target is not None else None)
         batches = {endpoint: cutter.finish() for endpoint, cutter in cutters.items()}
         for endpoint, indexes in pages.items():
@@ -572,7 +573,7 @@ class GetJob:
                 items.append(ReadItem(replica.segment_id, replica.offset, size))
                 self._landed[index] = arena[at : at + size]
                 at += size
-            batch.frames.append((ReadSlices(items), [arena[:at]]))
+            batch.frames.append((_read_slices(items, [arena]), [arena[:at]]))
             batch.owners.append(frame)
 
     def remote_done(self, key_indexes: set[int], failed: set[int]) -> None:
@@ -669,6 +670,23 @@ def _advise_huge_pages(address: int, size: int) -> None:
     end = (address + size) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
     if end > start:
         _madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def _write_slices(items: list[WriteItem], views: list[memoryview]) -> WriteSlices:
+    return WriteSlices(items)
+
+
+def _read_slices(items: list[ReadItem], sinks: list[memoryview]) -> ReadSlices:
+    """Telling the node where the reply lands (a page offset: no address leaves the process)
+    lets it pad the reply for the copy into `sinks` (frames.payload_padding)."""
+    return ReadSlices(items, buffer_address(sinks[0]) % PAGE_BYTES)
+
+
+def write_landing(message: WriteSlices) -> int:
+    """Where a node lands the payload of `message`, modulo a page: its segment's mapping starts
+    a page (node/segment.py), the data a header after it."""
+    item = message.items[0]
+    return (limits.SEGMENT_HEADER_SIZE_BYTES + item.grant.offset + item.start) % PAGE_BYTES
 
 
 def _write_item(placement: object, start: int, size: int) -> WriteItem:

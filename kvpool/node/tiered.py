@@ -44,7 +44,7 @@ from kvpool.protocol.messages import (
     VerifyObjects,
 )
 from kvpool.transports import files
-from kvpool.transports.connection import Connection, HandlerResult
+from kvpool.transports.connection import Connection, HandlerResult, Reply
 from kvpool.transports.files import FileRange
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class TieredTransferHandler:
         except KVPoolError as exc:
             self.dram.metrics.count_error(exc)
             raise
-        return self._read(plan)
+        return self._read(plan, None if message.landing < 0 else message.landing)
 
     def _plan_read(self, items: list[ReadItem], disk: DiskTier) -> list:
         """Validate every item first (DESIGN.md §7): DRAM ranges inside the segment, disk
@@ -115,7 +115,7 @@ class TieredTransferHandler:
             raise InvalidParams(f"read of {total} bytes exceeds one frame ({limits.FRAME_PAYLOAD_SIZE_BYTES_MAX})")
         return plan
 
-    async def _read(self, plan: list) -> HandlerResult:
+    async def _read(self, plan: list, landing: int | None) -> HandlerResult:
         """Open the disk files in a thread (opening may touch the disk), then reply: the
         Connection sends the ranges with sendfile and closes them."""
         disk = self.disk
@@ -140,7 +140,8 @@ class TieredTransferHandler:
         disk_bytes = sum(part.size for part in payload if type(part) is FileRange)
         self.metrics.disk_read_bytes.inc(disk_bytes)
         self.metrics.disk_read_requests.inc(sum(1 for part in payload if type(part) is FileRange))
-        return ReadReply(sum(step.size if type(step) is FileRange else len(step) for step in payload)), payload
+        total = sum(step.size if type(step) is FileRange else len(step) for step in payload)
+        return Reply(ReadReply(total), payload, landing)
 
 
 class TieredMasterCalls:

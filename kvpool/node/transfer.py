@@ -56,7 +56,7 @@ from kvpool.protocol.messages import (
     WriteGrant,
     WriteSlices,
 )
-from kvpool.transports.connection import Connection, HandlerResult
+from kvpool.transports.connection import Connection, HandlerResult, Reply
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class TransferHandler(_SegmentHandler):
         views = [data[item.offset : item.offset + item.size] for item in message.items]
         self.metrics.read_requests.inc()
         self.metrics.read_bytes.inc(total)
-        return ReadReply(total), views
+        return Reply(ReadReply(total), views, None if message.landing < 0 else message.landing)
 
 
 class MasterCallHandler(_SegmentHandler):

@@ -463,7 +463,12 @@ class ReadItem(msgspec.Struct, array_like=True):
 
 
 class ReadSlices(Message, tag=61):
+    """The reply's payload is the items' bytes, concatenated in item order. `landing`: where
+    the reader's buffer for them starts, modulo 4 KiB (-1: not said), which the node's reply
+    pads its control message for (frames.payload_padding)."""
+
     items: list[ReadItem]
+    landing: int = -1
 
 
 class ReadReply(Message, tag=62):

@@ -32,7 +32,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpool import limits
 from kvpool.errors import (
@@ -48,7 +48,15 @@ from kvpool.errors import (
     map_exceptions,
 )
 from kvpool.protocol import auth
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, PayloadDone, encode_frame
+from kvpool.protocol.frames import (
+    NEED_DATA,
+    PADDED_PAYLOAD_BYTES_MIN,
+    Frame,
+    FrameDecoder,
+    PayloadDone,
+    buffer_address,
+    encode_frame,
+)
 from kvpool.protocol.messages import (
     AuthChallenge,
     AuthOk,
@@ -68,7 +76,18 @@ log = logging.getLogger(__name__)
 
 Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
-HandlerResult = Message | tuple[Message, Payload]
+
+
+class Reply(NamedTuple):
+    """A reply with a payload. `landing`: where the peer's buffer for it starts (an address,
+    taken modulo 4 KiB), when the request said (ReadSlices.landing); see `Connection._header`."""
+
+    message: Message
+    payload: Payload
+    landing: int | None = None
+
+
+HandlerResult = Message | Reply
 
 
 class RequestHandler(Protocol):
@@ -139,6 +158,7 @@ class Connection(asyncio.BufferedProtocol):
         self._incoming_is_reply = False
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
+        self._pads_payloads = False  # a TCP socket: see _header
         # While a frame with file ranges is being sent from a thread: the frames queued behind
         # it (None otherwise), and the thread's dup() of the socket.
         self._held: list[list] | None = None
@@ -180,12 +200,14 @@ class Connection(asyncio.BufferedProtocol):
         *,
         reply_sinks: ReplySinks | None = None,
         timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT,
+        landing: int | None = None,
     ) -> Message:
         """Send a request and return its reply message.
 
         Args:
             message: the request.
             payload: buffers sent after the control message, in order.
+            landing: where the peer lands the payload, if known (an address; see `_header`).
             reply_sinks: given the reply message, the buffers its payload goes into.
             timeout_ms: bound on the whole exchange.
 
@@ -212,7 +234,7 @@ class Connection(asyncio.BufferedProtocol):
         # A plain timer instead of asyncio.wait_for: this is the hot path of every call.
         timer = self._loop.call_later(timeout_ms / 1000, expire)
         try:
-            await self._send(message, request_id, False, payload)
+            await self._send(message, request_id, False, payload, landing)
             reply = await future
         except asyncio.CancelledError:
             if not expired:
@@ -259,6 +281,7 @@ class Connection(asyncio.BufferedProtocol):
             self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._pads_payloads = True
         if self._is_server:
             # A peer that does not finish the handshake in time is cut off (slow loris).
             self._loop.call_later(limits.AUTH_TIMEOUT_MS / 1000, self._handshake_deadline)
@@ -361,14 +384,14 @@ class Connection(asyncio.BufferedProtocol):
             files.close_parts(parts)
             self.close(f"sending a file failed: {exc}")
 
-    async def _send(self, message: Message, request_id: int, is_reply: bool, payload: Payload) -> None:
+    async def _send(
+        self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None = None
+    ) -> None:
         if not self._ready.done() and not is_reply:
             await asyncio.shield(self._ready)
         if self.is_closed() or self._transport is None:
             raise RpcFailed(f"connection to {self.peer} is closed: {self.close_reason}")
-        payload_size = _payload_size(payload)
-        header = encode_frame(message, request_id, is_reply=is_reply, payload_size=payload_size)
-        self._write_frame([header, *payload])
+        self._write_frame([self._header(message, request_id, is_reply, payload, landing), *payload])
         if self._write_paused:
             waiter = self._loop.create_future()
             self._drain_waiters.append(waiter)
@@ -497,12 +520,29 @@ class Connection(asyncio.BufferedProtocol):
         self._reply(request_id, reply)
 
     def _reply(self, request_id: int, result: HandlerResult) -> None:
-        message, payload = result if isinstance(result, tuple) else (result, ())
+        message, payload, landing = result if isinstance(result, Reply) else (result, (), None)
         if self.is_closed():
             files.close_parts(payload)
             return
-        header = encode_frame(message, request_id, is_reply=True, payload_size=_payload_size(payload))
-        self._write_frame([header, *payload])
+        self._write_frame([self._header(message, request_id, True, payload, landing), *payload])
+
+    def _header(
+        self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None
+    ) -> bytes:
+        """The frame's header and control message. Over TCP, a payload that the kernel
+        copies (not file ranges, sent with sendfile) gets its control message padded so that
+        neither the copy from its first buffer nor the copy into `landing` runs at the slow
+        offsets of frames.payload_padding."""
+        payload_size = _payload_size(payload)
+        source = None
+        if self._pads_payloads and payload_size >= PADDED_PAYLOAD_BYTES_MIN and type(payload[0]) is not FileRange:
+            source = buffer_address(payload[0])  # type: ignore[arg-type]
+        else:
+            landing = None
+        return encode_frame(
+            message, request_id, is_reply=is_reply, payload_size=payload_size,
+            payload_source=source, payload_landing=landing,
+        )  # fmt: skip
 
     def _reply_error(self, request_id: int, exc: KVPoolError) -> None:
         self._reply(request_id, ErrorReply(int(exc.code), str(exc)))
