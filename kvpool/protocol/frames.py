@@ -84,9 +84,15 @@ def payload_padding(header_bytes: int, source: int | None, landing: int | None) 
     """
     if source is None and landing is None:
         return 0
-    for padding in range(PADDING_BYTES_MAX + 1):
+    # The slow paddings form two runs (one per copy); the least fast one is 0 or follows a run.
+    candidates = {0}
+    if source is not None:
+        candidates.add((source + SLOW_COPY_OFFSET_MAX + 1 - header_bytes) % PAGE_BYTES)
+    if landing is not None:
+        candidates.add((landing - header_bytes) % PAGE_BYTES)
+    for padding in sorted(candidates):
         start = header_bytes + padding
-        if not (source is not None and is_slow_copy(source, start)) and not (
+        if padding <= PADDING_BYTES_MAX and not (source is not None and is_slow_copy(source, start)) and not (
             landing is not None and is_slow_copy(start, landing)
         ):
             return padding
