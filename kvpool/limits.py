@@ -18,7 +18,9 @@ GIB = 1024 * MIB
 FRAME_HEADER_FMT = "<HBBIIQ"
 FRAME_HEADER_SIZE_BYTES = 20
 FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
-FRAME_VERSION = 1
+# 2: padded control messages (frames.FLAG_PADDED). Peers of different versions part at the
+# handshake's first frame, with the reason logged, rather than at their first large transfer.
+FRAME_VERSION = 2
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB
