@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from kvpool.protocol.frames import (
     Frame,
     FrameDecoder,
     PayloadDone,
+    buffer_address,
     encode_frame,
     is_slow_copy,
     payload_padding,
@@ -207,6 +209,17 @@ def test_bad_padding_is_a_protocol_error(padding_byte):
     decoder.receive_data(wire(padding_byte))
     with pytest.raises(RemoteProtocolError):
         drain(decoder)
+
+
+def test_buffer_address_of_writable_read_only_sliced_and_empty_buffers():
+    array = np.zeros(100, dtype=np.uint8)
+    start = array.ctypes.data
+    assert buffer_address(memoryview(array)) == start
+    assert buffer_address(memoryview(array)[37:]) == start + 37
+    data = bytes(range(50))
+    assert buffer_address(memoryview(data)[7:]) - buffer_address(data) == 7
+    assert buffer_address(memoryview(array)[100:]) == start + 100  # empty: no error
+    assert buffer_address(b"") > 0
 
 
 _address = st.none() | st.integers(0, 2 * PAGE_BYTES) | st.integers(0, 1 << 47)

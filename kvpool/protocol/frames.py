@@ -102,7 +102,7 @@ def payload_padding(header_bytes: int, source: int | None, landing: int | None) 
 def buffer_address(buffer: memoryview | bytes) -> int:
     """Where a buffer's first byte is in this process's memory (read-only buffers too)."""
     view = memoryview(buffer)
-    if view.readonly:
+    if view.readonly or not view.nbytes:  # ctypes takes neither; numpy is slower (1.5 us)
         return np.frombuffer(view, np.uint8).ctypes.data
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
