@@ -41,7 +41,9 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                a node replies to a get (from a segment into a numpy array), with the control
                message as encoded before 2026-12-01 and padded (frames.payload_padding).
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
-               POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads).
+               POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads); and
+               64 object files of 4 MiB from the page cache into a numpy array 16 bytes past a
+               page: preadv straight in, into a page-aligned array, and files.read_object_into.
   bytecodes    Python bytecodes per key (counted, not timed: the same on every run) of the
                master's put and get phases and the client's planning of a 128-key get over TCP.
 
@@ -762,7 +764,58 @@ def files_read() -> dict:
             ("o_direct_4_threads", (4, False, os.O_DIRECT, aligned)),
         ):
             out[f"{name}_gbps"] = round(statistics.median(run(*args) for _ in range(3)), 2)
+        out.update(warm_object_reads(Path(directory)))
         return out
+
+
+def warm_object_reads(directory: Path) -> dict:
+    """64 object files of 4 MiB, in the page cache, read on four threads into one numpy
+    array as a same-host zero-copy get does: preadv straight into the array (its data 16
+    bytes past a page, the kernel's slow offset from the file's pages) and into a page-aligned
+    one, and through files.read_object_into (a bounce buffer for the first)."""
+    from kvpool.protocol import objectfile
+    from kvpool.transports import files
+
+    count, size = 64, 4 * MIB
+    data = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8)
+    names = [f"object-{i}" for i in range(count)]
+    for name in names:
+        files.write_object(directory, name, name, xxhash.xxh3_64_intdigest(data), [memoryview(data)], is_durable=False)
+    array = np.zeros(count * size + 2 * PAGE, dtype=np.uint8)
+    page_start = -array.ctypes.data % PAGE
+
+    def targets(shift: int) -> list[memoryview]:
+        view = memoryview(array)[page_start + shift :]
+        return [view[i * size : (i + 1) * size] for i in range(count)]
+
+    def preadv_into(views: list[memoryview]):
+        def read(i: int) -> None:
+            fd = os.open(directory / names[i], os.O_RDONLY)
+            try:
+                done = 0
+                while done < size:
+                    done += os.preadv(fd, [views[i][done:]], objectfile.header_size_for(names[i]) + done)
+            finally:
+                os.close(fd)
+
+        return read
+
+    def read_object_into(views: list[memoryview]):
+        return lambda i: files.read_object_into(directory / names[i], names[i], size, [views[i]])
+
+    cases = {
+        "warm_preadv_into_numpy_16_past_page": preadv_into(targets(16)),
+        "warm_preadv_into_page_aligned": preadv_into(targets(0)),
+        "warm_read_object_into_numpy_16_past_page": read_object_into(targets(16)),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            for name, read in cases.items():
+                started = time.perf_counter()
+                list(pool.map(read, range(count)))
+                rates[name].append(count * size / (time.perf_counter() - started) / 1e9)
+    return {f"{name}_gbps": round(statistics.median(values), 2) for name, values in rates.items()}
 
 
 # --- work counted in bytecodes: what timings on this VM cannot show ----------------------------

@@ -28,11 +28,12 @@ import xxhash
 
 from kvpool import AsyncStore, ReplicateConfig
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import ChecksumMismatch, InvalidParams, ObjectNotFound
+from kvpool.errors import ChecksumMismatch, InvalidParams, ObjectNotFound, TransferFailed
 from kvpool.master.server import MasterServer
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
 from kvpool.protocol import objectfile
+from kvpool.protocol.frames import is_slow_copy
 from kvpool.protocol.messages import TIER_DISK, InventoryEntry
 from kvpool.transports import files
 from kvpool.transports.dfs import DfsDirectory
@@ -98,6 +99,35 @@ def test_object_files_are_written_whole_and_read_back_checked(tmp_path):
     assert header is not None and header.checksum == xxhash.xxh3_64_intdigest(data)
     os.truncate(path, header.file_size - 1)  # what a power loss without fsync may leave
     assert files.read_header(path) is None
+
+
+@pytest.mark.parametrize("shift", [0, 16, 40, 4080], ids=lambda shift: f"{shift}-past-a-page")
+def test_reads_into_buffers_at_any_offset_of_a_page_land_whole(tmp_path, monkeypatch, shift):
+    """Into a buffer at a slow offset from the file's pages (16, 40), reads go through the
+    bounce buffer, here made small so that one object takes several rounds; the bytes land
+    whole either way, and a file that ends early is TransferFailed on both paths."""
+    monkeypatch.setattr(files, "BOUNCE_BUFFER_BYTES", 100_000)
+    monkeypatch.setattr(files, "BOUNCE_READ_BYTES_MIN", 64 * 1024)
+    monkeypatch.setattr(files, "_bounce", threading.local())
+    bounced = []
+    through_bounce = files._read_through_bounce
+    monkeypatch.setattr(files, "_read_through_bounce", lambda *args: bounced.append(args[2]) or through_bounce(*args))
+    data = os.urandom(1_000_003)
+    path = write(tmp_path, "a.kvo", "key-a", data)
+    arena = np.zeros(len(data) + 3 * 4096, dtype=np.uint8)
+    start = -arena.ctypes.data % 4096 + shift
+    views = [memoryview(arena)[start : start + 70_000], memoryview(arena)[start + 70_000 : start + len(data)]]
+    files.read_object_into(path, "key-a", len(data), views)
+    assert arena[start : start + len(data)].tobytes() == data
+    assert arena[:start].sum() == 0 and arena[start + len(data) :].sum() == 0  # nothing beyond
+    assert bool(bounced) == is_slow_copy(objectfile.header_size_for("key-a"), start + arena.ctypes.data)
+    os.truncate(path, objectfile.header_size_for("key-a") + len(data) - 5)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(TransferFailed):
+            files.read_range_into(FileRange(fd, objectfile.header_size_for("key-a"), len(data)), views)
+    finally:
+        os.close(fd)
 
 
 def test_a_file_range_is_copied_in_the_kernel(tmp_path):
