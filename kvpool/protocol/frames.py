@@ -57,9 +57,10 @@ _STAGING_SIZE_BYTES: Final = 256 * limits.KIB
 DIRECT_SINK_BYTES_MIN: Final = 64 * limits.KIB
 
 
-# A copy by `rep movsb` (the kernel's copies into and out of socket buffers; glibc's memcpy
-# from 2 KiB) runs 6-8x slower on this AMD EPYC when its destination lies 1-31 bytes past its
-# source modulo 4 KiB (32-63 bytes past: 10-20% slower). `bench_paths.py payload-alignment`.
+# A copy by `rep movsb` (the kernel's copies into and out of socket buffers and the page
+# cache; glibc's memcpy from 2 KiB) runs 8-11x slower on this AMD EPYC when its destination
+# lies 1-31 bytes past its source modulo 4 KiB, and up to 20% slower at 32-63 bytes
+# (`bench_paths.py payload-alignment`, docs/performance.md "Where a payload lands").
 PAGE_BYTES: Final = 4 * limits.KIB
 SLOW_COPY_OFFSET_MAX: Final = 63
 PADDING_BYTES_MAX: Final = 255
