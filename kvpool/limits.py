@@ -71,6 +71,9 @@ DRAIN_TIMEOUT_MS_DEFAULT = 30_000
 # A master restarted with no memory waits this long for nodes to re-mount before it treats an
 # absent node as gone; during the wait it serves what it knows.
 REMOUNT_GRACE_MS_DEFAULT = 3_000
+# A segment that holds objects leaves in steps (master/mounts.py) when the table holds more
+# keys than one step looks at (a few ms of work) before the master serves requests again.
+UNMOUNT_SWEEP_KEYS_PER_STEP = 20_000
 
 # --- client and connections -------------------------------------------------------------------
 MASTER_PORT_DEFAULT = 50051

@@ -151,6 +151,39 @@ def test_payloads_over_tcp_are_padded_so_that_no_copy_runs_at_a_slow_offset(monk
         assert not frames.is_slow_copy(header_bytes, landing_at), (header_bytes, landing_at)
 
 
+def test_a_node_leaving_a_large_table_goes_in_steps_while_the_master_serves(monkeypatch):
+    """A master whose table holds more keys than one unmount step looks at (8 here): a node
+    that stops takes its segment away in steps, run between requests (master/server.py);
+    meanwhile and after, the other node's objects are served, and the leaving one's go."""
+    from kvpool import limits
+
+    monkeypatch.setattr(limits, "UNMOUNT_SWEEP_KEYS_PER_STEP", 8)
+
+    async def main():
+        async with cluster() as (master, nodes):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                by_node = {}
+                for node in nodes:
+                    keys = [f"{node.segment_id}/{i}" for i in range(40)]
+                    on_node = ReplicateConfig(placement="preferred", preferred_segments=[node.segment_id])
+                    assert await store.put_batch(keys, [os.urandom(1000) for _ in keys], on_node) == [0] * 40
+                    by_node[node.segment_id] = keys
+                leaving, staying = nodes
+                await leaving.stop()  # UnmountSegment: the segment starts leaving
+                for _ in range(300):  # the master's next tick starts the steps; the last unmounts
+                    assert await store.batch_exists(by_node[staying.segment_id]) == [True] * 40
+                    if not master.service.has_segment(leaving.segment_id):
+                        break
+                    await asyncio.sleep(0.01)
+                assert not master.service.has_segment(leaving.segment_id)
+                assert not any(await store.batch_exists(by_node[leaving.segment_id]))
+                assert master.service.counters.lost == 40
+                gotten = await store.get_batch(by_node[staying.segment_id])
+                assert all(value is not None and len(value) == 1000 for value in gotten)
+
+    run(main())
+
+
 def test_metadata_api():
     async def main():
         async with cluster() as (master, _):

@@ -788,6 +788,73 @@ def test_unmount_of_a_segment_holding_many_objects(policy: str) -> None:
     assert [e.key for e in svc.take_drops()["s2"]][:2] == ["b0", "b1"]
 
 
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_segment_among_many_objects_leaves_in_steps(monkeypatch, policy: str) -> None:
+    """With more keys in the table than one step looks at (4 here), an unmount takes the
+    segment's replicas a slice of keys at a time (mounts.py): at once it takes no allocation,
+    no pending put keeps a range there, its node is told to re-mount, and a drain or a second
+    unmount of it changes nothing; readers are still sent there until its step took a key;
+    every step leaves the master consistent (Checked: tiling, counts, policy); the last one
+    unmounts it, and the objects that lived only there are lost, the others keep their replica
+    elsewhere."""
+    monkeypatch.setattr(limits, "UNMOUNT_SWEEP_KEYS_PER_STEP", 4)
+    svc = make(policy=policy, node_ttl_ms=100_000)
+    mount(svc, "s1", capacity=4 * MIB)
+    mount(svc, "s2", capacity=MIB)
+    only_s1 = fill(svc, "s1", 20, prefix="a")
+    assert put(svc, ["both"], replica_num=2) == [OK]
+    only_s2 = fill(svc, "s2", 5, prefix="b")
+    get(svc, ["a3", "both"], 1)  # read: protected under probation-lru
+    in_flight = svc.put_start(PutStart(["p"], [10], config(placement="preferred", preferred_segments=["s1"])), 1)
+    assert where(in_flight, 0)[0][0] == "s1"
+
+    svc.unmount_segment(UnmountSegment("s1"), 2)
+    assert svc.is_sweeping and svc.has_segment("s1")
+    states = {s.segment.segment_id: s.state for s in svc.cluster_status(ClusterStatus(), 2).segments}
+    assert states == {"s1": "leaving", "s2": "active"}
+    assert svc.heartbeat(Heartbeat(["s1", "s2"]), 2).unknown_segment_ids == ["s1"]
+    with pytest.raises(SegmentNotFound):
+        svc.drain_segment(DrainSegment("s1", 1_000), 2)
+    svc.unmount_segment(UnmountSegment("s1"), 2)  # again: nothing changes
+    svc.tick(3)  # housekeeping leaves a leaving segment to its steps
+    reply = svc.put_start(PutStart(["new"], [10], config(placement="preferred", preferred_segments=["s1"])), 3)
+    assert [segment_id for segment_id, _ in where(reply, 0)] == ["s2"]
+    assert svc.put_end(PutEnd(["p"], [1]), 3).codes == [ErrorCode.TRANSFER_FAIL]  # its only range was there
+    assert all(exists(svc, only_s1, 3))  # not swept yet: as during a dead node's TTL
+
+    steps, present = 0, []
+    while svc.sweep_step():
+        steps += 1
+        assert steps < 100
+        present.append(sum(exists(svc, only_s1, 4)))
+    assert steps >= (20 + 1 + 5) // 4
+    assert present[0] == 20 and min(present[:-1]) < 20  # the snapshot, then slice by slice
+    assert not svc.is_sweeping and not svc.has_segment("s1")
+    assert not any(exists(svc, only_s1, 4)) and all(exists(svc, only_s2, 4))
+    assert [r.segment_id for r in get(svc, ["both"], 4).replicas[0]] == ["s2"]
+    assert svc.counters.lost == 20
+    assert svc.heartbeat(Heartbeat(["s1"]), 5).unknown_segment_ids == ["s1"]
+
+
+def test_a_leaving_segment_whose_node_mounts_again_is_unmounted_at_once(monkeypatch) -> None:
+    """A node that comes back (it was only silent) re-mounts while its segment leaves: the
+    sweep ends there, and the inventory it sends is the truth."""
+    monkeypatch.setattr(limits, "UNMOUNT_SWEEP_KEYS_PER_STEP", 4)
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1", capacity=4 * MIB, now=0)
+    mount(svc, "s2", capacity=MIB, now=0)
+    keys = fill(svc, "s1", 12, prefix="a")
+    held = {e.key: e for e in inventories(svc)["s1"]}
+    svc.heartbeat(Heartbeat(["s2"]), 900)
+    svc.tick(1_000)  # s1 silent for the TTL: it starts leaving
+    assert svc.is_sweeping
+    assert svc.sweep_step() and svc.sweep_step()  # the snapshot, then a first slice
+    assert mount(svc, "s1", capacity=4 * MIB, now=1_001, inventory=[held[k] for k in keys[:6]]) == []
+    assert not svc.sweep_step() and not svc.is_sweeping
+    assert exists(svc, keys, 1_002) == [True] * 6 + [False] * 6
+    assert svc.heartbeat(Heartbeat(["s1", "s2"]), 1_002).unknown_segment_ids == []
+
+
 def test_a_bad_replica_report_names_only_current_replicas_and_changes_nothing() -> None:
     """suspect_replicas: what to ask the nodes to hash (the master's size and checksum), for
     replicas that still are at the reported offset; a client's word alone drops nothing. A

@@ -214,6 +214,7 @@ class MasterMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("unmount of an unknown segment succeeded")
         self.service.unmount_segment(UnmountSegment(segment_id), self.now)
+        self._finish_leaving()
         self._unmount_model(segment_id)
 
     @precondition(lambda self: self.segments)
@@ -457,9 +458,13 @@ class MasterMachine(RuleBasedStateMachine):
             for seg in self.segments.values():
                 seg.last_seen_ms = self.now
 
+    def _finish_leaving(self) -> None:
+        """Segments the service unmounts in steps are gone once their steps ran (SweepingMasterMachine)."""
+
     @rule()
     def tick(self) -> None:
         self.service.tick(self.now)
+        self._finish_leaving()
         for segment_id, seg in list(self.segments.items()):
             if seg.last_seen_ms + CONFIG.node_ttl_ms <= self.now:
                 self._unmount_model(segment_id)
@@ -554,3 +559,29 @@ class LruMasterMachine(MasterMachine):
 
 TestLruMasterMachine = LruMasterMachine.TestCase
 TestLruMasterMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+
+
+class SweepingMasterMachine(MasterMachine):
+    """The same rules and model with every unmount in steps of one key (master/mounts.py),
+    the service checked after each step; the model sees the segment go once its steps ran."""
+
+    @initialize(seed=st.integers(0, 2**16))
+    def setup(self, seed: int) -> None:
+        self.steps_before = limits.UNMOUNT_SWEEP_KEYS_PER_STEP
+        limits.UNMOUNT_SWEEP_KEYS_PER_STEP = 1
+        super().setup(seed)
+
+    def teardown(self) -> None:
+        limits.UNMOUNT_SWEEP_KEYS_PER_STEP = getattr(self, "steps_before", limits.UNMOUNT_SWEEP_KEYS_PER_STEP)
+
+    def _finish_leaving(self) -> None:
+        steps = 0
+        while self.service.sweep_step():
+            self.service.check_invariants()
+            steps += 1
+        if steps:
+            event("unmounted in steps")
+
+
+TestSweepingMasterMachine = SweepingMasterMachine.TestCase
+TestSweepingMasterMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

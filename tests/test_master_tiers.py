@@ -344,12 +344,24 @@ def test_puts_never_land_on_a_slower_tier():
     assert placed == {"A"}
 
 
-def test_unmounting_the_source_during_a_move_loses_the_objects_and_drops_their_copies():
+def unmount(svc, segment_id: str, now: int) -> None:
+    """Unmount, and run the steps of a segment that leaves in steps (mounts.py)."""
+    svc.unmount_segment(UnmountSegment(segment_id), now)
+    while svc.sweep_step():
+        pass
+
+
+@pytest.mark.parametrize("in_steps", [False, True], ids=["at-once", "in-steps"])
+def test_unmounting_the_source_during_a_move_loses_the_objects_and_drops_their_copies(monkeypatch, in_steps):
+    """In steps (of one key, each checked), the objects a move holds ranges of wait for the
+    last step."""
+    if in_steps:
+        monkeypatch.setattr(limits, "UNMOUNT_SWEEP_KEYS_PER_STEP", 1)
     svc = cluster()
     fill(svc)
     svc.tick(1)
     items = svc.take_moves()["A"]
-    svc.unmount_segment(UnmountSegment("A"), 2)  # the node died with its DRAM
+    unmount(svc, "A", 2)  # the node died with its DRAM
     assert svc.raw.object_count == 0
     svc.finish_moves("A", items, [OK] * 3, 3)  # late answers (or failures) change nothing
     drops = ack_drops(svc, 3)
@@ -357,23 +369,26 @@ def test_unmounting_the_source_during_a_move_loses_the_objects_and_drops_their_c
     assert tiers(svc)[TIER_DISK]["used_bytes"] == 0
 
 
-def test_unmounting_a_dram_segment_keeps_the_disk_copies_and_losing_the_disk_keeps_dram():
+@pytest.mark.parametrize("in_steps", [False, True], ids=["at-once", "in-steps"])
+def test_unmounting_a_dram_segment_keeps_the_disk_copies_and_losing_the_disk_keeps_dram(monkeypatch, in_steps):
+    if in_steps:
+        monkeypatch.setattr(limits, "UNMOUNT_SWEEP_KEYS_PER_STEP", 1)
     svc = cluster()
     copied = keys("w", 4)
     copies = write_through(svc, copied, with_disk_copy=True)
     svc.finish_moves("A", copies["A"], [OK] * 4, 0)
     plain = fill(svc, 4, prefix="p")
-    svc.unmount_segment(UnmountSegment("A/disk"), 1)  # the disk died: DRAM replicas remain
+    unmount(svc, "A/disk", 1)  # the disk died: DRAM replicas remain
     assert [where(svc, k) for k in copied + plain] == [["A"]] * 8
     assert tiers(svc)[TIER_DISK]["object_count"] == 0
     svc.mount_segment(MountSegment(disk("A/disk2", "n1"), []), 1)
     copies = write_through(svc, keys("x", 2), now=1, with_disk_copy=True)
     svc.finish_moves("A", copies["A"], [OK] * 2, 1)
-    svc.unmount_segment(UnmountSegment("A"), 2)  # the DRAM went: only disk copies survive
+    unmount(svc, "A", 2)  # the DRAM went: only disk copies survive
     assert svc.raw.object_count == 2
     assert [where(svc, k) for k in keys("x", 2)] == [["A/disk2"]] * 2
     assert tiers(svc)[TIER_DISK]["object_count"] == 2
-    svc.unmount_segment(UnmountSegment("A/disk2"), 3)  # and then the disk: nothing is left
+    unmount(svc, "A/disk2", 3)  # and then the disk: nothing is left
     assert svc.raw.object_count == 0 and svc.counters.lost == 10
     assert tiers(svc)[TIER_DISK]["object_count"] == 0
 

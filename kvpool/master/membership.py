@@ -31,12 +31,16 @@ from kvpool.protocol.messages import TIER_DRAM, TIERS, InventoryEntry, SegmentIn
 class SegmentState(enum.Enum):
     ACTIVE = "active"  # takes allocations and serves reads.
     DRAINING = "draining"  # serves reads until drain_deadline_ms; no new allocations.
+    # Unmounted, its replicas being taken away a step at a time (mounts.py): no allocations;
+    # until a replica is taken, readers are still sent to it (as in a dead node's TTL).
+    LEAVING = "leaving"
     UNMOUNTED = "unmounted"  # gone: its replicas were removed; the record is dead.
 
 
 _TRANSITIONS: dict[SegmentState, frozenset[SegmentState]] = {
-    SegmentState.ACTIVE: frozenset({SegmentState.DRAINING, SegmentState.UNMOUNTED}),
-    SegmentState.DRAINING: frozenset({SegmentState.UNMOUNTED}),
+    SegmentState.ACTIVE: frozenset({SegmentState.DRAINING, SegmentState.LEAVING, SegmentState.UNMOUNTED}),
+    SegmentState.DRAINING: frozenset({SegmentState.LEAVING, SegmentState.UNMOUNTED}),
+    SegmentState.LEAVING: frozenset({SegmentState.UNMOUNTED}),
     SegmentState.UNMOUNTED: frozenset(),
 }
 
@@ -52,7 +56,7 @@ class Segment:
     acknowledged) and `drop_bytes` (footprint of both, and of the replicas an offload is moving
     out of here: `leaving_bytes`; eviction counts all of them as room already coming). Every
     allocated byte belongs to exactly one of: an object replica, a pending put, a quarantined
-    range, a drop, a move's range (tiers.py).
+    range, a drop, a move's range (tiers.py), a range a LEAVING segment let go (`taken`).
     """
 
     __slots__ = (
@@ -70,6 +74,7 @@ class Segment:
         "drops_unsent",
         "drops_sent",
         "drop_bytes",
+        "taken",
     )
 
     def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int):
@@ -87,6 +92,7 @@ class Segment:
         self.drops_unsent: list[InventoryEntry] = []
         self.drops_sent: dict[int, InventoryEntry] = {}
         self.drop_bytes = 0
+        self.taken: list[tuple[int, int]] = []  # (offset, size) of replicas a LEAVING one let go
 
     @property
     def segment_id(self) -> str:
@@ -156,7 +162,9 @@ class Segment:
         assert self.leaving_bytes >= 0, self
 
     def iter_held_ranges(self) -> Iterator[tuple[int, int]]:
-        """(offset, size_bytes) of the quarantined and dropped ranges."""
+        """(offset, size_bytes) of the quarantined and dropped ranges, and of the replicas a
+        leaving segment let go (allocated until it goes: nothing allocates there)."""
+        yield from self.taken
         yield from self.quarantined.items()
         for entry in self.drops_unsent:
             yield entry.offset, entry.size
@@ -301,6 +309,10 @@ class SegmentRegistry:
         del self._by_id[segment.segment_id]
         self._by_index[segment.index] = None
         self._free_indexes.append(segment.index)
+        self._rebuild_views()
+
+    def set_leaving(self, segment: Segment) -> None:
+        segment.transition(SegmentState.LEAVING)
         self._rebuild_views()
 
     def set_draining(self, segment: Segment, deadline_ms: int) -> None:

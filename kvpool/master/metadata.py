@@ -30,6 +30,7 @@ A cluster without slower tiers pays nothing: `lower` and the views stay empty.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -279,28 +280,30 @@ class ObjectTable:
             del self.lower_soft_pinned[key]
         return meta, False
 
-    def on_segment(self, segment_index: int) -> tuple[list[str], list[tuple[str, ObjectMeta]]]:
-        """The objects with a replica on a segment: (keys of those with no other replica,
-        (key, meta) of the others). One pass over the table with the packed-int test inline
-        (a leaving segment's objects among millions: mounts.py)."""
+    def on_segment(
+        self, segment_index: int, among: Iterable[tuple[str, ObjectMeta]] | None = None
+    ) -> tuple[list[str], list[tuple[str, ObjectMeta]]]:
+        """The objects with a replica on a segment, among all or among `among` ((key, meta)
+        pairs taken from the table earlier: those no longer current are skipped): (keys of
+        those with no other replica, (key, meta) of the others). One pass with the packed-int
+        test inline (a leaving segment's objects among millions: mounts.py)."""
         mask = _SEGMENT_INDEX_MASK
-        only_there: list[str] = []
-        also_elsewhere: list[tuple[str, ObjectMeta]] = []
-        for objects in (self.objects, self.lower):
-            hits = [
-                (key, meta)
-                for key, meta in objects.items()
-                if (
-                    meta.replicas & mask == segment_index
-                    if type(meta.replicas) is int
-                    else any(r & mask == segment_index for r in meta.replicas)
-                )
-            ]
-            for key, meta in hits:
-                if type(meta.replicas) is int:
-                    only_there.append(key)
-                else:
-                    also_elsewhere.append((key, meta))
+        sources = [self.objects.items(), self.lower.items()] if among is None else [among]
+        hits = [
+            (key, meta)
+            for source in sources
+            for key, meta in source
+            if (
+                meta.replicas & mask == segment_index
+                if type(meta.replicas) is int
+                else any(r & mask == segment_index for r in meta.replicas)
+            )
+        ]
+        if among is not None:
+            get = self.get
+            hits = [(key, meta) for key, meta in hits if get(key) is meta]
+        only_there = [key for key, meta in hits if type(meta.replicas) is int]
+        also_elsewhere = [(key, meta) for key, meta in hits if type(meta.replicas) is not int]
         return only_there, also_elsewhere
 
     def remove_many(self, keys: list[str]) -> None:

@@ -131,6 +131,7 @@ class MasterServer:
         self._server: Listener | None = None
         self._http = None
         self._tick_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
         self._move_tasks: set[asyncio.Task[None]] = set()
@@ -189,6 +190,8 @@ class MasterServer:
             await self.elector.stop()  # A leader revokes its lease: a standby takes over now.
         if self._tick_task is not None:
             self._tick_task.cancel()
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
         for task in list(self._move_tasks | self._verify_tasks):
             task.cancel()
         if self._server is not None:
@@ -449,6 +452,21 @@ class MasterServer:
                     self.service.check_invariants()
             except KVPoolError as exc:
                 log.warning("tick: %s", exc)
+            if self.service.is_sweeping and (self._sweep_task is None or self._sweep_task.done()):
+                self._sweep_task = asyncio.get_running_loop().create_task(self._sweep(self.service))
+
+    async def _sweep(self, service: MasterService) -> None:
+        """Unmount leaving segments a step at a time, serving requests between the steps."""
+        started = time.monotonic()
+        try:
+            while service is self.service and service.sweep_step():
+                await asyncio.sleep(0)
+                if self.debug_invariants:
+                    service.check_invariants()
+        except Exception:  # a bug: say so loudly, the next tick starts over
+            log.exception("sweeping leaving segments failed")
+            return
+        log.info("leaving segments swept in %.2f s", time.monotonic() - started)
 
 
     # --- replicas a reader found bad ------------------------------------------------------------

@@ -20,7 +20,8 @@ Two exchanges need the nodes in the middle, so the service hands the server an o
 Errors: a malformed request raises a typed `KVPoolError` (nothing changed); batch requests
 return one `ErrorCode` per key (partial failure is normal). Costs per key (put, get, exists)
 are O(log f) in free extents plus O(replicas); O(n) paths are named where they are: unmount of
-a segment that holds objects, remove_by_regex / remove_all / list_objects, check_invariants.
+a segment that holds objects (in steps of UNMOUNT_SWEEP_KEYS_PER_STEP keys when the table is
+larger: sweep_step), remove_by_regex / remove_all / list_objects, check_invariants.
 """
 
 from __future__ import annotations
@@ -196,8 +197,12 @@ class MasterService:
         info = msg.segment
         self._check_segment_info(info)
         segment = self._registry.get(info.segment_id)
-        if segment is not None and MountFlow.is_new_incarnation(segment.info, info):
-            self._mounts.unmount(segment)  # A restarted node's disk tier: its inventory is the truth.
+        if segment is not None and (
+            segment.state is SegmentState.LEAVING or MountFlow.is_new_incarnation(segment.info, info)
+        ):
+            # Leaving: its node came back; the sweep ends here, the inventory is the truth (as
+            # it is for a restarted node's disk tier, a new incarnation).
+            self._mounts.unmount(segment)
             segment = None
         if segment is not None:
             old = segment.info
@@ -227,20 +232,31 @@ class MasterService:
         unknown: list[str] = []
         for segment_id in msg.segment_ids:
             segment = self._registry.get(segment_id)
-            if segment is None:
+            if segment is None or segment.state is SegmentState.LEAVING:
                 unknown.append(segment_id)
             else:
                 segment.last_seen_ms = now_ms
         return HeartbeatReply(unknown)
 
     def unmount_segment(self, msg: UnmountSegment, now_ms: int) -> OkReply:
-        """Unmount now: replicas there vanish, objects left with none are removed.
+        """Unmount: replicas there vanish, objects left with none are removed; at once, or in
+        steps for a segment with objects among many (sweep_step, mounts.py).
 
         Raises:
             SegmentNotFound: the id is not mounted.
         """
-        self._mounts.unmount(self._segment_or_raise(msg.segment_id))
+        self._mounts.leave(self._segment_or_raise(msg.segment_id))
         return OkReply()
+
+    @property
+    def is_sweeping(self) -> bool:
+        """A segment is leaving: sweep_step has work (the server runs it between requests)."""
+        return self._mounts.is_sweeping
+
+    def sweep_step(self) -> bool:
+        """Take away the replicas of a slice of the table's keys on the first leaving segment
+        (unmounting it after the last slice). True while steps remain."""
+        return self._mounts.sweep_step()
 
     def drain_segment(self, msg: DrainSegment, now_ms: int) -> OkReply:
         """Stop allocating on a segment; it serves reads until now + timeout_ms, then tick()
@@ -251,6 +267,8 @@ class MasterService:
             InvalidParams: a negative timeout.
         """
         segment = self._segment_or_raise(msg.segment_id)
+        if segment.state is SegmentState.LEAVING:
+            raise self._count_error(SegmentNotFound(f"segment {msg.segment_id!r} is being unmounted"))
         if type(msg.timeout_ms) is not int or msg.timeout_ms < 0:
             raise self._count_error(InvalidParams(f"drain timeout_ms {msg.timeout_ms!r}"))
         self._registry.set_draining(segment, now_ms + msg.timeout_ms)
@@ -612,10 +630,12 @@ class MasterService:
         high watermark. O(s + expired + eviction scan)."""
         config = self.config
         for segment in self._registry:
+            if segment.state is SegmentState.LEAVING:
+                continue
             if segment.last_seen_ms + config.node_ttl_ms <= now_ms:
-                self._mounts.unmount(segment)
+                self._mounts.leave(segment)
             elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= now_ms:
-                self._mounts.unmount(segment)
+                self._mounts.leave(segment)
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
         self._table.expire_soft_pins(now_ms)
