@@ -5,8 +5,8 @@ whether they still take allocations (active), only serve reads until a deadline 
 or are being unmounted a step at a time (leaving, mounts.py), and when their node last spoke.
 Each `Segment` also owns the byte-range accounting that is not an object: its offset
 allocator, its quarantined ranges (discarded puts whose writer may still be writing) and its
-drops (ranges of removed or evicted objects that its node must forget before they are reused). It is not where objects live (metadata.py) nor where the decisions
-are made (service.py).
+drops (ranges of removed or evicted objects that its node must forget before they are reused).
+It is not where objects live (metadata.py) nor where the decisions are made (service.py).
 
     segment data area, as the master accounts it (check_invariants proves the tiling):
     |[object replica]|[free]|[pending put]|[quarantined]|[drop sent, not acked]|[move]|...|
