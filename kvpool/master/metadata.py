@@ -282,11 +282,11 @@ class ObjectTable:
 
     def on_segment(
         self, segment_index: int, among: Iterable[tuple[str, ObjectMeta]] | None = None
-    ) -> tuple[list[str], list[tuple[str, ObjectMeta]]]:
+    ) -> tuple[list[tuple[str, ObjectMeta]], list[tuple[str, ObjectMeta]]]:
         """The objects with a replica on a segment, among all or among `among` ((key, meta)
-        pairs taken from the table earlier: those no longer current are skipped): (keys of
-        those with no other replica, (key, meta) of the others). One pass with the packed-int
-        test inline (a leaving segment's objects among millions: mounts.py)."""
+        pairs taken from the table earlier: those no longer current are skipped), as (key,
+        meta): (those with no other replica, the others). One pass with the packed-int test
+        inline (a leaving segment's objects among millions: mounts.py)."""
         mask = _SEGMENT_INDEX_MASK
         sources = [self.objects.items(), self.lower.items()] if among is None else [among]
         hits = [
@@ -302,7 +302,7 @@ class ObjectTable:
         if among is not None:
             get = self.get
             hits = [(key, meta) for key, meta in hits if get(key) is meta]
-        only_there = [key for key, meta in hits if type(meta.replicas) is int]
+        only_there = [(key, meta) for key, meta in hits if type(meta.replicas) is int]
         also_elsewhere = [(key, meta) for key, meta in hits if type(meta.replicas) is not int]
         return only_there, also_elsewhere
 

@@ -49,7 +49,7 @@ from kvpool.errors import (
     map_exceptions,
 )
 from kvpool.protocol import objectfile
-from kvpool.protocol.frames import buffer_address, is_slow_copy
+from kvpool.protocol.frames import PAGE_BYTES, buffer_address, is_slow_copy
 from kvpool.protocol.objectfile import ObjectHeader, TierIdentity
 
 # The first read of a header: the fixed part and a key up to ~4 KiB (one page).
@@ -194,10 +194,10 @@ def _read_through_bounce(fd: int, view: memoryview, position: int) -> None:
     is then aligned), then copy into `view` with numpy's SIMD loop (checksums.copy_bytes)."""
     bounce = getattr(_bounce, "buffer", None)
     if bounce is None:
-        bounce = _bounce.buffer = memoryview(mmap.mmap(-1, BOUNCE_BUFFER_BYTES + objectfile.ALIGN_BYTES))
+        bounce = _bounce.buffer = memoryview(mmap.mmap(-1, BOUNCE_BUFFER_BYTES + PAGE_BYTES))
     done = 0
     while done < len(view):
-        at = (position + done) % objectfile.ALIGN_BYTES
+        at = (position + done) % PAGE_BYTES
         count = _read_some(fd, bounce[at : at + min(BOUNCE_BUFFER_BYTES, len(view) - done)], position + done)
         copy_bytes(bounce[at : at + count], view[done : done + count])
         done += count
