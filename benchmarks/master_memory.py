@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import statistics
 import time
 
 from kvpool import limits
@@ -126,6 +127,7 @@ def main() -> None:
                 "unmount_objects": lost,
                 "unmount_in_steps": len(steps_ms),
                 "unmount_longest_step_ms": round(max(steps_ms), 1),
+                "unmount_median_step_ms": round(statistics.median(steps_ms), 1),
                 "unmount_steps_total_ms": round(sum(steps_ms)),
                 "unmount_at_once_ms": round(at_once_ms),
                 "batch_keys": batch,
