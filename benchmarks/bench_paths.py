@@ -9,7 +9,9 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
                in epoll_wait as asyncio servers do; a uvloop ping-pong; one kvpool RPC
                (GetReplicaList of one key) to a master process over TCP and over its Unix socket,
-               from an event loop and from a thread blocked in recv (a sync Store's caller).
+               from an event loop and from a thread blocked in recv (a sync Store's caller);
+               and that RPC back to back against after 7 ms away (busy, asleep, and busy with
+               the master woken 300 us before), as the put_end after a large copy is.
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
                MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
                caches and right after a 64 MiB copy (cold, as in put-phases).
@@ -225,6 +227,55 @@ def kvpool_rpc_us() -> dict:
         return out
 
 
+def rpc_after_idle_us() -> dict:
+    """The same lookup from a blocked thread (a sync Store's), back to back and after the
+    caller has been away for AWAY_MS, as a client copying a large batch is between put_start
+    and put_end: busy (spinning), asleep, and busy with a wake-up sent to the master
+    WAKE_AHEAD_US before the lookup (another request, on a second connection, whose answer is
+    read afterwards). The modes take turns, sample by sample, so that the machine's moods
+    fall on all of them alike."""
+    from kvpool.protocol.frames import encode_frame
+    from kvpool.transports.blocking import BlockingConnection
+
+    away_s, ahead_s = AWAY_MS / 1000, WAKE_AHEAD_US / 1e6
+
+    def spin(seconds: float) -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+
+    with LocalCluster(0) as cluster:
+        links = [
+            BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=True)
+            for _ in range(2)
+        ]
+        ask, wake = links
+        modes = ("back_to_back", "after_busy", "after_sleep", "after_busy_woken")
+        samples: dict[str, list[int]] = {mode: [] for mode in modes}
+        for turn in range(len(modes) * 400):
+            mode = modes[turn % len(modes)]
+            if mode == "after_busy":
+                spin(away_s)
+            elif mode == "after_sleep":
+                time.sleep(away_s)
+            elif mode == "after_busy_woken":
+                spin(away_s - ahead_s)
+                wake._send(encode_frame(GetReplicaList(["k"]), 1), time.monotonic() + 5)
+                spin(ahead_s)
+            started = time.perf_counter_ns()
+            ask.request(GetReplicaList(["k"]), 5_000)
+            samples[mode].append(time.perf_counter_ns() - started)
+            if mode == "after_busy_woken":
+                wake._receive(time.monotonic() + 5)  # the wake-up's answer, long arrived
+        for link in links:
+            link.close()
+    return {f"{mode}_us": median_us(ns) for mode, ns in samples.items()}
+
+
+AWAY_MS = 7  # about what a client spends copying 32 MiB between put_start and put_end
+WAKE_AHEAD_US = 300
+
+
 def round_trips() -> dict:
     return {
         "tcp_blocking": blocking_round_trip(socket.AF_INET),
@@ -232,6 +283,7 @@ def round_trips() -> dict:
         "unix_receiver_in_epoll": blocking_round_trip(socket.AF_UNIX, receiver_waits_in_epoll=True),
         "uvloop_ping_pong_unix_us": uvloop_ping_pong_us(),
         "kvpool_rpc_get_replica_list_1_key": kvpool_rpc_us(),
+        "kvpool_rpc_after_idle": rpc_after_idle_us(),
     }
 
 

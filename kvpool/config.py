@@ -61,6 +61,12 @@ def parse_size(text: str) -> int:
     return int(float(number) * multiplier)
 
 
+def check_busy_poll_us(busy_poll_us: int) -> None:
+    """Raises InvalidParams: a busy-poll window out of [0, BUSY_POLL_US_MAX]."""
+    if not 0 <= busy_poll_us <= limits.BUSY_POLL_US_MAX:
+        raise InvalidParams(f"busy_poll_us {busy_poll_us} out of [0, {limits.BUSY_POLL_US_MAX}]")
+
+
 def token_from(token: str | None = None, token_file: str | None = None) -> str | None:
     """The cluster token: an explicit value, else a file, else $KVPOOL_TOKEN, else None."""
     if token:
@@ -145,6 +151,7 @@ class NodeConfig:
     hostname: str = dataclasses.field(default_factory=_hostname_default)
     metrics_port: int | None = None
     metrics_host: str | None = None
+    busy_poll_us: int = limits.BUSY_POLL_US_DEFAULT
     # Tiers (docs/tiers.md). disk_dir "": no disk tier. disk_bytes: its capacity when the
     # directory is new (0: use the stored one; a new directory needs a size). disk_fsync:
     # fdatasync each file and fsync the directory before the master hears of it (off: a
@@ -169,6 +176,7 @@ class NodeConfig:
         for name in ("heartbeat_interval_ms", "rpc_timeout_ms", "connect_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise InvalidParams(f"{name} must be positive")
+        check_busy_poll_us(self.busy_poll_us)
         for name in ("listen_port", "metrics_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port < 65536:

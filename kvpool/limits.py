@@ -82,6 +82,13 @@ RPC_TIMEOUT_MS_DEFAULT = 5_000
 CONNECT_TIMEOUT_MS_DEFAULT = 2_000
 TRANSFER_TIMEOUT_MS_DEFAULT = 30_000
 CONNECTIONS_PER_PEER_DEFAULT = 4
+# How long a master's or node's loop keeps polling after each reply before it sleeps
+# (transports/busy_poll.py): a client's next request then finds it awake.
+BUSY_POLL_US_DEFAULT = 200
+BUSY_POLL_US_MAX = 10_000
+# ... except after granting a put or locating a get of at least this many bytes: the client
+# then copies for longer than the window (4 MiB at memory speed: 0.4 ms or more).
+BUSY_POLL_HOLD_OFF_BYTES = 4 * MIB
 CONNECTIONS_PER_PEER_MAX = 64
 RPC_RETRY_COUNT_MAX = 3
 INFLIGHT_REQUESTS_PER_CONNECTION_MAX = 4_096

@@ -42,6 +42,13 @@ MasterOption = Annotated[
         "masters elect there.",
     ),
 ]
+BusyPollOption = Annotated[
+    int,
+    typer.Option(
+        help="Keep polling this long (µs) after each reply before sleeping, so that a client's next "
+        "request finds the process awake (0: sleep at once; docs/performance.md).",
+    ),
+]
 TokenFileOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -150,6 +157,7 @@ def master(
     promote_reads: Annotated[
         int, typer.Option(help="Copy an object back into DRAM after this many reads from disk or DFS (0: never).")
     ] = limits.PROMOTE_READS_DEFAULT,
+    busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the metadata master (no object bytes pass through it)."""
@@ -180,6 +188,7 @@ def master(
             config, host=host, port=port, http_port=http_port, token=_token(token_file),
             debug_invariants=debug_invariants, election=election, advertise_host=advertise_host,
             dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=parse_size(dfs_size) if dfs_size else 0,
+            busy_poll_us=busy_poll_us,
         )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
@@ -232,6 +241,7 @@ def node(
                                      help="This host's mount of the shared filesystem tier's directory.")
     ] = None,
     token_file: TokenFileOption = None,
+    busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     ready_file: Annotated[
         Optional[Path], typer.Option(help="Write the node's endpoints as JSON here once mounted.")
     ] = None,
@@ -259,6 +269,7 @@ def node(
             disk_bytes=parse_size(disk_size) if disk_size else 0,
             disk_fsync=disk_fsync,
             dfs_dir=str(dfs_dir) if dfs_dir else "",
+            busy_poll_us=busy_poll_us,
         )
     except KVPoolError as exc:
         raise _fail(str(exc)) from None

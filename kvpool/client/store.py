@@ -124,6 +124,7 @@ class AsyncStore:
                     memory_bytes=self.config.embedded_memory_bytes,
                     token=self.config.token,
                     shm_enabled=self.config.shm_enabled,
+                    busy_poll_us=0,  # the application's loop: a spinning one would hold the GIL
                 )
             )
             await self._embedded_node.start()

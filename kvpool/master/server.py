@@ -33,7 +33,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.config import MasterConfig
+from kvpool.config import MasterConfig, check_busy_poll_us
 from kvpool.discovery import LeaderRecord
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NotLeader
 from kvpool.master.election import ElectionConfig, Elector
@@ -51,6 +51,7 @@ from kvpool.protocol.messages import (
     DropObjects,
     ExistKeys,
     GetReplicaList,
+    GetReplicaListReply,
     Heartbeat,
     InventoryEntry,
     ListObjects,
@@ -94,6 +95,16 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _starts_long_copies(message: Message, result: object) -> bool:
+    """Whether the client, once answered, moves so many bytes before its next request (a put's
+    writes, a get's reads) that polling for it would only take CPU from its copies."""
+    if isinstance(message, PutStart):
+        return sum(message.sizes) >= limits.BUSY_POLL_HOLD_OFF_BYTES
+    if isinstance(result, GetReplicaListReply):
+        return sum(result.sizes) >= limits.BUSY_POLL_HOLD_OFF_BYTES
+    return False
+
+
 class MasterServer:
     """Serves one MasterService. Holds, per mounted segment, the connection its node opened."""
 
@@ -111,6 +122,7 @@ class MasterServer:
         advertise_host: str | None = None,
         dfs_dir: str | None = None,
         dfs_bytes: int = 0,
+        busy_poll_us: int = limits.BUSY_POLL_US_DEFAULT,
     ) -> None:
         self.config = config
         # Check every structure after every request (KVPOOL_DEBUG_INVARIANTS=1): O(n) each.
@@ -118,6 +130,8 @@ class MasterServer:
         self.host = host
         self.port = port
         self.http_port = http_port
+        check_busy_poll_us(busy_poll_us)
+        self.busy_poll_us = busy_poll_us  # transports/busy_poll.py
         self._key = auth.cluster_key(token) if token else None
         self._seed = seed
         self.service = MasterService(config, random.Random(seed), self._key, term=_new_term_id())
@@ -171,7 +185,9 @@ class MasterServer:
         if self._dfs_dir:
             await self._open_dfs()
             await self._ensure_dfs()
-        self._server = await start_server(self.host, self.port, self, key=self._key, name="master")
+        self._server = await start_server(
+            self.host, self.port, self, key=self._key, name="master", busy_poll_us=self.busy_poll_us
+        )
         self.port = self._server.port
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.host, self.http_port, self)
@@ -215,6 +231,8 @@ class MasterServer:
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         result = self._dispatch(conn, message)
+        if self._server is not None and self._server.busy_poll is not None and _starts_long_copies(message, result):
+            self._server.busy_poll.hold_off()
         if not self.debug_invariants:
             return result
         if isinstance(result, Awaitable):

@@ -261,7 +261,7 @@ class Node:
         self._server = await start_server(
             config.listen_host, config.listen_port,
             TieredTransferHandler(self._transfer, self._disk, self._mover, self.tier_metrics),
-            key=self._key, name=f"node {config.node_id}",
+            key=self._key, name=f"node {config.node_id}", busy_poll_us=config.busy_poll_us,
         )  # fmt: skip
         port = self._server.port
         host = await _advertise_host(config, master_host)

@@ -65,6 +65,7 @@ from kvpool.protocol.messages import (
     Message,
 )
 from kvpool.transports import files
+from kvpool.transports.busy_poll import BusyPoll
 from kvpool.transports.files import FileRange
 
 # Threads that send file-backed frames (sendfile blocks on the disk): one frame per connection
@@ -132,6 +133,7 @@ class Connection(asyncio.BufferedProtocol):
         name: str = "",
         registry: set[Connection] | None = None,
         local_name: str = "",
+        busy_poll: BusyPoll | None = None,
     ) -> None:
         self.name = name
         # Server side: the Unix socket name announced to TCP clients. Client side: the name the
@@ -163,6 +165,7 @@ class Connection(asyncio.BufferedProtocol):
         # it (None otherwise), and the thread's dup() of the socket.
         self._held: list[list] | None = None
         self._sender_fd: int | None = None
+        self._busy_poll = busy_poll  # a server's: polls on after each reply (busy_poll.py)
         self.close_reason = ""
 
     def __repr__(self) -> str:
@@ -525,6 +528,8 @@ class Connection(asyncio.BufferedProtocol):
             files.close_parts(payload)
             return
         self._write_frame([self._header(message, request_id, True, payload, landing), *payload])
+        if self._busy_poll is not None:
+            self._busy_poll.touch()
 
     def _header(
         self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None
@@ -619,9 +624,12 @@ class Listener:
     they accepted, so that stopping a server ends every conversation it had (an idle client
     must not keep talking to a stopped server)."""
 
-    def __init__(self, servers: list[asyncio.Server], connections: set[Connection]) -> None:
+    def __init__(
+        self, servers: list[asyncio.Server], connections: set[Connection], busy_poll: BusyPoll | None = None
+    ) -> None:
         self._servers = servers
         self.connections = connections
+        self.busy_poll = busy_poll
 
     @property
     def port(self) -> int:
@@ -647,9 +655,11 @@ async def start_server(
     *,
     key: bytes | None,
     name: str,
+    busy_poll_us: int = 0,
 ) -> Listener:
     """Listen for kvpool connections on TCP and on a same-host Unix socket (see the module).
-    Without a cluster key only loopback may be bound.
+    Without a cluster key only loopback may be bound. `busy_poll_us`: how long the loop keeps
+    polling after each reply (transports/busy_poll.py; 0: it sleeps in epoll at once).
 
     Raises:
         Unauthorized: a non-loopback host without a cluster token.
@@ -662,12 +672,16 @@ async def start_server(
         )
     loop = asyncio.get_running_loop()
     connections: set[Connection] = set()
+    busy_poll = BusyPoll(loop, busy_poll_us) if busy_poll_us else None
     # Abstract namespace (leading NUL): no file to leave behind, gone with the process.
     local_name = f"\0kvpool-{os.urandom(16).hex()}"
     local_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
     def serving(announced_name: str = "") -> Connection:
-        return Connection(handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name)
+        return Connection(
+            handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name,
+            busy_poll=busy_poll,
+        )  # fmt: skip
 
     with map_exceptions({OSError: ConnectFailed}):
         try:
@@ -687,7 +701,7 @@ async def start_server(
         except BaseException:
             local.close()
             raise
-    return Listener([server, local], connections)
+    return Listener([server, local], connections, busy_poll)
 
 
 async def connect(
