@@ -21,8 +21,19 @@ from kvpool.cli.launcher import LocalCluster
 from kvpool.cli.main import app
 from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import InvalidParams
-from kvpool.master.server import MasterServer
-from kvpool.protocol.messages import GetReplicaList, MountSegment, PutEnd, PutStart, ReplicateConfig, SegmentInfo
+from kvpool.master.server import MasterServer, _not_back_soon
+from kvpool.protocol.messages import (
+    ExistKeys,
+    ExistsReply,
+    GetReplicaList,
+    Heartbeat,
+    HeartbeatReply,
+    MountSegment,
+    PutEnd,
+    PutStart,
+    ReplicateConfig,
+    SegmentInfo,
+)
 from kvpool.transports.busy_poll import BusyPoll
 
 
@@ -83,6 +94,13 @@ def test_the_master_does_not_poll_for_a_client_that_will_be_copying_many_mib():
             await master.stop()
 
     uvloop.run(main())
+
+
+def test_the_master_does_not_poll_after_a_heartbeat():
+    """A node's next heartbeat is a second away: polling after each would keep the master of a
+    large cluster busy for nothing."""
+    assert _not_back_soon(Heartbeat(["seg"]), HeartbeatReply([]))
+    assert not _not_back_soon(ExistKeys(["k"]), ExistsReply([False]))
 
 
 def test_a_zero_window_never_polls_and_a_negative_one_is_refused():

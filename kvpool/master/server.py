@@ -95,9 +95,13 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _starts_long_copies(message: Message, result: object) -> bool:
-    """Whether the client, once answered, moves so many bytes before its next request (a put's
-    writes, a get's reads) that polling for it would only take CPU from its copies."""
+def _not_back_soon(message: Message, result: object) -> bool:
+    """Whether the client, once answered, will not be back within a busy-poll window: a node's
+    heartbeat (the next comes in a second: polling after each would keep a master of a thousand
+    nodes busy a fifth of the time), or a client that moves so many bytes before its next
+    request (a put's writes, a get's reads) that polling would only take CPU from its copies."""
+    if isinstance(message, Heartbeat):
+        return True
     if isinstance(message, PutStart):
         return sum(message.sizes) >= limits.BUSY_POLL_HOLD_OFF_BYTES
     if isinstance(result, GetReplicaListReply):
@@ -231,7 +235,7 @@ class MasterServer:
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         result = self._dispatch(conn, message)
-        if self._server is not None and self._server.busy_poll is not None and _starts_long_copies(message, result):
+        if self._server is not None and self._server.busy_poll is not None and _not_back_soon(message, result):
             self._server.busy_poll.hold_off()
         if not self.debug_invariants:
             return result

@@ -12,9 +12,10 @@ How: while the window is open, a callback re-schedules itself on every loop iter
 loop never blocks: each iteration polls the sockets with a zero timeout and handles what came.
 Nothing else changes: requests are handled exactly as before, only sooner.
 
-A server that knows its client will be busy for a while (it just granted a put of many MiB,
-or located a large get: the client copies for milliseconds) says so with `hold_off()`, and the
-reply it is about to write opens no window: polling would only take CPU from those copies.
+A server that knows its client will not be back soon (it just granted a put of many MiB, or
+located a large get: the client copies for milliseconds; or answered a node's heartbeat, the
+next due in a second) says so with `hold_off()`, and the reply it is about to write opens no
+window: polling would only take CPU from those copies, or burn it for nothing.
 
 Cost: up to `window_us` of one CPU after each burst of requests, and nothing while requests
 keep coming (the loop is busy then anyway). A node embedded in a client's process never polls:
