@@ -54,6 +54,25 @@ def test_the_window_opens_at_a_touch_is_extended_by_the_next_and_closes():
     uvloop.run(main())
 
 
+def test_it_counts_the_windows_it_opens_and_the_time_it_polls():
+    async def main() -> None:
+        poll = BusyPoll(asyncio.get_running_loop(), 10_000)
+        assert (poll.windows, poll.polled_seconds()) == (0, 0)
+        poll.touch()
+        poll.touch()  # inside the open window: the same one, extended
+        await asyncio.sleep(0.05)
+        assert poll.windows == 1 and not poll.is_polling
+        polled = poll.polled_seconds()
+        assert 0.009 <= polled < 0.05
+        await asyncio.sleep(0.02)
+        assert poll.polled_seconds() == polled, "a closed window adds no time"
+        poll.touch()
+        await asyncio.sleep(0.05)
+        assert poll.windows == 2 and poll.polled_seconds() >= polled + 0.009
+
+    uvloop.run(main())
+
+
 def test_a_hold_off_keeps_the_next_touch_from_opening_a_window_and_only_that_one():
     async def main() -> None:
         poll = BusyPoll(asyncio.get_running_loop(), 30_000)

@@ -159,6 +159,12 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     node = scrape(node_port)
     assert node["kvpool_node_commits_total{result=ok}"] == 15
     assert node["kvpool_node_commits_hashed_in_place_total"] == 5
+    # Polling after replies (transports/busy_poll.py): its windows and time are counted.
+    master = scrape(cluster.http_port)
+    assert master["kvpool_master_busy_poll_windows_total"] >= 1
+    assert 0 < master["kvpool_master_busy_poll_seconds_total"] < 10
+    assert node["kvpool_node_busy_poll_windows_total"] >= 1  # the node answered reads and writes
+    assert 0 < node["kvpool_node_busy_poll_seconds_total"] < 10
     health = urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=5).read()
     assert b"ok" in health
 

@@ -10,7 +10,8 @@ evicted_bytes_total, removes_total, errors_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
-tier_evictions_total{tier}.
+tier_evictions_total{tier}; busy_poll_seconds_total and busy_poll_windows_total (what polling
+after replies costs: transports/busy_poll.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from prometheus_client.registry import Collector
 
 from kvpool.errors import KVPoolError
 from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply, DrainSegment
+from kvpool.transports import busy_poll
+from kvpool.transports.busy_poll import BusyPoll
 
 if TYPE_CHECKING:
     from kvpool.master.server import MasterServer
@@ -52,6 +55,7 @@ class MasterMetrics(Collector):
 
     def __init__(self, service: MasterService) -> None:
         self._service = service
+        self.busy_poll: BusyPoll | None = None  # the listener's, once serving
         self.requests: CountByName[str] = CountByName()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -85,6 +89,8 @@ class MasterMetrics(Collector):
             objects.add_metric(values, segment.object_count)
         yield from (capacity, used, objects)
         yield from _tier_metrics(status)
+        if self.busy_poll is not None:
+            yield from busy_poll.metric_families(_PREFIX, self.busy_poll)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -192,6 +192,7 @@ class MasterServer:
         self._server = await start_server(
             self.host, self.port, self, key=self._key, name="master", busy_poll_us=self.busy_poll_us
         )
+        self.metrics.busy_poll = self._server.busy_poll
         self.port = self._server.port
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.host, self.http_port, self)

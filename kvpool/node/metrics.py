@@ -22,18 +22,23 @@ Metric names (all prefixed kvpool_node_):
     commits_hashed_in_place_total  counter  of the ok ones, those taken on the writer's hash
                                    (a same-host copy, PutEnd.hashed_in_place), not hashed again
     mounts_total             counter  successful MountSegment calls (first mount and re-mounts)
+    busy_poll_seconds_total  counter  time the transfer server's loop spent polling after replies
+    busy_poll_windows_total  counter  polling windows opened (transports/busy_poll.py)
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.registry import Collector
 
 from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.transports import busy_poll
+from kvpool.transports.busy_poll import BusyPoll
 
 _PREFIX = "kvpool_node_"
 
@@ -91,12 +96,24 @@ class NodeMetrics:
         self.segment_used_bytes.set_function(used_bytes)
         self.objects.set_function(objects)
 
+    def track_busy_poll(self, poll: BusyPoll) -> None:
+        """Count what polling after replies costs (transports/busy_poll.py), read at scrape time."""
+        self.registry.register(_BusyPollCollector(poll))
+
     def count_error(self, exc: KVPoolError) -> None:
         self.errors.labels(code=ErrorCode(exc.code).name).inc()
 
     def render(self) -> bytes:
         """The text exposition of every metric (what /metrics serves)."""
         return generate_latest(self.registry)
+
+
+class _BusyPollCollector(Collector):
+    def __init__(self, poll: BusyPoll) -> None:
+        self._poll = poll
+
+    def collect(self) -> Iterator[Any]:
+        return busy_poll.metric_families(_PREFIX, self._poll)
 
 
 class MetricsServer:

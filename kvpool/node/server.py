@@ -543,6 +543,8 @@ class Node:
         inventory = self.inventory
         self.metrics.segment_capacity_bytes.set(self.segment.capacity_bytes)
         self.metrics.track_inventory(lambda: inventory.used_bytes, lambda: len(inventory))
+        if self._server is not None and self._server.busy_poll is not None:
+            self.metrics.track_busy_poll(self._server.busy_poll)
         self.metrics.info.labels(
             node_id=self.node_id, segment_id=self._segment_id, endpoint=self._endpoint
         ).set(1)

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily
 
 
 class BusyPoll:
     """Keeps `loop` polling for `window_us` after the last `touch()`. `window_us` 0: never."""
 
-    __slots__ = ("_loop", "_window_ns", "_until_ns", "_is_polling", "_is_held_off")
+    __slots__ = (
+        "_loop", "_window_ns", "_until_ns", "_is_polling", "_is_held_off", "windows", "_opened_ns", "_polled_ns",
+    )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window_us: int) -> None:
         if window_us < 0:
@@ -41,6 +46,9 @@ class BusyPoll:
         self._until_ns = 0
         self._is_polling = False
         self._is_held_off = False
+        self.windows = 0  # windows opened; with polled_seconds(), what polling costs (metrics)
+        self._opened_ns = 0
+        self._polled_ns = 0
 
     def __repr__(self) -> str:
         return f"<BusyPoll {self._window_ns // 1000} µs {'polling' if self._is_polling else 'idle'}>"
@@ -61,17 +69,38 @@ class BusyPoll:
             return
         if not self._window_ns:
             return
-        self._until_ns = time.monotonic_ns() + self._window_ns
+        now_ns = time.monotonic_ns()
+        self._until_ns = now_ns + self._window_ns
         if not self._is_polling:
             self._is_polling = True
+            self.windows += 1
+            self._opened_ns = now_ns
             self._loop.call_soon(self._poll)
+
+    def polled_seconds(self) -> float:
+        """Time the loop has spent polling, the open window included."""
+        open_ns = time.monotonic_ns() - self._opened_ns if self._is_polling else 0
+        return (self._polled_ns + open_ns) / 1e9
 
     def _poll(self) -> None:
         # A ready callback makes the loop poll its sockets with a zero timeout, then call us again.
-        if time.monotonic_ns() < self._until_ns:
+        now_ns = time.monotonic_ns()
+        if now_ns < self._until_ns:
             self._loop.call_soon(self._poll)
         else:
             self._is_polling = False
+            self._polled_ns += now_ns - self._opened_ns
 
 
-__all__ = ["BusyPoll"]
+def metric_families(prefix: str, busy_poll: BusyPoll) -> Iterator[CounterMetricFamily]:
+    """Prometheus counters of what polling costs a server (its metrics collector yields them)."""
+    yield CounterMetricFamily(
+        prefix + "busy_poll_seconds", "Seconds the loop spent polling after replies (--busy-poll-us).",
+        value=busy_poll.polled_seconds(),
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        prefix + "busy_poll_windows", "Polling windows opened after replies.", value=busy_poll.windows
+    )
+
+
+__all__ = ["BusyPoll", "metric_families"]
