@@ -78,7 +78,8 @@ class BusyPoll:
             self._loop.call_soon(self._poll)
 
     def polled_seconds(self) -> float:
-        """Time the loop has spent polling, the open window included."""
+        """Time the loop has spent in polling windows, the open one included (requests handled
+        meanwhile count too: an upper bound on the CPU polling took)."""
         open_ns = time.monotonic_ns() - self._opened_ns if self._is_polling else 0
         return (self._polled_ns + open_ns) / 1e9
 
@@ -95,7 +96,8 @@ class BusyPoll:
 def metric_families(prefix: str, busy_poll: BusyPoll) -> Iterator[CounterMetricFamily]:
     """Prometheus counters of what polling costs a server (its metrics collector yields them)."""
     yield CounterMetricFamily(
-        prefix + "busy_poll_seconds", "Seconds the loop spent polling after replies (--busy-poll-us).",
+        prefix + "busy_poll_seconds",
+        "Seconds of polling windows after replies (--busy-poll-us): at most the CPU polling took.",
         value=busy_poll.polled_seconds(),
     )  # fmt: skip
     yield CounterMetricFamily(
