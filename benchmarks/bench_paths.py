@@ -11,7 +11,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                (GetReplicaList of one key) to a master process over TCP and over its Unix socket,
                from an event loop and from a thread blocked in recv (a sync Store's caller);
                and that RPC back to back against after 7 ms away (busy, asleep, and busy with
-               the master woken 300 us before), as the put_end after a large copy is.
+               the master woken 300 us before), as the put_end after a large copy is. Those
+               masters do not poll after replies (--busy-poll-us 0): polling hides the wake-up.
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
                MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
                caches and right after a 64 MiB copy (cold, as in put-phases).
@@ -194,13 +195,18 @@ def uvloop_ping_pong_us() -> float:
     return median_us(samples)
 
 
+# The RPC figures measure what waking a process costs, which a polling master hides
+# (transports/busy_poll.py): its masters do not poll.
+NOT_POLLING = ("--busy-poll-us", "0")
+
+
 def kvpool_rpc_us() -> dict:
-    """One GetReplicaList of one key to a master process, over TCP and over its Unix socket
-    from an event loop (Connection), and from a thread blocked in recv (BlockingConnection:
-    how a sync Store's caller thread asks)."""
+    """One GetReplicaList of one key to a master process (not polling), over TCP and over its
+    Unix socket from an event loop (Connection), and from a thread blocked in recv
+    (BlockingConnection: how a sync Store's caller thread asks)."""
     from kvpool.transports.blocking import BlockingConnection
 
-    with LocalCluster(0) as cluster:
+    with LocalCluster(0, master_args=NOT_POLLING) as cluster:
 
         async def measure() -> dict:
             out = {}
@@ -244,7 +250,7 @@ def rpc_after_idle_us() -> dict:
         while time.perf_counter() < until:
             pass
 
-    with LocalCluster(0) as cluster:
+    with LocalCluster(0, master_args=NOT_POLLING) as cluster:
         links = [
             BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=True)
             for _ in range(2)
