@@ -73,13 +73,15 @@ def test_it_counts_the_windows_it_opens_and_the_time_it_polls():
     uvloop.run(main())
 
 
-def test_a_hold_off_keeps_the_next_touch_from_opening_a_window_and_only_that_one():
+def test_a_reply_whose_client_is_not_back_soon_opens_no_window_and_leaves_the_next_be():
     async def main() -> None:
-        poll = BusyPoll(asyncio.get_running_loop(), 30_000)
-        poll.hold_off()
-        poll.touch()
+        poll = BusyPoll(asyncio.get_running_loop(), 30_000, lambda request, reply: request == "copies for ms")
+        poll.replied("copies for ms", "reply")
         assert not poll.is_polling
-        poll.touch()
+        poll.replied("lookup", "reply")
+        assert poll.is_polling
+        await asyncio.sleep(0.05)
+        poll.replied(None, "error reply to a refused payload")  # the request unknown: it polls
         assert poll.is_polling
 
     uvloop.run(main())
@@ -99,14 +101,14 @@ def test_the_master_does_not_poll_for_a_client_that_will_be_copying_many_mib():
             for keys, size, polls in ((["small"], 64 << 10, True), (["a", "b"], 2 << 20, False)):
                 reply = master.handle(None, PutStart(keys, [size] * len(keys), ReplicateConfig()))
                 assert reply.codes == [0] * len(keys)
-                poll.touch()  # as the connection does once it has written the reply
+                poll.replied(PutStart(keys, [size] * len(keys), ReplicateConfig()), reply)  # as written
                 assert poll.is_polling is polls, (keys, size)
                 await asyncio.sleep(0.02)  # the window closes
                 pending = master.service.put_end(PutEnd(keys, [7] * len(keys)), 0)  # no node: commit here
                 master.service.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, 0)
                 reply = master.handle(None, GetReplicaList(keys))
                 assert reply.sizes == [size] * len(keys)
-                poll.touch()
+                poll.replied(GetReplicaList(keys), reply)
                 assert poll.is_polling is polls, (keys, size)
                 await asyncio.sleep(0.02)
         finally:

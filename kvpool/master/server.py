@@ -95,7 +95,7 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _not_back_soon(message: Message, result: object) -> bool:
+def _not_back_soon(message: Message, result: Message) -> bool:
     """Whether the client, once answered, will not be back within a busy-poll window: a node's
     heartbeat (the next comes in a second: polling after each would keep a master of a thousand
     nodes busy a fifth of the time), or a client that moves so many bytes before its next
@@ -190,8 +190,9 @@ class MasterServer:
             await self._open_dfs()
             await self._ensure_dfs()
         self._server = await start_server(
-            self.host, self.port, self, key=self._key, name="master", busy_poll_us=self.busy_poll_us
-        )
+            self.host, self.port, self, key=self._key, name="master", busy_poll_us=self.busy_poll_us,
+            not_back_soon=_not_back_soon,
+        )  # fmt: skip
         self.metrics.busy_poll = self._server.busy_poll
         self.port = self._server.port
         if self.http_port is not None:
@@ -236,8 +237,6 @@ class MasterServer:
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         result = self._dispatch(conn, message)
-        if self._server is not None and self._server.busy_poll is not None and _not_back_soon(message, result):
-            self._server.busy_poll.hold_off()
         if not self.debug_invariants:
             return result
         if isinstance(result, Awaitable):

@@ -92,7 +92,7 @@ class TieredTransferHandler:
         except KVPoolError as exc:
             self.dram.metrics.count_error(exc)
             raise
-        return self._read(plan, None if message.landing < 0 else message.landing)
+        return self._read(plan, message.landing_offset)
 
     def _plan_read(self, items: list[ReadItem], disk: DiskTier) -> list:
         """Validate every item first (DESIGN.md §7): DRAM ranges inside the segment, disk

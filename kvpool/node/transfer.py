@@ -282,7 +282,7 @@ class TransferHandler(_SegmentHandler):
         views = [data[item.offset : item.offset + item.size] for item in message.items]
         self.metrics.read_requests.inc()
         self.metrics.read_bytes.inc(total)
-        return Reply(ReadReply(total), views, None if message.landing < 0 else message.landing)
+        return Reply(ReadReply(total), views, message.landing_offset)
 
 
 class MasterCallHandler(_SegmentHandler):

@@ -470,6 +470,11 @@ class ReadSlices(Message, tag=61):
     items: list[ReadItem]
     landing: int = -1
 
+    @property
+    def landing_offset(self) -> int | None:
+        """`landing`, or None when the reader did not say."""
+        return None if self.landing < 0 else self.landing
+
 
 class ReadReply(Message, tag=62):
     """The frame's payload is the requested ranges, concatenated in item order."""

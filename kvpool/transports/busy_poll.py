@@ -12,10 +12,10 @@ How: while the window is open, a callback re-schedules itself on every loop iter
 loop never blocks: each iteration polls the sockets with a zero timeout and handles what came.
 Nothing else changes: requests are handled exactly as before, only sooner.
 
-A server that knows its client will not be back soon (it just granted a put of many MiB, or
-located a large get: the client copies for milliseconds; or answered a node's heartbeat, the
-next due in a second) says so with `hold_off()`, and the reply it is about to write opens no
-window: polling would only take CPU from those copies, or burn it for nothing.
+A server that knows when its client will not be back soon (it just granted a put of many MiB,
+or located a large get: the client copies for milliseconds; or answered a node's heartbeat,
+the next due in a second) gives a `not_back_soon(request, reply)` test: such a reply opens no
+window, since polling would only take CPU from those copies, or burn it for nothing.
 
 Cost: up to `window_us` of one CPU after each burst of requests, and nothing while requests
 keep coming (the loop is busy then anyway). A node embedded in a client's process never polls:
@@ -26,26 +26,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily
 
 
 class BusyPoll:
-    """Keeps `loop` polling for `window_us` after the last `touch()`. `window_us` 0: never."""
+    """Keeps `loop` polling for `window_us` after the last reply that opened a window.
+    `window_us` 0: never. `not_back_soon(request, reply)`: True for the replies that open none
+    (see the module); None: every reply opens one."""
 
     __slots__ = (
-        "_loop", "_window_ns", "_until_ns", "_is_polling", "_is_held_off", "windows", "_opened_ns", "_polled_ns",
+        "_loop", "_window_ns", "_not_back_soon", "_until_ns", "_is_polling", "windows", "_opened_ns", "_polled_ns",
     )  # fmt: skip
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, window_us: int) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        window_us: int,
+        not_back_soon: Callable[[object, object], bool] | None = None,
+    ) -> None:
         if window_us < 0:
             raise ValueError(f"busy-poll window must be >= 0 µs, not {window_us}")
         self._loop = loop
         self._window_ns = window_us * 1000
+        self._not_back_soon = not_back_soon
         self._until_ns = 0
         self._is_polling = False
-        self._is_held_off = False
         self.windows = 0  # windows opened; with polled_seconds(), what polling costs (metrics)
         self._opened_ns = 0
         self._polled_ns = 0
@@ -57,16 +64,14 @@ class BusyPoll:
     def is_polling(self) -> bool:
         return self._is_polling
 
-    def hold_off(self) -> None:
-        """The next touch opens no window: the client of the reply being written will not be
-        back soon."""
-        self._is_held_off = True
+    def replied(self, request: object, reply: object) -> None:
+        """`reply` to `request` has been written (`request` None: unknown, as for a refused
+        payload): poll for another window from now, unless its client will not be back soon."""
+        if self._not_back_soon is None or request is None or not self._not_back_soon(request, reply):
+            self.touch()
 
     def touch(self) -> None:
-        """A reply left: keep polling for another window from now (see hold_off)."""
-        if self._is_held_off:
-            self._is_held_off = False
-            return
+        """Keep polling for another window from now."""
         if not self._window_ns:
             return
         now_ns = time.monotonic_ns()

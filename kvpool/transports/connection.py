@@ -510,7 +510,7 @@ class Connection(asyncio.BufferedProtocol):
             task = self._loop.create_task(self._reply_later(request_id, message, result))
             task.add_done_callback(_log_task_failure)
         else:
-            self._reply(request_id, result)
+            self._reply(request_id, result, message)
 
     async def _reply_later(
         self, request_id: int, message: Message, result: Awaitable[HandlerResult]
@@ -520,16 +520,16 @@ class Connection(asyncio.BufferedProtocol):
         except KVPoolError as exc:
             self._reply_error(request_id, exc)
             return
-        self._reply(request_id, reply)
+        self._reply(request_id, reply, message)
 
-    def _reply(self, request_id: int, result: HandlerResult) -> None:
+    def _reply(self, request_id: int, result: HandlerResult, request: Message | None = None) -> None:
         message, payload, landing = result if isinstance(result, Reply) else (result, (), None)
         if self.is_closed():
             files.close_parts(payload)
             return
         self._write_frame([self._header(message, request_id, True, payload, landing), *payload])
         if self._busy_poll is not None:
-            self._busy_poll.touch()
+            self._busy_poll.replied(request, message)
 
     def _header(
         self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None
@@ -656,10 +656,12 @@ async def start_server(
     key: bytes | None,
     name: str,
     busy_poll_us: int = 0,
+    not_back_soon: Callable[[Message, Message], bool] | None = None,
 ) -> Listener:
     """Listen for kvpool connections on TCP and on a same-host Unix socket (see the module).
     Without a cluster key only loopback may be bound. `busy_poll_us`: how long the loop keeps
-    polling after each reply (transports/busy_poll.py; 0: it sleeps in epoll at once).
+    polling after each reply (transports/busy_poll.py; 0: it sleeps in epoll at once), but
+    after those that `not_back_soon(request, reply message)` picks out.
 
     Raises:
         Unauthorized: a non-loopback host without a cluster token.
@@ -672,7 +674,7 @@ async def start_server(
         )
     loop = asyncio.get_running_loop()
     connections: set[Connection] = set()
-    busy_poll = BusyPoll(loop, busy_poll_us) if busy_poll_us else None
+    busy_poll = BusyPoll(loop, busy_poll_us, not_back_soon) if busy_poll_us else None
     # Abstract namespace (leading NUL): no file to leave behind, gone with the process.
     local_name = f"\0kvpool-{os.urandom(16).hex()}"
     local_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
