@@ -9,7 +9,7 @@ Between two processes (this client and a node process; the master is a third):
 Prints JSON: medians of --repeats rounds; every round measures the machine's limit next to the
 put and the get, and the ratios the targets are stated in are medians of per-round ratios.
 
-    python benchmarks/bench_core.py [--repeats 5] [--quick]
+    python benchmarks/bench_core.py [--repeats 5] [--quick] [--busy-poll-us 200]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import uvloop
 
-from kvpool import AsyncStore, ErrorCode, Store
+from kvpool import AsyncStore, ErrorCode, Store, limits
 from kvpool.cli.launcher import LocalCluster
 
 MIB = 1 << 20
@@ -212,14 +212,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smaller volumes, for a smoke run")
+    parser.add_argument(
+        "--busy-poll-us", type=int, default=limits.BUSY_POLL_US_DEFAULT,
+        help="the master's and node's polling window after replies (0: off; docs/performance.md)",
+    )  # fmt: skip
     args = parser.parse_args()
     total = (64 if args.quick else 256) * MIB
     result: dict = {"machine": {"cpus": os.cpu_count()}, "total_bytes_per_run": total}
+    result["busy_poll_us"] = args.busy_poll_us
     baseline_socket = median_of(args.repeats, lambda: socket_pair_gbps(total))
     result["socket_pair_gbps"] = round(baseline_socket, 3)
     result["loopback_rtt_us_p50"] = round(round_trip_us(socket.AF_INET), 1)
     result["unix_socket_rtt_us_p50"] = round(round_trip_us(socket.AF_UNIX), 1)
-    with LocalCluster(1, f"{2 * total // MIB + 64}MiB") as cluster:
+    polling = ("--busy-poll-us", str(args.busy_poll_us))
+    with LocalCluster(1, f"{2 * total // MIB + 64}MiB", master_args=polling, node_args=polling) as cluster:
         for path, shm_enabled in (("tcp", False), ("shm", True)):
             with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
                 for size in (MIB, 4 * MIB):
