@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvpool import limits
 from kvpool.errors import InvalidParams
+from kvpool.master.eviction import POLICIES, POLICY_DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +31,12 @@ class MasterConfig:
     # window is copied back into DRAM (0: never).
     promote_reads: int = limits.PROMOTE_READS_DEFAULT
     promotion_window_ms: int = limits.PROMOTION_WINDOW_MS_DEFAULT
+    # DRAM eviction order, by name (master/eviction.py POLICIES): "probation" or "lru".
+    eviction_policy: str = POLICY_DEFAULT
 
     def __post_init__(self) -> None:
+        if self.eviction_policy not in POLICIES:
+            raise InvalidParams(f"eviction policy {self.eviction_policy!r} not one of {sorted(POLICIES)}")
         if not 0.0 < self.evict_ratio < self.evict_watermark_ratio_high <= 1.0:
             raise InvalidParams("need 0 < evict_ratio < evict_watermark_ratio_high <= 1")
         if self.put_discard_timeout_ms > self.put_release_timeout_ms:

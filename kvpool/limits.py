@@ -166,6 +166,10 @@ MOVE_INFLIGHT_BYTES_PER_NODE_MAX = 256 * MIB
 MOVE_ITEMS_PER_REQUEST_MAX = 1_024
 # One MoveObjects round trip: its copies, their fsyncs, and the wait for admission.
 MOVE_TIMEOUT_MS = 60_000
+# A put that found no room tries its keys again, after the moves and drops in flight, at most
+# this many times: with every tier full, room comes in two steps (the disk tier drops to take
+# DRAM's offloads; the offloads land and DRAM drops what they moved).
+PUT_ROOM_ROUNDS_MAX = 3
 # An object read this many times from a slower tier within a promotion window is copied back
 # into DRAM; at most PROMOTIONS_PER_TICK_MAX are started per master tick, and at most
 # PROMOTION_CANDIDATES_MAX keys are counted at once (the counts restart when it fills up).

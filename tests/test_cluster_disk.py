@@ -216,3 +216,23 @@ def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cl
         assert wait_until(lambda: not store.exists("rot"), 5)
         store.put("rot", data)
         assert store.get("rot") == data
+
+
+def test_puts_find_room_when_dram_and_the_disk_tier_are_both_full(make_cluster, tmp_path):
+    # Eviction only for room (watermark 1.0), so every put past the first 48 objects needs the
+    # disk tier to drop objects, DRAM to offload into the room, and DRAM to drop what it moved,
+    # within the one put_start (the master's rounds). They used to fail with NO_AVAILABLE_HANDLE.
+    cluster = make_cluster(0, "4MiB", master_args=("--evict-watermark-high", "1.0"))
+    cluster.start_node(disk_args(tmp_path / "disk", "8MiB"))  # 16 + 32 objects of 256 KiB
+    values = values_for("full", 96, OBJECT_SIZE)
+    keys = list(values)
+    with Store(cluster.master_endpoint) as store:
+        for start in range(0, len(keys), 8):
+            batch = keys[start : start + 8]
+            assert store.put_batch(batch, [values[k] for k in batch]) == [ErrorCode.OK] * 8, start
+        tiers = tiers_of(store)
+        assert tiers["disk"]["used_bytes"] == tiers["disk"]["capacity_bytes"]
+        assert store.cluster_status().evicted_count >= 96 - 48
+        newest = keys[-16:]  # the last two batches: in DRAM, or offloaded whole
+        assert store.get_batch(newest) == [values[k] for k in newest]
+        assert all(v is None or v == values[k] for k, v in zip(keys, store.get_batch(keys)))

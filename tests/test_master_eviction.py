@@ -14,8 +14,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from typer.testing import CliRunner
 
 from kvpool import limits
+from kvpool.cli.main import app
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.master.eviction import (
@@ -85,6 +87,14 @@ def test_the_default_policy_is_probation_lru_and_names_are_checked() -> None:
     with pytest.raises(InvalidParams):
         ProbationLruPolicy(protected_bytes_ratio_max=0.0)
     assert isinstance(MasterService(MasterConfig(), random.Random(0), None)._table.policy, ProbationLruPolicy)
+    # The master's config names it (kvpool master --eviction-policy); a bad name is refused
+    # there, by the command too, before anything starts.
+    lru_config = MasterConfig(eviction_policy="lru")
+    assert isinstance(MasterService(lru_config, random.Random(0), None)._table.policy, LruPolicy)
+    with pytest.raises(InvalidParams, match="fifo"):
+        MasterConfig(eviction_policy="fifo")
+    result = CliRunner().invoke(app, ["master", "--eviction-policy", "fifo", "--port", "0"])
+    assert result.exit_code != 0 and "fifo" in result.output
 
 
 @pytest.mark.parametrize(

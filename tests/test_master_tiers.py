@@ -144,6 +144,36 @@ def test_put_without_room_offloads_then_fits():
     assert put(svc, ["new"], now=3) == [OK]
 
 
+def test_a_batch_finds_room_when_dram_and_disk_are_both_full():
+    # Every tier full and eviction only for room: room comes in two rounds, the disk tier
+    # dropping what makes room for DRAM's offloads, then DRAM dropping what it offloaded. Each
+    # of a batch's victims needs disk room of its own (a batch used to wait on the first
+    # victim's, one object per round), and the second round must not find DRAM's eviction
+    # backed off (it used to be, for 250 ms, failing every put meanwhile).
+    svc = cluster(disk_capacity=MIB, evict_watermark_ratio_high=1.0)
+    fill(svc, 16, "dram")  # 16 x 64 KiB: DRAM full
+    for batch in range(2):  # offloaded to the disk tier until it is full too
+        put(svc, keys(f"more{batch}-", 8), now=1)
+        run_moves(svc, 1)
+        ack_drops(svc, 1)
+    for now in (2, 3):  # every put finds room within the server's rounds
+        names = keys(f"batch{now}-", 8)
+        start = svc.put_start(PutStart(names, [OBJECT_SIZE] * 8, ReplicateConfig()), now)
+        retry = [i for i, code in enumerate(start.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+            if not retry:
+                break
+            run_moves(svc, now)
+            ack_drops(svc, now)
+            retried = PutStart([names[i] for i in retry], [OBJECT_SIZE] * len(retry), ReplicateConfig())
+            again = svc.put_start(retried, now)
+            retry = [i for i, code in zip(retry, again.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+        assert retry == [], f"{len(retry)} of 8 keys found no room at t={now}"
+    status = tiers(svc)
+    assert status[TIER_DISK]["used_bytes"] == status[TIER_DISK]["capacity_bytes"]  # full, and turning over
+    assert status[TIER_DISK]["evictions"] > 0
+
+
 def write_through(svc, names: list[str], now: int = 0, **replicate) -> dict[str, list[MoveItem]]:
     """A put with copies, as the server runs it: put_end, then start_copies (the reply waits)."""
     start = svc.put_start(PutStart(names, [OBJECT_SIZE] * len(names), ReplicateConfig(**replicate)), now)

@@ -65,6 +65,9 @@ def test_replay_writes_a_table_json_and_a_plot(tmp_path: Path) -> None:
         ["--policy", "fifo"],
         ["--mode", "live", "--policy", "belady"],
         ["--mode", "warp"],
+        ["--disk-capacity", "unbounded"],  # a disk has a size
+        ["--disk-capacity", "100"],  # less than one block
+        ["--mode", "live", "--disk-capacity", "1M"],  # live nodes have DRAM only
     ],
 )
 def test_bad_arguments_exit_with_a_message(tmp_path: Path, extra: list[str]) -> None:
@@ -72,3 +75,18 @@ def test_bad_arguments_exit_with_a_message(tmp_path: Path, extra: list[str]) -> 
     assert result.exit_code == 1, result.output
     assert "error" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+def test_a_disk_tier_per_instance_is_a_configuration_of_its_own(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["replay", str(TRACE), "--limit", "200", "--capacity", "200K", "--disk-capacity", "0,1M",
+            "--policy", "lru", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "hit on disk" in result.output
+    assert "| 1 instance, lru, + disk 1M | sim | 200K | 1M |" in (out / "replay.md").read_text()
+    without, with_disk = json.loads((out / "replay.json").read_text())["results"]
+    assert (without["disk_capacity_blocks"], with_disk["disk_capacity_blocks"]) == (0, 1953)
+    assert without["offloads"] == without["block_hits_disk"] == 0
+    assert with_disk["block_hit_rate"] >= without["block_hit_rate"]

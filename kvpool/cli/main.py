@@ -157,6 +157,9 @@ def master(
     promote_reads: Annotated[
         int, typer.Option(help="Copy an object back into DRAM after this many reads from disk or DFS (0: never).")
     ] = limits.PROMOTE_READS_DEFAULT,
+    eviction_policy: Annotated[
+        str, typer.Option(help="DRAM eviction order: probation (never-read objects first) or lru.")
+    ] = "probation",
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
@@ -177,6 +180,7 @@ def master(
             evict_ratio=evict_ratio,
             remount_grace_ms=remount_grace_ms,
             promote_reads=promote_reads,
+            eviction_policy=eviction_policy,
         )
         election = None
         if etcd:

@@ -6,7 +6,8 @@ against pool capacity, one curve per configuration) into --out. The replays them
 kvpool/sim's (replay.py for --mode sim, live.py for --mode live); main.py registers `replay`.
 
 Capacities are per instance: tokens with decimal suffixes (1M = 1,000,000 tokens = 1953
-blocks of 512), bytes with a B suffix (64GiB, at --bytes-per-token), or "unbounded".
+blocks of 512), bytes with a B suffix (64GiB, at --bytes-per-token), or "unbounded"; so are
+disk tier sizes (--disk-capacity, simulation only), which are never unbounded.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def replay(
     capacity: Annotated[
         str, typer.Option(help="Per-instance capacities, comma-separated: tokens (1M), bytes (64GiB) or unbounded.")
     ] = "1M,3M,10M",
+    disk_capacity: Annotated[
+        str,
+        typer.Option(
+            help="Sim: a disk tier under each instance's DRAM, per instance, comma-separated "
+            "(tokens or bytes as --capacity; 0: none). DRAM evicts to it; reads there are hits.",
+        ),
+    ] = "0",
     bytes_per_token: Annotated[
         str, typer.Option(help="KV-cache bytes per token (320KiB: a 70B model in fp16).")
     ] = "320KiB",
@@ -108,8 +116,8 @@ def replay(
         console = Console(width=CONSOLE_WIDTH_NOT_TERMINAL)  # a log file: do not fold the table
     try:
         results = _run(
-            console, trace, instances, capacity, bytes_per_token, routing, policy, sharing, mode,
-            limit, skip, out, watermark_high, speedup, seed, check_every,
+            console, trace, instances, capacity, disk_capacity, bytes_per_token, routing, policy, sharing,
+            mode, limit, skip, out, watermark_high, speedup, seed, check_every,
         )  # fmt: skip
     except KVPoolError as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
@@ -119,7 +127,7 @@ def replay(
 
 
 def _run(
-    console: Console, trace: Path, instances: int, capacity: str, bytes_per_token_text: str,
+    console: Console, trace: Path, instances: int, capacity: str, disk_capacity: str, bytes_per_token_text: str,
     routing: str, policy: str | None, sharing: str, mode: str, limit: int | None, skip: int, out: Path,
     watermark_high: float, speedup: float, seed: int, check_every: int,
 ) -> list:  # fmt: skip
@@ -144,6 +152,14 @@ def _run(
     for tokens in capacities:
         if tokens is not None and tokens < BLOCK_TOKENS:
             raise InvalidParams(f"a capacity of {tokens} tokens holds no 512-token block")
+    disk_blocks = []
+    for text in (text for text in disk_capacity.split(",") if text.strip()):
+        tokens = parse_capacity_tokens(text, per_token)
+        if tokens is None:
+            raise InvalidParams("a disk tier has a size: give tokens (10M) or bytes (2TiB)")
+        if 0 < tokens < BLOCK_TOKENS:
+            raise InvalidParams(f"a disk tier of {tokens} tokens holds no 512-token block")
+        disk_blocks.append(tokens // BLOCK_TOKENS)
     if skip < 0 or (limit is not None and limit <= 0):
         raise InvalidParams("--skip must be >= 0 and --limit > 0")
     requests = load_trace(trace)
@@ -157,12 +173,13 @@ def _run(
         ReplayConfig(
             instance_count=instances,
             capacity_blocks=None if tokens is None else tokens // BLOCK_TOKENS,
-            sharing=share, routing=route, policy=name, bytes_per_token=per_token,
+            disk_capacity_blocks=disk, sharing=share, routing=route, policy=name, bytes_per_token=per_token,
             evict_watermark_ratio_high=watermark_high, seed=seed, check_every=check_every,
         )
         for share in sharings
         for route in routings
         for name in policies
+        for disk in disk_blocks or [0]
         for tokens in capacities
     ]  # fmt: skip
     if mode == "live":
@@ -197,7 +214,7 @@ def _run(
 
             results.append(run_one(config, on_progress))
             progress.remove_task(task)
-    table = Table(*report.TABLE_COLUMNS, title=f"hit rates ({mode})")
+    table = Table(*report.table_columns(results), title=f"hit rates ({mode})")
     for row in report.table_rows(results):
         table.add_row(*row)
     console.print(table)

@@ -85,7 +85,8 @@ NODE_CALL_TIMEOUT_MS = limits.RPC_TIMEOUT_MS_DEFAULT
 # What a new leader refuses until its takeover is over: requests that change what exists.
 _TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-# A put that found no room waits at most this long for moves and drops in flight to free some.
+# A put that found no room waits at most this long for moves and drops in flight to free some
+# (in at most limits.PUT_ROOM_ROUNDS_MAX rounds).
 PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
 # Inventory entries per MountSegment of the DFS (its files, scanned at start).
 _DFS_MOUNT_CHUNK = limits.BATCH_KEYS_MAX
@@ -313,38 +314,43 @@ class MasterServer:
         service = self.service
         reply = service.put_start(message, wall_clock_ms())
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
-        # Room is coming if eviction scheduled drops, or drops are in flight (a tick's flush
-        # holds the lock): wait for their acknowledgements, then try those keys once more.
-        is_room_coming = service.has_pending_drops() or self._flush_lock.locked()
-        # ... or moves (offloads to a slower tier) are on their way: their drops will follow.
-        is_room_coming = is_room_coming or service.has_unsent_moves() or bool(self._move_tasks)
-        if not retry or not is_room_coming:
+        if not retry or not self._is_room_coming(service):
             return reply  # the common case answers at once, without a task
         return self._put_start_after_drops(service, message, reply, retry)
+
+    def _is_room_coming(self, service: MasterService) -> bool:
+        # Eviction scheduled drops, or drops are in flight (a tick's flush holds the lock) ...
+        is_coming = service.has_pending_drops() or self._flush_lock.locked()
+        # ... or moves (offloads to a slower tier) are on their way: their drops will follow.
+        return is_coming or service.has_unsent_moves() or bool(self._move_tasks)
 
     async def _put_start_after_drops(
         self, service: MasterService, message: PutStart, reply: PutStartReply, retry: list[int]
     ) -> PutStartReply:
-        # Eviction scheduled drops; their space is free once the nodes forgot the objects.
-        # Offloads free theirs once copied: wait (bounded) for them, then flush their drops.
-        if service.has_unsent_moves() or self._move_tasks:
-            self._send_moves()
-            tasks = list(self._move_tasks)
-            if tasks:
-                await asyncio.wait(tasks, timeout=PUT_ROOM_WAIT_MS / 1000)
-        await self._flush_drops()
-        if service is not self.service:
-            return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
-        again = service.put_start(
-            PutStart(
-                [message.keys[i] for i in retry],
-                [message.sizes[i] for i in retry],
-                message.config,
-                message.client_hostname,
-            ),
-            wall_clock_ms(),
-        )
-        merge_retried(reply, again, retry)
+        """Try the keys that found no room again once the room coming is there: in rounds
+        (limits.PUT_ROOM_ROUNDS_MAX, PUT_ROOM_WAIT_MS in all), each waiting for the moves in flight
+        (offloads free their DRAM ranges once copied), then flushing the drops (a range is free
+        once its node forgot the object)."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + PUT_ROOM_WAIT_MS / 1000
+        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+            if service.has_unsent_moves() or self._move_tasks:
+                self._send_moves()
+                tasks = list(self._move_tasks)
+                if tasks:
+                    await asyncio.wait(tasks, timeout=max(0.0, deadline_s - loop.time()))
+            await self._flush_drops()
+            if service is not self.service:
+                return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
+            again = service.put_start(
+                PutStart([message.keys[i] for i in retry], [message.sizes[i] for i in retry],
+                         message.config, message.client_hostname),
+                wall_clock_ms(),
+            )  # fmt: skip
+            merge_retried(reply, again, retry)
+            retry = [i for i in retry if reply.codes[i] == ErrorCode.NO_AVAILABLE_HANDLE]
+            if not retry or not self._is_room_coming(service) or loop.time() >= deadline_s:
+                break
         return reply
 
     async def _put_end(self, message: PutEnd) -> CodesReply:

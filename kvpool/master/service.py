@@ -138,7 +138,7 @@ class MasterService:
         self._registry = SegmentRegistry()
         # DRAM eviction follows `policy`; each slower tier has its own LRU (docs/tiers.md).
         self._table = ObjectTable(
-            policy if policy is not None else make_policy(),
+            policy if policy is not None else make_policy(config.eviction_policy),
             {tier: LruPolicy() for tier in SLOWER_TIERS},
         )
         self._quarantine = Quarantine()
@@ -301,8 +301,12 @@ class MasterService:
             victims, is_short = select_for_room(
                 self._table.policy, self._registry.active, shortfall_bytes, now_ms
             )
-            is_done = self._tiers.demote_all(victims, TIER_DRAM, now_ms)
-            if is_short or not is_done:
+            self._tiers.demote_all(victims, TIER_DRAM, now_ms)
+            # Only a scan that found too little waits: victims whose offload could not start
+            # yet (the slower tier is dropping to take them, or the node's move budget is
+            # spent) are tried again by the put's next round (server.py), which must not find
+            # eviction backed off.
+            if is_short:
                 self._evict_for_room_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return reply
 

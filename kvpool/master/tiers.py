@@ -418,9 +418,11 @@ class TierFlow:
         if offset is not None:
             return (segment, offset)
         if now_ms >= self._room_after_ms[tier]:
-            victims, is_short = select_for_room(
-                self._table.views[tier].policy, [segment], footprint_bytes(size_bytes), now_ms
-            )
+            # The room its drops in flight will free is promised to the objects that asked
+            # before (the victims of one DRAM eviction ask one after the other): this one
+            # needs room of its own, or a whole batch would wait on the first one's.
+            need_bytes = footprint_bytes(size_bytes) + segment.drop_bytes
+            victims, is_short = select_for_room(self._table.views[tier].policy, [segment], need_bytes, now_ms)
             is_done = self.demote_all(victims, tier, now_ms)
             if is_short or not is_done:
                 self._room_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS

@@ -1,14 +1,17 @@
 """A simulated cluster: the real `MasterService` with mounted fake segments, driven by a
 simulated clock, with nodes that always commit and forget at once. No bytes are moved.
 
-Each segment stands for the DRAM one serving instance contributes. The master code is the
-production code path for every request a replay makes (longest_prefix, exist_keys,
-query_objects, get_replica_list, put_start / put_end / finish_put_end, tick, heartbeat,
-take_drops / drops_done); what this module simulates is only what the server and the nodes
-would do around it: CommitObjects are acknowledged OK, DropObjects are acknowledged
-immediately, a put_start that found no room is retried once after its drops (as
-server.py's `_put_start` does), and `tick` runs every TICK_INTERVAL_MS of simulated time with
-a heartbeat from every node. It is not a network or failure simulator.
+Each segment stands for the DRAM one serving instance contributes, and, when the replay gives
+instances a disk tier, a second segment of tier "disk" on the same node stands for its NVMe
+(docs/tiers.md). The master code is the production code path for every request a replay
+makes (longest_prefix, exist_keys, query_objects, get_replica_list, put_start / put_end /
+finish_put_end, tick, heartbeat, take_drops / drops_done, take_moves / finish_moves); what
+this module simulates is only what the server and the nodes would do around it:
+CommitObjects are acknowledged OK, DropObjects and MoveObjects (offloads to disk, promotions
+back to DRAM) are acknowledged OK at once, a put_start that found no room is retried after
+its moves and drops, in rounds (as server.py's `_put_start` does), and `tick` runs every
+TICK_INTERVAL_MS of simulated time with a heartbeat from every node. It is not a network or
+failure simulator.
 
 Every object of a replay is one KV-cache block of `object_size_bytes` (all equal, so that a
 segment of `capacity_blocks * object_size_bytes` holds exactly `capacity_blocks` of them: the
@@ -21,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgspec
+
 from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams
@@ -28,6 +33,9 @@ from kvpool.master.eviction import EvictionPolicy
 from kvpool.master.puts import merge_retried
 from kvpool.master.service import MasterService
 from kvpool.protocol.messages import (
+    TIER_DISK,
+    TIER_DRAM,
+    ClusterStatus,
     ExistKeys,
     GetReplicaList,
     Heartbeat,
@@ -45,16 +53,21 @@ TICK_INTERVAL_MS = 200
 # Objects of a simulated block: at least this, so that small pools still mount (segments are
 # at least limits.SEGMENT_SIZE_BYTES_MIN).
 SIM_OBJECT_SIZE_BYTES_MIN = 4 * limits.KIB
+# Moves finish at once, and may start drops (an offload's source) that let more moves start:
+# settle() runs this many rounds at most (one or two suffice).
+SETTLE_ROUNDS_MAX = 8
 # A simulated jump in time runs at most this many ticks; a longer idle gap is one tick (the
 # master's tick does the same work either way: nothing is leased or in flight between requests).
 TICKS_PER_ADVANCE_MAX = 64
 
 
-def sim_object_size_bytes(capacity_blocks: int) -> int:
-    """Object size that lets a segment of `capacity_blocks` objects reach the minimum segment
-    size, rounded up to the allocator alignment (and a page, so a live node can map it too)."""
-    assert capacity_blocks > 0, capacity_blocks
-    need = -(-limits.SEGMENT_SIZE_BYTES_MIN // capacity_blocks)
+def sim_object_size_bytes(capacity_blocks: int, disk_capacity_blocks: int = 0) -> int:
+    """Object size that lets a segment of `capacity_blocks` objects (and a disk tier of
+    `disk_capacity_blocks`, if any) reach the minimum segment size, rounded up to the allocator
+    alignment (and a page, so a live node can map it too)."""
+    assert capacity_blocks > 0 and disk_capacity_blocks >= 0, (capacity_blocks, disk_capacity_blocks)
+    smallest = min(capacity_blocks, disk_capacity_blocks) if disk_capacity_blocks else capacity_blocks
+    need = -(-limits.SEGMENT_SIZE_BYTES_MIN // smallest)
     size = max(SIM_OBJECT_SIZE_BYTES_MIN, need)
     return -(-size // limits.PAGE_SIZE_BYTES) * limits.PAGE_SIZE_BYTES
 
@@ -65,7 +78,8 @@ class ReadOutcome:
 
     found_count: int = 0  # keys found, anywhere
     leading_count: int = 0  # keys found before the first miss
-    remote_indexes: list[int] = dataclasses.field(default_factory=list)  # found on another segment
+    remote_indexes: list[int] = dataclasses.field(default_factory=list)  # found on another node only
+    disk_indexes: list[int] = dataclasses.field(default_factory=list)  # found on a disk tier only
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,13 +95,15 @@ class SimCluster:
     """One master, `segment_count` mounted fake segments, and the simulated clock.
 
     Holds the service and the segment ids, in mount order (segment `i` belongs to serving
-    instance `i` of the pool). `now_ms` only moves forward (advance); every request goes to
+    instance `i` of the pool, and so does disk segment `i` when instances have a disk tier:
+    both on node `i`). `now_ms` only moves forward (advance); every request goes to
     the service at the current `now_ms`. Puts prefer the writer's own segment
     ("preferred" placement, then random), as an instance that contributes its DRAM would.
 
     Args:
         segment_count: segments to mount (one per serving instance sharing this master).
         capacity_blocks: objects each segment holds.
+        disk_capacity_blocks: objects each instance's disk tier holds (0: no disk tier).
         object_size_bytes: size of each object (a multiple of the page size).
         config: the master's configuration (leases, watermarks, TTLs).
         policy: the eviction policy; the master's default when None.
@@ -104,9 +120,12 @@ class SimCluster:
         policy: EvictionPolicy | None = None,
         seed: int = 0,
         check_every: int = 0,
+        disk_capacity_blocks: int = 0,
     ) -> None:
-        if segment_count <= 0 or capacity_blocks <= 0:
-            raise InvalidParams(f"need segments and capacity: {segment_count} x {capacity_blocks}")
+        if segment_count <= 0 or capacity_blocks <= 0 or disk_capacity_blocks < 0:
+            raise InvalidParams(
+                f"need segments and capacity: {segment_count} x {capacity_blocks} (disk {disk_capacity_blocks})"
+            )
         if object_size_bytes % limits.PAGE_SIZE_BYTES:
             raise InvalidParams(f"object size {object_size_bytes} not a multiple of a page")
         self.service = MasterService(config, random.Random(seed), None, policy=policy)
@@ -118,6 +137,7 @@ class SimCluster:
         self._check_every = check_every
         self._calls = 0
         self.segment_ids = [f"sim-segment-{index}" for index in range(segment_count)]
+        self.disk_segment_ids = [f"sim-disk-{index}" for index in range(segment_count)] if disk_capacity_blocks else []
         self._configs = [
             ReplicateConfig(replica_num=1, placement="preferred", preferred_segments=[segment_id])
             for segment_id in self.segment_ids
@@ -128,6 +148,12 @@ class SimCluster:
                 capacity_blocks * object_size_bytes,
             )  # fmt: skip
             self.service.mount_segment(MountSegment(info, []), 0)
+            if disk_capacity_blocks:
+                disk = msgspec.structs.replace(
+                    info, segment_id=self.disk_segment_ids[index],
+                    capacity_bytes=disk_capacity_blocks * object_size_bytes, tier=TIER_DISK,
+                )  # fmt: skip
+                self.service.mount_segment(MountSegment(disk, []), 0)
         self._checked()
 
     def __repr__(self) -> str:
@@ -148,9 +174,9 @@ class SimCluster:
                 # Idle gap: the remaining ticks would find the same nothing to do.
                 self._next_tick_ms = now_ms - now_ms % TICK_INTERVAL_MS
             tick_ms = self._next_tick_ms
-            self.service.heartbeat(Heartbeat(self.segment_ids), tick_ms)
+            self.service.heartbeat(Heartbeat(self.segment_ids + self.disk_segment_ids), tick_ms)
             self.service.tick(tick_ms)
-            self._ack_drops(tick_ms)
+            self._settle(tick_ms)
             self._next_tick_ms = tick_ms + TICK_INTERVAL_MS
         self.now_ms = now_ms
         self._checked()
@@ -166,12 +192,13 @@ class SimCluster:
         return flags
 
     def local_prefix(self, keys: list[str], segment_index: int) -> int:
-        """Leading keys with a replica on segment `segment_index` (no lease, not an access)."""
+        """Leading keys with a replica on instance `segment_index`'s own segment or disk tier
+        (no lease, not an access)."""
         reply = self.service.query_objects(QueryObjects(keys), self.now_ms)
-        segment_id = self.segment_ids[segment_index]
+        own = {self.segment_ids[segment_index], *self.disk_segment_ids[segment_index : segment_index + 1]}
         count = 0
         for code, replicas in zip(reply.codes, reply.replicas):
-            if code != ErrorCode.OK or all(r.segment_id != segment_id for r in replicas):
+            if code != ErrorCode.OK or all(r.segment_id not in own for r in replicas):
                 break
             count += 1
         return count
@@ -179,7 +206,8 @@ class SimCluster:
     def read(self, keys: list[str], segment_index: int) -> ReadOutcome:
         """get_replica_list: leases and counts as an access; reads from the nearest replica."""
         reply = self.service.get_replica_list(GetReplicaList(keys), self.now_ms)
-        own = self.segment_ids[segment_index]
+        own_node = f"sim-node-{segment_index}"
+        segments = reply.segments
         outcome = ReadOutcome()
         is_leading = True
         for index, (code, replicas) in enumerate(zip(reply.codes, reply.replicas)):
@@ -188,28 +216,34 @@ class SimCluster:
                 continue
             outcome.found_count += 1
             outcome.leading_count += is_leading
-            if all(r.segment_id != own for r in replicas):
+            if all(segments[r.segment_id].node_id != own_node for r in replicas):
                 outcome.remote_indexes.append(index)
+            if all(segments[r.segment_id].tier == TIER_DISK for r in replicas):
+                outcome.disk_indexes.append(index)
         self._checked()
         return outcome
 
     def write(self, keys: list[str], segment_index: int) -> WriteOutcome:
         """The two-phase put of `keys` (absent ones), as a writer on segment `segment_index`:
-        put_start, one retry of keys without room once their drops are acknowledged, then
-        put_end and the nodes' commits. Returns where the objects landed."""
+        put_start, retries of keys without room once the moves and drops in flight are
+        acknowledged (rounds, as server.py's `_put_start` does), then put_end and the nodes'
+        commits. Returns where the objects landed."""
         service, now_ms = self.service, self.now_ms
         config = self._configs[segment_index]
         sizes = [self.object_size_bytes] * len(keys)
         hostname = f"sim-host-{segment_index}"
         reply = service.put_start(PutStart(keys, sizes, config, hostname), now_ms)
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
-        if retry and service.has_pending_drops():
-            self._ack_drops(now_ms)
+        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+            if not retry or not (service.has_pending_drops() or service.has_unsent_moves()):
+                break
+            self._settle(now_ms)
             again = service.put_start(
                 PutStart([keys[i] for i in retry], [sizes[i] for i in retry], config, hostname), now_ms
             )
             merge_retried(reply, again, retry)
-        self._ack_drops(now_ms)
+            retry = [i for i in retry if reply.codes[i] == ErrorCode.NO_AVAILABLE_HANDLE]
+        self._settle(now_ms)
         outcome = WriteOutcome()
         granted: list[str] = []
         own = self.segment_ids[segment_index]
@@ -231,10 +265,21 @@ class SimCluster:
         self._checked()
         return outcome
 
-    def _ack_drops(self, now_ms: int) -> None:
+    def _settle(self, now_ms: int) -> None:
+        """Acknowledge every move (OK: the node copied it) and drop the master asked for."""
         service = self.service
-        for segment_id, entries in service.take_drops().items():
-            service.drops_done(segment_id, entries, now_ms)
+        for _ in range(SETTLE_ROUNDS_MAX):
+            if not service.has_unsent_moves() and not service.has_pending_drops():
+                return
+            for segment_id, items in service.take_moves().items():
+                service.finish_moves(segment_id, items, [int(ErrorCode.OK)] * len(items), now_ms)
+            for segment_id, entries in service.take_drops().items():
+                service.drops_done(segment_id, entries, now_ms)
+
+    def tier_counters(self) -> tuple[int, int]:
+        """Objects offloaded to a disk tier, and promoted back into DRAM, so far."""
+        tiers = {status.tier: status for status in self.service.cluster_status(ClusterStatus(), self.now_ms).tiers}
+        return tiers[TIER_DISK].offloads, tiers[TIER_DRAM].promotions
 
     def _checked(self) -> None:
         if self._check_every:
@@ -245,3 +290,4 @@ class SimCluster:
     def check_invariants(self) -> None:
         self.service.check_invariants()
         assert not self.service.has_pending_drops(), "a drop left unacknowledged"
+        assert not self.service.has_unsent_moves(), "a move left unacknowledged"

@@ -28,7 +28,7 @@ from kvpool import limits
 from kvpool.cli.launcher import LocalCluster, StartedInContext
 from kvpool.client.sync import Store
 from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
-from kvpool.master.eviction import POLICY_DEFAULT
+from kvpool.master.eviction import POLICIES
 from kvpool.protocol.messages import ReplicateConfig
 from kvpool.sim.cluster import ReadOutcome, WriteOutcome
 from kvpool.sim.replay import (
@@ -183,6 +183,9 @@ class LiveBackend:
         stores = self._stores if not self._is_pooled else self._stores[:1]
         return sum(store.cluster_status().evicted_count for store in stores)
 
+    def tier_counters(self) -> tuple[int, int]:
+        return 0, 0  # a live replay's nodes have DRAM only (_check_config)
+
 
 def _leading_on(store: Store, keys: list[str], segment_id: str) -> int:
     reply = store.query(keys)
@@ -208,6 +211,7 @@ class LiveCluster(StartedInContext):
         master_args = (
             "--evict-watermark-high", str(config.evict_watermark_ratio_high),
             "--lease-ttl-ms", str(max(config.lease_ttl_ms, LIVE_LEASE_TTL_MS)),
+            "--eviction-policy", config.policy,
         )  # fmt: skip
         self.is_pooled = config.sharing == "pooled"
         cluster_count = 1 if self.is_pooled else config.instance_count
@@ -242,12 +246,14 @@ def start_all(clusters: Sequence[LocalCluster]) -> None:
         list(pool.map(LocalCluster.start, clusters))
 
 
-def _check_policy(config: ReplayConfig) -> None:
-    if config.policy != POLICY_DEFAULT:
+def _check_config(config: ReplayConfig) -> None:
+    if config.policy not in POLICIES:
         raise InvalidParams(
-            f"live mode runs the master's default policy ({POLICY_DEFAULT}); "
+            f"a master process runs {sorted(POLICIES)} (kvpool master --eviction-policy); "
             f"simulate {config.policy!r} with --mode sim"
         )
+    if config.disk_capacity_blocks:
+        raise InvalidParams("a live replay's nodes have DRAM only: simulate a disk tier with --mode sim")
 
 
 def _replay_on(
@@ -278,18 +284,18 @@ def replay_live(
 
     Args:
         requests: the trace (or a prefix of it), in timestamp order.
-        config: as for the simulation; policy must be the master's default, and the lease
-            and watermark are passed to the master.
+        config: as for the simulation (policy: one a master process runs, not belady); the
+            policy, lease and watermark are passed to the master.
         speedup: trace ms per wall ms (0: as fast as possible).
         block_size_bytes: real bytes per block (None: live_block_size_bytes()).
         on_progress: called with the count of requests served so far.
 
     Raises:
-        InvalidParams: a policy the master process cannot run, or a pool too large.
+        InvalidParams: a policy the master process cannot run, a disk tier, or a pool too large.
         ConnectFailed: a process did not start.
         TransferFailed: a block was read back wrong.
     """
-    _check_policy(config)
+    _check_config(config)
     capacity_blocks = resolve_capacity_blocks(requests, config.capacity_blocks)
     block_size_bytes = block_size_bytes or live_block_size_bytes(capacity_blocks, config.instance_count)
     with LiveCluster(config, capacity_blocks, block_size_bytes) as live:
@@ -303,7 +309,7 @@ def replay_live_side_by_side(
     the start-up, mostly Python imports, is paid once. All pools together stay within
     LIVE_MEMORY_BYTES_MAX. Raises as replay_live."""
     for config in configs:
-        _check_policy(config)
+        _check_config(config)
     capacities = [resolve_capacity_blocks(requests, config.capacity_blocks) for config in configs]
     all_blocks = sum(capacity * config.instance_count for capacity, config in zip(capacities, configs))
     block_size_bytes = min(live_block_size_bytes(capacity, 1) for capacity in capacities)

@@ -28,6 +28,12 @@ token hits. Bytes are reported at `bytes_per_token` of the model (default 320 Ki
 model in fp16: 80 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes): bytes loaded (the
 prefix), bytes stored (new blocks), and of each the part that crossed to another instance's
 segment (pooled mode only).
+
+A disk tier per instance (`disk_capacity_blocks`) puts a second, slower tier under each
+instance's DRAM, as `kvpool node --disk-dir` does: the master offloads what DRAM evicts to the
+node's disk and promotes what is read there often back into DRAM (docs/tiers.md). A block
+found on disk only is a hit (counted apart: `block_hits_disk`); a block leaves the pool only
+when the disk tier evicts it too.
 """
 
 from __future__ import annotations
@@ -68,6 +74,15 @@ PROGRESS_EVERY_REQUESTS = 64
 BLOCK_KEY_PREFIX = "block/"
 
 
+def human_tokens(tokens: int) -> str:
+    """3 significant digits, decimal units: 999,936 tokens (1953 blocks) is "1M"."""
+    rounded = float(f"{tokens:.3g}")
+    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if rounded >= size:
+            return f"{rounded / size:g}{unit}"
+    return f"{rounded:g}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplayConfig:
     """One configuration of a replay (one point of one curve).
@@ -76,6 +91,8 @@ class ReplayConfig:
         instance_count: serving instances.
         capacity_blocks: blocks each instance contributes (None: unbounded, i.e. every
             distinct block of the trace fits in each instance).
+        disk_capacity_blocks: blocks each instance's disk tier holds under its DRAM (0: no
+            disk tier).
         sharing: "local" (each instance alone) or "pooled" (one pool of all instances).
         routing: "round-robin", "random" or "cache-aware".
         policy: "probation" (kvpool's default), "lru", or "belady" (simulation only).
@@ -90,6 +107,7 @@ class ReplayConfig:
 
     instance_count: int = 1
     capacity_blocks: int | None = None
+    disk_capacity_blocks: int = 0
     sharing: str = "pooled"
     routing: str = "round-robin"
     policy: str = POLICY_DEFAULT
@@ -104,6 +122,8 @@ class ReplayConfig:
             raise InvalidParams(f"instance_count {self.instance_count} <= 0")
         if self.capacity_blocks is not None and self.capacity_blocks <= 0:
             raise InvalidParams(f"capacity_blocks {self.capacity_blocks} <= 0")
+        if self.disk_capacity_blocks < 0:
+            raise InvalidParams(f"disk_capacity_blocks {self.disk_capacity_blocks} < 0")
         if self.sharing not in SHARINGS:
             raise InvalidParams(f"sharing {self.sharing!r} not one of {SHARINGS}")
         if self.routing not in ROUTINGS:
@@ -115,10 +135,11 @@ class ReplayConfig:
 
     @property
     def label(self) -> str:
-        """One curve of a plot: everything but the capacity."""
+        """One curve of a plot: everything but the (DRAM) capacity."""
+        disk = f", + disk {human_tokens(self.disk_capacity_blocks * BLOCK_TOKENS)}" if self.disk_capacity_blocks else ""
         if self.instance_count == 1:
-            return f"1 instance, {self.policy}"
-        return f"{self.instance_count} x {self.sharing}, {self.routing}, {self.policy}"
+            return f"1 instance, {self.policy}{disk}"
+        return f"{self.instance_count} x {self.sharing}, {self.routing}, {self.policy}{disk}"
 
     def master_config(self) -> MasterConfig:
         return MasterConfig(
@@ -137,12 +158,14 @@ class ReplayResult(msgspec.Struct, kw_only=True):
     policy: str
     capacity_blocks: int  # per instance
     capacity_tokens: int  # per instance
+    disk_capacity_blocks: int  # per instance (0: no disk tier)
     pool_capacity_tokens: int  # all instances
     bytes_per_token: int
     requests: int
     blocks: int
     block_hits: int
     block_hit_rate: float
+    block_hits_disk: int  # of block_hits: found on a disk tier only
     tokens: int
     token_hits: int
     token_hit_rate: float
@@ -152,7 +175,9 @@ class ReplayResult(msgspec.Struct, kw_only=True):
     stored_bytes: int
     stored_bytes_remote: int
     blocks_not_stored: int  # no room even after eviction
-    evictions: int
+    evictions: int  # objects that left the pool (from its lowest tier)
+    offloads: int  # objects DRAM evicted to a disk tier
+    promotions: int  # objects read often on disk, copied back into DRAM
     requests_per_instance: list[int]
     runtime_s: float
     # Live mode only (0 in simulation):
@@ -178,6 +203,7 @@ class Backend(Protocol):
     def read(self, instance: int, keys: list[str]) -> ReadOutcome: ...
     def write(self, instance: int, keys: list[str]) -> WriteOutcome: ...
     def evictions(self) -> int: ...
+    def tier_counters(self) -> tuple[int, int]: ...
 
 
 class SimBackend:
@@ -190,6 +216,7 @@ class SimBackend:
     """
 
     def __init__(self, config: ReplayConfig, capacity_blocks: int, object_size_bytes: int) -> None:
+        disk_blocks = config.disk_capacity_blocks
         master_config = config.master_config()
         count = config.instance_count
         self.policies: list[BeladyPolicy] = []
@@ -203,12 +230,18 @@ class SimBackend:
 
         if config.sharing == "local":
             self.clusters = [
-                SimCluster(1, capacity_blocks, object_size_bytes, master_config, policy(), config.seed + i, config.check_every)
+                SimCluster(
+                    1, capacity_blocks, object_size_bytes, master_config, policy(), config.seed + i,
+                    config.check_every, disk_blocks,
+                )
                 for i in range(count)
             ]  # fmt: skip
             self._where = [(self.clusters[i], 0) for i in range(count)]
         else:
-            cluster = SimCluster(count, capacity_blocks, object_size_bytes, master_config, policy(), config.seed, config.check_every)
+            cluster = SimCluster(
+                count, capacity_blocks, object_size_bytes, master_config, policy(), config.seed,
+                config.check_every, disk_blocks,
+            )  # fmt: skip
             self.clusters = [cluster]
             self._where = [(cluster, i) for i in range(count)]
 
@@ -245,6 +278,10 @@ class SimBackend:
     def evictions(self) -> int:
         return sum(cluster.evictions for cluster in self.clusters)
 
+    def tier_counters(self) -> tuple[int, int]:
+        counts = [cluster.tier_counters() for cluster in self.clusters]
+        return sum(offloads for offloads, _ in counts), sum(promotions for _, promotions in counts)
+
     def check_invariants(self) -> None:
         for cluster in self.clusters:
             cluster.check_invariants()
@@ -254,6 +291,7 @@ class SimBackend:
 class _Tally:
     blocks: int = 0
     block_hits: int = 0
+    block_hits_disk: int = 0
     tokens: int = 0
     token_hits: int = 0
     tokens_loaded_remote: int = 0
@@ -292,7 +330,8 @@ def replay(
             routing: its future depends on the routes).
     """
     capacity_blocks = resolve_capacity_blocks(requests, config.capacity_blocks)
-    backend = SimBackend(config, capacity_blocks, sim_object_size_bytes(capacity_blocks))
+    object_size_bytes = sim_object_size_bytes(capacity_blocks, config.disk_capacity_blocks)
+    backend = SimBackend(config, capacity_blocks, object_size_bytes)
     started = time.perf_counter()
     result = run_protocol(requests, config, capacity_blocks, backend, BLOCK_KEY_PREFIX, on_progress, mode="sim")
     backend.check_invariants()
@@ -345,7 +384,7 @@ def run_protocol(
     if on_progress is not None:
         on_progress(len(requests))
     elapsed_s = time.perf_counter() - started
-    return _result(config, capacity_blocks, len(requests), tally, per_instance, backend.evictions(), mode, elapsed_s)
+    return _result(config, capacity_blocks, len(requests), tally, per_instance, backend, mode, elapsed_s)
 
 
 def _serve(backend: Backend, instance: int, request: TraceRequest, keys: list[str], tally: _Tally, began: float) -> None:
@@ -354,6 +393,7 @@ def _serve(backend: Backend, instance: int, request: TraceRequest, keys: list[st
         loaded = backend.read(instance, keys[:hit_count])
         hit_count = loaded.leading_count  # live: a block may vanish between lookup and load
         tally.tokens_loaded_remote += sum(request.block_tokens(i) for i in loaded.remote_indexes if i < hit_count)
+        tally.block_hits_disk += sum(1 for i in loaded.disk_indexes if i < hit_count)
     lookup_load_s = time.perf_counter() - began
     position = hit_count
     while position < len(keys):  # bounded: every pass consumes at least one key
@@ -416,11 +456,12 @@ def _result(
     request_count: int,
     tally: _Tally,
     per_instance: list[int],
-    evictions: int,
+    backend: Backend,
     mode: str,
     elapsed_s: float,
 ) -> ReplayResult:
     per_token = config.bytes_per_token
+    offloads, promotions = backend.tier_counters()
     capacity_tokens = capacity_blocks * BLOCK_TOKENS
     result = ReplayResult(
         mode=mode,
@@ -431,12 +472,14 @@ def _result(
         policy=config.policy,
         capacity_blocks=capacity_blocks,
         capacity_tokens=capacity_tokens,
+        disk_capacity_blocks=config.disk_capacity_blocks,
         pool_capacity_tokens=capacity_tokens * config.instance_count,
         bytes_per_token=per_token,
         requests=request_count,
         blocks=tally.blocks,
         block_hits=tally.block_hits,
         block_hit_rate=tally.block_hits / tally.blocks if tally.blocks else 0.0,
+        block_hits_disk=tally.block_hits_disk,
         tokens=tally.tokens,
         token_hits=tally.token_hits,
         token_hit_rate=tally.token_hits / tally.tokens if tally.tokens else 0.0,
@@ -446,7 +489,9 @@ def _result(
         stored_bytes=tally.tokens_stored * per_token,
         stored_bytes_remote=tally.tokens_stored_remote * per_token,
         blocks_not_stored=tally.blocks_not_stored,
-        evictions=evictions,
+        evictions=backend.evictions(),
+        offloads=offloads,
+        promotions=promotions,
         requests_per_instance=per_instance,
         runtime_s=round(elapsed_s, 3),
     )

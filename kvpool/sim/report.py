@@ -13,16 +13,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvpool.sim.replay import ReplayResult
-
-
-def human_tokens(tokens: int) -> str:
-    """3 significant digits, decimal units: 999,936 tokens (1953 blocks) is "1M"."""
-    rounded = float(f"{tokens:.3g}")
-    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if rounded >= size:
-            return f"{rounded / size:g}{unit}"
-    return f"{rounded:g}"
+from kvpool.sim.replay import ReplayResult, human_tokens
+from kvpool.sim.trace import BLOCK_TOKENS
 
 
 def human_bytes(size_bytes: float) -> str:
@@ -37,10 +29,21 @@ TABLE_COLUMNS = (
     "configuration", "mode", "capacity/instance", "pool", "block hit", "token hit",
     "prefill saved", "loaded (remote)", "stored (remote)", "evictions", "time",
 )  # fmt: skip
+# With a disk tier under DRAM (replay.py), after "capacity/instance" and before "time":
+DISK_COLUMNS = ("disk/instance", "hit on disk", "offloads / promotions")
+
+
+def table_columns(results: Sequence[ReplayResult]) -> list[str]:
+    """TABLE_COLUMNS, with DISK_COLUMNS when any result had a disk tier."""
+    if not any(r.disk_capacity_blocks for r in results):
+        return list(TABLE_COLUMNS)
+    return [*TABLE_COLUMNS[:3], DISK_COLUMNS[0], *TABLE_COLUMNS[3:5], DISK_COLUMNS[1], *TABLE_COLUMNS[5:-1],
+            DISK_COLUMNS[2], TABLE_COLUMNS[-1]]  # fmt: skip
 
 
 def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
-    """One row of TABLE_COLUMNS per result, as text."""
+    """One row of table_columns(results) per result, as text."""
+    with_disk = any(r.disk_capacity_blocks for r in results)
     rows = []
     for r in results:
         row = [
@@ -56,6 +59,11 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
             str(r.evictions),
             f"{r.runtime_s:.1f} s",
         ]
+        if with_disk:
+            has_disk = r.disk_capacity_blocks > 0
+            row.insert(3, human_tokens(r.disk_capacity_blocks * BLOCK_TOKENS) if has_disk else "-")
+            row.insert(6, f"{r.block_hits_disk / r.blocks:.3f}" if has_disk and r.blocks else "-")
+            row.insert(-1, f"{r.offloads} / {r.promotions}" if has_disk else "-")
         rows.append(row)
     return rows
 
@@ -95,7 +103,7 @@ def write_json(path: Path, results: Sequence[ReplayResult], meta: dict) -> None:
 
 def write_markdown(path: Path, results: Sequence[ReplayResult], meta: dict) -> None:
     text = f"# kvpool replay\n\n`{meta.get('command', '')}`\n\n"
-    text += markdown_table(TABLE_COLUMNS, table_rows(results))
+    text += markdown_table(table_columns(results), table_rows(results))
     live = live_rows(results)
     if live:
         text += "\n" + markdown_table(LIVE_COLUMNS, live)
