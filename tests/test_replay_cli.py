@@ -67,7 +67,6 @@ def test_replay_writes_a_table_json_and_a_plot(tmp_path: Path) -> None:
         ["--mode", "warp"],
         ["--disk-capacity", "unbounded"],  # a disk has a size
         ["--disk-capacity", "100"],  # less than one block
-        ["--mode", "live", "--disk-capacity", "1M"],  # live nodes have DRAM only
     ],
 )
 def test_bad_arguments_exit_with_a_message(tmp_path: Path, extra: list[str]) -> None:

@@ -7,7 +7,7 @@ kvpool/sim's (replay.py for --mode sim, live.py for --mode live); main.py regist
 
 Capacities are per instance: tokens with decimal suffixes (1M = 1,000,000 tokens = 1953
 blocks of 512), bytes with a B suffix (64GiB, at --bytes-per-token), or "unbounded"; so are
-disk tier sizes (--disk-capacity, simulation only), which are never unbounded.
+disk tier sizes (--disk-capacity), which are never unbounded.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def replay(
     disk_capacity: Annotated[
         str,
         typer.Option(
-            help="Sim: a disk tier under each instance's DRAM, per instance, comma-separated "
+            help="A disk tier under each instance's DRAM, per instance, comma-separated "
             "(tokens or bytes as --capacity; 0: none). DRAM evicts to it; reads there are hits.",
         ),
     ] = "0",

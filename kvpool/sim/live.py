@@ -8,6 +8,10 @@ whole pool fits in LIVE_MEMORY_BYTES_MAX), whose bytes are derived from its key 
 every read, so a wrong byte fails the replay. Requests run one after another in trace order;
 `speedup` compresses the trace's clock (0: as fast as the cluster answers).
 
+With a disk tier per instance (`disk_capacity_blocks`), each node gets `--disk-dir` (in the
+cluster's temporary directory) and `--disk-size` for that many blocks, and the master offloads
+to it as it would in production.
+
 It reports what the simulation reports (hit rates, tokens saved, bytes at the model's size)
 plus requests per second, bytes per second actually moved, and latencies (lookup + load, and
 the whole request). With the master's watermark at 1.0 (eviction only for room) and a read
@@ -18,6 +22,7 @@ Not a load generator: one request at a time, so throughput is the round trips of
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +34,7 @@ from kvpool.cli.launcher import LocalCluster, StartedInContext
 from kvpool.client.sync import Store
 from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
 from kvpool.master.eviction import POLICIES
-from kvpool.protocol.messages import ReplicateConfig
+from kvpool.protocol.messages import TIER_DISK, TIER_DRAM, ReplicateConfig
 from kvpool.sim.cluster import ReadOutcome, WriteOutcome
 from kvpool.sim.replay import (
     BLOCK_KEY_PREFIX,
@@ -40,7 +45,8 @@ from kvpool.sim.replay import (
 )
 from kvpool.sim.trace import TraceRequest
 
-# The nodes of one live replay hold at most this much in all (segments live in /dev/shm).
+# The nodes of one live replay hold at most this much in all (segments live in /dev/shm; disk
+# tiers, in files under the temporary directory, count towards it too).
 LIVE_MEMORY_BYTES_MAX = 256 * limits.MIB
 LIVE_BLOCK_SIZE_BYTES_MIN = 4 * limits.KIB
 LIVE_BLOCK_SIZE_BYTES_MAX = 64 * limits.KIB
@@ -58,7 +64,7 @@ _HEADER_SIZE_BYTES = 16
 
 def live_block_size_bytes(capacity_blocks: int, instance_count: int) -> int:
     """The largest block size (a multiple of a page, at most 64 KiB) at which the pool fits
-    in LIVE_MEMORY_BYTES_MAX.
+    in LIVE_MEMORY_BYTES_MAX (`capacity_blocks`: each instance's DRAM and disk tier together).
 
     Raises:
         InvalidParams: even 4 KiB blocks do not fit (ask for less capacity, or fewer requests).
@@ -88,16 +94,24 @@ class LiveBackend:
     Args:
         stores: one Store per instance (in "local" sharing, each on its own cluster).
         segment_ids: the segment of each instance's own node.
+        disk_segment_ids: the disk tier of each instance's own node (none without).
         is_pooled: whether the stores share one master.
         block_size_bytes: size of every object.
         speedup: trace milliseconds per wall millisecond (0: no pacing).
     """
 
     def __init__(
-        self, stores: list[Store], segment_ids: list[str], is_pooled: bool, block_size_bytes: int, speedup: float
+        self,
+        stores: list[Store],
+        segment_ids: list[str],
+        is_pooled: bool,
+        block_size_bytes: int,
+        speedup: float,
+        disk_segment_ids: list[str] | None = None,
     ) -> None:
         self._stores = stores
         self._segment_ids = segment_ids
+        self._disk_segment_ids = disk_segment_ids or []
         self._is_pooled = is_pooled
         self._block_size_bytes = block_size_bytes
         self._speedup = speedup
@@ -123,7 +137,7 @@ class LiveBackend:
     def local_prefix(self, instance: int, keys: list[str]) -> int:
         if not self._is_pooled:
             return self._stores[instance].longest_prefix(keys)
-        return _leading_on(self._stores[instance], keys, self._segment_ids[instance])
+        return _leading_on(self._stores[instance], keys, self._own_segments(instance))
 
     def exist(self, instance: int, keys: list[str]) -> list[bool]:
         return self._stores[instance].batch_exists(keys)
@@ -150,13 +164,21 @@ class LiveBackend:
             outcome.found_count += 1
             outcome.leading_count += is_leading
             self.read_bytes += len(value)
-        if self._is_pooled and outcome.found_count:
-            own = self._segment_ids[instance]
+        if (self._is_pooled or self._disk_segment_ids) and outcome.found_count:
+            own, disks = self._own_segments(instance), set(self._disk_segment_ids)
             reply = store.query(keys)
             for index, (code, replicas) in enumerate(zip(reply.codes, reply.replicas)):
-                if code == ErrorCode.OK and all(r.segment_id != own for r in replicas):
+                if code != ErrorCode.OK:
+                    continue
+                if self._is_pooled and all(r.segment_id not in own for r in replicas):
                     outcome.remote_indexes.append(index)
+                if disks and all(r.segment_id in disks for r in replicas):
+                    outcome.disk_indexes.append(index)
         return outcome
+
+    def _own_segments(self, instance: int) -> set[str]:
+        """The segments of instance `instance`'s own node: DRAM, and its disk tier if any."""
+        return {self._segment_ids[instance], *self._disk_segment_ids[instance : instance + 1]}
 
     def write(self, instance: int, keys: list[str]) -> WriteOutcome:
         store = self._stores[instance]
@@ -184,14 +206,20 @@ class LiveBackend:
         return sum(store.cluster_status().evicted_count for store in stores)
 
     def tier_counters(self) -> tuple[int, int]:
-        return 0, 0  # a live replay's nodes have DRAM only (_check_config)
+        stores = self._stores if not self._is_pooled else self._stores[:1]
+        offloads = promotions = 0
+        for store in stores:
+            tiers = {status.tier: status for status in store.cluster_status().tiers}
+            offloads += tiers[TIER_DISK].offloads
+            promotions += tiers[TIER_DRAM].promotions
+        return offloads, promotions
 
 
-def _leading_on(store: Store, keys: list[str], segment_id: str) -> int:
+def _leading_on(store: Store, keys: list[str], segment_ids: set[str]) -> int:
     reply = store.query(keys)
     count = 0
     for code, replicas in zip(reply.codes, reply.replicas):
-        if code != ErrorCode.OK or all(r.segment_id != segment_id for r in replicas):
+        if code != ErrorCode.OK or all(r.segment_id not in segment_ids for r in replicas):
             break
         count += 1
     return count
@@ -207,6 +235,7 @@ class LiveCluster(StartedInContext):
     def __init__(self, config: ReplayConfig, capacity_blocks: int, block_size_bytes: int) -> None:
         self.config = config
         self.block_size_bytes = block_size_bytes
+        self.disk_size_bytes = config.disk_capacity_blocks * block_size_bytes
         memory = str(capacity_blocks * block_size_bytes)
         master_args = (
             "--evict-watermark-high", str(config.evict_watermark_ratio_high),
@@ -216,13 +245,28 @@ class LiveCluster(StartedInContext):
         self.is_pooled = config.sharing == "pooled"
         cluster_count = 1 if self.is_pooled else config.instance_count
         nodes_per_cluster = config.instance_count if self.is_pooled else 1
-        self.clusters = [LocalCluster(nodes_per_cluster, memory, master_args=master_args) for _ in range(cluster_count)]
+        # Nodes with a disk tier each need their own directory: started one by one (starters).
+        self._nodes_per_cluster = nodes_per_cluster
+        node_count = 0 if self.disk_size_bytes else nodes_per_cluster
+        self.clusters = [LocalCluster(node_count, memory, master_args=master_args) for _ in range(cluster_count)]
         self.stores: list[Store] = []
         self.segment_ids: list[str] = []
+        self.disk_segment_ids: list[str] = []
 
     def start(self) -> None:
-        start_all(self.clusters)
+        start_all(self.starters())
         self.bind()
+
+    def starters(self) -> list[Callable[[], None]]:
+        """One call per cluster that starts its processes (run them side by side)."""
+        return [functools.partial(self._start_cluster, cluster) for cluster in self.clusters]
+
+    def _start_cluster(self, cluster: LocalCluster) -> None:
+        cluster.start()
+        if self.disk_size_bytes:
+            for index in range(self._nodes_per_cluster):
+                disk_dir = cluster.workdir / f"disk{index}"
+                cluster.start_node(("--disk-dir", str(disk_dir), "--disk-size", str(self.disk_size_bytes)))
 
     def bind(self) -> None:
         """Open a Store per instance on clusters already started."""
@@ -230,6 +274,8 @@ class LiveCluster(StartedInContext):
             cluster = self.clusters[0] if self.is_pooled else self.clusters[instance]
             node = cluster.nodes[instance if self.is_pooled else 0]
             self.segment_ids.append(node.info["segment_id"])
+            if self.disk_size_bytes:
+                self.disk_segment_ids.append(node.info["disk_segment_id"])
             self.stores.append(Store(cluster.master_endpoint))
 
     def stop(self) -> None:
@@ -240,10 +286,11 @@ class LiveCluster(StartedInContext):
             cluster.stop()
 
 
-def start_all(clusters: Sequence[LocalCluster]) -> None:
-    """Start local clusters side by side (each is a few process starts, mostly imports)."""
-    with ThreadPoolExecutor(max_workers=max(1, len(clusters))) as pool:
-        list(pool.map(LocalCluster.start, clusters))
+def start_all(starters: Sequence[Callable[[], None]]) -> None:
+    """Start local clusters side by side (LiveCluster.starters: each is a few process starts,
+    mostly imports)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(starters))) as pool:
+        list(pool.map(lambda start: start(), starters))
 
 
 def _check_config(config: ReplayConfig) -> None:
@@ -252,8 +299,6 @@ def _check_config(config: ReplayConfig) -> None:
             f"a master process runs {sorted(POLICIES)} (kvpool master --eviction-policy); "
             f"simulate {config.policy!r} with --mode sim"
         )
-    if config.disk_capacity_blocks:
-        raise InvalidParams("a live replay's nodes have DRAM only: simulate a disk tier with --mode sim")
 
 
 def _replay_on(
@@ -263,7 +308,9 @@ def _replay_on(
     speedup: float,
     on_progress: Callable[[int], None] | None,
 ) -> ReplayResult:
-    backend = LiveBackend(live.stores, live.segment_ids, live.is_pooled, live.block_size_bytes, speedup)
+    backend = LiveBackend(
+        live.stores, live.segment_ids, live.is_pooled, live.block_size_bytes, speedup, live.disk_segment_ids
+    )
     result = run_protocol(requests, live.config, capacity_blocks, backend, BLOCK_KEY_PREFIX, on_progress, mode="live")
     result.block_size_bytes_live = live.block_size_bytes
     result.read_retries_live = backend.read_retries
@@ -291,13 +338,15 @@ def replay_live(
         on_progress: called with the count of requests served so far.
 
     Raises:
-        InvalidParams: a policy the master process cannot run, a disk tier, or a pool too large.
+        InvalidParams: a policy the master process cannot run, or a pool too large.
         ConnectFailed: a process did not start.
         TransferFailed: a block was read back wrong.
     """
     _check_config(config)
     capacity_blocks = resolve_capacity_blocks(requests, config.capacity_blocks)
-    block_size_bytes = block_size_bytes or live_block_size_bytes(capacity_blocks, config.instance_count)
+    block_size_bytes = block_size_bytes or live_block_size_bytes(
+        capacity_blocks + config.disk_capacity_blocks, config.instance_count
+    )
     with LiveCluster(config, capacity_blocks, block_size_bytes) as live:
         return _replay_on(requests, live, capacity_blocks, speedup, on_progress)
 
@@ -311,14 +360,17 @@ def replay_live_side_by_side(
     for config in configs:
         _check_config(config)
     capacities = [resolve_capacity_blocks(requests, config.capacity_blocks) for config in configs]
-    all_blocks = sum(capacity * config.instance_count for capacity, config in zip(capacities, configs))
+    all_blocks = sum(
+        (capacity + config.disk_capacity_blocks) * config.instance_count
+        for capacity, config in zip(capacities, configs)
+    )
     block_size_bytes = min(live_block_size_bytes(capacity, 1) for capacity in capacities)
     block_size_bytes = min(block_size_bytes, live_block_size_bytes(all_blocks, 1))
     if any(capacity * block_size_bytes < limits.SEGMENT_SIZE_BYTES_MIN for capacity in capacities):
         raise InvalidParams("a pool this small needs blocks larger than the others': replay it alone")
     lives = [LiveCluster(config, capacity, block_size_bytes) for config, capacity in zip(configs, capacities)]
     try:
-        start_all([cluster for live in lives for cluster in live.clusters])
+        start_all([start for live in lives for start in live.starters()])
         for live in lives:
             live.bind()
         return [_replay_on(requests, live, capacity, speedup, None) for live, capacity in zip(lives, capacities)]
