@@ -21,7 +21,6 @@ import socket
 import statistics
 import sys
 import time
-
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np

@@ -15,8 +15,8 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import tempfile

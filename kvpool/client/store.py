@@ -20,10 +20,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.config import ClientConfig
 from kvpool.client.buffers import BufferRegistry
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
 from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms, write_landing
+from kvpool.config import ClientConfig
 from kvpool.errors import (
     ErrorCode,
     InvalidParams,
@@ -36,6 +36,8 @@ from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
+    ClusterStatus,
+    ClusterStatusReply,
     CodesReply,
     CountReply,
     ExistKeys,
@@ -51,8 +53,6 @@ from kvpool.protocol.messages import (
     PutStartReply,
     QueryObjects,
     QueryReply,
-    ClusterStatus,
-    ClusterStatusReply,
     Remove,
     RemoveAll,
     RemoveByRegex,

@@ -46,8 +46,8 @@ from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CodesReply,
     CommitObjects,
-    InventoryEntry,
     DropObjects,
+    InventoryEntry,
     Message,
     OkReply,
     ReadReply,
