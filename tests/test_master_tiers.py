@@ -34,7 +34,7 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     UnmountSegment,
 )
-from tests.test_master_service import OBJECT_SIZE, checksum_of, make, put
+from tests.test_master_service import OBJECT_SIZE, checksum_of, commit, make, put
 
 MIB = limits.MIB
 OK = ErrorCode.OK
@@ -144,34 +144,61 @@ def test_put_without_room_offloads_then_fits():
     assert put(svc, ["new"], now=3) == [OK]
 
 
-def test_a_batch_finds_room_when_dram_and_disk_are_both_full():
-    # Every tier full and eviction only for room: room comes in two rounds, the disk tier
-    # dropping what makes room for DRAM's offloads, then DRAM dropping what it offloaded. Each
-    # of a batch's victims needs disk room of its own (a batch used to wait on the first
-    # victim's, one object per round), and the second round must not find DRAM's eviction
-    # backed off (it used to be, for 250 ms, failing every put meanwhile).
+def put_in_rounds(svc, names: list[str], now: int) -> list[str]:
+    """A put as the server runs it when keys find no room: moves and drops land, then the keys
+    without room try again, up to PUT_ROOM_ROUNDS_MAX times; then put_end and the commits of
+    the keys that found room. Returns the keys left without."""
+    start = svc.put_start(PutStart(names, [OBJECT_SIZE] * len(names), ReplicateConfig()), now)
+    retry = [name for name, code in zip(names, start.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+    for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+        if not retry:
+            break
+        run_moves(svc, now)
+        ack_drops(svc, now)
+        again = svc.put_start(PutStart(retry, [OBJECT_SIZE] * len(retry), ReplicateConfig()), now)
+        retry = [name for name, code in zip(retry, again.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+    granted = [name for name in names if name not in retry]
+    pending = svc.put_end(PutEnd(granted, [checksum_of(k) for k in granted]), now)
+    assert commit(svc, pending, now) == [OK] * len(granted)
+    return retry
+
+
+def both_tiers_full():
+    """Eviction only for room; DRAM (16 objects) and the disk tier (16) full."""
     svc = cluster(disk_capacity=MIB, evict_watermark_ratio_high=1.0)
-    fill(svc, 16, "dram")  # 16 x 64 KiB: DRAM full
-    for batch in range(2):  # offloaded to the disk tier until it is full too
-        put(svc, keys(f"more{batch}-", 8), now=1)
-        run_moves(svc, 1)
-        ack_drops(svc, 1)
-    for now in (2, 3):  # every put finds room within the server's rounds
-        names = keys(f"batch{now}-", 8)
-        start = svc.put_start(PutStart(names, [OBJECT_SIZE] * 8, ReplicateConfig()), now)
-        retry = [i for i, code in enumerate(start.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
-        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
-            if not retry:
-                break
-            run_moves(svc, now)
-            ack_drops(svc, now)
-            retried = PutStart([names[i] for i in retry], [OBJECT_SIZE] * len(retry), ReplicateConfig())
-            again = svc.put_start(retried, now)
-            retry = [i for i, code in zip(retry, again.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
-        assert retry == [], f"{len(retry)} of 8 keys found no room at t={now}"
+    fill(svc, 16, "dram")
+    for batch in range(2):
+        assert put_in_rounds(svc, keys(f"more{batch}-", 8), now=1) == []
+    status = tiers(svc)
+    assert status[TIER_DISK]["used_bytes"] == status[TIER_DISK]["capacity_bytes"] == MIB
+    return svc
+
+
+def test_a_batch_finds_room_when_dram_and_disk_are_both_full():
+    # Room comes in two rounds, the disk tier dropping what makes room for DRAM's offloads,
+    # then DRAM dropping what it offloaded. Each of a batch's victims needs disk room of its
+    # own (a batch used to wait on the first victim's, one object per round), and the second
+    # round must not find DRAM's eviction backed off (it used to be, for 250 ms, failing every
+    # put meanwhile).
+    svc = both_tiers_full()
+    for now in (2, 3):
+        assert put_in_rounds(svc, keys(f"batch{now}-", 8), now) == [], f"t={now}"
     status = tiers(svc)
     assert status[TIER_DISK]["used_bytes"] == status[TIER_DISK]["capacity_bytes"]  # full, and turning over
-    assert status[TIER_DISK]["evictions"] > 0
+    assert status[TIER_DISK]["evictions"] >= 16
+
+
+def test_a_second_put_before_the_drops_land_evicts_nothing_more_from_the_disk():
+    # A put of 8 keys makes DRAM pick 8 victims, whose offloads need 8 objects' room on the
+    # disk: the disk drops 8. Another put arriving before those drops land (another client)
+    # picks the same victims, and the room coming covers them: no disk object more.
+    svc = both_tiers_full()
+    for name in ("first", "second"):
+        start = svc.put_start(PutStart(keys(name, 8), [OBJECT_SIZE] * 8, ReplicateConfig()), 2)
+        assert start.codes == [ErrorCode.NO_AVAILABLE_HANDLE] * 8
+    drops = ack_drops(svc, 2)
+    assert len(drops["A/disk"]) == 8
+    assert "A" not in drops  # DRAM's room comes from the offloads, once they land
 
 
 def write_through(svc, names: list[str], now: int = 0, **replicate) -> dict[str, list[MoveItem]]:

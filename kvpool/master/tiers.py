@@ -345,13 +345,15 @@ class TierFlow:
 
     # --- eviction: down a tier -------------------------------------------------------------
 
-    def demote(self, key: str, tier: str, now_ms: int) -> bool:
+    def demote(self, key: str, tier: str, now_ms: int, asked: dict[int, int] | None = None) -> bool:
         """An eviction victim of `tier`: make its replicas there go.
 
         With a replica in another tier, those replicas are dropped. Otherwise the object is
         offloaded to the next tier down that has room (the node's disk tier, then the DFS),
         and dropped only when there is none. Returns False when nothing could be done now
         (room is coming, or the node's move budget is spent): the caller backs off.
+        `asked`: the room the victims before it in the same eviction asked of each lower
+        segment (by segment index; see _room_in).
         """
         table = self._table
         meta = table.get(key)
@@ -379,7 +381,7 @@ class TierFlow:
         for lower in LOWER_TIERS[tier]:
             if not self.moves.has_room(source[0], size_bytes):
                 return False  # Back-pressure: the DRAM stays full until the node catches up.
-            room = self._room_in(lower, source[0], size_bytes, now_ms)
+            room = self._room_in(lower, source[0], size_bytes, now_ms, asked)
             if room is Room.LATER:
                 return False
             if room is Room.NONE:
@@ -397,14 +399,22 @@ class TierFlow:
     def demote_all(self, keys: list[str], tier: str, now_ms: int) -> bool:
         """demote() each key (every one, even after one could not go); False if any could not."""
         is_done = True
+        asked: dict[int, int] = {}
         for key in keys:
-            is_done = self.demote(key, tier, now_ms) and is_done
+            is_done = self.demote(key, tier, now_ms, asked) and is_done
         return is_done
 
-    def _room_in(self, tier: str, near: Segment, size_bytes: int, now_ms: int) -> Place | Room:
+    def _room_in(
+        self, tier: str, near: Segment, size_bytes: int, now_ms: int, asked: dict[int, int] | None = None
+    ) -> Place | Room:
         """A range in `tier` for an object held on `near`'s node: its own disk tier, or the
         DFS. When that tier is full its own eviction runs (bounded), and the answer is LATER
-        if that frees room, NONE if not."""
+        if that frees room, NONE if not.
+
+        The victims of one eviction ask one after the other (`asked` adds up what those before
+        asked of each segment): each needs room of its own, or a whole batch would wait on the
+        first one's; room the drops in flight will free counts towards it, so an eviction
+        repeated before they land (another put's) evicts nothing more."""
         if tier == TIER_DISK:
             segment = self._registry.active_of_node(near.info.node_id, TIER_DISK)
         elif near.info.node_id in self._without_dfs:
@@ -417,11 +427,13 @@ class TierFlow:
         offset = segment.allocator.allocate(size_bytes)
         if offset is not None:
             return (segment, offset)
+        footprint = footprint_bytes(size_bytes)
+        asked_before = 0
+        if asked is not None:
+            asked_before = asked.get(segment.index, 0)
+            asked[segment.index] = asked_before + footprint
         if now_ms >= self._room_after_ms[tier]:
-            # The room its drops in flight will free is promised to the objects that asked
-            # before (the victims of one DRAM eviction ask one after the other): this one
-            # needs room of its own, or a whole batch would wait on the first one's.
-            need_bytes = footprint_bytes(size_bytes) + segment.drop_bytes
+            need_bytes = asked_before + footprint
             victims, is_short = select_for_room(self._table.views[tier].policy, [segment], need_bytes, now_ms)
             is_done = self.demote_all(victims, tier, now_ms)
             if is_short or not is_done:
