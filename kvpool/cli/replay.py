@@ -179,7 +179,7 @@ def _run(
         for share in sharings
         for route in routings
         for name in policies
-        for disk in disk_blocks or [0]
+        for disk in dict.fromkeys(disk_blocks or [0])
         for tokens in capacities
     ]  # fmt: skip
     if mode == "live":
