@@ -351,7 +351,8 @@ class TierFlow:
         With a replica in another tier, those replicas are dropped. Otherwise the object is
         offloaded to the next tier down that has room (the node's disk tier, then the DFS),
         and dropped only when there is none. Returns False when nothing could be done now
-        (room is coming, or the node's move budget is spent): the caller backs off.
+        (room is coming, or the node's move budget is spent): the tick backs off, a put tries
+        again in its next round (server.py).
         `asked`: the room the victims before it in the same eviction asked of each lower
         segment (by segment index; see _room_in).
         """
