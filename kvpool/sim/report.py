@@ -111,7 +111,8 @@ def write_markdown(path: Path, results: Sequence[ReplayResult], meta: dict) -> N
 
 
 def plot_hit_rates(path: Path, results: Sequence[ReplayResult], title: str) -> None:
-    """Hit rate (blocks) against pool capacity in tokens, one curve per label, to a PNG."""
+    """Hit rate (blocks) against pool capacity in tokens (DRAM and disk tiers together), one
+    curve per label, to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: a file only
@@ -121,14 +122,18 @@ def plot_hit_rates(path: Path, results: Sequence[ReplayResult], title: str) -> N
     for result in results:
         curves.setdefault(f"{result.label} ({result.mode})" if result.mode == "live" else result.label, []).append(result)
     figure, axes = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    def all_tiers_tokens(r: ReplayResult) -> int:  # DRAM and any disk tier, all instances
+        return r.pool_capacity_tokens + r.disk_capacity_blocks * BLOCK_TOKENS * r.instance_count
+
     for label, points in curves.items():
-        points = sorted(points, key=lambda r: r.pool_capacity_tokens)
-        xs = [r.pool_capacity_tokens for r in points]
+        points = sorted(points, key=all_tiers_tokens)
+        xs = [all_tiers_tokens(r) for r in points]
         ys = [r.block_hit_rate for r in points]
         style = "--" if "belady" in label else ":" if "local" in label else "-"
         axes.plot(xs, ys, style, marker="o", label=label)
     axes.set_xscale("log")
-    axes.set_xlabel("pool capacity (tokens, all instances)")
+    with_disk = any(r.disk_capacity_blocks for r in results)
+    axes.set_xlabel("pool capacity (tokens, all instances" + ("; DRAM + disk)" if with_disk else ")"))
     axes.set_ylabel("prefix hit rate (blocks)")
     axes.set_ylim(0, 1)
     axes.grid(True, which="both", alpha=0.3)
