@@ -14,7 +14,6 @@ from pathlib import Path
 
 from kvpool import limits
 from kvpool.errors import InvalidParams
-from kvpool.master.eviction import POLICIES, POLICY_DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +31,12 @@ class MasterConfig:
     promote_reads: int = limits.PROMOTE_READS_DEFAULT
     promotion_window_ms: int = limits.PROMOTION_WINDOW_MS_DEFAULT
     # DRAM eviction order, by name (master/eviction.py POLICIES): "probation" or "lru".
-    eviction_policy: str = POLICY_DEFAULT
+    eviction_policy: str = limits.EVICTION_POLICY_DEFAULT
 
     def __post_init__(self) -> None:
+        # Imported here, not at the top: every client imports config, and none needs the master.
+        from kvpool.master.eviction import POLICIES
+
         if self.eviction_policy not in POLICIES:
             raise InvalidParams(f"eviction policy {self.eviction_policy!r} not one of {sorted(POLICIES)}")
         if not 0.0 < self.evict_ratio < self.evict_watermark_ratio_high <= 1.0:

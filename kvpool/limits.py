@@ -166,6 +166,8 @@ MOVE_INFLIGHT_BYTES_PER_NODE_MAX = 256 * MIB
 MOVE_ITEMS_PER_REQUEST_MAX = 1_024
 # One MoveObjects round trip: its copies, their fsyncs, and the wait for admission.
 MOVE_TIMEOUT_MS = 60_000
+# The master's DRAM eviction order (master/eviction.py POLICIES; kvpool master --eviction-policy).
+EVICTION_POLICY_DEFAULT = "probation"
 # A put that found no room tries its keys again, after the moves and drops in flight, at most
 # this many times: with every tier full, room comes in two steps (the disk tier drops to take
 # DRAM's offloads; the offloads land and DRAM drops what they moved).

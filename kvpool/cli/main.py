@@ -159,7 +159,7 @@ def master(
     ] = limits.PROMOTE_READS_DEFAULT,
     eviction_policy: Annotated[
         str, typer.Option(help="DRAM eviction order: probation (never-read objects first) or lru.")
-    ] = "probation",
+    ] = limits.EVICTION_POLICY_DEFAULT,
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:

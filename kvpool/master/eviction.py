@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from kvpool import limits
 from kvpool.errors import InvalidParams
 from kvpool.master.allocator import footprint_bytes
 from kvpool.master.metadata import replica_segment_index
@@ -411,7 +412,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "probation": ProbationLruPolicy,
     "lru": LruPolicy,
 }
-POLICY_DEFAULT = "probation"
+POLICY_DEFAULT = limits.EVICTION_POLICY_DEFAULT
 
 
 def make_policy(name: str = POLICY_DEFAULT) -> EvictionPolicy:
