@@ -44,6 +44,7 @@ from kvpool.protocol.messages import (
     PutEnd,
     PutStart,
     QueryObjects,
+    QueryReply,
     ReplicateConfig,
     SegmentInfo,
 )
@@ -70,6 +71,17 @@ def sim_object_size_bytes(capacity_blocks: int, disk_capacity_blocks: int = 0) -
     need = -(-limits.SEGMENT_SIZE_BYTES_MIN // smallest)
     size = max(SIM_OBJECT_SIZE_BYTES_MIN, need)
     return -(-size // limits.PAGE_SIZE_BYTES) * limits.PAGE_SIZE_BYTES
+
+
+def leading_on(reply: QueryReply, segment_ids: set[str]) -> int:
+    """How many leading keys of a query have a replica on one of `segment_ids` (a serving
+    instance's own segments: the prefix cache-aware routing counts)."""
+    count = 0
+    for code, replicas in zip(reply.codes, reply.replicas):
+        if code != ErrorCode.OK or all(r.segment_id not in segment_ids for r in replicas):
+            break
+        count += 1
+    return count
 
 
 @dataclasses.dataclass(slots=True)
@@ -196,12 +208,7 @@ class SimCluster:
         (no lease, not an access)."""
         reply = self.service.query_objects(QueryObjects(keys), self.now_ms)
         own = {self.segment_ids[segment_index], *self.disk_segment_ids[segment_index : segment_index + 1]}
-        count = 0
-        for code, replicas in zip(reply.codes, reply.replicas):
-            if code != ErrorCode.OK or all(r.segment_id not in own for r in replicas):
-                break
-            count += 1
-        return count
+        return leading_on(reply, own)
 
     def read(self, keys: list[str], segment_index: int) -> ReadOutcome:
         """get_replica_list: leases and counts as an access; reads from the nearest replica."""

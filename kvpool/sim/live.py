@@ -35,7 +35,7 @@ from kvpool.client.sync import Store
 from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
 from kvpool.master.eviction import POLICIES
 from kvpool.protocol.messages import TIER_DISK, TIER_DRAM, ReplicateConfig
-from kvpool.sim.cluster import ReadOutcome, WriteOutcome
+from kvpool.sim.cluster import ReadOutcome, WriteOutcome, leading_on
 from kvpool.sim.replay import (
     BLOCK_KEY_PREFIX,
     ReplayConfig,
@@ -137,7 +137,7 @@ class LiveBackend:
     def local_prefix(self, instance: int, keys: list[str]) -> int:
         if not self._is_pooled:
             return self._stores[instance].longest_prefix(keys)
-        return _leading_on(self._stores[instance], keys, self._own_segments(instance))
+        return leading_on(self._stores[instance].query(keys), self._own_segments(instance))
 
     def exist(self, instance: int, keys: list[str]) -> list[bool]:
         return self._stores[instance].batch_exists(keys)
@@ -213,16 +213,6 @@ class LiveBackend:
             offloads += tiers[TIER_DISK].offloads
             promotions += tiers[TIER_DRAM].promotions
         return offloads, promotions
-
-
-def _leading_on(store: Store, keys: list[str], segment_ids: set[str]) -> int:
-    reply = store.query(keys)
-    count = 0
-    for code, replicas in zip(reply.codes, reply.replicas):
-        if code != ErrorCode.OK or all(r.segment_id not in segment_ids for r in replicas):
-            break
-        count += 1
-    return count
 
 
 class LiveCluster(StartedInContext):
