@@ -4,7 +4,9 @@ Between two processes (this client and a node process; the master is a third):
   - TCP path (shm off) and same-host shm path, 1 MiB and 4 MiB objects, zero-copy batch API,
     against a plain Python socket pair (sendall/recv_into of 1 MiB buffers) and a numpy copy of
     the same bytes, measured in the same run;
-  - 4 KiB objects in batches of 128 through one client (objects/s, put and get);
+  - 4 KiB objects in batches of 128 through one client (objects/s, put and get), into an
+    empty cache and into a full one (every put evicts as much as it writes: a cache's steady
+    state);
   - a single 4 KiB get (median latency).
 Prints JSON: medians of --repeats rounds; every round measures the machine's limit next to the
 put and the get, and the ratios the targets are stated in are medians of per-round ratios.
@@ -179,6 +181,34 @@ def small_objects(store: Store, repeats: int, threads: int) -> dict:
     }
 
 
+FULL_CACHE_MEMORY = 64 * MIB
+
+
+def small_puts_into_a_full_cache(repeats: int, polling: tuple[str, str]) -> dict:
+    """4 KiB puts in batches of 128 from one thread into a node of FULL_CACHE_MEMORY that was
+    filled twice over first: each put finds no room until eviction makes it. Every put must
+    be stored."""
+    batches_per_round = 48
+    value = os.urandom(4096)
+    with LocalCluster(1, f"{FULL_CACHE_MEMORY // MIB}MiB", master_args=polling, node_args=polling) as cluster:
+        with Store(cluster.master_endpoint) as store:
+            next_batch = 0
+
+            def put_rounds(batch_count: int) -> float:
+                nonlocal next_batch
+                started = time.perf_counter()
+                for b in range(next_batch, next_batch + batch_count):
+                    codes = store.put_batch([f"full-{b}-{i}" for i in range(128)], [value] * 128)
+                    assert codes == [ErrorCode.OK] * 128, sorted(set(codes))
+                next_batch += batch_count
+                return 128 * batch_count / (time.perf_counter() - started)
+
+            put_rounds(2 * FULL_CACHE_MEMORY // (128 * len(value)))  # fill, then evict as much again
+            rate = median_of(repeats, lambda: put_rounds(batches_per_round))
+            evictions = store.cluster_status().evicted_count
+    return {"segment_bytes": FULL_CACHE_MEMORY, "put_objects_per_s": round(rate), "evictions": evictions}
+
+
 def single_get_latency(store: Store) -> dict:
     """One 4 KiB get at a time: the sync Store, and AsyncStore on its own loop."""
     keys = [f"latency-{i}" for i in range(256)]
@@ -256,6 +286,7 @@ def main() -> None:
                 )
             store.remove_all(force=True)
             result["single_get_4KiB"] = single_get_latency(store)
+    result["small_4KiB_batch128_shm_1_thread_full_cache"] = small_puts_into_a_full_cache(args.repeats, polling)
     json.dump(result, sys.stdout, indent=2)
     print()
 

@@ -169,9 +169,11 @@ MOVE_TIMEOUT_MS = 60_000
 # The master's DRAM eviction order (master/eviction.py POLICIES; kvpool master --eviction-policy).
 EVICTION_POLICY_DEFAULT = "probation"
 # A put that found no room tries its keys again, after the moves and drops in flight, at most
-# this many times: with every tier full, room comes in two steps (the disk tier drops to take
-# DRAM's offloads; the offloads land and DRAM drops what they moved).
-PUT_ROOM_ROUNDS_MAX = 3
+# this many times (and within the master's PUT_ROOM_WAIT_MS): with every tier full, room comes
+# in two steps (the disk tier drops to take DRAM's offloads; the offloads land and DRAM drops
+# what they moved), and puts arriving meanwhile may take room that landed for a waiting one
+# (four putters into a full 16 MiB segment, watermark 1.0: up to 7 rounds; docs/tiers.md).
+PUT_ROOM_ROUNDS_MAX = 16
 # An object read this many times from a slower tier within a promotion window is copied back
 # into DRAM; at most PROMOTIONS_PER_TICK_MAX are started per master tick, and at most
 # PROMOTION_CANDIDATES_MAX keys are counted at once (the counts restart when it fills up).

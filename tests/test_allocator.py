@@ -73,6 +73,21 @@ def test_free_coalesces_both_neighbours() -> None:
     allocator.check_invariants()
 
 
+def test_free_many_returns_adjacent_ranges_as_one_extent() -> None:
+    allocator = OffsetAllocator(64 * 8)
+    offsets = [allocator.allocate(size) for size in (64, 100, 64, 64)]  # footprints 64, 128, 64, 64
+    assert None not in offsets
+    by_offset = dict(zip(offsets, (64, 100, 64, 64)))
+    kept = offsets[2]
+    allocator.free_many([(offset, size) for offset, size in by_offset.items() if offset != kept])
+    allocator.check_invariants()
+    assert allocator.used_bytes == 64
+    # Everything but the kept range is free, in the two extents around it.
+    assert list(allocator.iter_free_extents()) == [(0, kept), (kept + 64, 64 * 8 - kept - 64)]
+    with pytest.raises(AssertionError):  # a double free is caught as one free
+        allocator.free_many([(offsets[0], 64)])
+
+
 def test_capacity_is_rounded_down_to_alignment() -> None:
     allocator = OffsetAllocator(64 * 4 + 10)
     assert allocator.capacity_bytes == 64 * 4
@@ -254,6 +269,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         size = self.live.pop(offset)
         self.allocator.free(offset, size)
         self.used.difference_update(self._units(offset, size))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_many(self, data) -> None:
+        offsets = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        ranges = [(offset, self.live.pop(offset)) for offset in offsets]
+        self.allocator.free_many(ranges)
+        for offset, size in ranges:
+            self.used.difference_update(self._units(offset, size))
 
     @rule(unit=st.integers(-1, 65), size=st.integers(0, 64 * 8), skew=st.sampled_from([0, 0, 0, 1]))
     def allocate_at(self, unit: int, size: int, skew: int) -> None:

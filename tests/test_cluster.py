@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -237,6 +238,27 @@ def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
             store.put(key, value)
         assert store.get_batch(list(leased)) == list(leased.values())
         assert sum(store.batch_exists(list(flood))) < len(flood)  # something was evicted
+
+
+@pytest.mark.parametrize("watermark", ["0.9", "1.0"])
+def test_concurrent_puts_into_a_full_cache_are_all_stored(make_cluster, watermark):
+    # Four threads put 4 KiB pages through one Store, 8 times the segment's size: each put
+    # that finds no room waits for evictions, while the others take the room that lands.
+    cluster = make_cluster(1, "8MiB", master_args=("--evict-watermark-high", watermark))
+    value = os.urandom(4096)
+    batches = [[f"t{thread}-{b}-{i}" for i in range(128)] for thread in range(4) for b in range(32)]
+    with Store(cluster.master_endpoint) as store:
+
+        def put_batches(thread: int) -> list[int]:
+            mine = batches[thread * 32 : (thread + 1) * 32]
+            return [code for keys in mine for code in store.put_batch(keys, [value] * 128)]
+
+        with ThreadPoolExecutor(4) as pool:
+            codes = [code for codes in pool.map(put_batches, range(4)) for code in codes]
+        assert codes.count(ErrorCode.OK) == len(codes), sorted(set(codes))
+        kept = [key for keys in batches for key, is_there in zip(keys, store.batch_exists(keys)) if is_there]
+        assert len(kept) >= 1024  # at least half the segment holds the newest pages
+        assert store.get_batch(kept[-512:]) == [value] * 512
 
 
 def test_zombie_put_is_reclaimed(make_cluster):

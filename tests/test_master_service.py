@@ -655,6 +655,32 @@ def test_allocation_failure_evicts_then_the_retry_fits(policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_second_put_short_of_room_evicts_for_itself_not_on_the_firsts_drops(policy: str) -> None:
+    svc = make(policy=policy, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")
+    fill(svc, "s1", 16)
+    assert svc.put_start(PutStart(["a"], [OBJECT_SIZE], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    # The drop of k0 is in flight: it is the first put's room, so the second evicts k1.
+    assert svc.put_start(PutStart(["b"], [OBJECT_SIZE], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k0", "k1"]
+    assert svc.put_start(PutStart(["a", "b"], [OBJECT_SIZE] * 2, config()), 0).codes == [OK, OK]
+    # Room that landed is no one's any more: the next put short of room evicts just for itself.
+    assert svc.put_start(PutStart(["c"], [OBJECT_SIZE], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k2"]
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_put_short_of_room_evicts_down_to_the_watermark_at_once(policy: str) -> None:
+    svc = make(policy=policy, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    mount(svc, "s1")
+    fill(svc, "s1", 16)  # full, and no tick has run
+    assert svc.put_start(PutStart(["n"], [OBJECT_SIZE], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    # max(0.05, 1.0 - 0.9 + 0.05) of 1 MiB: three objects, room for the put and two more.
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k0", "k1", "k2"]
+    assert svc.put_start(PutStart(["n", "m", "o"], [OBJECT_SIZE] * 3, config()), 0).codes == [OK] * 3
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_eviction_that_finds_nothing_backs_off(policy: str) -> None:
     svc = make(policy=policy, lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
     mount(svc, "s1")

@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import xxhash
 
 from kvpool import limits
@@ -215,20 +216,33 @@ class GhostFilter:
         self._entries_max = max(entries_max, GHOST_ENTRIES_MIN)
 
     def add(self, key: str) -> None:
-        self._is_empty = False
-        bits = self._current
-        bit_count = len(bits) << 3
-        h = xxhash.xxh3_64_intdigest(key.encode())
-        h1, h2 = h & 0xFFFFFFFF, h >> 32 | 1
-        for probe in (h1, h1 + h2, h1 + 2 * h2):
-            position = probe % bit_count
-            bits[position >> 3] |= 1 << (position & 7)
-        self._count += 1
-        if self._count >= self._current_entries_max:
-            self._previous = bits
-            self._current_entries_max = self._entries_max
-            self._current = bytearray(self._entries_max * GHOST_BITS_PER_ENTRY // 8)
-            self._count = 0
+        self.add_many([key])
+
+    def add_many(self, keys: list[str]) -> None:
+        """add() each key, in order; the bits of each run within one filter set at once."""
+        done = 0
+        while done < len(keys):
+            run = keys[done : done + self._current_entries_max - self._count]
+            self._set_bits(run)
+            self._is_empty = False
+            self._count += len(run)
+            done += len(run)
+            if self._count >= self._current_entries_max:
+                self._previous = self._current
+                self._current_entries_max = self._entries_max
+                self._current = bytearray(self._entries_max * GHOST_BITS_PER_ENTRY // 8)
+                self._count = 0
+
+    def _set_bits(self, keys: list[str]) -> None:
+        # The probes contains() makes (h1 + i * h2, i < 3), for every key at once: uint64 holds
+        # them exactly (h1, h2 < 2**32).
+        digest = xxhash.xxh3_64_intdigest
+        hashes = np.fromiter((digest(key.encode()) for key in keys), dtype=np.uint64, count=len(keys))
+        h1, h2 = hashes & np.uint64(0xFFFFFFFF), hashes >> np.uint64(32) | np.uint64(1)
+        bits = np.frombuffer(self._current, dtype=np.uint8)
+        bit_count = np.uint64(len(bits) * 8)
+        positions = np.concatenate([h1 % bit_count, (h1 + h2) % bit_count, (h1 + np.uint64(2) * h2) % bit_count])
+        np.bitwise_or.at(bits, positions >> np.uint64(3), np.left_shift(1, positions & np.uint64(7)).astype(np.uint8))
 
     def contains(self, key: str) -> bool:
         if self._is_empty:
@@ -386,8 +400,7 @@ class ProbationLruPolicy(EvictionPolicy):
         ghost = self._ghost
         if ghost is not None and victims:
             ghost.resize(self._ghost_objects_ratio * len(objects))
-            for key in victims:
-                ghost.add(key)
+            ghost.add_many(victims)
         return victims
 
     def check_invariants(self) -> None:
@@ -473,17 +486,23 @@ def _take_soft_pinned(table: ObjectTable, judge: Judge, scan_max: int, victims: 
             break
 
 
+def drop_bytes_in_flight(segments: list[Segment]) -> int:
+    """Bytes these segments will have free once the drops and offloads under way land."""
+    return sum(segment.drop_bytes for segment in segments)
+
+
 def select_for_room(
-    policy: EvictionPolicy, active: list[Segment], shortfall_bytes: int, now_ms: int
+    policy: EvictionPolicy, active: list[Segment], shortfall_bytes: int, now_ms: int, claimed_bytes: int = 0
 ) -> tuple[list[str], bool]:
     """Victims after an allocation failure: objects with replicas on active segments, until
-    `shortfall_bytes` more are scheduled for freeing than the drops already in flight.
+    `shortfall_bytes` more are scheduled for freeing than the drops already in flight, less
+    `claimed_bytes` of them that other puts waiting for room count on.
 
-    Returns the victims and whether they fall short of the need. Nothing when the drops in
-    flight cover the shortfall: once the server flushes them and the nodes acknowledge, the
-    room is there. Bounded by EVICT_SCAN_CANDIDATES_PUT_MAX.
+    Returns the victims and whether they fall short of the need. Nothing when the unclaimed
+    drops in flight cover the shortfall: once the server flushes them and the nodes
+    acknowledge, the room is there. Bounded by EVICT_SCAN_CANDIDATES_PUT_MAX.
     """
-    remaining = shortfall_bytes - sum(segment.drop_bytes for segment in active)
+    remaining = shortfall_bytes - max(0, drop_bytes_in_flight(active) - claimed_bytes)
     if remaining <= 0:
         return [], False
     active_indexes = {segment.index for segment in active}
@@ -533,7 +552,18 @@ def select_above_watermark(
             return Verdict.STOP
         if meta.lease_expiry_ms > now_ms:
             return Verdict.DEFER
-        replicas = meta.replica_tuple()
+        replicas = meta.replicas
+        if type(replicas) is int:  # one replica, the common case: one goal to look up
+            index = replica_segment_index(replicas)
+            goal = goals.get(index)
+            if goal is None:
+                return Verdict.SKIP
+            goal -= footprint_bytes(meta.size_bytes)
+            if goal > 0:
+                goals[index] = goal
+            else:
+                del goals[index]
+            return Verdict.TAKE
         if not any(replica_segment_index(r) in goals for r in replicas):
             return Verdict.SKIP
         footprint = footprint_bytes(meta.size_bytes)

@@ -137,16 +137,21 @@ class Segment:
             self.drops_sent[entry.offset] = entry
         return entries
 
-    def finish_drop(self, entry: InventoryEntry) -> bool:
-        """The node forgot `entry`: free its range. False (nothing done) unless it matches a
-        drop that was sent and not yet acknowledged, so a repeated ack never frees twice."""
-        sent = self.drops_sent.get(entry.offset)
-        if sent is None or sent.key != entry.key or sent.size != entry.size:
-            return False
-        del self.drops_sent[entry.offset]
-        self.drop_bytes -= self.allocator.footprint_bytes(sent.size)
-        self.allocator.free(sent.offset, sent.size)
-        return True
+    def finish_drops(self, entries: list[InventoryEntry]) -> int:
+        """The node forgot these entries: free their ranges (adjacent ones at once). An entry
+        that matches no drop sent and not yet acknowledged is ignored, so a repeated ack never
+        frees twice. Returns how many were freed."""
+        sent_drops, footprint = self.drops_sent, self.allocator.footprint_bytes
+        freed: list[tuple[int, int]] = []
+        for entry in entries:
+            sent = sent_drops.get(entry.offset)
+            if sent is None or sent.key != entry.key or sent.size != entry.size:
+                continue
+            del sent_drops[entry.offset]
+            self.drop_bytes -= footprint(sent.size)
+            freed.append((sent.offset, sent.size))
+        self.allocator.free_many(freed)
+        return len(freed)
 
     # --- replicas moving out (an offload in flight) ----------------------------------------
 

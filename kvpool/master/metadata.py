@@ -306,18 +306,21 @@ class ObjectTable:
         also_elsewhere = [(key, meta) for key, meta in hits if type(meta.replicas) is not int]
         return only_there, also_elsewhere
 
-    def remove_many(self, keys: list[str]) -> None:
+    def remove_many(self, keys: list[str]) -> list[ObjectMeta]:
         """remove() for many keys, with the policy told once (EvictionPolicy.on_remove_many)
-        and the tier views visited only when one holds anything."""
+        and the tier views visited only when one holds anything; their metas, in order."""
         has_views = any(view.objects for view in self.views.values())
         from_dram: list[tuple[str, ObjectMeta]] = []
+        metas: list[ObjectMeta] = []
         for key in keys:
             meta, was_in_dram = self._pop(key)
+            metas.append(meta)
             if was_in_dram:
                 from_dram.append((key, meta))
             if has_views:
                 self._place_views(key, meta, ())
         self.policy.on_remove_many(from_dram)
+        return metas
 
     def place(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...]) -> None:
         """Re-index an object after its replicas changed: it is resident in `tiers` now (an

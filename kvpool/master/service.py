@@ -46,6 +46,7 @@ from kvpool.master.eviction import (
     EVICT_SHORTFALL_BACKOFF_MS,
     EvictionPolicy,
     LruPolicy,
+    drop_bytes_in_flight,
     make_policy,
     select_above_watermark,
     select_for_room,
@@ -144,6 +145,7 @@ class MasterService:
         self._quarantine = Quarantine()
         # Set when an eviction fell short (everything leased or pinned): see eviction.py.
         self._evict_for_room_after_ms = 0
+        self._room_claimed_bytes = 0  # of the drops in flight, by puts waiting for room
         self._evict_watermark_after_ms = 0
         self._puts = PutFlow(
             config, rng, cluster_key, term, self._registry, self._table, self._quarantine, self.counters
@@ -297,10 +299,21 @@ class MasterService:
         reply, shortfall_bytes = self._puts.start(
             msg.keys, msg.sizes, msg.config, msg.client_hostname, now_ms
         )
+        if shortfall_bytes:
+            # The segments filled faster than the tick evicts (a burst): evict above the
+            # watermark now, not only for this put's shortfall. Without that headroom, the
+            # puts waiting for room take each other's as the drops land, and some run out of
+            # rounds (concurrent putters into a full cache lost 2-7% of their puts).
+            self._evict_above_watermark(now_ms)
         if shortfall_bytes and now_ms >= self._evict_for_room_after_ms:
-            victims, is_short = select_for_room(
-                self._table.policy, self._registry.active, shortfall_bytes, now_ms
-            )
+            # Each put waiting for room claims its shortfall of the drops in flight, so the next
+            # one evicts for its own instead of counting on the same room (concurrent putters
+            # into a full cache with watermark 1.0 lost 7% of their puts). Room that landed is
+            # no one's any more: the claims shrink with the drops in flight.
+            active = self._registry.active
+            claimed_bytes = min(self._room_claimed_bytes, drop_bytes_in_flight(active))
+            victims, is_short = select_for_room(self._table.policy, active, shortfall_bytes, now_ms, claimed_bytes)
+            self._room_claimed_bytes = claimed_bytes + shortfall_bytes
             self._tiers.demote_all(victims, TIER_DRAM, now_ms)
             # Only a scan that found too little waits: victims whose offload could not start
             # yet (the slower tier is dropping to take them, or the node's move budget is
@@ -643,17 +656,7 @@ class MasterService:
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
         self._table.expire_soft_pins(now_ms)
-        if now_ms >= self._evict_watermark_after_ms:
-            victims, is_short = select_above_watermark(
-                self._table.policy,
-                self._registry.active,
-                config.evict_watermark_ratio_high,
-                config.evict_ratio,
-                now_ms,
-            )
-            is_done = self._tiers.demote_all(victims, TIER_DRAM, now_ms)
-            if is_short or not is_done:
-                self._evict_watermark_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+        self._evict_above_watermark(now_ms)
         self._tiers.evict_above_watermark(now_ms)
         self._tiers.promote_due(now_ms)
 
@@ -725,8 +728,7 @@ class MasterService:
         segment = self._registry.get(segment_id)
         if segment is None:
             return
-        for entry in entries:
-            segment.finish_drop(entry)
+        segment.finish_drops(entries)
 
     def has_segment(self, segment_id: str) -> bool:
         return self._registry.get(segment_id) is not None
@@ -837,16 +839,29 @@ class MasterService:
         ]
 
     def _drop_object(self, key: str) -> ObjectMeta:
-        """Remove a complete object; each replica goes to its segment's drop outbox (but the
-        ranges a move of it holds: the move drops those when it ends, tiers.py)."""
-        meta = self._table.remove(key)
-        held = self._tiers.release_for_removal(key)
-        for packed in meta.replica_tuple():
-            segment = self._registry.by_index(replica_segment_index(packed))
-            segment.object_count -= 1
-            if packed not in held:
-                segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
-        return meta
+        return self._drop_objects([key])[0]
+
+    def _drop_objects(self, keys: list[str]) -> list[ObjectMeta]:
+        """Remove complete objects; each replica goes to its segment's drop outbox (but the
+        ranges a move of one holds: the move drops those when it ends, tiers.py). Their metas,
+        in order."""
+        metas = self._table.remove_many(keys)
+        held = self._tiers.release_for_removal(keys)
+        by_index = self._registry.by_index
+        for key, meta in zip(keys, metas):
+            replicas = meta.replicas
+            if type(replicas) is int and key not in held:  # one replica, not moving: the common case
+                segment = by_index(replica_segment_index(replicas))
+                segment.object_count -= 1
+                segment.schedule_drop(InventoryEntry(key, replica_offset(replicas), meta.size_bytes, meta.checksum))
+                continue
+            key_held = held.get(key, ())
+            for packed in meta.replica_tuple():
+                segment = by_index(replica_segment_index(packed))
+                segment.object_count -= 1
+                if packed not in key_held:
+                    segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
+        return metas
 
     def _remove_where(self, matches, force: bool, now_ms: int) -> int:
         doomed = [
@@ -854,14 +869,30 @@ class MasterService:
             for key, meta in self._table.items()
             if matches(key) and (force or not meta.has_lease(now_ms))
         ]
-        for key in doomed:
-            self._drop_object(key)
+        self._drop_objects(doomed)
         self.counters.removes += len(doomed)
         return len(doomed)
 
     # --- internals: eviction ------------------------------------------------------------
 
-    def _evict(self, key: str) -> None:
-        meta = self._drop_object(key)
-        self.counters.evictions += 1
-        self.counters.evicted_bytes += footprint_bytes(meta.size_bytes) * len(meta.replica_tuple())
+    def _evict_above_watermark(self, now_ms: int) -> None:
+        """DRAM eviction down to the watermark (the tick's, and a put's that found no room),
+        backed off after a scan that fell short."""
+        if now_ms < self._evict_watermark_after_ms:
+            return
+        config = self.config
+        victims, is_short = select_above_watermark(
+            self._table.policy, self._registry.active, config.evict_watermark_ratio_high, config.evict_ratio, now_ms
+        )
+        is_done = self._tiers.demote_all(victims, TIER_DRAM, now_ms)
+        if is_short or not is_done:
+            self._evict_watermark_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+
+    def _evict(self, keys: list[str]) -> None:
+        """Evict whole objects (TierFlow's, for those with nowhere lower to go)."""
+        evicted_bytes = 0
+        for meta in self._drop_objects(keys):
+            replicas = meta.replicas
+            evicted_bytes += footprint_bytes(meta.size_bytes) * (1 if type(replicas) is int else len(replicas))
+        self.counters.evictions += len(keys)
+        self.counters.evicted_bytes += evicted_bytes
