@@ -61,6 +61,16 @@ def test_best_fit_prefers_the_smallest_hole() -> None:
     allocator.check_invariants()
 
 
+def test_ranges_allocated_in_turn_lie_in_ascending_order() -> None:
+    # Objects put in turn sit in address order, so eviction (oldest first) frees ranges
+    # that coalesce: four allocations, the first two freed, leave one extent of two units.
+    allocator = OffsetAllocator(64 * 8)
+    offsets = [allocator.allocate(64) for _ in range(4)]
+    assert offsets == [0, 64, 128, 192]
+    allocator.free_many([(0, 64), (64, 64)])
+    assert list(allocator.iter_free_extents()) == [(0, 128), (256, 256)]
+
+
 def test_free_coalesces_both_neighbours() -> None:
     allocator = OffsetAllocator(64 * 3)
     a, b, c = (allocator.allocate(64) for _ in range(3))
@@ -133,9 +143,9 @@ def test_allocate_at_takes_exact_ranges_and_refuses_overlap() -> None:
 
 def test_allocate_many_at_lower_offset_wins_an_overlap() -> None:
     allocator = OffsetAllocator(64 * 10)
-    first = allocator.allocate(64)  # the last unit (allocations take the end of an extent)
-    assert first == 64 * 9
-    results = allocator.allocate_many_at([(128, 128), (64, 128), (0, 64), (64 * 9, 64), (64 * 4, 64)])
+    first = allocator.allocate(64)  # the first unit (allocations take the start of an extent)
+    assert first == 0
+    results = allocator.allocate_many_at([(128, 128), (64, 128), (64 * 9, 64), (0, 64), (64 * 4, 64)])
     assert results == [False, True, True, False, True]
     assert allocator.used_bytes == 64 * 5
     allocator.check_invariants()

@@ -543,6 +543,27 @@ def test_a_batch_is_placed_in_runs_that_share_one_range_and_grant() -> None:
     assert len({segment_id for i in range(64) for segment_id, _ in where(reply, i)}) > 1
 
 
+def test_a_run_without_a_hole_its_size_is_placed_in_halves_and_one_grant_each() -> None:
+    """A full cache's holes are wherever eviction freed the oldest objects: a run that fits in
+    none goes in halves (down to single keys), each piece one contiguous range and grant."""
+    svc = make()
+    mount(svc, "s1")
+    keys = fill(svc, "s1", 16)
+    holes = keys[2:4] + keys[6:8] + keys[11:12]  # two holes of two objects, one of one
+    assert svc.remove(Remove(holes), 0).codes == [OK] * 5
+    ack_drops(svc)
+    new = [f"n{i}" for i in range(5)]
+    reply = svc.put_start(PutStart(new, [OBJECT_SIZE] * 5, config()), 0)
+    # 5 objects: 2 + 3, and the 3 as 1 + 2; each piece in the smallest hole that holds it.
+    assert reply.codes == [OK] * 5 and len(reply.grants) == 3
+    assert [where(reply, i)[0][1] // OBJECT_SIZE for i in range(5)] == [2, 3, 11, 6, 7]
+    assert used(svc, "s1") == 16 * OBJECT_SIZE
+    # A run larger than every hole left, in a full segment: no room for any key.
+    assert svc.put_start(PutStart(["m0", "m1"], [OBJECT_SIZE] * 2, config()), 0).codes == [
+        ErrorCode.NO_AVAILABLE_HANDLE
+    ] * 2
+
+
 def test_random_placement_finds_the_one_segment_with_room() -> None:
     svc = make()
     for segment_id in ("s1", "s2", "s3", "s4", "s5"):

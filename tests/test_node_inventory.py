@@ -52,6 +52,19 @@ def test_a_run_of_new_keys_is_added_whole_and_a_run_over_held_bytes_displaces_th
     inv.check_invariants()
 
 
+def test_a_commit_of_several_runs_adds_each_fresh_one_whole() -> None:
+    """A run the master split over a fragmented segment's holes arrives as several contiguous
+    runs in one commit (master/puts.py): each is checked as a whole, in order."""
+    inv = Inventory(1 << 20)
+    inv.add([e("old", 5000, 100)])
+    first = [e(f"a{i}", 1000 + 64 * i, 60) for i in range(4)]  # padding gaps under 64 bytes
+    second = [e(f"b{i}", 200 + 100 * i, 100) for i in range(3)]
+    third = [e("c0", 4950, 100), e("c1", 5050, 100)]  # lands over "old": displaces it
+    assert inv.add(first + second + third) == [e("old", 5000, 100)]
+    assert inv.entries() == second + first + third
+    inv.check_invariants()
+
+
 def test_overlapping_finds_neighbours_only() -> None:
     inv = Inventory(CAPACITY)
     inv.add([e("a", 0, 10), e("b", 10, 10), e("c", 30, 10)])

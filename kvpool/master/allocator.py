@@ -15,7 +15,7 @@ and when it is freed, so callers pass the object's own size each time:
     offset 0                                                          capacity_bytes
     |[used 192]|[free 256 ...........]|[used 64]|[used 4096 .......]|[free ...]|
                 ^ a free extent starts   footprint_bytes(1) == 64
-                  on an aligned offset   (allocate takes the end of the best-fit extent)
+                  on an aligned offset   (allocate takes the start of the best-fit extent)
 
 Costs: `allocate` and `free` are O(log f) for f free extents; `allocate_at` is O(log f) once
 its index is built; `check_invariants()` is O(f log f).
@@ -125,9 +125,12 @@ class OffsetAllocator:
     def allocate(self, size_bytes: int) -> int | None:
         """Best fit: the offset of a new range of `size_bytes`, or None when no extent fits.
 
-        The range taken is `footprint_bytes(size_bytes)` long, from the *end* of the smallest
-        free extent that holds it (the lowest-addressed one among equals). Taking the end keeps
-        the rest of the extent at its offset. O(log f).
+        The range taken is `footprint_bytes(size_bytes)` long, from the *start* of the smallest
+        free extent that holds it (the lowest-addressed one among equals). So ranges allocated
+        one after another lie in ascending order, as a run's keys do inside it: objects put in
+        turn sit in address order, and eviction, which takes the oldest first, frees ranges
+        that coalesce (taking the end put runs in descending order around ascending keys, and
+        a window of victims spanning two runs freed two holes). O(log f).
         """
         assert size_bytes > 0, f"allocate of {size_bytes} bytes"
         align = self._align_bytes
@@ -138,16 +141,16 @@ class OffsetAllocator:
             return None
         self._by_offset = None
         packed = by_size.pop(index)
-        extent_offset = packed & _OFFSET_MASK
+        offset = packed & _OFFSET_MASK
         rest = (packed >> _OFFSET_BITS) - footprint
-        offset = extent_offset + rest
-        del self._ends[offset + footprint]
+        del self._starts[offset]
         if rest:
-            self._starts[extent_offset] = rest
-            self._ends[offset] = extent_offset
-            by_size.add(rest << _OFFSET_BITS | extent_offset)
+            rest_offset = offset + footprint
+            self._starts[rest_offset] = rest
+            self._ends[rest_offset + rest] = rest_offset
+            by_size.add(rest << _OFFSET_BITS | rest_offset)
         else:
-            del self._starts[extent_offset]
+            del self._ends[offset + footprint]
         self._used_bytes += footprint
         return offset
 

@@ -93,8 +93,8 @@ class _Grants:
     """put_start's answer, built run by run (per key a code and its placements, the grants and
     the segments they name), and the PendingPuts of the request's keys."""
 
-    __slots__ = ("codes", "placements", "grants", "segments", "_key", "_term", "_now_ms", "_expiry_ms",
-                 "_is_soft_pinned", "_is_hard_pinned", "_copy_tiers")  # fmt: skip
+    __slots__ = ("codes", "placements", "grants", "segments", "no_room_bytes", "_key", "_term", "_now_ms",
+                 "_expiry_ms", "_is_soft_pinned", "_is_hard_pinned", "_copy_tiers")  # fmt: skip
 
     def __init__(
         self,
@@ -109,6 +109,9 @@ class _Grants:
         self.placements: list[list[tuple[int, int]]] = [[] for _ in range(key_count)]
         self.grants: list[WriteGrant] = []
         self.segments: dict[str, SegmentInfo] = {}
+        # The smallest run (footprint bytes) that found no room in this put_start: none as
+        # large will, since the request's own allocations only take room.
+        self.no_room_bytes = 1 << 62
         self._key = cluster_key
         self._term = term
         self._now_ms = now_ms
@@ -230,36 +233,52 @@ class PutFlow:
     ) -> int:
         """Allocate and grant one run of keys; returns the footprint bytes that found no room.
 
-        The whole run on each replica's segment when it fits there in one piece, else key by
-        key (a fragmented or nearly full cluster)."""
-        pending = self._table.pending
-        extents = self._allocate_replicas(run_bytes, config, client_hostname) if len(run) > 1 else []
-        if extents:
-            grant_indexes = [grants.add(segment, offset, run_bytes) for segment, offset in extents]
-            placements, new_put = grants.placements, grants.new_put
-            if len(extents) == 1:  # one replica, the common case: no per-key comprehensions
-                (segment, offset), grant_index = extents[0], grant_indexes[0]
-                for index, position in run:
-                    pending[keys[index]] = new_put(sizes[index], [(segment, offset + position)])
-                    placements[index] = [(grant_index, position)]
+        The whole run on each replica's segment when it fits there in one piece; else each
+        half of it the same way, down to single keys (a fragmented segment: eviction frees
+        the oldest objects wherever they lie, and a full cache's holes are often a little
+        smaller than a run). A run that found no room tells the smaller ones to come that
+        nothing of its size or larger will (`grants.no_room_bytes`)."""
+        if run_bytes < grants.no_room_bytes:
+            size = sizes[run[0][0]] if len(run) == 1 else run_bytes
+            extents = self._allocate_replicas(size, config, client_hostname)
+            if extents:
+                self._grant_extents(grants, keys, sizes, run, size, extents)
                 return 0
+            grants.no_room_bytes = run_bytes
+        if len(run) == 1:
+            index = run[0][0]
+            grants.codes[index] = codes.NO_AVAILABLE_HANDLE
+            self._counters.errors += 1
+            return footprint_bytes(sizes[index])
+        half = len(run) // 2
+        second_start = run[half][1]
+        second = [(index, position - second_start) for index, position in run[half:]]
+        return self._grant_run(grants, keys, sizes, run[:half], second_start, config, client_hostname) + (
+            self._grant_run(grants, keys, sizes, second, run_bytes - second_start, config, client_hostname)
+        )
+
+    def _grant_extents(
+        self,
+        grants: _Grants,
+        keys: list[str],
+        sizes: list[int],
+        run: list[tuple[int, int]],
+        grant_bytes: int,
+        extents: list[tuple[Segment, int]],
+    ) -> None:
+        """Grant a run the extents allocated for it (one per replica), each key at its position."""
+        pending, placements, new_put = self._table.pending, grants.placements, grants.new_put
+        grant_indexes = [grants.add(segment, offset, grant_bytes) for segment, offset in extents]
+        if len(extents) == 1:  # one replica, the common case: no per-key comprehensions
+            (segment, offset), grant_index = extents[0], grant_indexes[0]
             for index, position in run:
-                places = [(segment, offset + position) for segment, offset in extents]
-                pending[keys[index]] = new_put(sizes[index], places)
-                placements[index] = [(g, position) for g in grant_indexes]
-            return 0
-        shortfall_bytes = 0
-        for index, _ in run:
-            size = sizes[index]
-            replicas = self._allocate_replicas(size, config, client_hostname)
-            if not replicas:
-                grants.codes[index] = codes.NO_AVAILABLE_HANDLE
-                self._counters.errors += 1
-                shortfall_bytes += footprint_bytes(size)
-                continue
-            pending[keys[index]] = grants.new_put(size, replicas)
-            grants.placements[index] = [(grants.add(segment, offset, size), 0) for segment, offset in replicas]
-        return shortfall_bytes
+                pending[keys[index]] = new_put(sizes[index], [(segment, offset + position)])
+                placements[index] = [(grant_index, position)]
+            return
+        for index, position in run:
+            places = [(segment, offset + position) for segment, offset in extents]
+            pending[keys[index]] = new_put(sizes[index], places)
+            placements[index] = [(g, position) for g in grant_indexes]
 
     def end(self, keys: list[str], checksums: list[int]) -> PendingCommit:
         """Decide what can be decided now; list the commits for the rest (see service.put_end)."""

@@ -28,6 +28,7 @@ from operator import attrgetter
 
 from sortedcontainers import SortedDict
 
+from kvpool import limits
 from kvpool.protocol.messages import InventoryEntry
 
 # Most commits are runs of keys the master allocated as one range (master/puts.py): such a run
@@ -37,6 +38,20 @@ from kvpool.protocol.messages import InventoryEntry
 SPAN_ENTRIES_MAX = 256
 
 _offset_of = attrgetter("offset")
+
+
+def _contiguous_runs(entries: list[InventoryEntry]) -> Iterator[list[InventoryEntry]]:
+    """The entries cut where one does not start right after the one before (within the
+    allocation alignment: the padding of a footprint holds no other object)."""
+    start = 0
+    for i in range(1, len(entries)):
+        before = entries[i - 1]
+        gap = entries[i].offset - (before.offset + before.size)
+        if not 0 <= gap < limits.ALLOCATION_ALIGN_BYTES:
+            yield entries[start:i]
+            start = i
+    if entries:
+        yield entries[start:]
 
 
 class Inventory:
@@ -133,6 +148,16 @@ class Inventory:
         entries = list(entries)
         if self._add_fresh_run(entries):
             return []
+        # Several runs (the master splits a run over a fragmented segment's holes): each one
+        # that is fresh at once, the others entry by entry, in order.
+        displaced: list[InventoryEntry] = []
+        for run in _contiguous_runs(entries):
+            if not self._add_fresh_run(run):
+                displaced += self._add_one_by_one(run)
+        return displaced
+
+    def _add_one_by_one(self, entries: list[InventoryEntry]) -> list[InventoryEntry]:
+        """add() without the run shortcut: each entry checked against what is held."""
         displaced: list[InventoryEntry] = []
         for entry in entries:
             assert entry.size > 0, f"inventory entry without bytes: {entry}"
