@@ -258,7 +258,10 @@ def test_concurrent_puts_into_a_full_cache_are_all_stored(make_cluster, watermar
         assert codes.count(ErrorCode.OK) == len(codes), sorted(set(codes))
         kept = [key for keys in batches for key, is_there in zip(keys, store.batch_exists(keys)) if is_there]
         assert len(kept) >= 1024  # at least half the segment holds the newest pages
-        assert store.get_batch(kept[-512:]) == [value] * 512
+        # Above the watermark, the tick may evict some of them meanwhile: misses, never other bytes.
+        got = [page for keys in batches for page in store.get_batch(keys)]
+        assert sum(page is not None for page in got) >= len(kept) * 3 // 4
+        assert {page for page in got if page is not None} == {value}
 
 
 def test_zombie_put_is_reclaimed(make_cluster):

@@ -691,17 +691,6 @@ def test_a_second_put_short_of_room_evicts_for_itself_not_on_the_firsts_drops(po
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
-def test_a_put_short_of_room_evicts_down_to_the_watermark_at_once(policy: str) -> None:
-    svc = make(policy=policy, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
-    mount(svc, "s1")
-    fill(svc, "s1", 16)  # full, and no tick has run
-    assert svc.put_start(PutStart(["n"], [OBJECT_SIZE], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
-    # max(0.05, 1.0 - 0.9 + 0.05) of 1 MiB: three objects, room for the put and two more.
-    assert [e.key for e in ack_drops(svc)["s1"]] == ["k0", "k1", "k2"]
-    assert svc.put_start(PutStart(["n", "m", "o"], [OBJECT_SIZE] * 3, config()), 0).codes == [OK] * 3
-
-
-@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_eviction_that_finds_nothing_backs_off(policy: str) -> None:
     svc = make(policy=policy, lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
     mount(svc, "s1")

@@ -260,13 +260,6 @@ class ObjectTable:
                 self.lower_soft_pinned[key] = None
         self._place_views(key, meta, tiers)
 
-    def remove(self, key: str) -> ObjectMeta:
-        meta, was_in_dram = self._pop(key)
-        if was_in_dram:
-            self.policy.on_remove(key, meta)
-        self._place_views(key, meta, ())
-        return meta
-
     def _pop(self, key: str) -> tuple[ObjectMeta, bool]:
         """Take `key` out of `objects` or `lower` (and their soft-pin orders); whether it had
         a DRAM replica. The policy and the views are the caller's."""
@@ -307,8 +300,9 @@ class ObjectTable:
         return only_there, also_elsewhere
 
     def remove_many(self, keys: list[str]) -> list[ObjectMeta]:
-        """remove() for many keys, with the policy told once (EvictionPolicy.on_remove_many)
-        and the tier views visited only when one holds anything; their metas, in order."""
+        """Take complete objects out (of the table, the policy, the tier views); their metas,
+        in order. The policy is told once (EvictionPolicy.on_remove_many), and the tier views
+        are visited only when one holds anything."""
         has_views = any(view.objects for view in self.views.values())
         from_dram: list[tuple[str, ObjectMeta]] = []
         metas: list[ObjectMeta] = []

@@ -299,17 +299,11 @@ class MasterService:
         reply, shortfall_bytes = self._puts.start(
             msg.keys, msg.sizes, msg.config, msg.client_hostname, now_ms
         )
-        if shortfall_bytes:
-            # The segments filled faster than the tick evicts (a burst): evict above the
-            # watermark now, not only for this put's shortfall. Without that headroom, the
-            # puts waiting for room take each other's as the drops land, and some run out of
-            # rounds (concurrent putters into a full cache lost 2-7% of their puts).
-            self._evict_above_watermark(now_ms)
         if shortfall_bytes and now_ms >= self._evict_for_room_after_ms:
             # Each put waiting for room claims its shortfall of the drops in flight, so the next
             # one evicts for its own instead of counting on the same room (concurrent putters
-            # into a full cache with watermark 1.0 lost 7% of their puts). Room that landed is
-            # no one's any more: the claims shrink with the drops in flight.
+            # into a full cache lost 2-8% of their puts). Room that landed is no one's any
+            # more: the claims shrink with the drops in flight.
             active = self._registry.active
             claimed_bytes = min(self._room_claimed_bytes, drop_bytes_in_flight(active))
             victims, is_short = select_for_room(self._table.policy, active, shortfall_bytes, now_ms, claimed_bytes)
@@ -876,8 +870,9 @@ class MasterService:
     # --- internals: eviction ------------------------------------------------------------
 
     def _evict_above_watermark(self, now_ms: int) -> None:
-        """DRAM eviction down to the watermark (the tick's, and a put's that found no room),
-        backed off after a scan that fell short."""
+        """DRAM eviction down to the watermark (the tick's), backed off after a scan that fell
+        short. Not run by a put short of room: with a large segment it evicts up to
+        EVICT_SCAN_CANDIDATES_TICK_MAX objects at once, a stall that put would wait on."""
         if now_ms < self._evict_watermark_after_ms:
             return
         config = self.config
