@@ -690,6 +690,22 @@ def test_a_second_put_short_of_room_evicts_for_itself_not_on_the_firsts_drops(po
     assert [e.key for e in ack_drops(svc)["s1"]] == ["k2"]
 
 
+def test_only_keys_that_no_round_stores_count_as_errors() -> None:
+    svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")
+    keys = fill(svc, "s1", 16)
+    get(svc, keys[2:], 0)  # all but two leased: room for two objects, not three
+    message = PutStart(["a", "b", "c"], [OBJECT_SIZE] * 3, config())
+    reply = svc.put_start(message, 0)
+    assert reply.codes == [ErrorCode.NO_AVAILABLE_HANDLE] * 3
+    assert svc.counters.errors == 0  # not yet: a later round may store them
+    ack_drops(svc)
+    assert svc.put_start_again(message, reply, [0, 1, 2], 0) == [2]  # a round stored a and b
+    assert svc.counters.errors == 0
+    svc.put_start_settled(reply)
+    assert reply.codes[:2] == [OK, OK] and svc.counters.errors == 1
+
+
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_eviction_that_finds_nothing_backs_off(policy: str) -> None:
     svc = make(policy=policy, lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)

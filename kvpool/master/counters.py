@@ -16,7 +16,7 @@ class MasterCounters:
     with their last segment; `bad_replicas` counts replicas dropped because a check confirmed
     that their bytes no longer hash to the object's checksum (a reader's report: bit rot, a
     stale writer); `errors` counts raised requests and per-key failure codes (invalid key or
-    parameters, no space, transfer failure)."""
+    parameters, no space after the put's last round, transfer failure)."""
 
     puts: int = 0
     put_bytes: int = 0

@@ -247,8 +247,7 @@ class PutFlow:
             grants.no_room_bytes = run_bytes
         if len(run) == 1:
             index = run[0][0]
-            grants.codes[index] = codes.NO_AVAILABLE_HANDLE
-            self._counters.errors += 1
+            grants.codes[index] = codes.NO_AVAILABLE_HANDLE  # an error once no round finds room
             return footprint_bytes(sizes[index])
         half = len(run) // 2
         second_start = run[half][1]

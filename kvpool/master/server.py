@@ -38,7 +38,6 @@ from kvpool.discovery import LeaderRecord
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NotLeader
 from kvpool.master.election import ElectionConfig, Elector
 from kvpool.master.metrics import MasterMetrics, start_http
-from kvpool.master.puts import merge_retried
 from kvpool.master.service import MasterService
 from kvpool.master.takeover import Takeover
 from kvpool.protocol import auth
@@ -314,8 +313,10 @@ class MasterServer:
         service = self.service
         reply = service.put_start(message, wall_clock_ms())
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
-        if not retry or not self._is_room_coming(service):
+        if not retry:
             return reply  # the common case answers at once, without a task
+        if not self._is_room_coming(service):
+            return service.put_start_settled(reply)
         return self._put_start_after_drops(service, message, reply, retry)
 
     def _is_room_coming(self, service: MasterService) -> bool:
@@ -342,16 +343,10 @@ class MasterServer:
             await self._flush_drops()
             if service is not self.service:
                 return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
-            again = service.put_start(
-                PutStart([message.keys[i] for i in retry], [message.sizes[i] for i in retry],
-                         message.config, message.client_hostname),
-                wall_clock_ms(),
-            )  # fmt: skip
-            merge_retried(reply, again, retry)
-            retry = [i for i in retry if reply.codes[i] == ErrorCode.NO_AVAILABLE_HANDLE]
+            retry = service.put_start_again(message, reply, retry, wall_clock_ms())
             if not retry or not self._is_room_coming(service) or loop.time() >= deadline_s:
                 break
-        return reply
+        return service.put_start_settled(reply)
 
     async def _put_end(self, message: PutEnd) -> CodesReply:
         # The term's service finishes what it started, even if the term ends meanwhile.

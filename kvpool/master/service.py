@@ -60,7 +60,7 @@ from kvpool.master.metadata import (
     replica_segment_index,
 )
 from kvpool.master.mounts import MountFlow
-from kvpool.master.puts import PendingCommit, PutFlow
+from kvpool.master.puts import PendingCommit, PutFlow, merge_retried
 from kvpool.master.tiers import SLOWER_TIERS, Move, TierFlow
 from kvpool.protocol.messages import (
     PLACEMENTS,
@@ -315,6 +315,25 @@ class MasterService:
             # eviction backed off.
             if is_short:
                 self._evict_for_room_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
+        return reply
+
+    def put_start_again(self, msg: PutStart, reply: PutStartReply, retry: list[int], now_ms: int) -> list[int]:
+        """put_start of the keys of `msg` at `retry` (indexes of keys that found no room in
+        `reply`), folded into `reply`; returns the indexes of those still without room.
+
+        A put short of room is tried in rounds as room comes (the server, the simulation);
+        the caller ends them with put_start_settled."""
+        again = self.put_start(
+            PutStart([msg.keys[i] for i in retry], [msg.sizes[i] for i in retry], msg.config, msg.client_hostname),
+            now_ms,
+        )
+        merge_retried(reply, again, retry)
+        return [i for i in retry if reply.codes[i] == codes.NO_AVAILABLE_HANDLE]
+
+    def put_start_settled(self, reply: PutStartReply) -> PutStartReply:
+        """The last round of a put_start is over: its keys still without room count as errors
+        (a key a later round stores is none, and a Prometheus counter never goes back)."""
+        self.counters.errors += reply.codes.count(codes.NO_AVAILABLE_HANDLE)
         return reply
 
     def put_end(self, msg: PutEnd, now_ms: int) -> PendingCommit:

@@ -30,7 +30,6 @@ from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.master.eviction import EvictionPolicy
-from kvpool.master.puts import merge_retried
 from kvpool.master.service import MasterService
 from kvpool.protocol.messages import (
     TIER_DISK,
@@ -239,17 +238,15 @@ class SimCluster:
         config = self._configs[segment_index]
         sizes = [self.object_size_bytes] * len(keys)
         hostname = f"sim-host-{segment_index}"
-        reply = service.put_start(PutStart(keys, sizes, config, hostname), now_ms)
+        message = PutStart(keys, sizes, config, hostname)
+        reply = service.put_start(message, now_ms)
         retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
         for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
             if not retry or not (service.has_pending_drops() or service.has_unsent_moves()):
                 break
             self._settle(now_ms)
-            again = service.put_start(
-                PutStart([keys[i] for i in retry], [sizes[i] for i in retry], config, hostname), now_ms
-            )
-            merge_retried(reply, again, retry)
-            retry = [i for i in retry if reply.codes[i] == ErrorCode.NO_AVAILABLE_HANDLE]
+            retry = service.put_start_again(message, reply, retry, now_ms)
+        service.put_start_settled(reply)
         self._settle(now_ms)
         outcome = WriteOutcome()
         granted: list[str] = []
