@@ -18,6 +18,7 @@ import pytest
 from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams, SegmentAlreadyExists, SegmentNotFound
+from kvpool.master import eviction
 from kvpool.master.allocator import footprint_bytes
 from kvpool.master.eviction import EVICT_SHORTFALL_BACKOFF_MS, EvictionPolicy, Verdict, make_policy
 from kvpool.master.service import MasterService, PendingCommit
@@ -704,6 +705,18 @@ def test_only_keys_that_no_round_stores_count_as_errors() -> None:
     assert svc.counters.errors == 0
     svc.put_start_settled(reply)
     assert reply.codes[:2] == [OK, OK] and svc.counters.errors == 1
+
+
+def test_a_tick_evicts_a_bounded_number_and_the_next_tick_goes_on(monkeypatch) -> None:
+    # The master serves nothing while it evicts: a large backlog goes over several ticks.
+    monkeypatch.setattr(eviction, "EVICT_VICTIMS_TICK_MAX", 3)
+    svc = make(evict_watermark_ratio_high=0.5, evict_ratio=0.05)
+    mount(svc, "s1")
+    fill(svc, "s1", 16)  # the goal, 0.55 of 1 MiB, is nine objects
+    svc.tick(1)
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k0", "k1", "k2"]
+    svc.tick(2)  # not backed off: stopping at the bound is not falling short
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k3", "k4", "k5"]
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
