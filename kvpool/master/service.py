@@ -862,12 +862,6 @@ class MasterService:
         held = self._tiers.release_for_removal(keys)
         by_index = self._registry.by_index
         for key, meta in zip(keys, metas):
-            replicas = meta.replicas
-            if type(replicas) is int and key not in held:  # one replica, not moving: the common case
-                segment = by_index(replica_segment_index(replicas))
-                segment.object_count -= 1
-                segment.schedule_drop(InventoryEntry(key, replica_offset(replicas), meta.size_bytes, meta.checksum))
-                continue
             key_held = held.get(key, ())
             for packed in meta.replica_tuple():
                 segment = by_index(replica_segment_index(packed))
@@ -906,7 +900,6 @@ class MasterService:
         """Evict whole objects (TierFlow's, for those with nowhere lower to go)."""
         evicted_bytes = 0
         for meta in self._drop_objects(keys):
-            replicas = meta.replicas
-            evicted_bytes += footprint_bytes(meta.size_bytes) * (1 if type(replicas) is int else len(replicas))
+            evicted_bytes += footprint_bytes(meta.size_bytes) * len(meta.replica_tuple())
         self.counters.evictions += len(keys)
         self.counters.evicted_bytes += evicted_bytes
