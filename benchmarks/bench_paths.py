@@ -2,7 +2,7 @@
 
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
-    python benchmarks/bench_paths.py [PART ...]   (round-trips master node-commit client put-phases
+    python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes node-commit client put-phases
                                                  landing copies payload-alignment files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
@@ -16,6 +16,9 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   master       µs per key of put_start, put_end, finish_put_end and get_replica_list on the pure
                MasterService, in batches of 128 4 KiB objects; and a put of 32 x 1 MiB with warm
                caches and right after a 64 MiB copy (cold, as in put-phases).
+  mixed-sizes  puts of mixed sizes (64-512 KiB) into two full 24 MiB segments through the pure
+               MasterService, rounds as the server runs them: how many puts needed rounds
+               waiting for room, how many failed, objects evicted per put, how full it stayed.
   node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects, to record
                one a same-host writer hashed in place, and to drop 128 (400 batches in all).
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
@@ -75,7 +78,7 @@ import uvloop
 import xxhash
 from bench_core import connected_pair
 
-from kvpool import AsyncStore, Store
+from kvpool import AsyncStore, ErrorCode, Store, limits
 from kvpool.checksums import SIMD_COPY_INTO_SEGMENT_BYTES_MIN, checksums_of, copies_checksummed
 from kvpool.cli.launcher import LocalCluster
 from kvpool.config import MasterConfig
@@ -85,6 +88,7 @@ from kvpool.protocol.messages import (
     CommitObjects,
     DropObjects,
     GetReplicaList,
+    Heartbeat,
     InventoryEntry,
     MountSegment,
     PutEnd,
@@ -345,6 +349,63 @@ def put_with_cold_caches(service: MasterService) -> dict:
                 for segment_id, entries in service.take_drops().items():
                     service.drops_done(segment_id, entries, 1)
         result[label] = {"put_start_us": median_us(starts), "put_end_us": median_us(ends)}
+    return result
+
+
+def mixed_sizes() -> dict:
+    """Puts of KV-cache objects of mixed sizes (64-512 KiB, seeded) into two full 24 MiB
+    segments, through the pure MasterService as the server drives it: a put that finds no room
+    is tried again in rounds, each after the nodes acknowledged the drops its eviction
+    scheduled, up to limits.PUT_ROOM_ROUNDS_MAX; a watermark tick every 40 puts. No reads, so
+    no leases: what is measured is the allocator and eviction. Reports how many rounds the
+    puts took, how many failed, the objects evicted per put and how full the segments stayed."""
+    result = {}
+    for replica_num in (1, 2):
+        service = MasterService(MasterConfig(), random.Random(0), auth.cluster_key("bench"), term=1)
+        segment_ids = ["a", "b"]
+        for segment_id in segment_ids:
+            info = SegmentInfo(segment_id, f"node-{segment_id}", "host", f"host:{segment_id}", "/x", b"t", 24 * MIB)
+            service.mount_segment(MountSegment(info, []), 0)
+        rng = random.Random(1)
+        rounds_per_put, used_ratios, failed = [], [], 0
+        puts = 8_000
+        for index in range(puts):
+            now_ms = index * 5
+            message = PutStart([f"key-{index}"], [rng.randint(64 * KIB, 512 * KIB)], ReplicateConfig(replica_num))
+            reply = service.put_start(message, now_ms)
+            retry = [0] if reply.codes[0] == ErrorCode.NO_AVAILABLE_HANDLE else []
+            rounds = 0
+            while retry and rounds < limits.PUT_ROOM_ROUNDS_MAX:
+                for segment_id, entries in service.take_drops().items():
+                    service.drops_done(segment_id, entries, now_ms)
+                rounds += 1
+                retry = service.put_start_again(message, reply, retry, now_ms)
+            service.put_start_settled(reply)
+            rounds_per_put.append(rounds)
+            if reply.codes[0] != ErrorCode.OK:
+                failed += 1
+                continue
+            pending = service.put_end(PutEnd(message.keys, [7]), now_ms)
+            service.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, now_ms)
+            if index % 40 == 39:
+                service.heartbeat(Heartbeat(segment_ids), now_ms)
+                service.tick(now_ms)
+                for segment_id, entries in service.take_drops().items():
+                    service.drops_done(segment_id, entries, now_ms)
+            if index >= puts // 4:  # past the first fill
+                counters = service.segment_counters()
+                used_ratios.append(sum(c.used_bytes for c in counters) / sum(c.capacity_bytes for c in counters))
+        measured = rounds_per_put[puts // 4 :]
+        result[f"replicas_{replica_num}"] = {
+            "puts": len(measured),
+            "rounds": sum(measured),
+            "puts_needing_a_round": sum(1 for r in measured if r >= 1),
+            "puts_needing_4_rounds_or_more": sum(1 for r in measured if r >= 4),
+            "rounds_max": max(measured),
+            "failed": failed,
+            "evicted_per_put": round(service.counters.evictions / puts, 2),
+            "used_ratio_mean": round(statistics.mean(used_ratios), 3),
+        }
     return result
 
 
@@ -944,6 +1005,7 @@ def bytecodes() -> dict:
 PARTS = {
     "round-trips": round_trips,
     "master": master,
+    "mixed-sizes": mixed_sizes,
     "node-commit": node_commit,
     "client": client,
     "put-phases": put_phases,

@@ -83,6 +83,16 @@ def test_free_coalesces_both_neighbours() -> None:
     allocator.check_invariants()
 
 
+def test_hole_bytes_if_freed_counts_the_free_extents_a_range_touches() -> None:
+    allocator = OffsetAllocator(64 * 8)
+    a, b, c, d = (allocator.allocate(size) for size in (64, 100, 64, 64))  # 64, 128, 64, 64
+    allocator.free(a, 64)  # free: [0, 64) and [320, 512)
+    assert allocator.hole_bytes_if_freed(b, 100) == 64 + 128  # the extent before
+    assert allocator.hole_bytes_if_freed(c, 64) == 64  # touches none
+    assert allocator.hole_bytes_if_freed(d, 64) == 64 + 192  # the extent after
+    assert allocator.free_bytes == 256 and allocator.largest_free_bytes == 192  # nothing freed
+
+
 def test_free_many_returns_adjacent_ranges_as_one_extent() -> None:
     allocator = OffsetAllocator(64 * 8)
     offsets = [allocator.allocate(size) for size in (64, 100, 64, 64)]  # footprints 64, 128, 64, 64
@@ -277,8 +287,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, data) -> None:
         offset = data.draw(st.sampled_from(sorted(self.live)))
         size = self.live.pop(offset)
+        predicted = self.allocator.hole_bytes_if_freed(offset, size)
         self.allocator.free(offset, size)
         self.used.difference_update(self._units(offset, size))
+        # The hole a free makes is the model's free run around the freed range.
+        assert predicted == next(n for start, n in self._model_free_runs() if start <= offset < start + n)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

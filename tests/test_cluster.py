@@ -266,6 +266,28 @@ def test_concurrent_puts_into_a_full_cache_are_all_stored(make_cluster, watermar
         assert {page for page in got if page is not None} == {value}
 
 
+def test_a_put_into_a_full_cache_of_mixed_sizes_evicts_one_object_that_makes_room(make_cluster):
+    # Small and large objects side by side, the small ones least recently used: evicting by
+    # bytes freed small holes that no large key fits, round after round (and failed the put).
+    cluster = make_cluster(1, "8MiB", master_args=("--evict-watermark-high", "1.0", "--lease-ttl-ms", "300"))
+    small, large = os.urandom(32 * 1024), os.urandom(96 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        capacity = store.cluster_status().segments[0].segment.capacity_bytes
+        pairs = capacity // (len(small) + len(large))
+        smalls = [f"small-{i}" for i in range(pairs + (capacity % (len(small) + len(large))) // len(small))]
+        larges = [f"large-{i}" for i in range(pairs)]
+        for i, key in enumerate(smalls):  # in address order: small, large, small, large, ...
+            assert store.put(key, small) is None
+            if i < pairs:
+                assert store.put(larges[i], large) is None
+        assert store.get_batch(larges) == [large] * pairs  # read: the small ones go first
+        time.sleep(0.5)  # the reads' leases (300 ms) are over
+        assert store.put_batch(["new"], [large]) == [ErrorCode.OK]
+        assert store.cluster_status().evicted_count == 1
+        assert store.batch_exists(smalls) == [True] * len(smalls)
+        assert store.get("new") == large
+
+
 def test_zombie_put_is_reclaimed(make_cluster):
     cluster = make_cluster(
         1, "8MiB", master_args=("--put-discard-timeout-ms", "1000", "--put-release-timeout-ms", "2500")

@@ -691,6 +691,36 @@ def test_a_second_put_short_of_room_evicts_for_itself_not_on_the_firsts_drops(po
     assert [e.key for e in ack_drops(svc)["s1"]] == ["k2"]
 
 
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_put_that_finds_free_bytes_but_no_hole_evicts_an_object_that_makes_one(policy: str) -> None:
+    # A full segment of small and large objects side by side, the small ones oldest: evicting
+    # the oldest by bytes would free holes too small for a large key, round after round.
+    svc = make(policy=policy, lease_ttl_ms=1, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")
+    for i in range(8):  # 8 x (32 + 96) KiB fill the 1 MiB segment, in address order
+        assert put(svc, [f"small{i}"], size=32 * KIB) == [OK]
+        assert put(svc, [f"large{i}"], size=96 * KIB) == [OK]
+    get(svc, [f"large{i}" for i in range(8)], 0)  # read, so the small ones go first
+    message = PutStart(["new"], [96 * KIB], config())
+    reply = svc.put_start(message, 10)
+    assert reply.codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    # One victim, the oldest object whose range is hole enough (here, any large one's is).
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["large0"]
+    assert svc.put_start_again(message, reply, [0], 10) == []
+    assert reply.codes == [OK]
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_the_hole_a_put_needs_is_never_made_of_a_soft_pinned_object(policy: str) -> None:
+    svc = make(policy=policy, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")
+    for i in range(8):
+        assert put(svc, [f"small{i}"], size=32 * KIB) == [OK]
+        assert put(svc, [f"large{i}"], size=96 * KIB, with_soft_pin=True) == [OK]
+    assert svc.put_start(PutStart(["new"], [96 * KIB], config()), 10).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["small0", "small1", "small2"]  # by bytes, unpinned first
+
+
 def test_only_keys_that_no_round_stores_count_as_errors() -> None:
     svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
     mount(svc, "s1")

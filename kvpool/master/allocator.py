@@ -116,6 +116,13 @@ class OffsetAllocator:
         """The bytes a range of `size_bytes` occupies in this allocator."""
         return footprint_bytes(size_bytes, self._align_bytes)
 
+    def hole_bytes_if_freed(self, offset: int, size_bytes: int) -> int:
+        """The free extent that freeing the range allocated at `offset` for `size_bytes` would
+        make: its footprint and the free extents it touches. O(1)."""
+        footprint = self.footprint_bytes(size_bytes)
+        before = self._ends.get(offset)
+        return footprint + (0 if before is None else offset - before) + self._starts.get(offset + footprint, 0)
+
     def iter_free_extents(self) -> Iterator[tuple[int, int]]:
         """(offset, size_bytes) of every free extent, by offset. O(f log f)."""
         return iter(sorted(self._starts.items()))

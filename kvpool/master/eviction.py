@@ -44,7 +44,7 @@ import xxhash
 from kvpool import limits
 from kvpool.errors import InvalidParams
 from kvpool.master.allocator import footprint_bytes
-from kvpool.master.metadata import replica_segment_index
+from kvpool.master.metadata import replica_offset, replica_segment_index
 
 if TYPE_CHECKING:
     from kvpool.master.membership import Segment
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 # belong in limits.py; they live here until that file is open to this module's owner.
 EVICT_SCAN_CANDIDATES_PUT_MAX = 16_384
 EVICT_SCAN_CANDIDATES_TICK_MAX = 262_144
+# At most this many candidates are examined for the one victim that makes a hole large enough
+# for a put that found free bytes but no free extent (select_for_room).
+EVICT_SCAN_HOLE_CANDIDATES_MAX = 1_024
 # At most this many victims per watermark eviction: the master serves no request while it
 # evicts (6-10 us per object), so a large segment of small objects is brought under its
 # watermark over several ticks (about 0.1 s each) instead of in one stall of seconds. A tick
@@ -497,20 +500,41 @@ def drop_bytes_in_flight(segments: list[Segment]) -> int:
 
 
 def select_for_room(
-    policy: EvictionPolicy, active: list[Segment], shortfall_bytes: int, now_ms: int, claimed_bytes: int = 0
+    policy: EvictionPolicy,
+    active: list[Segment],
+    shortfall_bytes: int,
+    now_ms: int,
+    claimed_bytes: int = 0,
+    hole_bytes: int = 0,
 ) -> tuple[list[str], bool]:
     """Victims after an allocation failure: objects with replicas on active segments, until
     `shortfall_bytes` more are scheduled for freeing than the drops already in flight, less
     `claimed_bytes` of them that other puts waiting for room count on.
 
+    Bytes are not room: a key needs one free extent of its footprint, and the oldest objects
+    lie wherever they lie. So when `hole_bytes` (the largest footprint that found no room) is
+    given, the first victim is the oldest object whose range, with the free extents it
+    touches, makes a hole that large (`_oldest_hole_maker`); the rest go in policy order.
+
     Returns the victims and whether they fall short of the need. Nothing when the unclaimed
     drops in flight cover the shortfall: once the server flushes them and the nodes
-    acknowledge, the room is there. Bounded by EVICT_SCAN_CANDIDATES_PUT_MAX.
+    acknowledge, the room is there. Bounded by EVICT_SCAN_CANDIDATES_PUT_MAX, and
+    EVICT_SCAN_HOLE_CANDIDATES_MAX more for the hole.
     """
     remaining = shortfall_bytes - max(0, drop_bytes_in_flight(active) - claimed_bytes)
     if remaining <= 0:
         return [], False
-    active_indexes = {segment.index for segment in active}
+    by_index = {segment.index: segment for segment in active}
+
+    def freed_bytes(meta: ObjectMeta) -> int:
+        useful = sum(1 for r in meta.replica_tuple() if replica_segment_index(r) in by_index)
+        return useful * footprint_bytes(meta.size_bytes)
+
+    victims: list[str] = []
+    found = _oldest_hole_maker(policy, by_index, hole_bytes, now_ms) if hole_bytes else None
+    if found is not None:
+        victims.append(found[0])
+        remaining -= freed_bytes(found[1])
 
     def judge(key: str, meta: ObjectMeta) -> Verdict:
         nonlocal remaining
@@ -518,14 +542,45 @@ def select_for_room(
             return Verdict.STOP
         if meta.lease_expiry_ms > now_ms:
             return Verdict.DEFER
-        useful = sum(1 for r in meta.replica_tuple() if replica_segment_index(r) in active_indexes)
-        if not useful:
+        if found is not None and key == found[0]:
+            return Verdict.SKIP  # taken already
+        freed = freed_bytes(meta)
+        if not freed:
             return Verdict.SKIP  # Only on draining segments: evicting it frees nothing usable.
-        remaining -= useful * footprint_bytes(meta.size_bytes)
+        remaining -= freed
         return Verdict.TAKE
 
-    victims = policy.select_victims(judge, EVICT_SCAN_CANDIDATES_PUT_MAX)
+    if remaining > 0:
+        victims += policy.select_victims(judge, EVICT_SCAN_CANDIDATES_PUT_MAX)
     return victims, remaining > 0
+
+
+def _oldest_hole_maker(
+    policy: EvictionPolicy, by_index: dict[int, Segment], hole_bytes: int, now_ms: int
+) -> tuple[str, ObjectMeta] | None:
+    """The first candidate in policy order that may go and whose range on some active segment,
+    freed, makes a free extent of at least `hole_bytes`; None when the first
+    EVICT_SCAN_HOLE_CANDIDATES_MAX candidates hold none. In a cache of one object size this
+    is the first candidate that may go: the order is the policy's."""
+    found: tuple[str, ObjectMeta] | None = None
+
+    def judge(key: str, meta: ObjectMeta) -> Verdict:
+        nonlocal found
+        if found is not None or meta.soft_pin_expiry_ms:
+            return Verdict.STOP  # soft-pinned objects come last (the policy's last pass): only by bytes
+        if meta.lease_expiry_ms > now_ms:
+            return Verdict.SKIP  # the bytes pass defers it
+        for replica in meta.replica_tuple():
+            segment = by_index.get(replica_segment_index(replica))
+            if segment is not None and (
+                segment.allocator.hole_bytes_if_freed(replica_offset(replica), meta.size_bytes) >= hole_bytes
+            ):
+                found = (key, meta)
+                return Verdict.TAKE
+        return Verdict.SKIP
+
+    policy.select_victims(judge, EVICT_SCAN_HOLE_CANDIDATES_MAX)
+    return found
 
 
 def select_above_watermark(

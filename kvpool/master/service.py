@@ -306,7 +306,14 @@ class MasterService:
             # more: the claims shrink with the drops in flight.
             active = self._registry.active
             claimed_bytes = min(self._room_claimed_bytes, drop_bytes_in_flight(active))
-            victims, is_short = select_for_room(self._table.policy, active, shortfall_bytes, now_ms, claimed_bytes)
+            hole_bytes = max(
+                footprint_bytes(size)
+                for size, code in zip(msg.sizes, reply.codes)
+                if code == codes.NO_AVAILABLE_HANDLE
+            )
+            victims, is_short = select_for_room(
+                self._table.policy, active, shortfall_bytes, now_ms, claimed_bytes, hole_bytes
+            )
             self._room_claimed_bytes = claimed_bytes + shortfall_bytes
             self._tiers.demote_all(victims, TIER_DRAM, now_ms)
             # Only a scan that found too little waits: victims whose offload could not start
