@@ -8,7 +8,10 @@ counts of misses, errors and wrong bytes (which must be 0). A regression in fail
 that costs speed shows here first.
 
     python benchmarks/mixed_load.py [--clients 3] [--nodes 3] [--duration-s 20] [--etcd]
-        [--size-min 65536] [--size-max 524288] [--shm 0|1] [--output FILE]
+        [--size-min 65536] [--size-max 524288] [--shm 0|1] [--disk-size 64MiB] [--output FILE]
+
+With --disk-size each node also has a disk tier of that size (its own directory): what DRAM
+evicts moves there, and gets read it back.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--shm", type=int, default=0, help="1: same-host clients map segments")
     parser.add_argument("--etcd", action="store_true", help="two HA masters on a local etcd")
+    parser.add_argument("--disk-size", default=None, help="a disk tier of this size on every node (e.g. 64MiB)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
@@ -50,11 +54,13 @@ def main() -> int:
             if etcd is not None:
                 etcd.start()
             cluster = LocalCluster(
-                args.nodes, args.memory, workdir=workdir / "cluster",
+                0 if args.disk_size else args.nodes, args.memory, workdir=workdir / "cluster",
                 etcd_endpoint=etcd.endpoint if etcd else None, master_count=2 if etcd else 1,
             )  # fmt: skip
             (workdir / "cluster").mkdir()
             with cluster:
+                for index in range(args.nodes if args.disk_size else 0):  # a disk directory each
+                    cluster.start_node(("--disk-dir", str(workdir / f"disk{index}"), "--disk-size", args.disk_size))
                 out_dir = workdir / "load"
                 workers = [
                     subprocess.Popen(
@@ -90,6 +96,7 @@ def main() -> int:
         "object_size_bytes": [args.size_min, args.size_max],
         "replicas": args.replicas,
         "transport": "shm" if args.shm else "tcp",
+        "disk_size": args.disk_size,
         "client_bound_ms": stats[0]["bound_ms"] if stats else 0,
         "wrong_bytes_gets": summary["outcomes"].get("get_wrong", 0),
         "errors": {k: v for s in stats for k, v in s["errors"].items()},
