@@ -22,6 +22,10 @@ Two policies, picked by name with `make_policy` (`POLICIES`):
 Another policy (an offline optimum for simulation, kvpool/sim/belady.py) subclasses
 `EvictionPolicy` and keeps its own structures.
 
+Eviction for a put that found no room (`select_for_room`) frees a hole, not just bytes: its
+first victim is the first candidate whose range, with the free extents around it, fits the key;
+the rest of the shortfall goes in policy order. Eviction above the watermark frees bytes.
+
 Scans are bounded (`select_victims(scan_max)`), so that an allocation failure never costs
 O(all objects). Candidates that cannot go now are moved behind the others when the scan ends,
 so the next bounded scan starts on fresh ones: hard-pinned objects (never candidates) and
