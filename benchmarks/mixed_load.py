@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from kvpool.cli.launcher import LocalCluster, LocalEtcd
@@ -99,7 +100,7 @@ def main() -> int:
         "disk_size": args.disk_size,
         "client_bound_ms": stats[0]["bound_ms"] if stats else 0,
         "wrong_bytes_gets": summary["outcomes"].get("get_wrong", 0),
-        "errors": {k: v for s in stats for k, v in s["errors"].items()},
+        "errors": dict(sum((Counter(s["errors"]) for s in stats), Counter())),  # every worker's
         **{k: v for k, v in summary.items() if k != "outcomes"},
         "outcomes": summary["outcomes"],
         "finished_epoch_s": round(time.time()),

@@ -721,6 +721,38 @@ def test_the_hole_a_put_needs_is_never_made_of_a_soft_pinned_object(policy: str)
     assert [e.key for e in ack_drops(svc)["s1"]] == ["small0", "small1", "small2"]  # by bytes, unpinned first
 
 
+def _short_scan_then_leases_lapse(svc) -> None:
+    """A full segment, all but k0 leased until 100: a put of two keys evicts k0 and comes up
+    short; its retry finds no more; the leases lapse at 100."""
+    mount(svc, "s1")
+    keys = fill(svc, "s1", 16)
+    get(svc, keys[1:], 0)
+    message = PutStart(["a", "b"], [OBJECT_SIZE] * 2, config())
+    reply = svc.put_start(message, 1)
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k0"]
+    assert svc.put_start_again(message, reply, [0, 1], 1) == [1]  # room for a, none for b
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_short_scan_of_a_small_table_does_not_refuse_the_puts_after_it(policy: str) -> None:
+    # A scan of a few candidates costs less than refusing every put short of room for the
+    # backoff's length: a put after the leases lapsed evicts at once.
+    svc = make(policy=policy, lease_ttl_ms=100, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    _short_scan_then_leases_lapse(svc)
+    assert svc.put_start(PutStart(["c"], [OBJECT_SIZE], config()), 150).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k1"]
+
+
+def test_a_short_scan_of_a_large_table_backs_off(monkeypatch) -> None:
+    monkeypatch.setattr(eviction, "EVICT_SCAN_BACKOFF_CANDIDATES_MIN", 8)  # 16 objects: a long scan
+    svc = make(lease_ttl_ms=100, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    _short_scan_then_leases_lapse(svc)
+    svc.put_start(PutStart(["c"], [OBJECT_SIZE], config()), 150)
+    assert not svc.has_pending_drops()  # backed off until 1 + EVICT_SHORTFALL_BACKOFF_MS
+    svc.put_start(PutStart(["c"], [OBJECT_SIZE], config()), 1 + EVICT_SHORTFALL_BACKOFF_MS)
+    assert [e.key for e in ack_drops(svc)["s1"]] == ["k1"]
+
+
 def test_only_keys_that_no_round_stores_count_as_errors() -> None:
     svc = make(lease_ttl_ms=1_000, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
     mount(svc, "s1")

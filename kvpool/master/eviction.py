@@ -71,6 +71,11 @@ EVICT_VICTIMS_TICK_MAX = 16_384
 # one of the same kind waits this long: leases last seconds, and a scan that finds nothing
 # would otherwise run on every put and every tick.
 EVICT_SHORTFALL_BACKOFF_MS = 250
+# ... but a put's eviction backs off only once it looked at this many candidates: scanning a
+# small table again costs less than refusing, for the backoff's length, every put short of
+# room, though objects put or leases lapsed meanwhile could make it (a cache of a few large
+# objects, most of them leased, refused one put in eight that way).
+EVICT_SCAN_BACKOFF_CANDIDATES_MIN = 1_024
 # ProbationLruPolicy: protected (read) objects hold at most this share of the bytes, so that
 # new objects always have room to prove themselves. Measured on the FAST'25 trace (1M, 3M and
 # 10M tokens, docs/replay.md): 0.9 and 0.95 are best and alike; 1.0 (probation emptied first,
@@ -520,10 +525,11 @@ def select_for_room(
     given, the first victim is the oldest object whose range, with the free extents it
     touches, makes a hole that large (`_oldest_hole_maker`); the rest go in policy order.
 
-    Returns the victims and whether they fall short of the need. Nothing when the unclaimed
-    drops in flight cover the shortfall: once the server flushes them and the nodes
-    acknowledge, the room is there. Bounded by EVICT_SCAN_CANDIDATES_PUT_MAX, and
-    EVICT_SCAN_HOLE_CANDIDATES_MAX more for the hole.
+    Returns the victims and whether puts should not scan again for a while: the victims fall
+    short of the need after a scan of EVICT_SCAN_BACKOFF_CANDIDATES_MIN candidates or more.
+    Nothing when the unclaimed drops in flight cover the shortfall: once the server flushes
+    them and the nodes acknowledge, the room is there. Bounded by
+    EVICT_SCAN_CANDIDATES_PUT_MAX, and EVICT_SCAN_HOLE_CANDIDATES_MAX more for the hole.
     """
     remaining = shortfall_bytes - max(0, drop_bytes_in_flight(active) - claimed_bytes)
     if remaining <= 0:
@@ -540,8 +546,11 @@ def select_for_room(
         victims.append(found[0])
         remaining -= freed_bytes(found[1])
 
+    examined = 0
+
     def judge(key: str, meta: ObjectMeta) -> Verdict:
-        nonlocal remaining
+        nonlocal remaining, examined
+        examined += 1
         if remaining <= 0:
             return Verdict.STOP
         if meta.lease_expiry_ms > now_ms:
@@ -556,7 +565,7 @@ def select_for_room(
 
     if remaining > 0:
         victims += policy.select_victims(judge, EVICT_SCAN_CANDIDATES_PUT_MAX)
-    return victims, remaining > 0
+    return victims, remaining > 0 and examined >= EVICT_SCAN_BACKOFF_CANDIDATES_MIN
 
 
 def _oldest_hole_maker(

@@ -311,16 +311,16 @@ class MasterService:
                 for size, code in zip(msg.sizes, reply.codes)
                 if code == codes.NO_AVAILABLE_HANDLE
             )
-            victims, is_short = select_for_room(
+            victims, back_off = select_for_room(
                 self._table.policy, active, shortfall_bytes, now_ms, claimed_bytes, hole_bytes
             )
             self._room_claimed_bytes = claimed_bytes + shortfall_bytes
             self._tiers.demote_all(victims, TIER_DRAM, now_ms)
-            # Only a scan that found too little waits: victims whose offload could not start
-            # yet (the slower tier is dropping to take them, or the node's move budget is
-            # spent) are tried again by the put's next round (server.py), which must not find
-            # eviction backed off.
-            if is_short:
+            # Only a long scan that found too little waits: victims whose offload could not
+            # start yet (the slower tier is dropping to take them, or the node's move budget
+            # is spent) are tried again by the put's next round (server.py), which must not
+            # find eviction backed off.
+            if back_off:
                 self._evict_for_room_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return reply
 

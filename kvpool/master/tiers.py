@@ -458,9 +458,9 @@ class TierFlow:
             asked[segment.index] = asked_before + footprint
         if now_ms >= self._room_after_ms[tier]:
             need_bytes = asked_before + footprint
-            victims, is_short = select_for_room(self._table.views[tier].policy, [segment], need_bytes, now_ms)
+            victims, back_off = select_for_room(self._table.views[tier].policy, [segment], need_bytes, now_ms)
             is_done = self.demote_all(victims, tier, now_ms)
-            if is_short or not is_done:
+            if back_off or not is_done:
                 self._room_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return Room.LATER if segment.drop_bytes else Room.NONE
 
@@ -544,9 +544,9 @@ class TierFlow:
                 offset = allocator.allocate(meta.size_bytes)
             if offset is None:
                 if excess_bytes > 0 and now_ms >= self._room_after_ms[TIER_DRAM]:
-                    victims, is_short = select_for_room(table.policy, [target], excess_bytes, now_ms)
+                    victims, back_off = select_for_room(table.policy, [target], excess_bytes, now_ms)
                     is_done = self.demote_all(victims, TIER_DRAM, now_ms)
-                    if is_short or not is_done:
+                    if back_off or not is_done:
                         self._room_after_ms[TIER_DRAM] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
                 waiting.append(key)
                 continue
