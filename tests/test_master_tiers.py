@@ -163,6 +163,40 @@ def put_in_rounds(svc, names: list[str], now: int) -> list[str]:
     return retry
 
 
+def test_an_offload_into_a_full_disk_tier_evicts_an_object_that_makes_it_a_hole():
+    # The disk tier fills with small and large objects side by side (offloaded in turn); its
+    # large ones are read, so its small ones go first: evicting them by bytes frees holes no
+    # large object fits, so the first victim is a large one.
+    svc = cluster(disk_capacity=MIB, evict_watermark_ratio_high=1.0, lease_ttl_ms=1)
+    sizes = {f"{kind}{i}": size for i in range(16) for kind, size in (("s", 32 << 10), ("b", 96 << 10))}
+    now = 0
+    for key, size in sizes.items():  # 32 objects: the second 16 offload the first 16, in turn
+        now += 10
+        start = svc.put_start(PutStart([key], [size], ReplicateConfig()), now)
+        if start.codes != [OK]:
+            run_moves(svc, now)
+            ack_drops(svc, now)
+            start = svc.put_start(PutStart([key], [size], ReplicateConfig()), now)
+        assert start.codes == [OK], key
+        assert commit(svc, svc.put_end(PutEnd([key], [checksum_of(key)]), now), now) == [OK]
+    on_disk = [key for key in sizes if where(svc, key) == ["A/disk"]]
+    assert on_disk == [f"{kind}{i}" for i in range(8) for kind in "sb"]  # the disk is full
+    svc.get_replica_list(GetReplicaList([f"b{i}" for i in range(8)]), now)
+    now += 10  # the reads' leases are over
+    # A put of 96 KiB evicts b8, the DRAM object that makes it room: its offload into the full
+    # disk evicts b0 there, and goes once that drop landed.
+    message = PutStart(["new"], [96 << 10], ReplicateConfig())
+    reply = svc.put_start(message, now)
+    assert [e.key for e in ack_drops(svc, now)["A/disk"]] == ["b0"]
+    for _ in range(3):  # rounds as the server runs them
+        run_moves(svc, now)
+        ack_drops(svc, now)
+        if not svc.put_start_again(message, reply, [0], now):
+            break
+    assert reply.codes == [OK]
+    assert where(svc, "b8") == ["A/disk"] and not svc.exist_keys(ExistKeys(["b0"]), now).flags[0]
+
+
 def both_tiers_full():
     """Eviction only for room; DRAM (16 objects) and the disk tier (16) full."""
     svc = cluster(disk_capacity=MIB, evict_watermark_ratio_high=1.0)

@@ -458,7 +458,9 @@ class TierFlow:
             asked[segment.index] = asked_before + footprint
         if now_ms >= self._room_after_ms[tier]:
             need_bytes = asked_before + footprint
-            victims, back_off = select_for_room(self._table.views[tier].policy, [segment], need_bytes, now_ms)
+            victims, back_off = select_for_room(
+                self._table.views[tier].policy, [segment], need_bytes, now_ms, hole_bytes=footprint
+            )
             is_done = self.demote_all(victims, tier, now_ms)
             if back_off or not is_done:
                 self._room_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
