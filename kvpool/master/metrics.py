@@ -99,7 +99,9 @@ class MasterMetrics(Collector):
 def _tier_metrics(status: ClusterStatusReply) -> Iterator[Any]:
     """Per tier (dram, disk, dfs; docs/tiers.md): capacity, use and the tier counters."""
     gauges = {
-        "capacity_bytes": GaugeMetricFamily(_PREFIX + "tier_capacity_bytes", "Bytes of the tier's mounted segments.", labels=["tier"]),
+        "capacity_bytes": GaugeMetricFamily(
+            _PREFIX + "tier_capacity_bytes", "Bytes of the tier's mounted segments.", labels=["tier"]
+        ),
         "used_bytes": GaugeMetricFamily(_PREFIX + "tier_used_bytes", "Bytes allocated in the tier.", labels=["tier"]),
         "object_count": GaugeMetricFamily(_PREFIX + "tier_objects", "Replicas in the tier.", labels=["tier"]),
     }

@@ -586,7 +586,8 @@ class MasterServer:
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
-            reply = service.mount_segment(MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK]), wall_clock_ms())
+            chunk = entries[start : start + _DFS_MOUNT_CHUNK]
+            reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms())
             rejected.extend(reply.rejected)
         self._dfs_service = service
         if self._takeover is not None:
