@@ -765,6 +765,7 @@ def test_only_keys_that_no_round_stores_count_as_errors() -> None:
     ack_drops(svc)
     assert svc.put_start_again(message, reply, [0, 1, 2], 0) == [2]  # a round stored a and b
     assert svc.counters.errors == 0
+    assert svc.counters.put_room_rounds == 1  # what /metrics shows of the wait
     svc.put_start_settled(reply)
     assert reply.codes[:2] == [OK, OK] and svc.counters.errors == 1
 

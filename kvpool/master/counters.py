@@ -16,7 +16,9 @@ class MasterCounters:
     with their last segment; `bad_replicas` counts replicas dropped because a check confirmed
     that their bytes no longer hash to the object's checksum (a reader's report: bit rot, a
     stale writer); `errors` counts raised requests and per-key failure codes (invalid key or
-    parameters, no space after the put's last round, transfer failure)."""
+    parameters, no space after the put's last round, transfer failure); `put_room_rounds` counts
+    the rounds puts waited for eviction to make room (a cache that runs full: each round is a
+    wait of the put for drops or offloads to land)."""
 
     puts: int = 0
     put_bytes: int = 0
@@ -29,6 +31,7 @@ class MasterCounters:
     lost: int = 0
     bad_replicas: int = 0
     errors: int = 0
+    put_room_rounds: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ master has its own registry, so several masters (tests, HA) can share a process.
 
 Metric names (prefix kvpool_master_): objects, pending_puts, requests_total{kind},
 puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_total,
-evicted_bytes_total, removes_total, errors_total, per segment
+evicted_bytes_total, removes_total, errors_total, put_room_rounds_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
@@ -47,6 +47,7 @@ COUNTER_NAMES = (
     "lost",
     "bad_replicas",
     "errors",
+    "put_room_rounds",
 )
 
 

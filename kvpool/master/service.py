@@ -330,6 +330,7 @@ class MasterService:
 
         A put short of room is tried in rounds as room comes (the server, the simulation);
         the caller ends them with put_start_settled."""
+        self.counters.put_room_rounds += 1
         again = self.put_start(
             PutStart([msg.keys[i] for i in retry], [msg.sizes[i] for i in retry], msg.config, msg.client_hostname),
             now_ms,
