@@ -61,7 +61,7 @@ EVICT_SCAN_CANDIDATES_PUT_MAX = 16_384
 EVICT_SCAN_CANDIDATES_TICK_MAX = 262_144
 # At most this many candidates are examined for the one victim that makes a hole large enough
 # for a put that found free bytes but no free extent (select_for_room).
-EVICT_SCAN_HOLE_CANDIDATES_MAX = 1_024
+EVICT_SCAN_HOLE_CANDIDATES_MAX = 256
 # At most this many victims per watermark eviction: the master serves no request while it
 # evicts (6-10 us per object), so a large segment of small objects is brought under its
 # watermark over several ticks (about 0.1 s each) instead of in one stall of seconds. A tick
