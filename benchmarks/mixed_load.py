@@ -3,8 +3,9 @@
 Starts a local cluster (a master, or with --etcd two HA master candidates on a local etcd, and
 --nodes nodes), runs --clients load generator processes (kvpool/cli/loadgen.py: every byte read
 is checked against the key's value) for --duration-s, then prints JSON: throughput (ops/s,
-MiB/s), p50/p99 latency of puts and gets, the longest call against the client's bound, and the
-counts of misses, errors and wrong bytes (which must be 0). A regression in failure handling
+MiB/s), p50/p99 latency of puts and gets, the longest call against the client's bound, the
+counts of misses, errors and wrong bytes (which must be 0), and the master's counters of a
+full cache (evictions, rounds puts waited for room). A regression in failure handling
 that costs speed shows here first.
 
     python benchmarks/mixed_load.py [--clients 3] [--nodes 3] [--duration-s 20] [--etcd]
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -83,6 +85,7 @@ def main() -> int:
                             worker.kill()
                             worker.wait(10)
                 stats = [json.loads(p.read_text()) for p in sorted(out_dir.glob("stats-*.json"))]
+                master = master_counters(cluster.http_port)
         finally:
             if etcd is not None:
                 etcd.stop()
@@ -103,6 +106,7 @@ def main() -> int:
         "errors": dict(sum((Counter(s["errors"]) for s in stats), Counter())),  # every worker's
         **{k: v for k, v in summary.items() if k != "outcomes"},
         "outcomes": summary["outcomes"],
+        "master": master,  # the (last) leader's counters: evictions, put rounds waiting for room
         "finished_epoch_s": round(time.time()),
     }
     text = json.dumps(result, indent=2)
@@ -110,6 +114,15 @@ def main() -> int:
     if args.output:
         args.output.write_text(text + "\n")
     return 1 if result["wrong_bytes_gets"] else 0
+
+
+def master_counters(http_port: int) -> dict[str, float]:
+    """The master's counters of a full cache, from its /metrics."""
+    names = ("evictions_total", "put_room_rounds_total", "errors_total", "puts_total")
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    samples = dict(line.rsplit(" ", 1) for line in lines if line.startswith("kvpool_master_"))
+    return {name: float(samples[f"kvpool_master_{name}"]) for name in names}
 
 
 if __name__ == "__main__":
