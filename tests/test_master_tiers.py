@@ -516,11 +516,16 @@ class TierMachine(RuleBasedStateMachine):
             )
         entries[offset] = (key, size)
 
-    @rule(index=st.integers(0, len(TIER_KEYS) - 1), copy=st.sampled_from([(), ("disk",), ("disk", "dfs")]))
-    def do_put(self, index: int, copy: tuple[str, ...]) -> None:
+    @rule(
+        index=st.integers(0, len(TIER_KEYS) - 1),
+        copy=st.sampled_from([(), ("disk",), ("disk", "dfs")]),
+        size=st.sampled_from([OBJECT_SIZE, OBJECT_SIZE // 2, OBJECT_SIZE * 3 // 2, OBJECT_SIZE * 3]),
+    )
+    def do_put(self, index: int, copy: tuple[str, ...], size: int) -> None:
+        # Mixed sizes, so that every tier's eviction has holes to make, not just bytes.
         key = TIER_KEYS[index]
         replicate = ReplicateConfig(with_disk_copy="disk" in copy, with_dfs_copy="dfs" in copy)
-        start = self.svc.put_start(PutStart([key], [OBJECT_SIZE], replicate), self.now)
+        start = self.svc.put_start(PutStart([key], [size], replicate), self.now)
         if start.codes != [OK]:
             return
         self.removed.discard(key)
