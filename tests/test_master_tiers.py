@@ -172,13 +172,7 @@ def test_an_offload_into_a_full_disk_tier_evicts_an_object_that_makes_it_a_hole(
     now = 0
     for key, size in sizes.items():  # 32 objects: the second 16 offload the first 16, in turn
         now += 10
-        start = svc.put_start(PutStart([key], [size], ReplicateConfig()), now)
-        if start.codes != [OK]:
-            run_moves(svc, now)
-            ack_drops(svc, now)
-            start = svc.put_start(PutStart([key], [size], ReplicateConfig()), now)
-        assert start.codes == [OK], key
-        assert commit(svc, svc.put_end(PutEnd([key], [checksum_of(key)]), now), now) == [OK]
+        put_through(svc, key, now, size)
     on_disk = [key for key in sizes if where(svc, key) == ["A/disk"]]
     assert on_disk == [f"{kind}{i}" for i in range(8) for kind in "sb"]  # the disk is full
     svc.get_replica_list(GetReplicaList([f"b{i}" for i in range(8)]), now)
@@ -337,12 +331,12 @@ def test_moves_in_flight_are_bounded_per_node(monkeypatch):
     assert len(svc.take_moves()["A"]) == 2
 
 
-def put_through(svc, key: str, now: int) -> None:
+def put_through(svc, key: str, now: int, size: int = OBJECT_SIZE) -> None:
     """One put as the server runs it when DRAM is full: moves, drops, one retry."""
-    if put(svc, [key], now=now) != [OK]:
+    if put(svc, [key], size=size, now=now) != [OK]:
         run_moves(svc, now)
         ack_drops(svc, now)
-        assert put(svc, [key], now=now) == [OK], key
+        assert put(svc, [key], size=size, now=now) == [OK], key
 
 
 def test_a_full_disk_tier_evicts_its_least_recently_used_objects_to_the_dfs():

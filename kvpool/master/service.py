@@ -893,7 +893,7 @@ class MasterService:
     def _evict_above_watermark(self, now_ms: int) -> None:
         """DRAM eviction down to the watermark (the tick's), backed off after a scan that fell
         short. Not run by a put short of room: with a large segment it evicts up to
-        EVICT_SCAN_CANDIDATES_TICK_MAX objects at once, a stall that put would wait on."""
+        EVICT_VICTIMS_TICK_MAX objects at once, a stall that put would wait on."""
         if now_ms < self._evict_watermark_after_ms:
             return
         config = self.config
