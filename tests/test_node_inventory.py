@@ -52,6 +52,22 @@ def test_a_run_of_new_keys_is_added_whole_and_a_run_over_held_bytes_displaces_th
     inv.check_invariants()
 
 
+def test_a_run_put_again_before_the_drop_of_its_old_entries_is_added_whole() -> None:
+    """A client removes keys and puts them again; the master sends the old entries' drops in the
+    background, so the new commit can come first. The old entries go, and the new run is one
+    span, as a fresh run is: entry by entry, every key cut the spans around it, and a node
+    re-putting thousands of keys per second fell seconds behind its commits."""
+    inv = Inventory(1 << 20)
+    old = [e(f"k{i}", 100 * i, 100) for i in range(40)]
+    inv.add(old)
+    new = [e(f"k{i}", 10_000 + 100 * i, 100) for i in range(40)]
+    assert inv.add(new) == old
+    assert inv.entries() == new and inv.used_bytes == 4_000
+    assert inv.span_count == 1
+    assert inv.drop(old) == []  # the late drops match nothing
+    inv.check_invariants()
+
+
 def test_a_commit_of_several_runs_adds_each_fresh_one_whole() -> None:
     """A run the master split over a fragmented segment's holes arrives as several contiguous
     runs in one commit (master/puts.py): each is checked as a whole, in order."""
