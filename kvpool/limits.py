@@ -164,6 +164,11 @@ MOVE_QUEUE_BYTES_MAX = 512 * MIB
 # a slow disk holds DRAM full (puts wait, then fail cleanly) instead of queueing without end.
 MOVE_INFLIGHT_BYTES_PER_NODE_MAX = 256 * MIB
 MOVE_ITEMS_PER_REQUEST_MAX = 1_024
+# The master sends a node its drops in requests of at most this many entries, and serves other
+# requests between them: one DropObjects of a remove_by_regex's 6,144 objects held a put's
+# commit, queued behind it on the same connection, for 50-150 ms (the node forgetting them,
+# the master freeing their ranges); a chunk takes 1-3 ms at either end.
+DROP_ENTRIES_PER_REQUEST_MAX = 512
 # One MoveObjects round trip: its copies, their fsyncs, and the wait for admission.
 MOVE_TIMEOUT_MS = 60_000
 # The master's DRAM eviction order (master/eviction.py POLICIES; kvpool master --eviction-policy).
@@ -188,3 +193,4 @@ DFS_TEMP_FILE_AGE_MS_MAX = 3_600_000
 assert MOVE_INFLIGHT_BYTES_PER_NODE_MAX <= MOVE_QUEUE_BYTES_MAX
 assert OBJECT_SIZE_BYTES_MAX <= MOVE_QUEUE_BYTES_MAX * 2
 assert MOVE_ITEMS_PER_REQUEST_MAX <= BATCH_KEYS_MAX
+assert DROP_ENTRIES_PER_REQUEST_MAX <= BATCH_KEYS_MAX

@@ -450,7 +450,7 @@ class MasterServer:
                 while sent < len(entries):
                     if service is not self.service or not self._is_leading():
                         return  # The term is over: its drops die with its state.
-                    chunk = entries[sent : sent + limits.BATCH_KEYS_MAX]
+                    chunk = entries[sent : sent + limits.DROP_ENTRIES_PER_REQUEST_MAX]
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
                     service.drops_done(segment_id, chunk, wall_clock_ms())
                     sent += len(chunk)
