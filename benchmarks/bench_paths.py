@@ -2,7 +2,8 @@
 
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
-    python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes node-commit client put-phases
+    python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes node-commit
+                                                 puts-after-remove client put-phases
                                                  landing copies payload-alignment files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
@@ -20,7 +21,13 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                MasterService, rounds as the server runs them: how many puts needed rounds
                waiting for room, how many failed, objects evicted per put, how full it stayed.
   node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects, to record
-               one a same-host writer hashed in place, and to drop 128 (400 batches in all).
+               one a same-host writer hashed in place, and to drop 128 (400 batches in all); and
+               to record the same keys put again elsewhere before their old entries' drops came
+               (a client's remove, then put, of the same keys), with the spans that leaves.
+  puts-after-remove
+               rounds of 128 x 128 4 KiB puts through one Store, each after a remove_by_regex of
+               the round before's 16,384 keys, put again: the slowest put_batch of a round and
+               the round's puts/s (medians), with the drops of the remove still on their way.
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                copying and hashing 128 pages of 4 KiB, and hashing them alone;
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
@@ -436,6 +443,17 @@ def node_commit() -> dict:
                 handler.handle(None, CommitObjects("s", entries, is_hashed_in_place))  # type: ignore[arg-type]
                 samples.append((time.perf_counter_ns() - started) // BATCH)
             result[f"commit{name}_us_per_key"] = median_us(samples)
+        # A quarter of the keys put again in the free space past the others, before the drops
+        # of their old entries (master/server.py sends drops in the background).
+        free_start = len(batches) * BATCH * 4 * KIB
+        samples = []
+        for entries in batches[: len(batches) // 4]:
+            moved = [InventoryEntry(x.key, free_start + x.offset, x.size, x.checksum) for x in entries]
+            started = time.perf_counter_ns()
+            handler.handle(None, CommitObjects("s", moved, True))  # type: ignore[arg-type]
+            samples.append((time.perf_counter_ns() - started) // BATCH)
+        result["commit_of_keys_put_again_us_per_key"] = median_us(samples)
+        result["spans_after_keys_put_again"] = handler.inventory.span_count
         samples = []
         for entries in batches:  # in put order, as LRU eviction drops them
             started = time.perf_counter_ns()
@@ -445,6 +463,32 @@ def node_commit() -> dict:
         return result
     finally:
         segment.close()
+
+
+def puts_after_remove() -> dict:
+    """Rounds of 128 batches of 128 4 KiB puts through one Store, each round after a
+    remove_by_regex of the last round's 16,384 keys, which it puts again: the master sends the
+    node their drops while the round's puts commit. The slowest put of each round, and the
+    round's rate (medians over rounds after the first)."""
+    value = os.urandom(4 * KIB)
+    slowest_ms: list[float] = []
+    rates: list[float] = []
+    with LocalCluster(1, "256MiB") as cluster, Store(cluster.master_endpoint) as store:
+        for round_index in range(9):
+            store.remove_by_regex("^again-", force=True)
+            times_ns = []
+            for b in range(128):
+                keys = [f"again-{b}-{i}" for i in range(BATCH)]
+                started = time.perf_counter_ns()
+                assert store.put_batch(keys, [value] * BATCH) == [0] * BATCH
+                times_ns.append(time.perf_counter_ns() - started)
+            if round_index:
+                slowest_ms.append(max(times_ns) / 1e6)
+                rates.append(128 * BATCH / (sum(times_ns) / 1e9))
+    return {
+        "slowest_put_batch_ms": round(statistics.median(slowest_ms), 1),
+        "puts_per_s": round(statistics.median(rates)),
+    }
 
 
 # --- the client ----------------------------------------------------------------------------
@@ -1007,6 +1051,7 @@ PARTS = {
     "master": master,
     "mixed-sizes": mixed_sizes,
     "node-commit": node_commit,
+    "puts-after-remove": puts_after_remove,
     "client": client,
     "put-phases": put_phases,
     "landing": landing,
