@@ -108,6 +108,9 @@ class ClientConfig:
     # This host's mount of the shared filesystem's kvpool directory: DFS replicas are read
     # straight from it ("" = none: DFS replicas are skipped). Appended with the tiers.
     dfs_dir: str = ""
+    # Give a get's read leases back once it is done (client/leases.py); off, they run for the
+    # master's whole lease TTL, as Mooncake's do (the Mooncake-compatible API keeps that).
+    release_leases: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX:

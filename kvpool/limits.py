@@ -18,9 +18,11 @@ GIB = 1024 * MIB
 FRAME_HEADER_FMT = "<HBBIIQ"
 FRAME_HEADER_SIZE_BYTES = 20
 FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
-# 2: padded control messages (frames.FLAG_PADDED). Peers of different versions part at the
-# handshake's first frame, with the reason logged, rather than at their first large transfer.
-FRAME_VERSION = 2
+# 2: padded control messages (frames.FLAG_PADDED). 3: ReleaseLeases, and the grant time in
+# GetReplicaListReply (a master of version 2 would close a client's connection at its first
+# release). Peers of different versions part at the handshake's first frame, with the reason
+# logged, rather than later, mid-request.
+FRAME_VERSION = 3
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB

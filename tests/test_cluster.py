@@ -18,6 +18,7 @@ import pytest
 
 from kvpool import ErrorCode, ReplicateConfig, Store, limits
 from kvpool.errors import KVPoolError
+from kvpool.protocol.messages import GetReplicaList
 
 TIMEOUT_S = 15.0
 
@@ -232,12 +233,31 @@ def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
     leased = values_for("leased", 8, object_size)
     with Store(cluster.master_endpoint) as store:
         store.put_batch(list(leased), list(leased.values()))
-        assert store.get_batch(list(leased)) == list(leased.values())  # takes read leases
+        # A reader that took its leases and is still copying (or died): it gives none back.
+        assert store._ask(GetReplicaList(list(leased))).codes == [ErrorCode.OK] * len(leased)
         flood = values_for("flood", 80, object_size)  # 20 MiB through an 8 MiB segment
         for key, value in flood.items():
             store.put(key, value)
         assert store.get_batch(list(leased)) == list(leased.values())
         assert sum(store.batch_exists(list(flood))) < len(flood)  # something was evicted
+
+
+def test_what_readers_are_done_with_is_evicted_at_once_not_after_their_lease(make_cluster):
+    # Every object of a full node read moments ago: the readers give their leases back, so a
+    # put evicts what they read. Before, reads held it for the whole lease (20 s here) and the
+    # put failed with NO_AVAILABLE_HANDLE.
+    cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000", "--evict-watermark-high", "1.0"))
+    object_size = 256 * 1024
+    with Store(cluster.master_endpoint) as store:
+        capacity = store.cluster_status().segments[0].segment.capacity_bytes
+        read = values_for("read", capacity // object_size, object_size)
+        assert store.put_batch(list(read), list(read.values())) == [ErrorCode.OK] * len(read)
+        assert store.get_batch(list(read)) == list(read.values())
+        new = os.urandom(object_size)
+        # The releases are on their way (client/leases.py: 10 ms later); 5 s is far short of 20.
+        wait_until(lambda: store.put_batch(["new"], [new]) == [ErrorCode.OK], timeout_s=5)
+        assert master_metrics(cluster)["kvpool_master_leases_released_total"] == len(read)  # one message
+        assert store.get("new") == new and store.cluster_status().evicted_count >= 1
 
 
 @pytest.mark.parametrize("watermark", ["0.9", "1.0"])

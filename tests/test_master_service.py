@@ -40,6 +40,7 @@ from kvpool.protocol.messages import (
     QueryObjects,
     Remove,
     RemoveAll,
+    ReleaseLeases,
     RemoveByRegex,
     ReplicateConfig,
     ReportBadReplicas,
@@ -390,6 +391,69 @@ def test_lease_blocks_remove_until_it_expires() -> None:
     get(svc, ["f"], 0)
     assert svc.remove(Remove(["f"], force=True), 1).codes == [OK]
     assert svc.counters.removes == 2
+
+
+def release(svc, granted_ms: int, keys, now: int) -> None:
+    svc.release_leases(ReleaseLeases([granted_ms], [list(keys)]), now)
+
+
+def test_a_lease_ends_when_its_last_reader_gives_it_back() -> None:
+    """Two readers of one object: the first one done leaves it leased for the other; the last
+    one done ends the lease, long before its TTL, and the object can go at once."""
+    svc = make(lease_ttl_ms=10_000)
+    mount(svc, "s1")
+    put(svc, ["k", "other"])
+    first, second = get(svc, ["k"], 100), get(svc, ["k", "other"], 200)
+    assert (first.lease_granted_ms, second.lease_granted_ms) == (100, 200)
+    release(svc, 100, ["k"], 300)
+    assert svc.remove(Remove(["k"]), 301).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    release(svc, 200, ["k"], 400)
+    assert svc.counters.leases_released == 1
+    assert svc.remove(Remove(["k", "other"]), 401).codes == [OK, ErrorCode.OBJECT_HAS_LEASE]
+    release(svc, 200, ["k"], 402)  # given back twice, or for an object gone: nothing happens
+    assert svc.counters.leases_released == 1
+
+
+def test_a_lease_given_back_after_it_lapsed_does_not_end_a_later_readers_lease() -> None:
+    """A reader slower than the TTL gives its lease back after the object's lease lapsed and a
+    new reader took one: the new reader's lease stands."""
+    svc = make(lease_ttl_ms=1_000)
+    mount(svc, "s1")
+    put(svc, ["k"])
+    get(svc, ["k"], 0)  # the slow reader
+    get(svc, ["k"], 1_500)  # after the first lease lapsed: a new one
+    release(svc, 0, ["k"], 1_600)
+    assert svc.remove(Remove(["k"]), 1_601).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    release(svc, 1_500, ["k"], 1_700)
+    assert svc.remove(Remove(["k"]), 1_701).codes == [OK]
+
+
+def test_a_lease_granted_by_an_earlier_master_is_not_this_ones_to_end() -> None:
+    """A client gives back a lease an earlier master granted (it restarted, or a standby took
+    over): the new master's readers of the object keep theirs."""
+    old, new = make(lease_ttl_ms=10_000), make(lease_ttl_ms=10_000)
+    for svc in (old, new):
+        mount(svc, "s1")
+        put(svc, ["k"])
+    granted = get(old, ["k"], 100).lease_granted_ms
+    get(new, ["k"], 200)
+    release(new, granted, ["k"], 300)
+    assert new.remove(Remove(["k"]), 301).codes == [ErrorCode.OBJECT_HAS_LEASE]
+
+
+def test_a_full_cache_evicts_what_its_readers_gave_back() -> None:
+    """Everything read within the TTL used to be out of eviction's reach for the whole TTL: a
+    cache that reads its capacity's worth that fast refused puts. Given back, it is not."""
+    svc = make(lease_ttl_ms=10_000)
+    mount(svc, "s1")
+    keys = [f"k{i}" for i in range(16)]  # 16 x 64 KiB: the whole 1 MiB segment
+    assert put(svc, keys) == [OK] * 16
+    reply = get(svc, keys, 10)
+    assert put(svc, ["new"], now=20) == [ErrorCode.NO_AVAILABLE_HANDLE]  # all leased
+    release(svc, reply.lease_granted_ms, keys, 30)
+    start = svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 40)
+    assert start.codes == [ErrorCode.NO_AVAILABLE_HANDLE]  # room is coming: a drop is on its way
+    assert svc.take_drops()
 
 
 def test_exists_longest_prefix_and_query_grant_no_lease() -> None:

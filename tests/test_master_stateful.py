@@ -43,6 +43,7 @@ from kvpool.protocol.messages import (
     PutRevoke,
     PutStart,
     QueryObjects,
+    ReleaseLeases,
     Remove,
     RemoveByRegex,
     ReplicateConfig,
@@ -109,6 +110,8 @@ class MasterMachine(RuleBasedStateMachine):
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Put] = {}
         self.leases: dict[str, int] = {}
+        self.readers: dict[str, int] = {}  # leases granted since the last lapse, not given back
+        self.granted: list[tuple[int, str]] = []  # leases a reader may give back: (time, key)
         self.quarantine: list[tuple[int, str, int]] = []  # release_ms, segment, offset
         self.taken: list[tuple[str, InventoryEntry]] = []  # drops sent, not yet acknowledged
         self.held: PendingCommit | None = None
@@ -395,7 +398,24 @@ class MasterMachine(RuleBasedStateMachine):
             assert code == OK and (size, checksum) == (obj.size, obj.checksum), (key, size, checksum, obj)
             assert {r.segment_id: r.offset for r in replicas} == obj.replicas
             event("hit")
+            if not self._is_leased(key):
+                self.readers[key] = 0
+            self.readers[key] = self.readers.get(key, 0) + 1
             self.leases[key] = max(self.leases.get(key, 0), self.now + CONFIG.lease_ttl_ms)
+            self.granted.append((self.now, key))
+
+    @precondition(lambda self: self.granted)
+    @rule(data=st.data())
+    def release_lease(self, data: st.DataObject) -> None:
+        """A reader is done: it gives back one lease it was granted (maybe after it lapsed)."""
+        granted_ms, key = self.granted.pop(data.draw(st.integers(0, len(self.granted) - 1)))
+        self.service.release_leases(ReleaseLeases([granted_ms], [[key]]), self.now)
+        is_current = granted_ms + CONFIG.lease_ttl_ms > self.now and key in self.objects
+        if is_current and self._is_leased(key) and self.readers.get(key, 0) > 0:
+            self.readers[key] -= 1
+            if not self.readers[key]:
+                del self.leases[key]
+                event("lease ended by its last reader")
 
     @precondition(lambda self: self.objects)
     @rule()
@@ -521,6 +541,8 @@ class MasterMachine(RuleBasedStateMachine):
         event(f"restart with {len(self.objects)} objects")
         self.pending = {}
         self.leases = {}
+        self.readers = {}
+        self.granted = []  # an earlier master's: the new one ignores them (test_master_service)
         self.quarantine = []
 
     # --- invariants --------------------------------------------------------------------

@@ -13,6 +13,7 @@ transfer.py, connections in pool.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from kvpool import limits
 from kvpool.client.buffers import BufferRegistry
+from kvpool.client.leases import RELEASE_DELAY_MS, LeaseReleases
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
 from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms, write_landing
 from kvpool.config import ClientConfig
@@ -92,7 +94,9 @@ class AsyncStore:
         self._directories: dict[str, Path | None] = {}
         self.buffers = BufferRegistry()
         self._embedded_node = None
-        self._reports: set[asyncio.Task] = set()  # bad-replica reports in flight
+        self._reports: set[asyncio.Task] = set()  # bad-replica reports and lease releases in flight
+        self._leases = LeaseReleases()  # leases of finished gets, to give back (client/leases.py)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"<AsyncStore master={self.config.master} mapped={len(self._mapped)} {self._peers!r}>"
@@ -113,6 +117,7 @@ class AsyncStore:
         return store
 
     async def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self._master.call(ClusterStatus(), is_idempotent=True)
         if self.config.embedded_memory_bytes:
             from kvpool.config import NodeConfig
@@ -332,6 +337,7 @@ class AsyncStore:
             await self._read_remote(job)
         job.finish(now_monotonic_ms())
         self.report_bad_replicas(job)
+        self.release_leases(job)
         return job
 
     def report_bad_replicas(self, job: GetJob) -> None:
@@ -343,15 +349,32 @@ class AsyncStore:
         keys = [key for key, _ in job.bad_replicas]
         segment_ids = [replica.segment_id for _, replica in job.bad_replicas]
         offsets = [replica.offset for _, replica in job.bad_replicas]
-        report = self._master.call(ReportBadReplicas(keys, segment_ids, offsets), is_idempotent=True)
-        task = asyncio.ensure_future(report)
-        self._reports.add(task)
-        task.add_done_callback(self._report_done)
+        report = ReportBadReplicas(keys, segment_ids, offsets)
+        self._in_background(report, True, "reporting bad replicas failed (the next bad read reports them again)")
 
-    def _report_done(self, task: asyncio.Task) -> None:
+    def release_leases(self, job: GetJob) -> None:
+        """Give the master back the read leases of a finished get, batched with those of the
+        gets of the next RELEASE_DELAY_MS (client/leases.py). Any thread."""
+        if not self.config.release_leases:
+            return
+        if self._leases.add(job.reply, job.keys) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, RELEASE_DELAY_MS / 1000, self._send_releases)
+
+    def _send_releases(self) -> None:
+        for message in self._leases.take():
+            self._in_background(message, False, "giving back read leases failed (they run out instead)")
+
+    def _in_background(self, message: Message, is_idempotent: bool, failure: str) -> None:
+        """Send `message` to the master without waiting for its answer; log `failure` if it
+        fails (a report or a release the get's caller has no use for). On the loop."""
+        task = asyncio.ensure_future(self._master.call(message, is_idempotent=is_idempotent))
+        self._reports.add(task)
+        task.add_done_callback(functools.partial(self._background_done, failure))
+
+    def _background_done(self, failure: str, task: asyncio.Task) -> None:
         self._reports.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.info("reporting bad replicas failed (the next bad read reports them again): %s", task.exception())
+            log.info("%s: %s", failure, task.exception())
 
     async def _put_start(
         self,

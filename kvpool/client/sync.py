@@ -512,6 +512,7 @@ class Store:
         job.finish(now_monotonic_ms())
         if job.bad_replicas:
             self._loop.loop.call_soon_threadsafe(self._async.report_bad_replicas, job)
+        self._async.release_leases(job)
         return job
 
 

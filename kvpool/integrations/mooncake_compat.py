@@ -17,7 +17,9 @@ same-host memcpy or TCP, and needs no staging buffer). `master_server_addr` is t
 master; `global_segment_size > 0` contributes a segment of that size from this process
 (kvpool's embedded mode, `ClientConfig.embedded_memory_bytes`). Tensors written by
 `put_tensor` use kvpool's own small header, not Mooncake's `TensorMetadata` layout, so tensor
-objects are not byte-compatible between the two stores (plain objects are).
+objects are not byte-compatible between the two stores (plain objects are). Read leases run
+for the master's whole TTL as Mooncake's do: kvpool's own Store gives them back once a get is
+done (`ClientConfig.release_leases`).
 """
 
 from __future__ import annotations
@@ -212,7 +214,9 @@ class MooncakeDistributedStore:
             log.info("setup: protocol %r requested; kvpool uses same-host memcpy or TCP", protocol)
         self.close()
         try:
-            self._store = Store(master, embedded_memory_bytes=segment_bytes)
+            # Leases held for their whole TTL, as Mooncake's: a remove right after a get is
+            # refused with OBJECT_HAS_LEASE there too (tests/test_mooncake_conformance.py).
+            self._store = Store(master, embedded_memory_bytes=segment_bytes, release_leases=False)
         except KVPoolError as exc:
             # Mooncake answers INVALID_PARAMS when its client cannot be created, a master that
             # cannot be reached included (real_client.cpp setup_internal "Failed to create

@@ -18,7 +18,8 @@ class MasterCounters:
     stale writer); `errors` counts raised requests and per-key failure codes (invalid key or
     parameters, no space after the put's last round, transfer failure); `put_room_rounds` counts
     the rounds puts waited for eviction to make room (a cache that runs full: each round is a
-    wait of the put for drops or offloads to land)."""
+    wait of the put for drops or offloads to land); `leases_released` counts read leases given
+    back by their readers before they expired (ReleaseLeases)."""
 
     puts: int = 0
     put_bytes: int = 0
@@ -32,6 +33,7 @@ class MasterCounters:
     bad_replicas: int = 0
     errors: int = 0
     put_room_rounds: int = 0
+    leases_released: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -99,6 +99,8 @@ class ObjectMeta(msgspec.Struct, gc=False):
         soft_pin_expiry_ms: wall clock until which the object is evicted last; 0 = not pinned.
         is_hard_pinned: never evicted (removable, though).
         lease_expiry_ms: wall clock until which a reader may be copying the bytes; 0 = none.
+        readers: leases granted since the lease last lapsed and not given back yet
+            (ReleaseLeases): the lease ends when the last is given back.
     """
 
     size_bytes: int
@@ -107,6 +109,7 @@ class ObjectMeta(msgspec.Struct, gc=False):
     soft_pin_expiry_ms: int = 0
     is_hard_pinned: bool = False
     lease_expiry_ms: int = 0
+    readers: int = 0
 
     def replica_tuple(self) -> tuple[int, ...]:
         replicas = self.replicas
@@ -354,7 +357,11 @@ class ObjectTable:
     def access(
         self, key: str, meta: ObjectMeta, now_ms: int, lease_ttl_ms: int, soft_pin_ttl_ms: int
     ) -> None:
-        """A read: extend the lease, refresh the soft pin, tell the eviction policies."""
+        """A read: extend the lease (one more reader), refresh the soft pin, tell the eviction
+        policies."""
+        if meta.lease_expiry_ms <= now_ms:
+            meta.readers = 0  # lapsed: the readers of the old lease no longer hold it
+        meta.readers += 1
         lease_expiry_ms = now_ms + lease_ttl_ms
         if lease_expiry_ms > meta.lease_expiry_ms:
             meta.lease_expiry_ms = lease_expiry_ms

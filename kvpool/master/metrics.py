@@ -6,7 +6,8 @@ master has its own registry, so several masters (tests, HA) can share a process.
 
 Metric names (prefix kvpool_master_): objects, pending_puts, requests_total{kind},
 puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_total,
-evicted_bytes_total, removes_total, errors_total, put_room_rounds_total, per segment
+evicted_bytes_total, removes_total, errors_total, put_room_rounds_total,
+leases_released_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
@@ -48,6 +49,7 @@ COUNTER_NAMES = (
     "bad_replicas",
     "errors",
     "put_room_rounds",
+    "leases_released",
 )
 
 

@@ -65,6 +65,7 @@ from kvpool.protocol.messages import (
     PutStart,
     PutStartReply,
     QueryObjects,
+    ReleaseLeases,
     Remove,
     RemoveAll,
     RemoveByRegex,
@@ -305,6 +306,8 @@ class MasterServer:
                 return service.drain_segment(message, now_ms)
             case ReportBadReplicas():
                 return self._verify_reported(message, now_ms)
+            case ReleaseLeases():
+                return service.release_leases(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
 
     # --- flows that call nodes ----------------------------------------------------------------

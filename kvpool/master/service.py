@@ -91,6 +91,7 @@ from kvpool.protocol.messages import (
     PutStartReply,
     QueryObjects,
     QueryReply,
+    ReleaseLeases,
     Remove,
     RemoveAll,
     RemoveByRegex,
@@ -146,6 +147,9 @@ class MasterService:
         # Set when an eviction fell short (everything leased or pinned): see eviction.py.
         self._evict_for_room_after_ms = 0
         self._room_claimed_bytes = 0  # of the drops in flight, by puts waiting for room
+        # When this service granted its first lease: a lease given back from before was granted
+        # by an earlier master (a restart, a new term), whose readers this one does not count.
+        self._first_lease_ms = 0
         self._evict_watermark_after_ms = 0
         self._puts = PutFlow(
             config, rng, cluster_key, term, self._registry, self._table, self._quarantine, self.counters
@@ -478,6 +482,8 @@ class MasterService:
         by_index = self._registry.by_index
         access = table.access
         lease_ttl_ms, soft_pin_ttl_ms = self.config.lease_ttl_ms, self.config.soft_pin_ttl_ms
+        if not self._first_lease_ms:
+            self._first_lease_ms = now_ms
         codes_out: list[int] = []
         sizes: list[int] = []
         checksums: list[int] = []
@@ -522,7 +528,35 @@ class MasterService:
         self.counters.hits += hits
         self.counters.misses += len(keys) - hits
         tier_counters[TIER_DRAM].hits += dram_hits
-        return GetReplicaListReply(codes_out, sizes, checksums, replica_lists, lease_ttl_ms, infos)
+        return GetReplicaListReply(codes_out, sizes, checksums, replica_lists, lease_ttl_ms, infos, now_ms)
+
+    def release_leases(self, msg: ReleaseLeases, now_ms: int) -> OkReply:
+        """Readers give back the leases granted at `msg.granted_ms[i]` on `msg.keys[i]`: each
+        object's count of readers drops by one, and its lease ends with the last.
+
+        A lease that lapsed before its release came is ignored: its reader no longer counted
+        (a later read started a new count), and giving it back would end the lease of a reader
+        still copying. While a reader's lease runs the object's lease has not lapsed (it is the
+        latest expiry of all), so its count still holds that reader. So is a lease granted
+        before this service's first (by an earlier master). A release names keys, not versions:
+        one for a key removed and put again within the TTL counts against the new object's
+        readers, who then risk a miss (bytes are checked), never wrong bytes.
+        """
+        lease_ttl_ms, get = self.config.lease_ttl_ms, self._table.get
+        released = 0
+        for granted_ms, keys in zip(msg.granted_ms, msg.keys):
+            if not self._first_lease_ms <= granted_ms <= now_ms or granted_ms + lease_ttl_ms <= now_ms:
+                continue  # not this master's, lapsed, or from a clock that stepped back
+            for key in keys:
+                meta = get(key)
+                if meta is None or meta.readers <= 0 or meta.lease_expiry_ms <= now_ms:
+                    continue
+                meta.readers -= 1
+                if not meta.readers:
+                    meta.lease_expiry_ms = 0
+                    released += 1
+        self.counters.leases_released += released
+        return OkReply()
 
     def exist_keys(self, msg: ExistKeys, now_ms: int) -> ExistsReply:
         """Whether each key is a complete object. Grants no lease and is not an access, so

@@ -8,7 +8,7 @@ Who sends what:
 
     client -> master   PutStart PutEnd PutRevoke GetReplicaList ExistKeys LongestPrefix
                        Remove RemoveByRegex RemoveAll QueryObjects ListObjects ClusterStatus
-                       ReportBadReplicas
+                       ReportBadReplicas ReleaseLeases
     node   -> master   MountSegment Heartbeat UnmountSegment DrainSegment
     master -> node     CommitObjects DropObjects MoveObjects VerifyObjects (on the node's own
                        connection)
@@ -240,7 +240,9 @@ class GetReplicaList(Message, tag=14):
 
 class GetReplicaListReply(Message, tag=15):
     """Per key: a code, the size, checksum and replicas (nearest first is the client's choice).
-    Every found object is under a read lease of `lease_ttl_ms` from the master's reply."""
+    Every found object is under a read lease of `lease_ttl_ms` from the master's reply, granted
+    at `lease_granted_ms` (the master's clock): a reader that is done gives it back with that
+    time (ReleaseLeases)."""
 
     codes: list[int]
     sizes: list[int]
@@ -248,6 +250,16 @@ class GetReplicaListReply(Message, tag=15):
     replicas: list[list[Replica]]
     lease_ttl_ms: int
     segments: dict[str, SegmentInfo]
+    lease_granted_ms: int = 0
+
+
+class ReleaseLeases(Message, tag=29):
+    """client -> master: these readers are done: the leases granted at `granted_ms[i]` (as
+    GetReplicaListReply said) on `keys[i]` are given back. An object's lease ends when its last
+    reader gives it back, or at its expiry, whichever comes first. Answered with OkReply."""
+
+    granted_ms: list[int]
+    keys: list[list[str]]
 
 
 class ExistKeys(Message, tag=16):
@@ -519,6 +531,7 @@ AnyMessage = Union[
     MoveObjects,
     VerifyObjects,
     ReportBadReplicas,
+    ReleaseLeases,
     WriteSlices,
     ReadSlices,
     ReadReply,
