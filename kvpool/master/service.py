@@ -542,17 +542,21 @@ class MasterService:
         one for a key removed and put again within the TTL counts against the new object's
         readers, who then risk a miss (bytes are checked), never wrong bytes.
         """
-        lease_ttl_ms, get = self.config.lease_ttl_ms, self._table.get
+        lease_ttl_ms = self.config.lease_ttl_ms
+        in_dram, in_lower = self._table.objects.get, self._table.lower.get
         released = 0
         for granted_ms, keys in zip(msg.granted_ms, msg.keys):
             if not self._first_lease_ms <= granted_ms <= now_ms or granted_ms + lease_ttl_ms <= now_ms:
                 continue  # not this master's, lapsed, or from a clock that stepped back
             for key in keys:
-                meta = get(key)
-                if meta is None or meta.readers <= 0 or meta.lease_expiry_ms <= now_ms:
+                meta = in_dram(key) or in_lower(key)  # (an ObjectMeta is always true)
+                if meta is None or meta.lease_expiry_ms <= now_ms:
                     continue
-                meta.readers -= 1
-                if not meta.readers:
+                readers = meta.readers - 1
+                if readers > 0:
+                    meta.readers = readers
+                elif not readers:
+                    meta.readers = 0
                     meta.lease_expiry_ms = 0
                     released += 1
         self.counters.leases_released += released
