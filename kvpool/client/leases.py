@@ -29,12 +29,11 @@ RELEASE_DELAY_MS = 10
 class LeaseReleases:
     """The leases of finished gets not yet given back, by the master's grant time. Thread-safe."""
 
-    __slots__ = ("_lock", "_pending", "_count")
+    __slots__ = ("_lock", "_pending")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[int, list[str]] = {}  # grant time -> keys (a key once per lease)
-        self._count = 0
 
     def add(self, reply: GetReplicaListReply, keys: Sequence[str]) -> bool:
         """Record the leases `reply` granted on `keys` (the get's, in order). True when this is
@@ -46,19 +45,18 @@ class LeaseReleases:
         if not leased:
             return False
         with self._lock:
-            is_first = not self._count
+            is_first = not self._pending  # (what is recorded is never empty)
             held = self._pending.get(granted_ms)
             if held is None:
                 self._pending[granted_ms] = leased
             else:
                 held += leased
-            self._count += len(leased)
         return is_first
 
     def take(self) -> list[ReleaseLeases]:
         """Everything recorded, as messages of at most BATCH_KEYS_MAX keys; then nothing."""
         with self._lock:
-            pending, self._pending, self._count = self._pending, {}, 0
+            pending, self._pending = self._pending, {}
         messages: list[ReleaseLeases] = []
         message, room = ReleaseLeases([], []), 0
         for granted_ms, keys in pending.items():

@@ -550,13 +550,10 @@ class MasterService:
                 continue  # not this master's, lapsed, or from a clock that stepped back
             for key in keys:
                 meta = in_dram(key) or in_lower(key)  # (an ObjectMeta is always true)
-                if meta is None or meta.lease_expiry_ms <= now_ms:
+                if meta is None or meta.readers <= 0 or meta.lease_expiry_ms <= now_ms:
                     continue
-                readers = meta.readers - 1
-                if readers > 0:
-                    meta.readers = readers
-                elif not readers:
-                    meta.readers = 0
+                meta.readers -= 1
+                if not meta.readers:
                     meta.lease_expiry_ms = 0
                     released += 1
         self.counters.leases_released += released
