@@ -169,6 +169,22 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     assert b"ok" in health
 
 
+def test_cluster_processes_run_this_kvpool_whatever_the_current_directory(make_cluster, tmp_path, monkeypatch):
+    """The master and nodes import the kvpool this process imported, not one that lies in the
+    current directory (`python -m` put it first: a benchmark comparing two trees, run from one
+    checkout with PYTHONPATH naming the other, ran that checkout's servers in both arms)."""
+    decoy = tmp_path / "kvpool" / "cli"
+    decoy.mkdir(parents=True)
+    (tmp_path / "kvpool" / "__init__.py").write_text("")
+    (decoy / "__init__.py").write_text("")
+    (decoy / "main.py").write_text("import sys\nsys.exit('the kvpool of the current directory ran')\n")
+    monkeypatch.chdir(tmp_path)
+    cluster = make_cluster(1, "8MiB")
+    with Store(cluster.master_endpoint) as store:
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
+
+
 def test_the_demo_runs_end_to_end_and_leaves_no_process_behind():
     """The README's first command: a whole local cluster, every byte checked on both paths,
     the live replay, and every process it started ended."""

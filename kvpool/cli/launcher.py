@@ -27,12 +27,15 @@ import urllib.request
 from pathlib import Path
 from typing import TypeVar
 
+import kvpool
 from kvpool.errors import ConnectFailed
 
 _Started = TypeVar("_Started", bound="StartedInContext")
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+# Where the kvpool package this process imported lives: its children import the same.
+_PACKAGE_ROOT = str(Path(kvpool.__file__).resolve().parent.parent)
 
 
 @dataclasses.dataclass
@@ -103,11 +106,15 @@ def spawn(
     ready = workdir / f"{name}.ready"
     ready.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
-    command = [*wrapper, sys.executable, "-m", "kvpool.cli.main", *args, "--ready-file", str(ready)]
+    # The child runs the kvpool this process runs: first on its path, and -P keeps the current
+    # directory off it (`python -m` puts it first, so a checkout there, another version, won
+    # the import: benchmarks comparing two trees by PYTHONPATH ran the same servers twice).
+    child_env = {**os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, child_env.get("PYTHONPATH"))))
+    command = [*wrapper, sys.executable, "-P", "-m", "kvpool.cli.main", *args, "--ready-file", str(ready)]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
             # The kernel signals on the death of the spawning *thread*: only the main thread
             # lives as long as the process (start_all spawns from pool threads).
             preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
