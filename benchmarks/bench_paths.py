@@ -2,8 +2,9 @@
 
 Each part prints one JSON object (medians); run one with its name, or all by default:
 
-    python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes node-commit
-                                                 puts-after-remove client put-phases
+    python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes fragmentation
+                                                 full-cache-soak node-commit puts-after-remove
+                                                 client put-phases tcp-transfers
                                                  landing copies payload-alignment files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
@@ -20,10 +21,21 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   mixed-sizes  puts of mixed sizes (64-512 KiB) into two full 24 MiB segments through the pure
                MasterService, rounds as the server runs them: how many puts needed rounds
                waiting for room, how many failed, objects evicted per put, how full it stayed.
+  fragmentation
+               4,000 batches of 128 4 KiB puts into a full 64 MiB segment through the pure
+               MasterService, no reads: the pieces (grants) a batch is cut into as the cache
+               churns, the segment's free extents, unread objects left protected, put_start's
+               time per batch, early and late.
+  full-cache-soak
+               one thread putting 4 KiB pages in batches of 128 into a 64 MiB node filled twice
+               over, 100 rounds of 48 batches (about three minutes): puts/s early and late,
+               and late, each process's CPU per batch and the pieces (grants) per batch.
   node-commit  µs per key for a node to verify and record a commit of 128 4 KiB objects, to record
                one a same-host writer hashed in place, and to drop 128 (400 batches in all); and
                to record the same keys put again elsewhere before their old entries' drops came
-               (a client's remove, then put, of the same keys), with the spans that leaves.
+               (a client's remove, then put, of the same keys), with the spans that leaves;
+               and to record 128 keys scattered one by one over a full 64 MiB segment (a
+               fragmented cache's puts), and to drop them (200 batches).
   puts-after-remove
                rounds of 128 x 128 4 KiB puts through one Store, each after a remove_by_regex of
                the round before's 16,384 keys, put again: the slowest put_batch of a round and
@@ -37,6 +49,10 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                back (as bench_core.py runs them): put_start, the copy and hash, put_end, each
                timed through Store and through AsyncStore; a numpy copy of 32 MiB for scale.
                Against a node process, and in one process (the client's embedded segment).
+  tcp-transfers
+               zero-copy puts and gets of 32 x 1 MiB over TCP (shm off), batches back to back:
+               GB/s, and the CPU time of the client, the master and the node per batch (/proc),
+               medians of 6 rounds of 8 batches; a plain socket pair's GB/s in the same rounds.
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
@@ -67,6 +83,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import mmap
 import os
@@ -109,6 +126,15 @@ from kvpool.transports.connection import connect
 KIB, MIB = 1 << 10, 1 << 20
 PAGE = 4 * KIB
 BATCH = 128
+
+
+def process_cpu_ms(pid: int) -> float:
+    """CPU time of every thread of a process so far, in ms (the scheduler's statistics)."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total_ns += int((task / "schedstat").read_text().split()[0])
+    return total_ns / 1e6
 
 
 def median_us(samples_ns: list[int]) -> float:
@@ -353,10 +379,28 @@ def put_with_cold_caches(service: MasterService) -> dict:
             ends.append(time.perf_counter_ns() - c)
             if batch % 8 == 7:  # keep within the segment: remove, and let the node acknowledge
                 service.remove_all(RemoveAll(True), 1)
-                for segment_id, entries in service.take_drops().items():
-                    service.drops_done(segment_id, entries, 1)
+                acknowledge_drops(service, 1)
         result[label] = {"put_start_us": median_us(starts), "put_end_us": median_us(ends)}
     return result
+
+
+def put_start_in_rounds(service: MasterService, message: PutStart, now_ms: int) -> tuple:
+    """put_start as the server runs it: keys short of room are tried again in rounds, each
+    after the nodes acknowledged the drops the eviction scheduled, up to
+    limits.PUT_ROOM_ROUNDS_MAX. Returns the settled reply and the rounds taken."""
+    reply = service.put_start(message, now_ms)
+    retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+    rounds = 0
+    while retry and rounds < limits.PUT_ROOM_ROUNDS_MAX:
+        acknowledge_drops(service, now_ms)
+        rounds += 1
+        retry = service.put_start_again(message, reply, retry, now_ms)
+    return service.put_start_settled(reply), rounds
+
+
+def acknowledge_drops(service: MasterService, now_ms: int) -> None:
+    for segment_id, entries in service.take_drops().items():
+        service.drops_done(segment_id, entries, now_ms)
 
 
 def mixed_sizes() -> dict:
@@ -379,15 +423,7 @@ def mixed_sizes() -> dict:
         for index in range(puts):
             now_ms = index * 5
             message = PutStart([f"key-{index}"], [rng.randint(64 * KIB, 512 * KIB)], ReplicateConfig(replica_num))
-            reply = service.put_start(message, now_ms)
-            retry = [0] if reply.codes[0] == ErrorCode.NO_AVAILABLE_HANDLE else []
-            rounds = 0
-            while retry and rounds < limits.PUT_ROOM_ROUNDS_MAX:
-                for segment_id, entries in service.take_drops().items():
-                    service.drops_done(segment_id, entries, now_ms)
-                rounds += 1
-                retry = service.put_start_again(message, reply, retry, now_ms)
-            service.put_start_settled(reply)
+            reply, rounds = put_start_in_rounds(service, message, now_ms)
             rounds_per_put.append(rounds)
             if reply.codes[0] != ErrorCode.OK:
                 failed += 1
@@ -397,8 +433,7 @@ def mixed_sizes() -> dict:
             if index % 40 == 39:
                 service.heartbeat(Heartbeat(segment_ids), now_ms)
                 service.tick(now_ms)
-                for segment_id, entries in service.take_drops().items():
-                    service.drops_done(segment_id, entries, now_ms)
+                acknowledge_drops(service, now_ms)
             if index >= puts // 4:  # past the first fill
                 counters = service.segment_counters()
                 used_ratios.append(sum(c.used_bytes for c in counters) / sum(c.capacity_bytes for c in counters))
@@ -414,6 +449,104 @@ def mixed_sizes() -> dict:
             "used_ratio_mean": round(statistics.mean(used_ratios), 3),
         }
     return result
+
+
+def fragmentation() -> dict:
+    """4,000 batches of 128 puts of 4 KiB into one full 64 MiB segment through the pure master,
+    as the server drives it (rounds for room, a watermark tick every 28 batches, drops
+    acknowledged at once), no reads: how many pieces (grants) a batch's run is cut into as
+    the cache churns, how many free extents the segment has, how many objects sit protected
+    though nobody read them (ghost-filter false positives), and put_start's time per batch."""
+    service = MasterService(MasterConfig(), random.Random(0), auth.cluster_key("bench"), term=1)
+    info = SegmentInfo("a", "node-a", "host", "host:a", "/x", b"t", 64 * MIB)
+    service.mount_segment(MountSegment(info, []), 0)
+    allocator = service._registry.active[0].allocator
+    batches, window = 4_000, 500
+    grants, extents, start_ns = [], [], []
+    for batch in range(batches):
+        now_ms = batch * 7
+        message = PutStart([f"k-{batch}-{i:04d}" for i in range(BATCH)], [PAGE] * BATCH, ReplicateConfig(1))
+        started = time.perf_counter_ns()
+        reply, _ = put_start_in_rounds(service, message, now_ms)
+        start_ns.append(time.perf_counter_ns() - started)
+        assert reply.codes == [ErrorCode.OK] * BATCH, sorted(set(reply.codes))
+        grants.append(len(reply.grants))
+        pending = service.put_end(PutEnd(message.keys, [7] * BATCH), now_ms)
+        service.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, now_ms)
+        if batch % 28 == 27:  # the server ticks every 200 ms
+            service.heartbeat(Heartbeat(["a"]), now_ms)
+            service.tick(now_ms)
+            acknowledge_drops(service, now_ms)
+        extents.append(allocator.free_extent_count)
+
+    def summary(first: int) -> dict:
+        chosen = sorted(grants[first : first + window])
+        return {
+            "grants_per_batch_median": statistics.median(chosen),
+            "grants_per_batch_p90": chosen[int(0.9 * window)],
+            "free_extents_median": statistics.median(extents[first : first + window]),
+            "put_start_us_per_batch": median_us(start_ns[first : first + window]),
+        }
+
+    return {
+        f"batches_{window}_to_{2 * window}": summary(window),
+        f"last_{window}_batches": summary(batches - window),
+        "protected_objects_at_end": service._table.policy.protected_count,
+        "objects_at_end": service.object_count,
+    }
+
+
+def full_cache_soak() -> dict:
+    """One thread putting batches of 128 pages of 4 KiB into a 64 MiB node, after filling it
+    twice over: 100 rounds of 48 batches, every put evicting. Puts/s over the first and the
+    last 20 rounds, and over the last 20 the CPU time per batch of each process and the pieces
+    (grants) per batch."""
+    from kvpool.client import store as store_module
+
+    grants: list[int] = []
+    put_job = store_module.AsyncStore._put_job
+
+    def counting_put_job(self, keys, parts, reply):  # type: ignore[no-untyped-def]
+        grants.append(len(reply.grants))
+        return put_job(self, keys, parts, reply)
+
+    rounds, batches_per_round, window = 100, 48, 20
+    value = os.urandom(PAGE)
+    rates: list[float] = []
+    store_module.AsyncStore._put_job = counting_put_job  # type: ignore[method-assign]
+    try:
+        cluster = LocalCluster(1, "64MiB")
+        with cluster, Store(cluster.master_endpoint) as store:
+            processes = {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+            batch = 0
+
+            def put_batches(count: int) -> None:
+                nonlocal batch
+                for _ in range(count):
+                    keys = [f"soak-{batch}-{i}" for i in range(BATCH)]
+                    assert store.put_batch(keys, [value] * BATCH) == [ErrorCode.OK] * BATCH
+                    batch += 1
+
+            put_batches(2 * 64 * MIB // (BATCH * PAGE))
+            for round_index in range(rounds):
+                if round_index == rounds - window:
+                    cpu_before = {name: process_cpu_ms(pid) for name, pid in processes.items()}
+                    grants.clear()
+                started = time.perf_counter()
+                put_batches(batches_per_round)
+                rates.append(BATCH * batches_per_round / (time.perf_counter() - started))
+            cpu_after = {name: process_cpu_ms(pid) for name, pid in processes.items()}
+    finally:
+        store_module.AsyncStore._put_job = put_job  # type: ignore[method-assign]
+    batches = window * batches_per_round
+    return {
+        f"puts_per_s_first_{window}_rounds": round(statistics.median(rates[:window])),
+        f"puts_per_s_last_{window}_rounds": round(statistics.median(rates[-window:])),
+        "last_rounds_cpu_ms_per_batch": {
+            name: round((cpu_after[name] - cpu_before[name]) / batches, 2) for name in processes
+        },
+        "last_rounds_grants_per_batch_median": statistics.median(grants),
+    }
 
 
 def node_commit() -> dict:
@@ -460,9 +593,38 @@ def node_commit() -> dict:
             handler.handle(None, DropObjects("s", entries))  # type: ignore[arg-type]
             samples.append((time.perf_counter_ns() - started) // BATCH)
         result["drop_us_per_key"] = median_us(samples)
+        result.update(scattered_commit(handler))
         return result
     finally:
         segment.close()
+
+
+def scattered_commit(handler) -> dict:
+    """A full 64 MiB inventory of 4 KiB objects; then, 200 times, 128 of them dropped from all
+    over it and 128 new keys committed in their places: what a full, fragmented cache asks."""
+    handler.inventory.clear()
+    slots = 64 * MIB // PAGE
+    held = [InventoryEntry(f"held-{i:058d}", i * PAGE, PAGE, 0) for i in range(slots)]
+    handler.inventory.add(held)
+    rng = random.Random(3)
+    commits, drops = [], []
+    for round_index in range(200):
+        places = sorted(rng.sample(range(slots), BATCH))
+        started = time.perf_counter_ns()
+        handler.handle(None, DropObjects("s", [held[p] for p in places]))  # type: ignore[arg-type]
+        dropped = time.perf_counter_ns()
+        new = [InventoryEntry(f"new-{round_index}-{j:054d}", p * PAGE, PAGE, 0) for j, p in enumerate(places)]
+        committed = time.perf_counter_ns()
+        handler.handle(None, CommitObjects("s", new, True))  # type: ignore[arg-type]
+        commits.append((time.perf_counter_ns() - committed) // BATCH)
+        drops.append((dropped - started) // BATCH)
+        for entry, place in zip(new, places):
+            held[place] = entry
+    return {
+        "commit_scattered_us_per_key": median_us(commits),
+        "drop_scattered_us_per_key": median_us(drops),
+        "spans_after_scattered": handler.inventory.span_count,
+    }
 
 
 def puts_after_remove() -> dict:
@@ -660,6 +822,50 @@ def put_phases() -> dict:
 
 
 # --- landing of plain gets ---------------------------------------------------------------
+
+
+def tcp_transfers() -> dict:
+    from bench_core import socket_pair_gbps
+
+    size, keys_per_batch, batches, rounds = MIB, 32, 8, 6
+    total = size * keys_per_batch * batches
+    source = np.random.randint(0, 255, total, dtype=np.uint8)
+    target = np.zeros_like(source)
+
+    samples: dict[str, list[float]] = {}
+    cluster = LocalCluster(1, f"{total // MIB + 64}MiB")
+    with cluster, Store(cluster.master_endpoint, shm_enabled=False) as store:
+        processes = {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+        sources, targets = store.register_buffer(source), store.register_buffer(target)
+        batch_keys = [[f"tcp-{b}-{i}" for i in range(keys_per_batch)] for b in range(batches)]
+        offsets = [[(b * keys_per_batch + i) * size for i in range(keys_per_batch)] for b in range(batches)]
+        sizes = [size] * keys_per_batch
+
+        def put_all() -> None:
+            for keys, at in zip(batch_keys, offsets):
+                assert store.batch_put_from(keys, [sources + o for o in at], sizes) == [0] * keys_per_batch
+
+        def get_all() -> None:
+            for keys, at in zip(batch_keys, offsets):
+                assert store.batch_get_into(keys, [targets + o for o in at], sizes) == sizes
+
+        def measure(name: str, action) -> None:
+            cpu_before = {p: process_cpu_ms(pid) for p, pid in processes.items()}
+            started = time.perf_counter()
+            action()
+            elapsed = time.perf_counter() - started
+            samples.setdefault(f"{name}_gbps", []).append(total / elapsed / 1e9)
+            for p, pid in processes.items():
+                used_ms = process_cpu_ms(pid) - cpu_before[p]
+                samples.setdefault(f"{name}_cpu_ms_per_batch_{p}", []).append(used_ms / batches)
+
+        for _ in range(rounds + 1):  # the first round opens connections and faults pages in
+            samples.setdefault("socket_pair_gbps", []).append(socket_pair_gbps(total))
+            measure("put", put_all)
+            measure("get", get_all)
+            store.remove_all(force=True)
+        assert np.array_equal(source, target)
+    return {name: round(statistics.median(values[1:]), 2) for name, values in samples.items()}
 
 
 def landing() -> dict:
@@ -1050,10 +1256,13 @@ PARTS = {
     "round-trips": round_trips,
     "master": master,
     "mixed-sizes": mixed_sizes,
+    "fragmentation": fragmentation,
+    "full-cache-soak": full_cache_soak,
     "node-commit": node_commit,
     "puts-after-remove": puts_after_remove,
     "client": client,
     "put-phases": put_phases,
+    "tcp-transfers": tcp_transfers,
     "landing": landing,
     "copies": copies,
     "payload-alignment": payload_alignment,

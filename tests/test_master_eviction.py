@@ -23,6 +23,7 @@ from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.master.eviction import (
     GHOST_ENTRIES_MIN,
     POLICY_DEFAULT,
+    PROTECTED_IDLE_TURNOVERS_MAX,
     GhostFilter,
     LruPolicy,
     ProbationLruPolicy,
@@ -140,6 +141,30 @@ def test_an_object_put_again_soon_after_its_eviction_skips_probation() -> None:
     assert put.evicted == ["a1"]  # type: ignore[attr-defined]
     assert policy.is_protected("a0")
     assert not policy.is_protected("b0")
+
+
+def test_a_protected_object_nobody_reads_is_demoted_after_some_turnovers() -> None:
+    """The ghost filter admits ~0.5% of new keys to protected by mistake (Bloom false
+    positives); nothing demoted them while no reads filled protected, so in a cache of puts
+    they piled up, a growing share of it held by objects nobody read. Now an object not read
+    for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (16 puts here) is demoted."""
+    policy = ProbationLruPolicy()
+    svc = service(policy)
+    put(svc, keys_of("a", 16), now=0)
+    read(svc, ["a5"], now=1)
+    put(svc, ["b0"], now=2)  # a0 goes: the ghost filter remembers it
+    put(svc, ["a0"], now=3)  # back: protected without a read (as a false positive would be)
+    assert policy.is_protected("a0") and policy.is_protected("a5")
+    now = 10
+    for turnover in range(PROTECTED_IDLE_TURNOVERS_MAX + 2):
+        if turnover == PROTECTED_IDLE_TURNOVERS_MAX - 2:
+            assert policy.is_protected("a0")  # not before its time
+        for i in range(16):
+            now += 20  # past the leases
+            put(svc, [f"n{turnover}-{i}"], now=now)
+        read(svc, ["a5"], now=now)  # read every turnover: stays
+    assert not policy.is_protected("a0") and policy.is_protected("a5")
+    svc.check_invariants()
 
 
 def test_leased_objects_wait_and_pinned_ones_are_spared() -> None:

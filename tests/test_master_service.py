@@ -608,21 +608,23 @@ def test_a_batch_is_placed_in_runs_that_share_one_range_and_grant() -> None:
     assert len({segment_id for i in range(64) for segment_id, _ in where(reply, i)}) > 1
 
 
-def test_a_run_without_a_hole_its_size_is_placed_in_halves_and_one_grant_each() -> None:
+def test_a_run_without_a_hole_its_size_goes_in_the_fewest_pieces_largest_hole_first() -> None:
     """A full cache's holes are wherever eviction freed the oldest objects: a run that fits in
-    none goes in halves (down to single keys), each piece one contiguous range and grant."""
+    none is cut in pieces, each as many of its keys as the largest hole left holds, each one
+    contiguous range and one grant. (Halves would have cut 4 keys over a hole of 3 and a hole
+    of 1 in three pieces: 2 in the hole of 3, then 1 + 1.)"""
     svc = make()
     mount(svc, "s1")
     keys = fill(svc, "s1", 16)
-    holes = keys[2:4] + keys[6:8] + keys[11:12]  # two holes of two objects, one of one
-    assert svc.remove(Remove(holes), 0).codes == [OK] * 5
+    holes = keys[2:5] + keys[8:9]  # a hole of three objects and a hole of one
+    assert svc.remove(Remove(holes), 0).codes == [OK] * 4
     ack_drops(svc)
-    new = [f"n{i}" for i in range(5)]
-    reply = svc.put_start(PutStart(new, [OBJECT_SIZE] * 5, config()), 0)
-    # 5 objects: 2 + 3, and the 3 as 1 + 2; each piece in the smallest hole that holds it.
-    assert reply.codes == [OK] * 5 and len(reply.grants) == 3
-    assert [where(reply, i)[0][1] // OBJECT_SIZE for i in range(5)] == [2, 3, 11, 6, 7]
+    new = [f"n{i}" for i in range(4)]
+    reply = svc.put_start(PutStart(new, [OBJECT_SIZE] * 4, config()), 0)
+    assert reply.codes == [OK] * 4 and len(reply.grants) == 2
+    assert [where(reply, i)[0][1] // OBJECT_SIZE for i in range(4)] == [2, 3, 4, 8]
     assert used(svc, "s1") == 16 * OBJECT_SIZE
+    svc.check_invariants()
     # A run larger than every hole left, in a full segment: no room for any key.
     assert svc.put_start(PutStart(["m0", "m1"], [OBJECT_SIZE] * 2, config()), 0).codes == [
         ErrorCode.NO_AVAILABLE_HANDLE

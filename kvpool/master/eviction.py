@@ -81,6 +81,13 @@ EVICT_SCAN_BACKOFF_CANDIDATES_MIN = 1_024
 # 10M tokens, docs/replay.md): 0.9 and 0.95 are best and alike; 1.0 (probation emptied first,
 # always) is as good there but lets a stale protected set lock every new object out.
 PROTECTED_BYTES_RATIO_MAX = 0.9
+# ProbationLruPolicy: a protected object not read for this many times the table's object
+# count in puts is demoted to probation. The ghost filter takes ~0.5% of new keys for ghosts
+# (Bloom false positives) and admits them to protected; unread, and with no reads to push
+# them out, they piled up there (a third of a full cache after 6,000 batches of puts), held
+# their ranges while the objects around them were evicted, and cut every run put later in
+# pieces: `bench_paths.py fragmentation`.
+PROTECTED_IDLE_TURNOVERS_MAX = 8
 # The ghost filter remembers the last GHOST_OBJECTS_RATIO x (objects in the table) evictions
 # (up to twice that). Measured: x1 gains half of what x4 does; x8 gains no more.
 GHOST_OBJECTS_RATIO = 4
@@ -287,7 +294,9 @@ class ProbationLruPolicy(EvictionPolicy):
     exactly one of them: `_probation` (put, and not read since; or demoted) and `_protected`
     (read at least once, or put again soon after an eviction). A read moves an object to the
     newest end of `_protected`; when protected objects exceed PROTECTED_BYTES_RATIO_MAX of the
-    bytes in the table, the oldest protected ones are demoted to the newest end of probation.
+    bytes in the table, the oldest protected ones are demoted to the newest end of probation,
+    and so is one not read for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (as many
+    puts as it holds objects: an epoch; each protected key holds the epoch of its last read).
     Victims are offered from probation, then from protected, then the soft-pinned objects. Each
     victim's key is remembered by a `GhostFilter` sized to GHOST_OBJECTS_RATIO x the table:
     a key put again while remembered enters protected directly (it was wanted once more after
@@ -320,7 +329,10 @@ class ProbationLruPolicy(EvictionPolicy):
             raise InvalidParams(f"ghost_objects_ratio {ghost_objects_ratio} < 0")
         self._table: ObjectTable | None = None
         self._probation: OrderedDict[str, None] = OrderedDict()
-        self._protected: OrderedDict[str, None] = OrderedDict()
+        self._protected: OrderedDict[str, int] = OrderedDict()  # key -> epoch of its last read
+        self._epoch = 0
+        self._puts_left_in_epoch = 1
+        self._idle_checked_epoch = -1  # the oldest protected object was fresh in this epoch
         self._probation_bytes = 0
         self._protected_bytes = 0
         self._protected_bytes_ratio_max = protected_bytes_ratio_max
@@ -350,24 +362,31 @@ class ProbationLruPolicy(EvictionPolicy):
         self._table = table
 
     def on_insert(self, key: str, meta: ObjectMeta) -> None:
+        self._puts_left_in_epoch -= 1
+        if self._puts_left_in_epoch <= 0:
+            self._epoch += 1
+            self._puts_left_in_epoch = max(len(self._table.objects), 1)  # type: ignore[union-attr]
         ghost = self._ghost
         if ghost is not None and ghost.contains(key):
-            self._protected[key] = None
+            self._protected[key] = self._epoch
             self._protected_bytes += meta.size_bytes
             self._demote_overflow()
         else:
             self._probation[key] = None
             self._probation_bytes += meta.size_bytes
+        if self._idle_checked_epoch != self._epoch and self._protected:
+            self._demote_idle()
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
         protected = self._protected
         if key in protected:
             protected.move_to_end(key)
+            protected[key] = self._epoch
             return
         del self._probation[key]
         size_bytes = meta.size_bytes
         self._probation_bytes -= size_bytes
-        protected[key] = None
+        protected[key] = self._epoch
         self._protected_bytes += size_bytes
         self._demote_overflow()
 
@@ -392,6 +411,28 @@ class ProbationLruPolicy(EvictionPolicy):
             self._protected_bytes -= size_bytes
             probation[key] = None
             self._probation_bytes += size_bytes
+
+    def _demote_idle(self) -> None:
+        """Demote the oldest protected objects if no read touched them for the last
+        PROTECTED_IDLE_TURNOVERS_MAX epochs, two at most per put: protected objects go stale
+        at most one per put, in a burst at an epoch's start, so this keeps pace within an
+        epoch at bounded cost per call. Protected keys are in order of their last read, so
+        once the oldest is fresh, all are until the next epoch: no look until then."""
+        protected, probation = self._protected, self._probation
+        objects = self._table.objects  # type: ignore[union-attr]
+        stale = self._epoch - PROTECTED_IDLE_TURNOVERS_MAX
+        for _ in range(2):
+            key, epoch = next(iter(protected.items()))
+            if epoch > stale:
+                self._idle_checked_epoch = self._epoch
+                return
+            del protected[key]
+            size_bytes = objects[key].size_bytes
+            self._protected_bytes -= size_bytes
+            probation[key] = None
+            self._probation_bytes += size_bytes
+            if not protected:
+                return
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
         assert scan_max > 0, scan_max
@@ -430,7 +471,8 @@ class ProbationLruPolicy(EvictionPolicy):
             assert key in objects, f"probation holds {key!r}, not an object"
             probation_bytes += objects[key].size_bytes
         protected_bytes = 0
-        for key in protected:
+        for key, epoch in protected.items():
+            assert epoch <= self._epoch, (key, epoch, self._epoch)
             assert key in objects, f"protected holds {key!r}, not an object"
             assert key not in probation, f"{key!r} both on probation and protected"
             protected_bytes += objects[key].size_bytes

@@ -233,11 +233,17 @@ class PutFlow:
     ) -> int:
         """Allocate and grant one run of keys; returns the footprint bytes that found no room.
 
-        The whole run on each replica's segment when it fits there in one piece; else each
-        half of it the same way, down to single keys (a fragmented segment: eviction frees
-        the oldest objects wherever they lie, and a full cache's holes are often a little
-        smaller than a run). A run that found no room tells the smaller ones to come that
-        nothing of its size or larger will (`grants.no_room_bytes`)."""
+        The whole run on each replica's segment when it fits there in one piece. Else (a
+        fragmented segment: eviction frees the oldest objects wherever they lie, around the
+        ones reads keep) in pieces. One replica: each piece as many of its keys, in order, as
+        the largest hole holds: the fewest pieces, so the fewest grants to sign and check and
+        the fewest runs for the node to record (halves, down to single keys, cut a run in about
+        twice as many pieces and filled the smallest holes with them: `bench_paths.py
+        fragmentation`). Several replicas: each half of the run the same way, down to single
+        keys (halves spread a run over segments of unequal room; pieces as large as the
+        largest hole would fill two segments with one piece and leave the rest of the run a
+        single replica). A run that found no room tells the smaller ones to come that nothing
+        of its size or larger will (`grants.no_room_bytes`)."""
         if run_bytes < grants.no_room_bytes:
             size = sizes[run[0][0]] if len(run) == 1 else run_bytes
             extents = self._allocate_replicas(size, config, client_hostname)
@@ -249,12 +255,62 @@ class PutFlow:
             index = run[0][0]
             grants.codes[index] = codes.NO_AVAILABLE_HANDLE  # an error once no round finds room
             return footprint_bytes(sizes[index])
-        half = len(run) // 2
-        second_start = run[half][1]
-        second = [(index, position - second_start) for index, position in run[half:]]
-        return self._grant_run(grants, keys, sizes, run[:half], second_start, config, client_hostname) + (
-            self._grant_run(grants, keys, sizes, second, run_bytes - second_start, config, client_hostname)
-        )
+        if config.replica_num > 1:
+            half = len(run) // 2
+            second_start = run[half][1]
+            second = [(index, position - second_start) for index, position in run[half:]]
+            return self._grant_run(grants, keys, sizes, run[:half], second_start, config, client_hostname) + (
+                self._grant_run(grants, keys, sizes, second, run_bytes - second_start, config, client_hostname)
+            )
+        return self._grant_pieces(grants, keys, sizes, run, config, client_hostname)
+
+    def _grant_pieces(
+        self,
+        grants: _Grants,
+        keys: list[str],
+        sizes: list[int],
+        run: list[tuple[int, int]],
+        config: ReplicateConfig,
+        client_hostname: str,
+    ) -> int:
+        """A run of one replica with no hole its size: as many of its keys at a time as the
+        largest hole holds (of the first segment in placement order with room for the next
+        key: a local-first or preferred put stays where it asked while it can); returns the
+        footprint bytes that found no room."""
+        at = 0
+        while at < len(run):
+            room = self._room_for(footprint_bytes(sizes[run[at][0]]), config, client_hostname)
+            base = run[at][1]
+            end = at  # the piece is run[at:end], its footprint piece_bytes
+            piece_bytes = 0
+            while end < len(run):
+                last, position = run[end]
+                through = position - base + footprint_bytes(sizes[last])
+                if through > room:
+                    break
+                piece_bytes = through
+                end += 1
+            size = sizes[run[at][0]] if end == at + 1 else piece_bytes
+            extents = self._allocate_replicas(size, config, client_hostname) if end > at else []
+            if not extents:
+                for index, _ in run[at:]:
+                    grants.codes[index] = codes.NO_AVAILABLE_HANDLE  # an error once no round finds room
+                return sum(footprint_bytes(sizes[index]) for index, _ in run[at:])
+            piece = [(index, position - base) for index, position in run[at:end]]
+            self._grant_extents(grants, keys, sizes, piece, size, extents)
+            at = end
+        return 0
+
+    def _room_for(self, footprint: int, config: ReplicateConfig, client_hostname: str) -> int:
+        """The largest hole of the first segment in placement order that holds `footprint`
+        bytes; 0 when none does."""
+        for segment in candidate_segments(
+            self._registry, config.placement, 1, self._rng, client_hostname, config.preferred_segments
+        ):
+            room = segment.allocator.largest_free_bytes
+            if room >= footprint:
+                return room
+        return 0
 
     def _grant_extents(
         self,

@@ -202,16 +202,21 @@ class Inventory:
         return displaced
 
     def _add_fresh_run(self, entries: list[InventoryEntry]) -> bool:
-        """The common commit, in one step: new keys at ascending, disjoint offsets over a range
-        that holds no entry (a run of keys the master allocated as one range, master/puts.py).
-        One overlap check for the range instead of one per entry. False: nothing was added."""
+        """The common commit, in one step: new keys that follow each other (as _contiguous_runs
+        cuts) over a range that holds no entry (a run of keys the master allocated as one
+        range, master/puts.py). One overlap check for the range instead of one per entry.
+        False: nothing was added. Entries with gaps between them are refused at once: the
+        range from the first to the last would take in every object between them (a commit
+        scattered over a fragmented segment spans most of it: checking that range cost over
+        200 us per key at 16,384 objects, `bench_paths.py node-commit`)."""
         if not entries:
             return True
         by_key = self._by_key
         span_start = entries[0].offset
         end = span_start
+        align = limits.ALLOCATION_ALIGN_BYTES
         for entry in entries:
-            if entry.offset < end or entry.key in by_key or entry.size <= 0:
+            if not 0 <= entry.offset - end < align or entry.key in by_key or entry.size <= 0:
                 return False
             end = entry.offset + entry.size
         if span_start < 0 or end > self.capacity_bytes or self.overlapping(span_start, end - span_start):
