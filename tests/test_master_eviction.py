@@ -144,7 +144,7 @@ def test_an_object_put_again_soon_after_its_eviction_skips_probation() -> None:
 
 
 def test_a_protected_object_nobody_reads_is_demoted_after_some_turnovers() -> None:
-    """The ghost filter admits ~0.5% of new keys to protected by mistake (Bloom false
+    """The ghost filter admits ~0.1% of new keys to protected by mistake (Bloom false
     positives); nothing demoted them while no reads filled protected, so in a cache of puts
     they piled up, a growing share of it held by objects nobody read. Now an object not read
     for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (16 puts here) is demoted."""
@@ -196,7 +196,7 @@ def test_ghost_filter_remembers_its_window_and_forgets_after_two() -> None:
     remembered = sum(ghost.contains(f"old{i}") for i in range(window))
     assert remembered < window * 0.05  # two rotations later: only false positives remain
     false_positives = sum(ghost.contains(f"never{i}") for i in range(20_000))
-    assert false_positives < 20_000 * 0.02  # ~0.5% by design
+    assert false_positives < 20_000 * 0.005  # ~0.1% per filter by design (GHOST_PROBES)
     assert ghost.size_bytes() == 2 * window * 2
 
 

@@ -82,18 +82,25 @@ EVICT_SCAN_BACKOFF_CANDIDATES_MIN = 1_024
 # always) is as good there but lets a stale protected set lock every new object out.
 PROTECTED_BYTES_RATIO_MAX = 0.9
 # ProbationLruPolicy: a protected object not read for this many times the table's object
-# count in puts is demoted to probation. The ghost filter takes ~0.5% of new keys for ghosts
-# (Bloom false positives) and admits them to protected; unread, and with no reads to push
-# them out, they piled up there (a third of a full cache after 6,000 batches of puts), held
-# their ranges while the objects around them were evicted, and cut every run put later in
-# pieces: `bench_paths.py fragmentation`.
+# count in puts is demoted to probation. The ghost filter takes some new keys for ghosts
+# (Bloom false positives, GHOST_PROBES) and admits them to protected; unread, and with no
+# reads to push them out, they piled up there (a third of a full cache after 6,000 batches of
+# puts, with 3 probes), held their ranges while the objects around them were evicted, and cut
+# every run put later in pieces: `bench_paths.py fragmentation`.
 PROTECTED_IDLE_TURNOVERS_MAX = 8
 # The ghost filter remembers the last GHOST_OBJECTS_RATIO x (objects in the table) evictions
 # (up to twice that). Measured: x1 gains half of what x4 does; x8 gains no more.
 GHOST_OBJECTS_RATIO = 4
 GHOST_ENTRIES_MIN = 1_024
-# 16 bits and 3 probes per entry: a key never evicted is taken for a ghost ~0.5% of the time.
+# 16 bits and 6 probes per entry: a key never evicted is taken for a ghost ~0.1% of the time
+# per filter. With 3 probes it was ~0.5%, and those false ghosts, admitted to protected unread,
+# were the islands that cut a churning full cache's runs in pieces: 3 -> 6 probes took the
+# pieces per batch late in `bench_paths.py fragmentation` from 12.5 to 3 and the unread
+# protected objects from 806 to 126, the replay's hit rates unchanged (docs/replay.md), for
+# ~0.4 us more per put into a cache that has evicted (the probes of a key never evicted stop
+# at its first clear bit).
 GHOST_BITS_PER_ENTRY = 16
+GHOST_PROBES = 6
 
 
 class Verdict(enum.Enum):
@@ -208,16 +215,16 @@ class LruPolicy(EvictionPolicy):
 class GhostFilter:
     """The keys evicted lately, without the keys: two Bloom filters in rotation.
 
-    `add` sets 3 bits of the current filter per key; once the current filter holds
+    `add` sets GHOST_PROBES bits of the current filter per key; once the current filter holds
     `entries_max` keys it becomes the previous one, and a fresh current filter is sized for the
     `entries_max` of that moment. So a key added within the last `entries_max` adds is always
     found (a Bloom filter has no false negatives), one added more than 2 x entries_max adds ago
-    never is, and a key never added is found by mistake with probability ~0.5%. No false
+    never is, and a key never added is found by mistake with probability ~0.1%. No false
     negatives matters here: the blocks of one prompt are evicted together and come back
     together, and a prefix is only as useful as its first missing block, so a filter that
     forgot one key in twelve (a direct-mapped table, measured) lost most of the gain.
     Memory: 2 bytes per entry per filter, 4 x entries_max bytes in all. Costs: one xxh3 hash
-    and 3 (add) or up to 6 (contains) byte probes.
+    and GHOST_PROBES (add) or up to twice that (contains: both filters) byte probes.
     """
 
     __slots__ = ("_count", "_current", "_current_entries_max", "_entries_max", "_is_empty", "_previous")
@@ -258,14 +265,14 @@ class GhostFilter:
                 self._count = 0
 
     def _set_bits(self, keys: list[str]) -> None:
-        # The probes contains() makes (h1 + i * h2, i < 3), for every key at once: uint64 holds
+        # The probes contains() makes (h1 + i * h2, i < GHOST_PROBES), for every key at once: uint64 holds
         # them exactly (h1, h2 < 2**32).
         digest = xxhash.xxh3_64_intdigest
         hashes = np.fromiter((digest(key.encode()) for key in keys), dtype=np.uint64, count=len(keys))
         h1, h2 = hashes & np.uint64(0xFFFFFFFF), hashes >> np.uint64(32) | np.uint64(1)
         bits = np.frombuffer(self._current, dtype=np.uint8)
         bit_count = np.uint64(len(bits) * 8)
-        positions = np.concatenate([h1 % bit_count, (h1 + h2) % bit_count, (h1 + np.uint64(2) * h2) % bit_count])
+        positions = np.concatenate([(h1 + np.uint64(i) * h2) % bit_count for i in range(GHOST_PROBES)])
         np.bitwise_or.at(bits, positions >> np.uint64(3), np.left_shift(1, positions & np.uint64(7)).astype(np.uint8))
 
     def contains(self, key: str) -> bool:
@@ -275,8 +282,8 @@ class GhostFilter:
         h1, h2 = h & 0xFFFFFFFF, h >> 32 | 1
         for bits in (self._current, self._previous):
             bit_count = len(bits) << 3
-            for probe in (h1, h1 + h2, h1 + 2 * h2):
-                position = probe % bit_count
+            for i in range(GHOST_PROBES):
+                position = (h1 + i * h2) % bit_count
                 if not bits[position >> 3] >> (position & 7) & 1:
                     break
             else:
