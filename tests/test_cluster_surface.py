@@ -144,6 +144,11 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     assert master["kvpool_master_misses_total"] == 1
     used = [v for k, v in master.items() if k.startswith("kvpool_master_segment_used_bytes")]
     assert used == [10 * 4096]
+    # Ten pages put into an empty 16 MiB segment: one hole, the rest of it.
+    assert [v for k, v in master.items() if k.startswith("kvpool_master_segment_free_extents")] == [1]
+    largest = [v for k, v in master.items() if k.startswith("kvpool_master_segment_largest_free_bytes")]
+    capacity = [v for k, v in master.items() if k.startswith("kvpool_master_segment_capacity_bytes")]
+    assert largest == [capacity[0] - 10 * 4096]
     node_port = int(cluster.nodes[0].info["metrics_endpoint"].rsplit(":", 1)[1])
     node = scrape(node_port)
     assert node["kvpool_node_objects"] == 10

@@ -49,6 +49,8 @@ class SegmentCounters:
     object_count: int
     quarantined_bytes: int
     drop_bytes: int
+    free_extent_count: int = 0  # holes of free space: many, and small, is a fragmented segment
+    largest_free_bytes: int = 0  # the largest object (or run of objects) that fits now
 
 
 @dataclasses.dataclass(slots=True)

@@ -9,6 +9,8 @@ puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_tot
 evicted_bytes_total, removes_total, errors_total, put_room_rounds_total,
 leases_released_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
+segment_free_extents{...} and segment_largest_free_bytes{...} (fragmentation: a full cache
+that churns leaves its free space in holes, docs/performance.md "A full cache that churns"),
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
 tier_evictions_total{tier}; busy_poll_seconds_total and busy_poll_windows_total (what polling
@@ -85,12 +87,21 @@ class MasterMetrics(Collector):
         capacity = GaugeMetricFamily(_PREFIX + "segment_capacity_bytes", "Segment size.", labels=labels)
         used = GaugeMetricFamily(_PREFIX + "segment_used_bytes", "Bytes allocated.", labels=labels)
         objects = GaugeMetricFamily(_PREFIX + "segment_objects", "Replicas held.", labels=labels)
+        extents = GaugeMetricFamily(_PREFIX + "segment_free_extents", "Holes of free space.", labels=labels)
+        largest = GaugeMetricFamily(
+            _PREFIX + "segment_largest_free_bytes", "The largest hole of free space.", labels=labels
+        )
+        holes = {c.segment_id: c for c in self._service.segment_counters()}
         for segment in status.segments:
             values = [segment.segment.segment_id, segment.segment.node_id, segment.segment.endpoint]
             capacity.add_metric(values, segment.segment.capacity_bytes)
             used.add_metric(values, segment.used_bytes)
             objects.add_metric(values, segment.object_count)
-        yield from (capacity, used, objects)
+            counters = holes.get(segment.segment.segment_id)
+            if counters is not None:
+                extents.add_metric(values, counters.free_extent_count)
+                largest.add_metric(values, counters.largest_free_bytes)
+        yield from (capacity, used, objects, extents, largest)
         yield from _tier_metrics(status)
         if self.busy_poll is not None:
             yield from busy_poll.metric_families(_PREFIX, self.busy_poll)

@@ -179,6 +179,8 @@ class MasterService:
                 object_count=seg.object_count,
                 quarantined_bytes=seg.quarantined_bytes,
                 drop_bytes=seg.drop_bytes,
+                free_extent_count=seg.allocator.free_extent_count,
+                largest_free_bytes=seg.allocator.largest_free_bytes,
             )
             for seg in self._registry
         ]
