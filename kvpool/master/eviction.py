@@ -409,15 +409,10 @@ class ProbationLruPolicy(EvictionPolicy):
         """Demote the oldest protected objects while they hold too large a share of the bytes.
         Each step moves one object, and each promotion overflows by at most one object's size,
         so this runs once or twice per promotion."""
-        protected, probation = self._protected, self._probation
-        objects = self._table.objects  # type: ignore[union-attr]
+        protected = self._protected
         limit_bytes = self._protected_bytes_ratio_max * (self._protected_bytes + self._probation_bytes)
         while self._protected_bytes > limit_bytes and len(protected) > 1:
-            key, _ = protected.popitem(last=False)
-            size_bytes = objects[key].size_bytes
-            self._protected_bytes -= size_bytes
-            probation[key] = None
-            self._probation_bytes += size_bytes
+            self._demote_oldest()
 
     def _demote_idle(self) -> None:
         """Demote the oldest protected objects if no read touched them for the last
@@ -425,21 +420,23 @@ class ProbationLruPolicy(EvictionPolicy):
         at most one per put, in a burst at an epoch's start, so this keeps pace within an
         epoch at bounded cost per call. Protected keys are in order of their last read, so
         once the oldest is fresh, all are until the next epoch: no look until then."""
-        protected, probation = self._protected, self._probation
-        objects = self._table.objects  # type: ignore[union-attr]
+        protected = self._protected
         stale = self._epoch - PROTECTED_IDLE_TURNOVERS_MAX
         for _ in range(2):
-            key, epoch = next(iter(protected.items()))
-            if epoch > stale:
+            if next(iter(protected.values())) > stale:
                 self._idle_checked_epoch = self._epoch
                 return
-            del protected[key]
-            size_bytes = objects[key].size_bytes
-            self._protected_bytes -= size_bytes
-            probation[key] = None
-            self._probation_bytes += size_bytes
+            self._demote_oldest()
             if not protected:
                 return
+
+    def _demote_oldest(self) -> None:
+        """Move the least recently read protected object to the newest end of probation."""
+        key, _ = self._protected.popitem(last=False)
+        size_bytes = self._table.objects[key].size_bytes  # type: ignore[union-attr]
+        self._protected_bytes -= size_bytes
+        self._probation[key] = None
+        self._probation_bytes += size_bytes
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
         assert scan_max > 0, scan_max

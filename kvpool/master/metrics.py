@@ -97,10 +97,9 @@ class MasterMetrics(Collector):
             capacity.add_metric(values, segment.segment.capacity_bytes)
             used.add_metric(values, segment.used_bytes)
             objects.add_metric(values, segment.object_count)
-            counters = holes.get(segment.segment.segment_id)
-            if counters is not None:
-                extents.add_metric(values, counters.free_extent_count)
-                largest.add_metric(values, counters.largest_free_bytes)
+            counters = holes[segment.segment.segment_id]  # the same registry, the same moment
+            extents.add_metric(values, counters.free_extent_count)
+            largest.add_metric(values, counters.largest_free_bytes)
         yield from (capacity, used, objects, extents, largest)
         yield from _tier_metrics(status)
         if self.busy_poll is not None:
