@@ -5,6 +5,8 @@ back: equal to what was put, or a clean miss, never anything else."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvpool import ErrorCode, ReplicateConfig, Store, limits
+from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
 from kvpool.errors import KVPoolError
 from kvpool.protocol.messages import GetReplicaList
 
@@ -258,6 +260,27 @@ def test_what_readers_are_done_with_is_evicted_at_once_not_after_their_lease(mak
         wait_until(lambda: store.put_batch(["new"], [new]) == [ErrorCode.OK], timeout_s=5)
         assert master_metrics(cluster)["kvpool_master_leases_released_total"] == len(read)  # one message
         assert store.get("new") == new and store.cluster_status().evicted_count >= 1
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_store_closed_right_after_its_gets_gives_their_leases_back_and_leaves_nothing_running(make_cluster):
+    # An AsyncStore on a loop that ends with it (asyncio.run): closed within the releases'
+    # batching delay, it gives the leases back as it closes. Before, the release waited on a
+    # timer that fired after the loop was gone: the leases held for their TTL (a remove refused
+    # them), and a call started by the timer died with the loop ("Event loop is closed").
+    cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000"))
+    values = values_for("closing", 4, 4096)
+
+    async def put_read_and_close() -> list[bytes | None]:
+        async with await AsyncStore.open(cluster.master_endpoint) as store:
+            await store.put_batch(list(values), list(values.values()))
+            return await store.get_batch(list(values))
+
+    assert asyncio.run(put_read_and_close()) == list(values.values())
+    gc.collect()  # a coroutine left behind by the closed loop would warn here
+    with Store(cluster.master_endpoint) as store:
+        assert store.batch_remove(list(values)) == [ErrorCode.OK] * len(values)  # no lease held
+        assert master_metrics(cluster)["kvpool_master_leases_released_total"] == len(values)
 
 
 @pytest.mark.parametrize("watermark", ["0.9", "1.0"])

@@ -109,9 +109,13 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     assert row["size"] == 200_000 and len(row["replicas"]) == 2 and row["code"] == "OK"
     cluster_stat = json.loads(kvpool_cli("stat", "--json", *master).stdout)
     assert cluster_stat["object_count"] == 2 and len(cluster_stat["segments"]) == 2
-    leased = kvpool_cli("rm", "cli/a", *master)  # the get above holds a read lease
-    assert leased.returncode == 1 and b"OBJECT_HAS_LEASE" in leased.stderr
+    with Store(cluster.master_endpoint) as reader:  # a reader still copying holds a read lease
+        assert reader._ask(GetReplicaList(["cli/a"])).codes == [0]
+        leased = kvpool_cli("rm", "cli/a", *master)
+        assert leased.returncode == 1 and b"OBJECT_HAS_LEASE" in leased.stderr
     assert kvpool_cli("rm", "cli/a", "--force", *master).returncode == 0
+    assert kvpool_cli("get", "cli/b", "-o", str(tmp_path / "b.out"), *master).returncode == 0
+    assert kvpool_cli("rm", "cli/b", *master).returncode == 0  # that get gave its lease back
     assert kvpool_cli("get", "cli/a", *master).returncode == 2
     assert kvpool_cli("rm", "--all", "--force", *master).returncode == 0
     assert kvpool_cli("ls", *master).stdout == b""

@@ -1006,3 +1006,59 @@ def test_same_host_connections_move_to_the_unix_socket_and_fall_back_to_tcp(tmp_
             await master.stop()
 
     run(main)
+
+
+def open_sockets() -> int:
+    """This process's open socket descriptors."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed since
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def test_a_connect_that_fails_or_is_cancelled_on_its_way_to_the_unix_socket_leaves_no_socket_open() -> None:
+    """The move to the same-host socket can stall (a server that accepts and never speaks:
+    a wedged process) and its caller can give up: a timeout keeps the TCP connection and
+    closes the Unix one; a cancellation (a Store closed meanwhile) closes both. Before, the
+    Unix connection of a timed-out handshake, and both on a cancellation, stayed open
+    until garbage collection, warning then of an event loop already closed."""
+
+    async def main() -> None:
+        master = FakeMaster()
+        await master.start()
+        before = open_sockets()
+        silent_name = f"\0kvpool-silent-{os.getpid()}"
+        accepted: list[asyncio.Protocol] = []
+
+        def accept() -> asyncio.Protocol:
+            accepted.append(asyncio.Protocol())
+            return accepted[-1]
+
+        silent = await asyncio.get_running_loop().create_unix_server(accept, silent_name)
+        original = Connection._on_handshake
+
+        def wedged(self: Connection, frame: Frame) -> None:
+            original(self, frame)
+            if self.local_name:
+                self.local_name = silent_name
+
+        Connection._on_handshake = wedged  # type: ignore[method-assign]
+        try:
+            endpoint = f"127.0.0.1:{master.port}"
+            kept = await connect(endpoint, key=KEY, prefer_local=True, timeout_ms=300)
+            assert kept.peer.startswith("127.0.0.1:") and not kept.is_closed()
+            kept.close()
+            connecting = asyncio.create_task(connect(endpoint, key=KEY, prefer_local=True, timeout_ms=30_000))
+            await until(lambda: len(accepted) == 2)  # on its way: TCP done, the Unix handshake waiting
+            connecting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await connecting
+            silent.close()
+            await silent.wait_closed()
+            await until(lambda: open_sockets() == before)
+        finally:
+            Connection._on_handshake = original  # type: ignore[method-assign]
+            await master.stop()
+
+    run(main)

@@ -70,6 +70,11 @@ log = logging.getLogger(__name__)
 
 BytesLike = bytes | bytearray | memoryview
 
+# A closing store waits this long for its last lease releases and bad-replica reports (a
+# master on the network answers in a millisecond or two); one that does not answer in time
+# loses only their early effect: the leases lapse after their TTL, a bad read reports again.
+CLOSE_BACKGROUND_WAIT_MS = 250
+
 
 class AsyncStore:
     """A connection to a kvpool cluster. Create with `await AsyncStore.open(...)`.
@@ -95,6 +100,7 @@ class AsyncStore:
         self.buffers = BufferRegistry()
         self._embedded_node = None
         self._reports: set[asyncio.Task] = set()  # bad-replica reports and lease releases in flight
+        self._is_closed = False
         self._leases = LeaseReleases()  # leases of finished gets, to give back (client/leases.py)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -141,8 +147,19 @@ class AsyncStore:
         return node.segment_info if node is not None else None
 
     async def aclose(self) -> None:
-        for task in list(self._reports):
-            task.cancel()
+        """Give back the leases of the last gets, then close everything. Waits at most
+        CLOSE_BACKGROUND_WAIT_MS for the calls still in the background (releases, reports),
+        then cancels them and lets them end here: a call left pending would run on after
+        the store (reconnecting to the master), or die with the caller's loop."""
+        self._send_releases()  # now, rather than when the leases lapse
+        self._is_closed = True
+        background = list(self._reports)
+        if background:
+            _, pending = await asyncio.wait(background, timeout=CLOSE_BACKGROUND_WAIT_MS / 1000)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=CLOSE_BACKGROUND_WAIT_MS / 1000)
         if self._embedded_node is not None:
             await self._embedded_node.stop()
         self._master.close()
@@ -366,7 +383,10 @@ class AsyncStore:
 
     def _in_background(self, message: Message, is_idempotent: bool, failure: str) -> None:
         """Send `message` to the master without waiting for its answer; log `failure` if it
-        fails (a report or a release the get's caller has no use for). On the loop."""
+        fails (a report or a release the get's caller has no use for). On the loop. Not once
+        the store is closed (a get that finished meanwhile): its leases lapse instead."""
+        if self._is_closed:
+            return
         task = asyncio.ensure_future(self._master.call(message, is_idempotent=is_idempotent))
         self._reports.add(task)
         task.add_done_callback(functools.partial(self._background_done, failure))

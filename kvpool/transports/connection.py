@@ -736,22 +736,33 @@ async def connect(
         local_socket.setblocking(False)
         await asyncio.wait_for(loop.sock_connect(local_socket, conn.local_name), timeout_ms / 1000)
         local = await _open(loop.create_unix_connection(new_connection, sock=local_socket), endpoint, timeout_ms)
-    except (OSError, asyncio.TimeoutError, KVPoolError) as exc:  # Another host or namespace.
+    except BaseException as exc:
+        # Whatever went wrong, the transport (if one was made) is closed and has let go of
+        # the socket (asyncio closes it, uvloop detaches it), so closing it here is safe and
+        # needed when the transport never got it. A cancelled caller gets neither connection.
         local_socket.close()
-        log.debug("%s: staying on TCP (%s)", endpoint, exc)
+        if not isinstance(exc, (OSError, asyncio.TimeoutError, KVPoolError)):
+            conn.close("cancelled while moving to the same-host socket")
+            raise
+        log.debug("%s: staying on TCP (%s)", endpoint, exc)  # Another host or namespace.
         return conn
     conn.close("moved to the same-host socket")
     return local
 
 
 async def _open(opening: Awaitable[tuple[object, object]], endpoint: str, timeout_ms: int) -> Connection:
+    """The connection `opening` makes, once its handshake is done; closed if that fails."""
     try:
         with map_exceptions({OSError: ConnectFailed}):
             _, conn = await asyncio.wait_for(opening, timeout_ms / 1000)
     except asyncio.TimeoutError:
         raise ConnectFailed(f"connect to {endpoint} timed out after {timeout_ms} ms") from None
     assert isinstance(conn, Connection)
-    await conn.wait_ready(timeout_ms)
+    try:
+        await conn.wait_ready(timeout_ms)
+    except BaseException:
+        conn.close("handshake not finished")
+        raise
     return conn
 
 
