@@ -4,7 +4,7 @@ Each part prints one JSON object (medians); run one with its name, or all by def
 
     python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes fragmentation
                                                  full-cache-soak node-commit puts-after-remove
-                                                 client put-phases tcp-transfers
+                                                 client put-phases tcp-transfers page-gets
                                                  landing copies payload-alignment files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
@@ -53,6 +53,9 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                zero-copy puts and gets of 32 x 1 MiB over TCP (shm off), batches back to back:
                GB/s, and the CPU time of the client, the master and the node per batch (/proc),
                medians of 6 rounds of 8 batches; a plain socket pair's GB/s in the same rounds.
+  page-gets    a working set of 48 batches of 128 pages of 4 KiB read round and round through
+               one Store on the same host (a node with room): objects/s and the CPU time of the
+               client, the master and the node per batch (/proc), medians of 8 rounds.
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
@@ -868,6 +871,31 @@ def tcp_transfers() -> dict:
     return {name: round(statistics.median(values[1:]), 2) for name, values in samples.items()}
 
 
+def page_gets() -> dict:
+    """A working set of 48 batches of 128 pages of 4 KiB (bench_core's), read round and round
+    through one Store on the same host, in a node with room to spare: objects/s and each
+    process's CPU per batch (/proc schedstat). Every read after the first round reads a
+    protected object; every one read again once protected holds its share of the table."""
+    batches, rounds = 48, 8
+    value = os.urandom(4096)
+    samples: dict[str, list[float]] = {}
+    with LocalCluster(1, "512MiB") as cluster, Store(cluster.master_endpoint) as store:
+        processes = {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+        batch_keys = [[f"page-{b}-{i}" for i in range(128)] for b in range(batches)]
+        for keys in batch_keys:
+            assert store.put_batch(keys, [value] * 128) == [ErrorCode.OK] * 128
+        for _ in range(rounds + 1):  # the first round promotes every page
+            cpu_before = {p: process_cpu_ms(pid) for p, pid in processes.items()}
+            started = time.perf_counter()
+            for keys in batch_keys:
+                assert store.get_batch(keys)[-1] == value
+            samples.setdefault("get_objects_per_s", []).append(128 * batches / (time.perf_counter() - started))
+            for p, pid in processes.items():
+                used_ms = process_cpu_ms(pid) - cpu_before[p]
+                samples.setdefault(f"get_cpu_ms_per_batch_{p}", []).append(used_ms / batches)
+    return {name: round(statistics.median(values[1:]), 3) for name, values in samples.items()}
+
+
 def landing() -> dict:
     from kvpool.client.transfer import _new_bytes
 
@@ -1263,6 +1291,7 @@ PARTS = {
     "client": client,
     "put-phases": put_phases,
     "tcp-transfers": tcp_transfers,
+    "page-gets": page_gets,
     "landing": landing,
     "copies": copies,
     "payload-alignment": payload_alignment,

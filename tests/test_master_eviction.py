@@ -27,6 +27,7 @@ from kvpool.master.eviction import (
     GhostFilter,
     LruPolicy,
     ProbationLruPolicy,
+    Verdict,
     make_policy,
 )
 from kvpool.master.service import MasterService
@@ -103,10 +104,10 @@ def test_the_default_policy_is_probation_lru_and_names_are_checked() -> None:
     [
         # LRU: the least recently accessed, read or not.
         ("lru", ["old0", "old1", "old2", "old3"]),
-        # ProbationLru: objects never read go first, by put order. old0 is among them: when
-        # old0..7 were read they were all the bytes in the table, above the 90% cap, so the
-        # least recently read of them was demoted to probation, ahead of the new objects.
-        ("probation", ["old0", "new0", "new1", "new2"]),
+        # ProbationLru: objects never read go first, by put order, though the read ones are
+        # older. (When old0..7 were read they were all the bytes in the table, above the 90%
+        # cap, but the cap is applied when victims are chosen: by then they are half.)
+        ("probation", ["new0", "new1", "new2", "new3"]),
     ],
 )
 def test_unread_objects_go_before_read_ones(policy: str, expected: list[str]) -> None:
@@ -122,13 +123,37 @@ def test_protected_objects_are_lru_among_themselves_and_capped() -> None:
     policy = ProbationLruPolicy()
     svc = service(policy)
     put(svc, keys_of("k", 16), now=0)
-    read(svc, keys_of("k", 16), now=1)  # every object read: protected is capped at 90%
-    assert policy.protected_count == 14  # 14 x 64 KiB <= 0.9 x 16 x 64 KiB < 15 x 64 KiB
-    # The two least recently read were demoted to probation, so they go first.
-    assert not policy.is_protected("k0") and not policy.is_protected("k1")
-    read(svc, ["k0"], now=100)  # read again: protected once more (k2 is demoted in its place)
+    read(svc, keys_of("k", 16), now=1)  # every object read: protected, over its 90% cap ...
+    assert policy.protected_count == 16
+    read(svc, ["k0"], now=100)  # read again: the most recently read
     put(svc, keys_of("n", 2), now=200)
+    # ... until victims are chosen: the least recently read are demoted to probation until
+    # 14 x 64 KiB <= 0.9 x 16 x 64 KiB < 15 x 64 KiB are left, and go first.
     assert put.evicted == ["k1", "k2"]  # type: ignore[attr-defined]
+    assert policy.protected_count == 14 and not policy.is_protected("n0")
+    assert policy.is_protected("k0") and policy.is_protected("k3")
+
+
+def test_a_cache_with_room_demotes_nothing_and_the_first_eviction_a_bounded_number() -> None:
+    """Reads of a cache with room promote without demoting (a working set read round and
+    round would otherwise cost a demotion per read); the eviction that comes when it fills
+    demotes at most as many as it may scan, and the next ones go on."""
+    policy = ProbationLruPolicy()
+    table_keys = keys_of("k", 16)
+    svc = service(policy)
+    put(svc, table_keys, now=0)
+    for round_ in range(3):
+        read(svc, table_keys, now=1 + round_)
+        assert policy.protected_count == 16 and policy.probation_count == 0
+    def stop(key: str, meta: object) -> Verdict:
+        return Verdict.STOP
+
+    assert policy.select_victims(stop, 1) == []  # a scan of one candidate: one demotion
+    assert (policy.protected_count, policy.probation_count) == (15, 1)
+    assert not policy.is_protected("k0")  # the least recently read
+    assert policy.select_victims(stop, 10) == []  # down to the cap, no further
+    assert (policy.protected_count, policy.probation_count) == (14, 2)
+    svc.check_invariants()
 
 
 def test_an_object_put_again_soon_after_its_eviction_skips_probation() -> None:

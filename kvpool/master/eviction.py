@@ -10,12 +10,13 @@ Two policies, picked by name with `make_policy` (`POLICIES`):
 
 - `ProbationLruPolicy` ("probation", the default): objects that were never read since their
   put are on probation and go first, least recently put first; objects that were read are
-  protected, least recently read first, and hold at most 90% of the bytes. An object evicted
-  and put again soon after (a ghost filter remembers recent evictions) skips probation. This
-  is segmented LRU (Karedla et al., 1994) with 2Q's ghost admission (Johnson and Shasha,
-  VLDB 1994). On the FAST'25 trace it beats LRU at every capacity measured (docs/replay.md):
-  KV-cache blocks put once and never read again (the tail of every prompt) no longer push
-  out the documents and conversation prefixes that are read again and again.
+  protected, least recently read first, and hold at most 90% of the bytes when victims are
+  chosen. An object evicted and put again soon after (a ghost filter remembers recent
+  evictions) skips probation. This is segmented LRU (Karedla et al., 1994) with 2Q's ghost
+  admission (Johnson and Shasha, VLDB 1994). On the FAST'25 trace it beats LRU at every
+  capacity measured (docs/replay.md): KV-cache blocks put once and never read again (the tail
+  of every prompt) no longer push out the documents and conversation prefixes that are read
+  again and again.
 - `LruPolicy` ("lru"): least recently accessed first, at no memory cost: it keeps its order
   in the object table's own dict (insertion-ordered; an access moves the key to the end).
 
@@ -300,10 +301,18 @@ class ProbationLruPolicy(EvictionPolicy):
     Holds two ordered key sets over the table's objects, oldest first, and every object is in
     exactly one of them: `_probation` (put, and not read since; or demoted) and `_protected`
     (read at least once, or put again soon after an eviction). A read moves an object to the
-    newest end of `_protected`; when protected objects exceed PROTECTED_BYTES_RATIO_MAX of the
-    bytes in the table, the oldest protected ones are demoted to the newest end of probation,
-    and so is one not read for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (as many
-    puts as it holds objects: an epoch; each protected key holds the epoch of its last read).
+    newest end of `_protected`. When victims are chosen and protected objects hold more than
+    PROTECTED_BYTES_RATIO_MAX of the bytes in the table, the oldest protected ones are demoted
+    to the newest end of probation first; and one not read for PROTECTED_IDLE_TURNOVERS_MAX
+    turnovers of the table (as many puts as it holds objects: an epoch; each protected key
+    holds the epoch of its last read) is demoted as puts come.
+
+    Demotion for the cap waits for an eviction because the split between the two sets decides
+    the order of victims and nothing else: a cache that is not full would otherwise pay a
+    demotion for each first read once protected holds its share (a working set read round
+    and round: every read a promotion and a demotion, 3 us more per 4 KiB get on the master
+    than LRU's, docs/performance.md). In a full cache, evictions come with the puts, so the
+    order of probation is what demotion at each read gave (docs/replay.md).
     Victims are offered from probation, then from protected, then the soft-pinned objects. Each
     victim's key is remembered by a `GhostFilter` sized to GHOST_OBJECTS_RATIO x the table:
     a key put again while remembered enters protected directly (it was wanted once more after
@@ -317,7 +326,7 @@ class ProbationLruPolicy(EvictionPolicy):
     its whole prefix hits, so a prefix's blocks are promoted and demoted together.
 
     Costs: on_insert, on_access, on_remove O(1) (OrderedDict moves, one hash for the ghost);
-    select_victims O(candidates examined) <= O(scan_max). Memory: ~80 bytes per object for
+    select_victims O(demotions + candidates examined) <= O(2 scan_max). Memory: ~80 bytes per object for
     the ordered sets (the key strings are the table's) and ~16 bytes for the ghost filter.
 
     Args:
@@ -377,7 +386,6 @@ class ProbationLruPolicy(EvictionPolicy):
         if ghost is not None and ghost.contains(key):
             self._protected[key] = self._epoch
             self._protected_bytes += meta.size_bytes
-            self._demote_overflow()
         else:
             self._probation[key] = None
             self._probation_bytes += meta.size_bytes
@@ -395,7 +403,6 @@ class ProbationLruPolicy(EvictionPolicy):
         self._probation_bytes -= size_bytes
         protected[key] = self._epoch
         self._protected_bytes += size_bytes
-        self._demote_overflow()
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
         if key in self._protected:
@@ -405,14 +412,17 @@ class ProbationLruPolicy(EvictionPolicy):
             del self._probation[key]
             self._probation_bytes -= meta.size_bytes
 
-    def _demote_overflow(self) -> None:
-        """Demote the oldest protected objects while they hold too large a share of the bytes.
-        Each step moves one object, and each promotion overflows by at most one object's size,
-        so this runs once or twice per promotion."""
+    def _demote_overflow(self, count_max: int) -> None:
+        """Demote the oldest protected objects while they hold too large a share of the bytes,
+        `count_max` at most. Each promotion since the last call overflows by at most one
+        object, so this is O(1) per promotion; the bound keeps the first eviction of a cache
+        that filled while everything was read (protected holding all of it) within a scan's
+        cost: the next evictions demote the rest."""
         protected = self._protected
         limit_bytes = self._protected_bytes_ratio_max * (self._protected_bytes + self._probation_bytes)
-        while self._protected_bytes > limit_bytes and len(protected) > 1:
+        while self._protected_bytes > limit_bytes and len(protected) > 1 and count_max > 0:
             self._demote_oldest()
+            count_max -= 1
 
     def _demote_idle(self) -> None:
         """Demote the oldest protected objects if no read touched them for the last
@@ -443,6 +453,7 @@ class ProbationLruPolicy(EvictionPolicy):
         table = self._table
         assert table is not None, "policy not attached"
         objects = table.objects
+        self._demote_overflow(scan_max)
         victims: list[str] = []
         scanned = 0
         stopped = False
