@@ -153,6 +153,11 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     largest = [v for k, v in master.items() if k.startswith("kvpool_master_segment_largest_free_bytes")]
     capacity = [v for k, v in master.items() if k.startswith("kvpool_master_segment_capacity_bytes")]
     assert largest == [capacity[0] - 10 * 4096]
+    # The eviction policy's sets (all ten were read: protected) and its readmissions (none:
+    # nothing was evicted).
+    assert master["kvpool_master_policy_objects{set=protected}"] == 10
+    assert master["kvpool_master_policy_objects{set=probation}"] == 0
+    assert master["kvpool_master_readmissions_total"] == 0
     node_port = int(cluster.nodes[0].info["metrics_endpoint"].rsplit(":", 1)[1])
     node = scrape(node_port)
     assert node["kvpool_node_objects"] == 10

@@ -162,10 +162,14 @@ def test_an_object_put_again_soon_after_its_eviction_skips_probation() -> None:
     put(svc, keys_of("a", 16), now=0)
     put(svc, ["b0"], now=10)  # a0 goes: the ghost filter remembers it
     assert put.evicted == ["a0"]  # type: ignore[attr-defined]
+    assert policy.stats()["readmissions"] == 0
     put(svc, ["a0"], now=20)  # back: protected at once, without a read
     assert put.evicted == ["a1"]  # type: ignore[attr-defined]
     assert policy.is_protected("a0")
     assert not policy.is_protected("b0")
+    # Counted for the operator: an object wanted again after it was evicted.
+    assert policy.stats() == {"probation_objects": 15, "protected_objects": 1, "readmissions": 1}
+    assert svc.policy_stats() == policy.stats() and LruPolicy().stats() == {}
 
 
 def test_a_protected_object_nobody_reads_is_demoted_after_some_turnovers() -> None:

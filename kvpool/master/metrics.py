@@ -14,7 +14,9 @@ that churns leaves its free space in holes, docs/performance.md "A full cache th
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
 tier_evictions_total{tier}; busy_poll_seconds_total and busy_poll_windows_total (what polling
-after replies costs: transports/busy_poll.py).
+after replies costs: transports/busy_poll.py); and with the default eviction policy
+policy_objects{set} (probation, protected) and readmissions_total (objects put again soon
+after their eviction: the signal that DRAM is short for the traffic).
 """
 
 from __future__ import annotations
@@ -102,11 +104,31 @@ class MasterMetrics(Collector):
             largest.add_metric(values, counters.largest_free_bytes)
         yield from (capacity, used, objects, extents, largest)
         yield from _tier_metrics(status)
+        yield from _policy_metrics(self._service.policy_stats())
         if self.busy_poll is not None:
             yield from busy_poll.metric_families(_PREFIX, self.busy_poll)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _policy_metrics(stats: dict[str, int]) -> Iterator[Any]:
+    """The eviction policy's sets and readmissions, where it has them (ProbationLru does)."""
+    if "protected_objects" in stats:
+        sets = GaugeMetricFamily(
+            _PREFIX + "policy_objects",
+            "Objects in DRAM by eviction-policy set: probation (not read since put), protected (read).",
+            labels=["set"],
+        )
+        sets.add_metric(["probation"], stats["probation_objects"])
+        sets.add_metric(["protected"], stats["protected_objects"])
+        yield sets
+    if "readmissions" in stats:
+        yield CounterMetricFamily(
+            _PREFIX + "readmissions",
+            "Objects put again soon after their eviction: what more DRAM would have kept.",
+            value=stats["readmissions"],
+        )
 
 
 def _tier_metrics(status: ClusterStatusReply) -> Iterator[Any]:

@@ -167,6 +167,10 @@ class MasterService:
     def pending_count(self) -> int:
         return len(self._table.pending)
 
+    def policy_stats(self) -> dict[str, int]:
+        """The DRAM eviction policy's own figures (EvictionPolicy.stats), for /metrics."""
+        return self._table.policy.stats()
+
     def segment_counters(self) -> list[SegmentCounters]:
         return [
             SegmentCounters(
