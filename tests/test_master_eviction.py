@@ -20,6 +20,7 @@ from kvpool import limits
 from kvpool.cli.main import app
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams
+from kvpool.master import eviction
 from kvpool.master.eviction import (
     GHOST_ENTRIES_MIN,
     POLICY_DEFAULT,
@@ -152,6 +153,28 @@ def test_a_cache_with_room_demotes_nothing_and_the_first_eviction_a_bounded_numb
     assert (policy.protected_count, policy.probation_count) == (15, 1)
     assert not policy.is_protected("k0")  # the least recently read
     assert policy.select_victims(stop, 10) == []  # down to the cap, no further
+    assert (policy.protected_count, policy.probation_count) == (14, 2)
+    svc.check_invariants()
+
+
+def test_demotions_per_choice_of_victims_are_bounded_whatever_the_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that filled while everything was read is over the protected share by a tenth of
+    its objects when it first evicts: a tick, which may scan 262,144 candidates, demotes no
+    more than DEMOTIONS_PER_SELECTION_MAX of them (at a million objects, 100,000 demotions
+    took 190 ms in one go); the next choices go on."""
+    monkeypatch.setattr(eviction, "DEMOTIONS_PER_SELECTION_MAX", 1)
+    policy = ProbationLruPolicy()
+    svc = service(policy)
+    put(svc, keys_of("k", 16), now=0)
+    read(svc, keys_of("k", 16), now=1)
+
+    def stop(key: str, meta: object) -> Verdict:
+        return Verdict.STOP
+
+    policy.select_victims(stop, 262_144)
+    assert (policy.protected_count, policy.probation_count) == (15, 1)
+    policy.select_victims(stop, 262_144)
+    policy.select_victims(stop, 262_144)  # at the cap: nothing more to demote
     assert (policy.protected_count, policy.probation_count) == (14, 2)
     svc.check_invariants()
 
