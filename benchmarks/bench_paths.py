@@ -142,6 +142,20 @@ def process_cpu_ms(pid: int) -> float:
     return total_ns / 1e6
 
 
+def cluster_processes(cluster: LocalCluster) -> dict[str, int]:
+    """The pids of this process (the client), the cluster's master and its first node."""
+    return {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+
+
+def timed_with_cpu(processes: dict[str, int], action) -> tuple[float, dict[str, float]]:
+    """Run `action`: its wall time in seconds, and the CPU ms each process spent meanwhile."""
+    cpu_before = {name: process_cpu_ms(pid) for name, pid in processes.items()}
+    started = time.perf_counter()
+    action()
+    elapsed = time.perf_counter() - started
+    return elapsed, {name: process_cpu_ms(pid) - cpu_before[name] for name, pid in processes.items()}
+
+
 def median_us(samples_ns: list[int]) -> float:
     return round(statistics.median(samples_ns) / 1000, 1)
 
@@ -522,7 +536,7 @@ def full_cache_soak() -> dict:
     try:
         cluster = LocalCluster(1, "64MiB")
         with cluster, Store(cluster.master_endpoint) as store:
-            processes = {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+            processes = cluster_processes(cluster)
             batch = 0
 
             def put_batches(count: int) -> None:
@@ -868,7 +882,7 @@ def tcp_transfers() -> dict:
     samples: dict[str, list[float]] = {}
     cluster = LocalCluster(1, f"{total // MIB + 64}MiB")
     with cluster, Store(cluster.master_endpoint, shm_enabled=False) as store:
-        processes = {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+        processes = cluster_processes(cluster)
         sources, targets = store.register_buffer(source), store.register_buffer(target)
         batch_keys = [[f"tcp-{b}-{i}" for i in range(keys_per_batch)] for b in range(batches)]
         offsets = [[(b * keys_per_batch + i) * size for i in range(keys_per_batch)] for b in range(batches)]
@@ -883,14 +897,10 @@ def tcp_transfers() -> dict:
                 assert store.batch_get_into(keys, [targets + o for o in at], sizes) == sizes
 
         def measure(name: str, action) -> None:
-            cpu_before = {p: process_cpu_ms(pid) for p, pid in processes.items()}
-            started = time.perf_counter()
-            action()
-            elapsed = time.perf_counter() - started
+            elapsed, used_ms = timed_with_cpu(processes, action)
             samples.setdefault(f"{name}_gbps", []).append(total / elapsed / 1e9)
-            for p, pid in processes.items():
-                used_ms = process_cpu_ms(pid) - cpu_before[p]
-                samples.setdefault(f"{name}_cpu_ms_per_batch_{p}", []).append(used_ms / batches)
+            for p, ms in used_ms.items():
+                samples.setdefault(f"{name}_cpu_ms_per_batch_{p}", []).append(ms / batches)
 
         for _ in range(rounds + 1):  # the first round opens connections and faults pages in
             samples.setdefault("socket_pair_gbps", []).append(socket_pair_gbps(total))
@@ -910,19 +920,20 @@ def page_gets() -> dict:
     value = os.urandom(4096)
     samples: dict[str, list[float]] = {}
     with LocalCluster(1, "512MiB") as cluster, Store(cluster.master_endpoint) as store:
-        processes = {"client": os.getpid(), "master": cluster.master.pid, "node": cluster.nodes[0].pid}
+        processes = cluster_processes(cluster)
         batch_keys = [[f"page-{b}-{i}" for i in range(128)] for b in range(batches)]
         for keys in batch_keys:
             assert store.put_batch(keys, [value] * 128) == [ErrorCode.OK] * 128
-        for _ in range(rounds + 1):  # the first round promotes every page
-            cpu_before = {p: process_cpu_ms(pid) for p, pid in processes.items()}
-            started = time.perf_counter()
+
+        def get_all() -> None:
             for keys in batch_keys:
                 assert store.get_batch(keys)[-1] == value
-            samples.setdefault("get_objects_per_s", []).append(128 * batches / (time.perf_counter() - started))
-            for p, pid in processes.items():
-                used_ms = process_cpu_ms(pid) - cpu_before[p]
-                samples.setdefault(f"get_cpu_ms_per_batch_{p}", []).append(used_ms / batches)
+
+        for _ in range(rounds + 1):  # the first round promotes every page
+            elapsed, used_ms = timed_with_cpu(processes, get_all)
+            samples.setdefault("get_objects_per_s", []).append(128 * batches / elapsed)
+            for p, ms in used_ms.items():
+                samples.setdefault(f"get_cpu_ms_per_batch_{p}", []).append(ms / batches)
     return {name: round(statistics.median(values[1:]), 3) for name, values in samples.items()}
 
 

@@ -77,6 +77,11 @@ def read(svc: MasterService, keys: list[str], now: int) -> None:
     svc.check_invariants()
 
 
+def stop_at_once(key: str, meta: object) -> Verdict:
+    """A judge that takes nothing: select_victims only does what it does before its scan."""
+    return Verdict.STOP
+
+
 def keys_of(prefix: str, count: int) -> list[str]:
     return [f"{prefix}{i}" for i in range(count)]
 
@@ -146,13 +151,10 @@ def test_a_cache_with_room_demotes_nothing_and_the_first_eviction_a_bounded_numb
     for round_ in range(3):
         read(svc, table_keys, now=1 + round_)
         assert policy.protected_count == 16 and policy.probation_count == 0
-    def stop(key: str, meta: object) -> Verdict:
-        return Verdict.STOP
-
-    assert policy.select_victims(stop, 1) == []  # a scan of one candidate: one demotion
+    assert policy.select_victims(stop_at_once, 1) == []  # a scan of one candidate: one demotion
     assert (policy.protected_count, policy.probation_count) == (15, 1)
     assert not policy.is_protected("k0")  # the least recently read
-    assert policy.select_victims(stop, 10) == []  # down to the cap, no further
+    assert policy.select_victims(stop_at_once, 10) == []  # down to the cap, no further
     assert (policy.protected_count, policy.probation_count) == (14, 2)
     svc.check_invariants()
 
@@ -168,13 +170,10 @@ def test_demotions_per_choice_of_victims_are_bounded_whatever_the_scan(monkeypat
     put(svc, keys_of("k", 16), now=0)
     read(svc, keys_of("k", 16), now=1)
 
-    def stop(key: str, meta: object) -> Verdict:
-        return Verdict.STOP
-
-    policy.select_victims(stop, 262_144)
+    policy.select_victims(stop_at_once, 262_144)
     assert (policy.protected_count, policy.probation_count) == (15, 1)
-    policy.select_victims(stop, 262_144)
-    policy.select_victims(stop, 262_144)  # at the cap: nothing more to demote
+    policy.select_victims(stop_at_once, 262_144)
+    policy.select_victims(stop_at_once, 262_144)  # at the cap: nothing more to demote
     assert (policy.protected_count, policy.probation_count) == (14, 2)
     svc.check_invariants()
 

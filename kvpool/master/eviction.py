@@ -275,8 +275,8 @@ class GhostFilter:
                 self._count = 0
 
     def _set_bits(self, keys: list[str]) -> None:
-        # The probes contains() makes (h1 + i * h2, i < GHOST_PROBES), for every key at once: uint64 holds
-        # them exactly (h1, h2 < 2**32).
+        # The probes contains() makes (h1 + i * h2, i < GHOST_PROBES), for every key at once:
+        # uint64 holds them exactly (h1, h2 < 2**32).
         digest = xxhash.xxh3_64_intdigest
         hashes = np.fromiter((digest(key.encode()) for key in keys), dtype=np.uint64, count=len(keys))
         h1, h2 = hashes & np.uint64(0xFFFFFFFF), hashes >> np.uint64(32) | np.uint64(1)
