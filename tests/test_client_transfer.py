@@ -23,7 +23,7 @@ def test_frames_carry_each_object_contiguously_across_its_buffers(monkeypatch, s
         1: [os.urandom(30), os.urandom(0), os.urandom(250), os.urandom(1)],  # one per layer
         2: [os.urandom(64)],
     }
-    cutter = _FrameCutter("n:1", WriteItem, _write_slices)
+    cutter = _FrameCutter("n:1", WriteItem, _write_slices, transfer._joined_write)
     grants = {i: WriteGrant("s", 10_000 * i, sum(map(len, parts)), 0) for i, parts in objects.items()}
     for index, parts in objects.items():
         cutter.add(index, grants[index], [memoryview(p) for p in parts])
@@ -66,6 +66,84 @@ def test_a_put_names_the_segments_it_hashed_in_place(second_key_first_on: str) -
     for sid in "AB":
         assert bytes(mapped[sid].data) == values[0] + values[1]
     assert job.hashed_in_place == (["A"] if second_key_first_on == "A" else [])
+
+
+@pytest.mark.parametrize("slice_bytes", [1 << 20, 3 * 4096])
+def test_the_keys_of_a_run_go_to_the_node_as_one_item(monkeypatch, slice_bytes: int) -> None:
+    """Keys that follow each other under one grant (a run, master/puts.py) are written as one
+    item, up to a slice; a key after a gap, under another grant or to another node starts a
+    new one. What the node lands by the items is every key's bytes at its place."""
+    monkeypatch.setattr(limits, "SLICE_SIZE_BYTES_MAX", slice_bytes)
+    page = 4096
+    segments = {s: SegmentInfo(s, f"node-{s}", "elsewhere", f"{s}:1", "", b"t", 1 << 20) for s in "AB"}
+    run, other = WriteGrant("A", 8 * page, 8 * page, 0), WriteGrant("A", 64 * page, page, 0)
+    elsewhere = WriteGrant("B", 0, 2 * page, 0)
+    placements = [(run, 0), (run, page), (run, 2 * page), (run, 3 * page), (run, 5 * page),  # gap
+                  (other, 0), (elsewhere, 0), (elsewhere, page), (run, 6 * page)]  # fmt: skip
+    grants = [run, other, elsewhere]
+    reply = PutStartReply(
+        [0] * len(placements), [[(grants.index(g), start)] for g, start in placements], grants, segments
+    )
+    values = [os.urandom(page) for _ in placements]
+    job = transfer.PutJob([f"k{i}" for i in range(len(values))], [[memoryview(v)] for v in values], reply,
+                          lambda info: None)  # fmt: skip
+    landed = {s: bytearray(1 << 20) for s in "AB"}
+    spans = {}
+    for batch in job.remote:
+        for (message, views), owners in zip(batch.frames, batch.owners):
+            payload = b"".join(bytes(v) for v in views)
+            position = 0
+            for item in message.items:
+                assert 0 < item.size <= slice_bytes and item.start + item.size <= item.grant.size
+                at = item.grant.offset + item.start
+                landed[item.grant.segment_id][at : at + item.size] = payload[position : position + item.size]
+                position += item.size
+            assert position == len(payload)
+            spans[batch.endpoint] = spans.get(batch.endpoint, []) + [
+                (i.grant.offset + i.start, i.size) for i in message.items
+            ]
+    for (grant, start), value in zip(placements, values):
+        at = grant.offset + start
+        assert bytes(landed[grant.segment_id][at : at + page]) == value
+    if slice_bytes > 8 * page:  # keys 0-3 one item, 4 alone (a gap before), 5 another grant, 8 after it
+        assert spans["A:1"] == [(8 * page, 4 * page), (13 * page, page), (64 * page, page), (14 * page, page)]
+    else:  # a slice holds three pages: the run of four is cut after the third
+        assert spans["A:1"][:2] == [(8 * page, 3 * page), (11 * page, page)]
+    assert spans["B:1"] == [(0, 2 * page)]
+
+
+@pytest.mark.parametrize("tier", ["dram", "disk"])
+def test_reads_of_objects_that_follow_each_other_in_a_segment_are_one_item(tier: str) -> None:
+    """A get of pages put together (one run) asks a node's DRAM for one range per run, and
+    each page still lands in its own bytes; a disk tier (a file per object) is asked for each
+    object on its own."""
+    import xxhash
+
+    from kvpool.protocol.messages import GetReplicaListReply, Replica
+
+    page = 4096
+    infos = {"A": SegmentInfo("A", "node-A", "elsewhere", "A:1", "", b"t", 1 << 20, tier)}
+    offsets = [0, page, 2 * page, 10 * page, 11 * page]
+    stored = bytearray(1 << 20)
+    values = [os.urandom(page) for _ in offsets]
+    for offset, value in zip(offsets, values):
+        stored[offset : offset + page] = value
+    reply = GetReplicaListReply(
+        [0] * len(values), [page] * len(values), [xxhash.xxh3_64_intdigest(v) for v in values],
+        [[Replica("A", offset)] for offset in offsets], 10_000, infos,
+    )  # fmt: skip
+    job = transfer.GetJob(reply, [None] * len(values), 0, lambda info: None, [f"k{i}" for i in range(len(values))])
+    job.copy_local()
+    (batch,) = job.remote_batches()
+    ((message, sinks),) = batch.frames
+    asked = [(i.offset, i.size) for i in message.items]
+    assert asked == ([(0, 3 * page), (10 * page, 2 * page)] if tier == "dram" else [(o, page) for o in offsets])
+    payload = b"".join(bytes(stored[i.offset : i.offset + i.size]) for i in message.items)
+    (sink,) = sinks
+    sink[:] = payload
+    job.remote_done(set(batch.owners[0]), set())
+    job.finish(1)
+    assert job.results == values
 
 
 def test_new_bytes_lands_payload_in_the_object_returned() -> None:
@@ -168,7 +246,8 @@ def test_reply_sinks_that_follow_each_other_in_registered_memory_are_received_as
     def read_item(replica: Replica, start: int, size: int) -> ReadItem:
         return ReadItem("s", replica.offset + start, size)
 
-    cutter = _FrameCutter("n:1", read_item, _read_slices, registry.view)
+    join = transfer._read_joiner({"s": SegmentInfo("s", "n", "h", "h:1", "", b"t", 1 << 20)})
+    cutter = _FrameCutter("n:1", read_item, _read_slices, join, registry.view)
     scratch = []
     for index, (address, parts) in enumerate(layout):
         if address is None:

@@ -46,6 +46,7 @@ from kvpool.protocol.frames import PAGE_BYTES, buffer_address
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
+    TIER_DRAM,
     TIERS,
     CodesReply,
     GetReplicaListReply,
@@ -118,17 +119,22 @@ class _FrameCutter:
     """Cuts objects into items of at most a slice and items into frames of about
     FRAME_BYTES_TARGET bytes. An item covers a contiguous range of one object and may span
     several of its buffers (one per layer, say): the payload is a plain concatenation, so the
-    node sees one range however the caller's memory is split."""
+    node sees one range however the caller's memory is split. An item that continues the
+    frame's last one in the segment (the next key of a run, master/puts.py) extends it
+    (`join`): a batch of 128 pages of one run is one item, not 128 for both sides to encode,
+    decode and check."""
 
     def __init__(
         self,
         endpoint: str,
         make_item: Callable[[object, int, int], WriteItem | ReadItem],
         make_message: Callable[[list, list[memoryview]], WriteSlices | ReadSlices],
+        join: Callable[[WriteItem | ReadItem, WriteItem | ReadItem], bool],
         span: Span | None = None,
     ) -> None:
         self.batch = RemoteBatch(endpoint, [], [])
         self._make_item = make_item
+        self._join = join
         self._make_message = make_message
         self._span = span
         self._items: list = []
@@ -173,13 +179,15 @@ class _FrameCutter:
         views: Sequence[memoryview],
         address: int | None = None,
     ) -> None:
-        self._items.append(self._make_item(target, start, size))
+        item = self._make_item(target, start, size)
+        if not self._items or not self._join(self._items[-1], item):
+            self._items.append(item)
         self._views += views
         if self._span is not None:
             self._addresses += [address] if len(views) == 1 else [None] * len(views)
         self._owners.append(key_index)
         self._frame_bytes += size
-        if self._frame_bytes >= FRAME_BYTES_TARGET or len(self._items) >= limits.BATCH_KEYS_MAX:
+        if self._frame_bytes >= FRAME_BYTES_TARGET or len(self._owners) >= limits.BATCH_KEYS_MAX:
             self._close_frame()
 
     def _close_frame(self) -> None:
@@ -267,7 +275,7 @@ class PutJob:
                 endpoint = reply.segments[grant.segment_id].endpoint
                 cutter = cutters.get(endpoint)
                 if cutter is None:
-                    cutter = cutters[endpoint] = _FrameCutter(endpoint, _write_item, _write_slices)
+                    cutter = cutters[endpoint] = _FrameCutter(endpoint, _write_item, _write_slices, _joined_write)
                 cutter.add(index, (grant, start), key_parts)
         self.remote = [cutter.finish() for cutter in cutters.values()]
 
@@ -534,6 +542,7 @@ class GetJob:
         pages: dict[str, list[int]] = {}  # plain gets of small objects, by endpoint
         segments, sizes, targets, candidates = self.reply.segments, self.reply.sizes, self.targets, self._candidates
         starts = self._starts
+        join = _read_joiner(segments)
         for index in pending:
             replica = candidates[index][0]
             endpoint = segments[replica.segment_id].endpoint
@@ -549,15 +558,15 @@ class GetJob:
                 parts = _prefix(target, size)
             cutter = cutters.get(endpoint)
             if cutter is None:
-                cutter = cutters[endpoint] = _FrameCutter(endpoint, _read_item, _read_slices, self._span)
+                cutter = cutters[endpoint] = _FrameCutter(endpoint, _read_item, _read_slices, join, self._span)
             cutter.add(index, replica, parts, starts[index] if starts is not None and target is not None else None)
         batches = {endpoint: cutter.finish() for endpoint, cutter in cutters.items()}
         for endpoint, indexes in pages.items():
             batch = batches.setdefault(endpoint, RemoteBatch(endpoint, [], []))
-            self._page_frames(batch, indexes)
+            self._page_frames(batch, indexes, join)
         return list(batches.values())
 
-    def _page_frames(self, batch: RemoteBatch, indexes: list[int]) -> None:
+    def _page_frames(self, batch: RemoteBatch, indexes: list[int], join: Callable[[ReadItem, ReadItem], bool]) -> None:
         """Frames for plain gets of small objects (KV pages): each frame's payload lands in one
         buffer of the job's own, one receive instead of a sink per object, and each object's
         view of it is hashed, checked and copied into the bytes returned (_check)."""
@@ -576,7 +585,9 @@ class GetJob:
             at = 0
             for index in frame:
                 replica, size = candidates[index][0], sizes[index]
-                items.append(ReadItem(replica.segment_id, replica.offset, size))
+                item = ReadItem(replica.segment_id, replica.offset, size)
+                if not items or not join(items[-1], item):
+                    items.append(item)
                 self._landed[index] = arena[at : at + size]
                 at += size
             batch.frames.append((_read_slices(items, [arena]), [arena[:at]]))
@@ -702,6 +713,31 @@ def _write_item(placement: object, start: int, size: int) -> WriteItem:
 
 def _read_item(replica: Replica, start: int, size: int) -> ReadItem:
     return ReadItem(replica.segment_id, replica.offset + start, size)
+
+
+def _joined_write(last: WriteItem, item: WriteItem) -> bool:
+    """Extend `last` by `item` if `item` follows it under the same grant (within a slice)."""
+    if last.grant is item.grant and last.start + last.size == item.start:
+        size = last.size + item.size
+        if size <= limits.SLICE_SIZE_BYTES_MAX:
+            last.size = size
+            return True
+    return False
+
+
+def _read_joiner(segments: dict[str, SegmentInfo]) -> Callable[[ReadItem, ReadItem], bool]:
+    """Extend the last read item by the next if the next follows it in the same DRAM segment
+    (within a slice). Not in a disk tier: there each object is a file of its own."""
+
+    def join(last: ReadItem, item: ReadItem) -> bool:
+        if last.segment_id == item.segment_id and last.offset + last.size == item.offset:
+            size = last.size + item.size
+            if size <= limits.SLICE_SIZE_BYTES_MAX and segments[item.segment_id].tier == TIER_DRAM:
+                last.size = size
+                return True
+        return False
+
+    return join
 
 
 _file_pool: concurrent.futures.ThreadPoolExecutor | None = None
