@@ -44,8 +44,9 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   client       a client's own work for a 128-key get from a same-host node (GetJob, copies);
                copying and hashing 128 pages of 4 KiB, and hashing them alone;
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
-               through AsyncStore and Store (and Store with shm off: over TCP); gets over TCP
-               in batches of 128: plain 4 KiB, zero-copy 4 KiB and 64 KiB (back to back).
+               through AsyncStore and Store (and Store with shm off: over TCP), and how often
+               the client's garbage collector ran in 100 of those batches (same host); gets
+               over TCP in batches of 128: plain 4 KiB, zero-copy 4 KiB and 64 KiB (back to back).
   put-phases   where a same-host zero-copy put of 32 x 1 MiB spends its time, batches back to
                back (as bench_core.py runs them): put_start, the copy and hash, put_end, each
                timed through Store and through AsyncStore; a numpy copy of 32 MiB for scale.
@@ -731,9 +732,10 @@ def client() -> dict:
         # put), and hash alone (a TCP put, a node's commit).
         segment = memoryview(bytearray(BATCH * 4 * KIB))
         pages = [memoryview(os.urandom(4 * KIB)) for _ in range(BATCH)]
-        copies = [([page], [segment[i * 4 * KIB : (i + 1) * 4 * KIB]]) for i, page in enumerate(pages)]
+        sources = [[page] for page in pages]
+        destinations = [[segment[i * 4 * KIB : (i + 1) * 4 * KIB]] for i in range(BATCH)]
         result["copies_checksummed_128x4KiB_us"] = median_us(
-            timed(lambda: copies_checksummed(copies, SIMD_COPY_INTO_SEGMENT_BYTES_MIN), 2000)
+            timed(lambda: copies_checksummed(sources, destinations, SIMD_COPY_INTO_SEGMENT_BYTES_MIN), 2000)
         )
         result["checksums_of_128x4KiB_us"] = median_us(timed(lambda: checksums_of([[p] for p in pages]), 2000))
 
@@ -753,12 +755,23 @@ def client() -> dict:
                     samples.append(time.perf_counter_ns() - started)
                 return BATCH / (statistics.median(samples) / 1e9)
 
+        collector_runs: list[int] = []
+
+        def count_runs(phase: str, info: dict) -> None:
+            if phase == "start":
+                collector_runs.append(info["generation"])
+
         def sync_puts(shm_enabled: bool) -> float:
             with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
                 samples = []
                 for batch in range(150):
+                    if batch == 50 and shm_enabled:  # the client's garbage collector, 100 batches
+                        collector_runs.clear()
+                        gc.callbacks.append(count_runs)
                     keys = [f"s-{shm_enabled}-{batch}-{i}" for i in range(BATCH)]
                     samples.append(timed(lambda keys=keys: store.put_batch(keys, [value] * BATCH), 1)[0])
+                if shm_enabled:
+                    gc.callbacks.remove(count_runs)
                 return BATCH / (statistics.median(samples) / 1e9)
 
         result["puts_4KiB_batch128_per_s"] = {
@@ -766,6 +779,7 @@ def client() -> dict:
             "store": round(sync_puts(True)),
             "store_tcp_only": round(sync_puts(False)),
         }
+        result["collector_runs_in_100_same_host_put_batches"] = len(collector_runs)
         result["gets_over_tcp"] = tcp_gets(cluster.master_endpoint)
     return result
 

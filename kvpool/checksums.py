@@ -146,39 +146,51 @@ def _copy_scattered(sources: Parts, destinations: Sequence[memoryview], simd_byt
 
 
 def copies_checksummed(
-    copies: Sequence[tuple[Parts, Sequence[memoryview]]], simd_bytes_min: int = SIMD_COPY_BYTES_MIN
+    sources: Sequence[Parts],
+    destinations: Sequence[Sequence[memoryview]],
+    simd_bytes_min: int = SIMD_COPY_BYTES_MIN,
 ) -> list[int]:
-    """copy_checksummed of each (sources, destinations), on several threads when large and
-    in large pieces (small pieces are Python work under the GIL: threads would only take
-    turns). A small object in one piece into one buffer (a batch of KV pages) is copied and
-    hashed in one tight loop: 4x faster than the general path for 128 x 4 KiB."""
-    checksums = [0] * len(copies)
+    """copy_checksummed of each object (`sources[i]` into `destinations[i]`), on several
+    threads when large and in large pieces (small pieces are Python work under the GIL:
+    threads would only take turns). A small object in one piece into one buffer (a batch of
+    KV pages) is copied and hashed in one tight loop: 4x faster than the general path for
+    128 x 4 KiB. Two lists rather than a pair per object: a batch keeps fewer objects alive
+    for the garbage collector (protocol/messages.py, on gc=False)."""
+    checksums = [0] * len(sources)
     others: list[int] = []
-    digest = xxhash.xxh3_64_intdigest
-    for index, (sources, destinations) in enumerate(copies):
-        if len(sources) == 1 and len(destinations) == 1 and len(sources[0]) <= SMALL_COPY_BYTES_MAX:
-            source, destination = sources[0], destinations[0]
+    for index, parts in enumerate(sources):
+        targets = destinations[index]
+        if len(parts) == 1 and len(targets) == 1 and len(parts[0]) <= SMALL_COPY_BYTES_MAX:
+            source, destination = parts[0], targets[0]
             if len(destination) != len(source):
                 destination = destination[: len(source)]
-            destination[:] = source
-            checksums[index] = digest(destination)  # hashed where it landed
+            checksums[index] = copy_small_checksummed(source, destination)
         else:
             others.append(index)
     if others:
-        rest = [copies[index] for index in others]
-        for index, checksum in zip(others, _copies_checksummed(rest, simd_bytes_min)):
+        rest = _copies_checksummed([sources[i] for i in others], [destinations[i] for i in others], simd_bytes_min)
+        for index, checksum in zip(others, rest):
             checksums[index] = checksum
     return checksums
 
 
+def copy_small_checksummed(source: memoryview | bytes, destination: memoryview) -> int:
+    """Copy an object in one piece of up to SMALL_COPY_BYTES_MAX into `destination` (as long)
+    with one memcpy, and return the xxh3-64 of the bytes where they landed."""
+    destination[:] = source
+    return xxhash.xxh3_64_intdigest(destination)
+
+
 def _copies_checksummed(
-    copies: Sequence[tuple[Parts, Sequence[memoryview]]], simd_bytes_min: int
+    sources: Sequence[Parts], destinations: Sequence[Sequence[memoryview]], simd_bytes_min: int
 ) -> list[int]:
-    sizes = [sum(len(p) for p in sources) for sources, _ in copies]
-    pieces = sum(max(len(sources), len(destinations)) for sources, destinations in copies)
+    sizes = [sum(len(p) for p in parts) for parts in sources]
+    pieces = sum(max(len(parts), len(targets)) for parts, targets in zip(sources, destinations))
     if sum(sizes) < simd_bytes_min * pieces:  # the average piece is small
-        return [copy_checksummed(*copy, simd_bytes_min) for copy in copies]
-    return _in_shares(lambda copy: copy_checksummed(*copy, simd_bytes_min), copies, sizes)
+        return [copy_checksummed(parts, targets, simd_bytes_min) for parts, targets in zip(sources, destinations)]
+    return _in_shares(
+        lambda i: copy_checksummed(sources[i], destinations[i], simd_bytes_min), range(len(sources)), sizes
+    )
 
 
 def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[int]) -> list[R]:

@@ -71,8 +71,8 @@ def test_a_large_batch_on_several_threads_gives_what_one_thread_gives(monkeypatc
     for parallel_min in (1 << 40, 1):  # one thread; then every batch split
         monkeypatch.setattr(checksums, "PARALLEL_BYTES_MIN", parallel_min)
         landings = [bytearray(object_bytes) for _ in objects]
-        copies = [([memoryview(o)], [memoryview(t)]) for o, t in zip(objects, landings)]
-        assert copies_checksummed(copies) == expected
+        sources = [[memoryview(o)] for o in objects]
+        assert copies_checksummed(sources, [[memoryview(t)] for t in landings]) == expected
         assert landings == [bytearray(o) for o in objects]
         assert checksums_of([[memoryview(o)] for o in objects]) == expected
 
@@ -92,7 +92,7 @@ def test_a_mixed_batch_lands_every_object_in_order() -> None:
         targets = [memoryview(landing)[:cut], memoryview(landing)[cut:]][:target_parts]
         copies.append((sources, targets))
     expected = [xxhash.xxh3_64_intdigest(o) for o in objects]
-    assert copies_checksummed(copies) == expected
+    assert copies_checksummed([s for s, _ in copies], [t for _, t in copies]) == expected
     assert checksums_of([sources for sources, _ in copies]) == expected  # some in several parts
     assert checksums_of([[memoryview(o)] for o in objects]) == expected  # each in one part
     for data, landing in zip(objects, landings):

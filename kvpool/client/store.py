@@ -231,16 +231,14 @@ class AsyncStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Put each key from one registered range; one ErrorCode per key."""
-        return await self.batch_put_from_multi_buffers(
-            keys, [[a] for a in addresses], [[s] for s in sizes], config
-        )
+        return await self._put_parts(keys, self._one_view_each(keys, addresses, sizes), config)
 
     async def batch_get_into(
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """Get each key into one registered range; per key its size or a negative ErrorCode."""
-        return await self.batch_get_into_multi_buffers(
-            keys, [[a] for a in addresses], [[s] for s in sizes]
+        return get_into_results(
+            await self._get_parts(keys, self._one_view_each(keys, addresses, sizes), list(addresses))
         )
 
     async def batch_put_from_multi_buffers(
@@ -260,6 +258,16 @@ class AsyncStore:
         return get_into_results(
             await self._get_parts(keys, self._views(keys, addresses, sizes), buffer_starts(addresses))
         )
+
+    def _one_view_each(
+        self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
+    ) -> list[list[memoryview]]:
+        """_views of one registered range per key, with no list per key of addresses and sizes
+        to make first (fewer objects alive for the garbage collector, see messages.py)."""
+        if not len(keys) == len(addresses) == len(sizes):
+            raise InvalidParams("keys, buffers and sizes differ in length")
+        view = self.buffers.view
+        return [[view(address, size)] for address, size in zip(addresses, sizes)]
 
     def _views(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]

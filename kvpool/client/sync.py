@@ -383,16 +383,12 @@ class Store:
         sizes: Sequence[int],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
-        return self.batch_put_from_multi_buffers(
-            keys, [[a] for a in addresses], [[s] for s in sizes], config
-        )
+        return self._put(self._async._one_view_each(keys, addresses, sizes), keys, config)
 
     def batch_get_into(
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
-        return self.batch_get_into_multi_buffers(
-            keys, [[a] for a in addresses], [[s] for s in sizes]
-        )
+        return get_into_results(self._get(keys, self._async._one_view_each(keys, addresses, sizes), list(addresses)))
 
     def batch_put_from_multi_buffers(
         self,
