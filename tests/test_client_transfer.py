@@ -11,7 +11,7 @@ import pytest
 from kvpool import limits
 from kvpool.client import transfer
 from kvpool.client.transfer import _FrameCutter, _read_slices, _write_slices
-from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant, WriteItem
+from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant
 
 
 @pytest.mark.parametrize("slice_bytes,frame_bytes", [(64, 128), (1000, 10_000), (7, 7)])
@@ -23,10 +23,10 @@ def test_frames_carry_each_object_contiguously_across_its_buffers(monkeypatch, s
         1: [os.urandom(30), os.urandom(0), os.urandom(250), os.urandom(1)],  # one per layer
         2: [os.urandom(64)],
     }
-    cutter = _FrameCutter("n:1", WriteItem, _write_slices, transfer._joined_write)
+    cutter = _FrameCutter("n:1", transfer._write_item, _write_slices, transfer._joined_write)
     grants = {i: WriteGrant("s", 10_000 * i, sum(map(len, parts)), 0) for i, parts in objects.items()}
     for index, parts in objects.items():
-        cutter.add(index, grants[index], [memoryview(p) for p in parts])
+        cutter.add(index, (grants[index], 0), [memoryview(p) for p in parts])
     batch = cutter.finish()
     rebuilt = {i: bytearray(g.size) for i, g in grants.items()}
     for (message, views), owners in zip(batch.frames, batch.owners):

@@ -130,7 +130,7 @@ class _FrameCutter:
         endpoint: str,
         make_item: Callable[[object, int, int], WriteItem | ReadItem],
         make_message: Callable[[list, list[memoryview]], WriteSlices | ReadSlices],
-        join: Callable[[WriteItem | ReadItem, WriteItem | ReadItem], bool],
+        join: Callable[[WriteItem | ReadItem, object, int, int], bool],
         span: Span | None = None,
     ) -> None:
         self.batch = RemoteBatch(endpoint, [], [])
@@ -180,9 +180,8 @@ class _FrameCutter:
         views: Sequence[memoryview],
         address: int | None = None,
     ) -> None:
-        item = self._make_item(target, start, size)
-        if not self._items or not self._join(self._items[-1], item):
-            self._items.append(item)
+        if not self._items or not self._join(self._items[-1], target, start, size):
+            self._items.append(self._make_item(target, start, size))
         self._views += views
         if self._span is not None:
             self._addresses += [address] if len(views) == 1 else [None] * len(views)
@@ -626,7 +625,9 @@ class GetJob:
             self._page_frames(batch, indexes, join)
         return list(batches.values())
 
-    def _page_frames(self, batch: RemoteBatch, indexes: list[int], join: Callable[[ReadItem, ReadItem], bool]) -> None:
+    def _page_frames(
+        self, batch: RemoteBatch, indexes: list[int], join: Callable[[ReadItem, Replica, int, int], bool]
+    ) -> None:
         """Frames for plain gets of small objects (KV pages): each frame's payload lands in one
         buffer of the job's own, one receive instead of a sink per object, and each object's
         view of it is hashed, checked and copied into the bytes returned (_check)."""
@@ -645,9 +646,8 @@ class GetJob:
             at = 0
             for index in frame:
                 replica, size = candidates[index][tried[index]], sizes[index]
-                item = ReadItem(replica.segment_id, replica.offset, size)
-                if not items or not join(items[-1], item):
-                    items.append(item)
+                if not items or not join(items[-1], replica, 0, size):
+                    items.append(ReadItem(replica.segment_id, replica.offset, size))
                 self._landed[index] = arena[at : at + size]
                 at += size
             batch.frames.append((_read_slices(items, [arena]), [arena[:at]]))
@@ -776,24 +776,27 @@ def _read_item(replica: Replica, start: int, size: int) -> ReadItem:
     return ReadItem(replica.segment_id, replica.offset + start, size)
 
 
-def _joined_write(last: WriteItem, item: WriteItem) -> bool:
-    """Extend `last` by `item` if `item` follows it under the same grant (within a slice)."""
-    if last.grant is item.grant and last.start + last.size == item.start:
-        size = last.size + item.size
+def _joined_write(last: WriteItem, placement: object, start: int, size: int) -> bool:
+    """Extend `last` by the item _write_item(placement, start, size) would make if that item
+    follows it under the same grant (within a slice)."""
+    grant, key_start = placement  # type: ignore[misc]
+    if last.grant is grant and last.start + last.size == key_start + start:
+        size += last.size
         if size <= limits.SLICE_SIZE_BYTES_MAX:
             last.size = size
             return True
     return False
 
 
-def _read_joiner(segments: dict[str, SegmentInfo]) -> Callable[[ReadItem, ReadItem], bool]:
-    """Extend the last read item by the next if the next follows it in the same DRAM segment
-    (within a slice). Not in a disk tier: there each object is a file of its own."""
+def _read_joiner(segments: dict[str, SegmentInfo]) -> Callable[[ReadItem, Replica, int, int], bool]:
+    """Extend the last read item by the item _read_item(replica, start, size) would make if that
+    item follows it in the same DRAM segment (within a slice). Not in a disk tier: there each
+    object is a file of its own."""
 
-    def join(last: ReadItem, item: ReadItem) -> bool:
-        if last.segment_id == item.segment_id and last.offset + last.size == item.offset:
-            size = last.size + item.size
-            if size <= limits.SLICE_SIZE_BYTES_MAX and segments[item.segment_id].tier == TIER_DRAM:
+    def join(last: ReadItem, replica: Replica, start: int, size: int) -> bool:
+        if last.segment_id == replica.segment_id and last.offset + last.size == replica.offset + start:
+            size += last.size
+            if size <= limits.SLICE_SIZE_BYTES_MAX and segments[replica.segment_id].tier == TIER_DRAM:
                 last.size = size
                 return True
         return False

@@ -136,7 +136,7 @@ class ObjectMeta(msgspec.Struct, gc=False):
         self.replicas = replicas[0] if len(replicas) == 1 else tuple(replicas)
 
 
-class PendingPut:
+class PendingPut(msgspec.Struct, gc=False):
     """A put between put_start and its end (finish_put_end, revoke, discard).
 
     States: writing (the client is writing, `is_committing` False) -> committing (put_end
@@ -145,36 +145,20 @@ class PendingPut:
     `replicas` are (segment, offset) of the ranges granted; a segment lost meanwhile is removed
     from the list, so a put can end up with none. `copy_tiers` are the slower tiers a copy is
     asked for once the object is complete (write-through, docs/tiers.md).
+
+    A msgspec Struct with gc=False, as ObjectMeta: built in C (a put_start makes one per key),
+    and not tracked by the cyclic collector (a segment never refers back to a put, so it
+    is never part of a cycle).
     """
 
-    __slots__ = (
-        "size_bytes",
-        "replicas",
-        "start_ms",
-        "checksum",
-        "is_committing",
-        "is_soft_pinned",
-        "is_hard_pinned",
-        "copy_tiers",
-    )
-
-    def __init__(
-        self,
-        size_bytes: int,
-        replicas: list[tuple[Segment, int]],
-        start_ms: int,
-        is_soft_pinned: bool,
-        is_hard_pinned: bool,
-        copy_tiers: tuple[str, ...] = (),
-    ):
-        self.copy_tiers = copy_tiers
-        self.size_bytes = size_bytes
-        self.replicas = replicas
-        self.start_ms = start_ms
-        self.checksum = 0
-        self.is_committing = False
-        self.is_soft_pinned = is_soft_pinned
-        self.is_hard_pinned = is_hard_pinned
+    size_bytes: int
+    replicas: list[tuple[Segment, int]]
+    start_ms: int
+    is_soft_pinned: bool
+    is_hard_pinned: bool
+    copy_tiers: tuple[str, ...] = ()
+    checksum: int = 0
+    is_committing: bool = False
 
     def __repr__(self) -> str:
         where = [(seg.segment_id, offset) for seg, offset in self.replicas]
