@@ -45,8 +45,10 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                copying and hashing 128 pages of 4 KiB, and hashing them alone;
                the sync Store's hand-off to its loop thread; 4 KiB puts in batches of 128
                through AsyncStore and Store (and Store with shm off: over TCP), and how often
-               the client's garbage collector ran in 100 of those batches (same host); gets
-               over TCP in batches of 128: plain 4 KiB, zero-copy 4 KiB and 64 KiB (back to back).
+               the client's garbage collector ran in 100 of those batches (same host);
+               zero-copy same-host gets of 4 KiB pages in batches of 128 (and the collector's
+               runs); gets over TCP in batches of 128: plain 4 KiB, zero-copy 4 KiB and 64 KiB
+               (back to back).
   put-phases   where a same-host zero-copy put of 32 x 1 MiB spends its time, batches back to
                back (as bench_core.py runs them): put_start, the copy and hash, put_end, each
                timed through Store and through AsyncStore; a numpy copy of 32 MiB for scale.
@@ -780,8 +782,32 @@ def client() -> dict:
             "store_tcp_only": round(sync_puts(False)),
         }
         result["collector_runs_in_100_same_host_put_batches"] = len(collector_runs)
+        result["zero_copy_same_host_gets"] = zero_copy_page_gets(
+            cluster.master_endpoint, count_runs, collector_runs
+        )
         result["gets_over_tcp"] = tcp_gets(cluster.master_endpoint)
     return result
+
+
+def zero_copy_page_gets(master: str, count_runs, collector_runs: list[int]) -> dict:
+    """Batches of 128 zero-copy gets of 4 KiB pages from a same-host node into one registered
+    array (an engine's KV pages): objects/s, and how often the client's garbage collector ran
+    in 100 of those batches (`count_runs` appends to `collector_runs`)."""
+    with Store(master) as store:
+        source = np.random.randint(0, 255, BATCH * 4 * KIB, dtype=np.uint8)
+        target = np.zeros_like(source)
+        keys = [f"zc-page-{i}" for i in range(BATCH)]
+        source_at, target_at = store.register_buffer(source), store.register_buffer(target)
+        store.batch_put_from(keys, [source_at + i * 4 * KIB for i in range(BATCH)], [4 * KIB] * BATCH)
+        addresses = [target_at + i * 4 * KIB for i in range(BATCH)]
+        timed(lambda: store.batch_get_into(keys, addresses, [4 * KIB] * BATCH), 20)  # warm-up
+        collector_runs.clear()
+        gc.callbacks.append(count_runs)
+        samples = timed(lambda: store.batch_get_into(keys, addresses, [4 * KIB] * BATCH), 100)
+        gc.callbacks.remove(count_runs)
+        assert np.array_equal(source, target), "zero-copy get returned other bytes"
+        per_s = round(BATCH / (statistics.median(samples) / 1e9))
+        return {"objects_per_s": per_s, "collector_runs_in_100_batches": len(collector_runs)}
 
 
 def tcp_gets(master: str) -> dict:
