@@ -531,16 +531,13 @@ class GetJob:
     def _copy_mapped(self, mapped: list[int]) -> None:
         """Copy these keys (larger than a page, or into several buffers) out of the mapped
         segments of their next candidates, and check them."""
-        sizes, targets, candidates, tried, segments = (
-            self.reply.sizes, self.targets, self._candidates, self._tried, self._mapped,
-        )  # fmt: skip
+        sizes, targets, segments = self.reply.sizes, self.targets, self._mapped
         indexes: list[int] = []  # hashed as they land: their sources and targets
         sources: list[list[memoryview]] = []
         destinations: list[list[memoryview]] = []
         copied: list[int] = []  # plain gets up to a chunk, hashed after
         for index in mapped:
-            replica = self._reading[index] = candidates[index][tried[index]]
-            tried[index] += 1
+            replica = self._take_next(index)
             size = sizes[index]
             source = segments[replica.segment_id].data[replica.offset : replica.offset + size]  # type: ignore[union-attr]
             target = targets[index]
@@ -577,8 +574,7 @@ class GetJob:
         thread while the bytes are still in cache (the other threads keep the device busy
         meanwhile). The checksum, or None when the file is gone or unreadable (the next
         replica, then)."""
-        self._reading[index] = self._candidates[index][self._tried[index]]
-        self._tried[index] += 1
+        self._take_next(index)
         key, size = self.keys[index], self.reply.sizes[index]
         target = self.targets[index]
         try:
@@ -657,8 +653,7 @@ class GetJob:
         """TCP reads of `key_indexes` finished; those in `failed` did not arrive whole."""
         arrived = []
         for index in sorted(key_indexes):
-            self._reading[index] = self._candidates[index][self._tried[index]]
-            self._tried[index] += 1
+            self._take_next(index)
             if index in failed:
                 self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
             else:
@@ -702,6 +697,12 @@ class GetJob:
         if replica is not None and self.keys:
             self.bad_replicas.append((self.keys[index], replica))
         self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+
+    def _take_next(self, index: int) -> Replica:
+        """Key `index`'s next candidate, now the one its bytes are read from."""
+        replica = self._reading[index] = self._candidates[index][self._tried[index]]
+        self._tried[index] += 1
+        return replica
 
     def _next_candidate(self, index: int, code: ErrorCode) -> None:
         self._landed[index] = None
@@ -780,12 +781,7 @@ def _joined_write(last: WriteItem, placement: object, start: int, size: int) -> 
     """Extend `last` by the item _write_item(placement, start, size) would make if that item
     follows it under the same grant (within a slice)."""
     grant, key_start = placement  # type: ignore[misc]
-    if last.grant is grant and last.start + last.size == key_start + start:
-        size += last.size
-        if size <= limits.SLICE_SIZE_BYTES_MAX:
-            last.size = size
-            return True
-    return False
+    return last.grant is grant and last.start + last.size == key_start + start and _grown(last, size)
 
 
 def _read_joiner(segments: dict[str, SegmentInfo]) -> Callable[[ReadItem, Replica, int, int], bool]:
@@ -794,14 +790,22 @@ def _read_joiner(segments: dict[str, SegmentInfo]) -> Callable[[ReadItem, Replic
     object is a file of its own."""
 
     def join(last: ReadItem, replica: Replica, start: int, size: int) -> bool:
-        if last.segment_id == replica.segment_id and last.offset + last.size == replica.offset + start:
-            size += last.size
-            if size <= limits.SLICE_SIZE_BYTES_MAX and segments[replica.segment_id].tier == TIER_DRAM:
-                last.size = size
-                return True
-        return False
+        return (
+            last.segment_id == replica.segment_id
+            and last.offset + last.size == replica.offset + start
+            and segments[replica.segment_id].tier == TIER_DRAM
+            and _grown(last, size)
+        )
 
     return join
+
+
+def _grown(last: WriteItem | ReadItem, size: int) -> bool:
+    """Grow `last` by `size` bytes, unless that makes it more than a slice."""
+    if last.size + size > limits.SLICE_SIZE_BYTES_MAX:
+        return False
+    last.size += size
+    return True
 
 
 _file_pool: concurrent.futures.ThreadPoolExecutor | None = None
