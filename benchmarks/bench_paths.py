@@ -5,7 +5,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
     python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes fragmentation
                                                  full-cache-soak node-commit puts-after-remove
                                                  client put-phases tcp-transfers page-gets
-                                                 landing copies payload-alignment files bytecodes)
+                                                 pieces landing copies payload-alignment files
+                                                 bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
@@ -60,6 +61,11 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   page-gets    a working set of 48 batches of 128 pages of 4 KiB read round and round through
                one Store on the same host (a node with room): objects/s and the CPU time of the
                client, the master and the node per batch (/proc), medians of 8 rounds.
+  pieces       gets and puts through one Store from one thread, each batch in pieces whose
+               requests leave at once (client/sync.py batch_pieces) against one request per
+               batch, alternating round by round: 4 KiB pages in batches of 128 (gets) and 512
+               on the same host; and what batches of 128 that go whole would do in two pieces:
+               gets over TCP (shm off) and of 64 KiB objects, puts of 4 KiB pages.
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
@@ -977,6 +983,79 @@ def page_gets() -> dict:
     return {name: round(statistics.median(values[1:]), 3) for name, values in samples.items()}
 
 
+def pieces() -> dict:
+    """Gets and puts through one sync Store from one thread, each batch in pieces whose
+    requests leave at once (client/sync.py batch_pieces: the master looks up or allocates the
+    next piece while the caller copies the last) against one request per batch, alternating
+    round by round (the order too): objects/s (medians of 8 rounds) and the median of the
+    per-round ratios. 4 KiB pages on the same host: gets in batches of 128 (two pieces of 64,
+    and four of 32) and 512 (eight of 64), puts in batches of 512; and what batches of 128 that
+    go whole would do in two pieces: gets of 4 KiB pages over TCP (shm off) and of 64 KiB
+    objects, puts of 4 KiB pages. Puts write fresh keys, removed after each round."""
+    from kvpool.client import sync
+
+    rounds = 8
+    in_pieces = sync.batch_pieces
+    ways = {  # the settings of client/sync.py each way runs with
+        "pieces": {},
+        "pieces_of_32": {"PIECE_KEYS_MIN": 32},
+        "one_request": {"PIECES_MAX": 1},
+        "forced_pieces": {
+            "PIECE_OBJECT_BYTES_MAX": 1 << 30,
+            "PIECES_MAX": 4,
+            "batch_pieces": lambda count, size, _, __: in_pieces(count, size, True, 2),
+        },
+    }
+    cases = {  # name: get or put, object size, batch, shm, the ways compared (the last the baseline)
+        "get_4KiB_x128": ("get", 4 * KIB, 128, True, ("pieces", "pieces_of_32", "one_request")),
+        "get_4KiB_x512": ("get", 4 * KIB, 512, True, ("pieces", "one_request")),
+        "get_4KiB_x128_tcp": ("get", 4 * KIB, 128, False, ("forced_pieces", "one_request")),
+        "get_64KiB_x128": ("get", 64 * KIB, 128, True, ("forced_pieces", "one_request")),
+        "put_4KiB_x128": ("put", 4 * KIB, 128, True, ("forced_pieces", "one_request")),
+        "put_4KiB_x512": ("put", 4 * KIB, 512, True, ("pieces", "one_request")),
+    }
+    result: dict[str, float] = {}
+    with LocalCluster(1, "1GiB") as cluster:
+        for case, (op, size, batch, shm, compared) in cases.items():
+            value = os.urandom(size)
+            batch_count = max(4, 6144 // batch)
+            with Store(cluster.master_endpoint, shm_enabled=shm) as store:
+                if op == "get":
+                    batch_keys = [[f"{case}-{b}-{i}" for i in range(batch)] for b in range(batch_count)]
+                    for keys in batch_keys:
+                        assert store.put_batch(keys, [value] * batch) == [ErrorCode.OK] * batch
+                rates: dict[str, list[float]] = {way: [] for way in compared}
+                for round_index in range(rounds + 1):  # the first round warms up
+                    for way in compared if round_index % 2 else compared[::-1]:
+                        if op == "put":
+                            batch_keys = [[f"{case}-{way}-{round_index}-{b}-{i}" for i in range(batch)]
+                                          for b in range(batch_count)]  # fmt: skip
+                        saved = {name: getattr(sync, name) for name in ways[way]}
+                        for name, setting in ways[way].items():
+                            setattr(sync, name, setting)
+                        try:
+                            started = time.perf_counter()
+                            for keys in batch_keys:
+                                if op == "get":
+                                    assert store.get_batch(keys)[-1] == value
+                                else:
+                                    assert store.put_batch(keys, [value] * batch) == [ErrorCode.OK] * batch
+                            rates[way].append(batch * batch_count / (time.perf_counter() - started))
+                        finally:
+                            for name, setting in saved.items():
+                                setattr(sync, name, setting)
+                        if op == "put":
+                            store.remove_all(force=True)
+                store.remove_all(force=True)
+            *others, baseline = compared
+            for way in compared:
+                result[f"{case}_{way}_objects_per_s"] = round(statistics.median(rates[way][1:]))
+            for way in others:
+                ratios = [a / b for a, b in zip(rates[way][1:], rates[baseline][1:])]
+                result[f"{case}_{way}_over_{baseline}"] = round(statistics.median(ratios), 3)
+    return result
+
+
 def landing() -> dict:
     from kvpool.client.transfer import _new_bytes
 
@@ -1373,6 +1452,7 @@ PARTS = {
     "put-phases": put_phases,
     "tcp-transfers": tcp_transfers,
     "page-gets": page_gets,
+    "pieces": pieces,
     "landing": landing,
     "copies": copies,
     "payload-alignment": payload_alignment,

@@ -24,7 +24,7 @@ from kvpool.config import MasterConfig
 from kvpool.errors import ConnectFailed, InvalidParams, RpcFailed, RpcTimeout, Unauthorized
 from kvpool.master.server import MasterServer
 from kvpool.protocol import auth
-from kvpool.protocol.frames import FrameDecoder, encode_frame
+from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
     AuthChallenge,
     AuthOk,
@@ -163,6 +163,58 @@ def test_a_server_that_breaks_the_protocol_is_a_failure_and_closes_the_connectio
         conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
         with pytest.raises(RpcFailed):
             conn.request(ExistKeys(["a"]), 2_000)
+        assert conn.is_closed()
+
+
+def test_requests_in_flight_together_get_their_own_replies() -> None:
+    """Several requests sent before any reply is read (a large get's lookups): each reply
+    answers its own request, from a real master, in any order the asking takes."""
+    with master_on_a_thread(None) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=True)
+        deadline = time.monotonic() + 5
+        ids = conn.send([ExistKeys(["k"] * n) for n in (1, 2, 3)], deadline)
+        assert conn.reply(ids[0], deadline) == ExistsReply([False])
+        assert conn.reply(ids[2], deadline) == ExistsReply([False] * 3)  # the one between is kept
+        assert conn.reply(ids[1], deadline) == ExistsReply([False] * 2)
+        assert conn.request(LongestPrefix(["a"]), 2_000) == CountReply(0)  # and nothing is left over
+
+
+def test_replies_out_of_order_each_answer_their_own_request() -> None:
+    """A server may answer a later request first (the master's put_start that waits for room
+    answers after the next request)."""
+
+    def answer_backwards(conn: socket.socket) -> None:
+        decoder, requests = FrameDecoder(), []
+        while len(requests) < 3:
+            decoder.receive_data(conn.recv(4096))
+            while (frame := decoder.next_event()) is not NEED_DATA:
+                requests.append(frame)
+        for frame in reversed(requests):
+            conn.sendall(encode_frame(CountReply(len(frame.message.keys)), frame.request_id, is_reply=True))
+        time.sleep(0.2)
+
+    with raw_server(answer_backwards) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        deadline = time.monotonic() + 5
+        ids = conn.send([LongestPrefix(["k"] * n) for n in (1, 2, 3)], deadline)
+        assert [conn.reply(request_id, deadline) for request_id in ids] == [CountReply(1), CountReply(2), CountReply(3)]
+
+
+def test_a_reply_to_no_request_in_flight_is_a_failure() -> None:
+    def answer_twice(conn: socket.socket) -> None:
+        frame = FrameDecoder()
+        frame.receive_data(conn.recv(4096))
+        request_id = frame.next_event().request_id
+        conn.sendall(encode_frame(CountReply(1), request_id, is_reply=True) * 2)  # the second answers nothing
+        time.sleep(0.2)
+
+    with raw_server(answer_twice) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        deadline = time.monotonic() + 5
+        first, second = conn.send([LongestPrefix(["a"]), LongestPrefix(["b"])], deadline)
+        assert conn.reply(first, deadline) == CountReply(1)
+        with pytest.raises(RpcFailed):
+            conn.reply(second, deadline)
         assert conn.is_closed()
 
 

@@ -328,6 +328,115 @@ def test_batches_of_pages_leave_the_clients_garbage_collector_idle(make_cluster,
         assert np.array_equal(landing, source)
 
 
+def metric(port: int, sample: str) -> float:
+    """One sample of a /metrics page, as written there (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.rpartition(" ")[2])
+    return 0.0
+
+
+def requests_counted(cluster, kind: str) -> float:
+    """How many requests of a kind the master has served."""
+    return metric(cluster.http_port, f'kvpool_master_requests_total{{kind="{kind}"}}')
+
+
+def lookups_counted(cluster) -> float:
+    return requests_counted(cluster, "GetReplicaList")
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False])
+def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_would(
+    make_cluster, monkeypatch, shm_enabled
+):
+    """A sync get of many small objects mapped here asks the master in pieces, all sent at
+    once, and copies one piece while the master looks up the next (client/sync.py,
+    batch_pieces): each key is found or missed as by one lookup, in the caller's order, bytes
+    and zero-copy; over TCP, or beside another get of the Store, the get goes whole. When the
+    thread's own connection breaks half-way, the pieces it did not answer are asked through
+    the loop."""
+    import numpy as np
+
+    from kvpool.client import sync
+    from kvpool.transports.blocking import BlockingConnection
+
+    cluster = make_cluster(1, "64MiB")
+    page, count = 4096, 300
+    values = values_for("piece", count, page)
+    keys = list(values)
+    stored = [key for i, key in enumerate(keys) if i % 7]  # a miss in every piece
+    expected = [values[key] if i % 7 else None for i, key in enumerate(keys)]
+    pieces = sync.batch_pieces(count, page, True, sync.GET_PIECES_FROM_KEYS)
+    assert len(pieces) > 2 and pieces[-1][1] == count
+    lookups_per_get = len(pieces) if shm_enabled else 1  # over TCP a get goes whole
+    with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
+        assert store.put_batch(stored, [values[key] for key in stored]) == [ErrorCode.OK] * len(stored)
+        before = lookups_counted(cluster)
+        assert store.get_batch(keys) == expected
+        assert lookups_counted(cluster) - before == lookups_per_get
+        store._gets_in_flight += 1  # another thread's get under way: this one goes whole
+        before = lookups_counted(cluster)
+        assert store.get_batch(keys) == expected
+        assert lookups_counted(cluster) - before == 1
+        store._gets_in_flight -= 1
+
+        landing = np.zeros(count * page, dtype=np.uint8)
+        at = store.register_buffer(landing)
+        got = store.batch_get_into(keys, [at + i * page for i in range(count)], [page] * count)
+        assert got == [page if value else int(ErrorCode.OBJECT_NOT_FOUND) for value in expected]
+        for i, value in enumerate(expected):
+            if value:
+                assert landing[i * page : (i + 1) * page].tobytes() == value
+
+        real_reply, replies = BlockingConnection.reply, []
+
+        def breaks_at_the_third(conn, request_id, deadline):
+            replies.append(request_id)
+            if len(replies) == 3:
+                conn.close()
+            return real_reply(conn, request_id, deadline)
+
+        monkeypatch.setattr(BlockingConnection, "reply", breaks_at_the_third)
+        assert store.get_batch(keys) == expected
+        assert len(replies) == min(3, lookups_per_get)
+
+
+def test_a_put_of_many_pages_goes_in_pieces_and_stores_every_key(make_cluster):
+    """A lone sync put of many small objects copied here asks for room in pieces, all at once,
+    copies one piece while the master allocates the next, and ends them all with one put_end
+    (client/sync.py, batch_pieces): every key is stored, a key stored already is not written
+    again, and a node takes only the ranges the writer hashed where they landed on its hash:
+    with two replicas on this host each piece hashes its first replicas and copies them to the
+    second, and which segment holds which may differ from piece to piece."""
+    from kvpool.client import sync
+
+    cluster = make_cluster(2, "64MiB", node_args=("--metrics-port", "0"))
+    count, page = 300, 4096
+    values = values_for("put-piece", count, page)
+    keys = list(values)
+    pieces = sync.batch_pieces(count, page, True, sync.PUT_PIECES_FROM_KEYS)
+    assert len(pieces) > 2
+    node_ports = [int(node.info["metrics_endpoint"].rsplit(":", 1)[1]) for node in cluster.nodes]
+
+    def node_sum(sample: str) -> float:
+        return sum(metric(port, sample) for port in node_ports)
+
+    with Store(cluster.master_endpoint) as store:
+        store.put(keys[5], values[keys[5]])  # stored already, with one replica
+        starts, ends = requests_counted(cluster, "PutStart"), requests_counted(cluster, "PutEnd")
+        codes = store.put_batch(keys, list(values.values()), ReplicateConfig(replica_num=2))
+        assert codes == [ErrorCode.OK] * count
+        assert requests_counted(cluster, "PutStart") - starts == len(pieces)
+        assert requests_counted(cluster, "PutEnd") - ends == 1
+        assert store.get_batch(keys) == list(values.values())
+        replica_counts = [len({r.segment_id for r in replicas}) for replicas in store.query(keys).replicas]
+        assert replica_counts == [1 if i == 5 else 2 for i in range(count)]
+        committed = 1 + 2 * (count - 1)
+        wait_until(lambda: node_sum('kvpool_node_commits_total{result="ok"}') == committed)
+        assert node_sum("kvpool_node_commits_hashed_in_place_total") <= count  # never a copy's
+
+
 @pytest.mark.parametrize("watermark", ["0.9", "1.0"])
 def test_concurrent_puts_into_a_full_cache_are_all_stored(make_cluster, watermark):
     # Four threads put 4 KiB pages through one Store, 8 times the segment's size: each put

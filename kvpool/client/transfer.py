@@ -261,7 +261,7 @@ class PutJob:
             segment.data if (segment := local_segments(reply.segments[grant.segment_id])) else None
             for grant in reply.grants
         ]
-        self._grant_segments = [grant.segment_id for grant in reply.grants]
+        self.granted_segments = [grant.segment_id for grant in reply.grants]
         for index, code in enumerate(reply.codes):
             if code == ErrorCode.OBJECT_ALREADY_EXISTS:
                 self.codes.append(_OK)
@@ -323,7 +323,7 @@ class PutJob:
                 checksums[local_keys[position]] = checksum
         hashed, copied = set(), set()
         for position, index in enumerate(local_keys):
-            segment_id = self._grant_segments[grants[position]]
+            segment_id = self.granted_segments[grants[position]]
             if first[index] == position:
                 hashed.add(segment_id)
             else:  # a second same-host replica: copy the first (not hashed where it landed)
@@ -366,6 +366,32 @@ class PutJob:
         assert isinstance(reply, CodesReply)
         for index, code in zip(end, reply.codes):
             self.codes[index] = code
+
+
+def put_end_of_each(ends: Sequence[tuple[PutJob, list[int]]]) -> PutEnd:
+    """One PutEnd for the keys at `end` of each job (the pieces of one put, sync.py). A
+    segment counts as hashed in place only where every job granted a range of it hashed
+    there."""
+    keys: list[str] = []
+    checksums: list[int] = []
+    hashed: set[str] = set()
+    not_hashed: set[str] = set()
+    for job, end in ends:
+        message = job.put_end(end)
+        keys += message.keys
+        checksums += message.checksums
+        hashed.update(job.hashed_in_place)
+        not_hashed.update(set(job.granted_segments) - set(job.hashed_in_place))
+    return PutEnd(keys, checksums, sorted(hashed - not_hashed))
+
+
+def ended_each(ends: Sequence[tuple[PutJob, list[int]]], reply: Message) -> None:
+    """Hand each job its share of the codes of put_end_of_each(ends)."""
+    assert isinstance(reply, CodesReply)
+    at = 0
+    for job, end in ends:
+        job.ended(end, CodesReply(reply.codes[at : at + len(end)]))
+        at += len(end)
 
 
 class GetJob:

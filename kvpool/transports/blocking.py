@@ -5,11 +5,13 @@ from a caller thread goes through its loop thread: the caller hands the call ove
 sends it, waits in epoll for the reply and hands the answer back, so each request wakes two
 threads more than it needs, and a process that waits in epoll costs its sender more to wake
 than one blocked in `recv` (`python benchmarks/bench_paths.py round-trips`). On this
-project's VM that doubles the latency of a small request. `BlockingConnection` carries one
-request at a time, from the thread that owns it, on a blocking socket: the same frames,
-messages and handshake (protocol/), the same move to the server's same-host Unix socket, and
-no payloads (control requests only). Used for idempotent requests, which a caller may send
-again through the loop when this connection fails (client/sync.py).
+project's VM that doubles the latency of a small request. `BlockingConnection` carries the
+requests of the thread that owns it on a blocking socket: the same frames, messages and
+handshake (protocol/), the same move to the server's same-host Unix socket, and no payloads
+(control requests only). Several requests may leave together before their replies are read,
+so that the server works on the next while the caller handles the first (a large get's lookups,
+client/sync.py). Used for idempotent requests, which a caller may send again through the loop
+when this connection fails, and for a lone put's put_start and put_end (client/sync.py).
 
 It is not thread-safe (one per thread) and holds no policy: a failure closes it, and the
 caller decides what to do next. It departs from STYLE.md's one asyncio I/O shell (a blocking
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Sequence
 
 from kvpool import limits
 from kvpool.errors import ConnectFailed, ProtocolError, RpcFailed, RpcTimeout, error_from_code
@@ -33,9 +36,10 @@ from kvpool.transports.connection import split_endpoint
 
 
 class BlockingConnection:
-    """An authenticated connection for one request at a time. Once closed it stays closed."""
+    """An authenticated connection for one thread's requests: one at a time (`request`), or
+    several in flight (`send`, then `reply` to each). Once closed it stays closed."""
 
-    __slots__ = ("endpoint", "peer", "_socket", "_decoder", "_next_request_id")
+    __slots__ = ("endpoint", "peer", "_socket", "_decoder", "_next_request_id", "_unanswered", "_early")
 
     def __init__(self, endpoint: str, sock: socket.socket, peer: str) -> None:
         self.endpoint = endpoint
@@ -43,6 +47,8 @@ class BlockingConnection:
         self._socket: socket.socket | None = sock
         self._decoder = FrameDecoder()
         self._next_request_id = 1
+        self._unanswered: set[int] = set()  # ids of the requests sent whose reply is not read yet
+        self._early: dict[int, Frame] = {}  # replies read before their request's turn
 
     def __repr__(self) -> str:
         return f"<BlockingConnection {self.endpoint} {self.peer} {'closed' if self.is_closed() else 'open'}>"
@@ -116,22 +122,59 @@ class BlockingConnection:
                 must not answer the next request).
             KVPoolError subclass: the peer replied with an error code.
         """
+        deadline = time.monotonic() + timeout_ms / 1000
+        return self.reply(self.send([message], deadline)[0], deadline)
+
+    def send(self, messages: Sequence[Message], deadline: float) -> list[int]:
+        """Send requests without payload, in one write, before the replies of any are read
+        (pipelining: the server works on the next while the caller handles the first);
+        returns their ids, for `reply`. Any failure closes the connection.
+
+        Raises:
+            ConnectFailed: the requests could not be sent: the peer never saw them.
+            RpcTimeout: not sent by `deadline` (time.monotonic()).
+        """
         if self._socket is None:
             raise ConnectFailed(f"connection to {self.peer} is closed")
-        deadline = time.monotonic() + timeout_ms / 1000
-        request_id = self._next_request_id
-        self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
+        request_ids, frames = [], []
+        for message in messages:
+            request_id = self._next_request_id
+            self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
+            request_ids.append(request_id)
+            frames.append(encode_frame(message, request_id))
         try:
-            try:
-                self._send(encode_frame(message, request_id), deadline)
-            except RpcFailed as exc:  # refused whole: a send to a closed peer delivers nothing
-                raise ConnectFailed(str(exc)) from None
-            frame = self._receive(deadline)
-            if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
-                raise RpcFailed(f"{self.peer} sent an unexpected frame for request {request_id}")
+            self._send(frames[0] if len(frames) == 1 else b"".join(frames), deadline)
+        except RpcFailed as exc:  # refused whole: a send to a closed peer delivers nothing
+            self.close()
+            raise ConnectFailed(str(exc)) from None
         except BaseException:
             self.close()
             raise
+        self._unanswered.update(request_ids)
+        return request_ids
+
+    def reply(self, request_id: int, deadline: float) -> Message:
+        """The reply to request `request_id` (sent with `send`). A server may answer requests
+        out of order (one that waits for room answers after the next); replies that come
+        before theirs is asked for are kept. Any failure but an error reply closes the
+        connection.
+
+        Raises:
+            RpcFailed, RpcTimeout, KVPoolError subclass: as `request`.
+        """
+        assert request_id in self._unanswered, f"no request {request_id} awaits its reply"
+        try:
+            frame = self._early.pop(request_id, None)
+            while frame is None:
+                frame = self._receive(deadline)
+                if not frame.is_reply or frame.request_id not in self._unanswered or frame.payload_size:
+                    raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
+                if frame.request_id != request_id:
+                    self._early[frame.request_id], frame = frame, None
+        except BaseException:
+            self.close()
+            raise
+        self._unanswered.discard(request_id)
         reply = frame.message
         if isinstance(reply, ErrorReply):
             raise error_from_code(reply.code, reply.message)
@@ -139,6 +182,10 @@ class BlockingConnection:
 
     def is_closed(self) -> bool:
         return self._socket is None
+
+    def awaits_replies(self) -> bool:
+        """Whether requests sent have replies not read yet."""
+        return bool(self._unanswered)
 
     def is_usable(self) -> bool:
         """Open, and the peer has not closed its end (a non-blocking peek: a master that
