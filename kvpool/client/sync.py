@@ -648,11 +648,11 @@ def batch_pieces(key_count: int, object_bytes: int, is_local: bool, from_keys: i
     objects copied here goes in several pieces whose requests leave at once: the master
     looks up (or allocates) the next piece while the caller copies the last, instead of each
     waiting for the other. From one thread, 4 KiB pages (`python benchmarks/bench_paths.py
-    pieces`): gets in batches of 128 and 512, 1.18x and 1.25x the objects/s of one request
-    each; puts in batches of 512, 1.25x, but of 128 in two pieces 0.92x (a put's pieces share
-    one put_end, so only the allocation overlaps a copy). Over TCP each piece's reads cost
-    the node a request more, and larger objects' copies dwarf the master's work (64 KiB gets
-    in two pieces: 0.95x): those go whole."""
+    pieces`, three runs): gets in batches of 128 and 512, 1.13-1.18x and 1.23-1.38x the
+    objects/s of one request each; puts of 512, 1.20-1.25x, but of 128 in two pieces
+    0.92-1.08x (a put's pieces share one put_end: only the allocation overlaps a copy). Over
+    TCP each piece's reads cost the node a request more (0.88-1.09x), and larger objects'
+    copies dwarf the master's work (64 KiB gets: 0.95-1.02x): those go whole."""
     if not is_local or key_count < max(from_keys, 2) or object_bytes > PIECE_OBJECT_BYTES_MAX:
         return [(0, key_count)]
     if key_count > limits.BATCH_KEYS_MAX:
