@@ -375,11 +375,11 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
         before = lookups_counted(cluster)
         assert store.get_batch(keys) == expected
         assert lookups_counted(cluster) - before == lookups_per_get
-        store._gets_in_flight += 1  # another thread's get under way: this one goes whole
+        store._large_gets_in_flight += 1  # another thread's get under way: this one goes whole
         before = lookups_counted(cluster)
         assert store.get_batch(keys) == expected
         assert lookups_counted(cluster) - before == 1
-        store._gets_in_flight -= 1
+        store._large_gets_in_flight -= 1
 
         landing = np.zeros(count * page, dtype=np.uint8)
         at = store.register_buffer(landing)
@@ -389,6 +389,8 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
             if value:
                 assert landing[i * page : (i + 1) * page].tobytes() == value
 
+        if not shm_enabled:
+            return
         real_reply, replies = BlockingConnection.reply, []
 
         def breaks_at_the_third(conn, request_id, deadline):
@@ -399,7 +401,7 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
 
         monkeypatch.setattr(BlockingConnection, "reply", breaks_at_the_third)
         assert store.get_batch(keys) == expected
-        assert len(replies) == min(3, lookups_per_get)
+        assert len(replies) == 3
 
 
 def test_a_put_of_many_pages_goes_in_pieces_and_stores_every_key(make_cluster):

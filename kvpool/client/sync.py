@@ -229,9 +229,15 @@ class _DirectLinks:
             RpcFailed: a request that is not idempotent left, and the connection broke.
             KVPoolError subclass: the master's answer was an error (but NotLeader: None).
         """
-        replies: list[Message] = []
-        self.ask_each([message], lambda _, reply: replies.append(reply), is_idempotent)
-        return replies[0] if replies else None
+        link, conn = self._link_and_connection(is_idempotent)
+        if conn is None:
+            return None
+        try:
+            return conn.request(message, self._rpc_timeout_ms)
+        except BaseException as exc:
+            if not self._may_ask_through_the_loop(link, conn, exc, is_idempotent):
+                raise
+            return None
 
     def ask_each(
         self, messages: Sequence[Message], on_reply: Callable[[int, Message], None], is_idempotent: bool = True
@@ -239,15 +245,12 @@ class _DirectLinks:
         """`ask` of several requests, sent at once: each reply is handed in turn to
         `on_reply(index, reply)` while the master works on the next. Returns the indexes of
         the requests the master has not seen from here, in order (see `ask`; after NotLeader,
-        that one and the rest). A failure that leaves replies unread closes the connection.
+        that one and the rest).
 
         Raises:
             As `ask`, and whatever on_reply raises.
         """
-        link = self._link()
-        conn = self._connection(link)
-        if conn is not None and not is_idempotent and not conn.is_usable():
-            conn = self._connection(link)  # the master restarted: a new connection, or None
+        link, conn = self._link_and_connection(is_idempotent)
         if conn is None:
             return list(range(len(messages)))
         deadline = time.monotonic() + self._rpc_timeout_ms / 1000
@@ -256,21 +259,36 @@ class _DirectLinks:
             for index, request_id in enumerate(conn.send(messages, deadline)):
                 on_reply(index, conn.reply(request_id, deadline))
                 answered += 1
-        except (ConnectFailed, NotLeader) as exc:  # the master did nothing (with the rest)
-            log.debug("direct link to %s: %s; asking through the loop", conn.endpoint, exc)
-            link.close()
-            return list(range(answered, len(messages)))
-        except RpcFailed as exc:
-            link.close()
-            if not is_idempotent:
+        except BaseException as exc:
+            if not self._may_ask_through_the_loop(link, conn, exc, is_idempotent):
                 raise
-            log.debug("direct link to %s: %s; asking through the loop", conn.endpoint, exc)
             return list(range(answered, len(messages)))
-        except BaseException:
-            if conn.is_closed() or conn.awaits_replies():
-                link.close()
-            raise
         return []
+
+    def _link_and_connection(self, is_idempotent: bool) -> tuple[_ThreadLink, BlockingConnection | None]:
+        """This thread's link, and its connection if it has a working one. A request that is
+        not idempotent gets one that is still open at the other end."""
+        link = self._link()
+        conn = self._connection(link)
+        if conn is not None and not is_idempotent and not conn.is_usable():
+            conn = self._connection(link)  # the master restarted: a new connection, or None
+        return link, conn
+
+    @staticmethod
+    def _may_ask_through_the_loop(
+        link: _ThreadLink, conn: BlockingConnection, exc: BaseException, is_idempotent: bool
+    ) -> bool:
+        """After `exc` on this thread's connection: whether the requests it did not answer
+        may be asked through the loop (the master has not seen them, or they are
+        idempotent); the connection is closed then, and otherwise unless it is clean (an
+        error answer, nothing left to read) so that a late reply never answers another."""
+        if isinstance(exc, (ConnectFailed, NotLeader)) or (isinstance(exc, RpcFailed) and is_idempotent):
+            log.debug("direct link to %s: %s; asking through the loop", conn.endpoint, exc)
+            link.close()
+            return True
+        if conn.is_closed() or conn.awaits_replies():
+            link.close()
+        return False
 
     def connections(self) -> list[BlockingConnection]:
         """The open connections of live threads."""
@@ -340,7 +358,7 @@ class Store:
         self._direct = _DirectLinks(self._async._master, self._async._key, config)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
-        self._gets_in_flight = 0  # and gets (_get)
+        self._large_gets_in_flight = 0  # and gets of keys enough to go in pieces (_get)
         # What the last get found: the mean size of its objects (plain gets do not say
         # beforehand), and whether it read them all here; whether the last put wrote every
         # piece here (batch_pieces).
@@ -529,20 +547,42 @@ class Store:
         thread (four threads putting 4 KiB pages: 62-85k puts/s through the loop against
         39-52k on four direct connections, three alternating runs, ad hoc)."""
         async_store = self._async
-        pieces = [(0, len(keys))]
         if len(keys) >= PUT_PIECES_FROM_KEYS:
             object_bytes = sum(len(p) for ps in parts for p in ps) // len(keys)
             pieces = batch_pieces(len(keys), object_bytes, self._put_was_local, PUT_PIECES_FROM_KEYS)
-        if len(pieces) == 1:
-            starts = [async_store._put_start_message(keys, parts, config)]
-        else:
-            starts = [async_store._put_start_message(keys[a:b], parts[a:b], config) for a, b in pieces]
+            if len(pieces) > 1:
+                return self._put_in_pieces(parts, keys, config, pieces)
+        reply = self._direct.ask(async_store._put_start_message(keys, parts, config), is_idempotent=False)
+        if reply is None:
+            return None
+        job = async_store._put_job(keys, parts, reply)
+        job.copy_local()
+        if len(keys) >= PUT_PIECES_FROM_KEYS:
+            self._put_was_local = not job.remote
+        if job.remote:
+            return self._run(async_store._put_finish(job))
+        end, _ = job.settle_writes([])  # nothing to revoke: only remote writes fail keys
+        if end:
+            job.ended(end, self._ask(job.put_end(end), is_idempotent=False))
+        return job.codes
+
+    def _put_in_pieces(
+        self,
+        parts: Sequence[Sequence[memoryview]],
+        keys: Sequence[str],
+        config: ReplicateConfig | None,
+        pieces: list[tuple[int, int]],
+    ) -> list[int] | None:
+        """_put_direct in pieces: the put_starts of all at once, each piece copied while the
+        master allocates the next, then one put_end for the pieces written here (those with
+        writes to other hosts' nodes end through the loop)."""
+        async_store = self._async
+        starts = [async_store._put_start_message(keys[a:b], parts[a:b], config) for a, b in pieces]
         jobs: list[PutJob] = [None] * len(pieces)  # type: ignore[list-item]
 
         def started(index: int, reply: Message) -> None:
             start, end = pieces[index]
-            piece_keys, piece_parts = (keys, parts) if len(pieces) == 1 else (keys[start:end], parts[start:end])
-            job = jobs[index] = async_store._put_job(piece_keys, piece_parts, reply)
+            job = jobs[index] = async_store._put_job(keys[start:end], parts[start:end], reply)
             job.copy_local()
 
         unanswered = self._direct.ask_each(starts, started, is_idempotent=False)
@@ -558,7 +598,7 @@ class Store:
         if ends:
             ended_each(ends, self._ask(put_end_of_each(ends), is_idempotent=False))
         self._put_was_local = not remote
-        return jobs[0].codes if len(jobs) == 1 else [code for job in jobs for code in job.codes]
+        return [code for job in jobs for code in job.codes]
 
     async def _put_finish(self, jobs: list[PutJob]) -> None:
         await asyncio.gather(*(self._async._put_finish(job) for job in jobs))
@@ -570,17 +610,18 @@ class Store:
         starts: Sequence[int | None] | None = None,
     ) -> list[GetJob]:
         """Look up, copy what is mapped here, read the rest over TCP: a job per piece of the
-        batch, in order. Only a get with no other of this Store in flight goes in pieces
-        (batch_pieces): concurrent gets overlap the master's work with their copies already,
+        batch, in order. Only a get with no other as large of this Store in flight goes in
+        pieces (batch_pieces): concurrent gets overlap the master's work with their copies already,
         and pieces only add requests (four threads' gets of 4 KiB pages in batches of 128:
         80-94k/s in pieces against 107-120k whole in two bench_core runs alternating with the
         code before, ad hoc)."""
+        if len(keys) < GET_PIECES_FROM_KEYS:
+            return self._get_whole(keys, targets, starts)
         with self._in_flight_lock:
-            is_alone = not self._gets_in_flight
-            self._gets_in_flight += 1
+            is_alone = not self._large_gets_in_flight
+            self._large_gets_in_flight += 1
         try:
-            pieces = [(0, len(keys))]
-            if is_alone and len(keys) >= GET_PIECES_FROM_KEYS:
+            if is_alone:
                 # The objects' mean size: the targets' room, or what the last get found.
                 if targets[0] is None:
                     object_bytes = self._get_object_bytes
@@ -588,12 +629,25 @@ class Store:
                     rooms = (len(view) for target in targets for view in target)  # type: ignore[union-attr]
                     object_bytes = sum(rooms) // len(keys)
                 pieces = batch_pieces(len(keys), object_bytes, self._get_was_local, GET_PIECES_FROM_KEYS)
-            return self._get_pieces(keys, targets, starts, pieces)
+                if len(pieces) > 1:
+                    return self._get_in_pieces(keys, targets, starts, pieces)
+            return self._get_whole(keys, targets, starts)
         finally:
             with self._in_flight_lock:
-                self._gets_in_flight -= 1
+                self._large_gets_in_flight -= 1
 
-    def _get_pieces(
+    def _get_whole(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[list[memoryview] | None],
+        starts: Sequence[int | None] | None,
+    ) -> list[GetJob]:
+        lease_start_ms = now_monotonic_ms()
+        job = self._async._get_job(self._ask(GetReplicaList(list(keys))), lease_start_ms, keys, targets, starts)
+        job.copy_local()
+        return self._got([job], len(keys) >= GET_PIECES_FROM_KEYS)
+
+    def _get_in_pieces(
         self,
         keys: Sequence[str],
         targets: Sequence[list[memoryview] | None],
@@ -605,36 +659,34 @@ class Store:
 
         def found(index: int, reply: Message) -> None:
             start, end = pieces[index]
-            if len(pieces) == 1:
-                piece_keys, piece_targets, piece_starts = keys, targets, starts
-            else:
-                piece_keys, piece_targets = keys[start:end], targets[start:end]
-                piece_starts = None if starts is None else starts[start:end]
-            job = self._async._get_job(reply, lease_start_ms, piece_keys, piece_targets, piece_starts)
+            piece_starts = None if starts is None else starts[start:end]
+            job = self._async._get_job(reply, lease_start_ms, keys[start:end], targets[start:end], piece_starts)
             job.copy_local()
             jobs[index] = job
 
-        if len(pieces) == 1:
-            lookups = [GetReplicaList(list(keys))]
-        else:
-            lookups = [GetReplicaList(list(keys[start:end])) for start, end in pieces]
+        lookups = [GetReplicaList(list(keys[start:end])) for start, end in pieces]
         for index in self._direct.ask_each(lookups, found):
             found(index, self._run(self._async._master.call(lookups[index], is_idempotent=True)))
+        return self._got(jobs, True)
+
+    def _got(self, jobs: list[GetJob], is_telling: bool) -> list[GetJob]:
+        """Finish the jobs of a get whose same-host copies are done: read the rest over TCP,
+        check the leases, report bad replicas, give the leases back. `is_telling`: a get large
+        enough to go in pieces, whose objects tell the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
         if remote:
             self._run(self._read_remote(remote))
         now_ms = now_monotonic_ms()
-        found_bytes = found_count = 0
         for job in jobs:
             job.finish(now_ms)
             if job.bad_replicas:
                 self._loop.loop.call_soon_threadsafe(self._async.report_bad_replicas, job)
             self._async.release_leases(job)
-            found_bytes += sum(job.reply.sizes)
-            found_count += len(job.reply.sizes) - job.reply.sizes.count(0)
-        if found_count:
-            self._get_object_bytes = found_bytes // found_count
-            self._get_was_local = not remote
+        if is_telling:
+            sizes = [size for job in jobs for size in job.reply.sizes if size]
+            if sizes:
+                self._get_object_bytes = sum(sizes) // len(sizes)
+                self._get_was_local = not remote
         return jobs
 
     async def _read_remote(self, jobs: list[GetJob]) -> None:
@@ -648,9 +700,9 @@ def batch_pieces(key_count: int, object_bytes: int, is_local: bool, from_keys: i
     objects copied here goes in several pieces whose requests leave at once: the master
     looks up (or allocates) the next piece while the caller copies the last, instead of each
     waiting for the other. From one thread, 4 KiB pages (`python benchmarks/bench_paths.py
-    pieces`, three runs): gets in batches of 128 and 512, 1.13-1.18x and 1.23-1.38x the
-    objects/s of one request each; puts of 512, 1.20-1.25x, but of 128 in two pieces
-    0.92-1.08x (a put's pieces share one put_end: only the allocation overlaps a copy). Over
+    pieces`, four runs): gets in batches of 128 and 512, 1.09-1.18x and 1.23-1.38x the
+    objects/s of one request each; puts of 512, 1.20-1.30x, but of 128 in two pieces
+    0.86-1.08x (a put's pieces share one put_end: only the allocation overlaps a copy). Over
     TCP each piece's reads cost the node a request more (0.88-1.09x), and larger objects'
     copies dwarf the master's work (64 KiB gets: 0.95-1.02x): those go whole."""
     if not is_local or key_count < max(from_keys, 2) or object_bytes > PIECE_OBJECT_BYTES_MAX:

@@ -122,8 +122,18 @@ class BlockingConnection:
                 must not answer the next request).
             KVPoolError subclass: the peer replied with an error code.
         """
+        assert not self._unanswered, "request() while replies of sent requests are unread"
         deadline = time.monotonic() + timeout_ms / 1000
-        return self.reply(self.send([message], deadline)[0], deadline)
+        request_id = self._take_request_id()
+        self._send_requests(encode_frame(message, request_id), deadline)
+        try:
+            frame = self._receive(deadline)
+            if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
+                raise RpcFailed(f"{self.peer} sent an unexpected frame for request {request_id}")
+        except BaseException:
+            self.close()
+            raise
+        return _answer(frame)
 
     def send(self, messages: Sequence[Message], deadline: float) -> list[int]:
         """Send requests without payload, in one write, before the replies of any are read
@@ -134,24 +144,27 @@ class BlockingConnection:
             ConnectFailed: the requests could not be sent: the peer never saw them.
             RpcTimeout: not sent by `deadline` (time.monotonic()).
         """
+        request_ids = [self._take_request_id() for _ in messages]
+        self._send_requests(b"".join(map(encode_frame, messages, request_ids)), deadline)
+        self._unanswered.update(request_ids)
+        return request_ids
+
+    def _take_request_id(self) -> int:
+        request_id = self._next_request_id
+        self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
+        return request_id
+
+    def _send_requests(self, data: bytes, deadline: float) -> None:
         if self._socket is None:
             raise ConnectFailed(f"connection to {self.peer} is closed")
-        request_ids, frames = [], []
-        for message in messages:
-            request_id = self._next_request_id
-            self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
-            request_ids.append(request_id)
-            frames.append(encode_frame(message, request_id))
         try:
-            self._send(frames[0] if len(frames) == 1 else b"".join(frames), deadline)
+            self._send(data, deadline)
         except RpcFailed as exc:  # refused whole: a send to a closed peer delivers nothing
             self.close()
             raise ConnectFailed(str(exc)) from None
         except BaseException:
             self.close()
             raise
-        self._unanswered.update(request_ids)
-        return request_ids
 
     def reply(self, request_id: int, deadline: float) -> Message:
         """The reply to request `request_id` (sent with `send`). A server may answer requests
@@ -175,10 +188,7 @@ class BlockingConnection:
             self.close()
             raise
         self._unanswered.discard(request_id)
-        reply = frame.message
-        if isinstance(reply, ErrorReply):
-            raise error_from_code(reply.code, reply.message)
-        return reply
+        return _answer(frame)
 
     def is_closed(self) -> bool:
         return self._socket is None
@@ -249,6 +259,14 @@ class BlockingConnection:
         if self._socket is None:
             raise RpcFailed(f"connection to {self.peer} is closed")
         return self._socket
+
+
+def _answer(frame: Frame) -> Message:
+    """A reply frame's message; an error reply raised as its typed error."""
+    reply = frame.message
+    if isinstance(reply, ErrorReply):
+        raise error_from_code(reply.code, reply.message)
+    return reply
 
 
 def _remaining_s(deadline: float) -> float:
