@@ -62,10 +62,11 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                one Store on the same host (a node with room): objects/s and the CPU time of the
                client, the master and the node per batch (/proc), medians of 8 rounds.
   pieces       gets and puts through one Store from one thread, each batch in pieces whose
-               requests leave at once (client/sync.py batch_pieces) against one request per
+               requests leave at once (client/store.py batch_pieces) against one request per
                batch, alternating round by round: 4 KiB pages in batches of 128 (gets) and 512
                on the same host; and what batches of 128 that go whole would do in two pieces:
-               gets over TCP (shm off) and of 64 KiB objects, puts of 4 KiB pages.
+               gets over TCP (shm off) and of 64 KiB objects, puts of 4 KiB pages; and
+               AsyncStore's gets of 4 KiB pages in batches of 128 and 512.
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
@@ -985,17 +986,19 @@ def page_gets() -> dict:
 
 def pieces() -> dict:
     """Gets and puts through one sync Store from one thread, each batch in pieces whose
-    requests leave at once (client/sync.py batch_pieces: the master looks up or allocates the
+    requests leave at once (client/store.py batch_pieces: the master looks up or allocates the
     next piece while the caller copies the last) against one request per batch, alternating
     round by round (the order too): objects/s (medians of 8 rounds) and the median of the
     per-round ratios. 4 KiB pages on the same host: gets in batches of 128 (two pieces of 64,
     and four of 32) and 512 (eight of 64), puts in batches of 512; and what batches of 128 that
     go whole would do in two pieces: gets of 4 KiB pages over TCP (shm off) and of 64 KiB
-    objects, puts of 4 KiB pages. Puts write fresh keys, removed after each round."""
+    objects, puts of 4 KiB pages. Puts write fresh keys, removed after each round. Then
+    AsyncStore's gets of 4 KiB pages in batches of 128 and 512."""
+    from kvpool.client import store as store_module
     from kvpool.client import sync
 
     rounds = 8
-    in_pieces = sync.batch_pieces
+    in_pieces = store_module.batch_pieces
     ways = {  # the settings of client/sync.py each way runs with
         "pieces": {},
         "pieces_of_32": {"PIECE_KEYS_MIN": 32},
@@ -1030,9 +1033,11 @@ def pieces() -> dict:
                         if op == "put":
                             batch_keys = [[f"{case}-{way}-{round_index}-{b}-{i}" for i in range(batch)]
                                           for b in range(batch_count)]  # fmt: skip
-                        saved = {name: getattr(sync, name) for name in ways[way]}
-                        for name, setting in ways[way].items():
-                            setattr(sync, name, setting)
+                        # The settings live in store.py; sync.py holds its own name for batch_pieces.
+                        saved = [(module, name, getattr(module, name)) for name in ways[way]
+                                 for module in (store_module, sync) if hasattr(module, name)]  # fmt: skip
+                        for module, name, _ in saved:
+                            setattr(module, name, ways[way][name])
                         try:
                             started = time.perf_counter()
                             for keys in batch_keys:
@@ -1042,8 +1047,8 @@ def pieces() -> dict:
                                     assert store.put_batch(keys, [value] * batch) == [ErrorCode.OK] * batch
                             rates[way].append(batch * batch_count / (time.perf_counter() - started))
                         finally:
-                            for name, setting in saved.items():
-                                setattr(sync, name, setting)
+                            for module, name, setting in saved:
+                                setattr(module, name, setting)
                         if op == "put":
                             store.remove_all(force=True)
                 store.remove_all(force=True)
@@ -1053,7 +1058,38 @@ def pieces() -> dict:
             for way in others:
                 ratios = [a / b for a, b in zip(rates[way][1:], rates[baseline][1:])]
                 result[f"{case}_{way}_over_{baseline}"] = round(statistics.median(ratios), 3)
+        for batch in (128, 512):
+            rates = asyncio.run(async_get_rates(cluster.master_endpoint, batch, rounds, store_module))
+            ratios = [a / b for a, b in zip(rates["pieces"][1:], rates["one_request"][1:])]
+            case = f"async_get_4KiB_x{batch}"
+            for way, values in rates.items():
+                result[f"{case}_{way}_objects_per_s"] = round(statistics.median(values[1:]))
+            result[f"{case}_pieces_over_one_request"] = round(statistics.median(ratios), 3)
     return result
+
+
+async def async_get_rates(master: str, batch: int, rounds: int, store_module) -> dict[str, list[float]]:
+    """`pieces` for AsyncStore: 4 KiB gets in batches of `batch`, in pieces and in one request
+    alternating round by round (the first round warms up)."""
+    value = os.urandom(4 * KIB)
+    rates: dict[str, list[float]] = {"pieces": [], "one_request": []}
+    async with await AsyncStore.open(master) as store:
+        batch_keys = [[f"async-{batch}-{b}-{i}" for i in range(batch)] for b in range(max(4, 6144 // batch))]
+        for keys in batch_keys:
+            assert await store.put_batch(keys, [value] * batch) == [ErrorCode.OK] * batch
+        for round_index in range(rounds + 1):
+            for way in ("pieces", "one_request") if round_index % 2 else ("one_request", "pieces"):
+                saved = store_module.PIECES_MAX
+                store_module.PIECES_MAX = 1 if way == "one_request" else saved
+                try:
+                    started = time.perf_counter()
+                    for keys in batch_keys:
+                        assert (await store.get_batch(keys))[-1] == value
+                    rates[way].append(batch * len(batch_keys) / (time.perf_counter() - started))
+                finally:
+                    store_module.PIECES_MAX = saved
+        await store.remove_all(force=True)
+    return rates
 
 
 def landing() -> dict:

@@ -375,11 +375,10 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
         before = lookups_counted(cluster)
         assert store.get_batch(keys) == expected
         assert lookups_counted(cluster) - before == lookups_per_get
-        store._large_gets_in_flight += 1  # another thread's get under way: this one goes whole
-        before = lookups_counted(cluster)
-        assert store.get_batch(keys) == expected
-        assert lookups_counted(cluster) - before == 1
-        store._large_gets_in_flight -= 1
+        with store._async._get_pieces.pieces(keys, [None] * count):  # another thread's get under way:
+            before = lookups_counted(cluster)
+            assert store.get_batch(keys) == expected  # this one goes whole
+            assert lookups_counted(cluster) - before == 1
 
         landing = np.zeros(count * page, dtype=np.uint8)
         at = store.register_buffer(landing)
@@ -404,10 +403,50 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
         assert len(replies) == 3
 
 
+def test_an_async_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_would(make_cluster):
+    """AsyncStore's gets go in pieces as the sync Store's do (client/store.py, batch_pieces):
+    every lookup sent at once, each piece copied as its answer comes; of two gets of the store
+    at once, the one that starts second goes whole. Keys found or missed, in order, bytes and
+    zero-copy."""
+    import numpy as np
+
+    from kvpool.client import store as store_module
+
+    cluster = make_cluster(1, "64MiB")
+    page, count = 4096, 300
+    values = values_for("async-piece", count, page)
+    keys = list(values)
+    stored = [key for i, key in enumerate(keys) if i % 7]
+    expected = [values[key] if i % 7 else None for i, key in enumerate(keys)]
+    pieces = store_module.batch_pieces(count, page, True, store_module.GET_PIECES_FROM_KEYS)
+    assert len(pieces) > 2
+    landing = np.zeros(count * page, dtype=np.uint8)
+
+    async def gets() -> tuple[list, list, list, float, float]:
+        async with await AsyncStore.open(cluster.master_endpoint) as store:
+            assert await store.put_batch(stored, [values[key] for key in stored]) == [ErrorCode.OK] * len(stored)
+            before = lookups_counted(cluster)
+            got = await store.get_batch(keys)
+            alone = lookups_counted(cluster) - before
+            at = store.register_buffer(landing)
+            into = await store.batch_get_into(keys, [at + i * page for i in range(count)], [page] * count)
+            before = lookups_counted(cluster)
+            both = await asyncio.gather(store.get_batch(keys), store.get_batch(keys))
+            return got, into, both, alone, lookups_counted(cluster) - before
+
+    got, into, both, alone, together = asyncio.run(gets())
+    assert got == expected and both == [expected, expected]
+    assert alone == len(pieces) and together == len(pieces) + 1
+    assert into == [page if value else int(ErrorCode.OBJECT_NOT_FOUND) for value in expected]
+    for i, value in enumerate(expected):
+        if value:
+            assert landing[i * page : (i + 1) * page].tobytes() == value
+
+
 def test_a_put_of_many_pages_goes_in_pieces_and_stores_every_key(make_cluster):
     """A lone sync put of many small objects copied here asks for room in pieces, all at once,
     copies one piece while the master allocates the next, and ends them all with one put_end
-    (client/sync.py, batch_pieces): every key is stored, a key stored already is not written
+    (client/store.py, batch_pieces): every key is stored, a key stored already is not written
     again, and a node takes only the ranges the writer hashed where they landed on its hash:
     with two replicas on this host each piece hashes its first replicas and copies them to the
     second, and which segment holds which may differ from piece to piece."""

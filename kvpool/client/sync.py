@@ -17,9 +17,8 @@ loop, which finds the master again; a put_start or put_end goes there only if th
 never saw it. At most DIRECT_LINKS_MAX threads of a Store hold such a connection.
 
 On that connection a large batch of small objects copied here goes in pieces whose requests
-leave together (batch_pieces): the master looks up, or allocates, the next piece while the
-caller copies the last, where one request per batch had each wait for the other. AsyncStore
-sends one request per batch.
+leave together (store.py, batch_pieces): the master looks up, or allocates, the next piece
+while the caller copies the last, where one request per batch had each wait for the other.
 """
 
 from __future__ import annotations
@@ -34,11 +33,13 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from kvpool import limits
 from kvpool.client.pool import MasterLink
 from kvpool.client.store import (
+    GET_PIECES_FROM_KEYS,
+    PUT_PIECES_FROM_KEYS,
     AsyncStore,
     BytesLike,
+    batch_pieces,
     buffer_starts,
     exists_flags,
     get_into_results,
@@ -172,14 +173,6 @@ DIRECT_OPEN_TIMEOUT_MS = 1_000
 # serving process may run large thread pools; the master's connections stay bounded); the
 # others ask through the loop, and try again for a free place after DIRECT_RETRY_AFTER_S.
 DIRECT_LINKS_MAX = 16
-# A get of GET_PIECES_FROM_KEYS keys or more (a put: PUT_PIECES_FROM_KEYS), of objects up to
-# PIECE_OBJECT_BYTES_MAX on average, goes in up to PIECES_MAX pieces of at least
-# PIECE_KEYS_MIN keys (batch_pieces).
-PIECE_KEYS_MIN = 64
-PIECES_MAX = 8
-PIECE_OBJECT_BYTES_MAX = 16 << 10
-GET_PIECES_FROM_KEYS = 2 * PIECE_KEYS_MIN
-PUT_PIECES_FROM_KEYS = 4 * PIECE_KEYS_MIN
 
 
 class _ThreadLink:
@@ -358,12 +351,7 @@ class Store:
         self._direct = _DirectLinks(self._async._master, self._async._key, config)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
-        self._large_gets_in_flight = 0  # and gets of keys enough to go in pieces (_get)
-        # What the last get found: the mean size of its objects (plain gets do not say
-        # beforehand), and whether it read them all here; whether the last put wrote every
-        # piece here (batch_pieces).
-        self._get_object_bytes = 0
-        self._get_was_local = self._put_was_local = config.shm_enabled
+        self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
 
     def __repr__(self) -> str:
         return f"<Store {self._async!r}>"
@@ -610,31 +598,13 @@ class Store:
         starts: Sequence[int | None] | None = None,
     ) -> list[GetJob]:
         """Look up, copy what is mapped here, read the rest over TCP: a job per piece of the
-        batch, in order. Only a get with no other as large of this Store in flight goes in
-        pieces (batch_pieces): concurrent gets overlap the master's work with their copies already,
-        and pieces only add requests (four threads' gets of 4 KiB pages in batches of 128:
-        80-94k/s in pieces against 107-120k whole in two bench_core runs alternating with the
-        code before, ad hoc)."""
+        batch (the AsyncStore's GetPieces decides, for both), in order."""
         if len(keys) < GET_PIECES_FROM_KEYS:
             return self._get_whole(keys, targets, starts)
-        with self._in_flight_lock:
-            is_alone = not self._large_gets_in_flight
-            self._large_gets_in_flight += 1
-        try:
-            if is_alone:
-                # The objects' mean size: the targets' room, or what the last get found.
-                if targets[0] is None:
-                    object_bytes = self._get_object_bytes
-                else:
-                    rooms = (len(view) for target in targets for view in target)  # type: ignore[union-attr]
-                    object_bytes = sum(rooms) // len(keys)
-                pieces = batch_pieces(len(keys), object_bytes, self._get_was_local, GET_PIECES_FROM_KEYS)
-                if len(pieces) > 1:
-                    return self._get_in_pieces(keys, targets, starts, pieces)
+        with self._async._get_pieces.pieces(keys, targets) as pieces:
+            if len(pieces) > 1:
+                return self._get_in_pieces(keys, targets, starts, pieces)
             return self._get_whole(keys, targets, starts)
-        finally:
-            with self._in_flight_lock:
-                self._large_gets_in_flight -= 1
 
     def _get_whole(
         self,
@@ -658,11 +628,8 @@ class Store:
         jobs: list[GetJob] = [None] * len(pieces)  # type: ignore[list-item]
 
         def found(index: int, reply: Message) -> None:
-            start, end = pieces[index]
-            piece_starts = None if starts is None else starts[start:end]
-            job = self._async._get_job(reply, lease_start_ms, keys[start:end], targets[start:end], piece_starts)
+            job = jobs[index] = self._async._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
             job.copy_local()
-            jobs[index] = job
 
         lookups = [GetReplicaList(list(keys[start:end])) for start, end in pieces]
         for index in self._direct.ask_each(lookups, found):
@@ -683,34 +650,11 @@ class Store:
                 self._loop.loop.call_soon_threadsafe(self._async.report_bad_replicas, job)
             self._async.release_leases(job)
         if is_telling:
-            sizes = [size for job in jobs for size in job.reply.sizes if size]
-            if sizes:
-                self._get_object_bytes = sum(sizes) // len(sizes)
-                self._get_was_local = not remote
+            self._async._get_pieces.found(jobs, not remote)
         return jobs
 
     async def _read_remote(self, jobs: list[GetJob]) -> None:
         await asyncio.gather(*(self._async._read_remote(job) for job in jobs))
-
-
-def batch_pieces(key_count: int, object_bytes: int, is_local: bool, from_keys: int) -> list[tuple[int, int]]:
-    """The pieces (start, end) a get or put of `key_count` keys of `object_bytes` each (a
-    mean) goes in; `is_local`: its copies are expected here, in mapped segments (the last
-    get's or put's were); `from_keys`: the fewest keys that go in pieces. A batch of small
-    objects copied here goes in several pieces whose requests leave at once: the master
-    looks up (or allocates) the next piece while the caller copies the last, instead of each
-    waiting for the other. From one thread, 4 KiB pages (`python benchmarks/bench_paths.py
-    pieces`, four runs): gets in batches of 128 and 512, 1.09-1.18x and 1.23-1.38x the
-    objects/s of one request each; puts of 512, 1.20-1.30x, but of 128 in two pieces
-    0.86-1.08x (a put's pieces share one put_end: only the allocation overlaps a copy). Over
-    TCP each piece's reads cost the node a request more (0.88-1.09x), and larger objects'
-    copies dwarf the master's work (64 KiB gets: 0.95-1.02x): those go whole."""
-    if not is_local or key_count < max(from_keys, 2) or object_bytes > PIECE_OBJECT_BYTES_MAX:
-        return [(0, key_count)]
-    if key_count > limits.BATCH_KEYS_MAX:
-        return [(0, key_count)]  # refused whole, as it always was
-    size = max(PIECE_KEYS_MIN, -(-key_count // PIECES_MAX))
-    return [(start, min(start + size, key_count)) for start in range(0, key_count, size)]
 
 
 __all__ = ["Store", "ClientConfig"]
