@@ -218,6 +218,25 @@ def test_a_reply_to_no_request_in_flight_is_a_failure() -> None:
         assert conn.is_closed()
 
 
+def test_a_second_reply_to_a_request_whose_reply_waits_is_a_failure() -> None:
+    def answer_the_second_twice(conn: socket.socket) -> None:
+        decoder, requests = FrameDecoder(), []
+        while len(requests) < 2:
+            decoder.receive_data(conn.recv(4096))
+            while (frame := decoder.next_event()) is not NEED_DATA:
+                requests.append(frame)
+        conn.sendall(encode_frame(CountReply(2), requests[1].request_id, is_reply=True) * 2)
+        time.sleep(0.2)
+
+    with raw_server(answer_the_second_twice) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        deadline = time.monotonic() + 5
+        first, _ = conn.send([LongestPrefix(["a"]), LongestPrefix(["b", "c"])], deadline)
+        with pytest.raises(RpcFailed):
+            conn.reply(first, deadline)
+        assert conn.is_closed() and not conn.awaits_replies()
+
+
 def test_close_from_another_thread_wakes_a_waiting_request() -> None:
     done = threading.Event()
     with raw_server(lambda conn: done.wait(10)) as endpoint:

@@ -415,8 +415,8 @@ class AsyncStore:
         check the leases, report bad replicas, give the leases back. `is_telling`: a get large
         enough to go in pieces, whose objects tell the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
-        for job in remote:
-            await self._read_remote(job)
+        if remote:
+            await asyncio.gather(*(self._read_remote(job) for job in remote))
         now_ms = now_monotonic_ms()
         for job in jobs:
             job.finish(now_ms)

@@ -175,12 +175,13 @@ class BlockingConnection:
         Raises:
             RpcFailed, RpcTimeout, KVPoolError subclass: as `request`.
         """
-        assert request_id in self._unanswered, f"no request {request_id} awaits its reply"
+        assert request_id in self._unanswered or self.is_closed(), f"no request {request_id} awaits its reply"
         try:
             frame = self._early.pop(request_id, None)
             while frame is None:
                 frame = self._receive(deadline)
-                if not frame.is_reply or frame.request_id not in self._unanswered or frame.payload_size:
+                unexpected = frame.request_id not in self._unanswered or frame.request_id in self._early
+                if not frame.is_reply or unexpected or frame.payload_size:
                     raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
                 if frame.request_id != request_id:
                     self._early[frame.request_id], frame = frame, None
@@ -217,6 +218,8 @@ class BlockingConnection:
     def close(self) -> None:
         """Idempotent; from any thread (a receive blocked on this connection returns)."""
         sock, self._socket = self._socket, None
+        self._unanswered.clear()  # no reply will be read here any more
+        self._early.clear()
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
