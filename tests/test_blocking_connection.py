@@ -24,7 +24,7 @@ from kvpool.config import MasterConfig
 from kvpool.errors import ConnectFailed, InvalidParams, RpcFailed, RpcTimeout, Unauthorized
 from kvpool.master.server import MasterServer
 from kvpool.protocol import auth
-from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
     AuthChallenge,
     AuthOk,
@@ -179,17 +179,22 @@ def test_requests_in_flight_together_get_their_own_replies() -> None:
         assert conn.request(LongestPrefix(["a"]), 2_000) == CountReply(0)  # and nothing is left over
 
 
+def requests_read(conn: socket.socket, count: int) -> list[Frame]:
+    """A raw server's read of the next `count` request frames."""
+    decoder, requests = FrameDecoder(), []
+    while len(requests) < count:
+        decoder.receive_data(conn.recv(4096))
+        while (frame := decoder.next_event()) is not NEED_DATA:
+            requests.append(frame)
+    return requests
+
+
 def test_replies_out_of_order_each_answer_their_own_request() -> None:
     """A server may answer a later request first (the master's put_start that waits for room
     answers after the next request)."""
 
     def answer_backwards(conn: socket.socket) -> None:
-        decoder, requests = FrameDecoder(), []
-        while len(requests) < 3:
-            decoder.receive_data(conn.recv(4096))
-            while (frame := decoder.next_event()) is not NEED_DATA:
-                requests.append(frame)
-        for frame in reversed(requests):
+        for frame in reversed(requests_read(conn, 3)):
             conn.sendall(encode_frame(CountReply(len(frame.message.keys)), frame.request_id, is_reply=True))
         time.sleep(0.2)
 
@@ -202,9 +207,7 @@ def test_replies_out_of_order_each_answer_their_own_request() -> None:
 
 def test_a_reply_to_no_request_in_flight_is_a_failure() -> None:
     def answer_twice(conn: socket.socket) -> None:
-        frame = FrameDecoder()
-        frame.receive_data(conn.recv(4096))
-        request_id = frame.next_event().request_id
+        request_id = requests_read(conn, 1)[0].request_id
         conn.sendall(encode_frame(CountReply(1), request_id, is_reply=True) * 2)  # the second answers nothing
         time.sleep(0.2)
 
@@ -220,11 +223,7 @@ def test_a_reply_to_no_request_in_flight_is_a_failure() -> None:
 
 def test_a_second_reply_to_a_request_whose_reply_waits_is_a_failure() -> None:
     def answer_the_second_twice(conn: socket.socket) -> None:
-        decoder, requests = FrameDecoder(), []
-        while len(requests) < 2:
-            decoder.receive_data(conn.recv(4096))
-            while (frame := decoder.next_event()) is not NEED_DATA:
-                requests.append(frame)
+        requests = requests_read(conn, 2)
         conn.sendall(encode_frame(CountReply(2), requests[1].request_id, is_reply=True) * 2)
         time.sleep(0.2)
 

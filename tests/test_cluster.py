@@ -351,11 +351,11 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
     make_cluster, monkeypatch, shm_enabled
 ):
     """A sync get of many small objects mapped here asks the master in pieces, all sent at
-    once, and copies one piece while the master looks up the next (client/sync.py,
+    once, and copies one piece while the master looks up the next (client/store.py,
     batch_pieces): each key is found or missed as by one lookup, in the caller's order, bytes
     and zero-copy; over TCP, or beside another get of the Store, the get goes whole. When the
-    thread's own connection breaks half-way, the pieces it did not answer are asked through
-    the loop."""
+    thread's own connection breaks half-way, or a thread has none, the pieces it did not
+    answer are asked through the loop."""
     import numpy as np
 
     from kvpool.client import sync
@@ -401,6 +401,15 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
         monkeypatch.setattr(BlockingConnection, "reply", breaks_at_the_third)
         assert store.get_batch(keys) == expected
         assert len(replies) == 3
+
+        # A thread with no connection of its own asks every piece through the loop, together.
+        monkeypatch.setattr(sync, "DIRECT_LINKS_MAX", 0)
+        got_elsewhere: list = []
+        before = lookups_counted(cluster)
+        thread = threading.Thread(target=lambda: got_elsewhere.append(store.get_batch(keys)))
+        thread.start()
+        thread.join(TIMEOUT_S)
+        assert got_elsewhere == [expected] and lookups_counted(cluster) - before == len(pieces)
 
 
 def test_an_async_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_would(make_cluster):

@@ -24,11 +24,12 @@ while the caller copies the last, where one request per batch had each wait for 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import uvloop
@@ -576,20 +577,16 @@ class Store:
         unanswered = self._direct.ask_each(starts, started, is_idempotent=False)
         if len(unanswered) == len(pieces):
             return None
-        for index in unanswered:  # the master changed between pieces
-            started(index, self._run(async_store._master.call(starts[index], is_idempotent=False)))
+        self._ask_through_the_loop(starts, unanswered, started, is_idempotent=False)  # the master changed
         remote = [job for job in jobs if job.remote]
         if remote:
-            self._run(self._put_finish(remote))
+            self._run(_each(self._async._put_finish, remote))
         ends = [(job, job.settle_writes([])[0]) for job in jobs if not job.remote]  # nothing to revoke:
         ends = [(job, end) for job, end in ends if end]  # only remote writes fail keys
         if ends:
             ended_each(ends, self._ask(put_end_of_each(ends), is_idempotent=False))
         self._put_was_local = not remote
         return [code for job in jobs for code in job.codes]
-
-    async def _put_finish(self, jobs: list[PutJob]) -> None:
-        await asyncio.gather(*(self._async._put_finish(job) for job in jobs))
 
     def _get(
         self,
@@ -632,9 +629,24 @@ class Store:
             job.copy_local()
 
         lookups = [GetReplicaList(list(keys[start:end])) for start, end in pieces]
-        for index in self._direct.ask_each(lookups, found):
-            found(index, self._run(self._async._master.call(lookups[index], is_idempotent=True)))
+        self._ask_through_the_loop(lookups, self._direct.ask_each(lookups, found), found, is_idempotent=True)
         return self._got(jobs, True)
+
+    def _ask_through_the_loop(
+        self,
+        messages: list[Message],
+        indexes: list[int],
+        on_reply: Callable[[int, Message], None],
+        is_idempotent: bool,
+    ) -> None:
+        """Ask the master the messages at `indexes` (those the thread's own connection did not
+        answer: none, or all when this thread has none) through the loop, together in one
+        hand-off, and hand each reply to `on_reply(index, reply)` in order."""
+        if not indexes:
+            return
+        call = functools.partial(self._async._master.call, is_idempotent=is_idempotent)
+        for index, reply in zip(indexes, self._run(_each(call, [messages[index] for index in indexes]))):
+            on_reply(index, reply)
 
     def _got(self, jobs: list[GetJob], is_telling: bool) -> list[GetJob]:
         """Finish the jobs of a get whose same-host copies are done: read the rest over TCP,
@@ -642,7 +654,7 @@ class Store:
         enough to go in pieces, whose objects tell the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
         if remote:
-            self._run(self._read_remote(remote))
+            self._run(_each(self._async._read_remote, remote))
         now_ms = now_monotonic_ms()
         for job in jobs:
             job.finish(now_ms)
@@ -653,8 +665,11 @@ class Store:
             self._async._get_pieces.found(jobs, not remote)
         return jobs
 
-    async def _read_remote(self, jobs: list[GetJob]) -> None:
-        await asyncio.gather(*(self._async._read_remote(job) for job in jobs))
+
+async def _each(function: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
+    """`function(item)` of every item, together, on the loop (where the coroutines are made:
+    a call cancelled before it starts leaves none never awaited)."""
+    return list(await asyncio.gather(*(function(item) for item in items)))
 
 
 __all__ = ["Store", "ClientConfig"]
