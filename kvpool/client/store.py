@@ -661,8 +661,8 @@ def batch_pieces(key_count: int, object_bytes: int, is_local: bool, from_keys: i
     objects copied here goes in several pieces whose requests leave at once: the master
     looks up (or allocates) the next piece while the caller copies the last, instead of each
     waiting for the other. From one thread through a sync Store, 4 KiB pages (`python
-    benchmarks/bench_paths.py pieces`, five runs): gets in batches of 128 and 512, 1.09-1.18x
-    and 1.23-1.38x the objects/s of one request each; puts of 512, 0.99-1.30x, but of 128 in
+    benchmarks/bench_paths.py pieces`, six runs): gets in batches of 128 and 512, 1.06-1.18x
+    and 1.19-1.38x the objects/s of one request each; puts of 512, 0.99-1.30x, but of 128 in
     two pieces 0.86-1.08x (a put's pieces share one put_end: only the allocation overlaps a
     copy). Over TCP each piece's reads cost the node a request more (0.88-1.09x), and larger
     objects' copies dwarf the master's work (64 KiB gets: 0.95-1.04x): those go whole."""
