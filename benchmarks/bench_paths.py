@@ -88,7 +88,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                64 object files of 4 MiB from the page cache into a numpy array 16 bytes past a
                page: preadv straight in, into a page-aligned array, and files.read_object_into.
   bytecodes    Python bytecodes per key (counted, not timed: the same on every run) of the
-               master's put and get phases and the client's planning of a 128-key get over TCP.
+               master's put and get phases and the client's planning of a 128-key get over TCP,
+               and its checking of the pages once they landed.
 
 Numbers on a shared VM move between runs: compare within one run.
 """
@@ -118,7 +119,7 @@ import xxhash
 from bench_core import connected_pair
 
 from kvpool import AsyncStore, ErrorCode, Store, limits
-from kvpool.checksums import SIMD_COPY_INTO_SEGMENT_BYTES_MIN, checksums_of, copies_checksummed
+from kvpool.checksums import SIMD_COPY_INTO_SEGMENT_BYTES_MIN, checksum_of, checksums_of, copies_checksummed
 from kvpool.cli.launcher import LocalCluster
 from kvpool.config import MasterConfig
 from kvpool.master.service import MasterService
@@ -1438,8 +1439,9 @@ def bytecodes_per_key(action) -> float:
 def bytecodes() -> dict:
     """Per key of a 128-key batch of 4 KiB objects: the master's put_start, put_end,
     finish_put_end and get_replica_list (a first and a second read); the client's GetJob
-    planning a plain get over TCP (pages landing in one buffer per frame) and a zero-copy one
-    into a registered array."""
+    planning a plain get over TCP (pages landing in one buffer per frame), checking the pages
+    once they landed and making the bytes returned, and planning a zero-copy get into a
+    registered array."""
     from kvpool.client.buffers import BufferRegistry
     from kvpool.client.transfer import GetJob
     from kvpool.protocol.messages import GetReplicaListReply, Replica
@@ -1459,14 +1461,30 @@ def bytecodes() -> dict:
     out["get_replica_list_again"] = bytecodes_per_key(lambda: service.get_replica_list(lookup, 3))
     remote = SegmentInfo("remote", "node", "elsewhere", "elsewhere:1", "", b"t", 1 << 30)
     replicas = [[Replica("remote", i * 4 * KIB)] for i in range(BATCH)]
-    reply = GetReplicaListReply([0] * BATCH, [4 * KIB] * BATCH, [7] * BATCH, replicas, 10_000, {"remote": remote})
+    pages = [bytes([i]) * 4 * KIB for i in range(BATCH)]
+    checksums = [checksum_of([page]) for page in pages]
+    reply = GetReplicaListReply([0] * BATCH, [4 * KIB] * BATCH, checksums, replicas, 10_000, {"remote": remote})
+    planned = []
 
     def plan(targets, starts=None, span=None) -> None:
         job = GetJob(reply, targets, 0, lambda _: None, keys, None, starts, span)
         job.copy_local()
-        job.remote_batches()
+        planned[:] = [job, job.remote_batches()]
+
+    def land() -> None:
+        """The node's payload has come: check every page and make the bytes returned."""
+        job, batches = planned
+        asked = set()
+        for batch in batches:
+            for (_, (arena,)), owners in zip(batch.frames, batch.owners):
+                arena[:] = b"".join(pages[index] for index in owners)
+                asked.update(owners)
+        job.remote_done(asked, set())
+        job.finish(1)
+        assert job.results == pages
 
     out["client_plain_get_over_tcp"] = bytecodes_per_key(lambda: plan([None] * BATCH))
+    out["client_plain_get_over_tcp_landed"] = bytecodes_per_key(land)
     registry = BufferRegistry()
     array = np.zeros(BATCH * 4 * KIB, dtype=np.uint8)
     base = registry.register(array)

@@ -644,33 +644,47 @@ class GetJob:
         batches = {endpoint: cutter.finish() for endpoint, cutter in cutters.items()}
         for endpoint, indexes in pages.items():
             batch = batches.setdefault(endpoint, RemoteBatch(endpoint, [], []))
-            self._page_frames(batch, indexes, join)
+            self._page_frames(batch, indexes)
         return list(batches.values())
 
-    def _page_frames(
-        self, batch: RemoteBatch, indexes: list[int], join: Callable[[ReadItem, Replica, int, int], bool]
-    ) -> None:
+    def _page_frames(self, batch: RemoteBatch, indexes: list[int]) -> None:
         """Frames for plain gets of small objects (KV pages): each frame's payload lands in one
         buffer of the job's own, one receive instead of a sink per object, and each object's
-        view of it is hashed, checked and copied into the bytes returned (_check)."""
-        sizes, candidates, tried = self.reply.sizes, self._candidates, self._tried
-        frames: list[list[int]] = [[]]
-        frame_bytes = 0
+        view of it is hashed, checked and copied into the bytes returned (_verify). Pages that
+        follow each other in a DRAM segment are read as one item (up to a slice). Kept tight:
+        a plain get over TCP plans every page here (bench_paths.py bytecodes)."""
+        sizes, candidates, tried, landed = self.reply.sizes, self._candidates, self._tried, self._landed
+        is_dram = {segment_id: info.tier == TIER_DRAM for segment_id, info in self.reply.segments.items()}
+        slice_bytes_max = limits.SLICE_SIZE_BYTES_MAX
+        frames: list[list[int]] = []
+        frame: list[int] = []
+        at = 0
         for index in indexes:
-            if frame_bytes >= FRAME_BYTES_TARGET or len(frames[-1]) >= limits.BATCH_KEYS_MAX:
-                frames.append([])
-                frame_bytes = 0
-            frames[-1].append(index)
-            frame_bytes += sizes[index]
+            if frame and (at >= FRAME_BYTES_TARGET or len(frame) >= limits.BATCH_KEYS_MAX):
+                frames.append(frame)
+                frame, at = [], 0
+            frame.append(index)
+            at += sizes[index]
+        frames.append(frame)
         for frame in frames:
-            _, arena = _new_bytes(max(2, sum(sizes[i] for i in frame)))
-            items = []
+            _, arena = _new_bytes(max(2, sum([sizes[index] for index in frame])))
+            items: list[ReadItem] = []
+            last: ReadItem | None = None  # the item the next page may extend
             at = 0
             for index in frame:
                 replica, size = candidates[index][tried[index]], sizes[index]
-                if not items or not join(items[-1], replica, 0, size):
-                    items.append(ReadItem(replica.segment_id, replica.offset, size))
-                self._landed[index] = arena[at : at + size]
+                if (
+                    last is not None
+                    and last.offset + last.size == replica.offset
+                    and last.segment_id == replica.segment_id
+                    and last.size + size <= slice_bytes_max
+                ):
+                    last.size += size
+                else:
+                    item = ReadItem(replica.segment_id, replica.offset, size)
+                    items.append(item)
+                    last = item if is_dram[replica.segment_id] else None  # a disk tier: a file each
+                landed[index] = arena[at : at + size]
                 at += size
             batch.frames.append((_read_slices(items, [arena]), [arena[:at]]))
             batch.owners.append(frame)
@@ -678,8 +692,10 @@ class GetJob:
     def remote_done(self, key_indexes: set[int], failed: set[int]) -> None:
         """TCP reads of `key_indexes` finished; those in `failed` did not arrive whole."""
         arrived = []
+        candidates, tried, reading = self._candidates, self._tried, self._reading
         for index in sorted(key_indexes):
-            self._take_next(index)
+            reading[index] = candidates[index][tried[index]]  # what _take_next does, inline
+            tried[index] += 1
             if index in failed:
                 self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
             else:
@@ -695,9 +711,24 @@ class GetJob:
                 self.results[index] = None
 
     def _verify(self, indexes: list[int]) -> None:
-        """Checksum what landed for these keys (one batch, on several threads when large)."""
-        for index, checksum in zip(indexes, checksums_of([self._landed_views(i) for i in indexes])):
-            self._check(index, checksum)
+        """Checksum what landed for these keys (one batch, on several threads when large).
+        Pages landed for a plain get are hashed, checked and made bytes in one tight loop
+        (what _check does), the rest together."""
+        landed, targets, expected, results = self._landed, self.targets, self.reply.checksums, self.results
+        digest = xxhash.xxh3_64_intdigest
+        others = []
+        for index in indexes:
+            data = landed[index]
+            if targets[index] is not None or type(data) is not memoryview or len(data) > SMALL_LANDING_BYTES_MAX:
+                others.append(index)
+            elif digest(data) == expected[index]:
+                results[index] = bytes(data)
+                landed[index] = None
+            else:
+                self._found_bad(index)
+        if others:
+            for index, checksum in zip(others, checksums_of([self._landed_views(i) for i in others])):
+                self._check(index, checksum)
 
     def _landed_views(self, index: int) -> list:
         target = self.targets[index]
