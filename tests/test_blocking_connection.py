@@ -236,6 +236,83 @@ def test_a_second_reply_to_a_request_whose_reply_waits_is_a_failure() -> None:
         assert conn.is_closed() and not conn.awaits_replies()
 
 
+def test_replies_with_payloads_land_in_their_own_sinks_in_any_order() -> None:
+    """A node's answers to reads (reply_into): each payload lands in its request's sinks,
+    also when it comes in many pieces and when a later request is answered first; an error
+    reply counts against its request alone and leaves the connection usable; a payload that is
+    not the size of its sinks is a failure that closes the connection."""
+    from kvpool.protocol.messages import ErrorReply, ReadReply
+
+    first, second = os.urandom(300_000), os.urandom(5)
+
+    def answer(conn: socket.socket) -> None:
+        requests = requests_read(conn, 3)
+        conn.sendall(encode_frame(ReadReply(len(second)), requests[1].request_id, is_reply=True, payload_size=5))
+        conn.sendall(second)
+        conn.sendall(encode_frame(ErrorReply(int(InvalidParams.code), "out of range"), requests[2].request_id,
+                                  is_reply=True))  # fmt: skip
+        header = encode_frame(ReadReply(len(first)), requests[0].request_id, is_reply=True, payload_size=len(first))
+        data = header + first
+        for at in range(0, len(data), 7_000):  # in many pieces
+            conn.sendall(data[at : at + 7_000])
+        request_id = requests_read(conn, 1)[0].request_id
+        conn.sendall(encode_frame(ReadReply(3), request_id, is_reply=True, payload_size=3) + b"abc")
+        time.sleep(0.2)
+
+    with raw_server(answer) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        deadline = time.monotonic() + 5
+        landed = [bytearray(100_000), bytearray(200_000), bytearray(5), bytearray(8)]
+        ids = conn.send([ExistKeys(["a"]), ExistKeys(["b"]), ExistKeys(["c"])], deadline)
+        sinks = {ids[0]: [memoryview(landed[0]), memoryview(landed[1])], ids[1]: [memoryview(landed[2])],
+                 ids[2]: [memoryview(landed[3])]}  # fmt: skip
+        answered = {}
+        while sinks:
+            request_id, reply = conn.reply_into(sinks, deadline)
+            answered[request_id] = reply
+            del sinks[request_id]
+        assert list(answered) == [ids[1], ids[2], ids[0]]
+        assert bytes(landed[0] + landed[1]) == first and bytes(landed[2]) == second
+        assert isinstance(answered[ids[2]], ErrorReply) and not conn.is_closed()
+        (request_id,) = conn.send([ExistKeys(["d"])], deadline)
+        with pytest.raises(RpcFailed):  # 3 bytes for sinks of 4
+            conn.reply_into({request_id: [memoryview(bytearray(4))]}, deadline)
+        assert conn.is_closed()
+
+
+def test_a_request_with_a_payload_of_many_parts_arrives_whole(monkeypatch) -> None:
+    """send_payload (a node's write): the header and every part, gathered a few buffers per
+    sendmsg and resumed where a partial send stopped (8 MiB fill the socket's buffer), arrive
+    as one frame whose payload is the parts in order; its reply comes back by reply_into."""
+    from kvpool.protocol.messages import CodesReply
+    from kvpool.transports import blocking
+
+    monkeypatch.setattr(blocking, "IOV_PARTS_MAX", 3)
+    parts = [os.urandom(size) for size in (1, 4096, 5_000_000, 7, 3_000_000, 100)]
+    received: list[bytes] = []
+
+    def receive(conn: socket.socket) -> None:
+        decoder = FrameDecoder()
+        frame = None
+        while frame is None or frame is NEED_DATA:
+            decoder.receive_data(conn.recv(1 << 16))
+            frame = decoder.next_event()
+        payload = bytearray(frame.payload_size)
+        decoder.set_payload_sinks([memoryview(payload)])
+        while decoder.next_event() is NEED_DATA:
+            decoder.receive_data(conn.recv(1 << 20))
+        received.append(bytes(payload))
+        conn.sendall(encode_frame(CodesReply([0]), frame.request_id, is_reply=True))
+        time.sleep(0.2)
+
+    with raw_server(receive) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        deadline = time.monotonic() + 10
+        request_id = conn.send_payload(ExistKeys(["k"]), [memoryview(p) for p in parts], 0, deadline)
+        assert conn.reply_into({request_id: []}, deadline) == (request_id, CodesReply([0]))
+        assert received == [b"".join(parts)] and not conn.awaits_replies()
+
+
 def test_close_from_another_thread_wakes_a_waiting_request() -> None:
     done = threading.Event()
     with raw_server(lambda conn: done.wait(10)) as endpoint:

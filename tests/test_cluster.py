@@ -229,6 +229,108 @@ def test_threads_beyond_the_bound_of_own_connections_ask_through_the_loop(make_c
         assert results == [True] * 8
 
 
+def test_transfers_over_tcp_go_from_the_calling_thread_and_those_of_several_frames_through_the_loop(
+    make_cluster, monkeypatch
+):
+    """A sync Store reads other hosts' nodes, and writes a lone put there, over connections of
+    the calling thread's own (client/node_links.py): pages, a single object and a zero-copy get
+    come back right without the loop; a read or write of more than one frame for a node goes
+    through the loop's lanes; threads beyond the bound read through the loop, as correctly."""
+    import numpy as np
+
+    from kvpool.client import node_links
+
+    monkeypatch.setattr(node_links, "NODE_LINK_THREADS_MAX", 2)
+    cluster = make_cluster(1, "64MiB")
+    pages = values_for("page", 128, 4096)
+    large = values_for("large", 3, 2 * 1024 * 1024)  # 6 MiB: two frames
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        through_the_loop = []
+        read_remote = store._async._read_remote
+
+        async def counted(job):
+            through_the_loop.append(len(job.keys))
+            await read_remote(job)
+
+        monkeypatch.setattr(store._async, "_read_remote", counted)
+        put_through_the_loop = []
+        put_finish = store._async._put_finish
+
+        async def counted_put(job):
+            put_through_the_loop.append(len(job.keys))
+            return await put_finish(job)
+
+        monkeypatch.setattr(store._async, "_put_finish", counted_put)
+        for values in (pages, large):
+            assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
+        assert put_through_the_loop == [len(large)]
+        assert store.get_batch(list(pages) + ["absent"]) == list(pages.values()) + [None]
+        key = next(iter(pages))
+        assert store.get(key) == pages[key]
+        target = np.zeros(4096, dtype=np.uint8)
+        address = store.register_buffer(target)
+        assert store.get_into(key, address, 4096) == 4096 and target.tobytes() == pages[key]
+        assert through_the_loop == [] and len(store._nodes.connections()) == 1
+        assert store.get_batch(list(large)) == list(large.values())
+        assert through_the_loop == [len(large)]
+        through_the_loop.clear()
+        barrier = threading.Barrier(4)
+        results: list[bool] = []
+
+        def reader() -> None:
+            results.append(store.get_batch(list(pages)) == list(pages.values()))
+            barrier.wait(TIMEOUT_S)  # every thread alive at once
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        barrier.wait(TIMEOUT_S)
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        assert results == [True] * 3
+        assert len(through_the_loop) == 2  # this thread and one other hold the two places
+
+
+def test_a_node_that_stops_answering_fails_reads_and_writes_within_the_bound_then_serves_again(
+    make_cluster, monkeypatch
+):
+    """A node that stops answering (SIGSTOP): the calling thread's read and write time out
+    within the transfer timeout, the read's keys are a clean miss, the put's keys fail and are
+    revoked (nothing half-written is ever read); once the node runs again the failed keys can
+    be put, and after the back-off that a failed open brings the thread reads on a new
+    connection of its own."""
+    from kvpool.client import node_links
+
+    monkeypatch.setattr(node_links, "NODE_RETRY_AFTER_S", 0.3)
+    cluster = make_cluster(1, "32MiB")
+    pages = values_for("stopped", 16, 4096)
+    later = values_for("later", 16, 4096)
+    with Store(cluster.master_endpoint, shm_enabled=False, transfer_timeout_ms=500, connect_timeout_ms=500) as store:
+        assert store.put_batch(list(pages), list(pages.values())) == [ErrorCode.OK] * len(pages)
+        assert store.get_batch(list(pages)) == list(pages.values())
+        (first,) = store._nodes.connections()
+        node = cluster.nodes[0]
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.get_batch(list(pages)) == [None] * len(pages)
+            assert time.monotonic() - started < 3
+            assert first.is_closed()
+            started = time.monotonic()
+            assert store.put_batch(list(later), list(later.values())) == [ErrorCode.TRANSFER_FAIL] * len(later)
+            assert time.monotonic() - started < 3
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert store.get_batch(list(pages)) == list(pages.values())
+        assert store.get_batch(list(later)) == [None] * len(later)  # revoked, not half-written
+        assert store.put_batch(list(later), list(later.values())) == [ErrorCode.OK] * len(later)
+        assert store.get_batch(list(later)) == list(later.values())
+        time.sleep(0.4)
+        assert store.get_batch(list(pages)) == list(pages.values())
+        (second,) = store._nodes.connections()
+        assert second is not first
+
+
 def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
     cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000"))
     object_size = 256 * 1024

@@ -11,14 +11,18 @@ its own to the master the loop is connected to (transports/blocking.py) and asks
 without waking the loop thread; on this project's VM that halves their latency. The lookups of
 gets, exists, longest_prefix and sizes go this way, and the put_start and put_end of a put
 with no other in flight (concurrent puts go through the loop, which carries them on one
-connection; a put that writes to other hosts' nodes hands those writes and its put_end to the
-loop). When the connection fails (a master restart, a new leader), a lookup goes through the
+connection). When the connection fails (a master restart, a new leader), a lookup goes through the
 loop, which finds the master again; a put_start or put_end goes there only if the master
 never saw it. At most DIRECT_LINKS_MAX threads of a Store hold such a connection.
 
 On that connection a large batch of small objects copied here goes in pieces whose requests
 leave together (store.py, batch_pieces): the master looks up, or allocates, the next piece
 while the caller copies the last, where one request per batch had each wait for the other.
+
+A get's reads of other hosts' nodes, and a lone put's writes to them, take the same shorter
+way (client/node_links.py): each caller thread reads and writes over blocking connections of
+its own, straight into and out of the caller's buffers, when a node's share fits in one frame;
+larger ones go through the loop, whose lanes carry a node's frames side by side.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ import functools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import uvloop
 
+from kvpool.client.node_links import NodeLinks
 from kvpool.client.pool import MasterLink
 from kvpool.client.store import (
     GET_PIECES_FROM_KEYS,
@@ -48,12 +52,14 @@ from kvpool.client.store import (
     prefix_count,
     query_reply,
 )
+from kvpool.client.thread_links import ThreadLink, ThreadLinks
 from kvpool.client.transfer import GetJob, PutJob, ended_each, now_monotonic_ms, put_end_of_each
 from kvpool.config import ClientConfig
 from kvpool.errors import (
     ConnectFailed,
     ErrorCode,
     InvalidParams,
+    KVPoolError,
     NotLeader,
     RpcFailed,
     RpcTimeout,
@@ -67,6 +73,7 @@ from kvpool.protocol.messages import (
     ListReply,
     LongestPrefix,
     Message,
+    PutRevoke,
     QueryObjects,
     QueryReply,
     ReplicateConfig,
@@ -176,19 +183,15 @@ DIRECT_OPEN_TIMEOUT_MS = 1_000
 DIRECT_LINKS_MAX = 16
 
 
-class _ThreadLink:
-    """One caller thread's connection to the master (in a threading.local: it goes, and its
-    socket closes, when the thread ends)."""
+class _ThreadMasterLink(ThreadLink):
+    """One caller thread's connection to the master."""
 
-    __slots__ = ("conn", "retry_at", "is_admitted", "__weakref__")
+    __slots__ = ("conn", "retry_at")
 
     def __init__(self) -> None:
+        super().__init__()
         self.conn: BlockingConnection | None = None
-        self.retry_at = 0.0  # after a failed open, or no free place: ask through the loop until then
-        self.is_admitted = False  # one of the Store's DIRECT_LINKS_MAX places is this thread's
-
-    def __del__(self) -> None:
-        self.close()
+        self.retry_at = 0.0  # after a failed open: ask through the loop until then
 
     def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -207,10 +210,7 @@ class _DirectLinks:
         self._open_timeout_ms = min(config.connect_timeout_ms, DIRECT_OPEN_TIMEOUT_MS)
         self._rpc_timeout_ms = config.rpc_timeout_ms
         self._prefer_local = config.shm_enabled
-        self._local = threading.local()
-        self._links: weakref.WeakSet[_ThreadLink] = weakref.WeakSet()  # closed with the Store
-        self._lock = threading.Lock()
-        self._is_closed = False
+        self._links = ThreadLinks(_ThreadMasterLink, DIRECT_LINKS_MAX, DIRECT_RETRY_AFTER_S)
 
     def ask(self, message: Message, is_idempotent: bool = True) -> Message | None:
         """The master's reply, or None when the master has not seen the request from here
@@ -259,10 +259,10 @@ class _DirectLinks:
             return list(range(answered, len(messages)))
         return []
 
-    def _link_and_connection(self, is_idempotent: bool) -> tuple[_ThreadLink, BlockingConnection | None]:
+    def _link_and_connection(self, is_idempotent: bool) -> tuple[_ThreadMasterLink, BlockingConnection | None]:
         """This thread's link, and its connection if it has a working one. A request that is
         not idempotent gets one that is still open at the other end."""
-        link = self._link()
+        link = self._links.link()
         conn = self._connection(link)
         if conn is not None and not is_idempotent and not conn.is_usable():
             conn = self._connection(link)  # the master restarted: a new connection, or None
@@ -270,7 +270,7 @@ class _DirectLinks:
 
     @staticmethod
     def _may_ask_through_the_loop(
-        link: _ThreadLink, conn: BlockingConnection, exc: BaseException, is_idempotent: bool
+        link: _ThreadMasterLink, conn: BlockingConnection, exc: BaseException, is_idempotent: bool
     ) -> bool:
         """After `exc` on this thread's connection: whether the requests it did not answer
         may be asked through the loop (the master has not seen them, or they are
@@ -286,25 +286,11 @@ class _DirectLinks:
 
     def connections(self) -> list[BlockingConnection]:
         """The open connections of live threads."""
-        with self._lock:
-            return [link.conn for link in self._links if link.conn is not None and not link.conn.is_closed()]
+        return [link.conn for link in self._links.admitted() if link.conn is not None and not link.conn.is_closed()]
 
-    def _link(self) -> _ThreadLink:
-        link: _ThreadLink | None = getattr(self._local, "link", None)
-        if link is None:
-            link = self._local.link = _ThreadLink()
-        if not link.is_admitted and time.monotonic() >= link.retry_at:
-            with self._lock:
-                if len(self._links) < DIRECT_LINKS_MAX:
-                    self._links.add(link)
-                    link.is_admitted = True
-                else:
-                    link.retry_at = time.monotonic() + DIRECT_RETRY_AFTER_S
-        return link
-
-    def _connection(self, link: _ThreadLink) -> BlockingConnection | None:
+    def _connection(self, link: _ThreadMasterLink) -> BlockingConnection | None:
         endpoint = self._master.connected_endpoint()
-        if endpoint is None or self._is_closed or not link.is_admitted:
+        if endpoint is None or self._links.is_closed or not link.is_admitted:
             return None
         conn = link.conn
         if conn is not None and conn.endpoint == endpoint and not conn.is_closed():
@@ -321,17 +307,13 @@ class _DirectLinks:
             link.retry_at = time.monotonic() + DIRECT_RETRY_AFTER_S
             return None
         link.conn = conn
-        if self._is_closed:  # closed meanwhile by another thread
+        if self._links.is_closed:  # closed meanwhile by another thread
             link.close()
             return None
         return conn
 
     def close(self) -> None:
-        self._is_closed = True
-        with self._lock:
-            links = list(self._links)
-        for link in links:
-            link.close()
+        self._links.close()
 
 
 class Store:
@@ -350,6 +332,7 @@ class Store:
         self._timeout_ms = config.transfer_timeout_ms + 3 * config.rpc_timeout_ms
         self._async: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
         self._direct = _DirectLinks(self._async._master, self._async._key, config)
+        self._nodes = NodeLinks(self._async._key, config)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
         self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
@@ -370,6 +353,7 @@ class Store:
 
     def close(self) -> None:
         self._direct.close()
+        self._nodes.close()
         self._run(self._async.aclose())
 
     def __enter__(self) -> Store:
@@ -523,9 +507,11 @@ class Store:
         keys: Sequence[str],
         config: ReplicateConfig | None,
     ) -> list[int] | None:
-        """put_start and put_end from this thread (see the module), the same-host copies here;
-        writes to other hosts' nodes go through the loop, and so does the put_end after them.
-        None: the master never saw the put_start (no direct link); put through the loop.
+        """put_start and put_end from this thread (see the module), the same-host copies here,
+        and the writes to other hosts' nodes over this thread's own connections when they fit
+        in a frame each (node_links.py; else they go through the loop, and so does the put_end
+        after them). None: the master never saw the put_start (no direct link); put through
+        the loop.
 
         A batch of small objects goes in pieces (batch_pieces): the put_starts of all at
         once, each piece copied while the master allocates the next, then one put_end for
@@ -548,11 +534,24 @@ class Store:
         job.copy_local()
         if len(keys) >= PUT_PIECES_FROM_KEYS:
             self._put_was_local = not job.remote
+        failed: list[set[int]] | None = []
         if job.remote:
-            return self._run(async_store._put_finish(job))
-        end, _ = job.settle_writes([])  # nothing to revoke: only remote writes fail keys
+            failed = self._nodes.write(job.remote)
+            if failed is None:  # not for this thread's own connections: through the loop
+                return self._run(async_store._put_finish(job))
+        return self._put_settled(job, failed)
+
+    def _put_settled(self, job: PutJob, failed: list[set[int]]) -> list[int]:
+        """Given, per remote batch, the keys whose writes failed: put_end what was written and
+        revoke the rest, from this thread (AsyncStore._put_finish does the same on the loop)."""
+        end, revoke = job.settle_writes(failed)
         if end:
             job.ended(end, self._ask(job.put_end(end), is_idempotent=False))
+        if revoke:
+            try:
+                self._ask(PutRevoke([job.keys[i] for i in revoke]), is_idempotent=False)
+            except KVPoolError as exc:  # the master discards the put at its timeout anyway
+                log.info("put_revoke failed (the master will discard the put): %s", exc)
         return job.codes
 
     def _put_in_pieces(
@@ -649,12 +648,14 @@ class Store:
             on_reply(index, reply)
 
     def _got(self, jobs: list[GetJob], is_telling: bool) -> list[GetJob]:
-        """Finish the jobs of a get whose same-host copies are done: read the rest over TCP,
-        check the leases, report bad replicas, give the leases back. `is_telling`: a get large
-        enough to go in pieces, whose objects tell the next such get what to expect."""
+        """Finish the jobs of a get whose same-host copies are done: read the rest over TCP
+        (from this thread, else through the loop), check the leases, report bad replicas, give
+        the leases back. `is_telling`: a get large enough to go in pieces, whose objects tell
+        the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
-        if remote:
-            self._run(_each(self._async._read_remote, remote))
+        through_the_loop = [job for job in remote if not self._nodes.read(job)]
+        if through_the_loop:
+            self._run(_each(self._async._read_remote, through_the_loop))
         now_ms = now_monotonic_ms()
         for job in jobs:
             job.finish(now_ms)

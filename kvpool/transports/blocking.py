@@ -7,11 +7,14 @@ threads more than it needs, and a process that waits in epoll costs its sender m
 than one blocked in `recv` (`python benchmarks/bench_paths.py round-trips`). On this
 project's VM that doubles the latency of a small request. `BlockingConnection` carries the
 requests of the thread that owns it on a blocking socket: the same frames, messages and
-handshake (protocol/), the same move to the server's same-host Unix socket, and no payloads
-(control requests only). Several requests may leave together before their replies are read,
-so that the server works on the next while the caller handles the first (a large get's lookups,
-client/sync.py). Used for idempotent requests, which a caller may send again through the loop
-when this connection fails, and for a lone put's put_start and put_end (client/sync.py).
+handshake (protocol/), the same move to the server's same-host Unix socket. Requests carry no
+payload; a reply may (`reply_into`: a node's answer to a read lands in the caller's buffers,
+received with recv_into on the blocking socket, as a plain socket pair moves bytes). Several
+requests may leave together before their replies are read, so that the server works on the
+next while the caller handles the first (a large get's lookups, client/sync.py; a get's reads
+of one node, client/node_links.py). Used for idempotent requests, which a caller may send again
+through the loop when this connection fails, and for a lone put's put_start and put_end
+(client/sync.py).
 
 It is not thread-safe (one per thread) and holds no policy: a failure closes it, and the
 caller decides what to do next. It departs from STYLE.md's one asyncio I/O shell (a blocking
@@ -25,21 +28,40 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvpool import limits
-from kvpool.errors import ConnectFailed, ProtocolError, RpcFailed, RpcTimeout, error_from_code
+from kvpool.errors import (
+    ConnectFailed,
+    ProtocolError,
+    RpcFailed,
+    RpcTimeout,
+    error_from_code,
+)
 from kvpool.protocol import auth
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
+from kvpool.protocol.frames import (
+    NEED_DATA,
+    PADDED_PAYLOAD_BYTES_MIN,
+    Frame,
+    FrameDecoder,
+    PayloadDone,
+    buffer_address,
+    encode_frame,
+)
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ErrorReply, Message
 from kvpool.transports.connection import split_endpoint
+
+# Buffers per sendmsg: Linux takes at most IOV_MAX (1024) in one call.
+IOV_PARTS_MAX = 1024
 
 
 class BlockingConnection:
     """An authenticated connection for one thread's requests: one at a time (`request`), or
     several in flight (`send`, then `reply` to each). Once closed it stays closed."""
 
-    __slots__ = ("endpoint", "peer", "_socket", "_decoder", "_next_request_id", "_unanswered", "_early")
+    __slots__ = (
+        "endpoint", "peer", "_socket", "_decoder", "_next_request_id", "_unanswered", "_early", "_pads_payloads",
+    )  # fmt: skip
 
     def __init__(self, endpoint: str, sock: socket.socket, peer: str) -> None:
         self.endpoint = endpoint
@@ -49,6 +71,7 @@ class BlockingConnection:
         self._next_request_id = 1
         self._unanswered: set[int] = set()  # ids of the requests sent whose reply is not read yet
         self._early: dict[int, Frame] = {}  # replies read before their request's turn
+        self._pads_payloads = sock.family != socket.AF_UNIX  # over TCP: see frames.payload_padding
 
     def __repr__(self) -> str:
         return f"<BlockingConnection {self.endpoint} {self.peer} {'closed' if self.is_closed() else 'open'}>"
@@ -149,6 +172,54 @@ class BlockingConnection:
         self._unanswered.update(request_ids)
         return request_ids
 
+    def send_payload(
+        self, message: Message, payload: Sequence[memoryview], landing: int | None, deadline: float
+    ) -> int:
+        """Send a request with a payload (a node's write: `landing`, where the node lands it
+        modulo a page, see frames.payload_padding), header and payload in gathered writes;
+        returns its id, for `reply_into`. Any failure closes the connection.
+
+        Raises:
+            ConnectFailed: the connection was closed before.
+            RpcFailed: it broke while sending (part of the frame may have gone).
+            RpcTimeout: not sent by `deadline` (time.monotonic()).
+        """
+        request_id = self._take_request_id()
+        size = sum(len(part) for part in payload)
+        source = buffer_address(payload[0]) if self._pads_payloads and size >= PADDED_PAYLOAD_BYTES_MIN else None
+        header = encode_frame(
+            message, request_id, payload_size=size, payload_source=source,
+            payload_landing=landing if source is not None else None,
+        )  # fmt: skip
+        if self._socket is None:
+            raise ConnectFailed(f"connection to {self.peer} is closed")
+        try:
+            self._send_gathered([memoryview(header), *payload], deadline)
+        except BaseException:
+            self.close()
+            raise
+        self._unanswered.add(request_id)
+        return request_id
+
+    def _send_gathered(self, parts: list[memoryview], deadline: float) -> None:
+        """sendmsg of the parts, IOV_PARTS_MAX at a time, on from where a partial send stopped."""
+        sock = self._live_socket()
+        at = 0  # parts[at] is the first not sent whole
+        try:
+            sock.settimeout(_remaining_s(deadline))
+            while at < len(parts):
+                sent = sock.sendmsg(parts[at : at + IOV_PARTS_MAX])
+                while sent and sent >= len(parts[at]):
+                    sent -= len(parts[at])
+                    at += 1
+                if sent:
+                    parts[at] = parts[at][sent:]
+                sock.settimeout(_remaining_s(deadline))
+        except TimeoutError:
+            raise RpcTimeout(f"sending to {self.peer} timed out") from None
+        except OSError as exc:
+            raise RpcFailed(f"connection to {self.peer} broke: {exc}") from None
+
     def _take_request_id(self) -> int:
         request_id = self._next_request_id
         self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
@@ -190,6 +261,36 @@ class BlockingConnection:
             raise
         self._unanswered.discard(request_id)
         return _answer(frame)
+
+    def reply_into(self, sinks: Mapping[int, Sequence[memoryview]], deadline: float) -> tuple[int, Message]:
+        """The next reply to one of the requests in `sinks` (ids from `send`: a server may
+        answer them in any order, as a node does when some reads come from its disk), with its
+        payload landed in that request's sinks, which add up to it. An error reply carries no
+        payload and is returned as it is, for the caller to count against that request alone.
+        Any other failure closes the connection (a payload may have landed in part).
+
+        Raises:
+            RpcFailed: as `request`, and when a payload is not the size of its sinks.
+            RpcTimeout: as `request`.
+        """
+        try:
+            frame = self._receive(deadline)
+            request_sinks = sinks.get(frame.request_id) if frame.request_id in self._unanswered else None
+            if not frame.is_reply or request_sinks is None:
+                raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
+            expected = sum(len(sink) for sink in request_sinks)
+            if isinstance(frame.message, ErrorReply) and not frame.payload_size:
+                pass  # the caller's to count; nothing is left to read
+            elif frame.payload_size != expected:
+                raise RpcFailed(f"{self.peer} sent {frame.payload_size} payload bytes for {expected}")
+            elif expected:
+                self._decoder.set_payload_sinks(request_sinks)
+                self._land_payload(deadline)
+        except BaseException:
+            self.close()
+            raise
+        self._unanswered.discard(frame.request_id)
+        return frame.request_id, frame.message
 
     def is_closed(self) -> bool:
         return self._socket is None
@@ -236,27 +337,42 @@ class BlockingConnection:
             raise RpcFailed(f"connection to {self.peer} broke: {exc}") from None
 
     def _receive(self, deadline: float) -> Frame:
-        """The next frame (control message only; a payload would be a protocol error here)."""
-        sock, decoder = self._live_socket(), self._decoder
+        """The next frame; the caller lands its payload, if it has one (`reply_into`)."""
+        decoder = self._decoder
         while True:
-            try:
-                event = decoder.next_event()
-            except ProtocolError as exc:
-                raise RpcFailed(f"{self.peer} broke the protocol: {exc}") from None
+            event = self._next_event()
             if event is not NEED_DATA:
                 if not isinstance(event, Frame):
                     raise RpcFailed(f"{self.peer} sent an unexpected {type(event).__name__}")
                 return event
-            try:
-                sock.settimeout(_remaining_s(deadline))
-                received = sock.recv_into(decoder.get_buffer())
-            except TimeoutError:
-                raise RpcTimeout(f"no reply from {self.peer} in time") from None
-            except OSError as exc:
-                raise RpcFailed(f"connection to {self.peer} broke: {exc}") from None
-            if not received:
-                raise RpcFailed(f"{self.peer} closed the connection")
-            decoder.buffer_updated(received)
+            self._receive_some(decoder, deadline)
+
+    def _land_payload(self, deadline: float) -> None:
+        """Receive the payload of the frame just read into the sinks the decoder was given:
+        straight into them (recv_into), but for what came in with the frame."""
+        decoder = self._decoder
+        while (event := self._next_event()) is NEED_DATA:
+            self._receive_some(decoder, deadline)
+        assert isinstance(event, PayloadDone), event
+
+    def _next_event(self) -> object:
+        try:
+            return self._decoder.next_event()
+        except ProtocolError as exc:
+            raise RpcFailed(f"{self.peer} broke the protocol: {exc}") from None
+
+    def _receive_some(self, decoder: FrameDecoder, deadline: float) -> None:
+        sock = self._live_socket()
+        try:
+            sock.settimeout(_remaining_s(deadline))
+            received = sock.recv_into(decoder.get_buffer())
+        except TimeoutError:
+            raise RpcTimeout(f"no reply from {self.peer} in time") from None
+        except OSError as exc:
+            raise RpcFailed(f"connection to {self.peer} broke: {exc}") from None
+        if not received:
+            raise RpcFailed(f"{self.peer} closed the connection")
+        decoder.buffer_updated(received)
 
     def _live_socket(self) -> socket.socket:
         if self._socket is None:
