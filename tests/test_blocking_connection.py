@@ -239,8 +239,9 @@ def test_a_second_reply_to_a_request_whose_reply_waits_is_a_failure() -> None:
 def test_replies_with_payloads_land_in_their_own_sinks_in_any_order() -> None:
     """A node's answers to reads (reply_into): each payload lands in its request's sinks,
     also when it comes in many pieces and when a later request is answered first; an error
-    reply counts against its request alone and leaves the connection usable; a payload that is
-    not the size of its sinks is a failure that closes the connection."""
+    reply counts against its request alone (a payload it carries is discarded, not landed) and
+    leaves the connection usable; a payload that is not the size of its sinks is a failure that
+    closes the connection."""
     from kvpool.protocol.messages import ErrorReply, ReadReply
 
     first, second = os.urandom(300_000), os.urandom(5)
@@ -249,8 +250,8 @@ def test_replies_with_payloads_land_in_their_own_sinks_in_any_order() -> None:
         requests = requests_read(conn, 3)
         conn.sendall(encode_frame(ReadReply(len(second)), requests[1].request_id, is_reply=True, payload_size=5))
         conn.sendall(second)
-        conn.sendall(encode_frame(ErrorReply(int(InvalidParams.code), "out of range"), requests[2].request_id,
-                                  is_reply=True))  # fmt: skip
+        error = ErrorReply(int(InvalidParams.code), "out of range")  # with a payload, to be discarded
+        conn.sendall(encode_frame(error, requests[2].request_id, is_reply=True, payload_size=10) + b"x" * 10)
         header = encode_frame(ReadReply(len(first)), requests[0].request_id, is_reply=True, payload_size=len(first))
         data = header + first
         for at in range(0, len(data), 7_000):  # in many pieces
@@ -274,6 +275,7 @@ def test_replies_with_payloads_land_in_their_own_sinks_in_any_order() -> None:
         assert list(answered) == [ids[1], ids[2], ids[0]]
         assert bytes(landed[0] + landed[1]) == first and bytes(landed[2]) == second
         assert isinstance(answered[ids[2]], ErrorReply) and not conn.is_closed()
+        assert landed[3] == bytearray(8)  # the error's payload went nowhere
         (request_id,) = conn.send([ExistKeys(["d"])], deadline)
         with pytest.raises(RpcFailed):  # 3 bytes for sinks of 4
             conn.reply_into({request_id: [memoryview(bytearray(4))]}, deadline)
@@ -281,14 +283,15 @@ def test_replies_with_payloads_land_in_their_own_sinks_in_any_order() -> None:
 
 
 def test_a_request_with_a_payload_of_many_parts_arrives_whole(monkeypatch) -> None:
-    """send_payload (a node's write): the header and every part, gathered a few buffers per
-    sendmsg and resumed where a partial send stopped (8 MiB fill the socket's buffer), arrive
-    as one frame whose payload is the parts in order; its reply comes back by reply_into."""
+    """send_payload (a node's write): the header and every part (an empty one too), gathered a
+    few buffers per sendmsg and resumed where a partial send stopped (8 MiB fill the socket's
+    buffer), arrive as one frame whose payload is the parts in order; its reply comes back by
+    reply_into."""
     from kvpool.protocol.messages import CodesReply
     from kvpool.transports import blocking
 
     monkeypatch.setattr(blocking, "IOV_PARTS_MAX", 3)
-    parts = [os.urandom(size) for size in (1, 4096, 5_000_000, 7, 3_000_000, 100)]
+    parts = [os.urandom(size) for size in (1, 4096, 0, 5_000_000, 7, 3_000_000, 100, 0)]
     received: list[bytes] = []
 
     def receive(conn: socket.socket) -> None:
@@ -308,7 +311,15 @@ def test_a_request_with_a_payload_of_many_parts_arrives_whole(monkeypatch) -> No
     with raw_server(receive) as endpoint:
         conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
         deadline = time.monotonic() + 10
-        request_id = conn.send_payload(ExistKeys(["k"]), [memoryview(p) for p in parts], 0, deadline)
+        views = [memoryview(p) for p in parts]
+        sent: list[int] = []
+        sending = threading.Thread(
+            target=lambda: sent.append(conn.send_payload(ExistKeys(["k"]), views, 0, deadline)), daemon=True
+        )
+        sending.start()
+        sending.join(10)
+        assert not sending.is_alive(), "send_payload did not return (a trailing empty part must not spin)"
+        (request_id,) = sent
         assert conn.reply_into({request_id: []}, deadline) == (request_id, CodesReply([0]))
         assert received == [b"".join(parts)] and not conn.awaits_replies()
 

@@ -294,41 +294,50 @@ def test_transfers_over_tcp_go_from_the_calling_thread_and_those_of_several_fram
 def test_a_node_that_stops_answering_fails_reads_and_writes_within_the_bound_then_serves_again(
     make_cluster, monkeypatch
 ):
-    """A node that stops answering (SIGSTOP): the calling thread's read and write time out
-    within the transfer timeout, the read's keys are a clean miss, the put's keys fail and are
-    revoked (nothing half-written is ever read); once the node runs again the failed keys can
-    be put, and after the back-off that a failed open brings the thread reads on a new
-    connection of its own."""
-    from kvpool.client import node_links
-
-    monkeypatch.setattr(node_links, "NODE_RETRY_AFTER_S", 0.3)
+    """A node that stops answering (SIGSTOP): a write and a read on the calling threads' own
+    connections to it time out within the transfer timeout; the put's keys fail and are revoked
+    (nothing half-written is ever read), the get's are a clean miss; once the node runs again
+    the threads reopen their connections, the data reads back and the failed keys can be put."""
     cluster = make_cluster(1, "32MiB")
     pages = values_for("stopped", 16, 4096)
     later = values_for("later", 16, 4096)
     with Store(cluster.master_endpoint, shm_enabled=False, transfer_timeout_ms=500, connect_timeout_ms=500) as store:
+        through_the_loop = []
+        read_remote, put_finish = store._async._read_remote, store._async._put_finish
+
+        async def counted_read(job):
+            through_the_loop.append("read")
+            await read_remote(job)
+
+        async def counted_put(job):
+            through_the_loop.append("put")
+            return await put_finish(job)
+
+        monkeypatch.setattr(store._async, "_read_remote", counted_read)
+        monkeypatch.setattr(store._async, "_put_finish", counted_put)
         assert store.put_batch(list(pages), list(pages.values())) == [ErrorCode.OK] * len(pages)
-        assert store.get_batch(list(pages)) == list(pages.values())
-        (first,) = store._nodes.connections()
-        node = cluster.nodes[0]
-        os.kill(node.pid, signal.SIGSTOP)
-        try:
-            started = time.monotonic()
-            assert store.get_batch(list(pages)) == [None] * len(pages)
-            assert time.monotonic() - started < 3
-            assert first.is_closed()
-            started = time.monotonic()
-            assert store.put_batch(list(later), list(later.values())) == [ErrorCode.TRANSFER_FAIL] * len(later)
-            assert time.monotonic() - started < 3
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
-        assert store.get_batch(list(pages)) == list(pages.values())
+        with ThreadPoolExecutor(1) as reader:  # a second thread, with a connection of its own
+            assert reader.submit(store.get_batch, list(pages)).result() == list(pages.values())
+            first = store._nodes.connections()
+            assert len(first) == 2
+            node = cluster.nodes[0]
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                assert store.put_batch(list(later), list(later.values())) == [ErrorCode.TRANSFER_FAIL] * len(later)
+                assert time.monotonic() - started < 3
+                started = time.monotonic()
+                assert reader.submit(store.get_batch, list(pages)).result() == [None] * len(pages)
+                assert time.monotonic() - started < 3
+                assert all(conn.is_closed() for conn in first)
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            assert reader.submit(store.get_batch, list(pages)).result() == list(pages.values())
         assert store.get_batch(list(later)) == [None] * len(later)  # revoked, not half-written
         assert store.put_batch(list(later), list(later.values())) == [ErrorCode.OK] * len(later)
         assert store.get_batch(list(later)) == list(later.values())
-        time.sleep(0.4)
-        assert store.get_batch(list(pages)) == list(pages.values())
-        (second,) = store._nodes.connections()
-        assert second is not first
+        assert through_the_loop == []  # every transfer went on the threads' own connections
+        assert not set(store._nodes.connections()) & set(first)
 
 
 def test_eviction_under_pressure_keeps_leased_objects(make_cluster):

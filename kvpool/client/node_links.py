@@ -7,23 +7,24 @@ KV pages that hand-off and the loop's machinery cost more than the transfer: 4 K
 TCP in batches of 128, gets 1.05-1.53x (median 1.16) and puts 0.97-1.68x (median 1.25) the
 objects/s of the loop's way when done here (ten alternating rounds each in one cluster,
 2026-12-02; docs/performance.md). So each caller thread keeps a blocking connection of its own
-to each node it talks to (transports/blocking.py), sends every node of a round its frame at
-once, and takes each reply in turn: a read's payload lands straight in the job's buffers
-(recv_into), a write's leaves straight from the caller's (sendmsg), as a plain socket pair
-moves bytes. The loop is not woken.
+to each node it talks to (transports/blocking.py), sends the node its frame and takes the
+reply: a read's payload lands straight in the job's buffers (recv_into), a write's leaves
+straight from the caller's (sendmsg), as a plain socket pair moves bytes. The loop is not woken.
 
-Only rounds of one frame per node (up to transfer.FRAME_BYTES_TARGET, 4 MiB, for each) go
-here: a larger one goes through the loop, whose lanes carry a node's frames side by side
-(1 MiB objects in batches of 32, eight frames a node: 0.76-1.25x, median 0.96, of the loop's
-GB/s when read here; ten alternating rounds, 2026-12-02).
+Only a round of one frame (up to transfer.FRAME_BYTES_TARGET, 4 MiB) for one node goes here.
+Several nodes go through the loop, which waits on them side by side: here one node that stops
+reading would hold the others' transfers until the deadline, and fail them. Several frames go
+through the loop's lanes, which carry them side by side (1 MiB objects in batches of 32, eight
+frames a node: reads 0.76-1.25x, median 0.96, and writes 0.88-1.21x, median 0.98, of the loop's
+GB/s when done here; ad hoc, 2026-12-02).
 
 The rules are the loop's (AsyncStore._read_remote, _put_finish): a frame that fails (the node
-refused it, the connection broke, the transfer deadline passed) fails its keys: a read's move
-on to their next replica, replica by replica; a write's key fails when no replica was written,
-and is revoked. A round that finds no connection here for one of its nodes (this thread is not
-one of the Store's NODE_LINK_THREADS_MAX, it talks to more than NODE_LINKS_PER_THREAD_MAX
-nodes, or opening one failed in the last NODE_RETRY_AFTER_S) sends nothing: it goes through
-the loop.
+refused it, the connection broke, the deadline passed) fails its keys: a read's move on to their
+next replica, round after round, all within one transfer timeout; a write's key fails when no
+replica was written, and is revoked. A round that finds no connection here (this thread is not
+one of the Store's NODE_LINK_THREADS_MAX, it holds NODE_LINKS_PER_THREAD_MAX connections to
+live nodes already, or opening one failed in the last NODE_RETRY_AFTER_S) sends nothing: it goes
+through the loop.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class _ThreadNodes(ThreadLink):
 
 
 class NodeLinks:
-    """Each caller thread's blocking connections to the nodes it reads from (see the module)."""
+    """Each caller thread's blocking connections to the nodes it reads from and writes to
+    (see the module)."""
 
     def __init__(self, key: bytes | None, config: ClientConfig) -> None:
         self._key = key
@@ -84,90 +86,88 @@ class NodeLinks:
 
     def read(self, job: GetJob) -> bool:
         """Read the job's keys that wait for other hosts' nodes from this thread, replica after
-        replica. True: done (each key read, or a miss); False: a round was not for this thread
-        (see the module) and nothing of it was sent: the caller reads the rest through the loop.
-        """
+        replica, all within one transfer timeout. True: done (each key read, or a miss); False:
+        a round was not for this thread (see the module) and nothing of it was sent: the
+        caller reads the rest through the loop."""
+        deadline = time.monotonic() + self._transfer_timeout_ms / 1000
         for _ in range(limits.REPLICA_NUM_MAX):
             batches = job.remote_batches()
             if not batches:
                 return True
-            conns = self._connections(batches)
-            if conns is None:
+            conn = self._connection(batches, deadline)
+            if conn is None:
                 return False
-            failed = self._round(batches, conns)
-            job.remote_done({i for batch in batches for i in batch.owners[0]}, set().union(*failed))
+            (batch,) = batches
+            job.remote_done(set(batch.owners[0]), self._transfer(batch, conn, deadline))
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
         return True
 
     def write(self, batches: list[RemoteBatch]) -> list[set[int]] | None:
-        """Write a put's frames for other hosts' nodes (PutJob.remote) from this thread: per
-        batch, the key indexes whose frame failed; None when they are not for this thread (see
-        the module) and nothing was sent: the caller writes through the loop."""
-        conns = self._connections(batches)
-        return None if conns is None else self._round(batches, conns)
-
-    def _round(self, batches: list[RemoteBatch], conns: list[BlockingConnection]) -> list[set[int]]:
-        """Send each node its frame, then take the replies in turn: per batch, the key indexes
-        whose frame failed (the node refused it, the connection broke, the deadline passed)."""
+        """Write a put's frames for other hosts' nodes (PutJob.remote) from this thread, within
+        one transfer timeout: per batch, the key indexes whose frame failed; None when they are
+        not for this thread (see the module) and nothing was sent: the caller writes through
+        the loop."""
         deadline = time.monotonic() + self._transfer_timeout_ms / 1000
-        failed: list[set[int]] = [set() for _ in batches]
-        sent: list[tuple[int, BlockingConnection, int, list[memoryview]]] = []
-        for index, (batch, conn) in enumerate(zip(batches, conns)):
-            ((message, views),) = batch.frames
-            try:
-                if isinstance(message, WriteSlices):
-                    sent.append((index, conn, conn.send_payload(message, views, write_landing(message), deadline), []))
-                else:
-                    (request_id,) = conn.send([message], deadline)
-                    sent.append((index, conn, request_id, views))
-            except KVPoolError as exc:
-                self._failed(batches[index], exc, failed[index])
-        for index, conn, request_id, sinks in sent:
-            try:
-                _, reply = conn.reply_into({request_id: sinks}, deadline)
-                if isinstance(reply, ErrorReply):  # the node refused the frame
-                    raise error_from_code(reply.code, reply.message)
-            except KVPoolError as exc:
-                self._failed(batches[index], exc, failed[index])
-        return failed
+        conn = self._connection(batches, deadline)
+        return None if conn is None else [self._transfer(batches[0], conn, deadline)]
 
-    def _failed(self, batch: RemoteBatch, exc: KVPoolError, failed: set[int]) -> None:
-        log.info("transfer with %s failed: %s", batch.endpoint, exc)
-        failed.update(batch.owners[0])
-        link = self._links.link()
-        conn = link.conns.get(batch.endpoint)
-        if conn is not None and conn.is_closed():
-            link.drop(batch.endpoint)
+    def _transfer(self, batch: RemoteBatch, conn: BlockingConnection, deadline: float) -> set[int]:
+        """Send the batch's frame and take the node's reply: the key indexes whose frame failed
+        (the node refused it, the connection broke, the deadline passed), none or all."""
+        ((message, views),) = batch.frames
+        try:
+            if isinstance(message, WriteSlices):
+                request_id, sinks = conn.send_payload(message, views, write_landing(message), deadline), []
+            else:
+                (request_id,), sinks = conn.send([message], deadline), views
+            _, reply = conn.reply_into({request_id: sinks}, deadline)
+            if isinstance(reply, ErrorReply):  # the node refused the frame; the connection is clean
+                raise error_from_code(reply.code, reply.message)
+        except KVPoolError as exc:
+            log.info("transfer with %s failed: %s", batch.endpoint, exc)
+            if conn.is_closed():
+                self._links.link().drop(batch.endpoint)
+            return set(batch.owners[0])
+        except BaseException:  # interrupted: a reply may still come, and must not answer the next
+            self._links.link().drop(batch.endpoint)
+            raise
+        return set()
 
-    def _connections(self, batches: list[RemoteBatch]) -> list[BlockingConnection] | None:
-        """This thread's connection to each batch's node, opened when needed; None when the
-        batches are not for this thread (see the module)."""
-        if any(len(batch.frames) != 1 for batch in batches):
-            return None  # over a frame for a node: the loop's lanes carry its frames side by side
+    def _connection(self, batches: list[RemoteBatch], deadline: float) -> BlockingConnection | None:
+        """This thread's connection to the round's node, opened when needed; None when the
+        round is not for this thread (see the module)."""
+        if len(batches) != 1 or len(batches[0].frames) != 1:
+            return None  # several nodes, or several frames: the loop carries them side by side
         link = self._links.link()
         if not link.is_admitted or self._links.is_closed:
             return None
-        conns = []
-        for endpoint in [batch.endpoint for batch in batches]:
-            conn = link.conns.get(endpoint)
-            if conn is None or not conn.is_usable():  # a node that restarted closed it
-                link.drop(endpoint)
-                conn = self._open(link, endpoint)
-                if conn is None:
-                    return None
-            conns.append(conn)
-        return conns
+        endpoint = batches[0].endpoint
+        conn = link.conns.get(endpoint)
+        if conn is not None and (conn.awaits_replies() or not conn.is_usable()):  # a node that restarted
+            link.drop(endpoint)
+            conn = None
+        return conn if conn is not None else self._open(link, endpoint, deadline)
 
-    def _open(self, link: _ThreadNodes, endpoint: str) -> BlockingConnection | None:
-        if len(link.conns) >= NODE_LINKS_PER_THREAD_MAX or time.monotonic() < link.retry_at.get(endpoint, 0.0):
+    def _open(self, link: _ThreadNodes, endpoint: str, deadline: float) -> BlockingConnection | None:
+        now = time.monotonic()
+        if now < link.retry_at.get(endpoint, 0.0):
+            return None
+        if len(link.conns) >= NODE_LINKS_PER_THREAD_MAX:  # make room: drop those nodes closed
+            for stale in [e for e, conn in link.conns.items() if not conn.is_usable()]:
+                link.drop(stale)
+            if len(link.conns) >= NODE_LINKS_PER_THREAD_MAX:
+                return None
+        timeout_ms = min(self._open_timeout_ms, int((deadline - now) * 1000))
+        if timeout_ms <= 0:
             return None
         try:
             conn = BlockingConnection.open(
-                endpoint, key=self._key, timeout_ms=self._open_timeout_ms, prefer_local=self._prefer_local
+                endpoint, key=self._key, timeout_ms=timeout_ms, prefer_local=self._prefer_local
             )
         except (ConnectFailed, Unauthorized) as exc:
-            log.info("no connection of this thread to node %s (reading through the loop): %s", endpoint, exc)
-            link.retry_at[endpoint] = time.monotonic() + NODE_RETRY_AFTER_S
+            log.info("no connection of this thread to node %s (through the loop): %s", endpoint, exc)
+            link.retry_at = {e: at for e, at in link.retry_at.items() if at > now}  # forget the lapsed
+            link.retry_at[endpoint] = now + NODE_RETRY_AFTER_S
             return None
         link.conns[endpoint] = conn
         if self._links.is_closed:  # closed meanwhile by another thread

@@ -21,8 +21,8 @@ while the caller copies the last, where one request per batch had each wait for 
 
 A get's reads of other hosts' nodes, and a lone put's writes to them, take the same shorter
 way (client/node_links.py): each caller thread reads and writes over blocking connections of
-its own, straight into and out of the caller's buffers, when a node's share fits in one frame;
-larger ones go through the loop, whose lanes carry a node's frames side by side.
+its own, straight into and out of the caller's buffers, when the transfer is one frame for one
+node; larger ones, and those of several nodes, go through the loop.
 """
 
 from __future__ import annotations
@@ -508,9 +508,9 @@ class Store:
         config: ReplicateConfig | None,
     ) -> list[int] | None:
         """put_start and put_end from this thread (see the module), the same-host copies here,
-        and the writes to other hosts' nodes over this thread's own connections when they fit
-        in a frame each (node_links.py; else they go through the loop, and so does the put_end
-        after them). None: the master never saw the put_start (no direct link); put through
+        and the writes to other hosts' nodes over this thread's own connection when they are
+        one frame for one node (node_links.py; else they go through the loop, and so does the
+        put_end after them). None: the master never saw the put_start (no direct link); put through
         the loop.
 
         A batch of small objects goes in pieces (batch_pieces): the put_starts of all at

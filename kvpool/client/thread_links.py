@@ -2,9 +2,10 @@
 
 A sync Store's caller thread may keep blocking connections of its own (transports/blocking.py),
 so that its requests go without waking the Store's loop thread: to the master (client/sync.py)
-and to the nodes it reads from (client/node_links.py). At most `threads_max` threads of a Store
-hold any: a serving process may run large thread pools, and a server's connections must stay
-bounded. The others go through the loop, and ask for a place again after `retry_after_s`.
+and to the nodes it transfers with (client/node_links.py), each kind with a ThreadLinks of its
+own. Of each, at most `threads_max` threads of a Store hold connections: a serving process may
+run large thread pools, and a server's connections must stay bounded. The others go through the
+loop, and ask for a place again after `retry_after_s`.
 A thread's connections live in a threading.local: they go, and their sockets close, when the
 thread ends, and the Store closes those still open when it closes.
 """

@@ -1,4 +1,5 @@
-"""A blocking request/reply connection owned by one thread: the sync Store's short way to the master.
+"""A blocking request/reply connection owned by one thread: the sync Store's short way to the
+master and to the nodes.
 
 `Connection` (connection.py) is the I/O shell of every event loop. A sync Store's request
 from a caller thread goes through its loop thread: the caller hands the call over, the loop
@@ -7,14 +8,15 @@ threads more than it needs, and a process that waits in epoll costs its sender m
 than one blocked in `recv` (`python benchmarks/bench_paths.py round-trips`). On this
 project's VM that doubles the latency of a small request. `BlockingConnection` carries the
 requests of the thread that owns it on a blocking socket: the same frames, messages and
-handshake (protocol/), the same move to the server's same-host Unix socket. Requests carry no
-payload; a reply may (`reply_into`: a node's answer to a read lands in the caller's buffers,
-received with recv_into on the blocking socket, as a plain socket pair moves bytes). Several
-requests may leave together before their replies are read, so that the server works on the
-next while the caller handles the first (a large get's lookups, client/sync.py; a get's reads
-of one node, client/node_links.py). Used for idempotent requests, which a caller may send again
-through the loop when this connection fails, and for a lone put's put_start and put_end
-(client/sync.py).
+handshake (protocol/), the same move to the server's same-host Unix socket. A request may carry
+a payload (`send_payload`: a write to a node, sent from the caller's buffers with sendmsg) and
+so may a reply (`reply_into`: a node's answer to a read lands in the caller's buffers, received
+with recv_into), as a plain socket pair moves bytes. Several requests may leave together before
+their replies are read, so that the server works on the next while the caller handles the first
+(a large get's lookups, client/sync.py). Used for idempotent requests, which a caller may send
+again through the loop when this connection fails; for a lone put's put_start and put_end
+(client/sync.py); and for a get's reads and a lone put's writes of one node (client/node_links.py:
+a write that fails fails its keys, which are revoked, as on the loop).
 
 It is not thread-safe (one per thread) and holds no policy: a failure closes it, and the
 caller decides what to do next. It departs from STYLE.md's one asyncio I/O shell (a blocking
@@ -56,8 +58,9 @@ IOV_PARTS_MAX = 1024
 
 
 class BlockingConnection:
-    """An authenticated connection for one thread's requests: one at a time (`request`), or
-    several in flight (`send`, then `reply` to each). Once closed it stays closed."""
+    """An authenticated connection for one thread's requests: one at a time (`request`),
+    several in flight (`send`, then `reply` to each), or with payloads (`send` or
+    `send_payload`, then `reply_into`). Once closed it stays closed."""
 
     __slots__ = (
         "endpoint", "peer", "_socket", "_decoder", "_next_request_id", "_unanswered", "_early", "_pads_payloads",
@@ -204,6 +207,7 @@ class BlockingConnection:
     def _send_gathered(self, parts: list[memoryview], deadline: float) -> None:
         """sendmsg of the parts, IOV_PARTS_MAX at a time, on from where a partial send stopped."""
         sock = self._live_socket()
+        parts = [part for part in parts if len(part)]  # an empty part would leave nothing to send
         at = 0  # parts[at] is the first not sent whole
         try:
             sock.settimeout(_remaining_s(deadline))
@@ -263,11 +267,12 @@ class BlockingConnection:
         return _answer(frame)
 
     def reply_into(self, sinks: Mapping[int, Sequence[memoryview]], deadline: float) -> tuple[int, Message]:
-        """The next reply to one of the requests in `sinks` (ids from `send`: a server may
-        answer them in any order, as a node does when some reads come from its disk), with its
-        payload landed in that request's sinks, which add up to it. An error reply carries no
-        payload and is returned as it is, for the caller to count against that request alone.
-        Any other failure closes the connection (a payload may have landed in part).
+        """The next reply to one of the requests in `sinks` (ids from `send` or `send_payload`:
+        a server may answer them in any order, as a node does when some reads come from its
+        disk), with its payload landed in that request's sinks, which add up to it. An error
+        reply is returned as it is (any payload it carries discarded), for the caller to count
+        against that request alone. Any other failure closes the connection (a payload may have
+        landed in part).
 
         Raises:
             RpcFailed: as `request`, and when a payload is not the size of its sinks.
@@ -279,8 +284,10 @@ class BlockingConnection:
             if not frame.is_reply or request_sinks is None:
                 raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
             expected = sum(len(sink) for sink in request_sinks)
-            if isinstance(frame.message, ErrorReply) and not frame.payload_size:
-                pass  # the caller's to count; nothing is left to read
+            if isinstance(frame.message, ErrorReply):  # the caller's to count
+                if frame.payload_size:
+                    self._decoder.set_payload_sinks(None)  # discarded, as Connection does
+                    self._land_payload(deadline)
             elif frame.payload_size != expected:
                 raise RpcFailed(f"{self.peer} sent {frame.payload_size} payload bytes for {expected}")
             elif expected:
