@@ -1,13 +1,19 @@
-"""Shared fixtures: local clusters of real processes, stopped whatever the test did."""
+"""Shared fixtures: local clusters of real processes, stopped whatever the test did; and a raw
+socket server that plays a kvpool peer (authenticates, then does what the test says)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from kvpool.cli.launcher import LocalCluster
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
+from kvpool.protocol.messages import AuthChallenge, AuthOk
 
 # Masters started by tests check every structure after every request (STYLE.md).
 os.environ.setdefault("KVPOOL_DEBUG_INVARIANTS", "1")
@@ -39,3 +45,37 @@ def etcd_endpoint(tmp_path_factory) -> Iterator[str]:
         pytest.skip("etcd is not installed: run scripts/install-etcd.sh (Debian etcd-server)")
     with LocalEtcd(tmp_path_factory.mktemp("etcd")) as etcd:
         yield etcd.endpoint
+
+
+@contextlib.contextmanager
+def raw_server(after_handshake) -> Iterator[str]:
+    """A TCP server that authenticates one client (no token), then hands the socket and what
+    it read to `after_handshake`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(encode_frame(AuthChallenge(os.urandom(16), False, ""), 0))
+            conn.recv(4096)  # the AuthResponse
+            conn.sendall(encode_frame(AuthOk(b""), 0))
+            after_handshake(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield endpoint
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def requests_read(conn: socket.socket, count: int) -> list[Frame]:
+    """A raw server's read of the next `count` request frames."""
+    decoder, requests = FrameDecoder(), []
+    while len(requests) < count:
+        decoder.receive_data(conn.recv(4096))
+        while (frame := decoder.next_event()) is not NEED_DATA:
+            requests.append(frame)
+    return requests

@@ -18,16 +18,15 @@ from collections.abc import Iterator
 
 import pytest
 import uvloop
+from conftest import raw_server, requests_read
 
 from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ConnectFailed, InvalidParams, RpcFailed, RpcTimeout, Unauthorized
 from kvpool.master.server import MasterServer
 from kvpool.protocol import auth
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
+from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
-    AuthChallenge,
-    AuthOk,
     CountReply,
     ExistKeys,
     ExistsReply,
@@ -96,30 +95,6 @@ def test_a_token_that_does_not_match_is_refused_either_way() -> None:
             BlockingConnection.open(endpoint, key=auth.cluster_key(TOKEN), timeout_ms=2_000, prefer_local=False)
 
 
-@contextlib.contextmanager
-def raw_server(after_handshake) -> Iterator[str]:
-    """A TCP server that authenticates one client (no token), then hands the socket and what
-    it read to `after_handshake`."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(encode_frame(AuthChallenge(os.urandom(16), False, ""), 0))
-            conn.recv(4096)  # the AuthResponse
-            conn.sendall(encode_frame(AuthOk(b""), 0))
-            after_handshake(conn)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield endpoint
-    finally:
-        listener.close()
-        thread.join(10)
-
-
 def test_is_usable_sees_a_peer_that_closed_without_waiting() -> None:
     closing = threading.Event()
     with raw_server(lambda conn: closing.wait(10)) as endpoint:
@@ -177,16 +152,6 @@ def test_requests_in_flight_together_get_their_own_replies() -> None:
         assert conn.reply(ids[2], deadline) == ExistsReply([False] * 3)  # the one between is kept
         assert conn.reply(ids[1], deadline) == ExistsReply([False] * 2)
         assert conn.request(LongestPrefix(["a"]), 2_000) == CountReply(0)  # and nothing is left over
-
-
-def requests_read(conn: socket.socket, count: int) -> list[Frame]:
-    """A raw server's read of the next `count` request frames."""
-    decoder, requests = FrameDecoder(), []
-    while len(requests) < count:
-        decoder.receive_data(conn.recv(4096))
-        while (frame := decoder.next_event()) is not NEED_DATA:
-            requests.append(frame)
-    return requests
 
 
 def test_replies_out_of_order_each_answer_their_own_request() -> None:

@@ -229,6 +229,25 @@ def test_threads_beyond_the_bound_of_own_connections_ask_through_the_loop(make_c
         assert results == [True] * 8
 
 
+def transfers_through_the_loop(store: Store, monkeypatch) -> list[tuple[str, int]]:
+    """From now on, every transfer of `store` that goes through its loop thread (not the
+    calling thread's own connections, client/node_links.py): ("read" or "put", keys)."""
+    seen: list[tuple[str, int]] = []
+    read_remote, put_finish = store._async._read_remote, store._async._put_finish
+
+    async def read(job):
+        seen.append(("read", len(job.keys)))
+        await read_remote(job)
+
+    async def put(job):
+        seen.append(("put", len(job.keys)))
+        return await put_finish(job)
+
+    monkeypatch.setattr(store._async, "_read_remote", read)
+    monkeypatch.setattr(store._async, "_put_finish", put)
+    return seen
+
+
 def test_transfers_over_tcp_go_from_the_calling_thread_and_those_of_several_frames_through_the_loop(
     make_cluster, monkeypatch
 ):
@@ -245,25 +264,11 @@ def test_transfers_over_tcp_go_from_the_calling_thread_and_those_of_several_fram
     pages = values_for("page", 128, 4096)
     large = values_for("large", 3, 2 * 1024 * 1024)  # 6 MiB: two frames
     with Store(cluster.master_endpoint, shm_enabled=False) as store:
-        through_the_loop = []
-        read_remote = store._async._read_remote
-
-        async def counted(job):
-            through_the_loop.append(len(job.keys))
-            await read_remote(job)
-
-        monkeypatch.setattr(store._async, "_read_remote", counted)
-        put_through_the_loop = []
-        put_finish = store._async._put_finish
-
-        async def counted_put(job):
-            put_through_the_loop.append(len(job.keys))
-            return await put_finish(job)
-
-        monkeypatch.setattr(store._async, "_put_finish", counted_put)
+        through_the_loop = transfers_through_the_loop(store, monkeypatch)
         for values in (pages, large):
             assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
-        assert put_through_the_loop == [len(large)]
+        assert through_the_loop == [("put", len(large))]
+        through_the_loop.clear()
         assert store.get_batch(list(pages) + ["absent"]) == list(pages.values()) + [None]
         key = next(iter(pages))
         assert store.get(key) == pages[key]
@@ -272,7 +277,7 @@ def test_transfers_over_tcp_go_from_the_calling_thread_and_those_of_several_fram
         assert store.get_into(key, address, 4096) == 4096 and target.tobytes() == pages[key]
         assert through_the_loop == [] and len(store._nodes.connections()) == 1
         assert store.get_batch(list(large)) == list(large.values())
-        assert through_the_loop == [len(large)]
+        assert through_the_loop == [("read", len(large))]
         through_the_loop.clear()
         barrier = threading.Barrier(4)
         results: list[bool] = []
@@ -302,19 +307,7 @@ def test_a_node_that_stops_answering_fails_reads_and_writes_within_the_bound_the
     pages = values_for("stopped", 16, 4096)
     later = values_for("later", 16, 4096)
     with Store(cluster.master_endpoint, shm_enabled=False, transfer_timeout_ms=500, connect_timeout_ms=500) as store:
-        through_the_loop = []
-        read_remote, put_finish = store._async._read_remote, store._async._put_finish
-
-        async def counted_read(job):
-            through_the_loop.append("read")
-            await read_remote(job)
-
-        async def counted_put(job):
-            through_the_loop.append("put")
-            return await put_finish(job)
-
-        monkeypatch.setattr(store._async, "_read_remote", counted_read)
-        monkeypatch.setattr(store._async, "_put_finish", counted_put)
+        through_the_loop = transfers_through_the_loop(store, monkeypatch)
         assert store.put_batch(list(pages), list(pages.values())) == [ErrorCode.OK] * len(pages)
         with ThreadPoolExecutor(1) as reader:  # a second thread, with a connection of its own
             assert reader.submit(store.get_batch, list(pages)).result() == list(pages.values())
@@ -338,6 +331,38 @@ def test_a_node_that_stops_answering_fails_reads_and_writes_within_the_bound_the
         assert store.get_batch(list(later)) == list(later.values())
         assert through_the_loop == []  # every transfer went on the threads' own connections
         assert not set(store._nodes.connections()) & set(first)
+
+
+def test_a_read_of_several_nodes_from_the_calling_thread_is_not_held_by_one_that_stopped(make_cluster, monkeypatch):
+    """A get whose keys lie on two nodes reads both from the calling thread's own connections;
+    when one node stops answering (SIGSTOP), the other's keys (a reply of 3 MiB, more than a
+    socket buffer holds) still read back whole, and the stopped node's keys are a
+    clean miss within the transfer timeout; writes to two nodes (a put of two replicas) go
+    through the loop, whose sends go side by side."""
+    cluster = make_cluster(2, "32MiB")
+    stopped, running = (node.info["segment_id"] for node in cluster.nodes)
+    on_stopped = values_for("on-stopped", 8, 4096)
+    on_running = values_for("on-running", 3, 1024 * 1024)  # one frame of 3 MiB
+    with Store(cluster.master_endpoint, shm_enabled=False, transfer_timeout_ms=1_000) as store:
+        through_the_loop = transfers_through_the_loop(store, monkeypatch)
+        for values, segment in ((on_stopped, stopped), (on_running, running)):
+            config = ReplicateConfig(placement="preferred", preferred_segments=[segment])
+            assert store.put_batch(list(values), list(values.values()), config) == [ErrorCode.OK] * len(values)
+        keys = list(on_stopped) + list(on_running)
+        assert store.get_batch(keys) == list(on_stopped.values()) + list(on_running.values())
+        assert through_the_loop == [] and len(store._nodes.connections()) == 2
+        os.kill(cluster.nodes[0].pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.get_batch(keys) == [None] * len(on_stopped) + list(on_running.values())
+            assert time.monotonic() - started < 4
+        finally:
+            os.kill(cluster.nodes[0].pid, signal.SIGCONT)
+        assert through_the_loop == []
+        assert store.get_batch(keys) == list(on_stopped.values()) + list(on_running.values())
+        two = values_for("two-replicas", 4, 4096)
+        assert store.put_batch(list(two), list(two.values()), ReplicateConfig(replica_num=2)) == [ErrorCode.OK] * 4
+        assert through_the_loop == [("put", 4)]
 
 
 def test_eviction_under_pressure_keeps_leased_objects(make_cluster):

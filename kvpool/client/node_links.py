@@ -11,12 +11,14 @@ to each node it talks to (transports/blocking.py), sends the node its frame and 
 reply: a read's payload lands straight in the job's buffers (recv_into), a write's leaves
 straight from the caller's (sendmsg), as a plain socket pair moves bytes. The loop is not woken.
 
-Only a round of one frame (up to transfer.FRAME_BYTES_TARGET, 4 MiB) for one node goes here.
-Several nodes go through the loop, which waits on them side by side: here one node that stops
-reading would hold the others' transfers until the deadline, and fail them. Several frames go
+Only one frame (up to transfer.FRAME_BYTES_TARGET, 4 MiB) for a node goes here: several go
 through the loop's lanes, which carry them side by side (1 MiB objects in batches of 32, eight
 frames a node: reads 0.76-1.25x, median 0.96, and writes 0.88-1.21x, median 0.98, of the loop's
-GB/s when done here; ad hoc, 2026-12-02).
+GB/s when done here; ad hoc, 2026-12-02). A read of several nodes sends each its frame (small:
+it never waits for room) and lands each reply as it starts to come (selectors), so that a node
+that stops answering holds none of the others' replies; a write of several nodes (a put's
+replicas) goes through the loop, which sends them side by side: here one node that stopped
+reading would hold the others' writes until the deadline, and fail them.
 
 The rules are the loop's (AsyncStore._read_remote, _put_finish): a frame that fails (the node
 refused it, the connection broke, the deadline passed) fails its keys: a read's move on to their
@@ -30,6 +32,7 @@ through the loop.
 from __future__ import annotations
 
 import logging
+import selectors
 import time
 
 from kvpool import limits
@@ -94,22 +97,53 @@ class NodeLinks:
             batches = job.remote_batches()
             if not batches:
                 return True
-            conn = self._connection(batches, deadline)
-            if conn is None:
+            conns = self._connections(batches, deadline)
+            if conns is None:
                 return False
-            (batch,) = batches
-            job.remote_done(set(batch.owners[0]), self._transfer(batch, conn, deadline))
+            failed = self._read_round(batches, conns, deadline)
+            job.remote_done({i for batch in batches for i in batch.owners[0]}, failed)
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
         return True
 
+    def _read_round(self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float) -> set[int]:
+        """Send every node its read (a small frame: it never waits for room), then land each
+        reply as it starts to come, whichever node answers first, so that a node that stops
+        answering holds none of the others' replies: the key indexes whose frames failed."""
+        if len(batches) == 1:
+            return self._transfer(batches[0], conns[0], deadline)
+        failed: set[int] = set()
+        waiting: dict[int, tuple[RemoteBatch, BlockingConnection, int]] = {}  # by descriptor
+        for batch, conn in zip(batches, conns):
+            try:
+                (request_id,) = conn.send([batch.frames[0][0]], deadline)
+                waiting[conn.fileno()] = (batch, conn, request_id)
+            except KVPoolError as exc:
+                failed |= self._failed(batch, conn, exc)
+        try:
+            with selectors.DefaultSelector() as selector:
+                for descriptor in waiting:
+                    selector.register(descriptor, selectors.EVENT_READ)
+                while waiting and (remaining_s := deadline - time.monotonic()) > 0:
+                    for key, _ in selector.select(remaining_s):
+                        selector.unregister(key.fd)
+                        batch, conn, request_id = waiting.pop(key.fd)
+                        failed |= self._reply(batch, conn, request_id, batch.frames[0][1], deadline)
+        finally:  # not answered in time (or interrupted): a late reply must not answer the next
+            for batch, conn, _ in waiting.values():
+                self._links.link().drop(batch.endpoint)
+                failed.update(batch.owners[0])
+                log.info("read from %s failed: no reply in time", batch.endpoint)
+        return failed
+
     def write(self, batches: list[RemoteBatch]) -> list[set[int]] | None:
-        """Write a put's frames for other hosts' nodes (PutJob.remote) from this thread, within
-        one transfer timeout: per batch, the key indexes whose frame failed; None when they are
-        not for this thread (see the module) and nothing was sent: the caller writes through
-        the loop."""
+        """Write a put's frame for another host's node (PutJob.remote) from this thread, within
+        one transfer timeout: the key indexes whose frame failed; None when it is not for this
+        thread (see the module) and nothing was sent: the caller writes through the loop."""
+        if len(batches) != 1:
+            return None  # several nodes: a send may wait for room, and one node stalled must not hold the rest
         deadline = time.monotonic() + self._transfer_timeout_ms / 1000
-        conn = self._connection(batches, deadline)
-        return None if conn is None else [self._transfer(batches[0], conn, deadline)]
+        conns = self._connections(batches, deadline)
+        return None if conns is None else [self._transfer(batches[0], conns[0], deadline)]
 
     def _transfer(self, batch: RemoteBatch, conn: BlockingConnection, deadline: float) -> set[int]:
         """Send the batch's frame and take the node's reply: the key indexes whose frame failed
@@ -120,33 +154,50 @@ class NodeLinks:
                 request_id, sinks = conn.send_payload(message, views, write_landing(message), deadline), []
             else:
                 (request_id,), sinks = conn.send([message], deadline), views
+        except KVPoolError as exc:
+            return self._failed(batch, conn, exc)
+        return self._reply(batch, conn, request_id, sinks, deadline)
+
+    def _reply(
+        self, batch: RemoteBatch, conn: BlockingConnection, request_id: int, sinks: list[memoryview], deadline: float
+    ) -> set[int]:
+        """Take the node's reply to the batch's frame: the key indexes that failed, none or all."""
+        try:
             _, reply = conn.reply_into({request_id: sinks}, deadline)
             if isinstance(reply, ErrorReply):  # the node refused the frame; the connection is clean
                 raise error_from_code(reply.code, reply.message)
         except KVPoolError as exc:
-            log.info("transfer with %s failed: %s", batch.endpoint, exc)
-            if conn.is_closed():
-                self._links.link().drop(batch.endpoint)
-            return set(batch.owners[0])
+            return self._failed(batch, conn, exc)
         except BaseException:  # interrupted: a reply may still come, and must not answer the next
             self._links.link().drop(batch.endpoint)
             raise
         return set()
 
-    def _connection(self, batches: list[RemoteBatch], deadline: float) -> BlockingConnection | None:
-        """This thread's connection to the round's node, opened when needed; None when the
-        round is not for this thread (see the module)."""
-        if len(batches) != 1 or len(batches[0].frames) != 1:
-            return None  # several nodes, or several frames: the loop carries them side by side
+    def _failed(self, batch: RemoteBatch, conn: BlockingConnection, exc: KVPoolError) -> set[int]:
+        log.info("transfer with %s failed: %s", batch.endpoint, exc)
+        if conn.is_closed():
+            self._links.link().drop(batch.endpoint)
+        return set(batch.owners[0])
+
+    def _connections(self, batches: list[RemoteBatch], deadline: float) -> list[BlockingConnection] | None:
+        """This thread's connection to each node of a round, opened when needed; None when
+        the round is not for this thread (see the module)."""
+        if any(len(batch.frames) != 1 for batch in batches):
+            return None  # several frames for a node: the loop's lanes carry them side by side
         link = self._links.link()
         if not link.is_admitted or self._links.is_closed:
             return None
-        endpoint = batches[0].endpoint
-        conn = link.conns.get(endpoint)
-        if conn is not None and (conn.awaits_replies() or not conn.is_usable()):  # a node that restarted
-            link.drop(endpoint)
-            conn = None
-        return conn if conn is not None else self._open(link, endpoint, deadline)
+        conns = []
+        for endpoint in [batch.endpoint for batch in batches]:
+            conn = link.conns.get(endpoint)
+            if conn is not None and (conn.awaits_replies() or not conn.is_usable()):  # a node that restarted
+                link.drop(endpoint)
+                conn = None
+            conn = conn if conn is not None else self._open(link, endpoint, deadline)
+            if conn is None:
+                return None
+            conns.append(conn)
+        return conns
 
     def _open(self, link: _ThreadNodes, endpoint: str, deadline: float) -> BlockingConnection | None:
         now = time.monotonic()

@@ -21,8 +21,8 @@ while the caller copies the last, where one request per batch had each wait for 
 
 A get's reads of other hosts' nodes, and a lone put's writes to them, take the same shorter
 way (client/node_links.py): each caller thread reads and writes over blocking connections of
-its own, straight into and out of the caller's buffers, when the transfer is one frame for one
-node; larger ones, and those of several nodes, go through the loop.
+its own, straight into and out of the caller's buffers, when each node's share is one frame
+and a write goes to one node; the rest goes through the loop.
 """
 
 from __future__ import annotations

@@ -302,6 +302,11 @@ class BlockingConnection:
     def is_closed(self) -> bool:
         return self._socket is None
 
+    def fileno(self) -> int:
+        """The socket's descriptor, to wait on several connections at once (selectors);
+        -1 once closed."""
+        return -1 if self._socket is None else self._socket.fileno()
+
     def awaits_replies(self) -> bool:
         """Whether requests sent have replies not read yet."""
         return bool(self._unanswered)

@@ -1,0 +1,72 @@
+"""NodeLinks (kvpool/client/node_links.py): a sync Store's reads of nodes from the calling thread.
+
+How: raw sockets play two nodes (conftest.raw_server): one never answers, the other answers a
+read larger than the socket buffers hold, so that its sender waits for the reader. Cluster tests
+(test_cluster.py) cover the same paths against real node processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import xxhash
+from conftest import raw_server, requests_read
+
+from kvpool.client.node_links import NodeLinks
+from kvpool.client.transfer import GetJob, now_monotonic_ms
+from kvpool.config import ClientConfig
+from kvpool.errors import ErrorCode
+from kvpool.protocol.frames import encode_frame
+from kvpool.protocol.messages import GetReplicaListReply, ReadReply, Replica, SegmentInfo
+
+MIB = 1 << 20
+
+
+def test_a_node_that_never_answers_holds_none_of_another_nodes_reply() -> None:
+    """A read of two nodes: the first asked never answers; the second's reply (3 MiB from a
+    sender whose buffer holds 16 KiB: it can only finish while the reader reads) still lands
+    whole within the deadline, and only the silent node's key fails."""
+    stored = os.urandom(3 * MIB)  # what the answering node holds at offset 0
+    silent_value = os.urandom(MIB)
+    released = threading.Event()
+
+    def never_answer(conn: socket.socket) -> None:
+        requests_read(conn, 1)
+        released.wait(10)
+
+    def answer(conn: socket.socket) -> None:
+        (request,) = requests_read(conn, 1)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+        payload = b"".join(stored[item.offset : item.offset + item.size] for item in request.message.items)
+        frame = encode_frame(ReadReply(len(payload)), request.request_id, is_reply=True, payload_size=len(payload))
+        conn.sendall(frame + payload)
+        released.wait(10)
+
+    with raw_server(never_answer) as silent, raw_server(answer) as answering:
+        infos = {
+            "A": SegmentInfo("A", "node-A", "elsewhere", silent, "", b"t", 1 << 30),
+            "B": SegmentInfo("B", "node-B", "elsewhere", answering, "", b"t", 1 << 30),
+        }
+        values = [silent_value] + [stored[i * MIB : (i + 1) * MIB] for i in range(3)]
+        reply = GetReplicaListReply(
+            [0] * 4, [MIB] * 4, [xxhash.xxh3_64_intdigest(v) for v in values],
+            [[Replica("A", 0)]] + [[Replica("B", i * MIB)] for i in range(3)], 10_000, infos,
+        )  # fmt: skip
+        job = GetJob(reply, [None] * 4, now_monotonic_ms(), lambda info: None, ["a", "b0", "b1", "b2"])
+        job.copy_local()  # nothing is mapped here
+        assert [batch.endpoint for batch in job.remote_batches()] == [silent, answering]  # the silent first
+        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500))
+        try:
+            started = time.monotonic()
+            assert links.read(job)
+            assert time.monotonic() - started < 3
+            job.finish(now_monotonic_ms())
+            assert job.results[1:] == values[1:]
+            assert job.results[0] is None and job.codes[0] == ErrorCode.TRANSFER_FAIL
+            assert [conn.peer for conn in links.connections()] == [answering]  # the silent one's is closed
+        finally:
+            released.set()
+            links.close()
