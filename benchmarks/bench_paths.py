@@ -5,8 +5,8 @@ Each part prints one JSON object (medians); run one with its name, or all by def
     python benchmarks/bench_paths.py [PART ...]   (round-trips master mixed-sizes fragmentation
                                                  full-cache-soak node-commit puts-after-remove
                                                  client put-phases tcp-transfers page-gets
-                                                 pieces landing copies payload-alignment files
-                                                 bytecodes)
+                                                 pieces caller-thread landing copies
+                                                 payload-alignment files bytecodes)
 
   round-trips  a 200-byte send and a round trip between two processes over TCP loopback and a
                Unix socket (blocking sockets), and over a Unix socket to a receiver that waits
@@ -67,6 +67,11 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                on the same host; and what batches of 128 that go whole would do in two pieces:
                gets over TCP (shm off) and of 64 KiB objects, puts of 4 KiB pages; and
                AsyncStore's gets of 4 KiB pages in batches of 128 and 512.
+  caller-thread
+               a sync Store's transfers over TCP from the calling thread's own connections to
+               nodes (client/node_links.py) against through its loop thread, toggled round by
+               round in one cluster: 4 KiB gets and puts in batches of 128, with one node and
+               with two (each batch's gets half on each).
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
@@ -1069,6 +1074,56 @@ def pieces() -> dict:
     return result
 
 
+def caller_thread() -> dict:
+    """A sync Store's transfers over TCP (shm off) from the calling thread's own connections
+    (client/node_links.py) against through the loop thread, toggled round by round in one
+    cluster (the order too): 4 KiB pages in batches of 128, gets and puts (fresh keys, removed
+    after each round), with one node and with two (each batch's gets half on each node, its
+    puts on one); objects/s (medians of 10 rounds) and the median and range of the per-round
+    ratios."""
+    rounds, batch, batch_count = 10, 128, 24
+    value = os.urandom(4 * KIB)
+    result: dict[str, object] = {}
+    for node_count in (1, 2):
+        with LocalCluster(node_count, "512MiB") as cluster:
+            with Store(cluster.master_endpoint, shm_enabled=False) as store:
+                own_read, own_write = store._nodes.read, store._nodes.write
+                segments = [node.info["segment_id"] for node in cluster.nodes]
+                get_keys = []
+                for b in range(batch_count):
+                    keys = [f"get-{b}-{i}" for i in range(batch)]
+                    for n, segment in enumerate(segments):  # a share of each batch on each node
+                        share = keys[n::node_count]
+                        config = ReplicateConfig(placement="preferred", preferred_segments=[segment])
+                        assert store.put_batch(share, [value] * len(share), config) == [ErrorCode.OK] * len(share)
+                    get_keys.append(keys)
+                for op in ("get", "put"):
+                    rates: dict[str, list[float]] = {"caller_thread": [], "loop": []}
+                    for round_index in range(rounds + 1):  # the first round warms up
+                        for way in ("caller_thread", "loop") if round_index % 2 else ("loop", "caller_thread"):
+                            is_own = way == "caller_thread"
+                            store._nodes.read = own_read if is_own else lambda job: False
+                            store._nodes.write = own_write if is_own else lambda batches: None
+                            started = time.perf_counter()
+                            for b, keys in enumerate(get_keys):
+                                if op == "get":
+                                    assert store.get_batch(keys)[-1] == value
+                                else:
+                                    fresh = [f"put-{round_index}-{way}-{b}-{i}" for i in range(batch)]
+                                    assert store.put_batch(fresh, [value] * batch) == [ErrorCode.OK] * batch
+                            rates[way].append(batch * batch_count / (time.perf_counter() - started))
+                            if op == "put":
+                                store.remove_by_regex("^put-", force=True)
+                    ratios = [a / b for a, b in zip(rates["caller_thread"][1:], rates["loop"][1:])]
+                    case = f"{op}_4KiB_x{batch}_{node_count}_node{'s' if node_count > 1 else ''}"
+                    result[f"{case}_caller_thread_objects_per_s"] = round(statistics.median(rates["caller_thread"][1:]))
+                    result[f"{case}_loop_objects_per_s"] = round(statistics.median(rates["loop"][1:]))
+                    result[f"{case}_ratio_median"] = round(statistics.median(ratios), 3)
+                    result[f"{case}_ratio_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+                store._nodes.read, store._nodes.write = own_read, own_write
+    return result
+
+
 async def async_get_rates(master: str, batch: int, rounds: int, store_module) -> dict[str, list[float]]:
     """`pieces` for AsyncStore: 4 KiB gets in batches of `batch`, in pieces and in one request
     alternating round by round (the first round warms up)."""
@@ -1507,6 +1562,7 @@ PARTS = {
     "tcp-transfers": tcp_transfers,
     "page-gets": page_gets,
     "pieces": pieces,
+    "caller-thread": caller_thread,
     "landing": landing,
     "copies": copies,
     "payload-alignment": payload_alignment,

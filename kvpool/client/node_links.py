@@ -6,7 +6,8 @@ connection, took the replies in epoll-driven callbacks and handed the job back. 
 KV pages that hand-off and the loop's machinery cost more than the transfer: 4 KiB pages over
 TCP in batches of 128, gets 1.05-1.53x (median 1.16) and puts 0.97-1.68x (median 1.25) the
 objects/s of the loop's way when done here (ten alternating rounds each in one cluster,
-2026-12-02; docs/performance.md). So each caller thread keeps a blocking connection of its own
+2026-12-02; `python benchmarks/bench_paths.py caller-thread` runs the comparison, with one node
+and with two; docs/performance.md). So each caller thread keeps a blocking connection of its own
 to each node it talks to (transports/blocking.py), sends the node its frame and takes the
 reply: a read's payload lands straight in the job's buffers (recv_into), a write's leaves
 straight from the caller's (sendmsg), as a plain socket pair moves bytes. The loop is not woken.
