@@ -51,7 +51,6 @@ from kvpool.protocol.messages import (
     ListReply,
     LongestPrefix,
     Message,
-    PutRevoke,
     PutStart,
     PutStartReply,
     QueryObjects,
@@ -492,7 +491,7 @@ class AsyncStore:
             job.ended(end, await self._master.call(job.put_end(end), is_idempotent=False))
         if revoke:
             try:
-                await self._master.call(PutRevoke([job.keys[i] for i in revoke]), is_idempotent=False)
+                await self._master.call(job.put_revoke(revoke), is_idempotent=False)
             except KVPoolError as exc:
                 # The master discards the put at its timeout anyway: nothing leaks.
                 log.info("put_revoke failed (the master will discard the put): %s", exc)

@@ -73,7 +73,6 @@ from kvpool.protocol.messages import (
     ListReply,
     LongestPrefix,
     Message,
-    PutRevoke,
     QueryObjects,
     QueryReply,
     ReplicateConfig,
@@ -534,11 +533,9 @@ class Store:
         job.copy_local()
         if len(keys) >= PUT_PIECES_FROM_KEYS:
             self._put_was_local = not job.remote
-        failed: list[set[int]] | None = []
-        if job.remote:
-            failed = self._nodes.write(job.remote)
-            if failed is None:  # not for this thread's own connections: through the loop
-                return self._run(async_store._put_finish(job))
+        failed = self._nodes.write(job.remote) if job.remote else []
+        if failed is None:  # not for this thread's own connections: through the loop
+            return self._run(async_store._put_finish(job))
         return self._put_settled(job, failed)
 
     def _put_settled(self, job: PutJob, failed: list[set[int]]) -> list[int]:
@@ -549,7 +546,7 @@ class Store:
             job.ended(end, self._ask(job.put_end(end), is_idempotent=False))
         if revoke:
             try:
-                self._ask(PutRevoke([job.keys[i] for i in revoke]), is_idempotent=False)
+                self._ask(job.put_revoke(revoke), is_idempotent=False)
             except KVPoolError as exc:  # the master discards the put at its timeout anyway
                 log.info("put_revoke failed (the master will discard the put): %s", exc)
         return job.codes

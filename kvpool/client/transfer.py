@@ -53,6 +53,7 @@ from kvpool.protocol.messages import (
     GetReplicaListReply,
     Message,
     PutEnd,
+    PutRevoke,
     PutStartReply,
     ReadItem,
     ReadSlices,
@@ -361,6 +362,10 @@ class PutJob:
         """The PutEnd of the keys at `end` (indexes), with their checksums."""
         return PutEnd([self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place)
 
+    def put_revoke(self, revoke: Sequence[int]) -> PutRevoke:
+        """The PutRevoke of the keys at `revoke` (indexes): none of their replicas was written."""
+        return PutRevoke([self.keys[i] for i in revoke])
+
     def ended(self, end: Sequence[int], reply: Message) -> None:
         """Take the master's codes for the keys of put_end(end)."""
         assert isinstance(reply, CodesReply)
@@ -644,18 +649,17 @@ class GetJob:
         batches = {endpoint: cutter.finish() for endpoint, cutter in cutters.items()}
         for endpoint, indexes in pages.items():
             batch = batches.setdefault(endpoint, RemoteBatch(endpoint, [], []))
-            self._page_frames(batch, indexes)
+            self._page_frames(batch, indexes, join)
         return list(batches.values())
 
-    def _page_frames(self, batch: RemoteBatch, indexes: list[int]) -> None:
+    def _page_frames(
+        self, batch: RemoteBatch, indexes: list[int], join: Callable[[ReadItem, Replica, int, int], bool]
+    ) -> None:
         """Frames for plain gets of small objects (KV pages): each frame's payload lands in one
         buffer of the job's own, one receive instead of a sink per object, and each object's
         view of it is hashed, checked and copied into the bytes returned (_verify). Pages that
-        follow each other in a DRAM segment are read as one item (up to a slice). Kept tight:
-        a plain get over TCP plans every page here (bench_paths.py bytecodes)."""
+        follow each other in a DRAM segment are read as one item (`join`, up to a slice)."""
         sizes, candidates, tried, landed = self.reply.sizes, self._candidates, self._tried, self._landed
-        is_dram = {segment_id: info.tier == TIER_DRAM for segment_id, info in self.reply.segments.items()}
-        slice_bytes_max = limits.SLICE_SIZE_BYTES_MAX
         frames: list[list[int]] = []
         frame: list[int] = []
         at = 0
@@ -669,21 +673,11 @@ class GetJob:
         for frame in frames:
             _, arena = _new_bytes(max(2, sum([sizes[index] for index in frame])))
             items: list[ReadItem] = []
-            last: ReadItem | None = None  # the item the next page may extend
             at = 0
             for index in frame:
                 replica, size = candidates[index][tried[index]], sizes[index]
-                if (
-                    last is not None
-                    and last.offset + last.size == replica.offset
-                    and last.segment_id == replica.segment_id
-                    and last.size + size <= slice_bytes_max
-                ):
-                    last.size += size
-                else:
-                    item = ReadItem(replica.segment_id, replica.offset, size)
-                    items.append(item)
-                    last = item if is_dram[replica.segment_id] else None  # a disk tier: a file each
+                if not items or not join(items[-1], replica, 0, size):
+                    items.append(ReadItem(replica.segment_id, replica.offset, size))
                 landed[index] = arena[at : at + size]
                 at += size
             batch.frames.append((_read_slices(items, [arena]), [arena[:at]]))
@@ -692,10 +686,8 @@ class GetJob:
     def remote_done(self, key_indexes: set[int], failed: set[int]) -> None:
         """TCP reads of `key_indexes` finished; those in `failed` did not arrive whole."""
         arrived = []
-        candidates, tried, reading = self._candidates, self._tried, self._reading
         for index in sorted(key_indexes):
-            reading[index] = candidates[index][tried[index]]  # what _take_next does, inline
-            tried[index] += 1
+            self._take_next(index)
             if index in failed:
                 self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
             else:

@@ -33,13 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from kvpool import limits
-from kvpool.errors import (
-    ConnectFailed,
-    ProtocolError,
-    RpcFailed,
-    RpcTimeout,
-    error_from_code,
-)
+from kvpool.errors import ConnectFailed, ProtocolError, RpcFailed, RpcTimeout, error_from_code
 from kvpool.protocol import auth
 from kvpool.protocol.frames import (
     NEED_DATA,
@@ -350,21 +344,19 @@ class BlockingConnection:
 
     def _receive(self, deadline: float) -> Frame:
         """The next frame; the caller lands its payload, if it has one (`reply_into`)."""
-        decoder = self._decoder
         while True:
             event = self._next_event()
             if event is not NEED_DATA:
                 if not isinstance(event, Frame):
                     raise RpcFailed(f"{self.peer} sent an unexpected {type(event).__name__}")
                 return event
-            self._receive_some(decoder, deadline)
+            self._receive_some(deadline)
 
     def _land_payload(self, deadline: float) -> None:
         """Receive the payload of the frame just read into the sinks the decoder was given:
         straight into them (recv_into), but for what came in with the frame."""
-        decoder = self._decoder
         while (event := self._next_event()) is NEED_DATA:
-            self._receive_some(decoder, deadline)
+            self._receive_some(deadline)
         assert isinstance(event, PayloadDone), event
 
     def _next_event(self) -> object:
@@ -373,8 +365,8 @@ class BlockingConnection:
         except ProtocolError as exc:
             raise RpcFailed(f"{self.peer} broke the protocol: {exc}") from None
 
-    def _receive_some(self, decoder: FrameDecoder, deadline: float) -> None:
-        sock = self._live_socket()
+    def _receive_some(self, deadline: float) -> None:
+        sock, decoder = self._live_socket(), self._decoder
         try:
             sock.settimeout(_remaining_s(deadline))
             received = sock.recv_into(decoder.get_buffer())
