@@ -20,14 +20,14 @@ memcpy path: 0.91-1.0x of the previous way in four runs (the per-part bookkeepin
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 import xxhash
+
+from kvpool.threads import ThreadPool
 
 # Batches smaller than this are handled in the calling thread: a hand-off costs more.
 PARALLEL_BYTES_MIN = 1 << 20
@@ -49,8 +49,7 @@ SIMD_COPY_INTO_SEGMENT_BYTES_MIN = COPY_CHUNK_BYTES
 # (data at +16). Both release the GIL; elsewhere they run at the same speed.
 _copy = np.positive
 _THREAD_COUNT = min(4, os.cpu_count() or 1)
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pool = ThreadPool(_THREAD_COUNT, "kvpool-hash")
 
 Parts = Sequence[memoryview | bytes]
 T = TypeVar("T")
@@ -208,17 +207,10 @@ def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[i
             share_bytes = 0
         shares[-1].append(item)
         share_bytes += size
-    pool = _thread_pool()
+    pool = _pool.executor()
     others = [pool.submit(lambda share=share: [function(item) for item in share]) for share in shares[1:]]
     results = [function(item) for item in shares[0]]
     for future in others:
         results.extend(future.result())
     return results
 
-
-def _thread_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(_THREAD_COUNT, thread_name_prefix="kvpool-hash")
-        return _pool

@@ -38,6 +38,13 @@ class BufferRegistry:
     def __len__(self) -> int:
         return len(self._starts)
 
+    def copy_after_fork(self) -> BufferRegistry:
+        """The same ranges under a new lock, for a forked child: a buffer's address is the
+        same there, and the lock a parent thread may have held at the fork stays held."""
+        registry = BufferRegistry()
+        registry._starts, registry._views, registry._owners = list(self._starts), dict(self._views), dict(self._owners)
+        return registry
+
     def register(self, buffer: object | int, size_bytes: int | None = None) -> int:
         """Register `size_bytes` at address `buffer`, or a buffer object. Returns its address.
 

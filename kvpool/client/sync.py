@@ -23,6 +23,10 @@ A get's reads of other hosts' nodes, and a lone put's writes to them, take the s
 way (client/node_links.py): each caller thread reads and writes over blocking connections of
 its own, straight into and out of the caller's buffers, when each node's share is one frame
 and a write goes to one node; the rest goes through the loop.
+
+A child forked from the process that opened a Store (multiprocessing's workers) has none of
+its threads: the Store opens itself anew there on the child's first call, and never uses nor
+closes what the child inherited of the parent's (Store._reopen_after_fork).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -59,6 +64,7 @@ from kvpool.errors import (
     ConnectFailed,
     ErrorCode,
     InvalidParams,
+    InvalidRequest,
     KVPoolError,
     NotLeader,
     RpcFailed,
@@ -116,6 +122,15 @@ class _LoopThread:
                 cls._instance = cls()
             return cls._instance
 
+    @classmethod
+    def _forget_after_fork(cls) -> None:
+        """In a forked child: the parent's loop has no thread here, and is never run or
+        closed (its epoll instance is the parent's too: see Store._reopen_after_fork)."""
+        if cls._instance is not None:
+            _inherited.append(cls._instance)
+        cls._instance = None
+        cls._lock = threading.Lock()
+
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_ms: int) -> T:
         assert threading.current_thread() is not self.thread, "Store used from its own loop"
         call = _Call(coroutine)
@@ -126,6 +141,27 @@ class _LoopThread:
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
+
+
+# What a forked child inherited of the parent's Stores and loop, kept as it is for the
+# child's life: closing any of it would act on the parent's connections (a socket's shutdown
+# ends it for both processes; uvloop unregistering a socket from the epoll instance both
+# share would leave the parent's loop deaf to it). A few file descriptors a Store.
+_inherited: list[object] = []
+# How many times this process's line has been forked (a Store opened at another count was
+# opened by an ancestor: Store._reopen_after_fork).
+_forks = 0
+_reopening = threading.Lock()  # one thread of a child reopens a Store at a time
+
+
+def _after_fork_in_child() -> None:
+    global _forks, _reopening
+    _forks += 1
+    _reopening = threading.Lock()
+    _LoopThread._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Call:
@@ -335,22 +371,65 @@ class Store:
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
         self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
+        self._forks = _forks  # this process's fork count when the Store was opened
 
     def __repr__(self) -> str:
         return f"<Store {self._async!r}>"
 
+    def _in_this_process(self) -> None:
+        """Every call starts here: a Store opened by a process this one was forked from is
+        opened anew first (_reopen_after_fork)."""
+        if self._forks != _forks:
+            self._reopen_after_fork()
+
+    def _reopen_after_fork(self) -> None:
+        """Open this Store again in a child forked from the process that opened it (as
+        multiprocessing's workers are): a loop thread of its own, a connection of its own to
+        the master, and its threads' own connections; the registered buffers carry over (the
+        same addresses in the child's copy of the memory). The child's copies of the parent's
+        connections are left as they are, never used nor closed (_inherited). A Store that
+        contributes a segment is refused: its node serves from the parent.
+
+        Raises:
+            InvalidRequest: the Store contributes a segment (embedded mode).
+            ConnectFailed, Unauthorized: as when it was opened.
+        """
+        with _reopening:
+            if self._forks == _forks:  # another of the child's threads did it meanwhile
+                return
+            inherited = self._async
+            if inherited.embedded_segment is not None:
+                raise InvalidRequest(
+                    "this Store contributes a segment from the process it was opened in: "
+                    "open a Store of its own in a forked child"
+                )
+            _inherited.append((inherited, self._direct, self._nodes))
+            self._loop = _LoopThread.get()
+            fresh: AsyncStore = self._loop.run(AsyncStore.open(**vars(inherited.config)), self._timeout_ms)
+            fresh.buffers = inherited.buffers.copy_after_fork()
+            self._async = fresh
+            self._direct = _DirectLinks(fresh._master, fresh._key, fresh.config)
+            self._nodes = NodeLinks(fresh._key, fresh.config)
+            self._in_flight_lock = threading.Lock()  # another parent thread may have held it
+            self._puts_in_flight = 0
+            self._forks = _forks
+
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        self._in_this_process()
         return self._loop.run(coroutine, self._timeout_ms)
 
     def _ask(self, message: Message, is_idempotent: bool = True) -> Message:
         """The master's reply: on this thread's own connection, or through the loop when the
         master did not see the request there (see the module and _DirectLinks.ask)."""
+        self._in_this_process()
         reply = self._direct.ask(message, is_idempotent)
         if reply is None:
             reply = self._run(self._async._master.call(message, is_idempotent=is_idempotent))
         return reply
 
     def close(self) -> None:
+        if self._forks != _forks:  # opened by the parent, never used here: nothing of the child's
+            return
         self._direct.close()
         self._nodes.close()
         self._run(self._async.aclose())
@@ -480,6 +559,7 @@ class Store:
         keys: Sequence[str],
         config: ReplicateConfig | None,
     ) -> list[int]:
+        self._in_this_process()
         with self._in_flight_lock:
             is_alone = not self._puts_in_flight
             self._puts_in_flight += 1
@@ -592,6 +672,7 @@ class Store:
     ) -> list[GetJob]:
         """Look up, copy what is mapped here, read the rest over TCP: a job per piece of the
         batch (the AsyncStore's GetPieces decides, for both), in order."""
+        self._in_this_process()
         if len(keys) < GET_PIECES_FROM_KEYS:
             return self._get_whole(keys, targets, starts)
         with self._async._get_pieces.pieces(keys, targets) as pieces:

@@ -20,10 +20,8 @@ skipped: no node serves it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +60,7 @@ from kvpool.protocol.messages import (
     WriteItem,
     WriteSlices,
 )
+from kvpool.threads import ThreadPool
 from kvpool.transports import files
 
 _OK = int(ErrorCode.OK)
@@ -552,7 +551,7 @@ class GetJob:
                 files.prefetch(path)  # the device reads them all at once
                 prefetched_bytes += self.reply.sizes[index]
         if len(reads) > 1:  # several files: on several threads, so the device has them all
-            sums = list(_file_readers().map(lambda read: self._read_file(*read), reads))
+            sums = list(_file_readers.executor().map(lambda read: self._read_file(*read), reads))
         else:
             sums = [self._read_file(*read) for read in reads]
         for (index, _), checksum in zip(reads, sums):
@@ -857,20 +856,9 @@ def _grown(last: WriteItem | ReadItem, size: int) -> bool:
     return True
 
 
-_file_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_file_pool_lock = threading.Lock()
-
-
-def _file_readers() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's threads that read disk and DFS object files for gets (preadv releases
-    the GIL): a batch's files are read at once, as the device prefers."""
-    global _file_pool
-    with _file_pool_lock:
-        if _file_pool is None:
-            _file_pool = concurrent.futures.ThreadPoolExecutor(
-                FILE_READ_THREADS, thread_name_prefix="kvpool-file-read"
-            )
-        return _file_pool
+# The process's threads that read disk and DFS object files for gets (preadv releases the
+# GIL): a batch's files are read at once, as the device prefers.
+_file_readers = ThreadPool(FILE_READ_THREADS, "kvpool-file-read")
 
 
 def _prefix(parts: Sequence[memoryview], size: int) -> list[memoryview]:

@@ -28,6 +28,7 @@ sans-IO core's, shared with Connection.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,7 @@ class BlockingConnection:
 
     __slots__ = (
         "endpoint", "peer", "_socket", "_decoder", "_next_request_id", "_unanswered", "_early", "_pads_payloads",
+        "_opener_pid",
     )  # fmt: skip
 
     def __init__(self, endpoint: str, sock: socket.socket, peer: str) -> None:
@@ -69,6 +71,7 @@ class BlockingConnection:
         self._unanswered: set[int] = set()  # ids of the requests sent whose reply is not read yet
         self._early: dict[int, Frame] = {}  # replies read before their request's turn
         self._pads_payloads = sock.family != socket.AF_UNIX  # over TCP: see frames.payload_padding
+        self._opener_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"<BlockingConnection {self.endpoint} {self.peer} {'closed' if self.is_closed() else 'open'}>"
@@ -323,13 +326,17 @@ class BlockingConnection:
         return False
 
     def close(self) -> None:
-        """Idempotent; from any thread (a receive blocked on this connection returns)."""
+        """Idempotent; from any thread (a receive blocked on this connection returns). In a
+        child forked since it was opened, only the child's descriptor closes: a shutdown
+        would end the connection for the parent too (a forked child drops the links of the
+        parent's other threads as it starts: client/sync.py)."""
         sock, self._socket = self._socket, None
         self._unanswered.clear()  # no reply will be read here any more
         self._early.clear()
         if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            if os.getpid() == self._opener_pid:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
     def _send(self, data: bytes, deadline: float) -> None:

@@ -26,7 +26,6 @@ the connection, so no late byte can ever reach a buffer the caller got back.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -64,6 +63,7 @@ from kvpool.protocol.messages import (
     ErrorReply,
     Message,
 )
+from kvpool.threads import ThreadPool
 from kvpool.transports import files
 from kvpool.transports.busy_poll import BusyPoll
 from kvpool.transports.files import FileRange
@@ -71,7 +71,7 @@ from kvpool.transports.files import FileRange
 # Threads that send file-backed frames (sendfile blocks on the disk): one frame per connection
 # at a time, so this bounds the disk reads in flight per process.
 FILE_SENDER_THREADS = 8
-_file_senders: concurrent.futures.ThreadPoolExecutor | None = None
+_file_senders = ThreadPool(FILE_SENDER_THREADS, "kvpool-sendfile")
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._sender_fd = os.dup(sock.fileno())
                 try:
                     await self._loop.run_in_executor(
-                        _file_sender_pool(), files.send_parts, self._sender_fd, parts,
+                        _file_senders.executor(), files.send_parts, self._sender_fd, parts,
                         limits.TRANSFER_TIMEOUT_MS_DEFAULT,
                     )  # fmt: skip
                 finally:
@@ -600,14 +600,6 @@ class Connection(asyncio.BufferedProtocol):
 def _payload_size(payload: Payload) -> int:
     return sum(part.size if type(part) is FileRange else len(part) for part in payload)  # type: ignore[union-attr]
 
-
-def _file_sender_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _file_senders
-    if _file_senders is None:
-        _file_senders = concurrent.futures.ThreadPoolExecutor(
-            FILE_SENDER_THREADS, thread_name_prefix="kvpool-sendfile"
-        )
-    return _file_senders
 
 
 def _log_task_failure(task: asyncio.Task[None]) -> None:

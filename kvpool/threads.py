@@ -1,0 +1,48 @@
+"""Thread pools of the process, started on first use and started afresh in a forked child.
+
+A child forked from a process (multiprocessing's default start method on Linux) inherits a
+copy of the parent's pool objects but none of their threads: work submitted there would wait
+forever, and a lock some other parent thread held at the fork would never be released. So in
+the child every pool here forgets its executor and its lock; the next use starts new threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import weakref
+
+
+class ThreadPool:
+    """A ThreadPoolExecutor of `threads` threads named `name`-N, made when first asked for."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self._name = name
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        _pools.add(self)
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self._name)
+            return self._executor
+
+    def _forget_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._executor = None  # its threads are the parent's; nothing here waits on them
+
+
+_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_pools):
+        pool._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+__all__ = ["ThreadPool"]
