@@ -116,6 +116,12 @@ class InvalidParams(InvalidRequest):
     code = ErrorCode.INVALID_PARAMS
 
 
+class StoreClosed(InvalidRequest):
+    """A call on a Store or AsyncStore after its close(): it opens no connection again."""
+
+    code = ErrorCode.INVALID_PARAMS
+
+
 class Unauthorized(InvalidRequest):
     """Wrong cluster token, or a write outside a granted range."""
 

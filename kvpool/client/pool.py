@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
-from kvpool.errors import ConnectFailed, NotLeader, RpcFailed, RpcTimeout
+from kvpool.errors import ConnectFailed, NotLeader, RpcFailed, RpcTimeout, StoreClosed
 from kvpool.protocol.messages import Message
 from kvpool.transports.connection import Connection, ReplySinks, connect
 
@@ -112,6 +112,7 @@ class MasterLink:
         # request, but keep the connection if it still is the leader (one still recovering).
         self._is_stale = False
         self._lock = asyncio.Lock()
+        self._is_closed = False
 
     def __repr__(self) -> str:
         return f"<MasterLink {self._resolver!r} {self._conn!r}>"
@@ -135,6 +136,8 @@ class MasterLink:
             conn = self._usable()
             if conn is not None:
                 return conn
+            if self._is_closed:  # closed while this call waited: it opens nothing
+                raise StoreClosed("the store is closed")
             timeout_ms = max(1, min(timeout_ms, self._connect_timeout_ms))
             endpoint = await self._resolver.resolve(timeout_ms)
             old = self._conn
@@ -164,7 +167,10 @@ class MasterLink:
         Raises:
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
             request.
+            StoreClosed: the link was closed (its store's close()).
         """
+        if self._is_closed:
+            raise StoreClosed("the store is closed")
         timeout_ms = timeout_ms or self._rpc_timeout_ms
         deadline = time.monotonic() + (self._connect_timeout_ms + timeout_ms) / 1000
         is_dynamic = self._resolver.is_dynamic
@@ -208,6 +214,8 @@ class MasterLink:
         raise error
 
     def close(self) -> None:
+        """For good: a call after this raises StoreClosed instead of connecting again."""
+        self._is_closed = True
         if self._conn is not None:
             self._conn.close("client closed")
 

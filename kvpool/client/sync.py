@@ -69,6 +69,7 @@ from kvpool.errors import (
     NotLeader,
     RpcFailed,
     RpcTimeout,
+    StoreClosed,
     Unauthorized,
     error_from_code,
 )
@@ -371,15 +372,16 @@ class Store:
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
         self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
-        self._forks = _forks  # this process's fork count when the Store was opened
+        # This process's fork count when the Store was opened here; None once closed.
+        self._opened_in: int | None = _forks
 
     def __repr__(self) -> str:
         return f"<Store {self._async!r}>"
 
-    def _in_this_process(self) -> None:
+    def _check_open(self) -> None:
         """Every call starts here: a Store opened by a process this one was forked from is
-        opened anew first (_reopen_after_fork)."""
-        if self._forks != _forks:
+        opened anew first (_reopen_after_fork); a closed one raises StoreClosed."""
+        if self._opened_in != _forks:
             self._reopen_after_fork()
 
     def _reopen_after_fork(self) -> None:
@@ -391,11 +393,14 @@ class Store:
         contributes a segment is refused: its node serves from the parent.
 
         Raises:
+            StoreClosed: the Store was closed (here or in the parent).
             InvalidRequest: the Store contributes a segment (embedded mode).
             ConnectFailed, Unauthorized: as when it was opened.
         """
         with _reopening:
-            if self._forks == _forks:  # another of the child's threads did it meanwhile
+            if self._opened_in is None:
+                raise StoreClosed("the Store is closed")
+            if self._opened_in == _forks:  # another of the child's threads did it meanwhile
                 return
             inherited = self._async
             if inherited.embedded_segment is not None:
@@ -412,27 +417,33 @@ class Store:
             self._nodes = NodeLinks(fresh._key, fresh.config)
             self._in_flight_lock = threading.Lock()  # another parent thread may have held it
             self._puts_in_flight = 0
-            self._forks = _forks
+            self._opened_in = _forks
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        self._in_this_process()
+        try:
+            self._check_open()
+        except BaseException:
+            coroutine.close()  # made by the caller, never to run
+            raise
         return self._loop.run(coroutine, self._timeout_ms)
 
     def _ask(self, message: Message, is_idempotent: bool = True) -> Message:
         """The master's reply: on this thread's own connection, or through the loop when the
         master did not see the request there (see the module and _DirectLinks.ask)."""
-        self._in_this_process()
+        self._check_open()
         reply = self._direct.ask(message, is_idempotent)
         if reply is None:
             reply = self._run(self._async._master.call(message, is_idempotent=is_idempotent))
         return reply
 
     def close(self) -> None:
-        if self._forks != _forks:  # opened by the parent, never used here: nothing of the child's
+        """Close every connection; a later call raises StoreClosed. Idempotent."""
+        opened_in, self._opened_in = self._opened_in, None
+        if opened_in != _forks:  # closed already, or opened by the parent and never used here
             return
         self._direct.close()
         self._nodes.close()
-        self._run(self._async.aclose())
+        self._loop.run(self._async.aclose(), self._timeout_ms)
 
     def __enter__(self) -> Store:
         return self
@@ -559,7 +570,7 @@ class Store:
         keys: Sequence[str],
         config: ReplicateConfig | None,
     ) -> list[int]:
-        self._in_this_process()
+        self._check_open()
         with self._in_flight_lock:
             is_alone = not self._puts_in_flight
             self._puts_in_flight += 1
@@ -672,7 +683,7 @@ class Store:
     ) -> list[GetJob]:
         """Look up, copy what is mapped here, read the rest over TCP: a job per piece of the
         batch (the AsyncStore's GetPieces decides, for both), in order."""
-        self._in_this_process()
+        self._check_open()
         if len(keys) < GET_PIECES_FROM_KEYS:
             return self._get_whole(keys, targets, starts)
         with self._async._get_pieces.pieces(keys, targets) as pieces:

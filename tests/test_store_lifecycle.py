@@ -1,9 +1,12 @@
-"""A Store opened before the process forks (multiprocessing's default start method on Linux,
-as serving engines' worker pools use it) works in the child, and the parent's Store keeps
+"""A Store's life as a serving process sees it: closed, it refuses every call and opens nothing
+again; opened before the process forks (multiprocessing's default start method on Linux, as
+serving engines' worker pools use it), it works in the child, and the parent's Store keeps
 every connection it had: the child opens its own and never touches the parent's."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -11,8 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool import ErrorCode, Store
-from kvpool.errors import InvalidRequest
+from kvpool import AsyncStore, ErrorCode, Store
+from kvpool.errors import InvalidRequest, StoreClosed
 
 JOIN_TIMEOUT_S = 60.0
 BIG = 20 << 20  # several frames over TCP (through the loop); copied on two threads same-host
@@ -117,3 +120,92 @@ def test_a_store_that_contributes_a_segment_is_refused_in_a_forked_child(make_cl
         assert answer["error"].startswith(InvalidRequest.__name__), answer
         assert "contributes a segment" in answer["error"]
         assert store.get("k") == b"v" * 1000  # the parent's segment serves on
+
+
+def _sockets() -> int:
+    """How many sockets this process holds."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, gone
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def _closed_calls(store: Store, address: int) -> list:
+    """Every kind of call on a closed Store: each must raise StoreClosed."""
+    return [
+        lambda: store.get("k"),
+        lambda: store.put("k2", b"v"),
+        lambda: store.get_batch(["k", "k2"]),
+        lambda: store.batch_get_into(["k"], [address], [PAGE]),
+        lambda: store.batch_put_from(["k3"], [address], [PAGE]),
+        lambda: store.exists("k"),
+        lambda: store.get_size("k"),
+        lambda: store.remove("k"),
+        lambda: store.remove_all(),
+    ]
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["same-host", "tcp"])
+def test_a_closed_store_refuses_every_call_and_opens_no_connection_again(make_cluster, shm_enabled):
+    cluster = make_cluster(1, "64MiB")
+    store = Store(cluster.master_endpoint, shm_enabled=shm_enabled)
+    buffer = np.zeros(PAGE, dtype=np.uint8)
+    address = store.register_buffer(buffer)
+    store.put("k", b"v" * PAGE)
+    other = threading.Thread(target=lambda: store.get("k"))  # a thread's own connections too
+    other.start()
+    other.join()
+    store.close()
+    sockets = _sockets()
+    for call in _closed_calls(store, address):
+        with pytest.raises(StoreClosed):
+            call()
+    failures: list[BaseException] = []
+    other = threading.Thread(target=lambda: failures.append(pytest.raises(StoreClosed, store.get, "k").value))
+    other.start()
+    other.join()
+    assert len(failures) == 1
+    store.close()  # again: nothing to do
+    assert _sockets() <= sockets
+    with Store(cluster.master_endpoint) as another:  # no lease of a closed Store holds "k"
+        another.remove("k")
+        assert another.get("k") is None
+
+
+def test_a_closed_async_store_refuses_every_call_and_opens_no_connection_again(make_cluster):
+    cluster = make_cluster(1, "64MiB")
+
+    async def main() -> None:
+        store = await AsyncStore.open(cluster.master_endpoint)
+        await store.put("k", b"v" * 100)
+        assert await store.get("k") == b"v" * 100
+        await store.aclose()
+        sockets = _sockets()
+        for call in (store.get("k"), store.put("k2", b"v"), store.exists("k"), store.remove("k")):
+            with pytest.raises(StoreClosed):
+                await call
+        await store.aclose()
+        assert _sockets() <= sockets
+
+    asyncio.run(asyncio.wait_for(main(), JOIN_TIMEOUT_S))
+
+
+def _child_close_then_get(store: Store) -> str:
+    store.close()  # the parent's Store, never used here: nothing of the parent's closes
+    try:
+        store.get("k")
+    except StoreClosed:
+        return "StoreClosed"
+    return "answered"
+
+
+def test_a_store_closed_in_the_parent_or_in_the_child_stays_closed_there(make_cluster):
+    cluster = make_cluster(1, "64MiB")
+    closed = Store(cluster.master_endpoint)
+    closed.close()
+    assert _in_child(_child_get, closed, "k")["error"].startswith(StoreClosed.__name__)
+    with Store(cluster.master_endpoint) as store:
+        store.put("k", b"v" * 100)
+        assert _in_child(_child_close_then_get, store) == {"result": "StoreClosed"}
+        assert store.get("k") == b"v" * 100  # the parent's copy is open
