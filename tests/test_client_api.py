@@ -6,8 +6,11 @@ shm and TCP) and embedded mode. Faster than the multi-process tests, same code p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import uvloop
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import InvalidParams, ObjectHasLease, ObjectNotFound
+from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound
 from kvpool.master.server import MasterServer
 from kvpool.node.server import Node
 from kvpool.protocol.messages import ReportBadReplicas
@@ -245,64 +248,84 @@ def test_embedded_mode_contributes_a_segment():
     run(main())
 
 
-def test_sync_store_from_threads():
-    async def serve(ready, stop):
-        async with cluster() as (master, _):
-            ready.set_result(master.endpoint)
-            await stop
-
+@contextlib.contextmanager
+def cluster_on_a_thread(**options):
+    """cluster(**options) served by a loop of its own on another thread, for a sync Store:
+    yields the master's endpoint."""
     loop = uvloop.new_event_loop()
     ready = loop.create_future()
     stop = loop.create_future()
-    import threading
 
-    thread = threading.Thread(target=lambda: loop.run_until_complete(serve(ready, stop)))
+    async def serve():
+        async with cluster(**options) as (master, _):
+            ready.set_result(master.endpoint)
+            await stop
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()))
     thread.start()
     try:
-        import concurrent.futures
-        import time
-
         deadline = time.monotonic() + 20
         while not ready.done() and time.monotonic() < deadline:
             time.sleep(0.01)
-        endpoint = ready.result()
-        with Store(endpoint) as store:
-
-            def worker(n: int) -> bool:
-                keys = [f"t{n}-{i}" for i in range(20)]
-                values = [os.urandom(10_000) for _ in keys]
-                store.put_batch(keys, values)
-                return store.get_batch(keys) == values
-
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                assert all(pool.map(worker, range(8)))
+        yield ready.result()
     finally:
         loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
         thread.join(30)
 
 
-def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):
-    from kvpool.client.transfer import GetJob
+def test_sync_store_from_threads():
+    with cluster_on_a_thread() as endpoint, Store(endpoint) as store:
 
-    finish = GetJob.finish
+        def worker(n: int) -> bool:
+            keys = [f"t{n}-{i}" for i in range(20)]
+            values = [os.urandom(10_000) for _ in keys]
+            store.put_batch(keys, values)
+            return store.get_batch(keys) == values
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(worker, range(8)))
+
+
+def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on():
+    """A bytes key (a hash digest, say) is refused by the client, before the master would take
+    the request for a malformed frame and drop the connection."""
+    bad_keys = [b"digest", 7, None]
+
+    with cluster_on_a_thread() as endpoint, Store(endpoint) as store:
+        store.put("good", b"v" * 100)
+        connection = store._direct.connections()[0]
+        buffer = np.zeros(100, dtype=np.uint8)
+        address = store.register_buffer(buffer)
+        for bad in bad_keys:
+            for call in (
+                lambda: store.put(bad, b"v"), lambda: store.get(bad), lambda: store.get_batch(["good", bad]),
+                lambda: store.batch_get_into([bad], [address], [100]), lambda: store.exists(bad),
+                lambda: store.longest_prefix(["good", bad]), lambda: store.get_size(bad), lambda: store.remove(bad),
+            ):  # fmt: skip
+                with pytest.raises(InvalidKey, match=type(bad).__name__):
+                    call()
+        assert store.get("good") == b"v" * 100
+        assert store._direct.connections() == [connection] and connection.is_usable()
+        with pytest.raises(InvalidKey) as refused:  # a huge key is named, not printed whole
+            store.put("k" * 100_000, b"v")
+        assert len(str(refused.value)) < 300
 
     async def main():
-        async with cluster(lease_ttl_ms=2_000) as (master, _):
-            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
-                await store.put("short-lease", b"v" * 200_000)
-                address = store.register_buffer(bytearray(200_000))
-                assert await store.get("short-lease") == b"v" * 200_000
-                # The read now "takes" 3 s: longer than the lease, so the bytes are not trusted.
-                monkeypatch.setattr(GetJob, "finish", lambda job, now_ms: finish(job, now_ms + 3_000))
-                assert await store.get("short-lease") is None
-                assert await store.get_into("short-lease", address, 200_000) == ErrorCode.LEASE_EXPIRED
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                await store.put("good", b"v" * 100)
+                connection = store._master._conn
+                for bad in bad_keys:
+                    for call in (store.put(bad, b"v"), store.get(bad), store.exists(bad), store.remove(bad)):
+                        with pytest.raises(InvalidKey):
+                            await call
+                assert await store.get("good") == b"v" * 100
+                assert store._master._conn is connection and not connection.is_closed()
 
     run(main())
 
 
 def test_an_unreachable_master_is_a_typed_error_within_the_bound():
-    import time
-
     from kvpool.errors import TransportError
 
     async def main():
@@ -334,9 +357,6 @@ def test_a_key_repeated_in_one_batch_is_put_once():
 def test_the_sync_hand_off_returns_raises_and_cancels_on_its_bound() -> None:
     """Store's calls go through the loop thread: results and errors come back as they are,
     and a call past its bound raises RpcTimeout and is cancelled on the loop."""
-    import threading
-    import time
-
     from kvpool.client.sync import _LoopThread
     from kvpool.errors import RpcTimeout
 

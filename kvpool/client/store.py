@@ -18,7 +18,7 @@ import functools
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import limits
@@ -29,6 +29,7 @@ from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrence
 from kvpool.config import ClientConfig
 from kvpool.errors import (
     ErrorCode,
+    InvalidKey,
     InvalidParams,
     KVPoolError,
     SegmentNotFound,
@@ -89,7 +90,8 @@ class AsyncStore:
     """A connection to a kvpool cluster. Create with `await AsyncStore.open(...)`.
 
     Holds the master link, pooled node connections, mapped same-host segments and registered
-    buffers. Safe to use from many tasks of one event loop; `aclose()` ends it.
+    buffers. Safe to use from many tasks of one event loop; `aclose()` ends it. Keys are str
+    (another type raises InvalidKey: key_list).
     """
 
     def __init__(self, config: ClientConfig) -> None:
@@ -196,7 +198,7 @@ class AsyncStore:
         """
         code = (await self.put_batch([key], [value], config))[0]
         if code != ErrorCode.OK:
-            raise error_from_code(code, f"put {key!r} failed")
+            raise key_error(code, "put", key)
 
     async def put_batch(
         self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
@@ -295,27 +297,27 @@ class AsyncStore:
         return (await self.batch_exists([key]))[0]
 
     async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return exists_flags(await self._master.call(ExistKeys(list(keys)), is_idempotent=True))
+        return exists_flags(await self._master.call(ExistKeys(key_list(keys)), is_idempotent=True))
 
     async def longest_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are present, in one round trip (engines' prefix lookup)."""
-        return prefix_count(await self._master.call(LongestPrefix(list(keys)), is_idempotent=True))
+        return prefix_count(await self._master.call(LongestPrefix(key_list(keys)), is_idempotent=True))
 
     async def get_size(self, key: str) -> int:
         """Raises ObjectNotFound."""
-        return object_size(await self._master.call(QueryObjects([key]), is_idempotent=True), key)
+        return object_size(await self._master.call(QueryObjects(key_list([key])), is_idempotent=True), key)
 
     async def query(self, keys: Sequence[str]) -> QueryReply:
-        return query_reply(await self._master.call(QueryObjects(list(keys)), is_idempotent=True))
+        return query_reply(await self._master.call(QueryObjects(key_list(keys)), is_idempotent=True))
 
     async def remove(self, key: str, force: bool = False) -> None:
         """Raises ObjectNotFound, or ObjectHasLease while a reader holds it (unless force)."""
         code = (await self.batch_remove([key], force))[0]
         if code != ErrorCode.OK:
-            raise error_from_code(code, f"remove {key!r} failed")
+            raise key_error(code, "remove", key)
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        reply = await self._master.call(Remove(list(keys), force), is_idempotent=False)
+        reply = await self._master.call(Remove(key_list(keys), force), is_idempotent=False)
         assert isinstance(reply, CodesReply)
         return reply.codes
 
@@ -394,7 +396,7 @@ class AsyncStore:
         answer comes, while the master looks up the next."""
         lease_start_ms = now_monotonic_ms()
         lookups = [
-            asyncio.ensure_future(self._master.call(GetReplicaList(list(keys[start:end])), is_idempotent=True))
+            asyncio.ensure_future(self._master.call(GetReplicaList(key_list(keys[start:end])), is_idempotent=True))
             for start, end in pieces
         ]
         jobs: list[GetJob] = []
@@ -477,7 +479,7 @@ class AsyncStore:
         self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], config: ReplicateConfig | None
     ) -> PutStart:
         sizes = [len(kp[0]) if len(kp) == 1 else sum(len(p) for p in kp) for kp in parts]
-        return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
+        return PutStart(key_list(keys), sizes, config or ReplicateConfig(), self.hostname)
 
     def _put_job(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
         """The put the master's put_start answer describes. Any thread (the sync Store's)."""
@@ -504,7 +506,7 @@ class AsyncStore:
         starts: Sequence[int | None] | None = None,
     ) -> GetJob:
         lease_start_ms = now_monotonic_ms()
-        reply = await self._master.call(GetReplicaList(list(keys)), is_idempotent=True)
+        reply = await self._master.call(GetReplicaList(key_list(keys)), is_idempotent=True)
         return self._get_job(reply, lease_start_ms, keys, targets, starts)
 
     def _get_job(
@@ -631,6 +633,28 @@ def exists_flags(reply: Message) -> list[bool]:
     return reply.flags
 
 
+def key_list(keys: Iterable[str]) -> list[str]:
+    """`keys` as the list a request carries, each a str: the master takes a request with a key
+    of another type (bytes, say) for a malformed frame and drops the connection, which the
+    caller would see as RpcFailed. Raises InvalidKey."""
+    listed = list(keys)
+    try:
+        "".join(listed)  # in C: stops at the first key that is not a str
+    except TypeError:
+        bad = next(key for key in listed if not isinstance(key, str))
+        raise InvalidKey(f"a key must be a str, not {type(bad).__name__}: {bad!r:.100}") from None
+    return listed
+
+
+def key_error(code: int, action: str, key: str) -> KVPoolError:
+    """The error of a one-key call whose key came back with `code` (not OK), for `action`."""
+    try:
+        reason = ErrorCode(code).name
+    except ValueError:
+        reason = f"code {code}"
+    return error_from_code(code, f"{action} {key!r:.100} failed: {reason}")
+
+
 def prefix_count(reply: Message) -> int:
     assert isinstance(reply, CountReply)
     return reply.count
@@ -640,7 +664,7 @@ def object_size(reply: Message, key: str) -> int:
     """Raises ObjectNotFound."""
     assert isinstance(reply, QueryReply)
     if reply.codes[0] != ErrorCode.OK:
-        raise error_from_code(reply.codes[0], f"no object {key!r}")
+        raise key_error(reply.codes[0], "size of", key)
     return reply.sizes[0]
 
 

@@ -53,6 +53,8 @@ from kvpool.client.store import (
     buffer_starts,
     exists_flags,
     get_into_results,
+    key_error,
+    key_list,
     object_size,
     prefix_count,
     query_reply,
@@ -71,7 +73,6 @@ from kvpool.errors import (
     RpcTimeout,
     StoreClosed,
     Unauthorized,
-    error_from_code,
 )
 from kvpool.protocol.messages import (
     ClusterStatusReply,
@@ -465,7 +466,7 @@ class Store:
     def put(self, key: str, value: BytesLike, config: ReplicateConfig | None = None) -> None:
         code = self.put_batch([key], [value], config)[0]
         if code != ErrorCode.OK:
-            raise error_from_code(code, f"put {key!r} failed")
+            raise key_error(code, "put", key)
 
     def put_batch(
         self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
@@ -533,16 +534,16 @@ class Store:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return exists_flags(self._ask(ExistKeys(list(keys))))
+        return exists_flags(self._ask(ExistKeys(key_list(keys))))
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
-        return prefix_count(self._ask(LongestPrefix(list(keys))))
+        return prefix_count(self._ask(LongestPrefix(key_list(keys))))
 
     def get_size(self, key: str) -> int:
-        return object_size(self._ask(QueryObjects([key])), key)
+        return object_size(self._ask(QueryObjects(key_list([key]))), key)
 
     def query(self, keys: Sequence[str]) -> QueryReply:
-        return query_reply(self._ask(QueryObjects(list(keys))))
+        return query_reply(self._ask(QueryObjects(key_list(keys))))
 
     def remove(self, key: str, force: bool = False) -> None:
         self._run(self._async.remove(key, force))
@@ -698,7 +699,7 @@ class Store:
         starts: Sequence[int | None] | None,
     ) -> list[GetJob]:
         lease_start_ms = now_monotonic_ms()
-        job = self._async._get_job(self._ask(GetReplicaList(list(keys))), lease_start_ms, keys, targets, starts)
+        job = self._async._get_job(self._ask(GetReplicaList(key_list(keys))), lease_start_ms, keys, targets, starts)
         job.copy_local()
         return self._got([job], len(keys) >= GET_PIECES_FROM_KEYS)
 
@@ -716,7 +717,7 @@ class Store:
             job = jobs[index] = self._async._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
             job.copy_local()
 
-        lookups = [GetReplicaList(list(keys[start:end])) for start, end in pieces]
+        lookups = [GetReplicaList(key_list(keys[start:end])) for start, end in pieces]
         self._ask_through_the_loop(lookups, self._direct.ask_each(lookups, found), found, is_idempotent=True)
         return self._got(jobs, True)
 
