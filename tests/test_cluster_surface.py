@@ -115,7 +115,14 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
         assert leased.returncode == 1 and b"OBJECT_HAS_LEASE" in leased.stderr
     assert kvpool_cli("rm", "cli/a", "--force", *master).returncode == 0
     assert kvpool_cli("get", "cli/b", "-o", str(tmp_path / "b.out"), *master).returncode == 0
-    assert kvpool_cli("rm", "cli/b", *master).returncode == 0  # that get gave its lease back
+    for unreadable in (  # a clean error, not a traceback
+        kvpool_cli("put", "cli/c", str(tmp_path / "absent"), *master),
+        kvpool_cli("get", "cli/b", "-o", str(tmp_path / "absent" / "b.out"), *master),
+    ):
+        message = b" ".join(unreadable.stderr.split())  # rich wraps long lines
+        assert unreadable.returncode == 1 and b"No such file or directory" in message, message
+        assert b"Traceback" not in unreadable.stderr
+    assert kvpool_cli("rm", "cli/b", *master).returncode == 0  # those gets gave their leases back
     assert kvpool_cli("get", "cli/a", *master).returncode == 2
     assert kvpool_cli("rm", "--all", "--force", *master).returncode == 0
     assert kvpool_cli("ls", *master).stdout == b""

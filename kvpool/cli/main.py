@@ -357,7 +357,10 @@ def put(
     """Store a file (or stdin) as one object."""
     from kvpool.protocol.messages import ReplicateConfig
 
-    data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
+    try:
+        data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
+    except OSError as exc:
+        raise _fail(f"put {key}: cannot read {source}: {exc.strerror}") from None
     with _store(master, token_file) as store:
         try:
             store.put(key, data, ReplicateConfig(replica_num=replicas))
@@ -384,7 +387,10 @@ def get(
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
     else:
-        output.write_bytes(data)
+        try:
+            output.write_bytes(data)
+        except OSError as exc:
+            raise _fail(f"get {key}: cannot write {output}: {exc.strerror}") from None
 
 
 @app.command()
