@@ -131,6 +131,17 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr
     for command in ("master", "node", "put", "get", "rm", "ls", "stat", "demo"):
         assert kvpool_cli(command, "--help").returncode == 0
+    # What an operator types or stores is printed as it is, never read as rich markup.
+    marked = "cli/[red]x[/]"
+    assert kvpool_cli("put", marked, *master, stdin=b"m").returncode == 0
+    shown = kvpool_cli("stat", marked, *master)
+    assert shown.returncode == 0 and marked.encode() in shown.stdout, shown.stdout
+    assert kvpool_cli("rm", marked, "[/]", *master).stderr.count(b"[/]") == 1  # "[/]: not removed"
+    bad_master = kvpool_cli("node", "--master", "nohost", "--memory", "16MiB")
+    assert bad_master.returncode == 1 and b"[/CLUSTER_ID]" in bad_master.stderr, bad_master.stderr
+    # A port beyond 65535 is a usage error, not another port (99999 listened on 34463).
+    out_of_range = kvpool_cli("master", "--port", "99999")
+    assert out_of_range.returncode == 2 and b"65535" in out_of_range.stderr
 
 
 def scrape(port: int) -> dict[str, float]:

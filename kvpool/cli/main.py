@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvpool import limits
@@ -59,6 +60,7 @@ TokenFileOption = Annotated[
     ),
 ]  # fmt: skip
 MASTER_DEFAULT = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
+PORT_MAX = 65535
 
 
 def _setup_logging(level: str) -> None:
@@ -80,7 +82,7 @@ def _token(token_file: Optional[Path]) -> str | None:
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {message}")
+    err_console.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code)
 
 
@@ -108,9 +110,11 @@ def _store(master: str, token_file: Optional[Path]):
 @app.command()
 def master(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="RPC port (0 = any free port).")] = limits.MASTER_PORT_DEFAULT,
+    port: Annotated[
+        int, typer.Option(help="RPC port (0 = any free port).", min=0, max=PORT_MAX)
+    ] = limits.MASTER_PORT_DEFAULT,
     http_port: Annotated[
-        int, typer.Option(help="Port of /metrics, /health, /status (0 = any free port).")
+        int, typer.Option(help="Port of /metrics, /health, /status (0 = any free port).", min=0, max=PORT_MAX)
     ] = limits.MASTER_HTTP_PORT_DEFAULT,
     lease_ttl_ms: Annotated[int, typer.Option(help="Read lease of a get.")] = limits.LEASE_TTL_MS_DEFAULT,
     node_ttl_ms: Annotated[
@@ -226,7 +230,7 @@ def node(
     master: MasterOption = MASTER_DEFAULT,
     memory: Annotated[str, typer.Option(help="DRAM segment size, e.g. 1GiB.")] = "1GiB",
     host: Annotated[str, typer.Option(help="Address the transfer server listens on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Transfer port (0 = any free port).")] = 0,
+    port: Annotated[int, typer.Option(help="Transfer port (0 = any free port).", min=0, max=PORT_MAX)] = 0,
     advertise_host: Annotated[
         Optional[str], typer.Option(help="Address clients dial (default: the listen address).")
     ] = None,
@@ -237,7 +241,7 @@ def node(
         bool, typer.Option(help="Let same-host clients map the segment; reach a same-host master by Unix socket.")
     ] = True,
     metrics_port: Annotated[
-        Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).")
+        Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).", min=0, max=PORT_MAX)
     ] = None,
     disk_dir: Annotated[
         Optional[Path],
@@ -366,7 +370,7 @@ def put(
             store.put(key, data, ReplicateConfig(replica_num=replicas))
         except KVPoolError as exc:
             raise _fail(f"put {key}: {exc}") from None
-    err_console.print(f"stored {key} ({len(data)} bytes)")
+    err_console.print(f"stored {escape(key)} ({len(data)} bytes)")
 
 
 @app.command()
@@ -415,7 +419,7 @@ def rm(
                 codes = store.batch_remove(keys or [], force)
                 for key, code in zip(keys or [], codes):
                     if code != ErrorCode.OK:
-                        err_console.print(f"{key}: not removed ({ErrorCode(code).name})")
+                        err_console.print(f"{escape(key)}: not removed ({ErrorCode(code).name})")
                 count = sum(1 for c in codes if c == ErrorCode.OK)
                 if count < len(codes):
                     err_console.print(f"removed {count} of {len(codes)} object(s)")
@@ -464,7 +468,8 @@ def stat(
                 return
             table = Table("key", "status", "size", "replicas (segment@offset)")
             for row in rows:
-                table.add_row(row["key"], row["code"], str(row["size"]), ", ".join(f"{s}@{o}" for s, o in row["replicas"]))
+                replicas = ", ".join(f"{s}@{o}" for s, o in row["replicas"])
+                table.add_row(escape(row["key"]), row["code"], str(row["size"]), escape(replicas))
             console.print(table)
             return
         status = store.cluster_status()
