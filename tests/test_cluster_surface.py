@@ -142,6 +142,7 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     # A port beyond 65535 is a usage error, not another port (99999 listened on 34463).
     out_of_range = kvpool_cli("master", "--port", "99999")
     assert out_of_range.returncode == 2 and b"65535" in out_of_range.stderr
+    assert kvpool_cli("demo", "--nodes", "0").returncode == 2  # refused before a master starts
 
 
 def scrape(port: int) -> dict[str, float]:

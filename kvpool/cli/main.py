@@ -509,9 +509,9 @@ def _human(size_bytes: float) -> str:
 
 @app.command()
 def demo(
-    nodes: Annotated[int, typer.Option(help="Storage nodes to start.")] = 3,
+    nodes: Annotated[int, typer.Option(help="Storage nodes to start.", min=1)] = 3,
     memory: Annotated[str, typer.Option(help="DRAM segment per node.")] = "128MiB",
-    objects: Annotated[int, typer.Option(help="Objects to write and read back.")] = 64,
+    objects: Annotated[int, typer.Option(help="Objects to write and read back.", min=1)] = 64,
     object_size: Annotated[str, typer.Option(help="Size of each object.")] = "1MiB",
 ) -> None:
     """Start a master and nodes on loopback, move objects across them, report, stop everything."""
