@@ -27,7 +27,7 @@ from typing import TypeVar
 import numpy as np
 import xxhash
 
-from kvpool.threads import ThreadPool
+from kvpool.process import ThreadPool
 
 # Batches smaller than this are handled in the calling thread: a hand-off costs more.
 PARALLEL_BYTES_MIN = 1 << 20

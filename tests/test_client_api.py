@@ -325,6 +325,25 @@ def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on(
     run(main())
 
 
+def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):
+    from kvpool.client.transfer import GetJob
+
+    finish = GetJob.finish
+
+    async def main():
+        async with cluster(lease_ttl_ms=2_000) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                await store.put("short-lease", b"v" * 200_000)
+                address = store.register_buffer(bytearray(200_000))
+                assert await store.get("short-lease") == b"v" * 200_000
+                # The read now "takes" 3 s: longer than the lease, so the bytes are not trusted.
+                monkeypatch.setattr(GetJob, "finish", lambda job, now_ms: finish(job, now_ms + 3_000))
+                assert await store.get("short-lease") is None
+                assert await store.get_into("short-lease", address, 200_000) == ErrorCode.LEASE_EXPIRED
+
+    run(main())
+
+
 def test_an_unreachable_master_is_a_typed_error_within_the_bound():
     from kvpool.errors import TransportError
 

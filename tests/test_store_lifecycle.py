@@ -6,16 +6,16 @@ every connection it had: the child opens its own and never touches the parent's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from kvpool import AsyncStore, ErrorCode, Store
-from kvpool.errors import InvalidRequest, StoreClosed
+from kvpool.errors import InvalidRequest, KVPoolError, StoreClosed
 
 JOIN_TIMEOUT_S = 60.0
 BIG = 20 << 20  # several frames over TCP (through the loop); copied on two threads same-host
@@ -122,13 +122,14 @@ def test_a_store_that_contributes_a_segment_is_refused_in_a_forked_child(make_cl
         assert store.get("k") == b"v" * 1000  # the parent's segment serves on
 
 
-def _sockets() -> int:
-    """How many sockets this process holds."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, gone
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return count
+def _holds_no_connection(store: Store) -> bool:
+    """Whether a closed Store holds no open connection: its threads', its loop's to the master
+    and to nodes."""
+    master = store._opened._master._conn
+    return (
+        store._direct.connections() == [] and store._nodes.connections() == []
+        and (master is None or master.is_closed()) and not store._opened._peers._conns
+    )  # fmt: skip
 
 
 def _closed_calls(store: Store, address: int) -> list:
@@ -143,6 +144,8 @@ def _closed_calls(store: Store, address: int) -> list:
         lambda: store.get_size("k"),
         lambda: store.remove("k"),
         lambda: store.remove_all(),
+        lambda: store.list_objects(),
+        lambda: store.register_buffer(bytearray(PAGE)),
     ]
 
 
@@ -157,7 +160,6 @@ def test_a_closed_store_refuses_every_call_and_opens_no_connection_again(make_cl
     other.start()
     other.join()
     store.close()
-    sockets = _sockets()
     for call in _closed_calls(store, address):
         with pytest.raises(StoreClosed):
             call()
@@ -167,7 +169,7 @@ def test_a_closed_store_refuses_every_call_and_opens_no_connection_again(make_cl
     other.join()
     assert len(failures) == 1
     store.close()  # again: nothing to do
-    assert _sockets() <= sockets
+    assert _holds_no_connection(store)
     with Store(cluster.master_endpoint) as another:  # no lease of a closed Store holds "k"
         another.remove("k")
         assert another.get("k") is None
@@ -181,12 +183,11 @@ def test_a_closed_async_store_refuses_every_call_and_opens_no_connection_again(m
         await store.put("k", b"v" * 100)
         assert await store.get("k") == b"v" * 100
         await store.aclose()
-        sockets = _sockets()
         for call in (store.get("k"), store.put("k2", b"v"), store.exists("k"), store.remove("k")):
             with pytest.raises(StoreClosed):
                 await call
         await store.aclose()
-        assert _sockets() <= sockets
+        assert (store._master._conn is None or store._master._conn.is_closed()) and not store._peers._conns
 
     asyncio.run(asyncio.wait_for(main(), JOIN_TIMEOUT_S))
 
@@ -209,3 +210,91 @@ def test_a_store_closed_in_the_parent_or_in_the_child_stays_closed_there(make_cl
         store.put("k", b"v" * 100)
         assert _in_child(_child_close_then_get, store) == {"result": "StoreClosed"}
         assert store.get("k") == b"v" * 100  # the parent's copy is open
+
+
+def _child_lists_first(store: Store) -> list[str]:
+    """A child whose first call goes through the loop (list_objects): it must run on the
+    child's own connection, not write to the parent's."""
+    return store.list_objects().keys
+
+
+def test_a_forked_childs_first_call_through_the_loop_uses_connections_of_its_own(make_cluster):
+    cluster = make_cluster(1, "64MiB")
+    with Store(cluster.master_endpoint) as store:
+        store.put("k", b"v" * 100)
+        master_connection = store._opened._master._conn
+        assert _in_child(_child_lists_first, store) == {"result": ["k"]}
+        assert store._opened._master._conn is master_connection and not master_connection.is_closed()
+        assert store.list_objects().keys == ["k"]  # and no reply of the child's read as the parent's
+
+
+def _child_closes_while_another_thread_reopens(store: Store) -> dict:
+    opened = AsyncStore.open
+
+    async def slow_open(*args, **options):  # in the child only: the reopen takes 0.5 s
+        await asyncio.sleep(0.5)
+        return await opened(*args, **options)
+
+    AsyncStore.open = slow_open  # type: ignore[method-assign]
+    first: list = []
+
+    def get() -> None:  # reopens, then gets; the close may land during the get: then it fails
+        try:
+            first.append(store.get("k"))
+        except KVPoolError as exc:
+            first.append(type(exc).__name__)
+
+    reopening = threading.Thread(target=get)
+    reopening.start()
+    time.sleep(0.1)
+    store.close()
+    reopening.join()
+    try:
+        store.get("k")
+        after = "answered"
+    except StoreClosed:
+        after = "StoreClosed"
+    return {"first": first[0], "after": after, "fresh_closed": store._opened._is_closed}
+
+
+def test_a_store_closed_while_a_child_reopens_it_stays_closed(make_cluster):
+    cluster = make_cluster(1, "64MiB")
+    with Store(cluster.master_endpoint) as store:
+        store.put("k", b"v" * 100)
+        answer = _in_child(_child_closes_while_another_thread_reopens, store)["result"]
+        assert answer["first"] in (b"v" * 100, "StoreClosed", "RpcFailed", "ConnectFailed"), answer
+        assert answer["after"] == "StoreClosed" and answer["fresh_closed"], answer
+
+
+def _child_uses_an_async_store(store: AsyncStore) -> list[str]:
+    outcomes = []
+    for call in (lambda: store.get("k"), store.aclose):
+        try:
+            asyncio.run(call())
+            outcomes.append("done")
+        except InvalidRequest as exc:
+            outcomes.append(type(exc).__name__)
+    return outcomes
+
+
+def test_an_async_store_refuses_a_forked_child_and_leaves_the_parents_connections(make_cluster):
+    cluster = make_cluster(1, "64MiB")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+
+    def on_loop(coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(JOIN_TIMEOUT_S)
+
+    try:
+        store = on_loop(AsyncStore.open(cluster.master_endpoint))
+        on_loop(store.put("k", b"v" * 100))
+        connection = store._master._conn
+        assert _in_child(_child_uses_an_async_store, store) == {"result": ["InvalidRequest", "done"]}
+        assert on_loop(store.get("k")) == b"v" * 100
+        assert store._master._conn is connection and not connection.is_closed()
+        on_loop(store.aclose())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(JOIN_TIMEOUT_S)
+        loop.close()

@@ -364,7 +364,7 @@ def put(
     try:
         data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
     except OSError as exc:
-        raise _fail(f"put {key}: cannot read {source}: {exc.strerror}") from None
+        raise _fail(f"put {key}: cannot read {source or 'standard input'}: {exc.strerror or exc}") from None
     with _store(master, token_file) as store:
         try:
             store.put(key, data, ReplicateConfig(replica_num=replicas))
@@ -394,7 +394,7 @@ def get(
         try:
             output.write_bytes(data)
         except OSError as exc:
-            raise _fail(f"get {key}: cannot write {output}: {exc.strerror}") from None
+            raise _fail(f"get {key}: cannot write {output}: {exc.strerror or exc}") from None
 
 
 @app.command()

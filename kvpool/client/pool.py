@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
-from kvpool.errors import ConnectFailed, NotLeader, RpcFailed, RpcTimeout, StoreClosed
+from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed
+from kvpool.process import forks
 from kvpool.protocol.messages import Message
 from kvpool.transports.connection import Connection, ReplySinks, connect
 
@@ -37,6 +38,8 @@ class PeerPool:
         self._size = connections_per_peer
         self._connect_timeout_ms = connect_timeout_ms
         self._conns: dict[str, list[Connection]] = {}
+        self._is_closed = False
+        self._opened_in = forks()
 
     def __repr__(self) -> str:
         return f"<PeerPool {sum(len(c) for c in self._conns.values())} connections>"
@@ -46,7 +49,9 @@ class PeerPool:
 
         Raises:
             ConnectFailed, Unauthorized: no connection could be opened.
+            StoreClosed, InvalidRequest: see check_usable.
         """
+        check_usable(self._is_closed, self._opened_in)
         count = max(1, min(count, self._size))
         conns = self._conns.setdefault(endpoint, [])
         conns[:] = [c for c in conns if not c.is_closed()]  # in place: shared by concurrent calls
@@ -57,6 +62,9 @@ class PeerPool:
                 if conns:
                     break
                 raise
+            if self._is_closed:  # closed while this call connected: it keeps nothing open
+                conn.close("client closed")
+                raise StoreClosed("the store is closed")
             # Another call may have filled the pool while this one connected.
             if len(conns) >= self._size:
                 conn.close("pool full")
@@ -75,8 +83,12 @@ class PeerPool:
             conn.close("dropped by pool")
 
     def close(self) -> None:
-        for endpoint in list(self._conns):
-            self.drop(endpoint)
+        """For good: lanes() raises StoreClosed after this. In a forked child the connections
+        are the parent's, and stay as they are (check_usable)."""
+        self._is_closed = True
+        if self._opened_in == forks():
+            for endpoint in list(self._conns):
+                self.drop(endpoint)
 
 
 class MasterLink:
@@ -113,6 +125,7 @@ class MasterLink:
         self._is_stale = False
         self._lock = asyncio.Lock()
         self._is_closed = False
+        self._opened_in = forks()
 
     def __repr__(self) -> str:
         return f"<MasterLink {self._resolver!r} {self._conn!r}>"
@@ -147,6 +160,9 @@ class MasterLink:
             conn = await connect(
                 endpoint, key=self._key, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
             )
+            if self._is_closed:  # closed while this call connected: it keeps nothing open
+                conn.close("client closed")
+                raise StoreClosed("the store is closed")
             if old is not None:
                 old.close("the master moved")
             self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False
@@ -167,10 +183,9 @@ class MasterLink:
         Raises:
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
             request.
-            StoreClosed: the link was closed (its store's close()).
+            StoreClosed, InvalidRequest: see check_usable.
         """
-        if self._is_closed:
-            raise StoreClosed("the store is closed")
+        check_usable(self._is_closed, self._opened_in)
         timeout_ms = timeout_ms or self._rpc_timeout_ms
         deadline = time.monotonic() + (self._connect_timeout_ms + timeout_ms) / 1000
         is_dynamic = self._resolver.is_dynamic
@@ -214,10 +229,21 @@ class MasterLink:
         raise error
 
     def close(self) -> None:
-        """For good: a call after this raises StoreClosed instead of connecting again."""
+        """For good: a call after this raises StoreClosed instead of connecting again. In a
+        forked child the connection is the parent's, and stays as it is (check_usable)."""
         self._is_closed = True
-        if self._conn is not None:
+        if self._conn is not None and self._opened_in == forks():
             self._conn.close("client closed")
+
+
+def check_usable(is_closed: bool, opened_in: int) -> None:
+    """Raises StoreClosed once a client's link or pool is closed, and InvalidRequest in a
+    process forked since it was opened: its connections are the parent's (process.py; a sync
+    Store opens itself anew in a child, an AsyncStore belongs to its process and loop)."""
+    if is_closed:
+        raise StoreClosed("the store is closed")
+    if opened_in != forks():
+        raise InvalidRequest("this store was opened by the parent of this forked process: open one here")
 
 
 async def request_on_lanes(

@@ -36,6 +36,7 @@ from kvpool.errors import (
     error_from_code,
 )
 from kvpool.node.segment import Segment
+from kvpool.process import forks
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     TIER_DFS,
@@ -115,6 +116,7 @@ class AsyncStore:
         self._leases = LeaseReleases()  # leases of finished gets, to give back (client/leases.py)
         self._get_pieces = GetPieces(config.shm_enabled)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._opened_in = forks()  # an AsyncStore belongs to its process (process.py)
 
     def __repr__(self) -> str:
         return f"<AsyncStore master={self.config.master} mapped={len(self._mapped)} {self._peers!r}>"
@@ -162,7 +164,13 @@ class AsyncStore:
         """Give back the leases of the last gets, then close everything. Waits at most
         CLOSE_BACKGROUND_WAIT_MS for the calls still in the background (releases, reports),
         then cancels them and lets them end here: a call left pending would run on after
-        the store (reconnecting to the master), or die with the caller's loop."""
+        the store (reconnecting to the master), or die with the caller's loop. In a forked
+        child it only marks the store closed: what it holds is the parent's (process.py)."""
+        if self._opened_in != forks():
+            self._is_closed = True
+            self._master.close()
+            self._peers.close()
+            return
         self._send_releases()  # now, rather than when the leases lapse
         self._is_closed = True
         background = list(self._reports)
@@ -614,6 +622,8 @@ class AsyncStore:
     def _map_segment(self, info: SegmentInfo) -> Segment | None:
         if info.segment_id in self._mapped:
             return self._mapped[info.segment_id]
+        if self._is_closed:  # nothing is mapped again once closed (a get finishing meanwhile)
+            return None
         segment = None
         if info.hostname == self.hostname:
             try:

@@ -74,6 +74,7 @@ from kvpool.errors import (
     StoreClosed,
     Unauthorized,
 )
+from kvpool.process import forks
 from kvpool.protocol.messages import (
     ClusterStatusReply,
     ExistKeys,
@@ -150,15 +151,13 @@ class _LoopThread:
 # ends it for both processes; uvloop unregistering a socket from the epoll instance both
 # share would leave the parent's loop deaf to it). A few file descriptors a Store.
 _inherited: list[object] = []
-# How many times this process's line has been forked (a Store opened at another count was
-# opened by an ancestor: Store._reopen_after_fork).
-_forks = 0
-_reopening = threading.Lock()  # one thread of a child reopens a Store at a time
+# Taken to reopen a Store in a forked child, and to close one: one at a time, so that a Store
+# closed while another thread reopens it stays closed.
+_reopening = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    global _forks, _reopening
-    _forks += 1
+    global _reopening
     _reopening = threading.Lock()
     _LoopThread._forget_after_fork()
 
@@ -367,22 +366,28 @@ class Store:
         config = ClientConfig(**({"master": master} if master else {}), **options)
         # The outer bound covers a whole batch: lookups, transfers and the closing round trip.
         self._timeout_ms = config.transfer_timeout_ms + 3 * config.rpc_timeout_ms
-        self._async: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
-        self._direct = _DirectLinks(self._async._master, self._async._key, config)
-        self._nodes = NodeLinks(self._async._key, config)
+        self._opened: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
+        self._direct = _DirectLinks(self._opened._master, self._opened._key, config)
+        self._nodes = NodeLinks(self._opened._key, config)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
         self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
-        # This process's fork count when the Store was opened here; None once closed.
-        self._opened_in: int | None = _forks
+        # process.forks() when the Store was opened (or reopened) in this process; None once closed.
+        self._opened_in: int | None = forks()
 
     def __repr__(self) -> str:
-        return f"<Store {self._async!r}>"
+        return f"<Store {self._opened!r}>"
+
+    @property
+    def _async(self) -> AsyncStore:
+        """The AsyncStore this Store drives, this process's own: every use checks first."""
+        self._check_open()
+        return self._opened
 
     def _check_open(self) -> None:
-        """Every call starts here: a Store opened by a process this one was forked from is
-        opened anew first (_reopen_after_fork); a closed one raises StoreClosed."""
-        if self._opened_in != _forks:
+        """Every call starts here (or with _async): a Store opened by a process this one was
+        forked from is opened anew first (_reopen_after_fork); a closed one raises StoreClosed."""
+        if self._opened_in != forks():
             self._reopen_after_fork()
 
     def _reopen_after_fork(self) -> None:
@@ -393,32 +398,36 @@ class Store:
         connections are left as they are, never used nor closed (_inherited). A Store that
         contributes a segment is refused: its node serves from the parent.
 
+        One thread of the child does it (_reopening) while its others wait for it.
+
         Raises:
             StoreClosed: the Store was closed (here or in the parent).
             InvalidRequest: the Store contributes a segment (embedded mode).
-            ConnectFailed, Unauthorized: as when it was opened.
+            ConnectFailed, Unauthorized: as when it was opened (the next call tries again).
         """
+        if self._opened_in is None:
+            raise StoreClosed("the Store is closed")
         with _reopening:
-            if self._opened_in is None:
+            if self._opened_in is None:  # closed while this thread waited
                 raise StoreClosed("the Store is closed")
-            if self._opened_in == _forks:  # another of the child's threads did it meanwhile
+            if self._opened_in == forks():  # another of the child's threads did it meanwhile
                 return
-            inherited = self._async
+            inherited = self._opened
             if inherited.embedded_segment is not None:
                 raise InvalidRequest(
                     "this Store contributes a segment from the process it was opened in: "
                     "open a Store of its own in a forked child"
                 )
-            _inherited.append((inherited, self._direct, self._nodes))
-            self._loop = _LoopThread.get()
-            fresh: AsyncStore = self._loop.run(AsyncStore.open(**vars(inherited.config)), self._timeout_ms)
+            loop = _LoopThread.get()
+            fresh: AsyncStore = loop.run(AsyncStore.open(**vars(inherited.config)), self._timeout_ms)
             fresh.buffers = inherited.buffers.copy_after_fork()
-            self._async = fresh
+            _inherited.append((inherited, self._direct, self._nodes))
+            self._loop, self._opened = loop, fresh
             self._direct = _DirectLinks(fresh._master, fresh._key, fresh.config)
             self._nodes = NodeLinks(fresh._key, fresh.config)
             self._in_flight_lock = threading.Lock()  # another parent thread may have held it
             self._puts_in_flight = 0
-            self._opened_in = _forks
+            self._opened_in = forks()
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         try:
@@ -439,12 +448,13 @@ class Store:
 
     def close(self) -> None:
         """Close every connection; a later call raises StoreClosed. Idempotent."""
-        opened_in, self._opened_in = self._opened_in, None
-        if opened_in != _forks:  # closed already, or opened by the parent and never used here
+        with _reopening:
+            opened_in, self._opened_in = self._opened_in, None
+        if opened_in != forks():  # closed already, or opened by the parent and never used here
             return
         self._direct.close()
         self._nodes.close()
-        self._loop.run(self._async.aclose(), self._timeout_ms)
+        self._loop.run(self._opened.aclose(), self._timeout_ms)
 
     def __enter__(self) -> Store:
         return self
@@ -572,6 +582,7 @@ class Store:
         config: ReplicateConfig | None,
     ) -> list[int]:
         self._check_open()
+        keys = key_list(keys)  # before set(keys) below: an unhashable key is an InvalidKey too
         with self._in_flight_lock:
             is_alone = not self._puts_in_flight
             self._puts_in_flight += 1

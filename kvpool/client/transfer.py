@@ -40,6 +40,7 @@ from kvpool.checksums import (
 )
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.node.segment import Segment
+from kvpool.process import ThreadPool
 from kvpool.protocol import objectfile
 from kvpool.protocol.frames import PAGE_BYTES, buffer_address
 from kvpool.protocol.messages import (
@@ -60,7 +61,6 @@ from kvpool.protocol.messages import (
     WriteItem,
     WriteSlices,
 )
-from kvpool.threads import ThreadPool
 from kvpool.transports import files
 
 _OK = int(ErrorCode.OK)

@@ -326,10 +326,10 @@ class BlockingConnection:
         return False
 
     def close(self) -> None:
-        """Idempotent; from any thread (a receive blocked on this connection returns). In a
-        child forked since it was opened, only the child's descriptor closes: a shutdown
-        would end the connection for the parent too (a forked child drops the links of the
-        parent's other threads as it starts: client/sync.py)."""
+        """Idempotent; from any thread (in the process that opened it, a receive blocked on
+        this connection returns). In a child forked since it was opened, only the child's
+        descriptor closes: a shutdown would end the connection for the parent too (a forked
+        child drops the links of the parent's other threads as it starts: client/sync.py)."""
         sock, self._socket = self._socket, None
         self._unanswered.clear()  # no reply will be read here any more
         self._early.clear()

@@ -46,6 +46,7 @@ from kvpool.errors import (
     error_from_code,
     map_exceptions,
 )
+from kvpool.process import ThreadPool
 from kvpool.protocol import auth
 from kvpool.protocol.frames import (
     NEED_DATA,
@@ -63,7 +64,6 @@ from kvpool.protocol.messages import (
     ErrorReply,
     Message,
 )
-from kvpool.threads import ThreadPool
 from kvpool.transports import files
 from kvpool.transports.busy_poll import BusyPoll
 from kvpool.transports.files import FileRange

@@ -1,9 +1,13 @@
-"""Thread pools of the process, started on first use and started afresh in a forked child.
+"""What belongs to one process and not to a child forked from it: which fork of the process
+this is, and its thread pools.
 
-A child forked from a process (multiprocessing's default start method on Linux) inherits a
-copy of the parent's pool objects but none of their threads: work submitted there would wait
-forever, and a lock some other parent thread held at the fork would never be released. So in
-the child every pool here forgets its executor and its lock; the next use starts new threads.
+A child forked from a process (multiprocessing's default start method on Linux, as serving
+engines' worker pools use it) inherits a copy of the parent's objects but none of its other
+threads: work submitted to a copied thread pool would wait forever, and a lock another parent
+thread held at the fork would never be released. So in the child every pool here forgets its
+executor and its lock (the next use starts new threads), and `forks()` counts one more: an
+object that recorded the count when it was made (a client's connections) knows it was made
+by an ancestor, whose sockets it must leave alone (client/sync.py, client/pool.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,13 @@ import concurrent.futures
 import os
 import threading
 import weakref
+
+_forks = 0
+
+
+def forks() -> int:
+    """How many forks separate this process from the one that imported kvpool first."""
+    return _forks
 
 
 class ThreadPool:
@@ -39,10 +50,12 @@ _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    global _forks
+    _forks += 1
     for pool in list(_pools):
         pool._forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["ThreadPool"]
+__all__ = ["ThreadPool", "forks"]
