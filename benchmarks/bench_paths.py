@@ -1079,8 +1079,8 @@ def caller_thread() -> dict:
     (client/node_links.py) against through the loop thread, toggled round by round in one
     cluster (the order too): 4 KiB pages in batches of 128, gets and puts (fresh keys, removed
     after each round), with one node and with two (each batch's gets half on each node, its
-    puts on one); objects/s (medians of 10 rounds) and the median and range of the per-round
-    ratios."""
+    puts a replica on each); objects/s (medians of 10 rounds) and the median and range of the
+    per-round ratios."""
     rounds, batch, batch_count = 10, 128, 24
     value = os.urandom(4 * KIB)
     result: dict[str, object] = {}
@@ -1110,7 +1110,8 @@ def caller_thread() -> dict:
                                     assert store.get_batch(keys)[-1] == value
                                 else:
                                     fresh = [f"put-{round_index}-{way}-{b}-{i}" for i in range(batch)]
-                                    assert store.put_batch(fresh, [value] * batch) == [ErrorCode.OK] * batch
+                                    replicas = ReplicateConfig(replica_num=node_count)
+                                    assert store.put_batch(fresh, [value] * batch, replicas) == [ErrorCode.OK] * batch
                             rates[way].append(batch * batch_count / (time.perf_counter() - started))
                             if op == "put":
                                 store.remove_by_regex("^put-", force=True)

@@ -1,8 +1,11 @@
-"""NodeLinks (kvpool/client/node_links.py): a sync Store's reads of nodes from the calling thread.
+"""NodeLinks (kvpool/client/node_links.py): a sync Store's reads and writes of several nodes
+from the calling thread, none held by a node that stops.
 
-How: raw sockets play two nodes (conftest.raw_server): one never answers, the other answers a
-read larger than the socket buffers hold, so that its sender waits for the reader. Cluster tests
-(test_cluster.py) cover the same paths against real node processes.
+How: raw sockets play two nodes (conftest.raw_server). Reads: one never answers, the other
+answers a read larger than the socket buffers hold, so that its sender waits for the reader.
+Writes: one never reads (its socket's buffers fill long before the frame is sent), the other
+reads the frame and answers. Cluster tests (test_cluster.py) cover the same paths against real
+node processes.
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ import xxhash
 from conftest import raw_server, requests_read
 
 from kvpool.client.node_links import NodeLinks
-from kvpool.client.transfer import GetJob, now_monotonic_ms
+from kvpool.client.transfer import GetJob, PutJob, now_monotonic_ms
 from kvpool.config import ClientConfig
 from kvpool.errors import ErrorCode
-from kvpool.protocol.frames import encode_frame
-from kvpool.protocol.messages import GetReplicaListReply, ReadReply, Replica, SegmentInfo
+from kvpool.protocol.frames import NEED_DATA, FrameDecoder, PayloadDone, encode_frame
+from kvpool.protocol.messages import (
+    GetReplicaListReply,
+    OkReply,
+    PutStartReply,
+    ReadReply,
+    Replica,
+    SegmentInfo,
+    WriteGrant,
+)  # fmt: skip
 
 MIB = 1 << 20
 
@@ -66,6 +77,58 @@ def test_a_node_that_never_answers_holds_none_of_another_nodes_reply() -> None:
             job.finish(now_monotonic_ms())
             assert job.results[1:] == values[1:]
             assert job.results[0] is None and job.codes[0] == ErrorCode.TRANSFER_FAIL
+            assert [conn.peer for conn in links.connections()] == [answering]  # the silent one's is closed
+        finally:
+            released.set()
+            links.close()
+
+
+def request_with_payload_read(conn: socket.socket, payload: bytearray) -> int:
+    """A raw node's read of one request frame with its payload (into `payload`): its id."""
+    decoder = FrameDecoder()
+    while (frame := decoder.next_event()) is NEED_DATA:
+        decoder.receive_data(conn.recv(1 << 16))
+    payload[:] = bytes(frame.payload_size)
+    decoder.set_payload_sinks([payload])
+    while not isinstance(decoder.next_event(), PayloadDone):
+        decoder.receive_data(conn.recv(1 << 16))
+    return frame.request_id
+
+
+def test_a_node_that_never_reads_holds_none_of_another_nodes_write() -> None:
+    """A put of one 4 MiB key with a replica on each of two nodes: the first never reads (a
+    frame of 4 MiB cannot fit the socket buffers), the second reads it and answers. The second
+    replica is written within the deadline, the first fails, and the key counts as written."""
+    value = os.urandom(4 * MIB)
+    landed = bytearray()
+    released = threading.Event()
+
+    def never_read(conn: socket.socket) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        released.wait(10)
+
+    def read_and_answer(conn: socket.socket) -> None:
+        request_id = request_with_payload_read(conn, landed)
+        conn.sendall(encode_frame(OkReply(), request_id, is_reply=True))
+        released.wait(10)
+
+    with raw_server(never_read) as silent, raw_server(read_and_answer) as answering:
+        segments = {
+            "A": SegmentInfo("A", "node-A", "elsewhere", silent, "", b"t", 1 << 30),
+            "B": SegmentInfo("B", "node-B", "elsewhere", answering, "", b"t", 1 << 30),
+        }
+        grants = [WriteGrant("A", 0, 4 * MIB, 0), WriteGrant("B", 0, 4 * MIB, 0)]
+        reply = PutStartReply([0], [[(0, 0), (1, 0)]], grants, segments)
+        job = PutJob(["k"], [[memoryview(value)]], reply, lambda info: None)
+        assert [batch.endpoint for batch in job.remote] == [silent, answering]  # the silent first
+        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500))
+        try:
+            started = time.monotonic()
+            failed = links.write(job.remote)
+            assert time.monotonic() - started < 3
+            assert failed == [{0}, set()]
+            assert bytes(landed) == value
+            assert job.settle_writes(failed) == ([0], [])  # written on one node: the key is put
             assert [conn.peer for conn in links.connections()] == [answering]  # the silent one's is closed
         finally:
             released.set()

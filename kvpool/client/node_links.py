@@ -15,11 +15,10 @@ straight from the caller's (sendmsg), as a plain socket pair moves bytes. The lo
 Only one frame (up to transfer.FRAME_BYTES_TARGET, 4 MiB) for a node goes here: several go
 through the loop's lanes, which carry them side by side (1 MiB objects in batches of 32, eight
 frames a node: reads 0.76-1.25x, median 0.96, and writes 0.88-1.21x, median 0.98, of the loop's
-GB/s when done here; ad hoc, 2026-12-02). A read of several nodes sends each its frame (small:
-it never waits for room) and lands each reply as it starts to come (selectors), so that a node
-that stops answering holds none of the others' replies; a write of several nodes (a put's
-replicas) goes through the loop, which sends them side by side: here one node that stopped
-reading would hold the others' writes until the deadline, and fail them.
+GB/s when done here; ad hoc, 2026-12-02). A round of several nodes (a get's keys on several, a
+put's replicas) sends each node what its socket takes, then more to whichever has room, and
+lands each reply as it starts to come (selectors), so that a node that stops reading or
+answering holds none of the others' frames or replies.
 
 The rules are the loop's (AsyncStore._read_remote, _put_finish): a frame that fails (the node
 refused it, the connection broke, the deadline passed) fails its keys: a read's move on to their
@@ -101,50 +100,71 @@ class NodeLinks:
             conns = self._connections(batches, deadline)
             if conns is None:
                 return False
-            failed = self._read_round(batches, conns, deadline)
-            job.remote_done({i for batch in batches for i in batch.owners[0]}, failed)
+            failed = self._round(batches, conns, deadline)
+            job.remote_done({i for batch in batches for i in batch.owners[0]}, set().union(*failed))
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
         return True
 
-    def _read_round(self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float) -> set[int]:
-        """Send every node its read (a small frame: it never waits for room), then land each
-        reply as it starts to come, whichever node answers first, so that a node that stops
-        answering holds none of the others' replies: the key indexes whose frames failed."""
-        if len(batches) == 1:
-            return self._transfer(batches[0], conns[0], deadline)
-        failed: set[int] = set()
-        waiting: dict[int, tuple[RemoteBatch, BlockingConnection, int]] = {}  # by descriptor
-        for batch, conn in zip(batches, conns):
-            try:
-                (request_id,) = conn.send([batch.frames[0][0]], deadline)
-                waiting[conn.fileno()] = (batch, conn, request_id)
-            except KVPoolError as exc:
-                failed |= self._failed(batch, conn, exc)
-        try:
-            with selectors.DefaultSelector() as selector:
-                for descriptor in waiting:
-                    selector.register(descriptor, selectors.EVENT_READ)
-                while waiting and (remaining_s := deadline - time.monotonic()) > 0:
-                    for key, _ in selector.select(remaining_s):
-                        selector.unregister(key.fd)
-                        batch, conn, request_id = waiting.pop(key.fd)
-                        failed |= self._reply(batch, conn, request_id, batch.frames[0][1], deadline)
-        finally:  # not answered in time (or interrupted): a late reply must not answer the next
-            for batch, conn, _ in waiting.values():
-                self._links.link().drop(batch.endpoint)
-                failed.update(batch.owners[0])
-                log.info("read from %s failed: no reply in time", batch.endpoint)
-        return failed
-
     def write(self, batches: list[RemoteBatch]) -> list[set[int]] | None:
-        """Write a put's frame for another host's node (PutJob.remote) from this thread, within
-        one transfer timeout: the key indexes whose frame failed; None when it is not for this
-        thread (see the module) and nothing was sent: the caller writes through the loop."""
-        if len(batches) != 1:
-            return None  # several nodes: a send may wait for room, and one node stalled must not hold the rest
+        """Write a put's frames for other hosts' nodes (PutJob.remote: one per node, a
+        replica each) from this thread, within one transfer timeout: per batch, the key
+        indexes whose frame failed; None when it is not for this thread (see the module) and
+        nothing was sent: the caller writes through the loop."""
         deadline = time.monotonic() + self._transfer_timeout_ms / 1000
         conns = self._connections(batches, deadline)
-        return None if conns is None else [self._transfer(batches[0], conns[0], deadline)]
+        return None if conns is None else self._round(batches, conns, deadline)
+
+    def _round(self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float) -> list[set[int]]:
+        """Send each node its frame and take its reply; per batch, the key indexes whose frame
+        failed (the node refused it, the connection broke, the deadline passed), none or all.
+
+        One node: plain blocking calls. Several: each is sent what its socket takes, then
+        whichever has room is sent more, and each reply is landed as it starts to come
+        (selectors), so that a node that stops reading or answering holds none of the
+        others' frames or replies."""
+        if len(batches) == 1:
+            return [self._transfer(batches[0], conns[0], deadline)]
+        failed: list[set[int]] = [set() for _ in batches]
+        pending: dict[int, list] = {}  # by descriptor: [batch index, connection, request id, parts unsent, sinks]
+        for index, (batch, conn) in enumerate(zip(batches, conns)):
+            ((message, views),) = batch.frames
+            try:
+                if isinstance(message, WriteSlices):
+                    request_id, parts = conn.begin(message, views, write_landing(message))
+                    sinks = []
+                else:
+                    (request_id, parts), sinks = conn.begin(message), views
+                pending[conn.fileno()] = [index, conn, request_id, conn.send_some(parts), sinks]
+            except KVPoolError as exc:
+                failed[index] = self._failed(batch, conn, exc)
+        try:
+            with selectors.DefaultSelector() as selector:
+                for descriptor, (_, _, _, parts, _) in pending.items():
+                    selector.register(descriptor, selectors.EVENT_WRITE if parts else selectors.EVENT_READ)
+                while pending and (remaining_s := deadline - time.monotonic()) > 0:
+                    for key, _ in selector.select(remaining_s):
+                        exchange = pending[key.fd]
+                        index, conn, request_id, parts, sinks = exchange
+                        if parts:  # room for more of the frame
+                            try:
+                                exchange[3] = conn.send_some(parts)
+                            except KVPoolError as exc:
+                                failed[index] = self._failed(batches[index], conn, exc)
+                            else:
+                                if exchange[3]:
+                                    continue
+                                selector.modify(key.fd, selectors.EVENT_READ)  # sent: wait for the reply
+                                continue
+                        else:
+                            failed[index] = self._reply(batches[index], conn, request_id, sinks, deadline)
+                        selector.unregister(key.fd)
+                        del pending[key.fd]
+        finally:  # not done in time (or interrupted): a late reply must not answer the next
+            for index, *_ in pending.values():
+                self._links.link().drop(batches[index].endpoint)
+                failed[index] = set(batches[index].owners[0])
+                log.info("transfer with %s failed: not done in time", batches[index].endpoint)
+        return failed
 
     def _transfer(self, batch: RemoteBatch, conn: BlockingConnection, deadline: float) -> set[int]:
         """Send the batch's frame and take the node's reply: the key indexes whose frame failed

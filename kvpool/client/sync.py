@@ -21,8 +21,8 @@ while the caller copies the last, where one request per batch had each wait for 
 
 A get's reads of other hosts' nodes, and a lone put's writes to them, take the same shorter
 way (client/node_links.py): each caller thread reads and writes over blocking connections of
-its own, straight into and out of the caller's buffers, when each node's share is one frame
-and a write goes to one node; the rest goes through the loop.
+its own, straight into and out of the caller's buffers, when each node's share is one frame;
+the rest goes through the loop.
 
 A child forked from the process that opened a Store (multiprocessing's workers) has none of
 its threads: the Store opens itself anew there on the child's first call, and never uses nor
@@ -610,8 +610,8 @@ class Store:
         config: ReplicateConfig | None,
     ) -> list[int] | None:
         """put_start and put_end from this thread (see the module), the same-host copies here,
-        and the writes to other hosts' nodes over this thread's own connection when they are
-        one frame for one node (node_links.py; else they go through the loop, and so does the
+        and the writes to other hosts' nodes over this thread's own connections when they are
+        one frame a node (node_links.py; else they go through the loop, and so does the
         put_end after them). None: the master never saw the put_start (no direct link); put through
         the loop.
 

@@ -184,6 +184,24 @@ class BlockingConnection:
             RpcFailed: it broke while sending (part of the frame may have gone).
             RpcTimeout: not sent by `deadline` (time.monotonic()).
         """
+        request_id, parts = self.begin(message, payload, landing)
+        try:
+            self._send_gathered(parts, deadline)
+        except BaseException:
+            self.close()
+            raise
+        return request_id
+
+    def begin(
+        self, message: Message, payload: Sequence[memoryview] = (), landing: int | None = None
+    ) -> tuple[int, list[memoryview]]:
+        """A request (with a payload or not, as send_payload) to be sent in steps by
+        `send_some`, for a caller that sends to several connections at once and waits for
+        whichever has room (selectors): its id, for `reply_into`, and the parts to send.
+
+        Raises:
+            ConnectFailed: the connection was closed before.
+        """
         request_id = self._take_request_id()
         size = sum(len(part) for part in payload)
         source = buffer_address(payload[0]) if self._pads_payloads and size >= PADDED_PAYLOAD_BYTES_MIN else None
@@ -193,28 +211,36 @@ class BlockingConnection:
         )  # fmt: skip
         if self._socket is None:
             raise ConnectFailed(f"connection to {self.peer} is closed")
+        self._unanswered.add(request_id)  # a failure to send closes the connection, and forgets it
+        return request_id, [part for part in (memoryview(header), *payload) if len(part)]
+
+    def send_some(self, parts: list[memoryview]) -> list[memoryview]:
+        """Send what the socket takes now, without waiting: the parts not sent yet (none once
+        the request is sent whole). Any failure closes the connection.
+
+        Raises:
+            RpcFailed: the connection broke (part of the frame may have gone).
+        """
+        sock = self._live_socket()
         try:
-            self._send_gathered([memoryview(header), *payload], deadline)
-        except BaseException:
+            sock.settimeout(0.0)
+            while parts:
+                parts = _unsent(parts, sock.sendmsg(parts[:IOV_PARTS_MAX]))
+        except BlockingIOError:
+            pass  # the socket's buffer is full: the caller waits for room
+        except OSError as exc:
             self.close()
-            raise
-        self._unanswered.add(request_id)
-        return request_id
+            raise RpcFailed(f"connection to {self.peer} broke: {exc}") from None
+        return parts
 
     def _send_gathered(self, parts: list[memoryview], deadline: float) -> None:
-        """sendmsg of the parts, IOV_PARTS_MAX at a time, on from where a partial send stopped."""
+        """sendmsg of the parts (none empty), IOV_PARTS_MAX at a time, on from where a partial
+        send stopped."""
         sock = self._live_socket()
-        parts = [part for part in parts if len(part)]  # an empty part would leave nothing to send
-        at = 0  # parts[at] is the first not sent whole
         try:
             sock.settimeout(_remaining_s(deadline))
-            while at < len(parts):
-                sent = sock.sendmsg(parts[at : at + IOV_PARTS_MAX])
-                while sent and sent >= len(parts[at]):
-                    sent -= len(parts[at])
-                    at += 1
-                if sent:
-                    parts[at] = parts[at][sent:]
+            while parts:
+                parts = _unsent(parts, sock.sendmsg(parts[:IOV_PARTS_MAX]))
                 sock.settimeout(_remaining_s(deadline))
         except TimeoutError:
             raise RpcTimeout(f"sending to {self.peer} timed out") from None
@@ -389,6 +415,18 @@ class BlockingConnection:
         if self._socket is None:
             raise RpcFailed(f"connection to {self.peer} is closed")
         return self._socket
+
+
+def _unsent(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `parts` (none empty) once their first `sent` bytes went."""
+    at = 0
+    while sent and sent >= len(parts[at]):
+        sent -= len(parts[at])
+        at += 1
+    left = parts[at:]
+    if sent:
+        left[0] = left[0][sent:]
+    return left
 
 
 def _answer(frame: Frame) -> Message:
