@@ -298,3 +298,30 @@ def test_an_async_store_refuses_a_forked_child_and_leaves_the_parents_connection
         loop.call_soon_threadsafe(loop.stop)
         thread.join(JOIN_TIMEOUT_S)
         loop.close()
+
+
+def test_an_async_store_refuses_another_event_loop_before_it_sends_anything(make_cluster):
+    """An AsyncStore's connections belong to the loop it was opened on: a call from another
+    loop (another thread's, or a later asyncio.run) is an InvalidRequest at once, before any
+    request is written on a transport of the first loop, which keeps serving."""
+    cluster = make_cluster(1, "64MiB")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+
+    def on_loop(coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(JOIN_TIMEOUT_S)
+
+    try:
+        store = on_loop(AsyncStore.open(cluster.master_endpoint))
+        on_loop(store.put("k", b"v" * 100))
+        for call in (lambda: store.get("k"), lambda: store.put("k2", b"v"), lambda: store.exists("k")):
+            with pytest.raises(InvalidRequest, match="event loop"):
+                asyncio.run(call())
+        assert on_loop(store.get("k")) == b"v" * 100
+        assert on_loop(store.exists("k2")) is False
+        on_loop(store.aclose())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(JOIN_TIMEOUT_S)
+        loop.close()

@@ -126,6 +126,7 @@ class MasterLink:
         self._lock = asyncio.Lock()
         self._is_closed = False
         self._opened_in = forks()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first call: the link's
 
     def __repr__(self) -> str:
         return f"<MasterLink {self._resolver!r} {self._conn!r}>"
@@ -183,9 +184,15 @@ class MasterLink:
         Raises:
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
             request.
-            StoreClosed, InvalidRequest: see check_usable.
+            StoreClosed, InvalidRequest: see check_usable; InvalidRequest also from another
+                event loop than the first call's (its connection is that loop's).
         """
         check_usable(self._is_closed, self._opened_in)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None:
+                raise InvalidRequest("an AsyncStore belongs to the event loop it was opened on: open one on this loop")
+            self._loop = loop
         timeout_ms = timeout_ms or self._rpc_timeout_ms
         deadline = time.monotonic() + (self._connect_timeout_ms + timeout_ms) / 1000
         is_dynamic = self._resolver.is_dynamic
