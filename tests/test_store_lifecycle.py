@@ -6,6 +6,7 @@ every connection it had: the child opens its own and never touches the parent's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -266,6 +267,20 @@ def test_a_store_closed_while_a_child_reopens_it_stays_closed(make_cluster):
         assert answer["after"] == "StoreClosed" and answer["fresh_closed"], answer
 
 
+@contextlib.contextmanager
+def loop_on_a_thread():
+    """An event loop running on a thread of its own: yields on_loop(coroutine) -> its result."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    try:
+        yield lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result(JOIN_TIMEOUT_S)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(JOIN_TIMEOUT_S)
+        loop.close()
+
+
 def _child_uses_an_async_store(store: AsyncStore) -> list[str]:
     outcomes = []
     for call in (lambda: store.get("k"), store.aclose):
@@ -279,14 +294,7 @@ def _child_uses_an_async_store(store: AsyncStore) -> list[str]:
 
 def test_an_async_store_refuses_a_forked_child_and_leaves_the_parents_connections(make_cluster):
     cluster = make_cluster(1, "64MiB")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever)
-    thread.start()
-
-    def on_loop(coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(JOIN_TIMEOUT_S)
-
-    try:
+    with loop_on_a_thread() as on_loop:
         store = on_loop(AsyncStore.open(cluster.master_endpoint))
         on_loop(store.put("k", b"v" * 100))
         connection = store._master._conn
@@ -294,10 +302,6 @@ def test_an_async_store_refuses_a_forked_child_and_leaves_the_parents_connection
         assert on_loop(store.get("k")) == b"v" * 100
         assert store._master._conn is connection and not connection.is_closed()
         on_loop(store.aclose())
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(JOIN_TIMEOUT_S)
-        loop.close()
 
 
 def test_an_async_store_refuses_another_event_loop_before_it_sends_anything(make_cluster):
@@ -305,14 +309,7 @@ def test_an_async_store_refuses_another_event_loop_before_it_sends_anything(make
     loop (another thread's, or a later asyncio.run) is an InvalidRequest at once, before any
     request is written on a transport of the first loop, which keeps serving."""
     cluster = make_cluster(1, "64MiB")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever)
-    thread.start()
-
-    def on_loop(coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(JOIN_TIMEOUT_S)
-
-    try:
+    with loop_on_a_thread() as on_loop:
         store = on_loop(AsyncStore.open(cluster.master_endpoint))
         on_loop(store.put("k", b"v" * 100))
         for call in (lambda: store.get("k"), lambda: store.put("k2", b"v"), lambda: store.exists("k")):
@@ -321,7 +318,3 @@ def test_an_async_store_refuses_another_event_loop_before_it_sends_anything(make
         assert on_loop(store.get("k")) == b"v" * 100
         assert on_loop(store.exists("k2")) is False
         on_loop(store.aclose())
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(JOIN_TIMEOUT_S)
-        loop.close()
