@@ -27,6 +27,9 @@ def fake_statvfs(block_size: int):
             self.f_bsize = block_size
             self._real = real(path)
 
+        def __getattr__(self, name: str) -> int:  # the free room and the rest: the real ones
+            return getattr(self._real, name)
+
     return Result
 
 
@@ -71,3 +74,14 @@ def test_missing_directory_and_wrong_token(tmp_path: Path) -> None:
             Segment.open_mapped(str(segment.path), os.urandom(16))
     finally:
         segment.close()
+
+
+def test_a_segment_larger_than_the_room_left_in_its_filesystem_is_refused_before_any_write() -> None:
+    """Pre-faulting a tmpfs file beyond the filesystem's free room dies of SIGBUS part way:
+    such a segment is refused at once, with the room there is, and leaves no file."""
+    shm = "/dev/shm"
+    room = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize
+    name = f"too-large-{os.getpid()}"
+    with pytest.raises(InvalidParams, match="does not fit"):
+        Segment.create(shm, name, room + limits.GIB, os.urandom(16))
+    assert not any(name in entry for entry in os.listdir(shm))

@@ -71,9 +71,10 @@ class Segment:
         assert len(token) == limits.SEGMENT_TOKEN_SIZE_BYTES, len(token)
         path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
         with map_exceptions({OSError: InvalidParams}):
-            # hugetlbfs reports its huge page size here and refuses a file size that is not a
-            # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
-            block_size = max(os.statvfs(directory).f_bsize, limits.PAGE_SIZE_BYTES)
+            filesystem = os.statvfs(directory)
+        # hugetlbfs reports its huge page size here and refuses a file size that is not a
+        # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
+        block_size = max(filesystem.f_bsize, limits.PAGE_SIZE_BYTES)
         file_size = limits.SEGMENT_HEADER_SIZE_BYTES + capacity_bytes
         file_size -= file_size % block_size
         capacity_bytes = file_size - limits.SEGMENT_HEADER_SIZE_BYTES
@@ -81,6 +82,12 @@ class Segment:
             raise InvalidParams(
                 f"segment size rounds down to {max(capacity_bytes, 0)} bytes in {directory} "
                 f"(pages of {block_size} bytes): ask for more"
+            )
+        free_bytes = filesystem.f_bavail * filesystem.f_frsize
+        if file_size > free_bytes:  # pre-faulting it would die of SIGBUS part way through
+            raise InvalidParams(
+                f"a segment of {file_size} bytes does not fit in {directory} ({free_bytes} bytes "
+                "free): ask for less, or give that filesystem more room"
             )
         assert capacity_bytes % limits.PAGE_SIZE_BYTES == 0, capacity_bytes
         with map_exceptions({OSError: InvalidParams}):
