@@ -289,7 +289,7 @@ def test_sync_store_from_threads():
 def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on():
     """A bytes key (a hash digest, say) is refused by the client, before the master would take
     the request for a malformed frame and drop the connection."""
-    bad_keys = [b"digest", 7, None]
+    bad_keys = [b"digest", 7, None, ["unhashable"]]
 
     with cluster_on_a_thread() as endpoint, Store(endpoint) as store:
         store.put("good", b"v" * 100)

@@ -26,20 +26,51 @@ from kvpool.transports.connection import Connection, ReplySinks, connect
 log = logging.getLogger(__name__)
 
 
-class PeerPool:
+class _ClosedForGood:
+    """What a client's master link and its pool of node connections share: closed for good
+    by close() (a call after it raises StoreClosed, and opens nothing), and made in one
+    process: in a child forked since (process.py) its connections are the parent's, never
+    used nor closed there (a sync Store opens itself anew in a child; an AsyncStore belongs
+    to its process and loop)."""
+
+    def __init__(self) -> None:
+        self._is_closed = False
+        self._opened_in = forks()
+
+    def _check_usable(self) -> None:
+        """Raises StoreClosed once closed, and InvalidRequest in a process forked since."""
+        if self._is_closed:
+            raise StoreClosed("the store is closed")
+        if self._opened_in != forks():
+            raise InvalidRequest("this store was opened by the parent of this forked process: open one here")
+
+    def _kept(self, conn: Connection) -> Connection:
+        """`conn`, just opened by a call, unless close() came meanwhile: then it is closed
+        and the call raises StoreClosed (it keeps nothing open)."""
+        if self._is_closed:
+            conn.close("client closed")
+            raise StoreClosed("the store is closed")
+        return conn
+
+    def _close_for_good(self) -> bool:
+        """Mark closed; whether the connections are this process's to close."""
+        self._is_closed = True
+        return self._opened_in == forks()
+
+
+class PeerPool(_ClosedForGood):
     """Connections by endpoint. Invariant: no closed connection stays in `_conns`."""
 
     def __init__(
         self, key: bytes | None, connections_per_peer: int, connect_timeout_ms: int, prefer_local: bool
     ) -> None:
         assert 1 <= connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX, connections_per_peer
+        super().__init__()
         self._key = key
         self._prefer_local = prefer_local
         self._size = connections_per_peer
         self._connect_timeout_ms = connect_timeout_ms
         self._conns: dict[str, list[Connection]] = {}
-        self._is_closed = False
-        self._opened_in = forks()
 
     def __repr__(self) -> str:
         return f"<PeerPool {sum(len(c) for c in self._conns.values())} connections>"
@@ -49,22 +80,19 @@ class PeerPool:
 
         Raises:
             ConnectFailed, Unauthorized: no connection could be opened.
-            StoreClosed, InvalidRequest: see check_usable.
+            StoreClosed, InvalidRequest: closed, or in a forked child (_ClosedForGood).
         """
-        check_usable(self._is_closed, self._opened_in)
+        self._check_usable()
         count = max(1, min(count, self._size))
         conns = self._conns.setdefault(endpoint, [])
         conns[:] = [c for c in conns if not c.is_closed()]  # in place: shared by concurrent calls
         while len(conns) < count:
             try:
-                conn = await self._open(endpoint)
+                conn = self._kept(await self._open(endpoint))
             except ConnectFailed:
                 if conns:
                     break
                 raise
-            if self._is_closed:  # closed while this call connected: it keeps nothing open
-                conn.close("client closed")
-                raise StoreClosed("the store is closed")
             # Another call may have filled the pool while this one connected.
             if len(conns) >= self._size:
                 conn.close("pool full")
@@ -83,15 +111,13 @@ class PeerPool:
             conn.close("dropped by pool")
 
     def close(self) -> None:
-        """For good: lanes() raises StoreClosed after this. In a forked child the connections
-        are the parent's, and stay as they are (check_usable)."""
-        self._is_closed = True
-        if self._opened_in == forks():
+        """For good (_ClosedForGood)."""
+        if self._close_for_good():
             for endpoint in list(self._conns):
                 self.drop(endpoint)
 
 
-class MasterLink:
+class MasterLink(_ClosedForGood):
     """The client's connection to the master, reconnected on demand.
 
     `endpoint` is "host:port", or "etcd://host:port[,...][/cluster-id]" to follow the elected
@@ -112,6 +138,7 @@ class MasterLink:
     def __init__(
         self, endpoint: str, key: bytes | None, connect_timeout_ms: int, rpc_timeout_ms: int, prefer_local: bool
     ):
+        super().__init__()
         self.endpoint = endpoint
         self._prefer_local = prefer_local
         self._resolver = MasterResolver(endpoint)
@@ -124,8 +151,6 @@ class MasterLink:
         # request, but keep the connection if it still is the leader (one still recovering).
         self._is_stale = False
         self._lock = asyncio.Lock()
-        self._is_closed = False
-        self._opened_in = forks()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first call: the link's
 
     def __repr__(self) -> str:
@@ -158,12 +183,9 @@ class MasterLink:
             if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
                 self._is_stale = False  # Still the leader: other calls keep their connection.
                 return old
-            conn = await connect(
+            conn = self._kept(await connect(
                 endpoint, key=self._key, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
-            )
-            if self._is_closed:  # closed while this call connected: it keeps nothing open
-                conn.close("client closed")
-                raise StoreClosed("the store is closed")
+            ))
             if old is not None:
                 old.close("the master moved")
             self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False
@@ -184,10 +206,11 @@ class MasterLink:
         Raises:
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
             request.
-            StoreClosed, InvalidRequest: see check_usable; InvalidRequest also from another
-                event loop than the first call's (its connection is that loop's).
+            StoreClosed, InvalidRequest: closed, or in a forked child (_ClosedForGood);
+                InvalidRequest also from another event loop than the first call's (its
+                connection is that loop's).
         """
-        check_usable(self._is_closed, self._opened_in)
+        self._check_usable()
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             if self._loop is not None:
@@ -236,21 +259,9 @@ class MasterLink:
         raise error
 
     def close(self) -> None:
-        """For good: a call after this raises StoreClosed instead of connecting again. In a
-        forked child the connection is the parent's, and stays as it is (check_usable)."""
-        self._is_closed = True
-        if self._conn is not None and self._opened_in == forks():
+        """For good (_ClosedForGood): a call after this raises StoreClosed instead of connecting again."""
+        if self._close_for_good() and self._conn is not None:
             self._conn.close("client closed")
-
-
-def check_usable(is_closed: bool, opened_in: int) -> None:
-    """Raises StoreClosed once a client's link or pool is closed, and InvalidRequest in a
-    process forked since it was opened: its connections are the parent's (process.py; a sync
-    Store opens itself anew in a child, an AsyncStore belongs to its process and loop)."""
-    if is_closed:
-        raise StoreClosed("the store is closed")
-    if opened_in != forks():
-        raise InvalidRequest("this store was opened by the parent of this forked process: open one here")
 
 
 async def request_on_lanes(

@@ -358,6 +358,7 @@ class AsyncStore:
         config: ReplicateConfig | None,
     ) -> list[int]:
         """A whole put, every phase on this loop."""
+        keys = key_list(keys)  # before first_occurrences: an unhashable key is an InvalidKey too
         unique, positions = first_occurrences(keys)
         if len(unique) < len(keys):
             codes = await self._put_parts([keys[i] for i in unique], [parts[i] for i in unique], config)
@@ -487,7 +488,8 @@ class AsyncStore:
         self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], config: ReplicateConfig | None
     ) -> PutStart:
         sizes = [len(kp[0]) if len(kp) == 1 else sum(len(p) for p in kp) for kp in parts]
-        return PutStart(key_list(keys), sizes, config or ReplicateConfig(), self.hostname)
+        # The keys were checked where the put came in (key_list: _put_parts, Store._put).
+        return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
 
     def _put_job(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
         """The put the master's put_start answer describes. Any thread (the sync Store's)."""

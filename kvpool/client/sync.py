@@ -385,8 +385,9 @@ class Store:
         return self._opened
 
     def _check_open(self) -> None:
-        """Every call starts here (or with _async): a Store opened by a process this one was
-        forked from is opened anew first (_reopen_after_fork); a closed one raises StoreClosed."""
+        """Every call starts here, or with _async (before it touches anything this process's
+        own): a Store opened by a process this one was forked from is opened anew first
+        (_reopen_after_fork); a closed one raises StoreClosed."""
         if self._opened_in != forks():
             self._reopen_after_fork()
 
@@ -430,11 +431,7 @@ class Store:
             self._opened_in = forks()
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        try:
-            self._check_open()
-        except BaseException:
-            coroutine.close()  # made by the caller, never to run
-            raise
+        """Run a coroutine of this Store's AsyncStore (made through _async, which checked)."""
         return self._loop.run(coroutine, self._timeout_ms)
 
     def _ask(self, message: Message, is_idempotent: bool = True) -> Message:
@@ -695,7 +692,6 @@ class Store:
     ) -> list[GetJob]:
         """Look up, copy what is mapped here, read the rest over TCP: a job per piece of the
         batch (the AsyncStore's GetPieces decides, for both), in order."""
-        self._check_open()
         if len(keys) < GET_PIECES_FROM_KEYS:
             return self._get_whole(keys, targets, starts)
         with self._async._get_pieces.pieces(keys, targets) as pieces:

@@ -71,6 +71,8 @@ class BlockingConnection:
         self._unanswered: set[int] = set()  # ids of the requests sent whose reply is not read yet
         self._early: dict[int, Frame] = {}  # replies read before their request's turn
         self._pads_payloads = sock.family != socket.AF_UNIX  # over TCP: see frames.payload_padding
+        # The pid, not process.forks(): a child drops the parent's other threads' links as
+        # it starts, before the at-fork hooks that count forks have run.
         self._opener_pid = os.getpid()
 
     def __repr__(self) -> str:
