@@ -89,7 +89,10 @@ Each part prints one JSON object (medians); run one with its name, or all by def
                a node replies to a get (from a segment into a numpy array), with the control
                message as encoded before 2026-12-01 and padded (frames.payload_padding).
   files        reading 64 files of 4 MiB, cold, through the page cache (1 and 4 threads,
-               POSIX_FADV_WILLNEED) and with O_DIRECT (the disk tier's same-host reads); and
+               POSIX_FADV_WILLNEED), with O_DIRECT (1 and 4 threads) and as the disk tier's
+               same-host reads do (files.read_object_into into a numpy array, 4 threads, after
+               WILLNEED), next to one file of the same 256 MiB read buffered and with O_DIRECT,
+               every way once per round; and
                64 object files of 4 MiB from the page cache into a numpy array 16 bytes past a
                page: preadv straight in, into a page-aligned array, and files.read_object_into.
   bytecodes    Python bytecodes per key (counted, not timed: the same on every run) of the
@@ -116,6 +119,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -1373,17 +1377,27 @@ def frames_over_tcp(header: bytes, payload: memoryview, landing_page_offset: int
 
 
 def files_read() -> dict:
+    """64 files of 4 MiB read cold, each way once per round in turn (medians of 5 rounds),
+    next to one file of the same 256 MiB read the same ways: whether one file per object
+    costs anything against one long file (ratios per round, then the median)."""
     count, size = 64, 4 * MIB
     with tempfile.TemporaryDirectory(dir=".") as directory:
-        paths = [Path(directory) / f"f{i}" for i in range(count)]
+        from kvpool.transports import files as object_files
+
+        names = [f"f{i}" for i in range(count)]
+        paths = [Path(directory) / name for name in names]
+        one_file = Path(directory) / "one"
         data = os.urandom(size)
-        for path in paths:
-            path.write_bytes(bytes(4 * KIB) + data)
+        for name in names:  # object files (a page of header, then the bytes), synced
+            object_files.write_object(Path(directory), name, name, 0, [memoryview(data)], is_durable=True)
+        _write_synced(one_file, [data] * count)
         buffers = [bytearray(size) for _ in range(count)]
         aligned = [mmap.mmap(-1, size) for _ in range(count)]
+        array = np.zeros(count * size + 2 * PAGE, dtype=np.uint8)  # a numpy target, 16 bytes past a page
+        array_views = [memoryview(array)[16 + i * size : 16 + (i + 1) * size] for i in range(count)]
 
-        def evict() -> None:
-            for path in paths:
+        def evict(files: list[Path]) -> None:
+            for path in files:
                 fd = os.open(path, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
@@ -1395,27 +1409,69 @@ def files_read() -> dict:
             finally:
                 os.close(fd)
 
-        def run(threads: int, willneed: bool, flags: int, target) -> float:
-            evict()
-            started = time.perf_counter()
-            if willneed:
-                for path in paths:
-                    fd = os.open(path, os.O_RDONLY)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                    os.close(fd)
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda i: read(i, flags, target), range(count)))
-            return count * size / (time.perf_counter() - started) / 1e9
+        def read_object(i: int) -> None:
+            object_files.read_object_into(paths[i], names[i], size, [array_views[i]])
 
-        out = {}
-        for name, args in (
-            ("buffered_1_thread", (1, False, 0, buffers)),
-            ("buffered_4_threads_willneed", (4, True, 0, buffers)),
-            ("o_direct_4_threads", (4, False, os.O_DIRECT, aligned)),
+        def files(threads: int, willneed: bool, read_one: Callable[[int], None]) -> Callable[[], None]:
+            def run() -> None:
+                evict(paths)
+                if willneed:
+                    for path in paths:
+                        object_files.prefetch(path)
+                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(read_one, range(count)))
+
+            return run
+
+        def one(flags: int, target) -> Callable[[], None]:
+            def run() -> None:
+                evict([one_file])
+                fd = os.open(one_file, os.O_RDONLY | flags)
+                try:
+                    for i in range(count):
+                        os.preadv(fd, [target[i]], i * size)
+                finally:
+                    os.close(fd)
+
+            return run
+
+        cases = {
+            "buffered_1_thread": files(1, False, lambda i: read(i, 0, buffers)),
+            "buffered_4_threads_willneed": files(4, True, lambda i: read(i, 0, buffers)),
+            "o_direct_1_thread": files(1, False, lambda i: read(i, os.O_DIRECT, aligned)),
+            "o_direct_4_threads": files(4, False, lambda i: read(i, os.O_DIRECT, aligned)),
+            # as the disk tier's same-host reads go, into a numpy array
+            "objects_4_threads_willneed": files(4, True, read_object),
+            "one_file_buffered": one(0, buffers),
+            "one_file_o_direct": one(os.O_DIRECT, aligned),
+        }
+        rates: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(5):
+            for name, run in cases.items():
+                started = time.perf_counter()
+                run()
+                rates[name].append(count * size / (time.perf_counter() - started) / 1e9)
+        out: dict = {f"{name}_gbps": round(statistics.median(values), 2) for name, values in rates.items()}
+        out["gbps_rounds"] = {name: [round(rate, 2) for rate in values] for name, values in rates.items()}
+        for ours, theirs in (
+            ("o_direct_1_thread", "one_file_o_direct"),
+            ("buffered_1_thread", "one_file_buffered"),
+            ("o_direct_4_threads", "one_file_o_direct"),
+            ("objects_4_threads_willneed", "one_file_o_direct"),
         ):
-            out[f"{name}_gbps"] = round(statistics.median(run(*args) for _ in range(3)), 2)
+            ratios = [a / b for a, b in zip(rates[ours], rates[theirs])]
+            out[f"{ours}_vs_{theirs}"] = round(statistics.median(ratios), 2)
         out.update(warm_object_reads(Path(directory)))
         return out
+
+
+def _write_synced(path: Path, parts: list[bytes]) -> None:
+    """Write and fsync, so that POSIX_FADV_DONTNEED can drop every page (dirty ones stay)."""
+    with path.open("wb") as file:
+        for part in parts:
+            file.write(part)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def warm_object_reads(directory: Path) -> dict:
