@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -131,6 +132,32 @@ def test_node_killed_leaves_surviving_replica_or_clean_miss_and_space_is_reclaim
         assert all(r.segment_id != victim_segment for rs in replicas for r in rs)
         assert store.put_batch(list(single), list(single.values())) == [ErrorCode.OK] * len(single)
     assert master_metrics(cluster)["kvpool_master_lost_total"] == len(lost)  # what an operator sees
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp"])
+def test_puts_right_after_a_node_is_killed_go_to_the_live_nodes(make_cluster, shm):
+    """SIGKILL closes the node's connections at once, long before the node TTL (10 s here)
+    says it is gone: from then on the master places puts on the nodes it can reach (before,
+    about half of them went to the dead node and failed), and `kvpool stat` shows the dead
+    node's segment as unreachable."""
+    cluster = make_cluster(2)
+    victim = cluster.nodes[0]
+    victim_segment = victim.info["segment_id"]
+    values = values_for("after-kill", 40, 64 * 1024)
+    with Store(cluster.master_endpoint, shm_enabled=shm) as store:
+        victim.kill()
+        assert wait_until(lambda: _segment_states(store).get(victim_segment) == "unreachable", 5)
+        codes = [store.put_batch([key], [value])[0] for key, value in values.items()]
+        assert codes == [ErrorCode.OK] * len(values)
+        assert store.get_batch(list(values)) == list(values.values())
+        assert all(r.segment_id != victim_segment for rs in store.query(list(values)).replicas for r in rs)
+    stat = kvpool_cli("stat", "--json", "--master", cluster.master_endpoint)
+    segments = {s["segment_id"]: s["state"] for s in json.loads(stat.stdout)["segments"]}
+    assert segments[victim_segment] == "unreachable"
+
+
+def _segment_states(store: Store) -> dict[str, str]:
+    return {s.segment.segment_id: s.state for s in store.cluster_status().segments}
 
 
 def master_metrics(cluster) -> dict[str, float]:

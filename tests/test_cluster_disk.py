@@ -18,6 +18,8 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from kvpool import AsyncStore, ErrorCode, Store
 from kvpool.protocol import objectfile
 from kvpool.transports import files
@@ -216,6 +218,34 @@ def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cl
         assert wait_until(lambda: not store.exists("rot"), 5)
         store.put("rot", data)
         assert store.get("rot") == data
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp"])
+def test_disk_files_cut_short_or_deleted_miss_alone_and_are_dropped(make_cluster, tmp_path, shm):
+    """Disk-only objects whose files are cut short or deleted behind the node's back: a batch
+    get misses those keys and only those (over TCP they share one frame with the healthy ones,
+    which the node still sends whole), the readers' reports have the node check the files and
+    the master drop the objects, and the keys can be put again."""
+    from kvpool import ReplicateConfig
+
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(tmp_path / "disk"))
+    keys = [f"file-{i}" for i in range(4)]
+    values = [os.urandom(300 * 1024) for _ in keys]
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(keys, values, ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK] * 4
+        offsets = {key: replicas[0].offset for key, replicas in zip(keys, store.query(keys).replicas)}
+    node.stop()
+    cluster.start_node(disk_args(tmp_path / "disk"))  # DRAM gone: every object is on disk only
+    objects = tmp_path / "disk" / objectfile.OBJECTS_DIR
+    os.truncate(objects / objectfile.disk_name(offsets["file-1"]), 100_000)
+    (objects / objectfile.disk_name(offsets["file-2"])).unlink()
+    with Store(cluster.master_endpoint, shm_enabled=shm) as store:
+        assert wait_until(lambda: all(store.batch_exists(keys)), 10)  # re-adopted from the disk
+        assert store.get_batch(keys) == [values[0], None, None, values[3]]
+        assert wait_until(lambda: store.batch_exists(keys) == [True, False, False, True], 5)
+        assert store.put_batch(keys[1:3], values[1:3]) == [ErrorCode.OK] * 2
+        assert store.get_batch(keys) == values
 
 
 def test_puts_find_room_when_dram_and_the_disk_tier_are_both_full(make_cluster, tmp_path):

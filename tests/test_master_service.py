@@ -586,6 +586,48 @@ def test_placement_random_spreads_over_segments() -> None:
     assert set(counts) == {"s1", "s2", "s3", "s4"} and min(counts.values()) > 60
 
 
+def test_a_segment_whose_node_link_is_lost_takes_no_puts_until_its_node_speaks_again() -> None:
+    """A node killed with SIGKILL closes its connection at once; the node TTL (10 s) decides
+    that it is gone. Meanwhile puts go to the other segments (not half of them to a dead node)
+    and its replicas are still listed for reads; a heartbeat, or a re-mount, brings it back."""
+    svc = make(seed=7)
+    mount(svc, "s1", capacity=64 * MIB)
+    mount(svc, "s2", capacity=64 * MIB)
+    assert put(svc, ["old"], placement="preferred", preferred_segments=["s1"]) == [OK]
+    assert svc.node_link_lost(["s1", "unknown"]) == ["s1"]
+    assert svc.node_link_lost(["s1"]) == []
+    placed = {where(svc.put_start(PutStart([f"k{i}"], [10], config()), 0), 0)[0][0] for i in range(100)}
+    assert placed == {"s2"}
+    preferred = svc.put_start(PutStart(["p"], [10], config(placement="preferred", preferred_segments=["s1"])), 0)
+    assert where(preferred, 0)[0][0] == "s2"
+    assert {s.segment.segment_id: s.state for s in svc.cluster_status(ClusterStatus(), 0).segments} == {
+        "s1": "unreachable",
+        "s2": "active",
+    }
+    assert [r.segment_id for r in get(svc, ["old"]).replicas[0]] == ["s1"]
+    svc.heartbeat(Heartbeat(["s1"]), 1)
+    placed = {where(svc.put_start(PutStart([f"j{i}"], [10], config()), 0), 0)[0][0] for i in range(100)}
+    assert placed == {"s1", "s2"}
+    svc.node_link_lost(["s1"])
+    mount(svc, "s1", capacity=64 * MIB)  # a re-mount (the master restarted) speaks too
+    assert {s.state for s in svc.cluster_status(ClusterStatus(), 0).segments} == {"active"}
+
+
+def test_a_put_short_of_room_does_not_count_on_drops_sent_to_a_lost_node() -> None:
+    svc = make(evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")  # 16 objects of 64 KiB fill each
+    mount(svc, "s2")
+    fill(svc, "s1", 16, prefix="a")
+    fill(svc, "s2", 16, prefix="b")
+    svc.remove(Remove([f"a{i}" for i in range(16)], force=True), 0)
+    assert list(svc.take_drops()) == ["s1"]  # sent to s1's node, which then dies: never acknowledged
+    svc.node_link_lost(["s1"])
+    assert svc.put_start(PutStart(["n"], [OBJECT_SIZE], config()), 0).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+    assert [e.key for e in ack_drops(svc)["s2"]] == ["b0"]  # s2 evicts for it
+    reply = svc.put_start(PutStart(["n"], [OBJECT_SIZE], config()), 0)
+    assert reply.codes == [OK] and where(reply, 0)[0][0] == "s2"
+
+
 def test_a_batch_is_placed_in_runs_that_share_one_range_and_grant() -> None:
     """Keys of one put_start are allocated in runs of up to RUN_BYTES_MAX: per replica one
     contiguous range, carved in key order, with one grant; runs of a large batch spread."""

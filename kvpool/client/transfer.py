@@ -612,8 +612,8 @@ class GetJob:
                 self._landed[index] = files.read_object_bytes(path, key, size)
             else:
                 files.read_object_into(path, key, size, target)
-        except KVPoolError:  # Gone (dropped, moved) or unreadable: the next replica.
-            self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+        except KVPoolError:  # Gone, cut short or unreadable: reported (its node checks), the next replica.
+            self._found_bad(index)
             return None
         return checksum_of(self._landed_views(index))
 
@@ -739,8 +739,9 @@ class GetJob:
             self._landed[index] = None
 
     def _found_bad(self, index: int) -> None:
-        """Key `index`'s bytes landed whole but do not match its checksum: note the replica,
-        then try the next one."""
+        """Key `index`'s bytes do not match its checksum, or its file here could not be read
+        whole: note the replica (report_bad_replicas: where it lives, it is checked, and
+        dropped if the check agrees), then try the next one."""
         replica = self._reading.get(index)
         if replica is not None and self.keys:
             self.bad_replicas.append((self.keys[index], replica))

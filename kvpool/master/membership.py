@@ -75,6 +75,7 @@ class Segment:
         "drops_sent",
         "drop_bytes",
         "taken",
+        "is_reachable",
     )
 
     def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int):
@@ -93,6 +94,8 @@ class Segment:
         self.drops_sent: dict[int, InventoryEntry] = {}
         self.drop_bytes = 0
         self.taken: list[tuple[int, int]] = []  # (offset, size) of replicas a LEAVING one let go
+        # Whether the master holds a connection to the node (see SegmentRegistry.set_reachable).
+        self.is_reachable = True
 
     @property
     def segment_id(self) -> str:
@@ -105,6 +108,17 @@ class Segment:
     @property
     def is_mounted(self) -> bool:
         return self.state is not SegmentState.UNMOUNTED
+
+    @property
+    def takes_new_replicas(self) -> bool:
+        """ACTIVE and reachable: puts and offloads may be placed here."""
+        return self.state is SegmentState.ACTIVE and self.is_reachable
+
+    @property
+    def status(self) -> str:
+        """The state as operators see it: an ACTIVE segment whose node's connection is lost
+        (before the node TTL decides) reads "unreachable"."""
+        return self.state.value if self.is_reachable or not self.is_active else "unreachable"
 
     def transition(self, to: SegmentState) -> None:
         assert to in _TRANSITIONS[self.state], f"segment {self.segment_id}: {self.state} -> {to}"
@@ -255,11 +269,12 @@ class SegmentRegistry:
     """Every mounted segment by id and by index, and the active ones for placement.
 
     Holds `_by_id`, `_by_index` (a list with None holes; freed indexes are reused), `active`
-    (the ACTIVE DRAM segments, in mount order: where puts go), `active_by_hostname` (the same,
-    by host), `active_by_tier` (the ACTIVE segments of each tier) and `_active_by_node` (node
-    id and tier -> its ACTIVE segment). Invariants: the maps agree with one another; no
-    UNMOUNTED segment is registered; `active` is exactly the ACTIVE DRAM ones. Mount, unmount
-    and drain are rare, so the placement views are rebuilt on each (O(s)).
+    (the ACTIVE DRAM segments whose node is reachable, in mount order: where puts go),
+    `active_by_hostname` (the same, by host), `active_by_tier` (the ACTIVE reachable segments
+    of each tier: where offloads go) and `_active_by_node` (node id and tier -> its ACTIVE
+    segment, reachable or not). Invariants: the maps agree with one another; no UNMOUNTED
+    segment is registered; `active` is exactly the ACTIVE reachable DRAM ones. Mount, unmount,
+    drain and a lost node connection are rare, so the placement views are rebuilt on each (O(s)).
     """
 
     __slots__ = (
@@ -320,6 +335,19 @@ class SegmentRegistry:
         segment.transition(SegmentState.LEAVING)
         self._rebuild_views()
 
+    def set_reachable(self, segment: Segment, is_reachable: bool) -> bool:
+        """Whether the master holds a connection to the segment's node. An unreachable one
+        keeps its state and its replicas (the node TTL decides whether it is gone; a node that
+        reconnects speaks again within a heartbeat), but leaves the placement views: a put
+        placed there, or an offload, would wait on a node that may be dead, and the room its
+        unacknowledged drops would free is not coming until it is back. Returns whether that
+        changed anything."""
+        if segment.is_reachable == is_reachable:
+            return False
+        segment.is_reachable = is_reachable
+        self._rebuild_views()
+        return True
+
     def set_draining(self, segment: Segment, deadline_ms: int) -> None:
         if segment.state is SegmentState.ACTIVE:
             segment.transition(SegmentState.DRAINING)
@@ -358,23 +386,24 @@ class SegmentRegistry:
             assert segment.is_mounted, segment
         assert count == len(self._by_id), (count, len(self._by_id))
         assert len(set(self._free_indexes)) == len(self._free_indexes), self._free_indexes
-        active = [seg for seg in self._by_id.values() if seg.is_active and seg.tier == TIER_DRAM]
+        active = [seg for seg in self._by_id.values() if seg.takes_new_replicas and seg.tier == TIER_DRAM]
         assert active == self.active, (active, self.active)
         for tier, segments in self.active_by_tier.items():
-            assert segments == [s for s in self._by_id.values() if s.is_active and s.tier == tier], tier
+            assert segments == [s for s in self._by_id.values() if s.takes_new_replicas and s.tier == tier], tier
         by_host = sum(len(segs) for segs in self.active_by_hostname.values())
         assert by_host == len(active), (by_host, len(active))
         for hostname, segments in self.active_by_hostname.items():
             for segment in segments:
-                assert segment.info.hostname == hostname and segment.is_active, segment
+                assert segment.info.hostname == hostname and segment.takes_new_replicas, segment
 
     def _rebuild_views(self) -> None:
         by_tier: dict[str, list[Segment]] = {tier: [] for tier in TIERS}
         by_node: dict[tuple[str, str], Segment] = {}
         for seg in self._by_id.values():
             if seg.is_active:
-                by_tier.setdefault(seg.tier, []).append(seg)
                 by_node[(seg.info.node_id, seg.tier)] = seg
+            if seg.takes_new_replicas:
+                by_tier.setdefault(seg.tier, []).append(seg)
         self.active_by_tier = by_tier
         self._active_by_node = by_node
         self.active = by_tier[TIER_DRAM]

@@ -3,7 +3,8 @@
 This module turns a placement strategy (messages.PLACEMENTS) into an ordered stream of
 candidate segments; the service allocates on them in that order until it has `replica_num`
 replicas on distinct segments. It is not where allocation happens, and it never offers a
-draining segment (the registry's `active` view excludes them).
+draining segment, nor one whose node the master lost its connection to (the registry's
+`active` view excludes them).
 
     "random"      uniform random; a few independent draws first, then every segment from a
                   random start, so a nearly full cluster still finds the one that fits.
@@ -48,7 +49,7 @@ def candidate_segments(
     elif placement == "preferred":
         for segment_id in preferred_segment_ids:
             segment = registry.get(segment_id)
-            if segment is not None and segment.is_active:
+            if segment is not None and segment.takes_new_replicas:
                 yield segment
     yield from _random_order(registry.active, replica_num, rng)
 

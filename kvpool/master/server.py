@@ -232,9 +232,12 @@ class MasterServer:
 
     def connection_closed(self, conn: Connection) -> None:
         # The node may reconnect and re-mount; liveness (node TTL) decides when it is gone.
-        for segment_id, node_conn in list(self._node_conns.items()):
-            if node_conn is conn:
-                del self._node_conns[segment_id]
+        # Meanwhile nothing new is placed on its segments (service.node_link_lost).
+        lost = [segment_id for segment_id, node_conn in self._node_conns.items() if node_conn is conn]
+        for segment_id in lost:
+            del self._node_conns[segment_id]
+        if lost and self.service.node_link_lost(lost):
+            log.info("lost the connection to the node of %s: no puts there until it speaks again", ", ".join(lost))
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         result = self._dispatch(conn, message)

@@ -176,7 +176,7 @@ class MasterService:
             SegmentCounters(
                 segment_id=seg.segment_id,
                 node_id=seg.info.node_id,
-                state=seg.state.value,
+                state=seg.status,
                 capacity_bytes=seg.allocator.capacity_bytes,
                 used_bytes=seg.allocator.used_bytes,
                 free_bytes=seg.allocator.free_bytes,
@@ -230,6 +230,7 @@ class MasterService:
                 segment = None
             else:
                 self._registry.replace_info(segment, info)
+                self._registry.set_reachable(segment, True)
                 segment.last_seen_ms = now_ms
         if segment is None:
             if self._registry.is_full():
@@ -248,7 +249,22 @@ class MasterService:
                 unknown.append(segment_id)
             else:
                 segment.last_seen_ms = now_ms
+                self._registry.set_reachable(segment, True)  # it speaks: its connection is back
         return HeartbeatReply(unknown)
+
+    def node_link_lost(self, segment_ids: list[str]) -> list[str]:
+        """The master's connection to these segments' node closed. Until the node speaks
+        again (a heartbeat on a new connection) or the node TTL drops it, nothing new is placed
+        there (SegmentRegistry.set_reachable): puts go to the other segments at once instead
+        of to a node that is probably dead, and eviction no longer counts on the room its
+        unacknowledged drops would free. Reads still go to its replicas (a client finds out
+        for itself, and moves on to the next replica). Returns the ids that changed."""
+        changed = []
+        for segment_id in segment_ids:
+            segment = self._registry.get(segment_id)
+            if segment is not None and self._registry.set_reachable(segment, False):
+                changed.append(segment_id)
+        return changed
 
     def unmount_segment(self, msg: UnmountSegment, now_ms: int) -> OkReply:
         """Unmount: replicas there vanish, objects left with none are removed; at once, or in
@@ -643,7 +659,7 @@ class MasterService:
 
     def cluster_status(self, msg: ClusterStatus, now_ms: int) -> ClusterStatusReply:
         statuses = [
-            SegmentStatus(seg.info, seg.state.value, seg.allocator.used_bytes, seg.object_count)
+            SegmentStatus(seg.info, seg.status, seg.allocator.used_bytes, seg.object_count)
             for seg in self._registry
         ]
         return ClusterStatusReply(

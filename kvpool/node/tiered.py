@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Sequence
 
 from kvpool import limits
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, SegmentNotFound
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, ObjectNotFound, SegmentNotFound
 from kvpool.node.disk import DiskTier
 from kvpool.node.metrics import TierMetrics
 from kvpool.node.moves import Mover
@@ -96,7 +96,8 @@ class TieredTransferHandler:
 
     def _plan_read(self, items: list[ReadItem], disk: DiskTier) -> list:
         """Validate every item first (DESIGN.md §7): DRAM ranges inside the segment, disk
-        ranges inside one object each. Returns per item a DRAM view or a disk entry."""
+        ranges inside one object each. Returns per item a DRAM view or (the disk entry, or
+        None where the tier holds no such object now: sent as zeros, see _read; the item)."""
         self.dram._check_open()
         total = 0
         plan: list = []
@@ -105,7 +106,11 @@ class TieredTransferHandler:
             if item.segment_id == disk.segment_id:
                 if item.size <= 0 or item.offset < 0:
                     raise InvalidParams(f"read item {index}: [{item.offset}, +{item.size})")
-                plan.append((disk.containing(item.offset, item.size), item))
+                try:
+                    entry: InventoryEntry | None = disk.containing(item.offset, item.size)
+                except ObjectNotFound:  # dropped or moved since the reader's lookup
+                    entry = None
+                plan.append((entry, item))
             else:
                 self.dram._check_segment_id(item.segment_id)
                 self.dram._check_range(item.offset, item.size, f"read item {index}")
@@ -117,7 +122,11 @@ class TieredTransferHandler:
 
     async def _read(self, plan: list, landing: int | None) -> HandlerResult:
         """Open the disk files in a thread (opening may touch the disk), then reply: the
-        Connection sends the ranges with sendfile and closes them."""
+        Connection sends the ranges with sendfile and closes them. A file that cannot be
+        opened whole (gone, cut short, another object's) is sent as zeros: the frame's other
+        items still arrive, and the reader, whose checksum that item fails, reports the
+        replica, which the master then has checked here (_verify_disk) and dropped. Reading
+        on after a cut-short file had been opened would close the connection mid-frame."""
         disk = self.disk
         assert disk is not None
 
@@ -127,9 +136,16 @@ class TieredTransferHandler:
                 for step in plan:
                     if isinstance(step, memoryview):
                         payload.append(step)
-                    else:
-                        entry, item = step
+                        continue
+                    entry, item = step
+                    if entry is None:
+                        payload.append(memoryview(bytes(item.size)))
+                        continue
+                    try:
                         payload.append(disk.open_range(entry, item.offset, item.size))
+                    except KVPoolError as exc:
+                        log.warning("disk tier %s: %r sent as zeros: %s", disk.segment_id, entry.key, exc)
+                        payload.append(memoryview(bytes(item.size)))
             except BaseException:
                 files.close_parts(payload)
                 raise

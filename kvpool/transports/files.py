@@ -86,14 +86,15 @@ Part = bytes | bytearray | memoryview | FileRange
 
 
 def open_object(path: str | Path, key: str, size_bytes: int) -> tuple[int, ObjectHeader]:
-    """Open an object file and check that it holds `key` with `size_bytes` bytes.
+    """Open an object file and check that it holds `key` with `size_bytes` bytes, all of them
+    (a file cut short is found here, before any of it is read or sent).
 
     Returns:
         The open descriptor (the caller closes it) and the header.
 
     Raises:
         ObjectNotFound: no such file (dropped, or never there).
-        ChecksumMismatch: the file holds another object, or is no object file.
+        ChecksumMismatch: the file holds another object, is no object file, or is cut short.
         TransferFailed: the file cannot be read.
     """
     with map_exceptions(_READ_ERRORS):
@@ -102,6 +103,10 @@ def open_object(path: str | Path, key: str, size_bytes: int) -> tuple[int, Objec
         header = _read_header_fd(fd)
         if header is None or header.key != key or header.size != size_bytes:
             raise ChecksumMismatch(f"{path} does not hold {key!r} of {size_bytes} bytes")
+        with map_exceptions(_READ_ERRORS):
+            file_size = os.fstat(fd).st_size
+        if file_size < header.file_size:
+            raise ChecksumMismatch(f"{path} is cut short: {file_size} of {header.file_size} bytes")
         return fd, header
     except BaseException:
         os.close(fd)
