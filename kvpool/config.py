@@ -79,7 +79,11 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
     if token:
         return token
     if token_file:
-        text = Path(token_file).read_text().strip()
+        try:
+            text = Path(token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:  # the token is text (`openssl rand -hex 32`)
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise InvalidParams(f"cannot read token file {token_file}: {reason}") from None
         if not text:
             raise InvalidParams(f"token file {token_file} is empty")
         return text

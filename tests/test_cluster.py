@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
-from kvpool.errors import KVPoolError
+from kvpool.errors import Unauthorized
 from kvpool.protocol.messages import GetReplicaList
 
 TIMEOUT_S = 15.0
@@ -745,10 +745,17 @@ uvloop.run(main())
 
 def test_wrong_or_missing_token_is_rejected(make_cluster):
     cluster = make_cluster(1, token="s3cret-token")
-    with pytest.raises(KVPoolError):
+    with pytest.raises(Unauthorized, match="requires a cluster token"):
         Store(cluster.master_endpoint, connect_timeout_ms=1000)
-    with pytest.raises(KVPoolError):
-        Store(cluster.master_endpoint, token="wrong", connect_timeout_ms=1000)
+    for shm in (True, False):  # the master says why before it closes: no network error to retry
+        with pytest.raises(Unauthorized, match="wrong cluster token"):
+            Store(cluster.master_endpoint, token="wrong", connect_timeout_ms=1000, shm_enabled=shm)
+
+        async def open_async(shm=shm) -> None:
+            await AsyncStore.open(cluster.master_endpoint, token="wrong", connect_timeout_ms=1000, shm_enabled=shm)
+
+        with pytest.raises(Unauthorized, match="wrong cluster token"):
+            asyncio.run(open_async())
     with Store(cluster.master_endpoint, token="s3cret-token") as store:
         store.put("k", b"v" * 1000)
         assert store.get("k") == b"v" * 1000

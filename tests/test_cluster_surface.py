@@ -145,6 +145,29 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     assert kvpool_cli("demo", "--nodes", "0").returncode == 2  # refused before a master starts
 
 
+def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path):
+    """What an operator mistypes: a token file that is missing, a directory or not text, and
+    a metrics port another process holds (9100, the master's default, is node_exporter's)."""
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x01")
+    for path, reason in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory"), (binary, "not UTF-8")):
+        for args in (("ls", "--master", "127.0.0.1:1"), ("master", "--port", "0", "--http-port", "0")):
+            out = kvpool_cli(*args, "--token-file", str(path))
+            assert out.returncode == 1, out
+            assert f"cannot read token file {path}: {reason}" in " ".join(out.stderr.decode().split())
+            assert b"Traceback" not in out.stderr
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = str(held.getsockname()[1])
+        for args, option in (
+            (("master", "--port", "0", "--http-port", port), "--http-port"),
+            (("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--metrics-port", port), "--metrics-port"),
+        ):
+            out = kvpool_cli(*args)
+            message = " ".join(out.stderr.decode().split())
+            assert out.returncode == 1 and b"Traceback" not in out.stderr, out
+            assert f"cannot listen on 127.0.0.1:{port} for /metrics ({option})" in message
+
+
 def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples = {}

@@ -96,8 +96,12 @@ def _store(master: str, token_file: Optional[Path]):
     # KVPOOL_DFS_DIR: this host's mount of the DFS tier, so that `get` reads DFS objects too.
     dfs_dir = os.environ.get("KVPOOL_DFS_DIR", "")
     try:
+        token = _token(token_file)
+    except KVPoolError as exc:
+        raise _fail(str(exc)) from None
+    try:
         return Store(
-            master, token=_token(token_file), shm_enabled=shm_enabled,
+            master, token=token, shm_enabled=shm_enabled,
             connect_timeout_ms=2_000, rpc_timeout_ms=5_000, dfs_dir=dfs_dir,
         )  # fmt: skip
     except KVPoolError as exc:

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import InvalidParams, KVPoolError
 from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply, DrainSegment
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
@@ -191,6 +191,10 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # a busy --http-port (9100 is also node_exporter's default)
+        await runner.cleanup()
+        raise InvalidParams(f"cannot listen on {host}:{port} for /metrics (--http-port): {exc.strerror}") from None
     bound_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, bound_port

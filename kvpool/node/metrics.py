@@ -36,7 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.registry import Collector
 
-from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
 
@@ -135,8 +135,11 @@ class MetricsServer:
         site = web.TCPSite(runner, host, port, reuse_address=True)
         try:
             await site.start()
-        except BaseException:
+        except BaseException as exc:
             await runner.cleanup()
+            if isinstance(exc, OSError):  # a busy --metrics-port
+                message = f"cannot listen on {host}:{port} for /metrics (--metrics-port): {exc.strerror}"
+                raise InvalidParams(message) from None
             raise
         self._runner = runner
         bound = runner.addresses[0]

@@ -8,7 +8,12 @@ Handshake (only when the server has a token):
 
     server -> client  AuthChallenge(nonce_s, required=True)
     client -> server  AuthResponse(nonce_c, mac=client_proof(key, nonce_s, nonce_c))
-    server -> client  AuthOk(mac=server_proof(key, nonce_s, nonce_c))     or the server closes
+    server -> client  AuthOk(mac=server_proof(key, nonce_s, nonce_c))
+                      or ErrorReply(ILLEGAL_CLIENT, "wrong cluster token"), then it closes
+
+The refusal tells the client it holds the wrong token (Unauthorized, which no caller retries);
+it tells nothing about the right one. A client from before the refusal existed took it for a
+protocol error and closed, as it did when the server just closed.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import hmac
 import os
 
 from kvpool import limits
-from kvpool.errors import Unauthorized
-from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, WriteGrant
+from kvpool.errors import ErrorCode, KVPoolError, Unauthorized, error_from_code
+from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, ErrorReply, WriteGrant
 
 _GRANT_MAC_SIZE_BYTES = 16
 
@@ -66,6 +71,10 @@ class ClientHandshake:
         mac = b"" if self._key is None else client_proof(self._key, challenge.nonce, self._client_nonce)
         return AuthResponse(self._client_nonce, mac)
 
+    def refused(self, reply: ErrorReply) -> KVPoolError:
+        """The server's refusal of this client's proof, as the error to raise (Unauthorized)."""
+        return error_from_code(reply.code, f"{self._peer} refused the connection: {reply.message}")
+
     def check(self, ok: AuthOk) -> None:
         """Raises Unauthorized: the server did not prove it holds the token."""
         if self._key is None:
@@ -73,6 +82,11 @@ class ClientHandshake:
         expected = server_proof(self._key, self._server_nonce, self._client_nonce)
         if not is_valid_proof(expected, ok.mac):
             raise Unauthorized(f"{self._peer} failed to prove the token")
+
+
+def refusal() -> ErrorReply:
+    """What a server answers a client whose proof is wrong, before it closes."""
+    return ErrorReply(int(ErrorCode.ILLEGAL_CLIENT), "wrong cluster token")
 
 
 def _grant_body(segment_id: str, offset: int, size: int, expiry_ms: int, term: int) -> bytes:

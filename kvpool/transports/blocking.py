@@ -132,6 +132,8 @@ class BlockingConnection:
         handshake = auth.ClientHandshake(key, self.peer)
         self._send(encode_frame(handshake.answer(challenge), 0), deadline)
         ok = self._receive(deadline).message
+        if isinstance(ok, ErrorReply):
+            raise handshake.refused(ok)
         if not isinstance(ok, AuthOk):
             raise RpcFailed(f"{self.peer} answered the handshake with {type(ok).__name__}")
         handshake.check(ok)

@@ -563,7 +563,12 @@ class Connection(asyncio.BufferedProtocol):
                 expected = auth.client_proof(self._key, self._nonce_server, message.nonce)
                 if not auth.is_valid_proof(expected, message.mac):
                     log.warning("rejecting %s: wrong cluster token", self.peer)
-                    self.close("wrong cluster token")
+                    # Say why before closing (the client raises Unauthorized, not a network
+                    # error it would retry); close() would abort, dropping the frame unsent.
+                    self._write_now(encode_frame(auth.refusal(), 0, is_reply=True))
+                    if self._transport is not None:
+                        self._transport.close()
+                    self._finish("wrong cluster token")
                     return
                 proof = auth.server_proof(self._key, self._nonce_server, message.nonce)
                 self._write_now(encode_frame(AuthOk(proof), 0))
@@ -580,6 +585,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._handshake.check(message)
                 self._ready.set_result(None)
                 return
+            if isinstance(message, ErrorReply) and self._handshake is not None:
+                raise self._handshake.refused(message)
         except Unauthorized as exc:
             self._fail_handshake(exc)
             return
