@@ -51,12 +51,17 @@ def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_p
             assert data in (flood[key], None)
         tiers = {t["tier"]: t for t in reader.cluster_status().to_dict()["tiers"]}
         assert tiers["dfs"]["hits"] >= len(persisted) + len(offloaded)
-    # The CLI too, given the DFS mount; a client without it gets a clean miss.
+    # The CLI too, given the DFS mount (--dfs-dir, or KVPOOL_DFS_DIR); without it, a miss that
+    # says why. A client without it gets a clean miss.
     first = next(iter(persisted))
-    got = kvpool_cli("get", first, "-o", str(tmp_path / "out"), "--master", cluster.master_endpoint,
-                     env={"KVPOOL_DFS_DIR": dfs})  # fmt: skip
-    assert got.returncode == 0, got.stderr.decode()
-    assert (tmp_path / "out").read_bytes() == persisted[first]
+    for how in ({"KVPOOL_DFS_DIR": dfs}, {}):
+        got = kvpool_cli("get", first, "-o", str(tmp_path / "out"), "--master", cluster.master_endpoint,
+                         *([] if how else ["--dfs-dir", dfs]), env=how)  # fmt: skip
+        assert got.returncode == 0, got.stderr.decode()
+        assert (tmp_path / "out").read_bytes() == persisted[first]
+    missed = kvpool_cli("get", first, "--master", cluster.master_endpoint)
+    assert missed.returncode == 2
+    assert "kept only on the DFS tier, which no node serves: give --dfs-dir" in " ".join(missed.stderr.decode().split())
     with Store(cluster.master_endpoint, shm_enabled=False) as outsider:
         assert outsider.get(first) is None
     cluster.master.kill()
@@ -69,6 +74,33 @@ def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_p
         assert reader.get(every[0]) is None
         # The master removes the file itself (no node holds DFS objects).
         wait_until(lambda: len(list((tmp_path / "dfs" / "objects").rglob("*.kvo"))) == len(every) - 1)
+
+
+def test_a_stray_directory_named_like_an_object_file_does_not_stop_the_tiers_from_starting(make_cluster, tmp_path):
+    """A directory where an object file would be (an operator's mkdir, a copy gone wrong) is
+    left alone with a warning: the master rebuilds its DFS index and the node adopts its disk
+    tier around it (before, either refused to start: 'IsADirectoryError', naming no path)."""
+    dfs, disk = tmp_path / "dfs", tmp_path / "disk"
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs)))
+    node_args = ("--dfs-dir", str(dfs), "--disk-dir", str(disk), "--disk-size", "32MiB")
+    node = cluster.start_node(node_args)
+    values = values_for("kept", 2, OBJECT_SIZE)
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as store:
+        config = ReplicateConfig(with_dfs_copy=True, with_disk_copy=True)
+        assert store.put_batch(list(values), list(values.values()), config) == [ErrorCode.OK] * 2
+    stray_dfs = dfs / objectfile.dfs_relative_path("a-key-never-put", 0)
+    stray_dfs.mkdir(parents=True)
+    (disk / objectfile.OBJECTS_DIR / objectfile.disk_name(64 * 1024 * 1024)).mkdir()
+    node.stop()
+    cluster.master.kill()
+    cluster.start_master()
+    cluster.start_node(node_args)
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as store:
+        assert wait_until(lambda: all(store.batch_exists(list(values))), 10)
+        assert store.get_batch(list(values)) == list(values.values())
+        tiers = {t["tier"]: t["object_count"] for t in store.cluster_status().to_dict()["tiers"]}
+        assert tiers["dfs"] == 2 and tiers["disk"] == 2
+    assert stray_dfs.is_dir()  # left alone
 
 
 def test_a_dfs_file_that_rots_is_checked_by_the_master_and_dropped(make_cluster, tmp_path):

@@ -209,6 +209,9 @@ def test_two_writers_of_one_key_never_produce_a_torn_file(tmp_path):
 
 
 def test_disk_tier_keeps_its_identity_refuses_a_second_user_and_cleans_up_after_a_crash(tmp_path):
+    with pytest.raises(InvalidParams, match="no disk tier yet: give its size"):  # a new one needs a size
+        DiskTier.open(tmp_path / "d", 0, "node-1", is_durable=True)
+    assert not (tmp_path / "d").exists()  # and nothing was left behind
     tier = DiskTier.open(tmp_path / "d", 16 * MIB, "node-1", is_durable=True)
     segment_id, token = tier.segment_id, tier.token
     assert segment_id.endswith("/disk") and len(token) == 16

@@ -86,15 +86,13 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _store(master: str, token_file: Optional[Path]):
+def _store(master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None):
     import os
 
     from kvpool.client.sync import Store
 
     # KVPOOL_SHM=0 makes object commands use TCP even on the nodes' host.
     shm_enabled = os.environ.get("KVPOOL_SHM", "1") not in ("0", "false", "no")
-    # KVPOOL_DFS_DIR: this host's mount of the DFS tier, so that `get` reads DFS objects too.
-    dfs_dir = os.environ.get("KVPOOL_DFS_DIR", "")
     try:
         token = _token(token_file)
     except KVPoolError as exc:
@@ -102,7 +100,7 @@ def _store(master: str, token_file: Optional[Path]):
     try:
         return Store(
             master, token=token, shm_enabled=shm_enabled,
-            connect_timeout_ms=2_000, rpc_timeout_ms=5_000, dfs_dir=dfs_dir,
+            connect_timeout_ms=2_000, rpc_timeout_ms=5_000, dfs_dir=str(dfs_dir or ""),
         )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(f"cannot reach the master at {master}: {exc}") from None
@@ -383,12 +381,27 @@ def get(
     output: Annotated[
         Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")
     ] = None,
+    dfs_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--dfs-dir", envvar="KVPOOL_DFS_DIR",
+            help="This host's mount of the shared-filesystem (DFS) tier: objects kept only there "
+            "are read from it (no node serves DFS bytes).",
+        ),
+    ] = None,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
     """Fetch an object (exit code 2 on a miss)."""
-    with _store(master, token_file) as store:
+    from kvpool.protocol.messages import TIER_DFS
+
+    with _store(master, token_file, dfs_dir) as store:
         data = store.get(key)
+        if data is None and not dfs_dir:
+            (replicas,) = store.query([key]).replicas
+            tiers = {s.segment.segment_id: s.segment.tier for s in store.cluster_status().segments}
+            if replicas and all(tiers.get(r.segment_id) == TIER_DFS for r in replicas):
+                raise _fail(f"{key}: kept only on the DFS tier, which no node serves: give --dfs-dir", code=2)
     if data is None:
         raise _fail(f"{key}: not found", code=2)
     if output is None:

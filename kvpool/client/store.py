@@ -21,6 +21,8 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+import msgspec
+
 from kvpool import limits
 from kvpool.client.buffers import BufferRegistry
 from kvpool.client.leases import RELEASE_DELAY_MS, LeaseReleases
@@ -359,6 +361,7 @@ class AsyncStore:
     ) -> list[int]:
         """A whole put, every phase on this loop."""
         keys = key_list(keys)  # before first_occurrences: an unhashable key is an InvalidKey too
+        config = checked_config(config)
         unique, positions = first_occurrences(keys)
         if len(unique) < len(keys):
             codes = await self._put_parts([keys[i] for i in unique], [parts[i] for i in unique], config)
@@ -656,6 +659,21 @@ def key_list(keys: Iterable[str]) -> list[str]:
         bad = next(key for key in listed if not isinstance(key, str))
         raise InvalidKey(f"a key must be a str, not {type(bad).__name__}: {bad!r:.100}") from None
     return listed
+
+
+def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
+    """`config`, each field checked against its declared type, as the master decodes it: a
+    field of another type ("no" for a bool) would make the whole request a malformed frame,
+    which the master answers by dropping the connection (the caller would see RpcFailed).
+    Raises InvalidParams, naming the field."""
+    if config is None:
+        return None
+    for field in msgspec.structs.fields(config):
+        try:
+            msgspec.convert(getattr(config, field.name), field.type)
+        except msgspec.ValidationError as exc:
+            raise InvalidParams(f"ReplicateConfig.{field.name}: {exc}") from None
+    return config
 
 
 def key_error(code: int, action: str, key: str) -> KVPoolError:

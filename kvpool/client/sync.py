@@ -51,6 +51,7 @@ from kvpool.client.store import (
     BytesLike,
     batch_pieces,
     buffer_starts,
+    checked_config,
     exists_flags,
     get_into_results,
     key_error,
@@ -580,6 +581,7 @@ class Store:
     ) -> list[int]:
         self._check_open()
         keys = key_list(keys)  # before set(keys) below: an unhashable key is an InvalidKey too
+        config = checked_config(config)
         with self._in_flight_lock:
             is_alone = not self._puts_in_flight
             self._puts_in_flight += 1

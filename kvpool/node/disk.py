@@ -90,6 +90,8 @@ class DiskTier:
                 another tier's.
         """
         path = Path(directory)
+        if not capacity_bytes and files.load_identity(path) is None:  # checked before creating anything
+            raise InvalidParams(f"{path} holds no disk tier yet: give its size (--disk-size)")
         files.make_directory(path / objectfile.OBJECTS_DIR)
         lock_fd = files.lock_directory(path)
         try:
@@ -222,7 +224,9 @@ class DiskTier:
             offset = objectfile.disk_offset_of(name)
             if offset is None:
                 continue  # Not ours: left alone.
-            header = files.read_header(item.path)
+            is_file, header = files.read_scanned_header(item)
+            if not is_file:
+                continue
             if header is None or offset + header.size > self.capacity_bytes:
                 files.remove(item.path)
                 removed += 1

@@ -142,7 +142,9 @@ class DfsDirectory:
                 offset = objectfile.dfs_offset_of(name)
                 if offset is None:
                     continue
-                header = files.read_header(entry.path)
+                is_file, header = files.read_scanned_header(entry)
+                if not is_file:
+                    continue
                 if header is None or objectfile.dfs_relative_path(header.key, offset) != (
                     f"{objectfile.OBJECTS_DIR}/{bucket.name}/{name}"
                 ):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -65,6 +66,7 @@ _POLL_INTERVAL_MS = 200
 BOUNCE_READ_BYTES_MIN = 64 * limits.KIB
 BOUNCE_BUFFER_BYTES = 1 * limits.MIB
 _bounce = threading.local()
+log = logging.getLogger(__name__)
 
 _READ_ERRORS: dict[type[BaseException], type] = {FileNotFoundError: ObjectNotFound, OSError: TransferFailed}
 _WRITE_ERRORS: dict[type[BaseException], type] = {OSError: TransferFailed}
@@ -144,6 +146,24 @@ def read_header(path: str | Path) -> ObjectHeader | None:
             return header
         finally:
             os.close(fd)
+
+
+def read_scanned_header(entry: os.DirEntry[str]) -> tuple[bool, ObjectHeader | None]:
+    """For a tier's scan of its directory: whether `entry` is a file to look at, and its
+    header (None when it is no whole object file: the scan removes it). What is not a regular
+    file (a directory or a link named like an object file) and a file that cannot be read are
+    left alone, with a warning that names them: one stray entry never stops a node or master
+    from starting. Blocks."""
+    try:
+        if not entry.is_file(follow_symlinks=False):
+            log.warning("%s is not a regular file: left alone", entry.path)
+            return False, None
+        return True, read_header(entry.path)
+    except ObjectNotFound:  # removed meanwhile
+        return False, None
+    except (OSError, TransferFailed) as exc:
+        log.warning("%s cannot be read: left alone (%s)", entry.path, exc)
+        return False, None
 
 
 def _read_header_fd(fd: int) -> ObjectHeader | None:
