@@ -30,7 +30,7 @@ from kvpool.discovery import (
     parse_master_address,
     segments_key,
 )
-from kvpool.errors import CoordinationError, InvalidParams, NotLeader, RpcFailed, error_from_code
+from kvpool.errors import ConnectFailed, CoordinationError, InvalidParams, NotLeader, RpcFailed, error_from_code
 from kvpool.master.election import ElectionConfig, Leadership, Role
 from kvpool.master.server import MasterServer
 from kvpool.master.takeover import Takeover
@@ -270,6 +270,39 @@ def test_a_leader_past_its_deadline_refuses_before_its_elector_notices(etcd_endp
             with pytest.raises(NotLeader):
                 await conn.request(PutStart(["k"], [10], ReplicateConfig(), "h"))
             conn.close()
+        finally:
+            await master.stop()
+
+    run(main())
+
+
+def test_a_master_finding_its_own_previous_term_in_etcd_takes_the_lead_again(etcd_endpoint, monkeypatch):
+    """etcd goes down: the leader steps down and cannot revoke its lease; etcd comes back with
+    the leader key (a restarted etcd keeps leases, their TTL refreshed). The key names this very
+    master: it revokes that lease and leads again, instead of standing by until the lease lapses
+    while answering "not the leader ...; the leader is <itself>"."""
+
+    async def main():
+        cluster_id = new_cluster_id()
+        master = _candidate(etcd_endpoint, cluster_id)
+        await master.start()
+        try:
+            await _wait_for(lambda: master.role == "leader")
+            elector = master.elector
+
+            async def etcd_down(*args, **kwargs):
+                raise ConnectFailed("etcd is down (test)")
+
+            for call in ("keep_alive", "grant_lease", "revoke_lease", "create"):
+                monkeypatch.setattr(elector._etcd, call, etcd_down)
+            await _wait_for(lambda: master.role == "standby", 10.0)
+            async with EtcdClient([etcd_endpoint]) as etcd:  # what the restarted etcd holds
+                lease, _ = await etcd.grant_lease(60_000)
+                await etcd.put(leader_key(cluster_id), elector.record.encode(), lease_id=lease)
+                monkeypatch.undo()  # etcd is back
+                await _wait_for(lambda: master.role == "leader", 10.0)
+                kv, _ = await etcd.get(leader_key(cluster_id))
+                assert kv is not None and kv.lease_id != lease
         finally:
             await master.stop()
 

@@ -247,7 +247,16 @@ class Elector:
         if not created:
             await self._revoke_quietly(lease_id)
             if holder is not None:
-                self.leader = LeaderRecord.decode(holder.value)
+                leader = LeaderRecord.decode(holder.value)
+                if leader.candidate_id == self.record.candidate_id:
+                    # This process's own record, of a term it no longer leads: its lease could
+                    # not be revoked at the step-down (etcd was down) and etcd, restarted, kept
+                    # it. No other candidate holds this id: give it up now, and campaign again,
+                    # rather than stand by for the lease to lapse naming itself as the leader.
+                    log.info("election: the leader key holds this master's previous term; revoking its lease")
+                    await self._revoke_quietly(holder.lease_id)
+                    return
+                self.leader = leader
                 log.info("election: %s leads cluster %s (term %d); standing by",
                          self.leader.endpoint, self.config.cluster_id,
                          holder.create_revision)  # fmt: skip
