@@ -86,7 +86,9 @@ def parse_master_address(text: str) -> MasterAddress:
         cluster_id = cluster_id.strip("/") or limits.CLUSTER_ID_DEFAULT
         return MasterAddress("", parse_etcd_endpoints(hosts), check_cluster_id(cluster_id))
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # A list of masters is etcd's to keep (HA masters): "a:1,b:2" is one address mistyped.
+    is_host = bool(host) and not any(c in host for c in ", \t/")
+    if not sep or not is_host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidParams(
             f"not a master address: {text!r} (HOST:PORT, or etcd://HOST:PORT[,...][/CLUSTER_ID])"
         )

@@ -143,7 +143,7 @@ def test_master_addresses_parse():
     assert ha.etcd_endpoints == ("e1:2379", "e2:2379") and ha.cluster_id == "prod-a"
     assert str(ha) == "etcd://e1:2379,e2:2379/prod-a" and ha.probe_host == "e1"
     assert parse_master_address("etcd://e1:2379").cluster_id == "default"
-    for bad in ("nope", "host:", "etcd://", "etcd://e1/../x", "etcd://e1:99999/c", "h:0"):
+    for bad in ("nope", "host:", "etcd://", "etcd://e1/../x", "etcd://e1:99999/c", "h:0", "a:1,b:2", "a b:1", "http://a:1"):
         with pytest.raises(InvalidParams):
             parse_master_address(bad)
     assert parse_etcd_endpoints("http://a:1, b:2") == ("a:1", "b:2")
