@@ -94,6 +94,7 @@ class Seg:
     capacity: int
     last_seen_ms: int
     drain_deadline_ms: int | None = None
+    is_reachable: bool = True  # the master holds a connection to its node
     busy: dict[int, tuple[int, str, str]] = dataclasses.field(default_factory=dict)
     # offset -> (footprint, kind, key); kind: obj | put | quar | drop
 
@@ -207,6 +208,17 @@ class MasterMachine(RuleBasedStateMachine):
         for segment_id in ids:
             if segment_id in self.segments:
                 self.segments[segment_id].last_seen_ms = self.now
+                self.segments[segment_id].is_reachable = True
+
+    @precondition(lambda self: self.segments)
+    @rule(data=st.data())
+    def lose_node_link(self, data) -> None:
+        """The node's connection closed (it died, or the network blinked): nothing new goes
+        there until it speaks again; its replicas stay until the TTL."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.segments)), unique=True, min_size=1))
+        self.service.node_link_lost(ids)
+        for segment_id in ids:
+            self.segments[segment_id].is_reachable = False
 
     @rule(segment_id=st.sampled_from(SEGMENTS))
     def unmount(self, segment_id: str) -> None:
@@ -278,6 +290,7 @@ class MasterMachine(RuleBasedStateMachine):
                 for segment_id, offset in granted:
                     seg = self.segments[segment_id]
                     assert seg.drain_deadline_ms is None, "allocated on a draining segment"
+                    assert seg.is_reachable, "allocated on a segment whose node is unreachable"
                     assert segment_id not in put.grants, "two replicas on one segment"
                     self._occupy(segment_id, offset, size, "put", key)
                     put.grants[segment_id] = offset
@@ -477,6 +490,7 @@ class MasterMachine(RuleBasedStateMachine):
             self.service.heartbeat(Heartbeat(sorted(self.segments)), self.now)
             for seg in self.segments.values():
                 seg.last_seen_ms = self.now
+                seg.is_reachable = True
 
     def _finish_leaving(self) -> None:
         """Segments the service unmounts in steps are gone once their steps ran (SweepingMasterMachine)."""
@@ -534,6 +548,7 @@ class MasterMachine(RuleBasedStateMachine):
         for segment_id, seg in self.segments.items():
             seg.last_seen_ms = self.now
             seg.drain_deadline_ms = None
+            seg.is_reachable = True  # it re-mounted
             seg.busy = {o: b for o, b in seg.busy.items() if b[1] == "obj"}
             info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", b"t", seg.capacity)
             reply = self.service.mount_segment(MountSegment(info, inventories[segment_id]), self.now)
@@ -564,7 +579,9 @@ class MasterMachine(RuleBasedStateMachine):
         for segment_id, seg in self.segments.items():
             busy = sum(size for size, _, _ in seg.busy.values())
             assert counters[segment_id].used_bytes == busy, (segment_id, counters[segment_id], seg.busy)
-            state = "active" if seg.drain_deadline_ms is None else "draining"
+            state = "draining" if seg.drain_deadline_ms is not None else "active"
+            if state == "active" and not seg.is_reachable:
+                state = "unreachable"
             assert counters[segment_id].state == state
         assert service.pending_count == len(self.pending)
 
