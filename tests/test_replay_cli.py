@@ -53,6 +53,9 @@ def test_replay_writes_a_table_json_and_a_plot(tmp_path: Path) -> None:
         assert 0 <= r["block_hit_rate"] <= 1 and r["requests"] == 300
         assert r["pool_capacity_tokens"] == 2 * r["capacity_tokens"]
     assert (out / "replay.md").read_text().count("\n| 2 x ") == 8
+    # Shown only when a put found no room: here a request of 264 blocks in the local caches
+    # of 195 leaves 69 not stored.
+    assert ("not stored" in result.output) == any(r["blocks_not_stored"] for r in results)
     assert (out / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -85,7 +88,86 @@ def test_a_disk_tier_per_instance_is_a_configuration_of_its_own(tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert "hit on disk" in result.output
     assert "| 1 instance, lru, + disk 1M | sim | 200K | 1M |" in (out / "replay.md").read_text()
+    assert "not stored" not in result.output  # every put found room
     without, with_disk = json.loads((out / "replay.json").read_text())["results"]
     assert (without["disk_capacity_blocks"], with_disk["disk_capacity_blocks"]) == (0, 1953)
     assert without["offloads"] == without["block_hits_disk"] == 0
     assert with_disk["block_hit_rate"] >= without["block_hit_rate"]
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # Belady named with local caches and cache-aware routing; the pooled rows could run.
+        ["--instances", "2", "--routing", "cache-aware", "--policy", "lru,belady"],
+        ["--mode", "live", "--policy", "lru,belady"],  # a master process runs no belady
+        ["--mode", "live", "--capacity", "100K,40M"],  # 78,125 blocks: over the live replay's 256 MiB
+    ],
+)
+def test_a_configuration_that_cannot_run_fails_before_any_runs(tmp_path: Path, extra: list[str]) -> None:
+    args = ["replay", str(TRACE), "--limit", "5", "--capacity", "100K", "--out", str(tmp_path / "out"), *extra]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: "), result.output
+    assert "configurations" not in result.output  # the run's header: nothing was replayed
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+def test_the_default_policies_leave_out_belady_where_it_cannot_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["replay", str(TRACE), "--limit", "100", "--instances", "2", "--routing", "cache-aware",
+            "--capacity", "50K", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "left out" in result.output and "belady" in result.output
+    runs = {(r["sharing"], r["policy"]) for r in json.loads((out / "replay.json").read_text())["results"]}
+    assert runs == {("local", "lru"), ("local", "probation"), ("pooled", "lru"), ("pooled", "probation"),
+                    ("pooled", "belady")}  # fmt: skip
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+def test_an_out_that_cannot_take_the_files_fails_before_the_replay(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine\n")
+    for out in (a_file, a_file / "below"):
+        result = CliRunner().invoke(app, ["replay", str(TRACE), "--limit", "50", "--policy", "lru", "--out", str(out)])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+        assert "not a directory" in result.output and "hit rates" not in result.output
+    assert a_file.read_text() == "mine\n"
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+@pytest.mark.parametrize("option", ["--capacity", "--disk-capacity"])
+def test_an_empty_capacity_list_is_an_error_and_writes_nothing(tmp_path: Path, option: str) -> None:
+    (tmp_path / "replay.json").write_text("{}\n")  # an earlier run's
+    result = CliRunner().invoke(app, ["replay", str(TRACE), "--limit", "5", "--out", str(tmp_path), option, ","])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: no ") and "capacity" in result.output
+    assert (tmp_path / "replay.json").read_text() == "{}\n"
+
+
+def test_blocks_not_stored_are_counted_apart_and_shown(tmp_path: Path) -> None:
+    # Room for two blocks; the second request's put of block 2 finds only block 0, which that
+    # request's read still leases: NO_AVAILABLE_HANDLE. Block 2 is stored by request 4.
+    trace = tmp_path / "lease.jsonl"
+    lines = [(0, [0]), (10, [0, 1, 2]), (20, [0]), (30, [1, 2])]
+    trace.write_text("".join(
+        json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}) + "\n"
+        for t, ids in lines
+    ))  # fmt: skip
+    out = tmp_path / "out"
+    args = ["replay", str(trace), "--capacity", "1024", "--policy", "lru", "--bytes-per-token", "1KiB",
+            "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads((out / "replay.json").read_text())["results"]
+    assert record["blocks_not_stored"] == 1
+    assert record["stored_bytes"] == 3 * 512 * 1024  # blocks 0, 1 and 2 once each
+    assert "not stored" in result.output
+    markdown = (out / "replay.md").read_text()
+    header, _, row = markdown.splitlines()[4:7]
+    cells = dict(zip(header.split(" | "), row.split(" | ")))
+    assert cells["not stored"] == "1" and cells["stored (remote)"] == "1.6 MB (0 B)"

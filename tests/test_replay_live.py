@@ -13,13 +13,14 @@ throughput and latency reported. Bounded: about 10-20 s
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from kvpool.errors import InvalidParams
-from kvpool.sim.live import live_block_size_bytes, replay_live, replay_live_side_by_side
+from kvpool.sim.live import LiveBackend, live_block_size_bytes, replay_live, replay_live_side_by_side
 from kvpool.sim.replay import ReplayConfig, replay
 from kvpool.sim.trace import load_trace
 
@@ -80,3 +81,14 @@ def test_a_live_disk_tier_takes_what_dram_evicts_and_serves_hits():
     assert live.blocks_not_stored <= 0.01 * live.blocks
     assert abs(live.block_hits - sim.block_hits) <= 0.15 * sim.block_hits
     assert live.block_hits > 1.4 * dram_only.block_hits  # measured 3887 against 2024 (simulated: 3723)
+
+
+def test_pacing_starts_at_the_first_request_not_at_the_clock_of_the_trace() -> None:
+    # --speedup 1 on a trace whose first request is at 984,600 ms: the first request goes at
+    # once (it slept for the whole offset, 5 s at a time), the next one 100 ms later.
+    backend = LiveBackend([], [], is_pooled=False, block_size_bytes=4096, speedup=1.0)
+    started = time.monotonic()
+    backend.advance(984_600)
+    assert time.monotonic() - started < 0.5
+    backend.advance(984_700)
+    assert 0.09 <= time.monotonic() - started < 0.6

@@ -100,6 +100,17 @@ def test_hits_are_the_longest_cached_prefix_and_tokens_follow() -> None:
     assert result.evictions == 0 and result.blocks_not_stored == 0
 
 
+def test_a_block_whose_put_failed_is_not_counted_as_stored() -> None:
+    # Room for two blocks. Request 1 reads block 0 (leased for the rest of its millisecond),
+    # then puts 1 and 2: block 1 takes the free room, block 2 finds only the leased block 0 to
+    # evict and is not stored. Request 3 finds 1 cached and stores 2, evicting 0.
+    requests = [request(0, [0]), request(10, [0, 1, 2]), request(20, [0]), request(30, [1, 2])]
+    result = replay(requests, ReplayConfig(capacity_blocks=2, policy="lru", check_every=1, bytes_per_token=10))
+    assert result.blocks_not_stored == 1
+    assert result.stored_bytes == 3 * 512 * 10  # block 0, block 1, block 2 (not 2 twice)
+    assert (result.block_hits, result.evictions) == (3, 1)
+
+
 def test_local_instances_see_only_their_own_blocks_and_a_pool_sees_all() -> None:
     requests = [request(0, [1, 2]), request(10, [1, 2]), request(20, [1, 2]), request(30, [1, 2])]
     local = replay(requests, ReplayConfig(instance_count=2, capacity_blocks=10, sharing="local", check_every=1))

@@ -3,8 +3,8 @@
 Starts a master and N nodes as separate processes on loopback, writes objects through one
 client, reads them back through a second client (same-host shared memory) and a third (TCP
 only), checks every byte, prints where the objects landed and the throughput of each path,
-and stops every process it started. It ends with a short live trace replay, local caches
-against one pool (cli/replay.py `run_demo_replay`, ~10 s).
+and stops every process it started, on SIGINT or SIGTERM too. It ends with a short live trace
+replay, local caches against one pool (cli/replay.py `run_demo_replay`, ~10 s).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool.cli.launcher import LocalCluster
+from kvpool import limits
+from kvpool.cli.launcher import LocalCluster, sigterm_as_interrupt
 from kvpool.client.sync import Store
-from kvpool.errors import ErrorCode, TransferFailed
+from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
 from kvpool.protocol.messages import ReplicateConfig
 
 WARM_UP_KEY = "demo/warm-up"
@@ -28,10 +29,32 @@ BATCH_KEYS = 16
 
 
 def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_bytes: int, console: Console) -> None:
+    """The demo (module docstring); SIGTERM stops it as SIGINT does, then exits 143.
+
+    Raises:
+        InvalidParams: a segment below the minimum a node takes.
+    """
+    if memory_bytes < limits.SEGMENT_SIZE_BYTES_MIN:
+        raise InvalidParams(
+            f"--memory {exact_size(memory_bytes)}: a node's segment is at least "
+            f"{exact_size(limits.SEGMENT_SIZE_BYTES_MIN)}"
+        )
+    with sigterm_as_interrupt():
+        _run_demo(node_count, memory_bytes, object_count, object_size_bytes, console)
+
+
+def exact_size(size_bytes: int) -> str:
+    """A size in the largest binary unit that holds it whole: 512 KiB, 1500 KiB, 3 MiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size_bytes and size_bytes % (1 << shift) == 0:
+            return f"{size_bytes >> shift} {unit}"
+    return f"{size_bytes} bytes"
+
+
+def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_bytes: int, console: Console) -> None:
     _keep_freed_memory()
-    memory = f"{memory_bytes // (1 << 20)}MiB"
-    console.print(f"[bold]kvpool demo[/bold]: 1 master + {node_count} nodes x {memory} on 127.0.0.1")
-    with LocalCluster(node_count, memory) as cluster:
+    console.print(f"[bold]kvpool demo[/bold]: 1 master + {node_count} nodes x {exact_size(memory_bytes)} on 127.0.0.1")
+    with LocalCluster(node_count, str(memory_bytes)) as cluster:
         console.print(f"master {cluster.master_endpoint}, metrics http://127.0.0.1:{cluster.http_port}/metrics")
         for process in cluster.nodes:
             console.print(f"  node pid {process.pid} serving {process.info['endpoint']}")
@@ -62,9 +85,11 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
             table.add_row(segment_id, endpoints.get(segment_id, "?"), str(count))
         console.print(table)
         total = object_count * object_size_bytes
+        # The replicas the master placed, not the 2 asked for: fewer nodes hold fewer.
+        held = sum(replicas.values()) / object_count
         results = Table("path", "objects/s", "GB/s")
         for name, seconds, copies in (
-            ("put, 2 replicas (shm)", put_seconds, 2),
+            (f"put, {held:g} replica{'' if held == 1 else 's'} (shm)", put_seconds, held),
             ("get (same-host shm)", shm_seconds, 1),
             ("get (TCP only)", tcp_seconds, 1),
         ):

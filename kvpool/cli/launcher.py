@@ -3,13 +3,15 @@
 Used by `kvpool demo`, the cluster and chaos tests and the benchmarks. Every process is a real
 `python -m kvpool.cli.main ...` child on 127.0.0.1 with ephemeral ports; it reports readiness
 through a ready file (no port guessing, no sleeps), logs to a file in the work directory, and
-is ended by its pid: SIGTERM, then SIGKILL after a bound. `LocalEtcd` is a one-member etcd on
-127.0.0.1 with free ports and a data directory of its own, for HA clusters. Not a deployment
-tool.
+is ended by its pid: SIGTERM, then SIGKILL after a bound, and gets SIGTERM from the kernel
+if this process dies first. `sigterm_as_interrupt` lets a command stop its clusters on SIGTERM
+as on SIGINT. `LocalEtcd` is a one-member etcd on 127.0.0.1 with free ports and a data
+directory of its own, for HA clusters. Not a deployment tool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -24,6 +26,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -81,11 +85,119 @@ class Process:
             return ""
 
 
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: no dlopen in a forked child
+_spawner_lock = threading.Lock()
+_spawner: ThreadPoolExecutor | None = None
+_spawner_pid = 0  # a forked child has the executor but not its thread: it makes its own
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies, so that a test runner killed
     mid-test (its fixtures never run) leaves no cluster behind (Linux prctl PR_SET_PDEATHSIG)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _popen(command: list[str], **kwargs) -> subprocess.Popen[bytes]:
+    """Popen with `_die_with_parent`, forked by a thread that lives as long as this process.
+
+    The kernel sends the parent-death signal when the *thread* that forked the child ends, not
+    the process: a child forked by a pool thread (LiveCluster starts clusters side by side)
+    would get SIGTERM as soon as the pool shut down. Other threads than the main one hand the
+    fork to one long-lived thread, which ends only at interpreter exit (concurrent.futures
+    joins it then), after the processes were stopped or when they should be.
+    """
+    global _spawner, _spawner_pid
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(command, preexec_fn=_die_with_parent, **kwargs)
+    with _spawner_lock:
+        if _spawner is None or _spawner_pid != os.getpid():
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-spawner")
+            _spawner_pid = os.getpid()
+    return _spawner.submit(subprocess.Popen, command, preexec_fn=_die_with_parent, **kwargs).result()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt (sigterm_as_interrupt)."""
+
+
+@dataclasses.dataclass
+class _Interrupts:
+    """What sigterm_as_interrupt's handler knows. Only the main thread reads or writes it
+    (Python runs signal handlers there)."""
+
+    is_installed: bool = False
+    is_sigterm_received: bool = False
+    is_forking: bool = False  # the main thread is in Popen: an interrupt waits (_on_signal)
+    pending: type[KeyboardInterrupt] | None = None
+
+
+_interrupts = _Interrupts()
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    interrupt = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    _interrupts.is_sigterm_received |= interrupt is Terminated
+    if _interrupts.is_forking:
+        # Raised in Popen, it would land in an at-fork hook, which swallows it and keeps
+        # logging's lock: the next fork hung (the demo's SIGTERM test, in 2 runs of 7).
+        _interrupts.pending = interrupt
+        return
+    raise interrupt
+
+
+@contextlib.contextmanager
+def _forking() -> Iterator[None]:
+    """Around Popen in the main thread: an interrupt that comes meanwhile waits for the caller's
+    _raise_pending(), once it holds the process it must stop."""
+    if not _interrupts.is_installed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _interrupts.is_forking = True
+    try:
+        yield
+    finally:
+        _interrupts.is_forking = False
+
+
+def _raise_pending() -> None:
+    interrupt, _interrupts.pending = _interrupts.pending, None
+    if interrupt is not None:
+        raise interrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM takes the way out that SIGINT takes, then exits 143.
+
+    By default SIGTERM ends Python at once: no `with` block stops the processes it started or
+    removes its directory. Here it raises Terminated (a KeyboardInterrupt) instead, so every
+    LocalCluster on the way out stops its processes (they remove their segments) and its
+    directory, and the command then exits with 128 + SIGTERM, as if killed by it. Either
+    interrupt waits while the main thread forks a server (_on_signal). Outside the main
+    thread, where Python cannot catch signals, it changes nothing.
+
+    Raises:
+        SystemExit: 143, after a SIGTERM within the block.
+    """
+    global _interrupts
+    if threading.current_thread() is not threading.main_thread() or _interrupts.is_installed:
+        yield
+        return
+    _interrupts = _Interrupts(is_installed=True)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _on_signal)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _on_signal)
+    try:
+        yield
+    except Terminated:
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _interrupts.is_installed = False
+    if _interrupts.is_sigterm_received:  # its exception was lost (raised where Python ignores them)
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def spawn(
@@ -112,21 +224,24 @@ def spawn(
     child_env = {**os.environ, **(env or {})}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, child_env.get("PYTHONPATH"))))
     command = [*wrapper, sys.executable, "-P", "-m", "kvpool.cli.main", *args, "--ready-file", str(ready)]
-    with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
-            # The kernel signals on the death of the spawning *thread*: only the main thread
-            # lives as long as the process (start_all spawns from pool threads).
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
-        )  # fmt: skip
-    process = Process(name, popen, log_path, {})
+    process: Process | None = None
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if not process.is_alive() or time.monotonic() > deadline:
-            process.stop()
-            raise ConnectFailed(f"{name} did not start:\n{process.log_tail()}")
-        time.sleep(0.02)
-    process.info = json.loads(ready.read_text())
+    try:
+        with _forking():
+            with open(log_path, "ab") as log:
+                popen = _popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env)
+            process = Process(name, popen, log_path, {})
+        _raise_pending()
+        while not ready.exists():
+            if not process.is_alive() or time.monotonic() > deadline:
+                process.stop()
+                raise ConnectFailed(f"{name} did not start:\n{process.log_tail()}")
+            time.sleep(0.02)
+        process.info = json.loads(ready.read_text())
+    except BaseException:
+        if process is not None:
+            process.stop()  # interrupted (SIGINT, SIGTERM) while it started: nobody else holds it
+        raise
     return process
 
 

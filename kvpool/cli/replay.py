@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -36,8 +37,9 @@ _TOKENS_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*(?:tokens?)?\s*$", re
 _TOKEN_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
 _UNBOUNDED = ("unbounded", "inf", "all")
 PLOT_TITLE_MAX = 100
-CONSOLE_WIDTH_NOT_TERMINAL = 180
+CONSOLE_WIDTH_NOT_TERMINAL = 240  # the widest table: disk tier and blocks not stored
 POLICIES_SIM_DEFAULT = "lru,probation,belady"
+OUT_FILES = ("replay.json", "replay.md", "replay.png")
 
 
 def parse_capacity_tokens(text: str, bytes_per_token: int) -> int | None:
@@ -58,13 +60,19 @@ def parse_capacity_tokens(text: str, bytes_per_token: int) -> int | None:
     return int(float(number) * _TOKEN_UNITS[unit.upper()])
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The items of a comma-separated option; InvalidParams if there are none ("," or "")."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise InvalidParams(f"no {what} given")
+    return items
+
+
 def _names(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = _items(text, what)
     for name in names:
         if name not in allowed:
             raise InvalidParams(f"{what} {name!r} not one of {', '.join(allowed)}")
-    if not names:
-        raise InvalidParams(f"no {what} given")
     return list(dict.fromkeys(names))
 
 
@@ -111,19 +119,21 @@ def replay(
     ] = 0,
 ) -> None:
     """Replay a request trace: hit rates of local caches vs one pool, per capacity and policy."""
+    from kvpool.cli.launcher import sigterm_as_interrupt
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=CONSOLE_WIDTH_NOT_TERMINAL)  # a log file: do not fold the table
     try:
-        results = _run(
-            console, trace, instances, capacity, disk_capacity, bytes_per_token, routing, policy, sharing,
-            mode, limit, skip, out, watermark_high, speedup, seed, check_every,
-        )  # fmt: skip
+        # Live, SIGTERM stops the clusters as SIGINT does (no process or segment outlives it).
+        with sigterm_as_interrupt():
+            _run(
+                console, trace, instances, capacity, disk_capacity, bytes_per_token, routing, policy, sharing,
+                mode, limit, skip, out, watermark_high, speedup, seed, check_every,
+            )  # fmt: skip
     except KVPoolError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {exc}")  # one line, for logs
         raise typer.Exit(1) from None
-    if not results:
-        raise typer.Exit(1)
 
 
 def _run(
@@ -148,12 +158,12 @@ def _run(
     policies = _names(policy or (POLICY_DEFAULT if mode == "live" else POLICIES_SIM_DEFAULT), POLICY_NAMES, "policy")
     sharings = _names(sharing, SHARINGS, "sharing") if instances > 1 else ["pooled"]
     routings = _names(routing, ROUTINGS, "routing") if instances > 1 else ["round-robin"]
-    capacities = [parse_capacity_tokens(text, per_token) for text in capacity.split(",") if text.strip()]
+    capacities = [parse_capacity_tokens(text, per_token) for text in _items(capacity, "capacity")]
     for tokens in capacities:
         if tokens is not None and tokens < BLOCK_TOKENS:
             raise InvalidParams(f"a capacity of {tokens} tokens holds no 512-token block")
     disk_blocks = []
-    for text in (text for text in disk_capacity.split(",") if text.strip()):
+    for text in _items(disk_capacity, "disk capacity"):
         tokens = parse_capacity_tokens(text, per_token)
         if tokens is None:
             raise InvalidParams("a disk tier has a size: give tokens (10M) or bytes (2TiB)")
@@ -179,9 +189,11 @@ def _run(
         for share in sharings
         for route in routings
         for name in policies
-        for disk in dict.fromkeys(disk_blocks or [0])
+        for disk in dict.fromkeys(disk_blocks)
         for tokens in capacities
     ]  # fmt: skip
+    configs = _runnable(console, configs, requests, mode, is_policy_default=policy is None)
+    _check_out(out)
     if mode == "live":
         from kvpool.sim.live import replay_live
 
@@ -224,7 +236,6 @@ def _run(
         for row in live:
             live_table.add_row(*row)
         console.print(live_table)
-    out.mkdir(parents=True, exist_ok=True)
     is_cli = len(sys.argv) > 1 and sys.argv[1] == "replay"
     command = "kvpool replay " + " ".join(shlex.quote(arg) for arg in sys.argv[2:]) if is_cli else ""
     meta = {"trace": str(trace), "skip": skip, "requests": len(requests), "mode": mode, "command": command}
@@ -234,6 +245,56 @@ def _run(
     report.plot_hit_rates(out / "replay.png", results, title)
     console.print(f"wrote {out / 'replay.json'}, {out / 'replay.md'}, {out / 'replay.png'}")
     return results
+
+
+def _runnable(console: Console, configs: list, requests: list, mode: str, is_policy_default: bool) -> list:
+    """The configurations to replay, every one checked before the first runs: an impossible
+    one found after the others ran lost all their results. With the default policies, one
+    that cannot run (belady with local caches and cache-aware routing) is left out, saying
+    so; a policy asked for with --policy is an error there.
+
+    Raises:
+        InvalidParams: a configuration that cannot run (live: a policy no master runs, or a
+            pool over the live replay's memory).
+    """
+    from kvpool.sim.replay import check_config
+
+    runnable, left_out = [], {}
+    for config in configs:
+        try:
+            check_config(config)
+        except InvalidParams as exc:
+            if not is_policy_default:
+                raise
+            left_out[str(exc)] = left_out.get(str(exc), 0) + 1
+            continue
+        if mode == "live":
+            from kvpool.sim.live import check_live_config
+
+            check_live_config(requests, config)
+        runnable.append(config)
+    for reason, count in left_out.items():
+        console.print(f"[dim]left out {count} configuration(s): {reason} (--policy to choose)[/dim]")
+    return runnable
+
+
+def _check_out(out: Path) -> None:
+    """Make --out and prove it takes the files, before the replay rather than after it.
+
+    Raises:
+        InvalidParams: it is not a directory (or cannot be made one), or cannot be written.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except FileExistsError:
+        raise InvalidParams(f"--out {out}: not a directory") from None
+    except OSError as exc:
+        raise InvalidParams(f"--out {out}: {(exc.strerror or str(exc)).lower()}") from None
+    for name in OUT_FILES:
+        if (out / name).is_dir():
+            raise InvalidParams(f"--out {out}: {name} is a directory")
 
 
 # --- the end of `kvpool demo`: a short live replay, pooled vs local caches ------------------

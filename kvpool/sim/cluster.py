@@ -98,7 +98,7 @@ class WriteOutcome:
     """One put of a run of keys."""
 
     stored_count: int = 0
-    failed_count: int = 0  # no room even after eviction (everything leased or pinned)
+    failed_indexes: list[int] = dataclasses.field(default_factory=list)  # no room even after eviction
     remote_indexes: list[int] = dataclasses.field(default_factory=list)  # stored on another segment
 
 
@@ -256,8 +256,8 @@ class SimCluster:
                 granted.append(key)
                 if reply.replicas_of(index)[0][0].segment_id != own:
                     outcome.remote_indexes.append(index)
-            elif code == ErrorCode.NO_AVAILABLE_HANDLE:
-                outcome.failed_count += 1
+            elif code == ErrorCode.NO_AVAILABLE_HANDLE:  # everything evictable was leased or pinned
+                outcome.failed_indexes.append(index)
             else:
                 raise AssertionError(f"put_start of an absent key {key!r} answered {ErrorCode(code).name}")
         if granted:

@@ -120,6 +120,7 @@ class LiveBackend:
             for segment_id in segment_ids
         ]
         self._started = time.monotonic()
+        self._origin_ms: int | None = None  # the first request's timestamp: pacing starts there
         self.read_bytes = 0
         self.written_bytes = 0
         self.read_retries = 0
@@ -127,7 +128,9 @@ class LiveBackend:
     def advance(self, now_ms: int) -> None:
         if self._speedup <= 0:
             return
-        delay_s = self._started + now_ms / self._speedup / 1000 - time.monotonic()
+        if self._origin_ms is None:  # a trace's clock need not start at 0 (its tail, a capture)
+            self._origin_ms, self._started = now_ms, time.monotonic()
+        delay_s = self._started + (now_ms - self._origin_ms) / self._speedup / 1000 - time.monotonic()
         if delay_s > 0:
             time.sleep(min(delay_s, PACING_SLEEP_S_MAX))
 
@@ -185,12 +188,12 @@ class LiveBackend:
         block_size_bytes = self._block_size_bytes
         codes = store.put_batch(keys, [block_value(key, block_size_bytes) for key in keys], self._configs[instance])
         outcome = WriteOutcome()
-        for key, code in zip(keys, codes):
+        for index, (key, code) in enumerate(zip(keys, codes)):
             if code == ErrorCode.OK:
                 outcome.stored_count += 1
                 self.written_bytes += block_size_bytes
             elif code == ErrorCode.NO_AVAILABLE_HANDLE:
-                outcome.failed_count += 1
+                outcome.failed_indexes.append(index)
             else:
                 raise TransferFailed(f"put {key!r}: {ErrorCode(code).name}")
         if self._is_pooled and outcome.stored_count:
@@ -283,12 +286,16 @@ def start_all(starters: Sequence[Callable[[], None]]) -> None:
         list(pool.map(lambda start: start(), starters))
 
 
-def _check_config(config: ReplayConfig) -> None:
+def check_live_config(requests: Sequence[TraceRequest], config: ReplayConfig) -> None:
+    """Raises InvalidParams for a configuration replay_live cannot run: a policy no master
+    process runs (belady), or a pool that does not fit in LIVE_MEMORY_BYTES_MAX."""
     if config.policy not in POLICIES:
         raise InvalidParams(
             f"a master process runs {sorted(POLICIES)} (kvpool master --eviction-policy); "
             f"simulate {config.policy!r} with --mode sim"
         )
+    capacity_blocks = resolve_capacity_blocks(requests, config.capacity_blocks)
+    live_block_size_bytes(capacity_blocks + config.disk_capacity_blocks, config.instance_count)
 
 
 def _replay_on(
@@ -332,7 +339,7 @@ def replay_live(
         ConnectFailed: a process did not start.
         TransferFailed: a block was read back wrong.
     """
-    _check_config(config)
+    check_live_config(requests, config)
     capacity_blocks = resolve_capacity_blocks(requests, config.capacity_blocks)
     block_size_bytes = block_size_bytes or live_block_size_bytes(
         capacity_blocks + config.disk_capacity_blocks, config.instance_count
@@ -348,7 +355,7 @@ def replay_live_side_by_side(
     the start-up, mostly Python imports, is paid once. All pools together stay within
     LIVE_MEMORY_BYTES_MAX. Raises as replay_live."""
     for config in configs:
-        _check_config(config)
+        check_live_config(requests, config)
     capacities = [resolve_capacity_blocks(requests, config.capacity_blocks) for config in configs]
     all_blocks = sum(
         (capacity + config.disk_capacity_blocks) * config.instance_count

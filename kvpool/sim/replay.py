@@ -313,6 +313,15 @@ def block_key(prefix: str, block: int) -> str:
     return f"{prefix}{block}"
 
 
+def check_config(config: ReplayConfig) -> None:
+    """Raises InvalidParams for a configuration no replay can run: belady with local caches and
+    cache-aware routing (each cache's future depends on routes that depend on the caches)."""
+    if config.policy != "belady" or config.sharing != "local" or config.instance_count == 1:
+        return
+    if Router(config.routing, config.instance_count, random.Random(config.seed)).is_state_dependent:
+        raise InvalidParams("belady with local caches needs routes known ahead: not cache-aware")
+
+
 def replay(
     requests: Sequence[TraceRequest],
     config: ReplayConfig,
@@ -349,14 +358,13 @@ def run_protocol(
     mode: str,
 ) -> ReplayResult:
     """Serve every request through `backend` (module docstring) and account for it."""
+    check_config(config)
     router = Router(config.routing, config.instance_count, random.Random(config.seed))
     routes: list[int] | None = None
     futures: list[list[int]] | None = None
     if config.policy == "belady":
         assert isinstance(backend, SimBackend), "belady runs in simulation only"
         if config.sharing == "local" and config.instance_count > 1:
-            if router.is_state_dependent:
-                raise InvalidParams("belady with local caches needs routes known ahead: not cache-aware")
             routes = [router.route(_no_prefix) for _ in requests]
             futures = _next_uses_per_instance(requests, routes, config.instance_count)
         else:
@@ -407,9 +415,11 @@ def _serve(backend: Backend, instance: int, request: TraceRequest, keys: list[st
             backend.read(instance, run)
         else:
             written = backend.write(instance, run)
-            tally.tokens_stored += sum(request.block_tokens(i) for i in range(position, position + length))
+            # Only what was stored: a put refused for room (NO_AVAILABLE_HANDLE) moved nothing.
+            failed = set(written.failed_indexes)
+            tally.tokens_stored += sum(request.block_tokens(position + i) for i in range(length) if i not in failed)
             tally.tokens_stored_remote += sum(request.block_tokens(position + i) for i in written.remote_indexes)
-            tally.blocks_not_stored += written.failed_count
+            tally.blocks_not_stored += len(failed)
         position += length
     tally.blocks += len(keys)
     tally.block_hits += hit_count

@@ -31,19 +31,26 @@ TABLE_COLUMNS = (
 )  # fmt: skip
 # With a disk tier under DRAM (replay.py), after "capacity/instance" and before "time":
 DISK_COLUMNS = ("disk/instance", "hit on disk", "offloads / promotions")
+# When a put found no room (everything evictable leased or pinned), after "stored (remote)".
+NOT_STORED_COLUMN = "not stored"
 
 
 def table_columns(results: Sequence[ReplayResult]) -> list[str]:
-    """TABLE_COLUMNS, with DISK_COLUMNS when any result had a disk tier."""
+    """TABLE_COLUMNS, with DISK_COLUMNS when any result had a disk tier, and NOT_STORED_COLUMN
+    when any left blocks not stored."""
+    columns = list(TABLE_COLUMNS)
+    if any(r.blocks_not_stored for r in results):
+        columns.insert(columns.index("stored (remote)") + 1, NOT_STORED_COLUMN)
     if not any(r.disk_capacity_blocks for r in results):
-        return list(TABLE_COLUMNS)
-    return [*TABLE_COLUMNS[:3], DISK_COLUMNS[0], *TABLE_COLUMNS[3:5], DISK_COLUMNS[1], *TABLE_COLUMNS[5:-1],
-            DISK_COLUMNS[2], TABLE_COLUMNS[-1]]  # fmt: skip
+        return columns
+    return [*columns[:3], DISK_COLUMNS[0], *columns[3:5], DISK_COLUMNS[1], *columns[5:-1],
+            DISK_COLUMNS[2], columns[-1]]  # fmt: skip
 
 
 def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
     """One row of table_columns(results) per result, as text."""
     with_disk = any(r.disk_capacity_blocks for r in results)
+    with_not_stored = any(r.blocks_not_stored for r in results)
     rows = []
     for r in results:
         row = [
@@ -59,6 +66,8 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
             str(r.evictions),
             f"{r.runtime_s:.1f} s",
         ]
+        if with_not_stored:
+            row.insert(9, str(r.blocks_not_stored))
         if with_disk:
             has_disk = r.disk_capacity_blocks > 0
             row.insert(3, human_tokens(r.disk_capacity_blocks * BLOCK_TOKENS) if has_disk else "-")
