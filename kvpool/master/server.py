@@ -322,6 +322,7 @@ class MasterServer:
         if not retry:
             return reply  # the common case answers at once, without a task
         if not self._is_room_coming(service):
+            log.info("put of %d keys: no room, and none coming (nothing evictable)", len(retry))
             return service.put_start_settled(reply)
         return self._put_start_after_drops(service, message, reply, retry)
 
@@ -340,7 +341,7 @@ class MasterServer:
         once its node forgot the object)."""
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + PUT_ROOM_WAIT_MS / 1000
-        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+        for rounds in range(limits.PUT_ROOM_ROUNDS_MAX):
             if service.has_unsent_moves() or self._move_tasks:
                 self._send_moves()
                 tasks = list(self._move_tasks)
@@ -352,6 +353,9 @@ class MasterServer:
             retry = service.put_start_again(message, reply, retry, wall_clock_ms())
             if not retry or not self._is_room_coming(service) or loop.time() >= deadline_s:
                 break
+        if retry:  # why, for an operator whose errors_total climbs (and a test that fails)
+            why = "none coming" if not self._is_room_coming(service) else "the wait is over"
+            log.info("put of %d keys: no room after %d rounds (%s)", len(retry), rounds + 1, why)
         return service.put_start_settled(reply)
 
     async def _put_end(self, message: PutEnd) -> CodesReply:
