@@ -389,6 +389,27 @@ def test_an_object_read_often_from_disk_is_promoted_back_into_dram():
     assert tiers(svc)[TIER_DISK]["hits"] == 3
 
 
+def test_no_promotion_goes_to_a_node_the_master_lost_until_it_speaks_again():
+    svc = cluster(promote_reads=3)
+    fill(svc)
+    svc.tick(1)
+    run_moves(svc, 1)
+    ack_drops(svc, 1)
+    cold = next(k for k in keys("k", 16) if where(svc, k) == ["A/disk"])
+    used = {c.segment_id: c.used_bytes for c in svc.segment_counters()}
+    svc.node_link_lost(["A", "A/disk"])
+    for now in (2, 3, 5):
+        svc.get_replica_list(GetReplicaList([cold]), now)
+    svc.tick(6)
+    assert svc.take_moves() == {}  # a move there would wait on a node that may be dead
+    assert {c.segment_id: c.used_bytes for c in svc.segment_counters()} == used
+    svc.heartbeat(Heartbeat(["A", "A/disk"]), 7)
+    for now in (7, 8, 8):  # read often enough again: promoted now
+        svc.get_replica_list(GetReplicaList([cold]), now)
+    svc.tick(9)
+    assert [(i.key, i.dst_segment_id) for i in svc.take_moves()["A/disk"]] == [(cold, "A")]
+
+
 def test_a_restarted_nodes_disk_tier_replaces_its_old_incarnation():
     svc = make()
     svc.mount_segment(MountSegment(dram("A", "n1"), []), 0)

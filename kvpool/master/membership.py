@@ -272,7 +272,7 @@ class SegmentRegistry:
     (the ACTIVE DRAM segments whose node is reachable, in mount order: where puts go),
     `active_by_hostname` (the same, by host), `active_by_tier` (the ACTIVE reachable segments
     of each tier: where offloads go) and `_active_by_node` (node id and tier -> its ACTIVE
-    segment, reachable or not). Invariants: the maps agree with one another; no UNMOUNTED
+    reachable segment: where a node's offloads and promotions go). Invariants: the maps agree with one another; no UNMOUNTED
     segment is registered; `active` is exactly the ACTIVE reachable DRAM ones. Mount, unmount,
     drain and a lost node connection are rare, so the placement views are rebuilt on each (O(s)).
     """
@@ -360,7 +360,8 @@ class SegmentRegistry:
         self._rebuild_views()
 
     def active_of_node(self, node_id: str, tier: str) -> Segment | None:
-        """The node's ACTIVE segment in `tier`, if any (a node mounts one per tier)."""
+        """The node's ACTIVE segment in `tier` whose node is reachable, if any (a node mounts
+        one per tier)."""
         return self._active_by_node.get((node_id, tier))
 
     def silent_since(self, deadline_ms: int) -> list[Segment]:
@@ -400,10 +401,9 @@ class SegmentRegistry:
         by_tier: dict[str, list[Segment]] = {tier: [] for tier in TIERS}
         by_node: dict[tuple[str, str], Segment] = {}
         for seg in self._by_id.values():
-            if seg.is_active:
-                by_node[(seg.info.node_id, seg.tier)] = seg
             if seg.takes_new_replicas:
                 by_tier.setdefault(seg.tier, []).append(seg)
+                by_node[(seg.info.node_id, seg.tier)] = seg
         self.active_by_tier = by_tier
         self._active_by_node = by_node
         self.active = by_tier[TIER_DRAM]
