@@ -272,9 +272,10 @@ class SegmentRegistry:
     (the ACTIVE DRAM segments whose node is reachable, in mount order: where puts go),
     `active_by_hostname` (the same, by host), `active_by_tier` (the ACTIVE reachable segments
     of each tier: where offloads go) and `_active_by_node` (node id and tier -> its ACTIVE
-    reachable segment: where a node's offloads and promotions go). Invariants: the maps agree with one another; no UNMOUNTED
-    segment is registered; `active` is exactly the ACTIVE reachable DRAM ones. Mount, unmount,
-    drain and a lost node connection are rare, so the placement views are rebuilt on each (O(s)).
+    reachable segment: where a node's offloads and promotions go). Invariants: the maps agree
+    with one another; no UNMOUNTED segment is registered; `active` is exactly the ACTIVE
+    reachable DRAM ones. Mount, unmount, drain and a lost node connection are rare, so the
+    placement views are rebuilt on each (O(s)).
     """
 
     __slots__ = (
