@@ -81,8 +81,8 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
     if token_file:
         try:
             text = Path(token_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:  # the token is text (`openssl rand -hex 32`)
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8 (the token is text), a NUL in the path
+            reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else getattr(exc, "strerror", str(exc))
             raise InvalidParams(f"cannot read token file {token_file}: {reason}") from None
         if not text:
             raise InvalidParams(f"token file {token_file} is empty")

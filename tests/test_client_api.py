@@ -328,16 +328,17 @@ def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on(
 def test_a_replicate_config_field_of_the_wrong_type_is_invalid_params_and_the_connection_serves_on():
     """ReplicateConfig(with_disk_copy="no") and the like: refused by the client, naming the
     field, before the master would take the put for a malformed frame and drop the connection."""
-    bad_configs = {
-        "with_disk_copy": ReplicateConfig(with_disk_copy="no"),
-        "with_dfs_copy": ReplicateConfig(with_dfs_copy=None),
-        "replica_num": ReplicateConfig(replica_num="2"),
-        "preferred_segments": ReplicateConfig(preferred_segments=["a", 1]),
-    }
+    bad_configs = [
+        ("with_disk_copy", ReplicateConfig(with_disk_copy="no")),
+        ("with_dfs_copy", ReplicateConfig(with_dfs_copy=None)),
+        ("replica_num", ReplicateConfig(replica_num="2")),
+        ("replica_num", ReplicateConfig(replica_num=2**70)),  # beyond what msgpack carries
+        ("preferred_segments", ReplicateConfig(preferred_segments=["a", 1])),
+    ]
     with cluster_on_a_thread() as endpoint, Store(endpoint) as store:
         store.put("good", b"v" * 100)
         connection = store._direct.connections()[0]
-        for field, config in bad_configs.items():
+        for field, config in bad_configs:
             for call in (lambda: store.put("k", b"v", config), lambda: store.put_batch(["k"], [b"v"], config)):
                 with pytest.raises(InvalidParams, match=f"ReplicateConfig.{field}"):
                     call()
@@ -349,7 +350,7 @@ def test_a_replicate_config_field_of_the_wrong_type_is_invalid_params_and_the_co
             async with await AsyncStore.open(master.endpoint) as store:
                 await store.put("good", b"v" * 100)
                 connection = store._master._conn
-                for field, config in bad_configs.items():
+                for field, config in bad_configs:
                     with pytest.raises(InvalidParams, match=f"ReplicateConfig.{field}"):
                         await store.put("k", b"v", config)
                 assert await store.get("good") == b"v" * 100

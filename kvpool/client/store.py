@@ -669,10 +669,13 @@ def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
     if config is None:
         return None
     for field in msgspec.structs.fields(config):
+        value = getattr(config, field.name)
         try:
-            msgspec.convert(getattr(config, field.name), field.type)
+            msgspec.convert(value, field.type)
         except msgspec.ValidationError as exc:
             raise InvalidParams(f"ReplicateConfig.{field.name}: {exc}") from None
+        if type(value) is int and not -(2**63) <= value < 2**64:  # what msgpack can carry
+            raise InvalidParams(f"ReplicateConfig.{field.name}: {value} is out of range")
     return config
 
 
