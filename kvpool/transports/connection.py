@@ -241,7 +241,12 @@ class Connection(asyncio.BufferedProtocol):
             reply = await future
         except asyncio.CancelledError:
             if not expired:
-                raise  # the caller was cancelled, not timed out
+                # The caller was cancelled. A reply whose payload is landing in its buffers
+                # would go on writing there after the cancel returned: stop it (the only way
+                # is to close the connection). One not started yet is dropped when it comes.
+                if reply_sinks is not None and self._incoming_reply is not None and self._incoming_id == request_id:
+                    self.close(f"{type(message).__name__} cancelled mid-transfer")
+                raise
             if reply_sinks is not None:
                 self.close(f"reply to {type(message).__name__} timed out mid-transfer")
             raise RpcTimeout(
