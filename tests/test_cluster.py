@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
-from kvpool.errors import Unauthorized
+from kvpool.errors import NoAvailableHandle, Unauthorized
 from kvpool.protocol.messages import GetReplicaList
 
 TIMEOUT_S = 15.0
@@ -159,6 +159,18 @@ def test_puts_right_after_a_node_is_killed_go_to_the_live_nodes(make_cluster, sh
 
 def _segment_states(store: Store) -> dict[str, str]:
     return {s.segment.segment_id: s.state for s in store.cluster_status().segments}
+
+
+def test_a_put_larger_than_any_node_fails_at_once_and_evicts_nothing(make_cluster):
+    cluster = make_cluster(2, "32MiB")
+    values = values_for("kept", 20, 1024 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * 20
+        started = time.monotonic()
+        with pytest.raises(NoAvailableHandle):
+            store.put("huge", os.urandom(40 * 1024 * 1024))
+        assert time.monotonic() - started < 1.0  # no rounds waiting for room that cannot come
+        assert all(store.batch_exists(list(values)))  # before: the whole cache was evicted for it
 
 
 def test_a_cancelled_get_into_writes_nothing_into_the_buffer_after_the_cancel(make_cluster):

@@ -784,6 +784,19 @@ def test_allocation_failure_evicts_then_the_retry_fits(policy: str) -> None:
     assert svc.put_start(PutStart(["n1", "n2"], [OBJECT_SIZE] * 2, config()), 0).codes == [OK, OK]
 
 
+def test_a_put_larger_than_every_segment_is_refused_without_evicting_anything() -> None:
+    svc = make(evict_watermark_ratio_high=1.0)
+    mount(svc, "s1")
+    mount(svc, "s2", capacity=2 * MIB)
+    kept = fill(svc, "s1", 16)
+    reply = svc.put_start(PutStart(["huge", "fits"], [2 * MIB + 1, OBJECT_SIZE], config()), 0)
+    assert reply.codes == [ErrorCode.NO_AVAILABLE_HANDLE, OK]
+    assert not svc.has_pending_drops() and all(exists(svc, kept))
+    assert not svc.fits_a_segment(2 * MIB + 1) and svc.fits_a_segment(2 * MIB)
+    svc.put_start_settled(reply)
+    assert svc.counters.errors == 1  # counted once, when the put is over
+
+
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_second_put_short_of_room_evicts_for_itself_not_on_the_firsts_drops(policy: str) -> None:
     svc = make(policy=policy, evict_watermark_ratio_high=1.0, evict_ratio=0.05)

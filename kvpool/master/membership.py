@@ -280,7 +280,7 @@ class SegmentRegistry:
 
     __slots__ = (
         "_by_id", "_by_index", "_free_indexes", "active", "active_by_hostname", "active_by_tier",
-        "_active_by_node",
+        "_active_by_node", "capacity_max",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -291,6 +291,7 @@ class SegmentRegistry:
         self.active_by_hostname: dict[str, list[Segment]] = {}
         self.active_by_tier: dict[str, list[Segment]] = {tier: [] for tier in TIERS}
         self._active_by_node: dict[tuple[str, str], Segment] = {}
+        self.capacity_max = 0  # of the `active` segments: a larger object fits in none of them
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -408,6 +409,7 @@ class SegmentRegistry:
         self.active_by_tier = by_tier
         self._active_by_node = by_node
         self.active = by_tier[TIER_DRAM]
+        self.capacity_max = max((segment.allocator.capacity_bytes for segment in self.active), default=0)
         by_host: dict[str, list[Segment]] = {}
         for segment in self.active:
             by_host.setdefault(segment.info.hostname, []).append(segment)

@@ -205,6 +205,8 @@ class PutFlow:
                 code = codes.OBJECT_ALREADY_EXISTS
             elif key in pending or key in accepted:
                 code = codes.REPLICA_IS_NOT_READY
+            elif footprint_bytes(size) > self._registry.capacity_max:
+                code = codes.NO_AVAILABLE_HANDLE  # fits in no segment: evicting would not help
             else:
                 footprint = footprint_bytes(size)
                 if run_bytes + footprint > RUN_BYTES_MAX and run:
@@ -215,7 +217,7 @@ class PutFlow:
                 run_bytes += footprint
                 continue
             grants.codes[index] = code
-            if code != codes.OBJECT_ALREADY_EXISTS and code != codes.REPLICA_IS_NOT_READY:
+            if code in (codes.INVALID_KEY, codes.INVALID_PARAMS):  # NO_AVAILABLE_HANDLE: once settled
                 self._counters.errors += 1
         if run:
             shortfall_bytes += self._grant_run(grants, keys, sizes, run, run_bytes, config, client_hostname)

@@ -318,7 +318,11 @@ class MasterServer:
     def _put_start(self, message: PutStart) -> PutStartReply | Awaitable[PutStartReply]:
         service = self.service
         reply = service.put_start(message, wall_clock_ms())
-        retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
+        # Keys that found no room wait for eviction; one larger than every segment never would.
+        fits = service.fits_a_segment
+        retry = [
+            i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
+        ]
         if not retry:
             return reply  # the common case answers at once, without a task
         if not self._is_room_coming(service):

@@ -335,7 +335,7 @@ class MasterService:
             hole_bytes = max(
                 footprint_bytes(size)
                 for size, code in zip(msg.sizes, reply.codes)
-                if code == codes.NO_AVAILABLE_HANDLE
+                if code == codes.NO_AVAILABLE_HANDLE and self.fits_a_segment(size)
             )
             victims, back_off = select_for_room(
                 self._table.policy, active, shortfall_bytes, now_ms, claimed_bytes, hole_bytes
@@ -363,6 +363,11 @@ class MasterService:
         )
         merge_retried(reply, again, retry)
         return [i for i in retry if reply.codes[i] == codes.NO_AVAILABLE_HANDLE]
+
+    def fits_a_segment(self, size_bytes: int) -> bool:
+        """Whether an object of this size fits in some segment that takes puts, empty: one that
+        fits in none is refused at once (NO_AVAILABLE_HANDLE), without evicting anything."""
+        return footprint_bytes(size_bytes) <= self._registry.capacity_max
 
     def put_start_settled(self, reply: PutStartReply) -> PutStartReply:
         """The last round of a put_start is over: its keys still without room count as errors
