@@ -161,6 +161,20 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
         assert sched_b.get_num_new_matched_tokens(req_c, 0) == (8, False)
         # Locally computed tokens are not loaded again.
         assert sched_b.get_num_new_matched_tokens(request("d-1", PROMPT), 8) == (4, False)
+        # vLLM's prefix cache holds the first 2 blocks (ids 11, 12): the pool's third block
+        # loads into the block after them, and vLLM's own blocks are left alone. vLLM sets
+        # request.num_computed_tokens only after update_state_after_alloc (scheduler.py).
+        req_e = request("e-1", PROMPT + [20, 21, 22, 23, 24, 25])
+        assert sched_b.get_num_new_matched_tokens(req_e, 8) == (4, False)
+        assert req_e.num_computed_tokens == 0
+        sched_b.update_state_after_alloc(req_e, blocks([11, 12, 13, 14, 15]), 4)
+        meta = sched_b.build_connector_meta(step([new_request_data(req_e, [11, 12, 13, 14, 15], 12)], {"e-1": 8}))
+        assert [(l.block_ids, len(l.block_hashes)) for l in meta.loads] == [([13], 1)]
+        assert run_worker_step(worker_b, meta) == set()
+        for name in cache_a:
+            for kv in (0, 1):
+                assert torch.equal(cache_b[name][kv, 13], cache_a[name][kv, 7]), (name, kv)
+            assert not cache_b[name][:, 11:13].any()
     finally:
         for worker in (worker_a, worker_b):
             worker.shutdown()

@@ -87,6 +87,10 @@ class _RequestState:
     prompt_token_count: int
     block_ids: list[int] = dataclasses.field(default_factory=list)
     stored_block_count: int = 0
+    # Leading blocks vLLM's own prefix cache holds (the lookup's num_computed_tokens): the
+    # pool's blocks load after them. request.num_computed_tokens cannot say it: vLLM sets it
+    # only after update_state_after_alloc (0 until then, and again after a preemption).
+    local_block_count: int = 0
 
 
 class KVPoolConnector(KVConnectorBase_V1):
@@ -136,7 +140,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Tokens beyond `num_computed_tokens` whose KV the pool holds for every TP rank."""
         prompt_blocks = len(request.prompt_token_ids or ()) // self.block_size
         hashes = [_hex(h) for h in request.block_hashes[:prompt_blocks]]
-        self._requests[request.request_id] = _RequestState(hashes, len(request.prompt_token_ids or ()))
+        self._requests[request.request_id] = _RequestState(
+            hashes, len(request.prompt_token_ids or ()), local_block_count=num_computed_tokens // self.block_size
+        )
         if not hashes:
             return 0, False
         keys = [self._key(h, rank) for h in hashes for rank in range(self.tp_size)]
@@ -158,7 +164,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if state is None or num_external_tokens == 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        first = request.num_computed_tokens // self.block_size
+        first = state.local_block_count
         last = first + num_external_tokens // self.block_size
         assert last <= len(block_ids), (first, last, len(block_ids))
         self._pending_loads.append(
