@@ -309,6 +309,19 @@ def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on(
         with pytest.raises(InvalidKey) as refused:  # a huge key is named, not printed whole
             store.put("k" * 100_000, b"v")
         assert len(str(refused.value)) < 300
+        for call in (lambda: store.put("a\udc80", b"v"), lambda: store.get_batch(["good", "a\udc80"])):
+            with pytest.raises(InvalidKey, match="UTF-8"):  # a lone surrogate: bytes decoded with surrogateescape
+                call()
+        # The admin calls' arguments too: the master would drop the connection on any of them.
+        for call in (
+            lambda: store.remove_by_regex(5), lambda: store.remove_by_regex("g.*", force="yes"),
+            lambda: store.remove_all(force=None), lambda: store.list_objects("", 2**70),
+            lambda: store.list_objects(None), lambda: store.batch_remove(["good"], force=1),
+        ):  # fmt: skip
+            with pytest.raises(InvalidParams):
+                call()
+        assert store.get("good") == b"v" * 100 and store.list_objects("go").keys == ["good"]
+        assert store._direct.connections() == [connection] and connection.is_usable()
 
     async def main():
         async with cluster() as (master, _):

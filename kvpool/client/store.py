@@ -327,21 +327,25 @@ class AsyncStore:
             raise key_error(code, "remove", key)
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        checked_args(force=(force, bool))
         reply = await self._master.call(Remove(key_list(keys), force), is_idempotent=False)
         assert isinstance(reply, CodesReply)
         return reply.codes
 
     async def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        checked_args(pattern=(pattern, str), force=(force, bool))
         reply = await self._master.call(RemoveByRegex(pattern, force), is_idempotent=False)
         assert isinstance(reply, CountReply)
         return reply.count
 
     async def remove_all(self, force: bool = False) -> int:
+        checked_args(force=(force, bool))
         reply = await self._master.call(RemoveAll(force), is_idempotent=False)
         assert isinstance(reply, CountReply)
         return reply.count
 
     async def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
+        checked_args(pattern=(pattern, str), limit=(limit, int))
         reply = await self._master.call(ListObjects(pattern, limit), is_idempotent=True)
         assert isinstance(reply, ListReply)
         return reply
@@ -654,11 +658,33 @@ def key_list(keys: Iterable[str]) -> list[str]:
     caller would see as RpcFailed. Raises InvalidKey."""
     listed = list(keys)
     try:
-        "".join(listed)  # in C: stops at the first key that is not a str
+        "".join(listed).encode()  # in C: stops at the first key that is not a str, or not UTF-8
     except TypeError:
         bad = next(key for key in listed if not isinstance(key, str))
         raise InvalidKey(f"a key must be a str, not {type(bad).__name__}: {bad!r:.100}") from None
+    except UnicodeEncodeError:  # a lone surrogate ("\udc80": bytes decoded with surrogateescape)
+        bad = next(key for key in listed if not key.isascii() and not _is_utf8(key))
+        raise InvalidKey(f"a key must be valid UTF-8 text: {bad!r:.100}") from None
     return listed
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def checked_args(**args: tuple[object, type]) -> None:
+    """Each argument (value, its type) is of that exact type, and an int one fits msgpack: the
+    master takes a request with a field of another type for a malformed frame and drops the
+    connection (RpcFailed for the caller, and every call in flight on it). Raises InvalidParams."""
+    for name, (value, kind) in args.items():
+        if type(value) is not kind:
+            raise InvalidParams(f"{name} must be a {kind.__name__}, not {type(value).__name__}: {value!r:.100}")
+        if kind is int and not 0 <= value < 2**63:  # type: ignore[operator]
+            raise InvalidParams(f"{name} {value} is out of range")
 
 
 def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
