@@ -234,6 +234,9 @@ class AsyncStore:
         return self.buffers.register(buffer, size_bytes)
 
     def unregister_buffer(self, address: int) -> None:
+        """Forget a registered range (InvalidParams if none starts at `address`). It does not
+        wait for calls in flight that use the range: free memory registered by address only
+        after those calls returned (a transfer may still write there until then)."""
         self.buffers.unregister(address)
 
     async def put_from(

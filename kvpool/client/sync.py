@@ -496,6 +496,7 @@ class Store:
         return self._async.register_buffer(buffer, size_bytes)
 
     def unregister_buffer(self, address: int) -> None:
+        """As AsyncStore.unregister_buffer: free the memory only after the calls using it returned."""
         self._async.unregister_buffer(address)
 
     def put_from(
