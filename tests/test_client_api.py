@@ -323,15 +323,24 @@ def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on(
         assert store.get("good") == b"v" * 100 and store.list_objects("go").keys == ["good"]
         assert store._direct.connections() == [connection] and connection.is_usable()
 
+    actions = (lambda s, k: s.put(k, b"v"), lambda s, k: s.get(k), lambda s, k: s.exists(k), lambda s, k: s.remove(k))
+    refused_on_an_async_store(
+        [(lambda s, act=act, bad=bad: act(s, bad), InvalidKey, None) for bad in bad_keys for act in actions]
+    )
+
+
+def refused_on_an_async_store(refusals) -> None:
+    """Each (call, exception, match) of `refusals`, given an AsyncStore, raises that exception;
+    the store's master connection then serves on."""
+
     async def main():
         async with cluster() as (master, _):
             async with await AsyncStore.open(master.endpoint) as store:
                 await store.put("good", b"v" * 100)
                 connection = store._master._conn
-                for bad in bad_keys:
-                    for call in (store.put(bad, b"v"), store.get(bad), store.exists(bad), store.remove(bad)):
-                        with pytest.raises(InvalidKey):
-                            await call
+                for call, error, match in refusals:
+                    with pytest.raises(error, match=match):
+                        await call(store)
                 assert await store.get("good") == b"v" * 100
                 assert store._master._conn is connection and not connection.is_closed()
 
@@ -358,18 +367,10 @@ def test_a_replicate_config_field_of_the_wrong_type_is_invalid_params_and_the_co
         assert store.get("good") == b"v" * 100 and not store.exists("k")
         assert store._direct.connections() == [connection] and connection.is_usable()
 
-    async def main():
-        async with cluster() as (master, _):
-            async with await AsyncStore.open(master.endpoint) as store:
-                await store.put("good", b"v" * 100)
-                connection = store._master._conn
-                for field, config in bad_configs:
-                    with pytest.raises(InvalidParams, match=f"ReplicateConfig.{field}"):
-                        await store.put("k", b"v", config)
-                assert await store.get("good") == b"v" * 100
-                assert store._master._conn is connection and not connection.is_closed()
-
-    run(main())
+    refused_on_an_async_store(
+        [(lambda s, c=config: s.put("k", b"v", c), InvalidParams, f"ReplicateConfig.{field}")
+         for field, config in bad_configs]  # fmt: skip
+    )
 
 
 def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):

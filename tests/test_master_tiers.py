@@ -368,13 +368,18 @@ def test_without_a_lower_tier_eviction_drops_as_before():
     assert svc.raw.object_count == 13
 
 
-def test_an_object_read_often_from_disk_is_promoted_back_into_dram():
-    svc = cluster(promote_reads=3)
+def offloaded(promote_reads: int):
+    """A service whose node A's DRAM filled and offloaded; returns it and a key only on A/disk."""
+    svc = cluster(promote_reads=promote_reads)
     fill(svc)
     svc.tick(1)
     run_moves(svc, 1)
     ack_drops(svc, 1)
-    cold = next(k for k in keys("k", 16) if where(svc, k) == ["A/disk"])
+    return svc, next(k for k in keys("k", 16) if where(svc, k) == ["A/disk"])
+
+
+def test_an_object_read_often_from_disk_is_promoted_back_into_dram():
+    svc, cold = offloaded(promote_reads=3)
     for now in (2, 3):
         svc.get_replica_list(GetReplicaList([cold]), now)
     svc.tick(4)
@@ -390,12 +395,7 @@ def test_an_object_read_often_from_disk_is_promoted_back_into_dram():
 
 
 def test_no_promotion_goes_to_a_node_the_master_lost_until_it_speaks_again():
-    svc = cluster(promote_reads=3)
-    fill(svc)
-    svc.tick(1)
-    run_moves(svc, 1)
-    ack_drops(svc, 1)
-    cold = next(k for k in keys("k", 16) if where(svc, k) == ["A/disk"])
+    svc, cold = offloaded(promote_reads=3)
     used = {c.segment_id: c.used_bytes for c in svc.segment_counters()}
     svc.node_link_lost(["A", "A/disk"])
     for now in (2, 3, 5):
