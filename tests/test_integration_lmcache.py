@@ -31,6 +31,8 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 
+from kvpool import Store  # noqa: E402
+
 CHUNK = 16
 KV_SHAPE = (3, 2, CHUNK, 2, 8)  # layers, k/v, tokens, heads, head size
 
@@ -116,6 +118,23 @@ def test_instance_b_reads_chunks_instance_a_stored(make_cluster, save_chunk_meta
         assert b.conn.remove_sync(key(14)) and not b.conn.exists_sync(key(14))
     finally:
         a.close()
+        b.close()
+
+
+def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(make_cluster):
+    """Headerless chunks are reshaped from their byte count: an object under a chunk's name
+    that is not whole tokens (another model's layout, say) is a miss, not a ValueError
+    raised into LMCache."""
+    cluster = make_cluster(1, "16MiB")
+    b = Instance(cluster.master_endpoint, save_chunk_meta=False)
+    try:
+        b.run(b.conn.put(key(22), b.chunk(seed=2)))
+        with Store(cluster.master_endpoint) as store:
+            store.put(key(21).to_string(), b"odd")
+        got = b.run(b.conn.batched_get([key(21), key(22)]))
+        assert got[0] is None and got[1] is not None
+        got[1].ref_count_down()
+    finally:
         b.close()
 
 

@@ -205,7 +205,10 @@ class KVPoolRemoteConnector(RemoteConnector):
             )
             for i, count in zip(usable, read):
                 if count > 0:
-                    results[i] = self.reshape_partial_chunk(objects[i], count)
+                    try:
+                        results[i] = self.reshape_partial_chunk(objects[i], count)
+                    except ValueError as exc:  # not whole tokens: another model's object, say
+                        log.warning("kvpool object %s is no chunk of this model, a miss: %s", names[i], exc)
         except KVPoolError as exc:
             log.info("kvpool get failed, reporting misses: %s", exc)
         finally:
