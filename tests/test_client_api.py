@@ -347,6 +347,30 @@ def refused_on_an_async_store(refusals) -> None:
     run(main())
 
 
+def test_a_buffer_in_use_by_a_call_in_flight_cannot_be_unregistered():
+    """An engine that frees a buffer while a get is landing in it would crash (a raw
+    registration freed mid-transfer did: SIGSEGV): unregister refuses until the call returned."""
+
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                data = os.urandom(1 << 20)
+                await store.put("k", data)
+                buffer = np.zeros(len(data), dtype=np.uint8)
+                raw = np.zeros(len(data), dtype=np.uint8)
+                address, raw_address = store.register_buffer(buffer), store.register_buffer(raw.ctypes.data, raw.nbytes)
+                for target in (address, raw_address):
+                    task = asyncio.ensure_future(store.get_into("k", target, len(data)))
+                    await asyncio.sleep(0)  # the get holds its buffer from its first step
+                    with pytest.raises(InvalidParams, match="in use by 1 call"):
+                        store.unregister_buffer(target)
+                    assert await task == len(data)
+                    store.unregister_buffer(target)  # returned: free to go
+                assert buffer.tobytes() == raw.tobytes() == data
+
+    run(main())
+
+
 def test_a_replicate_config_field_of_the_wrong_type_is_invalid_params_and_the_connection_serves_on():
     """ReplicateConfig(with_disk_copy="no") and the like: refused by the client, naming the
     field, before the master would take the put for a malformed frame and drop the connection."""

@@ -10,8 +10,10 @@ never a write to arbitrary memory. It is not an allocator and does not own the m
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator, Sequence
 
 from kvpool import limits
 from kvpool.errors import BufferOverflow, InvalidParams
@@ -33,6 +35,10 @@ class BufferRegistry:
         self._starts: list[int] = []
         self._views: dict[int, memoryview] = {}
         self._owners: dict[int, object] = {}  # keeps registered objects alive
+        # Which registered starts a view's exporter (memoryview.obj) backs, and how many calls
+        # in flight use each start (held): unregister refuses a buffer while one does.
+        self._starts_of_exporter: dict[int, list[int]] = {}
+        self._held: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -43,7 +49,8 @@ class BufferRegistry:
         same there, and the lock a parent thread may have held at the fork stays held."""
         registry = BufferRegistry()
         registry._starts, registry._views, registry._owners = list(self._starts), dict(self._views), dict(self._owners)
-        return registry
+        registry._starts_of_exporter = {exporter: list(starts) for exporter, starts in self._starts_of_exporter.items()}
+        return registry  # no call of the parent's is in flight in the child
 
     def register(self, buffer: object | int, size_bytes: int | None = None) -> int:
         """Register `size_bytes` at address `buffer`, or a buffer object. Returns its address.
@@ -73,6 +80,7 @@ class BufferRegistry:
                 raise InvalidParams(f"buffer at 0x{address:x} overlaps a registered buffer")
             self._starts.insert(index, address)
             self._views[address] = view
+            self._starts_of_exporter.setdefault(id(view.obj), []).append(address)
             if owner is not None:
                 self._owners[address] = owner
         return address
@@ -80,11 +88,40 @@ class BufferRegistry:
     def unregister(self, address: int) -> None:
         """Raises InvalidParams if nothing is registered at `address`."""
         with self._lock:
-            view = self._views.pop(address, None)
+            view = self._views.get(address)
             if view is None:
                 raise InvalidParams(f"no buffer registered at 0x{address:x}")
+            if self._held.get(address):
+                raise InvalidParams(
+                    f"buffer at 0x{address:x} is in use by {self._held[address]} call(s) in flight: "
+                    "unregister it once they returned"
+                )
+            del self._views[address]
             self._starts.remove(address)
             self._owners.pop(address, None)
+            starts = self._starts_of_exporter[id(view.obj)]
+            starts.remove(address)
+            if not starts:
+                del self._starts_of_exporter[id(view.obj)]
+
+    @contextlib.contextmanager
+    def holding(self, views: Sequence[Sequence[memoryview]]) -> Iterator[None]:
+        """Within the block, the registered buffers these views (made by `view`) lie in are in
+        use: unregister refuses them, so that a caller cannot free memory a transfer of this
+        call still reads or writes (a raw registration freed mid-transfer crashed the process)."""
+        exporters = {id(v.obj) for part in views for v in part}
+        with self._lock:
+            starts = [start for exporter in exporters for start in self._starts_of_exporter.get(exporter, ())]
+            for start in starts:
+                self._held[start] = self._held.get(start, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for start in starts:
+                    count = self._held.pop(start) - 1
+                    if count:
+                        self._held[start] = count
 
     def view(self, address: int, size_bytes: int) -> memoryview:
         """A memoryview of a range inside a registered buffer.

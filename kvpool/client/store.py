@@ -234,9 +234,9 @@ class AsyncStore:
         return self.buffers.register(buffer, size_bytes)
 
     def unregister_buffer(self, address: int) -> None:
-        """Forget a registered range (InvalidParams if none starts at `address`). It does not
-        wait for calls in flight that use the range: free memory registered by address only
-        after those calls returned (a transfer may still write there until then)."""
+        """Forget a registered range. Raises InvalidParams if none starts at `address`, or while
+        a call in flight uses it (a transfer may read or write it until that call returned:
+        free the memory only after unregistering)."""
         self.buffers.unregister(address)
 
     async def put_from(
@@ -256,13 +256,17 @@ class AsyncStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Put each key from one registered range; one ErrorCode per key."""
-        return await self._put_parts(keys, self._one_view_each(keys, addresses, sizes), config)
+        views = self._one_view_each(keys, addresses, sizes)
+        with self.buffers.holding(views):
+            return await self._put_parts(keys, views, config)
 
     async def batch_get_into(
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """Get each key into one registered range; per key its size or a negative ErrorCode."""
-        jobs = await self._get_parts(keys, self._one_view_each(keys, addresses, sizes), list(addresses))
+        views = self._one_view_each(keys, addresses, sizes)
+        with self.buffers.holding(views):
+            jobs = await self._get_parts(keys, views, list(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
     async def batch_put_from_multi_buffers(
@@ -273,13 +277,17 @@ class AsyncStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Put each key gathered from several registered ranges (e.g. one per layer)."""
-        return await self._put_parts(keys, self._views(keys, addresses, sizes), config)
+        views = self._views(keys, addresses, sizes)
+        with self.buffers.holding(views):
+            return await self._put_parts(keys, views, config)
 
     async def batch_get_into_multi_buffers(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Get each key scattered into several registered ranges, filled in order."""
-        jobs = await self._get_parts(keys, self._views(keys, addresses, sizes), buffer_starts(addresses))
+        views = self._views(keys, addresses, sizes)
+        with self.buffers.holding(views):
+            jobs = await self._get_parts(keys, views, buffer_starts(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
     def _one_view_each(

@@ -496,7 +496,7 @@ class Store:
         return self._async.register_buffer(buffer, size_bytes)
 
     def unregister_buffer(self, address: int) -> None:
-        """As AsyncStore.unregister_buffer: free the memory only after the calls using it returned."""
+        """As AsyncStore.unregister_buffer: refused while a call in flight uses the range."""
         self._async.unregister_buffer(address)
 
     def put_from(
@@ -514,12 +514,18 @@ class Store:
         sizes: Sequence[int],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
-        return self._put(self._async._one_view_each(keys, addresses, sizes), keys, config)
+        store = self._async
+        views = store._one_view_each(keys, addresses, sizes)
+        with store.buffers.holding(views):
+            return self._put(views, keys, config)
 
     def batch_get_into(
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
-        jobs = self._get(keys, self._async._one_view_each(keys, addresses, sizes), list(addresses))
+        store = self._async
+        views = store._one_view_each(keys, addresses, sizes)
+        with store.buffers.holding(views):
+            jobs = self._get(keys, views, list(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
     def batch_put_from_multi_buffers(
@@ -529,12 +535,18 @@ class Store:
         sizes: Sequence[Sequence[int]],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
-        return self._put(self._async._views(keys, addresses, sizes), keys, config)
+        store = self._async
+        views = store._views(keys, addresses, sizes)
+        with store.buffers.holding(views):
+            return self._put(views, keys, config)
 
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        jobs = self._get(keys, self._async._views(keys, addresses, sizes), buffer_starts(addresses))
+        store = self._async
+        views = store._views(keys, addresses, sizes)
+        with store.buffers.holding(views):
+            jobs = self._get(keys, views, buffer_starts(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
     # --- metadata API ---------------------------------------------------------------------
