@@ -674,7 +674,7 @@ def key_list(keys: Iterable[str]) -> list[str]:
         bad = next(key for key in listed if not isinstance(key, str))
         raise InvalidKey(f"a key must be a str, not {type(bad).__name__}: {bad!r:.100}") from None
     except UnicodeEncodeError:  # a lone surrogate ("\udc80": bytes decoded with surrogateescape)
-        bad = next(key for key in listed if not key.isascii() and not _is_utf8(key))
+        bad = next(key for key in listed if not _is_utf8(key))
         raise InvalidKey(f"a key must be valid UTF-8 text: {bad!r:.100}") from None
     return listed
 
@@ -698,13 +698,22 @@ def checked_args(**args: tuple[object, type]) -> None:
             raise InvalidParams(f"{name} {value} is out of range")
 
 
+_config_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ReplicateConfig))
+
+
 def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
-    """`config`, each field checked against its declared type, as the master decodes it: a
-    field of another type ("no" for a bool) would make the whole request a malformed frame,
-    which the master answers by dropping the connection (the caller would see RpcFailed).
-    Raises InvalidParams, naming the field."""
+    """`config`, checked as the master decodes it (one encode and decode, ~2 µs): a field of
+    another type ("no" for a bool) would make the whole request a malformed frame, which the
+    master answers by dropping the connection (the caller would see RpcFailed). Raises
+    InvalidParams, naming the field (found field by field, which costs ~150 µs: errors only)."""
     if config is None:
         return None
+    encoder, decoder = _config_codec
+    try:
+        decoder.decode(encoder.encode(config))
+        return config
+    except (msgspec.ValidationError, OverflowError, TypeError):
+        pass
     for field in msgspec.structs.fields(config):
         value = getattr(config, field.name)
         try:
@@ -713,7 +722,7 @@ def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
             raise InvalidParams(f"ReplicateConfig.{field.name}: {exc}") from None
         if type(value) is int and not -(2**63) <= value < 2**64:  # what msgpack can carry
             raise InvalidParams(f"ReplicateConfig.{field.name}: {value} is out of range")
-    return config
+    raise InvalidParams(f"{config!r:.200} cannot be sent")
 
 
 def key_error(code: int, action: str, key: str) -> KVPoolError:
