@@ -865,8 +865,8 @@ def put_phases() -> dict:
         out = []
         for b in range(batches):
             keys = [f"phase-{round_index}-{b}-{i}" for i in range(keys_per_batch)]
-            addresses = [[base + (b * keys_per_batch + i) * size] for i in range(keys_per_batch)]
-            out.append((keys, store._views(keys, addresses, [[size]] * keys_per_batch)))
+            addresses = [base + (b * keys_per_batch + i) * size for i in range(keys_per_batch)]
+            out.append((keys, [[store.buffers.view(address, size)] for address in addresses]))
         return out
 
     def summary(samples: dict[str, list[int]]) -> dict:

@@ -35,9 +35,7 @@ class BufferRegistry:
         self._starts: list[int] = []
         self._views: dict[int, memoryview] = {}
         self._owners: dict[int, object] = {}  # keeps registered objects alive
-        # Which registered starts a view's exporter (memoryview.obj) backs, and how many calls
-        # in flight use each start (held): unregister refuses a buffer while one does.
-        self._starts_of_exporter: dict[int, list[int]] = {}
+        # How many calls in flight use each registered start: unregister refuses it meanwhile.
         self._held: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -49,7 +47,6 @@ class BufferRegistry:
         same there, and the lock a parent thread may have held at the fork stays held."""
         registry = BufferRegistry()
         registry._starts, registry._views, registry._owners = list(self._starts), dict(self._views), dict(self._owners)
-        registry._starts_of_exporter = {exporter: list(starts) for exporter, starts in self._starts_of_exporter.items()}
         return registry  # no call of the parent's is in flight in the child
 
     def register(self, buffer: object | int, size_bytes: int | None = None) -> int:
@@ -80,7 +77,6 @@ class BufferRegistry:
                 raise InvalidParams(f"buffer at 0x{address:x} overlaps a registered buffer")
             self._starts.insert(index, address)
             self._views[address] = view
-            self._starts_of_exporter.setdefault(id(view.obj), []).append(address)
             if owner is not None:
                 self._owners[address] = owner
         return address
@@ -88,8 +84,7 @@ class BufferRegistry:
     def unregister(self, address: int) -> None:
         """Raises InvalidParams if nothing is registered at `address`."""
         with self._lock:
-            view = self._views.get(address)
-            if view is None:
+            if address not in self._views:
                 raise InvalidParams(f"no buffer registered at 0x{address:x}")
             if self._held.get(address):
                 raise InvalidParams(
@@ -99,51 +94,79 @@ class BufferRegistry:
             del self._views[address]
             self._starts.remove(address)
             self._owners.pop(address, None)
-            starts = self._starts_of_exporter[id(view.obj)]
-            starts.remove(address)
-            if not starts:
-                del self._starts_of_exporter[id(view.obj)]
 
     @contextlib.contextmanager
-    def holding(self, views: Sequence[Sequence[memoryview]]) -> Iterator[None]:
-        """Within the block, the registered buffers these views (made by `view`) lie in are in
-        use: unregister refuses them, so that a caller cannot free memory a transfer of this
-        call still reads or writes (a raw registration freed mid-transfer crashed the process)."""
-        exporters = {id(v.obj) for part in views for v in part}
+    def lent(
+        self, addresses: Sequence[int] | Sequence[Sequence[int]], sizes: Sequence[int] | Sequence[Sequence[int]],
+        *, per_key: bool = False,
+    ) -> Iterator[list[list[memoryview]]]:
+        """Views of ranges inside registered buffers for one call, one list per key: one range
+        per key, or with `per_key` a sequence of ranges per key (e.g. one per layer). Within the
+        block the buffers they lie in are in use: unregister refuses them, so that a caller
+        cannot free memory a transfer of this call still reads or writes (a raw registration
+        freed mid-transfer crashed the process). One lock for the whole batch.
+
+        Raises:
+            InvalidParams: a range not inside one registered buffer, or a key without ranges.
+        """
+        used: set[int] = set()
         with self._lock:
-            starts = [start for exporter in exporters for start in self._starts_of_exporter.get(exporter, ())]
-            for start in starts:
+            if per_key:
+                views = []
+                for key_addresses, key_sizes in zip(addresses, sizes):  # type: ignore[call-overload]
+                    if len(key_addresses) != len(key_sizes) or not key_addresses:
+                        raise InvalidParams("each key needs as many sizes as buffers, and at least one")
+                    views.append(self._views_locked(key_addresses, key_sizes, used))
+            else:
+                views = [[view] for view in self._views_locked(addresses, sizes, used)]  # type: ignore[arg-type]
+            for start in used:
                 self._held[start] = self._held.get(start, 0) + 1
         try:
-            yield
+            yield views
         finally:
             with self._lock:
-                for start in starts:
+                for start in used:
                     count = self._held.pop(start) - 1
                     if count:
                         self._held[start] = count
 
+    def _views_locked(self, addresses: Sequence[int], sizes: Sequence[int], used: set[int]) -> list[memoryview]:
+        """Views of the ranges, adding the start of each buffer they lie in to `used`. A run of
+        ranges in one buffer (a batch's pages) finds it once."""
+        starts, whole_views = self._starts, self._views
+        start, end, whole = 0, -1, None
+        views = []
+        for address, size_bytes in zip(addresses, sizes):
+            if not (start <= address and address + size_bytes <= end and size_bytes >= 0):
+                start, whole = self._buffer_of(address, size_bytes)
+                end = start + len(whole)
+                used.add(start)
+            views.append(whole[address - start : address - start + size_bytes])  # type: ignore[index]
+        return views
+
+    def _buffer_of(self, address: int, size_bytes: int) -> tuple[int, memoryview]:
+        """The start and whole view of the registered buffer that holds the range; the lock held."""
+        if size_bytes < 0:
+            raise InvalidParams(f"negative size {size_bytes}")
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index < 0:
+            raise InvalidParams(f"address 0x{address:x} is not in a registered buffer")
+        start = self._starts[index]
+        whole = self._views[start]
+        if address - start + size_bytes > len(whole):
+            raise InvalidParams(f"range 0x{address:x}+{size_bytes} runs past its registered buffer")
+        return start, whole
+
     def view(self, address: int, size_bytes: int) -> memoryview:
-        """A memoryview of a range inside a registered buffer.
+        """A memoryview of a range inside a registered buffer (held by a `lent` block of the
+        caller's: a call's span over ranges it was lent).
 
         Raises:
             InvalidParams: the range is not inside one registered buffer.
         """
-        if size_bytes < 0:
-            raise InvalidParams(f"negative size {size_bytes}")
         with self._lock:
-            index = bisect.bisect_right(self._starts, address) - 1
-            if index < 0:
-                raise InvalidParams(f"address 0x{address:x} is not in a registered buffer")
-            start = self._starts[index]
-            view = self._views[start]
-        offset = address - start
-        if offset + size_bytes > len(view):
-            raise InvalidParams(
-                f"range 0x{address:x}+{size_bytes} runs past its registered buffer"
-            )
-        return view[offset : offset + size_bytes]
-
+            start, whole = self._buffer_of(address, size_bytes)
+        return whole[address - start : address - start + size_bytes]
 
 def check_fits(object_size_bytes: int, buffer_size_bytes: int) -> None:
     if object_size_bytes > buffer_size_bytes:

@@ -256,16 +256,14 @@ class AsyncStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Put each key from one registered range; one ErrorCode per key."""
-        views = self._one_view_each(keys, addresses, sizes)
-        with self.buffers.holding(views):
+        with self._lent(keys, addresses, sizes) as views:
             return await self._put_parts(keys, views, config)
 
     async def batch_get_into(
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """Get each key into one registered range; per key its size or a negative ErrorCode."""
-        views = self._one_view_each(keys, addresses, sizes)
-        with self.buffers.holding(views):
+        with self._lent(keys, addresses, sizes) as views:
             jobs = await self._get_parts(keys, views, list(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
@@ -277,40 +275,25 @@ class AsyncStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Put each key gathered from several registered ranges (e.g. one per layer)."""
-        views = self._views(keys, addresses, sizes)
-        with self.buffers.holding(views):
+        with self._lent(keys, addresses, sizes, per_key=True) as views:
             return await self._put_parts(keys, views, config)
 
     async def batch_get_into_multi_buffers(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Get each key scattered into several registered ranges, filled in order."""
-        views = self._views(keys, addresses, sizes)
-        with self.buffers.holding(views):
+        with self._lent(keys, addresses, sizes, per_key=True) as views:
             jobs = await self._get_parts(keys, views, buffer_starts(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
-    def _one_view_each(
-        self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
-    ) -> list[list[memoryview]]:
-        """_views of one registered range per key, with no list per key of addresses and sizes
-        to make first (fewer objects alive for the garbage collector, see messages.py)."""
+    def _lent(
+        self, keys: Sequence[str], addresses: Sequence, sizes: Sequence, *, per_key: bool = False
+    ) -> contextlib.AbstractContextManager[list[list[memoryview]]]:
+        """The registered ranges of a zero-copy call, as views, held in use for its duration
+        (BufferRegistry.lent): one range per key, or with `per_key` several."""
         if not len(keys) == len(addresses) == len(sizes):
             raise InvalidParams("keys, buffers and sizes differ in length")
-        view = self.buffers.view
-        return [[view(address, size)] for address, size in zip(addresses, sizes)]
-
-    def _views(
-        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[list[memoryview]]:
-        if not len(keys) == len(addresses) == len(sizes):
-            raise InvalidParams("keys, buffers and sizes differ in length")
-        views = []
-        for key_addresses, key_sizes in zip(addresses, sizes):
-            if len(key_addresses) != len(key_sizes) or not key_addresses:
-                raise InvalidParams("each key needs as many sizes as buffers, and at least one")
-            views.append([self.buffers.view(a, s) for a, s in zip(key_addresses, key_sizes)])
-        return views
+        return self.buffers.lent(addresses, sizes, per_key=per_key)
 
     # --- metadata API ---------------------------------------------------------------------
 

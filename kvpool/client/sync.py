@@ -515,16 +515,14 @@ class Store:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         store = self._async
-        views = store._one_view_each(keys, addresses, sizes)
-        with store.buffers.holding(views):
+        with store._lent(keys, addresses, sizes) as views:
             return self._put(views, keys, config)
 
     def batch_get_into(
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         store = self._async
-        views = store._one_view_each(keys, addresses, sizes)
-        with store.buffers.holding(views):
+        with store._lent(keys, addresses, sizes) as views:
             jobs = self._get(keys, views, list(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
@@ -536,16 +534,14 @@ class Store:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         store = self._async
-        views = store._views(keys, addresses, sizes)
-        with store.buffers.holding(views):
+        with store._lent(keys, addresses, sizes, per_key=True) as views:
             return self._put(views, keys, config)
 
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         store = self._async
-        views = store._views(keys, addresses, sizes)
-        with store.buffers.holding(views):
+        with store._lent(keys, addresses, sizes, per_key=True) as views:
             jobs = self._get(keys, views, buffer_starts(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
