@@ -133,7 +133,6 @@ class BufferRegistry:
     def _views_locked(self, addresses: Sequence[int], sizes: Sequence[int], used: set[int]) -> list[memoryview]:
         """Views of the ranges, adding the start of each buffer they lie in to `used`. A run of
         ranges in one buffer (a batch's pages) finds it once."""
-        starts, whole_views = self._starts, self._views
         start, end, whole = 0, -1, None
         views = []
         for address, size_bytes in zip(addresses, sizes):
