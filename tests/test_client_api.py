@@ -569,3 +569,79 @@ def test_bytes_that_rot_after_their_commit_are_found_confirmed_and_dropped(shm_e
                 assert await store.get("rotten") == value
 
     run(main())
+
+
+async def _used_bytes(store: AsyncStore) -> int:
+    return sum(s.used_bytes for s in (await store.cluster_status()).segments)
+
+
+async def _put_again(store: AsyncStore, keys: list[str], values: list[bytes]) -> list[int]:
+    """The put of keys a cancelled put held, once the revoke sent in the background landed
+    (bounded: before, the keys refused puts until the master discarded them, 30 s later)."""
+    deadline = asyncio.get_running_loop().time() + 2
+    while (codes := await store.put_batch(keys, values)) != [ErrorCode.OK] * len(keys):
+        assert set(codes) == {ErrorCode.REPLICA_IS_NOT_READY}, codes
+        assert asyncio.get_running_loop().time() < deadline, "the cancelled put still holds its keys"
+        await asyncio.sleep(0.01)
+    return codes
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_a_put_cancelled_before_its_put_start_answer_gives_back_its_keys_and_space(shm):
+    """An engine cancels a put (a request aborted, a sync call timed out) while the master
+    allocates: the answer that comes after the cancel is revoked at once (nothing was written
+    into it), so the keys can be put again and the space is free, instead of the keys refusing
+    puts until the discard timeout and the space lost until the release timeout."""
+    from kvpool.master.allocator import footprint_bytes
+
+    async def main():
+        async with cluster(1, 64 << 20) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm) as store:
+                keys, values = [f"k{i}" for i in range(8)], [os.urandom(1 << 20) for _ in range(8)]
+                task = asyncio.ensure_future(store.put_batch(keys, values))
+                await asyncio.sleep(0)  # the put_start is on its way
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await _put_again(store, keys, values)
+                assert await store.get_batch(keys) == values
+                assert await _used_bytes(store) == 8 * footprint_bytes(1 << 20)  # no range held back
+
+    run(main())
+
+
+def test_a_put_cancelled_mid_write_frees_its_keys_at_once_and_its_ranges_after_the_release_timeout():
+    """A put over TCP cancelled while its frames are on their way to the node: a frame may land
+    yet, so its keys are revoked with their writes in flight: free to put again at once, their
+    ranges quarantined (not handed to another object a late frame would overwrite)."""
+    from kvpool.master.allocator import footprint_bytes
+
+    async def main():
+        async with cluster(1, 64 << 20, put_discard_timeout_ms=1_000, put_release_timeout_ms=1_500) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                keys, values = [f"k{i}" for i in range(8)], [os.urandom(1 << 20) for _ in range(8)]
+                writing = asyncio.Event()
+                run_batches = store._run_batches
+
+                async def writes_started(batches):
+                    writing.set()
+                    return await run_batches(batches)
+
+                store._run_batches = writes_started
+                task = asyncio.ensure_future(store.put_batch(keys, values))
+                await writing.wait()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                del store._run_batches
+                await _put_again(store, keys, values)
+                assert await store.get_batch(keys) == values
+                assert await _used_bytes(store) == 16 * footprint_bytes(1 << 20)  # 8 quarantined
+                await asyncio.sleep(1.5)  # the release timeout: the master's tick frees them
+                deadline = asyncio.get_running_loop().time() + 2
+                while await _used_bytes(store) != 8 * footprint_bytes(1 << 20):
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.05)
+                assert await store.get_batch(keys) == values
+
+    run(main())

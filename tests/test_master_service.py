@@ -332,6 +332,23 @@ def test_revoke_frees_at_once() -> None:
     assert svc.put_end(PutEnd(["w"], [1]), 0).codes == [ErrorCode.OBJECT_NOT_FOUND]
 
 
+def test_a_revoke_with_writes_in_flight_frees_the_key_at_once_and_the_range_after_the_release_timeout() -> None:
+    """A writer cancelled mid-write: its keys can be put again at once, but a write of its
+    may still land, so its ranges are not handed out until the release timeout."""
+    svc = make(put_discard_timeout_ms=1_000, put_release_timeout_ms=5_000, node_ttl_ms=100_000)
+    mount(svc, "s1")
+    svc.put_start(PutStart(["w"], [OBJECT_SIZE], config()), 100)
+    assert svc.put_revoke(PutRevoke(["w", "nope"], writes_in_flight=True), 200).codes == [
+        OK, ErrorCode.OBJECT_NOT_FOUND
+    ]  # fmt: skip
+    assert svc.pending_count == 0
+    assert svc.put_end(PutEnd(["w"], [1]), 201).codes == [ErrorCode.OBJECT_NOT_FOUND]
+    assert put(svc, ["w"], now=300) == [OK]  # a new range: the old one is quarantined
+    assert used(svc, "s1") == 2 * footprint_bytes(OBJECT_SIZE)
+    svc.tick(5_100)  # put_start + release timeout
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)
+
+
 # --- zombies ----------------------------------------------------------------------------
 
 

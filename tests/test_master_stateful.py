@@ -375,9 +375,11 @@ class MasterMachine(RuleBasedStateMachine):
         held, self.held = self.held, None
         self._finish(held, data)
 
-    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3))
-    def put_revoke(self, keys: list[str]) -> None:
-        codes = self.service.put_revoke(PutRevoke(keys), self.now).codes
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3), writes_in_flight=st.booleans())
+    def put_revoke(self, keys: list[str], writes_in_flight: bool) -> None:
+        """A writer that gave up; one whose writes may still land (cancelled mid-write) frees
+        the keys at once and the ranges only after the release timeout."""
+        codes = self.service.put_revoke(PutRevoke(keys, writes_in_flight), self.now).codes
         for key, code in zip(keys, codes):
             put = self.pending.get(key)
             if put is None:
@@ -386,6 +388,9 @@ class MasterMachine(RuleBasedStateMachine):
                 )
             elif put.is_committing:
                 expected = ErrorCode.REPLICA_IS_NOT_READY
+            elif writes_in_flight:
+                expected = OK
+                self._discard(key)
             else:
                 expected = OK
                 del self.pending[key]

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
@@ -200,8 +200,16 @@ class MasterLink(_ClosedForGood):
             self._conn = None
             self._resolver.forget()
 
-    async def call(self, message: Message, *, is_idempotent: bool, timeout_ms: int | None = None) -> Message:
+    async def call(
+        self,
+        message: Message,
+        *,
+        is_idempotent: bool,
+        timeout_ms: int | None = None,
+        late_reply: Callable[[Message], None] | None = None,
+    ) -> Message:
         """One request to the master, within connect_timeout_ms + timeout_ms (see the class).
+        `late_reply`: see Connection.request.
 
         Raises:
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
@@ -227,7 +235,7 @@ class MasterLink(_ClosedForGood):
             try:
                 conn = await self._connection(remaining_ms)
                 remaining_ms = max(1, min(timeout_ms, int((deadline - time.monotonic()) * 1000)))
-                return await conn.request(message, timeout_ms=remaining_ms)
+                return await conn.request(message, timeout_ms=remaining_ms, late_reply=late_reply)
             except NotLeader as exc:
                 # Nothing was done; a fixed address has nowhere else to go.
                 if not is_dynamic:

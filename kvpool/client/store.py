@@ -55,6 +55,7 @@ from kvpool.protocol.messages import (
     ListReply,
     LongestPrefix,
     Message,
+    PutRevoke,
     PutStart,
     PutStartReply,
     QueryObjects,
@@ -482,8 +483,20 @@ class AsyncStore:
         parts: Sequence[Sequence[memoryview]],
         config: ReplicateConfig | None,
     ) -> PutJob:
-        reply = await self._master.call(self._put_start_message(keys, parts, config), is_idempotent=False)
+        message = self._put_start_message(keys, parts, config)
+        late_reply = functools.partial(self._revoke_granted, message.keys)
+        reply = await self._master.call(message, is_idempotent=False, late_reply=late_reply)
         return self._put_job(keys, parts, reply)
+
+    def _revoke_granted(self, keys: list[str], reply: Message) -> None:
+        """A put_start answered after its caller was cancelled or timed out: nothing was
+        written into what it granted, so the keys and their ranges are given back at once.
+        Else the keys would refuse puts (REPLICA_IS_NOT_READY) until the master discarded
+        them, and the space stay quarantined until the release timeout."""
+        if isinstance(reply, PutStartReply):
+            granted = [key for key, code in zip(keys, reply.codes) if code == ErrorCode.OK]
+            if granted:
+                self._in_background(PutRevoke(granted), False, "revoking a put whose caller gave up failed")
 
     def _put_start_message(
         self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], config: ReplicateConfig | None
@@ -499,7 +512,12 @@ class AsyncStore:
 
     async def _put_finish(self, job: PutJob) -> list[int]:
         """Write the remote replicas, then put_end what was written and revoke the rest."""
-        end, revoke = job.settle_writes(await self._run_batches(job.remote))
+        try:
+            failed = await self._run_batches(job.remote)
+        except asyncio.CancelledError:
+            self._give_up(job)
+            raise
+        end, revoke = job.settle_writes(failed)
         if end:
             job.ended(end, await self._master.call(job.put_end(end), is_idempotent=False))
         if revoke:
@@ -509,6 +527,18 @@ class AsyncStore:
                 # The master discards the put at its timeout anyway: nothing leaks.
                 log.info("put_revoke failed (the master will discard the put): %s", exc)
         return job.codes
+
+    def _give_up(self, job: PutJob) -> None:
+        """A put cancelled (or timed out) while its writes to other hosts were in flight: its
+        keys are revoked at once, in the background, so that a put of them again succeeds.
+        The ranges of keys with a write in flight stay quarantined (one may land yet); those
+        written only here (same-host copies, done) are free at once."""
+        abandoned, revoked = job.unwritten_ends()
+        failure = "revoking a cancelled put failed (the master discards it at its timeout)"
+        if abandoned:
+            self._in_background(PutRevoke(abandoned, writes_in_flight=True), False, failure)
+        if revoked:
+            self._in_background(PutRevoke(revoked), False, failure)
 
     async def _locate(
         self,

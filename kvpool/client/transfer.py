@@ -357,13 +357,21 @@ class PutJob:
         revoke = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] != _OK]
         return end, revoke
 
+    def unwritten_ends(self) -> tuple[list[str], list[str]]:
+        """The keys of a put given up before its put_end: those with a write to another host
+        (in flight, or it may be), and those written only into mapped segments (done)."""
+        remote = {i for batch in self.remote for owners in batch.owners for i in owners}
+        needed = [i for i, needs in enumerate(self.needs_end) if needs]
+        return [self.keys[i] for i in needed if i in remote], [self.keys[i] for i in needed if i not in remote]
+
     def put_end(self, end: Sequence[int]) -> PutEnd:
         """The PutEnd of the keys at `end` (indexes), with their checksums."""
         return PutEnd([self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place)
 
     def put_revoke(self, revoke: Sequence[int]) -> PutRevoke:
-        """The PutRevoke of the keys at `revoke` (indexes): none of their replicas was written."""
-        return PutRevoke([self.keys[i] for i in revoke])
+        """The PutRevoke of the keys at `revoke` (indexes): every write of theirs failed, but a
+        write that timed out or broke mid-frame may land yet, so their ranges are quarantined."""
+        return PutRevoke([self.keys[i] for i in revoke], writes_in_flight=True)
 
     def ended(self, end: Sequence[int], reply: Message) -> None:
         """Take the master's codes for the keys of put_end(end)."""

@@ -427,8 +427,9 @@ class PutFlow:
         self._counters.put_bytes += done_bytes
         return CodesReply(codes_out)
 
-    def revoke(self, keys: list[str]) -> CodesReply:
-        """Free the ranges of writing puts at once (see service.put_revoke)."""
+    def revoke(self, keys: list[str], writes_in_flight: bool) -> CodesReply:
+        """Forget writing puts: free their ranges at once, or with `writes_in_flight`
+        quarantine them as a discard does (see service.put_revoke)."""
         table = self._table
         codes_out: list[int] = []
         for key in keys:
@@ -439,6 +440,9 @@ class PutFlow:
                 )
             elif put.is_committing:
                 codes_out.append(codes.REPLICA_IS_NOT_READY)
+            elif writes_in_flight:
+                self.discard(key, put)
+                codes_out.append(codes.OK)
             else:
                 del table.pending[key]
                 for segment, offset in put.replicas:

@@ -479,7 +479,9 @@ class MasterService:
         return suspects
 
     def put_revoke(self, msg: PutRevoke, now_ms: int) -> CodesReply:
-        """The writer gave up: free its ranges at once (it says it stopped writing).
+        """The writer gave up: the keys are free at once, and so are their ranges when it says
+        no write of its may still land (else they are quarantined until the put's release
+        timeout, as a discarded put's: PutRevoke.writes_in_flight).
 
         Per key: OK; OBJECT_NOT_FOUND (no put in flight); OBJECT_ALREADY_EXISTS (complete:
         use remove); REPLICA_IS_NOT_READY (its put_end is being committed).
@@ -488,7 +490,7 @@ class MasterService:
             InvalidParams: too many keys.
         """
         self._check_batch(msg.keys)
-        return self._puts.revoke(msg.keys)
+        return self._puts.revoke(msg.keys, msg.writes_in_flight)
 
     # --- client side: reads -------------------------------------------------------------
 

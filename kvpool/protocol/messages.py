@@ -245,7 +245,13 @@ class PutEnd(Message, tag=12):
 
 
 class PutRevoke(Message, tag=13):
+    """The writer gave up these keys' puts. `writes_in_flight`: some of its writes may still
+    land (it stopped waiting for them: a cancelled or timed-out call), so the keys are free at
+    once but their ranges stay quarantined until the put's release timeout, as a discarded
+    put's; else every range is free at once."""
+
     keys: list[str]
+    writes_in_flight: bool = False
 
 
 class GetReplicaList(Message, tag=14):

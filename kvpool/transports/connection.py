@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 
 Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
+# Given the reply of a request whose caller stopped waiting for it (Connection.request).
+LateReply = Callable[[Message], None]
 
 
 class Reply(NamedTuple):
@@ -152,7 +154,10 @@ class Connection(asyncio.BufferedProtocol):
         self._nonce_server = b""  # the server's side of the handshake; a client's is here:
         self._handshake: auth.ClientHandshake | None = None
         self._next_request_id = 1
-        self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None, LateReply | None]] = {}
+        # Requests whose caller stopped waiting, but whose reply still matters (request's
+        # `late_reply`): what to hand that reply to when it comes. Oldest first, bounded.
+        self._late_replies: dict[int, LateReply] = {}
         self._incoming: Message | None = None  # the peer's request whose payload is arriving
         self._incoming_id = 0
         self._incoming_reply: Message | None = None
@@ -204,6 +209,7 @@ class Connection(asyncio.BufferedProtocol):
         reply_sinks: ReplySinks | None = None,
         timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT,
         landing: int | None = None,
+        late_reply: LateReply | None = None,
     ) -> Message:
         """Send a request and return its reply message.
 
@@ -213,6 +219,9 @@ class Connection(asyncio.BufferedProtocol):
             landing: where the peer lands the payload, if known (an address; see `_header`).
             reply_sinks: given the reply message, the buffers its payload goes into.
             timeout_ms: bound on the whole exchange.
+            late_reply: given the reply (not an error, and without payload) if it comes after
+                the caller was cancelled or timed out: for a reply that grants something the
+                caller must give back. Called on the loop; it must not raise.
 
         Raises:
             RpcFailed: the connection is or becomes closed.
@@ -226,7 +235,7 @@ class Connection(asyncio.BufferedProtocol):
             raise RpcFailed(f"too many requests in flight to {self.peer}")
         request_id = self._take_request_id()
         future: asyncio.Future[Message] = self._loop.create_future()
-        self._pending[request_id] = (future, reply_sinks)
+        self._pending[request_id] = (future, reply_sinks, late_reply)
         expired = False
 
         def expire() -> None:
@@ -240,6 +249,8 @@ class Connection(asyncio.BufferedProtocol):
             await self._send(message, request_id, False, payload, landing)
             reply = await future
         except asyncio.CancelledError:
+            if late_reply is not None:
+                self._keep_for_late_reply(request_id, future, late_reply)
             if not expired:
                 # The caller was cancelled. A reply whose payload is landing in its buffers
                 # would go on writing there after the cancel returned: stop it (the only way
@@ -405,9 +416,22 @@ class Connection(asyncio.BufferedProtocol):
             self._drain_waiters.append(waiter)
             await asyncio.wait_for(waiter, limits.TRANSFER_TIMEOUT_MS_DEFAULT / 1000)
 
+    def _keep_for_late_reply(
+        self, request_id: int, future: asyncio.Future[Message], late_reply: Callable[[Message], None]
+    ) -> None:
+        """The caller of `request_id` stopped waiting: hand its reply to `late_reply` when it
+        comes, or now if it came first."""
+        if future.done() and not future.cancelled():
+            _hand_late_reply(future.result(), late_reply)
+        elif request_id in self._pending and not self.is_closed():  # not come yet (_on_frame)
+            if len(self._late_replies) >= limits.INFLIGHT_REQUESTS_PER_CONNECTION_MAX:
+                del self._late_replies[next(iter(self._late_replies))]  # the oldest: long overdue
+            self._late_replies[request_id] = late_reply
+
     def _finish(self, reason: str) -> None:
         if self._closed.done():
             return
+        self._late_replies.clear()
         self.close_reason = reason
         self._closed.set_result(None)
         if self._registry is not None:
@@ -416,7 +440,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self._ready.done():
             self._ready.set_exception(ConnectFailed(f"{self.peer}: {reason}"))
             self._ready.exception()  # Mark retrieved: a failed handshake is reported by wait_ready.
-        for future, _ in self._pending.values():
+        for future, _, _ in self._pending.values():
             if not future.done():
                 future.set_exception(error)
         for waiter in self._drain_waiters:
@@ -456,8 +480,14 @@ class Connection(asyncio.BufferedProtocol):
                 self._incoming_id = frame.request_id
                 self._incoming_reply = message
                 self._incoming_is_reply = True
-            elif entry is not None and not entry[0].done():
-                entry[0].set_result(message)
+            elif entry is not None:
+                if not entry[0].done():
+                    entry[0].set_result(message)
+                elif entry[2] is not None:  # its caller was cancelled, and has not woken yet
+                    del self._pending[frame.request_id]
+                    _hand_late_reply(message, entry[2])
+            elif (late_reply := self._late_replies.pop(frame.request_id, None)) is not None:
+                _hand_late_reply(message, late_reply)
             return
         if self._handler is None:
             raise RemoteProtocolError(f"peer sent a {type(message).__name__} request to a client")
@@ -612,6 +642,11 @@ class Connection(asyncio.BufferedProtocol):
 def _payload_size(payload: Payload) -> int:
     return sum(part.size if type(part) is FileRange else len(part) for part in payload)  # type: ignore[union-attr]
 
+
+
+def _hand_late_reply(reply: Message, late_reply: LateReply) -> None:
+    if not isinstance(reply, ErrorReply):
+        late_reply(reply)
 
 
 def _log_task_failure(task: asyncio.Task[None]) -> None:
