@@ -645,3 +645,46 @@ def test_a_put_cancelled_mid_write_frees_its_keys_at_once_and_its_ranges_after_t
                 assert await store.get_batch(keys) == values
 
     run(main())
+
+
+async def _removed_once_the_lease_is_back(store: AsyncStore, key: str) -> None:
+    """A plain remove refuses an object under a read lease (10 s): it goes through within a
+    bound only if the cancelled get gave its lease back."""
+    deadline = asyncio.get_running_loop().time() + 2
+    while True:
+        try:
+            await store.remove(key)
+            return
+        except ObjectHasLease:
+            assert asyncio.get_running_loop().time() < deadline, "the cancelled get kept its read lease"
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("step", ["lookup", "read"])
+def test_a_get_cancelled_at_any_step_gives_its_read_leases_back(step):
+    """A cancelled get (the lookup answered after the cancel, or the read from the node cut
+    short) gives its read leases back at once: until then eviction and a plain remove skip
+    those objects, for up to the lease TTL."""
+
+    async def main():
+        async with cluster(1) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                await store.put("k", os.urandom(4 << 20))
+                reading = asyncio.Event()
+                if step == "read":
+                    read_remote = store._read_remote
+
+                    async def read_started(job):
+                        reading.set()
+                        return await read_remote(job)
+
+                    store._read_remote = read_started
+                task = asyncio.ensure_future(store.get("k"))
+                await (reading.wait() if step == "read" else asyncio.sleep(0))
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await _removed_once_the_lease_is_back(store, "k")
+                assert await store.get("k") is None
+
+    run(main())

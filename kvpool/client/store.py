@@ -393,7 +393,11 @@ class AsyncStore:
         """The get's job, its same-host copies done."""
         job = await self._locate(keys, targets, starts)
         if (copying := self._copy_local(job)) is not None:
-            await copying
+            try:
+                await copying
+            except BaseException:
+                self.release_leases(job)
+                raise
         return job
 
     async def _located_in_pieces(
@@ -406,17 +410,17 @@ class AsyncStore:
         """Every piece's lookup sent at once, each piece's same-host copies done as its
         answer comes, while the master looks up the next."""
         lease_start_ms = now_monotonic_ms()
-        lookups = [
-            asyncio.ensure_future(self._master.call(GetReplicaList(key_list(keys[start:end])), is_idempotent=True))
-            for start, end in pieces
-        ]
+        lookups = [asyncio.ensure_future(self._look_up(key_list(keys[start:end]))) for start, end in pieces]
         jobs: list[GetJob] = []
         try:
             for piece, lookup in zip(pieces, lookups):
-                job = self._get_job(await lookup, lease_start_ms, keys, targets, starts, piece)
+                jobs.append(job := self._get_job(await lookup, lease_start_ms, keys, targets, starts, piece))
                 if (copying := self._copy_local(job)) is not None:
                     await copying
-                jobs.append(job)
+        except BaseException:  # cancelled, or a lookup failed: the leases taken are given back
+            for job in jobs:
+                self.release_leases(job)
+            raise
         finally:
             for lookup in lookups[len(jobs) :]:  # a lookup failed: the others' answers are not wanted
                 lookup.cancel()
@@ -428,7 +432,12 @@ class AsyncStore:
         enough to go in pieces, whose objects tell the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
         if remote:
-            await asyncio.gather(*(self._read_remote(job) for job in remote))
+            try:
+                await asyncio.gather(*(self._read_remote(job) for job in remote))
+            except BaseException:  # cancelled: no read of its goes on into its caller's memory
+                for job in jobs:
+                    self.release_leases(job)
+                raise
         now_ms = now_monotonic_ms()
         for job in jobs:
             job.finish(now_ms)
@@ -453,9 +462,12 @@ class AsyncStore:
     def release_leases(self, job: GetJob) -> None:
         """Give the master back the read leases of a finished get, batched with those of the
         gets of the next RELEASE_DELAY_MS (client/leases.py). Any thread."""
+        self._give_back_leases(job.reply, job.keys)
+
+    def _give_back_leases(self, reply: GetReplicaListReply, keys: Sequence[str]) -> None:
         if not self.config.release_leases:
             return
-        if self._leases.add(job.reply, job.keys) and self._loop is not None:
+        if self._leases.add(reply, keys) and self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.call_later, RELEASE_DELAY_MS / 1000, self._send_releases)
 
     def _send_releases(self) -> None:
@@ -547,8 +559,19 @@ class AsyncStore:
         starts: Sequence[int | None] | None = None,
     ) -> GetJob:
         lease_start_ms = now_monotonic_ms()
-        reply = await self._master.call(GetReplicaList(key_list(keys)), is_idempotent=True)
+        reply = await self._look_up(key_list(keys))
         return self._get_job(reply, lease_start_ms, keys, targets, starts)
+
+    def _look_up(self, keys: list[str]) -> Awaitable[Message]:
+        """The master's GetReplicaList answer; one that comes after the caller was cancelled or
+        timed out gives its read leases back at once (else eviction skips those objects until
+        the leases run out)."""
+        late_reply = functools.partial(self._give_back_late_leases, keys)
+        return self._master.call(GetReplicaList(keys), is_idempotent=True, late_reply=late_reply)
+
+    def _give_back_late_leases(self, keys: list[str], reply: Message) -> None:
+        if isinstance(reply, GetReplicaListReply):
+            self._give_back_leases(reply, keys)
 
     def _get_job(
         self,
