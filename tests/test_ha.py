@@ -67,7 +67,7 @@ def test_a_master_that_answers_not_leader_all_along_yields_not_leader(monkeypatc
         def is_closed(self) -> bool:
             return False
 
-        async def request(self, message, timeout_ms):
+        async def request(self, message, timeout_ms, late_reply=None):
             await asyncio.sleep(0.002)
             raise NotLeader("recovering: waiting for the nodes to re-mount")
 
