@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import uvloop
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
 from kvpool.errors import NoAvailableHandle, Unauthorized
@@ -412,6 +413,56 @@ def test_a_node_that_stops_answering_fails_reads_and_writes_within_the_bound_the
         assert store.get_batch(list(later)) == list(later.values())
         assert through_the_loop == []  # every transfer went on the threads' own connections
         assert not set(store._nodes.connections()) & set(first)
+
+
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_get_reads_the_other_replica_soon_when_the_first_node_stops_answering(make_cluster, api):
+    """The node holding an object's first replica stops answering (SIGSTOP) while a client's
+    connections to it are open: a get reads the other replica within its share of the read
+    lease (here 2 s, 1 s a replica), where it waited out the transfer timeout and missed (the
+    lease had lapsed); later gets read the other replica first, without waiting."""
+    cluster = make_cluster(2, "32MiB", master_args=("--lease-ttl-ms", "2000", "--node-ttl-ms", "60000"))
+    value = os.urandom(1 << 20)
+    options = {"shm_enabled": False, "transfer_timeout_ms": 8_000}
+
+    def durations(get) -> list[float]:
+        took = []
+        for _ in range(3):
+            started = time.monotonic()
+            assert get() == value
+            took.append(time.monotonic() - started)
+        return took
+
+    with Store(cluster.master_endpoint, **options) as store:
+        store.put("k", value, ReplicateConfig(replica_num=2))
+        first = store.query(["k"]).replicas[0][0].segment_id
+        node = next(n for n in cluster.nodes if n.info["segment_id"] == first)
+        if api == "Store":
+            assert store.get("k") == value  # this thread's connections are open
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                took = durations(lambda: store.get("k"))
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+        else:
+
+            async def main() -> list[float]:
+                async with await AsyncStore.open(cluster.master_endpoint, **options) as client:
+                    assert await client.get("k") == value  # the loop's connections are open
+                    os.kill(node.pid, signal.SIGSTOP)
+                    try:
+                        took = []
+                        for _ in range(3):
+                            started = time.monotonic()
+                            assert await client.get("k") == value
+                            took.append(time.monotonic() - started)
+                        return took
+                    finally:
+                        os.kill(node.pid, signal.SIGCONT)
+
+            took = uvloop.run(main())
+    assert took[0] < 1.9, took  # the first replica's share of the lease, then the second
+    assert max(took[1:]) < 0.5, took  # the stopped node's replica is read last now
 
 
 def test_reads_and_writes_of_several_nodes_from_the_calling_thread_are_not_held_by_one_that_stopped(

@@ -19,6 +19,7 @@ import xxhash
 from conftest import raw_server, requests_read
 
 from kvpool.client.node_links import NodeLinks
+from kvpool.client.slow_nodes import SlowNodes
 from kvpool.client.transfer import GetJob, PutJob, now_monotonic_ms
 from kvpool.config import ClientConfig
 from kvpool.errors import ErrorCode
@@ -69,7 +70,7 @@ def test_a_node_that_never_answers_holds_none_of_another_nodes_reply() -> None:
         job = GetJob(reply, [None] * 4, now_monotonic_ms(), lambda info: None, ["a", "b0", "b1", "b2"])
         job.copy_local()  # nothing is mapped here
         assert [batch.endpoint for batch in job.remote_batches()] == [silent, answering]  # the silent first
-        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500))
+        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500), SlowNodes())
         try:
             started = time.monotonic()
             assert links.read(job)
@@ -121,7 +122,7 @@ def test_a_node_that_never_reads_holds_none_of_another_nodes_write() -> None:
         reply = PutStartReply([0], [[(0, 0), (1, 0)]], grants, segments)
         job = PutJob(["k"], [[memoryview(value)]], reply, lambda info: None)
         assert [batch.endpoint for batch in job.remote] == [silent, answering]  # the silent first
-        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500))
+        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500), SlowNodes())
         try:
             started = time.monotonic()
             failed = links.write(job.remote)

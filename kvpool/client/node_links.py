@@ -36,10 +36,11 @@ import selectors
 import time
 
 from kvpool import limits
+from kvpool.client.slow_nodes import SlowNodes
 from kvpool.client.thread_links import ThreadLink, ThreadLinks
-from kvpool.client.transfer import GetJob, RemoteBatch, write_landing
+from kvpool.client.transfer import GetJob, RemoteBatch, now_monotonic_ms, write_landing
 from kvpool.config import ClientConfig
-from kvpool.errors import ConnectFailed, KVPoolError, Unauthorized, error_from_code
+from kvpool.errors import ConnectFailed, KVPoolError, RpcTimeout, Unauthorized, error_from_code
 from kvpool.protocol.messages import ErrorReply, WriteSlices
 from kvpool.transports.blocking import BlockingConnection
 
@@ -80,8 +81,9 @@ class NodeLinks:
     """Each caller thread's blocking connections to the nodes it reads from and writes to
     (see the module)."""
 
-    def __init__(self, key: bytes | None, config: ClientConfig) -> None:
+    def __init__(self, key: bytes | None, config: ClientConfig, slow_nodes: SlowNodes) -> None:
         self._key = key
+        self._slow_nodes = slow_nodes
         self._open_timeout_ms = min(config.connect_timeout_ms, NODE_OPEN_TIMEOUT_MS)
         self._transfer_timeout_ms = config.transfer_timeout_ms
         self._prefer_local = config.shm_enabled
@@ -89,14 +91,14 @@ class NodeLinks:
 
     def read(self, job: GetJob) -> bool:
         """Read the job's keys that wait for other hosts' nodes from this thread, replica after
-        replica, all within one transfer timeout. True: done (each key read, or a miss); False:
-        a round was not for this thread (see the module) and nothing of it was sent: the
-        caller reads the rest through the loop."""
-        deadline = time.monotonic() + self._transfer_timeout_ms / 1000
+        replica, each round within its share of the lease (GetJob.round_timeout_ms). True:
+        done (each key read, or a miss); False: a round was not for this thread (see the
+        module) and nothing of it was sent: the caller reads the rest through the loop."""
         for _ in range(limits.REPLICA_NUM_MAX):
             batches = job.remote_batches()
             if not batches:
                 return True
+            deadline = time.monotonic() + job.round_timeout_ms(now_monotonic_ms(), self._transfer_timeout_ms) / 1000
             conns = self._connections(batches, deadline)
             if conns is None:
                 return False
@@ -162,6 +164,7 @@ class NodeLinks:
         finally:  # not done in time (or interrupted): a late reply must not answer the next
             for index, *_ in pending.values():
                 self._links.link().drop(batches[index].endpoint)
+                self._slow_nodes.timed_out(batches[index].endpoint)
                 failed[index] = set(batches[index].owners[0])
                 log.info("transfer with %s failed: not done in time", batches[index].endpoint)
         return failed
@@ -196,6 +199,8 @@ class NodeLinks:
 
     def _failed(self, batch: RemoteBatch, conn: BlockingConnection, exc: KVPoolError) -> set[int]:
         log.info("transfer with %s failed: %s", batch.endpoint, exc)
+        if isinstance(exc, RpcTimeout):
+            self._slow_nodes.timed_out(batch.endpoint)
         if conn.is_closed():
             self._links.link().drop(batch.endpoint)
         return set(batch.owners[0])

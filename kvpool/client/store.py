@@ -27,6 +27,7 @@ from kvpool import limits
 from kvpool.client.buffers import BufferRegistry
 from kvpool.client.leases import RELEASE_DELAY_MS, LeaseReleases
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
+from kvpool.client.slow_nodes import SlowNodes
 from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms, write_landing
 from kvpool.config import ClientConfig
 from kvpool.errors import (
@@ -34,6 +35,7 @@ from kvpool.errors import (
     InvalidKey,
     InvalidParams,
     KVPoolError,
+    RpcTimeout,
     SegmentNotFound,
     error_from_code,
 )
@@ -118,6 +120,7 @@ class AsyncStore:
         self._is_closed = False
         self._leases = LeaseReleases()  # leases of finished gets, to give back (client/leases.py)
         self._get_pieces = GetPieces(config.shm_enabled)
+        self.slow_nodes = SlowNodes()  # read last for a while (client/slow_nodes.py)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened_in = forks()  # an AsyncStore belongs to its process (process.py)
 
@@ -591,7 +594,10 @@ class AsyncStore:
             keys, targets = keys[start:end], targets[start:end]
             starts = None if starts is None else starts[start:end]
         span = self.buffers.view if starts is not None else None
-        return GetJob(reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span)
+        return GetJob(
+            reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span,
+            self.slow_nodes.is_slow,
+        )  # fmt: skip
 
     async def _read_remote(self, job: GetJob) -> None:
         """Fetch every pending key over TCP, falling back replica by replica."""
@@ -601,7 +607,8 @@ class AsyncStore:
                 return
             asked = {i for batch in batches for owners in batch.owners for i in owners}
             failed: set[int] = set()
-            for outcome in await self._run_batches(batches):
+            timeout_ms = job.round_timeout_ms(now_monotonic_ms(), self.config.transfer_timeout_ms)
+            for outcome in await self._run_batches(batches, timeout_ms):
                 failed |= outcome
             job.remote_done(asked, failed)
             if (copying := self._copy_local(job)) is not None:
@@ -617,12 +624,14 @@ class AsyncStore:
         job.copy_local()
         return None
 
-    async def _run_batches(self, batches: Sequence[RemoteBatch]) -> list[set[int]]:
-        """Send every batch's frames over lanes to its endpoint, all endpoints at once.
-        Returns, per batch, the key indexes whose frames failed."""
-        return list(await asyncio.gather(*(self._run_batch(b) for b in batches)))
+    async def _run_batches(self, batches: Sequence[RemoteBatch], timeout_ms: int | None = None) -> list[set[int]]:
+        """Send every batch's frames over lanes to its endpoint, all endpoints at once, within
+        `timeout_ms` (the transfer timeout by default). Returns, per batch, the key indexes
+        whose frames failed."""
+        timeout_ms = timeout_ms or self.config.transfer_timeout_ms
+        return list(await asyncio.gather(*(self._run_batch(b, timeout_ms) for b in batches)))
 
-    async def _run_batch(self, batch: RemoteBatch) -> set[int]:
+    async def _run_batch(self, batch: RemoteBatch, timeout_ms: int) -> set[int]:
         try:
             lanes = await self._peers.lanes(batch.endpoint, len(batch.frames))
         except KVPoolError as exc:
@@ -634,12 +643,14 @@ class AsyncStore:
                 requests.append((message, views, None, write_landing(message)))
             else:
                 requests.append((message, [], _fixed_sinks(views), None))
-        results = await request_on_lanes(lanes, requests, self.config.transfer_timeout_ms)
+        results = await request_on_lanes(lanes, requests, timeout_ms)
         failed: set[int] = set()
         for owners, result in zip(batch.owners, results):
             if isinstance(result, BaseException):
                 if not isinstance(result, (KVPoolError, asyncio.TimeoutError)):
                     raise result
+                if isinstance(result, (RpcTimeout, asyncio.TimeoutError)):
+                    self.slow_nodes.timed_out(batch.endpoint)
                 log.info("transfer to %s failed: %s", batch.endpoint, result)
                 failed.update(owners)
         return failed

@@ -369,7 +369,7 @@ class Store:
         self._timeout_ms = config.transfer_timeout_ms + 3 * config.rpc_timeout_ms
         self._opened: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
         self._direct = _DirectLinks(self._opened._master, self._opened._key, config)
-        self._nodes = NodeLinks(self._opened._key, config)
+        self._nodes = NodeLinks(self._opened._key, config, self._opened.slow_nodes)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
         self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
@@ -426,7 +426,7 @@ class Store:
             _inherited.append((inherited, self._direct, self._nodes))
             self._loop, self._opened = loop, fresh
             self._direct = _DirectLinks(fresh._master, fresh._key, fresh.config)
-            self._nodes = NodeLinks(fresh._key, fresh.config)
+            self._nodes = NodeLinks(fresh._key, fresh.config, fresh.slow_nodes)
             self._in_flight_lock = threading.Lock()  # another parent thread may have held it
             self._puts_in_flight = 0
             self._opened_in = forks()

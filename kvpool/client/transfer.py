@@ -425,8 +425,10 @@ class GetJob:
         local_directories: LocalDirectories | None = None,
         starts: Sequence[int | None] | None = None,
         span: Span | None = None,
+        is_slow: Callable[[str], bool] | None = None,
     ) -> None:
         self.reply = reply
+        self._is_slow = is_slow  # a node endpoint that stopped answering in time (slow_nodes.py)
         self.targets = targets
         # Where each key's target starts in registered memory (one-buffer targets), and a view
         # of that memory: reply sinks that follow each other there are received as one.
@@ -477,7 +479,8 @@ class GetJob:
 
     def _order(self, replicas: list[Replica]) -> list[Replica]:
         """Nearest first: local DRAM, remote DRAM, local disk, remote disk, DFS (each in the
-        master's order); a DFS replica this host cannot open is left out."""
+        master's order), but replicas on a node that stopped answering in time last; a DFS
+        replica this host cannot open is left out."""
         segments = self.reply.segments
         if len(replicas) == 1 and segments[replicas[0].segment_id].tier != TIER_DFS:
             return list(replicas)  # The common case: nothing to order, nothing to leave out.
@@ -491,7 +494,10 @@ class GetJob:
                 is_local = self._local_directories is not None and self._local_directories(info) is not None
                 if tier == TIER_DFS and not is_local:
                     continue
-            ranked.append((2 * TIERS.index(tier) + (0 if is_local else 1), replica))
+            rank = 2 * TIERS.index(tier) + (0 if is_local else 1)
+            if self._is_slow is not None and tier != TIER_DFS and self._is_slow(info.endpoint):
+                rank += 2 * len(TIERS)
+            ranked.append((rank, replica))
         ranked.sort(key=lambda pair: pair[0])
         return [replica for _, replica in ranked]
 
@@ -700,6 +706,15 @@ class GetJob:
             else:
                 arrived.append(index)
         self._verify(arrived)
+
+    def round_timeout_ms(self, now_ms: int, transfer_timeout_ms: int) -> int:
+        """How long the next round of TCP reads may take: within the transfer timeout, and a
+        share of what is left of the lease for each replica still to try (bytes that land
+        after the lease lapsed are not returned), so that a node that stopped answering
+        leaves the next replica time to be read instead of taking the whole get down."""
+        candidates, tried = self._candidates, self._tried
+        rounds = max((len(candidates[i]) - tried[i] for i in self.pending_indexes()), default=1)
+        return max(1, min(transfer_timeout_ms, (self.lease_deadline_ms - now_ms) // max(1, rounds)))
 
     def finish(self, now_ms: int) -> None:
         """The lease must still hold after the copies; otherwise the bytes may be stale."""

@@ -1,0 +1,34 @@
+"""Nodes that stopped answering in time: a get reads their replicas last, for a while.
+
+A frozen node (stopped, swapping, a hung link) takes a request's bytes into its kernel buffers
+and answers nothing, so each get that reads from it first waits out its round (a share of the
+read lease, GetJob.round_timeout_ms) before it tries the next replica. Once one transfer with a
+node timed out, gets read other replicas of its objects first, until SLOW_NODE_MS have passed:
+by then the master has dropped a node that stopped heartbeating (its TTL), or it answers again.
+Shared by a Store's loop and its caller threads (dict operations are atomic).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvpool import limits
+
+SLOW_NODE_MS = limits.NODE_TTL_MS_DEFAULT
+
+
+class SlowNodes:
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}  # endpoint -> monotonic time its mark ends
+
+    def timed_out(self, endpoint: str) -> None:
+        self._until[endpoint] = time.monotonic() + SLOW_NODE_MS / 1000
+
+    def is_slow(self, endpoint: str) -> bool:
+        until = self._until.get(endpoint)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._until.pop(endpoint, None)
+        return False
