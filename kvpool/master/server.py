@@ -92,6 +92,19 @@ PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
 _DFS_MOUNT_CHUNK = limits.BATCH_KEYS_MAX
 
 
+class _RoomWaiter:
+    """A put waiting for room: its request, its reply so far, and the indexes of its keys
+    still without room (MasterServer._put_start_after_drops)."""
+
+    __slots__ = ("service", "message", "reply", "retry")
+
+    def __init__(self, service: MasterService, message: PutStart, reply: PutStartReply, retry: list[int]) -> None:
+        self.service = service
+        self.message = message
+        self.reply = reply
+        self.retry = retry
+
+
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -152,6 +165,8 @@ class MasterServer:
         self._tick_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        # Puts waiting for room, oldest first: room that lands is theirs before any new put's.
+        self._room_waiters: list[_RoomWaiter] = []
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
         self._move_tasks: set[asyncio.Task[None]] = set()
         self._verify_tasks: set[asyncio.Task[None]] = set()  # checks of reported replicas
@@ -331,10 +346,14 @@ class MasterServer:
         return self._put_start_after_drops(service, message, reply, retry)
 
     def _is_room_coming(self, service: MasterService) -> bool:
-        # Eviction scheduled drops, or drops are in flight (a tick's flush holds the lock) ...
-        is_coming = service.has_pending_drops() or self._flush_lock.locked()
-        # ... or moves (offloads to a slower tier) are on their way: their drops will follow.
-        return is_coming or service.has_unsent_moves() or bool(self._move_tasks)
+        # Eviction scheduled drops, or drops are in flight (a tick's flush holds the lock), or
+        # wait to be sent again (a node did not answer) ...
+        is_coming = service.has_pending_drops() or self._flush_lock.locked() or bool(self._unsent_drops)
+        # ... or moves (offloads to a slower tier) are on their way: their drops will follow ...
+        is_coming = is_coming or service.has_unsent_moves() or bool(self._move_tasks)
+        # ... or eviction for room is backed off for a moment (a long scan found too few: leases
+        # given back meanwhile make objects evictable again).
+        return is_coming or service.evict_back_off_left_ms(wall_clock_ms()) > 0
 
     async def _put_start_after_drops(
         self, service: MasterService, message: PutStart, reply: PutStartReply, retry: list[int]
@@ -342,25 +361,49 @@ class MasterServer:
         """Try the keys that found no room again once the room coming is there: in rounds
         (limits.PUT_ROOM_ROUNDS_MAX, PUT_ROOM_WAIT_MS in all), each waiting for the moves in flight
         (offloads free their DRAM ranges once copied), then flushing the drops (a range is free
-        once its node forgot the object)."""
+        once its node forgot the object). Meanwhile room that lands is given to the waiting
+        puts first, oldest first (_give_room_to_waiters), so that new puts do not take it from
+        under them round after round."""
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + PUT_ROOM_WAIT_MS / 1000
-        for rounds in range(limits.PUT_ROOM_ROUNDS_MAX):
-            if service.has_unsent_moves() or self._move_tasks:
-                self._send_moves()
-                tasks = list(self._move_tasks)
-                if tasks:
-                    await asyncio.wait(tasks, timeout=max(0.0, deadline_s - loop.time()))
-            await self._flush_drops()
-            if service is not self.service:
-                return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
-            retry = service.put_start_again(message, reply, retry, wall_clock_ms())
-            if not retry or not self._is_room_coming(service) or loop.time() >= deadline_s:
-                break
-        if retry:  # why, for an operator whose errors_total climbs (and a test that fails)
+        waiter = _RoomWaiter(service, message, reply, retry)
+        self._room_waiters.append(waiter)
+        rounds = 0
+        try:
+            for rounds in range(limits.PUT_ROOM_ROUNDS_MAX):
+                if service.has_unsent_moves() or self._move_tasks:
+                    self._send_moves()
+                    tasks = list(self._move_tasks)
+                    if tasks:
+                        await asyncio.wait(tasks, timeout=max(0.0, deadline_s - loop.time()))
+                elif not (service.has_pending_drops() or self._unsent_drops or self._flush_lock.locked()):
+                    # Only the back-off: wait it out (within the put's wait), then evict.
+                    back_off_s = service.evict_back_off_left_ms(wall_clock_ms()) / 1000
+                    await asyncio.sleep(min(back_off_s, max(0.0, deadline_s - loop.time())))
+                await self._flush_drops()
+                if service is not self.service:
+                    return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
+                if waiter.retry:
+                    waiter.retry = service.put_start_again(message, reply, waiter.retry, wall_clock_ms())
+                if not waiter.retry or not self._is_room_coming(service) or loop.time() >= deadline_s:
+                    break
+        finally:
+            self._room_waiters.remove(waiter)
+            if not self._room_waiters:
+                service.forget_room_claims()
+        if waiter.retry:  # why, for an operator whose errors_total climbs (and a test that fails)
             why = "none coming" if not self._is_room_coming(service) else "the wait is over"
-            log.info("put of %d keys: no room after %d rounds (%s)", len(retry), rounds + 1, why)
+            log.info("put of %d keys: no room after %d rounds (%s)", len(waiter.retry), rounds + 1, why)
         return service.put_start_settled(reply)
+
+    def _give_room_to_waiters(self, service: MasterService) -> None:
+        """Room landed (a node acknowledged drops): the puts waiting for room take what they
+        can of it now, before the loop serves any other request. Evicts nothing: their own
+        rounds do that."""
+        now_ms = wall_clock_ms()
+        for waiter in self._room_waiters:
+            if waiter.retry and waiter.service is service:
+                waiter.retry = service.put_start_again(waiter.message, waiter.reply, waiter.retry, now_ms, evict=False)
 
     async def _put_end(self, message: PutEnd) -> CodesReply:
         # The term's service finishes what it started, even if the term ends meanwhile.
@@ -468,6 +511,8 @@ class MasterServer:
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
                     service.drops_done(segment_id, chunk, wall_clock_ms())
                     sent += len(chunk)
+                    if self._room_waiters:
+                        self._give_room_to_waiters(service)
             except KVPoolError as exc:
                 log.info("drop on segment %s deferred: %s", segment_id, exc)
         if sent < len(entries) and service is self.service and service.has_segment(segment_id):
@@ -489,6 +534,9 @@ class MasterServer:
                     self.service.check_invariants()
             except KVPoolError as exc:
                 log.warning("tick: %s", exc)
+            except Exception:  # a bug: say so loudly; a tick that stopped for good would stop
+                # evictions, node TTLs, zombie discards and the release of quarantined ranges
+                log.exception("tick failed; the next one goes on")
             if self.service.is_sweeping and (self._sweep_task is None or self._sweep_task.done()):
                 self._sweep_task = asyncio.get_running_loop().create_task(self._sweep(self.service))
 

@@ -304,7 +304,7 @@ class MasterService:
 
     # --- client side: puts --------------------------------------------------------------
 
-    def put_start(self, msg: PutStart, now_ms: int) -> PutStartReply:
+    def put_start(self, msg: PutStart, now_ms: int, evict: bool = True) -> PutStartReply:
         """Allocate replicas for each key and grant the writes.
 
         Per key: OK with one grant per replica (1..replica_num, on distinct active segments,
@@ -312,7 +312,8 @@ class MasterService:
         nothing to write); REPLICA_IS_NOT_READY (another put of it is in flight); INVALID_KEY
         / INVALID_PARAMS; NO_AVAILABLE_HANDLE. When a key finds no room, least recently used
         objects are evicted into the drop outbox; their ranges are free only after drops_done,
-        so the server flushes the drops and retries those keys.
+        so the server flushes the drops and retries those keys. Without `evict`, keys that find
+        no room evict nothing (a retry given room that landed, between rounds).
 
         Raises:
             InvalidParams: keys and sizes differ in length, too many keys, bad replica config
@@ -325,7 +326,7 @@ class MasterService:
         reply, shortfall_bytes = self._puts.start(
             msg.keys, msg.sizes, msg.config, msg.client_hostname, now_ms
         )
-        if shortfall_bytes and now_ms >= self._evict_for_room_after_ms:
+        if shortfall_bytes and evict and now_ms >= self._evict_for_room_after_ms:
             # Each put waiting for room claims its shortfall of the drops in flight, so the next
             # one evicts for its own instead of counting on the same room (concurrent putters
             # into a full cache lost 2-8% of their puts). Room that landed is no one's any
@@ -350,16 +351,21 @@ class MasterService:
                 self._evict_for_room_after_ms = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return reply
 
-    def put_start_again(self, msg: PutStart, reply: PutStartReply, retry: list[int], now_ms: int) -> list[int]:
+    def put_start_again(
+        self, msg: PutStart, reply: PutStartReply, retry: list[int], now_ms: int, evict: bool = True
+    ) -> list[int]:
         """put_start of the keys of `msg` at `retry` (indexes of keys that found no room in
         `reply`), folded into `reply`; returns the indexes of those still without room.
 
         A put short of room is tried in rounds as room comes (the server, the simulation);
-        the caller ends them with put_start_settled."""
+        the caller ends them with put_start_settled. Without `evict` the keys take room that
+        landed, if any, and evict nothing (the server gives landed room to the puts waiting
+        for it before any other request can take it). Each call counts as a round waited."""
         self.counters.put_room_rounds += 1
         again = self.put_start(
             PutStart([msg.keys[i] for i in retry], [msg.sizes[i] for i in retry], msg.config, msg.client_hostname),
             now_ms,
+            evict,
         )
         merge_retried(reply, again, retry)
         return [i for i in retry if reply.codes[i] == codes.NO_AVAILABLE_HANDLE]
@@ -368,6 +374,16 @@ class MasterService:
         """Whether an object of this size fits in some segment that takes puts, empty: one that
         fits in none is refused at once (NO_AVAILABLE_HANDLE), without evicting anything."""
         return footprint_bytes(size_bytes) <= self._registry.capacity_max
+
+    def evict_back_off_left_ms(self, now_ms: int) -> int:
+        """How long puts short of room do not scan for victims (a long scan found too few)."""
+        return max(0, self._evict_for_room_after_ms - now_ms)
+
+    def forget_room_claims(self) -> None:
+        """No put waits for room any more: the room they claimed of the drops in flight is no
+        one's (else the next put short of room evicts its whole shortfall again, not counting
+        drops a remove or the watermark scheduled)."""
+        self._room_claimed_bytes = 0
 
     def put_start_settled(self, reply: PutStartReply) -> PutStartReply:
         """The last round of a put_start is over: its keys still without room count as errors

@@ -1,0 +1,208 @@
+"""Puts that find a full cache and wait for room, through the master server's own flows
+(MasterServer: rounds of eviction, drops sent to nodes, room handed out), with a fake node
+connection that acknowledges drops. The service's eviction itself is test_master_eviction's.
+
+Each scenario was found by a review (2026-12-02) and confirmed by a script before its fix:
+in a cluster test, four threads putting into a full cache lost a batch of 128 now and then."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvpool import limits
+from kvpool.config import MasterConfig
+from kvpool.errors import ErrorCode, RpcTimeout
+from kvpool.master import server as server_module
+from kvpool.master.server import MasterServer, wall_clock_ms
+from kvpool.protocol.messages import (
+    CodesReply,
+    CommitObjects,
+    DropObjects,
+    GetReplicaList,
+    MountSegment,
+    OkReply,
+    PutEnd,
+    PutStart,
+    ReleaseLeases,
+    Remove,
+    ReplicateConfig,
+    SegmentInfo,
+)
+
+PAGE = 4096
+NO_ROOM = ErrorCode.NO_AVAILABLE_HANDLE
+
+
+class FakeNode:
+    """A node's connection as the master sees it: acknowledges drops (the first `failing`
+    DropObjects time out, as a node slow past the RPC timeout) and commits."""
+
+    def __init__(self, failing: int = 0) -> None:
+        self.failing = failing
+
+    def is_write_buffered(self) -> bool:
+        return False
+
+    async def request(self, message, timeout_ms=0):
+        await asyncio.sleep(0.001)
+        if isinstance(message, DropObjects):
+            if self.failing:
+                self.failing -= 1
+                raise RpcTimeout("DropObjects timed out")
+            return OkReply()
+        assert isinstance(message, CommitObjects), message
+        return CodesReply([0] * len(message.entries))
+
+
+def put_start(keys: list[str]) -> PutStart:
+    return PutStart(keys, [PAGE] * len(keys), ReplicateConfig(), "host")
+
+
+def stored(server: MasterServer, keys: list[str]) -> list[int]:
+    """put_start, put_end and commit at once, without waiting for room: the put_start codes."""
+    service = server.service
+    reply = service.put_start(put_start(keys), wall_clock_ms())
+    granted = [key for key, code in zip(keys, reply.codes) if code == ErrorCode.OK]
+    if granted:
+        pending = service.put_end(PutEnd(granted, [7] * len(granted)), wall_clock_ms())
+        service.finish_put_end(pending, {s: [0] * len(e) for s, e in pending.commits.items()}, wall_clock_ms())
+    return reply.codes
+
+
+def empty_server(node: FakeNode | None = None) -> MasterServer:
+    """A master (no sockets) with one 8 MiB segment on a fake node."""
+    server = MasterServer(MasterConfig(), seed=1)
+    info = SegmentInfo("seg", "node", "host", "host:1", "/dev/shm/none", b"t", 8 * limits.MIB)
+    server.service.mount_segment(MountSegment(info, []), wall_clock_ms())
+    server._node_conns["seg"] = node or FakeNode()
+    return server
+
+
+def full_server(node: FakeNode | None = None) -> MasterServer:
+    """empty_server with its segment full of 4 KiB objects."""
+    server = empty_server(node)
+    for batch in range(8 * limits.MIB // PAGE // 128):
+        assert stored(server, [f"old-{batch}-{i}" for i in range(128)]) == [ErrorCode.OK] * 128
+    assert server.service.segment_counters()[0].free_bytes == 0
+    return server
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+def test_room_that_lands_goes_to_the_waiting_put_before_any_new_one():
+    """Each time the drops of a waiting put's eviction landed, a new put read in the next loop
+    iteration took the room, round after round, until the waiting one gave up."""
+
+    async def main():
+        server = full_server()
+        service, loop = server.service, asyncio.get_running_loop()
+        newcomers: list[int] = []
+        drops_done = service.drops_done
+
+        def drops_done_then_a_new_put(segment_id, entries, now_ms):
+            drops_done(segment_id, entries, now_ms)
+            # Another client's put, read by the loop before the waiting put's task resumes.
+            loop.call_soon(lambda: newcomers.append(stored(server, [f"new-{len(newcomers)}-{i}" for i in range(128)])))
+
+        service.drops_done = drops_done_then_a_new_put
+        waiting = server._put_start(put_start([f"a-{i}" for i in range(128)]))
+        assert asyncio.iscoroutine(waiting)  # no room: it waits for its eviction's drops
+        reply = await waiting
+        assert reply.codes == [ErrorCode.OK] * 128
+        assert service.counters.errors == 0
+        service.check_invariants()
+
+    run(main())
+
+
+def test_a_put_during_the_eviction_back_off_waits_it_out_instead_of_failing():
+    """A long scan that found too few victims (nearly everything leased) backs eviction off
+    for 250 ms; readers give their leases back meanwhile. A put then was refused at once ("no
+    room, and none coming") with some 1,900 objects evictable."""
+    server = full_server()
+    service = server.service
+    keys = [key for key, _ in service._table.items()]
+    leased = keys[100:]  # a reader holds all but 100
+    parts = [leased[:1024], leased[1024:]]
+    leases = [service.get_replica_list(GetReplicaList(part), wall_clock_ms()) for part in parts]
+    first = put_start([f"x-{i}" for i in range(128)])
+    reply = service.put_start(first, wall_clock_ms())
+    assert service.evict_back_off_left_ms(wall_clock_ms()) > 0  # the scan fell short
+    for segment_id, entries in service.take_drops().items():
+        service.drops_done(segment_id, entries, wall_clock_ms())
+    service.put_start_again(first, reply, [i for i, c in enumerate(reply.codes) if c == NO_ROOM], wall_clock_ms())
+    service.release_leases(
+        ReleaseLeases([r.lease_granted_ms for r in leases], parts), wall_clock_ms()
+    )
+    waiting = server._put_start(put_start([f"y-{i}" for i in range(8)]))
+    assert asyncio.iscoroutine(waiting)  # the back-off ends soon: room may come
+    assert run(waiting).codes == [ErrorCode.OK] * 8
+    assert service.counters.errors == 0
+
+
+def test_drops_that_a_node_did_not_acknowledge_are_room_still_coming():
+    """A DropObjects that timed out leaves its drops counted as room in flight and kept for the
+    next flush; a put short of room counted on that room, evicted nothing, and was refused at
+    once as if nothing were evictable."""
+
+    async def main():
+        server = full_server(FakeNode(failing=1))
+        service = server.service
+        service.remove(Remove([key for key, _ in service._table.items()][:128]), wall_clock_ms())
+        await server._flush_drops()  # the node times out: the drops wait for the next flush
+        assert server._unsent_drops
+        waiting = server._put_start(put_start([f"b-{i}" for i in range(64)]))
+        assert asyncio.iscoroutine(waiting)
+        assert (await waiting).codes == [ErrorCode.OK] * 64
+
+    run(main())
+
+
+def test_room_claimed_by_puts_that_no_longer_wait_is_no_ones():
+    """A put short of room claims its shortfall of the drops in flight so that the next one
+    evicts for its own. The claim outlived the put: drops a remove scheduled later counted as
+    claimed, and the next put short of room evicted 128 objects it did not need."""
+
+    async def main():
+        server = full_server()
+        service = server.service
+        waiting = server._put_start(put_start([f"a-{i}" for i in range(128)]))
+        assert (await waiting).codes == [ErrorCode.OK] * 128
+        service.remove(Remove([key for key, _ in service._table.items()][:128]), wall_clock_ms())
+        evictions = service.counters.evictions
+        reply = service.put_start(put_start([f"b-{i}" for i in range(128)]), wall_clock_ms())
+        assert reply.codes == [NO_ROOM] * 128  # the remove's drops are still in flight
+        assert service.counters.evictions == evictions  # they will do: nothing more evicted
+
+    run(main())
+
+
+def test_a_tick_that_fails_unexpectedly_does_not_stop_the_next_ones(monkeypatch, caplog):
+    """The tick caught only KVPoolError: any other exception ended its task for good, and with
+    it evictions at the watermark, node TTLs, zombie discards and quarantine releases."""
+
+    async def main():
+        monkeypatch.setattr(server_module, "TICK_INTERVAL_MS", 10)
+        server = empty_server()
+        ticks = []
+        tick = server.service.tick
+
+        def failing_once(now_ms):
+            ticks.append(now_ms)
+            if len(ticks) == 2:
+                raise RuntimeError("a bug in one tick")
+            tick(now_ms)
+
+        server.service.tick = failing_once
+        task = asyncio.get_running_loop().create_task(server._tick_forever())
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        task.cancel()
+        assert len(ticks) > 5
+
+    with caplog.at_level(logging.ERROR, logger="kvpool.master.server"):
+        run(main())
+    assert "tick failed" in caplog.text
