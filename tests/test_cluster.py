@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -221,6 +222,22 @@ def master_metrics(cluster) -> dict[str, float]:
         lines = response.read().decode().splitlines()
     return {name: float(value) for name, _, value in (line.partition(" ") for line in lines)
             if value and not name.startswith("#") and "{" not in name}  # fmt: skip
+
+
+def test_the_masters_http_port_changes_nothing(make_cluster):
+    """/metrics, /health and /status only read: the HTTP port is not guarded by the cluster
+    token (Prometheus scrapes it), so nothing there may change the cluster. A POST /drain was
+    served there, and drained a node for anyone who could reach the port."""
+    cluster = make_cluster(1)
+    with Store(cluster.master_endpoint) as store:
+        segment_id = store.cluster_status().segments[0].segment.segment_id
+        drain = urllib.request.Request(
+            f"http://127.0.0.1:{cluster.http_port}/drain/{segment_id}?timeout_ms=1000", method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(drain, timeout=5)
+        assert refused.value.code in (404, 405)
+        assert [s.state for s in store.cluster_status().segments] == ["active"]
 
 
 def _segment_ids(store: Store) -> set[str]:

@@ -1,4 +1,4 @@
-"""The master's Prometheus metrics and HTTP surface (/metrics, /health, /status, /drain).
+"""The master's Prometheus metrics and HTTP surface (/metrics, /health, /status): read-only.
 
 The service keeps plain integer counters (no prometheus calls on the hot path); a collector
 reads them at scrape time, with per-segment gauges from the service's cluster status. Each
@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.errors import InvalidParams, KVPoolError
-from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply, DrainSegment
+from kvpool.errors import InvalidParams
+from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
 
@@ -172,22 +172,10 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
         reply = server.service.cluster_status(ClusterStatus(), 0)
         return web.json_response(reply.to_dict())
 
-    async def drain(request: web.Request) -> web.Response:
-        from kvpool.master.server import wall_clock_ms
-
-        segment_id = request.match_info["segment_id"]
-        timeout_ms = int(request.query.get("timeout_ms", "30000"))
-        try:
-            server.service.drain_segment(DrainSegment(segment_id, timeout_ms), wall_clock_ms())
-        except KVPoolError as exc:
-            return web.json_response({"error": str(exc), "code": int(exc.code)}, status=404)
-        return web.json_response({"draining": segment_id, "timeout_ms": timeout_ms})
-
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
-    app.router.add_post("/drain/{segment_id}", drain)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
