@@ -10,6 +10,7 @@ order "drop before reuse" is visible. No sockets, no sleeps.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 
@@ -1000,7 +1001,7 @@ def test_watermark_eviction_targets_the_full_segment_only(policy: str) -> None:
 # --- membership ---------------------------------------------------------------------------
 
 
-def test_heartbeat_keeps_segments_and_silence_unmounts_them() -> None:
+def test_heartbeat_keeps_segments_and_silence_unmounts_them(caplog) -> None:
     svc = make(node_ttl_ms=1_000)
     mount(svc, "s1", now=0)
     mount(svc, "s2", now=0)
@@ -1009,7 +1010,9 @@ def test_heartbeat_keeps_segments_and_silence_unmounts_them() -> None:
     assert svc.heartbeat(Heartbeat(["s1", "ghost"]), 900).unknown_segment_ids == ["ghost"]
     svc.tick(999)
     assert len(svc.cluster_status(ClusterStatus(), 999).segments) == 2
-    svc.tick(1_000)  # s2 silent for node_ttl_ms
+    with caplog.at_level(logging.INFO, logger="kvpool.master.service"):
+        svc.tick(1_000)  # s2 silent for node_ttl_ms: an operator reads why in the log
+    assert "segment s2" in caplog.text and "silent for 1000 ms" in caplog.text
     status = svc.cluster_status(ClusterStatus(), 1_000)
     assert [s.segment.segment_id for s in status.segments] == ["s1"]
     assert exists(svc, ["both", "only2"]) == [True, False]
@@ -1018,14 +1021,16 @@ def test_heartbeat_keeps_segments_and_silence_unmounts_them() -> None:
     assert svc.heartbeat(Heartbeat(["s2"]), 1_001).unknown_segment_ids == ["s2"]
 
 
-def test_unmount() -> None:
+def test_unmount(caplog) -> None:
     svc = make()
     mount(svc, "s1")
     mount(svc, "s2")
     put(svc, ["k"], replica_num=2)
     with pytest.raises(SegmentNotFound):
         svc.unmount_segment(UnmountSegment("nope"), 0)
-    svc.unmount_segment(UnmountSegment("s1"), 0)
+    with caplog.at_level(logging.INFO, logger="kvpool.master.service"):
+        svc.unmount_segment(UnmountSegment("s1"), 0)
+    assert "segment s1 unmounted by its node" in caplog.text
     assert [r.segment_id for r in get(svc, ["k"]).replicas[0]] == ["s2"]
     svc.unmount_segment(UnmountSegment("s2"), 0)
     assert exists(svc, ["k"]) == [False]

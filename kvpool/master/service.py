@@ -27,6 +27,7 @@ larger: sweep_step), remove_by_regex / remove_all / list_objects, check_invarian
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import re
 from collections.abc import Iterator
@@ -103,6 +104,8 @@ from kvpool.protocol.messages import (
     TierStatus,
     UnmountSegment,
 )
+
+log = logging.getLogger(__name__)
 
 
 class MasterService:
@@ -273,7 +276,9 @@ class MasterService:
         Raises:
             SegmentNotFound: the id is not mounted.
         """
-        self._mounts.leave(self._segment_or_raise(msg.segment_id))
+        segment = self._segment_or_raise(msg.segment_id)
+        log.info("segment %s unmounted by its node (%d objects)", msg.segment_id, segment.object_count)
+        self._mounts.leave(segment)
         return OkReply()
 
     @property
@@ -751,8 +756,15 @@ class MasterService:
             if segment.state is SegmentState.LEAVING:
                 continue
             if segment.last_seen_ms + config.node_ttl_ms <= now_ms:
+                log.warning(
+                    "segment %s of node %s at %s silent for %d ms (node TTL %d ms): unmounted, with its "
+                    "replicas of %d objects", segment.info.segment_id, segment.info.node_id, segment.info.endpoint,
+                    now_ms - segment.last_seen_ms, config.node_ttl_ms, segment.object_count,
+                )  # fmt: skip
                 self._mounts.leave(segment)
             elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= now_ms:
+                log.info("segment %s: drain over, unmounted (%d objects)", segment.info.segment_id,
+                         segment.object_count)  # fmt: skip
                 self._mounts.leave(segment)
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
