@@ -18,6 +18,8 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from kvpool.errors import (
     Unauthorized,
 )
 from kvpool.node import server as node_server
-from kvpool.node.segment import Segment
+from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.server import Node, NodeState, run_node
 from kvpool.node.transfer import wall_clock_ms
 from kvpool.protocol import auth
@@ -807,6 +809,31 @@ def test_stale_segment_files_are_removed_at_start(tmp_path: Path) -> None:
             fresh.close()
 
     run(main)
+
+
+def test_a_segment_file_whose_owner_lives_in_another_pid_namespace_is_not_stale(tmp_path: Path) -> None:
+    """Containers that share /dev/shm (docker --ipc=host) each see their own pids: the pid in a
+    live node's header may name no process here. The owner's flock on its file says it lives:
+    a node starting here removed the live segment, and same-host clients lost its shm path."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import os, sys; from kvpool.node.segment import Segment; "
+            f"s = Segment.create({str(tmp_path)!r}, 'elsewhere', {MEMORY_BYTES}, os.urandom(16)); "
+            "print(s.path, flush=True); sys.stdin.read()"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        path = Path(owner.stdout.readline().strip())
+        with open(path, "r+b") as file:  # its pid, as this namespace sees it: no such process
+            file.seek(40)
+            file.write(struct.pack("<Q", 2**22 + 12345))
+        assert remove_stale_segments(str(tmp_path)) == [] and path.exists()
+    finally:
+        owner.kill()
+        owner.wait(10)
+    assert remove_stale_segments(str(tmp_path)) == [path]  # its owner is gone: stale now
+    assert not path.exists()
 
 
 def test_metrics_and_health_over_http(tmp_path: Path) -> None:

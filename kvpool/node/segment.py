@@ -16,6 +16,7 @@ mode 0600 (exclusive create), so only processes of the same user can map it.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -41,10 +42,17 @@ class Segment:
     """A mapped segment file: `data` is a writable memoryview of exactly `capacity_bytes`.
 
     The owner (`create`) unlinks the file on `close`; a mapper (`open_mapped`) only unmaps.
+    The owner holds an exclusive flock on the file while it lives: that, not only the pid in
+    the header, tells another node that the file is not stale (remove_stale_segments), since
+    a pid means nothing across PID namespaces (containers sharing /dev/shm).
     """
 
-    def __init__(self, path: Path, file_map: mmap.mmap, capacity_bytes: int, token: bytes, is_owner: bool):
+    def __init__(
+        self, path: Path, file_map: mmap.mmap, capacity_bytes: int, token: bytes, is_owner: bool,
+        lock_fd: int | None = None,
+    ):  # fmt: skip
         self.path = path
+        self._lock_fd = lock_fd
         self.capacity_bytes = capacity_bytes
         self.token = token
         self.is_owner = is_owner
@@ -93,18 +101,18 @@ class Segment:
         with map_exceptions({OSError: InvalidParams}):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just created: no one else holds it
                 os.ftruncate(fd, file_size)
                 file_map = mmap.mmap(fd, file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            os.close(fd)
         _HEADER.pack_into(
             file_map, 0, _MAGIC, _VERSION, limits.SEGMENT_HEADER_SIZE_BYTES, capacity_bytes,
             token, os.getpid(),
         )  # fmt: skip
-        segment = cls(path, file_map, capacity_bytes, token, is_owner=True)
+        segment = cls(path, file_map, capacity_bytes, token, is_owner=True, lock_fd=fd)
         segment._prefault()
         return segment
 
@@ -153,6 +161,9 @@ class Segment:
             pass
         if self.is_owner:
             self.path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _prefault(self) -> None:
         # Touch every page once now, so that the first puts do not pay page faults (tmpfs
@@ -165,19 +176,25 @@ class Segment:
 def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
     """Unlink segment files whose owner process is gone (a node killed with SIGKILL).
 
-    Only files of this user whose header names a pid that no longer exists are removed.
+    Only files of this user whose header names a pid that no longer exists here, and whose
+    flock no process holds (the owner's: a live node in another PID namespace, whose pid
+    means nothing here, holds it), are removed.
     """
     removed = []
     for path in Path(directory).glob(f"{SEGMENT_FILE_PREFIX}*{SEGMENT_FILE_SUFFIX}"):
         try:
             with open(path, "rb") as file:
                 header = file.read(_HEADER.size)
-            if len(header) < _HEADER.size:
-                continue
-            magic, *_, pid = _HEADER.unpack(header)
-            if magic != _MAGIC or _is_process_alive(pid):
-                continue
-            path.unlink()
+                if len(header) < _HEADER.size:
+                    continue
+                magic, *_, pid = _HEADER.unpack(header)
+                if magic != _MAGIC or _is_process_alive(pid):
+                    continue
+                try:
+                    fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its owner lives, in another PID namespace
+                path.unlink()  # while holding the lock: the file is gone before anyone else looks
             removed.append(path)
         except OSError:
             continue
