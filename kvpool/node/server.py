@@ -75,6 +75,8 @@ _RECONNECT_BACKOFF_MS_MIN = 50
 # How long stop() waits for client connections to finish closing after it aborted them.
 _SERVER_CLOSE_WAIT_MS_MAX = 500
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# How long a node tries to reach its own advertised address at start (_warn_if_unreachable).
+ADVERTISE_CHECK_TIMEOUT_MS = 1_000
 # A MountSegment is one control frame (FRAME_CONTROL_SIZE_BYTES_MAX): a larger inventory goes
 # in several, which the master merges into one segment (MasterService.mount_segment). Half the
 # frame limit leaves room for msgpack's overhead, estimated at 32 bytes an entry.
@@ -284,10 +286,11 @@ class Node:
             await self._metrics_server.start(config.metrics_host or config.listen_host,
                                              config.metrics_port)  # fmt: skip
         log.info(
-            "node %s serving segment %s (%d bytes) on %s, shm %s",
+            "node %s serving segment %s (%d bytes) on %s (listening on %s:%d), shm %s",
             config.node_id, self._segment_id, self._segment.capacity_bytes, self._endpoint,
-            self._segment_info.shm_path or "off",
+            config.listen_host, port, self._segment_info.shm_path or "off",
         )  # fmt: skip
+        await _warn_if_unreachable(config.node_id, host, port, config.listen_host)
         self._master_task = asyncio.get_running_loop().create_task(
             self._master_link(), name=f"kvpool node {config.node_id} master link"
         )
@@ -630,6 +633,23 @@ async def _advertise_host(config: NodeConfig, master_host: str) -> str:
     except OSError:  # Not mapped: as above.
         pass
     return config.hostname
+
+
+async def _warn_if_unreachable(node_id: str, host: str, port: int, listen_host: str) -> None:
+    """Say so loudly when the advertised address does not reach this node's own transfer
+    server (e.g. --advertise-host naming an address it does not listen on): clients would
+    fail every read and write there, and the master would take it for a working node. Only a
+    warning: behind NAT a node may not reach its own public address."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ADVERTISE_CHECK_TIMEOUT_MS / 1000)
+    except (OSError, asyncio.TimeoutError) as exc:
+        log.warning(
+            "node %s: its advertised address %s:%d does not reach its transfer server (listening on %s:%d): "
+            "%s. Clients will fail to read and write this node: check --advertise-host",
+            node_id, host, port, listen_host, port, exc or "timed out",
+        )  # fmt: skip
+        return
+    writer.close()
 
 
 def _inventory_chunks(entries: list[InventoryEntry]) -> Iterator[list[InventoryEntry]]:
