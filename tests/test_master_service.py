@@ -1371,3 +1371,16 @@ def test_a_rebuilt_master_keeps_the_pins_the_nodes_recorded() -> None:
     # Goal max(0.4, 0.75 - 0.5 + 0.4) = 0.65 MiB of 12 objects of 64 KiB: all but the hard ones.
     evicted = [e.key for e in new.take_drops()["s1"]]
     assert evicted == [f"plain{i}" for i in range(4)] + [f"soft{i}" for i in range(4)]
+
+
+def test_every_master_counter_is_on_metrics_with_a_help_that_says_what_it_counts() -> None:
+    import dataclasses
+
+    from kvpool.master.counters import MasterCounters
+    from kvpool.master.metrics import MasterMetrics
+
+    text = MasterMetrics(make()).render().decode()
+    for field in dataclasses.fields(MasterCounters):
+        assert f"# HELP kvpool_master_{field.name}_total " in text, field.name
+    # A lookup's hit is not the reader's: an operator must not read it as the hit rate served.
+    assert "its read may still miss" in text

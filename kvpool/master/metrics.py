@@ -40,21 +40,23 @@ if TYPE_CHECKING:
     from kvpool.master.service import MasterService
 
 _PREFIX = "kvpool_master_"
-COUNTER_NAMES = (
-    "puts",
-    "put_bytes",
-    "gets",
-    "hits",
-    "misses",
-    "evictions",
-    "evicted_bytes",
-    "removes",
-    "lost",
-    "bad_replicas",
-    "errors",
-    "put_room_rounds",
-    "leases_released",
-)
+# The service's counters (counters.py MasterCounters) and their /metrics help.
+COUNTER_HELP = {
+    "puts": "Objects stored.",
+    "put_bytes": "Bytes of the objects stored.",
+    "gets": "Keys looked up by gets.",
+    "hits": "Keys a get's lookup found: its read may still miss (a dead node, a lapsed lease, bad bytes).",
+    "misses": "Keys a get's lookup did not find (absent, or a put in flight).",
+    "evictions": "Objects evicted.",
+    "evicted_bytes": "Footprint freed by evictions, every replica.",
+    "removes": "Objects removed.",
+    "lost": "Objects lost with their last segment.",
+    "bad_replicas": "Replicas dropped because a check confirmed bad bytes.",
+    "errors": "Failed requests and per-key failures.",
+    "put_room_rounds": "Rounds puts waited for eviction to make room.",
+    "leases_released": "Read leases given back by their readers before they expired.",
+}
+COUNTER_NAMES = tuple(COUNTER_HELP)
 
 
 class MasterMetrics(Collector):
@@ -78,9 +80,7 @@ class MasterMetrics(Collector):
         )
         counters = self._service.counters
         for name in COUNTER_NAMES:
-            yield CounterMetricFamily(
-                _PREFIX + name, f"Master {name.replace('_', ' ')}.", value=getattr(counters, name)
-            )
+            yield CounterMetricFamily(_PREFIX + name, COUNTER_HELP[name], value=getattr(counters, name))
         requests = CounterMetricFamily(_PREFIX + "requests", "Requests by kind.", labels=["kind"])
         for kind, count in sorted(self.requests.items()):
             requests.add_metric([kind], count)
