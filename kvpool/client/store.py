@@ -636,6 +636,7 @@ class AsyncStore:
             lanes = await self._peers.lanes(batch.endpoint, len(batch.frames))
         except KVPoolError as exc:
             log.info("node %s unreachable: %s", batch.endpoint, exc)
+            self.slow_nodes.timed_out(batch.endpoint)  # a stopped node's handshake never ends
             return {i for owners in batch.owners for i in owners}
         requests = []
         for message, views in batch.frames:
