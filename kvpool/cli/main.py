@@ -8,13 +8,18 @@ Object commands talk to a running cluster through the sync `Store`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import gc
 import json
 import logging
+import os
 import signal
 import sys
+import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -23,17 +28,27 @@ from rich.table import Table
 
 from kvpool import limits
 from kvpool.config import parse_size, token_from
-from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.errors import ErrorCode, KVPoolError, RpcTimeout
 
+if TYPE_CHECKING:
+    from kvpool.client.sync import Store
+    from kvpool.node.server import Node
+
+# Help is click's plain layout (rich_markup_mode=None): rich's option tables, fitted to 80
+# columns, cut option and environment variable names ("--evict-watermar…"); click wraps the
+# descriptions and never cuts a name.
 app = typer.Typer(
     name="kvpool",
     help="kvpool: a pooled KV-cache store. Host DRAM of many servers as one cache for LLM serving.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: a message is one line however long (a terminal folds it; a log file keeps it whole).
+err_console = Console(stderr=True, soft_wrap=True)
+log = logging.getLogger(__name__)
 
 MasterOption = Annotated[
     str,
@@ -61,6 +76,12 @@ TokenFileOption = Annotated[
 ]  # fmt: skip
 MASTER_DEFAULT = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
 PORT_MAX = 65535
+# Tables printed to a pipe or a file: wider than any row, so that no value (a segment id, an
+# endpoint) is cut with "…" to fit 80 columns, as it would be by default (cli/replay.py does
+# the same).
+CONSOLE_WIDTH_NOT_TERMINAL = 1_000
+# A node waiting for its master says so when it starts waiting, then at most this often.
+MASTER_WAIT_LOG_INTERVAL_MS = 30_000
 
 
 def _setup_logging(level: str) -> None:
@@ -86,9 +107,27 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _store(master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None):
-    import os
+def _shown(key: str) -> str:
+    """`key` as the commands print it: as it is, or as a Python string literal when it holds a
+    control or format character (a newline in a key could fake more lines of `kvpool ls`)."""
+    if any(unicodedata.category(char).startswith("C") for char in key):
+        return repr(key)
+    return key
 
+
+def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exit:
+    """The one line for an object command's cluster error: "COMMAND [KEY]: what failed". The
+    Store's errors about one key name it already ("put 'k' failed: ..."): then it is said once.
+    """
+    message = str(exc)
+    if key is None:
+        return _fail(f"{command}: {message}")
+    if f"{key!r:.100}" in message:
+        return _fail(message)
+    return _fail(f"{command} {_shown(key)}: {message}")
+
+
+def _store(master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None) -> Store:
     from kvpool.client.sync import Store
 
     # KVPOOL_SHM=0 makes object commands use TCP even on the nodes' host.
@@ -104,6 +143,53 @@ def _store(master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = No
         )  # fmt: skip
     except KVPoolError as exc:
         raise _fail(f"cannot reach the master at {master}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _connected(
+    command: str,
+    master: str,
+    token_file: Optional[Path],
+    *,
+    key: str | None = None,
+    dfs_dir: Optional[Path] = None,
+) -> Iterator[Store]:
+    """A Store for an object command, closed on leaving. Any cluster error in the block (a
+    master that stops answering: RpcTimeout) ends the command with one line and exit status 1,
+    never a traceback: "COMMAND [KEY]: the error"."""
+    store = _store(master, token_file, dfs_dir)
+    try:
+        with store:
+            yield store
+    except KVPoolError as exc:
+        raise _failed(command, exc, key) from None
+
+
+@contextlib.contextmanager
+def _writing_stdout() -> Iterator[None]:
+    """Output of the block, flushed at its end. A write that fails ends the command with exit
+    status 1 and one line (a full disk: `kvpool get k > /dev/full`), or none when the reader
+    left (`kvpool ls | head -1`), never a traceback."""
+    try:
+        yield
+        sys.stdout.flush()
+    except OSError as exc:
+        # What was not written stays buffered, and the interpreter's flush at exit would fail
+        # again with a second message: the rest goes to /dev/null.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        if exc.errno == errno.EPIPE:
+            raise typer.Exit(1) from None
+        raise _fail(f"cannot write to standard output: {exc.strerror or exc}") from None
+
+
+def _table_console() -> Console:
+    """Where tables go: the terminal, fitted to its width, or a pipe or file, whole."""
+    if console.is_terminal:
+        return console
+    return Console(width=CONSOLE_WIDTH_NOT_TERMINAL)
 
 
 # --- servers ----------------------------------------------------------------------------------
@@ -302,14 +388,8 @@ def node(
         try:
             # Until a master takes the segment, or a signal: then the node leaves as it would
             # once serving (segment file removed).
-            mounted = asyncio.ensure_future(storage_node.wait_mounted(limits.CONNECT_TIMEOUT_MS_DEFAULT * 5))
-            signalled = asyncio.ensure_future(stop.wait())
-            await asyncio.wait((mounted, signalled), return_when=asyncio.FIRST_COMPLETED)
-            if not mounted.done():
-                mounted.cancel()
+            if not await _wait_for_master(storage_node, stop):
                 return
-            signalled.cancel()
-            mounted.result()  # raises when no master took the segment in time
             if ready_file:
                 _write_ready(
                     ready_file,
@@ -328,6 +408,40 @@ def node(
         uvloop.run(main())
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
+
+
+async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
+    """Wait until a master takes the node's segment, however long: nodes and their master start
+    in any order (systemd, Kubernetes), and the node's master link retries with backoff (its
+    failures logged at most every 30 s). Says when it starts waiting, then every
+    MASTER_WAIT_LOG_INTERVAL_MS.
+
+    Returns:
+        True once mounted; False when `stop` was set first (a signal).
+
+    Raises:
+        Unauthorized: the master refused the cluster token (a permanent error).
+    """
+    config = storage_node.config
+    if storage_node.is_mounted:
+        return True
+    log.info("node %s: waiting for a master at %s to take its segment", storage_node.node_id, config.master_endpoint)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        while True:  # a mount, a signal or a refusal ends it
+            mounted = asyncio.ensure_future(storage_node.wait_mounted(MASTER_WAIT_LOG_INTERVAL_MS))
+            await asyncio.wait((mounted, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if stopped.done():
+                mounted.cancel()
+                return False
+            try:
+                mounted.result()
+            except RpcTimeout:
+                log.info("node %s: still waiting for a master at %s", storage_node.node_id, config.master_endpoint)
+                continue
+            return True
+    finally:
+        stopped.cancel()
 
 
 def _stop_on_signal() -> asyncio.Event:
@@ -360,19 +474,37 @@ def put(
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
-    """Store a file (or stdin) as one object."""
+    """Store a file (or stdin) as one object. A key that exists is left as it is."""
     from kvpool.protocol.messages import ReplicateConfig
 
+    shown = _shown(key)
     try:
         data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
     except OSError as exc:
-        raise _fail(f"put {key}: cannot read {source or 'standard input'}: {exc.strerror or exc}") from None
-    with _store(master, token_file) as store:
-        try:
-            store.put(key, data, ReplicateConfig(replica_num=replicas))
-        except KVPoolError as exc:
-            raise _fail(f"put {key}: {exc}") from None
-    err_console.print(f"stored {escape(key)} ({len(data)} bytes)")
+        raise _fail(f"put {shown}: cannot read {source or 'standard input'}: {exc.strerror or exc}") from None
+    with _connected("put", master, token_file, key=key) as store:
+        # Objects are immutable: a put of an existing key succeeds without writing (the
+        # Store's rule, for content-hashed keys), so the operator is told it was not stored.
+        existing = store.query([key])
+        if existing.codes[0] == ErrorCode.OK:
+            err_console.print(
+                f"{escape(shown)} exists already: left as it is ({existing.sizes[0]} bytes; objects "
+                f"are immutable, so the {len(data)} bytes given were not stored)"
+            )
+            return
+        store.put(key, data, ReplicateConfig(replica_num=replicas))
+        placed = replicas
+        if replicas > 1:
+            # The master places replicas on distinct segments, as many as it can: fewer than
+            # asked is still a success, and said below.
+            try:
+                placed = len(store.query([key]).replicas[0])
+            except KVPoolError as exc:
+                raise _fail(f"stored {shown} ({len(data)} bytes), but cannot count its replicas: {exc}") from None
+    err_console.print(f"stored {escape(shown)} ({len(data)} bytes)")
+    if placed < replicas:
+        err_console.print(f"{escape(shown)}: {placed} of the {replicas} replicas asked placed (replicas need "
+                          "distinct segments with room)")  # fmt: skip
 
 
 @app.command()
@@ -395,23 +527,24 @@ def get(
     """Fetch an object (exit code 2 on a miss)."""
     from kvpool.protocol.messages import TIER_DFS
 
-    with _store(master, token_file, dfs_dir) as store:
+    shown = _shown(key)
+    with _connected("get", master, token_file, key=key, dfs_dir=dfs_dir) as store:
         data = store.get(key)
         if data is None and not dfs_dir:
             (replicas,) = store.query([key]).replicas
             tiers = {s.segment.segment_id: s.segment.tier for s in store.cluster_status().segments}
             if replicas and all(tiers.get(r.segment_id) == TIER_DFS for r in replicas):
-                raise _fail(f"{key}: kept only on the DFS tier, which no node serves: give --dfs-dir", code=2)
+                raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir", code=2)
     if data is None:
-        raise _fail(f"{key}: not found", code=2)
+        raise _fail(f"{shown}: not found", code=2)
     if output is None:
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        with _writing_stdout():
+            sys.stdout.buffer.write(data)
     else:
         try:
             output.write_bytes(data)
         except OSError as exc:
-            raise _fail(f"get {key}: cannot write {output}: {exc.strerror or exc}") from None
+            raise _fail(f"get {shown}: cannot write {output}: {exc.strerror or exc}") from None
 
 
 @app.command()
@@ -423,26 +556,26 @@ def rm(
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
-    """Remove objects by key, by regex, or all of them."""
-    if not keys and regex is None and not all_objects:
-        raise _fail("name keys, --regex PATTERN or --all", code=2)
-    with _store(master, token_file) as store:
-        try:
-            if all_objects:
-                count = store.remove_all(force)
-            elif regex is not None:
-                count = store.remove_by_regex(regex, force)
-            else:
-                codes = store.batch_remove(keys or [], force)
-                for key, code in zip(keys or [], codes):
-                    if code != ErrorCode.OK:
-                        err_console.print(f"{escape(key)}: not removed ({ErrorCode(code).name})")
-                count = sum(1 for c in codes if c == ErrorCode.OK)
-                if count < len(codes):
-                    err_console.print(f"removed {count} of {len(codes)} object(s)")
-                    raise typer.Exit(1)
-        except KVPoolError as exc:
-            raise _fail(str(exc)) from None
+    """Remove objects by key, by regex, or all of them. Name one of the three."""
+    chosen = sum((bool(keys), regex is not None, all_objects))
+    if chosen != 1:
+        # Two of them once meant the first in an order nobody wrote down (`rm KEY --regex R`
+        # removed what R matched and left KEY): a usage error now.
+        raise _fail("name keys, --regex PATTERN or --all" + (", only one of them" if chosen else ""), code=2)
+    with _connected("rm", master, token_file) as store:
+        if all_objects:
+            count = store.remove_all(force)
+        elif regex is not None:
+            count = store.remove_by_regex(regex, force)
+        else:
+            codes = store.batch_remove(keys or [], force)
+            for key, code in zip(keys or [], codes):
+                if code != ErrorCode.OK:
+                    err_console.print(f"{escape(_shown(key))}: not removed ({ErrorCode(code).name})")
+            count = sum(1 for c in codes if c == ErrorCode.OK)
+            if count < len(codes):
+                err_console.print(f"removed {count} of {len(codes)} object(s)")
+                raise typer.Exit(1)
     err_console.print(f"removed {count} object(s)")
 
 
@@ -453,14 +586,13 @@ def ls(
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
-    """List objects (key and size)."""
-    with _store(master, token_file) as store:
-        try:
-            reply = store.list_objects(pattern, limit)
-        except KVPoolError as exc:
-            raise _fail(str(exc)) from None
-    for key, size in zip(reply.keys, reply.sizes):
-        console.print(f"{size:>12}  {key}", highlight=False, markup=False)
+    """List objects (key and size). A key with control characters is printed as a literal."""
+    with _connected("ls", master, token_file) as store:
+        reply = store.list_objects(pattern, limit)
+    with _writing_stdout():
+        # Plain writes: a rich console folds a long key onto a second line.
+        for key, size in zip(reply.keys, reply.sizes):
+            sys.stdout.write(f"{size:>12}  {_shown(key)}\n")
     if reply.truncated:
         err_console.print(f"(first {limit} shown)")
 
@@ -473,9 +605,14 @@ def stat(
     token_file: TokenFileOption = None,
 ) -> None:
     """Show the cluster's segments and usage, or where given objects live."""
-    with _store(master, token_file) as store:
+    with _connected("stat", master, token_file) as store:
         if keys:
             reply = store.query(keys)
+        else:
+            status = store.cluster_status()
+    out = _table_console()
+    with _writing_stdout():
+        if keys:
             rows = [
                 {"key": k, "code": ErrorCode(c).name, "size": s, "replicas": [[r.segment_id, r.offset] for r in rs]}
                 for k, c, s, rs in zip(keys, reply.codes, reply.sizes, reply.replicas)
@@ -486,34 +623,33 @@ def stat(
             table = Table("key", "status", "size", "replicas (segment@offset)")
             for row in rows:
                 replicas = ", ".join(f"{s}@{o}" for s, o in row["replicas"])
-                table.add_row(escape(row["key"]), row["code"], str(row["size"]), escape(replicas))
-            console.print(table)
+                table.add_row(escape(_shown(row["key"])), row["code"], str(row["size"]), escape(replicas))
+            out.print(table)
             return
-        status = store.cluster_status()
-    if as_json:
-        print(json.dumps(status.to_dict()))
-        return
-    table = Table("segment", "tier", "node endpoint", "state", "used", "capacity", "objects")
-    for segment in status.segments:
-        table.add_row(
-            segment.segment.segment_id,
-            segment.segment.tier,
-            segment.segment.endpoint,
-            segment.state,
-            _human(segment.used_bytes),
-            _human(segment.segment.capacity_bytes),
-            str(segment.object_count),
-        )
-    console.print(table)
-    if status.tiers:
-        tiers = Table("tier", "capacity", "used", "objects", "hits", "offloads", "promotions", "evictions")
-        for tier in status.tiers:
-            tiers.add_row(
-                tier.tier, _human(tier.capacity_bytes), _human(tier.used_bytes), str(tier.object_count),
-                str(tier.hits), str(tier.offloads), str(tier.promotions), str(tier.evictions),
-            )  # fmt: skip
-        console.print(tiers)
-    console.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")
+        if as_json:
+            print(json.dumps(status.to_dict()))
+            return
+        table = Table("segment", "tier", "node endpoint", "state", "used", "capacity", "objects")
+        for segment in status.segments:
+            table.add_row(
+                escape(segment.segment.segment_id),
+                segment.segment.tier,
+                escape(segment.segment.endpoint),
+                segment.state,
+                _human(segment.used_bytes),
+                _human(segment.segment.capacity_bytes),
+                str(segment.object_count),
+            )
+        out.print(table)
+        if status.tiers:
+            tiers = Table("tier", "capacity", "used", "objects", "hits", "offloads", "promotions", "evictions")
+            for tier in status.tiers:
+                tiers.add_row(
+                    tier.tier, _human(tier.capacity_bytes), _human(tier.used_bytes), str(tier.object_count),
+                    str(tier.hits), str(tier.offloads), str(tier.promotions), str(tier.evictions),
+                )  # fmt: skip
+            out.print(tiers)
+        out.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")
 
 
 def _human(size_bytes: float) -> str:

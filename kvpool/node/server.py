@@ -32,6 +32,7 @@ import random
 import secrets
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -75,6 +76,9 @@ _RECONNECT_BACKOFF_MS_MIN = 50
 # How long stop() waits for client connections to finish closing after it aborted them.
 _SERVER_CLOSE_WAIT_MS_MAX = 500
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# A master link that keeps failing (a node started before its master) logs the first failure,
+# then at most one every this many seconds.
+LINK_FAILURE_LOG_INTERVAL_S = 30
 # How long a node tries to reach its own advertised address at start (_warn_if_unreachable).
 ADVERTISE_CHECK_TIMEOUT_MS = 1_000
 # A MountSegment is one control frame (FRAME_CONTROL_SIZE_BYTES_MAX): a larger inventory goes
@@ -139,6 +143,11 @@ class Node:
         self._master_task: asyncio.Task[None] | None = None
         self._mounted = asyncio.Event()
         self._first_attempt = asyncio.Event()
+        # The master refused the cluster token at the last attempt (wait_mounted raises it: a
+        # wrong token does not mend itself); and when the link's failures were last logged.
+        self._refusal: Unauthorized | None = None
+        self._refused = asyncio.Event()
+        self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S
         self._leave = asyncio.Event()
         self._drain_deadline_ms = 0
 
@@ -302,18 +311,27 @@ class Node:
             log.warning("node %s: not mounted yet; retrying in the background", config.node_id)
 
     async def wait_mounted(self, timeout_ms: int) -> None:
-        """Wait until a master has accepted the segment.
+        """Wait until a master has accepted the segment (the link goes on retrying meanwhile).
 
         Raises:
             RpcTimeout: not mounted within timeout_ms.
+            Unauthorized: the master refused this node's cluster token (not mounted).
         """
+        mounted = asyncio.ensure_future(self._mounted.wait())
+        refused = asyncio.ensure_future(self._refused.wait())
         try:
-            await asyncio.wait_for(self._mounted.wait(), timeout_ms / 1000)
-        except asyncio.TimeoutError:
-            raise RpcTimeout(
-                f"node {self.node_id} not mounted on {self.config.master_endpoint} "
-                f"after {timeout_ms} ms"
-            ) from None
+            await asyncio.wait((mounted, refused), timeout=timeout_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            mounted.cancel()
+            refused.cancel()
+        if self._mounted.is_set():
+            return
+        if self._refusal is not None:
+            raise Unauthorized(
+                f"the master at {self.config.master_endpoint} refused node {self.node_id}: {self._refusal} "
+                "(a node needs its master's cluster token: --token-file or KVPOOL_TOKEN_FILE)"
+            )
+        raise RpcTimeout(f"node {self.node_id} not mounted on {self.config.master_endpoint} after {timeout_ms} ms")
 
     async def drain(self, timeout_ms: int = limits.DRAIN_TIMEOUT_MS_DEFAULT) -> None:
         """Leave gracefully: no new allocations here, reads served for timeout_ms, then unmount.
@@ -373,9 +391,7 @@ class Node:
                 self._first_attempt.set()
                 await self._heartbeat(conn)
             except KVPoolError as exc:
-                level = logging.ERROR if isinstance(exc, Unauthorized) else logging.WARNING
-                log.log(level, "node %s: master link to %s: %s: %s", self.node_id,
-                        self.config.master_endpoint, type(exc).__name__, exc)  # fmt: skip
+                self._link_failed(exc)
             finally:
                 self._set_unmounted()
                 self._master_conn = None
@@ -391,6 +407,22 @@ class Node:
                 await asyncio.wait_for(self._leave.wait(), delay_ms / 1000)
             except asyncio.TimeoutError:
                 pass  # Time to try again.
+
+    def _link_failed(self, exc: KVPoolError) -> None:
+        """Log a failed attempt of the master link: the first, then at most one every
+        LINK_FAILURE_LOG_INTERVAL_S (a node started before its master retries every 2 s, for as
+        long as it takes). A wrong cluster token is recorded for wait_mounted."""
+        if isinstance(exc, Unauthorized):
+            self._refusal = exc
+            self._refused.set()
+        now_s = time.monotonic()
+        if now_s - self._failure_logged_s < LINK_FAILURE_LOG_INTERVAL_S:
+            return
+        self._failure_logged_s = now_s
+        level = logging.ERROR if isinstance(exc, Unauthorized) else logging.WARNING
+        log.log(level, "node %s: master link to %s: %s: %s (retrying with backoff; said again at most every %d s)",
+                self.node_id, self.config.master_endpoint, type(exc).__name__, exc,
+                LINK_FAILURE_LOG_INTERVAL_S)  # fmt: skip
 
     async def _heartbeat(self, conn: Connection) -> None:
         """Heartbeat until the link closes (return to reconnect) or the node leaves (unmount)."""
@@ -446,6 +478,9 @@ class Node:
                                 self.node_id, len(reply.rejected), dropped)  # fmt: skip
         inventory = self.inventory
         self._mounted.set()
+        self._refusal = None
+        self._refused.clear()
+        self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S  # the next failure is news
         self.metrics.master_connected.set(1)
         self.metrics.mounts.inc()
         log.info("node %s: segment %s mounted on %s with %d objects", self.node_id,

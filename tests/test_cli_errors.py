@@ -1,0 +1,211 @@
+"""What the `kvpool` CLI tells an operator when things go wrong, on real processes on 127.0.0.1:
+a master that stops answering (SIGSTOP after the CLI connected), a stdout that is full or
+closed, a put over an existing key or with more replicas than segments, a `rm` given two
+selections, keys holding control characters, output to a pipe, help at 80 columns, and a node
+started before its master or with the wrong token. Each case runs the command as a child
+process and checks its exit status and its lines: one `error: ...` line, never a traceback.
+Every process a test starts is ended by its pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.test_cluster_surface import kvpool_cli
+
+# The CLI, with every Store it opens freezing the master (SIGSTOP) once connected: a master
+# that hangs between the handshake and the request. Its RPC timeout is cut to 1 s (5 s in the
+# CLI) to keep the test short.
+_FREEZING_CLI = """
+import os, signal, sys
+import kvpool.client.sync as sync
+opened = sync.Store.__init__
+def open_then_freeze(self, *args, **kwargs):
+    kwargs["rpc_timeout_ms"] = 1000
+    opened(self, *args, **kwargs)
+    os.kill(int(os.environ["FROZEN_MASTER_PID"]), signal.SIGSTOP)
+sync.Store.__init__ = open_then_freeze
+from kvpool.cli.main import app
+app(sys.argv[1:], prog_name="kvpool")
+"""
+
+
+def assert_one_error_line(out: subprocess.CompletedProcess, *fragments: str) -> str:
+    stderr = out.stderr.decode()
+    assert out.returncode == 1, (out.returncode, stderr)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, stderr)
+    return lines[0]
+
+
+def test_get_and_stat_say_one_line_when_the_master_stops_answering(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    master = ["--master", cluster.master_endpoint]
+    assert kvpool_cli("put", "frozen", *master, stdin=b"v").returncode == 0
+    env = {**os.environ, "FROZEN_MASTER_PID": str(cluster.master.pid)}
+    commands = ((("get", "frozen"), "get frozen: "), (("stat",), "stat: "), (("stat", "frozen"), "stat: "))
+    for args, first_words in commands:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", _FREEZING_CLI, *args, *master], capture_output=True, timeout=30, env=env
+            )
+        finally:
+            os.kill(cluster.master.pid, signal.SIGCONT)
+        line = assert_one_error_line(out, "timed out")
+        assert line.startswith(f"error: {first_words}"), line
+
+
+def test_a_full_or_closed_stdout_is_one_line_or_silence(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    master = ["--master", cluster.master_endpoint]
+    assert kvpool_cli("put", "k", *master, stdin=b"value").returncode == 0
+    for args in (("get", "k"), ("ls",), ("stat", "k")):
+        with open("/dev/full", "wb") as full:
+            out = subprocess.run(
+                [sys.executable, "-m", "kvpool.cli.main", *args, *master], stdout=full, stderr=subprocess.PIPE,
+                timeout=60,
+            )  # fmt: skip
+        assert_one_error_line(out, "cannot write to standard output: No space left on device")
+    # A reader that left (`kvpool ls | head -1`): no message at all.
+    reader_gone = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli.main", "ls", *master], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        reader_gone.stdout.close()  # type: ignore[union-attr]
+        assert reader_gone.wait(60) == 1
+        assert reader_gone.stderr.read() == b""  # type: ignore[union-attr]
+    finally:
+        if reader_gone.poll() is None:
+            reader_gone.kill()
+            reader_gone.wait(10)
+        reader_gone.stderr.close()  # type: ignore[union-attr]
+
+
+def test_put_rm_and_ls_say_what_they_did(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    master = ["--master", cluster.master_endpoint]
+    assert kvpool_cli("put", "dup", *master, stdin=b"first").returncode == 0
+    again = kvpool_cli("put", "dup", *master, stdin=b"second")
+    assert again.returncode == 0 and not again.stderr.startswith(b"stored"), again.stderr
+    assert b"dup exists already: left as it is (5 bytes" in again.stderr, again.stderr
+    assert kvpool_cli("get", "dup", *master).stdout == b"first"
+    # One node: one replica of the three asked, said after the put.
+    three = kvpool_cli("put", "three", "--replicas", "3", *master, stdin=b"3")
+    assert three.returncode == 0 and b"three: 1 of the 3 replicas asked placed" in three.stderr, three.stderr
+    # The Store's error names the key; the CLI does not name it again.
+    empty = kvpool_cli("put", "empty-object", *master, stdin=b"")
+    assert_one_error_line(empty, "INVALID_PARAMS")
+    assert empty.stderr.count(b"empty-object") == 1, empty.stderr
+    # A key and a regex: refused, nothing removed (the key used to be ignored).
+    both = kvpool_cli("rm", "dup", "--regex", "^three$", *master)
+    assert both.returncode == 2 and b"only one of them" in both.stderr, both.stderr
+    # A key that would print as two lines of `ls` (a fake object) is printed as a literal.
+    forged = "fake\n      999999  spoofed"
+    assert kvpool_cli("put", forged, *master, stdin=b"f").returncode == 0
+    listing = kvpool_cli("ls", *master).stdout.decode().splitlines()
+    assert sorted(listing) == sorted([f"{5:>12}  dup", f"{1:>12}  {forged!r}", f"{1:>12}  three"]), listing
+
+
+def test_piped_stat_and_narrow_help_print_whole_values(make_cluster):
+    cluster = make_cluster(2, "16MiB")
+    stat = kvpool_cli("stat", "--master", cluster.master_endpoint)  # stdout is a pipe
+    shown = stat.stdout.decode()
+    assert stat.returncode == 0 and "…" not in shown, shown
+    for node in cluster.nodes:
+        assert node.info["segment_id"] in shown and node.info["endpoint"] in shown, shown
+    env = {**os.environ, "COLUMNS": "80"}
+    for command, names in (
+        ("master", ("--evict-watermark-high", "--put-release-timeout-ms", "--no-debug-invariants",
+                    "KVPOOL_DEBUG_INVARIANTS", "KVPOOL_TOKEN_FILE", "KVPOOL_CLUSTER_ID")),
+        ("node", ("--advertise-host", "--metrics-port", "KVPOOL_TOKEN_FILE", "KVPOOL_DFS_DIR")),
+    ):  # fmt: skip
+        help_text = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", command, "--help"], capture_output=True, timeout=60, env=env
+        ).stdout.decode()
+        assert "…" not in help_text, help_text
+        for name in names:
+            assert name in help_text, (name, help_text)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start_node(master: str, shm_dir: Path, *args: str) -> subprocess.Popen:
+    shm_dir.mkdir()
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli.main", "node", "--master", master, "--memory", "16MiB",
+         "--shm-dir", str(shm_dir), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def _end(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(10)
+
+
+def test_a_node_started_before_its_master_waits_for_it_quietly(tmp_path):
+    """A node whose master comes up 11 s later (it used to give up after 10 s) is mounted by
+    it, having said once that it waits and logged its first failed attempt, not one line per
+    attempt (every 2 s). SIGTERM then ends it gracefully."""
+    port = _free_port()  # nobody listens here yet
+    shm_dir, ready = tmp_path / "shm", tmp_path / "node.ready"
+    node = _start_node(f"127.0.0.1:{port}", shm_dir, "--ready-file", str(ready))
+    master = None
+    try:
+        deadline = time.monotonic() + 30
+        while not list(shm_dir.iterdir()) and time.monotonic() < deadline and node.poll() is None:
+            time.sleep(0.02)
+        assert list(shm_dir.iterdir()), "the node never made its segment file"
+        time.sleep(11)
+        assert node.poll() is None, node.stderr.read().decode()  # type: ignore[union-attr]
+        master = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "master", "--port", str(port), "--http-port", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 15
+        while not ready.exists() and time.monotonic() < deadline and node.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), "no mount once the master came"
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(30) == 0
+        assert list(shm_dir.iterdir()) == []
+        log = node.stderr.read().decode()  # type: ignore[union-attr]
+        assert log.count("master link to") == 1 and "ERROR" not in log, log
+        assert log.count("waiting for a master") == 1, log
+    finally:
+        _end(node)
+        if master is not None:
+            _end(master)
+
+
+def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
+    cluster = make_cluster(0, token="the-right-cluster-token-0123456789abcdef")
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("a-wrong-cluster-token-0123456789abcdef")
+    wrong.chmod(0o600)
+    shm_dir = tmp_path / "shm"
+    started = time.monotonic()
+    node = _start_node(cluster.master_endpoint, shm_dir, "--token-file", str(wrong))
+    try:
+        assert node.wait(30) == 1
+        assert time.monotonic() - started < 8, "the node retried a wrong token"  # it gave up after 10 s
+        stderr = node.stderr.read().decode()  # type: ignore[union-attr]
+        last = stderr.splitlines()[-1]
+        assert last.startswith("error: ") and "wrong cluster token" in last, stderr
+        assert "Traceback" not in stderr and stderr.count("wrong cluster token") <= 2, stderr
+        assert list(shm_dir.iterdir()) == []
+    finally:
+        _end(node)
