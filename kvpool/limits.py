@@ -70,6 +70,8 @@ EVICT_RATIO_DEFAULT = 0.05
 NODE_TTL_MS_DEFAULT = 10_000
 HEARTBEAT_INTERVAL_MS_DEFAULT = 1_000
 DRAIN_TIMEOUT_MS_DEFAULT = 30_000
+# `kvpool node --drain-ms`: a drain is for readers to move on, not a second way to keep a node.
+DRAIN_TIMEOUT_MS_MAX = 3_600_000
 # A master restarted with no memory waits this long for nodes to re-mount before it treats an
 # absent node as gone; during the wait it serves what it knows.
 REMOUNT_GRACE_MS_DEFAULT = 3_000

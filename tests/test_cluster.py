@@ -240,6 +240,26 @@ def test_the_masters_http_port_changes_nothing(make_cluster):
         assert [s.state for s in store.cluster_status().segments] == ["active"]
 
 
+def test_a_node_stopped_with_a_drain_serves_its_objects_takes_no_new_ones_then_leaves(make_cluster):
+    """`kvpool node --drain-ms`: decommissioning a node. On SIGTERM it stops taking objects,
+    serves what it holds for the drain (readers move on meanwhile), then leaves cleanly."""
+    cluster = make_cluster(2, "16MiB", node_args=("--drain-ms", "2500"))
+    values = values_for("held", 20, 64 * 1024)
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
+        held = store.query(list(values)[:1]).replicas[0][0].segment_id
+        node = next(n for n in cluster.nodes if n.info["segment_id"] == held)
+        node.signal(signal.SIGTERM)
+        wait_until(lambda: {s.segment.segment_id: s.state for s in store.cluster_status().segments}[held] == "draining")
+        assert store.get_batch(list(values)) == list(values.values())  # still served
+        later = values_for("later", 20, 64 * 1024)
+        assert store.put_batch(list(later), list(later.values())) == [ErrorCode.OK] * len(later)
+        assert all(r.segment_id != held for replicas in store.query(list(later)).replicas for r in replicas)
+        assert node.is_alive()
+        assert node.popen.wait(15) == 0  # the drain over, it left
+        assert held not in _segment_ids(store)
+
+
 def _segment_ids(store: Store) -> set[str]:
     return {s.segment.segment_id for s in store.cluster_status().segments}
 

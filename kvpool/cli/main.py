@@ -351,6 +351,11 @@ def node(
     ready_file: Annotated[
         Optional[Path], typer.Option(help="Write the node's endpoints as JSON here once mounted.")
     ] = None,
+    drain_ms: Annotated[
+        int,
+        typer.Option(help="On SIGTERM or SIGINT, drain first: no new objects here, reads served for this "
+                     "long, then leave (0: leave at once).", min=0, max=limits.DRAIN_TIMEOUT_MS_MAX),
+    ] = 0,
     log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
 ) -> None:
     """Run a storage node: contributes a DRAM segment (and a disk tier) to the pool and serves its bytes."""
@@ -401,6 +406,9 @@ def node(
                     },
                 )
             await stop.wait()
+            if drain_ms:  # decommissioning: readers of what it holds move on meanwhile
+                log.info("node %s: draining for %d ms before it leaves", storage_node.node_id, drain_ms)
+                await storage_node.drain(drain_ms)
         finally:
             await storage_node.stop()
 

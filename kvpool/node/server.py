@@ -1,7 +1,7 @@
 """The storage node: a DRAM segment, its transfer server, and its link to the master.
 
 `Node` is the asyncio I/O shell around the node's cores (segment.py, inventory.py, and the
-handlers of transfer.py). It runs as a process (`kvpool node` calls `run_node`) or embedded in
+handlers of transfer.py). It runs as a process (`kvpool node`, cli/main.py) or embedded in
 a client's event loop (a Store that contributes memory). It is not a place for policy: the
 master decides where objects go and when they leave; the node stores bytes, checks every
 request, and keeps the inventory that lets a restarted master rebuild (DESIGN.md §4).
@@ -608,7 +608,8 @@ class Node:
 
 
 async def run_node(config: NodeConfig, *, drain_timeout_ms: int = 0) -> None:
-    """Run a node until SIGTERM or SIGINT, then leave gracefully (the `kvpool node` command).
+    """Run a node until SIGTERM or SIGINT, then leave gracefully (what `kvpool node` does, with
+    its start-up reporting, in cli/main.py).
 
     Args:
         config: the node's configuration.
