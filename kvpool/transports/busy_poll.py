@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily
+if TYPE_CHECKING:  # imported where metrics are served: a client process never loads it (~0.25 s)
+    from prometheus_client.core import CounterMetricFamily
 
 
 class BusyPoll:
@@ -100,6 +102,8 @@ class BusyPoll:
 
 def metric_families(prefix: str, busy_poll: BusyPoll) -> Iterator[CounterMetricFamily]:
     """Prometheus counters of what polling costs a server (its metrics collector yields them)."""
+    from prometheus_client.core import CounterMetricFamily
+
     yield CounterMetricFamily(
         prefix + "busy_poll_seconds",
         "Seconds of polling windows after replies (--busy-poll-us): at most the CPU polling took.",
