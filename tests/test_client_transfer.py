@@ -290,3 +290,25 @@ def test_large_plain_get_landings_ask_for_huge_pages_inside_their_bytes_only(mon
         payload = os.urandom(size)
         view[:] = payload
         assert data == payload
+
+
+def test_a_round_of_reads_keeps_time_for_the_next_replicas_within_the_lease():
+    """A node that stops answering must leave the next replica time to be read within the read
+    lease (a get waited out a 30 s transfer timeout and missed); a busy but healthy node keeps
+    most of the lease; a lapsed lease reads nothing (a 1 ms round marked healthy nodes slow)."""
+    from kvpool.protocol.messages import GetReplicaListReply, Replica
+
+    infos = {s: SegmentInfo(s, f"node-{s}", "elsewhere", f"{s}:1", "", b"t", 1 << 20) for s in "ABC"}
+
+    def job(replica_count: int, lease_ms: int) -> transfer.GetJob:
+        replicas = [[Replica(s, 0) for s in "ABC"[:replica_count]]]
+        reply = GetReplicaListReply([0], [4096], [1], replicas, lease_ms, infos)
+        return transfer.GetJob(reply, [None], 0, lambda info: None, ["k"])
+
+    reserve = transfer.READ_FALLBACK_RESERVE_MS
+    assert job(1, 10_000).round_timeout_ms(0, 30_000) == 10_000  # one replica: the whole lease
+    assert job(2, 10_000).round_timeout_ms(0, 30_000) == 10_000 - reserve
+    assert job(3, 10_000).round_timeout_ms(0, 30_000) == 10_000 - 2 * reserve
+    assert job(2, 10_000).round_timeout_ms(9_000, 30_000) == 500  # a lease nearly spent: halves
+    assert job(2, 10_000).round_timeout_ms(0, 3_000) == 3_000  # the transfer timeout bounds it
+    assert job(2, 10_000).round_timeout_ms(10_001, 30_000) == 0  # lapsed: nothing to read for

@@ -98,11 +98,14 @@ class NodeLinks:
             batches = job.remote_batches()
             if not batches:
                 return True
-            deadline = time.monotonic() + job.round_timeout_ms(now_monotonic_ms(), self._transfer_timeout_ms) / 1000
+            budget_ms = job.round_timeout_ms(now_monotonic_ms(), self._transfer_timeout_ms)
+            if not budget_ms:
+                return True  # the lease lapsed: misses (job.finish)
+            deadline = time.monotonic() + budget_ms / 1000
             conns = self._connections(batches, deadline)
             if conns is None:
                 return False
-            failed = self._round(batches, conns, deadline)
+            failed = self._round(batches, conns, deadline, budget_ms)
             job.remote_done({i for batch in batches for i in batch.owners[0]}, set().union(*failed))
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
         return True
@@ -114,9 +117,11 @@ class NodeLinks:
         nothing was sent: the caller writes through the loop."""
         deadline = time.monotonic() + self._transfer_timeout_ms / 1000
         conns = self._connections(batches, deadline)
-        return None if conns is None else self._round(batches, conns, deadline)
+        return None if conns is None else self._round(batches, conns, deadline, self._transfer_timeout_ms)
 
-    def _round(self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float) -> list[set[int]]:
+    def _round(
+        self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float, budget_ms: int
+    ) -> list[set[int]]:
         """Send each node its frame and take its reply; per batch, the key indexes whose frame
         failed (the node refused it, the connection broke, the deadline passed), none or all.
 
@@ -125,7 +130,7 @@ class NodeLinks:
         (selectors), so that a node that stops reading or answering holds none of the
         others' frames or replies."""
         if len(batches) == 1:
-            return [self._transfer(batches[0], conns[0], deadline)]
+            return [self._transfer(batches[0], conns[0], deadline, budget_ms)]
         failed: list[set[int]] = [set() for _ in batches]
         pending: dict[int, list] = {}  # by descriptor: [batch index, connection, request id, parts unsent, sinks]
         for index, (batch, conn) in enumerate(zip(batches, conns)):
@@ -138,7 +143,7 @@ class NodeLinks:
                     (request_id, parts), sinks = conn.begin(message), views
                 pending[conn.fileno()] = [index, conn, request_id, conn.send_some(parts), sinks]
             except KVPoolError as exc:
-                failed[index] = self._failed(batch, conn, exc)
+                failed[index] = self._failed(batch, conn, exc, budget_ms)
         try:
             with selectors.DefaultSelector() as selector:
                 for descriptor, (_, _, _, parts, _) in pending.items():
@@ -151,25 +156,27 @@ class NodeLinks:
                             try:
                                 exchange[3] = conn.send_some(parts)
                             except KVPoolError as exc:
-                                failed[index] = self._failed(batches[index], conn, exc)
+                                failed[index] = self._failed(batches[index], conn, exc, budget_ms)
                             else:
                                 if exchange[3]:
                                     continue
                                 selector.modify(key.fd, selectors.EVENT_READ)  # sent: wait for the reply
                                 continue
                         else:
-                            failed[index] = self._reply(batches[index], conn, request_id, sinks, deadline)
+                            failed[index] = self._reply(batches[index], conn, request_id, sinks, deadline, budget_ms)
                         selector.unregister(key.fd)
                         del pending[key.fd]
         finally:  # not done in time (or interrupted): a late reply must not answer the next
+            is_late = time.monotonic() >= deadline
             for index, *_ in pending.values():
                 self._links.link().drop(batches[index].endpoint)
-                self._slow_nodes.timed_out(batches[index].endpoint)
+                if is_late:
+                    self._slow_nodes.timed_out(batches[index].endpoint, budget_ms)
                 failed[index] = set(batches[index].owners[0])
                 log.info("transfer with %s failed: not done in time", batches[index].endpoint)
         return failed
 
-    def _transfer(self, batch: RemoteBatch, conn: BlockingConnection, deadline: float) -> set[int]:
+    def _transfer(self, batch: RemoteBatch, conn: BlockingConnection, deadline: float, budget_ms: int) -> set[int]:
         """Send the batch's frame and take the node's reply: the key indexes whose frame failed
         (the node refused it, the connection broke, the deadline passed), none or all."""
         ((message, views),) = batch.frames
@@ -179,11 +186,17 @@ class NodeLinks:
             else:
                 (request_id,), sinks = conn.send([message], deadline), views
         except KVPoolError as exc:
-            return self._failed(batch, conn, exc)
-        return self._reply(batch, conn, request_id, sinks, deadline)
+            return self._failed(batch, conn, exc, budget_ms)
+        return self._reply(batch, conn, request_id, sinks, deadline, budget_ms)
 
     def _reply(
-        self, batch: RemoteBatch, conn: BlockingConnection, request_id: int, sinks: list[memoryview], deadline: float
+        self,
+        batch: RemoteBatch,
+        conn: BlockingConnection,
+        request_id: int,
+        sinks: list[memoryview],
+        deadline: float,
+        budget_ms: int,
     ) -> set[int]:
         """Take the node's reply to the batch's frame: the key indexes that failed, none or all."""
         try:
@@ -191,16 +204,16 @@ class NodeLinks:
             if isinstance(reply, ErrorReply):  # the node refused the frame; the connection is clean
                 raise error_from_code(reply.code, reply.message)
         except KVPoolError as exc:
-            return self._failed(batch, conn, exc)
+            return self._failed(batch, conn, exc, budget_ms)
         except BaseException:  # interrupted: a reply may still come, and must not answer the next
             self._links.link().drop(batch.endpoint)
             raise
         return set()
 
-    def _failed(self, batch: RemoteBatch, conn: BlockingConnection, exc: KVPoolError) -> set[int]:
+    def _failed(self, batch: RemoteBatch, conn: BlockingConnection, exc: KVPoolError, budget_ms: int) -> set[int]:
         log.info("transfer with %s failed: %s", batch.endpoint, exc)
         if isinstance(exc, RpcTimeout):
-            self._slow_nodes.timed_out(batch.endpoint)
+            self._slow_nodes.timed_out(batch.endpoint, budget_ms)
         if conn.is_closed():
             self._links.link().drop(batch.endpoint)
         return set(batch.owners[0])

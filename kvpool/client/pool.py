@@ -75,8 +75,9 @@ class PeerPool(_ClosedForGood):
     def __repr__(self) -> str:
         return f"<PeerPool {sum(len(c) for c in self._conns.values())} connections>"
 
-    async def lanes(self, endpoint: str, count: int) -> list[Connection]:
-        """Up to `count` distinct live connections to `endpoint` (at least one).
+    async def lanes(self, endpoint: str, count: int, timeout_ms: int | None = None) -> list[Connection]:
+        """Up to `count` distinct live connections to `endpoint` (at least one), each opened
+        within `timeout_ms` (at most the connect timeout).
 
         Raises:
             ConnectFailed, Unauthorized: no connection could be opened.
@@ -88,7 +89,7 @@ class PeerPool(_ClosedForGood):
         conns[:] = [c for c in conns if not c.is_closed()]  # in place: shared by concurrent calls
         while len(conns) < count:
             try:
-                conn = self._kept(await self._open(endpoint))
+                conn = self._kept(await self._open(endpoint, timeout_ms))
             except ConnectFailed:
                 if conns:
                     break
@@ -100,11 +101,11 @@ class PeerPool(_ClosedForGood):
             conns.append(conn)
         return sorted(conns, key=Connection.inflight_count)[:count]
 
-    async def _open(self, endpoint: str) -> Connection:
+    async def _open(self, endpoint: str, timeout_ms: int | None = None) -> Connection:
+        timeout_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
         return await connect(
-            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client",
-            prefer_local=self._prefer_local,
-        )  # fmt: skip
+            endpoint, key=self._key, timeout_ms=timeout_ms, name="client", prefer_local=self._prefer_local
+        )
 
     def drop(self, endpoint: str) -> None:
         for conn in self._conns.pop(endpoint, []):

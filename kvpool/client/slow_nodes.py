@@ -15,14 +15,19 @@ import time
 from kvpool import limits
 
 SLOW_NODE_MS = limits.NODE_TTL_MS_DEFAULT
+# A transfer that timed out with less time than this says little about its node (a round's
+# share of a lease nearly spent): it marks nothing.
+SLOW_NODE_BUDGET_MIN_MS = 250
 
 
 class SlowNodes:
     def __init__(self) -> None:
         self._until: dict[str, float] = {}  # endpoint -> monotonic time its mark ends
 
-    def timed_out(self, endpoint: str) -> None:
-        self._until[endpoint] = time.monotonic() + SLOW_NODE_MS / 1000
+    def timed_out(self, endpoint: str, budget_ms: int) -> None:
+        """A transfer with `endpoint` did not finish within `budget_ms`."""
+        if budget_ms >= SLOW_NODE_BUDGET_MIN_MS:
+            self._until[endpoint] = time.monotonic() + SLOW_NODE_MS / 1000
 
     def is_slow(self, endpoint: str) -> bool:
         until = self._until.get(endpoint)

@@ -608,6 +608,8 @@ class AsyncStore:
             asked = {i for batch in batches for owners in batch.owners for i in owners}
             failed: set[int] = set()
             timeout_ms = job.round_timeout_ms(now_monotonic_ms(), self.config.transfer_timeout_ms)
+            if not timeout_ms:
+                return  # the lease lapsed: misses (job.finish)
             for outcome in await self._run_batches(batches, timeout_ms):
                 failed |= outcome
             job.remote_done(asked, failed)
@@ -633,10 +635,10 @@ class AsyncStore:
 
     async def _run_batch(self, batch: RemoteBatch, timeout_ms: int) -> set[int]:
         try:
-            lanes = await self._peers.lanes(batch.endpoint, len(batch.frames))
+            lanes = await self._peers.lanes(batch.endpoint, len(batch.frames), timeout_ms)
         except KVPoolError as exc:
             log.info("node %s unreachable: %s", batch.endpoint, exc)
-            self.slow_nodes.timed_out(batch.endpoint)  # a stopped node's handshake never ends
+            self.slow_nodes.timed_out(batch.endpoint, timeout_ms)  # a stopped node's handshake never ends
             return {i for owners in batch.owners for i in owners}
         requests = []
         for message, views in batch.frames:
@@ -651,7 +653,7 @@ class AsyncStore:
                 if not isinstance(result, (KVPoolError, asyncio.TimeoutError)):
                     raise result
                 if isinstance(result, (RpcTimeout, asyncio.TimeoutError)):
-                    self.slow_nodes.timed_out(batch.endpoint)
+                    self.slow_nodes.timed_out(batch.endpoint, timeout_ms)
                 log.info("transfer to %s failed: %s", batch.endpoint, result)
                 failed.update(owners)
         return failed

@@ -406,6 +406,11 @@ def ended_each(ends: Sequence[tuple[PutJob, list[int]]], reply: Message) -> None
         at += len(end)
 
 
+# What a get keeps of its read lease for each replica after the one it reads (round_timeout_ms):
+# time to read a healthy replica when the first node stopped answering.
+READ_FALLBACK_RESERVE_MS = 2_000
+
+
 class GetJob:
     """One get batch after get_replica_list: replica choice, copies, checks, results.
 
@@ -708,13 +713,19 @@ class GetJob:
         self._verify(arrived)
 
     def round_timeout_ms(self, now_ms: int, transfer_timeout_ms: int) -> int:
-        """How long the next round of TCP reads may take: within the transfer timeout, and a
-        share of what is left of the lease for each replica still to try (bytes that land
-        after the lease lapsed are not returned), so that a node that stopped answering
-        leaves the next replica time to be read instead of taking the whole get down."""
+        """How long the next round of TCP reads may take: within the transfer timeout and what
+        is left of the lease (bytes that land after it lapsed are not returned), less
+        READ_FALLBACK_RESERVE_MS for each replica still to try after this one, so that a node
+        that stopped answering leaves the next replica time to be read instead of taking the
+        whole get down; but at least an equal share of the lease left. A read slower than that
+        is given up for the next replica: on a KV cache, bytes that take seconds to come are
+        worth less than the prefill that recomputes them. 0: the lease lapsed already, so there
+        is nothing to read for (the keys are misses)."""
         candidates, tried = self._candidates, self._tried
         rounds = max((len(candidates[i]) - tried[i] for i in self.pending_indexes()), default=1)
-        return max(1, min(transfer_timeout_ms, (self.lease_deadline_ms - now_ms) // max(1, rounds)))
+        left_ms = self.lease_deadline_ms - now_ms
+        share_ms = max(left_ms // max(1, rounds), left_ms - READ_FALLBACK_RESERVE_MS * (rounds - 1))
+        return max(0, min(transfer_timeout_ms, share_ms))
 
     def finish(self, now_ms: int) -> None:
         """The lease must still hold after the copies; otherwise the bytes may be stale."""
