@@ -688,3 +688,33 @@ def test_a_get_cancelled_at_any_step_gives_its_read_leases_back(step):
                 assert await store.get("k") is None
 
     run(main())
+
+
+def test_a_get_in_pieces_cancelled_mid_copy_gives_back_the_leases_of_pieces_it_did_not_reach():
+    """The lookups of later pieces were answered already when the get was cancelled during the
+    first piece's copies: their leases were dropped with them (cancelling a finished lookup
+    does nothing), and a plain remove of their keys refused for the lease TTL."""
+
+    async def main():
+        async with cluster(1) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                keys = [f"k{i}" for i in range(8)]
+                await store.put_batch(keys, [os.urandom(4096) for _ in keys])
+                copy_local, copies = store._copy_local, []
+
+                def first_piece_slow(job):
+                    copies.append(job)
+                    return asyncio.ensure_future(asyncio.sleep(5)) if len(copies) == 1 else copy_local(job)
+
+                store._copy_local = first_piece_slow
+                task = asyncio.ensure_future(store._located_in_pieces(keys, [None] * 8, None, [(0, 4), (4, 8)]))
+                while len(copies) < 1:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # the second piece's lookup is answered meanwhile
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                for key in ("k0", "k7"):  # a piece reached, and one not
+                    await _removed_once_the_lease_is_back(store, key)
+
+    run(main())

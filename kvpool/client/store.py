@@ -413,7 +413,8 @@ class AsyncStore:
         """Every piece's lookup sent at once, each piece's same-host copies done as its
         answer comes, while the master looks up the next."""
         lease_start_ms = now_monotonic_ms()
-        lookups = [asyncio.ensure_future(self._look_up(key_list(keys[start:end]))) for start, end in pieces]
+        keys_of_pieces = [key_list(keys[start:end]) for start, end in pieces]
+        lookups = [asyncio.ensure_future(self._look_up(piece_keys)) for piece_keys in keys_of_pieces]
         jobs: list[GetJob] = []
         try:
             for piece, lookup in zip(pieces, lookups):
@@ -424,9 +425,12 @@ class AsyncStore:
             for job in jobs:
                 self.release_leases(job)
             raise
-        finally:
-            for lookup in lookups[len(jobs) :]:  # a lookup failed: the others' answers are not wanted
-                lookup.cancel()
+        finally:  # the lookups of pieces not reached (cancelled, or one failed) are not wanted:
+            for piece_keys, lookup in list(zip(keys_of_pieces, lookups))[len(jobs) :]:
+                if not lookup.done():
+                    lookup.cancel()  # an answer still to come gives its leases back (late_reply)
+                elif not lookup.cancelled() and lookup.exception() is None:
+                    self._give_back_late_leases(piece_keys, lookup.result())
         return jobs
 
     async def _got(self, jobs: list[GetJob], is_telling: bool) -> list[GetJob]:
