@@ -837,6 +837,30 @@ def test_a_segment_file_whose_owner_lives_in_another_pid_namespace_is_not_stale(
     assert not path.exists()
 
 
+def test_a_dead_owners_segment_file_is_stale_though_a_process_it_forked_lives(tmp_path: Path) -> None:
+    """The owner's lock is its own: a worker it forked (a serving process with an embedded node)
+    shares its open files, and kept a SIGKILLed owner's file from ever being found stale."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import os, sys, time; from kvpool.node.segment import Segment; "
+            f"s = Segment.create({str(tmp_path)!r}, 'forker', {MEMORY_BYTES}, os.urandom(16)); "
+            "worker = os.fork()\n"
+            "if worker == 0: time.sleep(60); os._exit(0)\n"
+            "print(s.path, worker, flush=True); sys.stdin.read()"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    path_text, worker_text = owner.stdout.readline().split()
+    path, worker = Path(path_text), int(worker_text)
+    try:
+        owner.kill()
+        owner.wait(10)
+        assert Path(f"/proc/{worker}").exists()
+        assert remove_stale_segments(str(tmp_path)) == [path]
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
 def test_a_node_warns_when_its_advertised_address_does_not_reach_it(tmp_path: Path, caplog) -> None:
     """--advertise-host naming an address the node does not listen on: clients would fail every
     transfer with it (11 of 20 puts failed in a probe) while the master and `kvpool stat` saw a

@@ -20,6 +20,7 @@ import fcntl
 import mmap
 import os
 import struct
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -100,20 +101,32 @@ class Segment:
         assert capacity_bytes % limits.PAGE_SIZE_BYTES == 0, capacity_bytes
         with map_exceptions({OSError: InvalidParams}):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            lock_fd = None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just created: no one else holds it
+                # The lock on an open file of its own: the mapping holds the first one (and a
+                # forked child inherits the mapping), so only this one can be let go of.
+                lock_fd = os.open(path, os.O_RDONLY)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just created: no one holds it
                 os.ftruncate(fd, file_size)
                 file_map = mmap.mmap(fd, file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
-                os.close(fd)
+                if lock_fd is not None:
+                    os.close(lock_fd)
                 path.unlink(missing_ok=True)
                 raise
+            finally:
+                os.close(fd)
         _HEADER.pack_into(
             file_map, 0, _MAGIC, _VERSION, limits.SEGMENT_HEADER_SIZE_BYTES, capacity_bytes,
             token, os.getpid(),
         )  # fmt: skip
-        segment = cls(path, file_map, capacity_bytes, token, is_owner=True, lock_fd=fd)
-        segment._prefault()
+        segment = cls(path, file_map, capacity_bytes, token, is_owner=True, lock_fd=lock_fd)
+        try:
+            segment._prefault()
+        except BaseException:
+            segment.close()
+            raise
+        _owned.add(segment)
         return segment
 
     @classmethod
@@ -171,6 +184,23 @@ class Segment:
         pages = np.frombuffer(self.data, dtype=np.uint8)[:: limits.PAGE_SIZE_BYTES]
         pages[:] = 0
         del pages
+
+
+# Segments this process owns: a forked child closes its copies of their lock descriptors, so
+# that the lock is its owner's alone (a worker forked by an embedded node's process would keep
+# a dead owner's file from ever being found stale).
+_owned: weakref.WeakSet[Segment] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    for segment in list(_owned):
+        if segment._lock_fd is not None:
+            os.close(segment._lock_fd)
+            segment._lock_fd = None
+    _owned.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
