@@ -260,6 +260,19 @@ def test_a_node_stopped_with_a_drain_serves_its_objects_takes_no_new_ones_then_l
         assert held not in _segment_ids(store)
 
 
+def test_a_second_signal_ends_a_nodes_drain_at_once(make_cluster):
+    """A drain longer than the supervisor's grace period (Kubernetes: 30 s) must yield to its
+    next SIGTERM, not end in a SIGKILL that leaves the node mounted until the TTL."""
+    cluster = make_cluster(1, "16MiB", node_args=("--drain-ms", "600000"))
+    (node,) = cluster.nodes
+    with Store(cluster.master_endpoint) as store:
+        node.signal(signal.SIGTERM)
+        wait_until(lambda: [s.state for s in store.cluster_status().segments] == ["draining"])
+        node.signal(signal.SIGTERM)
+        assert node.popen.wait(10) == 0
+        assert store.cluster_status().segments == []  # it unmounted on its way out
+
+
 def _segment_ids(store: Store) -> set[str]:
     return {s.segment.segment_id for s in store.cluster_status().segments}
 

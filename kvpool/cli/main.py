@@ -407,8 +407,7 @@ def node(
                 )
             await stop.wait()
             if drain_ms:  # decommissioning: readers of what it holds move on meanwhile
-                log.info("node %s: draining for %d ms before it leaves", storage_node.node_id, drain_ms)
-                await storage_node.drain(drain_ms)
+                await _drain(storage_node, drain_ms, stop)
         finally:
             await storage_node.stop()
 
@@ -450,6 +449,23 @@ async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
             return True
     finally:
         stopped.cancel()
+
+
+async def _drain(storage_node: Node, drain_ms: int, stop: asyncio.Event) -> None:
+    """Drain for `drain_ms`, or until a second signal (an operator's second Ctrl-C, a
+    supervisor's grace period ending in another SIGTERM): then leave at once."""
+    log.info("node %s: draining for %d ms before it leaves (a second signal ends it now)", storage_node.node_id,
+             drain_ms)  # fmt: skip
+    stop.clear()
+    draining = asyncio.ensure_future(storage_node.drain(drain_ms))
+    again = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((draining, again), return_when=asyncio.FIRST_COMPLETED)
+        if not draining.done():
+            log.info("node %s: second signal: leaving now", storage_node.node_id)
+    finally:
+        draining.cancel()
+        again.cancel()
 
 
 def _stop_on_signal() -> asyncio.Event:
