@@ -380,11 +380,15 @@ class MasterServer:
                     # Only the back-off: wait it out (within the put's wait), then evict.
                     back_off_s = service.evict_back_off_left_ms(wall_clock_ms()) / 1000
                     await asyncio.sleep(min(back_off_s, max(0.0, deadline_s - loop.time())))
-                await self._flush_drops()
+                # The flush goes on if the put's wait ends first (a node slow to acknowledge).
+                flushing = asyncio.ensure_future(self._flush_drops())
+                await asyncio.wait((flushing,), timeout=max(0.0, deadline_s - loop.time()))
                 if service is not self.service:
                     return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
                 if waiter.retry:
                     waiter.retry = service.put_start_again(message, reply, waiter.retry, wall_clock_ms())
+                else:
+                    service.room_round_waited()
                 if not waiter.retry or not self._is_room_coming(service) or loop.time() >= deadline_s:
                     break
         finally:

@@ -365,8 +365,10 @@ class MasterService:
         A put short of room is tried in rounds as room comes (the server, the simulation);
         the caller ends them with put_start_settled. Without `evict` the keys take room that
         landed, if any, and evict nothing (the server gives landed room to the puts waiting
-        for it before any other request can take it). Each call counts as a round waited."""
-        self.counters.put_room_rounds += 1
+        for it before any other request can take it). Each call with `evict` counts as a round
+        waited (room_round_waited counts one without a call)."""
+        if evict:
+            self.counters.put_room_rounds += 1
         again = self.put_start(
             PutStart([msg.keys[i] for i in retry], [msg.sizes[i] for i in retry], msg.config, msg.client_hostname),
             now_ms,
@@ -379,6 +381,10 @@ class MasterService:
         """Whether an object of this size fits in some segment that takes puts, empty: one that
         fits in none is refused at once (NO_AVAILABLE_HANDLE), without evicting anything."""
         return footprint_bytes(size_bytes) <= self._registry.capacity_max
+
+    def room_round_waited(self) -> None:
+        """A put waited a round for room, and room that landed meanwhile was enough for it."""
+        self.counters.put_room_rounds += 1
 
     def evict_back_off_left_ms(self, now_ms: int) -> int:
         """How long puts short of room do not scan for victims (a long scan found too few)."""
