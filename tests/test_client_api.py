@@ -718,3 +718,58 @@ def test_a_get_in_pieces_cancelled_mid_copy_gives_back_the_leases_of_pieces_it_d
                     await _removed_once_the_lease_is_back(store, key)
 
     run(main())
+
+
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypatch, api):
+    """The master answers a put_start after the client's RPC timeout: the grants it carries
+    are revoked when it comes (the sync Store sends it on the caller thread's own connection,
+    which it closed at the timeout). Before, the key refused puts until the discard timeout."""
+    import inspect
+
+    from kvpool.errors import RpcTimeout
+
+    answered = MasterServer._put_start
+    calls = []
+
+    def first_one_late(self, message):
+        calls.append(message)
+        if len(calls) > 1:
+            return answered(self, message)
+
+        async def later():
+            await asyncio.sleep(1.0)
+            reply = answered(self, message)
+            return await reply if inspect.isawaitable(reply) else reply
+
+        return later()
+
+    monkeypatch.setattr(MasterServer, "_put_start", first_one_late)
+    value = os.urandom(1 << 20)
+
+    def put_again(put) -> None:
+        deadline = time.monotonic() + 3
+        while (codes := put()) != [ErrorCode.OK]:
+            assert codes == [ErrorCode.REPLICA_IS_NOT_READY] and time.monotonic() < deadline, codes
+            time.sleep(0.05)
+
+    with cluster_on_a_thread(put_discard_timeout_ms=20_000, put_release_timeout_ms=60_000) as endpoint:
+        if api == "Store":
+            with Store(endpoint, rpc_timeout_ms=400, shm_enabled=False) as store:
+                with pytest.raises(RpcTimeout):
+                    store.put_batch(["k"], [value])
+                put_again(lambda: store.put_batch(["k"], [value]))
+                assert store.get("k") == value
+        else:
+
+            async def main():
+                async with await AsyncStore.open(endpoint, rpc_timeout_ms=400, shm_enabled=False) as store:
+                    with pytest.raises(RpcTimeout):
+                        await store.put_batch(["k"], [value])
+                    deadline = time.monotonic() + 3
+                    while (codes := await store.put_batch(["k"], [value])) != [ErrorCode.OK]:
+                        assert codes == [ErrorCode.REPLICA_IS_NOT_READY] and time.monotonic() < deadline, codes
+                        await asyncio.sleep(0.05)
+                    assert await store.get("k") == value
+
+            run(main())

@@ -32,6 +32,7 @@ closes what the child inherited of the parent's (Store._reopen_after_fork).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -249,11 +250,15 @@ class _DirectLinks:
         self._prefer_local = config.shm_enabled
         self._links = ThreadLinks(_ThreadMasterLink, DIRECT_LINKS_MAX, DIRECT_RETRY_AFTER_S)
 
-    def ask(self, message: Message, is_idempotent: bool = True) -> Message | None:
+    def ask(
+        self, message: Message, is_idempotent: bool = True, late_reply: Callable[[Message], None] | None = None
+    ) -> Message | None:
         """The master's reply, or None when the master has not seen the request from here
         (no working connection in this thread, or NotLeader): the caller then asks through
         the loop. A request that is not idempotent is sent only on a connection that is
         still open at the other end, and not sent again when it broke after leaving.
+
+        `late_reply`: see BlockingConnection.request.
 
         Raises:
             RpcTimeout: the master did not answer within the RPC timeout.
@@ -264,7 +269,7 @@ class _DirectLinks:
         if conn is None:
             return None
         try:
-            return conn.request(message, self._rpc_timeout_ms)
+            return conn.request(message, self._rpc_timeout_ms, late_reply)
         except BaseException as exc:
             if not self._may_ask_through_the_loop(link, conn, exc, is_idempotent):
                 raise
@@ -637,7 +642,8 @@ class Store:
             pieces = batch_pieces(len(keys), object_bytes, self._put_was_local, PUT_PIECES_FROM_KEYS)
             if len(pieces) > 1:
                 return self._put_in_pieces(parts, keys, config, pieces)
-        reply = self._direct.ask(async_store._put_start_message(keys, parts, config), is_idempotent=False)
+        message = async_store._put_start_message(keys, parts, config)
+        reply = self._direct.ask(message, False, functools.partial(self._revoke_granted, message.keys))
         if reply is None:
             return None
         job = async_store._put_job(keys, parts, reply)
@@ -648,6 +654,12 @@ class Store:
         if failed is None:  # not for this thread's own connections: through the loop
             return self._run(async_store._put_finish(job))
         return self._put_settled(job, failed)
+
+    def _revoke_granted(self, keys: list[str], reply: Message) -> None:
+        """A put_start of this thread answered after it timed out: its grants are given back
+        from the loop (AsyncStore._revoke_granted). Any thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the master discards them
+            self._loop.loop.call_soon_threadsafe(self._async._revoke_granted, keys, reply)
 
     def _put_settled(self, job: PutJob, failed: list[set[int]]) -> list[int]:
         """Given, per remote batch, the keys whose writes failed: put_end what was written and

@@ -30,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvpool import limits
 from kvpool.errors import ConnectFailed, ProtocolError, RpcFailed, RpcTimeout, error_from_code
@@ -50,6 +51,12 @@ from kvpool.transports.connection import split_endpoint
 
 # Buffers per sendmsg: Linux takes at most IOV_MAX (1024) in one call.
 IOV_PARTS_MAX = 1024
+# A request that timed out with a `late_reply` hands its socket to a thread that waits this
+# long for the reply (a put_start's grants lapse at the discard timeout anyway), at most
+# LATE_REPLY_READERS_MAX such threads at a time (beyond: the socket is closed, as without).
+LATE_REPLY_WAIT_MS = limits.PUT_DISCARD_TIMEOUT_MS_DEFAULT
+LATE_REPLY_READERS_MAX = 8
+_late_reply_readers = threading.BoundedSemaphore(LATE_REPLY_READERS_MAX)
 
 
 class BlockingConnection:
@@ -138,8 +145,15 @@ class BlockingConnection:
             raise RpcFailed(f"{self.peer} answered the handshake with {type(ok).__name__}")
         handshake.check(ok)
 
-    def request(self, message: Message, timeout_ms: int) -> Message:
+    def request(
+        self, message: Message, timeout_ms: int, late_reply: Callable[[Message], None] | None = None
+    ) -> Message:
         """Send a request without payload and return its reply message.
+
+        Args:
+            late_reply: given the reply (not an error) if it comes after the timeout, on a
+                thread of its own: for a reply that grants something the caller must give back
+                (see Connection.request). It must not raise.
 
         Raises:
             ConnectFailed: the request could not be sent: the peer never saw it.
@@ -157,10 +171,32 @@ class BlockingConnection:
             frame = self._receive(deadline)
             if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
                 raise RpcFailed(f"{self.peer} sent an unexpected frame for request {request_id}")
+        except RpcTimeout:
+            if late_reply is None or not self._hand_over_for_late_reply(request_id, late_reply):
+                self.close()
+            raise
         except BaseException:
             self.close()
             raise
         return _answer(frame)
+
+    def _hand_over_for_late_reply(self, request_id: int, late_reply: Callable[[Message], None]) -> bool:
+        """Close this connection for its owner, and leave its socket to a thread that waits for
+        the reply to `request_id` (LATE_REPLY_WAIT_MS) and hands it to `late_reply`. False
+        when too many such threads run already."""
+        if self._socket is None or not _late_reply_readers.acquire(blocking=False):
+            return False
+        sock, decoder = self._socket, self._decoder
+        self._socket = None  # closed for the owner; the thread closes the socket
+        self._unanswered.clear()
+        self._early.clear()
+        deadline = time.monotonic() + LATE_REPLY_WAIT_MS / 1000
+        thread = threading.Thread(
+            target=_read_late_reply, args=(sock, decoder, request_id, late_reply, deadline),
+            name=f"kvpool late reply from {self.peer}", daemon=True,
+        )  # fmt: skip
+        thread.start()
+        return True
 
     def send(self, messages: Sequence[Message], deadline: float) -> list[int]:
         """Send requests without payload, in one write, before the replies of any are read
@@ -419,6 +455,33 @@ class BlockingConnection:
         if self._socket is None:
             raise RpcFailed(f"connection to {self.peer} is closed")
         return self._socket
+
+
+def _read_late_reply(
+    sock: socket.socket, decoder: FrameDecoder, request_id: int, late_reply: Callable[[Message], None], deadline: float
+) -> None:
+    """BlockingConnection._hand_over_for_late_reply's thread: the reply to `request_id`, if it
+    comes by `deadline`, to `late_reply`; then the socket is closed."""
+    try:
+        while (remaining_s := deadline - time.monotonic()) > 0:
+            event = decoder.next_event()
+            if event is NEED_DATA:
+                sock.settimeout(remaining_s)
+                received = sock.recv_into(decoder.get_buffer())
+                if not received:
+                    return
+                decoder.buffer_updated(received)
+            elif isinstance(event, Frame) and event.is_reply and event.request_id == request_id:
+                if not event.payload_size and not isinstance(event.message, ErrorReply):
+                    late_reply(event.message)
+                return
+            else:
+                return  # nothing else is expected here
+    except (OSError, ProtocolError):
+        return
+    finally:
+        sock.close()
+        _late_reply_readers.release()
 
 
 def _unsent(parts: list[memoryview], sent: int) -> list[memoryview]:
