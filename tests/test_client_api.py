@@ -731,6 +731,7 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
 
     answered = MasterServer._put_start
     calls = []
+    late_one_answered = threading.Event()
 
     def first_one_late(self, message):
         calls.append(message)
@@ -740,6 +741,7 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
         async def later():
             await asyncio.sleep(1.0)
             reply = answered(self, message)
+            late_one_answered.set()  # its grants are the master's now: the key is taken
             return await reply if inspect.isawaitable(reply) else reply
 
         return later()
@@ -758,6 +760,7 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
             with Store(endpoint, rpc_timeout_ms=400, shm_enabled=False) as store:
                 with pytest.raises(RpcTimeout):
                     store.put_batch(["k"], [value])
+                assert late_one_answered.wait(5)
                 put_again(lambda: store.put_batch(["k"], [value]))
                 assert store.get("k") == value
         else:
@@ -766,6 +769,7 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
                 async with await AsyncStore.open(endpoint, rpc_timeout_ms=400, shm_enabled=False) as store:
                     with pytest.raises(RpcTimeout):
                         await store.put_batch(["k"], [value])
+                    assert await asyncio.to_thread(late_one_answered.wait, 5)
                     deadline = time.monotonic() + 3
                     while (codes := await store.put_batch(["k"], [value])) != [ErrorCode.OK]:
                         assert codes == [ErrorCode.REPLICA_IS_NOT_READY] and time.monotonic() < deadline, codes
