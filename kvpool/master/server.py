@@ -484,7 +484,9 @@ class MasterServer:
         except KVPoolError as exc:
             log.warning("%s to segment %s failed: %s", type(message).__name__, segment_id, exc)
             return None
-        assert isinstance(reply, CodesReply)
+        if not isinstance(reply, CodesReply):  # a node of another version, or a broken one
+            log.warning("segment %s answered %s with %s", segment_id, type(message).__name__, type(reply).__name__)
+            return None
         if len(reply.codes) != len(entries):
             log.warning("segment %s answered %d codes for %d entries", segment_id, len(reply.codes), len(entries))
             return None

@@ -1,9 +1,11 @@
-"""Puts that find a full cache and wait for room, through the master server's own flows
-(MasterServer: rounds of eviction, drops sent to nodes, room handed out), with a fake node
-connection that acknowledges drops. The service's eviction itself is test_master_eviction's.
+"""The master server's flows with nodes (MasterServer: puts that wait for room in rounds of
+eviction, drops sent to nodes, commits), through a fake node connection. The service's own
+rules are test_master_service's and test_master_eviction's.
 
-Each scenario was found by a review (2026-12-02) and confirmed by a script before its fix:
-in a cluster test, four threads putting into a full cache lost a batch of 128 now and then."""
+The put-room scenarios were found by a review (2026-12-02) and confirmed by a script before
+their fix: in a cluster test, four threads putting into a full cache lost a batch of 128 now
+and then. The node-reply one by fuzzing the wire protocol.
+"""
 
 from __future__ import annotations
 
@@ -36,13 +38,16 @@ NO_ROOM = ErrorCode.NO_AVAILABLE_HANDLE
 
 class FakeNode:
     """A node's connection as the master sees it: acknowledges drops (the first `failing`
-    DropObjects time out, as a node slow past the RPC timeout) and commits."""
+    DropObjects time out, as a node slow past the RPC timeout) and commits (with `commit_reply`
+    instead of codes, when given: a broken node)."""
 
-    def __init__(self, failing: int = 0) -> None:
+    def __init__(self, failing: int = 0, commit_reply=None) -> None:
         self.failing = failing
+        self.commit_reply = commit_reply
 
     def is_write_buffered(self) -> bool:
-        return False
+        # A commit frame still queued here: the put waits for the node's codes (server.py).
+        return self.commit_reply is not None
 
     async def request(self, message, timeout_ms=0):
         await asyncio.sleep(0.001)
@@ -52,7 +57,7 @@ class FakeNode:
                 raise RpcTimeout("DropObjects timed out")
             return OkReply()
         assert isinstance(message, CommitObjects), message
-        return CodesReply([0] * len(message.entries))
+        return self.commit_reply or CodesReply([0] * len(message.entries))
 
 
 def put_start(keys: list[str]) -> PutStart:
@@ -206,3 +211,21 @@ def test_a_tick_that_fails_unexpectedly_does_not_stop_the_next_ones(monkeypatch,
     with caplog.at_level(logging.ERROR, logger="kvpool.master.server"):
         run(main())
     assert "tick failed" in caplog.text
+
+
+def test_a_node_that_answers_a_commit_with_the_wrong_reply_fails_the_put_not_the_master():
+    """A node answering CommitObjects with an OkReply tripped an assertion in the master: the
+    put_end was never answered and its keys stayed committing (every put, revoke and forced
+    remove of them refused) until the master restarted."""
+
+    async def main():
+        server = empty_server(FakeNode(commit_reply=OkReply()))
+        service = server.service
+        keys = [f"k{i}" for i in range(4)]
+        assert service.put_start(put_start(keys), wall_clock_ms()).codes == [ErrorCode.OK] * 4
+        codes = (await server._put_end(PutEnd(keys, [7] * 4))).codes
+        assert codes == [ErrorCode.TRANSFER_FAIL] * 4
+        assert service.pending_count == 0
+        assert service.put_start(put_start(keys), wall_clock_ms()).codes == [ErrorCode.OK] * 4  # free again
+
+    run(main())
