@@ -282,3 +282,38 @@ def test_a_node_signalled_while_it_waits_for_its_master_leaves_gracefully(tmp_pa
         if node.poll() is None:
             node.kill()
             node.wait(10)
+
+
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def test_a_client_that_never_reads_its_replies_is_not_answered_into_memory(make_cluster):
+    """A peer that sends requests and never reads the replies: the master stops reading from
+    it once its replies back up, instead of answering into memory without bound (300 MB in
+    44 s in a probe); other clients are served meanwhile."""
+    from kvpool.protocol.messages import ClusterStatus
+    from kvpool.transports.blocking import BlockingConnection
+
+    cluster = make_cluster(1, "16MiB")
+    conn = BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=False)
+    sock = conn._socket
+    requests = encode_frame(ClusterStatus(), 1) * 2_000
+    before_kib = _rss_kib(cluster.master.pid)
+    sock.settimeout(0.5)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < 8:
+            try:
+                sock.send(requests)
+            except TimeoutError:
+                pass  # the master stopped reading: what it should do
+        grown_kib = _rss_kib(cluster.master.pid) - before_kib
+        with Store(cluster.master_endpoint) as store:
+            asked = time.monotonic()
+            assert len(store.cluster_status().segments) == 1
+            assert time.monotonic() - asked < 2
+    finally:
+        conn.close()
+    assert grown_kib < 32 * 1024, grown_kib

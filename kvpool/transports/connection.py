@@ -325,9 +325,16 @@ class Connection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        # A server reads no more requests from a peer that does not read its replies: else
+        # their replies pile up here without bound. (A client always reads: its replies are
+        # what lets the server go on, so it must not stop reading while it writes.)
+        if self._is_server and self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._is_server and self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
