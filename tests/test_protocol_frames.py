@@ -329,3 +329,26 @@ def test_a_frame_larger_than_the_staging_buffer_while_the_transport_holds_its_vi
             events.append(event)
         view.release()
     assert len(events) == 1 and events[0].message == GetReplicaList(keys) and events[0].request_id == 7
+
+
+def test_a_header_announcing_a_large_control_message_buys_memory_only_as_its_bytes_come():
+    """A 21-byte header announcing 64 MiB made a server allocate 64 MiB at once, even before
+    the handshake (fuzzing: +640 MiB from ten connections). The buffer grows as the bytes come,
+    and lets the room go once the frame is over."""
+    from kvpool.protocol.messages import ExistKeys
+
+    keys = [f"{i:0100d}" for i in range(40_000)]
+    frame = encode_frame(ExistKeys(keys), 7)  # a control message of some 4 MiB
+    decoder = FrameDecoder()
+    initial = len(decoder.get_buffer())
+    decoder.receive_data(frame[:64])
+    assert len(decoder._staging) <= 2 * initial
+    fed = 64
+    while fed < len(frame):
+        decoder.receive_data(frame[fed : fed + 256 * 1024])
+        fed += 256 * 1024
+        assert len(decoder._staging) <= 2 * min(fed, len(frame)) + initial
+    event = decoder.next_event()
+    assert isinstance(event, Frame) and event.message.keys == keys
+    assert decoder.next_event() is NEED_DATA
+    assert len(decoder.get_buffer()) == initial  # the large room is let go

@@ -233,19 +233,27 @@ class FrameDecoder:
             return sink[self._sink_pos :]
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._staging) > _STAGING_SIZE_BYTES:  # a large frame is over: let its room go
+                self._staging = bytearray(_STAGING_SIZE_BYTES)
         staging_bytes = len(self._staging)
         if staging_bytes - self._end < 4 * limits.KIB or self._start + self._frame_bytes > staging_bytes:
             self._compact()
-            # Room for the whole unfinished frame (its size is known once its header came,
-            # and bounded by next_event), or twice the room when even its header is cut off.
-            # Only here: the view get_buffer hands out is held by the transport until
-            # buffer_updated returns, and an exported bytearray cannot be resized.
-            wanted = self._frame_bytes
-            if self._end == staging_bytes:
-                wanted = max(wanted, 2 * staging_bytes)
-            if wanted > staging_bytes:
+            # Full of an unfinished frame: twice the room, up to that frame's size (known once
+            # its header came, and bounded by next_event). Grown as its bytes come, never to
+            # the size a header announces: 21 bytes must not buy 64 MiB. Only here: the view
+            # get_buffer hands out is held by the transport until buffer_updated returns, and
+            # an exported bytearray cannot be resized.
+            if staging_bytes - self._end < 4 * limits.KIB:
+                wanted = 2 * staging_bytes
+                if self._frame_bytes > staging_bytes:
+                    wanted = min(wanted, self._frame_bytes + 4 * limits.KIB)
                 self._grow(wanted)
         return memoryview(self._staging)[self._end :]
+
+    def limit_control_size(self, size_bytes: int) -> None:
+        """The largest control message accepted from now on (a connection not yet
+        authenticated takes only its handshake's)."""
+        self._control_size_bytes_max = size_bytes
 
     def buffer_updated(self, size_bytes: int) -> bool:
         """`size_bytes` bytes were written into the buffer last returned by get_buffer.
@@ -267,6 +275,7 @@ class FrameDecoder:
             buffer = self.get_buffer()
             size = min(len(buffer), len(view))
             buffer[:size] = view[:size]
+            buffer.release()  # the staging buffer may grow at the next get_buffer
             view = view[size:]
             self.buffer_updated(size)
             # Payload bytes sitting in staging must move to their sinks before staging fills.

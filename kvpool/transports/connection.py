@@ -79,6 +79,9 @@ Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
 # Given the reply of a request whose caller stopped waiting for it (Connection.request).
 LateReply = Callable[[Message], None]
+# The largest control message a peer may send before the handshake is over (its own are
+# tens of bytes): one that is not authenticated yet buys no large buffer.
+HANDSHAKE_CONTROL_SIZE_BYTES_MAX = 64 * limits.KIB
 
 
 class Reply(NamedTuple):
@@ -147,6 +150,7 @@ class Connection(asyncio.BufferedProtocol):
         self._key = key
         self._is_server = is_server
         self._decoder = FrameDecoder()
+        self._decoder.limit_control_size(HANDSHAKE_CONTROL_SIZE_BYTES_MAX)  # until authenticated
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[None] = self._loop.create_future()
@@ -423,6 +427,10 @@ class Connection(asyncio.BufferedProtocol):
             self._drain_waiters.append(waiter)
             await asyncio.wait_for(waiter, limits.TRANSFER_TIMEOUT_MS_DEFAULT / 1000)
 
+    def _authenticated(self) -> None:
+        self._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)
+        self._ready.set_result(None)
+
     def _keep_for_late_reply(
         self, request_id: int, future: asyncio.Future[Message], late_reply: Callable[[Message], None]
     ) -> None:
@@ -614,7 +622,7 @@ class Connection(asyncio.BufferedProtocol):
                     return
                 proof = auth.server_proof(self._key, self._nonce_server, message.nonce)
                 self._write_now(encode_frame(AuthOk(proof), 0))
-            self._ready.set_result(None)
+            self._authenticated()
             return
         try:
             if isinstance(message, AuthChallenge):
@@ -625,7 +633,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             if isinstance(message, AuthOk) and self._handshake is not None:
                 self._handshake.check(message)
-                self._ready.set_result(None)
+                self._authenticated()
                 return
             if isinstance(message, ErrorReply) and self._handshake is not None:
                 raise self._handshake.refused(message)
