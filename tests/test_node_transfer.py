@@ -861,6 +861,39 @@ def test_a_dead_owners_segment_file_is_stale_though_a_process_it_forked_lives(tm
         os.kill(worker, signal.SIGKILL)
 
 
+def test_a_write_whose_payload_outlives_its_grant_is_cut_off_and_lands_no_more(tmp_path: Path) -> None:
+    """A writer that stalls mid-payload past its grant's expiry: the node closes its connection
+    then, so the rest can never land. (Fuzzing: a writer stalled past the put's release
+    timeout, then sent the rest into the range of an object placed there since: destroyed.)"""
+    from kvpool.transports.blocking import BlockingConnection
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (_, node):
+            size = 64 * 1024
+            grant = grant_for(node, 0, size, expiry_ms=wall_clock_ms() + 300)
+            writer = await asyncio.to_thread(
+                BlockingConnection.open, node.endpoint, key=KEY, timeout_ms=2_000, prefer_local=False
+            )
+            sock = writer._socket
+            header = encode_frame(WriteSlices([WriteItem(grant, 0, size)]), 1, payload_size=size)
+            sock.sendall(header + b"\x01" * (size // 2))
+            await asyncio.sleep(0.8)  # the grant expired meanwhile
+            node.segment.data[size // 2 : size] = b"\x00" * (size // 2)  # the range's new tenant
+            with contextlib.suppress(OSError):
+                sock.sendall(b"\x02" * (size // 2))
+            await asyncio.sleep(0.2)
+            assert bytes(node.segment.data[size // 2 : size]) == b"\x00" * (size // 2)
+            sock.settimeout(2)
+            try:
+                answer = sock.recv(4096)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b""  # closed by the node, no reply
+            writer.close()
+
+    run(main)
+
+
 def test_a_node_warns_when_its_advertised_address_does_not_reach_it(tmp_path: Path, caplog) -> None:
     """--advertise-host naming an address the node does not listen on: clients would fail every
     transfer with it (11 of 20 puts failed in a probe) while the master and `kvpool stat` saw a

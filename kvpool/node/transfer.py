@@ -176,9 +176,36 @@ class TransferHandler(_SegmentHandler):
         self._clock_ms = clock_ms
         # The term of the master this segment is mounted with (MountReply); 0 until then.
         self.term = 0
+        # Per connection whose write payload is arriving: the timer that closes it when the
+        # write's grants expire first (payload_sinks).
+        self._payload_deadlines: dict[Connection, asyncio.TimerHandle] = {}
 
     def __repr__(self) -> str:
         return f"<TransferHandler {self.segment_id} connections={len(self.connections)}>"
+
+    def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
+        """A write's grants are checked as its header comes; its payload must also come whole
+        before they expire: else the connection is closed, and no byte of it lands later. (A
+        writer that stalled mid-payload past its grant's expiry and the put's release timeout
+        wrote into the range of another object the master had placed there since.)"""
+        sinks = super().payload_sinks(conn, message)
+        if isinstance(message, WriteSlices) and message.items:
+            expiry_ms = min(item.grant.expiry_ms for item in message.items)
+            delay_s = max(0.0, (expiry_ms - self._clock_ms()) / 1000)
+            self._payload_deadlines[conn] = asyncio.get_running_loop().call_later(
+                delay_s, conn.close, "a write's grant expired before its payload came whole"
+            )
+        return sinks
+
+    def payload_received(self, conn: Connection, message: Message) -> HandlerResult:
+        if (deadline := self._payload_deadlines.pop(conn, None)) is not None:
+            deadline.cancel()
+        return super().payload_received(conn, message)
+
+    def connection_closed(self, conn: Connection) -> None:
+        if (deadline := self._payload_deadlines.pop(conn, None)) is not None:
+            deadline.cancel()
+        super().connection_closed(conn)
 
     def _sinks_for(self, message: Message) -> Sequence[memoryview]:
         if not isinstance(message, WriteSlices):
