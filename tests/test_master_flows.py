@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -229,3 +230,29 @@ def test_a_node_that_answers_a_commit_with_the_wrong_reply_fails_the_put_not_the
         assert service.put_start(put_start(keys), wall_clock_ms()).codes == [ErrorCode.OK] * 4  # free again
 
     run(main())
+
+
+def test_a_stall_of_the_master_itself_does_not_count_against_its_nodes(monkeypatch, caplog):
+    """A request that held the master's loop for longer than the node TTL (a pattern that
+    backtracked for 26 s) made it drop every node when it woke: their heartbeats had waited
+    in its sockets. Its own stall is excused; a node silent on its own is still dropped."""
+
+    async def main():
+        monkeypatch.setattr(server_module, "TICK_INTERVAL_MS", 10)
+        server = MasterServer(MasterConfig(node_ttl_ms=1_000), seed=1)
+        info = SegmentInfo("seg", "node", "host", "host:1", "/dev/shm/none", b"t", 8 * limits.MIB)
+        server.service.mount_segment(MountSegment(info, []), wall_clock_ms())
+        ticking = asyncio.get_running_loop().create_task(server._tick_forever())
+        try:
+            await asyncio.sleep(0.05)
+            time.sleep(1.5)  # the master's loop held, as by a long request
+            await asyncio.sleep(0.05)
+            assert server.service.has_segment("seg")
+            await asyncio.sleep(1.2)  # now the node is silent on its own
+            assert not server.service.has_segment("seg")
+        finally:
+            ticking.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="kvpool.master.server"):
+        run(main())
+    assert "did not run for" in caplog.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import pytest
@@ -514,6 +515,22 @@ def test_removed_ranges_are_reused_only_after_drops_done() -> None:
     svc.drops_done("gone", drops["s1"], 0)  # an unknown segment is ignored
     reply = svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 0)
     assert reply.codes == [OK] and where(reply, 0)[0][1] == drops["s1"][0].offset
+
+
+def test_a_pattern_that_backtracks_is_matched_in_linear_time() -> None:
+    """`^(a+)+$` against a key of 28 a's and a '!' held a backtracking master for 26 s (each more
+    character doubles it; keys may be 4 KiB): its nodes' heartbeats went unanswered and it
+    dropped them. Patterns are RE2's: linear in the key; backreferences are refused."""
+    svc = make()
+    mount(svc, "s1")
+    key = "a" * 4000 + "!"
+    assert put(svc, [key, "aaaa"]) == [OK, OK]
+    started = time.monotonic()
+    assert svc.list_objects(ListObjects("^(a+)+$"), 0).keys == ["aaaa"]
+    assert svc.remove_by_regex(RemoveByRegex("^(a+)+$", force=True), 0).count == 1
+    assert time.monotonic() - started < 1
+    with pytest.raises(InvalidParams, match="RE2 syntax"):
+        svc.list_objects(ListObjects(r"(a)\1"), 0)
 
 
 def test_remove_by_regex_and_remove_all() -> None:

@@ -574,7 +574,7 @@ def get(
 @app.command()
 def rm(
     keys: Annotated[Optional[list[str]], typer.Argument(help="Keys to remove.")] = None,
-    regex: Annotated[Optional[str], typer.Option(help="Remove every key matching this regex.")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Remove every key matching this regex (RE2 syntax).")] = None,
     all_objects: Annotated[bool, typer.Option("--all", help="Remove every object.")] = False,
     force: Annotated[bool, typer.Option(help="Also remove objects under a read lease.")] = False,
     master: MasterOption = MASTER_DEFAULT,
@@ -605,7 +605,7 @@ def rm(
 
 @app.command()
 def ls(
-    pattern: Annotated[str, typer.Argument(help="Regex the keys must contain.")] = "",
+    pattern: Annotated[str, typer.Argument(help="Regex the keys must contain (RE2 syntax).")] = "",
     limit: Annotated[int, typer.Option(help="At most this many keys.")] = 1000,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,

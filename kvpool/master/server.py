@@ -81,6 +81,8 @@ from kvpool.transports.dfs import DfsDirectory
 log = logging.getLogger(__name__)
 
 TICK_INTERVAL_MS = 200
+# A tick this late says the master itself did not run (nodes' TTLs are not charged for it).
+STALL_EXCUSED_MS_MIN = 1_000
 NODE_CALL_TIMEOUT_MS = limits.RPC_TIMEOUT_MS_DEFAULT
 # What a new leader refuses until its takeover is over: requests that change what exists.
 _TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
@@ -526,8 +528,15 @@ class MasterServer:
             self._unsent_drops.setdefault(segment_id, []).extend(entries[sent:])
 
     async def _tick_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:  # Runs until stop() cancels it.
+            asleep_s = loop.time()
             await asyncio.sleep(TICK_INTERVAL_MS / 1000)
+            # Woken this late: the loop was held (not merely busy awaiting nodes).
+            stalled_ms = int((loop.time() - asleep_s) * 1000) - TICK_INTERVAL_MS
+            if stalled_ms >= STALL_EXCUSED_MS_MIN:
+                log.warning("the master did not run for %d ms: nodes' silence meanwhile is excused", stalled_ms)
+                self.service.excuse_stall(stalled_ms)
             if self._dfs is not None and self._is_leading():
                 await self._ensure_dfs()
             if self.elector is not None and self.role != "leader":
