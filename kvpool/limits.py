@@ -139,6 +139,8 @@ ELECTION_RETRY_BACKOFF_MS_MAX = 1_000
 # default 1.5 MiB request limit at ~30 bytes an id).
 LEADER_RECORD_SEGMENTS_MAX = 16_384
 CLUSTER_ID_SIZE_BYTES_MAX = 128
+# A segment's node id, hostname, endpoint and path (SegmentInfo): names, not payloads.
+SEGMENT_NAME_SIZE_BYTES_MAX = 4096
 CLUSTER_ID_DEFAULT = "default"
 # A client call that meets no leader (failover in progress) re-resolves and retries at most
 # this often within its own bound (connect + RPC timeout), backing off up to the max below.

@@ -1401,3 +1401,16 @@ def test_every_master_counter_is_on_metrics_with_a_help_that_says_what_it_counts
         assert f"# HELP kvpool_master_{field.name}_total " in text, field.name
     # A lookup's hit is not the reader's: an operator must not read it as the hit rate served.
     assert "its read may still miss" in text
+
+
+def test_a_segment_named_at_length_is_refused_in_few_words() -> None:
+    """A mount whose endpoint (or node id, hostname, path) is megabytes long was accepted and
+    logged whole at each mount (fuzzing: 50 MB of master log from ten requests)."""
+    svc = make()
+    for field in ("node_id", "hostname", "endpoint", "shm_path"):
+        info = SegmentInfo("s1", "node-s1", "host", "host:1", "/dev/shm/x", b"t", 64 * MIB)
+        setattr(info, field, "x" * 5_000_000)
+        with pytest.raises(InvalidParams, match=field) as refused:
+            svc.mount_segment(MountSegment(info, []), 0)
+        assert len(str(refused.value)) < 200
+    assert svc.cluster_status(ClusterStatus(), 0).segments == []

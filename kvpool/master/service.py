@@ -930,8 +930,13 @@ class MasterService:
             raise self._count_error(InvalidParams(f"segment tier {info.tier!r} not one of {TIERS}"))
         if not is_valid_key(info.segment_id) or not isinstance(info.node_id, str) or not info.node_id:
             raise self._count_error(
-                InvalidParams(f"bad segment or node id: {info.segment_id!r} {info.node_id!r}")
+                InvalidParams(f"bad segment or node id: {info.segment_id[:100]!r} {str(info.node_id)[:100]!r}")
             )
+        for name in ("node_id", "hostname", "endpoint", "shm_path"):
+            if len(getattr(info, name)) > limits.SEGMENT_NAME_SIZE_BYTES_MAX:
+                raise self._count_error(
+                    InvalidParams(f"segment {name} longer than {limits.SEGMENT_NAME_SIZE_BYTES_MAX} characters")
+                )
         capacity = info.capacity_bytes
         if (
             type(capacity) is not int

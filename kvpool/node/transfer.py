@@ -125,7 +125,7 @@ class _SegmentHandler:
 
     def _check_segment_id(self, segment_id: str) -> None:
         if segment_id != self.segment_id:
-            raise SegmentNotFound(f"segment {segment_id!r} is not on this node ({self.segment_id})")
+            raise SegmentNotFound(f"segment {segment_id[:100]!r} is not on this node ({self.segment_id})")
 
     def _check_range(self, offset: int, size_bytes: int, what: str) -> None:
         if offset < 0 or size_bytes <= 0 or offset + size_bytes > self.segment.capacity_bytes:

@@ -516,7 +516,8 @@ class Connection(asyncio.BufferedProtocol):
                         f"payload of {frame.payload_size} bytes does not match the request"
                     )
             except KVPoolError as exc:
-                log.info("rejecting payload of %s from %s: %s", type(message).__name__, self.peer, exc)
+                # At most a few hundred characters of it: the error may quote the peer's bytes.
+                log.info("rejecting payload of %s from %s: %.300s", type(message).__name__, self.peer, exc)
                 self._incoming_error = exc
                 sinks = None
             self._decoder.set_payload_sinks(sinks)
