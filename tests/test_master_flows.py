@@ -256,3 +256,27 @@ def test_a_stall_of_the_master_itself_does_not_count_against_its_nodes(monkeypat
     with caplog.at_level(logging.WARNING, logger="kvpool.master.server"):
         run(main())
     assert "did not run for" in caplog.text
+
+
+def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():
+    """Any authenticated peer could send a Heartbeat naming a node's segment: the master bound
+    that segment to the peer's connection, sent it the node's drops, took its acknowledgement
+    and reused ranges the node still held (every later put there failed). The node's own link,
+    while it is open, stays the segment's; a closed one is replaced by the next heartbeat."""
+    from kvpool.protocol.messages import Heartbeat
+
+    class Peer:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def is_closed(self) -> bool:
+            return self.closed
+
+    server = empty_server()
+    node_link = server._node_conns["seg"] = Peer()
+    server._dispatch(Peer(), Heartbeat(["seg"]))
+    assert server._node_conns["seg"] is node_link
+    node_link.closed = True  # the node reconnects: its next heartbeat binds its new link
+    reconnected = Peer()
+    server._dispatch(reconnected, Heartbeat(["seg"]))
+    assert server._node_conns["seg"] is reconnected

@@ -314,8 +314,14 @@ class MasterServer:
                 )  # fmt: skip
                 return reply
             case Heartbeat():
+                # A node binds its segments to its connection by mounting them (it mounts on
+                # every new connection); a heartbeat rebinds only a segment whose connection is
+                # gone, so that another peer's heartbeat cannot take drops and commits meant
+                # for the node (they were acknowledged by it, and the node's ranges reused).
                 for segment_id in message.segment_ids:
-                    self._node_conns[segment_id] = conn  # rebinds after a node reconnects
+                    bound = self._node_conns.get(segment_id)
+                    if bound is None or bound.is_closed():
+                        self._node_conns[segment_id] = conn
                 return service.heartbeat(message, now_ms)
             case UnmountSegment():
                 reply = service.unmount_segment(message, now_ms)
