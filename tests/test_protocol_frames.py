@@ -352,3 +352,26 @@ def test_a_header_announcing_a_large_control_message_buys_memory_only_as_its_byt
     assert isinstance(event, Frame) and event.message.keys == keys
     assert decoder.next_event() is NEED_DATA
     assert len(decoder.get_buffer()) == initial  # the large room is let go
+
+
+def test_the_buffer_grows_while_a_view_of_it_is_still_held():
+    """uvloop keeps the buffer of a receive that brought nothing until it asks for the next:
+    growing the staging buffer in place then raised BufferError, and the connection died."""
+    from kvpool.protocol.messages import ExistKeys
+
+    keys = [f"{i:0100d}" for i in range(5_000)]
+    frame = encode_frame(ExistKeys(keys), 3)  # larger than the staging buffer
+    decoder = FrameDecoder()
+    held = decoder.get_buffer()
+    held[:] = frame[: len(held)]
+    decoder.buffer_updated(len(held))  # full, the view still held
+    fed = len(held)
+    room = decoder.get_buffer()  # grows
+    assert len(room) > 0
+    room[: len(frame) - fed] = frame[fed:][: len(room)]
+    decoder.buffer_updated(min(len(room), len(frame) - fed))
+    fed += min(len(room), len(frame) - fed)
+    decoder.receive_data(frame[fed:])
+    event = decoder.next_event()
+    assert isinstance(event, Frame) and event.message.keys == keys
+    assert bytes(held[:16]) == frame[:16]  # the old view is left as it was

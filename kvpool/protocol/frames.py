@@ -409,6 +409,12 @@ class FrameDecoder:
         self._start, self._end = 0, size
 
     def _grow(self, frame_size: int) -> None:
+        """A larger staging buffer with the unconsumed bytes at its start. A new one, not the
+        old one resized: a view of the old one may still be held (uvloop keeps the buffer of
+        a receive that brought nothing until it asks for the next), and resizing a bytearray
+        with views of it alive raises BufferError, which killed the connection."""
         self._compact()
         if len(self._staging) < frame_size:
-            self._staging.extend(bytes(frame_size - len(self._staging)))
+            grown = bytearray(frame_size)
+            grown[: self._end] = memoryview(self._staging)[: self._end]
+            self._staging = grown
