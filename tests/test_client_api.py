@@ -777,3 +777,26 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
                     assert await store.get("k") == value
 
             run(main())
+
+
+def test_a_sync_get_interrupted_in_its_reads_gives_its_read_leases_back():
+    """Ctrl-C (or a timeout) while a sync Store's get reads from a node in the caller's
+    thread: the get's read leases went back only at their TTL, and eviction and a plain remove
+    skipped those objects until then."""
+    with cluster_on_a_thread() as endpoint, Store(endpoint, shm_enabled=False) as store:
+        store.put("k", os.urandom(64 * 1024))
+
+        def interrupted(job):
+            raise KeyboardInterrupt
+
+        store._nodes.read = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            store.get("k")
+        deadline = time.monotonic() + 2
+        while True:
+            try:
+                store.remove("k")
+                break
+            except ObjectHasLease:
+                assert time.monotonic() < deadline, "the interrupted get kept its read lease"
+                time.sleep(0.02)
