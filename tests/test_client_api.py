@@ -720,7 +720,7 @@ def test_a_get_in_pieces_cancelled_mid_copy_gives_back_the_leases_of_pieces_it_d
     run(main())
 
 
-@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+@pytest.mark.parametrize("api", ["Store", "AsyncStore", "Store in pieces"])
 def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypatch, api):
     """The master answers a put_start after the client's RPC timeout: the grants it carries
     are revoked when it comes (the sync Store sends it on the caller thread's own connection,
@@ -756,7 +756,19 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
             time.sleep(0.05)
 
     with cluster_on_a_thread(put_discard_timeout_ms=20_000, put_release_timeout_ms=60_000) as endpoint:
-        if api == "Store":
+        if api == "Store in pieces":  # a batch of pages from a same-host client: put_starts pipelined
+            keys, pages = [f"page-{i}" for i in range(512)], [os.urandom(4096) for _ in range(512)]
+            with Store(endpoint, rpc_timeout_ms=400) as store:
+                with pytest.raises(RpcTimeout):
+                    store.put_batch(keys, pages)
+                assert late_one_answered.wait(5)
+                deadline = time.monotonic() + 3
+                while (codes := store.put_batch(keys, pages)) != [ErrorCode.OK] * len(keys):
+                    assert set(codes) <= {ErrorCode.OK, ErrorCode.REPLICA_IS_NOT_READY}, set(codes)
+                    assert time.monotonic() < deadline, codes.count(ErrorCode.REPLICA_IS_NOT_READY)
+                    time.sleep(0.05)
+                assert store.get_batch(keys) == pages
+        elif api == "Store":
             with Store(endpoint, rpc_timeout_ms=400, shm_enabled=False) as store:
                 with pytest.raises(RpcTimeout):
                     store.put_batch(["k"], [value])

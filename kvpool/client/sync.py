@@ -276,12 +276,17 @@ class _DirectLinks:
             return None
 
     def ask_each(
-        self, messages: Sequence[Message], on_reply: Callable[[int, Message], None], is_idempotent: bool = True
+        self,
+        messages: Sequence[Message],
+        on_reply: Callable[[int, Message], None],
+        is_idempotent: bool = True,
+        late_reply: Callable[[int], Callable[[Message], None]] | None = None,
     ) -> list[int]:
         """`ask` of several requests, sent at once: each reply is handed in turn to
         `on_reply(index, reply)` while the master works on the next. Returns the indexes of
         the requests the master has not seen from here, in order (see `ask`; after NotLeader,
-        that one and the rest).
+        that one and the rest). `late_reply(index)`: the `late_reply` of `ask` for request
+        `index`, for those still unanswered at a timeout.
 
         Raises:
             As `ask`, and whatever on_reply raises.
@@ -292,8 +297,10 @@ class _DirectLinks:
         deadline = time.monotonic() + self._rpc_timeout_ms / 1000
         answered = 0
         try:
-            for index, request_id in enumerate(conn.send(messages, deadline)):
-                on_reply(index, conn.reply(request_id, deadline))
+            request_ids = conn.send(messages, deadline)
+            for index, request_id in enumerate(request_ids):
+                late = {rid: late_reply(i) for i, rid in enumerate(request_ids) if i >= index} if late_reply else None
+                on_reply(index, conn.reply(request_id, deadline, late))
                 answered += 1
         except BaseException as exc:
             if not self._may_ask_through_the_loop(link, conn, exc, is_idempotent):
@@ -693,7 +700,9 @@ class Store:
             job = jobs[index] = async_store._put_job(keys[start:end], parts[start:end], reply)
             job.copy_local()
 
-        unanswered = self._direct.ask_each(starts, started, is_idempotent=False)
+        unanswered = self._direct.ask_each(
+            starts, started, False, lambda index: functools.partial(self._revoke_granted, starts[index].keys)
+        )
         if len(unanswered) == len(pieces):
             return None
         self._ask_through_the_loop(starts, unanswered, started, is_idempotent=False)  # the master changed

@@ -172,7 +172,7 @@ class BlockingConnection:
             if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
                 raise RpcFailed(f"{self.peer} sent an unexpected frame for request {request_id}")
         except RpcTimeout:
-            if late_reply is None or not self._hand_over_for_late_reply(request_id, late_reply):
+            if late_reply is None or not self._hand_over_for_late_replies({request_id: late_reply}):
                 self.close()
             raise
         except BaseException:
@@ -180,20 +180,24 @@ class BlockingConnection:
             raise
         return _answer(frame)
 
-    def _hand_over_for_late_reply(self, request_id: int, late_reply: Callable[[Message], None]) -> bool:
+    def _hand_over_for_late_replies(self, late_replies: Mapping[int, Callable[[Message], None]]) -> bool:
         """Close this connection for its owner, and leave its socket to a thread that waits for
-        the reply to `request_id` (LATE_REPLY_WAIT_MS) and hands it to `late_reply`. False
-        when too many such threads run already."""
+        the replies to these requests (LATE_REPLY_WAIT_MS) and hands each to its callback
+        (those that came early, at once). False when too many such threads run already."""
         if self._socket is None or not _late_reply_readers.acquire(blocking=False):
             return False
+        waiting = dict(late_replies)
+        for request_id in list(waiting):
+            if (frame := self._early.get(request_id)) is not None:
+                _hand_late_reply(frame, waiting.pop(request_id))
         sock, decoder = self._socket, self._decoder
         self._socket = None  # closed for the owner; the thread closes the socket
         self._unanswered.clear()
         self._early.clear()
         deadline = time.monotonic() + LATE_REPLY_WAIT_MS / 1000
         thread = threading.Thread(
-            target=_read_late_reply, args=(sock, decoder, request_id, late_reply, deadline),
-            name=f"kvpool late reply from {self.peer}", daemon=True,
+            target=_read_late_replies, args=(sock, decoder, waiting, deadline),
+            name=f"kvpool late replies from {self.peer}", daemon=True,
         )  # fmt: skip
         thread.start()
         return True
@@ -304,11 +308,14 @@ class BlockingConnection:
             self.close()
             raise
 
-    def reply(self, request_id: int, deadline: float) -> Message:
+    def reply(
+        self, request_id: int, deadline: float, late_replies: Mapping[int, Callable[[Message], None]] | None = None
+    ) -> Message:
         """The reply to request `request_id` (sent with `send`). A server may answer requests
         out of order (one that waits for room answers after the next); replies that come
         before theirs is asked for are kept. Any failure but an error reply closes the
-        connection.
+        connection. `late_replies`: on a timeout, the requests (this one among them) whose
+        replies are still handed over when they come (see `request`).
 
         Raises:
             RpcFailed, RpcTimeout, KVPoolError subclass: as `request`.
@@ -323,6 +330,10 @@ class BlockingConnection:
                     raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
                 if frame.request_id != request_id:
                     self._early[frame.request_id], frame = frame, None
+        except RpcTimeout:
+            if not late_replies or not self._hand_over_for_late_replies(late_replies):
+                self.close()
+            raise
         except BaseException:
             self.close()
             raise
@@ -457,13 +468,13 @@ class BlockingConnection:
         return self._socket
 
 
-def _read_late_reply(
-    sock: socket.socket, decoder: FrameDecoder, request_id: int, late_reply: Callable[[Message], None], deadline: float
+def _read_late_replies(
+    sock: socket.socket, decoder: FrameDecoder, waiting: dict[int, Callable[[Message], None]], deadline: float
 ) -> None:
-    """BlockingConnection._hand_over_for_late_reply's thread: the reply to `request_id`, if it
-    comes by `deadline`, to `late_reply`; then the socket is closed."""
+    """BlockingConnection._hand_over_for_late_replies's thread: each reply that comes by
+    `deadline` to its request's callback; then the socket is closed."""
     try:
-        while (remaining_s := deadline - time.monotonic()) > 0:
+        while waiting and (remaining_s := deadline - time.monotonic()) > 0:
             event = decoder.next_event()
             if event is NEED_DATA:
                 sock.settimeout(remaining_s)
@@ -471,10 +482,9 @@ def _read_late_reply(
                 if not received:
                     return
                 decoder.buffer_updated(received)
-            elif isinstance(event, Frame) and event.is_reply and event.request_id == request_id:
-                if not event.payload_size and not isinstance(event.message, ErrorReply):
-                    late_reply(event.message)
-                return
+            elif isinstance(event, Frame) and event.is_reply and not event.payload_size:
+                if (late_reply := waiting.pop(event.request_id, None)) is not None:
+                    _hand_late_reply(event, late_reply)
             else:
                 return  # nothing else is expected here
     except (OSError, ProtocolError):
@@ -482,6 +492,11 @@ def _read_late_reply(
     finally:
         sock.close()
         _late_reply_readers.release()
+
+
+def _hand_late_reply(frame: Frame, late_reply: Callable[[Message], None]) -> None:
+    if not isinstance(frame.message, ErrorReply):
+        late_reply(frame.message)
 
 
 def _unsent(parts: list[memoryview], sent: int) -> list[memoryview]:
