@@ -102,8 +102,10 @@ def test_put_rm_and_ls_say_what_they_did(make_cluster):
     assert three.returncode == 0 and b"three: 1 of the 3 replicas asked placed" in three.stderr, three.stderr
     # The Store's error names the key; the CLI does not name it again.
     empty = kvpool_cli("put", "empty-object", *master, stdin=b"")
-    assert_one_error_line(empty, "INVALID_PARAMS")
+    assert_one_error_line(empty, "nothing to store")
     assert empty.stderr.count(b"empty-object") == 1, empty.stderr
+    # Larger than every segment: said so, not a bare NO_AVAILABLE_HANDLE.
+    assert_one_error_line(kvpool_cli("put", "huge", *master, stdin=os.urandom(17 << 20)), "larger than every segment")
     # A key and a regex: refused, nothing removed (the key used to be ignored).
     both = kvpool_cli("rm", "dup", "--regex", "^three$", *master)
     assert both.returncode == 2 and b"only one of them" in both.stderr, both.stderr

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from kvpool import limits
 from kvpool.config import parse_size, token_from
-from kvpool.errors import ErrorCode, KVPoolError, RpcTimeout
+from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
 
 if TYPE_CHECKING:
     from kvpool.client.sync import Store
@@ -506,6 +506,8 @@ def put(
         data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
     except OSError as exc:
         raise _fail(f"put {shown}: cannot read {source or 'standard input'}: {exc.strerror or exc}") from None
+    if not data:
+        raise _fail(f"put {shown}: nothing to store (an object holds at least one byte)")
     with _connected("put", master, token_file, key=key) as store:
         # Objects are immutable: a put of an existing key succeeds without writing (the
         # Store's rule, for content-hashed keys), so the operator is told it was not stored.
@@ -516,7 +518,11 @@ def put(
                 f"are immutable, so the {len(data)} bytes given were not stored)"
             )
             return
-        store.put(key, data, ReplicateConfig(replica_num=replicas))
+        try:
+            store.put(key, data, ReplicateConfig(replica_num=replicas))
+        except NoAvailableHandle as exc:
+            raise _fail(f"{exc} (no segment had room for {len(data)} bytes: the cache is full of objects in use, "
+                        "or the object is larger than every segment; `kvpool stat` shows them)") from None
         placed = replicas
         if replicas > 1:
             # The master places replicas on distinct segments, as many as it can: fewer than
