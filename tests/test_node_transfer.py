@@ -1077,7 +1077,7 @@ def test_same_host_connections_move_to_the_unix_socket_and_fall_back_to_tcp(tmp_
             endpoint = f"127.0.0.1:{master.port}"
             local = await connect(endpoint, key=KEY, prefer_local=True)
             tcp = await connect(endpoint, key=KEY)
-            assert local.peer == "local" and tcp.peer.startswith("127.0.0.1:")
+            assert local.peer == f"{endpoint} (same-host socket)" and tcp.peer == endpoint
             assert tcp.local_name.startswith("\0kvpool-")
             for conn in (local, tcp):
                 assert isinstance(await conn.request(Heartbeat([]), timeout_ms=2_000), HeartbeatReply)

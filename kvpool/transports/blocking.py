@@ -126,7 +126,7 @@ class BlockingConnection:
         except OSError:
             sock.close()
             return None
-        return BlockingConnection(self.endpoint, sock, "local")
+        return BlockingConnection(self.endpoint, sock, f"{self.endpoint} (same-host socket)")
 
     def _challenge(self, deadline: float) -> AuthChallenge:
         """The server's first frame."""

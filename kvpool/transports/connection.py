@@ -802,6 +802,7 @@ async def connect(
         log.debug("%s: staying on TCP (%s)", endpoint, exc)  # Another host or namespace.
         return conn
     conn.close("moved to the same-host socket")
+    local.peer = f"{endpoint} (same-host socket)"  # what errors name, rather than "local"
     return local
 
 
