@@ -11,6 +11,7 @@ its socket, and clients and nodes given etcd:// follow a failover by themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -420,3 +421,36 @@ def test_frozen_leader_refuses_the_put_that_waited_in_its_socket(make_cluster, e
 
     run(main())
     assert cluster.role_of(old) == "standby"
+
+
+def test_an_etcd_started_for_a_process_ends_with_it(tmp_path):
+    """A test runner killed mid-run left its etcd running (kvpool's own servers end with their
+    parent: PR_SET_PDEATHSIG); LocalEtcd's does too now."""
+    import subprocess
+    import sys
+
+    from kvpool.cli.launcher import etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed: run scripts/install-etcd.sh (Debian etcd-server)")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, pathlib; from kvpool.cli.launcher import LocalEtcd; "
+            f"etcd = LocalEtcd(pathlib.Path({str(tmp_path)!r})); etcd.start(); "
+            "print(etcd.process.pid, flush=True); sys.stdin.read()"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        etcd_pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 10
+    try:
+        while os.path.exists(f"/proc/{etcd_pid}") and "zombie" not in open(f"/proc/{etcd_pid}/status").read().lower():
+            assert time.monotonic() < deadline, "etcd outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(etcd_pid, signal.SIGKILL)  # a failure leaves nothing behind

@@ -462,10 +462,8 @@ class LocalEtcd(StartedInContext):
         ]  # fmt: skip
         # etcd reads ETCD_* variables as flags: none of the caller's may leak in.
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
+        with open(self.log_path, "ab") as log:  # ended with its parent, as the servers are (_popen)
+            self.process = _popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.client_port = client_port
         deadline = time.monotonic() + ETCD_READY_TIMEOUT_S
         while time.monotonic() < deadline:
