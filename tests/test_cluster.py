@@ -720,11 +720,11 @@ def test_a_get_of_many_pages_is_looked_up_in_pieces_and_finds_what_one_lookup_wo
             return
         real_reply, replies = BlockingConnection.reply, []
 
-        def breaks_at_the_third(conn, request_id, deadline):
+        def breaks_at_the_third(conn, request_id, deadline, late_replies=None):
             replies.append(request_id)
             if len(replies) == 3:
                 conn.close()
-            return real_reply(conn, request_id, deadline)
+            return real_reply(conn, request_id, deadline, late_replies)
 
         monkeypatch.setattr(BlockingConnection, "reply", breaks_at_the_third)
         assert store.get_batch(keys) == expected
