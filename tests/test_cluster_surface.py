@@ -317,3 +317,18 @@ def test_a_client_that_never_reads_its_replies_is_not_answered_into_memory(make_
     finally:
         conn.close()
     assert grown_kib < 32 * 1024, grown_kib
+
+
+def test_the_http_ports_listen_where_they_are_told(make_cluster):
+    """The master's /metrics, /health and /status and a node's /metrics take no token: an
+    operator binds them apart from the RPC ports (--http-host, --metrics-host), e.g. where only
+    the monitoring reaches."""
+    node_args = ("--metrics-port", "0", "--metrics-host", "127.0.0.3")
+    cluster = make_cluster(1, "16MiB", master_args=("--http-host", "127.0.0.2"), node_args=node_args)
+    health = urllib.request.urlopen(f"http://127.0.0.2:{cluster.http_port}/health", timeout=5).read()
+    assert b'"status": "ok"' in health or b'"status":"ok"' in health
+    metrics_port = int(cluster.nodes[0].info["metrics_endpoint"].rsplit(":", 1)[1])
+    assert urllib.request.urlopen(f"http://127.0.0.3:{metrics_port}/metrics", timeout=5).status == 200
+    for address, port in (("127.0.0.1", cluster.http_port), ("127.0.0.1", metrics_port)):
+        with socket.socket() as probe:
+            assert probe.connect_ex((address, port)) != 0  # not served there

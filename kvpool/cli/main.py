@@ -204,6 +204,11 @@ def master(
     http_port: Annotated[
         int, typer.Option(help="Port of /metrics, /health, /status (0 = any free port).", min=0, max=PORT_MAX)
     ] = limits.MASTER_HTTP_PORT_DEFAULT,
+    http_host: Annotated[
+        Optional[str],
+        typer.Option(help="Address /metrics, /health, /status listen on (default: --host). They only read, "
+                     "and take no token: where only your monitoring reaches."),
+    ] = None,
     lease_ttl_ms: Annotated[int, typer.Option(help="Read lease of a get.")] = limits.LEASE_TTL_MS_DEFAULT,
     node_ttl_ms: Annotated[
         int, typer.Option(help="A node silent this long is dropped with its replicas.")
@@ -290,7 +295,7 @@ def master(
 
             election = ElectionConfig(parse_etcd_endpoints(etcd), cluster_id, etcd_lease_ttl_ms)
         server = MasterServer(
-            config, host=host, port=port, http_port=http_port, token=_token(token_file),
+            config, host=host, port=port, http_port=http_port, http_host=http_host, token=_token(token_file),
             debug_invariants=debug_invariants, election=election, advertise_host=advertise_host,
             dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=parse_size(dfs_size) if dfs_size else 0,
             busy_poll_us=busy_poll_us,
@@ -330,6 +335,9 @@ def node(
     ] = True,
     metrics_port: Annotated[
         Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).", min=0, max=PORT_MAX)
+    ] = None,
+    metrics_host: Annotated[
+        Optional[str], typer.Option(help="Address /metrics and /health listen on (default: --host).")
     ] = None,
     disk_dir: Annotated[
         Optional[Path],
@@ -376,6 +384,7 @@ def node(
             shm_enabled=shm,
             token=_token(token_file),
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             disk_dir=str(disk_dir) if disk_dir else "",
             disk_bytes=parse_size(disk_size) if disk_size else 0,
             disk_fsync=disk_fsync,

@@ -135,6 +135,7 @@ class MasterServer:
         host: str = "127.0.0.1",
         port: int = limits.MASTER_PORT_DEFAULT,
         http_port: int | None = None,
+        http_host: str | None = None,
         token: str | None = None,
         seed: int | None = None,
         debug_invariants: bool = False,
@@ -150,6 +151,7 @@ class MasterServer:
         self.host = host
         self.port = port
         self.http_port = http_port
+        self.http_host = http_host or host  # /metrics, /health, /status: read-only, no token
         check_busy_poll_us(busy_poll_us)
         self.busy_poll_us = busy_poll_us  # transports/busy_poll.py
         self._key = auth.cluster_key(token) if token else None
@@ -214,7 +216,7 @@ class MasterServer:
         self.metrics.busy_poll = self._server.busy_poll
         self.port = self._server.port
         if self.http_port is not None:
-            self._http, self.http_port = await start_http(self.host, self.http_port, self)
+            self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
         log.info("master listening on %s (auth %s)", self.endpoint, "on" if self._key else "off")
         if self._election is not None:
