@@ -211,3 +211,17 @@ def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
         assert list(shm_dir.iterdir()) == []
     finally:
         _end(node)
+
+
+def test_get_of_an_object_whose_nodes_are_gone_says_so_not_not_found(make_cluster, monkeypatch):
+    """The only replica is on a node that died (the master keeps it listed until the node TTL):
+    `kvpool get` said "not found" while `kvpool stat KEY` said OK. (Over TCP: on the node's own
+    host its segment file outlives a SIGKILL, and a get still reads it there, checked.)"""
+    monkeypatch.setenv("KVPOOL_SHM", "0")
+    cluster = make_cluster(1, "16MiB", master_args=("--node-ttl-ms", "60000"))
+    master = ["--master", cluster.master_endpoint]
+    assert kvpool_cli("put", "orphan", *master, stdin=b"v").returncode == 0
+    cluster.nodes[0].kill()
+    got = kvpool_cli("get", "orphan", *master)
+    assert got.returncode == 2 and b"stored, but no replica could be read" in got.stderr, got.stderr
+    assert kvpool_cli("get", "never-put", *master).stderr.strip().endswith(b"not found")

@@ -394,6 +394,10 @@ class LocalCluster(StartedInContext):
     def stop(self) -> None:
         for process in reversed(self.nodes):
             process.stop()
+        if self.nodes:  # a node killed with SIGKILL (a test's doing) left its segment file
+            from kvpool.node.segment import remove_stale_segments
+
+            remove_stale_segments()
         for process in {id(m): m for m in [*self.masters, self.master] if m is not None}.values():
             process.stop()
         if self._tempdir is not None:

@@ -569,11 +569,14 @@ def get(
     shown = _shown(key)
     with _connected("get", master, token_file, key=key, dfs_dir=dfs_dir) as store:
         data = store.get(key)
-        if data is None and not dfs_dir:
+        if data is None:  # a miss: say which kind
             (replicas,) = store.query([key]).replicas
             tiers = {s.segment.segment_id: s.segment.tier for s in store.cluster_status().segments}
-            if replicas and all(tiers.get(r.segment_id) == TIER_DFS for r in replicas):
+            if not dfs_dir and replicas and all(tiers.get(r.segment_id) == TIER_DFS for r in replicas):
                 raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir", code=2)
+            if replicas:
+                raise _fail(f"{shown}: stored, but no replica could be read (its nodes: down, not answering, "
+                            "or bad bytes; `kvpool stat {shown}` shows where it lives)", code=2)  # fmt: skip
     if data is None:
         raise _fail(f"{shown}: not found", code=2)
     if output is None:
