@@ -240,9 +240,7 @@ class FrameDecoder:
             self._compact()
             # Full of an unfinished frame: twice the room, up to that frame's size (known once
             # its header came, and bounded by next_event). Grown as its bytes come, never to
-            # the size a header announces: 21 bytes must not buy 64 MiB. Only here: the view
-            # get_buffer hands out is held by the transport until buffer_updated returns, and
-            # an exported bytearray cannot be resized.
+            # the size a header announces: 21 bytes must not buy 64 MiB.
             if staging_bytes - self._end < 4 * limits.KIB:
                 wanted = 2 * staging_bytes
                 if self._frame_bytes > staging_bytes:
@@ -409,11 +407,12 @@ class FrameDecoder:
         self._start, self._end = 0, size
 
     def _grow(self, frame_size: int) -> None:
-        """A larger staging buffer with the unconsumed bytes at its start. A new one, not the
-        old one resized: a view of the old one may still be held (uvloop keeps the buffer of
-        a receive that brought nothing until it asks for the next), and resizing a bytearray
-        with views of it alive raises BufferError, which killed the connection."""
-        self._compact()
+        """A larger staging buffer with the unconsumed bytes at its start (get_buffer compacted
+        them there). A new one, not the old one resized: a view of the old one may still be
+        held (uvloop keeps the buffer of a receive that brought nothing until it asks for the
+        next), and resizing a bytearray with views of it alive raises BufferError, which killed
+        the connection."""
+        assert self._start == 0, "grown only once compacted"
         if len(self._staging) < frame_size:
             grown = bytearray(frame_size)
             grown[: self._end] = memoryview(self._staging)[: self._end]
