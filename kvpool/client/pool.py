@@ -14,14 +14,14 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
 from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed
 from kvpool.process import forks
 from kvpool.protocol.messages import Message
-from kvpool.transports.connection import Connection, ReplySinks, connect
+from kvpool.transports.connection import Connection, LateReply, ReplySinks, connect
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class MasterLink(_ClosedForGood):
         *,
         is_idempotent: bool,
         timeout_ms: int | None = None,
-        late_reply: Callable[[Message], None] | None = None,
+        late_reply: LateReply | None = None,
     ) -> Message:
         """One request to the master, within connect_timeout_ms + timeout_ms (see the class).
         `late_reply`: see Connection.request.

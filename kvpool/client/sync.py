@@ -90,6 +90,7 @@ from kvpool.protocol.messages import (
     SegmentInfo,
 )
 from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.connection import LateReply
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class _DirectLinks:
         self._links = ThreadLinks(_ThreadMasterLink, DIRECT_LINKS_MAX, DIRECT_RETRY_AFTER_S)
 
     def ask(
-        self, message: Message, is_idempotent: bool = True, late_reply: Callable[[Message], None] | None = None
+        self, message: Message, is_idempotent: bool = True, late_reply: LateReply | None = None
     ) -> Message | None:
         """The master's reply, or None when the master has not seen the request from here
         (no working connection in this thread, or NotLeader): the caller then asks through
@@ -280,7 +281,7 @@ class _DirectLinks:
         messages: Sequence[Message],
         on_reply: Callable[[int, Message], None],
         is_idempotent: bool = True,
-        late_reply: Callable[[int], Callable[[Message], None]] | None = None,
+        late_reply: Callable[[int], LateReply] | None = None,
     ) -> list[int]:
         """`ask` of several requests, sent at once: each reply is handed in turn to
         `on_reply(index, reply)` while the master works on the next. Returns the indexes of
@@ -298,9 +299,12 @@ class _DirectLinks:
         answered = 0
         try:
             request_ids = conn.send(messages, deadline)
+            # The requests still unanswered, for a timeout to hand their replies over.
+            late = {rid: late_reply(i) for i, rid in enumerate(request_ids)} if late_reply else None
             for index, request_id in enumerate(request_ids):
-                late = {rid: late_reply(i) for i, rid in enumerate(request_ids) if i >= index} if late_reply else None
                 on_reply(index, conn.reply(request_id, deadline, late))
+                if late is not None:
+                    del late[request_id]
                 answered += 1
         except BaseException as exc:
             if not self._may_ask_through_the_loop(link, conn, exc, is_idempotent):

@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from kvpool import limits
 from kvpool.errors import ConnectFailed, ProtocolError, RpcFailed, RpcTimeout, error_from_code
@@ -47,7 +47,7 @@ from kvpool.protocol.frames import (
     encode_frame,
 )
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ErrorReply, Message
-from kvpool.transports.connection import split_endpoint
+from kvpool.transports.connection import LateReply, hand_late_reply, split_endpoint
 
 # Buffers per sendmsg: Linux takes at most IOV_MAX (1024) in one call.
 IOV_PARTS_MAX = 1024
@@ -146,7 +146,7 @@ class BlockingConnection:
         handshake.check(ok)
 
     def request(
-        self, message: Message, timeout_ms: int, late_reply: Callable[[Message], None] | None = None
+        self, message: Message, timeout_ms: int, late_reply: LateReply | None = None
     ) -> Message:
         """Send a request without payload and return its reply message.
 
@@ -180,7 +180,7 @@ class BlockingConnection:
             raise
         return _answer(frame)
 
-    def _hand_over_for_late_replies(self, late_replies: Mapping[int, Callable[[Message], None]]) -> bool:
+    def _hand_over_for_late_replies(self, late_replies: Mapping[int, LateReply]) -> bool:
         """Close this connection for its owner, and leave its socket to a thread that waits for
         the replies to these requests (LATE_REPLY_WAIT_MS) and hands each to its callback
         (those that came early, at once). False when too many such threads run already."""
@@ -189,7 +189,7 @@ class BlockingConnection:
         waiting = dict(late_replies)
         for request_id in list(waiting):
             if (frame := self._early.get(request_id)) is not None:
-                _hand_late_reply(frame, waiting.pop(request_id))
+                hand_late_reply(frame.message, waiting.pop(request_id))
         sock, decoder = self._socket, self._decoder
         self._socket = None  # closed for the owner; the thread closes the socket
         self._unanswered.clear()
@@ -309,7 +309,7 @@ class BlockingConnection:
             raise
 
     def reply(
-        self, request_id: int, deadline: float, late_replies: Mapping[int, Callable[[Message], None]] | None = None
+        self, request_id: int, deadline: float, late_replies: Mapping[int, LateReply] | None = None
     ) -> Message:
         """The reply to request `request_id` (sent with `send`). A server may answer requests
         out of order (one that waits for room answers after the next); replies that come
@@ -469,7 +469,7 @@ class BlockingConnection:
 
 
 def _read_late_replies(
-    sock: socket.socket, decoder: FrameDecoder, waiting: dict[int, Callable[[Message], None]], deadline: float
+    sock: socket.socket, decoder: FrameDecoder, waiting: dict[int, LateReply], deadline: float
 ) -> None:
     """BlockingConnection._hand_over_for_late_replies's thread: each reply that comes by
     `deadline` to its request's callback; then the socket is closed."""
@@ -484,7 +484,7 @@ def _read_late_replies(
                 decoder.buffer_updated(received)
             elif isinstance(event, Frame) and event.is_reply and not event.payload_size:
                 if (late_reply := waiting.pop(event.request_id, None)) is not None:
-                    _hand_late_reply(event, late_reply)
+                    hand_late_reply(event.message, late_reply)
             else:
                 return  # nothing else is expected here
     except (OSError, ProtocolError):
@@ -492,11 +492,6 @@ def _read_late_replies(
     finally:
         sock.close()
         _late_reply_readers.release()
-
-
-def _hand_late_reply(frame: Frame, late_reply: Callable[[Message], None]) -> None:
-    if not isinstance(frame.message, ErrorReply):
-        late_reply(frame.message)
 
 
 def _unsent(parts: list[memoryview], sent: int) -> list[memoryview]:

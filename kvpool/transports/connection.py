@@ -431,13 +431,11 @@ class Connection(asyncio.BufferedProtocol):
         self._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)
         self._ready.set_result(None)
 
-    def _keep_for_late_reply(
-        self, request_id: int, future: asyncio.Future[Message], late_reply: Callable[[Message], None]
-    ) -> None:
+    def _keep_for_late_reply(self, request_id: int, future: asyncio.Future[Message], late_reply: LateReply) -> None:
         """The caller of `request_id` stopped waiting: hand its reply to `late_reply` when it
         comes, or now if it came first."""
         if future.done() and not future.cancelled():
-            _hand_late_reply(future.result(), late_reply)
+            hand_late_reply(future.result(), late_reply)
         elif request_id in self._pending and not self.is_closed():  # not come yet (_on_frame)
             if len(self._late_replies) >= limits.INFLIGHT_REQUESTS_PER_CONNECTION_MAX:
                 del self._late_replies[next(iter(self._late_replies))]  # the oldest: long overdue
@@ -500,9 +498,9 @@ class Connection(asyncio.BufferedProtocol):
                     entry[0].set_result(message)
                 elif entry[2] is not None:  # its caller was cancelled, and has not woken yet
                     del self._pending[frame.request_id]
-                    _hand_late_reply(message, entry[2])
+                    hand_late_reply(message, entry[2])
             elif (late_reply := self._late_replies.pop(frame.request_id, None)) is not None:
-                _hand_late_reply(message, late_reply)
+                hand_late_reply(message, late_reply)
             return
         if self._handler is None:
             raise RemoteProtocolError(f"peer sent a {type(message).__name__} request to a client")
@@ -660,7 +658,8 @@ def _payload_size(payload: Payload) -> int:
 
 
 
-def _hand_late_reply(reply: Message, late_reply: LateReply) -> None:
+def hand_late_reply(reply: Message, late_reply: LateReply) -> None:
+    """Give a late reply to its caller's `late_reply`, unless it is an error (nothing granted)."""
     if not isinstance(reply, ErrorReply):
         late_reply(reply)
 
