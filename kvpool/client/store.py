@@ -396,11 +396,8 @@ class AsyncStore:
         """The get's job, its same-host copies done."""
         job = await self._locate(keys, targets, starts)
         if (copying := self._copy_local(job)) is not None:
-            try:
+            with self.leases_back_if_abandoned([job]):
                 await copying
-            except BaseException:
-                self.release_leases(job)
-                raise
         return job
 
     async def _located_in_pieces(
@@ -417,14 +414,11 @@ class AsyncStore:
         lookups = [asyncio.ensure_future(self._look_up(piece_keys)) for piece_keys in keys_of_pieces]
         jobs: list[GetJob] = []
         try:
-            for piece, lookup in zip(pieces, lookups):
-                jobs.append(job := self._get_job(await lookup, lease_start_ms, keys, targets, starts, piece))
-                if (copying := self._copy_local(job)) is not None:
-                    await copying
-        except BaseException:  # cancelled, or a lookup failed: the leases taken are given back
-            for job in jobs:
-                self.release_leases(job)
-            raise
+            with self.leases_back_if_abandoned(jobs):  # cancelled, or a lookup failed
+                for piece, lookup in zip(pieces, lookups):
+                    jobs.append(job := self._get_job(await lookup, lease_start_ms, keys, targets, starts, piece))
+                    if (copying := self._copy_local(job)) is not None:
+                        await copying
         finally:  # the lookups of pieces not reached (cancelled, or one failed) are not wanted:
             for piece_keys, lookup in list(zip(keys_of_pieces, lookups))[len(jobs) :]:
                 if not lookup.done():
@@ -439,12 +433,8 @@ class AsyncStore:
         enough to go in pieces, whose objects tell the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
         if remote:
-            try:
+            with self.leases_back_if_abandoned(jobs):  # no read of a cancelled get goes on
                 await asyncio.gather(*(self._read_remote(job) for job in remote))
-            except BaseException:  # cancelled: no read of its goes on into its caller's memory
-                for job in jobs:
-                    self.release_leases(job)
-                raise
         now_ms = now_monotonic_ms()
         for job in jobs:
             job.finish(now_ms)
@@ -465,6 +455,18 @@ class AsyncStore:
         offsets = [replica.offset for _, replica in job.bad_replicas]
         report = ReportBadReplicas(keys, segment_ids, offsets)
         self._in_background(report, True, "reporting bad replicas failed (the next bad read reports them again)")
+
+    @contextlib.contextmanager
+    def leases_back_if_abandoned(self, jobs: Sequence[GetJob]) -> Iterator[None]:
+        """A get that ends in the block without its answer (cancelled, timed out, interrupted,
+        a step failed) gives the read leases of `jobs` (as they are then) back at once, not at
+        their TTL: until then eviction and a plain remove skip those objects. Any thread."""
+        try:
+            yield
+        except BaseException:
+            for job in jobs:
+                self.release_leases(job)
+            raise
 
     def release_leases(self, job: GetJob) -> None:
         """Give the master back the read leases of a finished get, batched with those of the

@@ -786,14 +786,10 @@ class Store:
         the leases back. `is_telling`: a get large enough to go in pieces, whose objects tell
         the next such get what to expect."""
         remote = [job for job in jobs if job.pending_indexes()]
-        try:
+        with self._async.leases_back_if_abandoned(jobs):  # timed out, interrupted
             through_the_loop = [job for job in remote if not self._nodes.read(job)]
             if through_the_loop:
                 self._run(_each(self._async._read_remote, through_the_loop))
-        except BaseException:  # timed out, interrupted: the leases go back now, not at their TTL
-            for job in jobs:
-                self._async.release_leases(job)
-            raise
         now_ms = now_monotonic_ms()
         for job in jobs:
             job.finish(now_ms)
