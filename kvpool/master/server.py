@@ -355,12 +355,15 @@ class MasterServer:
             return service.put_start_settled(reply)
         return self._put_start_after_drops(service, message, reply, retry)
 
-    def _is_room_coming(self, service: MasterService) -> bool:
+    def _are_drops_coming(self, service: MasterService) -> bool:
         # Eviction scheduled drops, or drops are in flight (a tick's flush holds the lock), or
-        # wait to be sent again (a node did not answer) ...
-        is_coming = service.has_pending_drops() or self._flush_lock.locked() or bool(self._unsent_drops)
-        # ... or moves (offloads to a slower tier) are on their way: their drops will follow ...
-        is_coming = is_coming or service.has_unsent_moves() or bool(self._move_tasks)
+        # wait to be sent again (a node did not answer).
+        return service.has_pending_drops() or self._flush_lock.locked() or bool(self._unsent_drops)
+
+    def _is_room_coming(self, service: MasterService) -> bool:
+        # Drops are coming, or moves (offloads to a slower tier) are on their way: their drops
+        # will follow ...
+        is_coming = self._are_drops_coming(service) or service.has_unsent_moves() or bool(self._move_tasks)
         # ... or eviction for room is backed off for a moment (a long scan found too few: leases
         # given back meanwhile make objects evictable again).
         return is_coming or service.evict_back_off_left_ms(wall_clock_ms()) > 0
@@ -386,7 +389,7 @@ class MasterServer:
                     tasks = list(self._move_tasks)
                     if tasks:
                         await asyncio.wait(tasks, timeout=max(0.0, deadline_s - loop.time()))
-                elif not (service.has_pending_drops() or self._unsent_drops or self._flush_lock.locked()):
+                elif not self._are_drops_coming(service):
                     # Only the back-off: wait it out (within the put's wait), then evict.
                     back_off_s = service.evict_back_off_left_ms(wall_clock_ms()) / 1000
                     await asyncio.sleep(min(back_off_s, max(0.0, deadline_s - loop.time())))

@@ -174,6 +174,10 @@ class Segment:
             pass
         if self.is_owner:
             self.path.unlink(missing_ok=True)
+        self._let_go_of_lock()
+
+    def _let_go_of_lock(self) -> None:
+        """Close this process's descriptor of the owner's lock (the lock goes with the last)."""
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -194,9 +198,7 @@ _owned: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 def _drop_inherited_locks() -> None:
     for segment in list(_owned):
-        if segment._lock_fd is not None:
-            os.close(segment._lock_fd)
-            segment._lock_fd = None
+        segment._let_go_of_lock()
     _owned.clear()
 
 

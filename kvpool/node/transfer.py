@@ -198,14 +198,16 @@ class TransferHandler(_SegmentHandler):
         return sinks
 
     def payload_received(self, conn: Connection, message: Message) -> HandlerResult:
-        if (deadline := self._payload_deadlines.pop(conn, None)) is not None:
-            deadline.cancel()
+        self._payload_over(conn)
         return super().payload_received(conn, message)
 
     def connection_closed(self, conn: Connection) -> None:
+        self._payload_over(conn)
+        super().connection_closed(conn)
+
+    def _payload_over(self, conn: Connection) -> None:
         if (deadline := self._payload_deadlines.pop(conn, None)) is not None:
             deadline.cancel()
-        super().connection_closed(conn)
 
     def _sinks_for(self, message: Message) -> Sequence[memoryview]:
         if not isinstance(message, WriteSlices):
