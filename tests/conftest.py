@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -79,3 +81,9 @@ def requests_read(conn: socket.socket, count: int) -> list[Frame]:
         while (frame := decoder.next_event()) is not NEED_DATA:
             requests.append(frame)
     return requests
+
+
+def python_child(code: str) -> subprocess.Popen[str]:
+    """A Python process running `code`, its stdin and stdout piped (text): it reports on
+    stdout, and `sys.stdin.read()` in it holds it alive until the test ends it by its pid."""
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import uvloop
+from conftest import python_child
 
 from kvpool import ErrorCode, ReplicateConfig
 from kvpool.client.store import AsyncStore
@@ -426,21 +427,15 @@ def test_frozen_leader_refuses_the_put_that_waited_in_its_socket(make_cluster, e
 def test_an_etcd_started_for_a_process_ends_with_it(tmp_path):
     """A test runner killed mid-run left its etcd running (kvpool's own servers end with their
     parent: PR_SET_PDEATHSIG); LocalEtcd's does too now."""
-    import subprocess
-    import sys
-
     from kvpool.cli.launcher import etcd_binary
 
     if etcd_binary() is None:
         pytest.skip("etcd is not installed: run scripts/install-etcd.sh (Debian etcd-server)")
-    parent = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys, pathlib; from kvpool.cli.launcher import LocalEtcd; "
-            f"etcd = LocalEtcd(pathlib.Path({str(tmp_path)!r})); etcd.start(); "
-            "print(etcd.process.pid, flush=True); sys.stdin.read()"
-        )],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    parent = python_child(
+        "import sys, pathlib; from kvpool.cli.launcher import LocalEtcd; "
+        f"etcd = LocalEtcd(pathlib.Path({str(tmp_path)!r})); etcd.start(); "
+        "print(etcd.process.pid, flush=True); sys.stdin.read()"
+    )
     try:
         etcd_pid = int(parent.stdout.readline())
     finally:

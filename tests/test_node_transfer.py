@@ -19,8 +19,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ import aiohttp
 import msgspec
 import pytest
 import xxhash
+from conftest import python_child
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import limits
@@ -816,14 +815,11 @@ def test_a_segment_file_whose_owner_lives_in_another_pid_namespace_is_not_stale(
     """Containers that share /dev/shm (docker --ipc=host) each see their own pids: the pid in a
     live node's header may name no process here. The owner's flock on its file says it lives:
     a node starting here removed the live segment, and same-host clients lost its shm path."""
-    owner = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import os, sys; from kvpool.node.segment import Segment; "
-            f"s = Segment.create({str(tmp_path)!r}, 'elsewhere', {MEMORY_BYTES}, os.urandom(16)); "
-            "print(s.path, flush=True); sys.stdin.read()"
-        )],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    owner = python_child(
+        "import os, sys; from kvpool.node.segment import Segment; "
+        f"s = Segment.create({str(tmp_path)!r}, 'elsewhere', {MEMORY_BYTES}, os.urandom(16)); "
+        "print(s.path, flush=True); sys.stdin.read()"
+    )
     try:
         path = Path(owner.stdout.readline().strip())
         with open(path, "r+b") as file:  # its pid, as this namespace sees it: no such process
@@ -840,16 +836,13 @@ def test_a_segment_file_whose_owner_lives_in_another_pid_namespace_is_not_stale(
 def test_a_dead_owners_segment_file_is_stale_though_a_process_it_forked_lives(tmp_path: Path) -> None:
     """The owner's lock is its own: a worker it forked (a serving process with an embedded node)
     shares its open files, and kept a SIGKILLed owner's file from ever being found stale."""
-    owner = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import os, sys, time; from kvpool.node.segment import Segment; "
-            f"s = Segment.create({str(tmp_path)!r}, 'forker', {MEMORY_BYTES}, os.urandom(16)); "
-            "worker = os.fork()\n"
-            "if worker == 0: time.sleep(60); os._exit(0)\n"
-            "print(s.path, worker, flush=True); sys.stdin.read()"
-        )],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    owner = python_child(
+        "import os, sys, time; from kvpool.node.segment import Segment; "
+        f"s = Segment.create({str(tmp_path)!r}, 'forker', {MEMORY_BYTES}, os.urandom(16)); "
+        "worker = os.fork()\n"
+        "if worker == 0: time.sleep(60); os._exit(0)\n"
+        "print(s.path, worker, flush=True); sys.stdin.read()"
+    )
     path_text, worker_text = owner.stdout.readline().split()
     path, worker = Path(path_text), int(worker_text)
     try:
