@@ -43,6 +43,8 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvpool.errors import InvalidParams  # noqa: E402
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 LAYERS = 3
@@ -209,3 +211,24 @@ def test_failed_loads_are_reported_for_recompute(make_cluster):
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        (lambda config, kv: setattr(config.parallel_config, "decode_context_parallel_size", 2), "decode_context"),
+        (lambda config, kv: setattr(config.parallel_config, "prefill_context_parallel_size", 2), "prefill_context"),
+        (lambda config, kv: setattr(kv, "hash_block_size", BLOCK_SIZE // 2), "hash_block_size 2 != block_size 4"),
+        (lambda config, kv: kv.kv_cache_groups.extend([object(), object()]), "one KV cache group, not 2"),
+    ],
+    ids=["dcp", "pcp", "finer-hashes", "two-groups"],
+)
+def test_configurations_that_would_load_wrong_kv_are_refused_at_start(change, refusal):
+    """Each names blocks or lays them out otherwise than the connector's key for block i;
+    the connector must fail vLLM's start, not serve another prompt's KV."""
+    config = vllm_config("127.0.0.1:1")  # refused before any connection
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    change(config, kv_cache_config)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(InvalidParams, match=refusal):
+            KVConnectorFactory.create_connector(config, role, kv_cache_config)

@@ -23,10 +23,11 @@ mooncake/store/data.py PoolKey): `model@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<b
   load is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it rather than use
   bad KV; a failed save is a future miss. Operating errors never raise into vLLM.
 
-Not supported: the hybrid KV cache manager (run with --disable-hybrid-kv-cache-manager when
-vLLM enables it), prefix/decode context parallelism, KV caches on a device the Store cannot
-address (the paged cache must be host memory, e.g. vLLM's CPU backend), layer-wise
-pipelining.
+Not supported, and refused at start because each would load the wrong KV: more than one
+KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
+SupportsHMA), prefix/decode context parallelism, block hashes finer than the block
+(hash_block_size). Not supported either: KV caches on a device the Store cannot address (the
+paged cache must be host memory, e.g. vLLM's CPU backend), layer-wise pipelining.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         master = extra.get("master") or os.environ.get("KVPOOL_MASTER")
         if not master:
             raise InvalidParams("set 'master' in kv_connector_extra_config")
+        _refuse_unsupported(vllm_config, kv_cache_config)
         self._store = Store(
             str(master),
             token=token_from(extra.get("token"), extra.get("token_file")),
@@ -290,6 +292,33 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._store.unregister_buffer(address)
         self._registered = []
         self._store.close()
+
+
+def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+    """Refuse at start what would load the wrong KV: this connector keys block i of the first
+    KV cache group by request.block_hashes[i] and reads into every registered layer.
+
+    Raises:
+        InvalidParams: context parallelism, more than one KV cache group, or block hashes of
+            another granularity than the block (vLLM's hash_block_size).
+    """
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            raise InvalidParams(f"kvpool's vLLM connector does not support {name} > 1")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise InvalidParams(
+            f"kvpool's vLLM connector supports one KV cache group, not {len(groups)}: "
+            "run with --disable-hybrid-kv-cache-manager"
+        )
+    block_size = vllm_config.cache_config.block_size
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size not in (None, block_size):
+        raise InvalidParams(
+            f"kvpool's vLLM connector needs block hashes per block: hash_block_size "
+            f"{hash_block_size} != block_size {block_size} (unset --prefix-match-unit)"
+        )
 
 
 def _hex(block_hash: Any) -> str:
