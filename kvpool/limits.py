@@ -21,8 +21,8 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # 2: padded control messages (frames.FLAG_PADDED). 3: ReleaseLeases, and the grant time in
 # GetReplicaListReply (a master of version 2 would close a client's connection at its first
 # release). Peers of different versions part at the handshake's first frame, with the reason
-# logged, rather than later, mid-request.
-FRAME_VERSION = 3
+# logged, rather than later, mid-request. 4: put ids (PutStart, PutEnd and PutRevoke).
+FRAME_VERSION = 4
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB

@@ -61,7 +61,7 @@ def test_a_put_names_the_segments_it_hashed_in_place(second_key_first_on: str) -
     )
     values = [os.urandom(4096), os.urandom(4096)]
     parts = [[memoryview(v)] for v in values]
-    job = transfer.PutJob(["k0", "k1"], parts, reply, lambda info: mapped[info.segment_id])
+    job = transfer.PutJob(["k0", "k1"], parts, reply, lambda info: mapped[info.segment_id], put_id=1)
     job.copy_local()
     for sid in "AB":
         assert bytes(mapped[sid].data) == values[0] + values[1]
@@ -86,7 +86,7 @@ def test_the_keys_of_a_run_go_to_the_node_as_one_item(monkeypatch, slice_bytes: 
     )
     values = [os.urandom(page) for _ in placements]
     job = transfer.PutJob([f"k{i}" for i in range(len(values))], [[memoryview(v)] for v in values], reply,
-                          lambda info: None)  # fmt: skip
+                          lambda info: None, put_id=1)  # fmt: skip
     landed = {s: bytearray(1 << 20) for s in "AB"}
     spans = {}
     for batch in job.remote:

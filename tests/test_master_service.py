@@ -372,6 +372,23 @@ def test_zombie_put_is_discarded_then_its_space_released() -> None:
     assert used(svc, "s1") == 0
 
 
+def test_a_late_end_or_revoke_of_a_discarded_put_leaves_the_next_writers_put_alone() -> None:
+    """Writer A stalls past the discard timeout; writer B puts the same key. A's late PutEnd
+    (by key alone) committed B's ranges with A's checksum, and its late PutRevoke took B's put
+    away: B's own put_end then failed. Ends and revokes act only on their put_start's put."""
+    svc = make(put_discard_timeout_ms=1_000, put_release_timeout_ms=5_000, node_ttl_ms=100_000)
+    mount(svc, "s1")
+    svc.put_start(PutStart(["k"], [OBJECT_SIZE], config(), put_id=11), 100)
+    svc.tick(1_100)  # A's put is discarded
+    assert svc.put_start(PutStart(["k"], [OBJECT_SIZE], config(), put_id=22), 1_200).codes == [OK]
+    assert svc.put_end(PutEnd(["k"], [1], put_id=11), 1_300).codes == [ErrorCode.OBJECT_NOT_FOUND]
+    assert svc.put_revoke(PutRevoke(["k"], put_id=11), 1_300).codes == [ErrorCode.OBJECT_NOT_FOUND]
+    assert svc.pending_count == 1  # B's put, untouched
+    pending = svc.put_end(PutEnd(["k"], [2], put_id=22), 1_400)
+    assert pending.commits["s1"][0].checksum == 2 and commit(svc, pending, 1_400) == [OK]
+    assert svc.put_revoke(PutRevoke(["k"], put_id=22), 1_500).codes == [ErrorCode.OBJECT_ALREADY_EXISTS]
+
+
 def test_committing_put_is_never_discarded() -> None:
     svc = make(put_discard_timeout_ms=1_000, node_ttl_ms=100_000)
     mount(svc, "s1")

@@ -120,7 +120,7 @@ def test_a_node_that_never_reads_holds_none_of_another_nodes_write() -> None:
         }
         grants = [WriteGrant("A", 0, 4 * MIB, 0), WriteGrant("B", 0, 4 * MIB, 0)]
         reply = PutStartReply([0], [[(0, 0), (1, 0)]], grants, segments)
-        job = PutJob(["k"], [[memoryview(value)]], reply, lambda info: None)
+        job = PutJob(["k"], [[memoryview(value)]], reply, lambda info: None, put_id=1)
         assert [batch.endpoint for batch in job.remote] == [silent, answering]  # the silent first
         links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500), SlowNodes())
         try:

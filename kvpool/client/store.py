@@ -28,7 +28,15 @@ from kvpool.client.buffers import BufferRegistry
 from kvpool.client.leases import RELEASE_DELAY_MS, LeaseReleases
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
 from kvpool.client.slow_nodes import SlowNodes
-from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, first_occurrences, now_monotonic_ms, write_landing
+from kvpool.client.transfer import (
+    GetJob,
+    PutJob,
+    RemoteBatch,
+    first_occurrences,
+    new_put_id,
+    now_monotonic_ms,
+    write_landing,
+)
 from kvpool.config import ClientConfig
 from kvpool.errors import (
     ErrorCode,
@@ -505,31 +513,37 @@ class AsyncStore:
         config: ReplicateConfig | None,
     ) -> PutJob:
         message = self._put_start_message(keys, parts, config)
-        late_reply = functools.partial(self._revoke_granted, message.keys)
+        late_reply = functools.partial(self._revoke_granted, message)
         reply = await self._master.call(message, is_idempotent=False, late_reply=late_reply)
-        return self._put_job(keys, parts, reply)
+        return self._put_job(message, parts, reply)
 
-    def _revoke_granted(self, keys: list[str], reply: Message) -> None:
+    def _revoke_granted(self, message: PutStart, reply: Message) -> None:
         """A put_start answered after its caller was cancelled or timed out: nothing was
         written into what it granted, so the keys and their ranges are given back at once.
         Else the keys would refuse puts (REPLICA_IS_NOT_READY) until the master discarded
         them, and the space stay quarantined until the release timeout."""
         if isinstance(reply, PutStartReply):
-            granted = [key for key, code in zip(keys, reply.codes) if code == ErrorCode.OK]
+            granted = [key for key, code in zip(message.keys, reply.codes) if code == ErrorCode.OK]
             if granted:
-                self._in_background(PutRevoke(granted), False, "revoking a put whose caller gave up failed")
+                revoke = PutRevoke(granted, put_id=message.put_id)
+                self._in_background(revoke, False, "revoking a put whose caller gave up failed")
 
     def _put_start_message(
-        self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], config: ReplicateConfig | None
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[memoryview]],
+        config: ReplicateConfig | None,
+        put_id: int | None = None,
     ) -> PutStart:
+        """`put_id`: the put's, shared by its pieces (sync.py); a new one if None."""
         sizes = [len(kp[0]) if len(kp) == 1 else sum(len(p) for p in kp) for kp in parts]
         # The keys were checked where the put came in (key_list: _put_parts, Store._put).
-        return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname)
+        return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname, put_id or new_put_id())
 
-    def _put_job(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
-        """The put the master's put_start answer describes. Any thread (the sync Store's)."""
+    def _put_job(self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
+        """The put the master's answer to `message` describes. Any thread (the sync Store's)."""
         assert isinstance(reply, PutStartReply)
-        return PutJob(keys, parts, reply, self._local_segment)
+        return PutJob(message.keys, parts, reply, self._local_segment, message.put_id)
 
     async def _put_finish(self, job: PutJob) -> list[int]:
         """Write the remote replicas, then put_end what was written and revoke the rest."""
@@ -557,9 +571,9 @@ class AsyncStore:
         abandoned, revoked = job.unwritten_ends()
         failure = "revoking a cancelled put failed (the master discards it at its timeout)"
         if abandoned:
-            self._in_background(PutRevoke(abandoned, writes_in_flight=True), False, failure)
+            self._in_background(PutRevoke(abandoned, writes_in_flight=True, put_id=job.put_id), False, failure)
         if revoked:
-            self._in_background(PutRevoke(revoked), False, failure)
+            self._in_background(PutRevoke(revoked, put_id=job.put_id), False, failure)
 
     async def _locate(
         self,

@@ -62,7 +62,7 @@ from kvpool.client.store import (
     query_reply,
 )
 from kvpool.client.thread_links import ThreadLink, ThreadLinks
-from kvpool.client.transfer import GetJob, PutJob, ended_each, now_monotonic_ms, put_end_of_each
+from kvpool.client.transfer import GetJob, PutJob, ended_each, new_put_id, now_monotonic_ms, put_end_of_each
 from kvpool.config import ClientConfig
 from kvpool.errors import (
     ConnectFailed,
@@ -84,6 +84,7 @@ from kvpool.protocol.messages import (
     ListReply,
     LongestPrefix,
     Message,
+    PutStart,
     QueryObjects,
     QueryReply,
     ReplicateConfig,
@@ -654,10 +655,10 @@ class Store:
             if len(pieces) > 1:
                 return self._put_in_pieces(parts, keys, config, pieces)
         message = async_store._put_start_message(keys, parts, config)
-        reply = self._direct.ask(message, False, functools.partial(self._revoke_granted, message.keys))
+        reply = self._direct.ask(message, False, functools.partial(self._revoke_granted, message))
         if reply is None:
             return None
-        job = async_store._put_job(keys, parts, reply)
+        job = async_store._put_job(message, parts, reply)
         job.copy_local()
         if len(keys) >= PUT_PIECES_FROM_KEYS:
             self._put_was_local = not job.remote
@@ -666,11 +667,11 @@ class Store:
             return self._run(async_store._put_finish(job))
         return self._put_settled(job, failed)
 
-    def _revoke_granted(self, keys: list[str], reply: Message) -> None:
+    def _revoke_granted(self, message: PutStart, reply: Message) -> None:
         """A put_start of this thread answered after it timed out: its grants are given back
         from the loop (AsyncStore._revoke_granted). Any thread."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: the master discards them
-            self._loop.loop.call_soon_threadsafe(self._async._revoke_granted, keys, reply)
+            self._loop.loop.call_soon_threadsafe(self._async._revoke_granted, message, reply)
 
     def _put_settled(self, job: PutJob, failed: list[set[int]]) -> list[int]:
         """Given, per remote batch, the keys whose writes failed: put_end what was written and
@@ -696,16 +697,17 @@ class Store:
         master allocates the next, then one put_end for the pieces written here (those with
         writes to other hosts' nodes end through the loop)."""
         async_store = self._async
-        starts = [async_store._put_start_message(keys[a:b], parts[a:b], config) for a, b in pieces]
+        put_id = new_put_id()  # one put: one PutEnd for its pieces
+        starts = [async_store._put_start_message(keys[a:b], parts[a:b], config, put_id) for a, b in pieces]
         jobs: list[PutJob] = [None] * len(pieces)  # type: ignore[list-item]
 
         def started(index: int, reply: Message) -> None:
             start, end = pieces[index]
-            job = jobs[index] = async_store._put_job(keys[start:end], parts[start:end], reply)
+            job = jobs[index] = async_store._put_job(starts[index], parts[start:end], reply)
             job.copy_local()
 
         unanswered = self._direct.ask_each(
-            starts, started, False, lambda index: functools.partial(self._revoke_granted, starts[index].keys)
+            starts, started, False, lambda index: functools.partial(self._revoke_granted, starts[index])
         )
         if len(unanswered) == len(pieces):
             return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -227,11 +228,17 @@ def _coalesced(views: list[memoryview], addresses: list[int | None], span: Span)
     return out
 
 
+def new_put_id() -> int:
+    """A put's id (PutStart.put_id): random, so that writers never share one (random is
+    reseeded in a forked child)."""
+    return random.getrandbits(63) | 1
+
+
 class PutJob:
     """One put batch after put_start: where every key's bytes go, and what became of them.
 
     `codes[i]` is OK until a step fails for key i. Keys whose object already existed are done
-    (OK) and write nothing.
+    (OK) and write nothing. `put_id` is the PutStart's, for its PutEnd and PutRevoke.
     """
 
     def __init__(
@@ -240,8 +247,10 @@ class PutJob:
         parts: Sequence[Sequence[memoryview]],
         reply: PutStartReply,
         local_segments: LocalSegments,
+        put_id: int,
     ) -> None:
         self.keys = list(keys)
+        self.put_id = put_id
         self.parts = parts
         self.checksums: list[int] = []
         self.codes: list[int] = []
@@ -366,12 +375,14 @@ class PutJob:
 
     def put_end(self, end: Sequence[int]) -> PutEnd:
         """The PutEnd of the keys at `end` (indexes), with their checksums."""
-        return PutEnd([self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place)
+        return PutEnd(
+            [self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place, self.put_id
+        )
 
     def put_revoke(self, revoke: Sequence[int]) -> PutRevoke:
         """The PutRevoke of the keys at `revoke` (indexes): every write of theirs failed, but a
         write that timed out or broke mid-frame may land yet, so their ranges are quarantined."""
-        return PutRevoke([self.keys[i] for i in revoke], writes_in_flight=True)
+        return PutRevoke([self.keys[i] for i in revoke], writes_in_flight=True, put_id=self.put_id)
 
     def ended(self, end: Sequence[int], reply: Message) -> None:
         """Take the master's codes for the keys of put_end(end)."""
@@ -381,9 +392,10 @@ class PutJob:
 
 
 def put_end_of_each(ends: Sequence[tuple[PutJob, list[int]]]) -> PutEnd:
-    """One PutEnd for the keys at `end` of each job (the pieces of one put, sync.py). A
-    segment counts as hashed in place only where every job granted a range of it hashed
-    there."""
+    """One PutEnd for the keys at `end` of each job (the pieces of one put, sync.py, which
+    share a put id). A segment counts as hashed in place only where every job granted a range
+    of it hashed there."""
+    (put_id,) = {job.put_id for job, _ in ends}
     keys: list[str] = []
     checksums: list[int] = []
     hashed: set[str] = set()
@@ -394,7 +406,7 @@ def put_end_of_each(ends: Sequence[tuple[PutJob, list[int]]]) -> PutEnd:
         checksums += message.checksums
         hashed.update(job.hashed_in_place)
         not_hashed.update(set(job.granted_segments) - set(job.hashed_in_place))
-    return PutEnd(keys, checksums, sorted(hashed - not_hashed))
+    return PutEnd(keys, checksums, sorted(hashed - not_hashed), put_id)
 
 
 def ended_each(ends: Sequence[tuple[PutJob, list[int]]], reply: Message) -> None:

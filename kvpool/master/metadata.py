@@ -159,6 +159,7 @@ class PendingPut(msgspec.Struct, gc=False):
     copy_tiers: tuple[str, ...] = ()
     checksum: int = 0
     is_committing: bool = False
+    put_id: int = 0  # the writer's (PutStart.put_id): only its put_end and put_revoke act on it
 
     def __repr__(self) -> str:
         where = [(seg.segment_id, offset) for seg, offset in self.replicas]

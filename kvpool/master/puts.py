@@ -94,7 +94,7 @@ class _Grants:
     the segments they name), and the PendingPuts of the request's keys."""
 
     __slots__ = ("codes", "placements", "grants", "segments", "no_room_bytes", "_key", "_term", "_now_ms",
-                 "_expiry_ms", "_is_soft_pinned", "_is_hard_pinned", "_copy_tiers")  # fmt: skip
+                 "_expiry_ms", "_is_soft_pinned", "_is_hard_pinned", "_copy_tiers", "_put_id")  # fmt: skip
 
     def __init__(
         self,
@@ -104,6 +104,7 @@ class _Grants:
         now_ms: int,
         expiry_ms: int,
         config: ReplicateConfig,
+        put_id: int,
     ):
         self.codes = [codes.OK] * key_count
         self.placements: list[list[tuple[int, int]]] = [[] for _ in range(key_count)]
@@ -119,6 +120,7 @@ class _Grants:
         self._is_hard_pinned = bool(config.with_hard_pin)
         self._is_soft_pinned = bool(config.with_soft_pin) and not self._is_hard_pinned
         self._copy_tiers = copy_tiers_of(config)
+        self._put_id = put_id
 
     def add(self, segment: Segment, offset: int, size_bytes: int) -> int:
         """Sign a grant for a range of `segment`; returns its index in the reply."""
@@ -131,7 +133,8 @@ class _Grants:
 
     def new_put(self, size_bytes: int, replicas: list[tuple[Segment, int]]) -> PendingPut:
         return PendingPut(
-            size_bytes, replicas, self._now_ms, self._is_soft_pinned, self._is_hard_pinned, self._copy_tiers
+            size_bytes, replicas, self._now_ms, self._is_soft_pinned, self._is_hard_pinned, self._copy_tiers,
+            put_id=self._put_id,
         )
 
     def reply(self) -> PutStartReply:
@@ -180,7 +183,13 @@ class PutFlow:
         self._counters = counters
 
     def start(
-        self, keys: list[str], sizes: list[int], config: ReplicateConfig, client_hostname: str, now_ms: int
+        self,
+        keys: list[str],
+        sizes: list[int],
+        config: ReplicateConfig,
+        client_hostname: str,
+        now_ms: int,
+        put_id: int = 0,
     ) -> tuple[PutStartReply, int]:
         """Allocate and grant; returns the reply and the footprint bytes that found no room.
 
@@ -190,7 +199,8 @@ class PutFlow:
         table = self._table
         objects, lower, pending = table.objects, table.lower, table.pending
         grants = _Grants(
-            len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config
+            len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config,
+            put_id,
         )
         accepted: set[str] = set()
         run: list[tuple[int, int]] = []  # (key index, where its range starts in the run)
@@ -337,8 +347,9 @@ class PutFlow:
             pending[keys[index]] = new_put(sizes[index], places)
             placements[index] = [(g, position) for g in grant_indexes]
 
-    def end(self, keys: list[str], checksums: list[int]) -> PendingCommit:
-        """Decide what can be decided now; list the commits for the rest (see service.put_end)."""
+    def end(self, keys: list[str], checksums: list[int], put_id: int = 0) -> PendingCommit:
+        """Decide what can be decided now; list the commits for the rest (see service.put_end).
+        A key whose put in flight is not `put_id`'s is not this writer's to end."""
         table = self._table
         pending = table.pending
         is_length_ok = len(checksums) == len(keys)
@@ -349,7 +360,7 @@ class PutFlow:
             put = pending.get(key)
             if not is_length_ok:
                 code = invalid
-            elif put is None:
+            elif put is None or put.put_id != put_id:
                 code = codes.OBJECT_ALREADY_EXISTS if key in table else codes.OBJECT_NOT_FOUND
             elif put.is_committing:
                 code = codes.REPLICA_IS_NOT_READY
@@ -427,14 +438,14 @@ class PutFlow:
         self._counters.put_bytes += done_bytes
         return CodesReply(codes_out)
 
-    def revoke(self, keys: list[str], writes_in_flight: bool) -> CodesReply:
-        """Forget writing puts: free their ranges at once, or with `writes_in_flight`
-        quarantine them as a discard does (see service.put_revoke)."""
+    def revoke(self, keys: list[str], writes_in_flight: bool, put_id: int = 0) -> CodesReply:
+        """Forget writing puts of `put_id`: free their ranges at once, or with
+        `writes_in_flight` quarantine them as a discard does (see service.put_revoke)."""
         table = self._table
         codes_out: list[int] = []
         for key in keys:
             put = table.pending.get(key)
-            if put is None:
+            if put is None or put.put_id != put_id:
                 codes_out.append(
                     codes.OBJECT_ALREADY_EXISTS if key in table else codes.OBJECT_NOT_FOUND
                 )

@@ -332,7 +332,7 @@ class MasterService:
             raise self._count_error(InvalidParams(f"{len(msg.keys)} keys but {len(msg.sizes)} sizes"))
         self._check_replicate_config(msg.config)
         reply, shortfall_bytes = self._puts.start(
-            msg.keys, msg.sizes, msg.config, msg.client_hostname, now_ms
+            msg.keys, msg.sizes, msg.config, msg.client_hostname, now_ms, msg.put_id
         )
         if shortfall_bytes and evict and now_ms >= self._evict_for_room_after_ms:
             # Each put waiting for room claims its shortfall of the drops in flight, so the next
@@ -373,7 +373,10 @@ class MasterService:
         if evict:
             self.counters.put_room_rounds += 1
         again = self.put_start(
-            PutStart([msg.keys[i] for i in retry], [msg.sizes[i] for i in retry], msg.config, msg.client_hostname),
+            PutStart(
+                [msg.keys[i] for i in retry], [msg.sizes[i] for i in retry], msg.config, msg.client_hostname,
+                msg.put_id,
+            ),
             now_ms,
             evict,
         )
@@ -419,7 +422,7 @@ class MasterService:
             InvalidParams: too many keys.
         """
         self._check_batch(msg.keys)
-        return self._puts.end(msg.keys, msg.checksums)
+        return self._puts.end(msg.keys, msg.checksums, msg.put_id)
 
     def finish_put_end(
         self, pending: PendingCommit, results: dict[str, list[int]], now_ms: int
@@ -520,7 +523,7 @@ class MasterService:
             InvalidParams: too many keys.
         """
         self._check_batch(msg.keys)
-        return self._puts.revoke(msg.keys, msg.writes_in_flight)
+        return self._puts.revoke(msg.keys, msg.writes_in_flight, msg.put_id)
 
     # --- client side: reads -------------------------------------------------------------
 

@@ -209,10 +209,17 @@ class AuthOk(Message, tag=7):
 
 
 class PutStart(Message, tag=10):
+    """`put_id`: the writer's name for this put (random, client/store.py new_put_id), carried
+    by its PutEnd and PutRevoke. They act only on keys whose put_start carried the same id:
+    once a writer's put of a key is discarded (it stalled past the discard timeout) or lost
+    with a master that failed over, the key may be another writer's put, which a late end or
+    revoke by key alone would commit with the wrong checksum or take away."""
+
     keys: list[str]
     sizes: list[int]
     config: ReplicateConfig
     client_hostname: str = ""
+    put_id: int = 0
 
 
 class PutStartReply(Message, tag=11):
@@ -242,6 +249,7 @@ class PutEnd(Message, tag=12):
     keys: list[str]
     checksums: list[int]
     hashed_in_place: list[str] = []
+    put_id: int = 0  # the PutStart's (the pieces of one put share it)
 
 
 class PutRevoke(Message, tag=13):
@@ -252,6 +260,7 @@ class PutRevoke(Message, tag=13):
 
     keys: list[str]
     writes_in_flight: bool = False
+    put_id: int = 0  # the PutStart's
 
 
 class GetReplicaList(Message, tag=14):
