@@ -143,14 +143,15 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
         assert meta.loads == [] and [s.block_ids for s in meta.saves] == [[5, 6, 7]]
         assert run_worker_step(worker_a, meta) == set()
         keys = sorted(worker_a._store.list_objects("org/tiny").keys)
-        assert len(keys) == 3 and keys[0].startswith("org/tiny@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@")
+        assert len(keys) == 3
+        assert keys[0].startswith("org/tiny@kv:auto@tp_size:1@pp_size:1@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@")
 
         # Instance B: the same prompt and a new turn; 3 blocks come from the pool.
         req_b = request("b-1", PROMPT + [7, 8, 9, 10, 11, 12])
         assert sched_b.get_num_new_matched_tokens(req_b, 0) == (12, False)
         sched_b.update_state_after_alloc(req_b, blocks([1, 2, 3, 9, 10]), 12)
         meta = sched_b.build_connector_meta(step([new_request_data(req_b, [1, 2, 3, 9, 10], 12)], {"b-1": 8}))
-        assert [(l.block_ids, len(l.block_hashes)) for l in meta.loads] == [([1, 2, 3], 3)]
+        assert [(load.block_ids, len(load.block_hashes)) for load in meta.loads] == [([1, 2, 3], 3)]
         assert [s.block_ids for s in meta.saves] == [[9, 10]]  # B's own new full blocks
         assert run_worker_step(worker_b, meta) == set()
         for name in cache_a:
@@ -171,7 +172,7 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
         assert req_e.num_computed_tokens == 0
         sched_b.update_state_after_alloc(req_e, blocks([11, 12, 13, 14, 15]), 4)
         meta = sched_b.build_connector_meta(step([new_request_data(req_e, [11, 12, 13, 14, 15], 12)], {"e-1": 8}))
-        assert [(l.block_ids, len(l.block_hashes)) for l in meta.loads] == [([13], 1)]
+        assert [(load.block_ids, len(load.block_hashes)) for load in meta.loads] == [([13], 1)]
         assert run_worker_step(worker_b, meta) == set()
         for name in cache_a:
             for kv in (0, 1):
@@ -201,7 +202,11 @@ def test_failed_loads_are_reported_for_recompute(make_cluster):
         meta = sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
         middle = worker._key(meta.loads[0].block_hashes[1])
         worker._store.remove(middle, force=True)  # evicted between lookup and load
+        computed_over_it = [worker._key(h) for save in meta.saves for h in save.block_hashes]
+        assert computed_over_it  # the step's fourth block, computed after the three loaded
         assert run_worker_step(worker, meta) == {7}
+        # vLLM recomputes from block 7; the pool must not keep what was computed over it.
+        assert worker._store.batch_exists(computed_over_it) == [False] * len(computed_over_it)
         assert worker.get_block_ids_with_load_errors() == set()  # reported once
 
         cluster.master.kill()
@@ -211,6 +216,31 @@ def test_failed_loads_are_reported_for_recompute(make_cluster):
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+def test_blocks_of_another_kv_dtype_are_not_found(make_cluster):
+    """bf16 and fp16 blocks have one size: by key alone, an fp16 instance loaded a bf16
+    instance's blocks as garbage, with no error. The KV dtype (and the TP and PP sizes) are
+    part of the key."""
+    cluster = make_cluster(1, "16MiB")
+    config_a = vllm_config(cluster.master_endpoint)
+    config_b = vllm_config(cluster.master_endpoint)
+    config_b.cache_config.cache_dtype = "fp8_e5m2"
+    sched_a, worker_a = connector(config_a, KVConnectorRole.SCHEDULER), connector(config_a, KVConnectorRole.WORKER)
+    sched_b = connector(config_b, KVConnectorRole.SCHEDULER)
+    worker_a.register_kv_caches(paged_cache(seed=3))
+    try:
+        req = request("a-1", PROMPT)
+        sched_a.get_num_new_matched_tokens(req, 0)
+        sched_a.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
+        meta = sched_a.build_connector_meta(step([new_request_data(req, [0, 1, 2, 3], 0)], {"a-1": 14}))
+        run_worker_step(worker_a, meta)
+        assert sched_a.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (12, False)
+        assert sched_b.get_num_new_matched_tokens(request("b-1", PROMPT), 0) == (0, False)
+    finally:
+        worker_a.shutdown()
+        for sched in (sched_a, sched_b):
+            sched.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ true), "cache_prefix" (a namespace for separate deployments). $KVPOOL_MASTER is 
 Each full block of a prompt is one object holding that block of every layer (K then V per
 layer for FlashAttention-style caches; the block as it lies for block-first and MLA caches),
 named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
-mooncake/store/data.py PoolKey): `model@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
+mooncake/store/data.py PoolKey) with the block's format after the model (_kv_format):
+`model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
   prompt every TP rank holds, in one `longest_prefix` round trip, and always leaves at least
@@ -21,7 +22,8 @@ mooncake/store/data.py PoolKey): `model@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<b
   (`batch_get_into_multi_buffers`, one range per layer and K/V); `wait_for_save` writes the
   prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
   load is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it rather than use
-  bad KV; a failed save is a future miss. Operating errors never raise into vLLM.
+  bad KV, and the step's saves are skipped (computed over it); a failed save is a future
+  miss. Operating errors never raise into vLLM.
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
@@ -116,7 +118,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
-        self._model_prefix = f"{prefix}{model}"
+        self._model_prefix = f"{prefix}{model}@{_kv_format(vllm_config)}"
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank, self.pp_rank = _parallel_ranks()
         # Scheduler state.
@@ -127,6 +129,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._layer_ranges: list[tuple[int, int, int]] = []
         self._registered: list[int] = []
         self._load_errors: set[int] = set()
+        self._step_failed_a_load = False  # this step's saves are skipped (wait_for_save)
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -248,6 +251,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Read this step's planned blocks into the paged cache before the forward pass."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
+        failed_before = len(self._load_errors)
         for load in meta.loads:
             keys = [self._key(h) for h in load.block_hashes]
             addresses, sizes = self._block_buffers(load.block_ids)
@@ -260,6 +264,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             for block_id, count, block_sizes in zip(load.block_ids, read, sizes):
                 if count != sum(block_sizes):
                     self._load_errors.add(block_id)
+        self._step_failed_a_load = len(self._load_errors) > failed_before
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -268,9 +273,22 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Write the prompt blocks this step computed. A failure is logged: a future miss."""
+        """Write the prompt blocks this step computed. A failure is logged: a future miss.
+
+        Not after a load of this step failed: the forward pass computed this step's blocks
+        over whatever the failed block held, in the request that loaded it and in any other
+        that vLLM's prefix cache let share it. vLLM recomputes those requests from the failed
+        block; the pool must not keep the blocks computed over it under their right keys."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
+        if self._step_failed_a_load:
+            self._step_failed_a_load = False
+            if meta.saves:
+                log.warning(
+                    "kvpool: a load failed in this step; not saving its %d blocks (computed over it)",
+                    sum(len(save.block_ids) for save in meta.saves),
+                )
+            return
         for save in meta.saves:
             keys = [self._key(h) for h in save.block_hashes]
             addresses, sizes = self._block_buffers(save.block_ids)
@@ -319,6 +337,18 @@ def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
             f"kvpool's vLLM connector needs block hashes per block: hash_block_size "
             f"{hash_block_size} != block_size {block_size} (unset --prefix-match-unit)"
         )
+
+
+def _kv_format(vllm_config: VllmConfig) -> str:
+    """What decides a block's bytes besides its tokens, for the key: the KV dtype (same-sized
+    dtypes, bf16 and fp16, or two fp8 formats, read as one another's garbage) and the TP and PP
+    sizes (a rank's share of the heads: 4 KV heads over TP 4 or TP 8 give rank 1 another head
+    in objects of one size). Both roles compute it from the config alone."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype == "auto" and vllm_config.model_config is not None:
+        cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    parallel = vllm_config.parallel_config
+    return f"kv:{cache_dtype}@tp_size:{parallel.tensor_parallel_size}@pp_size:{parallel.pipeline_parallel_size}"
 
 
 def _hex(block_hash: Any) -> str:
