@@ -32,6 +32,8 @@ factory_module = pytest.importorskip(
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 
+from kvpool.errors import InvalidParams  # noqa: E402
+
 StorageBackendFactory = factory_module.StorageBackendFactory
 
 PAGE_SIZE = 4
@@ -183,7 +185,7 @@ def test_instance_b_loads_pages_instance_a_backed_up(make_cluster, mla, layout):
         for source, target in zip([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]):
             assert torch.equal(pool_b.page(target * PAGE_SIZE), pool_a.page(source * PAGE_SIZE))
         listed = sorted(b._store.list_objects("org-tiny-model").keys)
-        prefix = "org-tiny-model_layer_first_" if layout == "layer_first" else "org-tiny-model_"
+        prefix = f"org-tiny-model_{layout}_float16_" if mla else f"org-tiny-model_{layout}_bfloat16_tp2_"
         expected = [f"{prefix}hash0__k"] if mla else [f"{prefix}hash0_0_k", f"{prefix}hash0_0_v"]
         assert listed[: len(expected)] == expected
         stats = a.get_stats()
@@ -209,7 +211,7 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
         assert rank0.batch_exists(keys) == 3
         assert rank1.batch_exists(keys) == 0  # each TP rank holds its own heads
         assert other_model.batch_exists(keys) == 0  # models never share pages
-        rank0._store.remove("org-tiny-model_p1_0_v", force=True)  # page 1 loses its V
+        rank0._store.remove("org-tiny-model_page_first_bfloat16_tp2_p1_0_v", force=True)  # page 1 loses its V
         assert rank0.batch_exists(keys) == 1
         assert mla0.batch_set_v1(keys, host_indices([0, 1, 2])) == [True] * 3
         assert mla1.batch_exists(keys) == 3  # MLA pages are one copy for every rank
@@ -220,6 +222,40 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
     finally:
         for backend in backends:
             backend.close()
+
+
+def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):
+    """SGLang's host layouts order a page's bytes differently in objects of one size, and
+    bf16 / fp16 pages have one size too: by model and hash alone, an instance read another's
+    pages as garbage. Each is part of the key (and the TP size, for MHA)."""
+    cluster = make_cluster(1, "16MiB")
+    pool = MHAHostPool("page_first")
+    pool.kv_buffer.fill_(1)
+    writer = create(storage_config(cluster.master_endpoint), pool)
+    direct = create(storage_config(cluster.master_endpoint), MHAHostPool("page_first_direct"))
+    fp16_pool = MHAHostPool("page_first")
+    fp16_pool.dtype = torch.float16
+    fp16 = create(storage_config(cluster.master_endpoint), fp16_pool)
+    tp4_config = storage_config(cluster.master_endpoint)
+    tp4_config.tp_size = 4
+    tp4 = create(tp4_config, MHAHostPool("page_first"))
+    same = create(storage_config(cluster.master_endpoint), MHAHostPool("page_first"))
+    backends = [writer, direct, fp16, tp4, same]
+    try:
+        assert writer.batch_set_v1(["p0", "p1"], host_indices([0, 1])) == [True, True]
+        assert same.batch_exists(["p0", "p1"]) == 2
+        assert [direct.batch_exists(["p0", "p1"]), fp16.batch_exists(["p0"]), tp4.batch_exists(["p0"])] == [0, 0, 0]
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def test_attention_context_parallelism_is_refused_at_start(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    config = storage_config(cluster.master_endpoint)
+    config.attn_cp_size = 2
+    with pytest.raises(InvalidParams, match="attention CP"):
+        StorageBackendFactory.create_backend("dynamic", config, MHAHostPool("page_first"))
 
 
 def test_v0_page_tensor_interface(make_cluster):

@@ -16,8 +16,9 @@ Pages are objects named as SGLang's own Mooncake backend names them
 (sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py): the page hash, prefixed by
 the backend tag and model name, suffixed by the TP rank (and PP rank when PP > 1) and `_k` /
 `_v`; an MLA model stores one `_k` object per page, shared by every TP rank (SGLang lets only
-the first rank write it). kvpool adds the host pool's layout to the prefix when it is
-"layer_first", whose page bytes are ordered differently.
+the first rank write it). kvpool adds what else decides a page's bytes to the prefix: the
+host pool's layout (SGLang's layouts order a page's bytes differently in objects of one
+size), its dtype, and for MHA the TP size (a rank's share of the heads).
 
 With `interface_v1: 1` SGLang calls batch_get_v1 / batch_set_v1, which move each page
 straight between kvpool and the registered host pool (`register_mem_pool_host`) with the
@@ -65,8 +66,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        if storage_config.should_split_heads or storage_config.dcp_size > 1:
-            raise InvalidParams("kvpool's SGLang backend does not support split heads or DCP yet")
+        if storage_config.should_split_heads or storage_config.dcp_size > 1 or storage_config.attn_cp_size > 1:
+            raise InvalidParams("kvpool's SGLang backend does not support split heads, DCP or attention CP yet")
         master = extra.get("master") or os.environ.get("KVPOOL_MASTER")
         if not master:
             raise InvalidParams("set 'master' in --hicache-storage-backend-extra-config")
@@ -85,6 +86,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if storage_config.model_name:
             parts.append("-".join(storage_config.model_name.split("/")))
         self._prefix = "_".join(parts)
+        self._page_prefix = self._prefix  # and the page format, once the host pool is known
         if storage_config.pp_size > 1:
             self._mha_suffix = f"{storage_config.tp_rank}_{storage_config.pp_rank}"
             self._mla_suffix = f"{storage_config.pp_rank}"
@@ -112,6 +114,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             KVPoolError: the memory cannot be registered (SGLang calls this at startup).
         """
         super().register_mem_pool_host(mem_pool_host)
+        page_format = [
+            str(getattr(mem_pool_host, "layout", "")),
+            str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch."),
+            "" if self.is_mla else f"tp{self.storage_config.tp_size}",  # MLA pages: one for every rank
+        ]
+        self._page_prefix = "_".join(part for part in [self._prefix, *page_format] if part)
         self._registered += register_tensors(self._store, _pool_tensors(mem_pool_host))
         if hasattr(mem_pool_host, "get_ksize_per_token"):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
@@ -126,9 +134,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     # --- keys ---------------------------------------------------------------------------------
 
     def _namespace(self, key: str) -> str:
-        layout = getattr(self.mem_pool_host, "layout", "")
-        prefix = self._prefix + ("_layer_first" if layout == "layer_first" else "")
-        return f"{prefix}_{key}" if prefix else key
+        return f"{self._page_prefix}_{key}" if self._page_prefix else key
 
     def _object_keys(self, keys: Sequence[str]) -> list[str]:
         """The kvpool objects of each page, in page order: k (and v unless MLA)."""
