@@ -138,6 +138,25 @@ def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(make_cluster):
         b.close()
 
 
+def test_an_object_without_a_chunk_header_is_a_miss_and_the_rest_of_the_batch_is_read(make_cluster):
+    """With save_chunk_meta (LMCache's default) every object starts with LMCache's header. One
+    under a chunk's name without it (written by an instance with save_chunk_meta off, say)
+    raised from the header's decoding: the whole batch failed, and the chunks allocated for
+    the keys before it were never given back to LMCache's CPU backend."""
+    cluster = make_cluster(1, "16MiB")
+    b = Instance(cluster.master_endpoint)
+    try:
+        b.run(b.conn.batched_put([key(30), key(32)], [b.chunk(seed=30), b.chunk(seed=32)]))
+        with Store(cluster.master_endpoint) as store:
+            store.put(key(31).to_string(), bytes(range(256)) * 64)  # an unknown memory format
+        got = b.run(b.conn.batched_get([key(30), key(31), key(32)]))
+        assert got[0] is not None and got[1] is None and got[2] is not None
+        for obj in (got[0], got[2]):
+            obj.ref_count_down()
+    finally:
+        b.close()
+
+
 def test_a_dead_master_turns_calls_into_misses(make_cluster):
     cluster = make_cluster(1, "16MiB")
     a = Instance(cluster.master_endpoint)

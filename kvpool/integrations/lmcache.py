@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -176,7 +177,11 @@ class KVPoolRemoteConnector(RemoteConnector):
         header_size = self.remote_metadata_bytes
         if len(data) < header_size:
             return None
-        meta = RemoteMetadata.deserialize(memoryview(data)[:header_size])
+        try:
+            meta = RemoteMetadata.deserialize(memoryview(data)[:header_size])
+        except (ValueError, KeyError, struct.error) as exc:  # another writer's bytes (no header)
+            log.warning("kvpool object of %d bytes has no LMCache chunk header, a miss: %s", len(data), exc)
+            return None
         if meta.length != len(data) - header_size:
             log.warning("kvpool chunk of %d bytes, header says %d", len(data) - header_size, meta.length)
             return None
@@ -184,6 +189,10 @@ class KVPoolRemoteConnector(RemoteConnector):
         if obj is None or obj.raw_tensor is None:
             return None
         view = obj.raw_tensor.view(-1).view(torch.uint8)[: meta.length]
+        if view.numel() != meta.length:  # shapes that hold fewer bytes than the header's length
+            log.warning("kvpool chunk header says %d bytes, its shapes hold %d", meta.length, view.numel())
+            obj.ref_count_down()
+            return None
         view.numpy()[:] = memoryview(data)[header_size:]
         return obj
 
