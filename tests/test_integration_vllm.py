@@ -134,6 +134,7 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
     worker_b.register_kv_caches(cache_b)
     try:
         assert type(sched_a).__name__ == "KVPoolConnector"
+        assert sched_a.requires_kv_delivery is False  # a cache: preempted output need not be dropped
         # Instance A: a miss, then prefill of the whole prompt into blocks 5..8; saves 3 blocks.
         req_a = request("a-1", PROMPT)
         assert len(req_a.block_hashes) == 3

@@ -212,6 +212,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             meta.saves.append(BlockTransfer(req_id, state.block_hashes[first:full], state.block_ids[first:full]))
             state.stored_block_count = full
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save lost to a preemption is a future miss, so vLLM
+        need not drop a preempted request's output in flight (it does for kv_both producers by
+        default, recomputing it)."""
+        return False
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
         return False, None  # saves finish within the step: vLLM may free the blocks now
