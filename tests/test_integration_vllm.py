@@ -244,6 +244,32 @@ def test_blocks_of_another_kv_dtype_are_not_found(make_cluster):
             sched.shutdown()
 
 
+def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(make_cluster):
+    """With pipeline parallelism each stage saves its layers of a block under its own key. The
+    scheduler (whose own PP rank is 0) counted a block found when stage 0 held it: a stage
+    that missed it failed its load, and vLLM recomputed what the lookup promised."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.parallel_config.pipeline_parallel_size = 2
+    sched = connector(config, KVConnectorRole.SCHEDULER)
+    stages = [connector(config, KVConnectorRole.WORKER) for _ in range(2)]
+    stages[1].pp_rank = 1  # vLLM's PP group is not set up in this process
+    for stage in stages:
+        stage.register_kv_caches(paged_cache(seed=5))
+    try:
+        req = request("a-1", PROMPT)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
+        meta = sched.build_connector_meta(step([new_request_data(req, [0, 1, 2, 3], 0)], {"a-1": 14}))
+        run_worker_step(stages[0], meta)
+        assert sched.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (0, False)
+        run_worker_step(stages[1], meta)
+        assert sched.get_num_new_matched_tokens(request("a-3", PROMPT), 0) == (12, False)
+    finally:
+        for role in (*stages, sched):
+            role.shutdown()
+
+
 @pytest.mark.parametrize(
     "change, refusal",
     [

@@ -16,7 +16,7 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
-  prompt every TP rank holds, in one `longest_prefix` round trip, and always leaves at least
+  prompt every TP and PP rank holds, in one `longest_prefix` round trip, and always leaves at least
   one token to compute. Loads are synchronous; the plan goes to the workers in the metadata.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
   (`batch_get_into_multi_buffers`, one range per layer and K/V); `wait_for_save` writes the
@@ -120,6 +120,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
         self._model_prefix = f"{prefix}{model}@{_kv_format(vllm_config)}"
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.tp_rank, self.pp_rank = _parallel_ranks()
         # Scheduler state.
         self._requests: dict[str, _RequestState] = {}
@@ -133,9 +134,10 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     # --- keys ---------------------------------------------------------------------------------
 
-    def _key(self, block_hash: str, tp_rank: int | None = None) -> str:
+    def _key(self, block_hash: str, tp_rank: int | None = None, pp_rank: int | None = None) -> str:
         tp = self.tp_rank if tp_rank is None else tp_rank
-        return f"{self._model_prefix}@tp_rank:{tp}@pcp0@dcp0@pp_rank:{self.pp_rank}@group:0@{block_hash}"
+        pp = self.pp_rank if pp_rank is None else pp_rank
+        return f"{self._model_prefix}@tp_rank:{tp}@pcp0@dcp0@pp_rank:{pp}@group:0@{block_hash}"
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -150,9 +152,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         )
         if not hashes:
             return 0, False
-        keys = [self._key(h, rank) for h in hashes for rank in range(self.tp_size)]
+        ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+        keys = [self._key(h, tp, pp) for h in hashes for tp, pp in ranks]
         try:
-            hit_blocks = self._store.longest_prefix(keys) // self.tp_size
+            hit_blocks = self._store.longest_prefix(keys) // len(ranks)
         except KVPoolError as exc:
             log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
             return 0, False
