@@ -124,6 +124,14 @@ def run_worker_step(worker, meta) -> set[int]:
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks and 2 tokens
 
 
+def first_prefill(sched, req_id: str, block_ids: list[int]):
+    """The scheduler's plan for a prefill of the whole PROMPT that the pool does not hold."""
+    req = request(req_id, PROMPT)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks(block_ids), 0)
+    return sched.build_connector_meta(step([new_request_data(req, block_ids, 0)], {req_id: len(PROMPT)}))
+
+
 def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
     cluster = make_cluster(2, "16MiB")
     config = vllm_config(cluster.master_endpoint)
@@ -192,10 +200,7 @@ def test_failed_loads_are_reported_for_recompute(make_cluster):
     sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
     worker.register_kv_caches(paged_cache(seed=2))
     try:
-        req = request("r-1", PROMPT)
-        sched.get_num_new_matched_tokens(req, 0)
-        sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
-        run_worker_step(worker, sched.build_connector_meta(step([new_request_data(req, [0, 1, 2, 3], 0)], {"r-1": 14})))
+        run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
 
         again = request("r-2", PROMPT + [1, 2, 3, 4])
         assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
@@ -231,11 +236,7 @@ def test_blocks_of_another_kv_dtype_are_not_found(make_cluster):
     sched_b = connector(config_b, KVConnectorRole.SCHEDULER)
     worker_a.register_kv_caches(paged_cache(seed=3))
     try:
-        req = request("a-1", PROMPT)
-        sched_a.get_num_new_matched_tokens(req, 0)
-        sched_a.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
-        meta = sched_a.build_connector_meta(step([new_request_data(req, [0, 1, 2, 3], 0)], {"a-1": 14}))
-        run_worker_step(worker_a, meta)
+        run_worker_step(worker_a, first_prefill(sched_a, "a-1", [0, 1, 2, 3]))
         assert sched_a.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (12, False)
         assert sched_b.get_num_new_matched_tokens(request("b-1", PROMPT), 0) == (0, False)
     finally:
@@ -257,10 +258,7 @@ def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(make_cluster):
     for stage in stages:
         stage.register_kv_caches(paged_cache(seed=5))
     try:
-        req = request("a-1", PROMPT)
-        sched.get_num_new_matched_tokens(req, 0)
-        sched.update_state_after_alloc(req, blocks([0, 1, 2, 3]), 0)
-        meta = sched.build_connector_meta(step([new_request_data(req, [0, 1, 2, 3], 0)], {"a-1": 14}))
+        meta = first_prefill(sched, "a-1", [0, 1, 2, 3])
         run_worker_step(stages[0], meta)
         assert sched.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (0, False)
         run_worker_step(stages[1], meta)
