@@ -312,3 +312,16 @@ def test_a_round_of_reads_keeps_time_for_the_next_replicas_within_the_lease():
     assert job(2, 10_000).round_timeout_ms(9_000, 30_000) == 500  # a lease nearly spent: halves
     assert job(2, 10_000).round_timeout_ms(0, 3_000) == 3_000  # the transfer timeout bounds it
     assert job(2, 10_000).round_timeout_ms(10_001, 30_000) == 0  # lapsed: nothing to read for
+
+
+def test_put_ids_differ_even_when_the_application_seeds_random() -> None:
+    """vLLM seeds Python's `random` to 0 in every worker: ids drawn from it were the same
+    sequence in every instance, and a stalled writer's late put_end could again end another
+    writer's put of the same key."""
+    import random
+
+    ids = []
+    for _ in range(2):
+        random.seed(0)
+        ids.append(transfer.new_put_id())
+    assert ids[0] != ids[1] and all(put_id > 0 for put_id in ids)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import random
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -229,9 +229,10 @@ def _coalesced(views: list[memoryview], addresses: list[int | None], span: Span)
 
 
 def new_put_id() -> int:
-    """A put's id (PutStart.put_id): random, so that writers never share one (random is
-    reseeded in a forked child)."""
-    return random.getrandbits(63) | 1
+    """A put's id (PutStart.put_id): from the OS's randomness, so that writers never share
+    one. Not the `random` module's: applications seed it (vLLM's workers to 0), and every
+    instance would then draw the same ids."""
+    return secrets.randbits(63) | 1
 
 
 class PutJob:

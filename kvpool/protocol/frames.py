@@ -52,8 +52,9 @@ _decoder = msgspec.msgpack.Decoder(AnyMessage)
 # message in one receive, and all an idle connection holds (a master serves every client's
 # connection; 256 KiB each took 3,000 idle ones to 848 MB). A larger control message grows it.
 _STAGING_IDLE_BYTES: Final = 16 * limits.KIB
-# Room for payload bytes of small sinks: a payload grows the buffer to this (or to what it
-# owes) so that one receive fills many sinks; a connection that carried one keeps it.
+# Room for payload bytes of small sinks (or discarded): a payload larger than the room left
+# grows the buffer to this, so that one receive fills many sinks; a connection that carried
+# one keeps it.
 _STAGING_PAYLOAD_BYTES: Final = 256 * limits.KIB
 # A payload sink smaller than this is filled through the staging buffer: one receive
 # call for many small sinks (a batch of 4 KiB objects) and a copy out of it cost less than a
@@ -241,11 +242,11 @@ class FrameDecoder:
             if len(self._staging) > _STAGING_PAYLOAD_BYTES:  # a large frame is over: let its room go
                 self._staging = bytearray(_STAGING_IDLE_BYTES)
         staging_bytes = len(self._staging)
-        if self._state is _State.PAYLOAD and not self._discard and staging_bytes < _STAGING_PAYLOAD_BYTES:
-            owed = max(self._end - self._start, self._sink_left)  # not beyond the payload announced
-            if owed > staging_bytes - self._start:
+        if self._state is _State.PAYLOAD and staging_bytes < _STAGING_PAYLOAD_BYTES:
+            to_come = self._sink_left - min(self._end - self._start, self._sink_left)
+            if to_come > staging_bytes - self._end:  # more payload to come than the room left
                 self._compact()
-                self._grow(min(_STAGING_PAYLOAD_BYTES, owed))
+                self._grow(_STAGING_PAYLOAD_BYTES)
                 staging_bytes = len(self._staging)
         if staging_bytes - self._end < 4 * limits.KIB or self._start + self._frame_bytes > staging_bytes:
             self._compact()
