@@ -16,6 +16,7 @@ nvtx and cufile-python, and numpy<=2.2.6); scripts/install-peers.sh lmcache inst
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import pytest
 
@@ -25,6 +26,7 @@ pytest.importorskip(
     reason="LMCache is not installed (scripts/install-peers.sh lmcache)",
 )
 from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1 import protocol  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
@@ -138,17 +140,37 @@ def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(make_cluster):
         b.close()
 
 
-def test_an_object_without_a_chunk_header_is_a_miss_and_the_rest_of_the_batch_is_read(make_cluster):
+def _header(dtype_code: int, dims: list[int], length: int) -> bytes:
+    """LMCache's chunk header (lmcache/v1/protocol.py REMOTE_METADATA_FMT, set once a connector
+    is made), every group alike."""
+    fields = [length, MemoryFormat.KV_2LTD.value]
+    fields += [dtype_code, *dims] * ((len(protocol.REMOTE_METADATA_FMT) - 2) // 5)
+    return struct.pack(protocol.REMOTE_METADATA_FMT, *fields)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,  # no header: bytes whose memory format is unknown
+        (0, [4, 4, 4, 4]),  # no dtype
+        (3, [-2, 8, 8, 8]),  # a negative dimension
+        (3, [1 << 30, 1 << 30, 8, 8]),  # no allocation holds it
+    ],
+    ids=["no-header", "no-dtype", "negative-dim", "huge-shape"],
+)
+def test_an_object_without_a_usable_chunk_header_is_a_miss_and_the_batch_is_read(make_cluster, header):
     """With save_chunk_meta (LMCache's default) every object starts with LMCache's header. One
-    under a chunk's name without it (written by an instance with save_chunk_meta off, say)
-    raised from the header's decoding: the whole batch failed, and the chunks allocated for
-    the keys before it were never given back to LMCache's CPU backend."""
+    under a chunk's name without a usable one (written by an instance with save_chunk_meta
+    off, say) raised from the header's decoding or the allocation it asked for: the whole
+    batch failed, and the chunks allocated for the keys before it were never given back to
+    LMCache's CPU backend."""
     cluster = make_cluster(1, "16MiB")
     b = Instance(cluster.master_endpoint)
     try:
         b.run(b.conn.batched_put([key(30), key(32)], [b.chunk(seed=30), b.chunk(seed=32)]))
         with Store(cluster.master_endpoint) as store:
-            store.put(key(31).to_string(), bytes(range(256)) * 64)  # an unknown memory format
+            stored = bytes(range(256)) * 64 if header is None else _header(*header, 512) + bytes(512)
+            store.put(key(31).to_string(), stored)
         got = b.run(b.conn.batched_get([key(30), key(31), key(32)]))
         assert got[0] is not None and got[1] is None and got[2] is not None
         for obj in (got[0], got[2]):

@@ -169,7 +169,16 @@ class KVPoolRemoteConnector(RemoteConnector):
             except KVPoolError as exc:
                 log.info("kvpool get failed, reporting misses: %s", exc)
                 return [None] * len(keys)
-            return [self._from_stored(v) if v is not None else None for v in values]
+            objects: list[Any] = []
+            try:
+                for value in values:
+                    objects.append(self._from_stored(value) if value is not None else None)
+            except BaseException:  # the chunks read so far go back to LMCache's CPU backend
+                for obj in objects:
+                    if obj is not None:
+                        obj.ref_count_down()
+                raise
+            return objects
         return self._get_into_full_chunks(names)
 
     def _from_stored(self, data: bytes) -> Any:
@@ -185,7 +194,14 @@ class KVPoolRemoteConnector(RemoteConnector):
         if meta.length != len(data) - header_size:
             log.warning("kvpool chunk of %d bytes, header says %d", len(data) - header_size, meta.length)
             return None
-        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
+        if any(dtype is None for dtype in meta.dtypes) or any(d <= 0 for shape in meta.shapes for d in shape):
+            log.warning("kvpool chunk header names no dtype or an empty shape: %s %s", meta.dtypes, meta.shapes)
+            return None
+        try:
+            obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
+        except (ValueError, RuntimeError, OverflowError) as exc:  # shapes no allocation can hold
+            log.warning("kvpool chunk header's shapes %s cannot be allocated, a miss: %s", meta.shapes, exc)
+            return None
         if obj is None or obj.raw_tensor is None:
             return None
         view = obj.raw_tensor.view(-1).view(torch.uint8)[: meta.length]
