@@ -226,8 +226,9 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
 
 def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):
     """SGLang's host layouts order a page's bytes differently in objects of one size, and
-    bf16 / fp16 pages have one size too: by model and hash alone, an instance read another's
-    pages as garbage. Each is part of the key (and the TP size, for MHA)."""
+    bf16 / fp16 pages have one size too, as have the fp8 formats (stored as uint8 by the host
+    pool): by model and hash alone, an instance read another's pages as garbage. Each is part
+    of the key (the device pool's dtype), and the TP size for MHA."""
     cluster = make_cluster(1, "16MiB")
     pool = MHAHostPool("page_first")
     pool.kv_buffer.fill_(1)
@@ -236,12 +237,20 @@ def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):
     fp16_pool = MHAHostPool("page_first")
     fp16_pool.dtype = torch.float16
     fp16 = create(storage_config(cluster.master_endpoint), fp16_pool)
+    e4m3_pool, e5m2_pool = MHAHostPool("page_first"), MHAHostPool("page_first")
+    for host_pool, fp8 in ((e4m3_pool, torch.float8_e4m3fn), (e5m2_pool, torch.float8_e5m2)):
+        host_pool.dtype = torch.uint8  # what SGLang's host pool stores fp8 pages as
+        host_pool.device_pool = type("DevicePool", (), {"dtype": fp8})()
+    e4m3 = create(storage_config(cluster.master_endpoint), e4m3_pool)
+    e5m2 = create(storage_config(cluster.master_endpoint), e5m2_pool)
     tp4_config = storage_config(cluster.master_endpoint)
     tp4_config.tp_size = 4
     tp4 = create(tp4_config, MHAHostPool("page_first"))
     same = create(storage_config(cluster.master_endpoint), MHAHostPool("page_first"))
-    backends = [writer, direct, fp16, tp4, same]
+    backends = [writer, direct, fp16, tp4, same, e4m3, e5m2]
     try:
+        assert e4m3.batch_set_v1(["p0"], host_indices([0])) == [True]
+        assert e5m2.batch_exists(["p0"]) == 0 and e4m3.batch_exists(["p0"]) == 1
         assert writer.batch_set_v1(["p0", "p1"], host_indices([0, 1])) == [True, True]
         assert same.batch_exists(["p0", "p1"]) == 2
         assert [direct.batch_exists(["p0", "p1"]), fp16.batch_exists(["p0"]), tp4.batch_exists(["p0"])] == [0, 0, 0]

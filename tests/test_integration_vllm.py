@@ -245,6 +245,60 @@ def test_blocks_of_another_kv_dtype_are_not_found(make_cluster):
             sched.shutdown()
 
 
+def test_with_async_scheduling_the_step_after_a_failed_load_saves_nothing_either(make_cluster):
+    """vLLM schedules the next step before it learns of a failed load: that step's forward
+    pass may compute over the failed block too (its request's next chunk, another request
+    its prefix cache let share it), so its saves are skipped as well; the step after saves."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.scheduler_config.async_scheduling = True
+    assert config.max_concurrent_batches == 2
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=6))
+    try:
+        run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
+        again = request("r-2", PROMPT + [1, 2, 3, 4])
+        assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
+        sched.update_state_after_alloc(again, blocks([6, 7, 8, 9, 10]), 12)
+        meta = sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
+        worker._store.remove(worker._key(meta.loads[0].block_hashes[0]), force=True)
+        assert run_worker_step(worker, meta) == {6}
+
+        def saved_by_a_new_prefill(req_id: str, tokens: list[int]) -> bool:
+            req = request(req_id, tokens)
+            sched.get_num_new_matched_tokens(req, 0)
+            sched.update_state_after_alloc(req, blocks([11, 12]), 0)
+            plan = sched.build_connector_meta(step([new_request_data(req, [11, 12], 0)], {req_id: len(tokens)}))
+            run_worker_step(worker, plan)
+            keys = [worker._key(h) for save in plan.saves for h in save.block_hashes]
+            return all(worker._store.batch_exists(keys))
+
+        assert not saved_by_a_new_prefill("r-3", list(range(300, 305)))  # in flight with the failure
+        assert saved_by_a_new_prefill("r-4", list(range(400, 405)))
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_keys_are_the_schedulers_whatever_the_workers_config_became(make_cluster):
+    """Loading some attention layers rewrites cache_dtype in the worker's config (sparse MLA
+    with fp8: fp8_ds_mla), after the scheduler built its keys from the same setting: the
+    workers saved under keys the scheduler's lookups never found."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.cache_config.cache_dtype = "fp8"
+    worker_config = vllm_config(cluster.master_endpoint)
+    worker_config.cache_config.cache_dtype = "fp8_ds_mla"
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(worker_config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=7))
+    try:
+        run_worker_step(worker, first_prefill(sched, "a-1", [0, 1, 2, 3]))
+        assert sched.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (12, False)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
 def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(make_cluster):
     """With pipeline parallelism each stage saves its layers of a block under its own key. The
     scheduler (whose own PP rank is 0) counted a block found when stage 0 held it: a stage

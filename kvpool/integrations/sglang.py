@@ -114,9 +114,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             KVPoolError: the memory cannot be registered (SGLang calls this at startup).
         """
         super().register_mem_pool_host(mem_pool_host)
+        # The device pool's dtype: the host pool's is how it stores bytes (uint8 for every
+        # fp8 format, which would read as one another's garbage).
+        dtype = getattr(getattr(mem_pool_host, "device_pool", None), "dtype", None) or mem_pool_host.dtype
         page_format = [
             str(getattr(mem_pool_host, "layout", "")),
-            str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch."),
+            str(dtype).removeprefix("torch."),
             "" if self.is_mla else f"tp{self.storage_config.tp_size}",  # MLA pages: one for every rank
         ]
         self._page_prefix = "_".join(part for part in [self._prefix, *page_format] if part)

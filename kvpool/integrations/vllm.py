@@ -75,8 +75,11 @@ class BlockTransfer:
 @dataclasses.dataclass
 class KVPoolConnectorMetadata(KVConnectorMetadata):
     """One step's plan, from the scheduler to every worker: what to load before the forward
-    pass and what to save after it."""
+    pass and what to save after it, and the scheduler's key prefix (a worker's config may
+    differ from it after the model loads: vLLM rewrites cache_dtype for some attention
+    layers, and the keys would no longer match the scheduler's lookups)."""
 
+    key_prefix: str = ""
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
     saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
 
@@ -130,14 +133,19 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._layer_ranges: list[tuple[int, int, int]] = []
         self._registered: list[int] = []
         self._load_errors: set[int] = set()
-        self._step_failed_a_load = False  # this step's saves are skipped (wait_for_save)
+        # Steps whose saves are skipped after a failed load (wait_for_save): that step and
+        # those vLLM scheduled before it learnt of the failure (async scheduling, PP).
+        self._unsaved_steps = 0
+        self._steps_in_flight = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
 
     # --- keys ---------------------------------------------------------------------------------
 
-    def _key(self, block_hash: str, tp_rank: int | None = None, pp_rank: int | None = None) -> str:
+    def _key(
+        self, block_hash: str, tp_rank: int | None = None, pp_rank: int | None = None, prefix: str = ""
+    ) -> str:
         tp = self.tp_rank if tp_rank is None else tp_rank
         pp = self.pp_rank if pp_rank is None else pp_rank
-        return f"{self._model_prefix}@tp_rank:{tp}@pcp0@dcp0@pp_rank:{pp}@group:0@{block_hash}"
+        return f"{prefix or self._model_prefix}@tp_rank:{tp}@pcp0@dcp0@pp_rank:{pp}@group:0@{block_hash}"
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -182,7 +190,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
         """This step's loads (planned at allocation) and saves: every full prompt block that
         becomes computed in this step and is not in the pool yet."""
-        meta = KVPoolConnectorMetadata(loads=self._pending_loads)
+        meta = KVPoolConnectorMetadata(key_prefix=self._model_prefix, loads=self._pending_loads)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -263,7 +271,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
         failed_before = len(self._load_errors)
         for load in meta.loads:
-            keys = [self._key(h) for h in load.block_hashes]
+            keys = [self._key(h, prefix=meta.key_prefix) for h in load.block_hashes]
             addresses, sizes = self._block_buffers(load.block_ids)
             try:
                 read = self._store.batch_get_into_multi_buffers(keys, addresses, sizes)
@@ -274,7 +282,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             for block_id, count, block_sizes in zip(load.block_ids, read, sizes):
                 if count != sum(block_sizes):
                     self._load_errors.add(block_id)
-        self._step_failed_a_load = len(self._load_errors) > failed_before
+        if len(self._load_errors) > failed_before:
+            self._unsaved_steps = self._steps_in_flight
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -285,22 +294,24 @@ class KVPoolConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Write the prompt blocks this step computed. A failure is logged: a future miss.
 
-        Not after a load of this step failed: the forward pass computed this step's blocks
-        over whatever the failed block held, in the request that loaded it and in any other
-        that vLLM's prefix cache let share it. vLLM recomputes those requests from the failed
-        block; the pool must not keep the blocks computed over it under their right keys."""
+        Not after a load failed, in its step and in the steps vLLM scheduled before it learnt
+        of the failure (one more with async scheduling; PP - 1 more with PP): their forward
+        passes computed blocks over whatever the failed block held, in the request that
+        loaded it (its next chunk too) and in any other that vLLM's prefix cache let share
+        it. vLLM recomputes those requests from the failed block; the pool must not keep
+        the blocks computed over it under their right keys."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
-        if self._step_failed_a_load:
-            self._step_failed_a_load = False
+        if self._unsaved_steps:
+            self._unsaved_steps -= 1
             if meta.saves:
                 log.warning(
-                    "kvpool: a load failed in this step; not saving its %d blocks (computed over it)",
+                    "kvpool: a load failed in this step or one in flight with it; not saving %d blocks",
                     sum(len(save.block_ids) for save in meta.saves),
                 )
             return
         for save in meta.saves:
-            keys = [self._key(h) for h in save.block_hashes]
+            keys = [self._key(h, prefix=meta.key_prefix) for h in save.block_hashes]
             addresses, sizes = self._block_buffers(save.block_ids)
             try:
                 codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
@@ -353,7 +364,8 @@ def _kv_format(vllm_config: VllmConfig) -> str:
     """What decides a block's bytes besides its tokens, for the key: the KV dtype (same-sized
     dtypes, bf16 and fp16, or two fp8 formats, read as one another's garbage) and the TP and PP
     sizes (a rank's share of the heads: 4 KV heads over TP 4 or TP 8 give rank 1 another head
-    in objects of one size). Both roles compute it from the config alone."""
+    in objects of one size). The scheduler's is the one keys use: each step's metadata
+    carries it to the workers, whose config vLLM may have changed since."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype == "auto" and vllm_config.model_config is not None:
         cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
