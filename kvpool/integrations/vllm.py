@@ -16,14 +16,15 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
-  prompt every TP and PP rank holds, in one `longest_prefix` round trip, and always leaves at least
-  one token to compute. Loads are synchronous; the plan goes to the workers in the metadata.
+  prompt every TP and PP rank holds, in one `longest_prefix` round trip, and always leaves at
+  least one token to compute. Loads are synchronous; the plan (and the scheduler's key prefix)
+  goes to the workers in the metadata.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
   (`batch_get_into_multi_buffers`, one range per layer and K/V); `wait_for_save` writes the
   prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
   load is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it rather than use
-  bad KV, and the step's saves are skipped (computed over it); a failed save is a future
-  miss. Operating errors never raise into vLLM.
+  bad KV, and the saves of its step and of the steps in flight with it are skipped
+  (computed over it); a failed save is a future miss. Operating errors never raise into vLLM.
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
