@@ -353,6 +353,33 @@ def test_new_leader_waits_for_the_recorded_nodes_before_taking_puts(etcd_endpoin
     run(main())
 
 
+def test_the_segment_record_follows_mounts_and_unmounts_between_keepalives(etcd_endpoint):
+    """A successor waits, up to the re-mount grace, for every segment the record names. The
+    record was written at keepalives only: a node gone just before the leader died held a
+    failover for the whole grace (8.1 s in the chaos suite, 10 s allowed). With keepalives
+    10 s apart here, the record must follow within a second either way."""
+
+    async def main():
+        cluster_id = new_cluster_id()
+        address = f"etcd://{etcd_endpoint}/{cluster_id}"
+        election = ElectionConfig((etcd_endpoint,), cluster_id, lease_ttl_ms=30_000)
+        master = MasterServer(MasterConfig(), port=0, seed=1, election=election, debug_invariants=True)
+        await master.start()
+        try:
+            await _wait_for(lambda: master.role == "leader")
+            async with EtcdClient([etcd_endpoint]) as etcd:
+                node = Node(NodeConfig(master_endpoint=address, memory_bytes=8 << 20))
+                await node.start()
+                await node.wait_mounted(5_000)
+                await _wait_for_async(lambda: _recorded(etcd, cluster_id), lambda ids: ids == [node.segment_id], 1.0)
+                await node.stop()
+                await _wait_for_async(lambda: _recorded(etcd, cluster_id), lambda ids: ids == [], 1.0)
+        finally:
+            await master.stop()
+
+    run(main())
+
+
 async def _recorded(etcd: EtcdClient, cluster_id: str) -> list[str]:
     kv, _ = await etcd.get(segments_key(cluster_id))
     return decode_segments_record(kv.value) if kv is not None else []
