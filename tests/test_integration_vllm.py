@@ -41,6 +41,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvpool.errors import InvalidParams  # noqa: E402
@@ -320,6 +321,41 @@ def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(make_cluster):
     finally:
         for role in (*stages, sched):
             role.shutdown()
+
+
+def test_failed_blocks_and_the_blocks_after_them_leave_vllms_prefix_cache(make_cluster):
+    """Under kv_load_failure_policy "recompute" vLLM keeps a failed block cached for its request
+    to recompute in place; a request preempted first freed it with its hash, and the next
+    request with that prefix read its garbage as a prefix-cache hit (and the connector saved
+    what it computed over it into the pool). Seen driving vLLM's real scheduler with load
+    failures injected. The scheduler-side connector evicts, from vLLM's prefix cache, each
+    failed block and every block after it in the requests that hold it."""
+
+    class PrefixCache:  # what the connector uses of vLLM's KVCacheManager
+        block_pool = None
+
+        def __init__(self, tables):
+            self.tables, self.evicted = tables, set()
+
+        def get_block_ids(self, req_id):
+            return (self.tables.get(req_id, []),)
+
+        def evict_blocks(self, block_ids):
+            self.evicted |= set(block_ids)
+
+    cluster = make_cluster(1, "16MiB")
+    sched = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.SCHEDULER)
+    try:
+        for req_id in ("loader", "sharer", "bystander"):
+            sched.get_num_new_matched_tokens(request(req_id, PROMPT), 0)
+        cache = PrefixCache({"loader": [4, 5, 6, 7], "sharer": [4, 5, 9], "bystander": [1, 2]})
+        sched.bind_kv_cache_manager(cache)  # as vLLM's scheduler does once it has made its manager
+        sched.update_connector_output(KVConnectorOutput(invalid_block_ids={5}))
+        assert cache.evicted == {5, 6, 7, 9}
+        sched.update_connector_output(KVConnectorOutput())
+        assert cache.evicted == {5, 6, 7, 9}
+    finally:
+        sched.shutdown()
 
 
 @pytest.mark.parametrize(

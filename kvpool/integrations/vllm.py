@@ -2,7 +2,11 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"master": "10.0.0.1:50051"}}'
+
+("recompute": a block lost between the lookup and the load is recomputed; vLLM's default,
+"fail", ends the request with an error.)
 
 Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
 default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
@@ -22,9 +26,11 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
   (`batch_get_into_multi_buffers`, one range per layer and K/V); `wait_for_save` writes the
   prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
-  load is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it rather than use
-  bad KV, and the saves of its step and of the steps in flight with it are skipped
-  (computed over it); a failed save is a future miss. Operating errors never raise into vLLM.
+  load is reported by `get_block_ids_with_load_errors` (vLLM then recomputes or fails the
+  request, per its kv_load_failure_policy), the saves of its step and of the steps in flight
+  with it are skipped (computed over it), and the scheduler side evicts it and the blocks
+  after it from vLLM's prefix cache (update_connector_output); a failed save is a future
+  miss. Operating errors never raise into vLLM.
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
@@ -216,13 +222,38 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._requests.pop(req_id, None)
         return meta
 
-    def _plan_save(self, meta: KVPoolConnectorMetadata, req_id: str, state: _RequestState, computed_tokens: int) -> None:
+    def _plan_save(
+        self, meta: KVPoolConnectorMetadata, req_id: str, state: _RequestState, computed_tokens: int
+    ) -> None:
         full = min(computed_tokens, state.prompt_token_count) // self.block_size
         full = min(full, len(state.block_hashes), len(state.block_ids))
         if full > state.stored_block_count:
             first = state.stored_block_count
             meta.saves.append(BlockTransfer(req_id, state.block_hashes[first:full], state.block_ids[first:full]))
             state.stored_block_count = full
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks the workers failed to load leave vLLM's prefix cache, with every block after
+        them in the requests that hold them (computed over them).
+
+        vLLM does so itself only under kv_load_failure_policy "fail": under "recompute" it
+        keeps them cached for the failed request to recompute in place, but a request
+        preempted before it recomputes frees them with their hashes, and the next request
+        with that prefix read the failed block's garbage as a prefix-cache hit (and this
+        connector then saved the blocks it computed over them into the pool: seen driving
+        vLLM's real scheduler, 4 of 6 seeds with load failures injected)."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        manager = getattr(self, "_kv_cache_manager", None)
+        if not invalid or manager is None:
+            return
+        doomed = set(invalid)
+        for req_id in self._requests:
+            block_ids = manager.get_block_ids(req_id)[0]
+            for index, block_id in enumerate(block_ids):
+                if block_id in invalid:
+                    doomed.update(block_ids[index:])
+                    break
+        manager.evict_blocks(doomed)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -254,10 +285,10 @@ class KVPoolConnector(KVConnectorBase_V1):
                 parts = [tensor]
             for part in parts:
                 block = part[0]
-                if not block.is_contiguous() or part.stride(0) * part.element_size() < block.numel() * block.element_size():
+                block_bytes = block.numel() * block.element_size()
+                if not block.is_contiguous() or part.stride(0) * part.element_size() < block_bytes:
                     raise InvalidParams(f"layer {name}: a KV block is not one contiguous range")
-                ranges.append((part.data_ptr(), part.stride(0) * part.element_size(),
-                               block.numel() * block.element_size()))  # fmt: skip
+                ranges.append((part.data_ptr(), part.stride(0) * part.element_size(), block_bytes))
         self._layer_ranges = ranges
         self._registered = register_tensors(self._store, kv_caches.values())
 
