@@ -54,7 +54,7 @@ install_vllm() {
     install_torch
     pip_install --no-deps "vllm==0.33.0"
     pip_install cbor2 openai-harmony openai cachetools xgrammar fastapi partial-json-parser \
-        llguidance py-cpuinfo pyzmq pillow psutil pybase64 pyyaml cloudpickle
+        llguidance py-cpuinfo pyzmq pillow psutil pybase64 pyyaml cloudpickle einops
 }
 
 install_lmcache() {

@@ -1,0 +1,50 @@
+"""kvpool's vLLM connector under vLLM's real scheduler: no wrong KV, with load failures too.
+
+How: tests/vllm_scheduler_sim.py runs two "instances" of vLLM's real v1 Scheduler (each makes
+its own scheduler-side KVPoolConnector) against one LocalCluster, with a stand-in model runner
+that plays each SchedulerOutput as vLLM's runner and its connector mixin do, and whose KV for a
+token is a function of the token's whole prefix. Every position a forward pass reads, every
+block saved into the pool and every output token is checked against that function. Multi-turn
+conversations alternate between the instances over a shared system prompt; the caches are small
+enough for preemptions; load failures are injected by removing planned blocks from the pool
+between the lookup and the load. (Run it by hand for more seeds:
+`python tests/vllm_scheduler_sim.py --seed 3 --faults 0.3 --blocks 28 --convs 16 --max-seqs 8`.)
+
+Needs vLLM (scripts/install-peers.sh vllm, which installs einops for vLLM's model registry).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM decides its platform
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model's config is a local file
+pytest.importorskip("torch", reason="needs torch==2.13.0")
+pytest.importorskip("einops", reason="vLLM's model registry imports it (scripts/install-peers.sh vllm)")
+pytest.importorskip(
+    "vllm.v1.core.sched.scheduler", reason="vLLM is not installed (scripts/install-peers.sh vllm)"
+)
+from tests import vllm_scheduler_sim as sim  # noqa: E402
+
+SMALL = ["--blocks", "28", "--convs", "16", "--max-seqs", "8"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--seed", "1", "--faults", "0.3", *SMALL],  # wrong KV in the pool before 2026-12-02
+        ["--seed", "2", "--faults", "0.3", "--block-size", "16", *SMALL],
+        ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--blocks", "32", "--convs", "12"],
+        ["--seed", "0", "--async", "--blocks", "32", "--convs", "12"],
+    ],
+    ids=["recompute", "recompute-block-16", "fail", "async-no-faults"],
+)
+def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
+    outcome = sim.run(sim.arguments(argv))
+    assert outcome.code == 0, dict(outcome.problems)
+    stats = outcome.stats
+    assert stats.finished == stats.requests > 0 and stats.loads_ok_blocks > 0 and stats.saves_ok > 0
+    if "--faults" in argv:
+        assert stats.load_failed_blocks > 0  # the failure path ran
