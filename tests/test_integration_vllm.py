@@ -133,6 +133,15 @@ def first_prefill(sched, req_id: str, block_ids: list[int]):
     return sched.build_connector_meta(step([new_request_data(req, block_ids, 0)], {req_id: len(PROMPT)}))
 
 
+def second_turn(sched):
+    """The plan of a request for PROMPT and 4 more tokens after first_prefill stored PROMPT:
+    its 3 blocks load into blocks 6, 7 and 8, and it saves its fourth, block 9."""
+    again = request("r-2", PROMPT + [1, 2, 3, 4])
+    assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
+    sched.update_state_after_alloc(again, blocks([6, 7, 8, 9, 10]), 12)
+    return sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
+
+
 def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
     cluster = make_cluster(2, "16MiB")
     config = vllm_config(cluster.master_endpoint)
@@ -203,10 +212,7 @@ def test_failed_loads_are_reported_for_recompute(make_cluster):
     try:
         run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
 
-        again = request("r-2", PROMPT + [1, 2, 3, 4])
-        assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
-        sched.update_state_after_alloc(again, blocks([6, 7, 8, 9, 10]), 12)
-        meta = sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
+        meta = second_turn(sched)
         middle = worker._key(meta.loads[0].block_hashes[1])
         worker._store.remove(middle, force=True)  # evicted between lookup and load
         computed_over_it = [worker._key(h) for save in meta.saves for h in save.block_hashes]
@@ -258,10 +264,7 @@ def test_with_async_scheduling_the_step_after_a_failed_load_saves_nothing_either
     worker.register_kv_caches(paged_cache(seed=6))
     try:
         run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
-        again = request("r-2", PROMPT + [1, 2, 3, 4])
-        assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
-        sched.update_state_after_alloc(again, blocks([6, 7, 8, 9, 10]), 12)
-        meta = sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
+        meta = second_turn(sched)
         worker._store.remove(worker._key(meta.loads[0].block_hashes[0]), force=True)
         assert run_worker_step(worker, meta) == {6}
 
