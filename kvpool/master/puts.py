@@ -189,7 +189,7 @@ class PutFlow:
         config: ReplicateConfig,
         client_hostname: str,
         now_ms: int,
-        put_id: int = 0,
+        put_id: int,
     ) -> tuple[PutStartReply, int]:
         """Allocate and grant; returns the reply and the footprint bytes that found no room.
 
@@ -347,7 +347,7 @@ class PutFlow:
             pending[keys[index]] = new_put(sizes[index], places)
             placements[index] = [(g, position) for g in grant_indexes]
 
-    def end(self, keys: list[str], checksums: list[int], put_id: int = 0) -> PendingCommit:
+    def end(self, keys: list[str], checksums: list[int], put_id: int) -> PendingCommit:
         """Decide what can be decided now; list the commits for the rest (see service.put_end).
         A key whose put in flight is not `put_id`'s is not this writer's to end."""
         table = self._table
@@ -438,7 +438,7 @@ class PutFlow:
         self._counters.put_bytes += done_bytes
         return CodesReply(codes_out)
 
-    def revoke(self, keys: list[str], writes_in_flight: bool, put_id: int = 0) -> CodesReply:
+    def revoke(self, keys: list[str], writes_in_flight: bool, put_id: int) -> CodesReply:
         """Forget writing puts of `put_id`: free their ranges at once, or with
         `writes_in_flight` quarantine them as a discard does (see service.put_revoke)."""
         table = self._table
