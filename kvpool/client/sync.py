@@ -97,6 +97,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How long a caller whose call ran past its bound waits for the call's cancellation to end
+# on the loop (_LoopThread._cancel): a cancelled call's own clean-up is quick and local.
+CANCEL_WAIT_MS = 2_000
 # Batches up to this many bytes are copied on the loop thread in the same hand-off as their
 # round trips; larger ones are copied here, in the caller's thread, in parallel with others.
 INLINE_COPY_BYTES_MAX = 1 << 20
@@ -142,12 +145,27 @@ class _LoopThread:
         assert threading.current_thread() is not self.thread, "Store used from its own loop"
         call = _Call(coroutine)
         self.loop.call_soon_threadsafe(call.start)
-        if not call.finished.acquire(timeout=timeout_ms / 1000):
-            self.loop.call_soon_threadsafe(call.cancel)
+        try:
+            finished = call.finished.acquire(timeout=timeout_ms / 1000)
+        except BaseException:  # KeyboardInterrupt in the caller: the call must not run on
+            self._cancel(call)
+            raise
+        if not finished:
+            self._cancel(call)
             raise RpcTimeout(f"call did not finish within {timeout_ms} ms")
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
+
+    def _cancel(self, call: _Call) -> None:
+        """Cancel `call` on the loop and wait (bounded) until it has ended: a get whose reply
+        is landing in the caller's buffers closes its connection when cancelled, and the
+        caller, once it has its error, may reuse those buffers (a serving engine hands a
+        block that failed to load to another request). Only a loop that does not run at all
+        outlasts the wait, and such a loop lands nothing."""
+        self.loop.call_soon_threadsafe(call.cancel)
+        if not call.finished.acquire(timeout=CANCEL_WAIT_MS / 1000):
+            log.warning("a call cancelled after its bound had not ended within %d ms", CANCEL_WAIT_MS)
 
 
 # What a forked child inherited of the parent's Stores and loop, kept as it is for the
@@ -191,6 +209,8 @@ class _Call:
     def start(self) -> None:
         if self.is_cancelled:
             self.coroutine.close()
+            self.error = RpcTimeout("call cancelled")
+            self.finished.release()
             return
         self.task = asyncio.get_running_loop().create_task(self.coroutine)
         self.task.add_done_callback(self._done)
