@@ -85,3 +85,46 @@ def test_a_segment_larger_than_the_room_left_in_its_filesystem_is_refused_before
     with pytest.raises(InvalidParams, match="does not fit"):
         Segment.create(shm, name, room + limits.GIB, os.urandom(16))
     assert not any(name in entry for entry in os.listdir(shm))
+
+
+_TAKEN_MEANWHILE = """
+import os, sys
+from kvpool.errors import InvalidParams
+from kvpool.node import segment
+directory = sys.argv[1]
+os.system(f"mount -t tmpfs -o size=8m kvpool-test {directory}")
+room_before = os.statvfs(directory)  # what the node saw: 8 MiB free
+with open(os.path.join(directory, "another-process"), "wb") as other:
+    other.write(b"x" * (6 << 20))  # meanwhile another process takes 6 MiB
+segment.os.statvfs = lambda path: room_before
+try:
+    segment.Segment.create(directory, "late", 4 << 20, os.urandom(16))
+except InvalidParams as exc:
+    print("refused:", exc)
+print("left:", sorted(os.listdir(directory)))
+"""
+
+
+def test_a_segment_whose_room_was_taken_after_the_check_is_refused_not_killed_by_sigbus(tmp_path: Path) -> None:
+    """Another process may fill the filesystem between the room check and the pre-faulting
+    (two nodes starting at once on one host): the node gets a clear error and leaves no file,
+    instead of dying of SIGBUS on the first page the filesystem cannot give. A real 8 MiB
+    tmpfs, mounted in a private mount namespace (unshare), so nothing of the host's changes."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) on this machine")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.decode().strip()}")
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["unshare", "-rm", sys.executable, "-c", _TAKEN_MEANWHILE, str(mount_point)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, f"the node died (returncode {done.returncode}): {done.stderr[-2000:]}"
+    assert "refused: a segment of" in done.stdout and "does not fit" in done.stdout, done.stdout
+    assert "left: ['another-process']" in done.stdout, done.stdout

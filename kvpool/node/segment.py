@@ -16,6 +16,7 @@ mode 0600 (exclusive create), so only processes of the same user can map it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -93,7 +94,7 @@ class Segment:
                 f"(pages of {block_size} bytes): ask for more"
             )
         free_bytes = filesystem.f_bavail * filesystem.f_frsize
-        if file_size > free_bytes:  # pre-faulting it would die of SIGBUS part way through
+        if file_size > free_bytes:  # the common case, said plainly before any write (_reserve)
             raise InvalidParams(
                 f"a segment of {file_size} bytes does not fit in {directory} ({free_bytes} bytes "
                 "free): ask for less, or give that filesystem more room"
@@ -108,8 +109,9 @@ class Segment:
                 lock_fd = os.open(path, os.O_RDONLY)
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just created: no one holds it
                 os.ftruncate(fd, file_size)
+                _reserve(fd, file_size, directory)
                 file_map = mmap.mmap(fd, file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            except OSError:
+            except BaseException:
                 if lock_fd is not None:
                     os.close(lock_fd)
                 path.unlink(missing_ok=True)
@@ -188,6 +190,27 @@ class Segment:
         pages = np.frombuffer(self.data, dtype=np.uint8)[:: limits.PAGE_SIZE_BYTES]
         pages[:] = 0
         del pages
+
+
+def _reserve(fd: int, file_size: int, directory: str) -> None:
+    """Allocate the whole file now (tmpfs, hugetlbfs): the room checked before may have gone
+    to another process since, and a store into a page the filesystem cannot give kills the
+    process with SIGBUS; fallocate says ENOSPC instead. A filesystem without fallocate is
+    left to the pre-faulting, as before.
+
+    Raises:
+        InvalidParams: the filesystem has no room for the file.
+    """
+    try:
+        os.posix_fallocate(fd, 0, file_size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise InvalidParams(
+                f"a segment of {file_size} bytes does not fit in {directory} (taken by another "
+                "process meanwhile?): ask for less, or give that filesystem more room"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 # Segments this process owns: a forked child closes its copies of their lock descriptors, so
