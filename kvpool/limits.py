@@ -21,8 +21,9 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # 2: padded control messages (frames.FLAG_PADDED). 3: ReleaseLeases, and the grant time in
 # GetReplicaListReply (a master of version 2 would close a client's connection at its first
 # release). Peers of different versions part at the handshake's first frame, with the reason
-# logged, rather than later, mid-request. 4: put ids (PutStart, PutEnd and PutRevoke).
-FRAME_VERSION = 4
+# logged, rather than later, mid-request. 4: put ids (PutStart, PutEnd and PutRevoke). 5: the
+# lookup hold (LongestPrefix.hold_ms, which a master of version 4 would drop unread).
+FRAME_VERSION = 5
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB
@@ -58,6 +59,10 @@ SHM_POPULATE_SIZE_BYTES_MAX = 8 * GIB
 # --- leases, puts, eviction (Mooncake's defaults where they exist) ----------------------------
 LEASE_TTL_MS_DEFAULT = 10_000  # Mooncake default_kv_lease_ttl: 10 s.
 SOFT_PIN_TTL_MS_DEFAULT = 30 * 60_000
+# What an engine adapter's prefix lookup holds from eviction, for the load that follows it (a
+# scheduler step or a few later, on its workers); the load's lease release ends it sooner, the
+# master cuts it to its lease TTL (LongestPrefix.hold_ms).
+LOOKUP_HOLD_MS_DEFAULT = 5_000
 # A writer silent past the discard timeout loses its put (the key becomes free again); its
 # space is released only after the release timeout, so a slow writer can never scribble on
 # someone else's object (Mooncake put_start_discard_timeout_sec=30, release_timeout_sec=600).

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -87,3 +88,14 @@ def python_child(code: str) -> subprocess.Popen[str]:
     """A Python process running `code`, its stdin and stdout piped (text): it reports on
     stdout, and `sys.stdin.read()` in it holds it alive until the test ends it by its pid."""
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
+    """predicate()'s first true value, polled until `timeout_s` (then AssertionError)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")

@@ -21,22 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import uvloop
+from conftest import wait_until
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
 from kvpool.errors import NoAvailableHandle, Unauthorized
 from kvpool.protocol.messages import GetReplicaList
 
 TIMEOUT_S = 15.0
-
-
-def wait_until(predicate, timeout_s: float = TIMEOUT_S, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def kvpool_cli(*args: str, env: dict | None = None, stdin: bytes = b"") -> subprocess.CompletedProcess:
@@ -570,6 +561,29 @@ def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
             store.put(key, value)
         assert store.get_batch(list(leased)) == list(leased.values())
         assert sum(store.batch_exists(list(flood))) < len(flood)  # something was evicted
+
+
+def test_a_lookup_hold_keeps_the_hits_through_a_flood_until_their_load(make_cluster):
+    # An engine's scheduler looks up a prefix, its workers load it a moment later: meanwhile
+    # other requests' puts flood the node. The held prefix survives though it is the oldest;
+    # the objects put after it, not held, go; once loaded (its lease given back) the hold ends.
+    cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000"))
+    object_size = 256 * 1024
+    held, other = values_for("held", 8, object_size), values_for("other", 8, object_size)
+    with Store(cluster.master_endpoint) as store:
+        store.put_batch(list(held), list(held.values()))
+        store.put_batch(list(other), list(other.values()))
+        assert store.longest_prefix([*held, "absent"], hold_ms=20_000) == len(held)
+        flood = values_for("flood", 40, object_size)  # 10 MiB through an 8 MiB segment
+        for key, value in flood.items():
+            store.put(key, value)
+        assert store.batch_exists(list(other)) == [False] * len(other)
+        assert store.get_batch(list(held)) == list(held.values())  # the load
+        # Its lease goes back 10 ms later (client/leases.py), and the hold with it: a remove
+        # that refuses leased objects takes them (a 20 s hold would have refused it).
+        wait_until(lambda: master_metrics(cluster)["kvpool_master_leases_released_total"] == len(held), timeout_s=5)
+        assert store.batch_remove(list(held)) == [ErrorCode.OK] * len(held)
+        assert master_metrics(cluster)["kvpool_master_lookup_holds_total"] == len(held)
 
 
 def test_what_readers_are_done_with_is_evicted_at_once_not_after_their_lease(make_cluster):

@@ -19,6 +19,7 @@ import asyncio
 import struct
 
 import pytest
+from conftest import wait_until
 
 torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
 pytest.importorskip(
@@ -33,7 +34,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 
-from kvpool import Store  # noqa: E402
+from kvpool import ErrorCode, Store  # noqa: E402
 
 CHUNK = 16
 KV_SHAPE = (3, 2, CHUNK, 2, 8)  # layers, k/v, tokens, heads, head size
@@ -121,6 +122,31 @@ def test_instance_b_reads_chunks_instance_a_stored(make_cluster, save_chunk_meta
     finally:
         a.close()
         b.close()
+
+
+def test_a_pinned_lookup_holds_its_chunks_until_they_are_retrieved(make_cluster):
+    """LMCache's lookup pins what it found so that it is still there for the retrieval: the
+    hits are held from eviction (a remove that spares leased objects stands for it here) until
+    the retrieval's lease goes back. An unpinned async lookup holds nothing."""
+    cluster = make_cluster(1, "16MiB")
+    a = Instance(cluster.master_endpoint)
+    try:
+        unpinned, pinned, synced = [key(h) for h in (21, 22)], [key(h) for h in (23, 24)], [key(25)]
+        every = [*unpinned, *pinned, *synced]
+        a.run(a.conn.batched_put(every, [a.chunk(seed) for seed in range(len(every))]))
+        assert a.run(a.conn.batched_async_contains("l-1", unpinned)) == 2
+        assert a.run(a.conn.batched_async_contains("l-2", pinned, pin=True)) == 2
+        assert a.conn.batched_contains(synced) == 1
+        names = [k.to_string() for k in every]
+        with Store(cluster.master_endpoint) as store:
+            refused = [ErrorCode.OK] * 2 + [ErrorCode.OBJECT_HAS_LEASE] * 3
+            assert store.batch_remove(names) == refused
+            for obj in a.run(a.conn.batched_get(pinned)):  # the retrieval
+                obj.ref_count_down()
+            wait_until(lambda: store.batch_remove(names[2:4]) == [ErrorCode.OK] * 2, timeout_s=5)
+            assert store.batch_remove(names[4:]) == [ErrorCode.OBJECT_HAS_LEASE]  # never retrieved
+    finally:
+        a.close()
 
 
 def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(make_cluster):

@@ -24,6 +24,7 @@ dependencies).
 from __future__ import annotations
 
 import pytest
+from conftest import wait_until
 
 torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
 factory_module = pytest.importorskip(
@@ -32,7 +33,7 @@ factory_module = pytest.importorskip(
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 
-from kvpool.errors import InvalidParams  # noqa: E402
+from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
 
 StorageBackendFactory = factory_module.StorageBackendFactory
 
@@ -222,6 +223,26 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
     finally:
         for backend in backends:
             backend.close()
+
+
+def test_the_pages_batch_exists_found_are_held_until_they_are_fetched(make_cluster):
+    """SGLang prefetches what batch_exists found: meanwhile those pages cannot be evicted (a
+    remove that spares leased objects stands for eviction here). The fetch's lease release
+    ends the hold."""
+    cluster = make_cluster(1, "16MiB")
+    pool = MHAHostPool("page_first")
+    pool.kv_buffer.fill_(1)
+    backend = create(storage_config(cluster.master_endpoint), pool)
+    try:
+        keys = ["h0", "h1"]
+        assert backend.batch_set_v1(keys, host_indices([0, 1])) == [True] * 2
+        assert backend.batch_exists(keys) == 2
+        names = backend._object_keys(keys)
+        assert backend._store.batch_remove(names) == [ErrorCode.OBJECT_HAS_LEASE] * len(names)
+        assert backend.batch_get_v1(keys, host_indices([2, 3])) == [True] * 2
+        wait_until(lambda: backend._store.batch_remove(names) == [ErrorCode.OK] * len(names), timeout_s=5)
+    finally:
+        backend.close()
 
 
 def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import wait_until
 
 # vLLM decides its platform on first use; this wheel is not a CPU build, so say it (as its CPU
 # docs do). Only read by vLLM.
@@ -44,7 +45,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvpool.errors import InvalidParams  # noqa: E402
+from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -53,14 +54,14 @@ KV_HEADS = 2
 HEAD_SIZE = 8
 
 
-def vllm_config(master: str) -> VllmConfig:
+def vllm_config(master: str, **extra) -> VllmConfig:
     config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVPoolConnector",
             kv_connector_module_path="kvpool.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"master": master, "model_name": "org/tiny"},
+            kv_connector_extra_config={"master": master, "model_name": "org/tiny", **extra},
         ),
     )
     config.scheduler_config.disable_hybrid_kv_cache_manager = True
@@ -202,6 +203,33 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
             worker.shutdown()
         for sched in (sched_a, sched_b):
             sched.shutdown()
+
+
+@pytest.mark.parametrize("hold_ms", [None, 0])
+def test_the_blocks_a_lookup_planned_to_load_are_held_until_the_load(make_cluster, hold_ms):
+    """Between the scheduler's lookup and its workers' load, what it planned to load cannot be
+    evicted (a remove that spares leased objects stands for eviction here): the lookup held
+    it. The load gives its leases back, and the hold ends with them. lookup_hold_ms 0: none."""
+    cluster = make_cluster(1, "16MiB")
+    extra = {} if hold_ms is None else {"lookup_hold_ms": hold_ms}
+    config = vllm_config(cluster.master_endpoint, **extra)
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=3))
+    try:
+        run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
+        meta = second_turn(sched)
+        planned = [worker._key(h) for h in meta.loads[0].block_hashes]
+        if hold_ms == 0:
+            assert worker._store.batch_remove(planned) == [ErrorCode.OK] * len(planned)
+            return
+        assert worker._store.batch_remove(planned) == [ErrorCode.OBJECT_HAS_LEASE] * len(planned)
+        assert run_worker_step(worker, meta) == set()
+        gone = (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND)  # (a retry after a partial remove)
+        wait_until(lambda: all(code in gone for code in worker._store.batch_remove(planned)), timeout_s=5)
+        assert not any(worker._store.batch_exists(planned))
+    finally:
+        worker.shutdown()
+        sched.shutdown()
 
 
 def test_failed_loads_are_reported_for_recompute(make_cluster):

@@ -40,9 +40,9 @@ from kvpool.protocol.messages import (
     PutStart,
     PutStartReply,
     QueryObjects,
+    ReleaseLeases,
     Remove,
     RemoveAll,
-    ReleaseLeases,
     RemoveByRegex,
     ReplicateConfig,
     ReportBadReplicas,
@@ -504,6 +504,45 @@ def test_exists_longest_prefix_and_query_grant_no_lease() -> None:
     assert query.replicas[0][0].segment_id == "s1"
     assert svc.remove(Remove(["a", "b", "d"]), 0).codes == [OK, OK, OK]  # no lease anywhere
     assert svc.counters.gets == 0
+
+
+def test_a_lookup_hold_keeps_its_hits_until_their_load_reads_them() -> None:
+    """An engine looks up (scheduler) and loads moments later (workers): what the lookup found
+    with a hold is spared by eviction and removal until the load gives its lease back, or the
+    hold runs out; without a hold the oldest object goes first."""
+    svc = make(lease_ttl_ms=10_000, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
+    mount(svc, "s1")
+    keys = [f"k{i}" for i in range(16)]  # 16 x 64 KiB: the whole 1 MiB segment
+    assert put(svc, keys) == [OK] * 16
+    held = LongestPrefix(["k0", "k1", "k2", "absent", "k3"], hold_ms=5_000)
+    assert svc.longest_prefix(held, 10).count == 3 and svc.counters.lookup_holds == 3
+    assert svc.counters.gets == 0  # not a read: eviction order untouched
+    assert put(svc, ["new"], now=20) == [ErrorCode.NO_AVAILABLE_HANDLE]  # room is coming
+    assert [e.key for e in svc.take_drops()["s1"]] == ["k3"]  # the oldest not held
+    assert svc.remove(Remove(["k0"]), 30).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    reply = get(svc, ["k1"], 40)  # the load
+    release(svc, reply.lease_granted_ms, ["k1"], 50)
+    assert svc.remove(Remove(["k1"]), 51).codes == [OK]  # read: the hold ended with its lease
+    assert svc.remove(Remove(["k2"]), 5_009).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    assert svc.remove(Remove(["k2", "k0"]), 5_010).codes == [OK, OK]  # never loaded: ran out
+
+
+def test_a_lookup_hold_is_cut_to_the_lease_ttl_and_not_negative() -> None:
+    svc = make(lease_ttl_ms=1_000)
+    mount(svc, "s1")
+    put(svc, ["a", "b"])
+    get(svc, ["b"], 0)  # a reader that never gives its lease back
+    assert svc.longest_prefix(LongestPrefix(["a"], hold_ms=60_000), 0).count == 1
+    assert svc.remove(Remove(["a"]), 999).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    assert svc.remove(Remove(["a"]), 1_000).codes == [OK]
+    # A hold on an object whose lease lapsed starts a new count of readers: the lapsed reader
+    # no longer holds it, so the load's release ends the hold.
+    svc.longest_prefix(LongestPrefix(["b"], hold_ms=1_000), 2_000)
+    reply = get(svc, ["b"], 2_100)
+    release(svc, reply.lease_granted_ms, ["b"], 2_200)
+    assert svc.remove(Remove(["b"]), 2_201).codes == [OK]
+    with pytest.raises(InvalidParams, match="hold_ms"):
+        svc.longest_prefix(LongestPrefix(["b"], hold_ms=-1), 0)
 
 
 def test_removed_ranges_are_reused_only_after_drops_done() -> None:

@@ -441,13 +441,19 @@ class MasterMachine(RuleBasedStateMachine):
         """Every object under a lease at once: eviction must then find nothing to take."""
         self.get(sorted(self.objects))
 
-    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=0, max_size=5))
-    def exists_and_prefix(self, keys: list[str]) -> None:
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=0, max_size=5), hold_ms=st.sampled_from([0, 300, 5_000]))
+    def exists_and_prefix(self, keys: list[str], hold_ms: int) -> None:
+        """With a hold, the prefix found is leased (to at most the TTL) with no reader counted."""
         flags = self.service.exist_keys(ExistKeys(keys), self.now).flags
         assert flags == [key in self.objects for key in keys]
-        prefix = self.service.longest_prefix(LongestPrefix(keys), self.now).count
+        prefix = self.service.longest_prefix(LongestPrefix(keys, hold_ms), self.now).count
         expected = next((i for i, key in enumerate(keys) if key not in self.objects), len(keys))
         assert prefix == expected
+        for key in keys[:prefix] if hold_ms else ():
+            if not self._is_leased(key):
+                self.readers[key] = 0
+            self.leases[key] = max(self.leases.get(key, 0), self.now + min(hold_ms, CONFIG.lease_ttl_ms))
+            event("held by a lookup")
 
     @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3), force=st.booleans())
     def remove(self, keys: list[str], force: bool) -> None:

@@ -315,9 +315,14 @@ class AsyncStore:
     async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_flags(await self._master.call(ExistKeys(key_list(keys)), is_idempotent=True))
 
-    async def longest_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading keys are present, in one round trip (engines' prefix lookup)."""
-        return prefix_count(await self._master.call(LongestPrefix(key_list(keys)), is_idempotent=True))
+    async def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0) -> int:
+        """How many leading keys are present, in one round trip (engines' prefix lookup).
+        With `hold_ms`, what was found is kept from eviction for that long (at most the
+        master's lease TTL), or until a reader of it gives its lease back: for the load that
+        follows the lookup (an engine's scheduler looks up, its workers load moments later)."""
+        checked_args(hold_ms=(hold_ms, int))
+        message = LongestPrefix(key_list(keys), hold_ms)
+        return prefix_count(await self._master.call(message, is_idempotent=True))
 
     async def get_size(self, key: str) -> int:
         """Raises ObjectNotFound."""

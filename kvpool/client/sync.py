@@ -52,6 +52,7 @@ from kvpool.client.store import (
     BytesLike,
     batch_pieces,
     buffer_starts,
+    checked_args,
     checked_config,
     exists_flags,
     get_into_results,
@@ -590,8 +591,9 @@ class Store:
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_flags(self._ask(ExistKeys(key_list(keys))))
 
-    def longest_prefix(self, keys: Sequence[str]) -> int:
-        return prefix_count(self._ask(LongestPrefix(key_list(keys))))
+    def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0) -> int:
+        checked_args(hold_ms=(hold_ms, int))
+        return prefix_count(self._ask(LongestPrefix(key_list(keys), hold_ms)))
 
     def get_size(self, key: str) -> int:
         return object_size(self._ask(QueryObjects(key_list([key]))), key)

@@ -10,7 +10,9 @@ LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LM
       remote_storage_plugin.kvpool.module_path: kvpool.integrations.lmcache
       remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
       kvpool.master: 10.0.0.1:50051
-      # optional: kvpool.token_file, kvpool.embedded_memory (a size), kvpool.replica_num
+      # optional: kvpool.token_file, kvpool.embedded_memory (a size), kvpool.replica_num,
+      # kvpool.lookup_hold_ms (how long a lookup's hits are held from eviction for their
+      # retrieval, default 5000; 0 = none)
 
 A URL works too once the plugin is listed: `remote_url: kvpool://10.0.0.1:50051`.
 
@@ -43,9 +45,11 @@ from lmcache.v1.storage_backend.connector import (
 )
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
+from kvpool.client.store import checked_args
 from kvpool.client.sync import Store
 from kvpool.config import parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
 from kvpool.protocol.messages import ReplicateConfig
 
 log = logging.getLogger(__name__)
@@ -99,6 +103,8 @@ class KVPoolRemoteConnector(RemoteConnector):
             embedded_memory_bytes=parse_size(str(extra.get("kvpool.embedded_memory", 0))),
         )
         self._replicate = ReplicateConfig(replica_num=int(extra.get("kvpool.replica_num", 1)))
+        self._lookup_hold_ms = int(extra.get("kvpool.lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
+        checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
 
     def __repr__(self) -> str:
         return f"<KVPoolRemoteConnector {self._store!r}>"
@@ -119,20 +125,26 @@ class KVPoolRemoteConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: list[Any]) -> int:
-        """How many leading chunks are stored, in one round trip."""
-        if not keys:
-            return 0
-        try:
-            return self._store.longest_prefix([k.to_string() for k in keys])
-        except KVPoolError as exc:
-            log.info("kvpool lookup failed, reporting a miss: %s", exc)
-            return 0
+        """How many leading chunks are stored, in one round trip; they are held from eviction
+        for the retrieval that follows (kvpool.lookup_hold_ms)."""
+        return self._lookup(keys, self._lookup_hold_ms)
 
     def support_batched_async_contains(self) -> bool:
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: list[Any], pin: bool = False) -> int:
-        return await asyncio.to_thread(self.batched_contains, keys)
+        """As batched_contains; LMCache's `pin` (keep the hits until they are retrieved) is
+        the lookup hold."""
+        return await asyncio.to_thread(self._lookup, keys, self._lookup_hold_ms if pin else 0)
+
+    def _lookup(self, keys: list[Any], hold_ms: int) -> int:
+        if not keys:
+            return 0
+        try:
+            return self._store.longest_prefix([k.to_string() for k in keys], hold_ms)
+        except KVPoolError as exc:
+            log.info("kvpool lookup failed, reporting a miss: %s", exc)
+            return 0
 
     # --- reads ------------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ SGLang loads it with its own dynamic-backend mechanism, no patch to SGLang:
 Other extra-config keys: "embedded_memory" (a size: this process contributes that much DRAM
 to the pool, default 0), "token" / "token_file" (the cluster token), "replica_num" (default
 1), "shm_enabled" (default true), "extra_backend_tag" (a namespace prefix, as in SGLang's
-Mooncake backend). $KVPOOL_MASTER is read when "master" is absent.
+Mooncake backend), "lookup_hold_ms" (how long `batch_exists` holds its hits from eviction for
+the prefetch that follows, default 5000; 0 = none). $KVPOOL_MASTER is read when "master" is
+absent.
 
 Pages are objects named as SGLang's own Mooncake backend names them
 (sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py): the page hash, prefixed by
@@ -44,10 +46,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from kvpool.client.store import checked_args
 from kvpool.client.sync import Store
 from kvpool.config import parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.host_memory import register_tensors
+from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
 from kvpool.protocol.messages import ReplicateConfig
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.is_mla = storage_config.is_mla_model
         self._replicate = ReplicateConfig(replica_num=int(extra.get("replica_num", 1)))
+        self._lookup_hold_ms = int(extra.get("lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
+        checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
         self._store = Store(
             str(master),
             token=token_from(extra.get("token"), extra.get("token_file")),
@@ -162,7 +168,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            count = self._store.longest_prefix(self._object_keys(keys))
+            count = self._store.longest_prefix(self._object_keys(keys), self._lookup_hold_ms)
         except KVPoolError as exc:
             log.warning("kvpool batch_exists failed, reporting a miss: %s", exc)
             return 0

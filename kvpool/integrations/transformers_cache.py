@@ -27,6 +27,7 @@ import numpy as np
 
 from kvpool.client.sync import Store
 from kvpool.errors import InvalidParams
+from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
 from kvpool.protocol.messages import ReplicateConfig
 
 HASH_SIZE_BYTES = 16
@@ -117,8 +118,9 @@ def save_pages(
 def load_pages(store: Store, layout: PageLayout, token_ids: Sequence[int]) -> tuple[Any, int]:
     """The cache of the longest run of leading pages of `token_ids` found in the pool.
 
-    One `longest_prefix` round trip finds the run; one `batch_get_into` reads it into a single
-    staging tensor. A page that vanished between the two (evicted) ends the run there.
+    One `longest_prefix` round trip finds the run and holds it from eviction; one
+    `batch_get_into` reads it into a single staging tensor (its lease release ends the hold).
+    A page that vanished between the two anyway (removed) ends the run there.
 
     Returns:
         (DynamicCache or None, number of tokens it covers).
@@ -127,7 +129,7 @@ def load_pages(store: Store, layout: PageLayout, token_ids: Sequence[int]) -> tu
     from transformers import DynamicCache
 
     keys = layout.page_keys(token_ids)
-    count = store.longest_prefix(keys) if keys else 0
+    count = store.longest_prefix(keys, LOOKUP_HOLD_MS_DEFAULT) if keys else 0
     if count == 0:
         return None, 0
     staging = torch.empty((count, *layout.page_shape), dtype=layout.dtype)

@@ -10,8 +10,9 @@
 
 Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
 default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
-true), "cache_prefix" (a namespace for separate deployments). $KVPOOL_MASTER is read when
-"master" is absent.
+true), "cache_prefix" (a namespace for separate deployments), "lookup_hold_ms" (how long a
+lookup's hits are held from eviction for their load, default 5000; 0 = none). $KVPOOL_MASTER
+is read when "master" is absent.
 
 Each full block of a prompt is one object holding that block of every layer (K then V per
 layer for FlashAttention-style caches; the block as it lies for block-first and MLA caches),
@@ -53,10 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpool.client.store import checked_args
 from kvpool.client.sync import Store
 from kvpool.config import parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.host_memory import register_tensors
+from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
 from kvpool.protocol.messages import ReplicateConfig
 
 if TYPE_CHECKING:
@@ -125,6 +128,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             shm_enabled=str(extra.get("shm_enabled", True)).lower() not in ("0", "false", "no"),
         )
         self._replicate = ReplicateConfig(replica_num=int(extra.get("replica_num", 1)))
+        self._lookup_hold_ms = int(extra.get("lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
+        checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
@@ -170,7 +175,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
         keys = [self._key(h, tp, pp) for h in hashes for tp, pp in ranks]
         try:
-            hit_blocks = self._store.longest_prefix(keys) // len(ranks)
+            hit_blocks = self._store.longest_prefix(keys, self._lookup_hold_ms) // len(ranks)
         except KVPoolError as exc:
             log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
             return 0, False

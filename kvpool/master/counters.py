@@ -19,7 +19,8 @@ class MasterCounters:
     parameters, no space after the put's last round, transfer failure); `put_room_rounds` counts
     the rounds puts waited for eviction to make room (a cache that runs full: each round is a
     wait of the put for drops or offloads to land); `leases_released` counts read leases given
-    back by their readers before they expired (ReleaseLeases)."""
+    back by their readers before they expired (ReleaseLeases); `lookup_holds` counts objects a
+    prefix lookup held for the load that follows it (LongestPrefix.hold_ms)."""
 
     puts: int = 0
     put_bytes: int = 0
@@ -34,6 +35,7 @@ class MasterCounters:
     errors: int = 0
     put_room_rounds: int = 0
     leases_released: int = 0
+    lookup_holds: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ COUNTER_HELP = {
     "errors": "Failed requests and per-key failures.",
     "put_room_rounds": "Rounds puts waited for eviction to make room.",
     "leases_released": "Read leases given back by their readers before they expired.",
+    "lookup_holds": "Objects a prefix lookup held from eviction for the load after it.",
 }
 COUNTER_NAMES = tuple(COUNTER_HELP)
 

@@ -633,19 +633,39 @@ class MasterService:
         return ExistsReply([key in objects or key in lower for key in msg.keys])
 
     def longest_prefix(self, msg: LongestPrefix, now_ms: int) -> CountReply:
-        """The number of leading keys that are complete objects (no lease, not an access).
+        """The number of leading keys that are complete objects. Not an access (eviction
+        order is untouched). With msg.hold_ms, those objects are held (LongestPrefix): their
+        lease runs at least min(hold_ms, lease_ttl_ms) from now, with no reader counted, so
+        the last reader to give its lease back ends the hold too (it read what was held).
 
         Raises:
-            InvalidParams: too many keys.
+            InvalidParams: too many keys, or a negative hold.
         """
         self._check_batch(msg.keys)
+        if msg.hold_ms < 0:
+            raise InvalidParams(f"hold_ms must be >= 0, not {msg.hold_ms}")
         objects, lower = self._table.objects, self._table.lower
-        count = 0
+        if not msg.hold_ms:
+            count = 0
+            for key in msg.keys:
+                if key not in objects and key not in lower:
+                    break
+                count += 1
+            return CountReply(count)
+        held_until_ms = now_ms + min(msg.hold_ms, self.config.lease_ttl_ms)
+        held: list[ObjectMeta] = []
         for key in msg.keys:
-            if key not in objects and key not in lower:
+            meta = objects.get(key) or lower.get(key)  # (an ObjectMeta is always true)
+            if meta is None:
                 break
-            count += 1
-        return CountReply(count)
+            held.append(meta)
+        for meta in held:
+            if meta.lease_expiry_ms <= now_ms:
+                meta.readers = 0  # lapsed: its readers no longer hold it (ObjectTable.access)
+            if held_until_ms > meta.lease_expiry_ms:
+                meta.lease_expiry_ms = held_until_ms
+        self.counters.lookup_holds += len(held)
+        return CountReply(len(held))
 
     def query_objects(self, msg: QueryObjects, now_ms: int) -> QueryReply:
         """Size and replicas of each key, without a lease and without counting as an access.

@@ -300,7 +300,13 @@ class ExistsReply(Message, tag=17):
 
 
 class LongestPrefix(Message, tag=18):
+    """How many leading keys are complete objects. With `hold_ms` > 0 (at most the master's
+    lease TTL; more is cut to it), each of those objects is kept from eviction for that long
+    or until a reader of it gives its lease back (ReleaseLeases), whichever comes first: an
+    engine's lookup holds what it found until its load reads it. Answered with CountReply."""
+
     keys: list[str]
+    hold_ms: int = 0
 
 
 class Remove(Message, tag=19):
