@@ -259,7 +259,7 @@ def test_a_node_signalled_while_it_waits_for_its_master_leaves_gracefully(tmp_pa
     """SIGTERM while `kvpool node` starts (here: waiting for a master that is not there) ends
     it through its graceful stop, as once it serves: exit status 0 and its segment file gone.
     (The signal handler used to be installed after the start: the default one killed it and
-    left the file; the same race made a test of run_node kill the test runner.)"""
+    left the file.)"""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nobody listens here

@@ -42,7 +42,7 @@ from kvpool.errors import (
 )
 from kvpool.node import server as node_server
 from kvpool.node.segment import Segment, remove_stale_segments
-from kvpool.node.server import Node, NodeState, run_node
+from kvpool.node.server import Node, NodeState
 from kvpool.node.transfer import wall_clock_ms
 from kvpool.protocol import auth
 from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
@@ -958,22 +958,6 @@ def test_two_nodes_in_one_process(tmp_path: Path) -> None:
             assert second.is_mounted and second.segment_id != first.segment_id
             assert len(segment_files(tmp_path)) == 2
             await second.stop()
-
-    run(main)
-
-
-def test_run_node_serves_until_sigterm(tmp_path: Path) -> None:
-    async def main() -> None:
-        master = FakeMaster()
-        await master.start()
-        task = asyncio.ensure_future(run_node(node_config(tmp_path, master.port)))
-        await until(lambda: bool(master.mounts))
-        assert len(segment_files(tmp_path)) == 1
-        os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(task, 5)
-        assert master.of_type(UnmountSegment)
-        assert segment_files(tmp_path) == []
-        await master.stop()
 
     run(main)
 

@@ -30,7 +30,6 @@ import enum
 import logging
 import random
 import secrets
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -607,39 +606,6 @@ class Node:
         }
 
 
-async def run_node(config: NodeConfig, *, drain_timeout_ms: int = 0) -> None:
-    """Run a node until SIGTERM or SIGINT, then leave gracefully (what `kvpool node` does, with
-    its start-up reporting, in cli/main.py).
-
-    Args:
-        config: the node's configuration.
-        drain_timeout_ms: when > 0, drain for this long (reads still served) before stopping.
-
-    Raises:
-        KVPoolError: the node could not start (see Node.start).
-    """
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    # Before the start: a signal while the node starts must end it gracefully, not by the
-    # default handler (which would leave its segment file and its master's mount behind).
-    for sig in signals:
-        loop.add_signal_handler(sig, stop_requested.set)
-    try:
-        node = Node(config)
-        await node.start()
-        try:
-            await stop_requested.wait()  # Serves forever: only a signal ends a node.
-            log.info("node %s: signal received, leaving", node.node_id)
-            if drain_timeout_ms > 0:
-                await node.drain(drain_timeout_ms)
-        finally:
-            await node.stop()
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-
-
 async def _advertise_host(config: NodeConfig, master_host: str) -> str:
     """The host clients dial: configured, else the listen host, else (wildcard) our address.
 
@@ -714,4 +680,4 @@ def _log_task_death(task: asyncio.Task[None]) -> None:
         log.critical("node master link died", exc_info=task.exception())
 
 
-__all__ = ["Node", "NodeState", "run_node"]
+__all__ = ["Node", "NodeState"]
