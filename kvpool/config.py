@@ -68,6 +68,12 @@ def parse_size(text: str) -> int:
     return int(float(number) * multiplier)
 
 
+def parse_flag(value: object) -> bool:
+    """A yes/no setting as engines' JSON or YAML configs give it: a bool, or text such as
+    "true", "1", "no", "off" (anything but 0, false, no, off and empty is yes)."""
+    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
+
+
 def check_busy_poll_us(busy_poll_us: int) -> None:
     """Raises InvalidParams: a busy-poll window out of [0, BUSY_POLL_US_MAX]."""
     if not 0 <= busy_poll_us <= limits.BUSY_POLL_US_MAX:

@@ -19,7 +19,9 @@ imports.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import pytest
 from conftest import wait_until
@@ -54,7 +56,11 @@ KV_HEADS = 2
 HEAD_SIZE = 8
 
 
-def vllm_config(master: str, **extra) -> VllmConfig:
+def vllm_config(master: str, load_async: bool | None = False, **extra) -> VllmConfig:
+    """A config for the connector; loads are synchronous unless `load_async` (None: the
+    connector's default, async)."""
+    if load_async is not None:
+        extra["load_async"] = load_async
     config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         kv_transfer_config=KVTransferConfig(
@@ -123,6 +129,28 @@ def run_worker_step(worker, meta) -> set[int]:
     return worker.get_block_ids_with_load_errors()
 
 
+def run_async_load_step(worker, meta, request_id: str) -> set[int]:
+    """A step that starts an async load, then the steps vLLM runs until the worker reports it
+    done (get_finished, as vLLM's runner asks after each step); the blocks that failed, which
+    must come in the same step as the report."""
+    assert [load.is_async for load in meta.loads] == [True] and not meta.saves
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    errors = set()
+    while True:
+        _, finished = worker.get_finished(set())
+        errors |= worker.get_block_ids_with_load_errors()
+        if finished:
+            assert finished == {request_id}
+            break
+        assert not errors, "failed blocks reported before their load"
+        time.sleep(0.005)
+    assert worker.get_finished(set()) == (None, None)  # reported once
+    return errors
+
+
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks and 2 tokens
 
 
@@ -143,15 +171,26 @@ def second_turn(sched):
     return sched.build_connector_meta(step([new_request_data(again, [6, 7, 8, 9, 10], 12)], {"r-2": 6}))
 
 
-def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
-    cluster = make_cluster(2, "16MiB")
-    config = vllm_config(cluster.master_endpoint)
+@contextlib.contextmanager
+def two_instances(config: VllmConfig, seed_a: int):
+    """Instances A (its paged cache random) and B (zeros), each a scheduler-side and a
+    worker-side connector: (sched_a, worker_a, cache_a, sched_b, worker_b, cache_b)."""
     sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
     sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
-    cache_a, cache_b = paged_cache(seed=1), paged_cache(seed=None)
+    cache_a, cache_b = paged_cache(seed=seed_a), paged_cache(seed=None)
     worker_a.register_kv_caches(cache_a)
     worker_b.register_kv_caches(cache_b)
     try:
+        yield sched_a, worker_a, cache_a, sched_b, worker_b, cache_b
+    finally:
+        for side in (worker_a, worker_b, sched_a, sched_b):
+            side.shutdown()
+
+
+def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
+    cluster = make_cluster(2, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    with two_instances(config, 1) as (sched_a, worker_a, cache_a, sched_b, worker_b, cache_b):
         assert type(sched_a).__name__ == "KVPoolConnector"
         assert sched_a.requires_kv_delivery is False  # a cache: preempted output need not be dropped
         # Instance A: a miss, then prefill of the whole prompt into blocks 5..8; saves 3 blocks.
@@ -198,11 +237,53 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
             for kv in (0, 1):
                 assert torch.equal(cache_b[name][kv, 13], cache_a[name][kv, 7]), (name, kv)
             assert not cache_b[name][:, 11:13].any()
+
+
+def test_async_loads_run_beside_the_forward_passes_and_end_once(make_cluster):
+    """The default: vLLM parks a request with a hit in WAITING_FOR_REMOTE_KVS, its blocks load
+    on the worker's loader thread while forward passes go on, and the worker reports the
+    request done once; it is scheduled to compute after that, and saves its own blocks."""
+    cluster = make_cluster(2, "16MiB")
+    config = vllm_config(cluster.master_endpoint, load_async=None)
+    with two_instances(config, 4) as (sched_a, worker_a, cache_a, sched_b, worker_b, cache_b):
+        assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
+        req_b = request("b-1", PROMPT + [7, 8, 9, 10, 11, 12])
+        assert sched_b.get_num_new_matched_tokens(req_b, 0) == (12, True)
+        sched_b.update_state_after_alloc(req_b, blocks([1, 2, 3, 9, 10]), 12)
+        meta = sched_b.build_connector_meta(step([], {}))  # b-1 is not scheduled: it waits
+        assert [(load.block_ids, load.is_async) for load in meta.loads] == [([1, 2, 3], True)]
+        assert run_async_load_step(worker_b, meta, "b-1") == set()
+        for name in cache_a:
+            for kv in (0, 1):
+                assert torch.equal(cache_b[name][kv, 1:4], cache_a[name][kv, 5:8]), (name, kv)
+        # Loaded: vLLM schedules it from token 12; it saves its own new full blocks.
+        meta = sched_b.build_connector_meta(step([new_request_data(req_b, [1, 2, 3, 9, 10], 12)], {"b-1": 8}))
+        assert meta.loads == [] and [s.block_ids for s in meta.saves] == [[9, 10]]
+        assert run_worker_step(worker_b, meta) == set()
+
+
+def test_a_failed_async_load_reports_its_blocks_with_its_end(make_cluster):
+    """vLLM requires a request's failed blocks no later than the step that reports its load
+    done: a block gone from the pool, then a dead master (every block fails)."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint, load_async=True)
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=5))
+    try:
+        run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
+        again = request("r-2", PROMPT + [1, 2, 3, 4])
+        assert sched.get_num_new_matched_tokens(again, 0) == (12, True)
+        sched.update_state_after_alloc(again, blocks([6, 7, 8, 9, 10]), 12)
+        meta = sched.build_connector_meta(step([], {}))
+        worker._store.remove(worker._key(meta.loads[0].block_hashes[1]), force=True)
+        assert run_async_load_step(worker, meta, "r-2") == {7}
+        # vLLM looks r-2 up again (it recomputes from block 7): its later loads are synchronous.
+        assert sched.get_num_new_matched_tokens(again, 0) == (4, False)
+        cluster.master.kill()
+        assert run_async_load_step(worker, meta, "r-2") == {6, 7, 8}
     finally:
-        for worker in (worker_a, worker_b):
-            worker.shutdown()
-        for sched in (sched_a, sched_b):
-            sched.shutdown()
+        worker.shutdown()
+        sched.shutdown()
 
 
 @pytest.mark.parametrize("hold_ms", [None, 0])

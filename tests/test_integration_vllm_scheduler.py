@@ -7,7 +7,9 @@ token is a function of the token's whole prefix. Every position a forward pass r
 block saved into the pool and every output token is checked against that function. Multi-turn
 conversations alternate between the instances over a shared system prompt; the caches are small
 enough for preemptions; load failures are injected by removing planned blocks from the pool
-between the lookup and the load. (Run it by hand for more seeds:
+between the lookup and the load; loads are synchronous, or the connector's async loads
+(`--load-async`: requests wait in WAITING_FOR_REMOTE_KVS while forward passes go on). (Run it
+by hand for more seeds:
 `python tests/vllm_scheduler_sim.py --seed 3 --faults 0.3 --blocks 28 --convs 16 --max-seqs 8`.)
 
 Needs vLLM (scripts/install-peers.sh vllm, which installs einops for vLLM's model registry).
@@ -38,8 +40,14 @@ SMALL = ["--blocks", "28", "--convs", "16", "--max-seqs", "8"]
         ["--seed", "2", "--faults", "0.3", "--block-size", "16", *SMALL],
         ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--blocks", "32", "--convs", "12"],
         ["--seed", "0", "--async", "--blocks", "32", "--convs", "12"],
+        # Seed 0 deadlocked instance B before a request's later loads went synchronous
+        # (KVPoolConnector.get_num_new_matched_tokens).
+        ["--seed", "0", "--faults", "0.3", "--load-async", *SMALL],
+        ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--load-async", "--blocks", "32", "--convs", "12"],
+        ["--seed", "0", "--async", "--load-async", "--blocks", "32", "--convs", "12"],
     ],
-    ids=["recompute", "recompute-block-16", "fail", "async-no-faults"],
+    ids=["recompute", "recompute-block-16", "fail", "async-no-faults", "load-async", "load-async-fail",
+         "async-load-async-no-faults"],
 )
 def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
     outcome = sim.run(sim.arguments(argv))

@@ -140,7 +140,7 @@ def make_vllm_config(args, master: str) -> VllmConfig:
         scheduler_config=sched,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"master": master},
+            kv_role="kv_both", kv_connector_extra_config={"master": master, "load_async": args.load_async},
             kv_load_failure_policy=args.policy),
     )
     config.scheduler_config.disable_hybrid_kv_cache_manager = True
@@ -461,7 +461,15 @@ class Instance:
             for n in LAYER_NAMES:
                 self.cache[n][:, b, 0] += 1.0
         self.worker.wait_for_save()
+        # As the runner's connector mixin asks: the async loads that ended, then the blocks
+        # that failed (an async load's failures come with its end; the sync ones were marked
+        # by _start_load before the forward read them).
+        results = self.worker.get_transfer_results(so.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
+        sync_blocks = {b for load in meta.loads if not load.is_async for b in load.block_ids}
+        for b in invalid - sync_blocks:
+            for s in range(self.bs):
+                self.origin[(b, s)] = step  # reported to vLLM this step
         self.worker.clear_connector_metadata()
         self.cur_meta = None
         if invalid:
@@ -479,7 +487,10 @@ class Instance:
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if sampled[r] is not None else [] for r in req_ids],
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=results.finished_recving or None, failed_recving=results.failed_recving or None,
+                invalid_block_ids=invalid,
+            ),
         )
 
     def _start_load(self, step: int):
@@ -571,6 +582,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async", dest="async_sched", action="store_true")
+    ap.add_argument("--load-async", action="store_true", help="the connector's async loads (WAITING_FOR_REMOTE_KVS)")
     ap.add_argument("--faults", type=float, default=0.0, help="probability per load to remove a block")
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=48)
@@ -679,7 +691,8 @@ def run(args) -> Outcome:
             inst.worker.shutdown()
             inst.scheduler.shutdown()
     elapsed = time.time() - t0
-    print(f"\n== seed={args.seed} async={args.async_sched} faults={args.faults} policy={args.policy} "
+    print(f"\n== seed={args.seed} async={args.async_sched} load_async={args.load_async} "
+          f"faults={args.faults} policy={args.policy} "
           f"block_size={args.block_size} "
           f"blocks={args.blocks} batched_tokens={args.batched_tokens} max_seqs={args.max_seqs} "
           f"ticks={tick} elapsed={elapsed:.1f}s unfinished_convs={unfinished}")

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvpool.client.store import checked_args
 from kvpool.client.sync import Store
-from kvpool.config import parse_size, token_from
+from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.host_memory import register_tensors
 from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
@@ -84,7 +84,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             str(master),
             token=token_from(extra.get("token"), extra.get("token_file")),
             embedded_memory_bytes=parse_size(str(extra.get("embedded_memory", 0))),
-            shm_enabled=_as_bool(extra.get("shm_enabled", True)),
+            shm_enabled=parse_flag(extra.get("shm_enabled", True)),
         )
         parts = []
         if extra.get("extra_backend_tag") is not None:
@@ -387,7 +387,3 @@ def _pool_tensors(pool: Any) -> list[Any]:
         if tensor is not None and hasattr(tensor, "data_ptr"):
             tensors.append(tensor)
     return tensors
-
-
-def _as_bool(value: Any) -> bool:
-    return str(value).strip().lower() not in ("0", "false", "no", "off", "")

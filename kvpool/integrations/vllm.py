@@ -11,8 +11,9 @@
 Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
 default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
 true), "cache_prefix" (a namespace for separate deployments), "lookup_hold_ms" (how long a
-lookup's hits are held from eviction for their load, default 5000; 0 = none). $KVPOOL_MASTER
-is read when "master" is absent.
+lookup's hits are held from eviction for their load, default 5000; 0 = none), "load_async"
+(default true, as vLLM's Mooncake store connector). $KVPOOL_MASTER is read when "master" is
+absent.
 
 Each full block of a prompt is one object holding that block of every layer (K then V per
 layer for FlashAttention-style caches; the block as it lies for block-first and MLA caches),
@@ -22,14 +23,18 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
   prompt every TP and PP rank holds, in one `longest_prefix` round trip, and always leaves at
-  least one token to compute. Loads are synchronous; the plan (and the scheduler's key prefix)
-  goes to the workers in the metadata.
+  least one token to compute. The plan (and the scheduler's key prefix) goes to the workers
+  in the metadata. Loads are asynchronous (load_async): vLLM parks the request in
+  WAITING_FOR_REMOTE_KVS and goes on with the others; a request's later loads (vLLM looks
+  it up again after its load failed, or after a preemption) are synchronous.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
-  (`batch_get_into_multi_buffers`, one range per layer and K/V); `wait_for_save` writes the
+  (`batch_get_into_multi_buffers`, one range per layer and K/V): a synchronous load at once,
+  before the forward pass; an async one on the worker's loader thread, whose end
+  `get_finished` reports once, with the blocks that failed. `wait_for_save` writes the
   prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
   load is reported by `get_block_ids_with_load_errors` (vLLM then recomputes or fails the
   request, per its kv_load_failure_policy), the saves of its step and of the steps in flight
-  with it are skipped (computed over it), and the scheduler side evicts it and the blocks
+  with it are skipped after a synchronous one (computed over it), and the scheduler side evicts it and the blocks
   after it from vLLM's prefix cache (update_connector_output); a failed save is a future
   miss. Operating errors never raise into vLLM.
 
@@ -42,6 +47,7 @@ paged cache must be host memory, e.g. vLLM's CPU backend), layer-wise pipelining
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -56,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpool.client.store import checked_args
 from kvpool.client.sync import Store
-from kvpool.config import parse_size, token_from
+from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.host_memory import register_tensors
 from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
@@ -80,6 +86,7 @@ class BlockTransfer:
     request_id: str
     block_hashes: list[str]
     block_ids: list[int]
+    is_async: bool = False  # a load vLLM waits for in WAITING_FOR_REMOTE_KVS, not before a forward
 
 
 @dataclasses.dataclass
@@ -107,6 +114,7 @@ class _RequestState:
     # pool's blocks load after them. request.num_computed_tokens cannot say it: vLLM sets it
     # only after update_state_after_alloc (0 until then, and again after a preemption).
     local_block_count: int = 0
+    load_async: bool = False  # what the lookup told vLLM
 
 
 class KVPoolConnector(KVConnectorBase_V1):
@@ -125,11 +133,12 @@ class KVPoolConnector(KVConnectorBase_V1):
             str(master),
             token=token_from(extra.get("token"), extra.get("token_file")),
             embedded_memory_bytes=parse_size(str(extra.get("embedded_memory", 0))),
-            shm_enabled=str(extra.get("shm_enabled", True)).lower() not in ("0", "false", "no"),
+            shm_enabled=parse_flag(extra.get("shm_enabled", True)),
         )
         self._replicate = ReplicateConfig(replica_num=int(extra.get("replica_num", 1)))
         self._lookup_hold_ms = int(extra.get("lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
         checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
+        self._load_async = parse_flag(extra.get("load_async", True))
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
@@ -140,11 +149,18 @@ class KVPoolConnector(KVConnectorBase_V1):
         # Scheduler state.
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
+        # Requests that had an async load: any later load of theirs is synchronous (see
+        # get_num_new_matched_tokens).
+        self._loaded_async: set[str] = set()
         # Worker state: per layer (base address, bytes between blocks, bytes per range), one
         # entry per K/V range of a block.
         self._layer_ranges: list[tuple[int, int, int]] = []
         self._registered: list[int] = []
         self._load_errors: set[int] = set()
+        # Async loads: one thread reads them while vLLM runs its forward passes; per request,
+        # its blocks and the future of those that failed (its completion is reported once).
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loading: dict[str, tuple[list[int], concurrent.futures.Future[set[int]]]] = {}
         # Steps whose saves are skipped after a failed load (wait_for_save): that step and
         # those vLLM scheduled before it learnt of the failure (async scheduling, PP).
         self._unsaved_steps = 0
@@ -182,8 +198,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         # vLLM must compute at least the last token to sample from it.
         if hit_blocks * self.block_size >= request.num_tokens:
             hit_blocks -= 1
-        self._requests[request.request_id].stored_block_count = hit_blocks
-        return max(0, hit_blocks * self.block_size - num_computed_tokens), False
+        state = self._requests[request.request_id]
+        state.stored_block_count = hit_blocks
+        tokens = max(0, hit_blocks * self.block_size - num_computed_tokens)
+        # A request looked up again after an async load failed from its first block is
+        # loaded synchronously: vLLM 0.33 keeps it at the head of its queue of requests
+        # holding blocks, and an async load there must fit beside every other one in flight,
+        # so while it waits for room the requests behind it, loaded already and holding that
+        # room, never move (seen in tests/vllm_scheduler_sim.py, seed 0, faults 0.3).
+        state.load_async = tokens > 0 and self._load_async and request.request_id not in self._loaded_async
+        return tokens, state.load_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -196,8 +220,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         last = first + num_external_tokens // self.block_size
         assert last <= len(block_ids), (first, last, len(block_ids))
         self._pending_loads.append(
-            BlockTransfer(request.request_id, state.block_hashes[first:last], block_ids[first:last])
+            BlockTransfer(request.request_id, state.block_hashes[first:last], block_ids[first:last], state.load_async)
         )
+        if state.load_async:
+            self._loaded_async.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
         """This step's loads (planned at allocation) and saves: every full prompt block that
@@ -225,6 +251,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._plan_save(meta, req_id, state, computed)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
+            self._loaded_async.discard(req_id)
         return meta
 
     def _plan_save(
@@ -269,6 +296,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
+        self._loaded_async.discard(request.request_id)
         return False, None  # saves finish within the step: vLLM may free the blocks now
 
     # --- worker side --------------------------------------------------------------------------
@@ -303,24 +331,47 @@ class KVPoolConnector(KVConnectorBase_V1):
         return addresses, sizes
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Read this step's planned blocks into the paged cache before the forward pass."""
+        """Read this step's planned blocks into the paged cache: sync loads now (before the
+        forward pass), async ones on the loader thread (reported by get_finished)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolConnectorMetadata), type(meta)
         failed_before = len(self._load_errors)
         for load in meta.loads:
-            keys = [self._key(h, prefix=meta.key_prefix) for h in load.block_hashes]
-            addresses, sizes = self._block_buffers(load.block_ids)
-            try:
-                read = self._store.batch_get_into_multi_buffers(keys, addresses, sizes)
-            except KVPoolError as exc:
-                log.warning("kvpool load of %s failed, vLLM recomputes: %s", load.request_id, exc)
-                self._load_errors.update(load.block_ids)
-                continue
-            for block_id, count, block_sizes in zip(load.block_ids, read, sizes):
-                if count != sum(block_sizes):
-                    self._load_errors.add(block_id)
+            if load.is_async:
+                if self._loader is None:
+                    self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+                future = self._loader.submit(self._load, load, meta.key_prefix)
+                self._loading[load.request_id] = (load.block_ids, future)
+            else:
+                self._load_errors |= self._load(load, meta.key_prefix)
         if len(self._load_errors) > failed_before:
             self._unsaved_steps = self._steps_in_flight
+
+    def _load(self, load: BlockTransfer, key_prefix: str) -> set[int]:
+        """Read one request's planned blocks; returns the ids of those that failed."""
+        keys = [self._key(h, prefix=key_prefix) for h in load.block_hashes]
+        addresses, sizes = self._block_buffers(load.block_ids)
+        try:
+            read = self._store.batch_get_into_multi_buffers(keys, addresses, sizes)
+        except KVPoolError as exc:
+            log.warning("kvpool load of %s failed, vLLM recomputes: %s", load.request_id, exc)
+            return set(load.block_ids)
+        return {block for block, count, parts in zip(load.block_ids, read, sizes) if count != sum(parts)}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose async load ended, each reported once; the blocks that failed to
+        load go to this same step's get_block_ids_with_load_errors, as vLLM requires. (No
+        save is skipped for them: vLLM caches none of a request's blocks before its load
+        ends, and recomputes from the first failed one, so nothing was computed over it.)"""
+        done = {req_id for req_id, (_, future) in self._loading.items() if future.done()}
+        for req_id in done:
+            block_ids, future = self._loading.pop(req_id)
+            try:
+                self._load_errors |= future.result()
+            except Exception:  # a bug, not an operating error: the whole load failed
+                log.exception("kvpool async load of %s failed", req_id)
+                self._load_errors |= set(block_ids)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -364,6 +415,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:  # loads in flight write into the registered cache
+            self._loader.shutdown(wait=True)
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []
