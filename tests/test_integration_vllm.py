@@ -8,7 +8,9 @@ NewRequestData objects, as vLLM's scheduler would send them. Instance A prefills
 instance B (another scheduler and worker, another paged cache) looks the prompt up, loads the
 blocks into different block ids, and its blocks must equal A's, byte for byte, in every layer.
 Then the failure paths: a block evicted between lookup and load is reported for recompute, and
-a dead master makes lookups miss and loads fail without raising.
+a dead master makes lookups miss and loads fail without raising. Most tests load synchronously
+(`load_async` false); the async tests drive the default path: a load on the worker's thread,
+its end reported by get_finished.
 
 vLLM itself cannot be installed with its dependencies here: vllm 0.33.0 pins torch==2.14.0,
 a CUDA build of several GB. scripts/install-peers.sh vllm installs it with --no-deps plus the

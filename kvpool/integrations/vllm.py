@@ -33,10 +33,10 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
   `get_finished` reports once, with the blocks that failed. `wait_for_save` writes the
   prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
   load is reported by `get_block_ids_with_load_errors` (vLLM then recomputes or fails the
-  request, per its kv_load_failure_policy), the saves of its step and of the steps in flight
-  with it are skipped after a synchronous one (computed over it), and the scheduler side evicts it and the blocks
-  after it from vLLM's prefix cache (update_connector_output); a failed save is a future
-  miss. Operating errors never raise into vLLM.
+  request, per its kv_load_failure_policy); after a synchronous load, the saves of its step
+  and of the steps in flight with it are skipped (computed over it); the scheduler side
+  evicts it and the blocks after it from vLLM's prefix cache (update_connector_output); a
+  failed save is a future miss. Operating errors never raise into vLLM.
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
