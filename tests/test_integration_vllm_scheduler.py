@@ -40,7 +40,7 @@ SMALL = ["--blocks", "28", "--convs", "16", "--max-seqs", "8"]
         ["--seed", "2", "--faults", "0.3", "--block-size", "16", *SMALL],
         ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--blocks", "32", "--convs", "12"],
         ["--seed", "0", "--async", "--blocks", "32", "--convs", "12"],
-        # Seed 0 deadlocked instance B before a request's later loads went synchronous
+        # Seed 0 deadlocks instance B unless a request's later loads are synchronous
         # (KVPoolConnector.get_num_new_matched_tokens).
         ["--seed", "0", "--faults", "0.3", "--load-async", *SMALL],
         ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--load-async", "--blocks", "32", "--convs", "12"],

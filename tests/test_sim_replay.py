@@ -203,6 +203,7 @@ def test_cache_aware_takes_the_longest_local_prefix_and_ties_round_robin() -> No
         Router("cache-aware", 0, random.Random(0))
 
 
+@needs_trace
 def test_a_disk_tier_holds_what_dram_evicts_and_its_blocks_are_hits() -> None:
     # The last 600 requests (their prompts reuse each other's blocks), one instance: 600 blocks
     # of DRAM over 900 on disk against 600 and 1500 of DRAM alone. Eviction only for room, so

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -177,6 +178,7 @@ class Stats:
     start_load_after_forward_with_loads: int = 0
     finished: int = 0
     requests: int = 0
+    convs_ended_at_capacity: int = 0
     finish_reasons: dict = dataclasses.field(default_factory=dict)
 
 
@@ -496,6 +498,10 @@ class Instance:
     def _start_load(self, step: int):
         before = set(self.worker._load_errors)
         self.worker.start_load_kv(None)
+        # Async loads end within their step, so that a run depends on its seed alone (when
+        # they end decides when vLLM admits the request: a run that lets them race is
+        # another schedule each time).
+        concurrent.futures.wait([future for _, future in self.worker._loading.values()])
         failed = set(self.worker._load_errors) - before
         for b in failed:
             for s in range(self.bs):
@@ -649,6 +655,7 @@ def run(args) -> Outcome:
             convs.append({"tokens": shared + [rng.randrange(3, 900) for _ in range(rng.randrange(2, 20))],
                           "turn": 0, "inflight": None, "start": rng.randrange(0, 30)})
         owner: dict[str, tuple[Instance, dict, int]] = {}
+        capacity_tokens = (args.blocks - 1) * args.block_size  # vLLM keeps one block as its null block
         tick = 0
         outputs_checked = 0
         while tick < args.max_steps and time.time() - t0 < args.time_limit:
@@ -658,6 +665,13 @@ def run(args) -> Outcome:
                     inst = insts[(ci + conv["turn"]) % 2]
                     rid = f"c{ci}t{conv['turn']}{inst.name}"
                     maxt = rng.randrange(1, 12)
+                    if len(conv["tokens"]) + maxt > capacity_tokens:
+                        # A request larger than the whole KV cache would wait forever at the
+                        # head of the queue; vLLM refuses a max_model_len its cache cannot
+                        # hold, so no real deployment sees one: the conversation ends.
+                        conv["turn"] = args.turns
+                        stats.convs_ended_at_capacity += 1
+                        continue
                     req = Request(rid, list(conv["tokens"]), SamplingParams(max_tokens=maxt, ignore_eos=True),
                                   None, block_hasher=hasher)
                     inst.add(req)
