@@ -1000,7 +1000,8 @@ def test_a_drop_never_overtakes_the_commit_before_it(tmp_path: Path) -> None:
             # And a commit behind another commit keeps its place too.
             first = asyncio.ensure_future(master.commit(node.segment_id, [entry]))
             await asyncio.sleep(0)
-            second = InventoryEntry("small", len(data), 64, xxhash.xxh3_64_intdigest(bytes(node.segment.data[len(data) : len(data) + 64])))
+            small_bytes = bytes(node.segment.data[len(data) : len(data) + 64])
+            second = InventoryEntry("small", len(data), 64, xxhash.xxh3_64_intdigest(small_bytes))
             assert await master.commit(node.segment_id, [second]) == [ErrorCode.OK]
             assert await first == [ErrorCode.OK]
             assert sorted(e.key for e in node.inventory.entries()) == ["big", "small"]
