@@ -22,8 +22,10 @@ imports.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
+import weakref
 
 import pytest
 from conftest import wait_until
@@ -262,6 +264,23 @@ def test_async_loads_run_beside_the_forward_passes_and_end_once(make_cluster):
         meta = sched_b.build_connector_meta(step([new_request_data(req_b, [1, 2, 3, 9, 10], 12)], {"b-1": 8}))
         assert meta.loads == [] and [s.block_ids for s in meta.saves] == [[9, 10]]
         assert run_worker_step(worker_b, meta) == set()
+
+
+def test_the_worker_holds_the_kv_caches_it_registered_until_it_shuts_down(make_cluster):
+    """Loads write into the registered caches, on the loader thread too: a caller that drops
+    its own reference must not leave the connector writing into freed memory (tests that
+    did corrupted the test process's heap: a segfault, now and then, later in the run)."""
+    cluster = make_cluster(1, "16MiB")
+    worker = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.WORKER)
+    cache = paged_cache(seed=8)
+    layers = [weakref.ref(tensor) for tensor in cache.values()]
+    worker.register_kv_caches(cache)
+    del cache
+    gc.collect()
+    assert all(layer() is not None for layer in layers)
+    worker.shutdown()
+    gc.collect()
+    assert all(layer() is None for layer in layers)
 
 
 def test_a_failed_async_load_reports_its_blocks_with_its_end(make_cluster):

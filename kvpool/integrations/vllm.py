@@ -156,6 +156,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         # entry per K/V range of a block.
         self._layer_ranges: list[tuple[int, int, int]] = []
         self._registered: list[int] = []
+        # The registered tensors, held: loads write into them (on the loader thread too), so
+        # they live as long as the registration, whoever else drops them.
+        self._kv_caches: dict[str, Any] = {}
         self._load_errors: set[int] = set()
         # Async loads: one thread reads them while vLLM runs its forward passes; per request,
         # its blocks and the future of those that failed (its completion is reported once).
@@ -324,6 +327,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 ranges.append((part.data_ptr(), part.stride(0) * part.element_size(), block_bytes))
         self._layer_ranges = ranges
         self._registered = register_tensors(self._store, kv_caches.values())
+        self._kv_caches = dict(kv_caches)
 
     def _block_buffers(self, block_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
         addresses = [[base + b * stride for base, stride, _ in self._layer_ranges] for b in block_ids]
@@ -420,6 +424,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []
+        self._kv_caches = {}
         self._store.close()
 
 
