@@ -118,6 +118,14 @@ class ObjectMeta(msgspec.Struct, gc=False):
     def has_lease(self, now_ms: int) -> bool:
         return self.lease_expiry_ms > now_ms
 
+    def extend_lease(self, now_ms: int, until_ms: int) -> None:
+        """Lease the object until at least `until_ms` (a read, or a lookup's hold). A lease
+        that had lapsed starts a new count of readers: the old ones no longer hold it."""
+        if self.lease_expiry_ms <= now_ms:
+            self.readers = 0
+        if until_ms > self.lease_expiry_ms:
+            self.lease_expiry_ms = until_ms
+
     def has_replica_on(self, segment_index: int) -> bool:
         replicas = self.replicas
         if type(replicas) is int:
@@ -344,12 +352,8 @@ class ObjectTable:
     ) -> None:
         """A read: extend the lease (one more reader), refresh the soft pin, tell the eviction
         policies."""
-        if meta.lease_expiry_ms <= now_ms:
-            meta.readers = 0  # lapsed: the readers of the old lease no longer hold it
+        meta.extend_lease(now_ms, now_ms + lease_ttl_ms)
         meta.readers += 1
-        lease_expiry_ms = now_ms + lease_ttl_ms
-        if lease_expiry_ms > meta.lease_expiry_ms:
-            meta.lease_expiry_ms = lease_expiry_ms
         is_in_dram = key in self.objects
         if meta.soft_pin_expiry_ms:
             meta.soft_pin_expiry_ms = now_ms + soft_pin_ttl_ms

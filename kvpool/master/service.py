@@ -644,28 +644,19 @@ class MasterService:
         self._check_batch(msg.keys)
         if msg.hold_ms < 0:
             raise InvalidParams(f"hold_ms must be >= 0, not {msg.hold_ms}")
-        objects, lower = self._table.objects, self._table.lower
-        if not msg.hold_ms:
-            count = 0
-            for key in msg.keys:
-                if key not in objects and key not in lower:
-                    break
-                count += 1
-            return CountReply(count)
-        held_until_ms = now_ms + min(msg.hold_ms, self.config.lease_ttl_ms)
-        held: list[ObjectMeta] = []
+        in_dram, in_lower = self._table.objects.get, self._table.lower.get
+        found: list[ObjectMeta] = []
         for key in msg.keys:
-            meta = objects.get(key) or lower.get(key)  # (an ObjectMeta is always true)
+            meta = in_dram(key) or in_lower(key)  # (an ObjectMeta is always true)
             if meta is None:
                 break
-            held.append(meta)
-        for meta in held:
-            if meta.lease_expiry_ms <= now_ms:
-                meta.readers = 0  # lapsed: its readers no longer hold it (ObjectTable.access)
-            if held_until_ms > meta.lease_expiry_ms:
-                meta.lease_expiry_ms = held_until_ms
-        self.counters.lookup_holds += len(held)
-        return CountReply(len(held))
+            found.append(meta)
+        if msg.hold_ms:
+            held_until_ms = now_ms + min(msg.hold_ms, self.config.lease_ttl_ms)
+            for meta in found:
+                meta.extend_lease(now_ms, held_until_ms)
+            self.counters.lookup_holds += len(found)
+        return CountReply(len(found))
 
     def query_objects(self, msg: QueryObjects, now_ms: int) -> QueryReply:
         """Size and replicas of each key, without a lease and without counting as an access.
