@@ -63,6 +63,9 @@ SOFT_PIN_TTL_MS_DEFAULT = 30 * 60_000
 # scheduler step or a few later, on its workers); the load's lease release ends it sooner, the
 # master cuts it to its lease TTL (LongestPrefix.hold_ms).
 LOOKUP_HOLD_MS_DEFAULT = 5_000
+# An adapter's lookup_hold_ms above this is refused at start as a typo (an hour; the master
+# would cut it to the lease TTL anyway).
+LOOKUP_HOLD_MS_MAX = 3_600_000
 # A writer silent past the discard timeout loses its put (the key becomes free again); its
 # space is released only after the release timeout, so a slow writer can never scribble on
 # someone else's object (Mooncake put_start_discard_timeout_sec=30, release_timeout_sec=600).

@@ -510,3 +510,16 @@ def test_configurations_that_would_load_wrong_kv_are_refused_at_start(change, re
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(InvalidParams, match=refusal):
             KVConnectorFactory.create_connector(config, role, kv_cache_config)
+
+
+@pytest.mark.parametrize(
+    "extra, refusal",
+    [({"replica_num": 0}, "replica_num in kv_connector_extra_config"), ({"lookup_hold_ms": "5s"}, "lookup_hold_ms")],
+)
+def test_a_bad_extra_config_value_is_refused_at_start(extra, refusal):
+    """Not at the first save (or by the master, as a failed put logged on every step)."""
+    config = vllm_config("127.0.0.1:1", **extra)  # refused before any connection
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(InvalidParams, match=refusal):
+            KVConnectorFactory.create_connector(config, role, kv_cache_config)

@@ -10,9 +10,9 @@ LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LM
       remote_storage_plugin.kvpool.module_path: kvpool.integrations.lmcache
       remote_storage_plugin.kvpool.class_name: KVPoolConnectorAdapter
       kvpool.master: 10.0.0.1:50051
-      # optional: kvpool.token_file, kvpool.embedded_memory (a size), kvpool.replica_num,
-      # kvpool.lookup_hold_ms (how long a lookup's hits are held from eviction for their
-      # retrieval, default 5000; 0 = none)
+      # optional: kvpool.token_file, kvpool.embedded_memory (a size), kvpool.shm_enabled,
+      # kvpool.replica_num, kvpool.lookup_hold_ms (how long a lookup's hits are held from
+      # eviction for their retrieval, default 5000; 0 = none)
 
 A URL works too once the plugin is listed: `remote_url: kvpool://10.0.0.1:50051`.
 
@@ -45,12 +45,8 @@ from lmcache.v1.storage_backend.connector import (
 )
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvpool.client.store import checked_args
-from kvpool.client.sync import Store
-from kvpool.config import parse_size, token_from
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
-from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
-from kvpool.protocol.messages import ReplicateConfig
+from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.integrations.engine_options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +87,14 @@ class KVPoolRemoteConnector(RemoteConnector):
         master: str | None = None,
     ) -> None:
         super().__init__(config, metadata)
-        extra = dict(config.extra_config or {})
-        master = master or extra.get("kvpool.master")
-        if not master:
-            raise InvalidParams("set kvpool.master in LMCache's extra_config (or remote_url kvpool://)")
+        options = EngineOptions.read(
+            config.extra_config, "LMCache's extra_config (or remote_url kvpool://)", prefix="kvpool.", master=master
+        )
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self._store = Store(
-            str(master),
-            token=token_from(extra.get("kvpool.token"), extra.get("kvpool.token_file")),
-            embedded_memory_bytes=parse_size(str(extra.get("kvpool.embedded_memory", 0))),
-        )
-        self._replicate = ReplicateConfig(replica_num=int(extra.get("kvpool.replica_num", 1)))
-        self._lookup_hold_ms = int(extra.get("kvpool.lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
-        checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
+        self._store = options.open_store()
+        self._replicate = options.replicate
+        self._lookup_hold_ms = options.lookup_hold_ms
 
     def __repr__(self) -> str:
         return f"<KVPoolRemoteConnector {self._store!r}>"

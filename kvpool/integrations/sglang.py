@@ -33,7 +33,6 @@ exceptions in SGLang's I/O threads. This module is not used without SGLang insta
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -46,13 +45,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvpool.client.store import checked_args
-from kvpool.client.sync import Store
-from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import register_tensors
-from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
-from kvpool.protocol.messages import ReplicateConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +67,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         if storage_config.should_split_heads or storage_config.dcp_size > 1 or storage_config.attn_cp_size > 1:
             raise InvalidParams("kvpool's SGLang backend does not support split heads, DCP or attention CP yet")
-        master = extra.get("master") or os.environ.get("KVPOOL_MASTER")
-        if not master:
-            raise InvalidParams("set 'master' in --hicache-storage-backend-extra-config")
+        options = EngineOptions.read(extra, "--hicache-storage-backend-extra-config")
         self.storage_config = storage_config
         self.is_mla = storage_config.is_mla_model
-        self._replicate = ReplicateConfig(replica_num=int(extra.get("replica_num", 1)))
-        self._lookup_hold_ms = int(extra.get("lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
-        checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
-        self._store = Store(
-            str(master),
-            token=token_from(extra.get("token"), extra.get("token_file")),
-            embedded_memory_bytes=parse_size(str(extra.get("embedded_memory", 0))),
-            shm_enabled=parse_flag(extra.get("shm_enabled", True)),
-        )
+        self._replicate = options.replicate
+        self._lookup_hold_ms = options.lookup_hold_ms
+        self._store = options.open_store()
         parts = []
         if extra.get("extra_backend_tag") is not None:
             parts.append(str(extra["extra_backend_tag"]))

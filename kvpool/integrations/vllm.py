@@ -50,7 +50,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,13 +59,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpool.client.store import checked_args
-from kvpool.client.sync import Store
-from kvpool.config import parse_flag, parse_size, token_from
+from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import register_tensors
-from kvpool.limits import LOOKUP_HOLD_MS_DEFAULT
-from kvpool.protocol.messages import ReplicateConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,19 +121,11 @@ class KVPoolConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        master = extra.get("master") or os.environ.get("KVPOOL_MASTER")
-        if not master:
-            raise InvalidParams("set 'master' in kv_connector_extra_config")
+        options = EngineOptions.read(extra, "kv_connector_extra_config")
         _refuse_unsupported(vllm_config, kv_cache_config)
-        self._store = Store(
-            str(master),
-            token=token_from(extra.get("token"), extra.get("token_file")),
-            embedded_memory_bytes=parse_size(str(extra.get("embedded_memory", 0))),
-            shm_enabled=parse_flag(extra.get("shm_enabled", True)),
-        )
-        self._replicate = ReplicateConfig(replica_num=int(extra.get("replica_num", 1)))
-        self._lookup_hold_ms = int(extra.get("lookup_hold_ms", LOOKUP_HOLD_MS_DEFAULT))
-        checked_args(lookup_hold_ms=(self._lookup_hold_ms, int))
+        self._store = options.open_store()
+        self._replicate = options.replicate
+        self._lookup_hold_ms = options.lookup_hold_ms
         self._load_async = parse_flag(extra.get("load_async", True))
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")

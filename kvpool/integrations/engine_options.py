@@ -1,0 +1,79 @@
+"""The kvpool settings every engine adapter reads from its engine's extra config.
+
+vLLM (`kv_connector_extra_config`), SGLang (`--hicache-storage-backend-extra-config`) and
+LMCache (`extra_config`, kvpool's keys under "kvpool.") each hand their plugin a dict parsed
+from JSON or YAML, so a number may come as text and a flag as "false". The common keys are
+read here once, and a bad value fails the engine's start with the key's name, where it would
+otherwise fail (or be refused by the master) at the first put or lookup of a serving engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool import limits
+from kvpool.client.sync import Store
+from kvpool.config import parse_flag, parse_size, token_from
+from kvpool.errors import InvalidParams
+from kvpool.protocol.messages import ReplicateConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Where the pool is and how an adapter uses it, from the engine's extra config."""
+
+    master: str
+    token: str | None
+    embedded_memory_bytes: int
+    shm_enabled: bool
+    replicate: ReplicateConfig
+    lookup_hold_ms: int
+
+    @classmethod
+    def read(
+        cls, extra: Mapping[str, Any] | None, where: str, prefix: str = "", master: str | None = None
+    ) -> EngineOptions:
+        """kvpool's keys (each named `prefix` + key) from `extra`, the dict an engine calls
+        `where` in its own configuration. `master` (a URL the engine parsed) comes before the
+        "master" key, then $KVPOOL_MASTER.
+
+        Raises:
+            InvalidParams: no master anywhere, or a value that is not what its key takes.
+        """
+        extra = dict(extra or {})
+
+        def value(key: str, default: object) -> object:
+            return extra.get(prefix + key, default)
+
+        def whole(key: str, default: int, low: int, high: int) -> int:
+            given = value(key, default)
+            number = given if type(given) is int else str(given).strip()
+            if isinstance(number, str) and number.lstrip("-").isdigit():
+                number = int(number)
+            if type(number) is not int or not low <= number <= high:
+                raise InvalidParams(f"{prefix}{key} in {where} must be a whole number in {low}..{high}, not {given!r}")
+            return number
+
+        master = master or value("master", None) or os.environ.get("KVPOOL_MASTER")
+        if not master:
+            raise InvalidParams(f"set '{prefix}master' in {where} (or $KVPOOL_MASTER)")
+        return cls(
+            master=str(master),
+            token=token_from(value("token", None), value("token_file", None)),
+            embedded_memory_bytes=parse_size(str(value("embedded_memory", 0))),
+            shm_enabled=parse_flag(value("shm_enabled", True)),
+            replicate=ReplicateConfig(replica_num=whole("replica_num", 1, 1, limits.REPLICA_NUM_MAX)),
+            lookup_hold_ms=whole("lookup_hold_ms", limits.LOOKUP_HOLD_MS_DEFAULT, 0, limits.LOOKUP_HOLD_MS_MAX),
+        )
+
+    def open_store(self) -> Store:
+        """A Store on the pool these options name."""
+        return Store(
+            self.master,
+            token=self.token,
+            embedded_memory_bytes=self.embedded_memory_bytes,
+            shm_enabled=self.shm_enabled,
+        )

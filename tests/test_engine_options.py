@@ -1,0 +1,75 @@
+"""The settings the engine adapters read from vLLM's, SGLang's and LMCache's extra config."""
+
+import pytest
+
+from kvpool import limits
+from kvpool.errors import InvalidParams
+from kvpool.integrations.engine_options import EngineOptions
+
+
+def test_values_as_json_and_yaml_give_them_are_read(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_text("secret\n")
+    extra = {
+        "master": "10.0.0.1:50051",
+        "token_file": str(token_file),
+        "embedded_memory": "64MiB",
+        "shm_enabled": "false",
+        "replica_num": "2",
+        "lookup_hold_ms": 0,
+    }
+    options = EngineOptions.read(extra, "kv_connector_extra_config")
+    assert options == EngineOptions(
+        master="10.0.0.1:50051",
+        token="secret",
+        embedded_memory_bytes=64 << 20,
+        shm_enabled=False,
+        replicate=options.replicate,
+        lookup_hold_ms=0,
+    )
+    assert options.replicate.replica_num == 2
+
+
+def test_defaults_and_the_master_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVPOOL_MASTER", "10.0.0.2:50051")
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    options = EngineOptions.read(None, "extra")
+    assert (options.master, options.token, options.embedded_memory_bytes, options.shm_enabled) == (
+        "10.0.0.2:50051", None, 0, True,
+    )  # fmt: skip
+    assert (options.replicate.replica_num, options.lookup_hold_ms) == (1, limits.LOOKUP_HOLD_MS_DEFAULT)
+
+
+def test_a_prefix_names_every_key_and_a_parsed_url_comes_first(monkeypatch):
+    monkeypatch.delenv("KVPOOL_MASTER", raising=False)
+    extra = {"kvpool.master": "10.0.0.3:50051", "kvpool.replica_num": 3, "replica_num": 5}
+    assert EngineOptions.read(extra, "extra_config", prefix="kvpool.").replicate.replica_num == 3
+    assert EngineOptions.read(extra, "extra_config", prefix="kvpool.", master="10.0.0.4:1").master == "10.0.0.4:1"
+    with pytest.raises(InvalidParams, match=r"set 'kvpool.master' in extra_config \(or \$KVPOOL_MASTER\)"):
+        EngineOptions.read({"master": "10.0.0.3:50051"}, "extra_config", prefix="kvpool.")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("replica_num", 0),
+        ("replica_num", limits.REPLICA_NUM_MAX + 1),
+        ("replica_num", "two"),
+        ("replica_num", True),  # JSON true is no count
+        ("replica_num", 1.5),
+        ("lookup_hold_ms", -1),
+        ("lookup_hold_ms", "5s"),
+        ("lookup_hold_ms", limits.LOOKUP_HOLD_MS_MAX + 1),
+    ],
+)
+def test_a_bad_value_is_refused_with_its_key(key, value):
+    with pytest.raises(InvalidParams, match=f"^{key} in kv_connector_extra_config must be a whole number in"):
+        EngineOptions.read({"master": "127.0.0.1:1", key: value}, "kv_connector_extra_config")
+
+
+def test_a_bad_size_or_token_file_is_refused(tmp_path):
+    with pytest.raises(InvalidParams, match="not a size: 'lots'"):
+        EngineOptions.read({"master": "127.0.0.1:1", "embedded_memory": "lots"}, "extra")
+    with pytest.raises(InvalidParams, match="cannot read token file"):
+        EngineOptions.read({"master": "127.0.0.1:1", "token_file": str(tmp_path / "absent")}, "extra")
