@@ -52,11 +52,15 @@ def numpy_copy_gbps(object_size: int, total_bytes: int) -> float:
     return total_bytes / (time.perf_counter() - started) / 1e9
 
 
-def socket_pair_gbps(total_bytes: int, chunk: int = MIB, footprint: int = MIB) -> float:
+def socket_pair_gbps(total_bytes: int, chunk: int = MIB, footprint: int | None = None) -> float:
     """A plain Python socket pair over TCP loopback between two processes: sendall and
     recv_into of `chunk` bytes at a time, from and into buffers of `footprint` bytes taken in
     turn. The issue's limit is one buffer of 1 MiB each side (the default), which stays in the
-    L2 cache; a footprint of the run's size moves distinct memory, as the store does."""
+    L2 cache; a footprint of the run's size moves distinct memory, as the store does. The
+    footprint defaults to one chunk; each side counts the bytes it moved, so that any sizes
+    end (a chunk larger than the footprint once had the sender count bytes it never sent, and
+    both sides wait for ever)."""
+    footprint = chunk if footprint is None else footprint
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     pid = os.fork()
@@ -78,8 +82,9 @@ def socket_pair_gbps(total_bytes: int, chunk: int = MIB, footprint: int = MIB) -
     sent = 0
     while sent < total_bytes:
         at = sent % footprint
-        conn.sendall(data[at : at + chunk])
-        sent += chunk
+        piece = data[at : at + min(chunk, footprint - at, total_bytes - sent)]
+        conn.sendall(piece)
+        sent += len(piece)
     conn.recv(1)
     elapsed = time.perf_counter() - started
     conn.close()
