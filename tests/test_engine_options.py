@@ -58,6 +58,8 @@ def test_a_prefix_names_every_key_and_a_parsed_url_comes_first(monkeypatch):
         ("replica_num", "two"),
         ("replica_num", True),  # JSON true is no count
         ("replica_num", 1.5),
+        ("replica_num", "--2"),
+        ("replica_num", "²"),
         ("lookup_hold_ms", -1),
         ("lookup_hold_ms", "5s"),
         ("lookup_hold_ms", limits.LOOKUP_HOLD_MS_MAX + 1),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,8 @@ from kvpool.client.sync import Store
 from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import InvalidParams
 from kvpool.protocol.messages import ReplicateConfig
+
+_WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # as text; str.isdigit() takes '²', which int() refuses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +46,16 @@ class EngineOptions:
         Raises:
             InvalidParams: no master anywhere, or a value that is not what its key takes.
         """
-        extra = dict(extra or {})
+        extra = extra or {}
 
         def value(key: str, default: object) -> object:
             return extra.get(prefix + key, default)
 
         def whole(key: str, default: int, low: int, high: int) -> int:
             given = value(key, default)
-            number = given if type(given) is int else str(given).strip()
-            if isinstance(number, str) and number.lstrip("-").isdigit():
-                number = int(number)
-            if type(number) is not int or not low <= number <= high:
+            text = str(given).strip()
+            number = given if type(given) is int else int(text) if _WHOLE_NUMBER.fullmatch(text) else None
+            if number is None or not low <= number <= high:
                 raise InvalidParams(f"{prefix}{key} in {where} must be a whole number in {low}..{high}, not {given!r}")
             return number
 
