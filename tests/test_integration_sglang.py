@@ -31,7 +31,7 @@ factory_module = pytest.importorskip(
     "sglang.srt.mem_cache.storage.backend_factory",
     reason="SGLang is not installed (scripts/install-peers.sh sglang)",
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName  # noqa: E402
 
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
 
@@ -286,6 +286,20 @@ def test_attention_context_parallelism_is_refused_at_start(make_cluster):
     config.attn_cp_size = 2
     with pytest.raises(InvalidParams, match="attention CP"):
         StorageBackendFactory.create_backend("dynamic", config, MHAHostPool("page_first"))
+
+
+def test_a_hybrid_models_other_host_pools_are_refused_at_attach(make_cluster):
+    """SGLang registers each pool of its host pool group with register_mem_host_pool_v2 at
+    attach; those other than the KV pool move with the v2 batch calls, which kvpool lacks."""
+    cluster = make_cluster(1, "16MiB")
+    pool = MHAHostPool("page_first")
+    backend = create(storage_config(cluster.master_endpoint), pool)
+    try:
+        backend.register_mem_host_pool_v2(pool, PoolName.KV)  # the anchor: a plain model
+        with pytest.raises(InvalidParams, match="mamba"):
+            backend.register_mem_host_pool_v2(MHAHostPool("page_first"), PoolName.MAMBA)
+    finally:
+        backend.close()
 
 
 def test_v0_page_tensor_interface(make_cluster):

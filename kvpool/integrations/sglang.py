@@ -27,7 +27,9 @@ straight between kvpool and the registered host pool (`register_mem_pool_host`) 
 multi-buffer batch API: no staging copy. Without it SGLang calls get/set/batch_get/batch_set
 with page tensors. Every method returns what SGLang expects (a list for a list, never None),
 and operating errors (node or master down, timeouts, misses) become failed pages, never
-exceptions in SGLang's I/O threads. This module is not used without SGLang installed.
+exceptions in SGLang's I/O threads. Not supported yet, and refused at start: split heads,
+DCP, attention CP, and the host pools of hybrid models besides the KV pool (SGLang moves
+those with the v2 batch calls). This module is not used without SGLang installed.
 """
 
 from __future__ import annotations
@@ -120,6 +122,24 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if hasattr(mem_pool_host, "get_ksize_per_token"):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
             self._gb_per_page = bytes_per_page / (1 << 30)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Take the KV pool that register_mem_pool_host gave; refuse a hybrid model's others.
+
+        SGLang registers every host pool of its pool group here, the KV anchor included, at
+        attach. The pages of the other pools (Mamba and SWA states, a DSA indexer, a draft
+        model's KV) move with batch_exists_v2 / batch_get_v2 / batch_set_v2, which this
+        backend lacks: HiCacheStorage's raise NotImplementedError in SGLang's storage threads
+        on every prefetch and backup, and a backup stops there, before the KV pages.
+
+        Raises:
+            InvalidParams: a pool other than the one given to register_mem_pool_host.
+        """
+        if host_pool is not self.mem_pool_host:
+            raise InvalidParams(
+                f"kvpool's SGLang backend stores the KV pool only, not a hybrid model's {host_pool_name} pool yet"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def close(self) -> None:
         for address in self._registered:
