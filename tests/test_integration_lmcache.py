@@ -219,3 +219,30 @@ def test_a_dead_master_turns_calls_into_misses(make_cluster):
         assert a.run(a.conn.ping()) < 0
     finally:
         a.close()
+
+
+def test_a_bad_kvpool_value_is_logged_and_lmcache_starts_without_the_pool():
+    """LMCache's RemoteBackend catches a connector's construction error (docs/integrations.md):
+    the value is named in its log, and the engine starts without the remote connection."""
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+    instance_config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05, remote_storage_plugins=["kvpool"],
+        extra_config={
+            "remote_storage_plugin.kvpool.module_path": "kvpool.integrations.lmcache",
+            "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
+            "kvpool.master": "127.0.0.1:1", "kvpool.replica_num": 0,
+        },
+    )  # fmt: skip
+    metadata = LMCacheMetadata(
+        model_name="org/tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK,
+    )  # fmt: skip
+    cpu = LocalCPUBackend(instance_config, metadata, dst_device="cpu")
+    loop = asyncio.new_event_loop()
+    try:
+        backend = RemoteBackend(instance_config, metadata, loop, cpu, "cpu", plugin_name="kvpool")
+        assert backend.connection is None
+        assert backend.batched_contains([key(1)]) == 0
+    finally:
+        loop.close()

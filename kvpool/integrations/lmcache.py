@@ -14,7 +14,8 @@ LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LM
       # kvpool.replica_num, kvpool.lookup_hold_ms (how long a lookup's hits are held from
       # eviction for their retrieval, default 5000; 0 = none)
 
-A URL works too once the plugin is listed: `remote_url: kvpool://10.0.0.1:50051`.
+Do not also set `remote_url: kvpool://...`: LMCache 0.5.6 builds one remote backend per listed
+plugin and another for `remote_url`, so every chunk would be written and looked up twice.
 
 Each LMCache chunk is one kvpool object named by `CacheEngineKey.to_string()` (which carries
 the model, world size, worker and chunk hash). With LMCache's default `save_chunk_meta`, the
