@@ -233,7 +233,9 @@ def main() -> None:
     parser.add_argument("--total", default="256MiB", help="Bytes per round (the plain file's size).")
     parser.add_argument("--object-size", default="4MiB")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default="", help="Directory on the filesystem to measure (default: the system temp dir).")
+    parser.add_argument(
+        "--dir", default="", help="Directory on the filesystem to measure (default: the system temp dir)."
+    )
     parser.add_argument("--no-disk-fsync", action="store_true", help="Run the node with --no-disk-fsync.")
     args = parser.parse_args()
     total, object_size = parse_size(args.total), parse_size(args.object_size)
@@ -275,7 +277,10 @@ def main() -> None:
             keys = [f"local-0-{i}" for i in range(count)]
             targets = [np.empty(object_size, dtype=np.uint8) for _ in range(count)]
             tier_files = disk_tier_files(disk_dir)
-            stores = {where: Store(cluster.master_endpoint, shm_enabled=shm) for where, shm in (("local", True), ("remote", False))}
+            stores = {
+                where: Store(cluster.master_endpoint, shm_enabled=shm)
+                for where, shm in (("local", True), ("remote", False))
+            }
             try:
                 for _ in range(args.repeats):
                     record("plain_read_odirect_gbps", plain_read_odirect(plain_path, total))

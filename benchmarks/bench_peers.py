@@ -473,7 +473,9 @@ def run_client(
                "--repeats", str(repeats), "--total", str(total)] + (["--shm"] if shm else [])  # fmt: skip
     if path == "in_process":
         command.append("--in-process")
-    result = subprocess.run(command, capture_output=True, timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        command, capture_output=True, timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False
+    )
     (log_dir / f"client-{target}-{path}.stderr").write_bytes(result.stderr)
     if result.returncode != 0:
         raise RuntimeError(f"{target} client failed: {result.stderr.decode(errors='replace')[-2000:]}")

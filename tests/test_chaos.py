@@ -86,7 +86,9 @@ class Report:
         return console.export_text()
 
 
-def measure(check: Callable[[], bool], timeout_s: float = RECOVERY_TIMEOUT_S, since: float | None = None) -> float | None:
+def measure(
+    check: Callable[[], bool], timeout_s: float = RECOVERY_TIMEOUT_S, since: float | None = None
+) -> float | None:
     """Seconds from `since` (default: now) until `check()` first holds; None if it never did."""
     since = time.monotonic() if since is None else since
     deadline = time.monotonic() + timeout_s
@@ -314,7 +316,8 @@ def test_chaos_ha_cluster_under_faults(make_cluster, etcd_endpoint, tmp_path, ca
         cluster.start_master()
         report.fault("leader SIGKILL, no standby (restart 1 s later)",
                      measure(lambda: probe.serves(sample), since=killed_at),
-                     "reads and puts served again, counted from the kill (the dead leader's lease lapses first)")  # fmt: skip
+                     "reads and puts served again, counted from the kill "
+                     "(the dead leader's lease lapses first)")  # fmt: skip
 
         # 5 and 6, side by side: a writer killed between put_start and put_end, and a client
         # killed while it holds read leases.
@@ -366,7 +369,8 @@ def test_chaos_ha_cluster_under_faults(make_cluster, etcd_endpoint, tmp_path, ca
             f"{outcome['acked']} ({len(outcome['excused'])} / {len(outcome['unknown'])})",
         "longest client call": f"{longest_ms:.0f} ms (bound {CALL_BOUND_MS} ms)",
         "client errors (clean, during faults)": {k: v for s in stats for k, v in s["errors"].items()},
-        f"mixed load, fault-free {BASELINE_S:.0f} s (1:4, {SIZE_MIN >> 10}-{SIZE_MAX >> 10} KiB, paced 40 ops/s/client)":
+        f"mixed load, fault-free {BASELINE_S:.0f} s "
+        f"(1:4, {SIZE_MIN >> 10}-{SIZE_MAX >> 10} KiB, paced 40 ops/s/client)":
             f"{baseline['ops_per_s']} ops/s, {baseline['mib_per_s']} MiB/s, put p50/p99 "
             f"{baseline['put_p50_ms']}/{baseline['put_p99_ms']} ms, get p50/p99 "
             f"{baseline['get_p50_ms']}/{baseline['get_p99_ms']} ms",

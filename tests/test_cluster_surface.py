@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool import Store, limits
 from kvpool.cli.replay import find_trace
 from kvpool.errors import InvalidParams, SegmentNotFound, Unauthorized
+from kvpool.protocol import objectfile
 from kvpool.protocol.frames import encode_frame
 from kvpool.protocol.messages import GetReplicaList, ReadItem, ReadSlices, WriteGrant, WriteItem, WriteSlices
 
@@ -167,6 +168,31 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
             message = " ".join(out.stderr.decode().split())
             assert out.returncode == 1 and b"Traceback" not in out.stderr, out
             assert f"cannot listen on 127.0.0.1:{port} for /metrics ({option})" in message
+
+
+def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
+    """Each went unnoticed until it mattered: a misspelt log level (a traceback), a tier size
+    without its directory (ignored), a disk tier larger than its filesystem (offloads failing
+    once it filled), a demo whose objects no node could hold (every put failing)."""
+    node = ("node", "--master", "127.0.0.1:1", "--memory", "16MiB")
+    free_bytes = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    cases = (
+        ((*node, "--log-level", "loud"), 2, "'loud' is not one of 'debug', 'info', 'warning', 'error'"),
+        (("master", "--port", "0", "--log-level", "verbose"), 2, "'verbose' is not one of"),
+        ((*node, "--disk-size", "1GiB"), 1, "--disk-size needs --disk-dir"),
+        (("master", "--port", "0", "--dfs-size", "1GiB"), 1, "--dfs-size needs --dfs-dir"),
+        ((*node, "--disk-dir", str(tmp_path / "disk"), "--disk-size", str(free_bytes + limits.GIB)), 1,
+         f"a disk tier of {free_bytes + limits.GIB} bytes does not fit in {tmp_path / 'disk'}"),
+        (("demo", "--object-size", "0"), 1, "--object-size 0 bytes: give 1 byte to --memory (128 MiB)"),
+        (("demo", "--memory", "16MiB", "--object-size", "17MiB"), 1, "--object-size 17 MiB: give 1 byte to --memory"),
+    )  # fmt: skip
+    for args, code, reason in cases:
+        out = kvpool_cli(*args)
+        assert out.returncode == code and b"Traceback" not in out.stderr, out
+        assert reason in " ".join(out.stderr.decode().split()), out.stderr
+    assert not (tmp_path / "disk" / objectfile.IDENTITY_FILE).exists()  # no tier was made
+    out = kvpool_cli("master", "--help")
+    assert "--log-level <debug|info|warning|error>" in out.stdout.decode()
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -45,7 +45,8 @@ OBJECT_SIZE = 64 * limits.KIB  # sixteen fill the segment
 
 
 def service(policy) -> MasterService:
-    svc = MasterService(MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=1.0), random.Random(0), None, policy=policy)
+    config = MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=1.0)
+    svc = MasterService(config, random.Random(0), None, policy=policy)
     info = SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB)
     svc.mount_segment(MountSegment(info, []), 0)
     return svc

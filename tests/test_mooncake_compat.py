@@ -60,7 +60,11 @@ MOONCAKE_VALUES = [
     ('put with config', 0),
     ('put preferring own segment', 0),
     ('put hard pinned', 0),
-    ('get_batch configured', [{'bytes_len': 100, 'sha256': 'bdcdc9e9204fe209'}, {'bytes_len': 100, 'sha256': 'abd3b172acc3c31e'}, {'bytes_len': 100, 'sha256': '17c0dab46c66cd1a'}]),
+    ('get_batch configured', [
+        {'bytes_len': 100, 'sha256': 'bdcdc9e9204fe209'},
+        {'bytes_len': 100, 'sha256': 'abd3b172acc3c31e'},
+        {'bytes_len': 100, 'sha256': '17c0dab46c66cd1a'},
+    ]),
     ('remove under lease', -706),
     ('remove force', 0),
     ('remove absent', -704),

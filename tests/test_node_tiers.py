@@ -160,7 +160,8 @@ def test_send_parts_mixes_buffers_and_file_ranges_on_a_non_blocking_socket(tmp_p
     reader = threading.Thread(target=drain)
     reader.start()
     try:
-        files.send_parts(left.fileno(), [b"head", FileRange(fd, header.header_size + 100, len(data) - 100), b"!!"], 5_000)
+        parts = [b"head", FileRange(fd, header.header_size + 100, len(data) - 100), b"!!"]
+        files.send_parts(left.fileno(), parts, 5_000)
     finally:
         reader.join(10)
         files.close_parts([FileRange(fd, 0, 0)])

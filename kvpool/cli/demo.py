@@ -32,12 +32,18 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
     """The demo (module docstring); SIGTERM stops it as SIGINT does, then exits 143.
 
     Raises:
-        InvalidParams: a segment below the minimum a node takes.
+        InvalidParams: a segment below the minimum a node takes, or objects that could not be
+            stored (empty, or larger than a segment): said before any process starts.
     """
     if memory_bytes < limits.SEGMENT_SIZE_BYTES_MIN:
         raise InvalidParams(
             f"--memory {exact_size(memory_bytes)}: a node's segment is at least "
             f"{exact_size(limits.SEGMENT_SIZE_BYTES_MIN)}"
+        )
+    if not 0 < object_size_bytes <= memory_bytes:
+        raise InvalidParams(
+            f"--object-size {exact_size(object_size_bytes)}: give 1 byte to --memory "
+            f"({exact_size(memory_bytes)}), as an object is stored whole in one segment"
         )
     with sigterm_as_interrupt():
         _run_demo(node_count, memory_bytes, object_count, object_size_bytes, console)
@@ -67,16 +73,22 @@ def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size
             writer.remove(WARM_UP_KEY)
             put_seconds = _timed_batches(
                 console, "put (shm)", keys,
-                lambda batch: _check_codes(writer.put_batch(batch, [values[k] for k in batch], ReplicateConfig(replica_num=2))),
+                lambda batch: _check_codes(
+                    writer.put_batch(batch, [values[k] for k in batch], ReplicateConfig(replica_num=2))
+                ),
             )  # fmt: skip
             placement = writer.query(keys)
             status = writer.cluster_status()
         with Store(cluster.master_endpoint) as reader:
             reader.get_batch(keys[:BATCH_KEYS])  # untimed: maps the segments, as the writer did
-            shm_seconds = _timed_batches(console, "get (shm)", keys, lambda b: _check_values(reader.get_batch(b), b, values))
+            shm_seconds = _timed_batches(
+                console, "get (shm)", keys, lambda b: _check_values(reader.get_batch(b), b, values)
+            )
         with Store(cluster.master_endpoint, shm_enabled=False) as tcp_reader:
             tcp_reader.get_batch(keys[:BATCH_KEYS])  # untimed: opens the connections
-            tcp_seconds = _timed_batches(console, "get (tcp)", keys, lambda b: _check_values(tcp_reader.get_batch(b), b, values))
+            tcp_seconds = _timed_batches(
+                console, "get (tcp)", keys, lambda b: _check_values(tcp_reader.get_batch(b), b, values)
+            )
 
         replicas = Counter(r.segment_id for rs in placement.replicas for r in rs)
         endpoints = {s.segment.segment_id: s.segment.endpoint for s in status.segments}

@@ -298,7 +298,10 @@ class LocalCluster(StartedInContext):
         self._tempdir = None if workdir else tempfile.TemporaryDirectory(prefix="kvpool-")
         self.workdir = workdir or Path(self._tempdir.name)  # type: ignore[union-attr]
         # Tests run the master with its invariants checked after every request.
-        self.env: dict[str, str] = {"KVPOOL_LOG_LEVEL": "info", "KVPOOL_DEBUG_INVARIANTS": os.environ.get("KVPOOL_DEBUG_INVARIANTS", "0")}
+        self.env: dict[str, str] = {
+            "KVPOOL_LOG_LEVEL": "info",
+            "KVPOOL_DEBUG_INVARIANTS": os.environ.get("KVPOOL_DEBUG_INVARIANTS", "0"),
+        }
         if token:
             token_path = self.workdir / "token"
             token_path.write_text(token)

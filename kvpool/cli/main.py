@@ -18,6 +18,7 @@ import signal
 import sys
 import unicodedata
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -66,6 +67,17 @@ BusyPollOption = Annotated[
         "request finds the process awake (0: sleep at once; docs/performance.md).",
     ),
 ]
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+# A choice, so that a misspelt level is a usage error naming the choices, not a traceback.
+LogLevelOption = Annotated[LogLevel, typer.Option(envvar="KVPOOL_LOG_LEVEL", case_sensitive=False)]
 TokenFileOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -84,9 +96,9 @@ CONSOLE_WIDTH_NOT_TERMINAL = 1_000
 MASTER_WAIT_LOG_INTERVAL_MS = 30_000
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: LogLevel) -> None:
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
 
 
@@ -105,6 +117,12 @@ def _token(token_file: Optional[Path]) -> str | None:
 def _fail(message: str, code: int = 1) -> typer.Exit:
     err_console.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code)
+
+
+def _require_directory(size_flag: str, size: str | None, directory_flag: str, directory: Path | None) -> None:
+    """A tier's size given without its directory would be ignored: refuse it instead."""
+    if size and not directory:
+        raise _fail(f"{size_flag} needs {directory_flag}: without its directory there is no tier to size")
 
 
 def _shown(key: str) -> str:
@@ -267,7 +285,7 @@ def master(
         str, typer.Option(help="DRAM eviction order: probation (never-read objects first) or lru.")
     ] = limits.EVICTION_POLICY_DEFAULT,
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
-    log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
+    log_level: LogLevelOption = LogLevel.info,
 ) -> None:
     """Run the metadata master (no object bytes pass through it)."""
     import uvloop
@@ -276,6 +294,7 @@ def master(
     from kvpool.master.server import MasterServer
 
     _setup_logging(log_level)
+    _require_directory("--dfs-size", dfs_size, "--dfs-dir", dfs_dir)
     try:
         config = MasterConfig(
             lease_ttl_ms=lease_ttl_ms,
@@ -364,7 +383,7 @@ def node(
         typer.Option(help="On SIGTERM or SIGINT, drain first: no new objects here, reads served for this "
                      "long, then leave (0: leave at once).", min=0, max=limits.DRAIN_TIMEOUT_MS_MAX),
     ] = 0,
-    log_level: Annotated[str, typer.Option(envvar="KVPOOL_LOG_LEVEL")] = "info",
+    log_level: LogLevelOption = LogLevel.info,
 ) -> None:
     """Run a storage node: contributes a DRAM segment (and a disk tier) to the pool and serves its bytes."""
     import uvloop
@@ -373,6 +392,7 @@ def node(
     from kvpool.node.server import Node
 
     _setup_logging(log_level)
+    _require_directory("--disk-size", disk_size, "--disk-dir", disk_dir)
     try:
         config = NodeConfig(
             master_endpoint=master,

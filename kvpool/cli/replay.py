@@ -108,7 +108,9 @@ def replay(
     mode: Annotated[str, typer.Option(help="sim (the master code, simulated clock) or live (real processes).")] = "sim",
     limit: Annotated[int | None, typer.Option(help="Replay only N requests (after --skip).")] = None,
     skip: Annotated[int, typer.Option(help="Leave out the first N requests (the trace's clock restarts at 0).")] = 0,
-    out: Annotated[Path, typer.Option(help="Directory for replay.json, replay.md and replay.png.")] = Path("replay-out"),
+    out: Annotated[
+        Path, typer.Option(help="Directory for replay.json, replay.md and replay.png.")
+    ] = Path("replay-out"),
     watermark_high: Annotated[
         float, typer.Option(help="Master eviction watermark (1.0: evict only for room; the master ships 0.9).")
     ] = 1.0,
@@ -215,7 +217,11 @@ def _run(
     ) as progress:  # fmt: skip
         overall = progress.add_task("all", total=len(configs) * len(requests))
         for config in configs:
-            capacity_text = "unbounded" if config.capacity_blocks is None else report.human_tokens(config.capacity_blocks * BLOCK_TOKENS)
+            capacity_text = (
+                "unbounded"
+                if config.capacity_blocks is None
+                else report.human_tokens(config.capacity_blocks * BLOCK_TOKENS)
+            )
             task = progress.add_task(f"{config.label} @ {capacity_text}", total=len(requests))
             done = [0]
 
@@ -314,7 +320,10 @@ def find_trace() -> Path | None:
 
     candidates = [os.environ.get(TRACE_ENV, "")]
     repo = Path(__file__).resolve().parents[2]
-    candidates += [str(repo.parent / "shared" / "data" / "synthetic_trace.jsonl"), str(repo / "data" / "synthetic_trace.jsonl")]
+    candidates += [
+        str(repo.parent / "shared" / "data" / "synthetic_trace.jsonl"),
+        str(repo / "data" / "synthetic_trace.jsonl"),
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)

@@ -102,6 +102,13 @@ class DiskTier:
                         f"disk size {capacity_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
                         f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
                     )
+                # Said plainly now rather than as failed offloads once the filesystem fills.
+                free_bytes = files.free_bytes(path)
+                if capacity_bytes > free_bytes:
+                    raise InvalidParams(
+                        f"a disk tier of {capacity_bytes} bytes does not fit in {path} ({free_bytes} bytes "
+                        "free): ask for less, or give that filesystem more room"
+                    )
                 identity = TierIdentity(
                     TIER_DISK, f"{node_id}-{secrets.token_hex(4)}/disk",
                     secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes,

@@ -384,7 +384,10 @@ def run_protocol(
         if futures is not None:
             assert isinstance(backend, SimBackend)
             backend.belady_of(instance).announce(
-                {key: (future, depth, block) for depth, (key, future, block) in enumerate(zip(keys, futures[index], request.hash_ids))}
+                {
+                    key: (future, depth, block)
+                    for depth, (key, future, block) in enumerate(zip(keys, futures[index], request.hash_ids))
+                }
             )  # fmt: skip
         _serve(backend, instance, request, keys, tally, began)
         if on_progress is not None and (index + 1) % PROGRESS_EVERY_REQUESTS == 0:
@@ -395,7 +398,9 @@ def run_protocol(
     return _result(config, capacity_blocks, len(requests), tally, per_instance, backend, mode, elapsed_s)
 
 
-def _serve(backend: Backend, instance: int, request: TraceRequest, keys: list[str], tally: _Tally, began: float) -> None:
+def _serve(
+    backend: Backend, instance: int, request: TraceRequest, keys: list[str], tally: _Tally, began: float
+) -> None:
     hit_count = backend.longest_prefix(instance, keys)
     if hit_count:
         loaded = backend.read(instance, keys[:hit_count])
@@ -437,7 +442,9 @@ def _local_prefix_of(backend: Backend, keys: list[str], instance: int) -> int:
     return backend.local_prefix(instance, keys)
 
 
-def _next_uses_per_instance(requests: Sequence[TraceRequest], routes: list[int], instance_count: int) -> list[list[int]]:
+def _next_uses_per_instance(
+    requests: Sequence[TraceRequest], routes: list[int], instance_count: int
+) -> list[list[int]]:
     """next_uses, restricted to the requests each instance serves (local caches)."""
     never = len(requests)
     following: list[dict[int, int]] = [{} for _ in range(instance_count)]

@@ -96,7 +96,9 @@ def live_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
     ]
 
 
-LIVE_COLUMNS = ("configuration", "capacity/instance", "req/s", "load", "store", "lookup+load p50/p99", "request p50/p99", "block")
+LIVE_COLUMNS = (
+    "configuration", "capacity/instance", "req/s", "load", "store", "lookup+load p50/p99", "request p50/p99", "block"
+)
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -129,7 +131,8 @@ def plot_hit_rates(path: Path, results: Sequence[ReplayResult], title: str) -> N
 
     curves: dict[str, list[ReplayResult]] = {}
     for result in results:
-        curves.setdefault(f"{result.label} ({result.mode})" if result.mode == "live" else result.label, []).append(result)
+        label = f"{result.label} ({result.mode})" if result.mode == "live" else result.label
+        curves.setdefault(label, []).append(result)
     figure, axes = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     def all_tiers_tokens(r: ReplayResult) -> int:  # DRAM and any disk tier, all instances
         return r.pool_capacity_tokens + r.disk_capacity_blocks * BLOCK_TOKENS * r.instance_count

@@ -56,7 +56,9 @@ class TraceRequest(msgspec.Struct, frozen=True):
 _decoder = msgspec.json.Decoder(TraceRequest)
 
 
-def parse_trace_lines(lines: Iterable[bytes | str], source: str = "<trace>", limit: int | None = None) -> list[TraceRequest]:
+def parse_trace_lines(
+    lines: Iterable[bytes | str], source: str = "<trace>", limit: int | None = None
+) -> list[TraceRequest]:
     """Decode and check trace lines; blank lines are skipped. Returns them in file order.
 
     Raises:

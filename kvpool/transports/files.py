@@ -428,6 +428,14 @@ def statvfs_bytes(directory: Path) -> int:
     return stat.f_blocks * stat.f_frsize
 
 
+def free_bytes(directory: Path) -> int:
+    """What an unprivileged writer may still put on the filesystem holding `directory`.
+    Raises InvalidParams."""
+    with map_exceptions({OSError: InvalidParams}):
+        stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
 # --- a tier directory: identity and lock ---------------------------------------------------
 
 
