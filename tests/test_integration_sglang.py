@@ -23,6 +23,8 @@ dependencies).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import wait_until
 
@@ -286,6 +288,37 @@ def test_attention_context_parallelism_is_refused_at_start(make_cluster):
     config.attn_cp_size = 2
     with pytest.raises(InvalidParams, match="attention CP"):
         StorageBackendFactory.create_backend("dynamic", config, MHAHostPool("page_first"))
+
+
+class KOnlyHostPool(MHAHostPool):
+    """Like SGLang's MHATokenToKOnlyPoolHost (pool_host/mha.py): no page ranges but in the
+    page-first layouts."""
+
+    def get_page_buffer_meta(self, indices):
+        if self.layout not in ("page_first", "page_first_direct"):
+            raise ValueError(f"Unsupported layout: {self.layout}")
+        return super().get_page_buffer_meta(indices)
+
+
+class UnpairedHostPool(MHAHostPool):
+    """An MHA pool whose pages come in three ranges: K and V cannot be told apart."""
+
+    def get_page_buffer_meta(self, indices):
+        pointers, sizes = super().get_page_buffer_meta(indices)  # K, V per page (page_first)
+        return pointers + pointers[: len(pointers) // 2], sizes + sizes[: len(sizes) // 2]
+
+
+def test_host_pools_that_cannot_address_their_pages_are_refused_at_attach(make_cluster):
+    """Before, the attach passed and every prefetch and backup raised in SGLang's I/O threads."""
+    cluster = make_cluster(1, "16MiB")
+    for pool, reason in (
+        (KOnlyHostPool("layer_first"), "KOnlyHostPool (layout layer_first): Unsupported layout: layer_first"),
+        (UnpairedHostPool("page_first"), "MHA page with 3 ranges: K and V do not pair"),
+    ):
+        with pytest.raises(InvalidParams, match=re.escape(reason)):
+            create(storage_config(cluster.master_endpoint), pool)
+    backend = create(storage_config(cluster.master_endpoint), KOnlyHostPool("page_first"))
+    backend.close()
 
 
 def test_a_hybrid_models_other_host_pools_are_refused_at_attach(make_cluster):

@@ -28,8 +28,9 @@ multi-buffer batch API: no staging copy. Without it SGLang calls get/set/batch_g
 with page tensors. Every method returns what SGLang expects (a list for a list, never None),
 and operating errors (node or master down, timeouts, misses) become failed pages, never
 exceptions in SGLang's I/O threads. Not supported yet, and refused at start: split heads,
-DCP, attention CP, and the host pools of hybrid models besides the KV pool (SGLang moves
-those with the v2 batch calls). This module is not used without SGLang installed.
+DCP, attention CP, the host pools of hybrid models besides the KV pool (SGLang moves
+those with the v2 batch calls), and a host pool that cannot give its pages' ranges in its
+layout. This module is not used without SGLang installed.
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """Remember the host KV pool and register its memory for zero-copy page I/O.
 
         Raises:
-            KVPoolError: the memory cannot be registered (SGLang calls this at startup).
+            KVPoolError: the memory cannot be registered, or the pool cannot say where a page
+                lies (SGLang calls this at startup, and fails it on an error).
         """
         super().register_mem_pool_host(mem_pool_host)
+        self._check_page_ranges(mem_pool_host)
         # The device pool's dtype: the host pool's is how it stores bytes (uint8 for every
         # fp8 format, which would read as one another's garbage).
         dtype = getattr(getattr(mem_pool_host, "device_pool", None), "dtype", None) or mem_pool_host.dtype
@@ -122,6 +125,27 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if hasattr(mem_pool_host, "get_ksize_per_token"):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
             self._gb_per_page = bytes_per_page / (1 << 30)
+
+    def _check_page_ranges(self, mem_pool_host: Any) -> None:
+        """Ask the pool for its first page's ranges, as every page I/O will: some layouts
+        have none (SGLang's pools raise ValueError for them, e.g. an MLA pool in a layout
+        other than page_first), and that is said at attach rather than as an exception in
+        SGLang's I/O threads on every prefetch and backup.
+
+        Raises:
+            InvalidParams: the pool raised, or gave ranges that do not make this model's objects.
+        """
+        import torch
+
+        probe = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
+        try:
+            self._buffer_meta(["probe"], probe)
+        except (ValueError, NotImplementedError, InvalidParams) as exc:
+            layout = getattr(mem_pool_host, "layout", "?")
+            raise InvalidParams(
+                f"kvpool's SGLang backend cannot address the pages of {type(mem_pool_host).__name__} "
+                f"(layout {layout}): {exc}"
+            ) from None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Take the KV pool that register_mem_pool_host gave; refuse a hybrid model's others.
