@@ -33,7 +33,12 @@ factory_module = pytest.importorskip(
     "sglang.srt.mem_cache.storage.backend_factory",
     reason="SGLang is not installed (scripts/install-peers.sh sglang)",
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
 
@@ -321,18 +326,189 @@ def test_host_pools_that_cannot_address_their_pages_are_refused_at_attach(make_c
     backend.close()
 
 
-def test_a_hybrid_models_other_host_pools_are_refused_at_attach(make_cluster):
-    """SGLang registers each pool of its host pool group with register_mem_host_pool_v2 at
-    attach; those other than the KV pool move with the v2 batch calls, which kvpool lacks."""
-    cluster = make_cluster(1, "16MiB")
-    pool = MHAHostPool("page_first")
-    backend = create(storage_config(cluster.master_endpoint), pool)
+MAMBA_SLOTS = 8
+TEMPORAL_ELEMS = 12
+CONV_ELEMS = (6, 10)
+
+
+class MambaHostPool:
+    """SGLang's Mamba state host pool as storage backends see it (pool_host/mamba.py,
+    page_first): one state slot per index, a temporal state and conv states per slot, each
+    with every Mamba layer's state side by side; one range per component and slot."""
+
+    def __init__(self) -> None:
+        self.layout, self.page_size, self.size = "page_first", 1, MAMBA_SLOTS
+        self.temporal_buffer = torch.zeros((MAMBA_SLOTS, LAYERS, TEMPORAL_ELEMS), dtype=torch.float32)
+        self.conv_buffer = [torch.zeros((MAMBA_SLOTS, LAYERS, n), dtype=torch.bfloat16) for n in CONV_ELEMS]
+
+    def get_hybrid_pool_buffer(self):
+        return [self.temporal_buffer, *self.conv_buffer]
+
+    def get_page_buffer_meta(self, indices):
+        pointers, sizes = [], []
+        for slot in indices.tolist():
+            for buffer in (self.temporal_buffer, *self.conv_buffer):
+                slot_bytes = buffer[0].numel() * buffer.element_size()
+                pointers.append(buffer.data_ptr() + slot * slot_bytes)
+                sizes.append(slot_bytes)
+        return pointers, sizes
+
+    def fill_randomly(self) -> None:
+        for buffer in (self.temporal_buffer, *self.conv_buffer):
+            buffer.copy_(torch.randn(buffer.shape).to(buffer.dtype))
+
+    def state(self, slot: int) -> list:
+        return [buffer[slot].clone() for buffer in (self.temporal_buffer, *self.conv_buffer)]
+
+
+class IndexerHostPool:
+    """A DSA indexer host pool (pool_host/dsa.py) as storage backends see it: one packed
+    range per page of PAGE_SIZE tokens, the same on every TP rank of an MLA model."""
+
+    PAGE_BYTES = 96
+
+    def __init__(self) -> None:
+        self.layout, self.page_size, self.size, self.dtype = "page_first", PAGE_SIZE, POOL_TOKENS, torch.uint8
+        self.index_k_buffer = torch.zeros((POOL_TOKENS // PAGE_SIZE, self.PAGE_BYTES), dtype=torch.uint8)
+
+    def get_page_buffer_meta(self, indices):
+        starts = indices.tolist()[::PAGE_SIZE]
+        base = self.index_k_buffer.data_ptr()
+        return [base + start // PAGE_SIZE * self.PAGE_BYTES for start in starts], [self.PAGE_BYTES] * len(starts)
+
+
+def hybrid(config: HiCacheStorageConfig, kv_pool, **pools):
+    """A backend attached as SGLang's HybridCacheController attaches one: the KV anchor,
+    then every pool of the group through register_mem_host_pool_v2 (the anchor's too)."""
+    backend = create(config, kv_pool)
+    backend.register_mem_host_pool_v2(kv_pool, PoolName.KV)
+    for name, pool in pools.items():
+        backend.register_mem_host_pool_v2(pool, PoolName(name))
+    backend.on_host_pools_registered()
+    return backend
+
+
+def states(slots: list[int], keys: list[str], policy=None):
+    """A Mamba PoolTransfer: the states at `slots` of the pages `keys`."""
+    transfer = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor(slots, dtype=torch.int64), keys=keys)
+    if policy is not None:
+        transfer.hit_policy = policy
+    return transfer
+
+
+def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(make_cluster):
+    """Instance A backs up a hybrid model's KV pages (v1) and Mamba states at two page
+    boundaries (v2); instance B finds the prefixes it can restore, KV and state together,
+    and loads a state into another slot, byte for byte. Before 2026-12-03 the attach of such
+    a model was refused."""
+    cluster = make_cluster(2, "16MiB")
+    mamba_a, mamba_b = MambaHostPool(), MambaHostPool()
+    mamba_a.fill_randomly()
+    config = storage_config(cluster.master_endpoint)
+    a = hybrid(config, MHAHostPool("page_first"), mamba=mamba_a)
+    b = hybrid(config, MHAHostPool("page_first"), mamba=mamba_b)
+    other_rank = hybrid(storage_config(cluster.master_endpoint, tp_rank=1), MHAHostPool("page_first"),
+                        mamba=MambaHostPool())  # fmt: skip
     try:
-        backend.register_mem_host_pool_v2(pool, PoolName.KV)  # the anchor: a plain model
-        with pytest.raises(InvalidParams, match="mamba"):
-            backend.register_mem_host_pool_v2(MHAHostPool("page_first"), PoolName.MAMBA)
+        keys = [f"h{i}" for i in range(5)]
+        assert a.batch_set_v1(keys, host_indices([1, 2, 3, 4, 5])) == [True] * 5
+        assert a.batch_set_v2([states([3, 5], [keys[2], keys[4]])]) == {PoolName.MAMBA: [True, True]}
+        assert a.batch_set_v2([states([3], [keys[2]])]) == {PoolName.MAMBA: [True]}  # present: success
+        listed = a._store.list_objects("mamba")  # one object per state: every component gathered
+        assert sorted(listed.keys) == [f"org-tiny-model_page_first_bfloat16_tp2_{k}_0_mamba_page_first" for k in
+                                       ("h2", "h4")]  # fmt: skip
+        state_bytes = sum(part.numel() * part.element_size() for part in mamba_a.state(0))
+        assert listed.sizes == [state_bytes] * 2
+
+        trailing = PoolHitPolicy.TRAILING_PAGES
+        found = b.batch_exists_v2(keys, [states([], [keys[4]], trailing)])
+        assert (found.kv_hit_pages, found.restorable_prefix_pages) == (5, [3, 5])
+        assert found.extra_pool_hit_pages == {PoolName.KV: 5, PoolName.MAMBA: 5}
+        found = b.batch_exists_v2(keys[:4], [states([], [keys[3]], trailing)])  # no state after page 4
+        assert (found.kv_hit_pages, found.restorable_prefix_pages) == (3, [3])
+        found = b.batch_exists_v2(keys, [states([], keys[3:], trailing)])  # two states needed at the end
+        assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
+        found = b.batch_exists_v2(keys, [states([], keys, PoolHitPolicy.ALL_PAGES)])  # pages 1, 2 have none
+        assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
+        assert b.batch_exists_v2(keys, []).kv_hit_pages == 5  # no other pool: the KV prefix
+
+        assert b.batch_get_v2([states([6, 7], [keys[4], "absent"])]) == {PoolName.MAMBA: [True, False]}
+        for mine, theirs in zip(mamba_b.state(6), mamba_a.state(5)):
+            assert torch.equal(mine, theirs)
+        assert not any(part.any() for part in mamba_b.state(7))  # a miss writes nothing
+
+        # TP rank 1 holds other heads and other states: it finds neither of rank 0's.
+        assert other_rank.batch_exists_v2(keys, [states([], [keys[4]], trailing)]).kv_hit_pages == 0
+        assert other_rank.batch_get_v2([states([1], [keys[4]])]) == {PoolName.MAMBA: [False]}
+    finally:
+        for backend in (a, b, other_rank):
+            backend.close()
+
+
+def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(make_cluster):
+    """In an MLA model SGLang backs pages up from the first TP rank only, except the Mamba
+    states, which each rank shards (HybridCacheController.should_backup): rank 1 finds rank
+    0's KV and DSA indexer pages (ALL_PAGES), and a prefix that needs rank 1's own state
+    only once rank 1 wrote it."""
+    cluster = make_cluster(1, "16MiB")
+    indexer_0 = IndexerHostPool()
+    indexer_0.index_k_buffer.copy_(torch.randint(0, 255, indexer_0.index_k_buffer.shape, dtype=torch.uint8))
+    rank0 = hybrid(storage_config(cluster.master_endpoint, mla=True), MLAHostPool("page_first"),
+                   indexer=indexer_0, mamba=MambaHostPool())  # fmt: skip
+    indexer_1, mamba_1 = IndexerHostPool(), MambaHostPool()
+    rank1 = hybrid(storage_config(cluster.master_endpoint, mla=True, tp_rank=1), MLAHostPool("page_first"),
+                   indexer=indexer_1, mamba=mamba_1)  # fmt: skip
+    try:
+        keys = ["m0", "m1", "m2"]
+        indexer = PoolTransfer(PoolName.INDEXER, host_indices=host_indices([0, 1, 2]), keys=keys)
+        assert rank0.batch_set_v1(keys, host_indices([0, 1, 2])) == [True] * 3
+        assert rank0.batch_set_v2([indexer, states([2], keys[2:])]) == {
+            PoolName.INDEXER: [True] * 3, PoolName.MAMBA: [True],
+        }  # fmt: skip
+        query = [PoolTransfer(PoolName.INDEXER, keys=keys), states([], keys[2:], PoolHitPolicy.TRAILING_PAGES)]
+        assert rank0.batch_exists_v2(keys, query).kv_hit_pages == 3
+        assert rank1.batch_exists_v2(keys, query[:1]).kv_hit_pages == 3  # KV and indexer: shared
+        assert rank1.batch_exists_v2(keys, query).kv_hit_pages == 0  # rank 1's state is not there
+        mamba_1.fill_randomly()
+        assert rank1.batch_set_v2([states([4], keys[2:])]) == {PoolName.MAMBA: [True]}
+        assert rank1.batch_exists_v2(keys, query).kv_hit_pages == 3
+        loaded = PoolTransfer(PoolName.INDEXER, host_indices=host_indices([5, 6, 7]), keys=keys)
+        assert rank1.batch_get_v2([loaded]) == {PoolName.INDEXER: [True] * 3}
+        assert torch.equal(indexer_1.index_k_buffer[5:8], indexer_0.index_k_buffer[0:3])
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_other_pools_kvpool_cannot_store_are_refused_at_attach_and_bad_transfers_fail(make_cluster):
+    """Refused when SGLang attaches: DeepSeek V4's compressed pools (the BLOCK_GROUPS policy)
+    and, in an MLA model with TP > 1, a pool holding each rank's heads, which SGLang backs up
+    from the first rank only (the other ranks would read rank 0's heads). In use, a transfer
+    kvpool cannot serve is failed pages or a miss, never an exception in SGLang's threads."""
+    cluster = make_cluster(1, "16MiB")
+    backend = create(storage_config(cluster.master_endpoint), MHAHostPool("page_first"))
+    mla = create(storage_config(cluster.master_endpoint, mla=True), MLAHostPool("page_first"))
+    try:
+        with pytest.raises(InvalidParams, match="deepseek_v4_c4 pool"):
+            backend.register_mem_host_pool_v2(IndexerHostPool(), PoolName.DEEPSEEK_V4_C4)
+        with pytest.raises(InvalidParams, match="the draft pool holds each TP rank's heads"):
+            mla.register_mem_host_pool_v2(MHAHostPool("page_first"), PoolName.DRAFT)
+        with pytest.raises(InvalidParams, match="cannot address the pages of KOnlyHostPool"):
+            backend.register_mem_host_pool_v2(KOnlyHostPool("layer_first"), PoolName.SWA)
+        backend.register_mem_host_pool_v2(MambaHostPool(), PoolName.MAMBA)
+        assert backend.batch_set_v1(["k0"], host_indices([0])) == [True]
+        groups = PoolTransfer(PoolName.MAMBA, keys=["k0"], hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+        assert backend.batch_exists_v2(["k0"], [groups]).kv_hit_pages == 0
+        unregistered = PoolTransfer(PoolName.SWA, host_indices=host_indices([1]), keys=["k0"])
+        wrong_count = states([1, 2], ["k0"])  # two slots for one page
+        assert backend.batch_set_v2([unregistered, wrong_count]) == {PoolName.SWA: [False], PoolName.MAMBA: [False]}
+        assert backend.batch_exists_v2(["k0"], [unregistered]).kv_hit_pages == 0
+        cluster.master.kill()
+        assert backend.batch_get_v2([states([1], ["k0"])]) == {PoolName.MAMBA: [False]}
+        assert backend.batch_exists_v2(["k0"], [states([], ["k0"])]).kv_hit_pages == 0
     finally:
         backend.close()
+        mla.close()
 
 
 def test_v0_page_tensor_interface(make_cluster):

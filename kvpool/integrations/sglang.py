@@ -25,12 +25,16 @@ size), its dtype, and for MHA the TP size (a rank's share of the heads).
 With `interface_v1: 1` SGLang calls batch_get_v1 / batch_set_v1, which move each page
 straight between kvpool and the registered host pool (`register_mem_pool_host`) with the
 multi-buffer batch API: no staging copy. Without it SGLang calls get/set/batch_get/batch_set
-with page tensors. Every method returns what SGLang expects (a list for a list, never None),
-and operating errors (node or master down, timeouts, misses) become failed pages, never
-exceptions in SGLang's I/O threads. Not supported yet, and refused at start: split heads,
-DCP, attention CP, the host pools of hybrid models besides the KV pool (SGLang moves
-those with the v2 batch calls), and a host pool that cannot give its pages' ranges in its
-layout. This module is not used without SGLang installed.
+with page tensors. A hybrid model's other host pools (Mamba and SWA states, a DSA indexer, a
+draft model's KV) move with the v2 calls (batch_exists_v2 / batch_get_v2 / batch_set_v2):
+one object per page and pool, `<page prefix>_<hash>_<rank>_<pool>_<layout>[_<dtype>]`, where
+the rank is dropped for the pools an MLA model's ranks share. Every method returns what
+SGLang expects (a list for a list, never None), and operating errors (node or master down,
+timeouts, misses) become failed pages, never exceptions in SGLang's I/O threads. Not
+supported yet, and refused at start: split heads, DCP, attention CP, DeepSeek V4's
+compressed pools (the BLOCK_GROUPS hit policy), in an MLA model with TP > 1 a pool sharded
+by heads (SGLang backs it up from the first rank only), and a host pool that cannot give
+its pages' ranges in its layout. This module is not used without SGLang installed.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
@@ -57,6 +65,12 @@ log = logging.getLogger(__name__)
 # A stats window bigger than this is dropped from the front: get_stats() may never be called.
 STATS_SAMPLES_MAX = 10_000
 _PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+# In an MLA model every TP rank shares the KV pages and SGLang backs a page up from the first
+# rank only, except for these pools, whose states are sharded by rank (SGLang's
+# HybridCacheController.should_backup): their objects are named per rank and TP size.
+_RANK_SHARDED_IN_MLA = frozenset({PoolName.MAMBA.value})
+# DeepSeek V4's compressed pools need the BLOCK_GROUPS hit policy and a logical KV anchor.
+_UNSUPPORTED_POOLS_PREFIX = "deepseek_v4"
 
 
 class KVPoolHiCacheStorage(HiCacheStorage):
@@ -90,6 +104,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             self._mha_suffix = f"{storage_config.tp_rank}"
             self._mla_suffix = ""
         self.mem_pool_host: Any = None
+        self._sidecars: dict[str, tuple[Any, str]] = {}  # pool name -> (host pool, object suffix)
         self._registered: list[int] = []
         self._stats_lock = threading.Lock()
         self._prefetch_pages: list[int] = []
@@ -137,9 +152,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """
         import torch
 
-        probe = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
+        probe = torch.arange(mem_pool_host.page_size or 1, dtype=torch.int64)
         try:
-            self._buffer_meta(["probe"], probe)
+            if mem_pool_host is self.mem_pool_host:
+                self._buffer_meta(["probe"], probe)
+            else:
+                _page_ranges(mem_pool_host, probe, 1)
         except (ValueError, NotImplementedError, InvalidParams) as exc:
             layout = getattr(mem_pool_host, "layout", "?")
             raise InvalidParams(
@@ -148,21 +166,38 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             ) from None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Take the KV pool that register_mem_pool_host gave; refuse a hybrid model's others.
-
-        SGLang registers every host pool of its pool group here, the KV anchor included, at
-        attach. The pages of the other pools (Mamba and SWA states, a DSA indexer, a draft
-        model's KV) move with batch_exists_v2 / batch_get_v2 / batch_set_v2, which this
-        backend lacks: HiCacheStorage's raise NotImplementedError in SGLang's storage threads
-        on every prefetch and backup, and a backup stops there, before the KV pages.
+        """Take a pool of SGLang's host pool group: the KV anchor (given already to
+        register_mem_pool_host), or a hybrid model's other pool (Mamba or SWA states, a DSA
+        indexer, a draft model's KV), whose pages move with the v2 batch calls: one object per
+        page and pool, gathered from all the page's ranges (get_page_buffer_meta).
 
         Raises:
-            InvalidParams: a pool other than the one given to register_mem_pool_host.
+            InvalidParams: a pool this backend cannot store (SGLang fails the attach): one
+                that cannot give its pages' ranges, DeepSeek V4's compressed pools, a KV pool
+                other than the anchor, or in an MLA model with TP > 1 a pool sharded by heads
+                that SGLang backs up from the first rank only.
         """
-        if host_pool is not self.mem_pool_host:
+        name = str(host_pool_name)
+        if host_pool is self.mem_pool_host:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        if name == PoolName.KV.value or name.startswith(_UNSUPPORTED_POOLS_PREFIX):
+            raise InvalidParams(f"kvpool's SGLang backend does not store a hybrid model's {name} pool yet")
+        rank_sharded = not self.is_mla or name in _RANK_SHARDED_IN_MLA
+        if not rank_sharded and self.storage_config.tp_size > 1 and hasattr(host_pool, "head_num"):
             raise InvalidParams(
-                f"kvpool's SGLang backend stores the KV pool only, not a hybrid model's {host_pool_name} pool yet"
+                f"the {name} pool holds each TP rank's heads, but SGLang backs it up from the first "
+                "rank only in an MLA model: kvpool cannot store it for the others"
             )
+        self._check_page_ranges(host_pool)
+        dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.")
+        if not rank_sharded:
+            rank = self._mla_suffix
+        else:  # the TP size is in an MHA model's page prefix already
+            rank = self._mha_suffix if not self.is_mla else f"tp{self.storage_config.tp_size}_{self._mha_suffix}"
+        suffix = "_".join(part for part in (rank, name, str(getattr(host_pool, "layout", "")), dtype) if part)
+        self._registered += register_tensors(self._store, _pool_tensors(host_pool))
+        self._sidecars[name] = (host_pool, suffix)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def close(self) -> None:
@@ -262,24 +297,133 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         Raises:
             InvalidParams: the pool gave a range count that does not fit the pages.
         """
-        pointers, byte_sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        if len(pointers) != len(byte_sizes) or len(pointers) % len(keys):
-            raise InvalidParams(f"{len(pointers)} host ranges for {len(keys)} pages")
-        per_page = len(pointers) // len(keys)
+        pages = _page_ranges(self.mem_pool_host, host_indices, len(keys))
+        if self.is_mla:
+            return [ptrs for ptrs, _ in pages], [sizes for _, sizes in pages]
         addresses: list[list[int]] = []
         sizes: list[list[int]] = []
-        for page in range(len(keys)):
-            page_ptrs = pointers[page * per_page : (page + 1) * per_page]
-            page_sizes = byte_sizes[page * per_page : (page + 1) * per_page]
-            if self.is_mla:
-                addresses.append(list(page_ptrs))
-                sizes.append(list(page_sizes))
-            else:
-                if per_page % 2:
-                    raise InvalidParams(f"MHA page with {per_page} ranges: K and V do not pair")
-                addresses += [list(page_ptrs[0::2]), list(page_ptrs[1::2])]
-                sizes += [list(page_sizes[0::2]), list(page_sizes[1::2])]
+        for page_ptrs, page_sizes in pages:
+            if len(page_ptrs) % 2:
+                raise InvalidParams(f"MHA page with {len(page_ptrs)} ranges: K and V do not pair")
+            addresses += [page_ptrs[0::2], page_ptrs[1::2]]
+            sizes += [page_sizes[0::2], page_sizes[1::2]]
         return addresses, sizes
+
+    # --- v2: a hybrid model's other pools -----------------------------------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The KV prefix found (batch_exists), cut to where every other pool can restore it.
+
+        An ALL_PAGES pool needs its object at every page of the prefix; a TRAILING_PAGES one
+        (Mamba and SWA states) only at the last len(transfer.keys) pages of it, so a prefix
+        of 5 pages may be restorable where 4 is not: every restorable length is returned, for
+        SGLang to intersect across ranks. What is found is held from eviction as
+        batch_exists holds the KV pages. A pool with another policy is a miss (logged).
+        """
+        kv_pages = self.batch_exists(keys, extra_info)
+        restorable = list(range(1, kv_pages + 1))
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        transfers = [t for t in pool_transfers or () if str(t.name) != PoolName.KV.value]
+        if not restorable or not transfers:
+            return PoolTransferResult(kv_pages, hits, restorable)
+        try:
+            object_keys = [self._sidecar_keys(t.name, keys[:kv_pages]) for t in transfers]
+            found = iter(self._store.batch_exists([k for ks in object_keys for k in ks]))
+        except KVPoolError as exc:
+            log.warning("kvpool batch_exists_v2 failed, reporting a miss: %s", exc)
+            return PoolTransferResult(0, {}, [])
+        windows: list[tuple[list[str], int]] = []  # per pool: its objects, pages it needs at the end
+        for transfer, pool_keys in zip(transfers, object_keys):
+            present = [next(found) for _ in pool_keys]
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = present.index(False) if False in present else kv_pages
+                pool_restorable = set(range(1, boundary + 1))
+                window = kv_pages
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or ()))
+                pool_restorable = {n for n in restorable if all(present[max(0, n - window) : n])}
+                boundary = max(pool_restorable, default=0)
+            else:
+                log.error("kvpool: the %s pool's hit policy %s is not supported: a miss", transfer.name,
+                          transfer.hit_policy)  # fmt: skip
+                return PoolTransferResult(0, {}, [])
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable = [n for n in restorable if n in pool_restorable]
+            windows.append((pool_keys, window))
+        if restorable and self._lookup_hold_ms:
+            end = restorable[-1]
+            held = [key for pool_keys, window in windows for key in pool_keys[max(0, end - window) : end]]
+            try:
+                self._store.longest_prefix(held, self._lookup_hold_ms)
+            except KVPoolError as exc:
+                log.warning("kvpool could not hold the pages found (they may be evicted): %s", exc)
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Read each transfer's pages into its pool at its host_indices. Per pool, one bool per key."""
+        return self._transfers_io(transfers, is_set=False)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Write each transfer's pages from its pool. A page already present is a success."""
+        return self._transfers_io(transfers, is_set=True)
+
+    def _transfers_io(self, transfers: list[PoolTransfer], is_set: bool) -> dict[str, list[bool]]:
+        """All the transfers' objects in one batch (one round trip to the master)."""
+        results: dict[str, list[bool]] = {}
+        object_keys: list[str] = []
+        addresses: list[list[int]] = []
+        sizes: list[list[int]] = []
+        spans: list[tuple[Any, int, int]] = []  # transfer name, first object, page count
+        for transfer in transfers:
+            keys = list(transfer.keys or ())
+            if str(transfer.name) == PoolName.KV.value:
+                results[transfer.name] = self._page_io(keys, transfer.host_indices, is_set)
+                continue
+            try:
+                pool_keys = self._sidecar_keys(transfer.name, keys)
+                pool, _ = self._sidecars[str(transfer.name)]
+                pages = _page_ranges(pool, transfer.host_indices, len(keys)) if keys else []
+            except (InvalidParams, ValueError, NotImplementedError) as exc:
+                log.error("kvpool: the %s pool's pages cannot be moved: %s", transfer.name, exc)
+                results[transfer.name] = [False] * len(keys)
+                continue
+            spans.append((transfer.name, len(object_keys), len(keys)))
+            object_keys += pool_keys
+            addresses += [ptrs for ptrs, _ in pages]
+            sizes += [page_sizes for _, page_sizes in pages]
+        if not spans:
+            return results
+        try:
+            if is_set:
+                codes = self._store.batch_put_from_multi_buffers(object_keys, addresses, sizes, self._replicate)
+                ok = [code in _PUT_OK for code in codes]
+            else:
+                read = self._store.batch_get_into_multi_buffers(object_keys, addresses, sizes)
+                ok = [n == sum(s) for n, s in zip(read, sizes)]
+        except KVPoolError as exc:
+            log.warning("kvpool %s of %d pages of other pools failed: %s", "set" if is_set else "get",
+                        len(object_keys), exc)  # fmt: skip
+            ok = [False] * len(object_keys)
+        for name, first, count in spans:
+            results[name] = ok[first : first + count]
+        return results
+
+    def _sidecar_keys(self, pool_name: Any, keys: Sequence[str]) -> list[str]:
+        """The objects of a registered non-KV pool's pages. Raises InvalidParams otherwise."""
+        sidecar = self._sidecars.get(str(pool_name))
+        if sidecar is None:
+            raise InvalidParams(f"the {pool_name} pool was not registered (register_mem_host_pool_v2)")
+        return [f"{self._namespace(key)}_{sidecar[1]}" for key in keys]
 
     # --- v0: page tensors ---------------------------------------------------------------------
 
@@ -405,6 +549,27 @@ def _storage_metrics_class() -> Any:
             StorageMetrics = None  # noqa: N806
         _STORAGE_METRICS.append(StorageMetrics)
     return _STORAGE_METRICS[0]
+
+
+def _page_ranges(pool: Any, host_indices: Any, page_count: int) -> list[tuple[list[int], list[int]]]:
+    """Per page, the host ranges get_page_buffer_meta gives for it, in its order.
+
+    Raises:
+        InvalidParams: no indices for the pages, or a range count that does not split into them.
+        ValueError, NotImplementedError: the pool's, for a layout it cannot address.
+    """
+    page_size = pool.page_size or 1
+    if host_indices is None or host_indices.numel() != page_count * page_size:
+        found = 0 if host_indices is None else host_indices.numel()
+        raise InvalidParams(f"{found} host indices for {page_count} pages of {page_size}")
+    pointers, byte_sizes = pool.get_page_buffer_meta(host_indices)
+    if not pointers or len(pointers) != len(byte_sizes) or len(pointers) % page_count:
+        raise InvalidParams(f"{len(pointers)} host ranges for {page_count} pages")
+    per_page = len(pointers) // page_count
+    return [
+        (list(pointers[i : i + per_page]), list(byte_sizes[i : i + per_page]))
+        for i in range(0, len(pointers), per_page)
+    ]
 
 
 def _pool_tensors(pool: Any) -> list[Any]:
