@@ -336,10 +336,11 @@ class MambaHostPool:
     page_first): one state slot per index, a temporal state and conv states per slot, each
     with every Mamba layer's state side by side; one range per component and slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         self.layout, self.page_size, self.size = "page_first", 1, MAMBA_SLOTS
-        self.temporal_buffer = torch.zeros((MAMBA_SLOTS, LAYERS, TEMPORAL_ELEMS), dtype=torch.float32)
-        self.conv_buffer = [torch.zeros((MAMBA_SLOTS, LAYERS, n), dtype=torch.bfloat16) for n in CONV_ELEMS]
+        self.temporal_dtype, self.conv_dtype = torch.float32, torch.bfloat16
+        self.temporal_buffer = torch.zeros((MAMBA_SLOTS, layers, TEMPORAL_ELEMS), dtype=self.temporal_dtype)
+        self.conv_buffer = [torch.zeros((MAMBA_SLOTS, layers, n), dtype=self.conv_dtype) for n in CONV_ELEMS]
 
     def get_hybrid_pool_buffer(self):
         return [self.temporal_buffer, *self.conv_buffer]
@@ -363,17 +364,21 @@ class MambaHostPool:
 
 class IndexerHostPool:
     """A DSA indexer host pool (pool_host/dsa.py) as storage backends see it: one packed
-    range per page of PAGE_SIZE tokens, the same on every TP rank of an MLA model."""
+    range per page of PAGE_SIZE tokens (keys with their scales), the same on every TP rank
+    of an MLA model."""
 
     PAGE_BYTES = 96
 
     def __init__(self) -> None:
         self.layout, self.page_size, self.size, self.dtype = "page_first", PAGE_SIZE, POOL_TOKENS, torch.uint8
-        self.index_k_buffer = torch.zeros((POOL_TOKENS // PAGE_SIZE, self.PAGE_BYTES), dtype=torch.uint8)
+        self.index_k_with_scale_buffer = torch.zeros((POOL_TOKENS // PAGE_SIZE, self.PAGE_BYTES), dtype=torch.uint8)
+
+    def get_hybrid_pool_buffer(self):
+        return [self.index_k_with_scale_buffer]
 
     def get_page_buffer_meta(self, indices):
         starts = indices.tolist()[::PAGE_SIZE]
-        base = self.index_k_buffer.data_ptr()
+        base = self.index_k_with_scale_buffer.data_ptr()
         return [base + start // PAGE_SIZE * self.PAGE_BYTES for start in starts], [self.PAGE_BYTES] * len(starts)
 
 
@@ -386,6 +391,11 @@ def hybrid(config: HiCacheStorageConfig, kv_pool, **pools):
         backend.register_mem_host_pool_v2(pool, PoolName(name))
     backend.on_host_pools_registered()
     return backend
+
+
+def window(pages: int) -> list[str]:
+    """A TRAILING_PAGES pool's keys in a query: SGLang gives placeholders, their count the window."""
+    return ["__placeholder__"] * pages
 
 
 def states(slots: list[int], keys: list[str], policy=None):
@@ -409,28 +419,36 @@ def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(make_cluste
     b = hybrid(config, MHAHostPool("page_first"), mamba=mamba_b)
     other_rank = hybrid(storage_config(cluster.master_endpoint, tp_rank=1), MHAHostPool("page_first"),
                         mamba=MambaHostPool())  # fmt: skip
+    more_layers = hybrid(config, MHAHostPool("page_first"), mamba=MambaHostPool(layers=LAYERS + 1))
     try:
         keys = [f"h{i}" for i in range(5)]
         assert a.batch_set_v1(keys, host_indices([1, 2, 3, 4, 5])) == [True] * 5
         assert a.batch_set_v2([states([3, 5], [keys[2], keys[4]])]) == {PoolName.MAMBA: [True, True]}
         assert a.batch_set_v2([states([3], [keys[2]])]) == {PoolName.MAMBA: [True]}  # present: success
         listed = a._store.list_objects("mamba")  # one object per state: every component gathered
-        assert sorted(listed.keys) == [f"org-tiny-model_page_first_bfloat16_tp2_{k}_0_mamba_page_first" for k in
-                                       ("h2", "h4")]  # fmt: skip
         state_bytes = sum(part.numel() * part.element_size() for part in mamba_a.state(0))
+        name = "org-tiny-model_page_first_bfloat16_tp2_{}_0_mamba_page_first_float32_bfloat16_{}B"
+        assert sorted(listed.keys) == [name.format(k, state_bytes) for k in ("h2", "h4")]
         assert listed.sizes == [state_bytes] * 2
 
         trailing = PoolHitPolicy.TRAILING_PAGES
-        found = b.batch_exists_v2(keys, [states([], [keys[4]], trailing)])
+        found = b.batch_exists_v2(keys, [states([], window(1), trailing)])
         assert (found.kv_hit_pages, found.restorable_prefix_pages) == (5, [3, 5])
         assert found.extra_pool_hit_pages == {PoolName.KV: 5, PoolName.MAMBA: 5}
-        found = b.batch_exists_v2(keys[:4], [states([], [keys[3]], trailing)])  # no state after page 4
+        found = b.batch_exists_v2(keys[:4], [states([], window(1), trailing)])  # no state after page 4
         assert (found.kv_hit_pages, found.restorable_prefix_pages) == (3, [3])
-        found = b.batch_exists_v2(keys, [states([], keys[3:], trailing)])  # two states needed at the end
+        found = b.batch_exists_v2(keys, [states([], window(2), trailing)])  # two states needed at the end
         assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
         found = b.batch_exists_v2(keys, [states([], keys, PoolHitPolicy.ALL_PAGES)])  # pages 1, 2 have none
         assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
         assert b.batch_exists_v2(keys, []).kv_hit_pages == 5  # no other pool: the KV prefix
+        # Each pool's own count whatever the order: a state at page 5 past an indexer-like
+        # ALL_PAGES pool that stops at 3 pages is still the Mamba pool's 5.
+        found = b.batch_exists_v2(keys, [states([], keys, PoolHitPolicy.ALL_PAGES), states([], window(1), trailing)])
+        assert found.extra_pool_hit_pages == {PoolName.KV: 5, PoolName.MAMBA: 5}
+        assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
+        # States of another format (more Mamba layers: a draft model's, say) are not found.
+        assert more_layers.batch_exists_v2(keys, [states([], window(1), trailing)]).kv_hit_pages == 0
 
         assert b.batch_get_v2([states([6, 7], [keys[4], "absent"])]) == {PoolName.MAMBA: [True, False]}
         for mine, theirs in zip(mamba_b.state(6), mamba_a.state(5)):
@@ -438,10 +456,10 @@ def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(make_cluste
         assert not any(part.any() for part in mamba_b.state(7))  # a miss writes nothing
 
         # TP rank 1 holds other heads and other states: it finds neither of rank 0's.
-        assert other_rank.batch_exists_v2(keys, [states([], [keys[4]], trailing)]).kv_hit_pages == 0
+        assert other_rank.batch_exists_v2(keys, [states([], window(1), trailing)]).kv_hit_pages == 0
         assert other_rank.batch_get_v2([states([1], [keys[4]])]) == {PoolName.MAMBA: [False]}
     finally:
-        for backend in (a, b, other_rank):
+        for backend in (a, b, other_rank, more_layers):
             backend.close()
 
 
@@ -452,7 +470,8 @@ def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(mak
     only once rank 1 wrote it."""
     cluster = make_cluster(1, "16MiB")
     indexer_0 = IndexerHostPool()
-    indexer_0.index_k_buffer.copy_(torch.randint(0, 255, indexer_0.index_k_buffer.shape, dtype=torch.uint8))
+    written = indexer_0.index_k_with_scale_buffer
+    written.copy_(torch.randint(0, 255, written.shape, dtype=torch.uint8))
     rank0 = hybrid(storage_config(cluster.master_endpoint, mla=True), MLAHostPool("page_first"),
                    indexer=indexer_0, mamba=MambaHostPool())  # fmt: skip
     indexer_1, mamba_1 = IndexerHostPool(), MambaHostPool()
@@ -465,7 +484,7 @@ def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(mak
         assert rank0.batch_set_v2([indexer, states([2], keys[2:])]) == {
             PoolName.INDEXER: [True] * 3, PoolName.MAMBA: [True],
         }  # fmt: skip
-        query = [PoolTransfer(PoolName.INDEXER, keys=keys), states([], keys[2:], PoolHitPolicy.TRAILING_PAGES)]
+        query = [PoolTransfer(PoolName.INDEXER, keys=keys), states([], window(1), PoolHitPolicy.TRAILING_PAGES)]
         assert rank0.batch_exists_v2(keys, query).kv_hit_pages == 3
         assert rank1.batch_exists_v2(keys, query[:1]).kv_hit_pages == 3  # KV and indexer: shared
         assert rank1.batch_exists_v2(keys, query).kv_hit_pages == 0  # rank 1's state is not there
@@ -474,7 +493,7 @@ def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(mak
         assert rank1.batch_exists_v2(keys, query).kv_hit_pages == 3
         loaded = PoolTransfer(PoolName.INDEXER, host_indices=host_indices([5, 6, 7]), keys=keys)
         assert rank1.batch_get_v2([loaded]) == {PoolName.INDEXER: [True] * 3}
-        assert torch.equal(indexer_1.index_k_buffer[5:8], indexer_0.index_k_buffer[0:3])
+        assert torch.equal(indexer_1.index_k_with_scale_buffer[5:8], indexer_0.index_k_with_scale_buffer[0:3])
     finally:
         rank0.close()
         rank1.close()

@@ -27,7 +27,7 @@ straight between kvpool and the registered host pool (`register_mem_pool_host`) 
 multi-buffer batch API: no staging copy. Without it SGLang calls get/set/batch_get/batch_set
 with page tensors. A hybrid model's other host pools (Mamba and SWA states, a DSA indexer, a
 draft model's KV) move with the v2 calls (batch_exists_v2 / batch_get_v2 / batch_set_v2):
-one object per page and pool, `<page prefix>_<hash>_<rank>_<pool>_<layout>[_<dtype>]`, where
+one object per page and pool, `<page prefix>_<hash>_<rank>_<pool>_<layout>_<dtypes>_<page bytes>B`, where
 the rank is dropped for the pools an MLA model's ranks share. Every method returns what
 SGLang expects (a list for a list, never None), and operating errors (node or master down,
 timeouts, misses) become failed pages, never exceptions in SGLang's I/O threads. Not
@@ -141,11 +141,14 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
             self._gb_per_page = bytes_per_page / (1 << 30)
 
-    def _check_page_ranges(self, mem_pool_host: Any) -> None:
+    def _check_page_ranges(self, mem_pool_host: Any) -> int:
         """Ask the pool for its first page's ranges, as every page I/O will: some layouts
         have none (SGLang's pools raise ValueError for them, e.g. an MLA pool in a layout
         other than page_first), and that is said at attach rather than as an exception in
         SGLang's I/O threads on every prefetch and backup.
+
+        Returns:
+            The bytes of a page.
 
         Raises:
             InvalidParams: the pool raised, or gave ranges that do not make this model's objects.
@@ -155,9 +158,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         probe = torch.arange(mem_pool_host.page_size or 1, dtype=torch.int64)
         try:
             if mem_pool_host is self.mem_pool_host:
-                self._buffer_meta(["probe"], probe)
-            else:
-                _page_ranges(mem_pool_host, probe, 1)
+                return sum(sum(sizes) for sizes in self._buffer_meta(["probe"], probe)[1])
+            ((_, sizes),) = _page_ranges(mem_pool_host, probe, 1)
+            return sum(sizes)
         except (ValueError, NotImplementedError, InvalidParams) as exc:
             layout = getattr(mem_pool_host, "layout", "?")
             raise InvalidParams(
@@ -189,13 +192,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                 f"the {name} pool holds each TP rank's heads, but SGLang backs it up from the first "
                 "rank only in an MLA model: kvpool cannot store it for the others"
             )
-        self._check_page_ranges(host_pool)
-        dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.")
+        page_bytes = self._check_page_ranges(host_pool)
+        # What decides a page's bytes besides the model: the dtypes (a Mamba pool's temporal
+        # and conv states have their own) and the page's size (layers differ with and
+        # without draft layers, say), so that no page of another format is found.
+        dtypes = [getattr(host_pool, attribute, None) for attribute in ("dtype", "temporal_dtype", "conv_dtype")]
+        dtypes = [str(dtype).removeprefix("torch.") for dtype in dtypes if dtype is not None]
         if not rank_sharded:
             rank = self._mla_suffix
         else:  # the TP size is in an MHA model's page prefix already
             rank = self._mha_suffix if not self.is_mla else f"tp{self.storage_config.tp_size}_{self._mha_suffix}"
-        suffix = "_".join(part for part in (rank, name, str(getattr(host_pool, "layout", "")), dtype) if part)
+        layout = str(getattr(host_pool, "layout", ""))
+        suffix = "_".join(part for part in (rank, name, layout, *dtypes, f"{page_bytes}B") if part)
         self._registered += register_tensors(self._store, _pool_tensors(host_pool))
         self._sidecars[name] = (host_pool, suffix)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -346,7 +354,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                 window = kv_pages
             elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 window = max(1, len(transfer.keys or ()))
-                pool_restorable = {n for n in restorable if all(present[max(0, n - window) : n])}
+                pool_restorable = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window) : n])}
                 boundary = max(pool_restorable, default=0)
             else:
                 log.error("kvpool: the %s pool's hit policy %s is not supported: a miss", transfer.name,
@@ -360,7 +368,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             end = restorable[-1]
             held = [key for pool_keys, window in windows for key in pool_keys[max(0, end - window) : end]]
             try:
-                self._store.longest_prefix(held, self._lookup_hold_ms)
+                if self._store.longest_prefix(held, self._lookup_hold_ms) < len(held):
+                    restorable.pop()  # evicted since it was found: the longest is not restorable now
             except KVPoolError as exc:
                 log.warning("kvpool could not hold the pages found (they may be evicted): %s", exc)
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
