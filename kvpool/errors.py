@@ -98,6 +98,13 @@ class NoAvailableHandle(CapacityError):
     code = ErrorCode.NO_AVAILABLE_HANDLE
 
 
+class FilesystemFull(CapacityError):
+    """A disk tier's or the DFS's filesystem has no space left (ENOSPC, EDQUOT), though the
+    tier's capacity had room: other files, or a quota, took it."""
+
+    code = ErrorCode.NO_AVAILABLE_HANDLE
+
+
 class BufferOverflow(CapacityError):
     """The caller's buffer is smaller than the object."""
 

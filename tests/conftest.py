@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,30 @@ def make_cluster() -> Iterator:
     yield make
     for cluster in clusters:
         cluster.stop()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path) -> Iterator:
+    """small_filesystem(size) -> the path of a tmpfs of `size` (e.g. "16m") under tmp_path: a
+    filesystem that really fills up (ENOSPC). Mounting needs root (CAP_SYS_ADMIN): skipped
+    without it. Unmounted lazily at the end, so a process still holding a file there does not
+    keep it mounted."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.fixture(scope="session")

@@ -266,3 +266,32 @@ def test_puts_find_room_when_dram_and_the_disk_tier_are_both_full(make_cluster, 
         newest = keys[-16:]  # the last two batches: in DRAM, or offloaded whole
         assert store.get_batch(newest) == [values[k] for k in newest]
         assert all(v is None or v == values[k] for k, v in zip(keys, store.get_batch(keys)))
+
+
+def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_cluster, small_filesystem):
+    # A 12 MiB disk tier on a 16 MiB filesystem that another program fills with 9 MiB: writes
+    # to the tier fail with ENOSPC long before its capacity. Before: every offload after that
+    # failed (a warning per object), so the tier kept its oldest objects for good and lost
+    # every object evicted from DRAM since. Now the master caps the tier's room at what it
+    # holds, and offloads evict its oldest objects to make room, as in any full tier.
+    mount = small_filesystem("16m")
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(mount / "disk", "12MiB"))
+    (mount / "other-files").write_bytes(os.urandom(9 * 1024 * 1024))
+    values = values_for("full-fs", 40, 512 * 1024)  # 20 MiB through 8 MiB of DRAM
+    keys = list(values)
+    with Store(cluster.master_endpoint) as store:
+        for key, value in values.items():
+            store.put(key, value)
+        wait_until(lambda: not temp_files(mount / "disk"))
+        found = dict(zip(keys, store.get_batch(keys)))
+    assert all(found[key] in (None, values[key]) for key in keys)  # a miss, never other bytes
+    kept = [key for key in keys if found[key] is not None]
+    assert len(kept) >= 20, kept
+    # Least recently used first: the misses are the oldest objects, and the one whose offload
+    # found the filesystem full (before it, 13 of the newest were lost).
+    lost_among_kept = [key for key in keys[keys.index(kept[0]) :] if found[key] is None]
+    assert len(lost_among_kept) <= 1, lost_among_kept
+    assert "its filesystem is full" in cluster.master.log_tail(200)
+    failures = [line for line in node.log_tail(200).splitlines() if "No space left" in line]
+    assert 1 <= len(failures) <= 2, failures  # one line per request, not one per object

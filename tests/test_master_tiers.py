@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool import ReplicateConfig, limits
 from kvpool.errors import ErrorCode, SegmentAlreadyExists
+from kvpool.master import tiers as tiers_module
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
@@ -305,6 +306,63 @@ def test_a_failed_offload_evicts_and_frees_its_target():
     assert len(ack_drops(svc)["A"]) == 3
 
 
+class SmallFilesystem:
+    """The disk tier's filesystem as the node sees it: room for `files_max` object files
+    (other files took the rest), so a write beyond them fails as a full disk does."""
+
+    def __init__(self, files_max: int) -> None:
+        self.files_max = files_max
+        self.files: set[str] = set()
+        self.full_answers = 0
+
+    def answer(self, item: MoveItem) -> ErrorCode:
+        if item.dst_segment_id != "A/disk":
+            return OK
+        if len(self.files) >= self.files_max:
+            self.full_answers += 1
+            return ErrorCode.NO_AVAILABLE_HANDLE  # the node's FilesystemFull
+        self.files.add(item.key)
+        return OK
+
+    def put(self, svc, key: str, now: int) -> None:
+        """One put as the server runs it: moves and drops land between its rounds."""
+        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+            if put(svc, [key], now=now) == [OK]:
+                return
+            run_moves(svc, now, self.answer)
+            self.files -= {entry.key for entry in ack_drops(svc, now).get("A/disk", [])}
+        raise AssertionError(f"{key} found no room")
+
+
+def test_a_disk_tier_whose_filesystem_fills_up_keeps_its_newest_objects(caplog):
+    # 4 MiB of disk tier by its capacity, but other files left its filesystem room for 8
+    # objects of 64 KiB. Before: every offload after the 8th failed, so the disk kept the 8
+    # oldest objects for good and every object evicted from DRAM since was lost.
+    svc = cluster(disk_capacity=4 * MIB)
+    filesystem = SmallFilesystem(files_max=8)
+    now = 0
+    names = keys("k", 64)
+    for name in names:
+        now += 100
+        filesystem.put(svc, name, now)
+    assert filesystem.full_answers == 1  # then its room was capped at what it held
+    assert len(filesystem.files) == 8
+    on_disk = sorted(filesystem.files, key=names.index)
+    in_dram = [name for name in names if where(svc, name) == ["A"]]
+    # Least recently used first, in DRAM as on the disk: what is left is the newest objects.
+    assert on_disk + in_dram == names[-len(on_disk + in_dram) :]
+    assert all(where(svc, name) == ["A/disk"] for name in on_disk)
+    assert sum("its filesystem is full" in r.getMessage() for r in caplog.records) == 1
+
+    # A minute later the tier is tried at its capacity again: the other files are gone.
+    filesystem.files_max = 64
+    for name in keys("later", 16):
+        now += 100
+        filesystem.put(svc, name, now + tiers_module.FULL_TIER_RETRY_MS)
+    assert filesystem.full_answers == 1
+    assert len(filesystem.files) > 8
+
+
 def test_a_source_the_node_does_not_hold_is_forgotten():
     svc = cluster()
     fill(svc)
@@ -502,7 +560,7 @@ def test_unmounting_a_dram_segment_keeps_the_disk_copies_and_losing_the_disk_kee
 # --- random interleavings against the nodes' truth ---------------------------------------------
 
 TIER_KEYS = [f"t{i}" for i in range(40)]
-MOVE_CODES = st.sampled_from([OK, OK, OK, FAIL, ErrorCode.OBJECT_NOT_FOUND])
+MOVE_CODES = st.sampled_from([OK, OK, OK, FAIL, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.NO_AVAILABLE_HANDLE])
 
 
 class TierMachine(RuleBasedStateMachine):

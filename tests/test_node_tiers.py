@@ -28,7 +28,7 @@ import xxhash
 
 from kvpool import AsyncStore, ReplicateConfig
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import ChecksumMismatch, InvalidParams, ObjectNotFound, TransferFailed
+from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, ObjectNotFound, TransferFailed
 from kvpool.master.server import MasterServer
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
@@ -99,6 +99,16 @@ def test_object_files_are_written_whole_and_read_back_checked(tmp_path):
     assert header is not None and header.checksum == xxhash.xxh3_64_intdigest(data)
     os.truncate(path, header.file_size - 1)  # what a power loss without fsync may leave
     assert files.read_header(path) is None
+
+
+def test_a_write_into_a_full_filesystem_says_so_and_leaves_nothing(small_filesystem):
+    directory = small_filesystem("1m")
+    write(directory, "small.kvo", "small", os.urandom(200_000))
+    with pytest.raises(FilesystemFull, match="No space left"):  # not TransferFailed: the master caps the tier
+        write(directory, "large.kvo", "large", os.urandom(2_000_000))
+    assert sorted(p.name for p in directory.iterdir()) == ["small.kvo"]  # no temporary file either
+    with pytest.raises(TransferFailed):  # other failures are what they were
+        write(directory / "absent", "a.kvo", "a", b"x")
 
 
 @pytest.mark.parametrize("shift", [0, 16, 40, 4080], ids=lambda shift: f"{shift}-past-a-page")

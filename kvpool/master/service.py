@@ -63,7 +63,7 @@ from kvpool.master.metadata import (
 )
 from kvpool.master.mounts import MountFlow
 from kvpool.master.puts import PendingCommit, PutFlow, merge_retried
-from kvpool.master.tiers import SLOWER_TIERS, Move, TierFlow
+from kvpool.master.tiers import FULL_TIER_RETRY_MS, SLOWER_TIERS, Move, TierFlow
 from kvpool.protocol.messages import (
     PLACEMENTS,
     TIER_DRAM,
@@ -840,6 +840,14 @@ class MasterService:
         if len(results) != len(items):
             results = [int(codes.TRANSFER_FAIL)] * len(items)
         self._tiers.finish(items, results, now_ms)
+        for segment, room_bytes in self._tiers.newly_full:
+            log.warning(
+                "%s segment %s (node %s): its filesystem is full with %d of its %d bytes held; moves "
+                "there now make room by evicting its oldest objects (for %d s, then it is tried again)",
+                segment.tier, segment.segment_id, segment.info.node_id, room_bytes,
+                segment.allocator.capacity_bytes, FULL_TIER_RETRY_MS // 1000,
+            )  # fmt: skip
+        self._tiers.newly_full.clear()
 
     def _tier_statuses(self) -> list[TierStatus]:
         statuses = {tier: TierStatus(tier) for tier in TIERS}

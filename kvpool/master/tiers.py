@@ -53,6 +53,15 @@ from kvpool.protocol.messages import (
     MoveItem,
 )
 
+# A slower tier whose filesystem filled up before its capacity did (other files on that disk, a
+# DFS quota) fails a move there with NO_AVAILABLE_HANDLE (the node's FilesystemFull). Its room
+# is then capped at what it held, so that an offload makes room by evicting its oldest objects,
+# which frees space on that filesystem: else every move there would fail, the tier would keep
+# its oldest objects for good, and every object evicted to it since would be lost. The cap is
+# lifted after this long (the space may be back); if it is not, the next move fails and sets it
+# again.
+FULL_TIER_RETRY_MS = 60_000
+
 # Where an object evicted from a tier goes, in order of preference (none: it is dropped).
 LOWER_TIERS: dict[str, tuple[str, ...]] = {TIER_DRAM: (TIER_DISK, TIER_DFS), TIER_DISK: (TIER_DFS,), TIER_DFS: ()}
 SLOWER_TIERS = (TIER_DISK, TIER_DFS)
@@ -296,7 +305,7 @@ class TierFlow:
 
     __slots__ = (
         "_config", "_rng", "_registry", "_table", "_evict_objects", "moves", "promotions",
-        "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs",
+        "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs", "_full", "newly_full",
     )  # fmt: skip
 
     def __init__(
@@ -316,6 +325,10 @@ class TierFlow:
         # Nodes that answered a DFS move with SEGMENT_NOT_FOUND: the DFS is not mounted there,
         # so no more DFS moves are asked of them (bounded: forgotten when it fills up).
         self._without_dfs: set[str] = set()
+        # Segments whose filesystem is full (FULL_TIER_RETRY_MS): id -> (segment, the bytes it
+        # may hold, until when); and those found full since the service last took the list.
+        self._full: dict[str, tuple[Segment, int, int]] = {}
+        self.newly_full: list[tuple[Segment, int]] = []
 
     # --- residence -------------------------------------------------------------------------
 
@@ -448,16 +461,18 @@ class TierFlow:
             segment = segments[0] if segments else None
         if segment is None:
             return Room.NONE
-        offset = segment.allocator.allocate(size_bytes)
+        footprint = footprint_bytes(size_bytes)
+        room_bytes = self.room_bytes(segment, now_ms)
+        over_bytes = 0 if room_bytes is None else segment.allocator.used_bytes + footprint - room_bytes
+        offset = segment.allocator.allocate(size_bytes) if over_bytes <= 0 else None
         if offset is not None:
             return (segment, offset)
-        footprint = footprint_bytes(size_bytes)
         asked_before = 0
         if asked is not None:
             asked_before = asked.get(segment.index, 0)
             asked[segment.index] = asked_before + footprint
         if now_ms >= self._room_after_ms[tier]:
-            need_bytes = asked_before + footprint
+            need_bytes = asked_before + max(footprint, over_bytes)
             victims, back_off = select_for_room(
                 self._table.views[tier].policy, [segment], need_bytes, now_ms, hole_bytes=footprint
             )
@@ -465,6 +480,31 @@ class TierFlow:
             if back_off or not is_done:
                 self._room_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return Room.LATER if segment.drop_bytes else Room.NONE
+
+    def room_bytes(self, segment: Segment, now_ms: int) -> int | None:
+        """The bytes `segment` may hold while its filesystem is full (FULL_TIER_RETRY_MS);
+        None: its capacity."""
+        full = self._full.get(segment.segment_id)
+        if full is None:
+            return None
+        held_by, room_bytes, until_ms = full
+        if held_by is not segment or now_ms >= until_ms:
+            del self._full[segment.segment_id]
+            return None
+        return room_bytes
+
+    def _found_full(self, segment: Segment, now_ms: int) -> None:
+        """A move into `segment` found its filesystem full: cap its room at what it holds."""
+        room_bytes = segment.allocator.used_bytes
+        before = self.room_bytes(segment, now_ms)
+        if before is None:
+            self.newly_full.append((segment, room_bytes))
+            for segment_id, (held_by, _, _) in list(self._full.items()):
+                if not self._is_live(held_by):
+                    del self._full[segment_id]
+        else:
+            room_bytes = min(before, room_bytes)
+        self._full[segment.segment_id] = (segment, room_bytes, now_ms + FULL_TIER_RETRY_MS)
 
     def evict_above_watermark(self, now_ms: int) -> None:
         """The slower tiers' own watermark eviction (tick); DRAM's is the service's."""
@@ -646,6 +686,8 @@ class TierFlow:
                 continue
             if code != ErrorCode.OK:
                 segment.allocator.free(offset, size_bytes)  # Never recorded by the node.
+                if code == ErrorCode.NO_AVAILABLE_HANDLE and segment.tier in SLOWER_TIERS:
+                    self._found_full(segment, now_ms)
             elif is_current:
                 added.append(pack_replica(segment.index, offset))
                 segment.object_count += 1

@@ -176,7 +176,7 @@ class DiskTier:
     # --- files (worker threads) -----------------------------------------------------------
 
     def write_file(self, entry: InventoryEntry, source: list[memoryview] | FileRange) -> None:
-        """Write the file of `entry` (not yet recorded). Raises TransferFailed."""
+        """Write the file of `entry` (not yet recorded). Raises FilesystemFull, TransferFailed."""
         assert 0 <= entry.offset and entry.offset + entry.size <= self.capacity_bytes, entry
         files.write_object(
             self.objects_path, objectfile.disk_name(entry.offset), entry.key, entry.checksum,

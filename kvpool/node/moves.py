@@ -139,6 +139,7 @@ class Mover:
                 log.warning("refusing move of %r: %s", item.key, exc)
                 codes[index] = int(exc.code)
         size_bytes = sum(plan.item.size for _, plan in plans)
+        failed: dict[tuple[str, str, str], list[tuple[str, object]]] = {}  # (src, dst, why) -> (key, outcome)
         await self._admit(size_bytes)
         try:
             outcomes = await asyncio.gather(
@@ -149,6 +150,7 @@ class Mover:
             for (index, plan), outcome in zip(plans, outcomes):
                 codes[index] = self._code_of(plan, outcome)
                 if codes[index] != ErrorCode.OK:
+                    failed.setdefault((plan.src, plan.dst, type(outcome).__name__), []).append((plan.item.key, outcome))
                     continue
                 self.metrics.move_bytes.labels(src=plan.src, dst=plan.dst).inc(plan.item.size)
                 if plan.dst == TIER_DISK:
@@ -166,16 +168,20 @@ class Mover:
                 await self.run_in_thread(self.disk.sync)
         finally:
             self._release(size_bytes)
+        # One line per kind of failure and request, not per object: a full disk fails every
+        # move of a request alike.
+        for (src, dst, _), failures in failed.items():
+            key, outcome = failures[0]
+            more = f" (and {len(failures) - 1} more like it)" if len(failures) > 1 else ""
+            log.warning("move of %r from %s to %s failed: %s%s", key, src, dst, outcome, more)
         return CodesReply(codes)
 
     def _code_of(self, plan: _Plan, outcome: object) -> int:
         if outcome is None:
             result, code = "ok", ErrorCode.OK
         elif isinstance(outcome, _SourceGone):
-            log.warning("move of %r from %s: %s", plan.item.key, plan.src, outcome)
             result, code = "source_gone", ErrorCode.OBJECT_NOT_FOUND
         elif isinstance(outcome, KVPoolError):
-            log.warning("move of %r from %s to %s failed: %s", plan.item.key, plan.src, plan.dst, outcome)
             result, code = "failed", outcome.code
         elif isinstance(outcome, BaseException):
             raise outcome  # A bug: let it crash the request (the master sees a failure).

@@ -101,7 +101,8 @@ class DfsDirectory:
         """Write one object atomically (temporary name, then rename). Blocks.
 
         Raises:
-            TransferFailed: it could not be written (nothing is left under its name).
+            FilesystemFull: no space left there. TransferFailed: it could not be written
+            otherwise (nothing is left under its name in either case).
         """
         final = self.path_of(key, offset)
         files.make_directory(final.parent)

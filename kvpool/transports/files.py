@@ -41,6 +41,7 @@ from kvpool import limits
 from kvpool.checksums import checksum_of, copy_bytes
 from kvpool.errors import (
     ChecksumMismatch,
+    FilesystemFull,
     InvalidParams,
     KVPoolError,
     ObjectNotFound,
@@ -70,6 +71,9 @@ log = logging.getLogger(__name__)
 
 _READ_ERRORS: dict[type[BaseException], type] = {FileNotFoundError: ObjectNotFound, OSError: TransferFailed}
 _WRITE_ERRORS: dict[type[BaseException], type] = {OSError: TransferFailed}
+# What a write that found its filesystem full fails with (FilesystemFull, not TransferFailed:
+# the master then caps that tier's room instead of trying it again and again).
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FileRange(NamedTuple):
@@ -313,34 +317,45 @@ def write_object(
             make the rename durable too).
 
     Raises:
-        TransferFailed: the file could not be written (nothing is left behind).
+        FilesystemFull: no space left on the filesystem (nothing is left behind).
+        TransferFailed: the file could not be written otherwise (nothing is left behind).
     """
+    try:
+        _write_object(directory, name, key, checksum, source, is_durable)
+    except OSError as exc:
+        if exc.errno in _FULL_ERRNOS:
+            raise FilesystemFull(f"{directory}: {exc.strerror}") from exc
+        raise TransferFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _write_object(
+    directory: Path, name: str, key: str, checksum: int, source: Sequence[memoryview] | FileRange, is_durable: bool
+) -> None:
     size = source.size if isinstance(source, FileRange) else sum(len(v) for v in source)
     final = directory / name
     temporary = directory / f"{name}.{secrets.token_hex(6)}{objectfile.TEMP_SUFFIX}"
-    with map_exceptions(_WRITE_ERRORS):
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            header = objectfile.encode_header(key, size, checksum)
-            _write_all(fd, [memoryview(header)], 0)
-            if isinstance(source, FileRange):
-                _copy_range(source, fd, len(header))
-            else:
-                _write_all(fd, source, len(header))
-            if is_durable:
-                os.fdatasync(fd)
-            # Written is written: do not keep the bytes in the page cache as well.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except BaseException:
-            os.close(fd)
-            temporary.unlink(missing_ok=True)
-            raise
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        header = objectfile.encode_header(key, size, checksum)
+        _write_all(fd, [memoryview(header)], 0)
+        if isinstance(source, FileRange):
+            _copy_range(source, fd, len(header))
+        else:
+            _write_all(fd, source, len(header))
+        if is_durable:
+            os.fdatasync(fd)
+        # Written is written: do not keep the bytes in the page cache as well.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except BaseException:
         os.close(fd)
-        try:
-            os.rename(temporary, final)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        temporary.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.rename(temporary, final)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _write_all(fd: int, views: Sequence[memoryview], position: int) -> None:
