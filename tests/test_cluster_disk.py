@@ -276,7 +276,7 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_clu
     # holds, and offloads evict its oldest objects to make room, as in any full tier.
     mount = small_filesystem("16m")
     cluster = make_cluster(0, "8MiB")
-    node = cluster.start_node(disk_args(mount / "disk", "12MiB"))
+    node = cluster.start_node((*disk_args(mount / "disk", "12MiB"), "--metrics-port", "0"))
     (mount / "other-files").write_bytes(os.urandom(9 * 1024 * 1024))
     values = values_for("full-fs", 40, 512 * 1024)  # 20 MiB through 8 MiB of DRAM
     keys = list(values)
@@ -295,3 +295,8 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_clu
     assert "its filesystem is full" in cluster.master.log_tail(200)
     failures = [line for line in node.log_tail(200).splitlines() if "No space left" in line]
     assert 1 <= len(failures) <= 2, failures  # one line per request, not one per object
+    with urllib.request.urlopen(f"http://{node.info['metrics_endpoint']}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert 'kvpool_node_moves_total{dst="disk",result="failed",src="dram"}' in metrics
+    (free,) = [line for line in metrics.splitlines() if line.startswith("kvpool_node_disk_filesystem_free_bytes ")]
+    assert float(free.split()[1]) < 1024 * 1024  # what an operator alerts on

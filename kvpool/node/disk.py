@@ -29,13 +29,14 @@ master re-adopts its objects without any client writing them anew.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.errors import InvalidParams, ObjectNotFound
+from kvpool.errors import InvalidParams, KVPoolError, ObjectNotFound
 from kvpool.node.inventory import Inventory
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import TIER_DISK, InventoryEntry, SegmentInfo
@@ -182,6 +183,14 @@ class DiskTier:
             self.objects_path, objectfile.disk_name(entry.offset), entry.key, entry.checksum,
             source, is_durable=self.is_durable,
         )  # fmt: skip
+
+    def filesystem_free_bytes(self) -> float:
+        """What the filesystem under the tier has left (NaN if it cannot be read): other files
+        may take it before the tier's capacity is used."""
+        try:
+            return files.free_bytes(self.directory)
+        except KVPoolError:
+            return math.nan
 
     def sync(self) -> None:
         """Make renames and unlinks durable (when the tier is durable). Raises TransferFailed."""

@@ -161,8 +161,10 @@ class MetricsServer:
 class TierMetrics:
     """The node's disk and DFS tier metrics, in the node's registry (appended with the tiers).
 
-    Names (prefixed kvpool_node_): disk_capacity_bytes, disk_used_bytes, disk_objects (gauges
-    read at scrape time), disk_read_bytes_total and disk_read_requests_total (bytes and items
+    Names (prefixed kvpool_node_): disk_capacity_bytes, disk_used_bytes, disk_objects and
+    disk_filesystem_free_bytes (gauges read at scrape time: the last is what the filesystem
+    under the tier has left, which other files may take before the tier's capacity is used:
+    docs/tiers.md), disk_read_bytes_total and disk_read_requests_total (bytes and items
     clients read from the disk tier), moves_total{src,dst,result} and move_bytes_total{src,dst}
     (copies between tiers the master asked for: offloads, promotions, write-through), and
     move_queue_bytes (bytes of moves admitted and not finished).
@@ -173,6 +175,9 @@ class TierMetrics:
         self.disk_capacity_bytes = Gauge(_PREFIX + "disk_capacity_bytes", "Bytes of the disk tier.", registry=r)
         self.disk_used_bytes = Gauge(_PREFIX + "disk_used_bytes", "Bytes of objects on the disk tier.", registry=r)
         self.disk_objects = Gauge(_PREFIX + "disk_objects", "Objects on the disk tier.", registry=r)
+        self.disk_filesystem_free_bytes = Gauge(
+            _PREFIX + "disk_filesystem_free_bytes", "Bytes left on the disk tier's filesystem.", registry=r
+        )
         self.disk_read_bytes = Counter(
             _PREFIX + "disk_read_bytes", "Bytes clients read from the disk tier.", registry=r
         )
@@ -190,7 +195,14 @@ class TierMetrics:
             _PREFIX + "move_queue_bytes", "Bytes of moves admitted and not finished.", registry=r
         )
 
-    def track_disk(self, capacity_bytes: int, used_bytes: Callable[[], float], objects: Callable[[], float]) -> None:
+    def track_disk(
+        self,
+        capacity_bytes: int,
+        used_bytes: Callable[[], float],
+        objects: Callable[[], float],
+        filesystem_free_bytes: Callable[[], float],
+    ) -> None:
         self.disk_capacity_bytes.set(capacity_bytes)
         self.disk_used_bytes.set_function(used_bytes)
         self.disk_objects.set_function(objects)
+        self.disk_filesystem_free_bytes.set_function(filesystem_free_bytes)

@@ -588,8 +588,9 @@ class Node:
         disk = self._disk
         if disk is not None:
             self.tier_metrics.track_disk(
-                disk.capacity_bytes, lambda: disk.inventory.used_bytes, lambda: len(disk.inventory)
-            )
+                disk.capacity_bytes, lambda: disk.inventory.used_bytes, lambda: len(disk.inventory),
+                disk.filesystem_free_bytes,
+            )  # fmt: skip
 
     def _health(self) -> dict[str, Any]:
         inventory = self._inventory
