@@ -173,7 +173,8 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
 def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
     """Each went unnoticed until it mattered: a misspelt log level (a traceback), a tier size
     without its directory (ignored), a disk tier larger than its filesystem (offloads failing
-    once it filled), a demo whose objects no node could hold (every put failing)."""
+    once it filled), a demo whose objects no node could hold (every put failing); and a bad
+    value was reported under its config field's name, not the flag the operator typed."""
     node = ("node", "--master", "127.0.0.1:1", "--memory", "16MiB")
     free_bytes = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     cases = (
@@ -185,6 +186,10 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
          f"a disk tier of {free_bytes + limits.GIB} bytes does not fit in {tmp_path / 'disk'}"),
         (("demo", "--object-size", "0"), 1, "--object-size 0 bytes: give 1 byte to --memory (128 MiB)"),
         (("demo", "--memory", "16MiB", "--object-size", "17MiB"), 1, "--object-size 17 MiB: give 1 byte to --memory"),
+        # The config's checks name the flag typed, not the field behind it (was lease_ttl_ms).
+        (("master", "--port", "0", "--lease-ttl-ms", "0"), 1, "error: --lease-ttl-ms must be positive"),
+        (("master", "--port", "0", "--evict-ratio", "0.95"), 1, "need 0 < --evict-ratio < --evict-watermark-high"),
+        (("node", "--master", "127.0.0.1:1", "--memory", "1000"), 1, "error: --memory 1000 out of"),
     )  # fmt: skip
     for args, code, reason in cases:
         out = kvpool_cli(*args)

@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import unicodedata
@@ -117,6 +118,33 @@ def _token(token_file: Optional[Path]) -> str | None:
 def _fail(message: str, code: int = 1) -> typer.Exit:
     err_console.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code)
+
+
+# The options behind the config fields their errors name (config.py speaks in fields): an
+# operator is told about the flag typed, not a Python name.
+_MASTER_FLAGS = {
+    "lease_ttl_ms": "--lease-ttl-ms",
+    "node_ttl_ms": "--node-ttl-ms",
+    "put_discard_timeout_ms": "--put-discard-timeout-ms",
+    "put_release_timeout_ms": "--put-release-timeout-ms",
+    "evict_watermark_ratio_high": "--evict-watermark-high",
+    "evict_ratio": "--evict-ratio",
+    "promote_reads": "--promote-reads",
+    "busy_poll_us": "--busy-poll-us",
+}
+_NODE_FLAGS = {
+    "memory_bytes": "--memory",
+    "disk_bytes": "--disk-size",
+    "listen_port": "--port",
+    "metrics_port": "--metrics-port",
+    "busy_poll_us": "--busy-poll-us",
+}
+
+
+def _fail_in_flags(exc: KVPoolError, flags: dict[str, str]) -> typer.Exit:
+    """_fail for a config error, each field it names spelt as its command-line flag."""
+    pattern = r"\b(" + "|".join(flags) + r")\b"
+    return _fail(re.sub(pattern, lambda match: flags[match.group(1)], str(exc)))
 
 
 def _require_directory(size_flag: str, size: str | None, directory_flag: str, directory: Path | None) -> None:
@@ -320,7 +348,7 @@ def master(
             busy_poll_us=busy_poll_us,
         )  # fmt: skip
     except KVPoolError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail_in_flags(exc, _MASTER_FLAGS) from None
 
     async def main() -> None:
         stop = _stop_on_signal()
@@ -412,7 +440,7 @@ def node(
             busy_poll_us=busy_poll_us,
         )
     except KVPoolError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail_in_flags(exc, _NODE_FLAGS) from None
 
     async def main() -> None:
         stop = _stop_on_signal()
