@@ -206,4 +206,4 @@ def test_a_bad_window_is_refused_with_a_clear_error(window_us):
     for command in ("master", "node"):
         result = CliRunner().invoke(app, [command, "--busy-poll-us", str(window_us), "--port", "0"])
         assert result.exit_code != 0
-        assert "busy_poll_us" in result.output
+        assert "--busy-poll-us" in result.output  # the flag typed, not the config field
