@@ -320,12 +320,13 @@ def write_object(
         FilesystemFull: no space left on the filesystem (nothing is left behind).
         TransferFailed: the file could not be written otherwise (nothing is left behind).
     """
-    try:
-        _write_object(directory, name, key, checksum, source, is_durable)
-    except OSError as exc:
-        if exc.errno in _FULL_ERRNOS:
-            raise FilesystemFull(f"{directory}: {exc.strerror}") from exc
-        raise TransferFailed(f"{type(exc).__name__}: {exc}") from exc
+    with map_exceptions(_WRITE_ERRORS):
+        try:
+            _write_object(directory, name, key, checksum, source, is_durable)
+        except OSError as exc:
+            if exc.errno in _FULL_ERRNOS:
+                raise FilesystemFull(f"{directory}: {exc.strerror}") from exc
+            raise
 
 
 def _write_object(
