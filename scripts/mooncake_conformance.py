@@ -93,6 +93,21 @@ def run_sequence(store_cls: type, config_cls: type, master: str) -> list[tuple[s
     record("batch_is_exist", store.batch_is_exist(["k/a", "absent", "k/c"]))
     record("get_size", store.get_size("k/c"))
     record("get_size absent", store.get_size("absent"))
+    descriptors = store.get_replica_desc("k/c")
+    record("get_replica_desc", [
+        (d.is_memory_replica(), d.is_disk_replica(), d.is_local_disk_replica(), int(d.status))
+        for d in descriptors
+    ])  # fmt: skip
+    memory = descriptors[0].get_memory_descriptor().buffer_descriptor
+    record("get_replica_desc buffer", [memory.size, _is_host_port(memory.transport_endpoint)])
+    try:
+        record("get_disk_descriptor of a memory replica", descriptors[0].get_disk_descriptor())
+    except RuntimeError as exc:
+        record("get_disk_descriptor of a memory replica", str(exc))
+    record("get_replica_desc absent", store.get_replica_desc("absent"))
+    found = store.batch_get_replica_desc(["k/a", "absent", "k/c"])
+    record("batch_get_replica_desc", sorted((key, len(found[key])) for key in found))
+    record("batch_get_replica_desc of no keys", sorted(store.batch_get_replica_desc([])))
 
     # ReplicateConfig.
     config = config_cls()

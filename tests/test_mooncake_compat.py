@@ -18,15 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool import ErrorCode
+from kvpool import ErrorCode, Store
 from kvpool.integrations.mooncake_compat import (
     BufferHandle,
     MooncakeDistributedStore,
+    ReplicaStatus,
     ReplicateConfig,
     SoftPinAction,
     decode_tensor,
     encode_tensor,
 )
+from kvpool.protocol.messages import ReplicateConfig as KVPoolReplicateConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mooncake_conformance.py"
 SEGMENT_SIZE_BYTES = 16 << 20
@@ -56,6 +58,12 @@ MOONCAKE_VALUES = [
     ('batch_is_exist', [1, 0, 1]),
     ('get_size', 102400),
     ('get_size absent', -704),
+    ('get_replica_desc', [[True, False, False, 3]]),
+    ('get_replica_desc buffer', [102400, True]),
+    ('get_disk_descriptor of a memory replica', 'Expected DiskDescriptor'),
+    ('get_replica_desc absent', []),
+    ('batch_get_replica_desc', [['k/a', 1], ['k/c', 1]]),
+    ('batch_get_replica_desc of no keys', []),
     ('ReplicateConfig defaults', [1, False, '', [], False]),
     ('put with config', 0),
     ('put preferring own segment', 0),
@@ -194,6 +202,46 @@ def test_replicate_config_translation():
     local = ReplicateConfig()
     local.prefer_alloc_in_same_node = True
     assert store._kvpool_config(local).placement == "local"
+
+
+def test_replica_descriptors_name_each_tier(make_cluster, tmp_path):
+    """vLLM's Mooncake connector asks batch_get_replica_desc which tier each key loads from:
+    a DRAM replica is a memory replica (its node's endpoint), a node's disk tier a local-disk
+    one, the DFS a disk replica with the path of its file."""
+    dfs, disk = tmp_path / "dfs", tmp_path / "disk"
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs)))
+    cluster.start_node(("--dfs-dir", str(dfs), "--disk-dir", str(disk), "--disk-size", "32MiB"))
+    value = bytes(range(256)) * 64
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as writer:
+        config = KVPoolReplicateConfig(with_disk_copy=True, with_dfs_copy=True)
+        assert writer.put_batch(["three"], [value], config) == [ErrorCode.OK]
+        assert writer.put("dram only", b"d") is None
+        (node,) = [s.segment for s in writer.cluster_status().segments if s.segment.tier == "dram"]
+    store = setup_store(cluster.master_endpoint, segment_size=0)
+    try:
+        found = store.batch_get_replica_desc(["three", "absent", "dram only"])
+        assert sorted(found) == ["dram only", "three"]
+        kinds = sorted((d.is_memory_replica(), d.is_local_disk_replica(), d.is_disk_replica())
+                       for d in found["three"])  # fmt: skip
+        assert kinds == [(False, False, True), (False, True, False), (True, False, False)]
+        assert {d.status for d in found["three"]} == {ReplicaStatus.COMPLETE}
+        (memory,) = [d for d in found["three"] if d.is_memory_replica()]
+        buffer = memory.get_memory_descriptor().buffer_descriptor
+        assert (buffer.size, buffer.transport_endpoint) == (len(value), node.endpoint)
+        (on_dfs,) = [d for d in found["three"] if d.is_disk_replica()]
+        file = on_dfs.get_disk_descriptor()
+        assert file.object_size == len(value) and Path(file.file_path).is_file()
+        assert Path(file.file_path).is_relative_to(dfs)
+        with pytest.raises(RuntimeError, match="Expected MemoryDescriptor"):
+            on_dfs.get_memory_descriptor()
+        (local_disk,) = [d for d in found["three"] if d.is_local_disk_replica()]
+        with pytest.raises(RuntimeError, match="Expected DiskDescriptor"):
+            local_disk.get_disk_descriptor()
+        assert [d.is_memory_replica() for d in store.get_replica_desc("dram only")] == [True]
+        cluster.master.kill()
+        assert store.get_replica_desc("three") == [] and store.batch_get_replica_desc(["three"]) == {}
+    finally:
+        store.close()
 
 
 def test_setup_failures_are_codes_not_exceptions(make_cluster):

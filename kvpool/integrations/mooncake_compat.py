@@ -31,11 +31,14 @@ import logging
 import re
 import struct
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvpool.client.sync import Store
 from kvpool.config import parse_size
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.protocol import objectfile
+from kvpool.protocol.messages import TIER_DFS, TIER_DISK, TIER_DRAM, SegmentInfo
 from kvpool.protocol.messages import ReplicateConfig as KVPoolReplicateConfig
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,82 @@ class ReplicateConfig:
             f"preferred_segment: {self.preferred_segment!r}, "
             f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)} }}"
         )
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's replica states (store_py.cpp `ReplicaStatus`). kvpool describes only complete
+    objects, so its descriptors are always COMPLETE."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class Descriptor:
+    """Mooncake's buffer `Descriptor`: where a DRAM replica lies. `transport_endpoint` is the
+    node's transfer server "host:port"; `buffer_address` is the replica's offset in its
+    segment (in Mooncake, an address in the process that holds the segment)."""
+
+    def __init__(self, size: int = 0, buffer_address: int = 0, transport_endpoint: str = "") -> None:
+        self.size = size
+        self.buffer_address = buffer_address
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self) -> str:
+        return (f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+                f"transport_endpoint={self.transport_endpoint}>")  # fmt: skip
+
+
+class MemoryDescriptor:
+    """Mooncake's `MemoryDescriptor`: one DRAM replica's buffer."""
+
+    def __init__(self, buffer_descriptor: Descriptor) -> None:
+        self.buffer_descriptor = buffer_descriptor
+
+
+class DiskDescriptor:
+    """Mooncake's `DiskDescriptor`: a replica in a file on the shared filesystem."""
+
+    def __init__(self, file_path: str, object_size: int) -> None:
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+class ReplicaDescriptor:
+    """Mooncake's `ReplicaDescriptor`, for one kvpool replica: a DRAM replica is a memory
+    replica, one on a node's disk tier a local-disk replica, one on the DFS tier a disk
+    replica (Mooncake's replica in a file on shared storage, with its path). The getter of
+    another kind raises RuntimeError, as Mooncake's does."""
+
+    def __init__(self, tier: str, detail: MemoryDescriptor | DiskDescriptor | None) -> None:
+        self._tier = tier
+        self._detail = detail
+        self.status = ReplicaStatus.COMPLETE
+
+    def __repr__(self) -> str:
+        return f"<ReplicaDescriptor {self._tier} {self.status.name}>"
+
+    def is_memory_replica(self) -> bool:
+        return self._tier == TIER_DRAM
+
+    def is_disk_replica(self) -> bool:
+        return self._tier == TIER_DFS
+
+    def is_local_disk_replica(self) -> bool:
+        return self._tier == TIER_DISK
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        if not isinstance(self._detail, MemoryDescriptor):
+            raise RuntimeError("Expected MemoryDescriptor")
+        return self._detail
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        if not isinstance(self._detail, DiskDescriptor):
+            raise RuntimeError("Expected DiskDescriptor")
+        return self._detail
 
 
 class BufferHandle(bytearray):
@@ -331,6 +410,32 @@ class MooncakeDistributedStore:
         except KVPoolError as exc:
             return int(exc.code)
 
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """Where the object's replicas lie; [] on a miss or an error, as in Mooncake."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """The replica descriptors of each key found; a key not found (or every key, on an
+        error) is left out, as in Mooncake. Two master round trips: the keys' replicas, then
+        where their segments are."""
+        if self._store is None or not keys:
+            return {}
+        try:
+            reply = self._store.query(keys)
+            segments = {s.segment.segment_id: s.segment for s in self._store.cluster_status().segments}
+        except KVPoolError as exc:
+            log.info("batch_get_replica_desc failed: %s", exc)
+            return {}
+        found: dict[str, list[ReplicaDescriptor]] = {}
+        for key, code, size, replicas in zip(keys, reply.codes, reply.sizes, reply.replicas):
+            if code == OK:
+                found[key] = [
+                    _replica_descriptor(key, size, replica.offset, segments[replica.segment_id])
+                    for replica in replicas
+                    if replica.segment_id in segments  # else unmounted since the query
+                ]
+        return found
+
     def remove(self, key: str, force: bool = False) -> int:
         """0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE while a reader holds it (unless force)."""
         return self.batch_remove([key], force)[0]
@@ -526,6 +631,16 @@ def _spread(keys: Sequence[str], first: list[int], codes: Sequence[int]) -> list
     """Per key of the batch, the put code of its first occurrence."""
     by_key = {keys[i]: _put_code(code) for i, code in zip(first, codes)}
     return [by_key[key] for key in keys]
+
+
+def _replica_descriptor(key: str, size: int, offset: int, segment: SegmentInfo) -> ReplicaDescriptor:
+    if segment.tier == TIER_DRAM:
+        return ReplicaDescriptor(TIER_DRAM, MemoryDescriptor(Descriptor(size, offset, segment.endpoint)))
+    if segment.tier == TIER_DFS:
+        # The master's path of the DFS directory: the same on every host (docs/tiers.md).
+        path = Path(segment.shm_path) / objectfile.dfs_relative_path(key, offset)
+        return ReplicaDescriptor(TIER_DFS, DiskDescriptor(str(path), size))
+    return ReplicaDescriptor(segment.tier, None)
 
 
 def _get_code(code: int) -> int:
