@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvpool import ReplicateConfig, limits
 from kvpool.errors import ErrorCode, SegmentAlreadyExists
 from kvpool.master import tiers as tiers_module
+from kvpool.master.allocator import footprint_bytes
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
@@ -326,6 +327,11 @@ class SmallFilesystem:
         self.files.add(item.key)
         return OK
 
+    def free_bytes(self) -> int:
+        """What statvfs would say is left: room for this many more object files (each its
+        object's bytes and a header)."""
+        return (self.files_max - len(self.files)) * (footprint_bytes(OBJECT_SIZE) + tiers_module.FILE_OVERHEAD_BYTES)
+
     def put(self, svc, key: str, now: int) -> None:
         """One put as the server runs it: moves and drops land between its rounds."""
         for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
@@ -364,6 +370,52 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_its_newest_objects(caplog):
         filesystem.put(svc, name, now + tiers_module.FULL_TIER_RETRY_MS)
     assert filesystem.full_answers == 1
     assert len(filesystem.files) > 8
+
+
+def test_the_free_space_a_node_reports_caps_its_disk_tier_before_a_move_fails(caplog):
+    # The filesystem of the test above, but the node's heartbeats (one a second) say what it
+    # has free: the master caps the tier's room before any move finds the disk full. Without
+    # the report, the first move to find it full failed, and lost its object.
+    svc = cluster(disk_capacity=4 * MIB)
+    filesystem = SmallFilesystem(files_max=8)
+
+    def heartbeat(now: int) -> None:
+        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": filesystem.free_bytes()}), now)
+
+    now = 0
+    names = keys("k", 64)
+    with caplog.at_level(logging.INFO, logger="kvpool.master.service"):
+        for name in names:
+            now += 100
+            if now % 1000 == 0:
+                heartbeat(now)
+            filesystem.put(svc, name, now)
+        assert filesystem.full_answers == 0
+        assert len(filesystem.files) == 8
+        on_disk = sorted(filesystem.files, key=names.index)
+        in_dram = [name for name in names if where(svc, name) == ["A"]]
+        assert on_disk + in_dram == names[-len(on_disk + in_dram) :]  # the newest objects
+        capped = [r for r in caplog.records if "room for" in r.getMessage()]
+        assert [r.levelno for r in capped] == [logging.WARNING]  # once, not once a heartbeat
+
+        # The other files go: the next report lifts the cap (no minute to wait).
+        filesystem.files_max = 64
+        heartbeat(now)
+        for name in keys("later", 16):
+            now += 100
+            filesystem.put(svc, name, now)
+        assert len(filesystem.files) > 8 and filesystem.full_answers == 0
+        lifted = [r for r in caplog.records if "use it all again" in r.getMessage()]
+        assert [r.levelno for r in lifted] == [logging.INFO]
+
+
+def test_free_space_reports_of_dram_or_unknown_segments_change_nothing():
+    svc = cluster()
+    names = fill(svc)
+    svc.heartbeat(Heartbeat(["A", "A/disk"], {"A": 0, "ghost": 0}), 1)  # DRAM's is not a filesystem's
+    svc.tick(2)
+    assert len(svc.take_moves()["A"]) == 3  # offloads to the disk tier as before
+    assert all(where(svc, name) for name in names)
 
 
 def test_a_source_the_node_does_not_hold_is_forgotten():
@@ -567,11 +619,11 @@ MOVE_CODES = st.sampled_from([OK, OK, OK, FAIL, ErrorCode.OBJECT_NOT_FOUND, Erro
 
 
 class TierMachine(RuleBasedStateMachine):
-    """Puts (some with write-through), gets, removes, ticks, move answers and drop
-    acknowledgements in any order, on a node with 1 MiB of DRAM, a 2 MiB disk tier and a
-    4 MiB DFS. The model is what the nodes hold (segment -> offset -> (key, size)), changed
-    only the way nodes change it: a commit or a successful move adds an entry, a drop
-    removes it. Invariants: every replica the master lists is held by its node under that key
+    """Puts (some with write-through), gets, removes, ticks, move answers, drop
+    acknowledgements and reports of free filesystem space in any order, on a node with 1 MiB
+    of DRAM, a 2 MiB disk tier and a 4 MiB DFS. The model is what the nodes hold (segment ->
+    offset -> (key, size)), changed only the way nodes change it: a commit or a successful
+    move adds an entry, a drop removes it. Invariants: every replica the master lists is held by its node under that key
     (the master never points a reader at bytes that are not the object), no node is ever told
     to write over an entry it still holds (no range is reused before it was forgotten), a move
     only reads a source the node holds, and a removed key never comes back."""
@@ -629,6 +681,12 @@ class TierMachine(RuleBasedStateMachine):
     def do_tick(self, step_ms: int) -> None:
         self.now += step_ms
         self.svc.tick(self.now)
+
+    @rule(disk_free=st.integers(0, 3 * MIB), dfs_free=st.integers(0, 5 * MIB))
+    def do_heartbeat(self, disk_free: int, dfs_free: int) -> None:
+        # The filesystems' free space moves as other programs use them: it caps the room.
+        free_bytes = {"A/disk": disk_free, "dfs-1": dfs_free}
+        self.svc.heartbeat(Heartbeat(["A", "A/disk", "dfs-1"], free_bytes), self.now)
 
     @rule(codes=st.lists(MOVE_CODES, min_size=1, max_size=8))
     def do_moves(self, codes: list[int]) -> None:

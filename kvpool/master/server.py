@@ -179,6 +179,7 @@ class MasterServer:
         self._dfs: DfsDirectory | None = None
         self._dfs_info: SegmentInfo | None = None
         self._dfs_service: MasterService | None = None
+        self._dfs_free_due_ms = 0  # when to look at the DFS's free space next
 
     def __repr__(self) -> str:
         return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_conns)}>"
@@ -667,7 +668,7 @@ class MasterServer:
         service, dfs, info = self.service, self._dfs, self._dfs_info
         assert dfs is not None and info is not None
         if self._dfs_service is service and service.has_segment(info.segment_id):
-            service.heartbeat(Heartbeat([info.segment_id]), wall_clock_ms())
+            service.heartbeat(Heartbeat([info.segment_id], await self._dfs_free_bytes()), wall_clock_ms())
             return
         entries = await asyncio.to_thread(lambda: list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)))
         if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
@@ -684,6 +685,20 @@ class MasterServer:
                  len(entries) - len(rejected), len(rejected))  # fmt: skip
         if rejected:
             await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in rejected])
+
+    async def _dfs_free_bytes(self) -> dict[str, int]:
+        """The DFS's free space for its heartbeat, read once a heartbeat interval (on a
+        network filesystem a statvfs may be a round trip); {} between reads, or when unreadable."""
+        dfs, info, now_ms = self._dfs, self._dfs_info, wall_clock_ms()
+        assert dfs is not None and info is not None
+        if now_ms < self._dfs_free_due_ms:
+            return {}
+        self._dfs_free_due_ms = now_ms + limits.HEARTBEAT_INTERVAL_MS_DEFAULT
+        try:
+            return {info.segment_id: await asyncio.to_thread(files.free_bytes, dfs.path)}
+        except KVPoolError as exc:
+            log.debug("cannot read the DFS's free space: %s", exc)
+            return {}
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
         """Remove DFS files of dropped replicas, then free their ranges."""

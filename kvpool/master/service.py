@@ -256,7 +256,22 @@ class MasterService:
             else:
                 segment.last_seen_ms = now_ms
                 self._registry.set_reachable(segment, True)  # it speaks: its connection is back
+                if segment_id in msg.free_bytes and segment.tier != TIER_DRAM:
+                    self._report_free(segment, msg.free_bytes[segment_id], now_ms)
         return HeartbeatReply(unknown)
+
+    def _report_free(self, segment: Segment, free_bytes: int, now_ms: int) -> None:
+        """A slower tier's free filesystem space, from its node's heartbeat (or the master's own
+        look at the DFS): logged when it starts or stops capping the tier's room."""
+        change = self._tiers.report_free(segment, free_bytes, now_ms)
+        if change is None:
+            return
+        room_bytes = min(segment.allocator.used_bytes + free_bytes, segment.allocator.capacity_bytes)
+        then = "make room by evicting its oldest objects once it holds that much" if change else "use it all again"
+        log.log(logging.WARNING if change else logging.INFO,
+                "%s segment %s (node %s): its filesystem has %d bytes free, room for %d of its %d bytes; "
+                "offloads there %s", segment.tier, segment.segment_id, segment.info.node_id, free_bytes, room_bytes,
+                segment.allocator.capacity_bytes, then)  # fmt: skip
 
     def node_link_lost(self, segment_ids: list[str]) -> list[str]:
         """The master's connection to these segments' node closed. Until the node speaks

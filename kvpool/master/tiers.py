@@ -44,6 +44,7 @@ from kvpool.master.metadata import (
     replica_offset,
     replica_segment_index,
 )
+from kvpool.protocol import objectfile
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
@@ -59,8 +60,14 @@ from kvpool.protocol.messages import (
 # which frees space on that filesystem: else every move there would fail, the tier would keep
 # its oldest objects for good, and every object evicted to it since would be lost. The cap is
 # lifted after this long (the space may be back); if it is not, the next move fails and sets it
-# again.
+# again. Before that happens, the free space a node reports in its heartbeats (and the master
+# reads of the DFS) caps the room the same way, so that a filesystem filling up usually costs no
+# failed move at all (report_free).
 FULL_TIER_RETRY_MS = 60_000
+
+# What an object file takes beyond the object's bytes: its header (protocol/objectfile.py; one
+# page for keys shorter than 4 KiB - 48 bytes). A tier of 4 KiB pages takes twice its bytes.
+FILE_OVERHEAD_BYTES = objectfile.ALIGN_BYTES
 
 # Where an object evicted from a tier goes, in order of preference (none: it is dropped).
 LOWER_TIERS: dict[str, tuple[str, ...]] = {TIER_DRAM: (TIER_DISK, TIER_DFS), TIER_DISK: (TIER_DFS,), TIER_DFS: ()}
@@ -134,16 +141,18 @@ class Move:
 
 
 class MoveBook:
-    """The moves in flight: by key, the unsent ones in start order, and the bytes in flight
-    per executing node. Invariants (check_invariants): every unsent move is in `by_key` and
-    not sent; the bytes per node are the sum of its moves' sizes."""
+    """The moves in flight: by key, the unsent ones in start order, the bytes in flight per
+    executing node, and how many are coming into each segment. Invariants (check_invariants):
+    every unsent move is in `by_key` and not sent; the bytes per node are the sum of its
+    moves' sizes; per segment id, the count and footprint of their targets there."""
 
-    __slots__ = ("by_key", "_unsent", "_inflight_bytes")
+    __slots__ = ("by_key", "_unsent", "_inflight_bytes", "_arriving")
 
     def __init__(self) -> None:
         self.by_key: dict[str, Move] = {}
         self._unsent: list[Move] = []
         self._inflight_bytes: dict[str, int] = {}
+        self._arriving: dict[str, tuple[int, int]] = {}  # segment id -> (targets, their bytes)
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -163,12 +172,27 @@ class MoveBook:
     def inflight_bytes(self) -> int:
         return sum(self._inflight_bytes.values())
 
+    def arriving(self, segment: Segment) -> tuple[int, int]:
+        """How many moves in flight write into `segment` (each a file, in a slower tier), and
+        the footprint of what they write."""
+        return self._arriving.get(segment.segment_id, (0, 0))
+
+    def _arrive(self, move: Move, sign: int) -> None:
+        footprint = footprint_bytes(move.meta.size_bytes)
+        for segment, _ in move.targets:
+            count, size_bytes = self._arriving.get(segment.segment_id, (0, 0))
+            if count + sign:
+                self._arriving[segment.segment_id] = (count + sign, size_bytes + sign * footprint)
+            else:
+                del self._arriving[segment.segment_id]
+
     def add(self, move: Move) -> None:
         assert move.key not in self.by_key, f"two moves of {move.key!r}"
         self.by_key[move.key] = move
         self._unsent.append(move)
         budget_key = move.budget_key
         self._inflight_bytes[budget_key] = self._inflight_bytes.get(budget_key, 0) + move.meta.size_bytes
+        self._arrive(move, 1)
 
     def take_unsent(self) -> dict[str, list[MoveItem]]:
         """Per executing segment id, the items of every move not yet sent (now sent)."""
@@ -211,16 +235,22 @@ class MoveBook:
             self._inflight_bytes[budget_key] = left
         else:
             del self._inflight_bytes[budget_key]
+        self._arrive(move, -1)
 
     def check_invariants(self) -> None:
         for move in self._unsent:
             assert self.by_key.get(move.key) is move, move
             assert not move.is_sent, move
         totals: dict[str, int] = {}
+        arriving: dict[str, tuple[int, int]] = {}
         for move in self.by_key.values():
             totals[move.budget_key] = totals.get(move.budget_key, 0) + move.meta.size_bytes
             assert len(move.results) < len(move.targets), move
+            for segment, _ in move.targets:
+                count, size_bytes = arriving.get(segment.segment_id, (0, 0))
+                arriving[segment.segment_id] = (count + 1, size_bytes + footprint_bytes(move.meta.size_bytes))
         assert totals == self._inflight_bytes, (totals, self._inflight_bytes)
+        assert arriving == self._arriving, (arriving, self._arriving)
 
 
 class PromotionCounter:
@@ -306,6 +336,7 @@ class TierFlow:
     __slots__ = (
         "_config", "_rng", "_registry", "_table", "_evict_objects", "moves", "promotions",
         "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs", "_full", "newly_full",
+        "_reported",
     )  # fmt: skip
 
     def __init__(
@@ -329,6 +360,11 @@ class TierFlow:
         # may hold, until when); and those found full since the service last took the list.
         self._full: dict[str, tuple[Segment, int, int]] = {}
         self.newly_full: list[tuple[Segment, int]] = []
+        # The filesystem bytes each slower segment's objects may take, by the last report of
+        # its free space (report_free): id -> (segment, bytes, less than its capacity, until
+        # when: a report FULL_TIER_RETRY_MS old is forgotten, as a node that cannot read its
+        # filesystem stops sending them).
+        self._reported: dict[str, tuple[Segment, int, bool, int]] = {}
 
     # --- residence -------------------------------------------------------------------------
 
@@ -462,8 +498,7 @@ class TierFlow:
         if segment is None:
             return Room.NONE
         footprint = footprint_bytes(size_bytes)
-        room_bytes = self.room_bytes(segment, now_ms)
-        over_bytes = 0 if room_bytes is None else segment.allocator.used_bytes + footprint - room_bytes
+        over_bytes = self._over_bytes(segment, footprint, now_ms)
         offset = segment.allocator.allocate(size_bytes) if over_bytes <= 0 else None
         if offset is not None:
             return (segment, offset)
@@ -481,9 +516,20 @@ class TierFlow:
                 self._room_after_ms[tier] = now_ms + EVICT_SHORTFALL_BACKOFF_MS
         return Room.LATER if segment.drop_bytes else Room.NONE
 
-    def room_bytes(self, segment: Segment, now_ms: int) -> int | None:
-        """The bytes `segment` may hold while its filesystem is full (FULL_TIER_RETRY_MS);
-        None: its capacity."""
+    def _over_bytes(self, segment: Segment, footprint: int, now_ms: int) -> int:
+        """By how many bytes one more object of `footprint` would overfill `segment`'s
+        filesystem (0: it fits, as far as the master knows), beyond its capacity's own check."""
+        over_bytes = 0
+        reported = self._reported.get(segment.segment_id)
+        if reported is not None and reported[0] is segment and now_ms < reported[3]:
+            over_bytes = self._file_bytes(segment) + footprint + FILE_OVERHEAD_BYTES - reported[1]
+        full_bytes = self._full_bytes(segment, now_ms)
+        if full_bytes is not None:
+            over_bytes = max(over_bytes, segment.allocator.used_bytes + footprint - full_bytes)
+        return max(0, over_bytes)
+
+    def _full_bytes(self, segment: Segment, now_ms: int) -> int | None:
+        """The bytes `segment` may hold while its filesystem is found full (FULL_TIER_RETRY_MS)."""
         full = self._full.get(segment.segment_id)
         if full is None:
             return None
@@ -496,7 +542,7 @@ class TierFlow:
     def _found_full(self, segment: Segment, now_ms: int) -> None:
         """A move into `segment` found its filesystem full: cap its room at what it holds."""
         room_bytes = segment.allocator.used_bytes
-        before = self.room_bytes(segment, now_ms)
+        before = self._full_bytes(segment, now_ms)
         if before is None:
             self.newly_full.append((segment, room_bytes))
             for segment_id, (held_by, _, _) in list(self._full.items()):
@@ -505,6 +551,37 @@ class TierFlow:
         else:
             room_bytes = min(before, room_bytes)
         self._full[segment.segment_id] = (segment, room_bytes, now_ms + FULL_TIER_RETRY_MS)
+
+    def _file_bytes(self, segment: Segment, with_arriving: bool = True) -> int:
+        """What the files of slower-tier `segment` take on its filesystem, as the master counts
+        them: a footprint and a header each, for its objects and the files its node is yet to
+        delete; with the files moves are writing there (or without them: what may not be on
+        the filesystem yet)."""
+        arriving, arriving_bytes = self.moves.arriving(segment)
+        files = segment.object_count + len(segment.drops_unsent) + len(segment.drops_sent) + arriving
+        file_bytes = segment.allocator.used_bytes + files * FILE_OVERHEAD_BYTES
+        return file_bytes if with_arriving else file_bytes - arriving_bytes - arriving * FILE_OVERHEAD_BYTES
+
+    def report_free(self, segment: Segment, free_bytes: int, now_ms: int) -> bool | None:
+        """The filesystem under slower-tier `segment` has `free_bytes` left: its objects may
+        take what their files take now and that much more. Counted in file bytes (an object's
+        footprint and its header), so that a tier of small objects does not overfill it. Block
+        rounding is not counted (KV pages are whole blocks): what the count misses, a failed
+        move catches (_found_full).
+
+        Returns True when the filesystem starts to hold less than the segment's capacity, False
+        when it stops, None when neither (for the log)."""
+        before = self._reported.get(segment.segment_id)
+        if before is None:
+            for segment_id, (held_by, _, _, _) in list(self._reported.items()):
+                if not self._is_live(held_by):
+                    del self._reported[segment_id]
+        was_capped = before is not None and before[0] is segment and before[2]
+        is_capped = segment.allocator.used_bytes + free_bytes < segment.allocator.capacity_bytes
+        # Files being written may not have taken their space yet: counted as still to come.
+        room_bytes = self._file_bytes(segment, with_arriving=False) + max(0, free_bytes)
+        self._reported[segment.segment_id] = (segment, room_bytes, is_capped, now_ms + FULL_TIER_RETRY_MS)
+        return None if is_capped == was_capped else is_capped
 
     def evict_above_watermark(self, now_ms: int) -> None:
         """The slower tiers' own watermark eviction (tick); DRAM's is the service's."""

@@ -411,7 +411,12 @@ class MountReply(Message, tag=41):
 
 
 class Heartbeat(Message, tag=42):
+    """node -> master, every heartbeat interval. `free_bytes`: what the filesystem under each
+    of the node's slower-tier segments has left, by segment id (appended; empty from an older
+    node), which caps the room the master gives that tier (master/tiers.py report_free)."""
+
     segment_ids: list[str]
+    free_bytes: dict[str, int] = {}
 
 
 class HeartbeatReply(Message, tag=43):
