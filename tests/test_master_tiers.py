@@ -20,6 +20,7 @@ from kvpool import ReplicateConfig, limits
 from kvpool.errors import ErrorCode, SegmentAlreadyExists
 from kvpool.master import tiers as tiers_module
 from kvpool.master.allocator import footprint_bytes
+from kvpool.protocol import objectfile
 from kvpool.protocol.messages import (
     TIER_DFS,
     TIER_DISK,
@@ -313,8 +314,9 @@ class SmallFilesystem:
     """The disk tier's filesystem as the node sees it: room for `files_max` object files
     (other files took the rest), so a write beyond them fails as a full disk does."""
 
-    def __init__(self, files_max: int) -> None:
+    def __init__(self, files_max: int, object_size: int = OBJECT_SIZE) -> None:
         self.files_max = files_max
+        self.object_size = object_size
         self.files: set[str] = set()
         self.full_answers = 0
 
@@ -329,13 +331,14 @@ class SmallFilesystem:
 
     def free_bytes(self) -> int:
         """What statvfs would say is left: room for this many more object files (each its
-        object's bytes and a header)."""
-        return (self.files_max - len(self.files)) * (footprint_bytes(OBJECT_SIZE) + tiers_module.FILE_OVERHEAD_BYTES)
+        object's bytes and a header of one page)."""
+        file_bytes = footprint_bytes(self.object_size) + objectfile.header_size_for("k0")
+        return (self.files_max - len(self.files)) * file_bytes
 
     def put(self, svc, key: str, now: int) -> None:
         """One put as the server runs it: moves and drops land between its rounds."""
         for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
-            if put(svc, [key], now=now) == [OK]:
+            if put(svc, [key], size=self.object_size, now=now) == [OK]:
                 return
             run_moves(svc, now, self.answer)
             self.files -= {entry.key for entry in ack_drops(svc, now).get("A/disk", [])}
@@ -407,6 +410,21 @@ def test_the_free_space_a_node_reports_caps_its_disk_tier_before_a_move_fails(ca
         assert len(filesystem.files) > 8 and filesystem.full_answers == 0
         lifted = [r for r in caplog.records if "use it all again" in r.getMessage()]
         assert [r.levelno for r in lifted] == [logging.INFO]
+
+
+def test_a_tier_of_small_pages_counts_their_headers_and_stays_full():
+    # 4 KiB pages take 8 KiB files (a 4 KiB header each). Counting only their bytes, the master
+    # would fill the filesystem with twice what it has room for, and moves would fail.
+    svc = cluster(disk_capacity=4 * MIB)
+    filesystem = SmallFilesystem(files_max=64, object_size=4096)
+    held = []
+    for index, name in enumerate(keys("p", 600)):
+        if index % 100 == 0:
+            svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": filesystem.free_bytes()}), index * 10)
+        filesystem.put(svc, name, index * 10)
+        held.append(len(filesystem.files))
+    assert filesystem.full_answers == 0
+    assert min(held[400:]) >= 63  # full, not emptied by evictions that overshoot
 
 
 def test_free_space_reports_of_dram_or_unknown_segments_change_nothing():
