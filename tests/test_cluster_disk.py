@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -336,3 +338,54 @@ def test_the_reported_free_space_of_a_filling_filesystem_costs_no_object(make_cl
     assert "its filesystem is full" not in cluster.master.log_tail(200)
     with urllib.request.urlopen(f"http://{node.info['metrics_endpoint']}/metrics", timeout=5) as response:
         assert 'result="failed"' not in response.read().decode()
+
+
+def test_a_disk_tier_whose_filesystem_turns_read_only_is_skipped_and_still_read(make_cluster, small_filesystem):
+    # ext4 remounts itself read-only on I/O errors. Before: every offload failed (EROFS, one
+    # TRANSFER_FAIL each), so every object evicted from DRAM was lost after a failed write.
+    # Now the node's heartbeat says its filesystem takes no writes: offloads skip the tier
+    # (dropped here, as without one), what it holds is read as before, and once it is
+    # writable again, offloads go there again.
+    mount = small_filesystem("32m")
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node((*disk_args(mount / "disk", "24MiB"), "--metrics-port", "0"))
+    early = values_for("early", 24, 512 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        for key, value in early.items():
+            store.put(key, value)
+        assert wait_until(lambda: tiers_of(store)["disk"]["object_count"] >= 8, 10)
+
+        def offloads_done() -> bool:
+            # DRAM back under its watermark, and no offload finished for half a second: no
+            # move is left for the remount to catch half-way.
+            before = tiers_of(store)
+            time.sleep(0.5)
+            after = tiers_of(store)
+            is_under = after["dram"]["used_bytes"] <= 0.9 * after["dram"]["capacity_bytes"]
+            return is_under and before["disk"]["offloads"] == after["disk"]["offloads"]
+
+        assert wait_until(offloads_done, 10)
+        tiers = {s.segment.segment_id: s.segment.tier for s in store.cluster_status().segments}
+        on_disk = [key for key, replicas in zip(early, store.query(list(early)).replicas)
+                   if [tiers[r.segment_id] for r in replicas] == ["disk"]]  # fmt: skip
+        assert len(on_disk) >= 8
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(mount)], capture_output=True, text=True)
+        assert remount.returncode == 0, remount.stderr  # the node holds no file there open for writing
+        assert wait_until(lambda: "takes no writes" in cluster.master.log_tail(200), 10)
+        late = values_for("late", 24, 512 * 1024)
+        for key, value in late.items():
+            store.put(key, value)
+        assert store.get_batch(on_disk) == [early[key] for key in on_disk]  # read as before
+        found = store.get_batch(list(late))
+        assert all(got in (None, late[key]) for key, got in zip(late, found))
+        assert found[-8:] == list(late.values())[-8:]  # the newest, in DRAM
+        assert "Read-only file system" not in node.log_tail(200)
+        with urllib.request.urlopen(f"http://{node.info['metrics_endpoint']}/metrics", timeout=5) as response:
+            assert 'result="failed"' not in response.read().decode()
+
+        subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
+        assert wait_until(lambda: "takes writes again" in cluster.master.log_tail(200), 10)
+        held = tiers_of(store)["disk"]["offloads"]
+        for key, value in values_for("again", 8, 512 * 1024).items():
+            store.put(key, value)
+        assert wait_until(lambda: tiers_of(store)["disk"]["offloads"] > held, 10)

@@ -427,6 +427,38 @@ def test_a_tier_of_small_pages_counts_their_headers_and_stays_full():
     assert min(held[400:]) >= 63  # full, not emptied by evictions that overshoot
 
 
+@pytest.mark.parametrize("with_dfs", [True, False])
+def test_a_disk_tier_that_takes_no_writes_is_skipped_and_still_read(caplog, with_dfs):
+    # Its filesystem went read-only (ext4 remounts itself so on I/O errors) or its directory is
+    # gone. Before: every offload there failed, one TRANSFER_FAIL per object, each object lost.
+    svc = cluster(with_dfs=with_dfs)
+    fill(svc)
+    svc.tick(1)
+    on_disk = [item.key for _, item in run_moves(svc, 1)]
+    ack_drops(svc, 1)
+    assert [where(svc, key) for key in on_disk] == [["A/disk"]] * 3
+    unwritable = Heartbeat(["A", "A/disk"], {}, ["A/disk"])
+    with caplog.at_level(logging.INFO, logger="kvpool.master.service"):
+        svc.heartbeat(unwritable, 2)
+        svc.heartbeat(unwritable, 3)
+        fill(svc, 3, prefix="x", now=4)
+        svc.tick(5)
+        moves = svc.take_moves()
+        if with_dfs:  # to the next tier down
+            assert {item.dst_segment_id for item in moves["A"]} == {"dfs-1"}
+        else:  # dropped, as without a tier
+            assert moves == {} and ack_drops(svc, 5)["A"]
+        assert svc.get_replica_list(GetReplicaList(on_disk), 5).codes == [OK] * 3  # read as before
+        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": 64 * MIB}), 6)
+    logged = [(r.levelno, "takes writes again" in r.getMessage()) for r in caplog.records]
+    assert logged == [(logging.WARNING, False), (logging.INFO, True)]  # once each way
+    svc.finish_moves("A", moves.get("A", []), [OK] * len(moves.get("A", [])), 7)
+    ack_drops(svc, 7)
+    fill(svc, 3, prefix="y", now=8)
+    svc.tick(9)
+    assert {item.dst_segment_id for item in svc.take_moves()["A"]} == {"A/disk"}
+
+
 def test_free_space_reports_of_dram_or_unknown_segments_change_nothing():
     svc = cluster()
     names = fill(svc)
@@ -638,7 +670,7 @@ MOVE_CODES = st.sampled_from([OK, OK, OK, FAIL, ErrorCode.OBJECT_NOT_FOUND, Erro
 
 class TierMachine(RuleBasedStateMachine):
     """Puts (some with write-through), gets, removes, ticks, move answers, drop
-    acknowledgements and reports of free filesystem space in any order, on a node with 1 MiB
+    acknowledgements and reports of free or read-only filesystems in any order, on a node with 1 MiB
     of DRAM, a 2 MiB disk tier and a 4 MiB DFS. The model is what the nodes hold (segment ->
     offset -> (key, size)), changed only the way nodes change it: a commit or a successful
     move adds an entry, a drop removes it. Invariants: every replica the master lists is held by its node under that key
@@ -700,11 +732,16 @@ class TierMachine(RuleBasedStateMachine):
         self.now += step_ms
         self.svc.tick(self.now)
 
-    @rule(disk_free=st.integers(0, 3 * MIB), dfs_free=st.integers(0, 5 * MIB))
-    def do_heartbeat(self, disk_free: int, dfs_free: int) -> None:
+    @rule(
+        disk_free=st.one_of(st.none(), st.integers(0, 3 * MIB)), dfs_free=st.one_of(st.none(), st.integers(0, 5 * MIB))
+    )
+    def do_heartbeat(self, disk_free: int | None, dfs_free: int | None) -> None:
         # The filesystems' free space moves as other programs use them: it caps the room.
-        free_bytes = {"A/disk": disk_free, "dfs-1": dfs_free}
-        self.svc.heartbeat(Heartbeat(["A", "A/disk", "dfs-1"], free_bytes), self.now)
+        # None: the filesystem takes no writes (read-only).
+        reports = {"A/disk": disk_free, "dfs-1": dfs_free}
+        free_bytes = {segment_id: free for segment_id, free in reports.items() if free is not None}
+        unwritable = [segment_id for segment_id, free in reports.items() if free is None]
+        self.svc.heartbeat(Heartbeat(["A", "A/disk", "dfs-1"], free_bytes, unwritable), self.now)
 
     @rule(codes=st.lists(MOVE_CODES, min_size=1, max_size=8))
     def do_moves(self, codes: list[int]) -> None:

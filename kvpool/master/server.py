@@ -668,7 +668,7 @@ class MasterServer:
         service, dfs, info = self.service, self._dfs, self._dfs_info
         assert dfs is not None and info is not None
         if self._dfs_service is service and service.has_segment(info.segment_id):
-            service.heartbeat(Heartbeat([info.segment_id], await self._dfs_free_bytes()), wall_clock_ms())
+            service.heartbeat(Heartbeat([info.segment_id], *await self._dfs_filesystem()), wall_clock_ms())
             return
         entries = await asyncio.to_thread(lambda: list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)))
         if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
@@ -686,19 +686,17 @@ class MasterServer:
         if rejected:
             await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in rejected])
 
-    async def _dfs_free_bytes(self) -> dict[str, int]:
-        """The DFS's free space for its heartbeat, read once a heartbeat interval (on a
-        network filesystem a statvfs may be a round trip); {} between reads, or when unreadable."""
+    async def _dfs_filesystem(self) -> tuple[dict[str, int], list[str]]:
+        """For the DFS's heartbeat: what its filesystem has left, or that it takes no writes
+        (Heartbeat.free_bytes, unwritable). Read once a heartbeat interval (on a network
+        filesystem a statvfs may be a round trip); no news between reads."""
         dfs, info, now_ms = self._dfs, self._dfs_info, wall_clock_ms()
         assert dfs is not None and info is not None
         if now_ms < self._dfs_free_due_ms:
-            return {}
+            return {}, []
         self._dfs_free_due_ms = now_ms + limits.HEARTBEAT_INTERVAL_MS_DEFAULT
-        try:
-            return {info.segment_id: await asyncio.to_thread(files.free_bytes, dfs.path)}
-        except KVPoolError as exc:
-            log.debug("cannot read the DFS's free space: %s", exc)
-            return {}
+        free_bytes = await asyncio.to_thread(files.writable_free_bytes, dfs.path)
+        return ({}, [info.segment_id]) if free_bytes is None else ({info.segment_id: free_bytes}, [])
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
         """Remove DFS files of dropped replicas, then free their ranges."""

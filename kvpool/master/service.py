@@ -256,13 +256,30 @@ class MasterService:
             else:
                 segment.last_seen_ms = now_ms
                 self._registry.set_reachable(segment, True)  # it speaks: its connection is back
-                if segment_id in msg.free_bytes and segment.tier != TIER_DRAM:
-                    self._report_free(segment, msg.free_bytes[segment_id], now_ms)
+                if segment.tier != TIER_DRAM and (msg.free_bytes or msg.unwritable):
+                    self._report_filesystem(segment, msg, now_ms)
         return HeartbeatReply(unknown)
 
+    def _report_filesystem(self, segment: Segment, msg: Heartbeat, now_ms: int) -> None:
+        """What a slower tier's filesystem can take, from its node's heartbeat (or the master's
+        own look at the DFS): logged when the tier's room changes."""
+        if segment.segment_id in msg.unwritable:
+            change = self._tiers.report_writable(segment, False)
+        elif segment.segment_id in msg.free_bytes:
+            change = self._tiers.report_writable(segment, True)
+            self._report_free(segment, msg.free_bytes[segment.segment_id], now_ms)
+        else:
+            return
+        if change is not None:
+            log.log(logging.INFO if change else logging.WARNING,
+                    "%s segment %s (node %s): its filesystem %s", segment.tier, segment.segment_id,
+                    segment.info.node_id, "takes writes again" if change else
+                    "takes no writes (read-only, or its directory cannot be read): objects evicted from DRAM "
+                    "skip it, to the DFS or dropped; what it holds is read as before")  # fmt: skip
+
     def _report_free(self, segment: Segment, free_bytes: int, now_ms: int) -> None:
-        """A slower tier's free filesystem space, from its node's heartbeat (or the master's own
-        look at the DFS): logged when it starts or stops capping the tier's room."""
+        """A slower tier's free filesystem space: logged when it starts or stops capping the
+        tier's room."""
         change = self._tiers.report_free(segment, free_bytes, now_ms)
         if change is None:
             return

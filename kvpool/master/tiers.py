@@ -336,7 +336,7 @@ class TierFlow:
     __slots__ = (
         "_config", "_rng", "_registry", "_table", "_evict_objects", "moves", "promotions",
         "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs", "_full", "newly_full",
-        "_reported",
+        "_reported", "_unwritable",
     )  # fmt: skip
 
     def __init__(
@@ -365,6 +365,9 @@ class TierFlow:
         # when: a report FULL_TIER_RETRY_MS old is forgotten, as a node that cannot read its
         # filesystem stops sending them).
         self._reported: dict[str, tuple[Segment, int, bool, int]] = {}
+        # Slower segments whose filesystem takes no writes, by their node's last report
+        # (report_writable): nothing is moved there until a report says it does again.
+        self._unwritable: dict[str, Segment] = {}
 
     # --- residence -------------------------------------------------------------------------
 
@@ -495,7 +498,7 @@ class TierFlow:
         else:
             segments = self._registry.active_by_tier[tier]
             segment = segments[0] if segments else None
-        if segment is None:
+        if segment is None or self._unwritable.get(segment.segment_id) is segment:
             return Room.NONE
         footprint = footprint_bytes(size_bytes)
         over_bytes = self._over_bytes(segment, footprint, now_ms)
@@ -561,6 +564,21 @@ class TierFlow:
         files = segment.object_count + len(segment.drops_unsent) + len(segment.drops_sent) + arriving
         file_bytes = segment.allocator.used_bytes + files * FILE_OVERHEAD_BYTES
         return file_bytes if with_arriving else file_bytes - arriving_bytes - arriving * FILE_OVERHEAD_BYTES
+
+    def report_writable(self, segment: Segment, is_writable: bool) -> bool | None:
+        """Whether slower-tier `segment`'s filesystem takes writes: while it does not (mounted
+        read-only, its directory gone), no move goes there, and what it holds stays readable;
+        its evictions are not stopped (they drop replicas, or move them to the DFS). Returns
+        the new state when it changed, else None (for the log)."""
+        was_writable = self._unwritable.get(segment.segment_id) is not segment
+        if is_writable:
+            self._unwritable.pop(segment.segment_id, None)
+        else:
+            for segment_id, held_by in list(self._unwritable.items()):
+                if not self._is_live(held_by):
+                    del self._unwritable[segment_id]
+            self._unwritable[segment.segment_id] = segment
+        return None if is_writable == was_writable else is_writable
 
     def report_free(self, segment: Segment, free_bytes: int, now_ms: int) -> bool | None:
         """The filesystem under slower-tier `segment` has `free_bytes` left: its objects may

@@ -10,7 +10,7 @@ Life of a node:
 
     start():  remove stale segment files ─► create + pre-fault the segment ─► transfer server
               ─► master link task: connect ─► MountSegment(info, inventory) ─► heartbeats
-    master link (until stop): every heartbeat_interval_ms Heartbeat([segment ids], {disk tier: free});
+    master link (until stop): every heartbeat_interval_ms Heartbeat(segment ids, disk tier's room);
               reply says "unknown" (master restarted) ─► re-mount with the whole inventory;
               link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount.
               With `etcd://...` each reconnect dials the leader etcd names (discovery.py),
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import random
 import secrets
 import socket
@@ -439,7 +438,7 @@ class Node:
                 if closed.done():
                     log.warning("node %s: master link lost: %s", self.node_id, conn.close_reason)
                     return
-                heartbeat = Heartbeat(self._segment_ids(), await self._free_bytes())
+                heartbeat = Heartbeat(self._segment_ids(), *await self._filesystems())
                 reply = _expect(await conn.request(heartbeat, timeout_ms=self.config.rpc_timeout_ms), HeartbeatReply)
                 if reply.unknown_segment_ids:
                     log.warning("node %s: master does not know segment %s (restarted?); "
@@ -535,14 +534,14 @@ class Node:
             mounts.append((self._disk_info, self._disk.inventory))
         return mounts
 
-    async def _free_bytes(self) -> dict[str, int]:
-        """What the filesystem under the disk tier has left, for the master's heartbeat: other
-        files may fill it before the tier's capacity does ({} without a tier, or unreadable)."""
+    async def _filesystems(self) -> tuple[dict[str, int], list[str]]:
+        """For the master's heartbeat: what the filesystem under the disk tier has left (other
+        files may fill it before the tier's capacity does), or that it takes no writes."""
         disk = self._disk
         if disk is None:
-            return {}
-        free_bytes = await asyncio.to_thread(disk.filesystem_free_bytes)
-        return {} if math.isnan(free_bytes) else {disk.segment_id: int(free_bytes)}
+            return {}, []
+        free_bytes = await asyncio.to_thread(disk.writable_free_bytes)
+        return ({}, [disk.segment_id]) if free_bytes is None else ({disk.segment_id: free_bytes}, [])
 
     async def _drop_rejected(self, info: SegmentInfo, rejected: list[InventoryEntry]) -> int:
         """Forget inventory entries the master refused (a disk tier removes their files)."""

@@ -411,12 +411,15 @@ class MountReply(Message, tag=41):
 
 
 class Heartbeat(Message, tag=42):
-    """node -> master, every heartbeat interval. `free_bytes`: what the filesystem under each
-    of the node's slower-tier segments has left, by segment id (appended; empty from an older
-    node), which caps the room the master gives that tier (master/tiers.py report_free)."""
+    """node -> master, every heartbeat interval. For each of the node's slower-tier segments,
+    either what the filesystem under it has left (`free_bytes`, by segment id), which caps the
+    room the master gives that tier (master/tiers.py report_free), or that it takes no writes
+    (`unwritable`: read-only, or its directory cannot be read); neither: no news. Both
+    appended, empty from an older node."""
 
     segment_ids: list[str]
     free_bytes: dict[str, int] = {}
+    unwritable: list[str] = []
 
 
 class HeartbeatReply(Message, tag=43):

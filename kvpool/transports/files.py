@@ -452,6 +452,17 @@ def free_bytes(directory: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
+def writable_free_bytes(directory: Path) -> int | None:
+    """free_bytes, or None when nothing can be written there: the filesystem is mounted
+    read-only (as ext4 remounts itself on I/O errors), or `directory` cannot be looked at
+    (gone, unreadable)."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    return None if stat.f_flag & os.ST_RDONLY else stat.f_bavail * stat.f_frsize
+
+
 # --- a tier directory: identity and lock ---------------------------------------------------
 
 
@@ -489,7 +500,9 @@ def lock_directory(directory: Path) -> int:
         InvalidParams: another process holds the lock, or it cannot be taken.
     """
     with map_exceptions({OSError: InvalidParams}):
-        fd = os.open(directory / objectfile.LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Read-only is enough for flock, and leaves the filesystem free to be remounted
+        # read-only while the tier runs (an open file for writing would hold it busy).
+        fd = os.open(directory / objectfile.LOCK_FILE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
