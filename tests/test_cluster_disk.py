@@ -56,11 +56,15 @@ def temp_files(disk_dir: Path) -> list[str]:
     return [p.name for p in (disk_dir / objectfile.OBJECTS_DIR).iterdir() if objectfile.is_temp_name(p.name)]
 
 
-def master_metric(cluster, name: str) -> float:
+def master_lines(cluster) -> list[str]:
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith((name + " ", name + "{")):
-                return float(line.rsplit(" ", 1)[1])
+        return response.read().decode().splitlines()
+
+
+def master_metric(cluster, name: str) -> float:
+    for line in master_lines(cluster):
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
 
 
@@ -318,6 +322,11 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_clu
         metrics = response.read().decode()
     (free,) = [line for line in metrics.splitlines() if line.startswith("kvpool_node_disk_filesystem_free_bytes ")]
     assert float(free.split()[1]) < 1024 * 1024  # what an operator alerts on
+    # ... and the master's view of every node's, from the next heartbeat (the disk segment's).
+    prefix = "kvpool_master_segment_filesystem_free_bytes{"
+    assert wait_until(lambda: [line for line in master_lines(cluster) if line.startswith(prefix)], 10)
+    (reported,) = [line for line in master_lines(cluster) if line.startswith(prefix)]
+    assert float(reported.rsplit(" ", 1)[1]) < 1024 * 1024
 
 
 @pytest.mark.parametrize("tier", ["disk", "dfs"])
@@ -382,9 +391,20 @@ def test_a_disk_tier_whose_filesystem_turns_read_only_is_skipped_and_still_read(
         assert "Read-only file system" not in node.log_tail(200)
         with urllib.request.urlopen(f"http://{node.info['metrics_endpoint']}/metrics", timeout=5) as response:
             assert 'result="failed"' not in response.read().decode()
+        # What operators see: the master's status, metrics and `kvpool stat`.
+        (disk_status,) = [s for s in store.cluster_status().segments if s.segment.tier == "disk"]
+        assert not disk_status.is_writable
+        disk_id = disk_status.segment.segment_id
+        prefix = "kvpool_master_segment_writable{"
+        writable = [line for line in master_lines(cluster) if line.startswith(prefix) and disk_id in line]
+        assert [line.rsplit(" ", 1)[1] for line in writable] == ["0.0"]
+        stat = kvpool_cli("stat", "--master", cluster.master_endpoint)
+        assert stat.returncode == 0 and "read-only" in stat.stdout.decode(), stat
 
         subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
         assert wait_until(lambda: "takes writes again" in cluster.master.log_tail(200), 10)
+        (disk_status,) = [s for s in store.cluster_status().segments if s.segment.tier == "disk"]
+        assert disk_status.is_writable and disk_status.filesystem_free_bytes > 0
         held = tiers_of(store)["disk"]["offloads"]
         for key, value in values_for("again", 8, 512 * 1024).items():
             store.put(key, value)

@@ -35,6 +35,7 @@ from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
 if TYPE_CHECKING:
     from kvpool.client.sync import Store
     from kvpool.node.server import Node
+    from kvpool.protocol.messages import SegmentStatus
 
 # Help is click's plain layout (rich_markup_mode=None): rich's option tables, fitted to 80
 # columns, cut option and environment variable names ("--evict-watermar…"); click wraps the
@@ -719,7 +720,7 @@ def stat(
         if as_json:
             print(json.dumps(status.to_dict()))
             return
-        table = Table("segment", "tier", "node endpoint", "state", "used", "capacity", "objects")
+        table = Table("segment", "tier", "node endpoint", "state", "used", "capacity", "objects", "filesystem free")
         for segment in status.segments:
             table.add_row(
                 escape(segment.segment.segment_id),
@@ -729,6 +730,7 @@ def stat(
                 _human(segment.used_bytes),
                 _human(segment.segment.capacity_bytes),
                 str(segment.object_count),
+                _filesystem_free(segment),
             )
         out.print(table)
         if status.tiers:
@@ -740,6 +742,13 @@ def stat(
                 )  # fmt: skip
             out.print(tiers)
         out.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")
+
+
+def _filesystem_free(segment: SegmentStatus) -> str:
+    """A slower tier's filesystem as its node last reported it."""
+    if not segment.is_writable:
+        return "read-only"
+    return "-" if segment.filesystem_free_bytes < 0 else _human(segment.filesystem_free_bytes)
 
 
 def _human(size_bytes: float) -> str:

@@ -11,6 +11,8 @@ leases_released_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
 segment_free_extents{...} and segment_largest_free_bytes{...} (fragmentation: a full cache
 that churns leaves its free space in holes, docs/performance.md "A full cache that churns"),
+segment_filesystem_free_bytes{...} and segment_writable{...} (what a slower tier's node last
+reported of the filesystem under it: docs/tiers.md "Bounds and back-pressure"),
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
 tier_evictions_total{tier}; busy_poll_seconds_total and busy_poll_windows_total (what polling
@@ -94,6 +96,13 @@ class MasterMetrics(Collector):
         largest = GaugeMetricFamily(
             _PREFIX + "segment_largest_free_bytes", "The largest hole of free space.", labels=labels
         )
+        filesystem_free = GaugeMetricFamily(
+            _PREFIX + "segment_filesystem_free_bytes",
+            "What a slower tier's filesystem had free at its last report.", labels=labels,
+        )  # fmt: skip
+        writable = GaugeMetricFamily(
+            _PREFIX + "segment_writable", "0 while a slower tier's filesystem takes no writes.", labels=labels
+        )
         holes = {c.segment_id: c for c in self._service.segment_counters()}
         for segment in status.segments:
             values = [segment.segment.segment_id, segment.segment.node_id, segment.segment.endpoint]
@@ -103,7 +112,10 @@ class MasterMetrics(Collector):
             counters = holes[segment.segment.segment_id]  # the same registry, the same moment
             extents.add_metric(values, counters.free_extent_count)
             largest.add_metric(values, counters.largest_free_bytes)
-        yield from (capacity, used, objects, extents, largest)
+            if segment.filesystem_free_bytes >= 0:
+                filesystem_free.add_metric(values, segment.filesystem_free_bytes)
+            writable.add_metric(values, int(segment.is_writable))
+        yield from (capacity, used, objects, extents, largest, filesystem_free, writable)
         yield from _tier_metrics(status)
         yield from _policy_metrics(self._service.policy_stats())
         if self.busy_poll is not None:

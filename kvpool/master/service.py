@@ -742,7 +742,9 @@ class MasterService:
 
     def cluster_status(self, msg: ClusterStatus, now_ms: int) -> ClusterStatusReply:
         statuses = [
-            SegmentStatus(seg.info, seg.status, seg.allocator.used_bytes, seg.object_count)
+            SegmentStatus(
+                seg.info, seg.status, seg.allocator.used_bytes, seg.object_count, *self._tiers.filesystem_of(seg)
+            )
             for seg in self._registry
         ]
         return ClusterStatusReply(

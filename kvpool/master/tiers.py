@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -72,6 +73,18 @@ FILE_OVERHEAD_BYTES = objectfile.ALIGN_BYTES
 # Where an object evicted from a tier goes, in order of preference (none: it is dropped).
 LOWER_TIERS: dict[str, tuple[str, ...]] = {TIER_DRAM: (TIER_DISK, TIER_DFS), TIER_DISK: (TIER_DFS,), TIER_DFS: ()}
 SLOWER_TIERS = (TIER_DISK, TIER_DFS)
+
+
+class FreeReport(NamedTuple):
+    """A slower segment's free filesystem space as last reported, and the file bytes its
+    objects may take by it (TierFlow.report_free). Forgotten at `until_ms`
+    (FULL_TIER_RETRY_MS later), as a node that cannot read its filesystem stops reporting."""
+
+    segment: Segment
+    free_bytes: int
+    room_bytes: int
+    is_capped: bool  # less than the segment's capacity
+    until_ms: int
 
 
 class MoveKind(enum.Enum):
@@ -360,11 +373,8 @@ class TierFlow:
         # may hold, until when); and those found full since the service last took the list.
         self._full: dict[str, tuple[Segment, int, int]] = {}
         self.newly_full: list[tuple[Segment, int]] = []
-        # The filesystem bytes each slower segment's objects may take, by the last report of
-        # its free space (report_free): id -> (segment, bytes, less than its capacity, until
-        # when: a report FULL_TIER_RETRY_MS old is forgotten, as a node that cannot read its
-        # filesystem stops sending them).
-        self._reported: dict[str, tuple[Segment, int, bool, int]] = {}
+        # The last report of each slower segment's free filesystem space (report_free).
+        self._reported: dict[str, FreeReport] = {}
         # Slower segments whose filesystem takes no writes, by their node's last report
         # (report_writable): nothing is moved there until a report says it does again.
         self._unwritable: dict[str, Segment] = {}
@@ -524,8 +534,8 @@ class TierFlow:
         filesystem (0: it fits, as far as the master knows), beyond its capacity's own check."""
         over_bytes = 0
         reported = self._reported.get(segment.segment_id)
-        if reported is not None and reported[0] is segment and now_ms < reported[3]:
-            over_bytes = self._file_bytes(segment) + footprint + FILE_OVERHEAD_BYTES - reported[1]
+        if reported is not None and reported.segment is segment and now_ms < reported.until_ms:
+            over_bytes = self._file_bytes(segment) + footprint + FILE_OVERHEAD_BYTES - reported.room_bytes
         full_bytes = self._full_bytes(segment, now_ms)
         if full_bytes is not None:
             over_bytes = max(over_bytes, segment.allocator.used_bytes + footprint - full_bytes)
@@ -591,15 +601,25 @@ class TierFlow:
         when it stops, None when neither (for the log)."""
         before = self._reported.get(segment.segment_id)
         if before is None:
-            for segment_id, (held_by, _, _, _) in list(self._reported.items()):
-                if not self._is_live(held_by):
+            for segment_id, report in list(self._reported.items()):
+                if not self._is_live(report.segment):
                     del self._reported[segment_id]
-        was_capped = before is not None and before[0] is segment and before[2]
+        was_capped = before is not None and before.segment is segment and before.is_capped
+        free_bytes = max(0, free_bytes)
         is_capped = segment.allocator.used_bytes + free_bytes < segment.allocator.capacity_bytes
         # Files being written may not have taken their space yet: counted as still to come.
-        room_bytes = self._file_bytes(segment, with_arriving=False) + max(0, free_bytes)
-        self._reported[segment.segment_id] = (segment, room_bytes, is_capped, now_ms + FULL_TIER_RETRY_MS)
+        room_bytes = self._file_bytes(segment, with_arriving=False) + free_bytes
+        self._reported[segment.segment_id] = FreeReport(
+            segment, free_bytes, room_bytes, is_capped, now_ms + FULL_TIER_RETRY_MS
+        )
         return None if is_capped == was_capped else is_capped
+
+    def filesystem_of(self, segment: Segment) -> tuple[int, bool]:
+        """What the last report said of `segment`'s filesystem: its free bytes (-1: none, as
+        for a DRAM segment or from an older node) and whether it takes writes."""
+        report = self._reported.get(segment.segment_id)
+        free_bytes = report.free_bytes if report is not None and report.segment is segment else -1
+        return free_bytes, self._unwritable.get(segment.segment_id) is not segment
 
     def evict_above_watermark(self, now_ms: int) -> None:
         """The slower tiers' own watermark eviction (tick); DRAM's is the service's."""

@@ -137,10 +137,16 @@ class InventoryEntry(msgspec.Struct, array_like=True, gc=False):
 
 
 class SegmentStatus(msgspec.Struct, array_like=True):
+    """A segment as the master sees it. For a slower tier, what its node last reported of the
+    filesystem under it: `filesystem_free_bytes` (-1: no report; a DRAM segment) and whether it
+    takes writes (appended, with these defaults from an older master)."""
+
     segment: SegmentInfo
     state: str
     used_bytes: int
     object_count: int
+    filesystem_free_bytes: int = -1
+    is_writable: bool = True
 
 
 class TierStatus(msgspec.Struct, array_like=True):
@@ -386,6 +392,8 @@ class ClusterStatusReply(Message, tag=27):
                     "capacity_bytes": s.segment.capacity_bytes,
                     "used_bytes": s.used_bytes,
                     "object_count": s.object_count,
+                    "filesystem_free_bytes": s.filesystem_free_bytes,
+                    "writable": s.is_writable,
                 }
                 for s in self.segments
             ],
