@@ -48,10 +48,13 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
+from kvpool.integrations.vllm import _hit_source  # noqa: E402
+from kvpool.protocol.messages import Replica, SegmentInfo  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -213,6 +216,8 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
         req_b = request("b-1", PROMPT + [7, 8, 9, 10, 11, 12])
         assert sched_b.get_num_new_matched_tokens(req_b, 0) == (12, False)
         sched_b.update_state_after_alloc(req_b, blocks([1, 2, 3, 9, 10]), 12)
+        # vLLM's prefix-cache metrics by source: the nodes' DRAM, on this host.
+        assert sched_b.get_external_cache_hit_sources(req_b, 12) == {CacheHitSource.HOST: 12}
         meta = sched_b.build_connector_meta(step([new_request_data(req_b, [1, 2, 3, 9, 10], 12)], {"b-1": 8}))
         assert [(load.block_ids, len(load.block_hashes)) for load in meta.loads] == [([1, 2, 3], 3)]
         assert [s.block_ids for s in meta.saves] == [[9, 10]]  # B's own new full blocks
@@ -241,6 +246,25 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
             for kv in (0, 1):
                 assert torch.equal(cache_b[name][kv, 13], cache_a[name][kv, 7]), (name, kv)
             assert not cache_b[name][:, 11:13].any()
+
+
+def test_hit_sources_name_the_nearest_replica_of_each_block():
+    def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
+        return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)
+
+    segments = {s.segment_id: s for s in (
+        segment("here", "dram", "me"), segment("there", "dram", "other"),
+        segment("nvme", "disk", "other"), segment("dfs", "dfs", ""),
+    )}  # fmt: skip
+
+    def source(*segment_ids: str) -> str:
+        return _hit_source([Replica(i, 0) for i in segment_ids], segments, "me")
+
+    assert source("nvme", "there", "here") == "host"
+    assert source("nvme", "there") == "p2p"
+    assert source("dfs", "nvme") == "disk"
+    assert source() == source("unmounted") == "external_unspecified"
+    assert {source("here"), source("there"), source("nvme")} <= {s.value for s in CacheHitSource}
 
 
 def test_async_loads_run_beside_the_forward_passes_and_end_once(make_cluster):

@@ -27,6 +27,8 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
   in the metadata. Loads are asynchronous (load_async): vLLM parks the request in
   WAITING_FOR_REMOTE_KVS and goes on with the others; a request's later loads (vLLM looks
   it up again after its load failed, or after a preemption) are synchronous.
+  `get_external_cache_hit_sources` splits the loaded tokens, for vLLM's metrics, by where
+  each block lies: this host's DRAM ("host"), another's ("p2p"), a disk tier or the DFS.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
   (`batch_get_into_multi_buffers`, one range per layer and K/V): a synchronous load at once,
   before the forward pass; an async one on the worker's loader thread, whose end
@@ -63,6 +65,7 @@ from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import register_tensors
+from kvpool.protocol.messages import TIER_DRAM, Replica, SegmentInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -140,6 +143,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         # Requests that had an async load: any later load of theirs is synchronous (see
         # get_num_new_matched_tokens).
         self._loaded_async: set[str] = set()
+        # Where segments are (by id), for get_external_cache_hit_sources: fetched again when
+        # a replica lies in one not known yet.
+        self._segments: dict[str, SegmentInfo] = {}
         # Worker state: per layer (base address, bytes between blocks, bytes per range), one
         # entry per K/V range of a block.
         self._layer_ranges: list[tuple[int, int, int]] = []
@@ -215,6 +221,35 @@ class KVPoolConnector(KVConnectorBase_V1):
         )
         if state.load_async:
             self._loaded_async.add(request.request_id)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's prefix-cache metrics by source: the tokens this request loads from the pool,
+        split by where their blocks lie now (_hit_source). One query of the master, for the
+        first TP and PP rank's keys; all EXTERNAL_UNSPECIFIED when it fails."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        state = self._requests.get(request.request_id)
+        if num_external_tokens <= 0:
+            return {}
+        if state is None:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        first = state.local_block_count
+        hashes = state.block_hashes[first : first + -(-num_external_tokens // self.block_size)]
+        try:
+            reply = self._store.query([self._key(h, 0, 0) for h in hashes])
+            if any(r.segment_id not in self._segments for replicas in reply.replicas for r in replicas):
+                self._segments = {s.segment.segment_id: s.segment for s in self._store.cluster_status().segments}
+        except KVPoolError as exc:
+            log.debug("kvpool: no hit sources for %s: %s", request.request_id, exc)
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        sources: dict[Any, int] = {}
+        left = num_external_tokens
+        for replicas in reply.replicas:
+            source = CacheHitSource(_hit_source(replicas, self._segments, self._store.hostname))
+            tokens = min(self.block_size, left)
+            sources[source] = sources.get(source, 0) + tokens
+            left -= tokens
+        return sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
         """This step's loads (planned at allocation) and saves: every full prompt block that
@@ -454,6 +489,18 @@ def _kv_format(vllm_config: VllmConfig) -> str:
         cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     parallel = vllm_config.parallel_config
     return f"kv:{cache_dtype}@tp_size:{parallel.tensor_parallel_size}@pp_size:{parallel.pipeline_parallel_size}"
+
+
+def _hit_source(replicas: Sequence[Replica], segments: dict[str, SegmentInfo], hostname: str) -> str:
+    """The value of vLLM's CacheHitSource for a block whose replicas lie there, the nearest
+    counting: "host" (DRAM on this host), "p2p" (another host's DRAM), "disk" (a node's disk
+    tier or the DFS); "external_unspecified" when it is gone or its segments are unknown."""
+    known = [segments[r.segment_id] for r in replicas if r.segment_id in segments]
+    if any(s.tier == TIER_DRAM and s.hostname == hostname for s in known):
+        return "host"
+    if any(s.tier == TIER_DRAM for s in known):
+        return "p2p"
+    return "disk" if known else "external_unspecified"
 
 
 def _hex(block_hash: Any) -> str:
