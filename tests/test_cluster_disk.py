@@ -409,3 +409,23 @@ def test_a_disk_tier_whose_filesystem_turns_read_only_is_skipped_and_still_read(
         for key, value in values_for("again", 8, 512 * 1024).items():
             store.put(key, value)
         assert wait_until(lambda: tiers_of(store)["disk"]["offloads"] > held, 10)
+
+
+def test_disk_tiers_of_two_nodes_on_one_filesystem_share_its_free_space(make_cluster, small_filesystem):
+    # Two nodes on this host with their disk tiers on one 16 MiB filesystem, 9 MiB of it taken
+    # by other files. Each node reports the same free space; counted per tier, each would
+    # take all of it, and together they would overfill the disk.
+    mount = small_filesystem("16m")
+    cluster = make_cluster(0, "4MiB")
+    nodes = [cluster.start_node(disk_args(mount / f"disk{i}", "8MiB")) for i in range(2)]
+    (mount / "other-files").write_bytes(os.urandom(9 * 1024 * 1024))
+    assert wait_until(lambda: cluster.master.log_tail(200).count("its filesystem has") >= 2, 10)
+    values = values_for("shared", 40, 512 * 1024)  # 20 MiB through 8 MiB of DRAM
+    with Store(cluster.master_endpoint) as store:
+        for key, value in values.items():
+            store.put(key, value)
+        found = store.get_batch(list(values))
+        assert all(got in (None, value) for got, value in zip(found, values.values()))
+        assert tiers_of(store)["disk"]["object_count"] >= 8  # the disk is used, to the brim
+    assert all("No space left" not in node.log_tail(200) for node in nodes)
+    assert "its filesystem is full" not in cluster.master.log_tail(200)

@@ -311,8 +311,9 @@ def test_a_failed_offload_evicts_and_frees_its_target():
 
 
 class SmallFilesystem:
-    """The disk tier's filesystem as the node sees it: room for `files_max` object files
-    (other files took the rest), so a write beyond them fails as a full disk does."""
+    """The filesystem under the disk tiers ("A/disk", and "B/disk" where a test has it on the
+    same disk) as their nodes see it: room for `files_max` object files (other files took the
+    rest), so a write beyond them fails as a full disk does."""
 
     def __init__(self, files_max: int, object_size: int = OBJECT_SIZE) -> None:
         self.files_max = files_max
@@ -321,7 +322,7 @@ class SmallFilesystem:
         self.full_answers = 0
 
     def answer(self, item: MoveItem) -> ErrorCode:
-        if item.dst_segment_id != "A/disk":
+        if not item.dst_segment_id.endswith("/disk"):
             return OK
         if len(self.files) >= self.files_max:
             self.full_answers += 1
@@ -341,7 +342,8 @@ class SmallFilesystem:
             if put(svc, [key], size=self.object_size, now=now) == [OK]:
                 return
             run_moves(svc, now, self.answer)
-            self.files -= {entry.key for entry in ack_drops(svc, now).get("A/disk", [])}
+            drops = ack_drops(svc, now)
+            self.files -= {entry.key for disk in ("A/disk", "B/disk") for entry in drops.get(disk, [])}
         raise AssertionError(f"{key} found no room")
 
 
@@ -410,6 +412,25 @@ def test_the_free_space_a_node_reports_caps_its_disk_tier_before_a_move_fails(ca
         assert len(filesystem.files) > 8 and filesystem.full_answers == 0
         lifted = [r for r in caplog.records if "use it all again" in r.getMessage()]
         assert [r.levelno for r in lifted] == [logging.INFO]
+
+
+def test_disk_tiers_of_two_nodes_on_one_filesystem_share_its_free_space():
+    # Two nodes on one host, their disk tiers on one disk. Each node reports the same free
+    # space: counted per tier, each would take all of it, and together they would overfill it.
+    svc = cluster(disk_capacity=4 * MIB)
+    svc.mount_segment(MountSegment(dram("B", "n2"), []), 0)
+    svc.mount_segment(MountSegment(disk("B/disk", "n2", 4 * MIB, token=b"disk-token-b"), []), 0)
+    filesystem = SmallFilesystem(files_max=8)
+    for index, name in enumerate(keys("k", 96)):
+        now = index * 100
+        if now % 1000 == 0:
+            for node in ("A", "B"):
+                free = {f"{node}/disk": filesystem.free_bytes()}
+                svc.heartbeat(Heartbeat([node, f"{node}/disk"], free, [], {f"{node}/disk": 7}), now)
+        filesystem.put(svc, name, now)
+    assert filesystem.full_answers == 0
+    assert len(filesystem.files) >= 7
+    assert tiers(svc)[TIER_DISK]["object_count"] == len(filesystem.files)  # both tiers, as the master counts
 
 
 def test_a_tier_of_small_pages_counts_their_headers_and_stays_full():

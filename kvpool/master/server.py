@@ -686,17 +686,19 @@ class MasterServer:
         if rejected:
             await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in rejected])
 
-    async def _dfs_filesystem(self) -> tuple[dict[str, int], list[str]]:
-        """For the DFS's heartbeat: what its filesystem has left, or that it takes no writes
-        (Heartbeat.free_bytes, unwritable). Read once a heartbeat interval (on a network
-        filesystem a statvfs may be a round trip); no news between reads."""
+    async def _dfs_filesystem(self) -> tuple[dict[str, int], list[str], dict[str, int]]:
+        """For the DFS's heartbeat: what its filesystem has left and its device, or that it
+        takes no writes (Heartbeat.free_bytes, unwritable, devices). Read once a heartbeat
+        interval (on a network filesystem a statvfs may be a round trip); no news between."""
         dfs, info, now_ms = self._dfs, self._dfs_info, wall_clock_ms()
         assert dfs is not None and info is not None
         if now_ms < self._dfs_free_due_ms:
-            return {}, []
+            return {}, [], {}
         self._dfs_free_due_ms = now_ms + limits.HEARTBEAT_INTERVAL_MS_DEFAULT
-        free_bytes = await asyncio.to_thread(files.writable_free_bytes, dfs.path)
-        return ({}, [info.segment_id]) if free_bytes is None else ({info.segment_id: free_bytes}, [])
+        room = await asyncio.to_thread(files.writable_room, dfs.path)
+        if room is None:
+            return {}, [info.segment_id], {}
+        return {info.segment_id: room[0]}, [], {info.segment_id: room[1]}
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
         """Remove DFS files of dropped replicas, then free their ranges."""

@@ -263,11 +263,12 @@ class MasterService:
     def _report_filesystem(self, segment: Segment, msg: Heartbeat, now_ms: int) -> None:
         """What a slower tier's filesystem can take, from its node's heartbeat (or the master's
         own look at the DFS): logged when the tier's room changes."""
-        if segment.segment_id in msg.unwritable:
+        segment_id = segment.segment_id
+        if segment_id in msg.unwritable:
             change = self._tiers.report_writable(segment, False)
-        elif segment.segment_id in msg.free_bytes:
+        elif segment_id in msg.free_bytes:
             change = self._tiers.report_writable(segment, True)
-            self._report_free(segment, msg.free_bytes[segment.segment_id], now_ms)
+            self._report_free(segment, msg.free_bytes[segment_id], msg.devices.get(segment_id, -1), now_ms)
         else:
             return
         if change is not None:
@@ -277,10 +278,10 @@ class MasterService:
                     "takes no writes (read-only, or its directory cannot be read): objects evicted from DRAM "
                     "skip it, to the DFS or dropped; what it holds is read as before")  # fmt: skip
 
-    def _report_free(self, segment: Segment, free_bytes: int, now_ms: int) -> None:
+    def _report_free(self, segment: Segment, free_bytes: int, device: int, now_ms: int) -> None:
         """A slower tier's free filesystem space: logged when it starts or stops capping the
         tier's room."""
-        change = self._tiers.report_free(segment, free_bytes, now_ms)
+        change = self._tiers.report_free(segment, free_bytes, device, now_ms)
         if change is None:
             return
         room_bytes = min(segment.allocator.used_bytes + free_bytes, segment.allocator.capacity_bytes)

@@ -76,13 +76,14 @@ SLOWER_TIERS = (TIER_DISK, TIER_DFS)
 
 
 class FreeReport(NamedTuple):
-    """A slower segment's free filesystem space as last reported, and the file bytes its
-    objects may take by it (TierFlow.report_free). Forgotten at `until_ms`
-    (FULL_TIER_RETRY_MS later), as a node that cannot read its filesystem stops reporting."""
+    """A slower segment's free filesystem space as last reported (TierFlow.report_free), and
+    which filesystem that is: (hostname, device), shared by the disk tiers of nodes on one host
+    and disk. Forgotten at `until_ms` (FULL_TIER_RETRY_MS later), as a node that cannot read its
+    filesystem stops reporting."""
 
     segment: Segment
     free_bytes: int
-    room_bytes: int
+    filesystem: tuple[str, int]
     is_capped: bool  # less than the segment's capacity
     until_ms: int
 
@@ -349,7 +350,7 @@ class TierFlow:
     __slots__ = (
         "_config", "_rng", "_registry", "_table", "_evict_objects", "moves", "promotions",
         "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs", "_full", "newly_full",
-        "_reported", "_unwritable",
+        "_reported", "_sharing", "_filesystem_room", "_unwritable",
     )  # fmt: skip
 
     def __init__(
@@ -373,8 +374,11 @@ class TierFlow:
         # may hold, until when); and those found full since the service last took the list.
         self._full: dict[str, tuple[Segment, int, int]] = {}
         self.newly_full: list[tuple[Segment, int]] = []
-        # The last report of each slower segment's free filesystem space (report_free).
+        # The last report of each slower segment's free filesystem space (report_free); per
+        # filesystem, the segments on it and the file bytes they may take, until when.
         self._reported: dict[str, FreeReport] = {}
+        self._sharing: dict[tuple[str, int], dict[str, Segment]] = {}
+        self._filesystem_room: dict[tuple[str, int], tuple[int, int]] = {}
         # Slower segments whose filesystem takes no writes, by their node's last report
         # (report_writable): nothing is moved there until a report says it does again.
         self._unwritable: dict[str, Segment] = {}
@@ -534,8 +538,11 @@ class TierFlow:
         filesystem (0: it fits, as far as the master knows), beyond its capacity's own check."""
         over_bytes = 0
         reported = self._reported.get(segment.segment_id)
-        if reported is not None and reported.segment is segment and now_ms < reported.until_ms:
-            over_bytes = self._file_bytes(segment) + footprint + FILE_OVERHEAD_BYTES - reported.room_bytes
+        if reported is not None and reported.segment is segment:
+            room_bytes, until_ms = self._filesystem_room[reported.filesystem]
+            if now_ms < until_ms:
+                file_bytes = sum(self._file_bytes(s) for s in self._on_filesystem(reported.filesystem))
+                over_bytes = file_bytes + footprint + FILE_OVERHEAD_BYTES - room_bytes
         full_bytes = self._full_bytes(segment, now_ms)
         if full_bytes is not None:
             over_bytes = max(over_bytes, segment.allocator.used_bytes + footprint - full_bytes)
@@ -590,29 +597,47 @@ class TierFlow:
             self._unwritable[segment.segment_id] = segment
         return None if is_writable == was_writable else is_writable
 
-    def report_free(self, segment: Segment, free_bytes: int, now_ms: int) -> bool | None:
-        """The filesystem under slower-tier `segment` has `free_bytes` left: its objects may
-        take what their files take now and that much more. Counted in file bytes (an object's
-        footprint and its header), so that a tier of small objects does not overfill it. Block
-        rounding is not counted (KV pages are whole blocks): what the count misses, a failed
-        move catches (_found_full).
+    def report_free(self, segment: Segment, free_bytes: int, device: int, now_ms: int) -> bool | None:
+        """The filesystem under slower-tier `segment` (`device` on its node's host; -1: not
+        said) has `free_bytes` left: the objects of every segment on it may take what their
+        files take now and that much more. Counted in file bytes (an object's footprint and its
+        header), so that a tier of small objects does not overfill it; and per filesystem, so
+        that the disk tiers of nodes sharing a disk do not each count its free space as theirs.
+        Block rounding is not counted (KV pages are whole blocks): what the count misses, a
+        failed move catches (_found_full).
 
         Returns True when the filesystem starts to hold less than the segment's capacity, False
         when it stops, None when neither (for the log)."""
-        before = self._reported.get(segment.segment_id)
+        segment_id = segment.segment_id
+        filesystem = (segment.info.hostname, device) if device >= 0 else (segment_id, -1)
+        before = self._reported.get(segment_id)
         if before is None:
-            for segment_id, report in list(self._reported.items()):
+            for other_id, report in list(self._reported.items()):
                 if not self._is_live(report.segment):
-                    del self._reported[segment_id]
+                    self._forget_report(other_id)
+        elif before.filesystem != filesystem:
+            self._forget_report(segment_id)
         was_capped = before is not None and before.segment is segment and before.is_capped
         free_bytes = max(0, free_bytes)
         is_capped = segment.allocator.used_bytes + free_bytes < segment.allocator.capacity_bytes
+        self._reported[segment_id] = FreeReport(segment, free_bytes, filesystem, is_capped, now_ms + FULL_TIER_RETRY_MS)
+        self._sharing.setdefault(filesystem, {})[segment_id] = segment
         # Files being written may not have taken their space yet: counted as still to come.
-        room_bytes = self._file_bytes(segment, with_arriving=False) + free_bytes
-        self._reported[segment.segment_id] = FreeReport(
-            segment, free_bytes, room_bytes, is_capped, now_ms + FULL_TIER_RETRY_MS
-        )
+        file_bytes = sum(self._file_bytes(s, with_arriving=False) for s in self._on_filesystem(filesystem))
+        self._filesystem_room[filesystem] = (file_bytes + free_bytes, now_ms + FULL_TIER_RETRY_MS)
         return None if is_capped == was_capped else is_capped
+
+    def _on_filesystem(self, filesystem: tuple[str, int]) -> list[Segment]:
+        """The live segments whose last report named `filesystem`."""
+        return [s for s in self._sharing[filesystem].values() if self._is_live(s)]
+
+    def _forget_report(self, segment_id: str) -> None:
+        report = self._reported.pop(segment_id)
+        sharing = self._sharing[report.filesystem]
+        del sharing[segment_id]
+        if not sharing:
+            del self._sharing[report.filesystem]
+            del self._filesystem_room[report.filesystem]
 
     def filesystem_of(self, segment: Segment) -> tuple[int, bool]:
         """What the last report said of `segment`'s filesystem: its free bytes (-1: none, as

@@ -192,9 +192,10 @@ class DiskTier:
         except KVPoolError:
             return math.nan
 
-    def writable_free_bytes(self) -> int | None:
-        """What the filesystem under the tier has left for it; None when it takes no writes."""
-        return files.writable_free_bytes(self.directory)
+    def writable_room(self) -> tuple[int, int] | None:
+        """What the filesystem under the tier has left, and its device; None when it takes no
+        writes (files.writable_room)."""
+        return files.writable_room(self.directory)
 
     def sync(self) -> None:
         """Make renames and unlinks durable (when the tier is durable). Raises TransferFailed."""

@@ -534,14 +534,17 @@ class Node:
             mounts.append((self._disk_info, self._disk.inventory))
         return mounts
 
-    async def _filesystems(self) -> tuple[dict[str, int], list[str]]:
+    async def _filesystems(self) -> tuple[dict[str, int], list[str], dict[str, int]]:
         """For the master's heartbeat: what the filesystem under the disk tier has left (other
-        files may fill it before the tier's capacity does), or that it takes no writes."""
+        files may fill it before the tier's capacity does) and its device, or that it takes
+        no writes."""
         disk = self._disk
         if disk is None:
-            return {}, []
-        free_bytes = await asyncio.to_thread(disk.writable_free_bytes)
-        return ({}, [disk.segment_id]) if free_bytes is None else ({disk.segment_id: free_bytes}, [])
+            return {}, [], {}
+        room = await asyncio.to_thread(disk.writable_room)
+        if room is None:
+            return {}, [disk.segment_id], {}
+        return {disk.segment_id: room[0]}, [], {disk.segment_id: room[1]}
 
     async def _drop_rejected(self, info: SegmentInfo, rejected: list[InventoryEntry]) -> int:
         """Forget inventory entries the master refused (a disk tier removes their files)."""

@@ -420,14 +420,16 @@ class MountReply(Message, tag=41):
 
 class Heartbeat(Message, tag=42):
     """node -> master, every heartbeat interval. For each of the node's slower-tier segments,
-    either what the filesystem under it has left (`free_bytes`, by segment id), which caps the
-    room the master gives that tier (master/tiers.py report_free), or that it takes no writes
-    (`unwritable`: read-only, or its directory cannot be read); neither: no news. Both
+    either what the filesystem under it has left (`free_bytes`, by segment id) and which
+    filesystem that is (`devices`: its device number on the node's host), which cap the room
+    the master gives that tier (master/tiers.py report_free), or that it takes no writes
+    (`unwritable`: read-only, or its directory cannot be read); neither: no news. All
     appended, empty from an older node."""
 
     segment_ids: list[str]
     free_bytes: dict[str, int] = {}
     unwritable: list[str] = []
+    devices: dict[str, int] = {}
 
 
 class HeartbeatReply(Message, tag=43):

@@ -452,15 +452,16 @@ def free_bytes(directory: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def writable_free_bytes(directory: Path) -> int | None:
-    """free_bytes, or None when nothing can be written there: the filesystem is mounted
-    read-only (as ext4 remounts itself on I/O errors), or `directory` cannot be looked at
-    (gone, unreadable)."""
+def writable_room(directory: Path) -> tuple[int, int] | None:
+    """(free_bytes, the filesystem's device number: one per mounted filesystem on a host), or
+    None when nothing can be written there: the filesystem is mounted read-only (as ext4
+    remounts itself on I/O errors), or `directory` cannot be looked at (gone, unreadable)."""
     try:
         stat = os.statvfs(directory)
+        device = os.stat(directory).st_dev
     except OSError:
         return None
-    return None if stat.f_flag & os.ST_RDONLY else stat.f_bavail * stat.f_frsize
+    return None if stat.f_flag & os.ST_RDONLY else (stat.f_bavail * stat.f_frsize, device)
 
 
 # --- a tier directory: identity and lock ---------------------------------------------------
