@@ -27,6 +27,7 @@ from kvpool.protocol.messages import (
     TIER_DRAM,
     ClusterStatus,
     ExistKeys,
+    FilesystemReport,
     GetReplicaList,
     Heartbeat,
     InventoryEntry,
@@ -385,7 +386,7 @@ def test_the_free_space_a_node_reports_caps_its_disk_tier_before_a_move_fails(ca
     filesystem = SmallFilesystem(files_max=8)
 
     def heartbeat(now: int) -> None:
-        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": filesystem.free_bytes()}), now)
+        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": FilesystemReport(filesystem.free_bytes())}), now)
 
     now = 0
     names = keys("k", 64)
@@ -425,8 +426,8 @@ def test_disk_tiers_of_two_nodes_on_one_filesystem_share_its_free_space():
         now = index * 100
         if now % 1000 == 0:
             for node in ("A", "B"):
-                free = {f"{node}/disk": filesystem.free_bytes()}
-                svc.heartbeat(Heartbeat([node, f"{node}/disk"], free, [], {f"{node}/disk": 7}), now)
+                report = {f"{node}/disk": FilesystemReport(filesystem.free_bytes(), device=7)}
+                svc.heartbeat(Heartbeat([node, f"{node}/disk"], report), now)
         filesystem.put(svc, name, now)
     assert filesystem.full_answers == 0
     assert len(filesystem.files) >= 7
@@ -441,7 +442,8 @@ def test_a_tier_of_small_pages_counts_their_headers_and_stays_full():
     held = []
     for index, name in enumerate(keys("p", 600)):
         if index % 100 == 0:
-            svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": filesystem.free_bytes()}), index * 10)
+            report = {"A/disk": FilesystemReport(filesystem.free_bytes())}
+            svc.heartbeat(Heartbeat(["A", "A/disk"], report), index * 10)
         filesystem.put(svc, name, index * 10)
         held.append(len(filesystem.files))
     assert filesystem.full_answers == 0
@@ -458,7 +460,7 @@ def test_a_disk_tier_that_takes_no_writes_is_skipped_and_still_read(caplog, with
     on_disk = [item.key for _, item in run_moves(svc, 1)]
     ack_drops(svc, 1)
     assert [where(svc, key) for key in on_disk] == [["A/disk"]] * 3
-    unwritable = Heartbeat(["A", "A/disk"], {}, ["A/disk"])
+    unwritable = Heartbeat(["A", "A/disk"], {"A/disk": FilesystemReport(is_writable=False)})
     with caplog.at_level(logging.INFO, logger="kvpool.master.service"):
         svc.heartbeat(unwritable, 2)
         svc.heartbeat(unwritable, 3)
@@ -470,7 +472,7 @@ def test_a_disk_tier_that_takes_no_writes_is_skipped_and_still_read(caplog, with
         else:  # dropped, as without a tier
             assert moves == {} and ack_drops(svc, 5)["A"]
         assert svc.get_replica_list(GetReplicaList(on_disk), 5).codes == [OK] * 3  # read as before
-        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": 64 * MIB}), 6)
+        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": FilesystemReport(64 * MIB)}), 6)
     logged = [(r.levelno, "takes writes again" in r.getMessage()) for r in caplog.records]
     assert logged == [(logging.WARNING, False), (logging.INFO, True)]  # once each way
     svc.finish_moves("A", moves.get("A", []), [OK] * len(moves.get("A", [])), 7)
@@ -483,7 +485,8 @@ def test_a_disk_tier_that_takes_no_writes_is_skipped_and_still_read(caplog, with
 def test_free_space_reports_of_dram_or_unknown_segments_change_nothing():
     svc = cluster()
     names = fill(svc)
-    svc.heartbeat(Heartbeat(["A", "A/disk"], {"A": 0, "ghost": 0}), 1)  # DRAM's is not a filesystem's
+    no_room = FilesystemReport(0)
+    svc.heartbeat(Heartbeat(["A", "A/disk"], {"A": no_room, "ghost": no_room}), 1)  # DRAM's is not a filesystem's
     svc.tick(2)
     assert len(svc.take_moves()["A"]) == 3  # offloads to the disk tier as before
     assert all(where(svc, name) for name in names)
@@ -759,10 +762,11 @@ class TierMachine(RuleBasedStateMachine):
     def do_heartbeat(self, disk_free: int | None, dfs_free: int | None) -> None:
         # The filesystems' free space moves as other programs use them: it caps the room.
         # None: the filesystem takes no writes (read-only).
-        reports = {"A/disk": disk_free, "dfs-1": dfs_free}
-        free_bytes = {segment_id: free for segment_id, free in reports.items() if free is not None}
-        unwritable = [segment_id for segment_id, free in reports.items() if free is None]
-        self.svc.heartbeat(Heartbeat(["A", "A/disk", "dfs-1"], free_bytes, unwritable), self.now)
+        reports = {
+            segment_id: FilesystemReport(is_writable=False) if free is None else FilesystemReport(free)
+            for segment_id, free in {"A/disk": disk_free, "dfs-1": dfs_free}.items()
+        }
+        self.svc.heartbeat(Heartbeat(["A", "A/disk", "dfs-1"], reports), self.now)
 
     @rule(codes=st.lists(MOVE_CODES, min_size=1, max_size=8))
     def do_moves(self, codes: list[int]) -> None:

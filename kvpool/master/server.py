@@ -49,6 +49,7 @@ from kvpool.protocol.messages import (
     DrainSegment,
     DropObjects,
     ExistKeys,
+    FilesystemReport,
     GetReplicaList,
     GetReplicaListReply,
     Heartbeat,
@@ -668,7 +669,7 @@ class MasterServer:
         service, dfs, info = self.service, self._dfs, self._dfs_info
         assert dfs is not None and info is not None
         if self._dfs_service is service and service.has_segment(info.segment_id):
-            service.heartbeat(Heartbeat([info.segment_id], *await self._dfs_filesystem()), wall_clock_ms())
+            service.heartbeat(Heartbeat([info.segment_id], await self._dfs_filesystem()), wall_clock_ms())
             return
         entries = await asyncio.to_thread(lambda: list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)))
         if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
@@ -686,19 +687,16 @@ class MasterServer:
         if rejected:
             await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in rejected])
 
-    async def _dfs_filesystem(self) -> tuple[dict[str, int], list[str], dict[str, int]]:
-        """For the DFS's heartbeat: what its filesystem has left and its device, or that it
-        takes no writes (Heartbeat.free_bytes, unwritable, devices). Read once a heartbeat
-        interval (on a network filesystem a statvfs may be a round trip); no news between."""
+    async def _dfs_filesystem(self) -> dict[str, FilesystemReport]:
+        """For the DFS's heartbeat: what its filesystem can take (Heartbeat.filesystems). Read
+        once a heartbeat interval (on a network filesystem a statvfs may be a round trip); no
+        news between."""
         dfs, info, now_ms = self._dfs, self._dfs_info, wall_clock_ms()
         assert dfs is not None and info is not None
         if now_ms < self._dfs_free_due_ms:
-            return {}, [], {}
+            return {}
         self._dfs_free_due_ms = now_ms + limits.HEARTBEAT_INTERVAL_MS_DEFAULT
-        room = await asyncio.to_thread(files.writable_room, dfs.path)
-        if room is None:
-            return {}, [info.segment_id], {}
-        return {info.segment_id: room[0]}, [], {info.segment_id: room[1]}
+        return {info.segment_id: await asyncio.to_thread(files.filesystem_report, dfs.path)}
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
         """Remove DFS files of dropped replicas, then free their ranges."""

@@ -75,6 +75,7 @@ from kvpool.protocol.messages import (
     DrainSegment,
     ExistKeys,
     ExistsReply,
+    FilesystemReport,
     GetReplicaList,
     GetReplicaListReply,
     Heartbeat,
@@ -256,21 +257,17 @@ class MasterService:
             else:
                 segment.last_seen_ms = now_ms
                 self._registry.set_reachable(segment, True)  # it speaks: its connection is back
-                if segment.tier != TIER_DRAM and (msg.free_bytes or msg.unwritable):
-                    self._report_filesystem(segment, msg, now_ms)
+                report = msg.filesystems.get(segment_id)
+                if report is not None and segment.tier != TIER_DRAM:
+                    self._report_filesystem(segment, report, now_ms)
         return HeartbeatReply(unknown)
 
-    def _report_filesystem(self, segment: Segment, msg: Heartbeat, now_ms: int) -> None:
+    def _report_filesystem(self, segment: Segment, report: FilesystemReport, now_ms: int) -> None:
         """What a slower tier's filesystem can take, from its node's heartbeat (or the master's
         own look at the DFS): logged when the tier's room changes."""
-        segment_id = segment.segment_id
-        if segment_id in msg.unwritable:
-            change = self._tiers.report_writable(segment, False)
-        elif segment_id in msg.free_bytes:
-            change = self._tiers.report_writable(segment, True)
-            self._report_free(segment, msg.free_bytes[segment_id], msg.devices.get(segment_id, -1), now_ms)
-        else:
-            return
+        change = self._tiers.report_writable(segment, report.is_writable)
+        if report.is_writable:
+            self._report_free(segment, report.free_bytes, report.device, now_ms)
         if change is not None:
             log.log(logging.INFO if change else logging.WARNING,
                     "%s segment %s (node %s): its filesystem %s", segment.tier, segment.segment_id,

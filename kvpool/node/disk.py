@@ -39,7 +39,7 @@ from kvpool import limits
 from kvpool.errors import InvalidParams, KVPoolError, ObjectNotFound
 from kvpool.node.inventory import Inventory
 from kvpool.protocol import objectfile
-from kvpool.protocol.messages import TIER_DISK, InventoryEntry, SegmentInfo
+from kvpool.protocol.messages import TIER_DISK, FilesystemReport, InventoryEntry, SegmentInfo
 from kvpool.protocol.objectfile import TierIdentity
 from kvpool.transports import files
 from kvpool.transports.files import FileRange
@@ -192,10 +192,9 @@ class DiskTier:
         except KVPoolError:
             return math.nan
 
-    def writable_room(self) -> tuple[int, int] | None:
-        """What the filesystem under the tier has left, and its device; None when it takes no
-        writes (files.writable_room)."""
-        return files.writable_room(self.directory)
+    def filesystem_report(self) -> FilesystemReport:
+        """What the filesystem under the tier can take, for the master (files.filesystem_report)."""
+        return files.filesystem_report(self.directory)
 
     def sync(self) -> None:
         """Make renames and unlinks durable (when the tier is durable). Raises TransferFailed."""

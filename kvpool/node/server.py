@@ -49,6 +49,7 @@ from kvpool.node.transfer import MasterCallHandler, TransferHandler, wall_clock_
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     DrainSegment,
+    FilesystemReport,
     Heartbeat,
     HeartbeatReply,
     InventoryEntry,
@@ -438,7 +439,7 @@ class Node:
                 if closed.done():
                     log.warning("node %s: master link lost: %s", self.node_id, conn.close_reason)
                     return
-                heartbeat = Heartbeat(self._segment_ids(), *await self._filesystems())
+                heartbeat = Heartbeat(self._segment_ids(), await self._filesystems())
                 reply = _expect(await conn.request(heartbeat, timeout_ms=self.config.rpc_timeout_ms), HeartbeatReply)
                 if reply.unknown_segment_ids:
                     log.warning("node %s: master does not know segment %s (restarted?); "
@@ -534,17 +535,11 @@ class Node:
             mounts.append((self._disk_info, self._disk.inventory))
         return mounts
 
-    async def _filesystems(self) -> tuple[dict[str, int], list[str], dict[str, int]]:
-        """For the master's heartbeat: what the filesystem under the disk tier has left (other
-        files may fill it before the tier's capacity does) and its device, or that it takes
-        no writes."""
+    async def _filesystems(self) -> dict[str, FilesystemReport]:
+        """For the master's heartbeat: what the filesystem under the disk tier can take (other
+        files may fill it before the tier's capacity does)."""
         disk = self._disk
-        if disk is None:
-            return {}, [], {}
-        room = await asyncio.to_thread(disk.writable_room)
-        if room is None:
-            return {}, [disk.segment_id], {}
-        return {disk.segment_id: room[0]}, [], {disk.segment_id: room[1]}
+        return {} if disk is None else {disk.segment_id: await asyncio.to_thread(disk.filesystem_report)}
 
     async def _drop_rejected(self, info: SegmentInfo, rejected: list[InventoryEntry]) -> int:
         """Forget inventory entries the master refused (a disk tier removes their files)."""

@@ -418,18 +418,24 @@ class MountReply(Message, tag=41):
     term: int = 0
 
 
+class FilesystemReport(msgspec.Struct, array_like=True, gc=False):
+    """What the filesystem under a slower-tier segment can take, as its node saw it: the
+    `free_bytes` left there, on `device` (its device number on the node's host, which the disk
+    tiers of nodes sharing one disk share; -1: not known), or nothing (`is_writable` false:
+    read-only, or its directory cannot be read)."""
+
+    free_bytes: int = 0
+    device: int = -1
+    is_writable: bool = True
+
+
 class Heartbeat(Message, tag=42):
-    """node -> master, every heartbeat interval. For each of the node's slower-tier segments,
-    either what the filesystem under it has left (`free_bytes`, by segment id) and which
-    filesystem that is (`devices`: its device number on the node's host), which cap the room
-    the master gives that tier (master/tiers.py report_free), or that it takes no writes
-    (`unwritable`: read-only, or its directory cannot be read); neither: no news. All
-    appended, empty from an older node."""
+    """node -> master, every heartbeat interval. `filesystems`: by segment id, what the
+    filesystems under the node's slower tiers can take, which caps the room the master gives
+    them (master/tiers.py report_free, report_writable); appended, empty from an older node."""
 
     segment_ids: list[str]
-    free_bytes: dict[str, int] = {}
-    unwritable: list[str] = []
-    devices: dict[str, int] = {}
+    filesystems: dict[str, FilesystemReport] = {}
 
 
 class HeartbeatReply(Message, tag=43):

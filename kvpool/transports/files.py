@@ -52,6 +52,7 @@ from kvpool.errors import (
 )
 from kvpool.protocol import objectfile
 from kvpool.protocol.frames import PAGE_BYTES, buffer_address, is_slow_copy
+from kvpool.protocol.messages import FilesystemReport
 from kvpool.protocol.objectfile import ObjectHeader, TierIdentity
 
 # The first read of a header: the fixed part and a key up to ~4 KiB (one page).
@@ -452,16 +453,18 @@ def free_bytes(directory: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def writable_room(directory: Path) -> tuple[int, int] | None:
-    """(free_bytes, the filesystem's device number: one per mounted filesystem on a host), or
-    None when nothing can be written there: the filesystem is mounted read-only (as ext4
+def filesystem_report(directory: Path) -> FilesystemReport:
+    """What the filesystem holding `directory` can take: free_bytes on its device (one per
+    mounted filesystem on a host), or no writes at all: it is mounted read-only (as ext4
     remounts itself on I/O errors), or `directory` cannot be looked at (gone, unreadable)."""
     try:
         stat = os.statvfs(directory)
         device = os.stat(directory).st_dev
     except OSError:
-        return None
-    return None if stat.f_flag & os.ST_RDONLY else (stat.f_bavail * stat.f_frsize, device)
+        return FilesystemReport(is_writable=False)
+    if stat.f_flag & os.ST_RDONLY:
+        return FilesystemReport(is_writable=False)
+    return FilesystemReport(stat.f_bavail * stat.f_frsize, device)
 
 
 # --- a tier directory: identity and lock ---------------------------------------------------
