@@ -78,14 +78,12 @@ SLOWER_TIERS = (TIER_DISK, TIER_DFS)
 class FreeReport(NamedTuple):
     """A slower segment's free filesystem space as last reported (TierFlow.report_free), and
     which filesystem that is: (hostname, device), shared by the disk tiers of nodes on one host
-    and disk. Forgotten at `until_ms` (FULL_TIER_RETRY_MS later), as a node that cannot read its
-    filesystem stops reporting."""
+    and disk."""
 
     segment: Segment
     free_bytes: int
     filesystem: tuple[str, int]
     is_capped: bool  # less than the segment's capacity
-    until_ms: int
 
 
 class MoveKind(enum.Enum):
@@ -375,7 +373,9 @@ class TierFlow:
         self._full: dict[str, tuple[Segment, int, int]] = {}
         self.newly_full: list[tuple[Segment, int]] = []
         # The last report of each slower segment's free filesystem space (report_free); per
-        # filesystem, the segments on it and the file bytes they may take, until when.
+        # filesystem, the segments on it and the file bytes they may take, until when: a
+        # filesystem none reported for FULL_TIER_RETRY_MS caps nothing (a node that cannot
+        # read it stops reporting).
         self._reported: dict[str, FreeReport] = {}
         self._sharing: dict[tuple[str, int], dict[str, Segment]] = {}
         self._filesystem_room: dict[tuple[str, int], tuple[int, int]] = {}
@@ -620,7 +620,7 @@ class TierFlow:
         was_capped = before is not None and before.segment is segment and before.is_capped
         free_bytes = max(0, free_bytes)
         is_capped = segment.allocator.used_bytes + free_bytes < segment.allocator.capacity_bytes
-        self._reported[segment_id] = FreeReport(segment, free_bytes, filesystem, is_capped, now_ms + FULL_TIER_RETRY_MS)
+        self._reported[segment_id] = FreeReport(segment, free_bytes, filesystem, is_capped)
         self._sharing.setdefault(filesystem, {})[segment_id] = segment
         # Files being written may not have taken their space yet: counted as still to come.
         file_bytes = sum(self._file_bytes(s, with_arriving=False) for s in self._on_filesystem(filesystem))
