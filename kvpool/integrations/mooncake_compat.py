@@ -422,7 +422,7 @@ class MooncakeDistributedStore:
             return {}
         try:
             reply = self._store.query(keys)
-            segments = {s.segment.segment_id: s.segment for s in self._store.cluster_status().segments}
+            segments = self._store.cluster_status().segment_infos()
         except KVPoolError as exc:
             log.info("batch_get_replica_desc failed: %s", exc)
             return {}

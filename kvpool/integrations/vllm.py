@@ -238,14 +238,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         try:
             reply = self._store.query([self._key(h, 0, 0) for h in hashes])
             if any(r.segment_id not in self._segments for replicas in reply.replicas for r in replicas):
-                self._segments = {s.segment.segment_id: s.segment for s in self._store.cluster_status().segments}
+                self._segments = self._store.cluster_status().segment_infos()
         except KVPoolError as exc:
             log.debug("kvpool: no hit sources for %s: %s", request.request_id, exc)
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         sources: dict[Any, int] = {}
-        left = num_external_tokens
+        left, hostname = num_external_tokens, self._store.hostname
         for replicas in reply.replicas:
-            source = CacheHitSource(_hit_source(replicas, self._segments, self._store.hostname))
+            source = CacheHitSource(_hit_source(replicas, self._segments, hostname))
             tokens = min(self.block_size, left)
             sources[source] = sources.get(source, 0) + tokens
             left -= tokens

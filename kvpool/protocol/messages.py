@@ -374,6 +374,10 @@ class ClusterStatusReply(Message, tag=27):
     evicted_count: int
     tiers: list[TierStatus] = []  # appended with the tiers; empty from an older master
 
+    def segment_infos(self) -> dict[str, SegmentInfo]:
+        """The mounted segments by id: where a replica named by its segment id lies."""
+        return {status.segment.segment_id: status.segment for status in self.segments}
+
     def to_dict(self) -> dict:
         """A JSON-ready view with named fields (the wire form is positional)."""
         return {
