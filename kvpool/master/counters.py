@@ -20,7 +20,9 @@ class MasterCounters:
     the rounds puts waited for eviction to make room (a cache that runs full: each round is a
     wait of the put for drops or offloads to land); `leases_released` counts read leases given
     back by their readers before they expired (ReleaseLeases); `lookup_holds` counts objects a
-    prefix lookup held for the load that follows it (LongestPrefix.hold_ms)."""
+    prefix lookup held for the load that follows it (LongestPrefix.hold_ms); `refused_returns`
+    counts objects a node mounted again although they were removed or evicted while it was
+    away (tombstones.py)."""
 
     puts: int = 0
     put_bytes: int = 0
@@ -36,6 +38,7 @@ class MasterCounters:
     put_room_rounds: int = 0
     leases_released: int = 0
     lookup_holds: int = 0
+    refused_returns: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

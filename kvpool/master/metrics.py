@@ -4,10 +4,10 @@ The service keeps plain integer counters (no prometheus calls on the hot path); 
 reads them at scrape time, with per-segment gauges from the service's cluster status. Each
 master has its own registry, so several masters (tests, HA) can share a process.
 
-Metric names (prefix kvpool_master_): objects, pending_puts, requests_total{kind},
+Metric names (prefix kvpool_master_): objects, pending_puts, tombstones, requests_total{kind},
 puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_total,
 evicted_bytes_total, removes_total, errors_total, put_room_rounds_total,
-leases_released_total, per segment
+leases_released_total, refused_returns_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
 segment_free_extents{...} and segment_largest_free_bytes{...} (fragmentation: a full cache
 that churns leaves its free space in holes, docs/performance.md "A full cache that churns"),
@@ -58,6 +58,7 @@ COUNTER_HELP = {
     "put_room_rounds": "Rounds puts waited for eviction to make room.",
     "leases_released": "Read leases given back by their readers before they expired.",
     "lookup_holds": "Objects a prefix lookup held from eviction for the load after it.",
+    "refused_returns": "Objects a node mounted again that were removed or evicted while it was away: refused.",
 }
 COUNTER_NAMES = tuple(COUNTER_HELP)
 
@@ -80,6 +81,11 @@ class MasterMetrics(Collector):
         yield GaugeMetricFamily(_PREFIX + "objects", "Complete objects.", value=status.object_count)
         yield GaugeMetricFamily(
             _PREFIX + "pending_puts", "Puts started and not yet ended.", value=status.pending_count
+        )
+        yield GaugeMetricFamily(
+            _PREFIX + "tombstones",
+            "Drops kept for segments that went before their node acknowledged them.",
+            value=len(self._service.tombstones),
         )
         counters = self._service.counters
         for name in COUNTER_NAMES:

@@ -36,6 +36,7 @@ from kvpool.master.metadata import (
     replica_segment_index,
 )
 from kvpool.master.tiers import TierFlow
+from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import PIN_HARD, PIN_SOFT, TIER_DRAM, InventoryEntry, SegmentInfo
 
 
@@ -57,12 +58,20 @@ class _Sweep:
 class MountFlow:
     """Adopts inventories and unmounts segments over the master's shared structures."""
 
-    __slots__ = ("_counters", "_registry", "_table", "_tiers", "_sweeps")
+    __slots__ = ("_counters", "_registry", "_table", "_tiers", "_tombstones", "_sweeps")
 
-    def __init__(self, registry: SegmentRegistry, table: ObjectTable, tiers: TierFlow, counters: MasterCounters):
+    def __init__(
+        self,
+        registry: SegmentRegistry,
+        table: ObjectTable,
+        tiers: TierFlow,
+        tombstones: Tombstones,
+        counters: MasterCounters,
+    ):
         self._registry = registry
         self._table = table
         self._tiers = tiers
+        self._tombstones = tombstones
         self._counters = counters
         self._sweeps: list[_Sweep] = []  # leaving segments, the first being swept
 
@@ -230,7 +239,10 @@ class MountFlow:
 
     def unmount(self, segment: Segment) -> None:
         """Remove a segment: its replicas vanish (O(n) scan when it holds any object), puts in
-        flight lose their ranges there, its quarantine and drops go with it."""
+        flight lose their ranges there, its quarantine goes with it, and its drops its node has
+        not acknowledged become tombstones (tombstones.py)."""
+        if segment.drops_unsent or segment.drops_sent:
+            self._tombstones.bury(segment.segment_id, [*segment.drops_unsent, *segment.drops_sent.values()])
         index = segment.index
         table = self._table
         if segment.object_count:

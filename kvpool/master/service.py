@@ -64,6 +64,7 @@ from kvpool.master.metadata import (
 from kvpool.master.mounts import MountFlow
 from kvpool.master.puts import PendingCommit, PutFlow, merge_retried
 from kvpool.master.tiers import FULL_TIER_RETRY_MS, SLOWER_TIERS, Move, TierFlow
+from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import (
     PLACEMENTS,
     TIER_DRAM,
@@ -162,7 +163,8 @@ class MasterService:
             config, rng, cluster_key, term, self._registry, self._table, self._quarantine, self.counters
         )
         self._tiers = TierFlow(config, rng, self._registry, self._table, self._evict)
-        self._mounts = MountFlow(self._registry, self._table, self._tiers, self.counters)
+        self.tombstones = Tombstones()
+        self._mounts = MountFlow(self._registry, self._table, self._tiers, self.tombstones, self.counters)
 
     # --- gauges -------------------------------------------------------------------------
 
@@ -206,8 +208,9 @@ class MasterService:
         inventory as several MountSegments. A different shm_token means the node made a new
         segment file: the old incarnation is unmounted first (its replicas are gone).
         Inventory entries become replicas of complete objects, allocated exactly where the node
-        holds them; an entry that overlaps another range, lies outside the segment, or disagrees
-        on size or checksum with the object's other replicas is returned in `rejected`.
+        holds them; an entry that overlaps another range, lies outside the segment, disagrees
+        on size or checksum with the object's other replicas, or was removed or evicted while
+        the segment was away (tombstones.py) is returned in `rejected`.
 
         Raises:
             InvalidParams: malformed segment info, or too many segments.
@@ -243,8 +246,13 @@ class MasterService:
             if self._registry.is_full():
                 raise self._count_error(InvalidParams("too many segments mounted"))
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
+        inventory, removed = self.tombstones.unearth(info.segment_id, msg.inventory)
+        if removed:
+            self.counters.refused_returns += len(removed)
+            log.info("segment %s (node %s) mounted again holding %d objects removed or evicted while it was away: "
+                     "refused (its node drops them)", info.segment_id, info.node_id, len(removed))  # fmt: skip
         soft_pin_expiry_ms = max(1, now_ms + self.config.soft_pin_ttl_ms)
-        return MountReply(self._mounts.adopt(segment, msg.inventory, soft_pin_expiry_ms), self.term)
+        return MountReply(removed + self._mounts.adopt(segment, inventory, soft_pin_expiry_ms), self.term)
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
         """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""
@@ -257,6 +265,7 @@ class MasterService:
             else:
                 segment.last_seen_ms = now_ms
                 self._registry.set_reachable(segment, True)  # it speaks: its connection is back
+                self.tombstones.settle(segment_id)
                 report = msg.filesystems.get(segment_id)
                 if report is not None and segment.tier != TIER_DRAM:
                     self._report_filesystem(segment, report, now_ms)
@@ -830,6 +839,7 @@ class MasterService:
                 self._mounts.leave(segment)
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
+        self.tombstones.expire(now_ms)
         self._table.expire_soft_pins(now_ms)
         self._evict_above_watermark(now_ms)
         self._tiers.evict_above_watermark(now_ms)
@@ -948,6 +958,7 @@ class MasterService:
             assert segment.object_count == object_counts[segment.index], segment
             segment.check_invariants(ranges[segment.index])
         self._quarantine.check_invariants(registry)
+        self.tombstones.check_invariants()
         self._tiers.check_invariants()
         for name, value in dataclasses.asdict(self.counters).items():
             assert value >= 0, (name, value)

@@ -1,0 +1,153 @@
+"""Tombstones: the drops a segment left with, so that what was removed stays removed when its
+node comes back.
+
+A removed or evicted object's replica is forgotten by its node on a drop (membership.py), and
+its range is freed when the node acknowledges it. A segment that goes before then (its node
+died, was timed out, restarted on the same disk tier, or unmounted) takes its unacknowledged
+drops with it, yet its node may still hold those objects: a disk tier re-adopts its files on
+restart, and a node the master timed out while it was cut off mounts its DRAM segment again,
+everything in it. The master keeps, per segment id, the key and offset of each such drop, and
+refuses the inventory entries that match one when the segment mounts again (MountReply's
+`rejected`: the node drops them, and a disk tier removes their files).
+
+A segment's tombstones go
+- one by one, as its mount refuses the entries they match;
+- all at its first heartbeat after a mount: a node sends its whole inventory before it
+  heartbeats, so what is left matched nothing the node holds;
+- TOMBSTONE_TTL_MS after the segment's last burial (a node that stays away longer comes back
+  with what was removed meanwhile: the cost of keeping no state forever);
+- beyond TOMBSTONES_MAX, the oldest segment's first (and a warning is logged).
+
+Not kept across a restart of the master or a change of leader (in memory, as the drops were);
+nor can a remove reach an object whose node the master had already timed out (the remove
+finds no such key). A burial is stamped with the time of the master's last tick.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+
+from kvpool import limits
+from kvpool.protocol.messages import InventoryEntry
+
+log = logging.getLogger(__name__)
+
+
+class _Graves:
+    """One segment's tombstones: key -> offset, oldest first."""
+
+    __slots__ = ("offsets", "buried_ms")
+
+    def __init__(self, buried_ms: int) -> None:
+        self.offsets: dict[str, int] = {}
+        self.buried_ms = buried_ms
+
+
+class Tombstones:
+    """Per segment id, the drops its node never acknowledged (the module)."""
+
+    __slots__ = ("_segments", "_mounted", "_count", "_now_ms", "_is_over", "ttl_ms", "entries_max")
+
+    def __init__(self, ttl_ms: int = limits.TOMBSTONE_TTL_MS, entries_max: int = limits.TOMBSTONES_MAX) -> None:
+        assert ttl_ms > 0 and entries_max > 0, (ttl_ms, entries_max)
+        self.ttl_ms = ttl_ms
+        self.entries_max = entries_max
+        self._segments: dict[str, _Graves] = {}  # by last burial, oldest first
+        self._mounted: set[str] = set()  # ids whose mount looked at their tombstones
+        self._count = 0
+        self._now_ms = 0
+        self._is_over = False  # entries_max was reached (logged once until under again)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def bury(self, segment_id: str, entries: Iterable[InventoryEntry]) -> None:
+        """The segment is going with these drops unacknowledged."""
+        graves = self._segments.pop(segment_id, None) or _Graves(self._now_ms)
+        graves.buried_ms = self._now_ms
+        offsets = graves.offsets
+        before = len(offsets)
+        for entry in entries:
+            offsets[entry.key] = entry.offset
+        self._count += len(offsets) - before
+        if offsets:
+            self._segments[segment_id] = graves
+        if self._count > self.entries_max:
+            self._forget_oldest(self._count - self.entries_max)
+
+    def unearth(
+        self, segment_id: str, inventory: list[InventoryEntry]
+    ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
+        """A mount of the segment: (the entries to adopt, the entries a tombstone refuses).
+        A refused entry's tombstone goes; the rest stay until the segment's next heartbeat."""
+        graves = self._segments.get(segment_id)
+        if graves is None:
+            return inventory, []
+        self._mounted.add(segment_id)
+        offsets = graves.offsets
+        adopted: list[InventoryEntry] = []
+        refused: list[InventoryEntry] = []
+        for entry in inventory:
+            if offsets.get(entry.key) == entry.offset:
+                del offsets[entry.key]
+                refused.append(entry)
+            else:
+                adopted.append(entry)
+        self._count -= len(refused)
+        if not offsets:
+            del self._segments[segment_id]
+            self._mounted.discard(segment_id)
+        return adopted, refused
+
+    def settle(self, segment_id: str) -> None:
+        """The segment's node heartbeats: a mount before it sent the whole inventory, so the
+        tombstones it did not match are forgotten."""
+        if segment_id in self._mounted:
+            self._mounted.discard(segment_id)
+            graves = self._segments.pop(segment_id, None)
+            if graves is not None:
+                self._count -= len(graves.offsets)
+
+    def expire(self, now_ms: int) -> None:
+        """Forget the segments buried TOMBSTONE_TTL_MS ago; `now_ms` stamps later burials."""
+        self._now_ms = now_ms
+        segments = self._segments
+        while segments:
+            segment_id, graves = next(iter(segments.items()))
+            if graves.buried_ms + self.ttl_ms > now_ms:
+                break
+            log.debug("tombstones of segment %s expired: %d objects removed while it was away may come back with it",
+                     segment_id, len(graves.offsets))  # fmt: skip
+            del segments[segment_id]
+            self._mounted.discard(segment_id)
+            self._count -= len(graves.offsets)
+        if self._is_over and self._count < self.entries_max:
+            self._is_over = False
+
+    def _forget_oldest(self, count: int) -> None:
+        if not self._is_over:
+            self._is_over = True
+            log.warning("more than %d tombstones: the oldest are forgotten, and objects removed while their "
+                        "node was away may come back with it", self.entries_max)  # fmt: skip
+        segments = self._segments
+        while count > 0:
+            segment_id, graves = next(iter(segments.items()))
+            offsets = graves.offsets
+            if len(offsets) <= count:
+                del segments[segment_id]
+                self._mounted.discard(segment_id)
+                self._count -= len(offsets)
+                count -= len(offsets)
+                continue
+            # Rebuilt rather than popped from the front, which costs a CPython dict O(n) a pop.
+            graves.offsets = dict(itertools.islice(offsets.items(), count, None))
+            self._count -= count
+            count = 0
+
+    def check_invariants(self) -> None:
+        assert self._count == sum(len(g.offsets) for g in self._segments.values()), self._count
+        assert all(g.offsets for g in self._segments.values()), "a segment without tombstones is kept"
+        assert self._count <= self.entries_max, (self._count, self.entries_max)
+        assert self._mounted <= self._segments.keys(), self._mounted - self._segments.keys()

@@ -1,0 +1,59 @@
+"""A removed object stays removed when the node that held it comes back: real processes on
+loopback, a master with a short node TTL.
+
+The master tells a node to forget a removed (or evicted) object by a drop. A dead node gets
+none, and its disk tier re-adopts its files when it restarts on the same directory. Without
+the master's record of the drops it could not deliver (tombstones, kvpool/master/tombstones.py),
+the keys a user removed came back with that node. (A node the master timed out while it was
+cut off, its DRAM intact, is the same case: tests/test_master_tombstones.py. Loopback cannot
+cut a node off without also holding the drop for it, which the node then reads.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool import Store
+from tests.test_cluster import values_for, wait_until
+from tests.test_cluster_disk import OBJECT_SIZE, disk_args, disk_keys, object_files, tiers_of
+
+NODE_TTL_MS = 1500
+
+
+def segment_ids(store: Store) -> set[str]:
+    return {status.segment.segment_id for status in store.cluster_status().segments}
+
+
+@pytest.mark.parametrize("comes_back", ["within_ttl", "after_ttl"])
+def test_disk_objects_removed_while_their_node_is_dead_stay_removed_after_its_restart(
+    make_cluster, tmp_path, comes_back
+):
+    cluster = make_cluster(0, "8MiB", master_args=("--node-ttl-ms", str(NODE_TTL_MS)))
+    disk = tmp_path / "disk"
+    node = cluster.start_node(disk_args(disk))
+    values = values_for("removed", 64, OBJECT_SIZE)  # 16 MiB through 8 MiB of DRAM
+    with Store(cluster.master_endpoint) as store:
+        for key, value in values.items():
+            store.put(key, value)
+        wait_until(lambda: sum(t["object_count"] for t in tiers_of(store).values()) == 64
+                   and tiers_of(store)["dram"]["used_bytes"] <= 0.9 * 8 * 1024 * 1024)  # fmt: skip
+        on_disk = disk_keys(store, list(values), node.info["disk_segment_id"])
+        assert len(on_disk) >= 32
+        node.kill()
+        removed, kept = on_disk[::2], on_disk[1::2]
+        assert store.batch_remove(removed) == [0] * len(removed)  # the master forgets them at once
+        assert not any(store.batch_exists(removed))
+        if comes_back == "after_ttl":
+            assert wait_until(lambda: node.info["disk_segment_id"] not in segment_ids(store), 10)
+    assert len(object_files(disk)) >= len(on_disk)  # the dead node removed no file
+    restarted = cluster.start_node(disk_args(disk))
+    assert restarted.info["disk_segment_id"] == node.info["disk_segment_id"]
+    with Store(cluster.master_endpoint, shm_enabled=False) as reader:
+        assert wait_until(lambda: all(reader.batch_exists(kept)), 10)
+        assert not any(reader.batch_exists(removed))
+        assert reader.get_batch(removed) == [None] * len(removed)
+        assert reader.get_batch(kept) == [values[key] for key in kept]
+        assert tiers_of(reader)["disk"]["object_count"] == len(kept)
+    assert len(object_files(disk)) == len(kept)  # the restarted node removed their files
+    assert "rejected" in restarted.log_tail(50)
+

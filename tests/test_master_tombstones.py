@@ -1,0 +1,153 @@
+"""Tombstones (master/tombstones.py): what a segment's node was told to forget, and never
+acknowledged, is refused when the segment mounts again.
+
+How: the pure Tombstones on its own (matching, settling, expiry, the bound), then MasterService
+through test_master_service's checked proxy, with the node played by the test: a segment leaves
+with drops unacknowledged (timed out, unmounted, a disk tier restarted under a new node id) and
+mounts again with the inventory its node still holds. The real processes are in
+tests/test_cluster_removed.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvpool.master.tombstones import Tombstones
+from kvpool.protocol.messages import (
+    TIER_DISK,
+    Heartbeat,
+    InventoryEntry,
+    MountSegment,
+    Remove,
+    RemoveAll,
+    UnmountSegment,
+)
+from tests.test_master_service import OBJECT_SIZE, OK, ack_drops, checksum_of, exists, get, info, make, mount, put
+
+
+def entry(key: str, offset: int) -> InventoryEntry:
+    return InventoryEntry(key, offset, 100, 7)
+
+
+def test_a_mount_refuses_the_entries_buried_at_their_offset_and_its_heartbeat_settles_the_rest() -> None:
+    tombstones = Tombstones()
+    tombstones.bury("s1", [entry("a", 0), entry("b", 128), entry("c", 256)])
+    tombstones.bury("s2", [entry("a", 0)])
+    assert len(tombstones) == 4
+    tombstones.settle("s1")  # no mount since: nothing settles
+    assert len(tombstones) == 4
+    adopted, refused = tombstones.unearth("s1", [entry("a", 0), entry("b", 4096), entry("d", 512)])
+    assert refused == [entry("a", 0)]
+    assert adopted == [entry("b", 4096), entry("d", 512)]  # b was put again elsewhere: not this drop's
+    assert tombstones.unearth("s1", [entry("a", 0)]) == ([entry("a", 0)], [])  # consumed
+    adopted, refused = tombstones.unearth("s1", [entry("c", 256)])  # a later part of the inventory
+    assert refused == [entry("c", 256)]
+    assert len(tombstones) == 2  # b on s1, a on s2
+    tombstones.settle("s1")
+    assert len(tombstones) == 1
+    assert tombstones.unearth("s1", [entry("b", 128)]) == ([entry("b", 128)], [])
+    assert tombstones.unearth("s2", [entry("a", 0)])[1] == [entry("a", 0)]
+    assert len(tombstones) == 0
+    tombstones.check_invariants()
+
+
+def test_tombstones_expire_by_segment_and_are_bounded_oldest_first(caplog) -> None:
+    tombstones = Tombstones(ttl_ms=1_000, entries_max=5)
+    tombstones.expire(0)
+    tombstones.bury("old", [entry("a", 0), entry("b", 128)])
+    tombstones.expire(600)
+    tombstones.bury("new", [entry("c", 0)])
+    tombstones.expire(999)
+    assert len(tombstones) == 3
+    tombstones.expire(1_000)
+    assert len(tombstones) == 1  # "old" went; "new" was buried at 600
+    tombstones.bury("old", [entry("a", 0), entry("b", 128), entry("d", 256)])
+    with caplog.at_level(logging.WARNING, logger="kvpool.master.tombstones"):
+        tombstones.bury("newest", [entry("e", 0), entry("f", 128), entry("g", 256)])
+    assert len(tombstones) == 5 and "more than 5 tombstones" in caplog.text
+    tombstones.check_invariants()
+    # "new" (buried first of the three) went whole, then "old"'s oldest entry.
+    assert tombstones.unearth("new", [entry("c", 0)])[1] == []
+    assert tombstones.unearth("old", [entry("a", 0), entry("b", 128)])[1] == [entry("b", 128)]
+    tombstones.check_invariants()
+
+
+def removed_while_away(svc, keys: list[str]) -> tuple[list[InventoryEntry], list[str]]:
+    """Put `keys` on s1 and remove half of them, one drop sent and not acknowledged, the
+    others not sent; returns what the node holds (all of them) and the removed keys."""
+    assert put(svc, keys) == [OK] * len(keys)
+    held = [
+        InventoryEntry(key, replicas[0].offset, OBJECT_SIZE, checksum_of(key))
+        for key, replicas in zip(keys, get(svc, keys, 1).replicas)
+    ]
+    removed = keys[::2]
+    svc.remove(Remove(removed[:1], force=True), 2)
+    assert [e.key for e in svc.take_drops()["s1"]] == removed[:1]  # sent, never acknowledged
+    svc.remove(Remove(removed[1:], force=True), 3)
+    return held, removed
+
+
+@pytest.mark.parametrize("leaves_by", ["node_ttl", "unmount"])
+def test_objects_removed_while_a_segment_was_away_are_refused_when_it_mounts_again(leaves_by: str, caplog) -> None:
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1")
+    keys = [f"k{i}" for i in range(8)]
+    held, removed = removed_while_away(svc, keys)
+    if leaves_by == "node_ttl":
+        svc.tick(1_000)  # silent: a node cut off from the master, its DRAM intact
+    else:
+        svc.unmount_segment(UnmountSegment("s1"), 1_000)
+    assert exists(svc, keys) == [False] * 8
+    assert len(svc.tombstones) == len(removed)
+    with caplog.at_level(logging.INFO, logger="kvpool.master.service"):
+        rejected = mount(svc, "s1", now=1_100, inventory=held)
+    assert sorted(e.key for e in rejected) == sorted(removed)
+    assert "holding 4 objects removed or evicted while it was away" in caplog.text
+    assert exists(svc, keys) == [key not in removed for key in keys]
+    assert svc.counters.refused_returns == len(removed)
+    assert len(svc.tombstones) == 0
+    assert svc.heartbeat(Heartbeat(["s1"]), 1_200).unknown_segment_ids == []
+    # Their ranges are free again: the node dropped the refused entries.
+    assert put(svc, [f"new{i}" for i in range(4)], now=1_300) == [OK] * 4
+
+
+def test_a_disk_tier_restarted_under_a_new_node_id_comes_back_without_what_was_removed() -> None:
+    svc = make()
+    disk = info("disk-1", node="node-a")
+    disk.tier = TIER_DISK
+    inventory = [InventoryEntry(f"k{i}", i * 4096, 100, i + 1) for i in range(6)]
+    assert svc.mount_segment(MountSegment(disk, inventory), 0).rejected == []
+    assert svc.remove_all(RemoveAll(force=True), 1).count == 6
+    assert len(svc.take_drops()["disk-1"]) == 6  # the node dies before it acknowledges
+    restarted = info("disk-1", node="node-b")  # the same directory, the same id and token
+    restarted.tier = TIER_DISK
+    rejected = svc.mount_segment(MountSegment(restarted, inventory[:3]), 2).rejected  # in two parts
+    assert rejected == inventory[:3]
+    assert svc.mount_segment(MountSegment(restarted, inventory[3:]), 3).rejected == inventory[3:]
+    assert exists(svc, [e.key for e in inventory]) == [False] * 6
+
+
+def test_a_tombstone_the_mount_did_not_match_is_forgotten_at_the_next_heartbeat() -> None:
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1")
+    held, removed = removed_while_away(svc, ["a", "b"])
+    svc.tick(1_000)
+    assert mount(svc, "s1", now=1_001, inventory=[]) == []  # the node had forgotten them itself
+    assert len(svc.tombstones) == 1
+    svc.heartbeat(Heartbeat(["s1"]), 1_002)
+    assert len(svc.tombstones) == 0
+    # A later mount with that entry (put there again since) is not refused.
+    svc.tick(3_000)
+    assert mount(svc, "s1", now=3_001, inventory=[e for e in held if e.key in removed]) == []
+
+
+def test_acknowledged_drops_leave_no_tombstone() -> None:
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1")
+    assert put(svc, ["a", "b"]) == [OK, OK]
+    svc.remove(Remove(["a"], force=True), 1)
+    ack_drops(svc, 1)
+    svc.tick(1_000)
+    assert len(svc.tombstones) == 0
