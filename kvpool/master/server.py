@@ -165,6 +165,7 @@ class MasterServer:
         self._takeover: Takeover | None = None
         self._node_conns: dict[str, Connection] = {}
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
+        self._drops_failing: set[str] = set()  # segment ids whose last drop failed (logged once)
         self._server: Listener | None = None
         self._http = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -331,6 +332,7 @@ class MasterServer:
                 reply = service.unmount_segment(message, now_ms)
                 self._node_conns.pop(message.segment_id, None)
                 self._unsent_drops.pop(message.segment_id, None)
+                self._drops_failing.discard(message.segment_id)
                 return reply
             case DrainSegment():
                 return service.drain_segment(message, now_ms)
@@ -532,13 +534,17 @@ class MasterServer:
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
                     service.drops_done(segment_id, chunk, wall_clock_ms())
                     sent += len(chunk)
+                    self._drops_through(segment_id)
                     if self._room_waiters:
                         self._give_room_to_waiters(service)
             except KVPoolError as exc:
-                log.info("drop on segment %s deferred: %s", segment_id, exc)
+                self._drops_deferred(segment_id, exc, logging.INFO)
         if sent < len(entries) and service is self.service and service.has_segment(segment_id):
-            # Kept until the node is back, or its segment is gone (the ranges go with it).
+            # Kept until the node is back, or its segment is gone (the ranges go with it, the
+            # entries stay as tombstones: tombstones.py).
             self._unsent_drops.setdefault(segment_id, []).extend(entries[sent:])
+        elif not service.has_segment(segment_id):
+            self._drops_failing.discard(segment_id)
 
     async def _tick_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -705,11 +711,24 @@ class MasterServer:
         try:
             await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in entries])
         except KVPoolError as exc:
-            log.warning("removing DFS files failed (kept for the next flush): %s", exc)
+            self._drops_deferred(info.segment_id, exc, logging.WARNING)
             if service is self.service:
                 self._unsent_drops.setdefault(info.segment_id, []).extend(entries)
             return
+        self._drops_through(info.segment_id)
         service.drops_done(info.segment_id, entries, wall_clock_ms())
+
+    def _drops_deferred(self, segment_id: str, exc: KVPoolError, level: int) -> None:
+        """A drop failed; it is sent again at each flush. Logged once until one goes through
+        (a read-only disk tier fails every one: docs/tiers.md)."""
+        if segment_id not in self._drops_failing:
+            self._drops_failing.add(segment_id)
+            log.log(level, "drops on segment %s deferred, sent again until they go through: %s", segment_id, exc)
+
+    def _drops_through(self, segment_id: str) -> None:
+        if segment_id in self._drops_failing:
+            self._drops_failing.discard(segment_id)
+            log.info("drops on segment %s go through again", segment_id)
 
     # --- high availability (election.py calls these; see the module docstring) --------------
 
@@ -761,6 +780,7 @@ class MasterServer:
         self.metrics = MasterMetrics(self.service)
         self._node_conns = {}
         self._unsent_drops = {}
+        self._drops_failing = set()
 
 
 def _new_term_id() -> int:

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.errors import InvalidParams, KVPoolError, ObjectNotFound
+from kvpool.errors import InvalidParams, KVPoolError, ObjectNotFound, TransferFailed
 from kvpool.node.inventory import Inventory
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import TIER_DISK, FilesystemReport, InventoryEntry, SegmentInfo
@@ -53,7 +53,8 @@ class DiskTier:
     The inventory is changed on the event loop only (`record`, `forget`); file I/O runs in
     worker threads (write_file, remove_files, open_range). Invariant: every inventory entry
     has a whole file named `disk_name(entry.offset)`; a file without an entry is either being
-    written (a temporary name) or about to be removed.
+    written (a temporary name), about to be removed, or one a drop could not remove
+    (`unremoved`: a read-only filesystem).
     """
 
     def __init__(self, directory: Path, identity: TierIdentity, lock_fd: int, is_durable: bool) -> None:
@@ -62,6 +63,10 @@ class DiskTier:
         self.identity = identity
         self.is_durable = is_durable
         self.inventory = Inventory(identity.capacity_bytes)
+        # Offset -> entry the master dropped whose file could not be removed (a read-only
+        # filesystem): served no more, and the drop is acknowledged only once the file is gone,
+        # so the master neither reuses its range nor forgets that the node still has it.
+        self.unremoved: dict[int, InventoryEntry] = {}
         self._lock_fd: int | None = lock_fd
 
     def __repr__(self) -> str:
@@ -157,22 +162,32 @@ class DiskTier:
         entry = self.inventory.get(key)
         return entry if entry is not None and entry.offset == offset else None
 
-    def record(self, entries: list[InventoryEntry]) -> list[Path]:
-        """Record whole files in the inventory. Returns the files of entries they displaced
-        (the master lost track of those: the newest wins), for the caller to remove."""
+    def record(self, entries: list[InventoryEntry]) -> list[InventoryEntry]:
+        """Record whole files in the inventory. Returns the entries they displaced (the
+        master lost track of those: the newest wins), for the caller to remove their files."""
         written = {entry.offset for entry in entries}
         displaced = self.inventory.add(entries)
         if displaced:
             log.warning("disk tier %s: %d objects displaced: %s", self.segment_id, len(displaced),
                         [entry.key for entry in displaced[:8]])  # fmt: skip
+        for offset in written & self.unremoved.keys():
+            del self.unremoved[offset]  # its file was replaced by the rename: no drop may remove it now
         # A displaced entry at the same offset as a new one shared its file name: the rename
         # already replaced that file.
-        return [self.path_of(e.offset) for e in displaced if e.offset not in written]
+        return [e for e in displaced if e.offset not in written]
 
-    def forget(self, entries: Iterable[InventoryEntry]) -> list[Path]:
-        """Drop entries (by key and offset) from the inventory; returns their files, for the
-        caller to remove before it acknowledges the drop."""
-        return [self.path_of(entry.offset) for entry in self.inventory.drop(entries)]
+    def forget(self, entries: Iterable[InventoryEntry]) -> list[InventoryEntry]:
+        """Drop entries (by key and offset) from the inventory; returns them, and those an
+        earlier drop could not remove the files of, for the caller to remove before it
+        acknowledges the drop."""
+        entries = list(entries)
+        dropped = self.inventory.drop(entries)
+        unremoved = self.unremoved
+        for entry in entries if unremoved else ():
+            held = unremoved.get(entry.offset)
+            if held is not None and held.key == entry.key:
+                dropped.append(unremoved.pop(entry.offset))
+        return dropped
 
     # --- files (worker threads) -----------------------------------------------------------
 
@@ -201,12 +216,19 @@ class DiskTier:
         if self.is_durable:
             files.sync_directory(self.objects_path)
 
-    def remove_files(self, paths: list[Path]) -> None:
-        """Remove files, then sync the directory. Raises TransferFailed."""
-        for path in paths:
-            files.remove(path)
-        if paths:
+    def remove_files(self, entries: list[InventoryEntry]) -> list[InventoryEntry]:
+        """Remove the files of forgotten entries, then sync the directory. Returns the entries
+        whose file could not be removed (a read-only filesystem). Raises TransferFailed: the
+        sync failed."""
+        left: list[InventoryEntry] = []
+        for entry in entries:
+            try:
+                files.remove(self.path_of(entry.offset))
+            except TransferFailed:
+                left.append(entry)
+        if len(left) < len(entries):
             self.sync()
+        return left
 
     def open_range(self, entry: InventoryEntry, offset: int, size_bytes: int) -> FileRange:
         """The bytes [offset, offset + size) of the tier, which lie in `entry`'s file, as an

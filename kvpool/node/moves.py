@@ -162,9 +162,9 @@ class Mover:
                 assert not displaced, f"a promotion displaced committed objects: {displaced[:4]}"
             if to_disk:
                 assert self.disk is not None
-                stale = self.disk.record(to_disk)
+                displaced = self.disk.record(to_disk)
                 # The master hears of the files only once their renames are durable.
-                await self.run_in_thread(self.disk.remove_files, stale)
+                await self.run_in_thread(self.disk.remove_files, displaced)
                 await self.run_in_thread(self.disk.sync)
         finally:
             self._release(size_bytes)

@@ -546,9 +546,12 @@ class Node:
         disk = self._disk
         if disk is not None and info.segment_id == disk.segment_id:
             assert self._mover is not None
-            paths = disk.forget(rejected)
-            await self._mover.run_in_thread(disk.remove_files, paths)
-            return len(paths)
+            entries = disk.forget(rejected)
+            left = await self._mover.run_in_thread(disk.remove_files, entries)
+            if left:
+                log.warning("node %s: the files of %d refused objects could not be removed (read-only filesystem?): "
+                            "not served, but offered again at the next start", self.node_id, len(left))  # fmt: skip
+            return len(entries) - len(left)
         return len(self.inventory.drop(rejected))
 
     # --- teardown, state, metrics ----------------------------------------------------------

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Sequence
 
 from kvpool import limits
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, ObjectNotFound, SegmentNotFound
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, ObjectNotFound, SegmentNotFound, TransferFailed
 from kvpool.node.disk import DiskTier
 from kvpool.node.metrics import TierMetrics
 from kvpool.node.moves import Mover
@@ -262,7 +262,18 @@ class TieredMasterCalls:
     async def _drop_disk(self, disk: DiskTier, message: DropObjects) -> HandlerResult:
         # Forgotten now (no read is served from them from here on), acknowledged once the
         # files are gone for good: the master may hand the range to a new object right after.
-        paths = disk.forget(message.entries)
-        await self.mover.run_in_thread(disk.remove_files, paths)
-        log.debug("disk tier %s: dropped %d of %d objects", disk.segment_id, len(paths), len(message.entries))
+        # A file that cannot be removed (a read-only filesystem) fails the drop; the master
+        # sends it again until it can (DiskTier.unremoved), and keeps it as a tombstone should
+        # the node restart meanwhile, so that the object does not come back.
+        entries = disk.forget(message.entries)
+        left = await self.mover.run_in_thread(disk.remove_files, entries)
+        if left:
+            is_new = any(entry.offset not in disk.unremoved for entry in left)
+            disk.unremoved.update((entry.offset, entry) for entry in left)
+            reason = (f"disk tier {disk.segment_id}: {len(left)} of {len(entries)} dropped objects' files "
+                      f"could not be removed (read-only filesystem?); no longer served")  # fmt: skip
+            if is_new:
+                log.warning("%s; the drop is acknowledged once they are gone", reason)
+            raise TransferFailed(reason)
+        log.debug("disk tier %s: dropped %d of %d objects", disk.segment_id, len(entries), len(message.entries))
         return OkReply()
