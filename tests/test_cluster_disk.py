@@ -318,15 +318,26 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_clu
     assert "its filesystem has" in master_log or "its filesystem is full" in master_log
     failures = [line for line in node.log_tail(200).splitlines() if "No space left" in line]
     assert len(failures) <= 2, failures  # one line per request, not one per object
-    with urllib.request.urlopen(f"http://{node.info['metrics_endpoint']}/metrics", timeout=5) as response:
-        metrics = response.read().decode()
-    (free,) = [line for line in metrics.splitlines() if line.startswith("kvpool_node_disk_filesystem_free_bytes ")]
-    assert float(free.split()[1]) < 1024 * 1024  # what an operator alerts on
-    # ... and the master's view of every node's, from the next heartbeat (the disk segment's).
+    # What an operator alerts on: the filesystem nearly full (the tier holds what it can, less
+    # up to the moves in flight at the last report: the master counts those as not landed, so
+    # on a loaded machine it keeps a few objects fewer) ...
+    free = files.free_bytes(mount)
+    assert free < 3 * 1024 * 1024
+
+    def node_free() -> float:
+        with urllib.request.urlopen(f"http://{node.info['metrics_endpoint']}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        (line,) = [line for line in metrics.splitlines() if line.startswith("kvpool_node_disk_filesystem_free_bytes ")]
+        return float(line.split()[1])
+
+    assert wait_until(lambda: node_free() == files.free_bytes(mount), 10)  # ... in the node's metrics ...
+    # ... and in the master's view of every node's, from the next heartbeat (the disk segment's).
     prefix = "kvpool_master_segment_filesystem_free_bytes{"
-    assert wait_until(lambda: [line for line in master_lines(cluster) if line.startswith(prefix)], 10)
-    (reported,) = [line for line in master_lines(cluster) if line.startswith(prefix)]
-    assert float(reported.rsplit(" ", 1)[1]) < 1024 * 1024
+
+    def master_free() -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in master_lines(cluster) if line.startswith(prefix)]
+
+    assert wait_until(lambda: master_free() == [files.free_bytes(mount)], 10)
 
 
 @pytest.mark.parametrize("tier", ["disk", "dfs"])
