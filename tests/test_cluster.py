@@ -419,6 +419,36 @@ def test_transfers_over_tcp_go_from_the_calling_thread_and_those_of_several_fram
         assert len(through_the_loop) == 2  # this thread and one other hold the two places
 
 
+def test_a_node_that_stops_answering_holds_up_its_own_drops_only(make_cluster):
+    """The master sends drops to each node on its own: one that does not answer (SIGSTOP,
+    before its TTL) holds up the drops meant for it, not those that make room for puts on the
+    other nodes, nor the master's housekeeping. Before, all drops went out under one lock for
+    up to NODE_CALL_TIMEOUT_MS (5 s): a put into a full cache elsewhere waited for room that
+    could not land, and failed with NO_AVAILABLE_HANDLE after its 2.5 s wait."""
+    cluster = make_cluster(0, "8MiB", master_args=("--node-ttl-ms", "30000"))
+    stuck = cluster.start_node(memory="1MiB")
+    with Store(cluster.master_endpoint) as store:
+        (stuck_id,) = [s.segment.segment_id for s in store.cluster_status().segments]
+        # Full of hard-pinned objects: no put is placed there, no eviction picks it.
+        pinned = ReplicateConfig(with_hard_pin=True, placement="preferred", preferred_segments=[stuck_id])
+        held = values_for("held", 15, 64 * 1024)
+        assert store.put_batch(list(held), list(held.values()), pinned) == [ErrorCode.OK] * 15
+        cluster.start_node()
+        wait_until(lambda: len(store.cluster_status().segments) == 2)
+        first = values_for("first", 128, 64 * 1024)  # fills the 8 MiB node
+        assert store.put_batch(list(first), list(first.values())) == [ErrorCode.OK] * 128
+        os.kill(stuck.pid, signal.SIGSTOP)
+        try:
+            store.remove("held-0", force=True)  # a drop the stuck node will not answer
+            time.sleep(0.5)  # a tick sends it
+            later = values_for("later", 128, 64 * 1024)  # room comes from drops on the other node
+            assert store.put_batch(list(later), list(later.values())) == [ErrorCode.OK] * 128
+            assert store.get_batch(list(later)[-8:]) == list(later.values())[-8:]
+        finally:
+            os.kill(stuck.pid, signal.SIGCONT)
+        assert store.get_batch(list(held)[1:]) == list(held.values())[1:]
+
+
 def test_a_node_that_stops_answering_fails_reads_and_writes_within_the_bound_then_serves_again(
     make_cluster, monkeypatch
 ):

@@ -24,6 +24,7 @@ touch the state of a later term.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import secrets
@@ -99,13 +100,14 @@ class _RoomWaiter:
     """A put waiting for room: its request, its reply so far, and the indexes of its keys
     still without room (MasterServer._put_start_after_drops)."""
 
-    __slots__ = ("service", "message", "reply", "retry")
+    __slots__ = ("service", "message", "reply", "retry", "served")
 
     def __init__(self, service: MasterService, message: PutStart, reply: PutStartReply, retry: list[int]) -> None:
         self.service = service
         self.message = message
         self.reply = reply
         self.retry = retry
+        self.served = asyncio.Event()  # set once room that landed took its last key
 
 
 def wall_clock_ms() -> int:
@@ -170,7 +172,7 @@ class MasterServer:
         self._http = None
         self._tick_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
-        self._flush_lock = asyncio.Lock()
+        self._drop_tasks: dict[str, asyncio.Task[None]] = {}  # segment id -> its drops in flight
         # Puts waiting for room, oldest first: room that lands is theirs before any new put's.
         self._room_waiters: list[_RoomWaiter] = []
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
@@ -237,7 +239,7 @@ class MasterServer:
             self._tick_task.cancel()
         if self._sweep_task is not None:
             self._sweep_task.cancel()
-        for task in list(self._move_tasks | self._verify_tasks):
+        for task in [*self._move_tasks, *self._verify_tasks, *self._drop_tasks.values()]:
             task.cancel()
         if self._server is not None:
             await self._server.close()
@@ -360,9 +362,9 @@ class MasterServer:
         return self._put_start_after_drops(service, message, reply, retry)
 
     def _are_drops_coming(self, service: MasterService) -> bool:
-        # Eviction scheduled drops, or drops are in flight (a tick's flush holds the lock), or
-        # wait to be sent again (a node did not answer).
-        return service.has_pending_drops() or self._flush_lock.locked() or bool(self._unsent_drops)
+        # Eviction scheduled drops, or drops are in flight, or wait to be sent (again: a node
+        # did not answer).
+        return service.has_pending_drops() or bool(self._drop_tasks) or bool(self._unsent_drops)
 
     def _is_room_coming(self, service: MasterService) -> bool:
         # Drops are coming, or moves (offloads to a slower tier) are on their way: their drops
@@ -397,9 +399,14 @@ class MasterServer:
                     # Only the back-off: wait it out (within the put's wait), then evict.
                     back_off_s = service.evict_back_off_left_ms(wall_clock_ms()) / 1000
                     await asyncio.sleep(min(back_off_s, max(0.0, deadline_s - loop.time())))
-                # The flush goes on if the put's wait ends first (a node slow to acknowledge).
+                # The flush goes on if the put's wait ends first (a node slow to acknowledge),
+                # or if room that landed meanwhile served the put (another node may not answer).
                 flushing = asyncio.ensure_future(self._flush_drops())
-                await asyncio.wait((flushing,), timeout=max(0.0, deadline_s - loop.time()))
+                served = asyncio.ensure_future(waiter.served.wait())
+                await asyncio.wait(
+                    (flushing, served), timeout=max(0.0, deadline_s - loop.time()), return_when=asyncio.FIRST_COMPLETED
+                )
+                served.cancel()
                 if service is not self.service:
                     return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
                 if waiter.retry:
@@ -425,6 +432,8 @@ class MasterServer:
         for waiter in self._room_waiters:
             if waiter.retry and waiter.service is service:
                 waiter.retry = service.put_start_again(waiter.message, waiter.reply, waiter.retry, now_ms, evict=False)
+                if not waiter.retry:
+                    waiter.served.set()
 
     async def _put_end(self, message: PutEnd) -> CodesReply:
         # The term's service finishes what it started, even if the term ends meanwhile.
@@ -509,27 +518,50 @@ class MasterServer:
             return None
         return reply.codes
 
+    def _send_drops(self) -> list[asyncio.Task[None]]:
+        """Send the service's drop outbox, a task per segment, so that a node slow to answer
+        (up to NODE_CALL_TIMEOUT_MS) holds up its own drops only; returns the tasks in flight.
+        Drops for a segment whose task runs wait in _unsent_drops: that task sends them next.
+        Ranges are freed as each node acknowledges."""
+        service = self.service
+        for segment_id, entries in service.take_drops().items():
+            self._unsent_drops.setdefault(segment_id, []).extend(entries)
+        dfs_id = self._dfs_info.segment_id if self._dfs_info is not None else None
+        for segment_id in [s for s in self._unsent_drops if s not in self._drop_tasks]:
+            entries = self._unsent_drops.pop(segment_id)
+            is_dfs = segment_id == dfs_id
+            send = self._drop_dfs(service, entries) if is_dfs else self._drop(service, segment_id, entries)
+            task = asyncio.get_running_loop().create_task(send)
+            self._drop_tasks[segment_id] = task
+            task.add_done_callback(functools.partial(self._drop_task_done, segment_id))
+        return list(self._drop_tasks.values())
+
+    def _drop_task_done(self, segment_id: str, task: asyncio.Task[None]) -> None:
+        if self._drop_tasks.get(segment_id) is task:
+            del self._drop_tasks[segment_id]
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so loudly
+            log.error("sending drops to segment %s failed", segment_id, exc_info=task.exception())
+
     async def _flush_drops(self) -> None:
-        """Send the service's drop outbox; ranges are freed as each node acknowledges."""
-        async with self._flush_lock:
-            service = self.service
-            for segment_id, entries in service.take_drops().items():
-                self._unsent_drops.setdefault(segment_id, []).extend(entries)
-            batches = list(self._unsent_drops.items())
-            self._unsent_drops = {}
-            dfs_id = self._dfs_info.segment_id if self._dfs_info is not None else None
-            await asyncio.gather(
-                *(self._drop_dfs(service, e) if s == dfs_id else self._drop(service, s, e) for s, e in batches)
-            )
+        """Send the drop outbox (_send_drops) and wait until every node answered or failed."""
+        tasks = self._send_drops()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _drop(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
+        """A segment's drops, then those that came for it meanwhile, until one fails."""
+        while entries and await self._drop_batch(service, segment_id, entries):
+            entries = self._unsent_drops.pop(segment_id, []) if service is self.service else []
+
+    async def _drop_batch(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> bool:
+        """Send drops to a segment's node; False if some were not acknowledged."""
         conn = self._node_conns.get(segment_id)
         sent = 0
         if conn is not None:
             try:
                 while sent < len(entries):
                     if service is not self.service or not self._is_leading():
-                        return  # The term is over: its drops die with its state.
+                        return False  # The term is over: its drops die with its state.
                     chunk = entries[sent : sent + limits.DROP_ENTRIES_PER_REQUEST_MAX]
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
                     service.drops_done(segment_id, chunk, wall_clock_ms())
@@ -545,6 +577,7 @@ class MasterServer:
             self._unsent_drops.setdefault(segment_id, []).extend(entries[sent:])
         elif not service.has_segment(segment_id):
             self._drops_failing.discard(segment_id)
+        return sent == len(entries)
 
     async def _tick_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -563,7 +596,7 @@ class MasterServer:
             try:
                 self.service.tick(wall_clock_ms())
                 self._send_moves()
-                await self._flush_drops()
+                self._send_drops()  # not awaited: a node slow to answer holds up no tick
                 if self.debug_invariants:
                     self.service.check_invariants()
             except KVPoolError as exc:
@@ -781,6 +814,7 @@ class MasterServer:
         self._node_conns = {}
         self._unsent_drops = {}
         self._drops_failing = set()
+        self._drop_tasks = {}  # the old term's tasks end by themselves
 
 
 def _new_term_id() -> int:
