@@ -110,6 +110,17 @@ class _RoomWaiter:
         self.served = asyncio.Event()  # set once room that landed took its last key
 
 
+async def _wait_unless_served(waiter: _RoomWaiter, tasks: list[asyncio.Future[None]], deadline_s: float) -> None:
+    """Until `tasks` are done, room that landed took the waiter's last key (a node slow to
+    answer may hold up its own moves or drops long after), or the deadline (loop time)."""
+    loop = asyncio.get_running_loop()
+    every = asyncio.ensure_future(asyncio.wait(tasks))
+    served = asyncio.ensure_future(waiter.served.wait())
+    await asyncio.wait((every, served), timeout=max(0.0, deadline_s - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+    every.cancel()  # the wait, not the tasks: they go on
+    served.cancel()
+
+
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -394,19 +405,13 @@ class MasterServer:
                     self._send_moves()
                     tasks = list(self._move_tasks)
                     if tasks:
-                        await asyncio.wait(tasks, timeout=max(0.0, deadline_s - loop.time()))
+                        await _wait_unless_served(waiter, tasks, deadline_s)
                 elif not self._are_drops_coming(service):
                     # Only the back-off: wait it out (within the put's wait), then evict.
                     back_off_s = service.evict_back_off_left_ms(wall_clock_ms()) / 1000
                     await asyncio.sleep(min(back_off_s, max(0.0, deadline_s - loop.time())))
-                # The flush goes on if the put's wait ends first (a node slow to acknowledge),
-                # or if room that landed meanwhile served the put (another node may not answer).
-                flushing = asyncio.ensure_future(self._flush_drops())
-                served = asyncio.ensure_future(waiter.served.wait())
-                await asyncio.wait(
-                    (flushing, served), timeout=max(0.0, deadline_s - loop.time()), return_when=asyncio.FIRST_COMPLETED
-                )
-                served.cancel()
+                # The flush goes on if the put's wait ends first (a node slow to acknowledge).
+                await _wait_unless_served(waiter, [asyncio.ensure_future(self._flush_drops())], deadline_s)
                 if service is not self.service:
                     return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
                 if waiter.retry:
