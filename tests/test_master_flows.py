@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from kvpool import limits
@@ -256,6 +257,48 @@ def test_a_stall_of_the_master_itself_does_not_count_against_its_nodes(monkeypat
     with caplog.at_level(logging.WARNING, logger="kvpool.master.server"):
         run(main())
     assert "did not run for" in caplog.text
+
+
+def test_a_dfs_that_stops_answering_holds_up_no_tick(monkeypatch, tmp_path):
+    """A network filesystem whose server is down blocks every call on it (an NFS hard mount;
+    here the master's look at the DFS's free space blocks until released). That look, awaited
+    by the tick, held node TTLs, eviction and zombie discards for as long. Now it runs on its
+    own: a silent node is still dropped after its TTL, so is the DFS, silent too, and once the
+    DFS answers again it is mounted again from a scan of its files."""
+    answering = threading.Event()
+    real_report = server_module.files.filesystem_report
+
+    def hung_report(path):
+        answering.wait(10)
+        return real_report(path)
+
+    async def main():
+        monkeypatch.setattr(server_module, "TICK_INTERVAL_MS", 10)
+        dfs_dir = str(tmp_path / "dfs")
+        server = MasterServer(MasterConfig(node_ttl_ms=1_000), seed=1, dfs_dir=dfs_dir, dfs_bytes=limits.GIB)
+        await server._open_dfs()
+        await server._ensure_dfs()
+        dfs_id = server._dfs_info.segment_id
+        info = SegmentInfo("seg", "node", "host", "host:1", "/dev/shm/none", b"t", 8 * limits.MIB)
+        server.service.mount_segment(MountSegment(info, []), wall_clock_ms())
+        monkeypatch.setattr(server_module.files, "filesystem_report", hung_report)
+        ticking = asyncio.get_running_loop().create_task(server._tick_forever())
+        try:
+            await asyncio.sleep(1.5)
+            assert not server.service.has_segment("seg")  # the node's TTL went on
+            assert not server.service.has_segment(dfs_id)  # and the DFS's
+            answering.set()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if server.service.has_segment(dfs_id):
+                    break
+            assert server.service.has_segment(dfs_id)
+        finally:
+            answering.set()
+            ticking.cancel()
+            await server.stop()
+
+    run(main())
 
 
 def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():

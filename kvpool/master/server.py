@@ -121,6 +121,14 @@ async def _wait_unless_served(waiter: _RoomWaiter, tasks: list[asyncio.Future[No
     served.cancel()
 
 
+def _log_dfs_failure(task: asyncio.Task[None]) -> None:
+    exc = None if task.cancelled() else task.exception()
+    if isinstance(exc, KVPoolError):
+        log.warning("the DFS: %s (tried again at the next tick)", exc)
+    elif exc is not None:  # a bug: say so loudly
+        log.error("tending the DFS failed", exc_info=exc)
+
+
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -195,6 +203,7 @@ class MasterServer:
         self._dfs_info: SegmentInfo | None = None
         self._dfs_service: MasterService | None = None
         self._dfs_free_due_ms = 0  # when to look at the DFS's free space next
+        self._dfs_task: asyncio.Task[None] | None = None  # its mount, or a look at it, in flight
 
     def __repr__(self) -> str:
         return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_conns)}>"
@@ -250,8 +259,9 @@ class MasterServer:
             self._tick_task.cancel()
         if self._sweep_task is not None:
             self._sweep_task.cancel()
-        for task in [*self._move_tasks, *self._verify_tasks, *self._drop_tasks.values()]:
-            task.cancel()
+        for task in [*self._move_tasks, *self._verify_tasks, *self._drop_tasks.values(), self._dfs_task]:
+            if task is not None:
+                task.cancel()
         if self._server is not None:
             await self._server.close()
         if self._http is not None:
@@ -595,7 +605,7 @@ class MasterServer:
                 log.warning("the master did not run for %d ms: nodes' silence meanwhile is excused", stalled_ms)
                 self.service.excuse_stall(stalled_ms)
             if self._dfs is not None and self._is_leading():
-                await self._ensure_dfs()
+                self._tend_dfs()
             if self.elector is not None and self.role != "leader":
                 continue  # A standby keeps no state; a new leader waits for its nodes first.
             try:
@@ -706,6 +716,16 @@ class MasterServer:
             shm_path=str(self._dfs.path), shm_token=identity.token,
             capacity_bytes=identity.capacity_bytes, tier=TIER_DFS,
         )  # fmt: skip
+
+    def _tend_dfs(self) -> None:
+        """_ensure_dfs in a task of its own, one at a time. A network filesystem that stops
+        answering (an NFS server down under a hard mount) blocks every call on it for as long:
+        awaited by the tick, it held node TTLs, eviction and zombie discards with it. Meanwhile
+        the DFS has no heartbeat: after the node TTL it is unmounted like a silent node, and
+        mounted again from a scan once it answers."""
+        if self._dfs_task is None or self._dfs_task.done():
+            self._dfs_task = asyncio.get_running_loop().create_task(self._ensure_dfs())
+            self._dfs_task.add_done_callback(_log_dfs_failure)
 
     async def _ensure_dfs(self) -> None:
         """Mount the DFS in the current service (once per service: at start, each new term),
