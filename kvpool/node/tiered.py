@@ -265,10 +265,11 @@ class TieredMasterCalls:
         # A file that cannot be removed (a read-only filesystem) fails the drop; the master
         # sends it again until it can (DiskTier.unremoved), and keeps it as a tombstone should
         # the node restart meanwhile, so that the object does not come back.
+        tried_before = {entry.offset for entry in message.entries if entry.offset in disk.unremoved}
         entries = disk.forget(message.entries)
         left = await self.mover.run_in_thread(disk.remove_files, entries)
         if left:
-            is_new = any(entry.offset not in disk.unremoved for entry in left)
+            is_new = any(entry.offset not in tried_before for entry in left)
             disk.unremoved.update((entry.offset, entry) for entry in left)
             reason = (f"disk tier {disk.segment_id}: {len(left)} of {len(entries)} dropped objects' files "
                       f"could not be removed (read-only filesystem?); no longer served")  # fmt: skip
