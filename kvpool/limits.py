@@ -77,6 +77,9 @@ EVICT_RATIO_DEFAULT = 0.05
 # --- membership ------------------------------------------------------------------------------
 NODE_TTL_MS_DEFAULT = 10_000
 HEARTBEAT_INTERVAL_MS_DEFAULT = 1_000
+# A heartbeat waits this long at most for the look at its disk tier's filesystem (a statvfs):
+# a disk that stops answering must not silence the node (node/server.py _filesystems).
+FILESYSTEM_LOOK_WAIT_MS = 500
 DRAIN_TIMEOUT_MS_DEFAULT = 30_000
 # `kvpool node --drain-ms`: a drain is for readers to move on, not a second way to keep a node.
 DRAIN_TIMEOUT_MS_MAX = 3_600_000
@@ -121,6 +124,7 @@ assert SEGMENT_HEADER_SIZE_BYTES % PAGE_SIZE_BYTES == 0
 assert SEGMENT_HEADER_SIZE_BYTES % ALLOCATION_ALIGN_BYTES == 0
 assert PUT_DISCARD_TIMEOUT_MS_DEFAULT < PUT_RELEASE_TIMEOUT_MS_DEFAULT
 assert HEARTBEAT_INTERVAL_MS_DEFAULT * 3 <= NODE_TTL_MS_DEFAULT
+assert (HEARTBEAT_INTERVAL_MS_DEFAULT + FILESYSTEM_LOOK_WAIT_MS) * 3 <= NODE_TTL_MS_DEFAULT
 assert 0.0 < EVICT_RATIO_DEFAULT < EVICT_WATERMARK_RATIO_HIGH_DEFAULT <= 1.0
 assert CONNECTIONS_PER_PEER_DEFAULT <= CONNECTIONS_PER_PEER_MAX
 

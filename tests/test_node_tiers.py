@@ -394,3 +394,27 @@ def test_write_through_puts_return_with_their_disk_and_dfs_copies(tmp_path):
                 await wait_for(gone)
 
     run(main())
+
+
+def test_a_disk_that_stops_answering_does_not_silence_its_nodes_heartbeat(tmp_path, monkeypatch):
+    """A disk whose statvfs hangs (a failing device): the heartbeat awaited the look at its
+    filesystem, fell silent, and the master dropped the node after its TTL, DRAM segment and
+    all. Now a heartbeat waits for that look at most FILESYSTEM_LOOK_WAIT_MS and goes without
+    it; the look goes on, and its news comes with a later heartbeat once the disk answers."""
+    answering = threading.Event()
+    real_report = DiskTier.filesystem_report
+
+    def hung_report(tier: DiskTier):
+        answering.wait(10)
+        return real_report(tier)
+
+    async def main():
+        async with tiered_cluster(tmp_path, node_ttl_ms=3_000) as (master, node):
+            monkeypatch.setattr(DiskTier, "filesystem_report", hung_report)
+            try:
+                await asyncio.sleep(4.5)  # past the TTL: heartbeats went on
+                assert all(master.service.has_segment(segment_id) for segment_id in node._segment_ids())
+            finally:
+                answering.set()
+
+    run(main())

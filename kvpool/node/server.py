@@ -125,6 +125,7 @@ class Node:
         self._state = NodeState.NEW
         self._segment: Segment | None = None
         self._segment_id = ""
+        self._filesystem_look: asyncio.Future[FilesystemReport] | None = None  # for the heartbeat
         self._segment_info: SegmentInfo | None = None
         self._inventory: Inventory | None = None
         self._transfer: TransferHandler | None = None
@@ -537,9 +538,21 @@ class Node:
 
     async def _filesystems(self) -> dict[str, FilesystemReport]:
         """For the master's heartbeat: what the filesystem under the disk tier can take (other
-        files may fill it before the tier's capacity does)."""
+        files may fill it before the tier's capacity does). One look at a time, waited for at
+        most FILESYSTEM_LOOK_WAIT_MS: a disk that stops answering (a statvfs that hangs on a
+        failing device) silenced the heartbeat, and the master dropped the node's DRAM segment
+        with its disk tier. No news then; the look goes on, for a later heartbeat."""
         disk = self._disk
-        return {} if disk is None else {disk.segment_id: await asyncio.to_thread(disk.filesystem_report)}
+        if disk is None:
+            return {}
+        look = self._filesystem_look
+        if look is None:
+            look = self._filesystem_look = asyncio.ensure_future(asyncio.to_thread(disk.filesystem_report))
+        done, _ = await asyncio.wait((look,), timeout=limits.FILESYSTEM_LOOK_WAIT_MS / 1000)
+        if not done:
+            return {}
+        self._filesystem_look = None
+        return {disk.segment_id: look.result()}
 
     async def _drop_rejected(self, info: SegmentInfo, rejected: list[InventoryEntry]) -> int:
         """Forget inventory entries the master refused (a disk tier removes their files)."""
