@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -815,3 +816,28 @@ def test_a_sync_get_interrupted_in_its_reads_gives_its_read_leases_back():
             except ObjectHasLease:
                 assert time.monotonic() < deadline, "the interrupted get kept its read lease"
                 time.sleep(0.02)
+
+
+@pytest.mark.parametrize("shm_enabled", [False, True])
+def test_a_node_checks_write_grants_against_the_masters_clock_not_its_own(monkeypatch, caplog, shm_enabled):
+    """A write grant expires 30 s after its put started, in the master's time. A node whose
+    clock ran ahead of the master's by more (here the master's runs two minutes behind) refused
+    every write as expired, and every put failed. The node now checks grants against the
+    master's time, which mount and heartbeat replies carry, and says once that its clock is off."""
+    from kvpool.master import server as server_module
+
+    real_clock_ms = server_module.wall_clock_ms
+    monkeypatch.setattr(server_module, "wall_clock_ms", lambda: real_clock_ms() - 120_000)
+    value = os.urandom(100_000)
+
+    async def main():
+        async with cluster(node_count=1) as (master, nodes):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                await store.put("k", value)
+                assert await store.get("k") == value
+            assert -121 < nodes[0].metrics.master_clock_offset._value.get() < -119
+
+    with caplog.at_level(logging.WARNING, logger="kvpool.node.clock"):
+        run(main())
+    assert caplog.text.count("s ahead of the master's") == 1
+    assert "120.0 s ahead of the master's" in caplog.text

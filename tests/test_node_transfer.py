@@ -41,9 +41,9 @@ from kvpool.errors import (
     Unauthorized,
 )
 from kvpool.node import server as node_server
+from kvpool.node.clock import CLOCK_OFFSET_SAMPLES_MAX, MasterClock, wall_clock_ms
 from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.server import Node, NodeState
-from kvpool.node.transfer import wall_clock_ms
 from kvpool.protocol import auth
 from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
@@ -1145,3 +1145,24 @@ def test_a_connect_that_fails_or_is_cancelled_on_its_way_to_the_unix_socket_leav
             await master.stop()
 
     run(main)
+
+
+def test_the_master_clock_is_the_least_upper_bound_of_the_replies_and_warns_once(caplog):
+    clock = MasterClock("node n")
+    clock.observe(1_000, 0)  # a master that does not say its time
+    assert clock.offset_ms == 0
+    clock.observe(1_000, 61_020)  # a reply 20 ms on its way: the offset is at most 60,020
+    clock.observe(2_000, 62_003)
+    assert clock.offset_ms == 60_003  # the tightest bound
+    with caplog.at_level(logging.INFO, logger="kvpool.node.clock"):
+        clock.observe(3_000, 63_500)  # a slow reply moves nothing
+        clock.observe(4_000, 5_000)  # the master's clock was set right
+    assert clock.offset_ms == 1_000
+    assert abs(clock.now_ms() - (wall_clock_ms() + 1_000)) < 1_000
+    for sent in range(5_000, 5_000 + CLOCK_OFFSET_SAMPLES_MAX):
+        clock.observe(sent, sent + 10)
+    assert clock.offset_ms == 10  # old samples age out
+    clock.forget()  # another master
+    clock.observe(6_000, 5_000)
+    assert clock.offset_ms == -1_000
+    assert "within 1000 ms of the master's again" in caplog.text

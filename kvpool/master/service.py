@@ -252,7 +252,8 @@ class MasterService:
             log.info("segment %s (node %s) mounted again holding %d objects removed or evicted while it was away: "
                      "refused (its node drops them)", info.segment_id, info.node_id, len(removed))  # fmt: skip
         soft_pin_expiry_ms = max(1, now_ms + self.config.soft_pin_ttl_ms)
-        return MountReply(removed + self._mounts.adopt(segment, inventory, soft_pin_expiry_ms), self.term)
+        rejected = removed + self._mounts.adopt(segment, inventory, soft_pin_expiry_ms)
+        return MountReply(rejected, self.term, now_ms)
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
         """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""
@@ -269,7 +270,7 @@ class MasterService:
                 report = msg.filesystems.get(segment_id)
                 if report is not None and segment.tier != TIER_DRAM:
                     self._report_filesystem(segment, report, now_ms)
-        return HeartbeatReply(unknown)
+        return HeartbeatReply(unknown, now_ms)
 
     def _report_filesystem(self, segment: Segment, report: FilesystemReport, now_ms: int) -> None:
         """What a slower tier's filesystem can take, from its node's heartbeat (or the master's

@@ -12,6 +12,7 @@ Metric names (all prefixed kvpool_node_):
     segment_used_bytes       gauge    bytes held by complete objects (the inventory)
     objects                  gauge    complete objects in the inventory
     master_connected         gauge    1 while mounted on a master, else 0
+    master_clock_offset_seconds  gauge  the master's wall clock minus this host's (node/clock.py)
     info{node_id,segment_id,endpoint}  gauge, always 1
     write_bytes_total        counter  payload bytes accepted into the segment
     read_bytes_total         counter  payload bytes served from the segment
@@ -58,6 +59,11 @@ class NodeMetrics:
         self.objects = Gauge(_PREFIX + "objects", "Complete objects in the inventory.", registry=r)
         self.master_connected = Gauge(
             _PREFIX + "master_connected", "1 while mounted on a master, else 0.", registry=r
+        )
+        self.master_clock_offset = Gauge(
+            _PREFIX + "master_clock_offset_seconds",
+            "The master's wall clock minus this host's (write grants are checked against the master's).",
+            registry=r,
         )
         self.info = Gauge(
             _PREFIX + "info", "Identity of this node (always 1).",

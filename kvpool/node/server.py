@@ -39,13 +39,14 @@ from kvpool import limits
 from kvpool.config import NodeConfig
 from kvpool.discovery import MasterResolver, parse_master_address
 from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, Unauthorized
+from kvpool.node.clock import MasterClock, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import MetricsServer, NodeMetrics, TierMetrics
 from kvpool.node.moves import Mover
 from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.tiered import TieredMasterCalls, TieredTransferHandler
-from kvpool.node.transfer import MasterCallHandler, TransferHandler, wall_clock_ms
+from kvpool.node.transfer import MasterCallHandler, TransferHandler
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     DrainSegment,
@@ -126,6 +127,7 @@ class Node:
         self._segment: Segment | None = None
         self._segment_id = ""
         self._filesystem_look: asyncio.Future[FilesystemReport] | None = None  # for the heartbeat
+        self._master_clock = MasterClock(f"node {config.node_id}")  # what write grants are checked against
         self._segment_info: SegmentInfo | None = None
         self._inventory: Inventory | None = None
         self._transfer: TransferHandler | None = None
@@ -256,7 +258,7 @@ class Node:
         self._inventory = Inventory(self._segment.capacity_bytes)
         self._transfer = TransferHandler(
             self._segment, self._segment_id, self._inventory, self.metrics, key=self._key,
-            clock_ms=wall_clock_ms,
+            clock_ms=self._master_clock.now_ms,
         )  # fmt: skip
         if config.disk_dir:
             self._disk = DiskTier.open(config.disk_dir, config.disk_bytes, config.node_id,
@@ -441,7 +443,9 @@ class Node:
                     log.warning("node %s: master link lost: %s", self.node_id, conn.close_reason)
                     return
                 heartbeat = Heartbeat(self._segment_ids(), await self._filesystems())
+                sent_ms = wall_clock_ms()
                 reply = _expect(await conn.request(heartbeat, timeout_ms=self.config.rpc_timeout_ms), HeartbeatReply)
+                self._observe_master_clock(sent_ms, reply.master_time_ms)
                 if reply.unknown_segment_ids:
                     log.warning("node %s: master does not know segment %s (restarted?); "
                                 "re-mounting", self.node_id, self._segment_id)  # fmt: skip
@@ -461,12 +465,15 @@ class Node:
             # The master ended our drain by unmounting us: coming back would invite allocations.
             log.info("node %s: drain over, not re-mounting", self.node_id)
             return
+        self._master_clock.forget()
         for info, inventory in self._mounts():
             for chunk in _inventory_chunks(inventory.entries()):
+                sent_ms = wall_clock_ms()
                 reply = _expect(
                     await conn.request(MountSegment(info, chunk), timeout_ms=self.config.rpc_timeout_ms),
                     MountReply,
                 )
+                self._observe_master_clock(sent_ms, reply.master_time_ms)
                 if info.segment_id == self._segment_id and self._transfer is not None:
                     self._transfer.term = reply.term  # grants of earlier masters are refused now
                 if reply.rejected:
@@ -484,6 +491,10 @@ class Node:
                  self._segment_id, self.config.master_endpoint, len(inventory))  # fmt: skip
         if self._state is NodeState.DRAINING:
             await self._send_drain(conn)
+
+    def _observe_master_clock(self, sent_ms: int, master_time_ms: int) -> None:
+        self._master_clock.observe(sent_ms, master_time_ms)
+        self.metrics.master_clock_offset.set(self._master_clock.offset_ms / 1000)
 
     def _drain_remaining_ms(self) -> int:
         return max(0, self._drain_deadline_ms - wall_clock_ms())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvpool import checksums, limits
@@ -39,6 +38,7 @@ from kvpool.errors import (
     SegmentNotFound,
     Unauthorized,
 )
+from kvpool.node.clock import wall_clock_ms
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.segment import Segment
@@ -59,11 +59,6 @@ from kvpool.protocol.messages import (
 from kvpool.transports.connection import Connection, HandlerResult, Reply
 
 log = logging.getLogger(__name__)
-
-
-def wall_clock_ms() -> int:
-    """Wall-clock time in ms: grants carry wall-clock expiries signed by the master."""
-    return time.time_ns() // 1_000_000
 
 
 class _SegmentHandler:
@@ -158,7 +153,8 @@ class TransferHandler(_SegmentHandler):
         metrics: where requests and bytes are counted.
         key: the cluster key grants are signed with, or None (grants then need only be
             unexpired).
-        clock_ms: wall clock in ms (grant expiries are wall-clock times).
+        clock_ms: the master's wall clock in ms, as the node estimates it (grant expiries are
+            the master's times: node/clock.py).
     """
 
     def __init__(

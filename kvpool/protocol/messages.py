@@ -416,10 +416,13 @@ class MountSegment(Message, tag=40):
 
 class MountReply(Message, tag=41):
     """`rejected` lists inventory entries the master refused (overlap, conflict): drop them.
-    `term` names this master; the node refuses write grants of any other (0: none)."""
+    `term` names this master; the node refuses write grants of any other (0: none).
+    `master_time_ms` is the master's wall clock as it answered (0: not said), which the node
+    checks grant expiries against (node/clock.py)."""
 
     rejected: list[InventoryEntry]
     term: int = 0
+    master_time_ms: int = 0
 
 
 class FilesystemReport(msgspec.Struct, array_like=True, gc=False):
@@ -443,9 +446,11 @@ class Heartbeat(Message, tag=42):
 
 
 class HeartbeatReply(Message, tag=43):
-    """Segments the master does not know (it restarted): the node re-mounts them."""
+    """Segments the master does not know (it restarted): the node re-mounts them. And the
+    master's wall clock as it answered (0: not said; MountReply)."""
 
     unknown_segment_ids: list[str]
+    master_time_ms: int = 0
 
 
 class UnmountSegment(Message, tag=44):
