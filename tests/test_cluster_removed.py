@@ -30,6 +30,16 @@ def object_file_count(disk_dir) -> int:
     return sum(name.endswith(objectfile.SUFFIX) for name in os.listdir(disk_dir / objectfile.OBJECTS_DIR))
 
 
+def put_until_settled_on_disk(store: Store, values: dict[str, bytes], node) -> list[str]:
+    """Put `values` (more than DRAM holds) and wait for the offloads to settle; returns the
+    keys whose only replica is on `node`'s disk tier."""
+    for key, value in values.items():
+        store.put(key, value)
+    wait_until(lambda: sum(t["object_count"] for t in tiers_of(store).values()) == len(values)
+               and tiers_of(store)["dram"]["used_bytes"] <= 0.9 * 8 * 1024 * 1024)  # fmt: skip
+    return disk_keys(store, list(values), node.info["disk_segment_id"])
+
+
 def segment_ids(store: Store) -> set[str]:
     return {status.segment.segment_id for status in store.cluster_status().segments}
 
@@ -43,11 +53,7 @@ def test_disk_objects_removed_while_their_node_is_dead_stay_removed_after_its_re
     node = cluster.start_node(disk_args(disk))
     values = values_for("removed", 64, OBJECT_SIZE)  # 16 MiB through 8 MiB of DRAM
     with Store(cluster.master_endpoint) as store:
-        for key, value in values.items():
-            store.put(key, value)
-        wait_until(lambda: sum(t["object_count"] for t in tiers_of(store).values()) == 64
-                   and tiers_of(store)["dram"]["used_bytes"] <= 0.9 * 8 * 1024 * 1024)  # fmt: skip
-        on_disk = disk_keys(store, list(values), node.info["disk_segment_id"])
+        on_disk = put_until_settled_on_disk(store, values, node)
         assert len(on_disk) >= 32
         node.kill()
         removed, kept = on_disk[::2], on_disk[1::2]
@@ -81,11 +87,7 @@ def test_disk_objects_removed_while_the_filesystem_is_read_only_stay_removed(mak
     node = cluster.start_node(disk_args(disk, "24MiB"))
     values = values_for("read-only", 48, OBJECT_SIZE)  # 12 MiB through 8 MiB of DRAM
     with Store(cluster.master_endpoint) as store:
-        for key, value in values.items():
-            store.put(key, value)
-        wait_until(lambda: sum(t["object_count"] for t in tiers_of(store).values()) == 48
-                   and tiers_of(store)["dram"]["used_bytes"] <= 0.9 * 8 * 1024 * 1024)  # fmt: skip
-        on_disk = disk_keys(store, list(values), node.info["disk_segment_id"])
+        on_disk = put_until_settled_on_disk(store, values, node)
         assert len(on_disk) >= 8
         subprocess.run(["mount", "-o", "remount,ro", str(mount_path)], check=True)
         removed, kept = on_disk[::2], on_disk[1::2]
