@@ -80,6 +80,8 @@ HEARTBEAT_INTERVAL_MS_DEFAULT = 1_000
 # A heartbeat waits this long at most for the look at its disk tier's filesystem (a statvfs):
 # a disk that stops answering must not silence the node (node/server.py _filesystems).
 FILESYSTEM_LOOK_WAIT_MS = 500
+# ... and a look overdue this long reports the tier as taking no writes (no more moves there).
+FILESYSTEM_LOOK_OVERDUE_MS = 5_000
 DRAIN_TIMEOUT_MS_DEFAULT = 30_000
 # `kvpool node --drain-ms`: a drain is for readers to move on, not a second way to keep a node.
 DRAIN_TIMEOUT_MS_MAX = 3_600_000

@@ -26,7 +26,7 @@ import pytest
 import uvloop
 import xxhash
 
-from kvpool import AsyncStore, ReplicateConfig
+from kvpool import AsyncStore, ReplicateConfig, limits
 from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, ObjectNotFound, TransferFailed
 from kvpool.master.server import MasterServer
@@ -34,7 +34,7 @@ from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
 from kvpool.protocol import objectfile
 from kvpool.protocol.frames import is_slow_copy
-from kvpool.protocol.messages import TIER_DISK, InventoryEntry
+from kvpool.protocol.messages import TIER_DISK, ClusterStatus, InventoryEntry
 from kvpool.transports import files
 from kvpool.transports.dfs import DfsDirectory
 from kvpool.transports.files import FileRange
@@ -400,7 +400,8 @@ def test_a_disk_that_stops_answering_does_not_silence_its_nodes_heartbeat(tmp_pa
     """A disk whose statvfs hangs (a failing device): the heartbeat awaited the look at its
     filesystem, fell silent, and the master dropped the node after its TTL, DRAM segment and
     all. Now a heartbeat waits for that look at most FILESYSTEM_LOOK_WAIT_MS and goes without
-    it; the look goes on, and its news comes with a later heartbeat once the disk answers."""
+    it; a look overdue (FILESYSTEM_LOOK_OVERDUE_MS, 1 s here) reports the tier as taking no
+    writes, and once the disk answers its news comes with a later heartbeat."""
     answering = threading.Event()
     real_report = DiskTier.filesystem_report
 
@@ -411,10 +412,19 @@ def test_a_disk_that_stops_answering_does_not_silence_its_nodes_heartbeat(tmp_pa
     async def main():
         async with tiered_cluster(tmp_path, node_ttl_ms=3_000) as (master, node):
             monkeypatch.setattr(DiskTier, "filesystem_report", hung_report)
+            monkeypatch.setattr(limits, "FILESYSTEM_LOOK_OVERDUE_MS", 1_000)
+
+            async def disk_is_writable() -> bool:
+                status = master.service.cluster_status(ClusterStatus(), 0)
+                (disk,) = [s for s in status.segments if s.segment.tier == TIER_DISK]
+                return disk.is_writable
+
             try:
                 await asyncio.sleep(4.5)  # past the TTL: heartbeats went on
                 assert all(master.service.has_segment(segment_id) for segment_id in node._segment_ids())
+                assert not await disk_is_writable()  # overdue: no more moves there
             finally:
                 answering.set()
+            await wait_for(disk_is_writable)
 
     run(main())

@@ -127,6 +127,7 @@ class Node:
         self._segment: Segment | None = None
         self._segment_id = ""
         self._filesystem_look: asyncio.Future[FilesystemReport] | None = None  # for the heartbeat
+        self._filesystem_look_since_s = 0.0  # when it began (loop time)
         self._master_clock = MasterClock(f"node {config.node_id}")  # what write grants are checked against
         self._segment_info: SegmentInfo | None = None
         self._inventory: Inventory | None = None
@@ -552,18 +553,24 @@ class Node:
         files may fill it before the tier's capacity does). One look at a time, waited for at
         most FILESYSTEM_LOOK_WAIT_MS: a disk that stops answering (a statvfs that hangs on a
         failing device) silenced the heartbeat, and the master dropped the node's DRAM segment
-        with its disk tier. No news then; the look goes on, for a later heartbeat."""
+        with its disk tier. No news then; the look goes on, for a later heartbeat. A look
+        overdue by FILESYSTEM_LOOK_OVERDUE_MS reports the tier as taking no writes, so that
+        the master moves nothing more to a disk that hangs (reads of it still fall through)."""
         disk = self._disk
         if disk is None:
             return {}
+        loop = asyncio.get_running_loop()
         look = self._filesystem_look
         if look is None:
             look = self._filesystem_look = asyncio.ensure_future(asyncio.to_thread(disk.filesystem_report))
+            self._filesystem_look_since_s = loop.time()
         done, _ = await asyncio.wait((look,), timeout=limits.FILESYSTEM_LOOK_WAIT_MS / 1000)
-        if not done:
-            return {}
-        self._filesystem_look = None
-        return {disk.segment_id: look.result()}
+        if done:
+            self._filesystem_look = None
+            return {disk.segment_id: look.result()}
+        if loop.time() - self._filesystem_look_since_s >= limits.FILESYSTEM_LOOK_OVERDUE_MS / 1000:
+            return {disk.segment_id: FilesystemReport(is_writable=False)}
+        return {}
 
     async def _drop_rejected(self, info: SegmentInfo, rejected: list[InventoryEntry]) -> int:
         """Forget inventory entries the master refused (a disk tier removes their files)."""
