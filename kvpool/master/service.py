@@ -282,8 +282,8 @@ class MasterService:
             log.log(logging.INFO if change else logging.WARNING,
                     "%s segment %s (node %s): its filesystem %s", segment.tier, segment.segment_id,
                     segment.info.node_id, "takes writes again" if change else
-                    "takes no writes (read-only, or its directory cannot be read): objects evicted from DRAM "
-                    "skip it, to the DFS or dropped; what it holds is read as before")  # fmt: skip
+                    "takes no writes (read-only, its directory cannot be read, or it does not answer): objects "
+                    "evicted from DRAM skip it, to the DFS or dropped; what it holds is read as before")  # fmt: skip
 
     def _report_free(self, segment: Segment, free_bytes: int, device: int, now_ms: int) -> None:
         """A slower tier's free filesystem space: logged when it starts or stops capping the

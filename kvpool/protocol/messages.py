@@ -429,7 +429,7 @@ class FilesystemReport(msgspec.Struct, array_like=True, gc=False):
     """What the filesystem under a slower-tier segment can take, as its node saw it: the
     `free_bytes` left there, on `device` (its device number on the node's host, which the disk
     tiers of nodes sharing one disk share; -1: not known), or nothing (`is_writable` false:
-    read-only, or its directory cannot be read)."""
+    read-only, its directory cannot be read, or a look at it is overdue: a disk that hangs)."""
 
     free_bytes: int = 0
     device: int = -1
