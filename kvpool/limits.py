@@ -92,8 +92,11 @@ REMOUNT_GRACE_MS_DEFAULT = 3_000
 # keys than one step looks at (a few ms of work) before the master serves requests again.
 UNMOUNT_SWEEP_KEYS_PER_STEP = 20_000
 # Drops a segment left with, unacknowledged (master/tombstones.py): kept this long for its node
-# to come back (a day covers a node's repair), and at most this many (~100 bytes each).
+# to come back (a day covers a node's repair; a DRAM segment comes back only from a node cut
+# off, which mounts again as soon as it reaches the master), and at most this many (~100 bytes
+# each).
 TOMBSTONE_TTL_MS = 24 * 3_600_000
+TOMBSTONE_DRAM_TTL_MS = 10 * 60_000
 TOMBSTONES_MAX = 1_000_000
 
 # --- client and connections -------------------------------------------------------------------

@@ -14,6 +14,7 @@ import logging
 
 import pytest
 
+from kvpool import limits
 from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import (
     TIER_DISK,
@@ -33,8 +34,8 @@ def entry(key: str, offset: int) -> InventoryEntry:
 
 def test_a_mount_refuses_the_entries_buried_at_their_offset_and_its_heartbeat_settles_the_rest() -> None:
     tombstones = Tombstones()
-    tombstones.bury("s1", [entry("a", 0), entry("b", 128), entry("c", 256)])
-    tombstones.bury("s2", [entry("a", 0)])
+    tombstones.bury("s1", [entry("a", 0), entry("b", 128), entry("c", 256)], 1_000)
+    tombstones.bury("s2", [entry("a", 0)], 1_000)
     assert len(tombstones) == 4
     tombstones.settle("s1")  # no mount since: nothing settles
     assert len(tombstones) == 4
@@ -54,18 +55,24 @@ def test_a_mount_refuses_the_entries_buried_at_their_offset_and_its_heartbeat_se
 
 
 def test_tombstones_expire_by_segment_and_are_bounded_oldest_first(caplog) -> None:
-    tombstones = Tombstones(ttl_ms=1_000, entries_max=5)
+    tombstones = Tombstones()
+    tombstones.bury("short", [entry("a", 0)], 100)
+    tombstones.bury("long", [entry("a", 0)], 1_000)
+    tombstones.expire(100)
+    assert len(tombstones) == 1  # each segment on its own time
+
+    tombstones = Tombstones(entries_max=5)
     tombstones.expire(0)
-    tombstones.bury("old", [entry("a", 0), entry("b", 128)])
+    tombstones.bury("old", [entry("a", 0), entry("b", 128)], 1_000)
     tombstones.expire(600)
-    tombstones.bury("new", [entry("c", 0)])
+    tombstones.bury("new", [entry("c", 0)], 1_000)
     tombstones.expire(999)
     assert len(tombstones) == 3
     tombstones.expire(1_000)
     assert len(tombstones) == 1  # "old" went; "new" was buried at 600
-    tombstones.bury("old", [entry("a", 0), entry("b", 128), entry("d", 256)])
+    tombstones.bury("old", [entry("a", 0), entry("b", 128), entry("d", 256)], 1_000)
     with caplog.at_level(logging.WARNING, logger="kvpool.master.tombstones"):
-        tombstones.bury("newest", [entry("e", 0), entry("f", 128), entry("g", 256)])
+        tombstones.bury("newest", [entry("e", 0), entry("f", 128), entry("g", 256)], 1_000)
     assert len(tombstones) == 5 and "more than 5 tombstones" in caplog.text
     tombstones.check_invariants()
     # "new" (buried first of the three) went whole, then "old"'s oldest entry.
@@ -141,6 +148,22 @@ def test_a_tombstone_the_mount_did_not_match_is_forgotten_at_the_next_heartbeat(
     # A later mount with that entry (put there again since) is not refused.
     svc.tick(3_000)
     assert mount(svc, "s1", now=3_001, inventory=[e for e in held if e.key in removed]) == []
+
+
+def test_a_dram_segments_tombstones_expire_sooner_than_a_disk_tiers() -> None:
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1")
+    removed_while_away(svc, ["a", "b"])
+    disk = info("disk-1")
+    disk.tier = TIER_DISK
+    svc.mount_segment(MountSegment(disk, [InventoryEntry("d", 0, 100, 1)]), 0)
+    svc.remove(Remove(["d"], force=True), 4)
+    svc.tick(1_000)  # both silent: both go, with their drops
+    assert len(svc.tombstones) == 2
+    svc.tick(1_000 + limits.TOMBSTONE_DRAM_TTL_MS)
+    assert len(svc.tombstones) == 1  # a DRAM segment comes back only from a node cut off
+    svc.tick(1_000 + limits.TOMBSTONE_TTL_MS)
+    assert len(svc.tombstones) == 0
 
 
 def test_acknowledged_drops_leave_no_tombstone() -> None:

@@ -242,7 +242,8 @@ class MountFlow:
         flight lose their ranges there, its quarantine goes with it, and its drops its node has
         not acknowledged become tombstones (tombstones.py)."""
         if segment.drops_unsent or segment.drops_sent:
-            self._tombstones.bury(segment.segment_id, [*segment.drops_unsent, *segment.drops_sent.values()])
+            ttl_ms = limits.TOMBSTONE_DRAM_TTL_MS if segment.tier == TIER_DRAM else limits.TOMBSTONE_TTL_MS
+            self._tombstones.bury(segment.segment_id, [*segment.drops_unsent, *segment.drops_sent.values()], ttl_ms)
         index = segment.index
         table = self._table
         if segment.object_count:

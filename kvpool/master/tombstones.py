@@ -15,7 +15,9 @@ A segment's tombstones go
 - all at its first heartbeat after a mount: a node sends its whole inventory before it
   heartbeats, so what is left matched nothing the node holds;
 - TOMBSTONE_TTL_MS after the segment's last burial (a node that stays away longer comes back
-  with what was removed meanwhile: the cost of keeping no state forever);
+  with what was removed meanwhile: the cost of keeping no state forever), or
+  TOMBSTONE_DRAM_TTL_MS for a DRAM segment: its id is new at each start of its node, so only
+  a node cut off from the master and mounting again meets them;
 - beyond TOMBSTONES_MAX, the oldest segment's first (and a warning is logged).
 
 Not kept across a restart of the master or a change of leader (in memory, as the drops were);
@@ -38,21 +40,20 @@ log = logging.getLogger(__name__)
 class _Graves:
     """One segment's tombstones: key -> offset, oldest first."""
 
-    __slots__ = ("offsets", "buried_ms")
+    __slots__ = ("offsets", "expiry_ms")
 
-    def __init__(self, buried_ms: int) -> None:
+    def __init__(self) -> None:
         self.offsets: dict[str, int] = {}
-        self.buried_ms = buried_ms
+        self.expiry_ms = 0
 
 
 class Tombstones:
     """Per segment id, the drops its node never acknowledged (the module)."""
 
-    __slots__ = ("_segments", "_mounted", "_count", "_now_ms", "_is_over", "ttl_ms", "entries_max")
+    __slots__ = ("_segments", "_mounted", "_count", "_now_ms", "_is_over", "entries_max")
 
-    def __init__(self, ttl_ms: int = limits.TOMBSTONE_TTL_MS, entries_max: int = limits.TOMBSTONES_MAX) -> None:
-        assert ttl_ms > 0 and entries_max > 0, (ttl_ms, entries_max)
-        self.ttl_ms = ttl_ms
+    def __init__(self, entries_max: int = limits.TOMBSTONES_MAX) -> None:
+        assert entries_max > 0, entries_max
         self.entries_max = entries_max
         self._segments: dict[str, _Graves] = {}  # by last burial, oldest first
         self._mounted: set[str] = set()  # ids whose mount looked at their tombstones
@@ -63,10 +64,12 @@ class Tombstones:
     def __len__(self) -> int:
         return self._count
 
-    def bury(self, segment_id: str, entries: Iterable[InventoryEntry]) -> None:
-        """The segment is going with these drops unacknowledged."""
-        graves = self._segments.pop(segment_id, None) or _Graves(self._now_ms)
-        graves.buried_ms = self._now_ms
+    def bury(self, segment_id: str, entries: Iterable[InventoryEntry], ttl_ms: int) -> None:
+        """The segment is going with these drops unacknowledged; its tombstones are kept
+        `ttl_ms` from now."""
+        assert ttl_ms > 0, ttl_ms
+        graves = self._segments.pop(segment_id, None) or _Graves()
+        graves.expiry_ms = self._now_ms + ttl_ms
         offsets = graves.offsets
         before = len(offsets)
         for entry in entries:
@@ -111,13 +114,12 @@ class Tombstones:
                 self._count -= len(graves.offsets)
 
     def expire(self, now_ms: int) -> None:
-        """Forget the segments buried TOMBSTONE_TTL_MS ago; `now_ms` stamps later burials."""
+        """Forget the segments whose tombstones' time is up; `now_ms` stamps later burials.
+        O(segments with tombstones): few (those that went with drops unacknowledged)."""
         self._now_ms = now_ms
         segments = self._segments
-        while segments:
-            segment_id, graves = next(iter(segments.items()))
-            if graves.buried_ms + self.ttl_ms > now_ms:
-                break
+        for segment_id in [s for s, graves in segments.items() if graves.expiry_ms <= now_ms]:
+            graves = segments[segment_id]
             log.debug("tombstones of segment %s expired: %d objects removed while it was away may come back with it",
                      segment_id, len(graves.offsets))  # fmt: skip
             del segments[segment_id]
