@@ -174,3 +174,23 @@ def test_acknowledged_drops_leave_no_tombstone() -> None:
     ack_drops(svc, 1)
     svc.tick(1_000)
     assert len(svc.tombstones) == 0
+
+
+def test_drops_taken_for_an_earlier_incarnation_of_a_segment_are_not_due_to_the_next() -> None:
+    # The server keeps drops a node did not answer and sends them again; once their segment
+    # went (as tombstones) and came back under the same id, they are no longer due: sent, they
+    # could make the node forget an object put there since.
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1")
+    assert put(svc, ["a", "b"]) == [OK, OK]
+    svc.remove(Remove(["a"], force=True), 1)
+    (taken,) = svc.take_drops()["s1"]
+    assert svc.drops_due("s1", [taken]) == [taken]
+    svc.tick(1_000)
+    assert svc.drops_due("s1", [taken]) == []  # gone
+    mount(svc, "s1", now=1_001)
+    assert svc.drops_due("s1", [taken]) == []  # another incarnation
+    assert put(svc, ["b"], now=1_002) == [OK]
+    svc.remove(Remove(["b"], force=True), 1_003)
+    (fresh,) = svc.take_drops()["s1"]
+    assert svc.drops_due("s1", [taken, fresh]) == [fresh]

@@ -570,6 +570,7 @@ class MasterServer:
 
     async def _drop_batch(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> bool:
         """Send drops to a segment's node; False if some were not acknowledged."""
+        entries = service.drops_due(segment_id, entries)
         conn = self._node_conns.get(segment_id)
         sent = 0
         if conn is not None:
@@ -766,6 +767,7 @@ class MasterServer:
         """Remove DFS files of dropped replicas, then free their ranges."""
         dfs, info = self._dfs, self._dfs_info
         assert dfs is not None and info is not None
+        entries = service.drops_due(info.segment_id, entries)
         try:
             await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in entries])
         except KVPoolError as exc:

@@ -924,6 +924,16 @@ class MasterService:
             return
         segment.finish_drops(entries)
 
+    def drops_due(self, segment_id: str, entries: list[InventoryEntry]) -> list[InventoryEntry]:
+        """Of drops taken for `segment_id` (take_drops), those the segment mounted under that
+        id now still waits on: the others went with an earlier incarnation (as tombstones),
+        and sent to this one they could make its node forget an object put there since."""
+        segment = self._registry.get(segment_id)
+        if segment is None:
+            return []
+        sent = segment.drops_sent
+        return [entry for entry in entries if sent.get(entry.offset) is entry]
+
     def has_segment(self, segment_id: str) -> bool:
         return self._registry.get(segment_id) is not None
 
