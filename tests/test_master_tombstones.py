@@ -25,7 +25,7 @@ from kvpool.protocol.messages import (
     RemoveAll,
     UnmountSegment,
 )
-from tests.test_master_service import OBJECT_SIZE, OK, ack_drops, checksum_of, exists, get, info, make, mount, put
+from tests.test_master_service import OBJECT_SIZE, OK, checksum_of, exists, get, info, make, mount, put
 
 
 def entry(key: str, offset: int) -> InventoryEntry:
@@ -166,12 +166,19 @@ def test_a_dram_segments_tombstones_expire_sooner_than_a_disk_tiers() -> None:
     assert len(svc.tombstones) == 0
 
 
-def test_acknowledged_drops_leave_no_tombstone() -> None:
-    svc = make(node_ttl_ms=1_000)
+def one_drop_taken(svc) -> InventoryEntry:
+    """On s1 (mounted at 0), "a" and "b" put and "a" removed: its drop, taken (sent to the
+    node) and not acknowledged."""
     mount(svc, "s1")
     assert put(svc, ["a", "b"]) == [OK, OK]
     svc.remove(Remove(["a"], force=True), 1)
-    ack_drops(svc, 1)
+    (taken,) = svc.take_drops()["s1"]
+    return taken
+
+
+def test_acknowledged_drops_leave_no_tombstone() -> None:
+    svc = make(node_ttl_ms=1_000)
+    svc.drops_done("s1", [one_drop_taken(svc)], 1)
     svc.tick(1_000)
     assert len(svc.tombstones) == 0
 
@@ -181,10 +188,7 @@ def test_drops_taken_for_an_earlier_incarnation_of_a_segment_are_not_due_to_the_
     # went (as tombstones) and came back under the same id, they are no longer due: sent, they
     # could make the node forget an object put there since.
     svc = make(node_ttl_ms=1_000)
-    mount(svc, "s1")
-    assert put(svc, ["a", "b"]) == [OK, OK]
-    svc.remove(Remove(["a"], force=True), 1)
-    (taken,) = svc.take_drops()["s1"]
+    taken = one_drop_taken(svc)
     assert svc.drops_due("s1", [taken]) == [taken]
     svc.tick(1_000)
     assert svc.drops_due("s1", [taken]) == []  # gone

@@ -110,7 +110,7 @@ class _RoomWaiter:
         self.served = asyncio.Event()  # set once room that landed took its last key
 
 
-async def _wait_unless_served(waiter: _RoomWaiter, tasks: list[asyncio.Future[None]], deadline_s: float) -> None:
+async def _wait_unless_served(waiter: _RoomWaiter, tasks: list[asyncio.Task[None]], deadline_s: float) -> None:
     """Until `tasks` are done, room that landed took the waiter's last key (a node slow to
     answer may hold up its own moves or drops long after), or the deadline (loop time)."""
     loop = asyncio.get_running_loop()
@@ -121,12 +121,14 @@ async def _wait_unless_served(waiter: _RoomWaiter, tasks: list[asyncio.Future[No
     served.cancel()
 
 
-def _log_dfs_failure(task: asyncio.Task[None]) -> None:
+def _log_task_failure(task: asyncio.Task[None], *, doing: str) -> None:
+    """A background task's end (its done callback): a KVPoolError is an operating error,
+    tried again at the next tick; anything else a bug, said loudly."""
     exc = None if task.cancelled() else task.exception()
     if isinstance(exc, KVPoolError):
-        log.warning("the DFS: %s (tried again at the next tick)", exc)
-    elif exc is not None:  # a bug: say so loudly
-        log.error("tending the DFS failed", exc_info=exc)
+        log.warning("%s: %s (tried again at the next tick)", doing, exc)
+    elif exc is not None:
+        log.error("%s failed", doing, exc_info=exc)
 
 
 def wall_clock_ms() -> int:
@@ -420,8 +422,10 @@ class MasterServer:
                     # Only the back-off: wait it out (within the put's wait), then evict.
                     back_off_s = service.evict_back_off_left_ms(wall_clock_ms()) / 1000
                     await asyncio.sleep(min(back_off_s, max(0.0, deadline_s - loop.time())))
-                # The flush goes on if the put's wait ends first (a node slow to acknowledge).
-                await _wait_unless_served(waiter, [asyncio.ensure_future(self._flush_drops())], deadline_s)
+                # The drops go on if the put's wait ends first (a node slow to acknowledge).
+                drops = self._send_drops()
+                if drops:
+                    await _wait_unless_served(waiter, drops, deadline_s)
                 if service is not self.service:
                     return reply  # The term ended meanwhile: those keys stay NO_AVAILABLE_HANDLE.
                 if waiter.retry:
@@ -549,13 +553,12 @@ class MasterServer:
             task = asyncio.get_running_loop().create_task(send)
             self._drop_tasks[segment_id] = task
             task.add_done_callback(functools.partial(self._drop_task_done, segment_id))
+            task.add_done_callback(functools.partial(_log_task_failure, doing=f"sending drops to segment {segment_id}"))
         return list(self._drop_tasks.values())
 
     def _drop_task_done(self, segment_id: str, task: asyncio.Task[None]) -> None:
         if self._drop_tasks.get(segment_id) is task:
             del self._drop_tasks[segment_id]
-        if not task.cancelled() and task.exception() is not None:  # a bug: say so loudly
-            log.error("sending drops to segment %s failed", segment_id, exc_info=task.exception())
 
     async def _flush_drops(self) -> None:
         """Send the drop outbox (_send_drops) and wait until every node answered or failed."""
@@ -726,7 +729,7 @@ class MasterServer:
         mounted again from a scan once it answers."""
         if self._dfs_task is None or self._dfs_task.done():
             self._dfs_task = asyncio.get_running_loop().create_task(self._ensure_dfs())
-            self._dfs_task.add_done_callback(_log_dfs_failure)
+            self._dfs_task.add_done_callback(functools.partial(_log_task_failure, doing="tending the DFS"))
 
     async def _ensure_dfs(self) -> None:
         """Mount the DFS in the current service (once per service: at start, each new term),
