@@ -75,7 +75,9 @@ Each part prints one JSON object (medians); run one with its name, or all by def
   landing      where a plain get of 4 MiB lands: a bytes object filled in place against a
                zeroed bytearray copied into bytes; same-host plain gets of 4 MiB with glibc's
                defaults and with GLIBC_TUNABLES keeping freed memory (docs/performance.md);
-               filling a fresh 32 MiB bytes object in 4 KiB pages and in huge pages.
+               filling a fresh 32 MiB bytes object in 4 KiB pages and in huge pages; same-host
+               plain gets of 1 and 4 MiB objects whose results are kept, with the copying threads
+               populating each fresh object first (page_advice.py) and without, alternating.
   copies       a same-host get's copy of 32 x 1 MiB into a numpy array: glibc's memcpy in
                256 KiB chunks with the destination 16 and 64 bytes past the source (mod 4 KiB),
                numpy's SIMD copy, copy then hash, and copy and hash chunk by chunk (checksums.py)
@@ -1184,6 +1186,42 @@ def landing() -> dict:
         out[f"same_host_plain_get_4MiB_{name}_gbps"] = json.loads(child.stdout)
     out["tunables"] = KEEP_FREED_MEMORY
     out["fill_fresh_32MiB_ms"] = fill_fresh_bytes_ms(32 * MIB)
+    out["same_host_plain_gets_populated"] = plain_gets_populated()
+    return out
+
+
+def plain_gets_populated(rounds: int = 5) -> dict:
+    """Same-host plain gets of 64 MiB in batches of 32 MiB, each run's results kept until it
+    ends (as bench_peers.py keeps them: every bytes object is fresh memory), with the copying
+    threads populating each object first (page_advice.populate) and without, alternating:
+    GB/s, medians over the rounds, and the median of the per-round ratios."""
+    from kvpool import page_advice
+
+    out: dict = {}
+    with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint) as store:
+        for size in (MIB, 4 * MIB):
+            keys = [f"pop-{size}-{i}" for i in range(64 * MIB // size)]
+            batch = 32 * MIB // size
+            store.put_batch(keys, [os.urandom(size)] * len(keys))
+            rates: dict[str, list[float]] = {"faulted": [], "populated": []}
+            saved = page_advice.POPULATE_BYTES_MIN
+            try:
+                for _ in range(rounds + 1):  # the first round warms up
+                    for name, populate_min in (("faulted", 1 << 62), ("populated", saved)):
+                        page_advice.POPULATE_BYTES_MIN = populate_min
+                        kept = []
+                        started = time.perf_counter()
+                        for start in range(0, len(keys), batch):
+                            kept.extend(store.get_batch(keys[start : start + batch]))
+                        rates[name].append(len(keys) * size / (time.perf_counter() - started) / 1e9)
+                        assert all(len(value) == size for value in kept)
+                        del kept
+            finally:
+                page_advice.POPULATE_BYTES_MIN = saved
+            row = {f"{name}_gbps": round(statistics.median(r[1:]), 2) for name, r in rates.items()}
+            ratios = [p / f for f, p in zip(rates["faulted"][1:], rates["populated"][1:])]
+            row["populated_vs_faulted"] = round(statistics.median(ratios), 2)
+            out[f"{size // MIB}MiB"] = row
     return out
 
 
@@ -1263,7 +1301,7 @@ def copies() -> dict:
     sixteenths = [[memoryview(target)[i * size + j * 64 * KIB :][: 64 * KIB] for j in range(16)] for i in range(count)]
 
     def put_parts(parts_of: list, simd_bytes_min: int) -> None:
-        checksums.copies_checksummed(list(zip(parts_of, [[d] for d in into_segment])), simd_bytes_min)
+        checksums.copies_checksummed(parts_of, [[d] for d in into_segment], simd_bytes_min)
 
     def layers_copy_then_hash() -> None:
         for parts, destination in zip(layers, into_segment):
@@ -1273,6 +1311,7 @@ def copies() -> dict:
                 at += len(part)
             xxhash.xxh3_64_intdigest(destination)
 
+    sources, destinations = [[s] for s, _ in pairs], [[v] for _, v in pairs]
     cases = {
         "numpy_copy_1MiB": numpy_copy,
         "memcpy_256KiB_dst_16_past_src": lambda: chunked(target, lambda a, b: np.copyto(b, a)),
@@ -1280,7 +1319,7 @@ def copies() -> dict:
         "simd_256KiB_dst_16_past_src": lambda: chunked(target, lambda a, b: np.positive(a, out=b)),
         "copy_then_hash": copy_then_hash,
         "copy_and_hash_in_chunks_1_thread": lambda: [checksums.copy_checksummed([s], [v]) for s, v in pairs],
-        "copy_and_hash_in_chunks_2_threads": lambda: checksums.copies_checksummed([([s], [v]) for s, v in pairs]),
+        "copy_and_hash_in_chunks_2_threads": lambda: checksums.copies_checksummed(sources, destinations),
         "put_64_layers_of_16KiB_copy_then_hash": layers_copy_then_hash,
         "put_64_layers_of_16KiB_now": lambda: put_parts(layers, checksums.SIMD_COPY_INTO_SEGMENT_BYTES_MIN),
         "put_16_parts_of_64KiB_memcpy": lambda: put_parts(sixteenths, checksums.SIMD_COPY_INTO_SEGMENT_BYTES_MIN),

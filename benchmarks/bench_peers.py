@@ -32,8 +32,9 @@ kvpool/Redis on every row) and docs/benchmarks.png (matplotlib, if installed).
 Mooncake's client listens on every interface, so (as scripts/mooncake_conformance.py does) the
 whole run re-executes itself in a new network namespace holding only loopback (`unshare --net`,
 needs root); without it Mooncake is skipped. Peers are optional: install Mooncake with
-scripts/install-peers.sh mooncake, Redis with `apt-get install redis-server` and `pip install
-redis` (the Python client; not a kvpool dependency). Skipped peers are listed with the reason.
+scripts/install-peers.sh mooncake, Redis with scripts/install-peers.sh redis (Debian's
+redis-server and the redis Python client; not kvpool dependencies). Skipped peers are listed
+with the reason.
 
     python benchmarks/bench_peers.py [--rounds 5] [--repeats 1] [--quick] [--write]
 """
@@ -438,10 +439,10 @@ class Servers:
         try:
             import redis  # noqa: F401
         except ImportError:
-            self.skipped["redis"] = "the redis Python client is not installed (pip install redis)"
+            self.skipped["redis"] = "the redis Python client is not installed (scripts/install-peers.sh redis)"
             return
         if binary is None:
-            self.skipped["redis"] = "redis-server not found (apt-get install redis-server)"
+            self.skipped["redis"] = "redis-server not found (scripts/install-peers.sh redis, as root)"
             return
         port = free_port()
         unix = str(self.log_dir / "redis.sock")
@@ -575,8 +576,8 @@ def markdown(result: dict, command: str) -> str:
         ),
         "",
         (
-        "Redis needs `apt-get install redis-server` and `pip install redis` (not a kvpool "
-        "dependency); Mooncake needs `scripts/install-peers.sh mooncake` and root (it runs in a "
+        "Redis needs `scripts/install-peers.sh redis` (Debian redis-server and redis-py, not kvpool "
+        "dependencies); Mooncake needs `scripts/install-peers.sh mooncake` and root (it runs in a "
         "private network namespace holding only loopback, because its client listens on every "
         "interface)."
         ),

@@ -21,12 +21,13 @@ memcpy path: 0.91-1.0x of the previous way in four runs (the per-part bookkeepin
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 import numpy as np
 import xxhash
 
+from kvpool import page_advice
 from kvpool.process import ThreadPool
 
 # Batches smaller than this are handled in the calling thread: a hand-off costs more.
@@ -83,12 +84,19 @@ def copy_bytes(source: memoryview, destination: memoryview) -> None:
 
 
 def copy_checksummed(
-    sources: Parts, destinations: Sequence[memoryview], simd_bytes_min: int = SIMD_COPY_BYTES_MIN
+    sources: Parts,
+    destinations: Sequence[memoryview],
+    simd_bytes_min: int = SIMD_COPY_BYTES_MIN,
+    is_fresh: bool = False,
 ) -> int:
     """Copy the concatenation of `sources` into `destinations` (as many bytes or more) and
     return the xxh3-64 of the bytes copied, hashed from where they landed: what a reader
     checks is what it got, and a writer's checksum is of what it wrote. Pieces of at least
-    `simd_bytes_min` bytes are copied with _copy, smaller ones with memcpy."""
+    `simd_bytes_min` bytes are copied with _copy, smaller ones with memcpy. Fresh
+    destinations (a plain get's new bytes) are populated first (page_advice.py)."""
+    if is_fresh:
+        for destination in destinations:
+            page_advice.populate(destination)
     if len(destinations) == 1:
         return _copy_into(sources, destinations[0], simd_bytes_min)
     return _copy_scattered(sources, destinations, simd_bytes_min)
@@ -148,10 +156,13 @@ def copies_checksummed(
     sources: Sequence[Parts],
     destinations: Sequence[Sequence[memoryview]],
     simd_bytes_min: int = SIMD_COPY_BYTES_MIN,
+    fresh: Collection[int] = (),
 ) -> list[int]:
-    """copy_checksummed of each object (`sources[i]` into `destinations[i]`), on several
-    threads when large and in large pieces (small pieces are Python work under the GIL:
-    threads would only take turns). A small object in one piece into one buffer (a batch of
+    """copy_checksummed of each object (`sources[i]` into `destinations[i]`; those whose index
+    is in `fresh` into fresh memory), on several threads when large and in large pieces
+    (small pieces are Python work under the GIL: threads would only take turns). Each
+    thread populates the fresh destinations it copies into: in parallel, as their faults
+    would have been. A small object in one piece into one buffer (a batch of
     KV pages) is copied and hashed in one tight loop: 4x faster than the general path for
     128 x 4 KiB. Two lists rather than a pair per object: a batch keeps fewer objects alive
     for the garbage collector (protocol/messages.py, on gc=False)."""
@@ -167,7 +178,12 @@ def copies_checksummed(
         else:
             others.append(index)
     if others:
-        rest = _copies_checksummed([sources[i] for i in others], [destinations[i] for i in others], simd_bytes_min)
+        rest = _copies_checksummed(
+            [sources[i] for i in others],
+            [destinations[i] for i in others],
+            simd_bytes_min,
+            [i in fresh for i in others] if fresh else None,
+        )
         for index, checksum in zip(others, rest):
             checksums[index] = checksum
     return checksums
@@ -181,15 +197,20 @@ def copy_small_checksummed(source: memoryview | bytes, destination: memoryview) 
 
 
 def _copies_checksummed(
-    sources: Sequence[Parts], destinations: Sequence[Sequence[memoryview]], simd_bytes_min: int
+    sources: Sequence[Parts],
+    destinations: Sequence[Sequence[memoryview]],
+    simd_bytes_min: int,
+    is_fresh: Sequence[bool] | None,
 ) -> list[int]:
     sizes = [sum(len(p) for p in parts) for parts in sources]
     pieces = sum(max(len(parts), len(targets)) for parts, targets in zip(sources, destinations))
+
+    def copy(i: int) -> int:
+        return copy_checksummed(sources[i], destinations[i], simd_bytes_min, is_fresh is not None and is_fresh[i])
+
     if sum(sizes) < simd_bytes_min * pieces:  # the average piece is small
-        return [copy_checksummed(parts, targets, simd_bytes_min) for parts, targets in zip(sources, destinations)]
-    return _in_shares(
-        lambda i: copy_checksummed(sources[i], destinations[i], simd_bytes_min), range(len(sources)), sizes
-    )
+        return [copy(i) for i in range(len(sources))]
+    return _in_shares(copy, range(len(sources)), sizes)
 
 
 def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[int]) -> list[R]:

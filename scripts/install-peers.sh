@@ -6,6 +6,7 @@
 #   scripts/install-peers.sh sglang        SGLang without its CUDA dependencies
 #   scripts/install-peers.sh vllm          vLLM without its CUDA dependencies
 #   scripts/install-peers.sh lmcache       LMCache without its CUDA dependencies
+#   scripts/install-peers.sh redis         Debian redis-server + redis-py (benchmarks/bench_peers.py)
 #   scripts/install-peers.sh all           all of the above
 #
 # Every pip call is constrained to torch==2.13.0: SGLang, vLLM and LMCache pin or pull CUDA
@@ -30,15 +31,20 @@ install_torch() {
     pip_install "torch==2.13.0" "transformers>=5.4,<6"
 }
 
+# apt_install PACKAGE WHAT: the Debian package, as root; else say what needs it and fail.
+apt_install() {
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null
+    else
+        echo "install-peers: $2 needs $1 (apt-get install $1, as root)" >&2
+        return 1
+    fi
+}
+
 install_mooncake() {
     if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
-        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-            apt-get update -qq
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
-        else
-            echo "install-peers: Mooncake needs libibverbs1 (apt-get install libibverbs1, as root)" >&2
-            return 1
-        fi
+        apt_install libibverbs1 Mooncake
     fi
     pip_install "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 }
@@ -64,8 +70,17 @@ install_lmcache() {
         prometheus-client safetensors blake3 cachetools cryptography
 }
 
+install_redis() {
+    # bench_peers.py starts its own redis-server on 127.0.0.1, persistence off; the Debian
+    # package's own service is left as Debian starts it.
+    if ! command -v redis-server >/dev/null; then
+        apt_install redis-server "The Redis benchmark"
+    fi
+    pip_install "redis>=5"
+}
+
 if [ "$#" -eq 0 ]; then
-    sed -n '2,9p' "$0"
+    sed -n '2,10p' "$0"
     exit 2
 fi
 for peer in "$@"; do
@@ -75,7 +90,8 @@ for peer in "$@"; do
         sglang) install_sglang ;;
         vllm) install_vllm ;;
         lmcache) install_lmcache ;;
-        all) install_torch; install_mooncake; install_sglang; install_vllm; install_lmcache ;;
+        redis) install_redis ;;
+        all) install_torch; install_mooncake; install_sglang; install_vllm; install_lmcache; install_redis ;;
         *) echo "install-peers: unknown peer '$peer'" >&2; exit 2 ;;
     esac
 done

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvpool import limits
+from kvpool import limits, page_advice
 from kvpool.client import transfer
 from kvpool.client.transfer import _FrameCutter, _read_slices, _write_slices
 from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant
@@ -274,13 +274,13 @@ def test_large_plain_get_landings_ask_for_huge_pages_inside_their_bytes_only(mon
     whole 2 MiB pages inside its own data, never past it; smaller ones ask nothing. The bytes
     land whole either way."""
     calls = []
-    monkeypatch.setattr(transfer, "_madvise", lambda start, length, advice: calls.append((start, length, advice)))
+    monkeypatch.setattr(page_advice, "_madvise", lambda start, length, advice: calls.append((start, length, advice)))
     huge = 2 << 20
-    for size in (transfer.HUGE_PAGES_BYTES_MIN - 1, transfer.HUGE_PAGES_BYTES_MIN, 32 << 20, (32 << 20) + 12345):
+    for size in (page_advice.HUGE_PAGES_BYTES_MIN - 1, page_advice.HUGE_PAGES_BYTES_MIN, 32 << 20, (32 << 20) + 12345):
         calls.clear()
         data, view = transfer._new_bytes(size)
         address = id(data) + transfer._BYTES_DATA_OFFSET
-        if size < transfer.HUGE_PAGES_BYTES_MIN:
+        if size < page_advice.HUGE_PAGES_BYTES_MIN:
             assert calls == []
             continue
         (start, length, advice), = calls

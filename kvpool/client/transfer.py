@@ -29,7 +29,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvpool import limits
+from kvpool import limits, page_advice
 from kvpool.checksums import (
     COPY_CHUNK_BYTES,
     SIMD_COPY_INTO_SEGMENT_BYTES_MIN,
@@ -598,6 +598,7 @@ class GetJob:
         sources: list[list[memoryview]] = []
         destinations: list[list[memoryview]] = []
         copied: list[int] = []  # plain gets up to a chunk, hashed after
+        fresh: list[int] = []  # positions in `indexes` of plain gets, landing in new bytes
         for index in mapped:
             replica = self._take_next(index)
             size = sizes[index]
@@ -610,10 +611,11 @@ class GetJob:
             if target is None:  # a large plain get: the one copy lands in the bytes returned
                 self._landed[index], view = _new_bytes(size)
                 target = [view]
+                fresh.append(len(indexes))
             indexes.append(index)
             sources.append([source])
             destinations.append(target)
-        for index, checksum in zip(indexes, copies_checksummed(sources, destinations)):
+        for index, checksum in zip(indexes, copies_checksummed(sources, destinations, fresh=set(fresh))):
             self._check(index, checksum)
         self._verify(copied)
 
@@ -811,15 +813,6 @@ _new_bytes_object.restype = ctypes.py_object
 _new_bytes_object.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 _BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # where a bytes object's data starts (ob_sval)
 
-_madvise = ctypes.CDLL(None, use_errno=True).madvise
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_MADV_HUGEPAGE = 14  # Linux (mmap.MADV_HUGEPAGE)
-_HUGE_PAGE_BYTES = 2 * limits.MIB
-# A plain get's bytes object of at least this size asks for transparent huge pages: its memory
-# is fresh (glibc maps large blocks anew), and faulting it in 4 KiB pages cost more than the
-# copy itself (32 MiB: 22 ms against 6 ms with huge pages, bench_paths.py landing).
-HUGE_PAGES_BYTES_MIN = 4 * limits.MIB
-
 
 def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     """A new bytes object of `size` bytes and a writable view of its data, so that a plain
@@ -830,21 +823,10 @@ def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     is never handed out. `size` > 1: CPython shares its empty and one-byte bytes objects."""
     data = _new_bytes_object(None, size)
     address = id(data) + _BYTES_DATA_OFFSET
-    if size >= HUGE_PAGES_BYTES_MIN:
-        _advise_huge_pages(address, size)
+    page_advice.advise_huge_pages(address, size)
     array = (ctypes.c_char * size).from_address(address)
     array._owner = data  # type: ignore[attr-defined]
     return data, memoryview(array).cast("B")
-
-
-def _advise_huge_pages(address: int, size: int) -> None:
-    """Ask for transparent huge pages on the whole 2 MiB pages inside [address, +size), before
-    anything touched them. Only advice: with THP off (or "never") the kernel ignores it, and a
-    failure changes nothing but speed."""
-    start = -(-address // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-    end = (address + size) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-    if end > start:
-        _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def _write_slices(items: list[WriteItem], views: list[memoryview]) -> WriteSlices:
