@@ -166,6 +166,45 @@ def test_records_round_trip_and_garbage_is_a_coordination_error():
 # --- the etcd client ------------------------------------------------------------------------
 
 
+def test_etcd_client_reads_a_reply_that_comes_in_pieces():
+    """A large reply (the segments record of a big cluster) crosses a real network in several
+    pieces: the client reads it whole, and a reply past the size bound is an error."""
+    import base64
+    import json
+
+    from kvpool import limits
+
+    def body_of(value_size: int) -> bytes:
+        value = base64.b64encode(b"x" * value_size).decode()
+        kv = {"key": base64.b64encode(b"k").decode(), "value": value, "create_revision": "3", "mod_revision": "3"}
+        return json.dumps({"header": {"revision": "7"}, "kvs": [kv]}).encode()
+
+    async def run(value_size: int):
+        body = body_of(value_size)
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body[:1000])
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the rest comes later, as a second segment would
+            writer.write(body[1000:])
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        try:
+            async with EtcdClient([f"127.0.0.1:{server.sockets[0].getsockname()[1]}"]) as etcd:
+                return await etcd.get(b"k")
+        finally:
+            server.close()
+
+    found, _ = asyncio.run(run(20_000))
+    assert found is not None and found.value == b"x" * 20_000
+    with pytest.raises(CoordinationError, match="larger than"):
+        asyncio.run(run(limits.ETCD_RESPONSE_SIZE_BYTES_MAX))
+
+
 def test_etcd_client_create_fence_lease_and_watch(etcd_endpoint):
     key = leader_key(new_cluster_id())
 

@@ -310,10 +310,15 @@ class EtcdClient:
 
 
 async def _read_capped(response: aiohttp.ClientResponse) -> bytes:
-    raw = await response.content.read(limits.ETCD_RESPONSE_SIZE_BYTES_MAX + 1)
-    if len(raw) > limits.ETCD_RESPONSE_SIZE_BYTES_MAX:
-        raise CoordinationError(f"etcd reply larger than {limits.ETCD_RESPONSE_SIZE_BYTES_MAX} bytes")
-    return raw
+    """The whole body, up to ETCD_RESPONSE_SIZE_BYTES_MAX. (A read(n) returns what has come
+    so far: a reply that crosses the network in several pieces needs several.)"""
+    cap = limits.ETCD_RESPONSE_SIZE_BYTES_MAX
+    raw = bytearray()
+    while len(raw) <= cap and (piece := await response.content.read(cap + 1 - len(raw))):
+        raw += piece
+    if len(raw) > cap:
+        raise CoordinationError(f"etcd reply larger than {cap} bytes")
+    return bytes(raw)
 
 
 def _decode(raw: bytes) -> dict[str, Any]:
