@@ -1347,6 +1347,28 @@ def test_mount_rejects_conflicting_inventory_entries() -> None:
     assert sorted(r.segment_id for r in get(svc, ["a"]).replicas[0]) == ["s1", "s3"]
 
 
+def test_nothing_is_placed_on_a_segment_until_its_whole_inventory_came() -> None:
+    """A node re-mounting after a master restart sends a large inventory in several parts, in
+    order of offset. A put placed between two parts would be granted a range the node still
+    holds (the lowest free one: where the next part starts): the node refuses the write, and
+    the object there is rejected when its entry comes. So the segment takes no new replica
+    until the last part."""
+    svc = make()
+    held = [InventoryEntry(f"k{i}", i * OBJECT_SIZE, OBJECT_SIZE, checksum_of(f"k{i}")) for i in range(8)]
+    first = svc.mount_segment(MountSegment(info("s1"), held[:4], is_last=False), 0)
+    assert first.rejected == []
+    reply = svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 1)
+    assert reply.codes == [ErrorCode.NO_AVAILABLE_HANDLE]  # nowhere else to go: it waits
+    assert svc.mount_segment(MountSegment(info("s1"), held[4:]), 2).rejected == []
+    assert exists(svc, [e.key for e in held]) == [True] * len(held)
+    reply = svc.put_start(PutStart(["new"], [OBJECT_SIZE], config()), 3)
+    assert reply.codes == [OK] and reply.grants[0].offset == len(held) * OBJECT_SIZE
+    # A segment already mounted whose node sends its inventory again (a new connection) takes
+    # none until that is whole, either.
+    svc.mount_segment(MountSegment(info("s1"), held[:2], is_last=False), 4)
+    assert svc.put_start(PutStart(["other"], [OBJECT_SIZE], config()), 5).codes == [ErrorCode.NO_AVAILABLE_HANDLE]
+
+
 def test_mount_identity_rules() -> None:
     svc = make()
     mount(svc, "s1", node="n1", inventory=[InventoryEntry("a", 0, 100, 1)])

@@ -76,6 +76,7 @@ class Segment:
         "drop_bytes",
         "taken",
         "is_reachable",
+        "has_whole_inventory",
     )
 
     def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int):
@@ -96,6 +97,8 @@ class Segment:
         self.taken: list[tuple[int, int]] = []  # (offset, size) of replicas a LEAVING one let go
         # Whether the master holds a connection to the node (see SegmentRegistry.set_reachable).
         self.is_reachable = True
+        # Whether its node's inventory came whole (SegmentRegistry.set_inventory_whole).
+        self.has_whole_inventory = True
 
     @property
     def segment_id(self) -> str:
@@ -111,8 +114,8 @@ class Segment:
 
     @property
     def takes_new_replicas(self) -> bool:
-        """ACTIVE and reachable: puts and offloads may be placed here."""
-        return self.state is SegmentState.ACTIVE and self.is_reachable
+        """ACTIVE, reachable, its inventory whole: puts and offloads may be placed here."""
+        return self.state is SegmentState.ACTIVE and self.is_reachable and self.has_whole_inventory
 
     @property
     def status(self) -> str:
@@ -349,6 +352,15 @@ class SegmentRegistry:
         segment.is_reachable = is_reachable
         self._rebuild_views()
         return True
+
+    def set_inventory_whole(self, segment: Segment, is_whole: bool) -> None:
+        """Whether the node's inventory of the segment has come whole (MountSegment.is_last).
+        Until it has, nothing is placed there: a range the node has not reported yet may hold
+        an object, and a put granted there would be refused by the node (and the object
+        rejected when its entry came)."""
+        if segment.has_whole_inventory != is_whole:
+            segment.has_whole_inventory = is_whole
+            self._rebuild_views()
 
     def set_draining(self, segment: Segment, deadline_ms: int) -> None:
         if segment.state is SegmentState.ACTIVE:

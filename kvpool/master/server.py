@@ -334,7 +334,7 @@ class MasterServer:
             case MountSegment():
                 reply = service.mount_segment(message, now_ms)
                 self._node_conns[message.segment.segment_id] = conn
-                if self._takeover is not None:
+                if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
                 log.info(
                     "mounted segment %s of %s (%d bytes, %d objects re-adopted, %d rejected)",

@@ -207,8 +207,9 @@ class MasterService:
         refreshed (liveness, info) and its inventory merged, so a node may also send a large
         inventory as several MountSegments. A different shm_token means the node made a new
         segment file: the old incarnation is unmounted first (its replicas are gone).
-        Inventory entries become replicas of complete objects, allocated exactly where the node
-        holds them; an entry that overlaps another range, lies outside the segment, disagrees
+        Nothing is placed on the segment until its inventory's last part
+        (MountSegment.is_last). Inventory entries become replicas of complete objects, allocated
+        exactly where the node holds them; an entry that overlaps another range, lies outside the segment, disagrees
         on size or checksum with the object's other replicas, or was removed or evicted while
         the segment was away (tombstones.py) is returned in `rejected`.
 
@@ -253,6 +254,7 @@ class MasterService:
                      "refused (its node drops them)", info.segment_id, info.node_id, len(removed))  # fmt: skip
         soft_pin_expiry_ms = max(1, now_ms + self.config.soft_pin_ttl_ms)
         rejected = removed + self._mounts.adopt(segment, inventory, soft_pin_expiry_ms)
+        self._registry.set_inventory_whole(segment, msg.is_last)
         return MountReply(rejected, self.term, now_ms)
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:

@@ -468,12 +468,11 @@ class Node:
             return
         self._master_clock.forget()
         for info, inventory in self._mounts():
-            for chunk in _inventory_chunks(inventory.entries()):
+            chunks = list(_inventory_chunks(inventory.entries()))
+            for index, chunk in enumerate(chunks):
+                mount = MountSegment(info, chunk, is_last=index == len(chunks) - 1)
                 sent_ms = wall_clock_ms()
-                reply = _expect(
-                    await conn.request(MountSegment(info, chunk), timeout_ms=self.config.rpc_timeout_ms),
-                    MountReply,
-                )
+                reply = _expect(await conn.request(mount, timeout_ms=self.config.rpc_timeout_ms), MountReply)
                 self._observe_master_clock(sent_ms, reply.master_time_ms)
                 if info.segment_id == self._segment_id and self._transfer is not None:
                     self._transfer.term = reply.term  # grants of earlier masters are refused now

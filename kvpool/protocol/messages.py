@@ -408,10 +408,13 @@ class ClusterStatusReply(Message, tag=27):
 
 
 class MountSegment(Message, tag=40):
-    """Mount (or re-mount after a master restart) a segment with the objects it already holds."""
+    """Mount (or re-mount after a master restart) a segment with the objects it already holds.
+    A large inventory comes in several, in order; the master places nothing on the segment
+    until the last (`is_last`): a range not yet reported may still hold an object."""
 
     segment: SegmentInfo
     inventory: list[InventoryEntry]
+    is_last: bool = True
 
 
 class MountReply(Message, tag=41):
