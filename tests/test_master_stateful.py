@@ -334,6 +334,7 @@ class MasterMachine(RuleBasedStateMachine):
             results[segment_id] = codes
         good: dict[str, set[str]] = {}
         for segment_id, entries in pending.commits.items():
+            is_answered = segment_id in results
             for entry, code in zip(entries, results.get(segment_id, [-1] * len(entries))):
                 put = self.pending[entry.key]
                 if put.grants.get(segment_id) != entry.offset:
@@ -342,7 +343,10 @@ class MasterMachine(RuleBasedStateMachine):
                     good.setdefault(entry.key, set()).add(segment_id)
                 else:
                     del put.grants[segment_id]
-                    self._release(segment_id, entry.offset)
+                    if is_answered:  # refused: free at once
+                        self._release(segment_id, entry.offset)
+                    else:  # no answer: the node may hold it; dropped before reuse
+                        self._mark(segment_id, entry.offset, "drop")
         codes = self.service.finish_put_end(pending, results, self.now).codes
         for index in pending.awaiting:
             key = pending.keys[index]

@@ -398,7 +398,8 @@ class PutFlow:
         for segment_id, entries in pending.commits.items():
             segment = pending.segments[segment_id]
             node_codes = results.get(segment_id)
-            if node_codes is None or len(node_codes) != len(entries):
+            is_answered = node_codes is not None and len(node_codes) == len(entries)
+            if not is_answered:
                 node_codes = [codes.TRANSFER_FAIL] * len(entries)
             elif not any(node_codes):
                 continue  # every entry committed (codes.OK is 0): nothing to take back
@@ -408,9 +409,11 @@ class PutFlow:
                 if replica not in put.replicas:
                     continue  # Its segment was unmounted meanwhile; the range went with it.
                 if code != codes.OK:
-                    # Never entered the node's inventory: no drop is needed before reuse.
                     put.replicas.remove(replica)
-                    segment.allocator.free(entry.offset, entry.size)
+                    if is_answered:  # refused: never entered the node's inventory
+                        segment.allocator.free(entry.offset, entry.size)
+                    else:  # the node may have recorded it (a late answer): dropped before reuse
+                        segment.schedule_drop(entry)
         codes_out = list(pending.codes)
         keys, puts, writing, insert = pending.keys, pending.puts, table.pending, table.insert
         done = done_bytes = 0

@@ -478,9 +478,8 @@ class MasterServer:
             conn = self._node_conns.get(segment_id)
             if call.done() or conn is None or conn.is_write_buffered():
                 codes = await call
-                results[segment_id] = codes if codes is not None else [int(ErrorCode.TRANSFER_FAIL)] * len(
-                    pending.commits[segment_id]
-                )
+                if codes is not None:  # else no answer: finish_put_end drops them before reuse
+                    results[segment_id] = codes
             else:
                 results[segment_id] = [int(ErrorCode.OK)] * len(pending.commits[segment_id])
                 later.append((segment_id, call))

@@ -11,7 +11,7 @@ timers, the node connections that carry CommitObjects and DropObjects, and retri
 Two exchanges need the nodes in the middle, so the service hands the server an outbox:
 
     put_end(msg)          -> PendingCommit: codes decided now + CommitObjects to send per segment
-    finish_put_end(p, r)  <- per segment, the node's per-entry codes (or TRANSFER_FAIL; the
+    finish_put_end(p, r)  <- per segment, the node's per-entry codes (none: no answer; the
                              server passes OK for commits it did not wait for, see server.py)
     refuse_commits(seg,e) <- entries a node refused after the put was answered: drop those
     take_drops()          -> per segment, DropObjects entries (removed/evicted objects)
@@ -474,8 +474,10 @@ class MasterService:
         Args:
             pending: what put_end returned; finish it exactly once.
             results: per segment id of `pending.commits`, the node's code for each entry in
-                order; a missing segment or a list of the wrong length counts as
-                TRANSFER_FAIL for all of its entries.
+                order. A missing segment (no answer) or a list of the wrong length counts as
+                TRANSFER_FAIL for all of its entries, whose ranges are then dropped from the
+                node before reuse (it may have recorded them); a refused entry's range is
+                free at once.
 
         Returns:
             One code per key of the PutEnd: OK when at least one replica committed (the
