@@ -198,6 +198,11 @@ MOVE_ITEMS_PER_REQUEST_MAX = 1_024
 DROP_ENTRIES_PER_REQUEST_MAX = 512
 # One MoveObjects round trip: its copies, their fsyncs, and the wait for admission.
 MOVE_TIMEOUT_MS = 60_000
+# A node decides a move (records its targets, or gives them up) at least this long before the
+# master stops waiting for the answer (MoveObjects.deadline_ms): a move the master gave up on,
+# and whose targets it drops, is never recorded afterwards. Covers the node's estimate of the
+# master's clock (node/clock.py) and its loop's lag.
+MOVE_DECIDED_BEFORE_TIMEOUT_MS = 5_000
 # The master's DRAM eviction order (master/eviction.py POLICIES; kvpool master --eviction-policy).
 EVICTION_POLICY_DEFAULT = "probation"
 # A put that found no room tries its keys again, after the moves and drops in flight, at most

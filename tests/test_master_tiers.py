@@ -581,6 +581,32 @@ def test_an_object_read_often_from_disk_is_promoted_back_into_dram():
     assert tiers(svc)[TIER_DISK]["hits"] == 3
 
 
+@pytest.mark.parametrize("answer", ["refused", "none"])
+def test_a_failed_promotion_frees_its_target_at_once_only_when_the_node_said_so(answer):
+    """A node that answered a failure recorded nothing: the range is free at once. One that
+    did not answer (a timeout, a lost link) may have recorded the copy, late: its target is
+    dropped from the node before the range is granted again."""
+    svc, cold = offloaded(promote_reads=3)
+    for now in (2, 3, 5):
+        svc.get_replica_list(GetReplicaList([cold]), now)
+    svc.tick(6)
+    (item,) = svc.take_moves()["A/disk"]
+    svc.finish_moves("A/disk", [item], [int(ErrorCode.TRANSFER_FAIL)] if answer == "refused" else None, 7)
+    assert where(svc, cold) == ["A/disk"]
+    drops = svc.take_drops()
+    if answer == "refused":
+        assert drops == {}
+    else:
+        assert [(e.key, e.offset) for e in drops["A"]] == [(cold, item.dst_offset)]
+        held = used_bytes(svc, "A")
+        svc.drops_done("A", drops["A"], 9)  # the node forgot it: only now is the range free
+        assert used_bytes(svc, "A") == held - footprint_bytes(item.size)
+
+
+def used_bytes(svc, segment_id: str) -> int:
+    return next(c.used_bytes for c in svc.segment_counters() if c.segment_id == segment_id)
+
+
 def test_no_promotion_goes_to_a_node_the_master_lost_until_it_speaks_again():
     svc, cold = offloaded(promote_reads=3)
     used = {c.segment_id: c.used_bytes for c in svc.segment_counters()}

@@ -691,14 +691,17 @@ class MasterServer:
         conn = self._node_conns.get(segment_id)
         for start in range(0, len(items), limits.MOVE_ITEMS_PER_REQUEST_MAX):
             chunk = items[start : start + limits.MOVE_ITEMS_PER_REQUEST_MAX]
-            codes = [int(ErrorCode.TRANSFER_FAIL)] * len(chunk)
-            if conn is not None and self._is_leading() and service is self.service:
-                try:
-                    reply = await conn.request(MoveObjects(chunk), timeout_ms=limits.MOVE_TIMEOUT_MS)
-                    if isinstance(reply, CodesReply) and len(reply.codes) == len(chunk):
-                        codes = reply.codes
-                except KVPoolError as exc:
-                    log.warning("moves on segment %s failed: %s", segment_id, exc)
+            if conn is None or not self._is_leading() or service is not self.service:
+                service.finish_moves(segment_id, chunk, [int(ErrorCode.TRANSFER_FAIL)] * len(chunk), wall_clock_ms())
+                continue  # never sent
+            codes: list[int] | None = None  # no answer: the node may have recorded some
+            deadline_ms = wall_clock_ms() + limits.MOVE_TIMEOUT_MS - limits.MOVE_DECIDED_BEFORE_TIMEOUT_MS
+            try:
+                reply = await conn.request(MoveObjects(chunk, deadline_ms), timeout_ms=limits.MOVE_TIMEOUT_MS)
+                if isinstance(reply, CodesReply) and len(reply.codes) == len(chunk):
+                    codes = reply.codes
+            except KVPoolError as exc:
+                log.warning("moves on segment %s failed: %s", segment_id, exc)
             service.finish_moves(segment_id, chunk, codes, wall_clock_ms())
         if service is self.service and service.has_pending_drops():
             await self._flush_drops()  # The offloaded replicas: their room is what puts wait for.

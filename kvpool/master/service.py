@@ -879,13 +879,16 @@ class MasterService:
                     moves.append(move)
         return self._tiers.moves.take(moves) if moves else {}
 
-    def finish_moves(self, segment_id: str, items: list[MoveItem], results: list[int], now_ms: int) -> None:
-        """The node's codes for the items sent to `segment_id` (TRANSFER_FAIL for each item
-        when the request failed). A successful offload drops the replicas it replaced (unless
-        a reader holds a lease), a promotion or copy adds a replica; a failed one frees its
-        target. Items already finished or unknown are ignored."""
-        if len(results) != len(items):
-            results = [int(codes.TRANSFER_FAIL)] * len(items)
+    def finish_moves(
+        self, segment_id: str, items: list[MoveItem], results: list[int] | None, now_ms: int
+    ) -> None:
+        """The node's codes for the items sent to `segment_id`, or None when the request got
+        no answer (or a broken one). A successful offload drops the replicas it replaced
+        (unless a reader holds a lease), a promotion or copy adds a replica; a failed one
+        frees its target, at once when the node answered, else once the node dropped it (it
+        may have recorded the copy). Items already finished or unknown are ignored."""
+        if results is not None and len(results) != len(items):
+            results = None
         self._tiers.finish(items, results, now_ms)
         for segment, room_bytes in self._tiers.newly_full:
             log.warning(

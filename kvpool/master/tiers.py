@@ -74,6 +74,10 @@ FILE_OVERHEAD_BYTES = objectfile.ALIGN_BYTES
 LOWER_TIERS: dict[str, tuple[str, ...]] = {TIER_DRAM: (TIER_DISK, TIER_DFS), TIER_DISK: (TIER_DFS,), TIER_DFS: ()}
 SLOWER_TIERS = (TIER_DISK, TIER_DFS)
 
+# A move's result when its request got no answer (no ErrorCode is positive): the node may have
+# recorded the copy, so its target is dropped from the node before the range is reused.
+UNANSWERED = 1
+
 
 class FreeReport(NamedTuple):
     """A slower segment's free filesystem space as last reported (TierFlow.report_free), and
@@ -771,12 +775,12 @@ class TierFlow:
 
     # --- the end of a move -----------------------------------------------------------------
 
-    def finish(self, items: list[MoveItem], codes: list[int], now_ms: int) -> None:
-        """The executing node's codes for sent items (TRANSFER_FAIL for items that never got
-        an answer). Items of unknown or already finished moves are ignored."""
-        assert len(items) == len(codes), (len(items), len(codes))
+    def finish(self, items: list[MoveItem], codes: list[int] | None, now_ms: int) -> None:
+        """The executing node's codes for sent items, or None for items that never got an
+        answer. Items of unknown or already finished moves are ignored."""
+        assert codes is None or len(items) == len(codes), (len(items), len(codes))
         moves = self.moves
-        for item, code in zip(items, codes):
+        for item, code in zip(items, codes if codes is not None else [UNANSWERED] * len(items)):
             move = moves.by_key.get(item.key)
             if move is None or not move.is_sent:
                 continue
@@ -824,7 +828,9 @@ class TierFlow:
                 self._without_dfs.add(move.executor.info.node_id)
             if not self._is_live(segment):
                 continue
-            if code != ErrorCode.OK:
+            if code == UNANSWERED:  # the node may have recorded it: dropped before reuse
+                segment.schedule_drop(InventoryEntry(key, offset, size_bytes, checksum))
+            elif code != ErrorCode.OK:
                 segment.allocator.free(offset, size_bytes)  # Never recorded by the node.
                 if code == ErrorCode.NO_AVAILABLE_HANDLE and segment.tier in SLOWER_TIERS:
                     self._found_full(segment, now_ms)

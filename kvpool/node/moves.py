@@ -18,6 +18,11 @@ Back-pressure: at most MOVE_QUEUE_BYTES_MAX bytes of moves are admitted at once;
 beyond that waits for room (bounded by MOVE_TIMEOUT_MS), so the queue between DRAM and disk
 never grows without bound. The master keeps its own, smaller, budget per node
 (MOVE_INFLIGHT_BYTES_PER_NODE_MAX), so offloads rarely wait here.
+
+Deadline: a request's copies that finish after its `deadline_ms` (the master's clock, as this
+node estimates it: node/clock.py) are not recorded, and the files they wrote are removed. The
+master gives up on the request a little later and drops its targets before reusing them; a
+copy recorded after that drop would be an entry in a range the master hands out again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import xxhash
 
@@ -41,6 +47,7 @@ from kvpool.errors import (
     ObjectNotFound,
     SegmentNotFound,
 )
+from kvpool.node.clock import wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import TierMetrics
@@ -93,6 +100,7 @@ class Mover:
         metrics: TierMetrics,
         *,
         is_durable: bool,
+        clock_ms: Callable[[], int] = wall_clock_ms,
     ) -> None:
         self.segment = segment
         self.segment_id = segment_id
@@ -101,6 +109,7 @@ class Mover:
         self.dfs = dfs
         self.metrics = metrics
         self.is_durable = is_durable
+        self._clock_ms = clock_ms  # the master's clock, as estimated here (deadlines are its)
         self._admitted_bytes = 0
         self._room = asyncio.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -122,7 +131,8 @@ class Mover:
 
         Raises:
             InvalidParams: too many items.
-            NoAvailableHandle: no room in the queue within MOVE_TIMEOUT_MS (nothing was done).
+            NoAvailableHandle: no room in the queue within MOVE_TIMEOUT_MS, or before the
+                deadline (nothing was done).
         """
         items = message.items
         if len(items) > limits.MOVE_ITEMS_PER_REQUEST_MAX:
@@ -140,11 +150,13 @@ class Mover:
                 codes[index] = int(exc.code)
         size_bytes = sum(plan.item.size for _, plan in plans)
         failed: dict[tuple[str, str, str], list[tuple[str, object]]] = {}  # (src, dst, why) -> (key, outcome)
-        await self._admit(size_bytes)
+        await self._admit(size_bytes, self._wait_ms(message.deadline_ms))
         try:
             outcomes = await asyncio.gather(
                 *(self.run_in_thread(plan.copy) for _, plan in plans), return_exceptions=True
             )
+            if message.deadline_ms and self._clock_ms() >= message.deadline_ms:
+                return await self._too_late(plans, outcomes, codes)
             to_disk: list[InventoryEntry] = []
             to_dram: list[InventoryEntry] = []
             for (index, plan), outcome in zip(plans, outcomes):
@@ -158,8 +170,7 @@ class Mover:
                 elif plan.dst == TIER_DRAM:
                     to_dram.append(plan.entry)
             if to_dram:
-                displaced = self.inventory.add(to_dram)
-                assert not displaced, f"a promotion displaced committed objects: {displaced[:4]}"
+                self._record_promotions(to_dram)
             if to_disk:
                 assert self.disk is not None
                 displaced = self.disk.record(to_disk)
@@ -175,6 +186,58 @@ class Mover:
             more = f" (and {len(failures) - 1} more like it)" if len(failures) > 1 else ""
             log.warning("move of %r from %s to %s failed: %s%s", key, src, dst, outcome, more)
         return CodesReply(codes)
+
+    def _record_promotions(self, entries: list[InventoryEntry]) -> None:
+        """Record copies into DRAM. One displacing its own key's older entry is normal: the
+        master evicted the object there, and its drop (sent in the background) then matches
+        nothing. Displacing another key is not (the master drops a range before reusing it):
+        the newest wins, as for commits (node/transfer.py)."""
+        promoted = {entry.key for entry in entries}
+        displaced = [entry for entry in self.inventory.add(entries) if entry.key not in promoted]
+        if displaced:
+            log.warning("segment %s: promotions displaced %d objects without a drop: %s",
+                        self.segment_id, len(displaced), [e.key for e in displaced[:8]])  # fmt: skip
+
+    async def _too_late(
+        self, plans: list[tuple[int, _Plan]], outcomes: list[object], codes: list[int]
+    ) -> CodesReply:
+        """The copies finished after the request's deadline: record none, remove the files
+        they wrote (a DRAM copy is bytes in a range the inventory leaves free), fail them all."""
+        written = [plan for (_, plan), outcome in zip(plans, outcomes) if outcome is None]
+        await self.run_in_thread(self._remove_files, [path for plan in written if (path := self._file_of(plan))])
+        for index, plan in plans:
+            codes[index] = int(ErrorCode.TRANSFER_FAIL)
+            self.metrics.moves.labels(src=plan.src, dst=plan.dst, result="late").inc()
+        if plans:
+            log.warning("moves of %d objects (%r first) finished after their deadline: not recorded",
+                        len(plans), plans[0][1].item.key)  # fmt: skip
+        return CodesReply(codes)
+
+    def _file_of(self, plan: _Plan) -> Path | None:
+        """The object file a copy not recorded wrote, to remove: a disk tier's (unless an
+        entry the tier holds lies there: then the file is not this copy's to remove), the
+        DFS's; None for a copy into DRAM."""
+        entry = plan.entry
+        disk = self.disk
+        if plan.dst == TIER_DISK and disk is not None:
+            return disk.path_of(entry.offset) if disk.inventory.is_range_free(entry.offset, entry.size) else None
+        if plan.dst == TIER_DFS and self.dfs is not None:
+            return self.dfs.path_of(entry.key, entry.offset)
+        return None
+
+    @staticmethod
+    def _remove_files(paths: list[Path]) -> None:
+        for path in paths:
+            try:
+                files.remove(path)
+            except KVPoolError as exc:
+                log.warning("could not remove %s, written by a move too late to record: %s", path, exc)
+
+    def _wait_ms(self, deadline_ms: int) -> int:
+        """How long admission may wait: MOVE_TIMEOUT_MS, and not past the deadline."""
+        if not deadline_ms:
+            return limits.MOVE_TIMEOUT_MS
+        return max(0, min(limits.MOVE_TIMEOUT_MS, deadline_ms - self._clock_ms()))
 
     def _code_of(self, plan: _Plan, outcome: object) -> int:
         if outcome is None:
@@ -192,7 +255,7 @@ class Mover:
 
     # --- admission -------------------------------------------------------------------------
 
-    async def _admit(self, size_bytes: int) -> None:
+    async def _admit(self, size_bytes: int, wait_ms: int) -> None:
         async with self._room:
             try:
                 await asyncio.wait_for(
@@ -200,11 +263,11 @@ class Mover:
                         lambda: self._admitted_bytes == 0
                         or self._admitted_bytes + size_bytes <= limits.MOVE_QUEUE_BYTES_MAX
                     ),
-                    limits.MOVE_TIMEOUT_MS / 1000,
+                    wait_ms / 1000,
                 )
             except asyncio.TimeoutError:
                 raise NoAvailableHandle(
-                    f"move queue full ({self._admitted_bytes} bytes) for {limits.MOVE_TIMEOUT_MS} ms"
+                    f"move queue full ({self._admitted_bytes} bytes) for {wait_ms} ms"
                 ) from None
             self._admitted_bytes += size_bytes
             self.metrics.move_queue_bytes.set(self._admitted_bytes)

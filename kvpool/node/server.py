@@ -267,7 +267,7 @@ class Node:
         self._mover = Mover(
             self._segment, self._segment_id, self._inventory, self._disk,
             DfsDirectory(config.dfs_dir) if config.dfs_dir else None, self.tier_metrics,
-            is_durable=config.disk_fsync,
+            is_durable=config.disk_fsync, clock_ms=self._master_clock.now_ms,
         )  # fmt: skip
         self._master_calls = TieredMasterCalls(
             MasterCallHandler(self._segment, self._segment_id, self._inventory, self.metrics),

@@ -517,9 +517,14 @@ class MoveItem(msgspec.Struct, array_like=True):
 class MoveObjects(Message, tag=48):
     """master -> node: copy objects between tiers (offload, promotion, write-through). The
     reply is a CodesReply with one code per item: OK, OBJECT_NOT_FOUND (the source is gone or
-    corrupt: forget it), or another code (the copy failed; nothing was recorded)."""
+    corrupt: forget it), or another code (the copy failed; nothing was recorded).
+
+    A copy not finished by `deadline_ms` (the master's clock; 0: none) is not recorded, and
+    what it wrote is removed: the master gives up on the request a little later and drops its
+    targets (limits.MOVE_DECIDED_BEFORE_TIMEOUT_MS)."""
 
     items: list[MoveItem]
+    deadline_ms: int = 0
 
 
 # --- client <-> node --------------------------------------------------------------------------
