@@ -559,12 +559,6 @@ class MasterServer:
         if self._drop_tasks.get(segment_id) is task:
             del self._drop_tasks[segment_id]
 
-    async def _flush_drops(self) -> None:
-        """Send the drop outbox (_send_drops) and wait until every node answered or failed."""
-        tasks = self._send_drops()
-        if tasks:
-            await asyncio.wait(tasks)
-
     async def _drop(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
         """A segment's drops, then those that came for it meanwhile, until one fails."""
         while entries and await self._drop_batch(service, segment_id, entries):
@@ -704,7 +698,10 @@ class MasterServer:
                 log.warning("moves on segment %s failed: %s", segment_id, exc)
             service.finish_moves(segment_id, chunk, codes, wall_clock_ms())
         if service is self.service and service.has_pending_drops():
-            await self._flush_drops()  # The offloaded replicas: their room is what puts wait for.
+            # The offloaded replicas: their room is what puts wait for (those waiting for room
+            # wait on the drop tasks themselves). Not awaited: a write-through put, which
+            # awaits its copies, would wait on every node's drops, a slow node's included.
+            self._send_drops()
 
     async def _open_dfs(self) -> None:
         assert self._dfs_dir
