@@ -647,6 +647,7 @@ class MasterServer:
             task = asyncio.get_running_loop().create_task(self._verify(service, segment_id, entries))
             self._verify_tasks.add(task)
             task.add_done_callback(self._verify_tasks.discard)
+            task.add_done_callback(functools.partial(_log_task_failure, doing=f"checking replicas on {segment_id}"))
         return OkReply()
 
     async def _verify(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
@@ -678,6 +679,7 @@ class MasterServer:
             task = asyncio.get_running_loop().create_task(self._move(service, segment_id, items))
             self._move_tasks.add(task)
             task.add_done_callback(self._move_tasks.discard)
+            task.add_done_callback(functools.partial(_log_task_failure, doing=f"moving objects on {segment_id}"))
 
     async def _move(self, service: MasterService, segment_id: str, items: list[MoveItem]) -> None:
         """One node's moves, in requests of at most MOVE_ITEMS_PER_REQUEST_MAX items; every
