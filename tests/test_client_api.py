@@ -22,7 +22,7 @@ from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound
 from kvpool.master.server import MasterServer
 from kvpool.node.server import Node
-from kvpool.protocol.messages import ReportBadReplicas
+from kvpool.protocol.messages import GetReplicaList, Message, PutStart, ReportBadReplicas
 
 
 @contextlib.asynccontextmanager
@@ -96,7 +96,7 @@ def test_zero_copy_and_multi_buffer_api(shm_enabled):
                 # Batch forms with one buffer per key; a too-small buffer is BUFFER_OVERFLOW.
                 assert await store.batch_put_from(["a", "b"], [source[0], source[1]], [100, 200]) == [0, 0]
                 small = store.register_buffer(bytearray(50))
-                codes = await store.batch_get_into(["a", "b", "zz"], [small, address, address], [50, 200, 200])
+                codes = await store.batch_get_into(["a", "b", "zz"], [small, address, address + 200], [50, 200, 200])
                 assert codes == [ErrorCode.BUFFER_OVERFLOW, 200, ErrorCode.OBJECT_NOT_FOUND]
                 with pytest.raises(InvalidParams):
                     await store.get_into("a", 12345, 10)  # not registered memory
@@ -371,6 +371,67 @@ def test_a_buffer_in_use_by_a_call_in_flight_cannot_be_unregistered():
                 assert buffer.tobytes() == raw.tobytes() == data
 
     run(main())
+
+
+class _RunToTheEnd:
+    """An AsyncStore whose coroutine calls each run to their end on `loop`: one test body for
+    both APIs."""
+
+    def __init__(self, store: AsyncStore, loop: asyncio.AbstractEventLoop) -> None:
+        self._store, self._loop = store, loop
+
+    def __getattr__(self, name: str):
+        call = getattr(self._store, name)
+        if not asyncio.iscoroutinefunction(call):
+            return call
+        return lambda *args: self._loop.run_until_complete(call(*args))
+
+
+@contextlib.contextmanager
+def either_store(api: str, endpoint: str, **options):
+    """A Store, or an AsyncStore on a loop of its own behind _RunToTheEnd."""
+    if api == "Store":
+        with Store(endpoint, **options) as store:
+            yield store
+        return
+    loop = uvloop.new_event_loop()
+    store = loop.run_until_complete(AsyncStore.open(endpoint, **options))
+    try:
+        yield _RunToTheEnd(store, loop)
+    finally:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+
+
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_get_into_ranges_that_overlap_is_refused_and_a_put_from_them_is_not(api):
+    """Two ranges of one get that share bytes (two keys' pages, or two layer buffers of one
+    key): a same-host get copied into both in turn and reported success with the other key's
+    bytes in the first. The get is refused whole, before anything is written; a put only reads
+    its ranges and takes them overlapping."""
+    a, b, c = (bytes([value]) * 4096 for value in (0xAA, 0xBB, 0xCC))
+    with cluster_on_a_thread() as endpoint, either_store(api, endpoint) as store:
+        assert store.put_batch(["a", "b", "c"], [a, b, c]) == [ErrorCode.OK] * 3
+        buffer = bytearray(3 * 4096)
+        base = store.register_buffer(buffer)
+        for keys, addresses, sizes in (
+            (["a", "b"], [[base], [base + 2048]], [[4096], [4096]]),  # two keys' pages
+            (["a", "b"], [[base + 4096], [base + 2048]], [[4096], [4096]]),  # the same, out of order
+            (["c"], [[base, base + 1024]], [[2048, 2048]]),  # one key's layer buffers
+            (["a", "c"], [[base], [base + 8192, base + 100]], [[4096], [2048, 2048]]),  # a layer in a page
+        ):
+            with pytest.raises(InvalidParams, match="overlap"):
+                store.batch_get_into_multi_buffers(keys, addresses, sizes)
+            if all(len(key_addresses) == 1 for key_addresses in addresses):
+                with pytest.raises(InvalidParams, match="overlap"):
+                    store.batch_get_into(keys, [a for (a,) in addresses], [n for (n,) in sizes])
+        assert bytes(buffer) == bytes(len(buffer))  # nothing written
+        buffer[:8192] = a + b
+        assert store.batch_put_from(["ab", "ba"], [base, base + 2048], [4096, 4096]) == [ErrorCode.OK] * 2
+        buffer[:] = bytes(len(buffer))
+        assert store.batch_get_into(["ab", "ba"], [base + 4096, base], [4096, 4096]) == [4096, 4096]
+        assert bytes(buffer[:8192]) == a[:2048] + b[:2048] + a  # "ba" then "ab", side by side
+        store.unregister_buffer(base)  # the refused calls held nothing
 
 
 def test_a_replicate_config_field_of_the_wrong_type_is_invalid_params_and_the_connection_serves_on():
@@ -793,6 +854,96 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
                     assert await store.get("k") == value
 
             run(main())
+
+
+def one_request_answered_late(monkeypatch, kind: type[Message], key: str, delay_s: float = 1.0) -> threading.Event:
+    """The master carries out the first request of `kind` that names `key` only `delay_s`
+    later (what it grants, it grants then: a master stalled by a pause), and answers it then;
+    the event is set once it has carried it out. Patch before the cluster starts."""
+    import inspect
+
+    handle = MasterServer.handle
+    carried_out = threading.Event()
+    delayed: list[Message] = []
+
+    def handle_late(self, conn, message):
+        if delayed or not isinstance(message, kind) or key not in message.keys:  # type: ignore[attr-defined]
+            return handle(self, conn, message)
+        delayed.append(message)
+
+        async def later():
+            await asyncio.sleep(delay_s)
+            reply = handle(self, conn, message)
+            carried_out.set()
+            return await reply if inspect.isawaitable(reply) else reply
+
+        return later()
+
+    monkeypatch.setattr(MasterServer, "handle", handle_late)
+    return carried_out
+
+
+def removed_once_the_lease_is_back(store: Store, key: str, timeout_s: float = 3.0) -> None:
+    """A plain remove refuses an object under a read lease (10 s): it goes through within the
+    bound only if the get that took the lease gave it back."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.remove(key)
+            return
+        except ObjectHasLease:
+            assert time.monotonic() < deadline, f"{key} kept its read lease"
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("through_the_loop", [False, True], ids=["own-connection", "loop"])
+@pytest.mark.parametrize("key_count", [1, 512], ids=["one-lookup", "in-pieces"])
+def test_a_sync_get_whose_lookup_times_out_gives_its_read_leases_back(monkeypatch, through_the_loop, key_count):
+    """A sync Store's lookup that the master answers after the RPC timeout: the get raises
+    RpcTimeout, and the read leases the late answer grants go back when it comes, with those
+    of the pieces of a large get answered before and after it. They were kept for the lease
+    TTL (10 s), and eviction and a plain remove skipped those objects until then."""
+    from kvpool.client import sync
+    from kvpool.errors import RpcTimeout
+
+    if through_the_loop:
+        monkeypatch.setattr(sync, "DIRECT_LINKS_MAX", 0)  # no thread has a connection of its own
+    keys = [f"page-{i}" for i in range(key_count)]
+    late_key = keys[len(keys) // 2]  # in pieces (8 of 64 keys): the fifth piece's first key
+    carried_out = one_request_answered_late(monkeypatch, GetReplicaList, late_key)
+    with cluster_on_a_thread() as endpoint, Store(endpoint, rpc_timeout_ms=400) as store:
+        assert store.put_batch(keys, [os.urandom(4096) for _ in keys]) == [ErrorCode.OK] * key_count
+        with pytest.raises(RpcTimeout):
+            store.get_batch(keys)
+        assert carried_out.wait(5)
+        for key in dict.fromkeys([keys[0], late_key, keys[-1]]):  # pieces answered before, late, after
+            removed_once_the_lease_is_back(store, key)
+
+
+def test_a_sync_put_in_pieces_whose_later_piece_times_out_gives_back_the_pieces_answered(monkeypatch):
+    """A same-host put of many pages goes in pieces whose put_starts leave together. One
+    answered after the RPC timeout fails the put (RpcTimeout) when the pieces before it are
+    granted and copied already: their keys refused puts (REPLICA_IS_NOT_READY) until the
+    master discarded them, and their ranges were quarantined until the release timeout. They
+    are revoked at once: the put again succeeds, with no space held back."""
+    from kvpool.errors import RpcTimeout
+    from kvpool.master.allocator import footprint_bytes
+
+    keys, pages = [f"page-{i}" for i in range(512)], [os.urandom(4096) for _ in range(512)]
+    carried_out = one_request_answered_late(monkeypatch, PutStart, keys[256])  # the fifth of 8 pieces
+    with cluster_on_a_thread(put_discard_timeout_ms=20_000, put_release_timeout_ms=60_000) as endpoint:
+        with Store(endpoint, rpc_timeout_ms=400) as store:
+            with pytest.raises(RpcTimeout):
+                store.put_batch(keys, pages)
+            assert carried_out.wait(5)
+            deadline = time.monotonic() + 3
+            while (codes := store.put_batch(keys, pages)) != [ErrorCode.OK] * len(keys):
+                assert set(codes) <= {ErrorCode.OK, ErrorCode.REPLICA_IS_NOT_READY}, set(codes)
+                assert time.monotonic() < deadline, codes.index(ErrorCode.REPLICA_IS_NOT_READY)
+                time.sleep(0.05)
+            assert store.get_batch(keys) == pages
+            used_bytes = sum(segment.used_bytes for segment in store.cluster_status().segments)
+            assert used_bytes == len(keys) * footprint_bytes(4096)  # nothing quarantined
 
 
 def test_a_sync_get_interrupted_in_its_reads_gives_its_read_leases_back():

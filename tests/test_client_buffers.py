@@ -59,3 +59,39 @@ def test_a_key_without_ranges_or_with_sizes_for_other_ranges_is_refused():
             with registry.lent(addresses, sizes, per_key=True):
                 pass
     registry.unregister(a)
+
+
+@pytest.mark.parametrize(
+    "addresses, sizes, per_key",
+    [
+        ([0, 2048], [4096, 4096], False),  # two keys' pages sharing 2 KiB
+        ([4096, 2048], [4096, 4096], False),  # the same, out of address order
+        ([100, 0, 4196], [1, 8192, 1], False),  # one inside a larger one
+        ([[0, 1024]], [[2048, 2048]], True),  # one key's layer buffers
+        ([[0, 6000], [4096]], [[100, 100], [4096]], True),  # one key's layer in another key's page
+    ],
+)
+def test_ranges_a_get_writes_may_not_overlap_and_a_refused_call_holds_nothing(addresses, sizes, per_key):
+    registry = BufferRegistry()
+    base = registry.register(bytearray(3 * 4096))
+    if per_key:
+        addresses = [[base + a for a in key_addresses] for key_addresses in addresses]
+    else:
+        addresses = [base + a for a in addresses]
+    with pytest.raises(InvalidParams, match="overlap"):
+        with registry.lent(addresses, sizes, per_key=per_key, is_written=True):
+            pass
+    with registry.lent(addresses, sizes, per_key=per_key):  # a put only reads them: fine
+        pass
+    registry.unregister(base)
+
+
+def test_ranges_a_get_writes_may_touch_come_in_any_order_or_be_empty():
+    registry = BufferRegistry()
+    base = registry.register(bytearray(3 * 4096))
+    addresses, sizes = [base + 8192, base, base + 4096, base + 100, base + 4096], [4096, 4096, 4096, 0, 0]
+    with registry.lent(addresses, sizes, is_written=True) as views:
+        assert [len(v) for (v,) in views] == sizes
+    with registry.lent([[base, base + 1024], [base + 2048]], [[1024, 1024], [2048]], per_key=True, is_written=True):
+        pass
+    registry.unregister(base)

@@ -12,6 +12,7 @@ reports per tier. Sizes are small (tens of MiB) and every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -196,6 +197,85 @@ def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, t
     assert got_async == data
     assert read_on and loop_thread not in read_on
     del restarted
+
+
+def test_a_cancelled_get_into_from_a_disk_file_writes_nothing_into_the_buffer_after_it_returned(
+    make_cluster, tmp_path, monkeypatch
+):
+    """An engine cancels a load from a slow disk (or DFS mount) and reuses the buffer at once:
+    the same-host read of the object file runs on a worker thread, which a cancel does not
+    stop, and its bytes landed after the get had returned. The get now returns once the read
+    has ended; a read that outlasts the transfer timeout keeps the buffer in use (unregister
+    refuses it) until it has ended, instead of writing into memory the caller may free."""
+    from kvpool import ReplicateConfig
+    from kvpool.errors import InvalidParams
+
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(tmp_path / "disk"))
+    data = os.urandom(300 * 1024)
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(["k"], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
+    node.stop()
+    cluster.start_node(disk_args(tmp_path / "disk"))  # DRAM gone: the object is on disk only
+    with Store(cluster.master_endpoint) as store:
+        assert wait_until(lambda: store.exists("k"), 10)  # re-adopted from the disk
+    reading, release, read_ended = threading.Event(), threading.Event(), threading.Event()
+    real_read = files.read_object_into
+
+    def slow_read(*args):
+        reading.set()
+        try:
+            assert release.wait(30)  # the disk answers when the test says
+            real_read(*args)
+        finally:
+            read_ended.set()
+
+    monkeypatch.setattr(files, "read_object_into", slow_read)
+
+    async def cancelled_get(store: AsyncStore, address: int, answer_after_s: float | None) -> None:
+        """A get_into cancelled while the disk read is under way; the disk answers
+        `answer_after_s` after the cancel (None: when the test says)."""
+        for event in (reading, release, read_ended):
+            event.clear()
+        task = asyncio.ensure_future(store.get_into("k", address, len(data)))
+        assert await asyncio.to_thread(reading.wait, 10)
+        task.cancel()
+        if answer_after_s is not None:
+            asyncio.get_running_loop().call_later(answer_after_s, release.set)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def checks() -> None:
+        async with await AsyncStore.open(cluster.master_endpoint, transfer_timeout_ms=3_000) as store:
+            buffer = bytearray(len(data))
+            address = store.register_buffer(buffer)
+            await cancelled_get(store, address, 0.1)
+            landed = bytes(buffer)
+            assert await asyncio.to_thread(read_ended.wait, 10)
+            assert bytes(buffer) == landed, "the cancelled get wrote into the buffer after it returned"
+            store.unregister_buffer(address)  # nothing writes there any more
+            # The disk answers only after the transfer timeout: the buffer stays in use until then.
+            address = store.register_buffer(buffer)
+            await cancelled_get(store, address, None)
+            with pytest.raises(InvalidParams, match="in use"):
+                store.unregister_buffer(address)
+            release.set()
+            assert await asyncio.to_thread(read_ended.wait, 10)
+            deadline = time.monotonic() + 5
+            while True:
+                with contextlib.suppress(InvalidParams):
+                    store.unregister_buffer(address)
+                    break
+                assert time.monotonic() < deadline, "the buffer stayed in use after the read ended"
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        try:
+            await checks()
+        finally:
+            release.set()  # a failed check leaves no read waiting (asyncio.run waits for it)
+
+    asyncio.run(main())
 
 
 def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cluster, tmp_path):

@@ -248,7 +248,8 @@ class AsyncStore:
     def unregister_buffer(self, address: int) -> None:
         """Forget a registered range. Raises InvalidParams if none starts at `address`, or while
         a call in flight uses it (a transfer may read or write it until that call returned:
-        free the memory only after unregistering)."""
+        free the memory only after unregistering), or a cancelled get's read of a disk file
+        that outlasted the transfer timeout still writes into it (_copy_on_a_worker)."""
         self.buffers.unregister(address)
 
     async def put_from(
@@ -275,7 +276,7 @@ class AsyncStore:
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """Get each key into one registered range; per key its size or a negative ErrorCode."""
-        with self._lent(keys, addresses, sizes) as views:
+        with self._lent(keys, addresses, sizes, is_written=True) as views:
             jobs = await self._get_parts(keys, views, list(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
@@ -294,18 +295,25 @@ class AsyncStore:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Get each key scattered into several registered ranges, filled in order."""
-        with self._lent(keys, addresses, sizes, per_key=True) as views:
+        with self._lent(keys, addresses, sizes, per_key=True, is_written=True) as views:
             jobs = await self._get_parts(keys, views, buffer_starts(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
     def _lent(
-        self, keys: Sequence[str], addresses: Sequence, sizes: Sequence, *, per_key: bool = False
+        self,
+        keys: Sequence[str],
+        addresses: Sequence,
+        sizes: Sequence,
+        *,
+        per_key: bool = False,
+        is_written: bool = False,
     ) -> contextlib.AbstractContextManager[list[list[memoryview]]]:
         """The registered ranges of a zero-copy call, as views, held in use for its duration
-        (BufferRegistry.lent): one range per key, or with `per_key` several."""
+        (BufferRegistry.lent): one range per key, or with `per_key` several; `is_written` (a
+        get's): refused if two overlap."""
         if not len(keys) == len(addresses) == len(sizes):
             raise InvalidParams("keys, buffers and sizes differ in length")
-        return self.buffers.lent(addresses, sizes, per_key=per_key)
+        return self.buffers.lent(addresses, sizes, per_key=per_key, is_written=is_written)
 
     # --- metadata API ---------------------------------------------------------------------
 
@@ -641,15 +649,42 @@ class AsyncStore:
             if (copying := self._copy_local(job)) is not None:
                 await copying
 
-    @staticmethod
-    def _copy_local(job: GetJob) -> Awaitable[None] | None:
-        """The job's same-host copies: done inline from mapped segments (None), or started on
-        a worker thread when it reads object files (a disk's latency must not stall the event
-        loop): await what is returned."""
+    def _copy_local(self, job: GetJob) -> Awaitable[None] | None:
+        """The job's same-host copies: done inline from mapped segments (None), or on a worker
+        thread when it reads object files (a disk's latency must not stall the event loop):
+        await what is returned."""
         if job.reads_files():
-            return asyncio.get_running_loop().run_in_executor(None, job.copy_local)
+            return self._copy_on_a_worker(job)
         job.copy_local()
         return None
+
+    async def _copy_on_a_worker(self, job: GetJob) -> None:
+        """job.copy_local on a worker thread. A get cancelled meanwhile (or timed out) returns
+        only once the thread stopped writing into the caller's buffers, as a cancelled read
+        over TCP does (Connection.request): the caller may reuse them the moment it has its
+        error. Cancelling stops the wait, not the thread's preadv.
+
+        A thread that does not end within the transfer timeout (a hung disk or DFS mount) is
+        left to it: the call returns, but the buffers stay in use for unregister_buffer until
+        the thread ended, so that their memory is not freed under its write (BufferRegistry.hold).
+        """
+        loop = asyncio.get_running_loop()
+        copying = loop.run_in_executor(None, job.copy_local)
+        try:
+            await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            release = self.buffers.hold(view for target in job.targets if target is not None for view in target)
+            copying.add_done_callback(lambda _: release())
+            deadline = loop.time() + self.config.transfer_timeout_ms / 1000
+            while not copying.done() and (left_s := deadline - loop.time()) > 0:
+                with contextlib.suppress(asyncio.CancelledError):  # cancelled again: the same wait
+                    await asyncio.wait([copying], timeout=left_s)
+            if not copying.done():
+                log.warning(
+                    "a cancelled get's read of an object file had not ended within %d ms: its buffers "
+                    "stay in use until it has", self.config.transfer_timeout_ms,
+                )  # fmt: skip
+            raise
 
     async def _run_batches(self, batches: Sequence[RemoteBatch], timeout_ms: int | None = None) -> list[set[int]]:
         """Send every batch's frames over lanes to its endpoint, all endpoints at once, within

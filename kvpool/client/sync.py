@@ -473,13 +473,15 @@ class Store:
         """Run a coroutine of this Store's AsyncStore (made through _async, which checked)."""
         return self._loop.run(coroutine, self._timeout_ms)
 
-    def _ask(self, message: Message, is_idempotent: bool = True) -> Message:
+    def _ask(self, message: Message, is_idempotent: bool = True, late_reply: LateReply | None = None) -> Message:
         """The master's reply: on this thread's own connection, or through the loop when the
-        master did not see the request there (see the module and _DirectLinks.ask)."""
+        master did not see the request there (see the module and _DirectLinks.ask).
+        `late_reply`: given the reply if it comes after the call timed out, either way (on a
+        thread of its own, or on the loop: it must not raise)."""
         self._check_open()
-        reply = self._direct.ask(message, is_idempotent)
+        reply = self._direct.ask(message, is_idempotent, late_reply)
         if reply is None:
-            reply = self._run(self._async._master.call(message, is_idempotent=is_idempotent))
+            reply = self._run(self._async._master.call(message, is_idempotent=is_idempotent, late_reply=late_reply))
         return reply
 
     def close(self) -> None:
@@ -560,7 +562,7 @@ class Store:
         self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         store = self._async
-        with store._lent(keys, addresses, sizes) as views:
+        with store._lent(keys, addresses, sizes, is_written=True) as views:
             jobs = self._get(keys, views, list(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
@@ -579,7 +581,7 @@ class Store:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         store = self._async
-        with store._lent(keys, addresses, sizes, per_key=True) as views:
+        with store._lent(keys, addresses, sizes, per_key=True, is_written=True) as views:
             jobs = self._get(keys, views, buffer_starts(addresses))
         return [result for job in jobs for result in get_into_results(job)]
 
@@ -691,9 +693,10 @@ class Store:
 
     def _revoke_granted(self, message: PutStart, reply: Message) -> None:
         """A put_start of this thread answered after it timed out: its grants are given back
-        from the loop (AsyncStore._revoke_granted). Any thread."""
+        from the loop (AsyncStore._revoke_granted). Any thread; never raises (a late reply's
+        callback must not), so not through _async, which does once the Store is closed."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: the master discards them
-            self._loop.loop.call_soon_threadsafe(self._async._revoke_granted, message, reply)
+            self._loop.loop.call_soon_threadsafe(self._opened._revoke_granted, message, reply)
 
     def _put_settled(self, job: PutJob, failed: list[set[int]]) -> list[int]:
         """Given, per remote batch, the keys whose writes failed: put_end what was written and
@@ -717,32 +720,54 @@ class Store:
     ) -> list[int] | None:
         """_put_direct in pieces: the put_starts of all at once, each piece copied while the
         master allocates the next, then one put_end for the pieces written here (those with
-        writes to other hosts' nodes end through the loop)."""
+        writes to other hosts' nodes end through the loop).
+
+        If any step fails or times out, the pieces whose put_start was answered are revoked
+        (_give_up) and those answered late too (_revoke_granted), before the error is raised."""
         async_store = self._async
         put_id = new_put_id()  # one put: one PutEnd for its pieces
         starts = [async_store._put_start_message(keys[a:b], parts[a:b], config, put_id) for a, b in pieces]
         jobs: list[PutJob] = [None] * len(pieces)  # type: ignore[list-item]
+        answered: list[PutJob] = []
 
         def started(index: int, reply: Message) -> None:
             start, end = pieces[index]
             job = jobs[index] = async_store._put_job(starts[index], parts[start:end], reply)
+            answered.append(job)
             job.copy_local()
 
-        unanswered = self._direct.ask_each(
-            starts, started, False, lambda index: functools.partial(self._revoke_granted, starts[index])
-        )
-        if len(unanswered) == len(pieces):
-            return None
-        self._ask_through_the_loop(starts, unanswered, started, is_idempotent=False)  # the master changed
-        remote = [job for job in jobs if job.remote]
-        if remote:
-            self._run(_each(self._async._put_finish, remote))
-        ends = [(job, job.settle_writes([])[0]) for job in jobs if not job.remote]  # nothing to revoke:
-        ends = [(job, end) for job, end in ends if end]  # only remote writes fail keys
-        if ends:
-            ended_each(ends, self._ask(put_end_of_each(ends), is_idempotent=False))
+        def revoke_late(index: int) -> LateReply:
+            return functools.partial(self._revoke_granted, starts[index])
+
+        try:
+            unanswered = self._direct.ask_each(starts, started, False, revoke_late)
+            if len(unanswered) == len(pieces):
+                return None
+            self._ask_through_the_loop(starts, unanswered, started, False, revoke_late)  # the master changed
+            remote = [job for job in jobs if job.remote]
+            if remote:
+                self._run(_each(async_store._put_finish, remote))
+            ends = [(job, job.settle_writes([])[0]) for job in jobs if not job.remote]  # nothing to revoke:
+            ends = [(job, end) for job, end in ends if end]  # only remote writes fail keys
+            if ends:
+                ended_each(ends, self._ask(put_end_of_each(ends), is_idempotent=False))
+        except BaseException:
+            self._give_up(answered)
+            raise
         self._put_was_local = not remote
         return [code for job in jobs for code in job.codes]
+
+    def _give_up(self, jobs: Sequence[PutJob]) -> None:
+        """A put whose step failed or timed out after these jobs' put_starts were answered:
+        their keys are revoked at once, from the loop (AsyncStore._give_up), so that a put of
+        them again succeeds; else they refused puts (REPLICA_IS_NOT_READY) until the master
+        discarded them, and their ranges stayed quarantined until the release timeout. Those
+        with writes to other hosts stay quarantined (one may land yet); keys of a job already
+        ended or revoked are left as they are (the put id says). Any thread."""
+        async_store = self._opened
+        for job in jobs:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the master discards them
+                self._loop.loop.call_soon_threadsafe(async_store._give_up, job)
 
     def _get(
         self,
@@ -765,8 +790,11 @@ class Store:
         targets: Sequence[list[memoryview] | None],
         starts: Sequence[int | None] | None,
     ) -> list[GetJob]:
+        async_store = self._async
         lease_start_ms = now_monotonic_ms()
-        job = self._async._get_job(self._ask(GetReplicaList(key_list(keys))), lease_start_ms, keys, targets, starts)
+        lookup = GetReplicaList(key_list(keys))
+        reply = self._ask(lookup, late_reply=functools.partial(async_store._give_back_late_leases, lookup.keys))
+        job = async_store._get_job(reply, lease_start_ms, keys, targets, starts)
         job.copy_local()
         return self._got([job], len(keys) >= GET_PIECES_FROM_KEYS)
 
@@ -777,31 +805,43 @@ class Store:
         starts: Sequence[int | None] | None,
         pieces: list[tuple[int, int]],
     ) -> list[GetJob]:
+        async_store = self._async
+        lookups = [GetReplicaList(key_list(keys[start:end])) for start, end in pieces]
         lease_start_ms = now_monotonic_ms()
         jobs: list[GetJob] = [None] * len(pieces)  # type: ignore[list-item]
+        answered: list[GetJob] = []
 
         def found(index: int, reply: Message) -> None:
-            job = jobs[index] = self._async._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
+            job = jobs[index] = async_store._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
+            answered.append(job)
             job.copy_local()
 
-        lookups = [GetReplicaList(key_list(keys[start:end])) for start, end in pieces]
-        self._ask_through_the_loop(lookups, self._direct.ask_each(lookups, found), found, is_idempotent=True)
+        def leases_back_late(index: int) -> LateReply:
+            return functools.partial(async_store._give_back_late_leases, lookups[index].keys)
+
+        with async_store.leases_back_if_abandoned(answered):  # a later piece timed out, or failed
+            unanswered = self._direct.ask_each(lookups, found, True, leases_back_late)
+            self._ask_through_the_loop(lookups, unanswered, found, True, leases_back_late)
         return self._got(jobs, True)
 
     def _ask_through_the_loop(
         self,
-        messages: list[Message],
+        messages: Sequence[Message],
         indexes: list[int],
         on_reply: Callable[[int, Message], None],
         is_idempotent: bool,
+        late_reply: Callable[[int], LateReply],
     ) -> None:
         """Ask the master the messages at `indexes` (those the thread's own connection did not
         answer: none, or all when this thread has none) through the loop, together in one
-        hand-off, and hand each reply to `on_reply(index, reply)` in order."""
+        hand-off, and hand each reply to `on_reply(index, reply)` in order. If one fails or
+        they time out, every reply goes to `late_reply(index)` instead (_each_answered)."""
         if not indexes:
             return
-        call = functools.partial(self._async._master.call, is_idempotent=is_idempotent)
-        for index, reply in zip(indexes, self._run(_each(call, [messages[index] for index in indexes]))):
+        asked = [messages[index] for index in indexes]
+        late_replies = [late_reply(index) for index in indexes]
+        replies = self._run(_each_answered(self._async._master, asked, is_idempotent, late_replies))
+        for index, reply in zip(indexes, replies):
             on_reply(index, reply)
 
     def _got(self, jobs: list[GetJob], is_telling: bool) -> list[GetJob]:
@@ -829,6 +869,28 @@ async def _each(function: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -
     """`function(item)` of every item, together, on the loop (where the coroutines are made:
     a call cancelled before it starts leaves none never awaited)."""
     return list(await asyncio.gather(*(function(item) for item in items)))
+
+
+async def _each_answered(
+    master: MasterLink, messages: Sequence[Message], is_idempotent: bool, late_replies: Sequence[LateReply]
+) -> list[Message]:
+    """The master's replies to `messages`, asked together, on the loop. When one fails or the
+    whole is cancelled (its caller's bound ran out), the caller gets none of them: those that
+    came go to their `late_replies` (for what they grant to be given back), and those still
+    waited for are cancelled (theirs go there when they come, Connection.request)."""
+    calls = [
+        asyncio.ensure_future(master.call(message, is_idempotent=is_idempotent, late_reply=late_reply))
+        for message, late_reply in zip(messages, late_replies)
+    ]
+    try:
+        return list(await asyncio.gather(*calls))
+    except BaseException:
+        for call, late_reply in zip(calls, late_replies):
+            if not call.done():
+                call.cancel()
+            elif not call.cancelled() and call.exception() is None:
+                late_reply(call.result())
+        raise
 
 
 __all__ = ["Store", "ClientConfig"]
