@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import multiprocessing
 import os
 import socket
@@ -32,10 +33,12 @@ from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, Objec
 from kvpool.master.server import MasterServer
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
+from kvpool.node.tiered import DISK_ITEMS_PER_FRAME_MAX
 from kvpool.protocol import objectfile
 from kvpool.protocol.frames import is_slow_copy
-from kvpool.protocol.messages import TIER_DISK, ClusterStatus, InventoryEntry
+from kvpool.protocol.messages import TIER_DISK, ClusterStatus, InventoryEntry, ReadItem, ReadReply, ReadSlices
 from kvpool.transports import files
+from kvpool.transports.connection import HELD_FRAMES_MAX, Connection, connect
 from kvpool.transports.dfs import DfsDirectory
 from kvpool.transports.files import FileRange
 
@@ -261,6 +264,37 @@ def test_disk_tier_keeps_its_identity_refuses_a_second_user_and_cleans_up_after_
         DiskTier.open(tmp_path / "new", 0, "node-3", is_durable=True)  # a new tier needs a size
 
 
+def test_a_restarted_disk_tier_removes_the_older_of_two_files_that_collide(tmp_path):
+    """Two files of one key, and two files whose ranges overlap (what a lost drop can leave):
+    at adoption the newer file wins, and the older one's file is removed, not left on disk
+    outside the inventory for good (before, both survived every restart)."""
+    tier = DiskTier.open(tmp_path / "d", 16 * MIB, "node-1", is_durable=False)
+    data = os.urandom(100_000)
+    checksum = xxhash.xxh3_64_intdigest(data)
+    old_copy = InventoryEntry("a", 0, len(data), checksum)
+    new_copy = InventoryEntry("a", 4 * MIB, len(data), checksum)  # one key in two files
+    under = InventoryEntry("x", 8 * MIB, len(data), checksum)
+    over = InventoryEntry("y", 8 * MIB + 4096, len(data), checksum)  # over the end of x's range
+    long_ago_s = time.time() - 100
+    for entry in (old_copy, under):
+        tier.write_file(entry, [memoryview(data)])
+        os.utime(tier.path_of(entry.offset), (long_ago_s, long_ago_s))
+    for entry in (new_copy, over):
+        tier.write_file(entry, [memoryview(data)])
+    tier.close()
+    for _ in range(2):  # and again: nothing more goes at the next restart
+        again = DiskTier.open(tmp_path / "d", 0, "node-1", is_durable=False)
+        try:
+            assert again.inventory.entries() == [new_copy, over]
+            assert sorted(p.name for p in again.objects_path.iterdir()) == [
+                objectfile.disk_name(new_copy.offset), objectfile.disk_name(over.offset),
+            ]  # fmt: skip
+            for entry in (new_copy, over):
+                assert files.read_object_bytes(again.path_of(entry.offset), entry.key, entry.size) == data
+        finally:
+            again.close()
+
+
 # --- end to end, in process ---------------------------------------------------------------
 
 
@@ -426,5 +460,121 @@ def test_a_disk_that_stops_answering_does_not_silence_its_nodes_heartbeat(tmp_pa
             finally:
                 answering.set()
             await wait_for(disk_is_writable)
+
+    run(main())
+
+
+# --- disk reads: descriptors and back-pressure --------------------------------------------
+
+
+def adopt_object(directory: Path, key: str, data: bytes) -> InventoryEntry:
+    """Leave one object file in a disk tier at `directory`, for a node started on it to adopt."""
+    tier = DiskTier.open(directory, 32 * MIB, "node-1", is_durable=False)
+    try:
+        entry = InventoryEntry(key, 0, len(data), xxhash.xxh3_64_intdigest(data))
+        tier.write_file(entry, [memoryview(data)])
+    finally:
+        tier.close()
+    return entry
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def descriptors_open_on(path: Path) -> int:
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += os.readlink(f"/proc/self/fd/{name}") == str(path)
+    return count
+
+
+async def read_disk(conn: Connection, items: list[ReadItem], sink: bytearray) -> None:
+    reply = await conn.request(ReadSlices(items), reply_sinks=lambda _: [memoryview(sink)], timeout_ms=30_000)
+    assert isinstance(reply, ReadReply) and reply.size == len(sink), reply
+
+
+def test_a_reader_that_stalls_holds_a_few_descriptors_and_gets_every_reply_once_it_reads(tmp_path):
+    """A client asks for a disk object larger than the socket buffers, stops reading, and
+    sends more reads of 256 pages of that object each. The node opens the file once per
+    frame (not once per page), and stops reading that client's requests once HELD_FRAMES_MAX
+    replies wait behind the one being sent; once the client reads, every reply arrives whole.
+    (Before, each request opened 256 descriptors, held until sent, with no end to requests.)"""
+    pages = 256
+    requests = HELD_FRAMES_MAX + 4
+    data = os.urandom(8 * MIB)
+    adopt_object(tmp_path / "disk", "big", data)
+
+    async def main():
+        async with tiered_cluster(tmp_path) as (_, node):
+            segment_id = node.disk_info.segment_id
+            path = node.disk.path_of(0)
+            conn = await connect(node.endpoint, key=None)
+            try:
+                # A reader that stalls, with a small window: the first reply fills the socket.
+                conn._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+                conn._transport.pause_reading()
+                whole = bytearray(len(data))
+                reads = [asyncio.ensure_future(read_disk(conn, [ReadItem(segment_id, 0, len(data))], whole))]
+                (served,) = node._server.connections
+                await until(lambda: served._held is not None)  # the first is being sent
+                sinks = [bytearray(pages * 4096) for _ in range(requests)]
+                items = [ReadItem(segment_id, (7 * page) * 4096, 4096) for page in range(pages)]
+                reads += [asyncio.ensure_future(read_disk(conn, items, sink)) for sink in sinks]
+                await until(lambda: served._held is not None and len(served._held) >= HELD_FRAMES_MAX)
+                assert not served._transport.is_reading()  # the rest wait in the socket
+                assert len(served._held) == HELD_FRAMES_MAX
+                assert descriptors_open_on(path) <= HELD_FRAMES_MAX + 1  # one per frame
+                conn._transport.resume_reading()
+                await asyncio.gather(*reads)
+                expected = b"".join(data[7 * page * 4096 : (7 * page + 1) * 4096] for page in range(pages))
+                is_every_byte_right = whole == data and all(sink == expected for sink in sinks)
+                assert is_every_byte_right
+                await until(lambda: descriptors_open_on(path) == 0)
+                assert served._transport.is_reading()
+            finally:
+                conn.close()
+
+    run(main())
+
+
+def test_a_disk_read_the_node_cannot_open_is_a_clean_error_never_zeros(tmp_path, monkeypatch):
+    """A node out of file descriptors (EMFILE) answers a disk read with an error, which the
+    reader falls back from, not with zeros in place of a sound object (which the reader would
+    report as a bad replica); the connection serves on. A frame naming more disk items than a
+    client's frame can hold is refused with InvalidParams."""
+    data = os.urandom(64 * 1024)
+    adopt_object(tmp_path / "disk", "small", data)
+    real_open = os.open
+
+    def open_without_descriptors(path, flags, *args, **kwargs):
+        if str(path).endswith(objectfile.SUFFIX):
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    async def main():
+        async with tiered_cluster(tmp_path) as (_, node):
+            segment_id = node.disk_info.segment_id
+            conn = await connect(node.endpoint, key=None)
+            try:
+                sink = bytearray(len(data))
+                monkeypatch.setattr(os, "open", open_without_descriptors)
+                with pytest.raises(TransferFailed, match="no file descriptor left"):
+                    await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
+                monkeypatch.setattr(os, "open", real_open)
+                assert sink == bytes(len(sink))  # nothing landed
+                await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
+                assert sink == data
+                too_many = [ReadItem(segment_id, 0, 1)] * (DISK_ITEMS_PER_FRAME_MAX + 1)
+                with pytest.raises(InvalidParams, match="disk items"):
+                    await read_disk(conn, too_many, bytearray(len(too_many)))
+                await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
+                assert not conn.is_closed()
+            finally:
+                conn.close()
 
     run(main())

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import struct
@@ -885,6 +886,50 @@ def test_a_write_whose_payload_outlives_its_grant_is_cut_off_and_lands_no_more(t
             writer.close()
 
     run(main)
+
+
+def test_a_refused_write_leaves_no_grant_timer_to_close_the_connection_later(tmp_path: Path) -> None:
+    """A write whose payload size does not match its items is refused (InvalidParams) before
+    any byte lands; the timer its grant armed must go with it. (Before, it stayed armed, and at
+    that grant's expiry closed the connection under the valid writes and reads that followed.)"""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (_, node):
+            conn = await connect(node.endpoint, key=KEY)
+            expiry_ms = wall_clock_ms() + 600
+            short = grant_for(node, 0, 4096, expiry_ms=expiry_ms)
+            with pytest.raises(InvalidParams, match="does not match"):
+                await conn.request(WriteSlices([WriteItem(short, 0, 4096)]), [bytes(4095)], timeout_ms=2_000)
+            assert node._transfer._payload_deadlines == {}  # nothing armed for a refused payload
+            data = os.urandom(4096)
+            assert await write(conn, grant_for(node, 8192, 4096), data) == [0]
+            await until(lambda: wall_clock_ms() > expiry_ms + 300 or conn.is_closed())
+            assert not conn.is_closed(), conn.close_reason
+            assert await read(conn, node.segment_id, 8192, 4096) == data
+            conn.close()
+
+    run(main)
+
+
+def test_a_node_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path, caplog) -> None:
+    """Each disk read holds descriptors until it is sent, each connection one: a node does not
+    stay at the usual soft limit of 1,024 when the hard limit allows more, and says what it has."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 512  # room for this test's own
+    if hard == resource.RLIM_INFINITY or hard <= low:
+        pytest.skip(f"hard limit {hard}: nothing to raise to")
+
+    async def main() -> None:
+        async with cluster(tmp_path):
+            assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with caplog.at_level(logging.INFO, logger="kvpool.node.server"):
+            run(main)
+        assert f"open files limit {hard}" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_node_warns_when_its_advertised_address_does_not_reach_it(tmp_path: Path, caplog) -> None:

@@ -172,9 +172,12 @@ class DiskTier:
                         [entry.key for entry in displaced[:8]])  # fmt: skip
         for offset in written & self.unremoved.keys():
             del self.unremoved[offset]  # its file was replaced by the rename: no drop may remove it now
-        # A displaced entry at the same offset as a new one shared its file name: the rename
-        # already replaced that file.
-        return [e for e in displaced if e.offset not in written]
+        # A displaced entry at the offset of a new one that stays shared its file name: that
+        # file is the new one's now (the rename replaced it), so it must stay. Any other
+        # displaced file goes, a new entry's too when a later one displaced it (at adoption
+        # every file is new: an older file a newer one overlaps, or an older copy of its key).
+        kept = {entry.offset for entry in entries if self.inventory.get(entry.key) == entry}
+        return [e for e in displaced if e.offset not in kept]
 
     def forget(self, entries: Iterable[InventoryEntry]) -> list[InventoryEntry]:
         """Drop entries (by key and offset) from the inventory; returns them, and those an
@@ -230,16 +233,32 @@ class DiskTier:
             self.sync()
         return left
 
-    def open_range(self, entry: InventoryEntry, offset: int, size_bytes: int) -> FileRange:
+    def open_range(
+        self, entry: InventoryEntry, offset: int, size_bytes: int, opened: dict[int, tuple[int, int]] | None = None
+    ) -> FileRange:
         """The bytes [offset, offset + size) of the tier, which lie in `entry`'s file, as an
         open file range (the receiver closes it).
 
+        Args:
+            opened: the files opened so far for the same payload, by entry offset: (descriptor,
+                where the object's bytes start in it). A file found there is not opened again,
+                and its ranges share the descriptor (files.close_parts closes it once): a
+                frame of 1,024 pages of one object holds one descriptor, not 1,024.
+
         Raises:
             ObjectNotFound: the file is gone. ChecksumMismatch: it holds another object.
+            TransferFailed: it cannot be read, or no descriptor is left
+                (files.is_out_of_descriptors).
         """
         assert entry.offset <= offset and offset + size_bytes <= entry.offset + entry.size, (entry, offset)
-        fd, header = files.open_object(self.path_of(entry.offset), entry.key, entry.size)
-        start = header.header_size + offset - entry.offset
+        found = opened.get(entry.offset) if opened is not None else None
+        if found is None:
+            fd, header = files.open_object(self.path_of(entry.offset), entry.key, entry.size)
+            found = (fd, header.header_size)
+            if opened is not None:
+                opened[entry.offset] = found
+        fd, data_start = found
+        start = data_start + offset - entry.offset
         # Read ahead now: the ranges of a frame are opened together and sent one by one.
         os.posix_fadvise(fd, start, size_bytes, os.POSIX_FADV_WILLNEED)
         return FileRange(fd, start, size_bytes)

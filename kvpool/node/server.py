@@ -29,6 +29,7 @@ import asyncio
 import enum
 import logging
 import random
+import resource
 import secrets
 import socket
 import time
@@ -61,6 +62,7 @@ from kvpool.protocol.messages import (
     UnmountSegment,
 )
 from kvpool.transports.connection import (
+    HELD_FRAMES_MAX,
     Connection,
     Listener,
     connect,
@@ -251,6 +253,7 @@ class Node:
             )
         for path in remove_stale_segments(config.shm_dir):
             log.info("removed stale segment file %s", path)
+        log.info("node %s: open files limit %d", config.node_id, _raise_open_files_limit())
         token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
         self._segment = Segment.create(config.shm_dir, config.node_id, config.memory_bytes, token)
         # A new id per incarnation: a restarted node's DRAM is empty, so it must never be
@@ -277,6 +280,8 @@ class Node:
             config.listen_host, config.listen_port,
             TieredTransferHandler(self._transfer, self._disk, self._mover, self.tier_metrics),
             key=self._key, name=f"node {config.node_id}", busy_poll_us=config.busy_poll_us,
+            # A disk read holds its files open from when it is prepared until it is sent.
+            replies_owed_max=HELD_FRAMES_MAX,
         )  # fmt: skip
         port = self._server.port
         host = await _advertise_host(config, master_host)
@@ -689,6 +694,22 @@ async def _warn_if_unreachable(node_id: str, host: str, port: int, listen_host: 
         )  # fmt: skip
         return
     writer.close()
+
+
+def _raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; returns the limit
+    now. A disk read holds a descriptor per object file until its frame is sent, and every
+    connection one more: the usual soft limit of 1,024 is a few batch gets of small objects
+    (docs/operations.md)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # an unlimited hard limit above the kernel's nr_open
+        log.warning("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    return hard
 
 
 def _inventory_chunks(entries: list[InventoryEntry]) -> Iterator[list[InventoryEntry]]:

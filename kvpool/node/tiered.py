@@ -49,6 +49,11 @@ from kvpool.transports.files import FileRange
 
 log = logging.getLogger(__name__)
 
+# Disk items one ReadSlices may name: what a client's frame holds at most (one item per key,
+# BATCH_KEYS_MAX keys: client/transfer.py). Each object file a frame names is open until the
+# frame is sent (one descriptor per file, shared by its items: DiskTier.open_range).
+DISK_ITEMS_PER_FRAME_MAX = limits.BATCH_KEYS_MAX
+
 
 class TieredTransferHandler:
     """Client requests: disk tier reads here, everything else to the DRAM handler."""
@@ -78,6 +83,9 @@ class TieredTransferHandler:
     def payload_received(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         return self.dram.payload_received(conn, message)
 
+    def payload_refused(self, conn: Connection, message: Message) -> None:
+        self.dram.payload_refused(conn, message)
+
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         disk = self.disk
         if (
@@ -99,6 +107,11 @@ class TieredTransferHandler:
         ranges inside one object each. Returns per item a DRAM view or (the disk entry, or
         None where the tier holds no such object now: sent as zeros, see _read; the item)."""
         self.dram._check_open()
+        disk_items = sum(1 for item in items if item.segment_id == disk.segment_id)
+        if disk_items > DISK_ITEMS_PER_FRAME_MAX:
+            raise InvalidParams(
+                f"read of {disk_items} disk items exceeds one frame's {DISK_ITEMS_PER_FRAME_MAX}"
+            )
         total = 0
         plan: list = []
         data = self.dram.segment.data
@@ -122,32 +135,41 @@ class TieredTransferHandler:
 
     async def _read(self, plan: list, landing: int | None) -> HandlerResult:
         """Open the disk files in a thread (opening may touch the disk), then reply: the
-        Connection sends the ranges with sendfile and closes them. A file that cannot be
-        opened whole (gone, cut short, another object's) is sent as zeros: the frame's other
-        items still arrive, and the reader, whose checksum that item fails, reports the
-        replica, which the master then has checked here (_verify_disk) and dropped. Reading
-        on after a cut-short file had been opened would close the connection mid-frame."""
+        Connection sends the ranges with sendfile and closes them. Each file is opened once
+        per frame, its items sharing the descriptor. A file that cannot be opened whole (gone,
+        cut short, another object's) is sent as zeros: the frame's other items still arrive,
+        and the reader, whose checksum that item fails, reports the replica, which the master
+        then has checked here (_verify_disk) and dropped. Reading on after a cut-short file
+        had been opened would close the connection mid-frame. A node out of descriptors fails
+        the whole request instead (TransferFailed; the reader tries another replica): zeros
+        would have a sound replica reported, and dropped."""
         disk = self.disk
         assert disk is not None
 
         def open_all() -> list:
             payload: list = []
+            opened: dict[int, tuple[int, int]] = {}  # DiskTier.open_range
+            unopened: set[int] = set()  # files (entry offsets) found gone or torn: said once
             try:
                 for step in plan:
                     if isinstance(step, memoryview):
                         payload.append(step)
                         continue
                     entry, item = step
-                    if entry is None:
+                    if entry is None or entry.offset in unopened:
                         payload.append(memoryview(bytes(item.size)))
                         continue
                     try:
-                        payload.append(disk.open_range(entry, item.offset, item.size))
+                        payload.append(disk.open_range(entry, item.offset, item.size, opened))
                     except KVPoolError as exc:
+                        if files.is_out_of_descriptors(exc):
+                            log.warning("disk tier %s: read of %r refused: %s", disk.segment_id, entry.key, exc)
+                            raise TransferFailed(f"node has no file descriptor left to read {entry.key!r}") from exc
                         log.warning("disk tier %s: %r sent as zeros: %s", disk.segment_id, entry.key, exc)
+                        unopened.add(entry.offset)
                         payload.append(memoryview(bytes(item.size)))
             except BaseException:
-                files.close_parts(payload)
+                files.close_parts([*payload, *(FileRange(fd, 0, 0) for fd, _ in opened.values())])
                 raise
             return payload
 
@@ -188,6 +210,9 @@ class TieredMasterCalls:
 
     def payload_received(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         return self.dram.payload_received(conn, message)
+
+    def payload_refused(self, conn: Connection, message: Message) -> None:
+        self.dram.payload_refused(conn, message)
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         gate = self._gate

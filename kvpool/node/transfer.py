@@ -114,6 +114,9 @@ class _SegmentHandler:
             self.metrics.count_error(exc)
             raise
 
+    def payload_refused(self, conn: Connection, message: Message) -> None:
+        """The Connection refused a payload `payload_sinks` accepted (RequestHandler)."""
+
     def _check_open(self) -> None:
         if self._is_closed:
             raise SegmentNotFound(f"segment {self.segment_id} is being unmounted")
@@ -186,6 +189,8 @@ class TransferHandler(_SegmentHandler):
         wrote into the range of another object the master had placed there since.)"""
         sinks = super().payload_sinks(conn, message)
         if isinstance(message, WriteSlices) and message.items:
+            # One payload at a time per connection: a timer left from an earlier one is over.
+            self._payload_over(conn)
             expiry_ms = min(item.grant.expiry_ms for item in message.items)
             delay_s = max(0.0, (expiry_ms - self._clock_ms()) / 1000)
             self._payload_deadlines[conn] = asyncio.get_running_loop().call_later(
@@ -196,6 +201,11 @@ class TransferHandler(_SegmentHandler):
     def payload_received(self, conn: Connection, message: Message) -> HandlerResult:
         self._payload_over(conn)
         return super().payload_received(conn, message)
+
+    def payload_refused(self, conn: Connection, message: Message) -> None:
+        # Its size did not match its items: discarded, so its timer must not close the
+        # connection at that grant's expiry, under the requests that followed.
+        self._payload_over(conn)
 
     def connection_closed(self, conn: Connection) -> None:
         self._payload_over(conn)
@@ -266,7 +276,7 @@ class TransferHandler(_SegmentHandler):
                     f"{grant.size} bytes"
                 )
         # The payload must equal the sum of the sizes; the Connection enforces it when it hands
-        # our views to the decoder (a mismatch is a malformed frame and closes the connection).
+        # our views to the decoder (a mismatch is refused with InvalidParams: payload_refused).
 
     def _check_grant(self, index: int, grant: WriteGrant, now_ms: int) -> None:
         if not auth.is_valid_grant(self._key, grant, now_ms=now_ms):

@@ -72,6 +72,12 @@ from kvpool.transports.files import FileRange
 # at a time, so this bounds the disk reads in flight per process.
 FILE_SENDER_THREADS = 8
 _file_senders = ThreadPool(FILE_SENDER_THREADS, "kvpool-sendfile")
+# Frames a server lets wait behind a file-backed one (`_held`) before it reads no more of that
+# peer's requests, until they are sent: a disk read's frame keeps its files open until then,
+# so a reader that stalls holds a bounded number of descriptors (before, 2,000 more with each
+# request it sent, until the node had none left for anyone). A node's transfer server counts
+# the disk reads still being opened too (start_server's `replies_owed_max`).
+HELD_FRAMES_MAX = 8
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +103,20 @@ HandlerResult = Message | Reply
 
 
 class RequestHandler(Protocol):
-    """What a server (or a client that accepts calls) implements."""
+    """What a server (or a client that accepts calls) implements.
+
+    A handler may also define `payload_refused(conn, message)`: the Connection calls it when
+    it refuses a payload that `payload_sinks` accepted (their sizes do not match the frame's),
+    so that whatever `payload_sinks` set up for it (a timer) ends there. It is optional: a
+    handler that accepts no payload, or sets nothing up, needs none.
+    """
 
     def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
         """Buffers for the payload of `message`, adding up to exactly its size. Raise a
         KVPoolError to refuse it: the payload is then discarded and the error is the reply
-        (`handle` is not called). Called before any payload byte is read."""
+        (`handle` is not called). Called before any payload byte is read. Once it returns,
+        either `payload_received`, `payload_refused` (if defined) or `connection_closed`
+        follows."""
         ...
 
     def handle(
@@ -139,6 +153,7 @@ class Connection(asyncio.BufferedProtocol):
         registry: set[Connection] | None = None,
         local_name: str = "",
         busy_poll: BusyPoll | None = None,
+        replies_owed_max: int | None = None,
     ) -> None:
         self.name = name
         # Server side: the Unix socket name announced to TCP clients. Client side: the name the
@@ -174,6 +189,9 @@ class Connection(asyncio.BufferedProtocol):
         # it (None otherwise), and the thread's dup() of the socket.
         self._held: list[list] | None = None
         self._sender_fd: int | None = None
+        self._is_reading_paused = False  # a server's: see _update_reading
+        self._replies_owed_max = replies_owed_max
+        self._replies_preparing = 0  # requests an awaitable handler has not answered yet
         self._busy_poll = busy_poll  # a server's: polls on after each reply (busy_poll.py)
         self.close_reason = ""
 
@@ -321,24 +339,15 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if not self._decoder.buffer_updated(nbytes):
             return
-        try:
-            self._process_events()
-        except ProtocolError as exc:
-            log.warning("closing connection %s %s: %s", self.name, self.peer, exc)
-            self.close(str(exc))
+        self._process_buffered()
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        # A server reads no more requests from a peer that does not read its replies: else
-        # their replies pile up here without bound. (A client always reads: its replies are
-        # what lets the server go on, so it must not stop reading while it writes.)
-        if self._is_server and self._transport is not None and not self._transport.is_closing():
-            self._transport.pause_reading()
+        self._update_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self._is_server and self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
+        self._update_reading()
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -350,6 +359,40 @@ class Connection(asyncio.BufferedProtocol):
         request_id = self._next_request_id
         self._next_request_id = request_id % limits.REQUEST_ID_MAX + 1
         return request_id
+
+    def _is_backed_up(self) -> bool:
+        """Whether enough replies wait to be sent (and, with `replies_owed_max`, to be
+        prepared) that a server should read no more requests for now."""
+        held = len(self._held) if self._held is not None else 0
+        if self._replies_owed_max is not None:
+            return self._replies_preparing + held >= self._replies_owed_max
+        return self._held is not None and held >= HELD_FRAMES_MAX
+
+    def _update_reading(self) -> None:
+        """A server reads no more requests from a peer that does not read its replies, or
+        while it owes that peer too many (_is_backed_up): else their replies (and the files
+        they hold open) pile up here without bound. It reads again once neither holds, the
+        requests it had received first. (A client always reads: its replies are what lets
+        the server go on, so it must not stop reading while it writes.)"""
+        transport = self._transport
+        if not self._is_server or transport is None or transport.is_closing():
+            return
+        is_backed_up = self._write_paused or self._is_backed_up()
+        if is_backed_up == self._is_reading_paused:
+            return
+        self._is_reading_paused = is_backed_up
+        if is_backed_up:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+            self._loop.call_soon(self._process_buffered)  # what _process_events left for now
+
+    def _process_buffered(self) -> None:
+        try:
+            self._process_events()
+        except ProtocolError as exc:
+            log.warning("closing connection %s %s: %s", self.name, self.peer, exc)
+            self.close(str(exc))
 
     def _write_now(self, data: bytes) -> None:
         self._write_frame([data])
@@ -364,6 +407,8 @@ class Connection(asyncio.BufferedProtocol):
         assert transport is not None
         if self._held is not None:
             self._held.append(parts)
+            if self._is_backed_up():
+                self._update_reading()
         elif any(type(part) is FileRange for part in parts):
             self._held = []
             task = self._loop.create_task(self._send_file_frames(parts))
@@ -407,6 +452,7 @@ class Connection(asyncio.BufferedProtocol):
                         break
                     if not self.is_closed():
                         transport.writelines(frame)
+                self._update_reading()
                 if not parts:
                     return
         except (KVPoolError, OSError) as exc:
@@ -467,6 +513,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _process_events(self) -> None:
         while not self.is_closed():
+            if self._is_server and self._is_backed_up():
+                return  # the requests received meanwhile wait: _update_reading takes them up
             event = self._decoder.next_event()
             if event is NEED_DATA:
                 return
@@ -510,6 +558,10 @@ class Connection(asyncio.BufferedProtocol):
             try:
                 sinks = self._handler.payload_sinks(self, message)
                 if sinks is not None and sum(len(s) for s in sinks) != frame.payload_size:
+                    # The handler accepted it and will never see it land: tell it (a node's
+                    # grant timer armed for it closed the connection at its expiry, later).
+                    if (refused := getattr(self._handler, "payload_refused", None)) is not None:
+                        refused(self, message)
                     raise InvalidParams(
                         f"payload of {frame.payload_size} bytes does not match the request"
                     )
@@ -556,6 +608,9 @@ class Connection(asyncio.BufferedProtocol):
             log.critical("invariant broken handling %s", type(message).__name__, exc_info=True)
             raise
         if isinstance(result, Awaitable):
+            self._replies_preparing += 1
+            if self._is_backed_up():
+                self._update_reading()
             task = self._loop.create_task(self._reply_later(request_id, message, result))
             task.add_done_callback(_log_task_failure)
         else:
@@ -564,12 +619,15 @@ class Connection(asyncio.BufferedProtocol):
     async def _reply_later(
         self, request_id: int, message: Message, result: Awaitable[HandlerResult]
     ) -> None:
+        request: Message | None = message
         try:
             reply = await result
         except KVPoolError as exc:
-            self._reply_error(request_id, exc)
-            return
-        self._reply(request_id, reply, message)
+            reply, request = ErrorReply(int(exc.code), str(exc)), None
+        finally:
+            self._replies_preparing -= 1
+        self._reply(request_id, reply, request)
+        self._update_reading()
 
     def _reply(self, request_id: int, result: HandlerResult, request: Message | None = None) -> None:
         message, payload, landing = result if isinstance(result, Reply) else (result, (), None)
@@ -711,11 +769,16 @@ async def start_server(
     name: str,
     busy_poll_us: int = 0,
     not_back_soon: Callable[[Message, Message], bool] | None = None,
+    replies_owed_max: int | None = None,
 ) -> Listener:
     """Listen for kvpool connections on TCP and on a same-host Unix socket (see the module).
     Without a cluster key only loopback may be bound. `busy_poll_us`: how long the loop keeps
     polling after each reply (transports/busy_poll.py; 0: it sleeps in epoll at once), but
-    after those that `not_back_soon(request, reply message)` picks out.
+    after those that `not_back_soon(request, reply message)` picks out. `replies_owed_max`:
+    how many replies a connection may owe (being prepared by an awaitable handler, or waiting
+    behind a file-backed frame) before it reads no more of its peer's requests; None: only
+    HELD_FRAMES_MAX frames waiting behind a file-backed one stop it (a master's handler may
+    wait seconds for room, and must not hold up the connection's other requests).
 
     Raises:
         Unauthorized: a non-loopback host without a cluster token.
@@ -736,7 +799,7 @@ async def start_server(
     def serving(announced_name: str = "") -> Connection:
         return Connection(
             handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name,
-            busy_poll=busy_poll,
+            busy_poll=busy_poll, replies_owed_max=replies_owed_max,
         )  # fmt: skip
 
     with map_exceptions({OSError: ConnectFailed}):

@@ -75,11 +75,16 @@ _WRITE_ERRORS: dict[type[BaseException], type] = {OSError: TransferFailed}
 # What a write that found its filesystem full fails with (FilesystemFull, not TransferFailed:
 # the master then caps that tier's room instead of trying it again and again).
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# What an open fails with when this process (EMFILE) or the system (ENFILE) has no file
+# descriptor left: no fault of the file (is_out_of_descriptors).
+_NO_DESCRIPTOR_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 
 class FileRange(NamedTuple):
     """Payload bytes that lie in a file: `size` bytes at `offset` of the open file `fd`.
-    Whoever is handed one owns the descriptor and closes it (the Connection, after sending)."""
+    Whoever is handed one owns the descriptor and closes it (the Connection, after sending,
+    with close_parts). The ranges of one payload may share a descriptor (the pages of one
+    object file): close_parts closes each descriptor once."""
 
     fd: int
     offset: int
@@ -118,6 +123,14 @@ def open_object(path: str | Path, key: str, size_bytes: int) -> tuple[int, Objec
     except BaseException:
         os.close(fd)
         raise
+
+
+def is_out_of_descriptors(exc: KVPoolError) -> bool:
+    """Whether an error this module raised means that no file descriptor was left to open the
+    file (EMFILE, ENFILE): a state of the moment, not of the file, which is not to be taken
+    for a file gone or unreadable."""
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno in _NO_DESCRIPTOR_ERRNOS
 
 
 def prefetch(path: str | Path) -> None:
@@ -572,10 +585,11 @@ def _wait_writable(poller: select.poll, deadline_s: float) -> None:
 
 
 def close_parts(parts: Sequence[Part]) -> None:
-    """Close the descriptors of the file ranges among `parts` (after sending, or instead)."""
-    for part in parts:
-        if isinstance(part, FileRange):
-            try:
-                os.close(part.fd)
-            except OSError:  # Already closed: nothing to release.
-                pass
+    """Close the descriptors of the file ranges among `parts` (after sending, or instead),
+    each once: ranges may share one, and a second close could hit a descriptor the process
+    has opened again since under the same number."""
+    for fd in {part.fd for part in parts if isinstance(part, FileRange)}:
+        try:
+            os.close(fd)
+        except OSError:  # Already closed: nothing to release.
+            pass
