@@ -785,6 +785,17 @@ def test_a_get_in_pieces_cancelled_mid_copy_gives_back_the_leases_of_pieces_it_d
     run(main())
 
 
+def put_again_within(store: Store, keys: list[str], pages: list[bytes], seconds: float) -> None:
+    """Put `keys` again until every one is stored, within `seconds`: keys an aborted put left
+    pending answer REPLICA_IS_NOT_READY until given back."""
+    deadline = time.monotonic() + seconds
+    while (codes := store.put_batch(keys, pages)) != [ErrorCode.OK] * len(keys):
+        assert set(codes) <= {ErrorCode.OK, ErrorCode.REPLICA_IS_NOT_READY}, set(codes)
+        assert time.monotonic() < deadline, codes.count(ErrorCode.REPLICA_IS_NOT_READY)
+        time.sleep(0.05)
+    assert store.get_batch(keys) == pages
+
+
 @pytest.mark.parametrize("api", ["Store", "AsyncStore", "Store in pieces"])
 def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypatch, api):
     """The master answers a put_start after the client's RPC timeout: the grants it carries
@@ -827,12 +838,7 @@ def test_a_put_start_answered_after_the_rpc_timeout_gives_its_keys_back(monkeypa
                 with pytest.raises(RpcTimeout):
                     store.put_batch(keys, pages)
                 assert late_one_answered.wait(5)
-                deadline = time.monotonic() + 3
-                while (codes := store.put_batch(keys, pages)) != [ErrorCode.OK] * len(keys):
-                    assert set(codes) <= {ErrorCode.OK, ErrorCode.REPLICA_IS_NOT_READY}, set(codes)
-                    assert time.monotonic() < deadline, codes.count(ErrorCode.REPLICA_IS_NOT_READY)
-                    time.sleep(0.05)
-                assert store.get_batch(keys) == pages
+                put_again_within(store, keys, pages, 3)
         elif api == "Store":
             with Store(endpoint, rpc_timeout_ms=400, shm_enabled=False) as store:
                 with pytest.raises(RpcTimeout):
@@ -936,12 +942,7 @@ def test_a_sync_put_in_pieces_whose_later_piece_times_out_gives_back_the_pieces_
             with pytest.raises(RpcTimeout):
                 store.put_batch(keys, pages)
             assert carried_out.wait(5)
-            deadline = time.monotonic() + 3
-            while (codes := store.put_batch(keys, pages)) != [ErrorCode.OK] * len(keys):
-                assert set(codes) <= {ErrorCode.OK, ErrorCode.REPLICA_IS_NOT_READY}, set(codes)
-                assert time.monotonic() < deadline, codes.index(ErrorCode.REPLICA_IS_NOT_READY)
-                time.sleep(0.05)
-            assert store.get_batch(keys) == pages
+            put_again_within(store, keys, pages, 3)
             used_bytes = sum(segment.used_bytes for segment in store.cluster_status().segments)
             assert used_bytes == len(keys) * footprint_bytes(4096)  # nothing quarantined
 

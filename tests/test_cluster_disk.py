@@ -69,6 +69,20 @@ def master_metric(cluster, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def only_on_disk(make_cluster, tmp_path: Path, key: str, data: bytes):
+    """A cluster whose one node holds `key` on its disk tier only (put with a disk copy, then
+    the node restarted: its DRAM is gone, its disk re-adopted)."""
+    from kvpool import ReplicateConfig
+
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(tmp_path / "disk"))
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch([key], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
+    node.stop()
+    cluster.start_node(disk_args(tmp_path / "disk"))
+    return cluster
+
+
 def test_dram_filled_past_the_watermark_is_read_back_from_disk_by_another_client(make_cluster, tmp_path):
     cluster = make_cluster(0, "8MiB")
     for index in range(2):
@@ -207,16 +221,10 @@ def test_a_cancelled_get_into_from_a_disk_file_writes_nothing_into_the_buffer_af
     stop, and its bytes landed after the get had returned. The get now returns once the read
     has ended; a read that outlasts the transfer timeout keeps the buffer in use (unregister
     refuses it) until it has ended, instead of writing into memory the caller may free."""
-    from kvpool import ReplicateConfig
     from kvpool.errors import InvalidParams
 
-    cluster = make_cluster(0, "8MiB")
-    node = cluster.start_node(disk_args(tmp_path / "disk"))
     data = os.urandom(300 * 1024)
-    with Store(cluster.master_endpoint) as store:
-        assert store.put_batch(["k"], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
-    node.stop()
-    cluster.start_node(disk_args(tmp_path / "disk"))  # DRAM gone: the object is on disk only
+    cluster = only_on_disk(make_cluster, tmp_path, "k", data)
     with Store(cluster.master_endpoint) as store:
         assert wait_until(lambda: store.exists("k"), 10)  # re-adopted from the disk
     reading, release, read_ended = threading.Event(), threading.Event(), threading.Event()
@@ -282,15 +290,8 @@ def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cl
     """An object only on the disk tier (the node restarted: its DRAM is gone) whose file rots:
     a same-host reader gets a miss, never the bytes; its report has the node re-read and hash
     the file, the master drops the object, and the key can be put again."""
-    cluster = make_cluster(0, "8MiB")
-    node = cluster.start_node(disk_args(tmp_path / "disk"))
     data = os.urandom(300 * 1024)
-    from kvpool import ReplicateConfig
-
-    with Store(cluster.master_endpoint) as store:
-        assert store.put_batch(["rot"], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
-    node.stop()
-    cluster.start_node(disk_args(tmp_path / "disk"))
+    cluster = only_on_disk(make_cluster, tmp_path, "rot", data)
     (name,) = object_files(tmp_path / "disk")
     path = tmp_path / "disk" / objectfile.OBJECTS_DIR / name
     with open(path, "r+b") as file:  # the last byte of the object's data
