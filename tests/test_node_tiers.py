@@ -542,6 +542,29 @@ def test_a_reader_that_stalls_holds_a_few_descriptors_and_gets_every_reply_once_
     run(main())
 
 
+def test_a_replica_check_without_descriptors_gives_no_verdict(tmp_path, monkeypatch):
+    """A bad-replica check (the node's of its disk files, the master's of DFS files) that
+    cannot open the file for want of descriptors says nothing about the file: it raises,
+    where a False would have had a sound replica dropped. A file gone is bad."""
+    data = os.urandom(4096)
+    path = write(tmp_path, "x.kvo", "k", data)
+    checksum = xxhash.xxh3_64_intdigest(data)
+    assert files.holds_object(path, "k", len(data), checksum)
+    real_open = os.open
+
+    def open_without_descriptors(name, flags, *args, **kwargs):
+        if str(name) == str(path):
+            raise OSError(errno.EMFILE, "Too many open files", str(name))
+        return real_open(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_without_descriptors)
+    with pytest.raises(TransferFailed, match="no file descriptor"):
+        files.holds_object(path, "k", len(data), checksum)
+    monkeypatch.setattr(os, "open", real_open)
+    path.unlink()
+    assert not files.holds_object(path, "k", len(data), checksum)
+
+
 def test_a_disk_read_the_node_cannot_open_is_a_clean_error_never_zeros(tmp_path, monkeypatch):
     """A node out of file descriptors (EMFILE) answers a disk read with an error, which the
     reader falls back from, not with zeros in place of a sound object (which the reader would

@@ -302,10 +302,17 @@ def read_object_bytes(path: str | Path, key: str, size_bytes: int) -> bytes:
 
 def holds_object(path: str | Path, key: str, size_bytes: int, checksum: int) -> bool:
     """Whether the object file at `path` reads whole and its bytes hash to `checksum`: a file
-    gone, torn or unreadable does not (a bad replica's check, on a disk thread). Blocks."""
+    gone, torn or unreadable does not (a bad replica's check, on a disk thread). Blocks.
+
+    Raises:
+        TransferFailed: no file descriptor was left to open it (is_out_of_descriptors): no
+            verdict on the file, whose replica a False would have dropped.
+    """
     try:
         data = read_object_bytes(path, key, size_bytes)
-    except KVPoolError:
+    except KVPoolError as exc:
+        if is_out_of_descriptors(exc):
+            raise TransferFailed(f"no file descriptor left to check {path}") from exc
         return False
     return checksum_of([data]) == checksum
 
