@@ -555,6 +555,41 @@ def test_v0_page_tensor_interface(make_cluster):
         b.close()
 
 
+def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_cluster):
+    """SGLang's MLA host pool hands out a page as a view of its kv_buffer (pool_host/mla.py
+    get_data_page, page_first layouts: a slice flattened without a copy), which the backend
+    registered whole at attach: registering the page again overlapped it, and every backup
+    failed."""
+
+    class MLAPoolPages(MLAHostPool):
+        def get_data_page(self, index: int, flat: bool = True):
+            page = self.kv_buffer[index : index + self.page_size]
+            return page.flatten() if flat else page
+
+        def get_dummy_flat_data_page(self):
+            return torch.zeros(LAYERS * PAGE_SIZE * MLA_DIM, dtype=self.dtype)
+
+    cluster = make_cluster(1, "16MiB")
+    pool_a, pool_b = MLAPoolPages("page_first"), MLAPoolPages("page_first")
+    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
+    config = storage_config(cluster.master_endpoint, mla=True)
+    config.extra_config["interface_v1"] = 0
+    a, b = create(config, pool_a), create(config, pool_b)
+    try:
+        pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(2)]
+        assert pages[0].data_ptr() == pool_a.kv_buffer.data_ptr()  # a view, not a copy
+        assert a.batch_set(["m0", "m1"], pages) is True
+        got = b.batch_get(["m0", "m1"], [pool_b.get_dummy_flat_data_page() for _ in range(2)])
+        for page, tensor in zip(pages, got):
+            assert tensor is not None and torch.equal(tensor, page)
+        into_pool = [pool_b.get_data_page(i * PAGE_SIZE) for i in range(2)]  # a get into the pool itself
+        assert all(t is not None for t in b.batch_get(["m0", "m1"], into_pool))
+        assert torch.equal(pool_b.kv_buffer[: 2 * PAGE_SIZE], pool_a.kv_buffer[: 2 * PAGE_SIZE])
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_dead_master_fails_pages_without_raising(make_cluster):
     cluster = make_cluster(1, "16MiB")
     pool = MHAHostPool("page_first")

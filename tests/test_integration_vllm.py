@@ -248,6 +248,30 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
             assert not cache_b[name][:, 11:13].any()
 
 
+def test_layers_that_share_one_kv_cache_save_and_load_it_once(make_cluster):
+    """Cross-layer KV sharing (Gemma 3n, Gemma 4): vLLM registers a shared layer as the very
+    tensor of the layer it shares (gpu_model_runner.py, kv_caches[layer] =
+    kv_caches[target]). Its ranges twice in one block's read overlapped, which a get refuses:
+    every load failed."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    cache_a, cache_b = paged_cache(seed=1), paged_cache(seed=None)
+    for cache in (cache_a, cache_b):
+        cache["model.layers.9.self_attn.attn"] = cache["model.layers.0.self_attn.attn"]
+    worker_a.register_kv_caches(cache_a)
+    worker_b.register_kv_caches(cache_b)
+    try:
+        assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
+        assert run_worker_step(worker_b, second_turn(sched_b)) == set()
+        for name in cache_a:
+            assert torch.equal(cache_b[name][:, 6:9], cache_a[name][:, 5:8]), name
+    finally:
+        for side in (worker_a, worker_b, sched_a, sched_b):
+            side.shutdown()
+
+
 def test_hit_sources_name_the_nearest_replica_of_each_block():
     def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
         return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)

@@ -58,7 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
-from kvpool.integrations.host_memory import register_tensors
+from kvpool.integrations.host_memory import covering_ranges, register_tensors
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self._sidecars: dict[str, tuple[Any, str]] = {}  # pool name -> (host pool, object suffix)
         self._registered: list[int] = []
+        self._pool_ranges: list[tuple[int, int]] = []  # (start, size) of the host pools registered
         self._stats_lock = threading.Lock()
         self._prefetch_pages: list[int] = []
         self._backup_pages: list[int] = []
@@ -136,10 +137,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             "" if self.is_mla else f"tp{self.storage_config.tp_size}",  # MLA pages: one for every rank
         ]
         self._page_prefix = "_".join(part for part in [self._prefix, *page_format] if part)
-        self._registered += register_tensors(self._store, _pool_tensors(mem_pool_host))
+        self._register_pool(mem_pool_host)
         if hasattr(mem_pool_host, "get_ksize_per_token"):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
             self._gb_per_page = bytes_per_page / (1 << 30)
+
+    def _register_pool(self, pool: Any) -> None:
+        tensors = list(_pool_tensors(pool))
+        self._registered += register_tensors(self._store, tensors)
+        self._pool_ranges += covering_ranges(tensors)
+
+    def _in_a_pool(self, start: int, size: int) -> bool:
+        return any(first <= start and start + size <= first + length for first, length in self._pool_ranges)
 
     def _check_page_ranges(self, mem_pool_host: Any) -> int:
         """Ask the pool for its first page's ranges, as every page I/O will: some layouts
@@ -204,7 +213,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             rank = self._mha_suffix if not self.is_mla else f"tp{self.storage_config.tp_size}_{self._mha_suffix}"
         layout = str(getattr(host_pool, "layout", ""))
         suffix = "_".join(part for part in (rank, name, layout, *dtypes, f"{page_bytes}B") if part)
-        self._registered += register_tensors(self._store, _pool_tensors(host_pool))
+        self._register_pool(host_pool)
         self._sidecars[name] = (host_pool, suffix)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -478,8 +487,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                 if tensor is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
                     raise InvalidParams("page tensors must be contiguous CPU tensors")
                 start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-                self._store.register_buffer(start, size)
-                registered.append(start)
+                if not self._in_a_pool(start, size):  # a page copied out (MHA); an MLA page is a view of the pool
+                    self._store.register_buffer(start, size)
+                    registered.append(start)
                 if self.is_mla:
                     addresses.append([start])
                     sizes.append([size])

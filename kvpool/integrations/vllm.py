@@ -331,13 +331,20 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Learn each layer's paged cache layout and register its memory with the Store.
 
         A layer is (2, num_blocks, ...) for FlashAttention-style caches, whose blocks are
-        one K range and one V range, or (num_blocks, ...) for block-first and MLA caches.
+        one K range and one V range, or (num_blocks, ...) for block-first and MLA caches. A
+        layer that shares another's cache (cross-layer KV sharing: vLLM hands both names the
+        same tensor) is stored once: its ranges twice in a block's read would overlap, which
+        a get refuses.
 
         Raises:
             InvalidParams: a block of some layer is not one contiguous range.
         """
         ranges = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, tensor in kv_caches.items():
+            if (tensor.data_ptr(), tuple(tensor.shape)) in seen:
+                continue
+            seen.add((tensor.data_ptr(), tuple(tensor.shape)))
             if tensor.dim() >= 3 and tensor.shape[0] == 2:
                 parts = [tensor[0], tensor[1]]
             else:
