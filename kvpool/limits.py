@@ -22,8 +22,10 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # GetReplicaListReply (a master of version 2 would close a client's connection at its first
 # release). Peers of different versions part at the handshake's first frame, with the reason
 # logged, rather than later, mid-request. 4: put ids (PutStart, PutEnd and PutRevoke). 5: the
-# lookup hold (LongestPrefix.hold_ms, which a master of version 4 would drop unread).
-FRAME_VERSION = 5
+# lookup hold (LongestPrefix.hold_ms, which a master of version 4 would drop unread). 6: a
+# move's deadline (MoveObjects.deadline_ms: a node of version 5 would record a move the master
+# gave up on) and a mount's last part (MountSegment.is_last).
+FRAME_VERSION = 6
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB
