@@ -38,6 +38,10 @@ REQUEST_ID_MAX = 2**32 - 1
 KEY_SIZE_BYTES_MAX = 4 * KIB
 OBJECT_SIZE_BYTES_MAX = 1 * GIB
 BATCH_KEYS_MAX = 16_384
+# Disk items one ReadSlices may name: what a client's frame holds at most (one item per key,
+# BATCH_KEYS_MAX keys: client/transfer.py). Each object file a frame names is open until the
+# frame is sent (one descriptor per file, shared by its items: DiskTier.open_range).
+DISK_ITEMS_PER_FRAME_MAX = BATCH_KEYS_MAX
 REPLICA_NUM_MAX = 8
 REGEX_SIZE_BYTES_MAX = 4 * KIB
 LIST_OBJECTS_MAX = 100_000
@@ -205,6 +209,12 @@ MOVE_TIMEOUT_MS = 60_000
 # and whose targets it drops, is never recorded afterwards. Covers the node's estimate of the
 # master's clock (node/clock.py) and its loop's lag.
 MOVE_DECIDED_BEFORE_TIMEOUT_MS = 5_000
+# Frames a server lets wait behind a file-backed one (`_held`) before it reads no more of that
+# peer's requests, until they are sent: a disk read's frame keeps its files open until then,
+# so a reader that stalls holds a bounded number of descriptors (before, 2,000 more with each
+# request it sent, until the node had none left for anyone). A node's transfer server counts
+# the disk reads still being opened too (start_server's `replies_owed_max`).
+HELD_FRAMES_MAX = 8
 # The master's DRAM eviction order (master/eviction.py POLICIES; kvpool master --eviction-policy).
 EVICTION_POLICY_DEFAULT = "probation"
 # A put that found no room tries its keys again, after the moves and drops in flight, at most

@@ -33,12 +33,11 @@ from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, Objec
 from kvpool.master.server import MasterServer
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
-from kvpool.node.tiered import DISK_ITEMS_PER_FRAME_MAX
 from kvpool.protocol import objectfile
 from kvpool.protocol.frames import is_slow_copy
 from kvpool.protocol.messages import TIER_DISK, ClusterStatus, InventoryEntry, ReadItem, ReadReply, ReadSlices
 from kvpool.transports import files
-from kvpool.transports.connection import HELD_FRAMES_MAX, Connection, connect
+from kvpool.transports.connection import Connection, connect
 from kvpool.transports.dfs import DfsDirectory
 from kvpool.transports.files import FileRange
 
@@ -505,7 +504,7 @@ def test_a_reader_that_stalls_holds_a_few_descriptors_and_gets_every_reply_once_
     replies wait behind the one being sent; once the client reads, every reply arrives whole.
     (Before, each request opened 256 descriptors, held until sent, with no end to requests.)"""
     pages = 256
-    requests = HELD_FRAMES_MAX + 4
+    requests = limits.HELD_FRAMES_MAX + 4
     data = os.urandom(8 * MIB)
     adopt_object(tmp_path / "disk", "big", data)
 
@@ -525,10 +524,10 @@ def test_a_reader_that_stalls_holds_a_few_descriptors_and_gets_every_reply_once_
                 sinks = [bytearray(pages * 4096) for _ in range(requests)]
                 items = [ReadItem(segment_id, (7 * page) * 4096, 4096) for page in range(pages)]
                 reads += [asyncio.ensure_future(read_disk(conn, items, sink)) for sink in sinks]
-                await until(lambda: served._held is not None and len(served._held) >= HELD_FRAMES_MAX)
+                await until(lambda: served._held is not None and len(served._held) >= limits.HELD_FRAMES_MAX)
                 assert not served._transport.is_reading()  # the rest wait in the socket
-                assert len(served._held) == HELD_FRAMES_MAX
-                assert descriptors_open_on(path) <= HELD_FRAMES_MAX + 1  # one per frame
+                assert len(served._held) == limits.HELD_FRAMES_MAX
+                assert descriptors_open_on(path) <= limits.HELD_FRAMES_MAX + 1  # one per frame
                 conn._transport.resume_reading()
                 await asyncio.gather(*reads)
                 expected = b"".join(data[7 * page * 4096 : (7 * page + 1) * 4096] for page in range(pages))
@@ -592,7 +591,7 @@ def test_a_disk_read_the_node_cannot_open_is_a_clean_error_never_zeros(tmp_path,
                 assert sink == bytes(len(sink))  # nothing landed
                 await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
                 assert sink == data
-                too_many = [ReadItem(segment_id, 0, 1)] * (DISK_ITEMS_PER_FRAME_MAX + 1)
+                too_many = [ReadItem(segment_id, 0, 1)] * (limits.DISK_ITEMS_PER_FRAME_MAX + 1)
                 with pytest.raises(InvalidParams, match="disk items"):
                     await read_disk(conn, too_many, bytearray(len(too_many)))
                 await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)

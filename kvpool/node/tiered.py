@@ -49,10 +49,6 @@ from kvpool.transports.files import FileRange
 
 log = logging.getLogger(__name__)
 
-# Disk items one ReadSlices may name: what a client's frame holds at most (one item per key,
-# BATCH_KEYS_MAX keys: client/transfer.py). Each object file a frame names is open until the
-# frame is sent (one descriptor per file, shared by its items: DiskTier.open_range).
-DISK_ITEMS_PER_FRAME_MAX = limits.BATCH_KEYS_MAX
 
 
 class TieredTransferHandler:
@@ -108,9 +104,9 @@ class TieredTransferHandler:
         None where the tier holds no such object now: sent as zeros, see _read; the item)."""
         self.dram._check_open()
         disk_items = sum(1 for item in items if item.segment_id == disk.segment_id)
-        if disk_items > DISK_ITEMS_PER_FRAME_MAX:
+        if disk_items > limits.DISK_ITEMS_PER_FRAME_MAX:
             raise InvalidParams(
-                f"read of {disk_items} disk items exceeds one frame's {DISK_ITEMS_PER_FRAME_MAX}"
+                f"read of {disk_items} disk items exceeds one frame's {limits.DISK_ITEMS_PER_FRAME_MAX}"
             )
         total = 0
         plan: list = []

@@ -72,12 +72,6 @@ from kvpool.transports.files import FileRange
 # at a time, so this bounds the disk reads in flight per process.
 FILE_SENDER_THREADS = 8
 _file_senders = ThreadPool(FILE_SENDER_THREADS, "kvpool-sendfile")
-# Frames a server lets wait behind a file-backed one (`_held`) before it reads no more of that
-# peer's requests, until they are sent: a disk read's frame keeps its files open until then,
-# so a reader that stalls holds a bounded number of descriptors (before, 2,000 more with each
-# request it sent, until the node had none left for anyone). A node's transfer server counts
-# the disk reads still being opened too (start_server's `replies_owed_max`).
-HELD_FRAMES_MAX = 8
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +360,7 @@ class Connection(asyncio.BufferedProtocol):
         held = len(self._held) if self._held is not None else 0
         if self._replies_owed_max is not None:
             return self._replies_preparing + held >= self._replies_owed_max
-        return self._held is not None and held >= HELD_FRAMES_MAX
+        return self._held is not None and held >= limits.HELD_FRAMES_MAX
 
     def _update_reading(self) -> None:
         """A server reads no more requests from a peer that does not read its replies, or
@@ -777,7 +771,7 @@ async def start_server(
     after those that `not_back_soon(request, reply message)` picks out. `replies_owed_max`:
     how many replies a connection may owe (being prepared by an awaitable handler, or waiting
     behind a file-backed frame) before it reads no more of its peer's requests; None: only
-    HELD_FRAMES_MAX frames waiting behind a file-backed one stop it (a master's handler may
+    limits.HELD_FRAMES_MAX frames waiting behind a file-backed one stop it (a master's handler may
     wait seconds for room, and must not hold up the connection's other requests).
 
     Raises:
