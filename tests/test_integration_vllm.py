@@ -272,6 +272,43 @@ def test_layers_that_share_one_kv_cache_save_and_load_it_once(make_cluster):
             side.shutdown()
 
 
+def test_a_load_that_fails_on_one_tp_rank_only_leaves_no_rank_the_blocks_computed_over_it(make_cluster):
+    """TP rank 0's object of a planned block is lost between the lookup and the load; rank
+    1's loads. Rank 0 skips its saves of that step, but rank 1 saved the block it computed
+    over hidden states rank 0's garbage entered (all-reduced), under its right key: a later
+    recompute would find the key taken, and rank 1 would load that KV as a hit. The
+    scheduler, which hears rank 0's failure, removes every rank's saves of that step."""
+    import types
+
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.parallel_config.tensor_parallel_size = 2
+    sched_a, sched_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.SCHEDULER)
+    workers = {}
+    for name, seed in (("a", 1), ("b", None)):
+        for rank in (0, 1):
+            worker = workers[name, rank] = connector(config, KVConnectorRole.WORKER)
+            worker.tp_rank = rank  # what _parallel_ranks() gives TP rank `rank`
+            worker.register_kv_caches(paged_cache(None if seed is None else seed + rank))
+    try:
+        meta = first_prefill(sched_a, "a-1", [5, 6, 7, 8])
+        assert all(run_worker_step(workers["a", rank], meta) == set() for rank in (0, 1))
+        meta = second_turn(sched_b)  # loads 3 blocks into 6, 7 and 8, saves block 9 in that step
+        store = workers["b", 0]._store
+        store.remove(workers["b", 0]._key(meta.loads[0].block_hashes[2], prefix=meta.key_prefix), force=True)
+        failed = set()
+        for rank in (0, 1):
+            failed |= run_worker_step(workers["b", rank], meta)
+        assert failed == {8}  # rank 0's alone
+        saved = [workers["b", rank]._key(meta.saves[0].block_hashes[0], prefix=meta.key_prefix) for rank in (0, 1)]
+        assert store.batch_exists(saved) == [False, True]  # rank 1 saved it
+        sched_b.update_connector_output(types.SimpleNamespace(invalid_block_ids=failed))  # vLLM: every rank's
+        assert store.batch_exists(saved) == [False, False]
+    finally:
+        for side in [*workers.values(), sched_a, sched_b]:
+            side.shutdown()
+
+
 def test_hit_sources_name_the_nearest_replica_of_each_block():
     def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
         return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)

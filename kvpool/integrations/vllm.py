@@ -49,6 +49,7 @@ paged cache must be host memory, e.g. vLLM's CPU backend), layer-wise pipelining
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -61,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpool import limits
 from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
@@ -162,6 +164,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         # those vLLM scheduled before it learnt of the failure (async scheduling, PP).
         self._unsaved_steps = 0
         self._steps_in_flight = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
+        # Scheduler: the block hashes each recent step planned to save (the steps a load
+        # failure may have run beside), and what a load failure doomed, removed again at the
+        # next updates until those steps' saves are surely over (update_connector_output).
+        self._recent_saves: collections.deque[list[str]] = collections.deque(maxlen=self._steps_in_flight + 1)
+        self._doomed_saves: list[tuple[int, list[str]]] = []
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -278,6 +285,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._loaded_async.discard(req_id)
+        self._recent_saves.append([h for save in meta.saves for h in save.block_hashes])
         return meta
 
     def _plan_save(
@@ -301,6 +309,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         connector then saved the blocks it computed over them into the pool: seen driving
         vLLM's real scheduler, 4 of 6 seeds with load failures injected)."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        self._remove_doomed_saves(bool(invalid))
         manager = getattr(self, "_kv_cache_manager", None)
         if not invalid or manager is None:
             return
@@ -312,6 +321,32 @@ class KVPoolConnector(KVConnectorBase_V1):
                     doomed.update(block_ids[index:])
                     break
         manager.evict_blocks(doomed)
+
+    def _remove_doomed_saves(self, is_failure: bool) -> None:
+        """After a load failure, every rank's objects of the saves planned in the steps it may
+        have run beside go, now and at the next updates until those steps are over.
+
+        A worker whose load failed skips its own saves of those steps (wait_for_save), but
+        with TP or PP above 1 another rank's load may have succeeded: it saved blocks computed
+        over hidden states the failed block's garbage entered (all-reduced across TP, passed
+        on across PP), under their right keys, and a later recompute of them found the keys
+        taken. Only the scheduler hears every rank's failures. A save of a step still in
+        flight may land after a removal: hence again, at each of the next updates (each
+        comes after one more step's saves)."""
+        if is_failure:
+            hashes = [h for step in self._recent_saves for h in step]
+            if hashes:
+                self._doomed_saves.append((self._steps_in_flight + 1, hashes))
+        if not self._doomed_saves:
+            return
+        ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+        keys = [self._key(h, tp, pp) for _, hashes in self._doomed_saves for h in hashes for tp, pp in ranks]
+        try:
+            for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
+                self._store.batch_remove(keys[start : start + limits.BATCH_KEYS_MAX], force=True)
+        except KVPoolError as exc:
+            log.warning("kvpool: removing %d blocks saved beside a failed load failed: %s", len(keys), exc)
+        self._doomed_saves = [(left - 1, hashes) for left, hashes in self._doomed_saves if left > 1]
 
     @property
     def requires_kv_delivery(self) -> bool:
