@@ -598,7 +598,7 @@ class GetJob:
         sources: list[list[memoryview]] = []
         destinations: list[list[memoryview]] = []
         copied: list[int] = []  # plain gets up to a chunk, hashed after
-        fresh: list[int] = []  # positions in `indexes` of plain gets, landing in new bytes
+        fresh: set[int] = set()  # positions in `indexes` of plain gets, landing in new bytes
         for index in mapped:
             replica = self._take_next(index)
             size = sizes[index]
@@ -611,11 +611,11 @@ class GetJob:
             if target is None:  # a large plain get: the one copy lands in the bytes returned
                 self._landed[index], view = _new_bytes(size)
                 target = [view]
-                fresh.append(len(indexes))
+                fresh.add(len(indexes))
             indexes.append(index)
             sources.append([source])
             destinations.append(target)
-        for index, checksum in zip(indexes, copies_checksummed(sources, destinations, fresh=set(fresh))):
+        for index, checksum in zip(indexes, copies_checksummed(sources, destinations, fresh=fresh)):
             self._check(index, checksum)
         self._verify(copied)
 

@@ -377,9 +377,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         ranges = []
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, tensor in kv_caches.items():
-            if (tensor.data_ptr(), tuple(tensor.shape)) in seen:
+            identity = (tensor.data_ptr(), tuple(tensor.shape))
+            if identity in seen:
                 continue
-            seen.add((tensor.data_ptr(), tuple(tensor.shape)))
+            seen.add(identity)
             if tensor.dim() >= 3 and tensor.shape[0] == 2:
                 parts = [tensor[0], tensor[1]]
             else:

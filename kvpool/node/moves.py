@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import xxhash
 
@@ -204,7 +203,14 @@ class Mover:
         """The copies finished after the request's deadline: record none, remove the files
         they wrote (a DRAM copy is bytes in a range the inventory leaves free), fail them all."""
         written = [plan for (_, plan), outcome in zip(plans, outcomes) if outcome is None]
-        await self.run_in_thread(self._remove_files, [path for plan in written if (path := self._file_of(plan))])
+        # A disk file goes unless an entry the tier holds lies there: then it is not this copy's.
+        disk = self.disk
+        to_disk = [
+            p.entry for p in written
+            if p.dst == TIER_DISK and disk is not None and disk.inventory.is_range_free(p.entry.offset, p.entry.size)
+        ]  # fmt: skip
+        to_dfs = [p.entry for p in written if p.dst == TIER_DFS]
+        await self.run_in_thread(self._remove_written, to_disk, to_dfs)
         for index, plan in plans:
             codes[index] = int(ErrorCode.TRANSFER_FAIL)
             self.metrics.moves.labels(src=plan.src, dst=plan.dst, result="late").inc()
@@ -213,25 +219,24 @@ class Mover:
                         len(plans), plans[0][1].item.key)  # fmt: skip
         return CodesReply(codes)
 
-    def _file_of(self, plan: _Plan) -> Path | None:
-        """The object file a copy not recorded wrote, to remove: a disk tier's (unless an
-        entry the tier holds lies there: then the file is not this copy's to remove), the
-        DFS's; None for a copy into DRAM."""
-        entry = plan.entry
-        disk = self.disk
-        if plan.dst == TIER_DISK and disk is not None:
-            return disk.path_of(entry.offset) if disk.inventory.is_range_free(entry.offset, entry.size) else None
-        if plan.dst == TIER_DFS and self.dfs is not None:
-            return self.dfs.path_of(entry.key, entry.offset)
-        return None
-
-    @staticmethod
-    def _remove_files(paths: list[Path]) -> None:
-        for path in paths:
+    def _remove_written(self, to_disk: list[InventoryEntry], to_dfs: list[InventoryEntry]) -> None:
+        """Remove the files of copies not recorded (a worker thread), the disk tier's as its
+        drops do (DiskTier.remove_files: then the directory is synced)."""
+        left = []
+        if to_disk:
+            assert self.disk is not None
             try:
-                files.remove(path)
-            except KVPoolError as exc:
-                log.warning("could not remove %s, written by a move too late to record: %s", path, exc)
+                left = self.disk.remove_files(to_disk)
+            except KVPoolError as exc:  # the directory's sync
+                log.warning("removing files of moves too late to record: %s", exc)
+        for entry in to_dfs:
+            assert self.dfs is not None
+            try:
+                self.dfs.remove(entry.key, entry.offset)
+            except KVPoolError:
+                left.append(entry)
+        if left:
+            log.warning("could not remove the files of %d moves too late to record (%r first)", len(left), left[0].key)
 
     def _wait_ms(self, deadline_ms: int) -> int:
         """How long admission may wait: MOVE_TIMEOUT_MS, and not past the deadline."""
