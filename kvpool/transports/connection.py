@@ -262,7 +262,7 @@ class Connection(asyncio.BufferedProtocol):
         # A plain timer instead of asyncio.wait_for: this is the hot path of every call.
         timer = self._loop.call_later(timeout_ms / 1000, expire)
         try:
-            await self._send(message, request_id, False, payload, landing)
+            await self._send(message, request_id, payload, landing, self._loop.time() + timeout_ms / 1000)
             reply = await future
         except asyncio.CancelledError:
             if late_reply is not None:
@@ -455,17 +455,31 @@ class Connection(asyncio.BufferedProtocol):
             self.close(f"sending a file failed: {exc}")
 
     async def _send(
-        self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None = None
+        self, message: Message, request_id: int, payload: Payload, landing: int | None, deadline_s: float
     ) -> None:
-        if not self._ready.done() and not is_reply:
+        """Write a request, then wait while the peer reads too little (pause_writing), until
+        `deadline_s` (loop time): the request's own bound, which the drain wait is part of.
+
+        Raises:
+            RpcFailed: the connection is or becomes closed.
+            RpcTimeout: the peer did not drain the frame by the deadline; the connection is
+                closed (the rest of the frame, and the caller's payload buffers it refers to,
+                must not go out after the caller got its error).
+        """
+        if not self._ready.done():
             await asyncio.shield(self._ready)
         if self.is_closed() or self._transport is None:
             raise RpcFailed(f"connection to {self.peer} is closed: {self.close_reason}")
-        self._write_frame([self._header(message, request_id, is_reply, payload, landing), *payload])
+        self._write_frame([self._header(message, request_id, False, payload, landing), *payload])
         if self._write_paused:
             waiter = self._loop.create_future()
             self._drain_waiters.append(waiter)
-            await asyncio.wait_for(waiter, limits.TRANSFER_TIMEOUT_MS_DEFAULT / 1000)
+            try:
+                await asyncio.wait_for(waiter, max(0.0, deadline_s - self._loop.time()))
+            except asyncio.TimeoutError:
+                self.close(f"{type(message).__name__} not taken by the peer before its deadline")
+                raise RpcTimeout(f"{type(message).__name__} to {self.peer}: the peer read nothing "
+                                 "before the deadline") from None  # fmt: skip
 
     def _authenticated(self) -> None:
         self._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)

@@ -1,0 +1,48 @@
+"""Connection (kvpool/transports/connection.py): every request ends within its own bound.
+
+How: raw sockets from conftest play a peer that authenticates and then reads nothing (what a
+master or node frozen by SIGSTOP, or one whose event loop stalls, looks like from the other
+end of the socket), on uvloop as the servers run; the request must fail with a typed error
+within its timeout, not sit in the wait for the peer to drain the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import uvloop
+from conftest import raw_server
+
+from kvpool.errors import RpcTimeout
+from kvpool.protocol.messages import Heartbeat
+from kvpool.transports.connection import connect
+
+
+def test_a_request_the_peer_does_not_read_times_out_within_its_own_bound():
+    """A frame larger than the socket buffers pauses writing; the request used to wait for the
+    drain for the transfer timeout (30 s), whatever its own timeout, and then raise a bare
+    TimeoutError, which a node's master link does not catch (its task ended)."""
+    release = threading.Event()
+    # Larger than the loopback socket buffers of both ends together (a few MiB each).
+    heartbeat = Heartbeat([f"segment-{i:0240d}" for i in range(100_000)])
+
+    async def main(endpoint: str) -> tuple[BaseException | None, float, bool]:
+        conn = await connect(endpoint, key=None, timeout_ms=2_000)
+        started_s = time.monotonic()
+        error: BaseException | None = None
+        try:
+            await asyncio.wait_for(conn.request(heartbeat, timeout_ms=500), 20)
+        except BaseException as exc:  # noqa: BLE001 (the test reports whatever came out)
+            error = exc
+        return error, time.monotonic() - started_s, conn.is_closed()
+
+    with raw_server(lambda sock: release.wait(30)) as endpoint:
+        try:
+            error, took_s, is_closed = uvloop.run(main(endpoint))
+        finally:
+            release.set()
+    assert isinstance(error, RpcTimeout), repr(error)
+    assert took_s < 3, took_s
+    assert is_closed, "a frame half sent must not be followed by the next request"
