@@ -145,6 +145,9 @@ class MasterResolver:
     def __init__(self, address: MasterAddress | str) -> None:
         self.address = parse_master_address(address) if isinstance(address, str) else address
         self._endpoint = "" if self.address.is_etcd else self.address.endpoint
+        # The etcd endpoints, the one that answered the last lookup first: a member that is
+        # down or cut off costs one lookup its share of the time, not every lookup.
+        self._etcd_endpoints = self.address.etcd_endpoints
 
     def __repr__(self) -> str:
         return f"<MasterResolver {self.address} -> {self._endpoint or '?'}>"
@@ -173,10 +176,16 @@ class MasterResolver:
             return self._endpoint
         from kvpool.transports.etcd import EtcdClient  # see parse_master_address
 
-        address = self.address
-        timeout_ms = max(1, min(timeout_ms, limits.ETCD_REQUEST_TIMEOUT_MS))
-        async with EtcdClient(address.etcd_endpoints, request_timeout_ms=timeout_ms) as etcd:
-            kv, _ = await etcd.get(leader_key(address.cluster_id))
+        address, endpoints = self.address, self._etcd_endpoints
+        # EtcdClient bounds each endpoint it tries: a share of the bound each keeps the whole
+        # lookup within it, and leaves the next endpoints time when one does not answer.
+        timeout_ms = max(1, min(timeout_ms // len(endpoints), limits.ETCD_REQUEST_TIMEOUT_MS))
+        async with EtcdClient(endpoints, request_timeout_ms=timeout_ms) as etcd:
+            try:
+                kv, _ = await etcd.get(leader_key(address.cluster_id))
+            finally:
+                at = endpoints.index(etcd.preferred_endpoint)
+                self._etcd_endpoints = endpoints[at:] + endpoints[:at]
         if kv is None:
             raise NotLeader(f"no master is the leader of cluster {address.cluster_id!r} in etcd "
                             f"{','.join(address.etcd_endpoints)} (election under way?)")  # fmt: skip

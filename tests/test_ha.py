@@ -292,6 +292,35 @@ def test_one_leader_standby_refuses_and_takes_over_when_the_leader_stops(etcd_en
     run(main())
 
 
+def test_a_leader_stopped_before_it_started_leading_refuses_once_its_lease_is_revoked(etcd_endpoint, monkeypatch):
+    """A SIGTERM while the just-elected leader reads its predecessor's segment record: stop()
+    revoked its lease (a standby may win at once) but left it answering as the leader until
+    its deadline, requests still coming in while the server closed."""
+    from kvpool.master.election import Elector
+
+    reading = asyncio.Event()
+
+    async def slow_read(self):
+        reading.set()
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(Elector, "_read_expected", slow_read)
+
+    async def main() -> tuple[bool, bool]:
+        master = _candidate(etcd_endpoint, new_cluster_id())
+        await master.start()
+        try:
+            await asyncio.wait_for(reading.wait(), 10)
+            was_leader = master.elector.is_leader()
+            await master.elector.stop()
+            return was_leader, master.elector.is_leader()
+        finally:
+            await master.stop()
+
+    was_leader, is_leader = run(main())
+    assert was_leader and not is_leader
+
+
 def test_a_leader_past_its_deadline_refuses_before_its_elector_notices(etcd_endpoint):
     """The fence is the clock: a paused process's first act on waking is to check it."""
 
@@ -439,6 +468,37 @@ def test_resolver_without_a_leader_says_not_leader(etcd_endpoint):
         assert MasterResolver("127.0.0.1:5").is_dynamic is False
 
     run(main())
+
+
+def test_resolver_with_a_frozen_etcd_member_keeps_its_bound_and_goes_to_the_live_one(etcd_endpoint, tmp_path):
+    """An etcd member frozen by SIGSTOP (TCP accepts, nothing answers) listed first: a lookup
+    used to give it the whole bound, and every endpoint after it as much again (two of them:
+    twice the bound), and every later lookup began with it again."""
+    from kvpool.cli.launcher import LocalEtcd
+
+    cluster_id = new_cluster_id()
+
+    async def main(frozen: str) -> list[float]:
+        async with EtcdClient([etcd_endpoint]) as etcd:
+            await etcd.put(leader_key(cluster_id), LeaderRecord("127.0.0.1:5", "", "x").encode())
+        resolver = MasterResolver(f"etcd://{frozen},{frozen},{etcd_endpoint}/{cluster_id}")
+        took_s = []
+        for _ in range(2):
+            started_s = time.monotonic()
+            assert await resolver.resolve(600) == "127.0.0.1:5"
+            took_s.append(time.monotonic() - started_s)
+            resolver.forget()
+        return took_s
+
+    with LocalEtcd(tmp_path) as frozen:
+        assert frozen.process is not None
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        try:
+            first_s, second_s = run(main(frozen.endpoint))
+        finally:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+    assert first_s < 0.8, first_s  # within its bound (600 ms), a margin for a busy machine
+    assert second_s < 0.2, second_s  # straight to the member that answered
 
 
 # --- real processes ------------------------------------------------------------------------------

@@ -214,6 +214,9 @@ class Elector:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        # Cancelled before _lead took over (reading the segment record), the leadership
+        # would last until its deadline: it ends before the lease goes and a standby wins.
+        self.leadership.step_down()
         if self._held_lease_id:
             await self._revoke_quietly(self._held_lease_id)
         await self._etcd.close()

@@ -113,6 +113,11 @@ class EtcdClient:
     def __repr__(self) -> str:
         return f"<EtcdClient {','.join(self.endpoints)}>"
 
+    @property
+    def preferred_endpoint(self) -> str:
+        """The endpoint tried first: the last one that answered (the first, until one did)."""
+        return self.endpoints[self._preferred]
+
     async def __aenter__(self) -> EtcdClient:
         return self
 
