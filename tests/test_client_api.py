@@ -993,3 +993,31 @@ def test_a_node_checks_write_grants_against_the_masters_clock_not_its_own(monkey
         run(main())
     assert caplog.text.count("s ahead of the master's") == 1
     assert "120.0 s ahead of the master's" in caplog.text
+
+
+def test_a_node_whose_master_link_fails_with_an_untyped_error_mounts_again(monkeypatch, caplog):
+    """Only kvpool's typed errors used to be retried: anything else (a bug, an OS error no layer
+    below turned into one) ended the link's task, and the node stayed up but unmounted for good,
+    its memory lost to the cluster. Now the failure is logged with its traceback and retried."""
+    real_mount = Node._mount
+    failures = []
+
+    async def mount_failing_once(self, conn):
+        if not failures:
+            failures.append(1)
+            raise OSError(24, "Too many open files")
+        await real_mount(self, conn)
+
+    monkeypatch.setattr(Node, "_mount", mount_failing_once)
+
+    async def main():
+        async with cluster(node_count=1) as (master, nodes):
+            await nodes[0].wait_mounted(5_000)
+            async with await AsyncStore.open(master.endpoint) as store:
+                await store.put("k", b"v" * 1000)
+                assert await store.get("k") == b"v" * 1000
+
+    with caplog.at_level(logging.ERROR, logger="kvpool.node.server"):
+        run(main())
+    assert failures == [1]
+    assert "master link failed unexpectedly" in caplog.text and "Too many open files" in caplog.text

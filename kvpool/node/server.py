@@ -400,6 +400,8 @@ class Node:
                 await self._heartbeat(conn)
             except KVPoolError as exc:
                 self._link_failed(exc)
+            except Exception:  # a bug, or an error no layer below typed: the node must not stay unmounted
+                log.exception("node %s: master link failed unexpectedly (retrying with backoff)", self.node_id)
             finally:
                 self._set_unmounted()
                 self._master_conn = None
