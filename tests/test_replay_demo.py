@@ -6,7 +6,10 @@ the memory each node was given, and its timer to report a fixed 1 ms per path, s
 throughput it prints follows from the replicas it counts alone. Asserted: with one node the
 put row says (and computes for) the one replica held, not two; a segment size that is not a
 whole number of MiB reaches the node as given; one below a segment's minimum is refused,
-worded as the user gave it, before any process starts. Bounded: a few seconds.
+worded as the user gave it, before any process starts; so are objects larger than an object
+can be, and more objects than the nodes hold below the eviction watermark (they were evicted,
+then reported as "read back wrong"); more nodes than a put has replicas (9) all serve. Bounded:
+a few seconds each.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import kvpool.cli.replay as replay_cli
+from kvpool import limits
 from kvpool.cli import demo
 from kvpool.cli.launcher import LocalCluster
 from kvpool.cli.main import app
@@ -23,6 +27,7 @@ from kvpool.config import parse_size
 from kvpool.errors import InvalidParams
 
 KIB = 1024
+MIB = 1024 * KIB
 
 
 @pytest.fixture
@@ -67,3 +72,26 @@ def test_a_segment_below_the_minimum_is_refused_as_given(node_memory) -> None:
     assert result.exit_code == 1
     assert result.output.startswith("error: --memory 512 KiB"), result.output
     assert result.output.count("\n") == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("node_count", "memory", "object_count", "object_size", "said"),
+    [
+        (1, 32 * MIB, 100, MIB, "evicted before they are read back"),  # 100 MiB in 32 MiB
+        (3, 64 * MIB, 100, MIB, "evicted before they are read back"),  # 200 MiB with replicas in 192
+        (1, 2 * limits.GIB, 1, 1536 * MIB, "an object is at most 1 GiB"),
+    ],
+)
+def test_objects_the_nodes_cannot_keep_are_refused_before_anything_starts(
+    node_memory, node_count, memory, object_count, object_size, said
+) -> None:
+    with pytest.raises(InvalidParams, match=said):
+        demo.run_demo(node_count, memory, object_count, object_size, Console(record=True))
+    assert node_memory == []  # nothing started
+
+
+@pytest.mark.timeout(60)
+def test_more_nodes_than_a_put_has_replicas_all_serve(node_memory) -> None:
+    console = Console(record=True, width=200)
+    demo.run_demo(limits.REPLICA_NUM_MAX + 1, MIB, 8, 64 * KIB, console)
+    assert "all 8 objects read back intact on both paths" in console.export_text()

@@ -26,6 +26,8 @@ from kvpool.protocol.messages import ReplicateConfig
 
 WARM_UP_KEY = "demo/warm-up"
 BATCH_KEYS = 16
+# Replicas of each object the demo writes (fewer with fewer nodes: replicas need distinct segments).
+PUT_REPLICA_NUM = 2
 
 
 def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_bytes: int, console: Console) -> None:
@@ -33,7 +35,9 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
 
     Raises:
         InvalidParams: a segment below the minimum a node takes, or objects that could not be
-            stored (empty, or larger than a segment): said before any process starts.
+            stored (empty, larger than a segment or than an object can be) or kept until read
+            back (more than the nodes hold below the eviction watermark): said before any
+            process starts.
     """
     if memory_bytes < limits.SEGMENT_SIZE_BYTES_MIN:
         raise InvalidParams(
@@ -44,6 +48,21 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
         raise InvalidParams(
             f"--object-size {exact_size(object_size_bytes)}: give 1 byte to --memory "
             f"({exact_size(memory_bytes)}), as an object is stored whole in one segment"
+        )
+    if object_size_bytes > limits.OBJECT_SIZE_BYTES_MAX:
+        raise InvalidParams(
+            f"--object-size {exact_size(object_size_bytes)}: an object is at most "
+            f"{exact_size(limits.OBJECT_SIZE_BYTES_MAX)}"
+        )
+    # Above the watermark the master evicts: objects written would be gone when read back.
+    replica_count = min(PUT_REPLICA_NUM, node_count)
+    room_bytes = node_count * memory_bytes * limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT
+    if object_count * object_size_bytes * replica_count > room_bytes:
+        raise InvalidParams(
+            f"--objects {object_count} x --object-size {exact_size(object_size_bytes)} x {replica_count} "
+            f"replica(s) is more than --nodes {node_count} x --memory {exact_size(memory_bytes)} hold below "
+            f"the eviction watermark ({limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT:.0%}): they would be evicted "
+            "before they are read back"
         )
     with sigterm_as_interrupt():
         _run_demo(node_count, memory_bytes, object_count, object_size_bytes, console)
@@ -67,14 +86,18 @@ def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size
         values = {f"demo/object-{i:05d}": os.urandom(object_size_bytes) for i in range(object_count)}
         keys = list(values)
         with Store(cluster.master_endpoint) as writer:
-            # Untimed: the first put maps the segments it lands on (each pre-faulted at once).
-            warm_up = ReplicateConfig(replica_num=node_count)
-            _check_codes(writer.put_batch([WARM_UP_KEY], [b"w"], warm_up))
-            writer.remove(WARM_UP_KEY)
+            # Untimed: the first put maps the segments it lands on (each pre-faulted at once),
+            # at most REPLICA_NUM_MAX segments a put.
+            segment_ids = [process.info["segment_id"] for process in cluster.nodes]
+            for start in range(0, len(segment_ids), limits.REPLICA_NUM_MAX):
+                chosen = segment_ids[start : start + limits.REPLICA_NUM_MAX]
+                warm_up = ReplicateConfig(replica_num=len(chosen), placement="preferred", preferred_segments=chosen)
+                _check_codes(writer.put_batch([WARM_UP_KEY], [b"w"], warm_up))
+                writer.remove(WARM_UP_KEY)
             put_seconds = _timed_batches(
                 console, "put (shm)", keys,
                 lambda batch: _check_codes(
-                    writer.put_batch(batch, [values[k] for k in batch], ReplicateConfig(replica_num=2))
+                    writer.put_batch(batch, [values[k] for k in batch], ReplicateConfig(replica_num=PUT_REPLICA_NUM))
                 ),
             )  # fmt: skip
             placement = writer.query(keys)
@@ -97,7 +120,7 @@ def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size
             table.add_row(segment_id, endpoints.get(segment_id, "?"), str(count))
         console.print(table)
         total = object_count * object_size_bytes
-        # The replicas the master placed, not the 2 asked for: fewer nodes hold fewer.
+        # The replicas the master placed, not the PUT_REPLICA_NUM asked for: fewer nodes hold fewer.
         held = sum(replicas.values()) / object_count
         results = Table("path", "objects/s", "GB/s")
         for name, seconds, copies in (
