@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvpool import limits
-from kvpool.config import parse_size, token_from
+from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
 
 if TYPE_CHECKING:
@@ -177,8 +177,9 @@ def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exi
 def _store(master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None) -> Store:
     from kvpool.client.sync import Store
 
-    # KVPOOL_SHM=0 makes object commands use TCP even on the nodes' host.
-    shm_enabled = os.environ.get("KVPOOL_SHM", "1") not in ("0", "false", "no")
+    # KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
+    # commands use TCP even on the nodes' host; set empty, it is unset.
+    shm_enabled = parse_flag(os.environ.get("KVPOOL_SHM") or "1")
     try:
         token = _token(token_file)
     except KVPoolError as exc:
@@ -354,11 +355,13 @@ def master(
     async def main() -> None:
         stop = _stop_on_signal()
         await server.start()
-        _freeze_start_up_objects()
-        if ready_file:
-            _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
-        await stop.wait()
-        await server.stop()
+        try:
+            _freeze_start_up_objects()
+            if ready_file:
+                _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
+            await stop.wait()
+        finally:
+            await server.stop()
 
     try:
         uvloop.run(main())
@@ -538,9 +541,13 @@ def _stop_on_signal() -> asyncio.Event:
 
 
 def _write_ready(path: Path, payload: dict) -> None:
+    """Write --ready-file, or end the server with one line (typer.Exit) when it cannot be written."""
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(payload))
-    temporary.rename(path)  # atomic: a reader never sees half a file
+    try:
+        temporary.write_text(json.dumps(payload))
+        temporary.rename(path)  # atomic: a reader never sees half a file
+    except OSError as exc:
+        raise _fail(f"cannot write --ready-file {path}: {exc.strerror or exc}") from None
 
 
 # --- object commands --------------------------------------------------------------------------
@@ -561,11 +568,17 @@ def put(
 
     shown = _shown(key)
     try:
-        data = sys.stdin.buffer.read() if source is None or str(source) == "-" else source.read_bytes()
+        # One byte more than an object holds tells a value too large, without reading all of
+        # it: `kvpool put k < /dev/zero` filled this process's memory, and a file over the
+        # limit was sent whole to be refused with a bare INVALID_PARAMS.
+        data = _read_at_most(source, limits.OBJECT_SIZE_BYTES_MAX + 1)
     except OSError as exc:
         raise _fail(f"put {shown}: cannot read {source or 'standard input'}: {exc.strerror or exc}") from None
     if not data:
         raise _fail(f"put {shown}: nothing to store (an object holds at least one byte)")
+    if len(data) > limits.OBJECT_SIZE_BYTES_MAX:
+        raise _fail(f"put {shown}: {source or 'standard input'} holds more than an object can "
+                    f"({_human(limits.OBJECT_SIZE_BYTES_MAX)} at most)")  # fmt: skip
     with _connected("put", master, token_file, key=key) as store:
         # Objects are immutable: a put of an existing key succeeds without writing (the
         # Store's rule, for content-hashed keys), so the operator is told it was not stored.
@@ -593,6 +606,19 @@ def put(
     if placed < replicas:
         err_console.print(f"{escape(shown)}: {placed} of the {replicas} replicas asked placed (replicas need "
                           "distinct segments with room)")  # fmt: skip
+
+
+def _read_at_most(source: Optional[Path], size_bytes: int) -> bytes:
+    """The first `size_bytes` of a file, or of standard input for None or '-' (until its end
+    or `size_bytes`, whichever comes first).
+
+    Raises:
+        OSError: it cannot be read.
+    """
+    if source is None or str(source) == "-":
+        return sys.stdin.buffer.read(size_bytes)
+    with source.open("rb") as file:
+        return file.read(size_bytes)
 
 
 @app.command()
