@@ -3,7 +3,8 @@
 How: typer's CliRunner runs the real command in-process on a 300-request prefix of the shipped
 trace (simulation mode, two capacities, two instances, both sharing modes), then the test reads
 replay.json, replay.md and replay.png back. Capacity parsing is tested on its own, and bad
-input must end with exit code 1 and a message, not a traceback. Bounded: a few seconds.
+input (a misspelt name, a watermark no master takes) must end with exit code 1 and a message,
+not a traceback. Bounded: a few seconds.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def test_replay_writes_a_table_json_and_a_plot(tmp_path: Path) -> None:
         ["--mode", "warp"],
         ["--disk-capacity", "unbounded"],  # a disk has a size
         ["--disk-capacity", "100"],  # less than one block
+        # Misspelt with one instance, where nothing is shared or routed: once accepted unread.
+        ["--routing", "cache-awre"],
+        ["--sharing", "locl"],
     ],
 )
 def test_bad_arguments_exit_with_a_message(tmp_path: Path, extra: list[str]) -> None:
@@ -112,6 +116,22 @@ def test_a_configuration_that_cannot_run_fails_before_any_runs(tmp_path: Path, e
     assert result.output.startswith("error: "), result.output
     assert "configurations" not in result.output  # the run's header: nothing was replayed
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+@pytest.mark.parametrize("mode", ["sim", "live"])
+@pytest.mark.parametrize("watermark", ["0.03", "1.5", "nan"])
+def test_a_watermark_no_master_takes_is_named_before_any_runs(tmp_path: Path, mode: str, watermark: str) -> None:
+    # It was found by the first configuration's master (the run's header printed, --out made),
+    # and worded in the master's fields (sim) or as a master that did not start (live).
+    out = tmp_path / "out"
+    args = ["replay", str(TRACE), "--limit", "5", "--capacity", "100K", "--policy", "lru", "--mode", mode,
+            "--watermark-high", watermark, "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"error: --watermark-high {float(watermark)}: "), result.output
+    assert result.output.count("\n") == 1, result.output
+    assert not out.exists()
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")

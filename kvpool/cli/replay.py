@@ -30,6 +30,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvpool import limits
 from kvpool.config import parse_size
 from kvpool.errors import InvalidParams, KVPoolError
 
@@ -157,9 +158,20 @@ def _run(
     per_token = parse_size(bytes_per_token_text)
     if per_token <= 0:
         raise InvalidParams("bytes per token must be positive")
+    # The master's own check, said here before anything runs (the simulation found it at its
+    # first configuration, a live master at its start) and in this command's terms.
+    if not limits.EVICT_RATIO_DEFAULT < watermark_high <= 1.0:
+        raise InvalidParams(
+            f"--watermark-high {watermark_high}: give a ratio above {limits.EVICT_RATIO_DEFAULT} (the part of a "
+            "segment one eviction frees) and at most 1"
+        )
     policies = _names(policy or (POLICY_DEFAULT if mode == "live" else POLICIES_SIM_DEFAULT), POLICY_NAMES, "policy")
-    sharings = _names(sharing, SHARINGS, "sharing") if instances > 1 else ["pooled"]
-    routings = _names(routing, ROUTINGS, "routing") if instances > 1 else ["round-robin"]
+    # Checked with one instance too, where nothing is shared or routed: a misspelt name is an
+    # error whatever the instance count.
+    sharings = _names(sharing, SHARINGS, "sharing")
+    routings = _names(routing, ROUTINGS, "routing")
+    if instances == 1:
+        sharings, routings = ["pooled"], ["round-robin"]
     capacities = [parse_capacity_tokens(text, per_token) for text in _items(capacity, "capacity")]
     for tokens in capacities:
         if tokens is not None and tokens < BLOCK_TOKENS:
