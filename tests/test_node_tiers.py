@@ -600,3 +600,17 @@ def test_a_disk_read_the_node_cannot_open_is_a_clean_error_never_zeros(tmp_path,
                 conn.close()
 
     run(main())
+
+
+def test_a_dfs_directory_whose_parent_is_missing_is_refused_not_made_up(tmp_path):
+    """A master started with --dfs-dir on a shared filesystem not mounted made the whole path up
+    on its own disk, and served a DFS tier no node could see; its own directory it still makes."""
+    with pytest.raises(InvalidParams, match="is not a directory .is the shared filesystem mounted"):
+        DfsDirectory.create_or_open(tmp_path / "not-mounted" / "kvpool", 64 * MIB)
+    assert not (tmp_path / "not-mounted").exists()
+    master = MasterServer(MasterConfig(), port=0, dfs_dir=str(tmp_path / "not-mounted" / "kvpool"))
+    with pytest.raises(InvalidParams, match="is not a directory .is the shared filesystem mounted"):
+        uvloop.run(master.start())
+    assert not (tmp_path / "not-mounted").exists()
+    DfsDirectory.create_or_open(tmp_path / "kvpool", 64 * MIB)
+    assert (tmp_path / "kvpool" / objectfile.OBJECTS_DIR).is_dir()

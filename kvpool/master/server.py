@@ -78,7 +78,7 @@ from kvpool.protocol.messages import (
 )
 from kvpool.transports import files
 from kvpool.transports.connection import Connection, HandlerResult, Listener, start_server
-from kvpool.transports.dfs import DfsDirectory
+from kvpool.transports.dfs import DfsDirectory, make_root
 
 log = logging.getLogger(__name__)
 
@@ -709,7 +709,7 @@ class MasterServer:
         assert self._dfs_dir
         path = self._dfs_dir
         capacity_bytes = self._dfs_bytes
-        await asyncio.to_thread(files.make_directory, Path(path))
+        await asyncio.to_thread(make_root, Path(path))
         if not capacity_bytes:
             filesystem_bytes = await asyncio.to_thread(files.statvfs_bytes, Path(path))
             capacity_bytes = min(filesystem_bytes, limits.SEGMENT_SIZE_BYTES_MAX)

@@ -34,6 +34,19 @@ from kvpool.transports import files
 from kvpool.transports.files import FileRange
 
 
+def make_root(path: Path) -> None:
+    """Create a DFS tier's directory, if absent, in a directory that exists: a shared
+    filesystem that is not mounted must not become a directory of this host's own disk, its
+    parents made up on the way.
+
+    Raises:
+        InvalidParams: its parent is not a directory, or it cannot be created.
+    """
+    if not path.parent.is_dir():
+        raise InvalidParams(f"{path}: {path.parent} is not a directory (is the shared filesystem mounted?)")
+    files.make_directory(path)
+
+
 class DfsDirectory:
     """One process's view of the DFS directory at `path` (identity loaded on demand)."""
 
@@ -55,9 +68,11 @@ class DfsDirectory:
         A later start keeps the stored capacity (objects beyond a smaller one would be lost).
 
         Raises:
-            InvalidParams: the directory cannot be created, or belongs to another tier.
+            InvalidParams: the directory cannot be created (make_root), or belongs to
+                another tier.
         """
         directory = cls(path)
+        make_root(directory.path)
         files.make_directory(directory.objects_path)
         identity = files.load_identity(directory.path)
         if identity is None:
