@@ -48,6 +48,8 @@ class MasterConfig:
                 raise InvalidParams(f"{name} must be positive")
         if self.promote_reads < 0 or self.promotion_window_ms <= 0:
             raise InvalidParams("need promote_reads >= 0 and promotion_window_ms > 0")
+        if self.remount_grace_ms < 0:  # 0: a new leader takes puts at once
+            raise InvalidParams(f"remount_grace_ms {self.remount_grace_ms}: give 0 or more")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)

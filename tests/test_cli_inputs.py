@@ -1,4 +1,5 @@
-"""What the object commands read from their caller: the value of `kvpool put` and KVPOOL_SHM.
+"""What the commands read from their caller: the value of `kvpool put`, KVPOOL_SHM, and options
+and keys out of range (object commands and servers).
 
 How: typer's CliRunner runs the real command in-process, with no cluster (each case ends before
 one is needed, or the Store the command would open is recorded instead), and the largest object
@@ -6,7 +7,10 @@ lowered to 4 KiB so that "larger than an object" costs no GiB. Asserted: a put w
 standard input holds more than an object can is refused with one line naming the limit, having
 read at most one byte past it (an endless input, `kvpool put k < /dev/zero`, was read until the
 memory ran out); KVPOOL_SHM turns shared memory off with the spellings engines' shm_enabled
-takes (off, False), not only 0, false and no. Bounded: well under a second.
+takes (off, False), not only 0, false and no; an option out of its range (--replicas, a server's
+durations, an address that is not one) or a key over limits.KEY_SIZE_BYTES_MAX is refused with
+one line naming it and its range, before a Store opens or a server starts (both replaced by
+stubs that raise). Bounded: well under a second.
 """
 
 from __future__ import annotations
@@ -88,3 +92,79 @@ def test_kvpool_shm_takes_the_spellings_of_a_flag(monkeypatch: pytest.MonkeyPatc
     result = CliRunner().invoke(app, ["ls"])
     assert isinstance(result.exception, Refused), result.output
     assert opened == [is_shm_enabled]
+
+
+class Opened(Exception):
+    """Raised where a command would open a Store or start a server: the test ends there."""
+
+
+@pytest.fixture
+def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Store connects, no master or node starts: each raises Opened instead (before a fix,
+    a command ran on to there; without this it would wait for a master, or serve forever)."""
+
+    def opened(*args, **kwargs) -> None:
+        raise Opened
+
+    import kvpool.master.server
+    import kvpool.node.server
+
+    monkeypatch.setattr(sync.Store, "__init__", opened)
+    monkeypatch.setattr(kvpool.master.server, "MasterServer", opened)
+    monkeypatch.setattr(kvpool.node.server, "Node", opened)
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        # The master's answer, once connected: "put k: replica_num 0 not in 1..8".
+        (["put", "k", "-", "--replicas", "0"], "--replicas 0 not in 1..8"),
+        (["put", "k", "-", "--replicas", "9"], "--replicas 9 not in 1..8"),
+        # Keys over limits.KEY_SIZE_BYTES_MAX: a bare INVALID_KEY (put), "not found" (get, rm).
+        (["put", "a" * 4097, "-"], f"put {'a' * 40}...: key too long: 4097 bytes of UTF-8, at most 4096"),
+        (["get", "a" * 4097], f"get {'a' * 40}...: key too long: 4097 bytes of UTF-8, at most 4096"),
+        (["rm", "k", "é" * 2049], f"rm {'é' * 40}...: key too long: 4098 bytes of UTF-8, at most 4096"),
+        (["put", "", "-"], "put: empty key (a key holds 1 to 4096 bytes of UTF-8)"),
+        # Taken, and the master started (a negative grace: puts at once; the etcd lease unused).
+        (["master", "--remount-grace-ms", "-5"], "--remount-grace-ms -5: give 0 or more"),
+        (["master", "--etcd-lease-ttl-ms", "-5000"], "--etcd-lease-ttl-ms -5000: give whole seconds, 1000 or more"),
+        # The address is said to be invalid before the token rule for non-loopback hosts
+        # ("refusing to listen on 256.1.1.1 without a cluster token").
+        (["master", "--host", "256.1.1.1"], "--host 256.1.1.1: not a valid address (an IPv4 address is 4 numbers "
+         "in 0..255, such as 10.0.0.5)"),
+        (["master", "--http-host", "1.2.3"], "--http-host 1.2.3: not a valid address (an IPv4 address is 4 numbers "
+         "in 0..255, such as 10.0.0.5)"),
+        (["node", "--host", "256.1.1.1"], "--host 256.1.1.1: not a valid address (an IPv4 address is 4 numbers in "
+         "0..255, such as 10.0.0.5)"),
+    ],
+)  # fmt: skip
+def test_a_bad_option_or_key_is_named_before_anything_opens(nothing_opens, args: list[str], line: str) -> None:
+    result = CliRunner().invoke(app, args, input=b"v")
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert (result.exit_code, result.output) == (1, f"error: {line}\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["put", "a" * 4096, "-"],  # the longest key
+        ["get", "é" * 2048],
+        ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "1000"],
+        ["master", "--host", "10.0.0.5", "--http-host", "::1"],  # an address not held here is the bind's to refuse
+        ["node", "--host", "localhost"],
+    ],
+)
+def test_values_in_range_are_let_through(nothing_opens, args: list[str]) -> None:
+    result = CliRunner().invoke(app, args, input=b"v")
+    assert isinstance(result.exception, Opened), result.output
+
+
+def test_a_valid_non_loopback_host_still_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
+    result = CliRunner().invoke(app, ["master", "--host", "10.0.0.5", "--port", "0", "--http-port", "0"])
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        "error: refusing to listen on 10.0.0.5 without a cluster token: set KVPOOL_TOKEN or --token-file, or bind "
+        "127.0.0.1\n"
+    )

@@ -3,8 +3,9 @@
 How: typer's CliRunner runs the real command in-process on a 300-request prefix of the shipped
 trace (simulation mode, two capacities, two instances, both sharing modes), then the test reads
 replay.json, replay.md and replay.png back. Capacity parsing is tested on its own, and bad
-input (a misspelt name, a watermark no master takes) must end with exit code 1 and a message,
-not a traceback. Bounded: a few seconds.
+input (a misspelt name, a watermark no master takes, an option out of its range) must end with
+exit code 1 and a message, not a traceback; an option out of range with one line naming it and
+its range, before anything runs or is written. Bounded: a few seconds.
 """
 
 from __future__ import annotations
@@ -191,3 +192,40 @@ def test_blocks_not_stored_are_counted_apart_and_shown(tmp_path: Path) -> None:
     header, _, row = markdown.splitlines()[4:7]
     cells = dict(zip(header.split(" | "), row.split(" | ")))
     assert cells["not stored"] == "1" and cells["stored (remote)"] == "1.6 MB (0 B)"
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        # Found by the simulated master's mount once the run's header was printed, in its terms:
+        # "segment capacity 7999999999992000413696 not in 1048576..140737488355328".
+        (["--capacity", "999999999999G"], "--capacity 999999999999G: 999999999999000000000 tokens, more than an "
+         "instance holds (at most 17592186044416 tokens per instance)"),
+        (["--capacity", "17592186044417"], "--capacity 17592186044417: 17592186044417 tokens, more than an instance "
+         "holds (at most 17592186044416 tokens per instance)"),
+        (["--disk-capacity", "999999999999G"], "--disk-capacity 999999999999G: 999999999999000000000 tokens, more "
+         "than an instance holds (at most 17592186044416 tokens per instance)"),
+        # -1 was taken, and checked the invariants after every call (calls % -1 == 0).
+        (["--check-every", "-1"], "--check-every -1: give 0 (only at the end) or more"),
+        # A negative speedup silently meant "as fast as possible" (0 says so).
+        (["--mode", "live", "--speedup", "-1"], "--speedup -1.0: give 0 (as fast as possible) or more trace ms per "
+         "wall ms"),
+        (["--speedup", "nan"], "--speedup nan: give 0 (as fast as possible) or more trace ms per wall ms"),
+        # Was said in ReplayConfig's field: "instance_count 0 <= 0".
+        (["--instances", "0"], "--instances 0: give 1 or more"),
+    ],
+)  # fmt: skip
+def test_an_option_out_of_range_is_named_before_anything_runs(tmp_path: Path, extra: list[str], line: str) -> None:
+    out = tmp_path / "out"
+    args = ["replay", str(TRACE), "--limit", "50", "--policy", "lru", "--out", str(out), *extra]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert result.output == f"error: {line}\n"  # one line: no header, no traceback
+    assert not out.exists()
+
+
+def test_a_capacity_is_parsed_exactly() -> None:
+    # Through a float, 999999999999G was 999,999,999,999,000,051,712 tokens.
+    assert parse_capacity_tokens("999999999999G", 1) == 999_999_999_999 * 10**9
+    assert parse_capacity_tokens("9" * 400, 1) == 10**400 - 1  # an OverflowError through a float

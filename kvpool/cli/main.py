@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import errno
 import gc
+import ipaddress
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 import unicodedata
 from collections.abc import Iterator
@@ -131,6 +133,7 @@ _MASTER_FLAGS = {
     "evict_watermark_ratio_high": "--evict-watermark-high",
     "evict_ratio": "--evict-ratio",
     "promote_reads": "--promote-reads",
+    "remount_grace_ms": "--remount-grace-ms",
     "busy_poll_us": "--busy-poll-us",
 }
 _NODE_FLAGS = {
@@ -154,12 +157,51 @@ def _require_directory(size_flag: str, size: str | None, directory_flag: str, di
         raise _fail(f"{size_flag} needs {directory_flag}: without its directory there is no tier to size")
 
 
+def _check_listen_host(flag: str, host: str) -> None:
+    """Refuse an address no server can listen on before anything starts, and before the
+    cluster token rule, which answered `--host 256.1.1.1` with "without a cluster token": an
+    IP address, or a host name that resolves. "" (every interface, as asyncio takes it) is
+    left to the token rule."""
+    if not host:
+        return
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    # Labels that are all numbers are an IPv4 address or nothing (no top-level domain is a
+    # number); said without a DNS query, which the resolver would make for 256.1.1.1.
+    if all(label.isdigit() for label in host.split(".")):
+        raise _fail(f"{flag} {host}: not a valid address (an IPv4 address is 4 numbers in 0..255, "
+                    "such as 10.0.0.5)")  # fmt: skip
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise _fail(f"{flag} {host}: not a valid address: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def _shown(key: str) -> str:
     """`key` as the commands print it: as it is, or as a Python string literal when it holds a
     control or format character (a newline in a key could fake more lines of `kvpool ls`)."""
     if any(unicodedata.category(char).startswith("C") for char in key):
         return repr(key)
     return key
+
+
+# Of a key too long to print, this many characters are shown.
+KEY_SHOWN_CHARS_MAX = 40
+
+
+def _check_key(command: str, key: str) -> None:
+    """Refuse a key the master refuses (metadata.is_valid_key: 1 to KEY_SIZE_BYTES_MAX bytes of
+    UTF-8), before connecting: a put was answered a bare INVALID_KEY, a get or rm "not found"."""
+    if not key:
+        raise _fail(f"{command}: empty key (a key holds 1 to {limits.KEY_SIZE_BYTES_MAX} bytes of UTF-8)")
+    size_bytes = len(key.encode(errors="surrogatepass"))
+    if size_bytes > limits.KEY_SIZE_BYTES_MAX:
+        shown = _shown(key)[:KEY_SHOWN_CHARS_MAX]
+        raise _fail(f"{command} {shown}...: key too long: {size_bytes} bytes of UTF-8, at most "
+                    f"{limits.KEY_SIZE_BYTES_MAX}")  # fmt: skip
 
 
 def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exit:
@@ -325,6 +367,13 @@ def master(
 
     _setup_logging(log_level)
     _require_directory("--dfs-size", dfs_size, "--dfs-dir", dfs_dir)
+    _check_listen_host("--host", host)
+    if http_host is not None:
+        _check_listen_host("--http-host", http_host)
+    # Checked with or without --etcd (ElectionConfig checks it only with it): a lease is whole
+    # seconds, as etcd grants it.
+    if etcd_lease_ttl_ms <= 0 or etcd_lease_ttl_ms % 1000:
+        raise _fail(f"--etcd-lease-ttl-ms {etcd_lease_ttl_ms}: give whole seconds, 1000 or more")
     try:
         config = MasterConfig(
             lease_ttl_ms=lease_ttl_ms,
@@ -425,6 +474,9 @@ def node(
 
     _setup_logging(log_level)
     _require_directory("--disk-size", disk_size, "--disk-dir", disk_dir)
+    _check_listen_host("--host", host)
+    if metrics_host is not None:
+        _check_listen_host("--metrics-host", metrics_host)
     try:
         config = NodeConfig(
             master_endpoint=master,
@@ -566,6 +618,10 @@ def put(
     """Store a file (or stdin) as one object. A key that exists is left as it is."""
     from kvpool.protocol.messages import ReplicateConfig
 
+    _check_key("put", key)
+    # The master's rule (master/service.py), said before anything is read or sent.
+    if not 1 <= replicas <= limits.REPLICA_NUM_MAX:
+        raise _fail(f"--replicas {replicas} not in 1..{limits.REPLICA_NUM_MAX}")
     shown = _shown(key)
     try:
         # One byte more than an object holds tells a value too large, without reading all of
@@ -641,6 +697,7 @@ def get(
     """Fetch an object (exit code 2 on a miss)."""
     from kvpool.protocol.messages import TIER_DFS
 
+    _check_key("get", key)
     shown = _shown(key)
     with _connected("get", master, token_file, key=key, dfs_dir=dfs_dir) as store:
         data = store.get(key)
@@ -679,6 +736,8 @@ def rm(
         # Two of them once meant the first in an order nobody wrote down (`rm KEY --regex R`
         # removed what R matched and left KEY): a usage error now.
         raise _fail("name keys, --regex PATTERN or --all" + (", only one of them" if chosen else ""), code=2)
+    for key in keys or []:
+        _check_key("rm", key)
     with _connected("rm", master, token_file) as store:
         if all_objects:
             count = store.remove_all(force)

@@ -16,6 +16,7 @@ import re
 import shlex
 import sys
 import tempfile
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated
 
@@ -58,7 +59,20 @@ def parse_capacity_tokens(text: str, bytes_per_token: int) -> int | None:
     if match is None:
         raise InvalidParams(f"not a capacity: {text!r} (try 1M, 3M tokens, 64GiB or unbounded)")
     number, unit = match.groups()
-    return int(float(number) * _TOKEN_UNITS[unit.upper()])
+    # Exact (a float made 999999999999G 999,999,999,999,000,051,712 tokens, and 10**400 an
+    # OverflowError).
+    return int(Fraction(number) * _TOKEN_UNITS[unit.upper()])
+
+
+# The ReplayConfig fields behind this command's options: its errors name the options typed.
+_CONFIG_FLAGS = {"instance_count": "--instances", "check_every": "--check-every"}
+
+
+def _in_flags(exc: InvalidParams) -> InvalidParams:
+    """`exc` with each ReplayConfig field it names spelt as its option (cli/main.py does the same
+    for the servers' config records)."""
+    pattern = r"\b(" + "|".join(_CONFIG_FLAGS) + r")\b"
+    return InvalidParams(re.sub(pattern, lambda match: _CONFIG_FLAGS[match.group(1)], str(exc)))
 
 
 def _items(text: str, what: str) -> list[str]:
@@ -165,6 +179,8 @@ def _run(
             f"--watermark-high {watermark_high}: give a ratio above {limits.EVICT_RATIO_DEFAULT} (the part of a "
             "segment one eviction frees) and at most 1"
         )
+    if not speedup >= 0:  # NaN too
+        raise InvalidParams(f"--speedup {speedup}: give 0 (as fast as possible) or more trace ms per wall ms")
     policies = _names(policy or (POLICY_DEFAULT if mode == "live" else POLICIES_SIM_DEFAULT), POLICY_NAMES, "policy")
     # Checked with one instance too, where nothing is shared or routed: a misspelt name is an
     # error whatever the instance count.
@@ -172,10 +188,13 @@ def _run(
     routings = _names(routing, ROUTINGS, "routing")
     if instances == 1:
         sharings, routings = ["pooled"], ["round-robin"]
-    capacities = [parse_capacity_tokens(text, per_token) for text in _items(capacity, "capacity")]
-    for tokens in capacities:
+    capacities = []
+    for text in _items(capacity, "capacity"):
+        tokens = parse_capacity_tokens(text, per_token)
         if tokens is not None and tokens < BLOCK_TOKENS:
             raise InvalidParams(f"a capacity of {tokens} tokens holds no 512-token block")
+        _check_capacity_max("--capacity", text, tokens)
+        capacities.append(tokens)
     disk_blocks = []
     for text in _items(disk_capacity, "disk capacity"):
         tokens = parse_capacity_tokens(text, per_token)
@@ -183,9 +202,26 @@ def _run(
             raise InvalidParams("a disk tier has a size: give tokens (10M) or bytes (2TiB)")
         if 0 < tokens < BLOCK_TOKENS:
             raise InvalidParams(f"a disk tier of {tokens} tokens holds no 512-token block")
+        _check_capacity_max("--disk-capacity", text, tokens)
         disk_blocks.append(tokens // BLOCK_TOKENS)
     if skip < 0 or (limit is not None and limit <= 0):
         raise InvalidParams("--skip must be >= 0 and --limit > 0")
+    try:
+        configs = [
+            ReplayConfig(
+                instance_count=instances,
+                capacity_blocks=None if tokens is None else tokens // BLOCK_TOKENS,
+                disk_capacity_blocks=disk, sharing=share, routing=route, policy=name, bytes_per_token=per_token,
+                evict_watermark_ratio_high=watermark_high, seed=seed, check_every=check_every,
+            )
+            for share in sharings
+            for route in routings
+            for name in policies
+            for disk in dict.fromkeys(disk_blocks)
+            for tokens in capacities
+        ]  # fmt: skip
+    except InvalidParams as exc:
+        raise _in_flags(exc) from None
     requests = load_trace(trace)
     requests = requests[skip : None if limit is None else skip + limit]
     if not requests:
@@ -193,19 +229,6 @@ def _run(
     if skip:
         origin = requests[0].timestamp
         requests = [msgspec.structs.replace(r, timestamp=r.timestamp - origin) for r in requests]
-    configs = [
-        ReplayConfig(
-            instance_count=instances,
-            capacity_blocks=None if tokens is None else tokens // BLOCK_TOKENS,
-            disk_capacity_blocks=disk, sharing=share, routing=route, policy=name, bytes_per_token=per_token,
-            evict_watermark_ratio_high=watermark_high, seed=seed, check_every=check_every,
-        )
-        for share in sharings
-        for route in routings
-        for name in policies
-        for disk in dict.fromkeys(disk_blocks)
-        for tokens in capacities
-    ]  # fmt: skip
     configs = _runnable(console, configs, requests, mode, is_policy_default=policy is None)
     _check_out(out)
     if mode == "live":
@@ -263,6 +286,19 @@ def _run(
     report.plot_hit_rates(out / "replay.png", results, title)
     console.print(f"wrote {out / 'replay.json'}, {out / 'replay.md'}, {out / 'replay.png'}")
     return results
+
+
+def _check_capacity_max(flag: str, text: str, tokens: int | None) -> None:
+    """Raises InvalidParams: more tokens than one instance's segment holds (the master's largest
+    segment, in blocks of the smallest object; a live replay's limit is lower, checked later)."""
+    from kvpool.sim.cluster import SIM_CAPACITY_BLOCKS_MAX
+    from kvpool.sim.trace import BLOCK_TOKENS
+
+    tokens_max = SIM_CAPACITY_BLOCKS_MAX * BLOCK_TOKENS
+    if tokens is not None and tokens > tokens_max:
+        raise InvalidParams(
+            f"{flag} {text}: {tokens} tokens, more than an instance holds (at most {tokens_max} tokens per instance)"
+        )
 
 
 def _runnable(console: Console, configs: list, requests: list, mode: str, is_policy_default: bool) -> list:

@@ -53,6 +53,9 @@ TICK_INTERVAL_MS = 200
 # Objects of a simulated block: at least this, so that small pools still mount (segments are
 # at least limits.SEGMENT_SIZE_BYTES_MIN).
 SIM_OBJECT_SIZE_BYTES_MIN = 4 * limits.KIB
+# The most objects a simulated segment (a DRAM segment or a disk tier) holds: the largest
+# segment the master mounts, in objects of the smallest size (2**35 blocks: 17.6T tokens).
+SIM_CAPACITY_BLOCKS_MAX = limits.SEGMENT_SIZE_BYTES_MAX // SIM_OBJECT_SIZE_BYTES_MIN
 # Moves finish at once, and may start drops (an offload's source) that let more moves start:
 # settle() runs this many rounds at most (one or two suffice).
 SETTLE_ROUNDS_MAX = 8

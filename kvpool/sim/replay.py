@@ -119,7 +119,9 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         if self.instance_count <= 0:
-            raise InvalidParams(f"instance_count {self.instance_count} <= 0")
+            raise InvalidParams(f"instance_count {self.instance_count}: give 1 or more")
+        if self.check_every < 0:  # it checked after every call (calls % -1 == 0), slowly
+            raise InvalidParams(f"check_every {self.check_every}: give 0 (only at the end) or more")
         if self.capacity_blocks is not None and self.capacity_blocks <= 0:
             raise InvalidParams(f"capacity_blocks {self.capacity_blocks} <= 0")
         if self.disk_capacity_blocks < 0:
