@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from fractions import Fraction
 from pathlib import Path
 
 from kvpool import limits
@@ -67,7 +68,8 @@ def parse_size(text: str) -> int:
         raise InvalidParams(f"not a size: {text!r} (try 1GiB, 512MiB or a byte count)")
     number, unit = match.groups()
     multiplier = _SIZE_UNITS[(unit or "").upper().rstrip("B").rstrip("I")]
-    return int(float(number) * multiplier)
+    # Exact, and any length: through a float, 400 digits raised OverflowError (a traceback).
+    return int(Fraction(number) * multiplier)
 
 
 def parse_flag(value: object) -> bool:

@@ -3,6 +3,7 @@
 import pytest
 
 from kvpool import limits
+from kvpool.config import parse_size
 from kvpool.errors import InvalidParams
 from kvpool.integrations.engine_options import EngineOptions
 
@@ -75,3 +76,11 @@ def test_a_bad_size_or_token_file_is_refused(tmp_path):
         EngineOptions.read({"master": "127.0.0.1:1", "embedded_memory": "lots"}, "extra")
     with pytest.raises(InvalidParams, match="cannot read token file"):
         EngineOptions.read({"master": "127.0.0.1:1", "token_file": str(tmp_path / "absent")}, "extra")
+
+
+def test_sizes_are_read_exactly_at_any_length():
+    """Through a float, a size of 400 digits raised OverflowError (a traceback from `kvpool node
+    --memory`, not the range error that names the flag)."""
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("0.1GiB") == limits.GIB // 10
+    assert parse_size("9" * 400) == int("9" * 400)
