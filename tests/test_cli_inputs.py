@@ -168,3 +168,11 @@ def test_a_valid_non_loopback_host_still_needs_a_token(monkeypatch: pytest.Monke
         "error: refusing to listen on 10.0.0.5 without a cluster token: set KVPOOL_TOKEN or --token-file, or bind "
         "127.0.0.1\n"
     )
+
+
+@pytest.mark.parametrize("limit", ["0", str(limits.LIST_OBJECTS_MAX + 1)])
+def test_ls_limit_out_of_range_is_a_usage_error_naming_it(limit: str) -> None:
+    # It went to the master, whose answer named its own field ("list limit 0 not in 1..N").
+    result = CliRunner().invoke(app, ["ls", "--limit", limit, "--master", "127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--limit'" in result.output, result.output

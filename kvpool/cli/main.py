@@ -758,7 +758,7 @@ def rm(
 @app.command()
 def ls(
     pattern: Annotated[str, typer.Argument(help="Regex the keys must contain (RE2 syntax).")] = "",
-    limit: Annotated[int, typer.Option(help="At most this many keys.")] = 1000,
+    limit: Annotated[int, typer.Option(help="At most this many keys.", min=1, max=limits.LIST_OBJECTS_MAX)] = 1000,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
