@@ -1,6 +1,6 @@
 """The disk tier's speed against the filesystem's own, side by side in one run.
 
-On one filesystem (the directory given, default a temporary one under the current directory):
+On one filesystem (a temporary directory under --dir, default under the system's temp dir):
   - plain: a sequential write of a file of the dataset's size with O_DIRECT (then fsync), and
     sequential reads of it with O_DIRECT and, cold, buffered (4 MiB blocks, one thread);
   - tier writes: puts with `with_disk_copy` (write-through: the put returns once the node has
@@ -271,6 +271,10 @@ def main() -> None:
                     with Store(cluster.master_endpoint, shm_enabled=shm) as store:
                         keys = [f"{where}-{round_}-{i}" for i in range(count)]
                         record(f"tier_write_{where}_gbps", tier_write(store, keys, buffers))
+                record(
+                    "ratio_tier_write_local_vs_plain_write",
+                    rounds["tier_write_local_gbps"][-1] / rounds["plain_write_odirect_gbps"][-1],
+                )
             node.stop()  # DRAM gone: after the restart every object is only on disk
             cluster.nodes.remove(node)
             cluster.start_node(node_args)
@@ -288,20 +292,19 @@ def main() -> None:
                     for where, store in stores.items():
                         evict_from_page_cache(tier_files)
                         record(f"tier_read_{where}_gbps", tier_read(store, keys, targets))
+                        assert all(np.array_equal(t, b) for t, b in zip(targets, buffers)), f"{where}: bytes differ"
+                        for target in targets:  # so that the next read's bytes are checked too
+                            target.fill(0)
                     plain = rounds["plain_read_odirect_gbps"][-1]
                     for where in stores:
                         record(f"ratio_tier_read_{where}_vs_plain_read", rounds[f"tier_read_{where}_gbps"][-1] / plain)
             finally:
                 for store in stores.values():
                     store.close()
-            assert all(np.array_equal(t, b) for t, b in zip(targets, buffers)), "bytes differ"
             with Store(cluster.master_endpoint) as store:
                 results["tiers"] = store.cluster_status().to_dict()["tiers"]
         for name, values in rounds.items():
             results[name] = statistics.median(values)
-        results["ratio_tier_write_local_vs_plain_write"] = (
-            results["tier_write_local_gbps"] / results["plain_write_odirect_gbps"]
-        )
         results["rounds"] = {name: [round(v, 3) for v in values] for name, values in rounds.items()}
         results["send_path_gbps_warm"] = send_paths(plain_path, min(total, 256 * MIB), args.repeats)
     finally:

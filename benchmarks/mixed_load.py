@@ -4,7 +4,8 @@ Starts a local cluster (a master, or with --etcd two HA master candidates on a l
 --nodes nodes), runs --clients load generator processes (kvpool/cli/loadgen.py: every byte read
 is checked against the key's value) for --duration-s, then prints JSON: throughput (ops/s,
 MiB/s), p50/p99 latency of puts and gets, the longest call against the client's bound, the
-counts of misses, errors and wrong bytes (which must be 0), and the master's counters of a
+counts of misses, errors and wrong bytes (which must be 0), the load generators that failed
+(exit status 1 if any did, or if any get read wrong bytes), and the master's counters of a
 full cache (evictions, rounds puts waited for room). A regression in failure handling
 that costs speed shows here first.
 
@@ -89,6 +90,9 @@ def main() -> int:
         finally:
             if etcd is not None:
                 etcd.stop()
+    # A load generator that died wrote no counters (or not all of them): its misses,
+    # errors and wrong bytes would be missing from the sums below.
+    failed_workers = {i: worker.returncode for i, worker in enumerate(workers) if worker.returncode != 0}
     summary = summarize(stats)
     result = {
         "benchmark": "mixed_load",
@@ -103,6 +107,7 @@ def main() -> int:
         "disk_size": args.disk_size,
         "client_bound_ms": stats[0]["bound_ms"] if stats else 0,
         "wrong_bytes_gets": summary["outcomes"].get("get_wrong", 0),
+        "failed_workers": failed_workers,  # worker id: exit status; must be empty
         "errors": dict(sum((Counter(s["errors"]) for s in stats), Counter())),  # every worker's
         **{k: v for k, v in summary.items() if k != "outcomes"},
         "outcomes": summary["outcomes"],
@@ -113,7 +118,7 @@ def main() -> int:
     print(text)
     if args.output:
         args.output.write_text(text + "\n")
-    return 1 if result["wrong_bytes_gets"] else 0
+    return 1 if result["wrong_bytes_gets"] or failed_workers or len(stats) != args.clients else 0
 
 
 def master_counters(http_port: int) -> dict[str, float]:
