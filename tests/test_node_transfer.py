@@ -71,7 +71,7 @@ from kvpool.protocol.messages import (
     WriteItem,
     WriteSlices,
 )
-from kvpool.transports.connection import Connection, connect, start_server
+from kvpool.transports.connection import Connection, connect, is_loopback, start_server
 
 TOKEN = "test-cluster-token"
 KEY = auth.cluster_key(TOKEN)
@@ -758,9 +758,12 @@ def test_drain_then_unmount_while_serving_reads(tmp_path: Path) -> None:
     run(main)
 
 
-def test_no_token_on_a_non_loopback_address_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.example.com"])
+def test_no_token_on_a_non_loopback_address_is_refused(tmp_path: Path, host: str) -> None:
+    """A name that only starts with "127." passed for loopback, and may resolve to any address."""
+
     async def main() -> None:
-        node = Node(node_config(tmp_path, 1, token=None, listen_host="0.0.0.0"))
+        node = Node(node_config(tmp_path, 1, token=None, listen_host=host))
         with pytest.raises(Unauthorized):
             await node.start()
         assert node.state is NodeState.STOPPED
@@ -768,6 +771,11 @@ def test_no_token_on_a_non_loopback_address_is_refused(tmp_path: Path) -> None:
         await node.stop()
 
     run(main)
+
+
+def test_loopback_is_an_address_not_a_prefix() -> None:
+    assert all(map(is_loopback, ["localhost", "127.0.0.1", "127.1.2.3", "::1"]))
+    assert not any(map(is_loopback, ["127.example.com", "127", "0.0.0.0", "10.0.0.5", "::", ""]))
 
 
 def test_wildcard_listen_advertises_a_dialable_address(tmp_path: Path) -> None:

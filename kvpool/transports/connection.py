@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -736,7 +737,14 @@ def _log_task_failure(task: asyncio.Task[None]) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Whether `host` is "localhost" or a loopback address (127.0.0.0/8, ::1). A name that
+    only starts with "127." (127.example.com) may resolve to any address: not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Listener:
