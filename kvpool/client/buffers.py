@@ -142,13 +142,12 @@ class BufferRegistry:
         call in flight does, until the function returned is called (once): for writes that
         outlast their call (a cancelled get's disk read that would not end in time). Views of
         memory not registered (a plain get's own bytes) hold nothing."""
-        addresses = [buffer_address(view) for view in views if len(view)]
+        ranges = [(buffer_address(view), len(view)) for view in views if len(view)]
         used: set[int] = set()
         with self._lock:
-            for address in addresses:
-                index = bisect.bisect_right(self._starts, address) - 1
-                if index >= 0 and address < self._starts[index] + len(self._views[self._starts[index]]):
-                    used.add(self._starts[index])
+            for address, size_bytes in ranges:
+                with contextlib.suppress(InvalidParams):  # not in a registered buffer
+                    used.add(self._buffer_of(address, size_bytes)[0])
             for start in used:
                 self._held[start] = self._held.get(start, 0) + 1
         return functools.partial(self._release, used)

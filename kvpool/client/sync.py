@@ -695,8 +695,13 @@ class Store:
         """A put_start of this thread answered after it timed out: its grants are given back
         from the loop (AsyncStore._revoke_granted). Any thread; never raises (a late reply's
         callback must not), so not through _async, which does once the Store is closed."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the master discards them
-            self._loop.loop.call_soon_threadsafe(self._opened._revoke_granted, message, reply)
+        self._soon_on_the_loop(self._opened._revoke_granted, message, reply)
+
+    def _soon_on_the_loop(self, function: Callable[..., object], *args: object) -> None:
+        """`function(*args)` on the loop thread, soon, from any thread; never raises. Once the
+        loop is closed nothing runs: what it would give back, the master discards in time."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.loop.call_soon_threadsafe(function, *args)
 
     def _put_settled(self, job: PutJob, failed: list[set[int]]) -> list[int]:
         """Given, per remote batch, the keys whose writes failed: put_end what was written and
@@ -764,10 +769,8 @@ class Store:
         discarded them, and their ranges stayed quarantined until the release timeout. Those
         with writes to other hosts stay quarantined (one may land yet); keys of a job already
         ended or revoked are left as they are (the put id says). Any thread."""
-        async_store = self._opened
         for job in jobs:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the master discards them
-                self._loop.loop.call_soon_threadsafe(async_store._give_up, job)
+            self._soon_on_the_loop(self._opened._give_up, job)
 
     def _get(
         self,

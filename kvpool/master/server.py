@@ -31,7 +31,6 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable
-from pathlib import Path
 
 from kvpool import limits
 from kvpool.config import MasterConfig, check_busy_poll_us
@@ -78,7 +77,7 @@ from kvpool.protocol.messages import (
 )
 from kvpool.transports import files
 from kvpool.transports.connection import Connection, HandlerResult, Listener, start_server
-from kvpool.transports.dfs import DfsDirectory, make_root
+from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
 
@@ -707,13 +706,7 @@ class MasterServer:
 
     async def _open_dfs(self) -> None:
         assert self._dfs_dir
-        path = self._dfs_dir
-        capacity_bytes = self._dfs_bytes
-        await asyncio.to_thread(make_root, Path(path))
-        if not capacity_bytes:
-            filesystem_bytes = await asyncio.to_thread(files.statvfs_bytes, Path(path))
-            capacity_bytes = min(filesystem_bytes, limits.SEGMENT_SIZE_BYTES_MAX)
-        self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, path, capacity_bytes)
+        self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes)
         identity = self._dfs.identity()
         assert identity is not None
         self._dfs_info = SegmentInfo(

@@ -261,9 +261,10 @@ class Connection(asyncio.BufferedProtocol):
             future.cancel()
 
         # A plain timer instead of asyncio.wait_for: this is the hot path of every call.
-        timer = self._loop.call_later(timeout_ms / 1000, expire)
+        deadline_s = self._loop.time() + timeout_ms / 1000
+        timer = self._loop.call_at(deadline_s, expire)
         try:
-            await self._send(message, request_id, payload, landing, self._loop.time() + timeout_ms / 1000)
+            await self._send(message, request_id, payload, landing, deadline_s)
             reply = await future
         except asyncio.CancelledError:
             if late_reply is not None:

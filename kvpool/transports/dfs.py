@@ -34,7 +34,7 @@ from kvpool.transports import files
 from kvpool.transports.files import FileRange
 
 
-def make_root(path: Path) -> None:
+def _make_root(path: Path) -> None:
     """Create a DFS tier's directory, if absent, in a directory that exists: a shared
     filesystem that is not mounted must not become a directory of this host's own disk, its
     parents made up on the way.
@@ -63,19 +63,22 @@ class DfsDirectory:
 
     @classmethod
     def create_or_open(cls, path: str | Path, capacity_bytes: int) -> DfsDirectory:
-        """The master's open: create the directory and its identity on first use.
+        """The master's open: create the directory and its identity on first use, of
+        `capacity_bytes` (0: the filesystem's size, up to the largest segment).
 
         A later start keeps the stored capacity (objects beyond a smaller one would be lost).
 
         Raises:
-            InvalidParams: the directory cannot be created (make_root), or belongs to
+            InvalidParams: the directory cannot be created (_make_root), or belongs to
                 another tier.
         """
         directory = cls(path)
-        make_root(directory.path)
+        _make_root(directory.path)
         files.make_directory(directory.objects_path)
         identity = files.load_identity(directory.path)
         if identity is None:
+            if not capacity_bytes:
+                capacity_bytes = min(files.statvfs_bytes(directory.path), limits.SEGMENT_SIZE_BYTES_MAX)
             identity = TierIdentity(
                 TIER_DFS, f"dfs-{secrets.token_hex(4)}",
                 secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes,
