@@ -33,6 +33,7 @@ from kvpool.protocol.messages import (
     ReplicateConfig,
     SegmentInfo,
 )
+from kvpool.transports.connection import Reply
 
 PAGE = 4096
 NO_ROOM = ErrorCode.NO_AVAILABLE_HANDLE
@@ -225,7 +226,11 @@ def test_a_node_that_answers_a_commit_with_the_wrong_reply_fails_the_put_not_the
         service = server.service
         keys = [f"k{i}" for i in range(4)]
         assert service.put_start(put_start(keys), wall_clock_ms()).codes == [ErrorCode.OK] * 4
-        codes = (await server._put_end(PutEnd(keys, [7] * 4))).codes
+        reply = await server._put_end(PutEnd(keys, [7] * 4))
+        if isinstance(reply, Reply):  # written, then the objects published (Reply.then)
+            reply.then()
+            reply = reply.message
+        codes = reply.codes
         assert codes == [ErrorCode.TRANSFER_FAIL] * 4
         assert service.pending_count == 0
         assert service.put_start(put_start(keys), wall_clock_ms()).codes == [ErrorCode.OK] * 4  # free again

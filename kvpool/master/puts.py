@@ -391,10 +391,16 @@ class PutFlow:
         return commit
 
     def finish(self, pending: PendingCommit, results: dict[str, list[int]], now_ms: int) -> CodesReply:
-        """Apply the nodes' codes (see service.finish_put_end)."""
+        """Apply the nodes' codes and make the objects visible (see service.finish_put_end)."""
+        reply = self.settle(pending, results)
+        self.publish(pending, now_ms)
+        return reply
+
+    def settle(self, pending: PendingCommit, results: dict[str, list[int]]) -> CodesReply:
+        """Apply the nodes' codes and decide each key's; `publish` must follow, with nothing
+        in between (see service.settle_put_end)."""
         assert not pending.is_finished, "finish_put_end called twice for one put_end"
         pending.is_finished = True
-        table = self._table
         for segment_id, entries in pending.commits.items():
             segment = pending.segments[segment_id]
             node_codes = results.get(segment_id)
@@ -415,7 +421,18 @@ class PutFlow:
                     else:  # the node may have recorded it (a late answer): dropped before reuse
                         segment.schedule_drop(entry)
         codes_out = list(pending.codes)
-        keys, puts, writing, insert = pending.keys, pending.puts, table.pending, table.insert
+        keys, puts = pending.keys, pending.puts
+        for index in pending.awaiting:
+            if not puts[keys[index]].replicas:
+                codes_out[index] = codes.TRANSFER_FAIL
+                self._counters.errors += 1
+        return CodesReply(codes_out)
+
+    def publish(self, pending: PendingCommit, now_ms: int) -> None:
+        """Enter the settled puts that kept a replica into the table; the others' keys are
+        free again."""
+        keys, puts, writing, insert = pending.keys, pending.puts, self._table.pending, self._table.insert
+        soft_pin_ttl_ms = self._config.soft_pin_ttl_ms
         done = done_bytes = 0
         for index in pending.awaiting:
             key = keys[index]
@@ -423,23 +440,18 @@ class PutFlow:
             assert writing.get(key) is put, f"committing put of {key!r} vanished"
             del writing[key]
             if not put.replicas:
-                codes_out[index] = codes.TRANSFER_FAIL
-                self._counters.errors += 1
                 continue
             packed = []
             for segment, offset in put.replicas:
                 packed.append(pack_replica(segment.index, offset))
                 segment.object_count += 1
-            soft_pin_expiry_ms = 0
-            if put.is_soft_pinned:
-                soft_pin_expiry_ms = max(1, now_ms + self._config.soft_pin_ttl_ms)
+            soft_pin_expiry_ms = max(1, now_ms + soft_pin_ttl_ms) if put.is_soft_pinned else 0
             replicas = packed[0] if len(packed) == 1 else tuple(packed)
             insert(key, ObjectMeta(put.size_bytes, put.checksum, replicas, soft_pin_expiry_ms, put.is_hard_pinned))
             done += 1
             done_bytes += put.size_bytes
         self._counters.puts += done
         self._counters.put_bytes += done_bytes
-        return CodesReply(codes_out)
 
     def revoke(self, keys: list[str], writes_in_flight: bool, put_id: int) -> CodesReply:
         """Forget writing puts of `put_id`: free their ranges at once, or with

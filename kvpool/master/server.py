@@ -76,7 +76,7 @@ from kvpool.protocol.messages import (
     VerifyObjects,
 )
 from kvpool.transports import files
-from kvpool.transports.connection import Connection, HandlerResult, Listener, start_server
+from kvpool.transports.connection import Connection, HandlerResult, Listener, Reply, start_server
 from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
@@ -297,6 +297,14 @@ class MasterServer:
     async def _checked_later(self, result: Awaitable[HandlerResult]) -> HandlerResult:
         reply = await result
         self.service.check_invariants()
+        if isinstance(reply, Reply) and reply.then is not None:
+            then = reply.then
+
+            def then_checked() -> None:
+                then()
+                self.service.check_invariants()
+
+            reply = reply._replace(then=then_checked)
         return reply
 
     def _dispatch(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
@@ -453,7 +461,7 @@ class MasterServer:
                 if not waiter.retry:
                     waiter.served.set()
 
-    async def _put_end(self, message: PutEnd) -> CodesReply:
+    async def _put_end(self, message: PutEnd) -> CodesReply | Reply:
         # The term's service finishes what it started, even if the term ends meanwhile.
         #
         # The answer does not wait for the nodes: once every CommitObjects frame is in the
@@ -464,6 +472,8 @@ class MasterServer:
         # a miss, never wrong bytes. A node the master has no connection to, or a frame
         # still queued in this process, is waited for as before. This takes the nodes'
         # verification (a hash of every byte) and a round trip off the put's critical path.
+        # Entering the objects into the table waits until the reply is written (Reply.then):
+        # no request is handled in between, and the writer is not kept waiting for it.
         service = self.service
         now_ms = wall_clock_ms()
         pending = service.put_end(message, now_ms)
@@ -482,10 +492,13 @@ class MasterServer:
             else:
                 results[segment_id] = [int(ErrorCode.OK)] * len(pending.commits[segment_id])
                 later.append((segment_id, call))
-        reply = service.finish_put_end(pending, results, wall_clock_ms())
+        reply = service.settle_put_end(pending, results)
         for segment_id, call in later:
             entries = pending.commits[segment_id]
             call.add_done_callback(lambda done, s=segment_id, e=entries: self._commit_answered(service, s, e, done))
+        if not any(pending.puts[key].copy_tiers for key in pending.puts):
+            return Reply(reply, then=lambda: service.publish_put_end(pending, wall_clock_ms()))
+        service.publish_put_end(pending, wall_clock_ms())
         copies = service.start_copies(pending, reply, wall_clock_ms())
         if copies:
             # Write-through: the put returns once its copies are on disk (or DFS), or failed.

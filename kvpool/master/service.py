@@ -12,7 +12,9 @@ Two exchanges need the nodes in the middle, so the service hands the server an o
 
     put_end(msg)          -> PendingCommit: codes decided now + CommitObjects to send per segment
     finish_put_end(p, r)  <- per segment, the node's per-entry codes (none: no answer; the
-                             server passes OK for commits it did not wait for, see server.py)
+                             server passes OK for commits it did not wait for, see server.py);
+                             the server runs it as settle_put_end, then publish_put_end once
+                             the reply is written
     refuse_commits(seg,e) <- entries a node refused after the put was answered: drop those
     take_drops()          -> per segment, DropObjects entries (removed/evicted objects)
     drops_done(seg, e)    <- the node forgot them: only now are their ranges free for reuse
@@ -485,6 +487,17 @@ class MasterService:
             when none did (the key is free again), or the code put_end decided.
         """
         return self._puts.finish(pending, results, now_ms)
+
+    def settle_put_end(self, pending: PendingCommit, results: dict[str, list[int]]) -> CodesReply:
+        """finish_put_end in two steps, so that the server can answer between them: this one
+        applies the nodes' codes and returns the reply; `publish_put_end` must follow before
+        any other call (the server runs it right after writing the reply, in the same step of
+        the loop, so no request sees the objects missing after the writer was answered)."""
+        return self._puts.settle(pending, results)
+
+    def publish_put_end(self, pending: PendingCommit, now_ms: int) -> None:
+        """The second step of finish_put_end: make the settled objects visible."""
+        self._puts.publish(pending, now_ms)
 
     def refuse_commits(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> int:
         """A node refused these commits after their put was answered (the server answers once

@@ -86,12 +86,17 @@ HANDSHAKE_CONTROL_SIZE_BYTES_MAX = 64 * limits.KIB
 
 
 class Reply(NamedTuple):
-    """A reply with a payload. `landing`: where the peer's buffer for it starts (an address,
-    taken modulo 4 KiB), when the request said (ReadSlices.landing); see `Connection._header`."""
+    """A reply with a payload, or with work to do once it is written. `landing`: where the
+    peer's buffer for it starts (an address, taken modulo 4 KiB), when the request said
+    (ReadSlices.landing); see `Connection._header`. `then`: called right after the frame is
+    written (or dropped: the connection closed), in the same step of the loop, so no other
+    request is handled in between: work the caller need not wait for, yet which every later
+    request must see done (the master's put_end publishes its objects so)."""
 
     message: Message
-    payload: Payload
+    payload: Payload = ()
     landing: int | None = None
+    then: Callable[[], None] | None = None
 
 
 HandlerResult = Message | Reply
@@ -640,13 +645,15 @@ class Connection(asyncio.BufferedProtocol):
         self._update_reading()
 
     def _reply(self, request_id: int, result: HandlerResult, request: Message | None = None) -> None:
-        message, payload, landing = result if isinstance(result, Reply) else (result, (), None)
+        message, payload, landing, then = result if isinstance(result, Reply) else (result, (), None, None)
         if self.is_closed():
             files.close_parts(payload)
-            return
-        self._write_frame([self._header(message, request_id, True, payload, landing), *payload])
-        if self._busy_poll is not None:
-            self._busy_poll.replied(request, message)
+        else:
+            self._write_frame([self._header(message, request_id, True, payload, landing), *payload])
+            if self._busy_poll is not None:
+                self._busy_poll.replied(request, message)
+        if then is not None:
+            then()
 
     def _header(
         self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None
