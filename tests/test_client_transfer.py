@@ -5,13 +5,15 @@ frame sizes shrunk so that every boundary case appears with small buffers."""
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
+import xxhash
 
 from kvpool import limits, page_advice
 from kvpool.client import transfer
-from kvpool.client.transfer import _FrameCutter, _read_slices, _write_slices
-from kvpool.protocol.messages import PutStartReply, SegmentInfo, WriteGrant
+from kvpool.client.transfer import _FrameCutter, _LandingHasher, _read_item, _read_slices, _write_slices
+from kvpool.protocol.messages import PutStartReply, Replica, SegmentInfo, WriteGrant
 
 
 @pytest.mark.parametrize("slice_bytes,frame_bytes", [(64, 128), (1000, 10_000), (7, 7)])
@@ -325,3 +327,35 @@ def test_put_ids_differ_even_when_the_application_seeds_random() -> None:
         random.seed(0)
         ids.append(transfer.new_put_id())
     assert ids[0] != ids[1] and all(put_id > 0 for put_id in ids)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_read_frame_is_hashed_as_it_lands_for_each_object_wholly_in_it(monkeypatch, seed):
+    """A get over TCP hashes each object as its bytes land (_LandingHasher, fed what the
+    FrameDecoder lands, in pieces of any size): every object whose bytes are all in one frame
+    gets the checksum of exactly its bytes; an object cut into several items (larger than a
+    slice) gets none there, and is hashed once it is whole, as before."""
+    monkeypatch.setattr(limits, "SLICE_SIZE_BYTES_MAX", 300)
+    monkeypatch.setattr(transfer, "FRAME_BYTES_TARGET", 700)
+    rng = random.Random(seed)
+    objects = [rng.randbytes(rng.choice([1, 50, 299, 300, 301, 900])) for _ in range(12)]
+    cutter = _FrameCutter("n:1", _read_item, _read_slices, lambda *_: False)
+    for index, data in enumerate(objects):
+        cutter.add(index, Replica("s", 10_000 * index), [memoryview(bytearray(len(data)))])
+    batch = cutter.finish()
+    sums: dict[int, int] = {99: 0}  # the sum of a key not in these frames is left alone
+    for owners, item_bytes in zip(batch.owners, batch.item_bytes):
+        hasher = _LandingHasher(owners, item_bytes, [len(o) for o in objects], sums)
+        taken = {index: 0 for index in owners}
+        payload = bytearray()
+        for index, size in zip(owners, item_bytes):  # each item's bytes, in order
+            payload += objects[index][taken[index] : taken[index] + size]
+            taken[index] += size
+        view = memoryview(bytes(payload))
+        while view:
+            cut = rng.randint(1, 400)
+            hasher(view[:cut])
+            view = view[cut:]
+    whole = {i for i, data in enumerate(objects) if len(data) <= 300}
+    assert sums.pop(99) == 0
+    assert sums == {i: xxhash.xxh3_64_intdigest(objects[i]) for i in whole}

@@ -148,6 +148,49 @@ def test_discarded_payload_is_skipped():
     assert [type(e) for e in events] == [Frame, PayloadDone, Frame]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 3 * DIRECT_SINK_BYTES_MIN),
+    st.lists(st.integers(1, DIRECT_SINK_BYTES_MIN + 100), min_size=1, max_size=8),
+    st.lists(st.integers(1, 2 * DIRECT_SINK_BYTES_MIN), min_size=1, max_size=20),
+)
+def test_on_landed_sees_each_payload_byte_once_in_order_as_it_lands(size, sink_cuts, receives):
+    """What a reader hashes as it lands (the client's TCP gets) must be exactly the payload:
+    every byte once, in order, whether it went straight into a sink or through the staging
+    buffer, and nothing of the next frame's payload, whose sinks came without `on_landed`."""
+    payload = os.urandom(size)
+    wire = encode_frame(ReadReply(size), 1, is_reply=True, payload_size=size) + payload
+    wire += encode_frame(ReadReply(size), 2, is_reply=True, payload_size=size) + payload
+    sinks, left = [], size
+    for cut in sink_cuts:
+        sinks.append(memoryview(bytearray(min(cut, left))))
+        left -= len(sinks[-1])
+    if left:
+        sinks.append(memoryview(bytearray(left)))
+    landed: list[bytes] = []
+    decoder = FrameDecoder()
+    events = []
+    at, turn = 0, 0
+    while at < len(wire):
+        buffer = decoder.get_buffer()
+        count = min(len(buffer), receives[turn % len(receives)], len(wire) - at)
+        buffer[:count] = wire[at : at + count]
+        buffer.release()
+        decoder.buffer_updated(count)
+        at, turn = at + count, turn + 1
+        while (event := decoder.next_event()) is not NEED_DATA:
+            events.append(event)
+            if isinstance(event, Frame):
+                first = event.request_id == 1
+                decoder.set_payload_sinks(
+                    sinks if first else [memoryview(bytearray(size))],
+                    (lambda view: landed.append(bytes(view))) if first else None,
+                )
+    assert [type(e) for e in events] == [Frame, PayloadDone] * 2
+    assert b"".join(landed) == payload
+    assert b"".join(bytes(s) for s in sinks) == payload
+
+
 def test_sinks_must_match_the_payload_size():
     wire = encode_frame(ReadReply(10), 1, is_reply=True, payload_size=10)
     decoder = FrameDecoder()

@@ -200,7 +200,7 @@ class NodeLinks:
     ) -> set[int]:
         """Take the node's reply to the batch's frame: the key indexes that failed, none or all."""
         try:
-            _, reply = conn.reply_into({request_id: sinks}, deadline)
+            _, reply = conn.reply_into({request_id: sinks}, deadline, {request_id: batch.on_landed(0)})
             if isinstance(reply, ErrorReply):  # the node refused the frame; the connection is clean
                 raise error_from_code(reply.code, reply.message)
         except KVPoolError as exc:

@@ -21,7 +21,7 @@ from kvpool.discovery import MasterResolver
 from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed
 from kvpool.process import forks
 from kvpool.protocol.messages import Message
-from kvpool.transports.connection import Connection, LateReply, ReplySinks, connect
+from kvpool.transports.connection import Connection, LateReply, OnLanded, ReplySinks, connect
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +275,16 @@ class MasterLink(_ClosedForGood):
 
 async def request_on_lanes(
     lanes: Sequence[Connection],
-    requests: Sequence[tuple[Message, Sequence[memoryview], ReplySinks | None, int | None]],
+    requests: Sequence[tuple[Message, Sequence[memoryview], ReplySinks | None, int | None, OnLanded]],
     timeout_ms: int,
 ) -> list[Message | BaseException]:
     """Send requests spread round-robin over lanes; results (or exceptions) in request order.
-    A request is (message, payload, reply sinks, where the peer lands the payload)."""
+    A request is (message, payload, reply sinks, where the peer lands the payload, what the
+    reply's payload is shown to as it lands)."""
     calls = [
-        lanes[i % len(lanes)].request(m, payload, reply_sinks=sinks, timeout_ms=timeout_ms, landing=landing)
-        for i, (m, payload, sinks, landing) in enumerate(requests)
+        lanes[i % len(lanes)].request(
+            m, payload, reply_sinks=sinks, timeout_ms=timeout_ms, landing=landing, on_landed=on_landed
+        )
+        for i, (m, payload, sinks, landing, on_landed) in enumerate(requests)
     ]
     return await asyncio.gather(*calls, return_exceptions=True)

@@ -701,11 +701,11 @@ class AsyncStore:
             self.slow_nodes.timed_out(batch.endpoint, timeout_ms)  # a stopped node's handshake never ends
             return {i for owners in batch.owners for i in owners}
         requests = []
-        for message, views in batch.frames:
+        for frame, (message, views) in enumerate(batch.frames):
             if isinstance(message, WriteSlices):
-                requests.append((message, views, None, write_landing(message)))
+                requests.append((message, views, None, write_landing(message), None))
             else:
-                requests.append((message, [], _fixed_sinks(views), None))
+                requests.append((message, [], _fixed_sinks(views), None, batch.on_landed(frame)))
         results = await request_on_lanes(lanes, requests, timeout_ms)
         failed: set[int] = set()
         for owners, result in zip(batch.owners, results):

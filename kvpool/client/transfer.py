@@ -110,11 +110,18 @@ def now_monotonic_ms() -> int:
 @dataclasses.dataclass
 class RemoteBatch:
     """Frames to one endpoint: each frame is (message, views) where views are the payload
-    (writes) or the reply sinks (reads); `owners[i]` lists the key index of each item."""
+    (writes) or the reply sinks (reads); `owners[i]` lists the key index of each item, and
+    `item_bytes[i]` its size. A read's frame may have a `landing[i]`: what its reply's
+    payload is shown to as it lands (FrameDecoder.set_payload_sinks), None for none."""
 
     endpoint: str
     frames: list[tuple[WriteSlices | ReadSlices, list[memoryview]]]
     owners: list[list[int]]
+    item_bytes: list[list[int]] = dataclasses.field(default_factory=list)
+    landing: list[Callable[[memoryview], None] | None] = dataclasses.field(default_factory=list)
+
+    def on_landed(self, frame: int) -> Callable[[memoryview], None] | None:
+        return self.landing[frame] if frame < len(self.landing) else None
 
 
 class _FrameCutter:
@@ -143,6 +150,7 @@ class _FrameCutter:
         self._views: list[memoryview] = []
         self._addresses: list[int | None] = []  # per view, where it starts in registered memory
         self._owners: list[int] = []
+        self._item_bytes: list[int] = []
         self._frame_bytes = 0
 
     def add(self, key_index: int, target: object, parts: Sequence[memoryview], address: int | None = None) -> None:
@@ -187,6 +195,7 @@ class _FrameCutter:
         if self._span is not None:
             self._addresses += [address] if len(views) == 1 else [None] * len(views)
         self._owners.append(key_index)
+        self._item_bytes.append(size)
         self._frame_bytes += size
         if self._frame_bytes >= FRAME_BYTES_TARGET or len(self._owners) >= limits.BATCH_KEYS_MAX:
             self._close_frame()
@@ -195,8 +204,42 @@ class _FrameCutter:
         views = self._views if self._span is None else _coalesced(self._views, self._addresses, self._span)
         self.batch.frames.append((self._make_message(self._items, views), views))
         self.batch.owners.append(self._owners)
-        self._items, self._views, self._owners, self._frame_bytes = [], [], [], 0
+        self.batch.item_bytes.append(self._item_bytes)
+        self._items, self._views, self._owners, self._item_bytes, self._frame_bytes = [], [], [], [], 0
         self._addresses = []
+
+
+class _LandingHasher:
+    """Hashes the objects of one read frame as its reply's payload lands (FrameDecoder's
+    `on_landed`), each piece while it is still in the core's cache, instead of reading the
+    whole batch back from memory once it is in. Records the checksum of each object whose
+    bytes are all in this frame (its item is the whole object) in `sums`; the part of an
+    object larger than a slice is hashed afterwards, as before."""
+
+    __slots__ = ("_owners", "_item_bytes", "_is_whole", "_sums", "_at", "_left", "_hasher")
+
+    def __init__(self, owners: list[int], item_bytes: list[int], sizes: Sequence[int], sums: dict[int, int]) -> None:
+        self._owners = owners
+        self._item_bytes = item_bytes
+        self._is_whole = [size == sizes[index] for index, size in zip(owners, item_bytes)]
+        self._sums = sums
+        self._at = -1  # the item landing now
+        self._left = 0  # its bytes still to come
+        self._hasher = xxhash.xxh3_64()
+
+    def __call__(self, view: memoryview) -> None:
+        while len(view):
+            if not self._left:
+                self._at += 1
+                self._left = self._item_bytes[self._at]
+                self._hasher.reset()
+            take = min(len(view), self._left)
+            if self._is_whole[self._at]:
+                self._hasher.update(view if take == len(view) else view[:take])
+            self._left -= take
+            view = view[take:]
+            if not self._left and self._is_whole[self._at]:
+                self._sums[self._owners[self._at]] = self._hasher.intdigest()
 
 
 def _coalesced(views: list[memoryview], addresses: list[int | None], span: Span) -> list[memoryview]:
@@ -465,6 +508,8 @@ class GetJob:
         self._tried = [0] * len(reply.codes)
         self._landed: list[bytes | memoryview | None] = [None] * len(reply.codes)
         self._reading: dict[int, Replica] = {}  # key index -> the replica its bytes came from
+        # Key index -> the checksum of what landed for it over TCP, hashed as it landed.
+        self._landed_sums: dict[int, int] = {}
         # (key, replica) whose bytes did not match the object's checksum: for the master to
         # have the node check them, and drop the replica if the node agrees (report_bad).
         self.bad_replicas: list[tuple[str, Replica]] = []
@@ -680,6 +725,12 @@ class GetJob:
                 cutter = cutters[endpoint] = _FrameCutter(endpoint, _read_item, _read_slices, join, self._span)
             cutter.add(index, replica, parts, starts[index] if starts is not None and target is not None else None)
         batches = {endpoint: cutter.finish() for endpoint, cutter in cutters.items()}
+        sums = self._landed_sums
+        for batch in batches.values():
+            for owners, item_bytes in zip(batch.owners, batch.item_bytes):
+                for index in owners:
+                    sums.pop(index, None)  # a sum of an earlier replica's bytes
+                batch.landing.append(_LandingHasher(owners, item_bytes, sizes, sums))
         for endpoint, indexes in pages.items():
             batch = batches.setdefault(endpoint, RemoteBatch(endpoint, [], []))
             self._page_frames(batch, indexes, join)
@@ -722,6 +773,7 @@ class GetJob:
         for index in sorted(key_indexes):
             self._take_next(index)
             if index in failed:
+                self._landed_sums.pop(index, None)  # of bytes that came before it failed
                 self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
             else:
                 arrived.append(index)
@@ -766,8 +818,15 @@ class GetJob:
                 landed[index] = None
             else:
                 self._found_bad(index)
-        if others:
-            for index, checksum in zip(others, checksums_of([self._landed_views(i) for i in others])):
+        sums, unhashed = self._landed_sums, []
+        for index in others:
+            checksum = sums.pop(index, None)
+            if checksum is None:
+                unhashed.append(index)
+            else:  # hashed as it landed (_LandingHasher)
+                self._check(index, checksum)
+        if unhashed:
+            for index, checksum in zip(unhashed, checksums_of([self._landed_views(i) for i in unhashed])):
                 self._check(index, checksum)
 
     def _landed_views(self, index: int) -> list:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import msgspec
@@ -216,6 +216,7 @@ class FrameDecoder:
         self._sink_pos = 0
         self._sink_left = 0
         self._discard = False
+        self._on_landed: Callable[[memoryview], None] | None = None
         self._buffer_is_sink = False  # where the buffer last handed out by get_buffer points
         self._frame_bytes = 0  # size of the unfinished frame at _start, once its header came
 
@@ -294,8 +295,12 @@ class FrameDecoder:
 
     # --- output -------------------------------------------------------------------------
 
-    def set_payload_sinks(self, sinks: Sequence[memoryview] | None) -> None:
+    def set_payload_sinks(
+        self, sinks: Sequence[memoryview] | None, on_landed: Callable[[memoryview], None] | None = None
+    ) -> None:
         """Name the buffers for the payload of the last Frame, in order; None discards it.
+        `on_landed`, if given, sees each piece of the payload as it lands, in order (a view of
+        the sink it landed in): the reader hashes a read while its bytes are in cache.
 
         Raises:
             LocalProtocolError: not expected now, or the sinks do not add up to the payload.
@@ -312,6 +317,7 @@ class FrameDecoder:
                 raise LocalProtocolError(f"sinks hold {total} bytes, payload is {self._sink_left}")
             self._sinks = [v for v in views if len(v)]
             self._discard = False
+        self._on_landed = None if sinks is None else on_landed
         self._sink_index = 0
         self._sink_pos = 0
         self._state = _State.PAYLOAD
@@ -333,6 +339,7 @@ class FrameDecoder:
                 return NEED_DATA
             self._state = _State.FRAME
             self._sinks = []
+            self._on_landed = None
             return PayloadDone(self._request_id)
         try:
             return self._next_frame()
@@ -406,6 +413,8 @@ class FrameDecoder:
 
     def _advance_sink(self, size_bytes: int) -> None:
         assert size_bytes <= self._sink_left, (size_bytes, self._sink_left)
+        if self._on_landed is not None:
+            self._on_landed(self._sinks[self._sink_index][self._sink_pos : self._sink_pos + size_bytes])
         self._sink_left -= size_bytes
         self._sink_pos += size_bytes
         if self._sink_pos == len(self._sinks[self._sink_index]):

@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvpool import limits
 from kvpool.errors import ConnectFailed, ProtocolError, RpcFailed, RpcTimeout, error_from_code
@@ -340,10 +340,16 @@ class BlockingConnection:
         self._unanswered.discard(request_id)
         return _answer(frame)
 
-    def reply_into(self, sinks: Mapping[int, Sequence[memoryview]], deadline: float) -> tuple[int, Message]:
+    def reply_into(
+        self,
+        sinks: Mapping[int, Sequence[memoryview]],
+        deadline: float,
+        on_landed: Mapping[int, Callable[[memoryview], None] | None] | None = None,
+    ) -> tuple[int, Message]:
         """The next reply to one of the requests in `sinks` (ids from `send` or `send_payload`:
         a server may answer them in any order, as a node does when some reads come from its
-        disk), with its payload landed in that request's sinks, which add up to it. An error
+        disk), with its payload landed in that request's sinks, which add up to it, each piece
+        shown to that request's `on_landed` as it lands (FrameDecoder.set_payload_sinks). An error
         reply is returned as it is (any payload it carries discarded), for the caller to count
         against that request alone. Any other failure closes the connection (a payload may have
         landed in part).
@@ -365,7 +371,7 @@ class BlockingConnection:
             elif frame.payload_size != expected:
                 raise RpcFailed(f"{self.peer} sent {frame.payload_size} payload bytes for {expected}")
             elif expected:
-                self._decoder.set_payload_sinks(request_sinks)
+                self._decoder.set_payload_sinks(request_sinks, on_landed and on_landed.get(frame.request_id))
                 self._land_payload(deadline)
         except BaseException:
             self.close()

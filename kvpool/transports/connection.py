@@ -80,6 +80,8 @@ Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
 # Given the reply of a request whose caller stopped waiting for it (Connection.request).
 LateReply = Callable[[Message], None]
+# Shown each piece of a reply's payload as it lands in the reply sinks (FrameDecoder).
+OnLanded = Callable[[memoryview], None] | None
 # The largest control message a peer may send before the handshake is over (its own are
 # tens of bytes): one that is not authenticated yet buys no large buffer.
 HANDSHAKE_CONTROL_SIZE_BYTES_MAX = 64 * limits.KIB
@@ -173,7 +175,8 @@ class Connection(asyncio.BufferedProtocol):
         self._nonce_server = b""  # the server's side of the handshake; a client's is here:
         self._handshake: auth.ClientHandshake | None = None
         self._next_request_id = 1
-        self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None, LateReply | None]] = {}
+        # Per request id: its future, reply sinks, late reply callback and `on_landed`.
+        self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None, LateReply | None, OnLanded]] = {}
         # Requests whose caller stopped waiting, but whose reply still matters (request's
         # `late_reply`): what to hand that reply to when it comes. Oldest first, bounded.
         self._late_replies: dict[int, LateReply] = {}
@@ -232,6 +235,7 @@ class Connection(asyncio.BufferedProtocol):
         timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT,
         landing: int | None = None,
         late_reply: LateReply | None = None,
+        on_landed: Callable[[memoryview], None] | None = None,
     ) -> Message:
         """Send a request and return its reply message.
 
@@ -244,6 +248,8 @@ class Connection(asyncio.BufferedProtocol):
             late_reply: given the reply (not an error, and without payload) if it comes after
                 the caller was cancelled or timed out: for a reply that grants something the
                 caller must give back. Called on the loop; it must not raise.
+            on_landed: shown each piece of the reply's payload as it lands in the reply sinks
+                (FrameDecoder.set_payload_sinks); it must not raise.
 
         Raises:
             RpcFailed: the connection is or becomes closed.
@@ -257,7 +263,7 @@ class Connection(asyncio.BufferedProtocol):
             raise RpcFailed(f"too many requests in flight to {self.peer}")
         request_id = self._take_request_id()
         future: asyncio.Future[Message] = self._loop.create_future()
-        self._pending[request_id] = (future, reply_sinks, late_reply)
+        self._pending[request_id] = (future, reply_sinks, late_reply, on_landed)
         expired = False
 
         def expire() -> None:
@@ -514,7 +520,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self._ready.done():
             self._ready.set_exception(ConnectFailed(f"{self.peer}: {reason}"))
             self._ready.exception()  # Mark retrieved: a failed handshake is reported by wait_ready.
-        for future, _, _ in self._pending.values():
+        for future, *_ in self._pending.values():
             if not future.done():
                 future.set_exception(error)
         for waiter in self._drain_waiters:
@@ -549,10 +555,10 @@ class Connection(asyncio.BufferedProtocol):
         if frame.is_reply:
             entry = self._pending.get(frame.request_id)
             if frame.payload_size:
-                sinks = None
+                sinks = on_landed = None
                 if entry is not None and entry[1] is not None and not isinstance(message, ErrorReply):
-                    sinks = entry[1](message)
-                self._decoder.set_payload_sinks(sinks)
+                    sinks, on_landed = entry[1](message), entry[3]
+                self._decoder.set_payload_sinks(sinks, on_landed)
                 self._incoming_id = frame.request_id
                 self._incoming_reply = message
                 self._incoming_is_reply = True
