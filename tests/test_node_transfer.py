@@ -485,6 +485,77 @@ def test_a_commit_hashed_in_place_by_its_writer_is_recorded_without_hashing(tmp_
     run(main)
 
 
+def test_a_tcp_write_that_names_its_objects_is_checked_at_commit_by_the_sums_taken_as_it_landed(
+    tmp_path: Path,
+) -> None:
+    """WriteSlices.object_bytes (node/landed.py): the node hashes each object as the payload
+    lands, and a commit of exactly that object with that checksum is recorded without reading
+    the bytes back; any other commit of the range (another checksum, another size, the same
+    one again) is hashed as before. Object sizes that do not cut the items into whole
+    objects are refused, and the connection serves on."""
+
+    def hashed_on_landing(node: Node) -> float:
+        return node.metrics.commits_hashed_on_landing._value.get()
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY, name="client")
+            sid = node.segment_id
+            one, two = os.urandom(3000), os.urandom(5000)
+            grant = grant_for(node, 0, 8000)
+            reply = await conn.request(WriteSlices([WriteItem(grant, 0, 8000)], [3000, 5000]), [one + two])
+            assert isinstance(reply, CodesReply) and reply.codes == [0]
+            assert await master.commit(sid, [entry("one", 0, one), entry("two", 3000, two)]) == [0, 0]
+            assert hashed_on_landing(node) == 2
+            assert await read(conn, sid, 3000, 5000) == two
+            # A writer's checksum that is not what landed is hashed, and refused.
+            await master.drop(sid, [entry("one", 0, one), entry("two", 3000, two)])
+            reply = await conn.request(WriteSlices([WriteItem(grant, 0, 8000)], [3000, 5000]), [one + two])
+            lie = InventoryEntry("one", 0, 3000, xxhash.xxh3_64_intdigest(one) ^ 1)
+            longer = InventoryEntry("two", 3000, 4999, xxhash.xxh3_64_intdigest(two))
+            assert await master.commit(sid, [lie, longer]) == [ErrorCode.TRANSFER_FAIL] * 2
+            assert hashed_on_landing(node) == 2
+            # A sum is taken once: the same commit again is hashed (and the bytes are right).
+            assert await master.commit(sid, [entry("one", 0, one)]) == [0]
+            assert hashed_on_landing(node) == 2
+            assert len(node._transfer.landed) == 0  # the sum of "two" went with its commit (refused)
+            # Sizes that are not whole objects of the items are refused before any byte lands.
+            for object_bytes in ([3000, 4000], [3000, 5000, 1], [9000], [0, 8000], [-1, 8001]):
+                with pytest.raises(InvalidParams, match="object_bytes"):
+                    await conn.request(
+                        WriteSlices([WriteItem(grant_for(node, 8192, 8000), 0, 8000)], object_bytes), [one + two]
+                    )
+            # Across two items of one frame (two runs): each object within its item.
+            items = [WriteItem(grant_for(node, 16384, 3000), 0, 3000), WriteItem(grant_for(node, 20480, 5000), 0, 5000)]
+            reply = await conn.request(WriteSlices(items, [3000, 5000]), [one, two])
+            assert await master.commit(sid, [entry("a", 16384, one), entry("b", 20480, two)]) == [0, 0]
+            assert hashed_on_landing(node) == 4
+            items = [WriteItem(grant_for(node, 32768, 3000), 0, 3000), WriteItem(grant_for(node, 36864, 5000), 0, 5000)]
+            with pytest.raises(InvalidParams, match="object_bytes"):  # one object across both
+                await conn.request(WriteSlices(items, [8000]), [one, two])
+            assert await read(conn, sid, 20480, 5000) == two
+            conn.close()
+
+    run(main)
+
+
+def test_a_sum_taken_as_a_write_landed_lapses_with_its_grant(tmp_path: Path) -> None:
+    """After its grant expired another put may have the range: the commit hashes it."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            conn = await connect(node.endpoint, key=KEY, name="client")
+            data = os.urandom(4000)
+            grant = grant_for(node, 0, 4000, expiry_ms=wall_clock_ms() + 300)
+            await conn.request(WriteSlices([WriteItem(grant, 0, 4000)], [4000]), [data])
+            await asyncio.sleep(0.5)
+            assert await master.commit(node.segment_id, [entry("k", 0, data)]) == [0]
+            assert node.metrics.commits_hashed_on_landing._value.get() == 0
+            conn.close()
+
+    run(main)
+
+
 def test_verify_hashes_what_the_inventory_holds_at_that_key_and_offset(tmp_path: Path) -> None:
     """VerifyObjects (a reader's report, passed on by the master): OK for intact bytes,
     TRANSFER_FAIL for bytes that changed after the commit, OBJECT_NOT_FOUND for an entry the
