@@ -379,6 +379,54 @@ def test_a_master_finding_its_own_previous_term_in_etcd_takes_the_lead_again(etc
     run(main())
 
 
+def test_a_master_whose_own_stale_term_it_cannot_revoke_waits_for_the_lease_to_lapse(etcd_endpoint, monkeypatch):
+    """As above, but etcd refuses to revoke that lease: the master campaigned again at once,
+    granting a lease and failing the revoke in a loop as fast as etcd answered. It now waits
+    for the key to change (the stale lease to lapse), then leads."""
+
+    async def main():
+        cluster_id = new_cluster_id()
+        master = _candidate(etcd_endpoint, cluster_id)
+        await master.start()
+        try:
+            await _wait_for(lambda: master.role == "leader")
+            elector = master.elector
+            etcd_client = elector._etcd
+            grant_lease, revoke_lease = etcd_client.grant_lease, etcd_client.revoke_lease
+
+            async def etcd_down(*args, **kwargs):
+                raise ConnectFailed("etcd is down (test)")
+
+            for call in ("keep_alive", "grant_lease", "revoke_lease", "create"):
+                monkeypatch.setattr(etcd_client, call, etcd_down)
+            await _wait_for(lambda: master.role == "standby", 10.0)
+            async with EtcdClient([etcd_endpoint]) as etcd:  # what the restarted etcd holds
+                stale, _ = await etcd.grant_lease(3_000)
+                await etcd.put(leader_key(cluster_id), elector.record.encode(), lease_id=stale)
+                grants = []
+
+                async def counted_grant(*args, **kwargs):
+                    grants.append(time.monotonic())
+                    return await grant_lease(*args, **kwargs)
+
+                async def refused_revoke(lease_id):
+                    if lease_id == stale:
+                        raise ConnectFailed("etcd refuses this revoke (test)")
+                    return await revoke_lease(lease_id)
+
+                monkeypatch.undo()  # etcd is back, but for that revoke
+                monkeypatch.setattr(etcd_client, "grant_lease", counted_grant)
+                monkeypatch.setattr(etcd_client, "revoke_lease", refused_revoke)
+                await asyncio.sleep(1.0)
+                assert master.role != "leader"
+                assert len(grants) <= 3, f"{len(grants)} leases granted in a second"
+                await _wait_for(lambda: master.role == "leader", 10.0)  # the stale lease lapsed
+        finally:
+            await master.stop()
+
+    run(main())
+
+
 def test_new_leader_waits_for_the_recorded_nodes_before_taking_puts(etcd_endpoint):
     async def main():
         cluster_id = new_cluster_id()

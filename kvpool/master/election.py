@@ -260,6 +260,9 @@ class Elector:
                     # rather than stand by for the lease to lapse naming itself as the leader.
                     log.info("election: the leader key holds this master's previous term; revoking its lease")
                     await self._revoke_quietly(holder.lease_id)
+                    # Campaign again once the key went: at once if the revoke took, else when
+                    # the lease lapses (not in a loop of leases granted and revokes refused).
+                    await etcd.wait_for_change(self._key, revision, limits.ETCD_WATCH_TIMEOUT_MS)
                     return
                 self.leader = leader
                 log.info("election: %s leads cluster %s (term %d); standing by",
