@@ -247,6 +247,34 @@ def test_replies_with_payloads_land_in_their_own_sinks_in_any_order() -> None:
         assert conn.is_closed()
 
 
+def test_a_reply_still_streaming_in_at_the_deadline_is_a_timeout_not_an_overrun() -> None:
+    """Past its deadline a request took whatever the socket held, call after call, with a 1 µs
+    timeout each: a large reply that kept coming was landed whole, however long after the
+    deadline (here 1 GiB, several times the bound). It is now a timeout shortly after it."""
+    from kvpool.protocol.messages import ReadReply
+
+    chunk = os.urandom(limits.MIB)
+    size = 1024 * limits.MIB
+
+    def answer(conn: socket.socket) -> None:
+        request_id = requests_read(conn, 1)[0].request_id
+        conn.sendall(encode_frame(ReadReply(size), request_id, is_reply=True, payload_size=size))
+        with contextlib.suppress(OSError):  # until the client gives up and closes
+            for _ in range(size // len(chunk)):
+                conn.sendall(chunk)
+
+    with raw_server(answer) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        sink = memoryview(bytearray(limits.MIB))  # every MiB of the payload lands here
+        started = time.monotonic()
+        deadline = started + 0.1
+        (request_id,) = conn.send([ExistKeys(["a"])], deadline)
+        with pytest.raises(RpcTimeout):
+            conn.reply_into({request_id: [sink] * (size // limits.MIB)}, deadline)
+        assert time.monotonic() - started < 0.1 + 0.5
+        assert conn.is_closed()
+
+
 def test_a_request_with_a_payload_of_many_parts_arrives_whole(monkeypatch) -> None:
     """send_payload (a node's write): the header and every part (an empty one too), gathered a
     few buffers per sendmsg and resumed where a partial send stopped (8 MiB fill the socket's

@@ -55,6 +55,8 @@ IOV_PARTS_MAX = 1024
 # long for the reply (a put_start's grants lapse at the discard timeout anyway), at most
 # LATE_REPLY_READERS_MAX such threads at a time (beyond: the socket is closed, as without).
 LATE_REPLY_WAIT_MS = limits.PUT_DISCARD_TIMEOUT_MS_DEFAULT
+# How long past its deadline a request may still take what its socket holds (_remaining_s).
+PAST_DEADLINE_GRACE_S = 0.01
 LATE_REPLY_READERS_MAX = 8
 _late_reply_readers = threading.BoundedSemaphore(LATE_REPLY_READERS_MAX)
 
@@ -521,8 +523,17 @@ def _answer(frame: Frame) -> Message:
 
 
 def _remaining_s(deadline: float) -> float:
-    """Seconds left before `deadline`; a spent deadline still allows a non-blocking try."""
-    return max(deadline - time.monotonic(), 1e-6)
+    """Seconds left before `deadline`. A deadline just spent still allows non-blocking tries
+    (a reply that came as it passed is taken), for PAST_DEADLINE_GRACE_S: not on and on while
+    a peer keeps sending (a large reply would land whole, however late).
+
+    Raises:
+        TimeoutError: the grace is over too (callers map it to RpcTimeout).
+    """
+    remaining = deadline - time.monotonic()
+    if remaining < -PAST_DEADLINE_GRACE_S:
+        raise TimeoutError("past the deadline")
+    return max(remaining, 1e-6)
 
 
 __all__ = ["BlockingConnection"]
