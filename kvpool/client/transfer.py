@@ -78,12 +78,12 @@ LocalSegments = Callable[[SegmentInfo], Segment | None]
 # A view of registered memory: (address, size) -> memoryview; raises KVPoolError when the range
 # is not inside one registered buffer (BufferRegistry.view).
 Span = Callable[[int, int], memoryview]
-# A get advises this many bytes of the object files it is about to read, ahead of reading them,
-# and reads them on this many threads.
 # A write frame whose objects average this size or more tells the node where each begins
 # (WriteSlices.object_bytes, node/landed.py). Pages are hashed at commit: per object, the
 # steps of hashing as they land cost more than reading 4 KiB back.
 LANDED_HASH_OBJECT_BYTES_MIN = 64 * limits.KIB
+# A get advises this many bytes of the object files it is about to read, ahead of reading them,
+# and reads them on this many threads.
 FILE_PREFETCH_BYTES_MAX = 64 * limits.MIB
 FILE_READ_THREADS = 4
 # The directory of a disk or DFS segment's object files if this host can open them, else None.
