@@ -33,7 +33,7 @@ from kvpool.discovery import (
     segments_key,
 )
 from kvpool.errors import ConnectFailed, CoordinationError, InvalidParams, NotLeader, RpcFailed, error_from_code
-from kvpool.master.election import ElectionConfig, Leadership, Role
+from kvpool.master.election import ElectionConfig, Elector, Leadership, Role
 from kvpool.master.server import MasterServer
 from kvpool.master.takeover import Takeover
 from kvpool.node.server import Node
@@ -242,6 +242,20 @@ def _candidate(etcd_endpoint: str, cluster_id: str, **config) -> MasterServer:
                         debug_invariants=True)  # fmt: skip
 
 
+async def _stood_down_by_an_etcd_outage(master: MasterServer, monkeypatch) -> Elector:
+    """Once `master` leads, fail its every etcd call until it stands by; its elector."""
+    await _wait_for(lambda: master.role == "leader")
+    elector = master.elector
+
+    async def etcd_down(*args, **kwargs):
+        raise ConnectFailed("etcd is down (test)")
+
+    for call in ("keep_alive", "grant_lease", "revoke_lease", "create"):
+        monkeypatch.setattr(elector._etcd, call, etcd_down)
+    await _wait_for(lambda: master.role == "standby", 10.0)
+    return elector
+
+
 async def _wait_for(predicate, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -296,7 +310,6 @@ def test_a_leader_stopped_before_it_started_leading_refuses_once_its_lease_is_re
     """A SIGTERM while the just-elected leader reads its predecessor's segment record: stop()
     revoked its lease (a standby may win at once) but left it answering as the leader until
     its deadline, requests still coming in while the server closed."""
-    from kvpool.master.election import Elector
 
     reading = asyncio.Event()
 
@@ -357,15 +370,7 @@ def test_a_master_finding_its_own_previous_term_in_etcd_takes_the_lead_again(etc
         master = _candidate(etcd_endpoint, cluster_id)
         await master.start()
         try:
-            await _wait_for(lambda: master.role == "leader")
-            elector = master.elector
-
-            async def etcd_down(*args, **kwargs):
-                raise ConnectFailed("etcd is down (test)")
-
-            for call in ("keep_alive", "grant_lease", "revoke_lease", "create"):
-                monkeypatch.setattr(elector._etcd, call, etcd_down)
-            await _wait_for(lambda: master.role == "standby", 10.0)
+            elector = await _stood_down_by_an_etcd_outage(master, monkeypatch)
             async with EtcdClient([etcd_endpoint]) as etcd:  # what the restarted etcd holds
                 lease, _ = await etcd.grant_lease(60_000)
                 await etcd.put(leader_key(cluster_id), elector.record.encode(), lease_id=lease)
@@ -389,17 +394,9 @@ def test_a_master_whose_own_stale_term_it_cannot_revoke_waits_for_the_lease_to_l
         master = _candidate(etcd_endpoint, cluster_id)
         await master.start()
         try:
-            await _wait_for(lambda: master.role == "leader")
-            elector = master.elector
-            etcd_client = elector._etcd
+            etcd_client = master.elector._etcd
             grant_lease, revoke_lease = etcd_client.grant_lease, etcd_client.revoke_lease
-
-            async def etcd_down(*args, **kwargs):
-                raise ConnectFailed("etcd is down (test)")
-
-            for call in ("keep_alive", "grant_lease", "revoke_lease", "create"):
-                monkeypatch.setattr(etcd_client, call, etcd_down)
-            await _wait_for(lambda: master.role == "standby", 10.0)
+            elector = await _stood_down_by_an_etcd_outage(master, monkeypatch)
             async with EtcdClient([etcd_endpoint]) as etcd:  # what the restarted etcd holds
                 stale, _ = await etcd.grant_lease(3_000)
                 await etcd.put(leader_key(cluster_id), elector.record.encode(), lease_id=stale)
