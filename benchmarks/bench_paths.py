@@ -191,6 +191,16 @@ def timed(action, count: int) -> list[int]:
     return samples
 
 
+def answering(action, expected):
+    """`action`, failing the benchmark when it does not return `expected` (a get whose key
+    missed or whose bytes failed their checksum returns a negative code or None)."""
+
+    def checked() -> None:
+        assert action() == expected, "a get missed or read wrong"
+
+    return checked
+
+
 # --- round trips -------------------------------------------------------------------------
 
 
@@ -819,10 +829,11 @@ def zero_copy_page_gets(master: str, count_runs, collector_runs: list[int]) -> d
         source_at, target_at = store.register_buffer(source), store.register_buffer(target)
         store.batch_put_from(keys, [source_at + i * 4 * KIB for i in range(BATCH)], [4 * KIB] * BATCH)
         addresses = [target_at + i * 4 * KIB for i in range(BATCH)]
-        timed(lambda: store.batch_get_into(keys, addresses, [4 * KIB] * BATCH), 20)  # warm-up
+        get = answering(lambda: store.batch_get_into(keys, addresses, [4 * KIB] * BATCH), [4 * KIB] * BATCH)
+        timed(get, 20)  # warm-up
         collector_runs.clear()
         gc.callbacks.append(count_runs)
-        samples = timed(lambda: store.batch_get_into(keys, addresses, [4 * KIB] * BATCH), 100)
+        samples = timed(get, 100)
         gc.callbacks.remove(count_runs)
         assert np.array_equal(source, target), "zero-copy get returned other bytes"
         per_s = round(BATCH / (statistics.median(samples) / 1e9))
@@ -836,8 +847,9 @@ def tcp_gets(master: str) -> dict:
     out: dict = {}
     with Store(master, shm_enabled=False) as store:
         keys = [f"tcp-get-{i}" for i in range(BATCH)]
-        store.put_batch(keys, [os.urandom(4 * KIB) for _ in keys])
-        samples = timed(lambda: store.get_batch(keys), 200)
+        values = [os.urandom(4 * KIB) for _ in keys]
+        store.put_batch(keys, values)
+        samples = timed(answering(lambda: store.get_batch(keys), values), 200)
         out["plain_4KiB_per_s"] = round(BATCH / (statistics.median(samples) / 1e9))
         for size in (4 * KIB, 64 * KIB):
             source = np.random.randint(0, 255, size * BATCH, dtype=np.uint8)
@@ -846,7 +858,8 @@ def tcp_gets(master: str) -> dict:
             base_in, base_out = store.register_buffer(source), store.register_buffer(target)
             store.batch_put_from(keys, [base_in + i * size for i in range(BATCH)], [size] * BATCH)
             addresses = [base_out + i * size for i in range(BATCH)]
-            samples = timed(lambda: store.batch_get_into(keys, addresses, [size] * BATCH), 100)
+            sizes = [size] * BATCH
+            samples = timed(answering(lambda: store.batch_get_into(keys, addresses, sizes), sizes), 100)
             assert np.array_equal(source, target), "zero-copy get returned other bytes"
             out[f"zero_copy_{size // KIB}KiB_gbps"] = round(size * BATCH / (statistics.median(samples) / 1e9) / 1e9, 3)
             store.unregister_buffer(base_in)
@@ -987,7 +1000,7 @@ def page_gets() -> dict:
 
         def get_all() -> None:
             for keys in batch_keys:
-                assert store.get_batch(keys)[-1] == value
+                assert store.get_batch(keys) == [value] * len(keys), "a get missed or read wrong"
 
         for _ in range(rounds + 1):  # the first round promotes every page
             elapsed, used_ms = timed_with_cpu(processes, get_all)
@@ -1055,7 +1068,7 @@ def pieces() -> dict:
                             started = time.perf_counter()
                             for keys in batch_keys:
                                 if op == "get":
-                                    assert store.get_batch(keys)[-1] == value
+                                    assert store.get_batch(keys) == [value] * len(keys), "a get missed or read wrong"
                                 else:
                                     assert store.put_batch(keys, [value] * batch) == [ErrorCode.OK] * batch
                             rates[way].append(batch * batch_count / (time.perf_counter() - started))
@@ -1114,7 +1127,7 @@ def caller_thread() -> dict:
                             started = time.perf_counter()
                             for b, keys in enumerate(get_keys):
                                 if op == "get":
-                                    assert store.get_batch(keys)[-1] == value
+                                    assert store.get_batch(keys) == [value] * len(keys), "a get missed or read wrong"
                                 else:
                                     fresh = [f"put-{round_index}-{way}-{b}-{i}" for i in range(batch)]
                                     replicas = ReplicateConfig(replica_num=node_count)
@@ -1148,7 +1161,7 @@ async def async_get_rates(master: str, batch: int, rounds: int, store_module) ->
                 try:
                     started = time.perf_counter()
                     for keys in batch_keys:
-                        assert (await store.get_batch(keys))[-1] == value
+                        assert (await store.get_batch(keys)) == [value] * len(keys), "a get missed or read wrong"
                     rates[way].append(batch * len(batch_keys) / (time.perf_counter() - started))
                 finally:
                     store_module.PIECES_MAX = saved
@@ -1253,9 +1266,15 @@ KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_thre
 def same_host_plain_gets() -> float:
     with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint) as store:
         keys = [f"p{i}" for i in range(16)]
-        store.put_batch(keys, [os.urandom(4 * MIB)] * 16)
+        value = os.urandom(4 * MIB)
+        store.put_batch(keys, [value] * 16)
         store.get_batch(keys[:8])
-        samples = timed(lambda: [store.get_batch(keys[s : s + 8]) for s in (0, 8)], 10)
+        samples = []
+        for _ in range(10):
+            started = time.perf_counter_ns()
+            got = [store.get_batch(keys[s : s + 8]) for s in (0, 8)]
+            samples.append(time.perf_counter_ns() - started)
+            assert got == [[value] * 8] * 2, "a get missed or read wrong"  # checked untimed: 64 MiB
         return round(16 * 4 * MIB / statistics.median(samples), 2)
 
 
