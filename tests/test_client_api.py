@@ -19,10 +19,10 @@ import uvloop
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound
+from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound, RpcFailed
 from kvpool.master.server import MasterServer
 from kvpool.node.server import Node
-from kvpool.protocol.messages import GetReplicaList, Message, PutStart, ReportBadReplicas
+from kvpool.protocol.messages import GetReplicaList, Message, PutEnd, PutStart, ReportBadReplicas
 
 
 @contextlib.asynccontextmanager
@@ -1021,3 +1021,60 @@ def test_a_node_whose_master_link_fails_with_an_untyped_error_mounts_again(monke
         run(main())
     assert failures == [1]
     assert "master link failed unexpectedly" in caplog.text and "Too many open files" in caplog.text
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
+def test_a_put_whose_put_end_failed_can_be_put_again_at_once(shm_enabled):
+    """A put_end that never reached the master (its connection broke) failed the put, and
+    left its keys pending there until the discard timeout (30 s): a put of them again was
+    refused (REPLICA_IS_NOT_READY) all that while. The client now revokes them in the
+    background, and the put again succeeds at once, through AsyncStore and through Store."""
+
+    def break_the_first_put_end(call):
+        broken = []
+
+        async def failing_once(message: Message, **kwargs):
+            if isinstance(message, PutEnd) and not broken:
+                broken.append(message)
+                raise RpcFailed("connection to the master broke (test)")
+            return await call(message, **kwargs)
+
+        return failing_once, broken
+
+    async def main():
+        async with cluster() as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=shm_enabled) as store:
+                value = os.urandom(200_000)
+                store._master.call, broken = break_the_first_put_end(store._master.call)
+                with pytest.raises(RpcFailed):
+                    await store.put_batch(["k", "j"], [value, value])
+                assert broken
+                started = asyncio.get_running_loop().time()
+                while (codes := await store.put_batch(["k", "j"], [value, value])) != [0, 0]:
+                    assert set(codes) == {ErrorCode.REPLICA_IS_NOT_READY}, codes
+                    assert asyncio.get_running_loop().time() - started < 2, "the keys stayed pending"
+                    await asyncio.sleep(0.02)
+                assert await store.get_batch(["k", "j"]) == [value, value]
+
+    run(main())
+
+    with cluster_on_a_thread() as endpoint, Store(endpoint, shm_enabled=shm_enabled) as store:
+        value = os.urandom(200_000)
+        ask = store._ask
+        broken = []
+
+        def failing_once(message: Message, **kwargs):
+            if isinstance(message, PutEnd) and not broken:
+                broken.append(message)
+                raise RpcFailed("connection to the master broke (test)")
+            return ask(message, **kwargs)
+
+        store._ask = failing_once
+        with pytest.raises(RpcFailed):
+            store.put("k", value)
+        assert broken
+        deadline = time.monotonic() + 2
+        while (code := store.put_batch(["k"], [value])[0]) != 0:
+            assert code == ErrorCode.REPLICA_IS_NOT_READY and time.monotonic() < deadline, code
+            time.sleep(0.02)
+        assert store.get("k") == value

@@ -567,7 +567,12 @@ class AsyncStore:
             raise
         end, revoke = job.settle_writes(failed)
         if end:
-            job.ended(end, await self._master.call(job.put_end(end), is_idempotent=False))
+            try:
+                reply = await self._master.call(job.put_end(end), is_idempotent=False)
+            except BaseException:
+                self._give_up_ending(job, end, revoke)
+                raise
+            job.ended(end, reply)
         if revoke:
             try:
                 await self._master.call(job.put_revoke(revoke), is_idempotent=False)
@@ -587,6 +592,19 @@ class AsyncStore:
             self._in_background(PutRevoke(abandoned, writes_in_flight=True, put_id=job.put_id), False, failure)
         if revoked:
             self._in_background(PutRevoke(revoked, put_id=job.put_id), False, failure)
+
+    def _give_up_ending(self, job: PutJob, end: list[int], revoke: list[int]) -> None:
+        """A put whose put_end failed or was cancelled, its writes settled: its keys are
+        revoked in the background, so that a put of them again succeeds at once rather than
+        finding them pending until the master's discard timeout. Those to end were written
+        and have no write in flight: freed at once (a put_end the master did take made them
+        objects, which a revoke leaves alone); those whose writes failed are quarantined, as
+        always. Any thread's job; on the loop."""
+        failure = "revoking a put whose put_end failed failed (the master discards it at its timeout)"
+        if end:
+            self._in_background(PutRevoke([job.keys[i] for i in end], put_id=job.put_id), False, failure)
+        if revoke:
+            self._in_background(job.put_revoke(revoke), False, failure)
 
     async def _locate(
         self,

@@ -708,7 +708,12 @@ class Store:
         revoke the rest, from this thread (AsyncStore._put_finish does the same on the loop)."""
         end, revoke = job.settle_writes(failed)
         if end:
-            job.ended(end, self._ask(job.put_end(end), is_idempotent=False))
+            try:
+                reply = self._ask(job.put_end(end), is_idempotent=False)
+            except BaseException:
+                self._soon_on_the_loop(self._opened._give_up_ending, job, end, revoke)
+                raise
+            job.ended(end, reply)
         if revoke:
             try:
                 self._ask(job.put_revoke(revoke), is_idempotent=False)
