@@ -22,7 +22,7 @@ from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound, RpcFailed
 from kvpool.master.server import MasterServer
 from kvpool.node.server import Node
-from kvpool.protocol.messages import GetReplicaList, Message, PutEnd, PutStart, ReportBadReplicas
+from kvpool.protocol.messages import GetReplicaList, Message, PutEnd, PutRevoke, PutStart, ReportBadReplicas
 
 
 @contextlib.asynccontextmanager
@@ -1078,3 +1078,38 @@ def test_a_put_whose_put_end_failed_can_be_put_again_at_once(shm_enabled):
             assert code == ErrorCode.REPLICA_IS_NOT_READY and time.monotonic() < deadline, code
             time.sleep(0.02)
         assert store.get("k") == value
+
+
+def test_a_key_whose_write_to_one_replica_failed_stays_quarantined_when_its_put_end_fails():
+    """Revoking after a failed put_end: a key written to one node but not the other (that
+    write timed out, and its frame may land yet) is revoked with its writes in flight, so its
+    ranges stay quarantined; freed at once, another put could be placed there and overwritten."""
+
+    async def main():
+        async with cluster(node_count=2) as (master, _):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                call, revokes = store._master.call, []
+
+                async def spied(message: Message, **kwargs):
+                    if isinstance(message, PutEnd):
+                        raise RpcFailed("connection to the master broke (test)")
+                    if isinstance(message, PutRevoke):
+                        revokes.append(message)
+                    return await call(message, **kwargs)
+
+                run_batches = store._run_batches
+
+                async def second_replica_fails(batches, timeout_ms=None):
+                    results = await run_batches(batches, timeout_ms)
+                    return [results[0]] + [{i for owners in b.owners for i in owners} for b in batches[1:]]
+
+                store._master.call, store._run_batches = spied, second_replica_fails
+                with pytest.raises(RpcFailed):
+                    await store.put_batch(["k"], [os.urandom(200_000)], ReplicateConfig(replica_num=2))
+                for _ in range(100):
+                    if revokes:
+                        break
+                    await asyncio.sleep(0.01)
+                assert revokes and all(revoke.writes_in_flight for revoke in revokes), revokes
+
+    run(main())

@@ -570,7 +570,9 @@ class AsyncStore:
             try:
                 reply = await self._master.call(job.put_end(end), is_idempotent=False)
             except BaseException:
-                self._give_up_ending(job, end, revoke)
+                # Revoked in the background, so that a put of them again succeeds at once
+                # rather than finding them pending until the master's discard timeout.
+                self._give_up(job)
                 raise
             job.ended(end, reply)
         if revoke:
@@ -582,8 +584,10 @@ class AsyncStore:
         return job.codes
 
     def _give_up(self, job: PutJob) -> None:
-        """A put cancelled (or timed out) while its writes to other hosts were in flight: its
-        keys are revoked at once, in the background, so that a put of them again succeeds.
+        """A put cancelled (or timed out) while its writes to other hosts were in flight, or
+        whose put_end failed: its keys are revoked at once, in the background, so that a put
+        of them again succeeds (a put_end the master did take made them objects, which a
+        revoke leaves alone).
         The ranges of keys with a write in flight stay quarantined (one may land yet); those
         written only here (same-host copies, done) are free at once."""
         abandoned, revoked = job.unwritten_ends()
@@ -592,19 +596,6 @@ class AsyncStore:
             self._in_background(PutRevoke(abandoned, writes_in_flight=True, put_id=job.put_id), False, failure)
         if revoked:
             self._in_background(PutRevoke(revoked, put_id=job.put_id), False, failure)
-
-    def _give_up_ending(self, job: PutJob, end: list[int], revoke: list[int]) -> None:
-        """A put whose put_end failed or was cancelled, its writes settled: its keys are
-        revoked in the background, so that a put of them again succeeds at once rather than
-        finding them pending until the master's discard timeout. Those to end were written
-        and have no write in flight: freed at once (a put_end the master did take made them
-        objects, which a revoke leaves alone); those whose writes failed are quarantined, as
-        always. Any thread's job; on the loop."""
-        failure = "revoking a put whose put_end failed failed (the master discards it at its timeout)"
-        if end:
-            self._in_background(PutRevoke([job.keys[i] for i in end], put_id=job.put_id), False, failure)
-        if revoke:
-            self._in_background(job.put_revoke(revoke), False, failure)
 
     async def _locate(
         self,

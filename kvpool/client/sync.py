@@ -711,7 +711,7 @@ class Store:
             try:
                 reply = self._ask(job.put_end(end), is_idempotent=False)
             except BaseException:
-                self._soon_on_the_loop(self._opened._give_up_ending, job, end, revoke)
+                self._give_up([job])
                 raise
             job.ended(end, reply)
         if revoke:
