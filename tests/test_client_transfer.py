@@ -359,27 +359,3 @@ def test_a_read_frame_is_hashed_as_it_lands_for_each_object_wholly_in_it(monkeyp
     whole = {i for i, data in enumerate(objects) if len(data) <= 300}
     assert sums.pop(99) == 0
     assert sums == {i: xxhash.xxh3_64_intdigest(objects[i]) for i in whole}
-
-
-def test_a_write_frame_names_its_objects_only_when_they_are_whole_and_not_pages(monkeypatch):
-    """WriteSlices.object_bytes (node/landed.py): said for frames of whole objects averaging
-    LANDED_HASH_OBJECT_BYTES_MIN or more, so that the node hashes them as they land; not for
-    pages (cheaper to hash at commit) nor for a frame holding a piece of an object larger
-    than a slice (no sum of a piece is an object's)."""
-    monkeypatch.setattr(limits, "SLICE_SIZE_BYTES_MAX", 1 << 20)
-    monkeypatch.setattr(transfer, "FRAME_BYTES_TARGET", 4 << 20)
-
-    def frames(sizes: list[int]) -> list[list[int]]:
-        cutter = _FrameCutter("n:1", transfer._write_item, _write_slices, transfer._joined_write)
-        offset = 0
-        for index, size in enumerate(sizes):
-            grant = WriteGrant("s", offset, size, 0)
-            cutter.add(index, (grant, 0), [memoryview(bytearray(size))])
-            offset += size
-        return [message.object_bytes for message, _ in cutter.finish().frames]
-
-    large = transfer.LANDED_HASH_OBJECT_BYTES_MIN
-    assert frames([large, 2 * large, 1 << 20]) == [[large, 2 * large, 1 << 20]]
-    assert frames([4096] * 16) == [[]]
-    assert frames([(1 << 20) + 1]) == [[]]  # two items of one object
-    assert frames([large, (1 << 20) + 5]) == [[]]  # a whole object, and one in two pieces

@@ -78,10 +78,6 @@ LocalSegments = Callable[[SegmentInfo], Segment | None]
 # A view of registered memory: (address, size) -> memoryview; raises KVPoolError when the range
 # is not inside one registered buffer (BufferRegistry.view).
 Span = Callable[[int, int], memoryview]
-# A write frame whose objects average this size or more tells the node where each begins
-# (WriteSlices.object_bytes, node/landed.py). Pages are hashed at commit: per object, the
-# steps of hashing as they land cost more than reading 4 KiB back.
-LANDED_HASH_OBJECT_BYTES_MIN = 64 * limits.KIB
 # A get advises this many bytes of the object files it is about to read, ahead of reading them,
 # and reads them on this many threads.
 FILE_PREFETCH_BYTES_MAX = 64 * limits.MIB
@@ -141,7 +137,7 @@ class _FrameCutter:
         self,
         endpoint: str,
         make_item: Callable[[object, int, int], WriteItem | ReadItem],
-        make_message: Callable[[list, list[memoryview], list[int]], WriteSlices | ReadSlices],
+        make_message: Callable[[list, list[memoryview]], WriteSlices | ReadSlices],
         join: Callable[[WriteItem | ReadItem, object, int, int], bool],
         span: Span | None = None,
     ) -> None:
@@ -155,7 +151,6 @@ class _FrameCutter:
         self._addresses: list[int | None] = []  # per view, where it starts in registered memory
         self._owners: list[int] = []
         self._item_bytes: list[int] = []
-        self._is_whole = True  # every piece of the frame is a whole object
         self._frame_bytes = 0
 
     def add(self, key_index: int, target: object, parts: Sequence[memoryview], address: int | None = None) -> None:
@@ -175,10 +170,10 @@ class _FrameCutter:
                 item_bytes += take
                 position += take
                 if item_bytes == limits.SLICE_SIZE_BYTES_MAX:
-                    self._add_item(key_index, target, start, item_bytes, item_views, is_whole=False)
+                    self._add_item(key_index, target, start, item_bytes, item_views)
                     start, item_views, item_bytes = start + item_bytes, [], 0
         if item_bytes:
-            self._add_item(key_index, target, start, item_bytes, item_views, is_whole=start == 0)
+            self._add_item(key_index, target, start, item_bytes, item_views)
 
     def finish(self) -> RemoteBatch:
         if self._items:
@@ -193,10 +188,7 @@ class _FrameCutter:
         size: int,
         views: Sequence[memoryview],
         address: int | None = None,
-        is_whole: bool = True,
     ) -> None:
-        """`is_whole`: the item is the whole object, not a piece of one larger than a slice."""
-        self._is_whole = self._is_whole and is_whole
         if not self._items or not self._join(self._items[-1], target, start, size):
             self._items.append(self._make_item(target, start, size))
         self._views += views
@@ -210,15 +202,10 @@ class _FrameCutter:
 
     def _close_frame(self) -> None:
         views = self._views if self._span is None else _coalesced(self._views, self._addresses, self._span)
-        # Whole objects (none larger than a slice), and large enough that the node's hashing
-        # them as they land saves a pass over memory worth its per-object steps: said.
-        is_said = self._is_whole and self._frame_bytes >= LANDED_HASH_OBJECT_BYTES_MIN * len(self._item_bytes)
-        object_bytes = self._item_bytes if is_said else []
-        self.batch.frames.append((self._make_message(self._items, views, object_bytes), views))
+        self.batch.frames.append((self._make_message(self._items, views), views))
         self.batch.owners.append(self._owners)
         self.batch.item_bytes.append(self._item_bytes)
         self._items, self._views, self._owners, self._item_bytes, self._frame_bytes = [], [], [], [], 0
-        self._is_whole = True
         self._addresses = []
 
 
@@ -901,14 +888,13 @@ def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     return data, memoryview(array).cast("B")
 
 
-def _write_slices(items: list[WriteItem], views: list[memoryview], object_bytes: list[int]) -> WriteSlices:
-    return WriteSlices(items, object_bytes)
+def _write_slices(items: list[WriteItem], views: list[memoryview]) -> WriteSlices:
+    return WriteSlices(items)
 
 
-def _read_slices(items: list[ReadItem], sinks: list[memoryview], object_bytes: Sequence[int] = ()) -> ReadSlices:
+def _read_slices(items: list[ReadItem], sinks: list[memoryview]) -> ReadSlices:
     """Telling the node where the reply lands (a page offset: no address leaves the process)
-    lets it pad the reply for the copy into `sinks` (frames.payload_padding). A read's frame
-    says nothing of its objects (`object_bytes`): the reader hashes them as they land."""
+    lets it pad the reply for the copy into `sinks` (frames.payload_padding)."""
     return ReadSlices(items, buffer_address(sinks[0]) % PAGE_BYTES)
 
 

@@ -22,8 +22,6 @@ Metric names (all prefixed kvpool_node_):
     commits_total{result}    counter  entries committed by the master, result ok|checksum|bounds
     commits_hashed_in_place_total  counter  of the ok ones, those taken on the writer's hash
                                    (a same-host copy, PutEnd.hashed_in_place), not hashed again
-    commits_hashed_on_landing_total  counter  entries checked against the node's own hash of a
-                                   TCP write as it landed (node/landed.py), not hashed again
     mounts_total             counter  successful MountSegment calls (first mount and re-mounts)
     busy_poll_seconds_total  counter  time the transfer server's loop spent polling after replies
     busy_poll_windows_total  counter  polling windows opened (transports/busy_poll.py)
@@ -93,11 +91,6 @@ class NodeMetrics:
         self.commits_hashed_in_place = Counter(
             _PREFIX + "commits_hashed_in_place",
             "Commits recorded on the writer's own hash of the bytes in the segment (same host).",
-            registry=r,
-        )
-        self.commits_hashed_on_landing = Counter(
-            _PREFIX + "commits_hashed_on_landing",
-            "Commits checked against the node's own hash of a TCP write as it landed.",
             registry=r,
         )
         self.mounts = Counter(

@@ -43,7 +43,6 @@ from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, Unauthor
 from kvpool.node.clock import MasterClock, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
-from kvpool.node.landed import LandedSums
 from kvpool.node.metrics import MetricsServer, NodeMetrics, TierMetrics
 from kvpool.node.moves import Mover
 from kvpool.node.segment import Segment, remove_stale_segments
@@ -260,10 +259,9 @@ class Node:
         # mistaken for the segment (and replicas) its previous run had mounted.
         self._segment_id = f"{config.node_id}-{secrets.token_hex(4)}"
         self._inventory = Inventory(self._segment.capacity_bytes)
-        landed = LandedSums(self._master_clock.now_ms)  # writes hashed as they land, for their commits
         self._transfer = TransferHandler(
             self._segment, self._segment_id, self._inventory, self.metrics, key=self._key,
-            clock_ms=self._master_clock.now_ms, landed=landed,
+            clock_ms=self._master_clock.now_ms,
         )  # fmt: skip
         if config.disk_dir:
             self._disk = DiskTier.open(config.disk_dir, config.disk_bytes, config.node_id,
@@ -274,7 +272,7 @@ class Node:
             is_durable=config.disk_fsync, clock_ms=self._master_clock.now_ms,
         )  # fmt: skip
         self._master_calls = TieredMasterCalls(
-            MasterCallHandler(self._segment, self._segment_id, self._inventory, self.metrics, landed),
+            MasterCallHandler(self._segment, self._segment_id, self._inventory, self.metrics),
             self._disk, self._mover,
         )  # fmt: skip
         self._server = await start_server(

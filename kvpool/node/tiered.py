@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 
 from kvpool import limits
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, ObjectNotFound, SegmentNotFound, TransferFailed
@@ -75,9 +75,6 @@ class TieredTransferHandler:
 
     def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
         return self.dram.payload_sinks(conn, message)  # Clients write to DRAM only.
-
-    def payload_landing(self, conn: Connection, message: Message) -> Callable[[memoryview], None] | None:
-        return self.dram.payload_landing(conn, message)
 
     def payload_received(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         return self.dram.payload_received(conn, message)

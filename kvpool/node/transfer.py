@@ -40,7 +40,6 @@ from kvpool.errors import (
 )
 from kvpool.node.clock import wall_clock_ms
 from kvpool.node.inventory import Inventory
-from kvpool.node.landed import LandedSums, WriteHasher
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.segment import Segment
 from kvpool.protocol import auth
@@ -159,8 +158,6 @@ class TransferHandler(_SegmentHandler):
             unexpired).
         clock_ms: the master's wall clock in ms, as the node estimates it (grant expiries are
             the master's times: node/clock.py).
-        landed: where the sums of writes hashed as they landed go, for their commits
-            (node/landed.py); None: writes are not hashed here.
     """
 
     def __init__(
@@ -172,15 +169,10 @@ class TransferHandler(_SegmentHandler):
         *,
         key: bytes | None,
         clock_ms: Callable[[], int] = wall_clock_ms,
-        landed: LandedSums | None = None,
     ) -> None:
         super().__init__(segment, segment_id, inventory, metrics)
         self._key = key
         self._clock_ms = clock_ms
-        self.landed = landed
-        # Per connection whose write payload is arriving and says where its objects begin: the
-        # hasher that sees it land (payload_landing).
-        self._hashers: dict[Connection, WriteHasher] = {}
         # The term of the master this segment is mounted with (MountReply); 0 until then.
         self.term = 0
         # Per connection whose write payload is arriving: the timer that closes it when the
@@ -206,20 +198,7 @@ class TransferHandler(_SegmentHandler):
             )
         return sinks
 
-    def payload_landing(self, conn: Connection, message: Message) -> Callable[[memoryview], None] | None:
-        """What sees an accepted write's payload land (RequestHandler): a WriteHasher when the
-        frame says where its objects begin (WriteSlices.object_bytes), else None."""
-        if self.landed is None or not isinstance(message, WriteSlices) or not message.object_bytes:
-            return None
-        objects = LandedSums.objects_of(message)  # checked by _check_write already
-        self.landed.forget(objects)
-        hasher = self._hashers[conn] = WriteHasher(objects)
-        return hasher
-
     def payload_received(self, conn: Connection, message: Message) -> HandlerResult:
-        if (hasher := self._hashers.get(conn)) is not None:
-            assert self.landed is not None
-            self.landed.record(hasher)
         self._payload_over(conn)
         return super().payload_received(conn, message)
 
@@ -233,10 +212,8 @@ class TransferHandler(_SegmentHandler):
         super().connection_closed(conn)
 
     def _payload_over(self, conn: Connection) -> None:
-        """The write payload arriving on `conn` landed, was refused, or its connection closed."""
         if (deadline := self._payload_deadlines.pop(conn, None)) is not None:
             deadline.cancel()
-        self._hashers.pop(conn, None)
 
     def _sinks_for(self, message: Message) -> Sequence[memoryview]:
         if not isinstance(message, WriteSlices):
@@ -298,7 +275,6 @@ class TransferHandler(_SegmentHandler):
                     f"item {index}: slice [{item.start}, +{item.size}) is outside its grant of "
                     f"{grant.size} bytes"
                 )
-        LandedSums.objects_of(message)  # whole objects of the items, if it names any
         # The payload must equal the sum of the sizes; the Connection enforces it when it hands
         # our views to the decoder (a mismatch is refused with InvalidParams: payload_refused).
 
@@ -349,21 +325,10 @@ class MasterCallHandler(_SegmentHandler):
 
     A commit hashes the committed bytes (xxh3 runs at memory speed, 12-14 GB/s here), off the
     loop when the commit is large, unless the writer hashed them in this segment as they
-    landed (a same-host copy: PutEnd.hashed_in_place) or this node did as a TCP write landed
-    (`landed`, node/landed.py). Only the hashing leaves the loop: entries enter the inventory
-    on the loop, and the master never drops an object whose commit is unanswered.
+    landed (a same-host copy: PutEnd.hashed_in_place). Only the hashing leaves the loop:
+    entries enter the inventory on the loop, and the master never drops an object whose
+    commit is unanswered.
     """
-
-    def __init__(
-        self,
-        segment: Segment,
-        segment_id: str,
-        inventory: Inventory,
-        metrics: NodeMetrics,
-        landed: LandedSums | None = None,
-    ) -> None:
-        super().__init__(segment, segment_id, inventory, metrics)
-        self.landed = landed
 
     def __repr__(self) -> str:
         return f"<MasterCallHandler {self.segment_id} {self.inventory!r}>"
@@ -411,38 +376,29 @@ class MasterCallHandler(_SegmentHandler):
             codes = [ErrorCode.OK if ok else ErrorCode.INVALID_PARAMS for ok in in_bounds]
             self.metrics.commits_hashed_in_place.inc(sum(in_bounds))
             return self._record(entries, codes)
-        # True: in bounds and already hashed as it landed; None: in bounds, to hash; False: out.
-        states: list[bool | None] = [
-            (True if self.landed is not None and self.landed.take(e) else None) if ok else False
-            for e, ok in zip(entries, in_bounds)
-        ]
-        landed_count = states.count(True)
-        if landed_count:
-            self.metrics.commits_hashed_on_landing.inc(landed_count)
         data = self.segment.data
-        views = [[data[e.offset : e.offset + e.size]] for e, state in zip(entries, states) if state is None]
-        if sum(len(v[0]) for v in views) < checksums.PARALLEL_BYTES_MIN:
-            return self._record(entries, self._codes(entries, states, checksums.checksums_of(views)))
-        return self._commit_later(entries, states, views)
+        views = [[data[e.offset : e.offset + e.size]] for e, ok in zip(entries, in_bounds) if ok]
+        if sum(e.size for e, ok in zip(entries, in_bounds) if ok) < checksums.PARALLEL_BYTES_MIN:
+            return self._record(entries, self._codes(entries, in_bounds, checksums.checksums_of(views)))
+        return self._commit_later(entries, in_bounds, views)
 
     async def _commit_later(
-        self, entries: list[InventoryEntry], states: list[bool | None], views: list[list[memoryview]]
+        self, entries: list[InventoryEntry], in_bounds: list[bool], views: list[list[memoryview]]
     ) -> HandlerResult:
         """A large commit is hashed off the loop, on one thread: the put was answered already
         (master/server.py), so this is background work, and the cores go to the clients."""
         sums = await asyncio.get_running_loop().run_in_executor(None, _checksums_in_turn, views)
-        return self._record(entries, self._codes(entries, states, sums))
+        return self._record(entries, self._codes(entries, in_bounds, sums))
 
     @staticmethod
-    def _codes(entries: list[InventoryEntry], states: list[bool | None], sums: list[int]) -> list[int]:
-        """Per entry: OK when in bounds and its bytes hash to its checksum (`states`: as in
-        _commit; `sums`: of the entries to hash, in order)."""
+    def _codes(entries: list[InventoryEntry], in_bounds: list[bool], sums: list[int]) -> list[int]:
+        """Per entry: OK when in bounds and its bytes hash to its checksum."""
         found = iter(sums)
         codes = []
-        for entry, state in zip(entries, states):
-            if state is False:
+        for entry, ok in zip(entries, in_bounds):
+            if not ok:
                 codes.append(ErrorCode.INVALID_PARAMS)
-            elif state is None and next(found) != entry.checksum:
+            elif next(found) != entry.checksum:
                 codes.append(ErrorCode.TRANSFER_FAIL)
             else:
                 codes.append(ErrorCode.OK)

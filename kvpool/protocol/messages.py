@@ -539,13 +539,9 @@ class WriteItem(msgspec.Struct, array_like=True, gc=False):
 
 
 class WriteSlices(Message, tag=60):
-    """The frame's payload is the items' bytes, concatenated in item order. `object_bytes`,
-    when not empty: the payload is these objects, in order, each whole within one item (their
-    sizes add up to the payload's): the node hashes each as it lands, so that its commit need
-    not read the bytes again (node/landed.py)."""
+    """The frame's payload is the items' bytes, concatenated in item order."""
 
     items: list[WriteItem]
-    object_bytes: list[int] = []
 
 
 class ReadItem(msgspec.Struct, array_like=True, gc=False):

@@ -110,9 +110,7 @@ class RequestHandler(Protocol):
     A handler may also define `payload_refused(conn, message)`: the Connection calls it when
     it refuses a payload that `payload_sinks` accepted (their sizes do not match the frame's),
     so that whatever `payload_sinks` set up for it (a timer) ends there. It is optional: a
-    handler that accepts no payload, or sets nothing up, needs none. And
-    `payload_landing(conn, message)`: called once a payload is accepted, what each piece of it
-    is shown to as it lands (FrameDecoder.set_payload_sinks), or None; optional too.
+    handler that accepts no payload, or sets nothing up, needs none.
     """
 
     def payload_sinks(self, conn: Connection, message: Message) -> Sequence[memoryview] | None:
@@ -593,10 +591,7 @@ class Connection(asyncio.BufferedProtocol):
                 log.info("rejecting payload of %s from %s: %.300s", type(message).__name__, self.peer, exc)
                 self._incoming_error = exc
                 sinks = None
-            on_landed = None
-            if sinks is not None and (landing := getattr(self._handler, "payload_landing", None)) is not None:
-                on_landed = landing(self, message)
-            self._decoder.set_payload_sinks(sinks, on_landed)
+            self._decoder.set_payload_sinks(sinks)
             self._incoming = message
             self._incoming_id = frame.request_id
             self._incoming_is_reply = False
