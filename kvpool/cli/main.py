@@ -370,9 +370,11 @@ def master(
     _check_listen_host("--host", host)
     if http_host is not None:
         _check_listen_host("--http-host", http_host)
-    # Checked with or without --etcd (ElectionConfig checks it only with it): a lease is whole
-    # seconds, as etcd grants it.
-    if etcd_lease_ttl_ms <= 0 or etcd_lease_ttl_ms % 1000:
+    # ElectionConfig's rule (a lease is whole seconds, as etcd grants it), checked with or
+    # without --etcd: ElectionConfig checks it only with it.
+    from kvpool.master.election import is_lease_ttl_ms
+
+    if not is_lease_ttl_ms(etcd_lease_ttl_ms):
         raise _fail(f"--etcd-lease-ttl-ms {etcd_lease_ttl_ms}: give whole seconds, 1000 or more")
     try:
         config = MasterConfig(

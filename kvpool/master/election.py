@@ -146,6 +146,11 @@ class ElectionListener(Protocol):
         ...
 
 
+def is_lease_ttl_ms(ttl_ms: int) -> bool:
+    """Whether etcd can grant a lease of `ttl_ms`: whole seconds, at least one."""
+    return ttl_ms > 0 and ttl_ms % 1000 == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ElectionConfig:
     """Where the election happens and how long a leadership lasts without etcd."""
@@ -159,7 +164,7 @@ class ElectionConfig:
         if not self.etcd_endpoints:
             raise InvalidParams("an election needs at least one etcd endpoint")
         check_cluster_id(self.cluster_id)
-        if self.lease_ttl_ms <= 0 or self.lease_ttl_ms % 1000:
+        if not is_lease_ttl_ms(self.lease_ttl_ms):
             raise InvalidParams(f"lease TTL {self.lease_ttl_ms} ms: etcd takes whole seconds")
         if not 0 <= 2 * self.step_down_margin_ms < self.lease_ttl_ms:
             raise InvalidParams(

@@ -496,7 +496,7 @@ class MasterServer:
         for segment_id, call in later:
             entries = pending.commits[segment_id]
             call.add_done_callback(lambda done, s=segment_id, e=entries: self._commit_answered(service, s, e, done))
-        if not any(pending.puts[key].copy_tiers for key in pending.puts):
+        if not any(put.copy_tiers for put in pending.puts.values()):
             return Reply(reply, then=lambda: service.publish_put_end(pending, wall_clock_ms()))
         service.publish_put_end(pending, wall_clock_ms())
         copies = service.start_copies(pending, reply, wall_clock_ms())

@@ -235,7 +235,7 @@ class Connection(asyncio.BufferedProtocol):
         timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT,
         landing: int | None = None,
         late_reply: LateReply | None = None,
-        on_landed: Callable[[memoryview], None] | None = None,
+        on_landed: OnLanded = None,
     ) -> Message:
         """Send a request and return its reply message.
 
