@@ -177,12 +177,9 @@ class MasterResolver:
         from kvpool.transports.etcd import EtcdClient  # see parse_master_address
 
         address, endpoints = self.address, self._etcd_endpoints
-        # EtcdClient bounds each endpoint it tries: a share of the bound each keeps the whole
-        # lookup within it, and leaves the next endpoints time when one does not answer.
-        timeout_ms = max(1, min(timeout_ms // len(endpoints), limits.ETCD_REQUEST_TIMEOUT_MS))
-        async with EtcdClient(endpoints, request_timeout_ms=timeout_ms) as etcd:
+        async with EtcdClient(endpoints) as etcd:
             try:
-                kv, _ = await etcd.get(leader_key(address.cluster_id))
+                kv, _ = await etcd.get(leader_key(address.cluster_id), timeout_ms=timeout_ms)
             finally:
                 at = endpoints.index(etcd.preferred_endpoint)
                 self._etcd_endpoints = endpoints[at:] + endpoints[:at]

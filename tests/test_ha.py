@@ -32,7 +32,15 @@ from kvpool.discovery import (
     parse_master_address,
     segments_key,
 )
-from kvpool.errors import ConnectFailed, CoordinationError, InvalidParams, NotLeader, RpcFailed, error_from_code
+from kvpool.errors import (
+    ConnectFailed,
+    CoordinationError,
+    InvalidParams,
+    NotLeader,
+    RpcFailed,
+    RpcTimeout,
+    error_from_code,
+)
 from kvpool.master.election import ElectionConfig, Elector, Leadership, Role
 from kvpool.master.server import MasterServer
 from kvpool.master.takeover import Takeover
@@ -63,7 +71,6 @@ def test_a_master_that_answers_not_leader_all_along_yields_not_leader(monkeypatc
     squeezed into the last milliseconds used to time out and replace the master's answer
     (NotLeader) with an RpcTimeout (test_new_leader_waits_..., flaky under load)."""
     from kvpool.client.pool import MasterLink
-    from kvpool.errors import RpcTimeout
 
     class Recovering:  # a master still waiting for its nodes: refuses every put
         def is_closed(self) -> bool:
@@ -544,6 +551,38 @@ def test_resolver_with_a_frozen_etcd_member_keeps_its_bound_and_goes_to_the_live
             os.kill(frozen.process.pid, signal.SIGCONT)
     assert first_s < 0.8, first_s  # within its bound (600 ms), a margin for a busy machine
     assert second_s < 0.2, second_s  # straight to the member that answered
+
+
+def test_an_etcd_call_keeps_its_bound_past_frozen_members(etcd_endpoint, tmp_path):
+    """A leader's keepalive is bounded by the time its leadership has left. Two frozen members
+    listed first used to get the client's whole request timeout each (1 s), so the keepalive
+    took 2 s whatever its bound; now each gets a share of the bound and the live one answers
+    within it. A bound all frozen members use up is a timeout at the bound."""
+    from kvpool.cli.launcher import LocalEtcd
+
+    async def main(frozen: str) -> tuple[float, float]:
+        async with EtcdClient([etcd_endpoint]) as etcd:
+            lease_id, _ = await etcd.grant_lease(10_000)
+        async with EtcdClient([frozen, frozen, etcd_endpoint]) as etcd:
+            started_s = time.monotonic()
+            assert await etcd.keep_alive(lease_id, timeout_ms=600) > 0
+            kept_s = time.monotonic() - started_s
+        async with EtcdClient([frozen, frozen]) as etcd:
+            started_s = time.monotonic()
+            with pytest.raises(RpcTimeout, match="within 300 ms"):
+                await etcd.keep_alive(lease_id, timeout_ms=300)
+            timed_out_s = time.monotonic() - started_s
+        return kept_s, timed_out_s
+
+    with LocalEtcd(tmp_path) as frozen:
+        assert frozen.process is not None
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        try:
+            kept_s, timed_out_s = run(main(frozen.endpoint))
+        finally:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+    assert kept_s < 0.8, kept_s  # within its bound (600 ms), a margin for a busy machine
+    assert 0.25 < timed_out_s < 0.5, timed_out_s
 
 
 # --- real processes ------------------------------------------------------------------------------

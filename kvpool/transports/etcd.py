@@ -282,22 +282,33 @@ class EtcdClient:
         self._preferred = self.endpoints.index(endpoint)
 
     async def _call(self, path: str, body: dict[str, Any], timeout_ms: int | None) -> dict[str, Any]:
-        """POST to the first endpoint that answers; bounded by timeout_ms per endpoint.
+        """POST to the first endpoint that answers.
+
+        Each endpoint gets at most the client's request timeout. With `timeout_ms` the whole
+        call ends by then: each endpoint tried gets an equal share of the time left, so one
+        that does not answer (a frozen member, listed first) leaves the next ones time.
 
         Raises:
             ConnectFailed: no endpoint could be reached.
             RpcTimeout: an endpoint was reached but did not answer in time (and no other did).
             CoordinationError: etcd answered with an error.
         """
-        timeout_ms = min(timeout_ms or self._request_timeout_ms, self._request_timeout_ms)
-        timeout = aiohttp.ClientTimeout(total=max(timeout_ms, 1) / 1000)
+        loop = asyncio.get_running_loop()
+        deadline_s = None if timeout_ms is None else loop.time() + max(timeout_ms, 1) / 1000
         session = self._session_now()
         timed_out = False
         last_error: BaseException | None = None
-        for endpoint in self._rotation():
+        rotation = self._rotation()
+        for tried, endpoint in enumerate(rotation):
+            attempt_s = self._request_timeout_ms / 1000
+            if deadline_s is not None:
+                attempt_s = min(attempt_s, (deadline_s - loop.time()) / (len(rotation) - tried))
+                if attempt_s <= 0:
+                    timed_out = True
+                    break
             try:
                 async with session.post(
-                    f"http://{endpoint}{_API_PREFIX}{path}", json=body, timeout=timeout
+                    f"http://{endpoint}{_API_PREFIX}{path}", json=body, timeout=aiohttp.ClientTimeout(total=attempt_s)
                 ) as response:
                     raw = await _read_capped(response)
                     if response.status != 200:
@@ -310,7 +321,8 @@ class EtcdClient:
                 last_error = exc
         where = ",".join(self.endpoints)
         if timed_out:
-            raise RpcTimeout(f"etcd {where} did not answer {path} within {timeout_ms} ms")
+            bound_ms = self._request_timeout_ms if timeout_ms is None else timeout_ms
+            raise RpcTimeout(f"etcd {where} did not answer {path} within {bound_ms} ms")
         raise ConnectFailed(f"etcd {where} unreachable for {path}: {last_error}")
 
 
