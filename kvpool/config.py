@@ -72,6 +72,14 @@ def parse_size(text: str) -> int:
     return int(Fraction(number) * multiplier)
 
 
+def exact_size(size_bytes: int) -> str:
+    """A size in the largest binary unit that holds it whole: 512 KiB, 1500 KiB, 3 MiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size_bytes and size_bytes % (1 << shift) == 0:
+            return f"{size_bytes >> shift} {unit}"
+    return f"{size_bytes} bytes"
+
+
 def parse_flag(value: object) -> bool:
     """A yes/no setting as engines' JSON or YAML configs give it: a bool, or text such as
     "true", "1", "no", "off" (anything but 0, false, no, off and empty is yes)."""

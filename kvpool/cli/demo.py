@@ -21,6 +21,7 @@ from rich.table import Table
 from kvpool import limits
 from kvpool.cli.launcher import LocalCluster, sigterm_as_interrupt
 from kvpool.client.sync import Store
+from kvpool.config import exact_size
 from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
 from kvpool.protocol.messages import ReplicateConfig
 
@@ -66,14 +67,6 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
         )
     with sigterm_as_interrupt():
         _run_demo(node_count, memory_bytes, object_count, object_size_bytes, console)
-
-
-def exact_size(size_bytes: int) -> str:
-    """A size in the largest binary unit that holds it whole: 512 KiB, 1500 KiB, 3 MiB."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size_bytes and size_bytes % (1 << shift) == 0:
-            return f"{size_bytes >> shift} {unit}"
-    return f"{size_bytes} bytes"
 
 
 def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_bytes: int, console: Console) -> None:

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from kvpool import limits
 from kvpool.config import parse_flag, parse_size, token_from
-from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NoAvailableHandle, RpcTimeout
 
 if TYPE_CHECKING:
     from kvpool.client.sync import Store
@@ -216,12 +216,15 @@ def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exi
     return _fail(f"{command} {_shown(key)}: {message}")
 
 
-def _store(master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None) -> Store:
+def _store(
+    master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None, shm_enabled: bool | None = None
+) -> Store:
     from kvpool.client.sync import Store
 
     # KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
     # commands use TCP even on the nodes' host; set empty, it is unset.
-    shm_enabled = parse_flag(os.environ.get("KVPOOL_SHM") or "1")
+    if shm_enabled is None:
+        shm_enabled = parse_flag(os.environ.get("KVPOOL_SHM") or "1")
     try:
         token = _token(token_file)
     except KVPoolError as exc:
@@ -243,11 +246,12 @@ def _connected(
     *,
     key: str | None = None,
     dfs_dir: Optional[Path] = None,
+    shm_enabled: bool | None = None,
 ) -> Iterator[Store]:
     """A Store for an object command, closed on leaving. Any cluster error in the block (a
     master that stops answering: RpcTimeout) ends the command with one line and exit status 1,
     never a traceback: "COMMAND [KEY]: the error"."""
-    store = _store(master, token_file, dfs_dir)
+    store = _store(master, token_file, dfs_dir, shm_enabled)
     try:
         with store:
             yield store
@@ -860,6 +864,47 @@ def demo(
         run_demo(nodes, parse_size(memory), objects, parse_size(object_size), console)
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
+
+
+@app.command()
+def bench(
+    size: Annotated[str, typer.Option(help="Size of each object, e.g. 4KiB, 1MiB.")] = "1MiB",
+    total: Annotated[str, typer.Option(help="Bytes a round puts and reads back (whole objects).")] = "64MiB",
+    batch: Annotated[int, typer.Option(help="Objects per put or get call.")] = 32,
+    rounds: Annotated[int, typer.Option(help="Rounds of put then get; the figures are their medians.")] = 3,
+    replicas: Annotated[int, typer.Option(help="Replicas of each object, on distinct segments.")] = 1,
+    shm: Annotated[
+        bool,
+        typer.Option(envvar="KVPOOL_SHM",
+                     help="Copy through shared memory where a node is on this host (--no-shm: TCP only)."),
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    master: MasterOption = MASTER_DEFAULT,
+    token_file: TokenFileOption = None,
+) -> None:
+    """Measure put and get throughput and one-object get latency of a running cluster from
+    this host (its own keys, removed at the end; refused if it would evict cached objects)."""
+    from kvpool.cli.bench import check_room, plan_bench, print_figures, run_bench
+    from kvpool.cli.launcher import sigterm_as_interrupt
+
+    try:
+        plan = plan_bench(parse_size(size), parse_size(total), batch, rounds, replicas)
+    except KVPoolError as exc:
+        raise _fail(str(exc), 2) from None
+    with _connected("bench", master, token_file, shm_enabled=shm) as store:
+        try:
+            check_room(plan, store.cluster_status())
+        except InvalidParams as exc:
+            raise _fail(f"bench: {exc}") from None
+        with sigterm_as_interrupt():
+            figures = run_bench(store, plan, err_console)
+    figures["master"] = master
+    figures["shm_enabled"] = shm
+    with _writing_stdout():
+        if as_json:
+            print(json.dumps(figures))
+        else:
+            print_figures(figures, _table_console())
 
 
 # `kvpool replay` (trace replay, issue 6) lives in cli/replay.py; it imports kvpool.sim lazily.

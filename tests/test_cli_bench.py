@@ -1,0 +1,117 @@
+"""`kvpool bench` against real clusters: what it measures, and that it leaves the cache as it
+found it (its keys removed however it ends, a run that would evict refused, bad flags refused
+before it connects)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import wait_until
+
+from kvpool import Store
+
+BENCH_PREFIX = "kvpool-bench/"
+
+
+def kvpool_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpool.cli.main", *args], capture_output=True, timeout=120)
+
+
+def bench_keys(store: Store) -> list[str]:
+    return [key for key in store.list_objects("^kvpool-bench/", 100_000).keys]
+
+
+def test_bench_measures_the_cluster_and_leaves_its_objects_as_they_were(make_cluster):
+    cluster = make_cluster(2, "64MiB")
+    master = ("--master", cluster.master_endpoint)
+    cached = {f"cache/{i}": os.urandom(100_000) for i in range(4)}
+    with Store(cluster.master_endpoint) as store:
+        assert store.put_batch(list(cached), list(cached.values())) == [0] * 4
+        runs = {
+            "shm": ("--total", "8MiB", "--size", "1MiB", "--rounds", "2"),
+            "tcp": ("--total", "1MiB", "--size", "64KiB", "--batch", "5", "--no-shm"),
+            "two replicas": ("--total", "4MiB", "--size", "512KiB", "--replicas", "2", "--rounds", "1"),
+        }
+        for name, flags in runs.items():
+            run = kvpool_cli("bench", *flags, "--json", *master)
+            assert run.returncode == 0, (name, run.stderr.decode()[-2000:])
+            figures = json.loads(run.stdout)
+            size, count = figures["object_size_bytes"], figures["objects"]
+            assert count * size == {"shm": 8, "tcp": 1, "two replicas": 4}[name] << 20
+            assert figures["shm_enabled"] == (name != "tcp")
+            rounds = {"shm": 2, "tcp": 3, "two replicas": 1}[name]  # --rounds, or its default (3)
+            assert figures["rounds"] == len(figures["seconds_per_round"]) == rounds
+            for phase in ("put", "get"):
+                assert 0 < figures[phase]["gbps_min"] <= figures[phase]["gbps"] <= figures[phase]["gbps_max"]
+                assert figures[phase]["objects_per_s"] > 0
+            assert 0 < figures["single_get_us"]["p50"] <= figures["single_get_us"]["p99"]
+            held = figures["replicas_by_segment"]
+            assert sum(held.values()) == count * figures["replica_num"], held
+            if name == "two replicas":  # on distinct segments: both nodes hold every object
+                assert sorted(held.values()) == [count, count], held
+            assert bench_keys(store) == [], name
+        assert store.get_batch(list(cached)) == list(cached.values())
+        table = kvpool_cli("bench", "--total", "2MiB", "--rounds", "1", *master)
+        out = table.stdout.decode()
+        assert table.returncode == 0 and "put" in out and "get" in out and "one-object get: p50" in out, out
+        assert b"Traceback" not in table.stderr
+
+
+def test_bench_refuses_a_run_that_would_evict_cached_objects(make_cluster):
+    cluster = make_cluster(1, "32MiB")
+    with Store(cluster.master_endpoint) as store:
+        store.put("cache/kept", b"k" * 1000)
+        refused = kvpool_cli("bench", "--total", "32MiB", "--master", cluster.master_endpoint)
+        message = b" ".join(refused.stderr.split())
+        assert refused.returncode == 1 and b"would evict cached objects" in message, message
+        assert bench_keys(store) == [] and store.get("cache/kept") == b"k" * 1000
+        # Two replicas need twice the room.
+        twice = kvpool_cli("bench", "--total", "20MiB", "--replicas", "2", "--master", cluster.master_endpoint)
+        assert twice.returncode == 1 and b"2 replica(s)" in twice.stderr, twice.stderr
+
+
+def test_bench_flags_that_cannot_work_are_usage_errors_before_it_connects():
+    nowhere = ("--master", "127.0.0.1:1")  # never dialled: the flags are checked first
+    for flags, said in (
+        (("--size", "0"), b"--size 0 bytes"),
+        (("--size", "2GiB"), b"1 byte to 1 GiB"),
+        (("--size", "1MiB", "--total", "1KiB"), b"less than one object"),
+        (("--batch", "0"), b"--batch 0"),
+        (("--rounds", "0"), b"--rounds 0"),
+        (("--replicas", "9"), b"--replicas 9"),
+        (("--size", "lots"), b"not a size"),
+        (("--total", "1TiB"), b"of memory"),
+    ):
+        run = kvpool_cli("bench", *flags, *nowhere)
+        assert run.returncode == 2 and said in b" ".join(run.stderr.split()), (flags, run.stderr)
+        assert b"Traceback" not in run.stderr
+    unreachable = kvpool_cli("bench", "--total", "1MiB", *nowhere)
+    assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr
+
+
+def test_an_interrupted_bench_removes_what_it_wrote(make_cluster):
+    """SIGINT (Ctrl-C) or SIGTERM in the middle of a run: the keys it wrote are removed before
+    it exits, so no bench object stays in the cache."""
+    cluster = make_cluster(1, "64MiB")
+    with Store(cluster.master_endpoint) as store:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            bench = subprocess.Popen(
+                [sys.executable, "-m", "kvpool.cli.main", "bench", "--total", "16MiB", "--size", "64KiB",
+                 "--batch", "8", "--rounds", "100000", "--master", cluster.master_endpoint],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                wait_until(lambda: bench_keys(store), timeout_s=30)
+                bench.send_signal(sig)
+                _, err = bench.communicate(timeout=30)
+            finally:
+                if bench.poll() is None:
+                    bench.kill()
+                    bench.wait()
+            assert bench.returncode == 128 + sig, (sig, bench.returncode, err[-2000:])
+            assert b"Traceback" not in err, err[-2000:]
+            assert bench_keys(store) == [], sig
