@@ -31,6 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvpool import limits
+from kvpool.cli.config_file import load_settings
 from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NoAvailableHandle, RpcTimeout
 
@@ -88,6 +89,14 @@ TokenFileOption = Annotated[
         "--token-file", envvar="KVPOOL_TOKEN_FILE",
         help="File holding the cluster token (or set KVPOOL_TOKEN). Without a token, servers "
         "bind loopback only.",
+    ),
+]  # fmt: skip
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--config", envvar="KVPOOL_CONFIG", is_eager=True, callback=load_settings,
+        help="TOML file of settings, a table per command ([master], [node]) keyed by option name "
+        "(memory = \"64GiB\"). The command line wins, then KVPOOL_* variables, then the file.",
     ),
 ]  # fmt: skip
 MASTER_DEFAULT = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
@@ -362,6 +371,7 @@ def master(
     ] = limits.EVICTION_POLICY_DEFAULT,
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     log_level: LogLevelOption = LogLevel.info,
+    config: ConfigOption = None,
 ) -> None:
     """Run the metadata master (no object bytes pass through it)."""
     import uvloop
@@ -471,6 +481,7 @@ def node(
                      "long, then leave (0: leave at once).", min=0, max=limits.DRAIN_TIMEOUT_MS_MAX),
     ] = 0,
     log_level: LogLevelOption = LogLevel.info,
+    config: ConfigOption = None,
 ) -> None:
     """Run a storage node: contributes a DRAM segment (and a disk tier) to the pool and serves its bytes."""
     import uvloop

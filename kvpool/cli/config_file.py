@@ -1,0 +1,71 @@
+"""Settings from a TOML file: `kvpool master --config FILE`, `kvpool node --config FILE`.
+
+A file holds a table per command; its keys are the command's options, as spelt on the command
+line without the leading dashes (or with underscores):
+
+    [master]
+    host = "0.0.0.0"
+    lease-ttl-ms = 10000
+
+    [node]
+    master = "master-host:50051"
+    memory = "64GiB"
+    disk-dir = "/nvme/kvpool"
+    disk-size = "1TiB"
+
+A command reads its own table. The command line wins, then the environment (`KVPOOL_*`), then
+the file, then the defaults (click's `default_map`, which the eager `--config` option fills
+before any other option is read). A key the command does not have, a table no command reads,
+a key outside a table, or a file that is not TOML is a usage error naming it: a misspelt
+setting never passes silently.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+# The commands that take --config: the long-running ones, whose settings live in a service's files.
+COMMANDS = ("master", "node")
+
+
+def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional[Path]) -> Optional[Path]:
+    """The `--config` option's callback: the file's table for this command becomes the
+    defaults of the command's other options.
+
+    Raises:
+        typer.BadParameter: the file cannot be read or is not TOML, or holds a setting the
+            command does not have (or a table no command reads, or a key outside a table).
+    """
+    if path is None or ctx.resilient_parsing:
+        return path
+    try:
+        with open(path, "rb") as file:
+            tables = tomllib.load(file)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise typer.BadParameter(f"{path} is not TOML: {exc}") from None
+    tables_named = ", ".join(f"[{command}]" for command in COMMANDS)
+    for name, value in tables.items():
+        if not isinstance(value, dict):
+            raise typer.BadParameter(f"{path}: {name!r} is outside a table (settings go under {tables_named})")
+        if name not in COMMANDS:
+            raise typer.BadParameter(f"{path}: no command reads [{name}] (the tables are {tables_named})")
+    command = ctx.info_name or ""
+    options = {option.name: option for option in ctx.command.params if option.name != param.name}
+    defaults = {}
+    for key, value in tables.get(command, {}).items():
+        option = options.get(key.replace("-", "_"))
+        if option is None:
+            raise typer.BadParameter(f"{path}: [{command}] has no setting {key!r} (`kvpool {command} --help`)")
+        try:  # here, so that the error names the file, not an option the command line never gave
+            option.process_value(ctx, value)
+        except typer.BadParameter as exc:
+            raise typer.BadParameter(f"{path}: [{command}] {key} = {value!r}: {exc.message}") from None
+        defaults[option.name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return path

@@ -1,0 +1,84 @@
+"""`kvpool master --config FILE` and `kvpool node --config FILE`: settings from a TOML file,
+below the command line and the environment; a file that cannot be right is a usage error
+before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvpool import Store
+from kvpool.cli.launcher import spawn
+from kvpool.protocol.messages import GetReplicaList
+
+MIB = 1 << 20
+
+
+def test_master_and_nodes_take_their_settings_from_a_file(tmp_path):
+    settings = tmp_path / "kvpool.toml"
+    settings.write_text(
+        """
+[master]
+port = 0             # the default is 50051
+http-port = 0        # the default is 9100
+lease-ttl-ms = 4321
+
+[node]
+master = "127.0.0.1:1"   # node A: its environment names the real master
+memory = "16MiB"         # node A: its command line asks for 24MiB
+"""
+    )
+    processes = []
+    try:
+        master = spawn("master", ["master", "--config", str(settings)], tmp_path)
+        processes.append(master)
+        endpoint = master.info["endpoint"]
+        assert not endpoint.endswith(":50051") and master.info["http_port"] != 9100
+        processes.append(
+            spawn("node-a", ["node", "--config", str(settings), "--memory", "24MiB"], tmp_path,
+                  env={"KVPOOL_MASTER": endpoint})  # fmt: skip
+        )
+        second = tmp_path / "node-b.toml"
+        second.write_text(f'[node]\nmaster = "{endpoint}"\nmemory = "16MiB"\nshm = false\n')
+        processes.append(spawn("node-b", ["node"], tmp_path, env={"KVPOOL_CONFIG": str(second)}))
+        with Store(endpoint) as store:
+            capacities = sorted(s.segment.capacity_bytes for s in store.cluster_status().segments)
+            assert capacities == [16 * MIB, 24 * MIB], capacities
+            no_shm = [s.segment for s in store.cluster_status().segments if s.segment.capacity_bytes == 16 * MIB]
+            assert no_shm[0].shm_path == "", no_shm  # node B's `shm = false`
+            store.put("configured", b"x" * 1000)
+            assert store.get("configured") == b"x" * 1000
+            assert store._ask(GetReplicaList(["configured"])).lease_ttl_ms == 4321
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_path):
+    both = ("master", "node")
+    cases = {  # the file, what the error says, the commands it stops (the others ignore the table)
+        "unknown setting": ('[node]\nmemroy = "1GiB"\n', "[node] has no setting 'memroy'", ("node",)),
+        "another command's setting": ('[master]\nmemory = "1GiB"\n', "[master] has no setting 'memory'", ("master",)),
+        "outside a table": ('memory = "1GiB"\n', "'memory' is outside a table", both),
+        "a table nobody reads": ('[nodes]\nmemory = "1GiB"\n', "no command reads [nodes]", both),
+        "not TOML": ("[node\n", "is not TOML", both),
+        "a value of the wrong type": ('[node]\nport = "eighty"\n', "[node] port = 'eighty'", ("node",)),
+        "a value out of range": ("[master]\nport = 70000\n", "[master] port = 70000", ("master",)),
+    }
+    for name, (text, said, commands) in cases.items():
+        path = tmp_path / "bad.toml"
+        path.write_text(text)
+        for command in commands:
+            run = subprocess.run(
+                [sys.executable, "-m", "kvpool.cli.main", command, "--config", str(path)],
+                capture_output=True, timeout=60,
+            )  # fmt: skip
+            err = " ".join(run.stderr.decode().split())
+            assert run.returncode == 2 and said in err and str(path) in err, (name, command, err)
+            assert "Traceback" not in err, (name, command, err)
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "node", "--config", str(tmp_path / "absent.toml")],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and b"No such file or directory" in missing.stderr
+
