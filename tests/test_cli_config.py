@@ -82,3 +82,23 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
     )  # fmt: skip
     assert missing.returncode == 2 and b"No such file or directory" in missing.stderr
 
+
+def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_path, monkeypatch):
+    """`kvpool demo` on a production host: the deployment's settings file, DFS mount and etcd
+    in the environment are not its cluster's (its nodes used to read the file's [node] table,
+    its master to index the DFS and stand for election in etcd)."""
+    from kvpool.cli.launcher import LocalCluster
+
+    settings = tmp_path / "kvpool.toml"
+    settings.write_text('[master]\nlease-ttl-ms = 4321\n\n[node]\nmemory = "48MiB"\n')
+    dfs = tmp_path / "dfs"
+    dfs.mkdir()
+    monkeypatch.setenv("KVPOOL_CONFIG", str(settings))
+    monkeypatch.setenv("KVPOOL_DFS_DIR", str(dfs))
+    monkeypatch.setenv("KVPOOL_ETCD", "127.0.0.1:1")  # a master that followed it would not start
+    with LocalCluster(1, "16MiB") as cluster, Store(cluster.master_endpoint) as store:
+        status = store.cluster_status()
+        assert [s.segment.capacity_bytes for s in status.segments] == [16 * MIB]  # no DFS segment either
+        store.put("local", b"y" * 100)
+        assert store._ask(GetReplicaList(["local"])).lease_ttl_ms == 10_000
+    assert list(dfs.iterdir()) == []

@@ -267,6 +267,10 @@ class StartedInContext:
         self.stop()
 
 
+# What describes a deployment, and so never reaches a LocalCluster's processes.
+DEPLOYMENT_VARIABLES = ("KVPOOL_CONFIG", "KVPOOL_DFS_DIR", "KVPOOL_ETCD", "KVPOOL_CLUSTER_ID")
+
+
 class LocalCluster(StartedInContext):
     """A master and nodes as child processes. Use as a context manager: everything it started
     is stopped on exit, whatever happened."""
@@ -302,6 +306,11 @@ class LocalCluster(StartedInContext):
             "KVPOOL_LOG_LEVEL": "info",
             "KVPOOL_DEBUG_INVARIANTS": os.environ.get("KVPOOL_DEBUG_INVARIANTS", "0"),
         }
+        # A local cluster is whole in itself: what the environment says of a deployment (its
+        # settings file, its shared filesystem, its etcd) is not for it. `kvpool demo` on a
+        # production host would otherwise take the nodes' settings, write into the DFS tier,
+        # or stand for election among the real masters. (Empty is unset to the CLI.)
+        self.env.update(dict.fromkeys(DEPLOYMENT_VARIABLES, ""))
         if token:
             token_path = self.workdir / "token"
             token_path.write_text(token)
