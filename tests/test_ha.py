@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -584,6 +585,42 @@ def test_an_etcd_call_keeps_its_bound_past_frozen_members(etcd_endpoint, tmp_pat
     assert kept_s < 0.8, kept_s  # within its bound (600 ms), a margin for a busy machine
     assert 0.25 < timed_out_s < 0.5, timed_out_s
 
+
+
+def test_an_etcd_call_gives_a_slow_member_that_answers_most_of_its_bound():
+    """The member that answered last, tried first, slow but alive (300 ms), with two frozen
+    members after it: a keepalive bounded by 750 ms is answered. Shared out equally, that
+    member got 250 ms and the keepalive failed, where a bound per member answered it; a leader
+    whose etcd is slow would step down for nothing."""
+    from aiohttp import web
+
+    async def main() -> tuple[int, float]:
+        async def keepalive(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.3)
+            return web.json_response({"result": {"TTL": "10"}})
+
+        app = web.Application()
+        app.router.add_post("/v3/lease/keepalive", keepalive)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        listening = socket.create_server(("127.0.0.1", 0))
+        await web.SockSite(runner, listening).start()
+        slow = "127.0.0.1:%d" % listening.getsockname()[1]
+        frozen = socket.socket()  # listens, never accepts: connections wait in its backlog
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(8)
+        try:
+            endpoint = "127.0.0.1:%d" % frozen.getsockname()[1]
+            async with EtcdClient([slow, endpoint, endpoint]) as etcd:
+                started_s = time.monotonic()
+                ttl_ms = await etcd.keep_alive(7, timeout_ms=750)
+                return ttl_ms, time.monotonic() - started_s
+        finally:
+            frozen.close()
+            await runner.cleanup()
+
+    ttl_ms, took_s = run(main())
+    assert ttl_ms == 10_000 and took_s < 0.7, took_s
 
 # --- real processes ------------------------------------------------------------------------------
 

@@ -285,8 +285,9 @@ class EtcdClient:
         """POST to the first endpoint that answers.
 
         Each endpoint gets at most the client's request timeout. With `timeout_ms` the whole
-        call ends by then: each endpoint tried gets an equal share of the time left, so one
-        that does not answer (a frozen member, listed first) leaves the next ones time.
+        call ends by then: the first endpoint tried (the one that answered last) gets half of
+        it when others follow, and each after it an equal share of what is left, so a slow
+        member that answers keeps most of its time, and a frozen one leaves the next ones some.
 
         Raises:
             ConnectFailed: no endpoint could be reached.
@@ -302,7 +303,8 @@ class EtcdClient:
         for tried, endpoint in enumerate(rotation):
             attempt_s = self._request_timeout_ms / 1000
             if deadline_s is not None:
-                attempt_s = min(attempt_s, (deadline_s - loop.time()) / (len(rotation) - tried))
+                shares = 2 if tried == 0 and len(rotation) > 1 else len(rotation) - tried
+                attempt_s = min(attempt_s, (deadline_s - loop.time()) / shares)
                 if attempt_s <= 0:
                     timed_out = True
                     break
