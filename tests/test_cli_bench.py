@@ -12,7 +12,7 @@ import sys
 
 from conftest import wait_until
 
-from kvpool import Store
+from kvpool import ReplicateConfig, Store
 
 BENCH_PREFIX = "kvpool-bench/"
 
@@ -69,9 +69,34 @@ def test_bench_refuses_a_run_that_would_evict_cached_objects(make_cluster):
         message = b" ".join(refused.stderr.split())
         assert refused.returncode == 1 and b"would evict cached objects" in message, message
         assert bench_keys(store) == [] and store.get("cache/kept") == b"k" * 1000
-        # Two replicas need twice the room.
-        twice = kvpool_cli("bench", "--total", "20MiB", "--replicas", "2", "--master", cluster.master_endpoint)
-        assert twice.returncode == 1 and b"2 replica(s)" in twice.stderr, twice.stderr
+        # Two replicas need two segments.
+        twice = kvpool_cli("bench", "--total", "1MiB", "--replicas", "2", "--master", cluster.master_endpoint)
+        assert twice.returncode == 1 and b"--replicas 2: the cluster has 1 DRAM segment" in twice.stderr
+        # Small objects take their allocation's footprint (64 bytes at least), not their size:
+        # 160 KiB of 1-byte objects is 10 MiB of a segment that has 8.8 MiB below the watermark.
+        store.put_batch([f"cache/{i}" for i in range(20)], [b"c" * (1 << 20)] * 20)
+        tiny = kvpool_cli("bench", "--size", "1", "--total", "160KiB", "--master", cluster.master_endpoint)
+        assert tiny.returncode == 1 and b"would evict cached objects" in b" ".join(tiny.stderr.split())
+        assert store.cluster_status().evicted_count == 0 and bench_keys(store) == []
+
+
+def test_bench_keeps_each_segment_below_the_watermark(make_cluster):
+    """The master evicts segment by segment: room on one segment cannot stand in for another's.
+    Node A is 84% full of cached objects, node B empty; 24 MiB of bench objects fit the two
+    nodes' room in all, and used to be placed at random, A's share evicting cached objects."""
+    cluster = make_cluster(2, "32MiB")
+    with Store(cluster.master_endpoint) as store:
+        full = store.cluster_status().segments[0].segment.segment_id
+        cached = [f"cache/{i}" for i in range(27)]
+        config = ReplicateConfig(placement="preferred", preferred_segments=[full])
+        assert store.put_batch(cached, [b"c" * 1_000_000] * 27, config) == [0] * 27
+        run = kvpool_cli("bench", "--total", "24MiB", "--size", "256KiB", "--rounds", "4", "--json",
+                         "--master", cluster.master_endpoint)  # fmt: skip
+        assert run.returncode == 0, run.stderr.decode()[-2000:]
+        assert full not in json.loads(run.stdout)["replicas_by_segment"]
+        status = store.cluster_status()
+        assert status.evicted_count == 0 and status.object_count == 27
+        assert all(value is not None for value in store.get_batch(cached))
 
 
 def test_bench_flags_that_cannot_work_are_usage_errors_before_it_connects():
@@ -94,14 +119,15 @@ def test_bench_flags_that_cannot_work_are_usage_errors_before_it_connects():
 
 
 def test_an_interrupted_bench_removes_what_it_wrote(make_cluster):
-    """SIGINT (Ctrl-C) or SIGTERM in the middle of a run: the keys it wrote are removed before
-    it exits, so no bench object stays in the cache."""
+    """SIGINT (Ctrl-C) or SIGTERM in the middle of a run (over TCP, where most of its time is
+    inside puts and gets): the keys it wrote are removed before it exits, and no put of it is
+    left in flight, so nothing of it stays in the cache."""
     cluster = make_cluster(1, "64MiB")
     with Store(cluster.master_endpoint) as store:
         for sig in (signal.SIGINT, signal.SIGTERM):
             bench = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.cli.main", "bench", "--total", "16MiB", "--size", "64KiB",
-                 "--batch", "8", "--rounds", "100000", "--master", cluster.master_endpoint],
+                [sys.executable, "-m", "kvpool.cli.main", "bench", "--total", "16MiB", "--size", "256KiB",
+                 "--batch", "8", "--rounds", "100000", "--no-shm", "--master", cluster.master_endpoint],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
             try:
@@ -115,3 +141,39 @@ def test_an_interrupted_bench_removes_what_it_wrote(make_cluster):
             assert bench.returncode == 128 + sig, (sig, bench.returncode, err[-2000:])
             assert b"Traceback" not in err, err[-2000:]
             assert bench_keys(store) == [], sig
+            # Nor a put in flight: the run stops between two calls, never inside one (a put
+            # cut in its middle stayed pending, then its ranges quarantined for minutes).
+            status = store.cluster_status()
+            assert status.pending_count == 0, sig
+            wait_until(lambda: store.cluster_status().segments[0].used_bytes == 0)  # drops acknowledged
+
+
+def test_a_bench_whose_master_stops_answering_says_the_error_and_what_it_left(make_cluster):
+    """The master frozen mid-run: the run's own error is said first, then that its objects
+    may be left, with the command that removes them; that command works once it is back."""
+    cluster = make_cluster(1, "64MiB")
+    with Store(cluster.master_endpoint) as store:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "bench", "--total", "8MiB", "--size", "64KiB",
+             "--rounds", "100000", "--master", cluster.master_endpoint],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            wait_until(lambda: bench_keys(store), timeout_s=30)
+            os.kill(cluster.master.pid, signal.SIGSTOP)
+            try:
+                _, err = bench.communicate(timeout=60)
+            finally:
+                os.kill(cluster.master.pid, signal.SIGCONT)
+        finally:
+            if bench.poll() is None:
+                bench.kill()
+                bench.wait()
+        said = b" ".join(err.split())
+        assert bench.returncode == 1 and b"Traceback" not in err, err[-2000:]
+        left = said.index(b"its objects may be left in the cluster")
+        assert said.index(b"error: bench:") > left  # the run's own error, the last line
+        command = said[said.index(b"kvpool rm --regex") :].split(b"' --force")[0] + b"' --force"
+        regex = command.split(b"'")[1].decode()
+        removed = kvpool_cli("rm", "--regex", regex, "--force", "--master", cluster.master_endpoint)
+        assert removed.returncode == 0 and bench_keys(store) == []

@@ -3,24 +3,38 @@
 An operator's check of a deployment, from the host it runs on, through one Store: it puts
 `--total` bytes as objects of `--size` in batches of `--batch` with the zero-copy API, reads
 them back into a second buffer, checks every byte, then times gets of one object at a time.
-Each round removes what it wrote before the next, and the run removes its keys however it ends
-(`kvpool-bench/<run id>/...`, an error or Ctrl-C included), so the cache's own objects are not
-touched. A run that would fill the DRAM tier past the eviction watermark is refused before
-anything is written: it would evict cached objects to measure itself.
+
+It leaves the cache's own objects alone:
+- Its keys (`kvpool-bench/<run id>/...`) are removed after each round, and however the run
+  ends: an error, or SIGINT or SIGTERM, which stop the run between two calls, never inside one
+  (a put cut in its middle holds its ranges at the master for minutes, pending and then
+  quarantined, and a cache evicts for that room).
+- Each batch goes to the DRAM segments with the most room left below the eviction watermark
+  (placement "preferred"), planned before each round from what the master reports, so that no
+  segment passes the watermark; a run that does not fit is refused before anything is
+  written. The master evicts segment by segment, so the room of one segment cannot stand in
+  for another's. The watermark is the master's default (the master does not report its own),
+  and writers other than the bench use room meanwhile: what it keeps clear of is the room at
+  the start of each round.
 
 The figures are the client's view: a TCP client measures the network and the nodes, a
-same-host client (shm, the default) the memory copies. benchmarks/ holds the side-by-side
-measurements against the machine's own limits.
+same-host client (shm, the default) the memory copies. GB/s count each object once, whatever
+its replicas. benchmarks/ holds the side-by-side measurements against the machine's limits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import math
 import os
 import secrets
+import signal
 import statistics
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,16 +46,23 @@ from rich.table import Table
 from kvpool import limits
 from kvpool.client.sync import Store
 from kvpool.config import exact_size
-from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, TransferFailed
+from kvpool.master.allocator import footprint_bytes
 from kvpool.protocol.messages import TIER_DRAM, ClusterStatusReply, ReplicateConfig
 
 KEY_PREFIX = "kvpool-bench/"
+# Objects a run may hold: each is a key on the client and a record at the master.
+OBJECTS_MAX = 1 << 20
 # One-object gets: this many at most, for at most this long.
 SINGLE_GETS_MAX = 200
 SINGLE_GETS_SECONDS_MAX = 2.0
 # The run holds two copies of --total (what it puts, what it reads back): at most this share
 # of the machine's memory.
 MEMORY_SHARE_MAX = 0.5
+# After a round's keys are removed, their room comes back once the nodes acknowledge the
+# drops: the next round waits for it this long at most.
+ROOM_WAIT_S = 5.0
+ROOM_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -58,13 +79,27 @@ class BenchPlan:
     def total_bytes(self) -> int:
         return self.object_size * self.object_count
 
+    def batches(self) -> Iterator[tuple[int, int]]:
+        """(start, end) of each call's objects."""
+        for start in range(0, self.object_count, self.batch):
+            yield start, min(start + self.batch, self.object_count)
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM came during the run; it stopped between two calls."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
 
 def plan_bench(object_size: int, total_bytes: int, batch: int, rounds: int, replica_num: int) -> BenchPlan:
-    """The run the flags ask for.
+    """The run the flags ask for (`total_bytes` rounded down to whole objects).
 
     Raises:
-        InvalidParams: a size no object can have, fewer bytes than one object, a batch or a
-            replica count the master refuses, or more than this machine can hold twice.
+        InvalidParams: a size no object can have, fewer bytes than one object, more objects
+            than a run holds, a batch or a replica count the master refuses, or more than this
+            machine can hold twice.
     """
     if not 0 < object_size <= limits.OBJECT_SIZE_BYTES_MAX:
         largest = exact_size(limits.OBJECT_SIZE_BYTES_MAX)
@@ -72,6 +107,11 @@ def plan_bench(object_size: int, total_bytes: int, batch: int, rounds: int, repl
     if total_bytes < object_size:
         raise InvalidParams(
             f"--total {exact_size(total_bytes)}: less than one object of --size {exact_size(object_size)}"
+        )
+    if total_bytes // object_size > OBJECTS_MAX:
+        raise InvalidParams(
+            f"--total {exact_size(total_bytes)} / --size {exact_size(object_size)}: more than {OBJECTS_MAX:,} "
+            "objects; give a larger --size or a smaller --total"
         )
     if not 0 < batch <= limits.BATCH_KEYS_MAX:
         raise InvalidParams(f"--batch {batch}: a batch holds 1 to {limits.BATCH_KEYS_MAX} objects")
@@ -89,101 +129,232 @@ def plan_bench(object_size: int, total_bytes: int, batch: int, rounds: int, repl
     return plan
 
 
-def dram_room_bytes(status: ClusterStatusReply, watermark: float = limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT) -> int:
-    """Bytes the active DRAM segments take before the master starts evicting (at the default
-    watermark: the master's own is not reported)."""
-    room = 0
-    for segment in status.segments:
-        if segment.segment.tier == TIER_DRAM and segment.state == "active":
-            room += max(0, int(segment.segment.capacity_bytes * watermark) - segment.used_bytes)
-    return room
+def room_below_watermark(
+    status: ClusterStatusReply, watermark: float = limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT
+) -> dict[str, int]:
+    """Per active DRAM segment, the bytes it takes before the master starts evicting from it
+    (at the default watermark: the master does not report its own)."""
+    return {
+        s.segment.segment_id: int(s.segment.capacity_bytes * watermark) - s.used_bytes
+        for s in status.segments
+        if s.segment.tier == TIER_DRAM and s.state == "active"
+    }
 
 
-def check_room(plan: BenchPlan, status: ClusterStatusReply) -> None:
-    """Raises InvalidParams when the run would push DRAM past the eviction watermark."""
-    needed = plan.total_bytes * plan.replica_num
-    room = dram_room_bytes(status)
-    if needed > room:
-        raise InvalidParams(
-            f"--total {exact_size(plan.total_bytes)} x {plan.replica_num} replica(s) is more than the "
-            f"cluster's DRAM takes before it evicts ({room >> 20} MiB free below the watermark): the run "
-            "would evict cached objects; give a smaller --total"
-        )
-
-
-def run_bench(store: Store, plan: BenchPlan, console: Console) -> dict:
-    """Put, get and check `plan` through `store`, `plan.rounds` times, then time one-object
-    gets; returns the figures (medians over the rounds, and each round's). Removes its keys
-    on the way out, whatever happens.
+def place_batches(plan: BenchPlan, room: dict[str, int]) -> list[list[str]]:
+    """For each batch, the segments of its replicas: those with the most room left after the
+    batches before it, so that none passes the watermark.
 
     Raises:
-        TransferFailed: a put was refused or a get missed or read other bytes.
-        KVPoolError: the cluster failed the run (the master unreachable, ...).
+        InvalidParams: the batches do not fit (said in terms of the flags).
     """
-    run_id = secrets.token_hex(4)
-    prefix = f"{KEY_PREFIX}{run_id}/"
+    left = [(-bytes_left, segment_id) for segment_id, bytes_left in room.items()]
+    heapq.heapify(left)
+    footprint = footprint_bytes(plan.object_size)
+    placed: list[list[str]] = []
+    for start, end in plan.batches():
+        need = footprint * (end - start)
+        chosen = [heapq.heappop(left) for _ in range(min(plan.replica_num, len(left)))]
+        if len(chosen) < plan.replica_num or -chosen[-1][0] < need:
+            segments = f"{len(room)} DRAM segment{'' if len(room) == 1 else 's'}"
+            if not room:
+                raise InvalidParams("the cluster has no active DRAM segment to measure")
+            if len(room) < plan.replica_num:
+                raise InvalidParams(f"--replicas {plan.replica_num}: the cluster has {segments}")
+            free = f"{max(0, sum(room.values())) / (1 << 20):.1f} MiB"
+            raise InvalidParams(
+                f"--total {exact_size(plan.total_bytes)} x {plan.replica_num} replica(s) in batches of "
+                f"{plan.batch} does not fit below the eviction watermark of the cluster's {segments} ({free} "
+                "free there in all): the run would evict cached objects; give a smaller --total or --batch"
+            )
+        for bytes_left, segment_id in chosen:
+            heapq.heappush(left, (bytes_left + need, segment_id))
+        placed.append([segment_id for _, segment_id in chosen])
+    return placed
+
+
+@contextlib.contextmanager
+def interrupts_between_calls() -> Iterator[Callable[[], None]]:
+    """Within the block, SIGINT and SIGTERM are noted instead of raised; the `check` it yields
+    raises Interrupted once one came. A second one raises KeyboardInterrupt at once (a cleanup
+    that hangs can still be cut short). Outside the main thread it changes nothing."""
+    came: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        if came:
+            raise KeyboardInterrupt
+        came.append(signum)
+
+    def check() -> None:
+        if came:
+            raise Interrupted(came[0])
+
+    if threading.current_thread() is not threading.main_thread():
+        yield check
+        return
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield check
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_bench(store: Store, plan: BenchPlan, console: Console, check: Callable[[], None] = lambda: None) -> dict:
+    """Put, get and check `plan` through `store`, `plan.rounds` times, then time one-object
+    gets; returns the figures (medians over the rounds, and each round's). `check` is called
+    between two calls, and may raise to stop the run. Removes its keys on the way out,
+    whatever happens (a key it cannot remove is said, with the command that removes it).
+
+    Raises:
+        InvalidParams: the run does not fit the cluster's room (place_batches).
+        TransferFailed: a put was refused, or a get missed or read other bytes.
+        KVPoolError: the cluster failed the run (the master unreachable, ...).
+        Interrupted: `check` raised.
+    """
+    place_batches(plan, room_below_watermark(store.cluster_status()))  # before the buffers: said at once
+    prefix = f"{KEY_PREFIX}{secrets.token_hex(4)}/"
     keys = [f"{prefix}{i:08d}" for i in range(plan.object_count)]
-    size = plan.object_size
     source = np.random.default_rng().integers(0, 256, plan.total_bytes, dtype=np.uint8)
     target = np.zeros_like(source)
     sources = store.register_buffer(source)
-    targets = store.register_buffer(target)
-    config = ReplicateConfig(replica_num=plan.replica_num)
+    try:
+        targets = store.register_buffer(target)
+        try:
+            return _run_rounds(store, plan, console, check, keys, sources, targets, source, target)
+        finally:
+            store.unregister_buffer(targets)
+    finally:
+        store.unregister_buffer(sources)
+
+
+def _run_rounds(
+    store: Store,
+    plan: BenchPlan,
+    console: Console,
+    check: Callable[[], None],
+    keys: list[str],
+    sources: int,
+    targets: int,
+    source: np.ndarray,
+    target: np.ndarray,
+) -> dict:
+    size = plan.object_size
     rounds: list[dict[str, float]] = []
+    placement: list[list[str]] = []
+
+    def put(index: int, start: int, end: int) -> None:
+        config = ReplicateConfig(
+            replica_num=plan.replica_num, placement="preferred", preferred_segments=placement[index]
+        )
+        addresses = [sources + i * size for i in range(start, end)]
+        codes = store.batch_put_from(keys[start:end], addresses, [size] * (end - start), config)
+        failed = [ErrorCode(c).name for c in codes if c != ErrorCode.OK]
+        if failed:
+            raise TransferFailed(f"{len(failed)} of {len(codes)} puts refused: {dict(Counter(failed))}")
+
+    def get(index: int, start: int, end: int) -> None:
+        addresses = [targets + i * size for i in range(start, end)]
+        got = store.batch_get_into(keys[start:end], addresses, [size] * (end - start))
+        missed = [keys[start + i] for i, n in enumerate(got) if n != size]
+        if missed:
+            raise TransferFailed(f"{len(missed)} of {len(got)} gets missed, the first {missed[0]!r}")
+
     try:
         for round_index in range(plan.rounds):
             label = f"round {round_index + 1}/{plan.rounds}"
-
-            def put(start: int, end: int) -> None:
-                codes = store.batch_put_from(
-                    keys[start:end], [sources + i * size for i in range(start, end)], [size] * (end - start), config
-                )
-                failed = [ErrorCode(c).name for c in codes if c != ErrorCode.OK]
-                if failed:
-                    raise TransferFailed(f"{len(failed)} of {len(codes)} puts refused: {Counter(failed)}")
-
-            def get(start: int, end: int) -> None:
-                got = store.batch_get_into(
-                    keys[start:end], [targets + i * size for i in range(start, end)], [size] * (end - start)
-                )
-                missed = [keys[start + i] for i, n in enumerate(got) if n != size]
-                if missed:
-                    raise TransferFailed(f"{len(missed)} of {len(got)} gets missed, the first {missed[0]!r}")
-
-            put_s = _timed_batches(console, f"{label}: put", plan, put)
-            get_s = _timed_batches(console, f"{label}: get", plan, get)
+            placement = _placement_when_room(store, plan, check, waits=round_index > 0)
+            put_s = _timed_batches(console, f"{label}: put", plan, put, check)
+            get_s = _timed_batches(console, f"{label}: get", plan, get, check)
             if not np.array_equal(source, target):
                 raise TransferFailed("a get read back other bytes than were put")
             target.fill(0)  # so that the next round's gets are checked too
             rounds.append({"put_s": put_s, "get_s": get_s})
             if round_index + 1 < plan.rounds:
-                store.remove_by_regex(f"^{prefix}", force=True)
-        single_us = _single_gets_us(store, keys, targets, size)
-        placement = _replicas_by_segment(store, keys)
-    finally:
-        store.remove_by_regex(f"^{prefix}", force=True)
-        store.unregister_buffer(sources)
-        store.unregister_buffer(targets)
-    return _figures(plan, rounds, single_us, placement)
+                _remove(store, keys)
+        single_us = _single_gets_us(store, keys, targets, size, check)
+        held = _replicas_by_segment(store, keys)
+    except BaseException:
+        with contextlib.suppress(KVPoolError):  # said below, if it failed; the first error wins
+            _remove(store, keys)
+        if _left_behind(store, keys):
+            _say_left_behind(console, keys)
+        raise
+    _remove(store, keys)
+    return _figures(plan, rounds, single_us, held)
 
 
-def _timed_batches(console: Console, label: str, plan: BenchPlan, action: Callable[[int, int], None]) -> float:
-    # A bar where someone watches; nothing in a log or a pipe.
+def _placement_when_room(store: Store, plan: BenchPlan, check: Callable[[], None], waits: bool) -> list[list[str]]:
+    """The batches' segments from the room the master reports now. After a round, its removed
+    keys' room comes back as their nodes acknowledge the drops: it is waited for, a while."""
+    deadline_s = time.monotonic() + (ROOM_WAIT_S if waits else 0)
+    while True:
+        try:
+            return place_batches(plan, room_below_watermark(store.cluster_status()))
+        except InvalidParams:
+            if time.monotonic() >= deadline_s:
+                raise
+        check()
+        time.sleep(ROOM_POLL_S)
+
+
+def _remove(store: Store, keys: list[str]) -> None:
+    """Remove the run's keys (with force: those under a lease of its own gets, and any put
+    of them still in flight), a batch at a time: the master looks up each key, where a
+    pattern would have it scan its whole table."""
+    for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
+        store.batch_remove(keys[start : start + limits.BATCH_KEYS_MAX], force=True)
+
+
+def _left_behind(store: Store, keys: list[str]) -> bool:
+    """Whether any of the run's keys may still be in the cluster (True when it cannot tell)."""
+    try:
+        for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
+            if any(store.batch_exists(keys[start : start + limits.BATCH_KEYS_MAX])):
+                return True
+    except KVPoolError:
+        return True
+    return False
+
+
+def _say_left_behind(console: Console, keys: list[str]) -> None:
+    prefix = keys[0].rsplit("/", 1)[0] + "/"
+    console.print(
+        f"bench: its objects may be left in the cluster; remove them with "
+        f"kvpool rm --regex '^{prefix}' --force",
+        markup=False,
+    )
+
+
+def _timed_batches(
+    console: Console,
+    label: str,
+    plan: BenchPlan,
+    action: Callable[[int, int, int], None],
+    check: Callable[[], None],
+) -> float:
+    """Seconds `action(index, start, end)` took over the plan's batches, `check` between them
+    (untimed). A bar where someone watches; nothing in a log or a pipe."""
+    elapsed = 0.0
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(label, total=plan.object_count)
-        started = time.perf_counter()
-        for start in range(0, plan.object_count, plan.batch):
-            end = min(start + plan.batch, plan.object_count)
-            action(start, end)
+        for index, (start, end) in enumerate(plan.batches()):
+            check()
+            started = time.perf_counter()
+            action(index, start, end)
+            elapsed += time.perf_counter() - started
             progress.advance(task, end - start)
-        return time.perf_counter() - started
+    return elapsed
 
 
-def _single_gets_us(store: Store, keys: list[str], targets: int, size: int) -> list[float]:
+def _single_gets_us(
+    store: Store, keys: list[str], targets: int, size: int, check: Callable[[], None]
+) -> list[float]:
     """Latencies of gets of one object, the objects in turn."""
     samples: list[float] = []
     deadline_s = time.perf_counter() + SINGLE_GETS_SECONDS_MAX
     while len(samples) < SINGLE_GETS_MAX and time.perf_counter() < deadline_s:
+        check()
         index = len(samples) % len(keys)
         started = time.perf_counter_ns()
         got = store.get_into(keys[index], targets + index * size, size)
@@ -201,7 +372,12 @@ def _replicas_by_segment(store: Store, keys: list[str]) -> dict[str, int]:
     return dict(sorted(held.items()))
 
 
-def _figures(plan: BenchPlan, rounds: list[dict[str, float]], single_us: list[float], placement: dict) -> dict:
+def _percentile(ordered: list[float], fraction: float) -> float:
+    """The nearest-rank percentile of sorted samples."""
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def _figures(plan: BenchPlan, rounds: list[dict[str, float]], single_us: list[float], held: dict) -> dict:
     total, count = plan.total_bytes, plan.object_count
 
     def rates(phase: str) -> dict[str, float]:
@@ -224,10 +400,10 @@ def _figures(plan: BenchPlan, rounds: list[dict[str, float]], single_us: list[fl
         "get": rates("get"),
         "single_get_us": {
             "count": len(ordered),
-            "p50": round(ordered[len(ordered) // 2], 1),
-            "p99": round(ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)], 1),
+            "p50": round(statistics.median(ordered), 1),
+            "p99": round(_percentile(ordered, 0.99), 1),
         },
-        "replicas_by_segment": placement,
+        "replicas_by_segment": held,
         "seconds_per_round": [{k: round(v, 6) for k, v in r.items()} for r in rounds],
     }
 

@@ -33,7 +33,7 @@ from rich.table import Table
 from kvpool import limits
 from kvpool.cli.config_file import load_settings
 from kvpool.config import parse_flag, parse_size, token_from
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NoAvailableHandle, RpcTimeout
+from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
 
 if TYPE_CHECKING:
     from kvpool.client.sync import Store
@@ -885,30 +885,29 @@ def bench(
     rounds: Annotated[int, typer.Option(help="Rounds of put then get; the figures are their medians.")] = 3,
     replicas: Annotated[int, typer.Option(help="Replicas of each object, on distinct segments.")] = 1,
     shm: Annotated[
-        bool,
-        typer.Option(envvar="KVPOOL_SHM",
-                     help="Copy through shared memory where a node is on this host (--no-shm: TCP only)."),
-    ] = True,
+        Optional[bool],
+        typer.Option(help="Copy through shared memory where a node is on this host (--no-shm: TCP only; "
+                     "default: KVPOOL_SHM, else on).", show_default=False),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
     """Measure put and get throughput and one-object get latency of a running cluster from
     this host (its own keys, removed at the end; refused if it would evict cached objects)."""
-    from kvpool.cli.bench import check_room, plan_bench, print_figures, run_bench
-    from kvpool.cli.launcher import sigterm_as_interrupt
+    from kvpool.cli.bench import Interrupted, interrupts_between_calls, plan_bench, print_figures, run_bench
 
     try:
         plan = plan_bench(parse_size(size), parse_size(total), batch, rounds, replicas)
     except KVPoolError as exc:
         raise _fail(str(exc), 2) from None
-    with _connected("bench", master, token_file, shm_enabled=shm) as store:
+    if shm is None:  # as every object command reads it (_store)
+        shm = parse_flag(os.environ.get("KVPOOL_SHM") or "1")
+    with interrupts_between_calls() as check, _connected("bench", master, token_file, shm_enabled=shm) as store:
         try:
-            check_room(plan, store.cluster_status())
-        except InvalidParams as exc:
-            raise _fail(f"bench: {exc}") from None
-        with sigterm_as_interrupt():
-            figures = run_bench(store, plan, err_console)
+            figures = run_bench(store, plan, err_console, check)
+        except Interrupted as exc:
+            raise typer.Exit(128 + exc.signum) from None
     figures["master"] = master
     figures["shm_enabled"] = shm
     with _writing_stdout():
