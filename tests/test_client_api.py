@@ -970,6 +970,44 @@ def test_a_sync_get_interrupted_in_its_reads_gives_its_read_leases_back():
                 time.sleep(0.02)
 
 
+def test_a_sync_put_interrupted_while_it_waits_or_writes_gives_its_keys_back(monkeypatch):
+    """Ctrl-C while a sync Store's put waited for its put_start answer, or wrote to a node,
+    in the caller's thread: the put was left pending at the master, the keys refused puts
+    (REPLICA_IS_NOT_READY) until the discard timeout (30 s), and the ranges of the first
+    stayed quarantined for the release timeout after. Now an answer that comes after the
+    interrupt has its grants given back, and a put interrupted in its writes is revoked."""
+    from kvpool.transports.blocking import BlockingConnection
+
+    with cluster_on_a_thread() as endpoint, Store(endpoint, shm_enabled=False) as store:
+        value = os.urandom(100_000)
+        store.put("warm-up", value)  # the caller thread's own connection to the master
+        receive = BlockingConnection._receive
+
+        def interrupted_once(self, deadline):
+            monkeypatch.setattr(BlockingConnection, "_receive", receive)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(BlockingConnection, "_receive", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            store.put("waited", value)
+        write = store._nodes.write
+
+        def interrupted(batches):
+            raise KeyboardInterrupt
+
+        store._nodes.write = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            store.put("wrote", value)
+        store._nodes.write = write
+        deadline = time.monotonic() + 3
+        while (codes := store.put_batch(["waited", "wrote"], [value, value])) != [0, 0]:
+            assert set(codes) <= {0, ErrorCode.REPLICA_IS_NOT_READY}, codes
+            assert time.monotonic() < deadline, f"the interrupted puts stayed pending: {codes}"
+            time.sleep(0.02)
+        assert store.get_batch(["waited", "wrote"]) == [value, value]
+        assert store.cluster_status().pending_count == 0
+
+
 @pytest.mark.parametrize("shm_enabled", [False, True])
 def test_a_node_checks_write_grants_against_the_masters_clock_not_its_own(monkeypatch, caplog, shm_enabled):
     """A write grant expires 30 s after its put started, in the master's time. A node whose

@@ -683,10 +683,14 @@ class Store:
         if reply is None:
             return None
         job = async_store._put_job(message, parts, reply)
-        job.copy_local()
-        if len(keys) >= PUT_PIECES_FROM_KEYS:
-            self._put_was_local = not job.remote
-        failed = self._nodes.write(job.remote) if job.remote else []
+        try:
+            job.copy_local()
+            if len(keys) >= PUT_PIECES_FROM_KEYS:
+                self._put_was_local = not job.remote
+            failed = self._nodes.write(job.remote) if job.remote else []
+        except BaseException:  # Ctrl-C in a copy or a write, a write that raised: the keys go back
+            self._give_up([job])
+            raise
         if failed is None:  # not for this thread's own connections: through the loop
             return self._run(async_store._put_finish(job))
         return self._put_settled(job, failed)

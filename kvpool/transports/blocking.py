@@ -59,6 +59,10 @@ LATE_REPLY_WAIT_MS = limits.PUT_DISCARD_TIMEOUT_MS_DEFAULT
 PAST_DEADLINE_GRACE_S = 0.01
 LATE_REPLY_READERS_MAX = 8
 _late_reply_readers = threading.BoundedSemaphore(LATE_REPLY_READERS_MAX)
+# A wait for a reply cut short, the request gone: by the timeout, or by an interrupt (Ctrl-C,
+# or a signal handler that raises one). The reply may still come, and what it grants is given
+# back by the request's `late_reply`.
+_CUT_SHORT = (RpcTimeout, KeyboardInterrupt)
 
 
 class BlockingConnection:
@@ -173,7 +177,7 @@ class BlockingConnection:
             frame = self._receive(deadline)
             if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
                 raise RpcFailed(f"{self.peer} sent an unexpected frame for request {request_id}")
-        except RpcTimeout:
+        except _CUT_SHORT:
             if late_reply is None or not self._hand_over_for_late_replies({request_id: late_reply}):
                 self.close()
             raise
@@ -332,7 +336,7 @@ class BlockingConnection:
                     raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
                 if frame.request_id != request_id:
                     self._early[frame.request_id], frame = frame, None
-        except RpcTimeout:
+        except _CUT_SHORT:
             if not late_replies or not self._hand_over_for_late_replies(late_replies):
                 self.close()
             raise
