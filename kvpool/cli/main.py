@@ -225,15 +225,19 @@ def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exi
     return _fail(f"{command} {_shown(key)}: {message}")
 
 
+def _shm_from_environment() -> bool:
+    """KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
+    commands use TCP even on the nodes' host; set empty, it is unset."""
+    return parse_flag(os.environ.get("KVPOOL_SHM") or "1")
+
+
 def _store(
     master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None, shm_enabled: bool | None = None
 ) -> Store:
     from kvpool.client.sync import Store
 
-    # KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
-    # commands use TCP even on the nodes' host; set empty, it is unset.
     if shm_enabled is None:
-        shm_enabled = parse_flag(os.environ.get("KVPOOL_SHM") or "1")
+        shm_enabled = _shm_from_environment()
     try:
         token = _token(token_file)
     except KVPoolError as exc:
@@ -901,8 +905,8 @@ def bench(
         plan = plan_bench(parse_size(size), parse_size(total), batch, rounds, replicas)
     except KVPoolError as exc:
         raise _fail(str(exc), 2) from None
-    if shm is None:  # as every object command reads it (_store)
-        shm = parse_flag(os.environ.get("KVPOOL_SHM") or "1")
+    if shm is None:
+        shm = _shm_from_environment()
     with interrupts_between_calls() as check, _connected("bench", master, token_file, shm_enabled=shm) as store:
         try:
             figures = run_bench(store, plan, err_console, check)
