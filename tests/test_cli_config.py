@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from kvpool import Store
 from kvpool.cli.launcher import spawn
 from kvpool.protocol.messages import GetReplicaList
@@ -64,6 +66,11 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
         "not TOML": ("[node\n", "is not TOML", both),
         "a value of the wrong type": ('[node]\nport = "eighty"\n', "[node] port = 'eighty'", ("node",)),
         "a value out of range": ("[master]\nport = 70000\n", "[master] port = 70000", ("master",)),
+        "a list": ('[node]\nmemory = ["1GiB"]\n', "give a single value", ("node",)),
+        "a yes/no for a number": ("[master]\nport = true\n", "not a yes/no setting", ("master",)),
+        "an empty path": ('[node]\ndisk-dir = ""\n', "empty (remove the line", ("node",)),
+        "a setting twice": ('[node]\ndisk-dir = "/a"\ndisk_dir = "/b"\n', "sets 'disk_dir' twice", ("node",)),
+        "an array of tables": ("[[master]]\nport = 1\n", "[[master]] is an array of tables", both),
     }
     for name, (text, said, commands) in cases.items():
         path = tmp_path / "bad.toml"
@@ -84,21 +91,44 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
 
 
 def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_path, monkeypatch):
-    """`kvpool demo` on a production host: the deployment's settings file, DFS mount and etcd
-    in the environment are not its cluster's (its nodes used to read the file's [node] table,
-    its master to index the DFS and stand for election in etcd)."""
+    """`kvpool demo` on a production host: the deployment's settings file, DFS mount, etcd and
+    token in the environment are not its cluster's (its nodes used to read the file's [node]
+    table, its master to index the DFS and stand for election in etcd, and its servers to
+    require the deployment's token of the demo's own client)."""
     from kvpool.cli.launcher import LocalCluster
 
     settings = tmp_path / "kvpool.toml"
-    settings.write_text('[master]\nlease-ttl-ms = 4321\n\n[node]\nmemory = "48MiB"\n')
+    settings.write_text('[master]\nlease-ttl-ms = 4321\n\n[node]\nshm = false\n')
     dfs = tmp_path / "dfs"
     dfs.mkdir()
     monkeypatch.setenv("KVPOOL_CONFIG", str(settings))
     monkeypatch.setenv("KVPOOL_DFS_DIR", str(dfs))
     monkeypatch.setenv("KVPOOL_ETCD", "127.0.0.1:1")  # a master that followed it would not start
+    monkeypatch.setenv("KVPOOL_TOKEN", "the-deployment's")  # its servers would refuse this client
     with LocalCluster(1, "16MiB") as cluster, Store(cluster.master_endpoint) as store:
         status = store.cluster_status()
         assert [s.segment.capacity_bytes for s in status.segments] == [16 * MIB]  # no DFS segment either
+        assert status.segments[0].segment.shm_path != ""  # not the file's `shm = false`
         store.put("local", b"y" * 100)
         assert store._ask(GetReplicaList(["local"])).lease_ttl_ms == 10_000
     assert list(dfs.iterdir()) == []
+
+
+def test_a_token_in_the_environment_wins_over_a_token_file_in_the_settings_file(tmp_path):
+    """The precedence holds for the token too, which the commands read from KVPOOL_TOKEN
+    themselves (it is no option's variable): a settings file's `token-file` used to win."""
+    from kvpool.errors import Unauthorized
+
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file")
+    token_file.chmod(0o600)
+    settings = tmp_path / "kvpool.toml"
+    settings.write_text(f'[master]\nport = 0\nhttp-port = 0\ntoken-file = "{token_file}"\n')
+    master = spawn("master", ["master", "--config", str(settings)], tmp_path, env={"KVPOOL_TOKEN": "from-the-env"})
+    try:
+        with Store(master.info["endpoint"], token="from-the-env") as store:
+            assert store.cluster_status().segments == []
+        with pytest.raises(Unauthorized):
+            Store(master.info["endpoint"], token="from-the-file", connect_timeout_ms=2_000)
+    finally:
+        master.stop()

@@ -22,6 +22,8 @@ setting never passes silently.
 
 from __future__ import annotations
 
+import datetime
+import os
 import tomllib
 from pathlib import Path
 from typing import Optional
@@ -37,8 +39,9 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
     defaults of the command's other options.
 
     Raises:
-        typer.BadParameter: the file cannot be read or is not TOML, or holds a setting the
-            command does not have (or a table no command reads, or a key outside a table).
+        typer.BadParameter: the file cannot be read or is not TOML; it holds a setting the
+            command does not have (or twice), a value of a kind or range the option refuses,
+            a table no command reads, or a key outside a table.
     """
     if path is None or ctx.resilient_parsing:
         return path
@@ -51,21 +54,43 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
         raise typer.BadParameter(f"{path} is not TOML: {exc}") from None
     tables_named = ", ".join(f"[{command}]" for command in COMMANDS)
     for name, value in tables.items():
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            raise typer.BadParameter(f"{path}: [[{name}]] is an array of tables (the tables are {tables_named})")
         if not isinstance(value, dict):
             raise typer.BadParameter(f"{path}: {name!r} is outside a table (settings go under {tables_named})")
         if name not in COMMANDS:
             raise typer.BadParameter(f"{path}: no command reads [{name}] (the tables are {tables_named})")
     command = ctx.info_name or ""
     options = {option.name: option for option in ctx.command.params if option.name != param.name}
-    defaults = {}
+    defaults: dict[str, object] = {}
     for key, value in tables.get(command, {}).items():
         option = options.get(key.replace("-", "_"))
         if option is None:
             raise typer.BadParameter(f"{path}: [{command}] has no setting {key!r} (`kvpool {command} --help`)")
+        if option.name in defaults:
+            raise typer.BadParameter(f"{path}: [{command}] sets {key!r} twice")
+        where = f"{path}: [{command}] {key} = {value!r}"
+        _check_kind(where, option, value)
         try:  # here, so that the error names the file, not an option the command line never gave
             option.process_value(ctx, value)
         except typer.BadParameter as exc:
-            raise typer.BadParameter(f"{path}: [{command}] {key} = {value!r}: {exc.message}") from None
+            raise typer.BadParameter(f"{where}: {exc.message}") from None
         defaults[option.name] = value
+    # The token in the environment (KVPOOL_TOKEN) is read by the command itself, after its token
+    # file: a token file from the settings file gives way to it, as the environment wins.
+    if os.environ.get("KVPOOL_TOKEN"):
+        defaults.pop("token_file", None)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return path
+
+
+def _check_kind(where: str, option: object, value: object) -> None:
+    """Refuse what an option would read as something else: no option takes a list, a table or
+    a date (they would become their text), a yes/no only a flag (`port = true` would be port
+    1), and an empty text means the working directory for a path (remove the line instead)."""
+    if isinstance(value, (list, dict, datetime.date, datetime.time)):
+        raise typer.BadParameter(f"{where}: give a single value")
+    if isinstance(value, bool) and not getattr(option, "is_flag", False):
+        raise typer.BadParameter(f"{where}: not a yes/no setting")
+    if value == "":
+        raise typer.BadParameter(f"{where}: empty (remove the line to leave it unset)")

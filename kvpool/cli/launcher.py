@@ -268,7 +268,9 @@ class StartedInContext:
 
 
 # What describes a deployment, and so never reaches a LocalCluster's processes.
-DEPLOYMENT_VARIABLES = ("KVPOOL_CONFIG", "KVPOOL_DFS_DIR", "KVPOOL_ETCD", "KVPOOL_CLUSTER_ID")
+DEPLOYMENT_VARIABLES = (
+    "KVPOOL_CONFIG", "KVPOOL_DFS_DIR", "KVPOOL_ETCD", "KVPOOL_CLUSTER_ID", "KVPOOL_TOKEN", "KVPOOL_TOKEN_FILE",
+)
 
 
 class LocalCluster(StartedInContext):
@@ -307,9 +309,10 @@ class LocalCluster(StartedInContext):
             "KVPOOL_DEBUG_INVARIANTS": os.environ.get("KVPOOL_DEBUG_INVARIANTS", "0"),
         }
         # A local cluster is whole in itself: what the environment says of a deployment (its
-        # settings file, its shared filesystem, its etcd) is not for it. `kvpool demo` on a
-        # production host would otherwise take the nodes' settings, write into the DFS tier,
-        # or stand for election among the real masters. (Empty is unset to the CLI.)
+        # settings file, its shared filesystem, its etcd, its token) is not for it. `kvpool
+        # demo` on a production host would otherwise take the nodes' settings, write into the
+        # DFS tier, stand for election among the real masters, or require the deployment's
+        # token of its own client. (Empty is unset to the CLI; `token` sets its own below.)
         self.env.update(dict.fromkeys(DEPLOYMENT_VARIABLES, ""))
         if token:
             token_path = self.workdir / "token"

@@ -375,7 +375,7 @@ def master(
     ] = limits.EVICTION_POLICY_DEFAULT,
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     log_level: LogLevelOption = LogLevel.info,
-    config: ConfigOption = None,
+    settings: ConfigOption = None,
 ) -> None:
     """Run the metadata master (no object bytes pass through it)."""
     import uvloop
@@ -485,7 +485,7 @@ def node(
                      "long, then leave (0: leave at once).", min=0, max=limits.DRAIN_TIMEOUT_MS_MAX),
     ] = 0,
     log_level: LogLevelOption = LogLevel.info,
-    config: ConfigOption = None,
+    settings: ConfigOption = None,
 ) -> None:
     """Run a storage node: contributes a DRAM segment (and a disk tier) to the pool and serves its bytes."""
     import uvloop
