@@ -523,12 +523,24 @@ def test_resolver_without_a_leader_says_not_leader(etcd_endpoint):
     run(main())
 
 
+@contextlib.contextmanager
+def _frozen_etcd_member(tmp_path):
+    """The endpoint of an etcd frozen by SIGSTOP (TCP accepts, nothing answers) for the block."""
+    from kvpool.cli.launcher import LocalEtcd
+
+    with LocalEtcd(tmp_path) as frozen:
+        assert frozen.process is not None
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        try:
+            yield frozen.endpoint
+        finally:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+
+
 def test_resolver_with_a_frozen_etcd_member_keeps_its_bound_and_goes_to_the_live_one(etcd_endpoint, tmp_path):
     """An etcd member frozen by SIGSTOP (TCP accepts, nothing answers) listed first: a lookup
     used to give it the whole bound, and every endpoint after it as much again (two of them:
     twice the bound), and every later lookup began with it again."""
-    from kvpool.cli.launcher import LocalEtcd
-
     cluster_id = new_cluster_id()
 
     async def main(frozen: str) -> list[float]:
@@ -543,13 +555,8 @@ def test_resolver_with_a_frozen_etcd_member_keeps_its_bound_and_goes_to_the_live
             resolver.forget()
         return took_s
 
-    with LocalEtcd(tmp_path) as frozen:
-        assert frozen.process is not None
-        os.kill(frozen.process.pid, signal.SIGSTOP)
-        try:
-            first_s, second_s = run(main(frozen.endpoint))
-        finally:
-            os.kill(frozen.process.pid, signal.SIGCONT)
+    with _frozen_etcd_member(tmp_path) as frozen:
+        first_s, second_s = run(main(frozen))
     assert first_s < 0.8, first_s  # within its bound (600 ms), a margin for a busy machine
     assert second_s < 0.2, second_s  # straight to the member that answered
 
@@ -559,8 +566,6 @@ def test_an_etcd_call_keeps_its_bound_past_frozen_members(etcd_endpoint, tmp_pat
     listed first used to get the client's whole request timeout each (1 s), so the keepalive
     took 2 s whatever its bound; now each gets a share of the bound and the live one answers
     within it. A bound all frozen members use up is a timeout at the bound."""
-    from kvpool.cli.launcher import LocalEtcd
-
     async def main(frozen: str) -> tuple[float, float]:
         async with EtcdClient([etcd_endpoint]) as etcd:
             lease_id, _ = await etcd.grant_lease(10_000)
@@ -575,16 +580,10 @@ def test_an_etcd_call_keeps_its_bound_past_frozen_members(etcd_endpoint, tmp_pat
             timed_out_s = time.monotonic() - started_s
         return kept_s, timed_out_s
 
-    with LocalEtcd(tmp_path) as frozen:
-        assert frozen.process is not None
-        os.kill(frozen.process.pid, signal.SIGSTOP)
-        try:
-            kept_s, timed_out_s = run(main(frozen.endpoint))
-        finally:
-            os.kill(frozen.process.pid, signal.SIGCONT)
+    with _frozen_etcd_member(tmp_path) as frozen:
+        kept_s, timed_out_s = run(main(frozen))
     assert kept_s < 0.8, kept_s  # within its bound (600 ms), a margin for a busy machine
     assert 0.25 < timed_out_s < 0.5, timed_out_s
-
 
 
 def test_an_etcd_call_gives_a_slow_member_that_answers_most_of_its_bound():
