@@ -177,3 +177,18 @@ def test_a_bench_whose_master_stops_answering_says_the_error_and_what_it_left(ma
         regex = command.split(b"'")[1].decode()
         removed = kvpool_cli("rm", "--regex", regex, "--force", "--master", cluster.master_endpoint)
         assert removed.returncode == 0 and bench_keys(store) == []
+
+
+def test_bench_plans_below_the_masters_own_watermark(make_cluster):
+    """A master that evicts above half of each segment: 24 MiB fit a 32 MiB node below the
+    default watermark (0.90), not below this one, and the bench used to assume the default."""
+    cluster = make_cluster(1, "32MiB", master_args=("--evict-watermark-high", "0.5", "--evict-ratio", "0.05"))
+    with Store(cluster.master_endpoint) as store:
+        store.put("cache/kept", b"k" * 1000)
+        assert store.cluster_status().evict_watermark_high == 0.5
+        refused = kvpool_cli("bench", "--total", "24MiB", "--master", cluster.master_endpoint)
+        assert refused.returncode == 1 and b"would evict cached objects" in b" ".join(refused.stderr.split())
+        fits = kvpool_cli("bench", "--total", "12MiB", "--rounds", "1", "--master", cluster.master_endpoint)
+        assert fits.returncode == 0, fits.stderr.decode()[-2000:]
+        status = store.cluster_status()
+        assert status.evicted_count == 0 and store.get("cache/kept") == b"k" * 1000

@@ -13,9 +13,8 @@ It leaves the cache's own objects alone:
   (placement "preferred"), planned before each round from what the master reports, so that no
   segment passes the watermark; a run that does not fit is refused before anything is
   written. The master evicts segment by segment, so the room of one segment cannot stand in
-  for another's. The watermark is the master's default (the master does not report its own),
-  and writers other than the bench use room meanwhile: what it keeps clear of is the room at
-  the start of each round.
+  for another's. The watermark is the one the master reports; writers other than the bench use
+  room meanwhile: what it keeps clear of is the room at the start of each round.
 
 The figures are the client's view: a TCP client measures the network and the nodes, a
 same-host client (shm, the default) the memory copies. GB/s count each object once, whatever
@@ -129,11 +128,10 @@ def plan_bench(object_size: int, total_bytes: int, batch: int, rounds: int, repl
     return plan
 
 
-def room_below_watermark(
-    status: ClusterStatusReply, watermark: float = limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT
-) -> dict[str, int]:
+def room_below_watermark(status: ClusterStatusReply) -> dict[str, int]:
     """Per active DRAM segment, the bytes it takes before the master starts evicting from it
-    (at the default watermark: the master does not report its own)."""
+    (at the master's watermark; the default's, from a master too old to report it)."""
+    watermark = status.evict_watermark_high or limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT
     return {
         s.segment.segment_id: int(s.segment.capacity_bytes * watermark) - s.used_bytes
         for s in status.segments

@@ -774,7 +774,7 @@ class MasterService:
         ]
         return ClusterStatusReply(
             statuses, len(self._table), len(self._table.pending), self.counters.evictions,
-            self._tier_statuses(),
+            self._tier_statuses(), self.config.evict_watermark_ratio_high,
         )
 
     # --- client side: removes -----------------------------------------------------------

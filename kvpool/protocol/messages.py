@@ -373,6 +373,9 @@ class ClusterStatusReply(Message, tag=27):
     pending_count: int
     evicted_count: int
     tiers: list[TierStatus] = []  # appended with the tiers; empty from an older master
+    # Appended: the master's --evict-watermark-high (eviction starts above it, segment by
+    # segment; kvpool bench plans below it); 0.0 from an older master.
+    evict_watermark_high: float = 0.0
 
     def segment_infos(self) -> dict[str, SegmentInfo]:
         """The mounted segments by id: where a replica named by its segment id lies."""
@@ -384,6 +387,7 @@ class ClusterStatusReply(Message, tag=27):
             "object_count": self.object_count,
             "pending_count": self.pending_count,
             "evicted_count": self.evicted_count,
+            "evict_watermark_high": self.evict_watermark_high,
             "tiers": [msgspec.structs.asdict(t) for t in self.tiers],
             "segments": [
                 {
