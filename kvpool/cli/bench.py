@@ -210,7 +210,7 @@ def run_bench(store: Store, plan: BenchPlan, console: Console, check: Callable[[
         KVPoolError: the cluster failed the run (the master unreachable, ...).
         Interrupted: `check` raised.
     """
-    place_batches(plan, room_below_watermark(store.cluster_status()))  # before the buffers: said at once
+    placement = place_batches(plan, room_below_watermark(store.cluster_status()))  # before the buffers
     prefix = f"{KEY_PREFIX}{secrets.token_hex(4)}/"
     keys = [f"{prefix}{i:08d}" for i in range(plan.object_count)]
     source = np.random.default_rng().integers(0, 256, plan.total_bytes, dtype=np.uint8)
@@ -219,7 +219,7 @@ def run_bench(store: Store, plan: BenchPlan, console: Console, check: Callable[[
     try:
         targets = store.register_buffer(target)
         try:
-            return _run_rounds(store, plan, console, check, keys, sources, targets, source, target)
+            return _run_rounds(store, plan, console, check, placement, keys, sources, targets, source, target)
         finally:
             store.unregister_buffer(targets)
     finally:
@@ -231,6 +231,7 @@ def _run_rounds(
     plan: BenchPlan,
     console: Console,
     check: Callable[[], None],
+    placement: list[list[str]],
     keys: list[str],
     sources: int,
     targets: int,
@@ -239,7 +240,6 @@ def _run_rounds(
 ) -> dict:
     size = plan.object_size
     rounds: list[dict[str, float]] = []
-    placement: list[list[str]] = []
 
     def put(index: int, start: int, end: int) -> None:
         config = ReplicateConfig(
@@ -261,7 +261,8 @@ def _run_rounds(
     try:
         for round_index in range(plan.rounds):
             label = f"round {round_index + 1}/{plan.rounds}"
-            placement = _placement_when_room(store, plan, check, waits=round_index > 0)
+            if round_index:  # the first round's placement was planned before the buffers
+                placement = _placement_when_room(store, plan, check)
             put_s = _timed_batches(console, f"{label}: put", plan, put, check)
             get_s = _timed_batches(console, f"{label}: get", plan, get, check)
             if not np.array_equal(source, target):
@@ -282,10 +283,10 @@ def _run_rounds(
     return _figures(plan, rounds, single_us, held)
 
 
-def _placement_when_room(store: Store, plan: BenchPlan, check: Callable[[], None], waits: bool) -> list[list[str]]:
+def _placement_when_room(store: Store, plan: BenchPlan, check: Callable[[], None]) -> list[list[str]]:
     """The batches' segments from the room the master reports now. After a round, its removed
     keys' room comes back as their nodes acknowledge the drops: it is waited for, a while."""
-    deadline_s = time.monotonic() + (ROOM_WAIT_S if waits else 0)
+    deadline_s = time.monotonic() + ROOM_WAIT_S
     while True:
         try:
             return place_batches(plan, room_below_watermark(store.cluster_status()))
