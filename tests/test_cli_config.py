@@ -90,6 +90,29 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
     assert missing.returncode == 2 and b"No such file or directory" in missing.stderr
 
 
+def test_a_refusal_of_a_setting_from_the_file_says_the_file_set_it(tmp_path):
+    """The command's own checks name flags: when the file gave them, the error says so, for
+    the flags the command line did not give (an operator who typed no `--disk-size` would
+    otherwise look for it on the command line)."""
+    path = tmp_path / "node.toml"
+    path.write_text('[node]\ndisk-size = "1GiB"\nmemory = "0"\n')
+
+    def refusal(*args: str) -> str:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "node", "--config", str(path), *args],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode == 1, run
+        return " ".join(run.stderr.decode().split())
+
+    said = refusal("--memory", "64MiB")
+    assert "--disk-size needs --disk-dir" in said and f"(--disk-size: from [node] in {path})" in said, said
+    said = refusal("--memory", "0", "--disk-dir", str(tmp_path))  # the command line's: no note
+    assert "--memory 0 out of" in said and "from [node]" not in said, said
+    said = refusal("--disk-dir", str(tmp_path))
+    assert "--memory 0 out of" in said and f"(--memory: from [node] in {path})" in said, said
+
+
 def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_path, monkeypatch):
     """`kvpool demo` on a production host: the deployment's settings file, DFS mount, etcd and
     token in the environment are not its cluster's (its nodes used to read the file's [node]

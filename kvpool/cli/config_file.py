@@ -22,8 +22,10 @@ setting never passes silently.
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Optional
@@ -32,6 +34,11 @@ import typer
 
 # The commands that take --config: the long-running ones, whose settings live in a service's files.
 COMMANDS = ("master", "node")
+
+# The command whose settings a file gave (set by load_settings), for `flags_from_file`.
+_configured: contextvars.ContextVar[tuple[typer.Context, Path] | None] = contextvars.ContextVar(
+    "kvpool_configured", default=None
+)
 
 
 def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional[Path]) -> Optional[Path]:
@@ -81,7 +88,25 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
     if os.environ.get("KVPOOL_TOKEN"):
         defaults.pop("token_file", None)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    _configured.set((ctx, path))
     return path
+
+
+def flags_from_file(message: str) -> str:
+    """Where the flags a refusal names were set, when the settings file set them: " (--disk-size:
+    from [node] in FILE)", or "". An operator who typed no `--disk-size` is otherwise sent
+    looking at a command line that does not hold it."""
+    configured = _configured.get()
+    if configured is None:
+        return ""
+    ctx, path = configured
+    flags = [flag for flag in dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", message)) if _is_from_file(ctx, flag)]
+    return f" ({', '.join(flags)}: from [{ctx.info_name}] in {path})" if flags else ""
+
+
+def _is_from_file(ctx: typer.Context, flag: str) -> bool:
+    source = ctx.get_parameter_source(flag[2:].replace("-", "_"))
+    return source is not None and source.name == "DEFAULT_MAP"  # click's enum; typer may vendor click
 
 
 def _check_kind(where: str, option: object, value: object) -> None:

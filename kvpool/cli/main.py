@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvpool import limits
-from kvpool.cli.config_file import load_settings
+from kvpool.cli.config_file import flags_from_file, load_settings
 from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
 
@@ -128,7 +128,7 @@ def _token(token_file: Optional[Path]) -> str | None:
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {escape(message)}")
+    err_console.print(f"[red]error:[/red] {escape(message + flags_from_file(message))}")
     return typer.Exit(code)
 
 
