@@ -93,9 +93,13 @@ def check_busy_poll_us(busy_poll_us: int) -> None:
 
 
 def token_from(token: str | None = None, token_file: str | None = None) -> str | None:
-    """The cluster token: an explicit value, else a file, else $KVPOOL_TOKEN, else None."""
+    """The cluster token: an explicit value, else a file, else the file $KVPOOL_TOKEN_FILE
+    names, else $KVPOOL_TOKEN, else None: the command line's order (its --token-file reads
+    $KVPOOL_TOKEN_FILE), so that an engine adapter finds the token a deployment exported for
+    every kvpool command and serving process (README, "Deploying on several machines")."""
     if token:
         return token
+    token_file = token_file or os.environ.get("KVPOOL_TOKEN_FILE") or None
     if token_file:
         try:
             text = Path(token_file).read_text().strip()

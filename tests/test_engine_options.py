@@ -10,6 +10,7 @@ from kvpool.integrations.engine_options import EngineOptions
 
 def test_values_as_json_and_yaml_give_them_are_read(tmp_path, monkeypatch):
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
     token_file = tmp_path / "token"
     token_file.write_text("secret\n")
     extra = {
@@ -35,6 +36,7 @@ def test_values_as_json_and_yaml_give_them_are_read(tmp_path, monkeypatch):
 def test_defaults_and_the_master_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVPOOL_MASTER", "10.0.0.2:50051")
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
     options = EngineOptions.read(None, "extra")
     assert (options.master, options.token, options.embedded_memory_bytes, options.shm_enabled) == (
         "10.0.0.2:50051", None, 0, True,
@@ -84,3 +86,27 @@ def test_sizes_are_read_exactly_at_any_length():
     assert parse_size("1.5KiB") == 1536
     assert parse_size("0.1GiB") == limits.GIB // 10
     assert parse_size("9" * 400) == int("9" * 400)
+
+
+def test_an_adapter_takes_the_token_file_the_deployment_exported(tmp_path, monkeypatch):
+    """The README's deployment exports KVPOOL_TOKEN_FILE on every machine "before any kvpool
+    command or serving process": the engine adapters read it as the commands do (they used to
+    read only KVPOOL_TOKEN, and vLLM and SGLang failed with Unauthorized, LMCache ran without
+    its remote backend)."""
+    from kvpool.cli.launcher import LocalCluster
+
+    exported, other = tmp_path / "exported", tmp_path / "other"
+    exported.write_text("the-cluster's\n")
+    other.write_text("another\n")
+    monkeypatch.setenv("KVPOOL_TOKEN_FILE", str(exported))
+    monkeypatch.setenv("KVPOOL_TOKEN", "loses to the file, as on the command line")
+    with LocalCluster(1, "16MiB", token="the-cluster's") as cluster:
+        options = EngineOptions.read({"master": cluster.master_endpoint}, "kv_connector_extra_config")
+        assert options.token == "the-cluster's"
+        with options.open_store() as store:
+            store.put("exported", b"z" * 100)
+            assert store.get("exported") == b"z" * 100
+    given = EngineOptions.read({"master": "127.0.0.1:1", "token_file": str(other)}, "extra")
+    assert given.token == "another"  # the adapter's own setting wins
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE")
+    assert EngineOptions.read({"master": "127.0.0.1:1"}, "extra").token == "loses to the file, as on the command line"
