@@ -52,8 +52,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvpool import Store, limits  # noqa: E402
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
-from kvpool.integrations.vllm import _hit_source  # noqa: E402
+from kvpool.integrations.vllm import _hex, _hit_source  # noqa: E402
 from kvpool.protocol.messages import Replica, SegmentInfo  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -86,10 +87,14 @@ def connector(config: VllmConfig, role: KVConnectorRole):
     return KVConnectorFactory.create_connector(config, role, kv_cache_config)
 
 
-def paged_cache(seed: int | None) -> dict[str, torch.Tensor]:
-    """FlashAttention-style layers: (2, num_blocks, block_size, kv_heads, head_size)."""
+FLASH_ATTENTION_SHAPE = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+CPU_ATTENTION_SHAPE = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)  # vLLM 0.33's CPU backend
+
+
+def paged_cache(seed: int | None, shape: tuple[int, ...] = FLASH_ATTENTION_SHAPE) -> dict[str, torch.Tensor]:
+    """Layers of `shape`, FlashAttention-style by default: (2, num_blocks, block_size,
+    kv_heads, head_size); random from `seed`, or zeros."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
     return {
         f"model.layers.{i}.self_attn.attn": (
             torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
@@ -270,6 +275,63 @@ def test_layers_that_share_one_kv_cache_save_and_load_it_once(make_cluster):
     finally:
         for side in (worker_a, worker_b, sched_a, sched_b):
             side.shutdown()
+
+
+def test_the_cpu_backends_block_first_layout_saves_and_loads_whole_blocks(make_cluster):
+    """vLLM 0.33's CPU attention (the backend this connector serves) lays a layer out block
+    first, K and V in one row: (num_blocks, kv_heads, block_size, 2 * head_size)."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    cache_a, cache_b = paged_cache(1, CPU_ATTENTION_SHAPE), paged_cache(None, CPU_ATTENTION_SHAPE)
+    worker_a.register_kv_caches(cache_a)
+    worker_b.register_kv_caches(cache_b)
+    try:
+        assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
+        assert run_worker_step(worker_b, second_turn(sched_b)) == set()
+        for name in cache_a:
+            assert torch.equal(cache_b[name][6:9], cache_a[name][5:8]), name
+            assert not cache_b[name][:6].any() and not cache_b[name][9:].any(), name
+    finally:
+        for side in (worker_a, worker_b, sched_a, sched_b):
+            side.shutdown()
+
+
+def test_a_lookup_of_more_keys_than_a_master_batch_finds_every_block(make_cluster):
+    """A master takes BATCH_KEYS_MAX keys in one batch: a prompt of more blocks (x TP x PP
+    ranks: past 65k tokens at block 16 and TP 4) was one lookup it refused, a whole miss."""
+    cluster = make_cluster(1, "64MiB")
+    sched = connector(vllm_config(cluster.master_endpoint, lookup_hold_ms=0), KVConnectorRole.SCHEDULER)
+    block_count = limits.BATCH_KEYS_MAX + 3
+    try:
+        long_prompt = request("long", list(range(block_count * BLOCK_SIZE + 1)))
+        keys = [sched._key(_hex(h), 0, 0) for h in long_prompt.block_hashes]
+        assert len(keys) == block_count
+        with Store(cluster.master_endpoint) as store:
+            for start in range(0, block_count, 4096):
+                batch = keys[start : start + 4096]
+                assert store.put_batch(batch, [b"kv"] * len(batch)) == [0] * len(batch)
+            assert sched.get_num_new_matched_tokens(long_prompt, 0) == (block_count * BLOCK_SIZE, False)
+            store.remove(keys[limits.BATCH_KEYS_MAX + 1])  # the lookup stops there, in its second batch
+            assert sched.get_num_new_matched_tokens(long_prompt, 0) == ((limits.BATCH_KEYS_MAX + 1) * BLOCK_SIZE, False)
+    finally:
+        sched.shutdown()
+
+
+def test_a_kv_cache_outside_host_memory_is_refused_at_registration(make_cluster):
+    """A GPU's cache address is not this process's memory: the first save or load would
+    memcpy from it and crash the worker. vLLM hands the worker its caches at start
+    (register_kv_caches), so that is where it must fail, naming the layer."""
+    cluster = make_cluster(1, "16MiB")
+    worker = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.WORKER)
+    try:
+        on_device = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in paged_cache(None).items()}
+        with pytest.raises(InvalidParams, match=r"layer model\.layers\.0\.self_attn\.attn: the KV cache is on meta"):
+            worker.register_kv_caches(on_device)
+        assert worker._registered == []
+    finally:
+        worker.shutdown()
 
 
 def test_a_load_that_fails_on_one_tp_rank_only_leaves_no_rank_the_blocks_computed_over_it(make_cluster):

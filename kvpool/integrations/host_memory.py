@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvpool.client.sync import Store
+from kvpool.errors import InvalidParams
 
 
 def covering_ranges(tensors: Iterable[Any]) -> list[tuple[int, int]]:
@@ -35,9 +36,14 @@ def register_tensors(store: Store, tensors: Iterable[Any]) -> list[int]:
     """Register the memory of `tensors` with `store`; returns the registered addresses.
 
     Raises:
-        InvalidParams: a range overlaps memory registered earlier, or too many buffers;
+        InvalidParams: a tensor not in host memory (a GPU's); a range overlaps memory
+            registered earlier, or too many buffers;
             the ranges registered by this call are unregistered again first.
     """
+    tensors = list(tensors)
+    for tensor in tensors:
+        if tensor.device.type != "cpu":  # its address is not this process's memory: a copy would crash it
+            raise InvalidParams(f"a tensor on {tensor.device}: kvpool moves host memory only")
     addresses = []
     try:
         for start, size in covering_ranges(tensors):

@@ -195,7 +195,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
         keys = [self._key(h, tp, pp) for h in hashes for tp, pp in ranks]
         try:
-            hit_blocks = self._store.longest_prefix(keys, self._lookup_hold_ms) // len(ranks)
+            hit_blocks = self._held_prefix(keys) // len(ranks)
         except KVPoolError as exc:
             log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
             return 0, False
@@ -228,6 +228,19 @@ class KVPoolConnector(KVConnectorBase_V1):
         )
         if state.load_async:
             self._loaded_async.add(request.request_id)
+
+    def _held_prefix(self, keys: list[str]) -> int:
+        """How many leading keys the pool holds (and holds for the load), in one round trip
+        per BATCH_KEYS_MAX keys, which a master takes in one batch: a long prompt at TP 4 and
+        block 16 has more past 65k tokens, and its whole lookup used to be refused (a miss)."""
+        found = 0
+        for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
+            batch = keys[start : start + limits.BATCH_KEYS_MAX]
+            count = self._store.longest_prefix(batch, self._lookup_hold_ms)
+            found += count
+            if count < len(batch):
+                break
+        return found
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's prefix-cache metrics by source: the tokens this request loads from the pool,
@@ -372,11 +385,17 @@ class KVPoolConnector(KVConnectorBase_V1):
         a get refuses.
 
         Raises:
-            InvalidParams: a block of some layer is not one contiguous range.
+            InvalidParams: a layer's cache is not in host memory (vLLM's CPU backend), or a
+                block of some layer is not one contiguous range.
         """
         ranges = []
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, tensor in kv_caches.items():
+            if tensor.device.type != "cpu":  # a GPU's address: the first save would crash the worker
+                raise InvalidParams(
+                    f"layer {name}: the KV cache is on {tensor.device}; kvpool's vLLM connector reads "
+                    "and writes host memory only (vLLM's CPU backend)"
+                )
             identity = (tensor.data_ptr(), tuple(tensor.shape))
             if identity in seen:
                 continue
