@@ -14,8 +14,10 @@ LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LM
       # kvpool.replica_num, kvpool.lookup_hold_ms (how long a lookup's hits are held from
       # eviction for their retrieval, default 5000; 0 = none)
 
-Do not also set `remote_url: kvpool://...`: LMCache 0.5.6 builds one remote backend per listed
-plugin and another for `remote_url`, so every chunk would be written and looked up twice.
+The adapter takes LMCache's plugin URLs only (`plugin://kvpool[.instance]`): LMCache 0.5.6
+loads a plugin's adapter only for the names in `remote_storage_plugins`, so a `remote_url`
+alone finds no adapter, and beside the plugin it builds a second remote backend (every chunk
+written and looked up twice).
 
 Each LMCache chunk is one kvpool object named by `CacheEngineKey.to_string()` (which carries
 the model, world size, worker and chunk hash). With LMCache's default `save_chunk_meta`, the
@@ -52,27 +54,22 @@ from kvpool.integrations.engine_options import EngineOptions
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "kvpool"
-URL_SCHEME = "kvpool://"
+URL_SCHEME = "plugin://"
 _PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
 
 
 class KVPoolConnectorAdapter(ConnectorAdapter):
-    """What `remote_storage_plugin.<name>.class_name` names: builds the connector for URLs
-    `kvpool://host:port` and `plugin://kvpool[.instance]`."""
+    """What `remote_storage_plugin.<name>.class_name` names: builds the connector for the
+    plugin's URLs, `plugin://kvpool[.instance]`."""
 
     def __init__(self) -> None:
         super().__init__(URL_SCHEME)
 
     def can_parse(self, url: str) -> bool:
-        if url.startswith(URL_SCHEME):
-            return True
-        return url.startswith("plugin://") and extract_plugin_type(url[len("plugin://") :]) == PLUGIN_TYPE
+        return url.startswith(URL_SCHEME) and extract_plugin_type(url[len(URL_SCHEME) :]) == PLUGIN_TYPE
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
-        master = context.url[len(URL_SCHEME) :].strip("/") if context.url.startswith(URL_SCHEME) else None
-        return KVPoolRemoteConnector(
-            context.loop, context.local_cpu_backend, context.config, context.metadata, master
-        )
+        return KVPoolRemoteConnector(context.loop, context.local_cpu_backend, context.config, context.metadata)
 
 
 class KVPoolRemoteConnector(RemoteConnector):
@@ -85,12 +82,9 @@ class KVPoolRemoteConnector(RemoteConnector):
         local_cpu_backend: Any,
         config: Any,
         metadata: Any,
-        master: str | None = None,
     ) -> None:
         super().__init__(config, metadata)
-        options = EngineOptions.read(
-            config.extra_config, "LMCache's extra_config (or remote_url kvpool://)", prefix="kvpool.", master=master
-        )
+        options = EngineOptions.read(config.extra_config, "LMCache's extra_config", prefix="kvpool.")
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._store = options.open_store()
