@@ -287,6 +287,33 @@ def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):
             backend.close()
 
 
+def test_pages_of_another_pipeline_split_are_not_found(make_cluster):
+    """The PP rank alone named a stage's pages: rank 1 of two stages split 16/16 and, by a
+    custom split, 20/12 (or of two and four stages) holds other layers in pages that can be
+    of one size. The PP size and the stage's first layer (the device pool's) are in the key."""
+    cluster = make_cluster(1, "16MiB")
+
+    def stage(pp_size: int, start_layer: int):
+        config = storage_config(cluster.master_endpoint)
+        config.pp_size, config.pp_rank = pp_size, 1
+        pool = MHAHostPool("page_first")
+        pool.device_pool = type("DevicePool", (), {"dtype": pool.dtype, "start_layer": start_layer})()
+        return create(config, pool)
+
+    writer, same, custom, deeper = stage(2, 16), stage(2, 16), stage(2, 20), stage(4, 16)
+    try:
+        assert writer.batch_set_v1(["p0"], host_indices([0])) == [True]
+        assert same.batch_exists(["p0"]) == 1
+        assert [custom.batch_exists(["p0"]), deeper.batch_exists(["p0"])] == [0, 0]
+        assert sorted(same._store.list_objects("org-tiny-model").keys) == [
+            "org-tiny-model_page_first_bfloat16_tp2_pp2from16_p0_0_1_k",
+            "org-tiny-model_page_first_bfloat16_tp2_pp2from16_p0_0_1_v",
+        ]
+    finally:
+        for backend in (writer, same, custom, deeper):
+            backend.close()
+
+
 def test_attention_context_parallelism_is_refused_at_start(make_cluster):
     cluster = make_cluster(1, "16MiB")
     config = storage_config(cluster.master_endpoint)

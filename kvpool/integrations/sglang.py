@@ -130,11 +130,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._check_page_ranges(mem_pool_host)
         # The device pool's dtype: the host pool's is how it stores bytes (uint8 for every
         # fp8 format, which would read as one another's garbage).
-        dtype = getattr(getattr(mem_pool_host, "device_pool", None), "dtype", None) or mem_pool_host.dtype
+        device_pool = getattr(mem_pool_host, "device_pool", None)
+        dtype = getattr(device_pool, "dtype", None) or mem_pool_host.dtype
         page_format = [
             str(getattr(mem_pool_host, "layout", "")),
             str(dtype).removeprefix("torch."),
             "" if self.is_mla else f"tp{self.storage_config.tp_size}",  # MLA pages: one for every rank
+            _pipeline_stage(self.storage_config.pp_size, getattr(device_pool, "start_layer", None)),
         ]
         self._page_prefix = "_".join(part for part in [self._prefix, *page_format] if part)
         self._register_pool(mem_pool_host)
@@ -568,6 +570,15 @@ def _storage_metrics_class() -> Any:
             StorageMetrics = None  # noqa: N806
         _STORAGE_METRICS.append(StorageMetrics)
     return _STORAGE_METRICS[0]
+
+
+def _pipeline_stage(pp_size: int, start_layer: int | None) -> str:
+    """What a PP rank's pages hold besides its rank: the PP size and the stage's first layer.
+    Rank 1 of two stages split 16/16 or (by a custom split) 20/12 holds other layers, in
+    pages of one size when the counts agree. "" without PP."""
+    if pp_size <= 1:
+        return ""
+    return f"pp{pp_size}" + (f"from{start_layer}" if start_layer is not None else "")
 
 
 def _page_ranges(pool: Any, host_indices: Any, page_count: int) -> list[tuple[list[int], list[int]]]:
