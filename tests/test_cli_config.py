@@ -83,6 +83,10 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
             err = " ".join(run.stderr.decode().split())
             assert run.returncode == 2 and said in err and str(path) in err, (name, command, err)
             assert "Traceback" not in err, (name, command, err)
+    path.write_bytes(b"\xff\xfe[master]\n")  # not UTF-8: was a UnicodeDecodeError traceback
+    run = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "master", "--config", str(path)],
+                         capture_output=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and b"is not TOML: not UTF-8 text" in run.stderr, run.stderr
     missing = subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", "node", "--config", str(tmp_path / "absent.toml")],
         capture_output=True, timeout=60,

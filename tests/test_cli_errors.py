@@ -211,6 +211,10 @@ def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
         assert list(shm_dir.iterdir()) == []
     finally:
         _end(node)
+    # An object command: reached and refused, not "cannot reach the master" (it was reached).
+    refused = kvpool_cli("ls", "--master", cluster.master_endpoint, "--token-file", str(wrong))
+    assert_one_error_line(refused, "error: Unauthorized: ", "wrong cluster token")
+    assert b"cannot reach" not in refused.stderr
 
 
 def test_get_of_an_object_whose_nodes_are_gone_says_so_not_not_found(make_cluster, monkeypatch):
@@ -224,4 +228,34 @@ def test_get_of_an_object_whose_nodes_are_gone_says_so_not_not_found(make_cluste
     cluster.nodes[0].kill()
     got = kvpool_cli("get", "orphan", *master)
     assert got.returncode == 2 and b"stored, but no replica could be read" in got.stderr, got.stderr
+    assert b"`kvpool stat orphan` shows where" in got.stderr, got.stderr  # was a literal {shown}
     assert kvpool_cli("get", "never-put", *master).stderr.strip().endswith(b"not found")
+
+
+def test_rm_by_pattern_says_what_it_left_and_refuses_an_empty_pattern(make_cluster):
+    """`rm --all` and `rm --regex` skip objects under a read lease, as `rm KEY` does, but said
+    "removed N object(s)" and exited 0 while the leased ones stayed; `--regex ''` (an unset
+    variable in `--regex "$PREFIX"`) removed everything; a pattern that is not UTF-8 was a
+    traceback from the frame encoder."""
+    from kvpool import Store
+
+    cluster = make_cluster(1, "16MiB")
+    master = ["--master", cluster.master_endpoint]
+    with Store(cluster.master_endpoint) as store:
+        store.put_batch(["held", "free-1", "free-2"], [b"h", b"1", b"2"])
+        empty = kvpool_cli("rm", "--regex", "", *master)
+        assert empty.returncode == 2 and b"an empty pattern matches every key" in empty.stderr, empty.stderr
+        assert store.longest_prefix(["held"], hold_ms=60_000) == 1  # a read lease, as an engine's lookup
+        by_regex = kvpool_cli("rm", "--regex", "^(held|free-1)$", *master)
+        assert by_regex.returncode == 1, by_regex.stderr
+        assert b"removed 1 object(s); 1 matching still stored, under read leases" in by_regex.stderr, by_regex.stderr
+        every = kvpool_cli("rm", "--all", *master)
+        assert every.returncode == 1 and b"removed 1 object(s); 1 matching still stored" in every.stderr, every.stderr
+        assert store.list_objects().keys == ["held"]
+        forced = kvpool_cli("rm", "--all", "--force", *master)
+        assert forced.returncode == 0 and b"removed 1 object(s)" in forced.stderr, forced.stderr
+        assert store.list_objects().keys == []
+    for command in (["ls", "\udcff"], ["rm", "--regex", "\udcff"]):
+        argv = [os.fsencode(arg) if arg.startswith("\\") else arg for arg in command]  # a byte 0xff
+        out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", *argv, *master], capture_output=True, timeout=60)
+        assert_one_error_line(out, "must be valid UTF-8 text")

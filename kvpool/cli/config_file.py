@@ -59,6 +59,8 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
         raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise typer.BadParameter(f"{path} is not TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise typer.BadParameter(f"{path} is not TOML: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     tables_named = ", ".join(f"[{command}]" for command in COMMANDS)
     for name, value in tables.items():
         if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):

@@ -33,7 +33,7 @@ from rich.table import Table
 from kvpool import limits
 from kvpool.cli.config_file import flags_from_file, load_settings
 from kvpool.config import parse_flag, parse_size, token_from
-from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout
+from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout, Unauthorized
 
 if TYPE_CHECKING:
     from kvpool.client.sync import Store
@@ -247,6 +247,8 @@ def _store(
             master, token=token, shm_enabled=shm_enabled,
             connect_timeout_ms=2_000, rpc_timeout_ms=5_000, dfs_dir=str(dfs_dir or ""),
         )  # fmt: skip
+    except Unauthorized as exc:  # reached, and refused: the token, not the network
+        raise _fail(f"Unauthorized: {exc}") from None
     except KVPoolError as exc:
         raise _fail(f"cannot reach the master at {master}: {exc}") from None
 
@@ -729,7 +731,7 @@ def get(
                 raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir", code=2)
             if replicas:
                 raise _fail(f"{shown}: stored, but no replica could be read (its nodes: down, not answering, "
-                            "or bad bytes; `kvpool stat {shown}` shows where it lives)", code=2)  # fmt: skip
+                            f"or bad bytes; `kvpool stat {shown}` shows where it lives)", code=2)  # fmt: skip
     if data is None:
         raise _fail(f"{shown}: not found", code=2)
     if output is None:
@@ -740,6 +742,9 @@ def get(
             output.write_bytes(data)
         except OSError as exc:
             raise _fail(f"get {shown}: cannot write {output}: {exc.strerror or exc}") from None
+
+
+_LEFT_SHOWN_MAX = 1000  # how many of the objects a removal left `kvpool rm` counts
 
 
 @app.command()
@@ -757,13 +762,19 @@ def rm(
         # Two of them once meant the first in an order nobody wrote down (`rm KEY --regex R`
         # removed what R matched and left KEY): a usage error now.
         raise _fail("name keys, --regex PATTERN or --all" + (", only one of them" if chosen else ""), code=2)
+    if regex == "":  # an unset shell variable in `--regex "$PREFIX"`: every key would match
+        raise _fail("--regex '': an empty pattern matches every key (--all says so)", code=2)
     for key in keys or []:
         _check_key("rm", key)
     with _connected("rm", master, token_file) as store:
-        if all_objects:
-            count = store.remove_all(force)
-        elif regex is not None:
-            count = store.remove_by_regex(regex, force)
+        if all_objects or regex is not None:
+            count = store.remove_all(force) if all_objects else store.remove_by_regex(regex or "", force)
+            left = [] if force else store.list_objects(regex or "", limit=_LEFT_SHOWN_MAX).keys
+            if left:  # under read leases (or put since): said, as `rm KEY` says it of a key
+                err_console.print(f"removed {count} object(s); {len(left)}"
+                                  f"{'+' if len(left) == _LEFT_SHOWN_MAX else ''} matching still stored, "
+                                  "under read leases or put since (--force removes leased ones)")  # fmt: skip
+                raise typer.Exit(1)
         else:
             codes = store.batch_remove(keys or [], force)
             for key, code in zip(keys or [], codes):

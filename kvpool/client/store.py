@@ -809,12 +809,16 @@ def _is_utf8(text: str) -> bool:
 def checked_args(**args: tuple[object, type]) -> None:
     """Each argument (value, its type) is of that exact type, and an int one fits msgpack: the
     master takes a request with a field of another type for a malformed frame and drops the
-    connection (RpcFailed for the caller, and every call in flight on it). Raises InvalidParams."""
+    connection (RpcFailed for the caller, and every call in flight on it); a str must be UTF-8
+    (one with a lone surrogate, as bytes decoded with surrogateescape, cannot be encoded: a
+    UnicodeEncodeError from deep in the frame encoder). Raises InvalidParams."""
     for name, (value, kind) in args.items():
         if type(value) is not kind:
             raise InvalidParams(f"{name} must be a {kind.__name__}, not {type(value).__name__}: {value!r:.100}")
         if kind is int and not 0 <= value < 2**63:  # type: ignore[operator]
             raise InvalidParams(f"{name} {value} is out of range")
+        if kind is str and not _is_utf8(value):  # type: ignore[arg-type]  # a lone surrogate: no frame holds it
+            raise InvalidParams(f"{name} must be valid UTF-8 text: {value!r:.100}")
 
 
 _config_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ReplicateConfig))
