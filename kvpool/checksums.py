@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from kvpool import page_advice
-from kvpool.process import ThreadPool
+from kvpool.process import ThreadPool, settle
 
 # Batches smaller than this are handled in the calling thread: a hand-off costs more.
 PARALLEL_BYTES_MIN = 1 << 20
@@ -230,8 +230,12 @@ def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[i
         share_bytes += size
     pool = _pool.executor()
     others = [pool.submit(lambda share=share: [function(item) for item in share]) for share in shares[1:]]
-    results = [function(item) for item in shares[0]]
-    for future in others:
-        results.extend(future.result())
+    try:
+        results = [function(item) for item in shares[0]]
+        for future in others:
+            results.extend(future.result())
+    except BaseException:  # its caller may free the buffers and ranges the others copy into
+        settle(others)
+        raise
     return results
 

@@ -1,5 +1,5 @@
 """What belongs to one process and not to a child forked from it: which fork of the process
-this is, and its thread pools.
+this is, and its thread pools (and how a call leaves work it gave them: `settle`).
 
 A child forked from a process (multiprocessing's default start method on Linux, as serving
 engines' worker pools use it) inherits a copy of the parent's objects but none of its other
@@ -16,6 +16,11 @@ import concurrent.futures
 import os
 import threading
 import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 _forks = 0
 
@@ -41,9 +46,36 @@ class ThreadPool:
                 self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self._name)
             return self._executor
 
+    def map_settled(self, function: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """[function(item) for item in items] on the pool's threads; when it raises (one
+        failed, or Ctrl-C came while the caller waited), none of them runs any more (settle)."""
+        futures = [self.executor().submit(function, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            settle(futures)
+            raise
+
     def _forget_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._executor = None  # its threads are the parent's; nothing here waits on them
+
+
+def settle(futures: Sequence[concurrent.futures.Future]) -> None:
+    """Return once none of `futures` runs: a call that raises (its own part failed, or Ctrl-C
+    came while it waited) must not leave pool threads copying into buffers and segment ranges
+    its caller then frees (an unregistered buffer, a revoked put's ranges, a raw address
+    unmapped: a crash, or the next put's bytes overwritten). Those not started are cancelled;
+    the others finish their copy (milliseconds), interrupts or not."""
+    for future in futures:
+        future.cancel()
+    pending = [future for future in futures if not future.done()]
+    while pending:
+        try:
+            concurrent.futures.wait(pending)
+        except KeyboardInterrupt:
+            pass  # the caller re-raises the first one
+        pending = [future for future in pending if not future.done()]
 
 
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
@@ -58,4 +90,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["ThreadPool", "forks"]
+__all__ = ["ThreadPool", "forks", "settle"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 from kvpool import checksums
 from kvpool.checksums import checksums_of, copies_checksummed, copy_checksummed
+from kvpool.process import ThreadPool
 
 
 def _split(data: bytes, cuts: list[int]) -> list[memoryview]:
@@ -97,3 +100,49 @@ def test_a_mixed_batch_lands_every_object_in_order() -> None:
     assert checksums_of([[memoryview(o)] for o in objects]) == expected  # each in one part
     for data, landing in zip(objects, landings):
         assert bytes(landing[: len(data)]) == data and landing[len(data) :] == b"\xee" * 9
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, ValueError])
+def test_a_split_copy_that_raises_returns_only_once_no_share_is_still_copying(monkeypatch, failure):
+    """Ctrl-C in the caller's share (or its share failing) left the pool threads copying
+    their shares after the call raised: into a buffer the caller then unregistered (a crash
+    when it was unmapped), or into a put's ranges the master then freed (the next put's bytes
+    overwritten: acknowledged puts lost)."""
+    monkeypatch.setattr(checksums, "_THREAD_COUNT", 4)
+    still_copying = threading.Event()
+    done: list[int] = []
+
+    def copy(item: int) -> int:
+        if item == 0:  # the caller's share, while the others copy
+            time.sleep(0.05)
+            raise failure()
+        still_copying.set()
+        time.sleep(0.2)
+        done.append(item)
+        return item
+
+    with pytest.raises(failure):
+        checksums._in_shares(copy, range(8), [1 << 20] * 8)
+    assert still_copying.is_set()
+    finished_by_then = sorted(done)
+    time.sleep(0.5)  # what a share left running would finish meanwhile
+    assert sorted(done) == finished_by_then and finished_by_then, (finished_by_then, done)
+
+
+def test_a_pool_map_that_raises_leaves_no_call_running():
+    pool = ThreadPool(4, "test-settle")
+    finished: list[int] = []
+
+    def work(item: int) -> int:
+        if item == 0:
+            raise KeyboardInterrupt
+        time.sleep(0.1)
+        finished.append(item)
+        return item
+
+    with pytest.raises(KeyboardInterrupt):
+        pool.map_settled(work, range(4))
+    finished_by_then = sorted(finished)
+    time.sleep(0.3)
+    assert sorted(finished) == finished_by_then, "calls ran on after map_settled raised"
+    assert pool.map_settled(lambda x: x * 2, range(5)) == [0, 2, 4, 6, 8]

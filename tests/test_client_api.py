@@ -1008,6 +1008,36 @@ def test_a_sync_put_interrupted_while_it_waits_or_writes_gives_its_keys_back(mon
         assert store.cluster_status().pending_count == 0
 
 
+def test_a_sync_put_interrupted_while_it_maps_the_segment_gives_its_keys_back(make_cluster, monkeypatch):
+    """Ctrl-C after a sync put's put_start was answered but before its job was made (a
+    Store's first put to a node's host maps that node's segment then): its grants were never
+    given back, the keys refused puts for 30 s and their ranges were quarantined for 10
+    minutes after. With 128 MiB of a 256 MiB node held so, the next puts evicted each other."""
+    from kvpool.node.segment import Segment
+
+    cluster = make_cluster(1, "64MiB")
+    open_mapped = Segment.open_mapped
+
+    def interrupted_once(*args):
+        monkeypatch.setattr(Segment, "open_mapped", open_mapped)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Segment, "open_mapped", staticmethod(interrupted_once))
+    value = os.urandom(8 << 20)
+    with Store(cluster.master_endpoint) as store:
+        with pytest.raises(KeyboardInterrupt):
+            store.put_batch(["first", "second"], [value, value])
+        deadline = time.monotonic() + 3
+        while (codes := store.put_batch(["first", "second"], [value, value])) != [0, 0]:
+            assert set(codes) <= {ErrorCode.REPLICA_IS_NOT_READY}, codes
+            assert time.monotonic() < deadline, f"the interrupted put stayed pending: {codes}"
+            time.sleep(0.02)
+        assert store.get_batch(["first", "second"]) == [value, value]
+        status = store.cluster_status()
+        assert status.pending_count == 0
+        assert sum(s.used_bytes for s in status.segments) < 17 << 20  # nothing held besides the two
+
+
 @pytest.mark.parametrize("shm_enabled", [False, True])
 def test_a_node_checks_write_grants_against_the_masters_clock_not_its_own(monkeypatch, caplog, shm_enabled):
     """A write grant expires 30 s after its put started, in the master's time. A node whose

@@ -682,7 +682,7 @@ class Store:
         reply = self._direct.ask(message, False, functools.partial(self._revoke_granted, message))
         if reply is None:
             return None
-        job = async_store._put_job(message, parts, reply)
+        job = self._put_job(message, parts, reply)
         try:
             job.copy_local()
             if len(keys) >= PUT_PIECES_FROM_KEYS:
@@ -694,6 +694,17 @@ class Store:
         if failed is None:  # not for this thread's own connections: through the loop
             return self._run(async_store._put_finish(job))
         return self._put_settled(job, failed)
+
+    def _put_job(self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
+        """The job of an answered put_start. If making it raises (Ctrl-C while it maps a node's
+        segment, on a Store's first put there), its grants go back, as a late reply's do:
+        before, they stayed pending 30 s, then quarantined for the release timeout (10
+        minutes), and a cache under that much less room evicted what it stored next."""
+        try:
+            return self._async._put_job(message, parts, reply)
+        except BaseException:
+            self._revoke_granted(message, reply)
+            raise
 
     def _revoke_granted(self, message: PutStart, reply: Message) -> None:
         """A put_start of this thread answered after it timed out: its grants are given back
@@ -746,7 +757,7 @@ class Store:
 
         def started(index: int, reply: Message) -> None:
             start, end = pieces[index]
-            job = jobs[index] = async_store._put_job(starts[index], parts[start:end], reply)
+            job = jobs[index] = self._put_job(starts[index], parts[start:end], reply)
             answered.append(job)
             job.copy_local()
 

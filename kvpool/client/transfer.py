@@ -628,7 +628,7 @@ class GetJob:
                 files.prefetch(path)  # the device reads them all at once
                 prefetched_bytes += self.reply.sizes[index]
         if len(reads) > 1:  # several files: on several threads, so the device has them all
-            sums = list(_file_readers.executor().map(lambda read: self._read_file(*read), reads))
+            sums = _file_readers.map_settled(lambda read: self._read_file(*read), reads)
         else:
             sums = [self._read_file(*read) for read in reads]
         for (index, _), checksum in zip(reads, sums):
