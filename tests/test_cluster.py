@@ -962,3 +962,29 @@ def test_wrong_or_missing_token_is_rejected(make_cluster):
     with Store(cluster.master_endpoint, token="s3cret-token") as store:
         store.put("k", b"v" * 1000)
         assert store.get("k") == b"v" * 1000
+
+
+def test_no_peer_but_its_node_mounts_unmounts_or_drains_a_live_segment(make_cluster):
+    """Any peer past the handshake could send MountSegment, UnmountSegment or DrainSegment for
+    a live node's segment: a mount bound the segment to the peer, the commits of later puts
+    went to it instead of the node, and a master restart lost every object put meanwhile; an
+    unmount took the node's objects out until it mounted again. Only the connection the node
+    mounted on changes its segment while it is live."""
+    from kvpool.errors import KVPoolError
+    from kvpool.protocol.messages import DrainSegment, MountSegment, UnmountSegment
+
+    cluster = make_cluster(1, "32MiB")
+    values = values_for("owned", 20, 10_000)
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        info = store.cluster_status().segments[0].segment
+        for message in (MountSegment(info, [], True), UnmountSegment(info.segment_id),
+                        DrainSegment(info.segment_id, 1_000)):  # fmt: skip
+            with pytest.raises(KVPoolError, match="served by another connection"):
+                store._ask(message)
+        assert [s.state for s in store.cluster_status().segments] == ["active"]
+        assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
+    cluster.master.kill()  # the node's inventory is the truth: it took the commits
+    cluster.start_master()
+    with Store(cluster.master_endpoint) as store:
+        wait_until(lambda: store.cluster_status().object_count == len(values))
+        assert store.get_batch(list(values)) == list(values.values())

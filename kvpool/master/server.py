@@ -35,7 +35,7 @@ from collections.abc import Awaitable
 from kvpool import limits
 from kvpool.config import MasterConfig, check_busy_poll_us
 from kvpool.discovery import LeaderRecord
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NotLeader
+from kvpool.errors import ErrorCode, InvalidParams, InvalidRequest, KVPoolError, NotLeader
 from kvpool.master.election import ElectionConfig, Elector
 from kvpool.master.metrics import MasterMetrics, start_http
 from kvpool.master.service import MasterService
@@ -186,6 +186,7 @@ class MasterServer:
         self.elector: Elector | None = None
         self._takeover: Takeover | None = None
         self._node_conns: dict[str, Connection] = {}
+        self._node_heard_ms: dict[str, int] = {}  # when each segment's bound link last mounted or heartbeat
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
         self._drops_failing: set[str] = set()  # segment ids whose last drop failed (logged once)
         self._server: Listener | None = None
@@ -282,6 +283,7 @@ class MasterServer:
         lost = [segment_id for segment_id, node_conn in self._node_conns.items() if node_conn is conn]
         for segment_id in lost:
             del self._node_conns[segment_id]
+            self._node_heard_ms.pop(segment_id, None)
         if lost and self.service.node_link_lost(lost):
             log.info("lost the connection to the node of %s: no puts there until it speaks again", ", ".join(lost))
 
@@ -339,8 +341,10 @@ class MasterServer:
             case ClusterStatus():
                 return service.cluster_status(message, now_ms)
             case MountSegment():
+                self._check_segment_owner(conn, message.segment.segment_id, now_ms)
                 reply = service.mount_segment(message, now_ms)
                 self._node_conns[message.segment.segment_id] = conn
+                self._node_heard_ms[message.segment.segment_id] = now_ms
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
                 log.info(
@@ -358,21 +362,50 @@ class MasterServer:
                 for segment_id in message.segment_ids:
                     bound = self._node_conns.get(segment_id)
                     if bound is None or bound.is_closed():
-                        self._node_conns[segment_id] = conn
+                        self._node_conns[segment_id] = bound = conn
+                    if bound is conn:
+                        self._node_heard_ms[segment_id] = now_ms
                 return service.heartbeat(message, now_ms)
             case UnmountSegment():
+                self._check_segment_owner(conn, message.segment_id, now_ms)
                 reply = service.unmount_segment(message, now_ms)
                 self._node_conns.pop(message.segment_id, None)
+                self._node_heard_ms.pop(message.segment_id, None)
                 self._unsent_drops.pop(message.segment_id, None)
                 self._drops_failing.discard(message.segment_id)
                 return reply
             case DrainSegment():
+                self._check_segment_owner(conn, message.segment_id, now_ms)
                 return service.drain_segment(message, now_ms)
             case ReportBadReplicas():
                 return self._verify_reported(message, now_ms)
             case ReleaseLeases():
                 return service.release_leases(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
+
+    def _check_segment_owner(self, conn: Connection, segment_id: str, now_ms: int) -> None:
+        """Refuse a mount, unmount or drain of a segment that another connection serves, live:
+        open, and heard (a mount or heartbeat) within a third of the node TTL. Any peer that
+        holds the cluster token could otherwise take a node's segment (its commits went to the
+        taker, and a master restart lost every object put meanwhile) or unmount it. A node that
+        reconnects while its old link lingers half-open is refused until that link is silent
+        that long (it retries with backoff). The master's own DFS segment is nobody's to change.
+
+        Raises:
+            InvalidRequest: the segment is another live connection's, or the DFS tier's.
+        """
+        if self._dfs_info is not None and segment_id == self._dfs_info.segment_id:
+            raise InvalidRequest(f"segment {segment_id} is the master's DFS tier: no peer mounts or unmounts it")
+        bound = self._node_conns.get(segment_id)
+        if bound is None or bound is conn or bound.is_closed():
+            return
+        silent_ms = now_ms - self._node_heard_ms.get(segment_id, 0)
+        if silent_ms < self.config.node_ttl_ms // 3:
+            raise InvalidRequest(
+                f"segment {segment_id} is served by another connection, heard {silent_ms} ms ago: "
+                f"only its node changes it (a node that reconnected is taken once its old link "
+                f"closes or stays silent {self.config.node_ttl_ms // 3} ms)"
+            )
 
     # --- flows that call nodes ----------------------------------------------------------------
 
@@ -849,6 +882,7 @@ class MasterServer:
         self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id())
         self.metrics = MasterMetrics(self.service)
         self._node_conns = {}
+        self._node_heard_ms = {}
         self._unsent_drops = {}
         self._drops_failing = set()
         self._drop_tasks = {}  # the old term's tasks end by themselves
