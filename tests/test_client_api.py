@@ -688,9 +688,9 @@ def test_a_put_cancelled_mid_write_frees_its_keys_at_once_and_its_ranges_after_t
                 writing = asyncio.Event()
                 run_batches = store._run_batches
 
-                async def writes_started(batches):
+                async def writes_started(batches, timeout_ms=None):
                     writing.set()
-                    return await run_batches(batches)
+                    return await run_batches(batches, timeout_ms)
 
                 store._run_batches = writes_started
                 task = asyncio.ensure_future(store.put_batch(keys, values))

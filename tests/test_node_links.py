@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 
+import pytest
 import xxhash
 from conftest import raw_server, requests_read
 
@@ -96,10 +97,18 @@ def request_with_payload_read(conn: socket.socket, payload: bytearray) -> int:
     return frame.request_id
 
 
-def test_a_node_that_never_reads_holds_none_of_another_nodes_write() -> None:
+@pytest.mark.parametrize(
+    "transfer_timeout_ms, grant_ttl_ms",
+    [(1_500, 0), (30_000, 1_500)],
+    ids=["the transfer timeout", "two thirds of the grants' life"],
+)
+def test_a_node_that_never_reads_holds_none_of_another_nodes_write(transfer_timeout_ms, grant_ttl_ms) -> None:
     """A put of one 4 MiB key with a replica on each of two nodes: the first never reads (a
     frame of 4 MiB cannot fit the socket buffers), the second reads it and answers. The second
-    replica is written within the deadline, the first fails, and the key counts as written."""
+    replica is written within the deadline, the first fails, and the key counts as written.
+    The deadline is the sooner of the transfer timeout and two thirds of the grants' life: a
+    writer that waited a 30 s transfer timeout out on a stalled node raced the master's
+    discard of its put (30 s too), which took the written replica with it."""
     value = os.urandom(4 * MIB)
     landed = bytearray()
     released = threading.Event()
@@ -119,13 +128,14 @@ def test_a_node_that_never_reads_holds_none_of_another_nodes_write() -> None:
             "B": SegmentInfo("B", "node-B", "elsewhere", answering, "", b"t", 1 << 30),
         }
         grants = [WriteGrant("A", 0, 4 * MIB, 0), WriteGrant("B", 0, 4 * MIB, 0)]
-        reply = PutStartReply([0], [[(0, 0), (1, 0)]], grants, segments)
+        reply = PutStartReply([0], [[(0, 0), (1, 0)]], grants, segments, grant_ttl_ms)
         job = PutJob(["k"], [[memoryview(value)]], reply, lambda info: None, put_id=1)
         assert [batch.endpoint for batch in job.remote] == [silent, answering]  # the silent first
-        links = NodeLinks(None, ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500), SlowNodes())
+        config = ClientConfig(shm_enabled=False, transfer_timeout_ms=transfer_timeout_ms)
+        links = NodeLinks(None, config, SlowNodes())
         try:
             started = time.monotonic()
-            failed = links.write(job.remote)
+            failed = links.write(job)
             assert time.monotonic() - started < 3
             assert failed == [{0}, set()]
             assert bytes(landed) == value

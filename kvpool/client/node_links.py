@@ -38,7 +38,7 @@ import time
 from kvpool import limits
 from kvpool.client.slow_nodes import SlowNodes
 from kvpool.client.thread_links import ThreadLink, ThreadLinks
-from kvpool.client.transfer import GetJob, RemoteBatch, now_monotonic_ms, write_landing
+from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, now_monotonic_ms, write_landing
 from kvpool.config import ClientConfig
 from kvpool.errors import ConnectFailed, KVPoolError, RpcTimeout, Unauthorized, error_from_code
 from kvpool.protocol.messages import ErrorReply, WriteSlices
@@ -110,14 +110,16 @@ class NodeLinks:
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
         return True
 
-    def write(self, batches: list[RemoteBatch]) -> list[set[int]] | None:
-        """Write a put's frames for other hosts' nodes (PutJob.remote: one per node, a
-        replica each) from this thread, within one transfer timeout: per batch, the key
-        indexes whose frame failed; None when it is not for this thread (see the module) and
-        nothing was sent: the caller writes through the loop."""
-        deadline = time.monotonic() + self._transfer_timeout_ms / 1000
+    def write(self, job: PutJob) -> list[set[int]] | None:
+        """Write a put's frames for other hosts' nodes (job.remote: one per node, a replica
+        each) from this thread, within its write timeout (PutJob.write_timeout_ms): per
+        batch, the key indexes whose frame failed; None when it is not for this thread (see
+        the module) and nothing was sent: the caller writes through the loop."""
+        batches = job.remote
+        timeout_ms = job.write_timeout_ms(self._transfer_timeout_ms)
+        deadline = time.monotonic() + timeout_ms / 1000
         conns = self._connections(batches, deadline)
-        return None if conns is None else self._round(batches, conns, deadline, self._transfer_timeout_ms)
+        return None if conns is None else self._round(batches, conns, deadline, timeout_ms)
 
     def _round(
         self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float, budget_ms: int

@@ -561,7 +561,7 @@ class AsyncStore:
     async def _put_finish(self, job: PutJob) -> list[int]:
         """Write the remote replicas, then put_end what was written and revoke the rest."""
         try:
-            failed = await self._run_batches(job.remote)
+            failed = await self._run_batches(job.remote, job.write_timeout_ms(self.config.transfer_timeout_ms))
         except asyncio.CancelledError:
             self._give_up(job)
             raise

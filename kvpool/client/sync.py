@@ -687,7 +687,7 @@ class Store:
             job.copy_local()
             if len(keys) >= PUT_PIECES_FROM_KEYS:
                 self._put_was_local = not job.remote
-            failed = self._nodes.write(job.remote) if job.remote else []
+            failed = self._nodes.write(job) if job.remote else []
         except BaseException:  # Ctrl-C in a copy or a write, a write that raised: the keys go back
             self._give_up([job])
             raise

@@ -296,6 +296,13 @@ class PutJob:
         self.keys = list(keys)
         self.put_id = put_id
         self.parts = parts
+        # When writes to other hosts must end by (monotonic ms): two thirds of the grants' life
+        # from now (the put_start was answered just before), the rest left for the put_end.
+        # A writer that waited the whole transfer timeout (30 s, as long as the grants) on one
+        # stalled node raced the master's discard: the replicas it did write were lost with
+        # the put, and every key failed.
+        grant_ttl_ms = reply.grant_ttl_ms or limits.PUT_DISCARD_TIMEOUT_MS_DEFAULT
+        self.writes_deadline_ms = now_monotonic_ms() + grant_ttl_ms * 2 // 3
         self.checksums: list[int] = []
         self.codes: list[int] = []
         self.needs_end: list[bool] = []
@@ -409,6 +416,11 @@ class PutJob:
         end = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] == _OK]
         revoke = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] != _OK]
         return end, revoke
+
+    def write_timeout_ms(self, transfer_timeout_ms: int) -> int:
+        """How long the writes to other hosts may take from now: the transfer timeout, within
+        writes_deadline_ms (at least 1 ms: a write that cannot end in time fails, not hangs)."""
+        return max(1, min(transfer_timeout_ms, self.writes_deadline_ms - now_monotonic_ms()))
 
     def unwritten_ends(self) -> tuple[list[str], list[str]]:
         """The keys of a put given up before its put_end: those with a write to another host

@@ -138,7 +138,7 @@ class _Grants:
         )
 
     def reply(self) -> PutStartReply:
-        return PutStartReply(self.codes, self.placements, self.grants, self.segments)
+        return PutStartReply(self.codes, self.placements, self.grants, self.segments, self._expiry_ms - self._now_ms)
 
 
 def merge_retried(reply: PutStartReply, again: PutStartReply, retried: list[int]) -> None:

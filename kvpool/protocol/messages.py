@@ -238,6 +238,10 @@ class PutStartReply(Message, tag=11):
     placements: list[list[tuple[int, int]]]
     grants: list[WriteGrant]
     segments: dict[str, SegmentInfo]
+    # How long the grants last from the put_start (the master's put_discard_timeout_ms): a
+    # writer ends its writes well within it, so that what it wrote can still be put_end'ed.
+    # Appended: 0 from an older master.
+    grant_ttl_ms: int = 0
 
     def replicas_of(self, index: int) -> list[tuple[WriteGrant, int]]:
         """Key `index`'s replicas: (the grant covering it, its offset inside the grant)."""
