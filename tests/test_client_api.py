@@ -460,6 +460,23 @@ def test_a_replicate_config_field_of_the_wrong_type_is_invalid_params_and_the_co
     )
 
 
+def test_a_value_that_is_not_contiguous_bytes_is_invalid_params():
+    """put(k, "text"), put(k, None), a strided numpy view: memoryview's TypeError came out
+    of the put, where the API promises InvalidParams."""
+    strided = np.arange(64, dtype=np.uint8)[::2]
+    bad_values = [("str", "text"), ("NoneType", None), ("int", 5), ("ndarray", strided)]
+    with cluster_on_a_thread() as endpoint, Store(endpoint) as store:
+        for name, value in bad_values:
+            with pytest.raises(InvalidParams, match=f"value 0: {name} is not contiguous bytes"):
+                store.put("k", value)
+            with pytest.raises(InvalidParams, match=f"value 1: {name} is not contiguous bytes"):
+                store.put_batch(["a", "b"], [b"fine", value])
+        assert not store.exists("k") and not store.exists("a")
+    refused_on_an_async_store(
+        [(lambda s, v=value: s.put("k", v), InvalidParams, f"{name} is not contiguous") for name, value in bad_values]
+    )
+
+
 def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):
     from kvpool.client.transfer import GetJob
 

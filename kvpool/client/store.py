@@ -228,7 +228,7 @@ class AsyncStore:
         """Store many objects with one master round trip per phase; one ErrorCode per key."""
         if len(keys) != len(values):
             raise InvalidParams(f"{len(keys)} keys but {len(values)} values")
-        return await self._put_parts(keys, [[memoryview(v).cast("B")] for v in values], config)
+        return await self._put_parts(keys, value_views(values), config)
 
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss (absent, evicted, lease lapsed, bad replica)."""
@@ -804,6 +804,22 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def value_views(values: Sequence[BytesLike]) -> list[list[memoryview]]:
+    """Each value as the one byte view a put sends. Raises InvalidParams, naming the first
+    value that is not a contiguous bytes-like object (a str, None, a strided numpy view),
+    where memoryview's TypeError came out of the put before. (A size out of range is the
+    master's per-key INVALID_PARAMS, as for the other keys of a batch.)"""
+    try:
+        return [[memoryview(value).cast("B")] for value in values]
+    except TypeError:
+        for index, value in enumerate(values):
+            try:
+                memoryview(value).cast("B")
+            except TypeError as exc:
+                raise InvalidParams(f"value {index}: {type(value).__name__} is not contiguous bytes ({exc})") from None
+        raise
 
 
 def checked_args(**args: tuple[object, type]) -> None:

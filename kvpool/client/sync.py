@@ -61,6 +61,7 @@ from kvpool.client.store import (
     object_size,
     prefix_count,
     query_reply,
+    value_views,
 )
 from kvpool.client.thread_links import ThreadLink, ThreadLinks
 from kvpool.client.transfer import GetJob, PutJob, ended_each, new_put_id, now_monotonic_ms, put_end_of_each
@@ -521,7 +522,7 @@ class Store:
     ) -> list[int]:
         if len(keys) != len(values):
             raise InvalidParams(f"{len(keys)} keys but {len(values)} values")
-        return self._put([[memoryview(v).cast("B")] for v in values], keys, config)
+        return self._put(value_views(values), keys, config)
 
     def get(self, key: str) -> bytes | None:
         return self.get_batch([key])[0]
