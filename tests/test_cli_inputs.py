@@ -176,3 +176,12 @@ def test_ls_limit_out_of_range_is_a_usage_error_naming_it(limit: str) -> None:
     result = CliRunner().invoke(app, ["ls", "--limit", limit, "--master", "127.0.0.1:1"])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--limit'" in result.output, result.output
+
+
+def test_version_names_the_release_and_the_wire_version() -> None:
+    """Peers of another wire version refuse each other: an operator checks it across machines."""
+    import kvpool
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"kvpool {kvpool.__version__} (wire version {limits.FRAME_VERSION})"

@@ -51,6 +51,26 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import kvpool
+
+        # The wire version decides who talks to whom: peers of another one refuse each other.
+        print(f"kvpool {kvpool.__version__} (wire version {limits.FRAME_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _kvpool(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """kvpool: a pooled KV-cache store. Host DRAM of many servers as one cache for LLM serving."""
+
+
 console = Console()
 # soft_wrap: a message is one line however long (a terminal folds it; a log file keeps it whole).
 err_console = Console(stderr=True, soft_wrap=True)
