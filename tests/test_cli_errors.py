@@ -259,3 +259,11 @@ def test_rm_by_pattern_says_what_it_left_and_refuses_an_empty_pattern(make_clust
         argv = [os.fsencode(arg) if arg.startswith("\\") else arg for arg in command]  # a byte 0xff
         out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", *argv, *master], capture_output=True, timeout=60)
         assert_one_error_line(out, "must be valid UTF-8 text")
+
+
+def test_a_put_refused_for_want_of_a_segment_says_so(make_cluster):
+    """A master with no node answered a put with "the cache is full of objects in use, or the
+    object is larger than every segment": neither was true."""
+    cluster = make_cluster(0)
+    refused = kvpool_cli("put", "k", "--master", cluster.master_endpoint, stdin=b"v")
+    assert_one_error_line(refused, "no segment takes puts now (segments: none mounted)")

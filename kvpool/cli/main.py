@@ -691,8 +691,7 @@ def put(
         try:
             store.put(key, data, ReplicateConfig(replica_num=replicas))
         except NoAvailableHandle as exc:
-            raise _fail(f"{exc} (no segment had room for {len(data)} bytes: the cache is full of objects in use, "
-                        "or the object is larger than every segment; `kvpool stat` shows them)") from None
+            raise _fail(f"{exc} ({_why_no_room(store, len(data))}; `kvpool stat` shows the segments)") from None
         placed = replicas
         if replicas > 1:
             # The master places replicas on distinct segments, as many as it can: fewer than
@@ -762,6 +761,21 @@ def get(
             output.write_bytes(data)
         except OSError as exc:
             raise _fail(f"get {shown}: cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _why_no_room(store: Store, size: int) -> str:
+    """Why no segment took `size` bytes, as far as the cluster's status tells: no segment
+    takes puts (none mounted, or none active: unreachable, draining), or the active ones are
+    full of objects in use, or smaller than the object."""
+    try:
+        segments = store.cluster_status().segments
+    except KVPoolError:
+        segments = None
+    if segments is not None and not any(s.state == "active" for s in segments):
+        states = ", ".join(sorted({s.state for s in segments})) or "none mounted"
+        return f"no segment takes puts now (segments: {states})"
+    return (f"no segment had room for {size} bytes: the cache is full of objects in use, or the object is "
+            "larger than every segment")
 
 
 _LEFT_SHOWN_MAX = 1000  # how many of the objects a removal left `kvpool rm` counts
