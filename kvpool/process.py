@@ -13,7 +13,9 @@ by an ancestor, whose sockets it must leave alone (client/sync.py, client/pool.p
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
+import resource
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -21,6 +23,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+log = logging.getLogger(__name__)
 
 _forks = 0
 
@@ -78,6 +82,22 @@ def settle(futures: Sequence[concurrent.futures.Future]) -> None:
         pending = [future for future in pending if not future.done()]
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; returns the limit
+    now. Every connection holds a descriptor, and a node's disk read one more per object file
+    until its frame is sent: the usual soft limit of 1,024 is a few batch gets of small
+    objects on a node, and about a thousand clients of a master (docs/operations.md)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # an unlimited hard limit above the kernel's nr_open
+        log.warning("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    return hard
+
+
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
 
 
@@ -90,4 +110,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["ThreadPool", "forks", "settle"]
+__all__ = ["ThreadPool", "forks", "raise_open_files_limit", "settle"]

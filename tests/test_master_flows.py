@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
 import threading
 import time
+
+import pytest
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -328,3 +332,28 @@ def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():
     reconnected = Peer()
     server._dispatch(reconnected, Heartbeat(["seg"]))
     assert server._node_conns["seg"] is reconnected
+
+
+def test_the_master_raises_its_open_files_limit_as_a_node_does(caplog):
+    """Every client process and node holds a connection, a descriptor each: at the usual soft
+    limit of 1,024 the thousandth client was refused ("connection closed by peer")."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 512  # room for this test's own
+    if hard == resource.RLIM_INFINITY or hard <= low:
+        pytest.skip(f"hard limit {hard}: nothing to raise to")
+
+    async def main() -> None:
+        server = MasterServer(host="127.0.0.1", port=0, http_port=None)
+        await server.start()
+        try:
+            assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+        finally:
+            await server.stop()
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with caplog.at_level(logging.INFO, logger="kvpool.master.server"):
+            run(main())
+        assert f"open files limit {hard}" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -40,6 +40,7 @@ from kvpool.master.election import ElectionConfig, Elector
 from kvpool.master.metrics import MasterMetrics, start_http
 from kvpool.master.service import MasterService
 from kvpool.master.takeover import Takeover
+from kvpool.process import raise_open_files_limit
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     TIER_DFS,
@@ -245,7 +246,8 @@ class MasterServer:
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
-        log.info("master listening on %s (auth %s)", self.endpoint, "on" if self._key else "off")
+        log.info("master listening on %s (auth %s, open files limit %d)", self.endpoint,
+                 "on" if self._key else "off", raise_open_files_limit())  # a descriptor per client  # fmt: skip
         if self._election is not None:
             http = f"{self.advertised_endpoint.rpartition(':')[0]}:{self.http_port or 0}"
             record = LeaderRecord(self.advertised_endpoint, http, secrets.token_hex(6))

@@ -29,7 +29,6 @@ import asyncio
 import enum
 import logging
 import random
-import resource
 import secrets
 import socket
 import time
@@ -48,6 +47,7 @@ from kvpool.node.moves import Mover
 from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.tiered import TieredMasterCalls, TieredTransferHandler
 from kvpool.node.transfer import MasterCallHandler, TransferHandler
+from kvpool.process import raise_open_files_limit
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     DrainSegment,
@@ -252,7 +252,7 @@ class Node:
             )
         for path in remove_stale_segments(config.shm_dir):
             log.info("removed stale segment file %s", path)
-        log.info("node %s: open files limit %d", config.node_id, _raise_open_files_limit())
+        log.info("node %s: open files limit %d", config.node_id, raise_open_files_limit())
         token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
         self._segment = Segment.create(config.shm_dir, config.node_id, config.memory_bytes, token)
         # A new id per incarnation: a restarted node's DRAM is empty, so it must never be
@@ -695,22 +695,6 @@ async def _warn_if_unreachable(node_id: str, host: str, port: int, listen_host: 
         )  # fmt: skip
         return
     writer.close()
-
-
-def _raise_open_files_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit; returns the limit
-    now. A disk read holds a descriptor per object file until its frame is sent, and every
-    connection one more: the usual soft limit of 1,024 is a few batch gets of small objects
-    (docs/operations.md)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard:
-        return soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:  # an unlimited hard limit above the kernel's nr_open
-        log.warning("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
-        return soft
-    return hard
 
 
 def _inventory_chunks(entries: list[InventoryEntry]) -> Iterator[list[InventoryEntry]]:
