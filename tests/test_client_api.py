@@ -477,6 +477,22 @@ def test_a_value_that_is_not_contiguous_bytes_is_invalid_params():
     )
 
 
+def test_a_remove_right_after_the_stores_own_get_is_not_refused_for_its_lease():
+    """A finished get's lease went back 10 ms later, batched with the gets after it: a remove
+    (by key, pattern or all) right after it was refused with OBJECT_HAS_LEASE for a read that
+    was over. Another store's lease still holds (the point of leases)."""
+    with cluster_on_a_thread() as endpoint, Store(endpoint) as store, Store(endpoint) as other:
+        store.put_batch(["a", "b", "c", "held"], [b"1", b"2", b"3", b"4"])
+        assert store.get("a") == b"1"
+        store.remove("a")
+        assert store.get("b") == b"2"
+        assert store.remove_by_regex("^b$") == 1
+        assert other.longest_prefix(["held"], hold_ms=60_000) == 1  # another reader's lease
+        assert store.get("c") == b"3"
+        assert store.remove_all() == 1  # "c"; "held" stays under the other store's lease
+        assert store.list_objects().keys == ["held"]
+
+
 def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):
     from kvpool.client.transfer import GetJob
 

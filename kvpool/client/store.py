@@ -347,21 +347,35 @@ class AsyncStore:
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         checked_args(force=(force, bool))
+        await self._leases_given_back(force)
         reply = await self._master.call(Remove(key_list(keys), force), is_idempotent=False)
         assert isinstance(reply, CodesReply)
         return reply.codes
 
     async def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         checked_args(pattern=(pattern, str), force=(force, bool))
+        await self._leases_given_back(force)
         reply = await self._master.call(RemoveByRegex(pattern, force), is_idempotent=False)
         assert isinstance(reply, CountReply)
         return reply.count
 
     async def remove_all(self, force: bool = False) -> int:
         checked_args(force=(force, bool))
+        await self._leases_given_back(force)
         reply = await self._master.call(RemoveAll(force), is_idempotent=False)
         assert isinstance(reply, CountReply)
         return reply.count
+
+    async def _leases_given_back(self, force: bool) -> None:
+        """Before a remove that spares leased objects: give back the leases of this store's
+        finished gets now, not RELEASE_DELAY_MS later with the gets after them, so that a
+        remove right after the store's own get is not refused (OBJECT_HAS_LEASE) for a read
+        that is over. A release that fails leaves the lease to its TTL, as it would have."""
+        if force:
+            return
+        for message in self._leases.take():
+            with contextlib.suppress(KVPoolError):
+                await self._master.call(message, is_idempotent=False)
 
     async def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
         checked_args(pattern=(pattern, str), limit=(limit, int))
