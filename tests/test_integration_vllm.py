@@ -298,25 +298,38 @@ def test_the_cpu_backends_block_first_layout_saves_and_loads_whole_blocks(make_c
             side.shutdown()
 
 
-def test_a_lookup_of_more_keys_than_a_master_batch_finds_every_block(make_cluster):
-    """A master takes BATCH_KEYS_MAX keys in one batch: a prompt of more blocks (x TP x PP
-    ranks: past 65k tokens at block 16 and TP 4) was one lookup it refused, a whole miss."""
+def test_a_lookup_of_more_keys_than_a_master_batch_finds_every_block_a_worker_can_load(make_cluster):
+    """A master takes BATCH_KEYS_MAX keys in one batch: a prompt of more blocks x TP x PP
+    ranks (past 65k tokens at block 16 and TP 4) was one lookup it refused, a whole miss. It
+    goes in batches now; and a hit stops at BATCH_KEYS_MAX blocks, which a worker loads in
+    one batch (a longer one would be a failed load)."""
     cluster = make_cluster(1, "64MiB")
-    sched = connector(vllm_config(cluster.master_endpoint, lookup_hold_ms=0), KVConnectorRole.SCHEDULER)
-    block_count = limits.BATCH_KEYS_MAX + 3
+
+    def stored_prompt(store: Store, sched, block_count: int, tp_size: int):
+        prompt = request(f"long-{tp_size}", list(range(block_count * BLOCK_SIZE + 1)))
+        keys = [sched._key(_hex(h), tp, 0) for h in prompt.block_hashes for tp in range(tp_size)]
+        assert len(keys) == block_count * tp_size
+        for start in range(0, len(keys), 4096):
+            batch = keys[start : start + 4096]
+            assert store.put_batch(batch, [b"kv"] * len(batch)) == [0] * len(batch)
+        return prompt, keys
+
+    config = vllm_config(cluster.master_endpoint, lookup_hold_ms=0)
+    config.parallel_config.tensor_parallel_size = 4
+    tp4 = connector(config, KVConnectorRole.SCHEDULER)
+    tp1 = connector(vllm_config(cluster.master_endpoint, lookup_hold_ms=0), KVConnectorRole.SCHEDULER)
     try:
-        long_prompt = request("long", list(range(block_count * BLOCK_SIZE + 1)))
-        keys = [sched._key(_hex(h), 0, 0) for h in long_prompt.block_hashes]
-        assert len(keys) == block_count
         with Store(cluster.master_endpoint) as store:
-            for start in range(0, block_count, 4096):
-                batch = keys[start : start + 4096]
-                assert store.put_batch(batch, [b"kv"] * len(batch)) == [0] * len(batch)
-            assert sched.get_num_new_matched_tokens(long_prompt, 0) == (block_count * BLOCK_SIZE, False)
-            store.remove(keys[limits.BATCH_KEYS_MAX + 1])  # the lookup stops there, in its second batch
-            assert sched.get_num_new_matched_tokens(long_prompt, 0) == ((limits.BATCH_KEYS_MAX + 1) * BLOCK_SIZE, False)
+            blocks = limits.BATCH_KEYS_MAX // 4 + 5  # x 4 ranks: past one batch
+            prompt, keys = stored_prompt(store, tp4, blocks, 4)
+            assert tp4.get_num_new_matched_tokens(prompt, 0) == (blocks * BLOCK_SIZE, False)
+            store.remove(keys[limits.BATCH_KEYS_MAX + 1])  # rank 1 of block 4096: the second batch
+            assert tp4.get_num_new_matched_tokens(prompt, 0) == (4096 * BLOCK_SIZE, False)
+            longest, _ = stored_prompt(store, tp1, limits.BATCH_KEYS_MAX + 3, 1)
+            assert tp1.get_num_new_matched_tokens(longest, 0) == (limits.BATCH_KEYS_MAX * BLOCK_SIZE, False)
     finally:
-        sched.shutdown()
+        tp4.shutdown()
+        tp1.shutdown()
 
 
 def test_a_kv_cache_outside_host_memory_is_refused_at_registration(make_cluster):

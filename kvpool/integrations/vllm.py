@@ -22,8 +22,9 @@ mooncake/store/data.py PoolKey) with the block's format after the model (_kv_for
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
-  prompt every TP and PP rank holds, in one `longest_prefix` round trip, and always leaves at
-  least one token to compute. The plan (and the scheduler's key prefix) goes to the workers
+  prompt every TP and PP rank holds, in one `longest_prefix` round trip per BATCH_KEYS_MAX
+  keys (at most BATCH_KEYS_MAX blocks: a worker loads them in one batch), and always leaves
+  at least one token to compute. The plan (and the scheduler's key prefix) goes to the workers
   in the metadata. Loads are asynchronous (load_async): vLLM parks the request in
   WAITING_FOR_REMOTE_KVS and goes on with the others; a request's later loads (vLLM looks
   it up again after its load failed, or after a preemption) are synchronous.
@@ -193,7 +194,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         if not hashes:
             return 0, False
         ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
-        keys = [self._key(h, tp, pp) for h in hashes for tp, pp in ranks]
+        # A worker loads a request's blocks in one batch, which a master takes up to
+        # BATCH_KEYS_MAX keys: a longer hit would be a failed load (past 262k tokens at block 16).
+        keys = [self._key(h, tp, pp) for h in hashes[: limits.BATCH_KEYS_MAX] for tp, pp in ranks]
         try:
             hit_blocks = self._held_prefix(keys) // len(ranks)
         except KVPoolError as exc:
