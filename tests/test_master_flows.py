@@ -313,9 +313,12 @@ def test_a_dfs_that_stops_answering_holds_up_no_tick(monkeypatch, tmp_path):
 def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():
     """Any authenticated peer could send a Heartbeat naming a node's segment: the master bound
     that segment to the peer's connection, sent it the node's drops, took its acknowledgement
-    and reused ranges the node still held (every later put there failed). The node's own link,
-    while it is open, stays the segment's; a closed one is replaced by the next heartbeat."""
-    from kvpool.protocol.messages import Heartbeat
+    and reused ranges the node still held (every later put there failed). Only a mount binds
+    a segment: a heartbeat counts for the segments bound to its own connection (and those the
+    master does not know, which the reply has the node mount). A peer's heartbeat took a
+    segment whose link had closed, then kept the node's own mount refused."""
+    from kvpool.errors import InvalidRequest
+    from kvpool.protocol.messages import Heartbeat, MountSegment, SegmentInfo, UnmountSegment
 
     class Peer:
         def __init__(self) -> None:
@@ -325,13 +328,23 @@ def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():
             return self.closed
 
     server = empty_server()
-    node_link = server._node_conns["seg"] = Peer()
-    server._dispatch(Peer(), Heartbeat(["seg"]))
-    assert server._node_conns["seg"] is node_link
-    node_link.closed = True  # the node reconnects: its next heartbeat binds its new link
+    info = SegmentInfo("own", "node-1", "host", "127.0.0.1:1", "", b"t", 1 << 20)
+    node_link, rogue = Peer(), Peer()
+    server._dispatch(node_link, MountSegment(info, [], True))
+    assert server._node_conns["own"] is node_link
+    server._dispatch(rogue, Heartbeat(["own"]))
+    assert server._node_conns["own"] is node_link
+    node_link.closed = True  # the node's link breaks: a heartbeat of another peer takes nothing
+    server.connection_closed(node_link)
+    assert server._dispatch(rogue, Heartbeat(["own"])).unknown_segment_ids == []
+    assert "own" not in server._node_conns
     reconnected = Peer()
-    server._dispatch(reconnected, Heartbeat(["seg"]))
-    assert server._node_conns["seg"] is reconnected
+    server._dispatch(reconnected, MountSegment(info, [], True))  # the node's own mount binds it
+    assert server._node_conns["own"] is reconnected
+    server._dispatch(rogue, Heartbeat(["own"]))
+    with pytest.raises(InvalidRequest, match="served by another connection"):
+        server._dispatch(rogue, UnmountSegment("own"))
+    assert server._node_conns["own"] is reconnected
 
 
 def test_the_master_raises_its_open_files_limit_as_a_node_does(caplog):

@@ -358,15 +358,20 @@ class MasterServer:
                 return reply
             case Heartbeat():
                 # A node binds its segments to its connection by mounting them (it mounts on
-                # every new connection); a heartbeat rebinds only a segment whose connection is
-                # gone, so that another peer's heartbeat cannot take drops and commits meant
-                # for the node (they were acknowledged by it, and the node's ranges reused).
-                for segment_id in message.segment_ids:
-                    bound = self._node_conns.get(segment_id)
-                    if bound is None or bound.is_closed():
-                        self._node_conns[segment_id] = bound = conn
-                    if bound is conn:
+                # every new connection, before it heartbeats): a heartbeat counts only for the
+                # segments bound to its own connection, and those the master does not know
+                # (the reply has the node mount them). Another peer's heartbeat once took a
+                # segment whose link was gone, with the drops and commits meant for its node,
+                # and kept the node's own mount refused while it went on heartbeating.
+                owned = [
+                    segment_id for segment_id in message.segment_ids
+                    if self._node_conns.get(segment_id) is conn or not service.has_segment(segment_id)
+                ]  # fmt: skip
+                for segment_id in owned:
+                    if self._node_conns.get(segment_id) is conn:
                         self._node_heard_ms[segment_id] = now_ms
+                if len(owned) < len(message.segment_ids):
+                    message = Heartbeat(owned, {s: r for s, r in message.filesystems.items() if s in owned})
                 return service.heartbeat(message, now_ms)
             case UnmountSegment():
                 self._check_segment_owner(conn, message.segment_id, now_ms)
