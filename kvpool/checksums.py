@@ -20,6 +20,7 @@ memcpy path: 0.91-1.0x of the previous way in four runs (the per-part bookkeepin
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
@@ -228,9 +229,10 @@ def _in_shares(function: Callable[[T], R], items: Sequence[T], sizes: Sequence[i
             share_bytes = 0
         shares[-1].append(item)
         share_bytes += size
-    pool = _pool.executor()
-    others = [pool.submit(lambda share=share: [function(item) for item in share]) for share in shares[1:]]
+    others: list[concurrent.futures.Future[list[R]]] = []
     try:
+        pool = _pool.executor()
+        others.extend(pool.submit(lambda share=share: [function(item) for item in share]) for share in shares[1:])
         results = [function(item) for item in shares[0]]
         for future in others:
             results.extend(future.result())

@@ -17,14 +17,21 @@ import logging
 import os
 import resource
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
+
+from kvpool import limits
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 log = logging.getLogger(__name__)
+
+# How long a call that raised waits for the pool tasks it started (settle): the transfer
+# timeout, the bound of every read.
+SETTLE_TIMEOUT_S = limits.TRANSFER_TIMEOUT_MS_DEFAULT / 1000
 
 _forks = 0
 
@@ -53,8 +60,10 @@ class ThreadPool:
     def map_settled(self, function: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """[function(item) for item in items] on the pool's threads; when it raises (one
         failed, or Ctrl-C came while the caller waited), none of them runs any more (settle)."""
-        futures = [self.executor().submit(function, item) for item in items]
+        futures: list[concurrent.futures.Future[R]] = []
         try:
+            executor = self.executor()
+            futures.extend(executor.submit(function, item) for item in items)
             return [future.result() for future in futures]
         except BaseException:
             settle(futures)
@@ -65,21 +74,26 @@ class ThreadPool:
         self._executor = None  # its threads are the parent's; nothing here waits on them
 
 
-def settle(futures: Sequence[concurrent.futures.Future]) -> None:
-    """Return once none of `futures` runs: a call that raises (its own part failed, or Ctrl-C
-    came while it waited) must not leave pool threads copying into buffers and segment ranges
-    its caller then frees (an unregistered buffer, a revoked put's ranges, a raw address
-    unmapped: a crash, or the next put's bytes overwritten). Those not started are cancelled;
-    the others finish their copy (milliseconds), interrupts or not."""
+def settle(futures: Sequence[concurrent.futures.Future], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """Return once none of `futures` runs, or after `timeout_s`: a call that raises (its own
+    part failed, or Ctrl-C came while it waited) must not leave pool threads copying into
+    buffers and segment ranges its caller then frees (an unregistered buffer, a revoked put's
+    ranges, a raw address unmapped: a crash, or the next put's bytes overwritten). Those not
+    started are cancelled; the others finish their copy (milliseconds), interrupts or not. A
+    read of a file on a hung mount may not: it is left running after the bound, and said."""
     for future in futures:
         future.cancel()
+    deadline_s = time.monotonic() + timeout_s
     pending = [future for future in futures if not future.done()]
-    while pending:
+    while pending and (left_s := deadline_s - time.monotonic()) > 0:
         try:
-            concurrent.futures.wait(pending)
+            concurrent.futures.wait(pending, timeout=left_s)
         except KeyboardInterrupt:
             pass  # the caller re-raises the first one
         pending = [future for future in pending if not future.done()]
+    if pending:
+        log.warning("%d pool tasks of a call that raised still run after %.0f s (a hung filesystem?): "
+                    "the memory they write must not be freed until they end", len(pending), timeout_s)  # fmt: skip
 
 
 def raise_open_files_limit() -> int:

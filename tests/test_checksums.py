@@ -146,3 +146,18 @@ def test_a_pool_map_that_raises_leaves_no_call_running():
     time.sleep(0.3)
     assert sorted(finished) == finished_by_then, "calls ran on after map_settled raised"
     assert pool.map_settled(lambda x: x * 2, range(5)) == [0, 2, 4, 6, 8]
+
+
+def test_a_call_that_raised_waits_for_a_hung_task_only_so_long(caplog):
+    """A read of a file on a hung mount may never end: Ctrl-C must still end the call, after
+    the bound, saying that the task runs on."""
+    from kvpool.process import settle
+
+    pool = ThreadPool(1, "test-hung")
+    release = threading.Event()
+    hung = pool.executor().submit(release.wait, 10)
+    started = time.monotonic()
+    settle([hung], timeout_s=0.3)
+    assert 0.25 < time.monotonic() - started < 2 and not hung.done()
+    assert "still run after" in caplog.text
+    release.set()

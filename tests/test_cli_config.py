@@ -115,6 +115,15 @@ def test_a_refusal_of_a_setting_from_the_file_says_the_file_set_it(tmp_path):
     assert "--memory 0 out of" in said and "from [node]" not in said, said
     said = refusal("--disk-dir", str(tmp_path))
     assert "--memory 0 out of" in said and f"(--memory: from [node] in {path})" in said, said
+    # Commands run one after the other in one process (a CLI runner): the file was the first's.
+    from typer.testing import CliRunner
+
+    from kvpool.cli.main import app
+
+    runner = CliRunner()
+    assert "from [node]" in runner.invoke(app, ["node", "--config", str(path), "--memory", "64MiB"]).output
+    later = runner.invoke(app, ["node", "--memory", "64MiB", "--disk-size", "1GiB"]).output
+    assert "--disk-size needs --disk-dir" in later and "from [node]" not in later, later
 
 
 def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_path, monkeypatch):

@@ -168,7 +168,10 @@ def test_drops_that_a_node_did_not_acknowledge_are_room_still_coming():
         assert server._unsent_drops
         waiting = server._put_start(put_start([f"b-{i}" for i in range(64)]))
         assert asyncio.iscoroutine(waiting)
-        assert (await waiting).codes == [ErrorCode.OK] * 64
+        settled = await waiting
+        assert settled.codes == [ErrorCode.OK] * 64
+        # What is left of the grants' life as it answers, after the wait: the writer's bound.
+        assert 0 < settled.grant_ttl_ms <= min(g.expiry_ms for g in settled.grants) - wall_clock_ms() + 50
 
     run(main())
 

@@ -94,6 +94,12 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
     return path
 
 
+def forget_settings() -> None:
+    """A new command line begins (the group's callback): what a settings file gave an earlier
+    one run in this process (a test's CLI runner) is not its."""
+    _configured.set(None)
+
+
 def flags_from_file(message: str) -> str:
     """Where the flags a refusal names were set, when the settings file set them: " (--disk-size:
     from [node] in FILE)", or "". An operator who typed no `--disk-size` is otherwise sent

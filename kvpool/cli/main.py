@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvpool import limits
-from kvpool.cli.config_file import flags_from_file, load_settings
+from kvpool.cli.config_file import flags_from_file, forget_settings, load_settings
 from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout, Unauthorized
 
@@ -69,6 +69,7 @@ def _kvpool(
     ] = False,
 ) -> None:
     """kvpool: a pooled KV-cache store. Host DRAM of many servers as one cache for LLM serving."""
+    forget_settings()
 
 
 console = Console()
@@ -803,11 +804,11 @@ def rm(
     with _connected("rm", master, token_file) as store:
         if all_objects or regex is not None:
             count = store.remove_all(force) if all_objects else store.remove_by_regex(regex or "", force)
-            left = [] if force else store.list_objects(regex or "", limit=_LEFT_SHOWN_MAX).keys
-            if left:  # under read leases (or put since): said, as `rm KEY` says it of a key
-                err_console.print(f"removed {count} object(s); {len(left)}"
-                                  f"{'+' if len(left) == _LEFT_SHOWN_MAX else ''} matching still stored, "
-                                  "under read leases or put since (--force removes leased ones)")  # fmt: skip
+            left = None if force else store.list_objects(regex or "", limit=_LEFT_SHOWN_MAX)
+            if left is not None and left.keys:  # under read leases (or put since): said, as `rm KEY` says it
+                err_console.print(f"removed {count} object(s); {len(left.keys)}{'+' if left.truncated else ''} "
+                                  "matching still stored, under read leases or put since (--force removes "
+                                  "leased ones)")  # fmt: skip
                 raise typer.Exit(1)
         else:
             codes = store.batch_remove(keys or [], force)

@@ -373,9 +373,9 @@ class AsyncStore:
         that is over. A release that fails leaves the lease to its TTL, as it would have."""
         if force:
             return
-        for message in self._leases.take():
-            with contextlib.suppress(KVPoolError):
-                await self._master.call(message, is_idempotent=False)
+        releases = [self._master.call(message, is_idempotent=False) for message in self._leases.take()]
+        if releases:  # together: one bound for all, however many (a failure is the TTL's to end)
+            await asyncio.gather(*releases, return_exceptions=True)
 
     async def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
         checked_args(pattern=(pattern, str), limit=(limit, int))

@@ -42,7 +42,8 @@ def register_tensors(store: Store, tensors: Iterable[Any]) -> list[int]:
     """
     tensors = list(tensors)
     for tensor in tensors:
-        if tensor.device.type != "cpu":  # its address is not this process's memory: a copy would crash it
+        # A GPU's address is not this process's memory: a copy from or into it would crash it.
+        if tensor is not None and tensor.device.type != "cpu":
             raise InvalidParams(f"a tensor on {tensor.device}: kvpool moves host memory only")
     addresses = []
     try:

@@ -488,7 +488,10 @@ class MasterServer:
         if waiter.retry:  # why, for an operator whose errors_total climbs (and a test that fails)
             why = "none coming" if not self._is_room_coming(service) else "the wait is over"
             log.info("put of %d keys: no room after %d rounds (%s)", len(waiter.retry), rounds + 1, why)
-        return service.put_start_settled(reply)
+        settled = service.put_start_settled(reply)
+        if settled.grants:  # what is left of their life now, not what it was before the wait
+            settled.grant_ttl_ms = max(1, min(grant.expiry_ms for grant in settled.grants) - wall_clock_ms())
+        return settled
 
     def _give_room_to_waiters(self, service: MasterService) -> None:
         """Room landed (a node acknowledged drops): the puts waiting for room take what they
