@@ -259,19 +259,25 @@ def test_layers_that_share_one_kv_cache_save_and_load_it_once(make_cluster):
     kv_caches[target]). Its ranges twice in one block's read overlapped, which a get refuses:
     every load failed."""
     cluster = make_cluster(1, "16MiB")
-    config = vllm_config(cluster.master_endpoint)
-    sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
-    sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
     cache_a, cache_b = paged_cache(seed=1), paged_cache(seed=None)
     for cache in (cache_a, cache_b):
         cache["model.layers.9.self_attn.attn"] = cache["model.layers.0.self_attn.attn"]
+    a_saves_and_b_loads(cluster.master_endpoint, cache_a, cache_b)
+    for name in cache_a:
+        assert torch.equal(cache_b[name][:, 6:9], cache_a[name][:, 5:8]), name
+
+
+def a_saves_and_b_loads(master: str, cache_a: dict, cache_b: dict) -> None:
+    """Instance A (its paged cache `cache_a`) saves PROMPT from its blocks 5..7 (first_prefill);
+    instance B loads them into its blocks 6..8 of `cache_b` (second_turn); every step clean."""
+    config = vllm_config(master)
+    sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
     worker_a.register_kv_caches(cache_a)
     worker_b.register_kv_caches(cache_b)
     try:
         assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
         assert run_worker_step(worker_b, second_turn(sched_b)) == set()
-        for name in cache_a:
-            assert torch.equal(cache_b[name][:, 6:9], cache_a[name][:, 5:8]), name
     finally:
         for side in (worker_a, worker_b, sched_a, sched_b):
             side.shutdown()
@@ -281,21 +287,11 @@ def test_the_cpu_backends_block_first_layout_saves_and_loads_whole_blocks(make_c
     """vLLM 0.33's CPU attention (the backend this connector serves) lays a layer out block
     first, K and V in one row: (num_blocks, kv_heads, block_size, 2 * head_size)."""
     cluster = make_cluster(1, "16MiB")
-    config = vllm_config(cluster.master_endpoint)
-    sched_a, worker_a = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
-    sched_b, worker_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
     cache_a, cache_b = paged_cache(1, CPU_ATTENTION_SHAPE), paged_cache(None, CPU_ATTENTION_SHAPE)
-    worker_a.register_kv_caches(cache_a)
-    worker_b.register_kv_caches(cache_b)
-    try:
-        assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
-        assert run_worker_step(worker_b, second_turn(sched_b)) == set()
-        for name in cache_a:
-            assert torch.equal(cache_b[name][6:9], cache_a[name][5:8]), name
-            assert not cache_b[name][:6].any() and not cache_b[name][9:].any(), name
-    finally:
-        for side in (worker_a, worker_b, sched_a, sched_b):
-            side.shutdown()
+    a_saves_and_b_loads(cluster.master_endpoint, cache_a, cache_b)
+    for name in cache_a:
+        assert torch.equal(cache_b[name][6:9], cache_a[name][5:8]), name
+        assert not cache_b[name][:6].any() and not cache_b[name][9:].any(), name
 
 
 def test_a_lookup_of_more_keys_than_a_master_batch_finds_every_block_a_worker_can_load(make_cluster):
