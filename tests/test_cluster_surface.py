@@ -168,6 +168,12 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
             message = " ".join(out.stderr.decode().split())
             assert out.returncode == 1 and b"Traceback" not in out.stderr, out
             assert f"cannot listen on 127.0.0.1:{port} for /metrics ({option})" in message
+        for args in (("master", "--port", port, "--http-port", "0"),  # the RPC port: was "OSError: [Errno 98] ..."
+                     ("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--port", port)):  # fmt: skip
+            out = kvpool_cli(*args)
+            last = out.stderr.decode().strip().splitlines()[-1]
+            assert out.returncode == 1 and b"Traceback" not in out.stderr, out
+            assert last.startswith("error: ") and f"cannot listen on 127.0.0.1:{port}: Address already in use" in last
 
 
 def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):

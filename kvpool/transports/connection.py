@@ -847,6 +847,10 @@ async def start_server(
                 reuse_address=True,
                 backlog=1024,
             )
+        except OSError as exc:  # said as an operator reads it, not as "OSError: [Errno 98] ..."
+            local.close()
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConnectFailed(f"{name} cannot listen on {host}:{port}: {reason}") from None
         except BaseException:
             local.close()
             raise
