@@ -363,13 +363,13 @@ class MasterServer:
                 # (the reply has the node mount them). Another peer's heartbeat once took a
                 # segment whose link was gone, with the drops and commits meant for its node,
                 # and kept the node's own mount refused while it went on heartbeating.
-                owned = [
-                    segment_id for segment_id in message.segment_ids
-                    if self._node_conns.get(segment_id) is conn or not service.has_segment(segment_id)
-                ]  # fmt: skip
-                for segment_id in owned:
+                owned = []
+                for segment_id in message.segment_ids:
                     if self._node_conns.get(segment_id) is conn:
                         self._node_heard_ms[segment_id] = now_ms
+                        owned.append(segment_id)
+                    elif not service.has_segment(segment_id):
+                        owned.append(segment_id)
                 if len(owned) < len(message.segment_ids):
                     message = Heartbeat(owned, {s: r for s, r in message.filesystems.items() if s in owned})
                 return service.heartbeat(message, now_ms)
