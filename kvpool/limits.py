@@ -111,6 +111,10 @@ MASTER_HTTP_PORT_DEFAULT = 9100
 RPC_TIMEOUT_MS_DEFAULT = 5_000
 CONNECT_TIMEOUT_MS_DEFAULT = 2_000
 TRANSFER_TIMEOUT_MS_DEFAULT = 30_000
+# A frame's header and control message must all come within this of their first byte: a peer
+# that sends part of a large one (up to FRAME_CONTROL_SIZE_BYTES_MAX) and stalls would hold that
+# memory until it hung up. (A payload lands in its sinks and holds no buffer of its own.)
+FRAME_RECEIVE_TIMEOUT_MS = TRANSFER_TIMEOUT_MS_DEFAULT
 CONNECTIONS_PER_PEER_DEFAULT = 4
 # How long a master's or node's loop keeps polling after each reply before it sleeps
 # (transports/busy_poll.py): a client's next request then finds it awake.

@@ -576,6 +576,60 @@ def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
     run(main)
 
 
+def test_a_frame_left_half_sent_closes_its_connection_at_the_frame_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that sent part of a large control message and stalled held that buffer (up to
+    64 MiB a connection) until it hung up. A frame must now be complete within
+    FRAME_RECEIVE_TIMEOUT_MS of its first bytes, however slowly they trickle in; frames that
+    each come in time are served, and so is everyone else."""
+    monkeypatch.setattr(limits, "FRAME_RECEIVE_TIMEOUT_MS", 400)
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            loop = asyncio.get_running_loop()
+            good = await connect(node.endpoint, key=KEY, name="good client")
+            stored = os.urandom(5000)
+            await put(master, node, good, "stored", 0, stored)
+            sid = node.segment_id
+            request = encode_frame(ReadSlices([]), 5)  # its reply has no payload to skip
+            assert len(request) > 20
+            # Half of a 1 MiB control message, then silence.
+            reader, writer = await raw_connect(node.endpoint)
+            writer.write(header(limits.MIB) + bytes(limits.MIB // 2))
+            await writer.drain()
+            started_s = loop.time()
+            assert await is_closed_by_peer(reader, timeout_s=3)
+            assert 0.3 < loop.time() - started_s < 2
+            writer.close()
+            # A byte every 50 ms: bytes keep coming, the frame never completes in time.
+            reader, writer = await raw_connect(node.endpoint)
+            closed = asyncio.ensure_future(is_closed_by_peer(reader, timeout_s=3))
+            started_s = loop.time()
+            with contextlib.suppress(ConnectionError):
+                for byte in request[:-1]:
+                    if closed.done():
+                        break
+                    writer.write(bytes([byte]))
+                    await asyncio.sleep(0.05)
+            assert await closed
+            assert loop.time() - started_s < 1.5
+            writer.close()
+            # Two requests, each sent in halves 250 ms apart: each in time, together not.
+            reader, writer = await raw_connect(node.endpoint)
+            for _ in range(2):
+                writer.write(request[:10])
+                await asyncio.sleep(0.25)
+                writer.write(request[10:])
+                reply = await read_frame(reader)
+                assert isinstance(reply.message, ReadReply), reply
+            writer.close()
+            assert await read(good, sid, 0, len(stored)) == stored
+            good.close()
+
+    run(main)
+
+
 def test_wrong_cluster_token_is_rejected(tmp_path: Path) -> None:
     async def main() -> None:
         async with cluster(tmp_path) as (master, node):

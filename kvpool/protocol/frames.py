@@ -219,6 +219,7 @@ class FrameDecoder:
         self._on_landed: Callable[[memoryview], None] | None = None
         self._buffer_is_sink = False  # where the buffer last handed out by get_buffer points
         self._frame_bytes = 0  # size of the unfinished frame at _start, once its header came
+        self.frames_decoded = 0  # how many frames next_event returned (a frame's identity)
 
     def __repr__(self) -> str:
         return f"<FrameDecoder {self._state.value} buffered={self._end - self._start}>"
@@ -260,6 +261,12 @@ class FrameDecoder:
                     wanted = min(wanted, self._frame_bytes + 4 * limits.KIB)
                 self._grow(wanted)
         return memoryview(self._staging)[self._end :]
+
+    @property
+    def is_mid_frame(self) -> bool:
+        """Whether part of a frame's header or control message is buffered, the rest owed
+        (a payload's bytes do not count: they land in their sinks, not here)."""
+        return self._state is _State.FRAME and self._end > self._start
 
     def limit_control_size(self, size_bytes: int) -> None:
         """The largest control message accepted from now on (a connection not yet
@@ -389,6 +396,7 @@ class FrameDecoder:
         if is_reply != isinstance(message, REPLY_TYPES):
             raise RemoteProtocolError(f"{type(message).__name__} with reply flag {is_reply}")
         self._start += frame_size
+        self.frames_decoded += 1
         if payload_size:
             self._state = _State.NEED_SINK
             self._request_id = request_id
