@@ -22,7 +22,7 @@ from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, RpcTimeout
 from kvpool.master import server as server_module
-from kvpool.master.server import MasterServer, wall_clock_ms
+from kvpool.master.server import MasterServer, _NodeLink, wall_clock_ms
 from kvpool.protocol.messages import (
     CodesReply,
     CommitObjects,
@@ -87,7 +87,7 @@ def empty_server(node: FakeNode | None = None) -> MasterServer:
     server = MasterServer(MasterConfig(), seed=1)
     info = SegmentInfo("seg", "node", "host", "host:1", "/dev/shm/none", b"t", 8 * limits.MIB)
     server.service.mount_segment(MountSegment(info, []), wall_clock_ms())
-    server._node_conns["seg"] = node or FakeNode()
+    server._node_links["seg"] = _NodeLink(node or FakeNode(), 0)
     return server
 
 
@@ -334,20 +334,20 @@ def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():
     info = SegmentInfo("own", "node-1", "host", "127.0.0.1:1", "", b"t", 1 << 20)
     node_link, rogue = Peer(), Peer()
     server._dispatch(node_link, MountSegment(info, [], True))
-    assert server._node_conns["own"] is node_link
+    assert server._node_links["own"].conn is node_link
     server._dispatch(rogue, Heartbeat(["own"]))
-    assert server._node_conns["own"] is node_link
+    assert server._node_links["own"].conn is node_link
     node_link.closed = True  # the node's link breaks: a heartbeat of another peer takes nothing
     server.connection_closed(node_link)
     assert server._dispatch(rogue, Heartbeat(["own"])).unknown_segment_ids == []
-    assert "own" not in server._node_conns
+    assert "own" not in server._node_links
     reconnected = Peer()
     server._dispatch(reconnected, MountSegment(info, [], True))  # the node's own mount binds it
-    assert server._node_conns["own"] is reconnected
+    assert server._node_links["own"].conn is reconnected
     server._dispatch(rogue, Heartbeat(["own"]))
     with pytest.raises(InvalidRequest, match="served by another connection"):
         server._dispatch(rogue, UnmountSegment("own"))
-    assert server._node_conns["own"] is reconnected
+    assert server._node_links["own"].conn is reconnected
 
 
 def test_the_master_raises_its_open_files_limit_as_a_node_does(caplog):

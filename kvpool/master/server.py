@@ -24,6 +24,7 @@ touch the state of a later term.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import random
@@ -149,6 +150,15 @@ def _not_back_soon(message: Message, result: Message) -> bool:
     return False
 
 
+@dataclasses.dataclass(slots=True)
+class _NodeLink:
+    """The connection a segment's node mounted it on (only that connection changes it, see
+    MasterServer._check_segment_owner), and when the node last mounted or heartbeat on it."""
+
+    conn: Connection
+    heard_ms: int
+
+
 class MasterServer:
     """Serves one MasterService. Holds, per mounted segment, the connection its node opened."""
 
@@ -186,8 +196,7 @@ class MasterServer:
         self._election = election
         self.elector: Elector | None = None
         self._takeover: Takeover | None = None
-        self._node_conns: dict[str, Connection] = {}
-        self._node_heard_ms: dict[str, int] = {}  # when each segment's bound link last mounted or heartbeat
+        self._node_links: dict[str, _NodeLink] = {}  # per segment id
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
         self._drops_failing: set[str] = set()  # segment ids whose last drop failed (logged once)
         self._server: Listener | None = None
@@ -209,7 +218,7 @@ class MasterServer:
         self._dfs_task: asyncio.Task[None] | None = None  # its mount, or a look at it, in flight
 
     def __repr__(self) -> str:
-        return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_conns)}>"
+        return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_links)}>"
 
     @property
     def endpoint(self) -> str:
@@ -282,10 +291,9 @@ class MasterServer:
     def connection_closed(self, conn: Connection) -> None:
         # The node may reconnect and re-mount; liveness (node TTL) decides when it is gone.
         # Meanwhile nothing new is placed on its segments (service.node_link_lost).
-        lost = [segment_id for segment_id, node_conn in self._node_conns.items() if node_conn is conn]
+        lost = [segment_id for segment_id, link in self._node_links.items() if link.conn is conn]
         for segment_id in lost:
-            del self._node_conns[segment_id]
-            self._node_heard_ms.pop(segment_id, None)
+            del self._node_links[segment_id]
         if lost and self.service.node_link_lost(lost):
             log.info("lost the connection to the node of %s: no puts there until it speaks again", ", ".join(lost))
 
@@ -345,8 +353,7 @@ class MasterServer:
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id, now_ms)
                 reply = service.mount_segment(message, now_ms)
-                self._node_conns[message.segment.segment_id] = conn
-                self._node_heard_ms[message.segment.segment_id] = now_ms
+                self._node_links[message.segment.segment_id] = _NodeLink(conn, now_ms)
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
                 log.info(
@@ -365,8 +372,9 @@ class MasterServer:
                 # and kept the node's own mount refused while it went on heartbeating.
                 owned = []
                 for segment_id in message.segment_ids:
-                    if self._node_conns.get(segment_id) is conn:
-                        self._node_heard_ms[segment_id] = now_ms
+                    link = self._node_links.get(segment_id)
+                    if link is not None and link.conn is conn:
+                        link.heard_ms = now_ms
                         owned.append(segment_id)
                     elif not service.has_segment(segment_id):
                         owned.append(segment_id)
@@ -376,8 +384,7 @@ class MasterServer:
             case UnmountSegment():
                 self._check_segment_owner(conn, message.segment_id, now_ms)
                 reply = service.unmount_segment(message, now_ms)
-                self._node_conns.pop(message.segment_id, None)
-                self._node_heard_ms.pop(message.segment_id, None)
+                self._node_links.pop(message.segment_id, None)
                 self._unsent_drops.pop(message.segment_id, None)
                 self._drops_failing.discard(message.segment_id)
                 return reply
@@ -389,6 +396,10 @@ class MasterServer:
             case ReleaseLeases():
                 return service.release_leases(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
+
+    def _node_conn(self, segment_id: str) -> Connection | None:
+        link = self._node_links.get(segment_id)
+        return None if link is None else link.conn
 
     def _check_segment_owner(self, conn: Connection, segment_id: str, now_ms: int) -> None:
         """Refuse a mount, unmount or drain of a segment that another connection serves, live:
@@ -403,10 +414,10 @@ class MasterServer:
         """
         if self._dfs_info is not None and segment_id == self._dfs_info.segment_id:
             raise InvalidRequest(f"segment {segment_id} is the master's DFS tier: no peer mounts or unmounts it")
-        bound = self._node_conns.get(segment_id)
-        if bound is None or bound is conn or bound.is_closed():
+        bound = self._node_links.get(segment_id)
+        if bound is None or bound.conn is conn or bound.conn.is_closed():
             return
-        silent_ms = now_ms - self._node_heard_ms.get(segment_id, 0)
+        silent_ms = now_ms - bound.heard_ms
         if silent_ms < self.config.node_ttl_ms // 3:
             raise InvalidRequest(
                 f"segment {segment_id} is served by another connection, heard {silent_ms} ms ago: "
@@ -527,7 +538,7 @@ class MasterServer:
         results: dict[str, list[int]] = {}
         later: list[tuple[str, asyncio.Future[list[int] | None]]] = []
         for segment_id, call in calls.items():
-            conn = self._node_conns.get(segment_id)
+            conn = self._node_conn(segment_id)
             if call.done() or conn is None or conn.is_write_buffered():
                 codes = await call
                 if codes is not None:  # else no answer: finish_put_end drops them before reuse
@@ -575,7 +586,7 @@ class MasterServer:
         """The node's code for each of the message's entries, or None when it did not answer
         (no connection, not leading, broken, timed out, the wrong number of codes)."""
         segment_id, entries = message.segment_id, message.entries
-        conn = self._node_conns.get(segment_id)
+        conn = self._node_conn(segment_id)
         if conn is None or not self._is_leading():
             return None
         try:
@@ -622,7 +633,7 @@ class MasterServer:
     async def _drop_batch(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> bool:
         """Send drops to a segment's node; False if some were not acknowledged."""
         entries = service.drops_due(segment_id, entries)
-        conn = self._node_conns.get(segment_id)
+        conn = self._node_conn(segment_id)
         sent = 0
         if conn is not None:
             try:
@@ -739,7 +750,7 @@ class MasterServer:
     async def _move(self, service: MasterService, segment_id: str, items: list[MoveItem]) -> None:
         """One node's moves, in requests of at most MOVE_ITEMS_PER_REQUEST_MAX items; every
         item gets a code back into `service` (TRANSFER_FAIL when its request failed)."""
-        conn = self._node_conns.get(segment_id)
+        conn = self._node_conn(segment_id)
         for start in range(0, len(items), limits.MOVE_ITEMS_PER_REQUEST_MAX):
             chunk = items[start : start + limits.MOVE_ITEMS_PER_REQUEST_MAX]
             if conn is None or not self._is_leading() or service is not self.service:
@@ -891,8 +902,7 @@ class MasterServer:
     def _new_term(self) -> None:
         self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id())
         self.metrics = MasterMetrics(self.service)
-        self._node_conns = {}
-        self._node_heard_ms = {}
+        self._node_links = {}
         self._unsent_drops = {}
         self._drops_failing = set()
         self._drop_tasks = {}  # the old term's tasks end by themselves
