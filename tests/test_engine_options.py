@@ -44,11 +44,10 @@ def test_defaults_and_the_master_from_the_environment(monkeypatch):
     assert (options.replicate.replica_num, options.lookup_hold_ms) == (1, limits.LOOKUP_HOLD_MS_DEFAULT)
 
 
-def test_a_prefix_names_every_key_and_a_parsed_url_comes_first(monkeypatch):
+def test_a_prefix_names_every_key(monkeypatch):
     monkeypatch.delenv("KVPOOL_MASTER", raising=False)
     extra = {"kvpool.master": "10.0.0.3:50051", "kvpool.replica_num": 3, "replica_num": 5}
     assert EngineOptions.read(extra, "extra_config", prefix="kvpool.").replicate.replica_num == 3
-    assert EngineOptions.read(extra, "extra_config", prefix="kvpool.", master="10.0.0.4:1").master == "10.0.0.4:1"
     with pytest.raises(InvalidParams, match=r"set 'kvpool.master' in extra_config \(or \$KVPOOL_MASTER\)"):
         EngineOptions.read({"master": "10.0.0.3:50051"}, "extra_config", prefix="kvpool.")
 

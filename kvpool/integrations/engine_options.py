@@ -36,12 +36,9 @@ class EngineOptions:
     lookup_hold_ms: int
 
     @classmethod
-    def read(
-        cls, extra: Mapping[str, Any] | None, where: str, prefix: str = "", master: str | None = None
-    ) -> EngineOptions:
+    def read(cls, extra: Mapping[str, Any] | None, where: str, prefix: str = "") -> EngineOptions:
         """kvpool's keys (each named `prefix` + key) from `extra`, the dict an engine calls
-        `where` in its own configuration. `master` (a URL the engine parsed) comes before the
-        "master" key, then $KVPOOL_MASTER.
+        `where` in its own configuration. The master is its "master" key, else $KVPOOL_MASTER.
 
         Raises:
             InvalidParams: no master anywhere, or a value that is not what its key takes.
@@ -59,7 +56,7 @@ class EngineOptions:
                 raise InvalidParams(f"{prefix}{key} in {where} must be a whole number in {low}..{high}, not {given!r}")
             return number
 
-        master = master or value("master", None) or os.environ.get("KVPOOL_MASTER")
+        master = value("master", None) or os.environ.get("KVPOOL_MASTER")
         if not master:
             raise InvalidParams(f"set '{prefix}master' in {where} (or $KVPOOL_MASTER)")
         return cls(
