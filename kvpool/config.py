@@ -80,10 +80,20 @@ def exact_size(size_bytes: int) -> str:
     return f"{size_bytes} bytes"
 
 
-def parse_flag(value: object) -> bool:
-    """A yes/no setting as engines' JSON or YAML configs give it: a bool, or text such as
-    "true", "1", "no", "off" (anything but 0, false, no, off and empty is yes)."""
-    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
+_FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_flag(value: object, what: str) -> bool:
+    """A yes/no setting as engines' JSON or YAML configs give it: a bool, or 1/0, true/false,
+    yes/no or on/off in any case. `what` names the setting in the error.
+
+    Raises:
+        InvalidParams: anything else ("flase" was once read as yes).
+    """
+    flag = _FLAG_WORDS.get(str(value).strip().lower())
+    if flag is None:
+        raise InvalidParams(f"{what} must be on or off (1/0, true/false, yes/no), not {value!r}")
+    return flag
 
 
 def check_busy_poll_us(busy_poll_us: int) -> None:

@@ -94,6 +94,15 @@ def test_kvpool_shm_takes_the_spellings_of_a_flag(monkeypatch: pytest.MonkeyPatc
     assert opened == [is_shm_enabled]
 
 
+@pytest.mark.parametrize("value", ["maybe", "flase", "2"])
+def test_kvpool_shm_that_is_no_flag_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, value) -> None:
+    """It was read as on: a typo of "false" left shared memory on."""
+    monkeypatch.setenv("KVPOOL_SHM", value)
+    result = CliRunner().invoke(app, ["ls"])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: KVPOOL_SHM must be on or off (1/0, true/false, yes/no), not {value!r}\n"
+
+
 class Opened(Exception):
     """Raised where a command would open a Store or start a server: the test ends there."""
 

@@ -72,6 +72,13 @@ def test_a_bad_value_is_refused_with_its_key(key, value):
         EngineOptions.read({"master": "127.0.0.1:1", key: value}, "kv_connector_extra_config")
 
 
+def test_a_flag_that_is_no_flag_is_refused_with_its_key():
+    options = EngineOptions.read({"kvpool.master": "127.0.0.1:1", "kvpool.shm_enabled": "Off"}, "extra", "kvpool.")
+    assert options.shm_enabled is False
+    with pytest.raises(InvalidParams, match=r"^kvpool.shm_enabled in extra must be on or off .*not 'flase'"):
+        EngineOptions.read({"kvpool.master": "127.0.0.1:1", "kvpool.shm_enabled": "flase"}, "extra", "kvpool.")
+
+
 def test_a_bad_size_or_token_file_is_refused(tmp_path):
     with pytest.raises(InvalidParams, match="not a size: 'lots'"):
         EngineOptions.read({"master": "127.0.0.1:1", "embedded_memory": "lots"}, "extra")

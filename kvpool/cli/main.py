@@ -249,7 +249,10 @@ def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exi
 def _shm_from_environment() -> bool:
     """KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
     commands use TCP even on the nodes' host; set empty, it is unset."""
-    return parse_flag(os.environ.get("KVPOOL_SHM") or "1")
+    try:
+        return parse_flag(os.environ.get("KVPOOL_SHM") or "1", "KVPOOL_SHM")
+    except KVPoolError as exc:
+        raise _fail(str(exc), code=2) from None
 
 
 def _store(

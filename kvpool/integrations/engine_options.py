@@ -63,7 +63,7 @@ class EngineOptions:
             master=str(master),
             token=token_from(value("token", None), value("token_file", None)),
             embedded_memory_bytes=parse_size(str(value("embedded_memory", 0))),
-            shm_enabled=parse_flag(value("shm_enabled", True)),
+            shm_enabled=parse_flag(value("shm_enabled", True), f"{prefix}shm_enabled in {where}"),
             replicate=ReplicateConfig(replica_num=whole("replica_num", 1, 1, limits.REPLICA_NUM_MAX)),
             lookup_hold_ms=whole("lookup_hold_ms", limits.LOOKUP_HOLD_MS_DEFAULT, 0, limits.LOOKUP_HOLD_MS_MAX),
         )

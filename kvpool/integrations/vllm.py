@@ -128,11 +128,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = EngineOptions.read(extra, "kv_connector_extra_config")
+        self._load_async = parse_flag(extra.get("load_async", True), "load_async in kv_connector_extra_config")
         _refuse_unsupported(vllm_config, kv_cache_config)
         self._store = options.open_store()
         self._replicate = options.replicate
         self._lookup_hold_ms = options.lookup_hold_ms
-        self._load_async = parse_flag(extra.get("load_async", True))
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
