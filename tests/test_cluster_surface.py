@@ -182,6 +182,8 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
     once it filled), a demo whose objects no node could hold (every put failing); and a bad
     value was reported under its config field's name, not the flag the operator typed."""
     node = ("node", "--master", "127.0.0.1:1", "--memory", "16MiB")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
     free_bytes = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     cases = (
         ((*node, "--log-level", "loud"), 2, "'loud' is not one of 'debug', 'info', 'warning', 'error'"),
@@ -196,6 +198,11 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
         (("master", "--port", "0", "--lease-ttl-ms", "0"), 1, "error: --lease-ttl-ms must be positive"),
         (("master", "--port", "0", "--evict-ratio", "0.95"), 1, "need 0 < --evict-ratio < --evict-watermark-high"),
         (("node", "--master", "127.0.0.1:1", "--memory", "1000"), 1, "error: --memory 1000 out of"),
+        # Was "FileNotFoundError: [Errno 2] ..." and "NotADirectoryError: [Errno 20] ...".
+        ((*node, "--shm-dir", str(tmp_path / "missing")), 1,
+         f"error: cannot make segments in {tmp_path / 'missing'}: No such file or directory"),
+        ((*node, "--disk-dir", str(a_file), "--disk-size", "32MiB"), 1,
+         f"error: cannot make directory {a_file / 'objects'}: Not a directory"),
     )  # fmt: skip
     for args, code, reason in cases:
         out = kvpool_cli(*args)

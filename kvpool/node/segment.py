@@ -80,8 +80,10 @@ class Segment:
             )
         assert len(token) == limits.SEGMENT_TOKEN_SIZE_BYTES, len(token)
         path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
-        with map_exceptions({OSError: InvalidParams}):
+        try:
             filesystem = os.statvfs(directory)
+        except OSError as exc:
+            raise InvalidParams(f"cannot make segments in {directory}: {exc.strerror or exc}") from exc
         # hugetlbfs reports its huge page size here and refuses a file size that is not a
         # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
         block_size = max(filesystem.f_bsize, limits.PAGE_SIZE_BYTES)

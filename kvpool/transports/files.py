@@ -436,8 +436,10 @@ def make_directory(directory: Path) -> None:
     Raises:
         InvalidParams: it cannot be created or is not a directory.
     """
-    with map_exceptions({OSError: InvalidParams}):
+    try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # said as an operator reads it, not as "FileExistsError: [Errno 17] ..."
+        raise InvalidParams(f"cannot make directory {directory}: {exc.strerror or exc}") from exc
 
 
 def scan(directory: Path) -> Iterator[os.DirEntry[str]]:
