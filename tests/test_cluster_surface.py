@@ -242,6 +242,10 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     with Store(cluster.master_endpoint, shm_enabled=False) as store:
         store.put_batch([f"m{i}" for i in range(10)], [b"z" * 4096] * 10)
         store.get_batch([f"m{i}" for i in range(10)] + ["absent"])
+    # Each says where its /metrics is, at start.
+    assert f"/metrics on http://127.0.0.1:{cluster.http_port}" in cluster.master.log_path.read_text()
+    node_metrics = cluster.nodes[0].info["metrics_endpoint"]
+    assert node_metrics and f"/metrics on http://{node_metrics}" in cluster.nodes[0].log_path.read_text()
     master = scrape(cluster.http_port)
     assert master["kvpool_master_objects"] == 10
     assert master["kvpool_master_puts_total"] == 10

@@ -255,8 +255,9 @@ class MasterServer:
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
-        log.info("master listening on %s (auth %s, open files limit %d)", self.endpoint,
-                 "on" if self._key else "off", raise_open_files_limit())  # a descriptor per client  # fmt: skip
+        http = f", /metrics on http://{self.http_host}:{self.http_port}" if self._http is not None else ""
+        log.info("master listening on %s (auth %s, open files limit %d%s)", self.endpoint,
+                 "on" if self._key else "off", raise_open_files_limit(), http)  # a descriptor per client  # fmt: skip
         if self._election is not None:
             http = f"{self.advertised_endpoint.rpartition(':')[0]}:{self.http_port or 0}"
             record = LeaderRecord(self.advertised_endpoint, http, secrets.token_hex(6))

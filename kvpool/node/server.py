@@ -303,9 +303,10 @@ class Node:
             await self._metrics_server.start(config.metrics_host or config.listen_host,
                                              config.metrics_port)  # fmt: skip
         log.info(
-            "node %s serving segment %s (%d bytes) on %s (listening on %s:%d), shm %s",
+            "node %s serving segment %s (%d bytes) on %s (listening on %s:%d), shm %s%s",
             config.node_id, self._segment_id, self._segment.capacity_bytes, self._endpoint,
             config.listen_host, port, self._segment_info.shm_path or "off",
+            f", /metrics on http://{self.metrics_endpoint}" if self.metrics_endpoint else "",
         )  # fmt: skip
         await _warn_if_unreachable(config.node_id, host, port, config.listen_host)
         self._master_task = asyncio.get_running_loop().create_task(
