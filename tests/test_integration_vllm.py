@@ -612,6 +612,49 @@ def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(make_cluster):
             role.shutdown()
 
 
+def test_deployments_whose_pipeline_stages_split_the_layers_otherwise_share_no_block(make_cluster, monkeypatch):
+    """A stage's key named its PP rank only: stage 1 of a 32-layer model split 16/16 and the
+    same stage split 20/12 ($VLLM_PP_LAYER_PARTITION) read each other's blocks, layers 16-31
+    as layers 20-31. The stages' layer counts are part of the key."""
+
+    class Model:  # what the connector reads of vLLM's ModelConfig (a real one needs the HF config)
+        model, dtype = "org/deep", "torch.bfloat16"
+
+        def get_total_num_hidden_layers(self) -> int:
+            return 32
+
+    cluster = make_cluster(1, "16MiB")
+
+    def pipeline_of_two(partition: str | None):
+        if partition is None:
+            monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+        config = vllm_config(cluster.master_endpoint)
+        config.parallel_config.pipeline_parallel_size = 2
+        config.model_config = Model()
+        sched = connector(config, KVConnectorRole.SCHEDULER)
+        stages = [connector(config, KVConnectorRole.WORKER) for _ in range(2)]
+        stages[1].pp_rank = 1  # vLLM's PP group is not set up in this process
+        for stage in stages:
+            stage.register_kv_caches(paged_cache(seed=8))
+        return sched, stages
+
+    even_sched, even_stages = pipeline_of_two(None)
+    uneven_sched, uneven_stages = pipeline_of_two("20,12")
+    try:
+        assert "@pp_size:2@pp_layers:16.16@" in even_stages[1]._key("h")
+        assert "@pp_size:2@pp_layers:20.12@" in uneven_stages[1]._key("h")
+        meta = first_prefill(even_sched, "a-1", [0, 1, 2, 3])
+        for stage in even_stages:
+            run_worker_step(stage, meta)
+        assert even_sched.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (12, False)
+        assert uneven_sched.get_num_new_matched_tokens(request("b-1", PROMPT), 0) == (0, False)
+    finally:
+        for role in (*even_stages, even_sched, *uneven_stages, uneven_sched):
+            role.shutdown()
+
+
 def test_failed_blocks_and_the_blocks_after_them_leave_vllms_prefix_cache(make_cluster):
     """Under kv_load_failure_policy "recompute" vLLM keeps a failed block cached for its request
     to recompute in place; a request preempted first freed it with its hash, and the next

@@ -19,7 +19,8 @@ Each full block of a prompt is one object holding that block of every layer (K t
 layer for FlashAttention-style caches; the block as it lies for block-first and MLA caches),
 named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
 mooncake/store/data.py PoolKey) with the block's format after the model (_kv_format):
-`model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`.
+`model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`
+(with PP, `@pp_layers:16.16` after the PP size: how many layers each stage holds).
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
   prompt every TP and PP rank holds, in one `longest_prefix` round trip per BATCH_KEYS_MAX
@@ -545,15 +546,31 @@ def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
 
 def _kv_format(vllm_config: VllmConfig) -> str:
     """What decides a block's bytes besides its tokens, for the key: the KV dtype (same-sized
-    dtypes, bf16 and fp16, or two fp8 formats, read as one another's garbage) and the TP and PP
+    dtypes, bf16 and fp16, or two fp8 formats, read as one another's garbage), the TP and PP
     sizes (a rank's share of the heads: 4 KV heads over TP 4 or TP 8 give rank 1 another head
-    in objects of one size). The scheduler's is the one keys use: each step's metadata
-    carries it to the workers, whose config vLLM may have changed since."""
+    in objects of one size) and with PP the stages' layer counts. The scheduler's is the one
+    keys use: each step's metadata carries it to the workers, whose config vLLM may have
+    changed since."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype == "auto" and vllm_config.model_config is not None:
         cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     parallel = vllm_config.parallel_config
-    return f"kv:{cache_dtype}@tp_size:{parallel.tensor_parallel_size}@pp_size:{parallel.pipeline_parallel_size}"
+    kv_format = f"kv:{cache_dtype}@tp_size:{parallel.tensor_parallel_size}@pp_size:{parallel.pipeline_parallel_size}"
+    if parallel.pipeline_parallel_size > 1 and vllm_config.model_config is not None:
+        kv_format += f"@pp_layers:{_stage_layer_counts(vllm_config)}"
+    return kv_format
+
+
+def _stage_layer_counts(vllm_config: VllmConfig) -> str:
+    """How many layers each pipeline stage holds, as "16.16" (vLLM's split: even, or
+    $VLLM_PP_LAYER_PARTITION). A stage's key names its rank only, so two deployments of a
+    model split otherwise (16/16 and 20/12) read each other's layers where one stage's layer
+    count agrees."""
+    from vllm.distributed.utils import get_pp_indices
+
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    return ".".join(str(end - start) for start, end in (get_pp_indices(layers, s, stages) for s in range(stages)))
 
 
 def _hit_source(replicas: Sequence[Replica], segments: dict[str, SegmentInfo], hostname: str) -> str:
