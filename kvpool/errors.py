@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -235,8 +236,19 @@ def map_exceptions(mapping: dict[type[BaseException], type[KVPoolError]]) -> Ite
     except Exception as exc:
         for from_exc, to_exc in mapping.items():
             if isinstance(exc, from_exc):
-                raise to_exc(f"{type(exc).__name__}: {exc}") from exc
+                raise to_exc(_said(exc)) from exc
         raise
+
+
+def _said(exc: Exception) -> str:
+    """A foreign exception as an operator reads it: an OSError by its reason, errno name and
+    file ("Connection refused (ECONNREFUSED)", not "ConnectionRefusedError: [Errno 111]
+    Connection refused"); anything else by its type and message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        name = errno.errorcode.get(exc.errno or 0)
+        said = f"{exc.strerror} ({name})" if name else exc.strerror
+        return said if exc.filename is None else f"{said}: {exc.filename}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 # --- high availability (appended with kvpool/master/election.py) -----------------------------

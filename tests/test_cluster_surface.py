@@ -131,6 +131,8 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     assert kvpool_cli("rm", *master).returncode == 2  # nothing named: usage error
     unreachable = kvpool_cli("get", "x", "--master", "127.0.0.1:1")
     assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr
+    # Said as an operator reads it: was "ConnectionRefusedError: [Errno 111] Connection refused".
+    assert b"127.0.0.1:1: Connection refused (ECONNREFUSED)" in b" ".join(unreachable.stderr.split())
     for command in ("master", "node", "put", "get", "rm", "ls", "stat", "demo", "bench"):
         assert kvpool_cli(command, "--help").returncode == 0
     # What an operator types or stores is printed as it is, never read as rich markup.
