@@ -132,6 +132,8 @@ class ClientConfig:
     """
 
     master: str = f"127.0.0.1:{limits.MASTER_PORT_DEFAULT}"
+    # None: the file $KVPOOL_TOKEN_FILE names, else $KVPOOL_TOKEN, as every kvpool command
+    # and engine adapter reads them (token_from); "" for none whatever the environment says.
     token: str | None = None
     shm_enabled: bool = True
     hostname: str = ""  # "" = socket.gethostname(); used for local-first placement
@@ -149,6 +151,8 @@ class ClientConfig:
     release_leases: bool = True
 
     def __post_init__(self) -> None:
+        if self.token is None:
+            object.__setattr__(self, "token", token_from())  # frozen: set once, here
         if not 1 <= self.connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX:
             raise InvalidParams(
                 f"connections_per_peer must be in [1, {limits.CONNECTIONS_PER_PEER_MAX}]"

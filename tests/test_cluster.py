@@ -946,7 +946,9 @@ uvloop.run(main())
 """
 
 
-def test_wrong_or_missing_token_is_rejected(make_cluster):
+def test_wrong_or_missing_token_is_rejected(make_cluster, monkeypatch):
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
     cluster = make_cluster(1, token="s3cret-token")
     with pytest.raises(Unauthorized, match="requires a cluster token"):
         Store(cluster.master_endpoint, connect_timeout_ms=1000)
@@ -962,6 +964,34 @@ def test_wrong_or_missing_token_is_rejected(make_cluster):
     with Store(cluster.master_endpoint, token="s3cret-token") as store:
         store.put("k", b"v" * 1000)
         assert store.get("k") == b"v" * 1000
+
+
+def test_a_store_takes_the_token_the_deployment_exported(make_cluster, monkeypatch, tmp_path):
+    """The README's deployment exports KVPOOL_TOKEN_FILE (or KVPOOL_TOKEN) on every machine
+    "before any kvpool command or serving process": a Store in a serving process reads it as
+    the commands and engine adapters do (it read neither: Unauthorized). An explicit token
+    wins; token="" is none."""
+    cluster = make_cluster(1, token="s3cret-token")
+    exported = tmp_path / "token"
+    exported.write_text("s3cret-token\n")
+    monkeypatch.setenv("KVPOOL_TOKEN_FILE", str(exported))
+    monkeypatch.setenv("KVPOOL_TOKEN", "loses to the file, as on the command line")
+    with Store(cluster.master_endpoint) as store:
+        store.put("exported", b"e" * 100)
+
+    async def read_async() -> bytes | None:
+        async with await AsyncStore.open(cluster.master_endpoint) as store:
+            return await store.get("exported")
+
+    assert asyncio.run(read_async()) == b"e" * 100
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE")
+    monkeypatch.setenv("KVPOOL_TOKEN", "s3cret-token")
+    with Store(cluster.master_endpoint) as store:
+        assert store.get("exported") == b"e" * 100
+    with pytest.raises(Unauthorized, match="wrong cluster token"):
+        Store(cluster.master_endpoint, token="wrong", connect_timeout_ms=1000)
+    with pytest.raises(Unauthorized, match="requires a cluster token"):
+        Store(cluster.master_endpoint, token="", connect_timeout_ms=1000)
 
 
 def test_no_peer_but_its_node_mounts_unmounts_or_drains_a_live_segment(make_cluster):
