@@ -208,6 +208,7 @@ def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
         last = stderr.splitlines()[-1]
         assert last.startswith("error: ") and "wrong cluster token" in last, stderr
         assert "Traceback" not in stderr and stderr.count("wrong cluster token") <= 2, stderr
+        assert "retrying" not in stderr, stderr  # it does not: it exits
         assert list(shm_dir.iterdir()) == []
     finally:
         _end(node)

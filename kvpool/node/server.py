@@ -430,10 +430,12 @@ class Node:
         if now_s - self._failure_logged_s < LINK_FAILURE_LOG_INTERVAL_S:
             return
         self._failure_logged_s = now_s
-        level = logging.ERROR if isinstance(exc, Unauthorized) else logging.WARNING
-        log.log(level, "node %s: master link to %s: %s: %s (retrying with backoff; said again at most every %d s)",
-                self.node_id, self.config.master_endpoint, type(exc).__name__, exc,
-                LINK_FAILURE_LOG_INTERVAL_S)  # fmt: skip
+        if isinstance(exc, Unauthorized):  # no retry mends it: `kvpool node` exits on it (wait_mounted)
+            log.error("node %s: the master at %s refused it: %s", self.node_id, self.config.master_endpoint, exc)
+            return
+        log.warning("node %s: master link to %s: %s: %s (retrying with backoff; said again at most every %d s)",
+                    self.node_id, self.config.master_endpoint, type(exc).__name__, exc,
+                    LINK_FAILURE_LOG_INTERVAL_S)  # fmt: skip
 
     async def _heartbeat(self, conn: Connection) -> None:
         """Heartbeat until the link closes (return to reconnect) or the node leaves (unmount)."""
