@@ -268,7 +268,7 @@ def main() -> None:
             for round_ in range(args.repeats):
                 record("plain_write_odirect_gbps", plain_write_odirect(plain_path, total))
                 for where, shm in (("local", True), ("remote", False)):
-                    with Store(cluster.master_endpoint, shm_enabled=shm) as store:
+                    with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=shm) as store:
                         keys = [f"{where}-{round_}-{i}" for i in range(count)]
                         record(f"tier_write_{where}_gbps", tier_write(store, keys, buffers))
                 record(
@@ -282,7 +282,7 @@ def main() -> None:
             targets = [np.empty(object_size, dtype=np.uint8) for _ in range(count)]
             tier_files = disk_tier_files(disk_dir)
             stores = {
-                where: Store(cluster.master_endpoint, shm_enabled=shm)
+                where: Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=shm)
                 for where, shm in (("local", True), ("remote", False))
             }
             try:
@@ -301,7 +301,7 @@ def main() -> None:
             finally:
                 for store in stores.values():
                     store.close()
-            with Store(cluster.master_endpoint) as store:
+            with Store(cluster.master_endpoint, token=cluster.client_token) as store:
                 results["tiers"] = store.cluster_status().to_dict()["tiers"]
         for name, values in rounds.items():
             results[name] = statistics.median(values)

@@ -567,7 +567,7 @@ def full_cache_soak() -> dict:
     store_module.AsyncStore._put_job = counting_put_job  # type: ignore[method-assign]
     try:
         cluster = LocalCluster(1, "64MiB")
-        with cluster, Store(cluster.master_endpoint) as store:
+        with cluster, Store(cluster.master_endpoint, token=cluster.client_token) as store:
             processes = cluster_processes(cluster)
             batch = 0
 
@@ -714,7 +714,7 @@ def puts_after_remove() -> dict:
     value = os.urandom(4 * KIB)
     slowest_ms: list[float] = []
     rates: list[float] = []
-    with LocalCluster(1, "256MiB") as cluster, Store(cluster.master_endpoint) as store:
+    with LocalCluster(1, "256MiB") as cluster, Store(cluster.master_endpoint, token=cluster.client_token) as store:
         for round_index in range(9):
             store.remove_by_regex("^again-", force=True)
             times_ns = []
@@ -744,7 +744,7 @@ def client() -> dict:
     with LocalCluster(1, "512MiB") as cluster:
 
         async def get_job_work() -> dict:
-            async with await AsyncStore.open(cluster.master_endpoint) as store:
+            async with await AsyncStore.open(cluster.master_endpoint, token=cluster.client_token) as store:
                 keys = [f"job-{i}" for i in range(BATCH)]
                 await store.put_batch(keys, [value] * BATCH)
                 reply = await store._master.call(GetReplicaList(keys), is_idempotent=True)
@@ -777,7 +777,7 @@ def client() -> dict:
         result["sync_hand_off_us"] = median_us(timed(lambda: loop_thread.run(nothing(), 1_000), 3000))
 
         async def async_puts() -> float:
-            async with await AsyncStore.open(cluster.master_endpoint) as store:
+            async with await AsyncStore.open(cluster.master_endpoint, token=cluster.client_token) as store:
                 samples = []
                 for batch in range(150):
                     keys = [f"a-{batch}-{i}" for i in range(BATCH)]
@@ -793,7 +793,7 @@ def client() -> dict:
                 collector_runs.append(info["generation"])
 
         def sync_puts(shm_enabled: bool) -> float:
-            with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
+            with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=shm_enabled) as store:
                 samples = []
                 for batch in range(150):
                     if batch == 50 and shm_enabled:  # the client's garbage collector, 100 batches
@@ -953,7 +953,7 @@ def tcp_transfers() -> dict:
 
     samples: dict[str, list[float]] = {}
     cluster = LocalCluster(1, f"{total // MIB + 64}MiB")
-    with cluster, Store(cluster.master_endpoint, shm_enabled=False) as store:
+    with cluster, Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=False) as store:
         processes = cluster_processes(cluster)
         sources, targets = store.register_buffer(source), store.register_buffer(target)
         batch_keys = [[f"tcp-{b}-{i}" for i in range(keys_per_batch)] for b in range(batches)]
@@ -992,7 +992,7 @@ def page_gets() -> dict:
     batches, rounds = 48, 8
     value = os.urandom(4096)
     samples: dict[str, list[float]] = {}
-    with LocalCluster(1, "512MiB") as cluster, Store(cluster.master_endpoint) as store:
+    with LocalCluster(1, "512MiB") as cluster, Store(cluster.master_endpoint, token=cluster.client_token) as store:
         processes = cluster_processes(cluster)
         batch_keys = [[f"page-{b}-{i}" for i in range(128)] for b in range(batches)]
         for keys in batch_keys:
@@ -1048,7 +1048,7 @@ def pieces() -> dict:
         for case, (op, size, batch, shm, compared) in cases.items():
             value = os.urandom(size)
             batch_count = max(4, 6144 // batch)
-            with Store(cluster.master_endpoint, shm_enabled=shm) as store:
+            with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=shm) as store:
                 if op == "get":
                     batch_keys = [[f"{case}-{b}-{i}" for i in range(batch)] for b in range(batch_count)]
                     for keys in batch_keys:
@@ -1106,7 +1106,7 @@ def caller_thread() -> dict:
     result: dict[str, object] = {}
     for node_count in (1, 2):
         with LocalCluster(node_count, "512MiB") as cluster:
-            with Store(cluster.master_endpoint, shm_enabled=False) as store:
+            with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=False) as store:
                 own_read, own_write = store._nodes.read, store._nodes.write
                 segments = [node.info["segment_id"] for node in cluster.nodes]
                 get_keys = []
@@ -1212,7 +1212,7 @@ def plain_gets_populated(rounds: int = 5) -> dict:
     from kvpool import page_advice
 
     out: dict = {}
-    with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint) as store:
+    with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint, token=cluster.client_token) as store:
         for size in (MIB, 4 * MIB):
             keys = [f"pop-{size}-{i}" for i in range(64 * MIB // size)]
             batch = 32 * MIB // size
@@ -1264,7 +1264,7 @@ KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_thre
 
 
 def same_host_plain_gets() -> float:
-    with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint) as store:
+    with LocalCluster(1, "200MiB") as cluster, Store(cluster.master_endpoint, token=cluster.client_token) as store:
         keys = [f"p{i}" for i in range(16)]
         value = os.urandom(4 * MIB)
         store.put_batch(keys, [value] * 16)

@@ -115,6 +115,13 @@ def test_a_refusal_of_a_setting_from_the_file_says_the_file_set_it(tmp_path):
     assert "--memory 0 out of" in said and "from [node]" not in said, said
     said = refusal("--disk-dir", str(tmp_path))
     assert "--memory 0 out of" in said and f"(--memory: from [node] in {path})" in said, said
+    # A value that is no size names its flag too (it said "not a size: 'abc'", naming neither).
+    path.write_text('[node]\nmemory = "abc"\n')
+    said = refusal()
+    assert f"--memory: not a size: 'abc' (try 1GiB, 512MiB or a byte count) (--memory: from [node] in {path})" in said
+    said = refusal("--disk-size", "1Q", "--disk-dir", str(tmp_path), "--memory", "64MiB")
+    assert "--disk-size: not a size: '1Q'" in said and "from [node]" not in said, said
+    path.write_text('[node]\ndisk-size = "1GiB"\nmemory = "0"\n')
     # Commands run one after the other in one process (a CLI runner): the file was the first's.
     from typer.testing import CliRunner
 
@@ -141,7 +148,7 @@ def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_
     monkeypatch.setenv("KVPOOL_DFS_DIR", str(dfs))
     monkeypatch.setenv("KVPOOL_ETCD", "127.0.0.1:1")  # a master that followed it would not start
     monkeypatch.setenv("KVPOOL_TOKEN", "the-deployment's")  # its servers would refuse this client
-    with LocalCluster(1, "16MiB") as cluster, Store(cluster.master_endpoint) as store:
+    with LocalCluster(1, "16MiB") as cluster, Store(cluster.master_endpoint, token=cluster.client_token) as store:
         status = store.cluster_status()
         assert [s.segment.capacity_bytes for s in status.segments] == [16 * MIB]  # no DFS segment either
         assert status.segments[0].segment.shm_path != ""  # not the file's `shm = false`

@@ -78,7 +78,7 @@ def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size
             console.print(f"  node pid {process.pid} serving {process.info['endpoint']}")
         values = {f"demo/object-{i:05d}": os.urandom(object_size_bytes) for i in range(object_count)}
         keys = list(values)
-        with Store(cluster.master_endpoint) as writer:
+        with Store(cluster.master_endpoint, token=cluster.client_token) as writer:
             # Untimed: the first put maps the segments it lands on (each pre-faulted at once),
             # at most REPLICA_NUM_MAX segments a put.
             segment_ids = [process.info["segment_id"] for process in cluster.nodes]
@@ -95,12 +95,12 @@ def _run_demo(node_count: int, memory_bytes: int, object_count: int, object_size
             )  # fmt: skip
             placement = writer.query(keys)
             status = writer.cluster_status()
-        with Store(cluster.master_endpoint) as reader:
+        with Store(cluster.master_endpoint, token=cluster.client_token) as reader:
             reader.get_batch(keys[:BATCH_KEYS])  # untimed: maps the segments, as the writer did
             shm_seconds = _timed_batches(
                 console, "get (shm)", keys, lambda b: _check_values(reader.get_batch(b), b, values)
             )
-        with Store(cluster.master_endpoint, shm_enabled=False) as tcp_reader:
+        with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=False) as tcp_reader:
             tcp_reader.get_batch(keys[:BATCH_KEYS])  # untimed: opens the connections
             tcp_seconds = _timed_batches(
                 console, "get (tcp)", keys, lambda b: _check_values(tcp_reader.get_batch(b), b, values)

@@ -314,6 +314,9 @@ class LocalCluster(StartedInContext):
         # DFS tier, stand for election among the real masters, or require the deployment's
         # token of its own client. (Empty is unset to the CLI; `token` sets its own below.)
         self.env.update(dict.fromkeys(DEPLOYMENT_VARIABLES, ""))
+        # What its clients pass as `token`: "" (none) rather than None, which reads the
+        # deployment's from the environment (ClientConfig), which its servers do not have.
+        self.client_token = token or ""
         if token:
             token_path = self.workdir / "token"
             token_path.write_text(token)

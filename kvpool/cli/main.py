@@ -246,6 +246,14 @@ def _failed(command: str, exc: KVPoolError, key: str | None = None) -> typer.Exi
     return _fail(f"{command} {_shown(key)}: {message}")
 
 
+def _size_of(flag: str, text: str, code: int = 1) -> int:
+    """parse_size, its refusal naming the flag (and the settings file, where it came from)."""
+    try:
+        return parse_size(text)
+    except KVPoolError as exc:
+        raise _fail(f"{flag}: {exc}", code) from None
+
+
 def _shm_from_environment() -> bool:
     """KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
     commands use TCP even on the nodes' host; set empty, it is unset."""
@@ -441,7 +449,7 @@ def master(
         server = MasterServer(
             config, host=host, port=port, http_port=http_port, http_host=http_host, token=_token(token_file),
             debug_invariants=debug_invariants, election=election, advertise_host=advertise_host,
-            dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=parse_size(dfs_size) if dfs_size else 0,
+            dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=_size_of("--dfs-size", dfs_size) if dfs_size else 0,
             busy_poll_us=busy_poll_us,
         )  # fmt: skip
     except KVPoolError as exc:
@@ -527,7 +535,7 @@ def node(
     try:
         config = NodeConfig(
             master_endpoint=master,
-            memory_bytes=parse_size(memory),
+            memory_bytes=_size_of("--memory", memory),
             listen_host=host,
             listen_port=port,
             advertise_host=advertise_host,
@@ -537,7 +545,7 @@ def node(
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             disk_dir=str(disk_dir) if disk_dir else "",
-            disk_bytes=parse_size(disk_size) if disk_size else 0,
+            disk_bytes=_size_of("--disk-size", disk_size) if disk_size else 0,
             disk_fsync=disk_fsync,
             dfs_dir=str(dfs_dir) if dfs_dir else "",
             busy_poll_us=busy_poll_us,
@@ -925,7 +933,7 @@ def demo(
     from kvpool.cli.demo import run_demo
 
     try:
-        run_demo(nodes, parse_size(memory), objects, parse_size(object_size), console)
+        run_demo(nodes, _size_of("--memory", memory), objects, _size_of("--object-size", object_size), console)
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
 
@@ -951,7 +959,7 @@ def bench(
     from kvpool.cli.bench import Interrupted, interrupts_between_calls, plan_bench, print_figures, run_bench
 
     try:
-        plan = plan_bench(parse_size(size), parse_size(total), batch, rounds, replicas)
+        plan = plan_bench(_size_of("--size", size, 2), _size_of("--total", total, 2), batch, rounds, replicas)
     except KVPoolError as exc:
         raise _fail(str(exc), 2) from None
     if shm is None:

@@ -269,7 +269,7 @@ class LiveCluster(StartedInContext):
             self.segment_ids.append(node.info["segment_id"])
             if self.disk_size_bytes:
                 self.disk_segment_ids.append(node.info["disk_segment_id"])
-            self.stores.append(Store(cluster.master_endpoint))
+            self.stores.append(Store(cluster.master_endpoint, token=cluster.client_token))
 
     def stop(self) -> None:
         for store in self.stores:
