@@ -96,25 +96,14 @@ class DiskTier:
                 another tier's.
         """
         path = Path(directory)
-        if not capacity_bytes and files.load_identity(path) is None:  # checked before creating anything
-            raise InvalidParams(f"{path} holds no disk tier yet: give its size (--disk-size)")
+        if files.load_identity(path) is None:  # checked before creating anything: a refusal leaves no directory
+            _check_new_tier(path, capacity_bytes)
         files.make_directory(path / objectfile.OBJECTS_DIR)
         lock_fd = files.lock_directory(path)
         try:
             identity = files.load_identity(path)
             if identity is None:
-                if not limits.SEGMENT_SIZE_BYTES_MIN <= capacity_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
-                    raise InvalidParams(
-                        f"disk size {capacity_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
-                        f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
-                    )
-                # Said plainly now rather than as failed offloads once the filesystem fills.
-                free_bytes = files.free_bytes(path)
-                if capacity_bytes > free_bytes:
-                    raise InvalidParams(
-                        f"a disk tier of {capacity_bytes} bytes does not fit in {path} ({free_bytes} bytes "
-                        "free): ask for less, or give that filesystem more room"
-                    )
+                _check_new_tier(path, capacity_bytes)  # again, under the lock
                 identity = TierIdentity(
                     TIER_DISK, f"{node_id}-{secrets.token_hex(4)}/disk",
                     secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes,
@@ -304,3 +293,22 @@ class DiskTier:
         log.info("disk tier %s at %s: adopted %d objects (%d bytes), removed %d stray files",
                  self.segment_id, self.directory, len(self.inventory), self.inventory.used_bytes,
                  removed + len(stale))  # fmt: skip
+
+
+def _check_new_tier(path: Path, capacity_bytes: int) -> None:
+    """Raises InvalidParams: a new tier without a size, of a size out of bounds, or larger
+    than the free space of its filesystem (said plainly now rather than as failed offloads
+    once the filesystem fills; measured where the directory is, or would be made)."""
+    if not capacity_bytes:
+        raise InvalidParams(f"{path} holds no disk tier yet: give its size (--disk-size)")
+    if not limits.SEGMENT_SIZE_BYTES_MIN <= capacity_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
+        raise InvalidParams(
+            f"disk size {capacity_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, {limits.SEGMENT_SIZE_BYTES_MAX}]"
+        )
+    existing = next((p for p in (path, *path.absolute().parents) if p.is_dir()), path)
+    free_bytes = files.free_bytes(existing)
+    if capacity_bytes > free_bytes:
+        raise InvalidParams(
+            f"a disk tier of {capacity_bytes} bytes does not fit in {path} ({free_bytes} bytes free): ask for "
+            "less, or give that filesystem more room"
+        )
