@@ -103,7 +103,9 @@ class LogLevel(str, Enum):
 
 
 # A choice, so that a misspelt level is a usage error naming the choices, not a traceback.
-LogLevelOption = Annotated[LogLevel, typer.Option(envvar="KVPOOL_LOG_LEVEL", case_sensitive=False)]
+LogLevelOption = Annotated[
+    LogLevel, typer.Option(envvar="KVPOOL_LOG_LEVEL", case_sensitive=False, help="The least severe level logged.")
+]
 TokenFileOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -488,7 +490,9 @@ def node(
         bool, typer.Option(help="Let same-host clients map the segment; reach a same-host master by Unix socket.")
     ] = True,
     metrics_port: Annotated[
-        Optional[int], typer.Option(help="Port of /metrics and /health (0 = any free port).", min=0, max=PORT_MAX)
+        Optional[int],
+        typer.Option(help="Port of /metrics and /health (0 = any free port; default: none served).", min=0,
+                     max=PORT_MAX),  # fmt: skip
     ] = None,
     metrics_host: Annotated[
         Optional[str], typer.Option(help="Address /metrics and /health listen on (default: --host).")
@@ -802,7 +806,9 @@ def rm(
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
 ) -> None:
-    """Remove objects by key, by regex, or all of them. Name one of the three."""
+    """Remove objects by key, by regex, or all of them. Name one of the three. Exit status 1
+    when some were not removed (not found, or under a read lease: --force removes those), 2
+    on a usage error."""
     chosen = sum((bool(keys), regex is not None, all_objects))
     if chosen != 1:
         # Two of them once meant the first in an order nobody wrote down (`rm KEY --regex R`
