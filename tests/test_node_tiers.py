@@ -614,3 +614,34 @@ def test_a_dfs_directory_whose_parent_is_missing_is_refused_not_made_up(tmp_path
     assert not (tmp_path / "not-mounted").exists()
     DfsDirectory.create_or_open(tmp_path / "kvpool", 64 * MIB)
     assert (tmp_path / "kvpool" / objectfile.OBJECTS_DIR).is_dir()
+
+
+def test_a_dfs_share_gone_from_under_its_mount_point_takes_no_write(tmp_path):
+    """A share unmounted under a running node leaves its mount point, an empty directory of
+    this host's disk. The node's next DFS writes made the whole tree up there, answered "ok",
+    and the master indexed objects no other host could read (helper-48)."""
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    share = DfsDirectory.create_or_open(mount_point / "kvpool", 64 * MIB)
+    data = os.urandom(10_000)
+    checksum = xxhash.xxh3_64_intdigest(data)
+    share.write("before", 4096, checksum, [memoryview(data)], is_durable=False)
+    assert share.read_bytes("before", 4096, len(data)) == data
+    mount_point.rename(tmp_path / "share-elsewhere")  # what the node sees of an unmount
+    mount_point.mkdir()
+    with pytest.raises(TransferFailed, match="is gone .is the shared filesystem mounted"):
+        share.write("after", 8192, checksum, [memoryview(data)], is_durable=False)
+    assert list(mount_point.iterdir()) == []
+
+
+def test_a_disk_tier_whose_objects_directory_was_removed_reports_no_room(tmp_path):
+    """Every offload into it failed, and the object it carried was lost, while the tier still
+    reported itself writable: the master went on sending moves (helper-48). Its whole
+    directory removed was already reported so."""
+    tier = DiskTier.open(tmp_path / "d", 16 * MIB, "node-1", is_durable=False)
+    try:
+        assert tier.filesystem_report().is_writable
+        tier.objects_path.rmdir()
+        assert not tier.filesystem_report().is_writable
+    finally:
+        tier.close()

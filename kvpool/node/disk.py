@@ -200,8 +200,9 @@ class DiskTier:
             return math.nan
 
     def filesystem_report(self) -> FilesystemReport:
-        """What the filesystem under the tier can take, for the master (files.filesystem_report)."""
-        return files.filesystem_report(self.directory)
+        """What the filesystem under the tier can take, for the master (files.filesystem_report):
+        nothing once its objects directory is gone (removed by hand), where every write would fail."""
+        return files.filesystem_report(self.objects_path)
 
     def sync(self) -> None:
         """Make renames and unlinks durable (when the tier is durable). Raises TransferFailed."""

@@ -20,13 +20,14 @@ so the path may differ from host to host.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.errors import InvalidParams
+from kvpool.errors import InvalidParams, TransferFailed
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import TIER_DFS, InventoryEntry
 from kvpool.protocol.objectfile import TierIdentity
@@ -45,6 +46,25 @@ def _make_root(path: Path) -> None:
     if not path.parent.is_dir():
         raise InvalidParams(f"{path}: {path.parent} is not a directory (is the shared filesystem mounted?)")
     files.make_directory(path)
+
+
+def _make_bucket(bucket: Path) -> None:
+    """Create an object's bucket directory, if absent, in the tier's objects directory, which
+    must be there: were its parents made up on the way, a share unmounted under a running node
+    (its mount point left empty) became this host's own disk, and offloads went on, "ok", into
+    files no other host could read.
+
+    Raises:
+        TransferFailed: the objects directory is gone, or the bucket cannot be made.
+    """
+    try:
+        os.mkdir(bucket, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError as exc:
+        raise TransferFailed(f"{bucket.parent} is gone (is the shared filesystem mounted?)") from exc
+    except OSError as exc:
+        raise TransferFailed(f"cannot make directory {bucket}: {exc.strerror or exc}") from exc
 
 
 class DfsDirectory:
@@ -123,7 +143,7 @@ class DfsDirectory:
             otherwise (nothing is left under its name in either case).
         """
         final = self.path_of(key, offset)
-        files.make_directory(final.parent)
+        _make_bucket(final.parent)
         files.write_object(final.parent, final.name, key, checksum, source, is_durable=is_durable)
         if is_durable:
             files.sync_directory(final.parent)
