@@ -308,6 +308,7 @@ def test_a_failed_offload_evicts_and_frees_its_target():
     svc.finish_moves("A", items, [FAIL] * 3, 3)
     assert svc.exist_keys(ExistKeys([i.key for i in items]), 3).flags == [False] * 3
     assert tiers(svc)[TIER_DISK]["used_bytes"] == 0
+    assert tiers(svc)[TIER_DISK]["failed_moves"] == 3
     assert len(ack_drops(svc)["A"]) == 3
 
 
@@ -842,6 +843,12 @@ def test_a_node_without_the_dfs_mounted_is_asked_for_no_more_dfs_moves():
     svc.tick(4)
     assert svc.take_moves() == {}  # evicted by dropping, as without a DFS
     assert ack_drops(svc, 4)["A"]
+    assert tiers(svc)[TIER_DFS]["failed_moves"] == 3  # counted: /metrics, kvpool stat
+    # ... for a while only: the share may be mounted since (it was never tried again).
+    later = 5 + tiers_module.FULL_TIER_RETRY_MS
+    assert put(svc, ["d", "e", "f"], now=later) == [OK] * 3
+    svc.tick(later)
+    assert {i.dst_segment_id for i in svc.take_moves()["A"]} == {"dfs-1"}
 
 
 def test_a_confirmed_bad_replica_goes_alone_and_the_object_lives_on_in_its_other_tier():

@@ -903,11 +903,13 @@ def stat(
             )
         out.print(table)
         if status.tiers:
-            tiers = Table("tier", "capacity", "used", "objects", "hits", "offloads", "promotions", "evictions")
+            tiers = Table("tier", "capacity", "used", "replicas", "hits", "offloads", "promotions", "evictions",
+                          "failed moves")
             for tier in status.tiers:
                 tiers.add_row(
                     tier.tier, _human(tier.capacity_bytes), _human(tier.used_bytes), str(tier.object_count),
                     str(tier.hits), str(tier.offloads), str(tier.promotions), str(tier.evictions),
+                    str(tier.failed_moves),
                 )  # fmt: skip
             out.print(tiers)
         out.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")

@@ -63,10 +63,12 @@ class TierCounters:
     """Monotonic counts per tier (appended with the tiers, docs/tiers.md): `hits` gets whose
     nearest replica was in the tier; `offloads` objects moved into it from a faster tier;
     `promotions` objects copied into it from a slower tier; `copies` write-through copies into
-    it; `evictions` replicas that left it to make room (moved down or dropped)."""
+    it; `evictions` replicas that left it to make room (moved down or dropped); `failed_moves`
+    offloads, promotions and copies into it that its node could not write."""
 
     hits: int = 0
     offloads: int = 0
     promotions: int = 0
     copies: int = 0
     evictions: int = 0
+    failed_moves: int = 0

@@ -927,6 +927,7 @@ class MasterService:
             status.offloads = counters.offloads
             status.promotions = counters.promotions
             status.evictions = counters.evictions
+            status.failed_moves = counters.failed_moves
         return list(statuses.values())
 
     # --- drops outbox -------------------------------------------------------------------

@@ -369,9 +369,11 @@ class TierFlow:
         self.counters = {tier: TierCounters() for tier in TIERS}
         self._watermark_after_ms = {tier: 0 for tier in SLOWER_TIERS}
         self._room_after_ms = {tier: 0 for tier in TIERS}
-        # Nodes that answered a DFS move with SEGMENT_NOT_FOUND: the DFS is not mounted there,
-        # so no more DFS moves are asked of them (bounded: forgotten when it fills up).
-        self._without_dfs: set[str] = set()
+        # Nodes that answered a DFS move with SEGMENT_NOT_FOUND: the DFS is not mounted there
+        # (or its identity could not be read), so no DFS moves are asked of them until when
+        # (FULL_TIER_RETRY_MS: a share mounted late, or an NFS hiccup, is tried again; it was
+        # never, until the master restarted). Bounded: forgotten when it fills up.
+        self._without_dfs: dict[str, int] = {}
         # Segments whose filesystem is full (FULL_TIER_RETRY_MS): id -> (segment, the bytes it
         # may hold, until when); and those found full since the service last took the list.
         self._full: dict[str, tuple[Segment, int, int]] = {}
@@ -511,7 +513,7 @@ class TierFlow:
         repeated before they land (another put's) evicts nothing more."""
         if tier == TIER_DISK:
             segment = self._registry.active_of_node(near.info.node_id, TIER_DISK)
-        elif near.info.node_id in self._without_dfs:
+        elif self._is_without_dfs(near.info.node_id, now_ms):
             return Room.NONE
         else:
             segments = self._registry.active_by_tier[tier]
@@ -718,7 +720,7 @@ class TierFlow:
                 active = registry.active
                 target = active[int(self._rng.random() * len(active))] if active else None
                 executor = target
-                if target is not None and target.info.node_id in self._without_dfs:
+                if target is not None and self._is_without_dfs(target.info.node_id, now_ms):
                     continue  # That node cannot read the DFS; another draw next time.
             if target is None or executor is None:
                 continue
@@ -806,6 +808,9 @@ class TierFlow:
                 held[key] = {pack_replica(s.index, offset) for s, offset in move.held() if self._is_live(s)}
         return held
 
+    def _is_without_dfs(self, node_id: str, now_ms: int) -> bool:
+        return self._without_dfs.get(node_id, 0) > now_ms
+
     def _is_live(self, segment: Segment) -> bool:
         return self._registry.get(segment.segment_id) is segment
 
@@ -825,13 +830,14 @@ class TierFlow:
             if code == ErrorCode.SEGMENT_NOT_FOUND and TIER_DFS in (segment.tier, move.source[0].tier):
                 if len(self._without_dfs) >= SEGMENT_COUNT_MAX:
                     self._without_dfs.clear()
-                self._without_dfs.add(move.executor.info.node_id)
+                self._without_dfs[move.executor.info.node_id] = now_ms + FULL_TIER_RETRY_MS
             if not self._is_live(segment):
                 continue
             if code == UNANSWERED:  # the node may have recorded it: dropped before reuse
                 segment.schedule_drop(InventoryEntry(key, offset, size_bytes, checksum))
             elif code != ErrorCode.OK:
                 segment.allocator.free(offset, size_bytes)  # Never recorded by the node.
+                self.counters[segment.tier].failed_moves += 1
                 if code == ErrorCode.NO_AVAILABLE_HANDLE and segment.tier in SLOWER_TIERS:
                     self._found_full(segment, now_ms)
             elif is_current:

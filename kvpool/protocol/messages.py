@@ -56,7 +56,8 @@ class ReplicateConfig(msgspec.Struct, array_like=True):
     preferred_segments: list[str] = []
     # Appended with the tiers (docs/tiers.md); old encodings decode with the defaults.
     # with_disk_copy: put_end returns once a copy is also on the disk tier of the node that
-    # holds the DRAM replica (write-through). with_dfs_copy: likewise on the shared filesystem.
+    # holds the DRAM replica (write-through), or has failed: best effort, as replica_num is
+    # (counted in the tier's failed_moves). with_dfs_copy: likewise on the shared filesystem.
     with_disk_copy: bool = False
     with_dfs_copy: bool = False
 
@@ -154,7 +155,8 @@ class TierStatus(msgspec.Struct, array_like=True):
     master counted since it started. `object_count` counts replicas in the tier; `hits` gets
     whose nearest replica was in the tier; `offloads` objects moved into it from a faster
     tier; `promotions` objects copied into it from a slower tier (DRAM only); `evictions`
-    replicas that left it to make room (moved down or dropped)."""
+    replicas that left it to make room (moved down or dropped); `failed_moves` offloads,
+    promotions and write-through copies into it that its node could not write (appended)."""
 
     tier: str
     capacity_bytes: int = 0
@@ -164,6 +166,7 @@ class TierStatus(msgspec.Struct, array_like=True):
     offloads: int = 0
     promotions: int = 0
     evictions: int = 0
+    failed_moves: int = 0
 
 
 # --- replies --------------------------------------------------------------------------------
