@@ -130,3 +130,24 @@ def test_a_dfs_file_that_rots_is_checked_by_the_master_and_dropped(make_cluster,
         wait_until(lambda: not store.exists("rotten"))
         wait_until(lambda: not path.exists())  # the master removed the file itself
         assert store.get("sound") == sound
+
+
+def test_a_dfs_directory_is_one_clusters(make_cluster, tmp_path):
+    """A second cluster (another token) given the same --dfs-dir started without a word, read
+    the first's objects, and its remove_all deleted their files under it: each master indexes
+    every file there and allocates the tier's offsets alone (helper-48). Its master now
+    refuses the directory; the first cluster, restarted, takes it again."""
+    dfs = str(tmp_path / "dfs")
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", dfs), token="cluster-a-token")
+    cluster.start_node(("--dfs-dir", dfs))
+    with Store(cluster.master_endpoint, token="cluster-a-token", dfs_dir=dfs) as store:
+        store.put("a/0", b"a" * OBJECT_SIZE, ReplicateConfig(with_dfs_copy=True))
+        assert dfs_keys(store, ["a/0"]) == ["a/0"]
+    other = kvpool_cli("master", "--port", "0", "--http-port", "0", "--dfs-dir", dfs, env={"KVPOOL_TOKEN": "cluster-b"})
+    said = " ".join(other.stderr.decode().split())
+    assert other.returncode == 1 and "Traceback" not in said, said
+    assert f"{dfs} is the DFS tier of another cluster (another cluster token)" in said, said
+    cluster.master.kill()
+    cluster.start_master()
+    with Store(cluster.master_endpoint, token="cluster-a-token", dfs_dir=dfs) as store:
+        assert store.get("a/0") == b"a" * OBJECT_SIZE

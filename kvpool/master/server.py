@@ -774,7 +774,9 @@ class MasterServer:
 
     async def _open_dfs(self) -> None:
         assert self._dfs_dir
-        self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes)
+        self._dfs = await asyncio.to_thread(
+            DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, auth.cluster_mark(self._key)
+        )
         identity = self._dfs.identity()
         assert identity is not None
         self._dfs_info = SegmentInfo(

@@ -35,6 +35,12 @@ def cluster_key(token: str) -> bytes:
     return hashlib.sha256(b"kvpool-cluster-key\0" + token.encode()).digest()
 
 
+def cluster_mark(key: bytes | None) -> str:
+    """What a shared directory records of the cluster that uses it (the DFS tier's owner):
+    derived from the cluster key, not the key; "" for a cluster without a token."""
+    return hmac.digest(key, b"kvpool-cluster-mark", "sha256")[:16].hex() if key else ""
+
+
 def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.digest(key, b"client\0" + server_nonce + client_nonce, "sha256")
 

@@ -172,13 +172,15 @@ def is_temp_name(name: str) -> bool:
 
 class TierIdentity(NamedTuple):
     """What a tier directory says about itself (IDENTITY_FILE): which tier it is, the segment
-    id it mounts as, the token that proves a reader found the right directory, and (disk tier)
-    its capacity."""
+    id it mounts as, the token that proves a reader found the right directory, (disk tier) its
+    capacity, and (DFS) the cluster that uses it (auth.cluster_mark; "" in files written
+    before 2026-12-05, and for a cluster without a token)."""
 
     tier: str
     segment_id: str
     token: bytes
     capacity_bytes: int
+    owner: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -187,6 +189,7 @@ class TierIdentity(NamedTuple):
                 "segment_id": self.segment_id,
                 "token": self.token.hex(),
                 "capacity_bytes": self.capacity_bytes,
+                "owner": self.owner,
             }
         ).encode()
 
@@ -199,6 +202,7 @@ def decode_identity(data: bytes) -> TierIdentity | None:
             str(fields["segment_id"]),
             bytes.fromhex(fields["token"]),
             int(fields["capacity_bytes"]),
+            str(fields.get("owner", "")),
         )
     except (ValueError, KeyError, TypeError):
         return None

@@ -82,15 +82,20 @@ class DfsDirectory:
     # --- identity ------------------------------------------------------------------------
 
     @classmethod
-    def create_or_open(cls, path: str | Path, capacity_bytes: int) -> DfsDirectory:
+    def create_or_open(cls, path: str | Path, capacity_bytes: int, owner: str = "") -> DfsDirectory:
         """The master's open: create the directory and its identity on first use, of
-        `capacity_bytes` (0: the filesystem's size, up to the largest segment).
+        `capacity_bytes` (0: the filesystem's size, up to the largest segment), marked as
+        `owner`'s (auth.cluster_mark).
 
         A later start keeps the stored capacity (objects beyond a smaller one would be lost).
+        A directory another cluster uses is refused: each master allocates the tier's offsets
+        alone, indexes every file in it and removes the ones it does not know, so two clusters
+        on one directory served and removed each other's objects. One written before owners
+        were recorded is taken.
 
         Raises:
-            InvalidParams: the directory cannot be created (_make_root), or belongs to
-                another tier.
+            InvalidParams: the directory cannot be created (_make_root), belongs to another
+                tier, or to another cluster.
         """
         directory = cls(path)
         _make_root(directory.path)
@@ -101,11 +106,19 @@ class DfsDirectory:
                 capacity_bytes = min(files.statvfs_bytes(directory.path), limits.SEGMENT_SIZE_BYTES_MAX)
             identity = TierIdentity(
                 TIER_DFS, f"dfs-{secrets.token_hex(4)}",
-                secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes,
+                secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes, owner,
             )  # fmt: skip
             files.store_identity(directory.path, identity)
         elif identity.tier != TIER_DFS:
             raise InvalidParams(f"{directory.path} is a {identity.tier} tier, not a DFS directory")
+        elif identity.owner != owner:
+            if identity.owner:
+                raise InvalidParams(
+                    f"{directory.path} is the DFS tier of another cluster (another cluster token): give each "
+                    "cluster a --dfs-dir of its own"
+                )
+            identity = identity._replace(owner=owner)
+            files.store_identity(directory.path, identity)
         directory._identity = identity
         return directory
 
