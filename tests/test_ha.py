@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -37,6 +38,7 @@ from kvpool.errors import (
     ConnectFailed,
     CoordinationError,
     InvalidParams,
+    KVPoolError,
     NotLeader,
     RpcFailed,
     RpcTimeout,
@@ -668,6 +670,47 @@ def test_frozen_leader_refuses_the_put_that_waited_in_its_socket(make_cluster, e
 
     run(main())
     assert cluster.role_of(old) == "standby"
+
+
+def test_stores_leave_a_leader_that_hangs_for_good(make_cluster, etcd_endpoint):
+    """A leader frozen for good (SIGSTOP here; a host behind a network black hole) closes no
+    connection: every later call of a Store or AsyncStore opened before timed out on it, for
+    as long as it stayed frozen, while a standby led (helper-49). A call that times out now
+    has the leader looked up again, and the next ones go to the new leader."""
+    from kvpool import Store
+
+    cluster = make_cluster(1, "16MiB", etcd_endpoint=etcd_endpoint, cluster_id=new_cluster_id(),
+                           master_count=2, master_args=("--etcd-lease-ttl-ms", str(TTL_MS)))  # fmt: skip
+    old = cluster.wait_leader()
+    client = {"rpc_timeout_ms": 1_000, "connect_timeout_ms": 1_000}
+
+    async def attempts_until_put(put) -> int:
+        """`put()` until one is acknowledged; how many it took."""
+        deadline = time.monotonic() + 30
+        for attempt in itertools.count(1):
+            try:
+                await put()
+                return attempt
+            except KVPoolError as exc:
+                error = exc
+            assert time.monotonic() < deadline, f"no put acknowledged in 30 s ({attempt} attempts): {error!r}"
+        raise AssertionError("unreachable")
+
+    async def main() -> None:
+        async with await AsyncStore.open(cluster.master_address, **client) as async_store:
+            with Store(cluster.master_address, **client) as store:
+                store.put("before", b"b" * 100)
+                await async_store.put("before-async", b"b" * 100)
+                old.signal(signal.SIGSTOP)
+                try:
+                    await asyncio.to_thread(cluster.wait_leader, 20.0)
+                    assert await attempts_until_put(lambda: asyncio.to_thread(store.put, "s", b"s" * 100)) <= 3
+                    assert await attempts_until_put(lambda: async_store.put("a", b"a" * 100)) <= 3
+                    assert store.get("s") == b"s" * 100 and await async_store.get("a") == b"a" * 100
+                finally:
+                    old.signal(signal.SIGCONT)
+
+    run(main())
 
 
 def test_an_etcd_started_for_a_process_ends_with_it(tmp_path):

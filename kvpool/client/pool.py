@@ -162,6 +162,16 @@ class MasterLink(_ClosedForGood):
         or the leader is being looked up again). Plain attribute reads: safe from any thread."""
         return self._conn_endpoint if self._usable() is not None else None
 
+    def suspect(self, endpoint: str) -> None:
+        """A request to the master at `endpoint` timed out. With etcd, the leader is looked up
+        again before the next request: a leader that hangs (SIGSTOP, a host gone behind a
+        network black hole) closes no connection, and every later call of this store timed
+        out on it while a standby led. The connection is kept if it still leads. Plain
+        attribute writes: safe from any thread (the sync Store's direct links)."""
+        if self._resolver.is_dynamic and endpoint == self._conn_endpoint:
+            self._is_stale = True
+            self._resolver.forget()
+
     def _usable(self) -> Connection | None:
         conn = self._conn
         if conn is None or conn.is_closed() or self._is_stale:
@@ -247,6 +257,8 @@ class MasterLink(_ClosedForGood):
                 error: Exception = exc
             except (ConnectFailed, RpcTimeout) as exc:
                 if conn is not None:
+                    if conn is self._conn:
+                        self.suspect(self._conn_endpoint)
                     raise  # The request may be running: the call's time is spent anyway.
                 self._drop(None, f"unreachable: {exc}")
                 if not is_dynamic:

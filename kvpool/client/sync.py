@@ -344,14 +344,16 @@ class _DirectLinks:
             conn = self._connection(link)  # the master restarted: a new connection, or None
         return link, conn
 
-    @staticmethod
     def _may_ask_through_the_loop(
-        link: _ThreadMasterLink, conn: BlockingConnection, exc: BaseException, is_idempotent: bool
+        self, link: _ThreadMasterLink, conn: BlockingConnection, exc: BaseException, is_idempotent: bool
     ) -> bool:
         """After `exc` on this thread's connection: whether the requests it did not answer
         may be asked through the loop (the master has not seen them, or they are
         idempotent); the connection is closed then, and otherwise unless it is clean (an
-        error answer, nothing left to read) so that a late reply never answers another."""
+        error answer, nothing left to read) so that a late reply never answers another. A
+        timeout has the leader looked up again (MasterLink.suspect)."""
+        if isinstance(exc, RpcTimeout):
+            self._master.suspect(conn.endpoint)
         if isinstance(exc, (ConnectFailed, NotLeader)) or (isinstance(exc, RpcFailed) and is_idempotent):
             log.debug("direct link to %s: %s; asking through the loop", conn.endpoint, exc)
             link.close()
