@@ -24,6 +24,7 @@ touch the state of a later term.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -48,6 +49,7 @@ from kvpool.protocol.messages import (
     ClusterStatus,
     CodesReply,
     CommitObjects,
+    CountReply,
     DrainSegment,
     DropObjects,
     ExistKeys,
@@ -87,6 +89,10 @@ TICK_INTERVAL_MS = 200
 # A tick this late says the master itself did not run (nodes' TTLs are not charged for it).
 STALL_EXCUSED_MS_MIN = 1_000
 NODE_CALL_TIMEOUT_MS = limits.RPC_TIMEOUT_MS_DEFAULT
+# How long a remove waits for its nodes to forget what it removed before it answers all the same
+# (_removed): a node answers a drop in a millisecond or two; one that stops answering must not
+# take the client's whole RPC timeout (its drops go on, kept as tombstones if its segment goes).
+REMOVE_DROPS_WAIT_MS = 500
 # What a new leader refuses until its takeover is over: requests that change what exists.
 _TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -204,6 +210,7 @@ class MasterServer:
         self._tick_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self._drop_tasks: dict[str, asyncio.Task[None]] = {}  # segment id -> its drops in flight
+        self._drops_moving: asyncio.Future[None] | None = None  # done when drops move on (_removed)
         # Puts waiting for room, oldest first: room that lands is theirs before any new put's.
         self._room_waiters: list[_RoomWaiter] = []
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
@@ -340,11 +347,11 @@ class MasterServer:
             case PutRevoke():
                 return service.put_revoke(message, now_ms)
             case Remove():
-                return service.remove(message, now_ms)
+                return self._removed(service.remove(message, now_ms))
             case RemoveByRegex():
-                return service.remove_by_regex(message, now_ms)
+                return self._removed(service.remove_by_regex(message, now_ms))
             case RemoveAll():
-                return service.remove_all(message, now_ms)
+                return self._removed(service.remove_all(message, now_ms))
             case QueryObjects():
                 return service.query_objects(message, now_ms)
             case ListObjects():
@@ -625,6 +632,45 @@ class MasterServer:
     def _drop_task_done(self, segment_id: str, task: asyncio.Task[None]) -> None:
         if self._drop_tasks.get(segment_id) is task:
             del self._drop_tasks[segment_id]
+        self._drops_moved()
+
+    def _drops_moved(self) -> None:
+        """Wake what waits for drops (_removed): some were acknowledged, or a segment's
+        sending ended."""
+        moving, self._drops_moving = self._drops_moving, None
+        if moving is not None and not moving.done():
+            moving.set_result(None)
+
+    def _removed(self, reply: CodesReply | CountReply) -> HandlerResult | Awaitable[HandlerResult]:
+        """A remove's reply, once the nodes that held what it removed have forgotten it (or
+        REMOVE_DROPS_WAIT_MS passed, or a node could not be reached: its drops go on, or wait as
+        tombstones). Answered before, at the next tick's drops, a master that died in between
+        left the objects on their nodes, and its successor took them back when they mounted
+        again: removed keys came back, and a key put again since could come back with its old
+        bytes and its new put lost (helper-49)."""
+        removed = reply.count if isinstance(reply, CountReply) else sum(c == ErrorCode.OK for c in reply.codes)
+        if not removed:
+            return reply
+        service = self.service
+        taken = service.take_drops()  # the remove's drops, and any scheduled before them
+        for segment_id, entries in taken.items():
+            self._unsent_drops.setdefault(segment_id, []).extend(entries)
+        self._send_drops()
+        return self._answer_when_dropped(reply, service, taken)
+
+    async def _answer_when_dropped(
+        self, reply: CodesReply | CountReply, service: MasterService, taken: dict[str, list[InventoryEntry]]
+    ) -> CodesReply | CountReply:
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + REMOVE_DROPS_WAIT_MS / 1000
+        while service is self.service and loop.time() < deadline_s:
+            if not any(s in self._drop_tasks and service.is_dropping(s, e) for s, e in taken.items()):
+                break
+            if self._drops_moving is None:
+                self._drops_moving = loop.create_future()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._drops_moving), deadline_s - loop.time())
+        return reply
 
     async def _drop(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
         """A segment's drops, then those that came for it meanwhile, until one fails."""
@@ -644,6 +690,7 @@ class MasterServer:
                     chunk = entries[sent : sent + limits.DROP_ENTRIES_PER_REQUEST_MAX]
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
                     service.drops_done(segment_id, chunk, wall_clock_ms())
+                    self._drops_moved()
                     sent += len(chunk)
                     self._drops_through(segment_id)
                     if self._room_waiters:

@@ -955,6 +955,12 @@ class MasterService:
         sent = segment.drops_sent
         return [entry for entry in entries if sent.get(entry.offset) is entry]
 
+    def is_dropping(self, segment_id: str, entries: list[InventoryEntry]) -> bool:
+        """Whether some of these drops (taken by take_drops) still wait for their node's
+        acknowledgement on the segment mounted under that id."""
+        segment = self._registry.get(segment_id)
+        return segment is not None and any(segment.drops_sent.get(entry.offset) is entry for entry in entries)
+
     def has_segment(self, segment_id: str) -> bool:
         return self._registry.get(segment_id) is not None
 
