@@ -45,6 +45,12 @@ def segments_key(cluster_id: str) -> bytes:
     return f"/kvpool/{cluster_id}/segments".encode()
 
 
+def mark_key(cluster_id: str) -> bytes:
+    """The mark of the cluster token its masters share (auth.cluster_mark): set by the first
+    candidate, never leased; a candidate with another token refuses to stand (Elector)."""
+    return f"/kvpool/{cluster_id}/mark".encode()
+
+
 @dataclasses.dataclass(frozen=True)
 class MasterAddress:
     """A parsed master address: `endpoint` for a fixed master, else etcd and a cluster id."""

@@ -51,6 +51,7 @@ from kvpool.node.server import Node
 from kvpool.protocol.messages import ClusterStatus, PutStart
 from kvpool.transports.connection import connect
 from kvpool.transports.etcd import EtcdClient, parse_etcd_endpoints
+from tests.test_cluster import kvpool_cli
 
 TTL_MS = 3_000  # Short leases keep these tests quick; the chaos suite runs the 5 s default.
 _cluster_serial = 0
@@ -711,6 +712,28 @@ def test_stores_leave_a_leader_that_hangs_for_good(make_cluster, etcd_endpoint):
                     old.signal(signal.SIGCONT)
 
     run(main())
+
+
+def test_a_candidate_with_another_token_refuses_to_stand(make_cluster, etcd_endpoint):
+    """A master started with another cluster token stood by without a word; once it led,
+    every client and node was refused (Unauthorized) and a failover became an outage
+    (helper-49). It now exits at once, saying why; the cluster's masters go on."""
+    cluster_id = new_cluster_id()
+    cluster = make_cluster(1, "16MiB", etcd_endpoint=etcd_endpoint, cluster_id=cluster_id, token="the-token",
+                           master_args=("--etcd-lease-ttl-ms", str(TTL_MS)))  # fmt: skip
+    cluster.wait_leader()
+    other = kvpool_cli(
+        "master", "--port", "0", "--http-port", "0", "--etcd", etcd_endpoint, "--cluster-id", cluster_id,
+        "--etcd-lease-ttl-ms", str(TTL_MS), env={"KVPOOL_TOKEN": "another-token", "KVPOOL_TOKEN_FILE": ""},
+    )  # fmt: skip
+    said = " ".join(other.stderr.decode().split())
+    assert other.returncode == 1 and "Traceback" not in said, said
+    assert f"error: cluster {cluster_id} on etcd has masters with another cluster token" in said, said
+    from kvpool import Store
+
+    with Store(cluster.master_address, token="the-token") as store:
+        store.put("still", b"s" * 100)
+        assert store.get("still") == b"s" * 100
 
 
 def test_an_etcd_started_for_a_process_ends_with_it(tmp_path):

@@ -464,7 +464,13 @@ def master(
             _freeze_start_up_objects()
             if ready_file:
                 _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
-            await stop.wait()
+            # Until a signal, or (a candidate on etcd) until it refuses to stand: another token.
+            refusal = server.elector.refusal if server.elector is not None else None
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({stopping, *([refusal] if refusal else [])}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if refusal is not None and refusal.done():
+                raise refusal.result()
         finally:
             await server.stop()
 

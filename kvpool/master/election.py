@@ -44,9 +44,10 @@ from kvpool.discovery import (
     decode_segments_record,
     encode_segments_record,
     leader_key,
+    mark_key,
     segments_key,
 )
-from kvpool.errors import ConnectFailed, CoordinationError, InvalidParams, RpcTimeout
+from kvpool.errors import ConnectFailed, CoordinationError, InvalidParams, KVPoolError, RpcTimeout
 from kvpool.transports.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class ElectionConfig:
     cluster_id: str
     lease_ttl_ms: int = limits.ETCD_LEASE_TTL_MS_DEFAULT
     step_down_margin_ms: int = limits.LEADER_STEP_DOWN_MARGIN_MS_DEFAULT
+    cluster_mark: str = ""  # this candidate's (auth.cluster_mark of its token)
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -198,6 +200,9 @@ class Elector:
         self._segments_key = segments_key(config.cluster_id)
         self._task: asyncio.Task[None] | None = None
         self._held_lease_id = 0
+        self._is_of_cluster = False  # _claim_cluster found its mark the cluster's
+        # Set (with the reason) when this candidate refuses to stand: see _claim_cluster.
+        self.refusal: asyncio.Future[KVPoolError] | None = None
 
     def __repr__(self) -> str:
         return f"<Elector {self.config.cluster_id} {self.record.endpoint} {self.leadership!r}>"
@@ -207,6 +212,7 @@ class Elector:
 
     def start(self) -> None:
         assert self._task is None, "Elector started twice"
+        self.refusal = asyncio.get_running_loop().create_future()
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"kvpool election {self.config.cluster_id}"
         )
@@ -230,10 +236,17 @@ class Elector:
 
     async def _run(self) -> None:
         backoff_ms = _RETRY_BACKOFF_MS_MIN
-        while True:  # Campaigns until stop() cancels it.
+        while True:  # Campaigns until stop() cancels it, or it refuses to stand.
             try:
+                if not self._is_of_cluster:
+                    await self._claim_cluster()
                 await self._campaign()
                 backoff_ms = _RETRY_BACKOFF_MS_MIN
+            except InvalidParams as exc:
+                log.error("election: %s", exc)
+                assert self.refusal is not None
+                self.refusal.set_result(exc)
+                return
             except _ETCD_ERRORS as exc:
                 delay_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
                 log.warning("election: etcd %s: %s: %s; retrying in %d ms",
@@ -241,6 +254,24 @@ class Elector:
                             delay_ms)  # fmt: skip
                 await asyncio.sleep(delay_ms / 1000)
                 backoff_ms = min(backoff_ms * 2, limits.ELECTION_RETRY_BACKOFF_MS_MAX)
+
+    async def _claim_cluster(self) -> None:
+        """Check that this candidate's cluster token is the cluster's (its mark in etcd, set by
+        the first candidate). A master with another token stood by without a word, and once it
+        led, every client and node was refused: a failover became an outage (helper-49).
+
+        Raises:
+            InvalidParams: the cluster's masters have another token.
+        """
+        mark = self.config.cluster_mark
+        created, holder, _ = await self._etcd.create(mark_key(self.config.cluster_id), mark.encode(), lease_id=0)
+        if not created and holder is not None and holder.value.decode(errors="replace") != mark:
+            raise InvalidParams(
+                f"cluster {self.config.cluster_id} on etcd has masters with another cluster token: this master "
+                f"will not stand for election (give every master, node and client one token; after changing it, "
+                f"delete the key {mark_key(self.config.cluster_id).decode()} in etcd)"
+            )
+        self._is_of_cluster = True
 
     async def _campaign(self) -> None:
         """One round: try to create the leader key; lead until deposed, or watch it."""

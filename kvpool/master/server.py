@@ -268,7 +268,8 @@ class MasterServer:
         if self._election is not None:
             http = f"{self.advertised_endpoint.rpartition(':')[0]}:{self.http_port or 0}"
             record = LeaderRecord(self.advertised_endpoint, http, secrets.token_hex(6))
-            self.elector = Elector(self._election, record, self)
+            election = dataclasses.replace(self._election, cluster_mark=auth.cluster_mark(self._key))
+            self.elector = Elector(election, record, self)
             self.elector.start()
             log.info("master %s is a candidate of cluster %s (etcd %s)", record.endpoint,
                      self._election.cluster_id, ",".join(self._election.etcd_endpoints))  # fmt: skip
