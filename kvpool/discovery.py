@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 from kvpool import limits
 from kvpool.errors import CoordinationError, InvalidParams, NotLeader
@@ -185,13 +186,21 @@ class MasterResolver:
         address, endpoints = self.address, self._etcd_endpoints
         async with EtcdClient(endpoints) as etcd:
             try:
+                deadline_s = time.monotonic() + timeout_ms / 1000
                 kv, _ = await etcd.get(leader_key(address.cluster_id), timeout_ms=timeout_ms)
+                mark = None
+                if kv is None:  # an election under way, or a cluster no master ever stood for
+                    left_ms = max(1, int((deadline_s - time.monotonic()) * 1000))
+                    mark, _ = await etcd.get(mark_key(address.cluster_id), timeout_ms=left_ms)
             finally:
                 at = endpoints.index(etcd.preferred_endpoint)
                 self._etcd_endpoints = endpoints[at:] + endpoints[:at]
         if kv is None:
-            raise NotLeader(f"no master is the leader of cluster {address.cluster_id!r} in etcd "
-                            f"{','.join(address.etcd_endpoints)} (election under way?)")  # fmt: skip
+            where = f"cluster {address.cluster_id!r} in etcd {','.join(address.etcd_endpoints)}"
+            if mark is None:
+                raise NotLeader(f"no master ever stood for {where}: is the cluster id right? (the masters' "
+                                "--cluster-id; an etcd:// address without one names 'default')")  # fmt: skip
+            raise NotLeader(f"no master is the leader of {where} (election under way?)")
         record = LeaderRecord.decode(kv.value)
         parse_master_address(record.endpoint)  # A malformed record fails here, not in connect.
         self._endpoint = record.endpoint

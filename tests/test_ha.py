@@ -517,9 +517,17 @@ async def _wait_for_async(fetch, predicate, timeout_s: float = 10.0):
 
 
 def test_resolver_without_a_leader_says_not_leader(etcd_endpoint):
+    """Nothing led yet: an election under way, or (no master ever marked the cluster) a wrong
+    cluster id, said as such (it said "election under way?" either way; helper-49)."""
+
     async def main():
-        resolver = MasterResolver(f"etcd://{etcd_endpoint}/{new_cluster_id()}")
-        with pytest.raises(NotLeader, match="no master is the leader"):
+        cluster_id = new_cluster_id()
+        resolver = MasterResolver(f"etcd://{etcd_endpoint}/{cluster_id}")
+        with pytest.raises(NotLeader, match="no master ever stood for cluster .* is the cluster id right"):
+            await resolver.resolve(1_000)
+        async with EtcdClient(parse_etcd_endpoints(etcd_endpoint)) as etcd:
+            await etcd.put(f"/kvpool/{cluster_id}/mark".encode(), b"")  # what a master's candidacy leaves
+        with pytest.raises(NotLeader, match="no master is the leader .*election under way"):
             await resolver.resolve(1_000)
         assert MasterResolver("127.0.0.1:5").is_dynamic is False
 
