@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import signal
 import socket
@@ -685,7 +684,8 @@ def test_stores_leave_a_leader_that_hangs_for_good(make_cluster, etcd_endpoint):
     """A leader frozen for good (SIGSTOP here; a host behind a network black hole) closes no
     connection: every later call of a Store or AsyncStore opened before timed out on it, for
     as long as it stayed frozen, while a standby led (helper-49). A call that times out now
-    has the leader looked up again, and the next ones go to the new leader."""
+    has the leader looked up again, and the next ones go to the new leader: one or two time
+    out."""
     from kvpool import Store
 
     cluster = make_cluster(1, "16MiB", etcd_endpoint=etcd_endpoint, cluster_id=new_cluster_id(),
@@ -693,17 +693,22 @@ def test_stores_leave_a_leader_that_hangs_for_good(make_cluster, etcd_endpoint):
     old = cluster.wait_leader()
     client = {"rpc_timeout_ms": 1_000, "connect_timeout_ms": 1_000}
 
-    async def attempts_until_put(put) -> int:
-        """`put()` until one is acknowledged; how many it took."""
+    async def timeouts_until_put(put) -> int:
+        """`put()` until one is acknowledged; how many timed out on the way (a call that hit
+        the frozen leader). Other refusals (no segment until the node mounts on the new
+        leader) are the cluster's state, not the store's."""
         deadline = time.monotonic() + 30
-        for attempt in itertools.count(1):
+        timeouts = 0
+        while True:
             try:
                 await put()
-                return attempt
+                return timeouts
+            except RpcTimeout:
+                timeouts += 1
             except KVPoolError as exc:
-                error = exc
-            assert time.monotonic() < deadline, f"no put acknowledged in 30 s ({attempt} attempts): {error!r}"
-        raise AssertionError("unreachable")
+                assert time.monotonic() < deadline, f"no put acknowledged in 30 s: {exc!r}"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, f"no put acknowledged in 30 s ({timeouts} timeouts)"
 
     async def main() -> None:
         async with await AsyncStore.open(cluster.master_address, **client) as async_store:
@@ -713,8 +718,8 @@ def test_stores_leave_a_leader_that_hangs_for_good(make_cluster, etcd_endpoint):
                 old.signal(signal.SIGSTOP)
                 try:
                     await asyncio.to_thread(cluster.wait_leader, 20.0)
-                    assert await attempts_until_put(lambda: asyncio.to_thread(store.put, "s", b"s" * 100)) <= 3
-                    assert await attempts_until_put(lambda: async_store.put("a", b"a" * 100)) <= 3
+                    assert await timeouts_until_put(lambda: asyncio.to_thread(store.put, "s", b"s" * 100)) <= 2
+                    assert await timeouts_until_put(lambda: async_store.put("a", b"a" * 100)) <= 2
                     assert store.get("s") == b"s" * 100 and await async_store.get("a") == b"a" * 100
                 finally:
                     old.signal(signal.SIGCONT)
