@@ -196,7 +196,11 @@ class Connection(asyncio.BufferedProtocol):
         self._replies_owed_max = replies_owed_max
         self._replies_preparing = 0  # requests an awaitable handler has not answered yet
         self._busy_poll = busy_poll  # a server's: polls on after each reply (busy_poll.py)
-        self._frame_timer: asyncio.TimerHandle | None = None  # see _arm_frame_deadline
+        # The frame being received, split across receives (_frame_begun): the timer of its
+        # deadline, the frames decoded before it, and when its first bytes came.
+        self._frame_timer: asyncio.TimerHandle | None = None
+        self._frame_owed = -1
+        self._frame_started_s = 0.0
         self.close_reason = ""
 
     def __repr__(self) -> str:
@@ -541,8 +545,8 @@ class Connection(asyncio.BufferedProtocol):
                 return  # the requests received meanwhile wait: _update_reading takes them up
             event = self._decoder.next_event()
             if event is NEED_DATA:
-                if self._frame_timer is None and self._decoder.is_mid_frame:
-                    self._arm_frame_deadline()
+                if self._decoder.is_mid_frame:
+                    self._frame_begun()
                 return
             if isinstance(event, Frame):
                 self._on_frame(event)
@@ -550,27 +554,32 @@ class Connection(asyncio.BufferedProtocol):
                 assert isinstance(event, PayloadDone), event
                 self._on_payload_done(event)
 
-    def _arm_frame_deadline(self) -> None:
-        """A frame begun must be complete within FRAME_RECEIVE_TIMEOUT_MS, or the connection
-        closes: a peer that sent part of a large control message and stalled held its buffer
-        until it hung up. One timer at a time: it is set when a frame is split across receives,
-        and when it fires it checks whether the frame it was set for is still the one owed."""
-        self._frame_timer = self._loop.call_later(
-            limits.FRAME_RECEIVE_TIMEOUT_MS / 1000, self._frame_deadline, self._decoder.frames_decoded
-        )
+    def _frame_begun(self) -> None:
+        """A frame is split across receives: it must be complete within FRAME_RECEIVE_TIMEOUT_MS
+        of its first bytes, or the connection closes (a peer that sent part of a large control
+        message and stalled held its buffer until it hung up). A frame is known by how many
+        the decoder had returned before it; one timer at a time, set for the frame owed."""
+        decoded = self._decoder.frames_decoded
+        if decoded != self._frame_owed:
+            self._frame_owed, self._frame_started_s = decoded, self._loop.time()
+        if self._frame_timer is None:
+            deadline_s = self._frame_started_s + limits.FRAME_RECEIVE_TIMEOUT_MS / 1000
+            self._frame_timer = self._loop.call_at(deadline_s, self._frame_deadline)
 
-    def _frame_deadline(self, frames_decoded: int) -> None:
+    def _frame_deadline(self) -> None:
         self._frame_timer = None
         if self.is_closed() or not self._decoder.is_mid_frame:
             return
-        is_new_frame = frames_decoded != self._decoder.frames_decoded
-        # This side not reading (a server backed up, _update_reading) is no fault of the peer's.
-        if is_new_frame or self._is_reading_paused or (self._is_server and self._is_backed_up()):
-            self._arm_frame_deadline()
+        if self._is_server and self._is_backed_up():
+            # Its own replies still in the making: this side stopped reading, not the peer's
+            # fault. (A peer that does not read its replies is no excuse: it stalls both ways.)
+            self._frame_started_s = self._loop.time()
+        elif self._frame_started_s + limits.FRAME_RECEIVE_TIMEOUT_MS / 1000 <= self._loop.time():
+            reason = f"frame not complete within {limits.FRAME_RECEIVE_TIMEOUT_MS} ms of its first bytes"
+            log.warning("closing connection %s %s: %s", self.name, self.peer, reason)
+            self.close(reason)
             return
-        reason = f"frame not complete within {limits.FRAME_RECEIVE_TIMEOUT_MS} ms of its first bytes"
-        log.warning("closing connection %s %s: %s", self.name, self.peer, reason)
-        self.close(reason)
+        self._frame_begun()  # a later frame owed (or an excused one): its own deadline
 
     def _on_frame(self, frame: Frame) -> None:
         message = frame.message
