@@ -226,7 +226,7 @@ def small_puts_into_a_full_cache(repeats: int, polling: tuple[str, str]) -> dict
     batches_per_round = 48
     value = os.urandom(4096)
     with LocalCluster(1, f"{FULL_CACHE_MEMORY // MIB}MiB", master_args=polling, node_args=polling) as cluster:
-        with Store(cluster.master_endpoint) as store:
+        with Store(cluster.master_endpoint, token=cluster.client_token) as store:
             next_batch = 0
 
             def put_rounds(batch_count: int) -> float:
@@ -255,7 +255,7 @@ def single_get_latency(store: Store) -> dict:
         sync_us.append((time.perf_counter_ns() - started) / 1000)
 
     async def async_latencies() -> list[float]:
-        async with await AsyncStore.open(store._async.config.master) as async_store:
+        async with await AsyncStore.open(store._async.config.master, token=store._async.config.token) as async_store:
             out = []
             for i in range(3000):
                 started = time.perf_counter_ns()
@@ -291,7 +291,7 @@ def main() -> None:
     polling = ("--busy-poll-us", str(args.busy_poll_us))
     with LocalCluster(1, f"{2 * total // MIB + 64}MiB", master_args=polling, node_args=polling) as cluster:
         for path, shm_enabled in (("tcp", False), ("shm", True)):
-            with Store(cluster.master_endpoint, shm_enabled=shm_enabled) as store:
+            with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=shm_enabled) as store:
                 for size in (MIB, 4 * MIB):
                     run = ZeroCopyRun(store, path, size, total // size)
                     batch = BATCH_BYTES // size
@@ -320,7 +320,7 @@ def main() -> None:
                         row[f"get_vs_{name}"] = round(statistics.median(r[2] / r[0][i] for r in rounds), 2)
                     result[f"{path}_{size // MIB}MiB"] = row
                     store.remove_all(force=True)
-        with Store(cluster.master_endpoint) as store:
+        with Store(cluster.master_endpoint, token=cluster.client_token) as store:
             for threads in (1, 4):
                 result[f"small_4KiB_batch128_shm_{threads}_threads"] = small_objects(
                     store, args.repeats, threads

@@ -822,7 +822,7 @@ def zero_copy_page_gets(master: str, count_runs, collector_runs: list[int]) -> d
     """Batches of 128 zero-copy gets of 4 KiB pages from a same-host node into one registered
     array (an engine's KV pages): objects/s, and how often the client's garbage collector ran
     in 100 of those batches (`count_runs` appends to `collector_runs`)."""
-    with Store(master) as store:
+    with Store(master, token="") as store:  # a local cluster's: no token
         source = np.random.randint(0, 255, BATCH * 4 * KIB, dtype=np.uint8)
         target = np.zeros_like(source)
         keys = [f"zc-page-{i}" for i in range(BATCH)]
@@ -845,7 +845,7 @@ def tcp_gets(master: str) -> dict:
     and zero-copy gets of 4 KiB and 64 KiB objects laid out back to back in one registered
     array (GB/s), as an engine's KV pages are."""
     out: dict = {}
-    with Store(master, shm_enabled=False) as store:
+    with Store(master, token="", shm_enabled=False) as store:
         keys = [f"tcp-get-{i}" for i in range(BATCH)]
         values = [os.urandom(4 * KIB) for _ in keys]
         store.put_batch(keys, values)
@@ -889,7 +889,7 @@ def put_phases() -> dict:
 
     def through_store(master: str, **options) -> dict:
         samples: dict[str, list[int]] = {"put_start": [], "copy": [], "put_end": []}
-        with Store(master, **options) as store:
+        with Store(master, token="", **options) as store:
             base = store.register_buffer(source)
             for round_index in range(rounds):
                 for keys, views in spans(store._async, base, round_index):
@@ -908,7 +908,7 @@ def put_phases() -> dict:
 
     async def through_async_store(master: str, **options) -> dict:
         samples: dict[str, list[int]] = {"put_start": [], "copy": [], "put_end": []}
-        async with await AsyncStore.open(master, **options) as store:
+        async with await AsyncStore.open(master, token="", **options) as store:
             base = store.register_buffer(source)
             for round_index in range(rounds):
                 for keys, views in spans(store, base, round_index):
@@ -1150,7 +1150,7 @@ async def async_get_rates(master: str, batch: int, rounds: int, store_module) ->
     alternating round by round (the first round warms up)."""
     value = os.urandom(4 * KIB)
     rates: dict[str, list[float]] = {"pieces": [], "one_request": []}
-    async with await AsyncStore.open(master) as store:
+    async with await AsyncStore.open(master, token="") as store:
         batch_keys = [[f"async-{batch}-{b}-{i}" for i in range(batch)] for b in range(max(4, 6144 // batch))]
         for keys in batch_keys:
             assert await store.put_batch(keys, [value] * batch) == [ErrorCode.OK] * batch

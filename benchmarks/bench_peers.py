@@ -138,7 +138,7 @@ class KvpoolClient:
     def __init__(self, master: str, shm: bool, embedded_bytes: int = 0) -> None:
         from kvpool import Store
 
-        self.store = Store(master, shm_enabled=shm, embedded_memory_bytes=embedded_bytes)
+        self.store = Store(master, token="", shm_enabled=shm, embedded_memory_bytes=embedded_bytes)
         if embedded_bytes:
             assert self.store.embedded_segment is not None, "no embedded segment"
 

@@ -44,7 +44,7 @@ def main() -> int:
             args.nodes, "32MiB", workdir=workdir / "cluster", etcd_endpoint=etcd.endpoint,
             master_count=2, master_args=("--etcd-lease-ttl-ms", str(args.lease_ttl_ms)),
         ) as cluster:  # fmt: skip
-            with Store(cluster.master_address, shm_enabled=False, rpc_timeout_ms=3_000,
+            with Store(cluster.master_address, token=cluster.client_token, shm_enabled=False, rpc_timeout_ms=3_000,
                        connect_timeout_ms=1_000, transfer_timeout_ms=3_000) as store:  # fmt: skip
                 values = {f"failover/{i}": os.urandom(64 * 1024) for i in range(args.objects)}
                 store.put_batch(list(values), list(values.values()), ReplicateConfig(replica_num=2))

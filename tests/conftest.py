@@ -15,12 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cli.launcher import LocalCluster
+from kvpool.cli.launcher import DEPLOYMENT_VARIABLES, LocalCluster
 from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
 from kvpool.protocol.messages import AuthChallenge, AuthOk
 
 # Masters started by tests check every structure after every request (STYLE.md).
 os.environ.setdefault("KVPOOL_DEBUG_INVARIANTS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_deployment_in_the_environment(monkeypatch) -> None:
+    """Tests run on a host that may export a deployment's settings (README: KVPOOL_TOKEN_FILE
+    on every machine); their clusters are local and tokenless unless a test says otherwise,
+    and a Store given no token reads the environment's."""
+    for name in (*DEPLOYMENT_VARIABLES, "KVPOOL_MASTER", "KVPOOL_SHM"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
