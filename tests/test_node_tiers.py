@@ -33,7 +33,7 @@ from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, Objec
 from kvpool.master.server import MasterServer
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
-from kvpool.protocol import objectfile
+from kvpool.protocol import auth, objectfile
 from kvpool.protocol.frames import is_slow_copy
 from kvpool.protocol.messages import TIER_DISK, ClusterStatus, InventoryEntry, ReadItem, ReadReply, ReadSlices
 from kvpool.transports import files
@@ -645,3 +645,26 @@ def test_a_disk_tier_whose_objects_directory_was_removed_reports_no_room(tmp_pat
         assert not tier.filesystem_report().is_writable
     finally:
         tier.close()
+
+
+def test_a_dfs_directory_is_refused_to_another_cluster_with_or_without_a_token(tmp_path):
+    """Each master allocates the DFS tier's offsets alone and indexes every file in it: two
+    clusters on one directory served and removed each other's objects. A cluster without a
+    token is one too (helper-51: its mark was "", as a directory from before marks, and any
+    cluster took it)."""
+    with_token, without = auth.cluster_mark(auth.cluster_key("a-token")), auth.cluster_mark(None)
+    for first, second in ((with_token, without), (without, with_token)):
+        path = tmp_path / first / "kvpool"
+        path.parent.mkdir()
+        DfsDirectory.create_or_open(path, 64 * MIB, first)
+        DfsDirectory.create_or_open(path, 64 * MIB, first)  # its own, again
+        with pytest.raises(InvalidParams, match="is the DFS tier of another cluster"):
+            DfsDirectory.create_or_open(path, 64 * MIB, second)
+    # A directory from before marks is taken by the first master that opens it.
+    path = tmp_path / "old" / "kvpool"
+    path.parent.mkdir()
+    old = DfsDirectory.create_or_open(path, 64 * MIB, "").identity()
+    assert old is not None and old.owner == ""
+    DfsDirectory.create_or_open(path, 64 * MIB, without)
+    with pytest.raises(InvalidParams, match="another cluster"):
+        DfsDirectory.create_or_open(path, 64 * MIB, with_token)

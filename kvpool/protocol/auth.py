@@ -36,9 +36,10 @@ def cluster_key(token: str) -> bytes:
 
 
 def cluster_mark(key: bytes | None) -> str:
-    """What a shared directory records of the cluster that uses it (the DFS tier's owner):
-    derived from the cluster key, not the key; "" for a cluster without a token."""
-    return hmac.digest(key, b"kvpool-cluster-mark", "sha256")[:16].hex() if key else ""
+    """What shared state records of the cluster that uses it (the DFS tier's owner, the mark
+    in etcd): derived from the cluster key, not the key; "none" for a cluster without a token
+    ("" is a DFS directory written before owners were recorded)."""
+    return hmac.digest(key, b"kvpool-cluster-mark", "sha256")[:16].hex() if key else "none"
 
 
 def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:

@@ -174,7 +174,7 @@ class TierIdentity(NamedTuple):
     """What a tier directory says about itself (IDENTITY_FILE): which tier it is, the segment
     id it mounts as, the token that proves a reader found the right directory, (disk tier) its
     capacity, and (DFS) the cluster that uses it (auth.cluster_mark; "" in files written
-    before 2026-12-05, and for a cluster without a token)."""
+    before 2026-12-05)."""
 
     tier: str
     segment_id: str
