@@ -167,7 +167,8 @@ class MasterLink(_ClosedForGood):
         again before the next request: a leader that hangs (SIGSTOP, a host gone behind a
         network black hole) closes no connection, and every later call of this store timed
         out on it while a standby led. The connection is kept if it still leads. Plain
-        attribute writes: safe from any thread (the sync Store's direct links)."""
+        attribute writes, made from any thread (the sync Store's direct links): one that races
+        the loop's own look-up may be lost, and the next timeout makes it again."""
         if self._resolver.is_dynamic and endpoint == self._conn_endpoint:
             self._is_stale = True
             self._resolver.forget()

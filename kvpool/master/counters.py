@@ -64,7 +64,8 @@ class TierCounters:
     nearest replica was in the tier; `offloads` objects moved into it from a faster tier;
     `promotions` objects copied into it from a slower tier; `copies` write-through copies into
     it; `evictions` replicas that left it to make room (moved down or dropped); `failed_moves`
-    offloads, promotions and copies into it that its node could not write."""
+    offloads, promotions and copies into it that failed (the node could not write them, did
+    not answer, or could not be reached)."""
 
     hits: int = 0
     offloads: int = 0

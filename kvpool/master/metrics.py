@@ -166,9 +166,9 @@ def _tier_metrics(status: ClusterStatusReply) -> Iterator[Any]:
             ("offloads", "objects moved into the tier from a faster one."),
             ("promotions", "objects copied into the tier from a slower one."),
             ("evictions", "replicas that left the tier to make room."),
-            ("failed_moves", "offloads, promotions and write-through copies into the tier that its node could "
-                             "not write (an offloaded object is then dropped; a put's copy leaves its faster "
-                             "replicas)."),
+            ("failed_moves", "offloads, promotions and write-through copies into the tier that failed: the "
+                             "node could not write them, did not answer, or could not be reached (an offloaded "
+                             "object is then dropped; a put's copy leaves its faster replicas)."),
         )
     }
     for tier in status.tiers:

@@ -92,7 +92,7 @@ NODE_CALL_TIMEOUT_MS = limits.RPC_TIMEOUT_MS_DEFAULT
 # How long a remove waits for its nodes to forget what it removed before it answers all the same
 # (_removed): a node answers a drop in a millisecond or two; one that stops answering must not
 # take the client's whole RPC timeout (its drops go on, kept as tombstones if its segment goes).
-REMOVE_DROPS_WAIT_MS = 500
+REMOVE_DROPS_WAIT_MS = 1_000
 # What a new leader refuses until its takeover is over: requests that change what exists.
 _TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")

@@ -833,11 +833,12 @@ class TierFlow:
                 self._without_dfs[move.executor.info.node_id] = now_ms + FULL_TIER_RETRY_MS
             if not self._is_live(segment):
                 continue
+            if code not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):  # the source gone is no failure
+                self.counters[segment.tier].failed_moves += 1
             if code == UNANSWERED:  # the node may have recorded it: dropped before reuse
                 segment.schedule_drop(InventoryEntry(key, offset, size_bytes, checksum))
             elif code != ErrorCode.OK:
                 segment.allocator.free(offset, size_bytes)  # Never recorded by the node.
-                self.counters[segment.tier].failed_moves += 1
                 if code == ErrorCode.NO_AVAILABLE_HANDLE and segment.tier in SLOWER_TIERS:
                     self._found_full(segment, now_ms)
             elif is_current:

@@ -156,7 +156,8 @@ class TierStatus(msgspec.Struct, array_like=True):
     whose nearest replica was in the tier; `offloads` objects moved into it from a faster
     tier; `promotions` objects copied into it from a slower tier (DRAM only); `evictions`
     replicas that left it to make room (moved down or dropped); `failed_moves` offloads,
-    promotions and write-through copies into it that its node could not write (appended)."""
+    promotions and write-through copies into it that failed: the node could not write them,
+    did not answer, or could not be reached (appended)."""
 
     tier: str
     capacity_bytes: int = 0
