@@ -161,7 +161,7 @@ class AsyncStore:
                 NodeConfig(
                     master_endpoint=self.config.master,
                     memory_bytes=self.config.embedded_memory_bytes,
-                    token=self.config.token,
+                    token=self.config.token or None,  # "": none
                     shm_enabled=self.config.shm_enabled,
                     busy_poll_us=0,  # the application's loop: a spinning one would hold the GIL
                 )
