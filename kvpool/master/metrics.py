@@ -17,8 +17,8 @@ and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, t
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
 tier_evictions_total{tier}, tier_failed_moves_total{tier}; busy_poll_seconds_total and
 busy_poll_windows_total (what polling after replies costs: transports/busy_poll.py); and with
-the default eviction policy policy_objects{set} (probation, protected) and readmissions_total (objects put again soon
-after their eviction: the signal that DRAM is short for the traffic).
+the default eviction policy policy_objects{set} (probation, protected) and readmissions_total
+(objects put again soon after their eviction: the signal that DRAM is short for the traffic).
 """
 
 from __future__ import annotations

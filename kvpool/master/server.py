@@ -617,8 +617,7 @@ class MasterServer:
         Drops for a segment whose task runs wait in _unsent_drops: that task sends them next.
         Ranges are freed as each node acknowledges."""
         service = self.service
-        for segment_id, entries in service.take_drops().items():
-            self._unsent_drops.setdefault(segment_id, []).extend(entries)
+        self._take_drops()
         dfs_id = self._dfs_info.segment_id if self._dfs_info is not None else None
         for segment_id in [s for s in self._unsent_drops if s not in self._drop_tasks]:
             entries = self._unsent_drops.pop(segment_id)
@@ -629,6 +628,13 @@ class MasterServer:
             task.add_done_callback(functools.partial(self._drop_task_done, segment_id))
             task.add_done_callback(functools.partial(_log_task_failure, doing=f"sending drops to segment {segment_id}"))
         return list(self._drop_tasks.values())
+
+    def _take_drops(self) -> dict[str, list[InventoryEntry]]:
+        """Move the service's drop outbox into _unsent_drops; returns what it moved."""
+        taken = self.service.take_drops()
+        for segment_id, entries in taken.items():
+            self._unsent_drops.setdefault(segment_id, []).extend(entries)
+        return taken
 
     def _drop_task_done(self, segment_id: str, task: asyncio.Task[None]) -> None:
         if self._drop_tasks.get(segment_id) is task:
@@ -652,12 +658,9 @@ class MasterServer:
         removed = reply.count if isinstance(reply, CountReply) else sum(c == ErrorCode.OK for c in reply.codes)
         if not removed:
             return reply
-        service = self.service
-        taken = service.take_drops()  # the remove's drops, and any scheduled before them
-        for segment_id, entries in taken.items():
-            self._unsent_drops.setdefault(segment_id, []).extend(entries)
+        taken = self._take_drops()  # the remove's drops, and any scheduled before them
         self._send_drops()
-        return self._answer_when_dropped(reply, service, taken)
+        return self._answer_when_dropped(reply, self.service, taken)
 
     async def _answer_when_dropped(
         self, reply: CodesReply | CountReply, service: MasterService, taken: dict[str, list[InventoryEntry]]
