@@ -10,7 +10,8 @@ memory ran out); KVPOOL_SHM turns shared memory off with the spellings engines' 
 takes (off, False), not only 0, false and no; an option out of its range (--replicas, a server's
 durations, an address that is not one) or a key over limits.KEY_SIZE_BYTES_MAX is refused with
 one line naming it and its range, before a Store opens or a server starts (both replaced by
-stubs that raise). Bounded: well under a second.
+stubs that raise); an empty path option is a usage error, and nothing is made in the working
+directory. Bounded: well under a second.
 """
 
 from __future__ import annotations
@@ -194,3 +195,27 @@ def test_version_names_the_release_and_the_wire_version() -> None:
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"kvpool {kvpool.__version__} (wire version {limits.FRAME_VERSION})"
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["node", "--disk-dir", "", "--disk-size", "64MiB"], "--disk-dir"),
+        (["node", "--dfs-dir", ""], "--dfs-dir"),
+        (["node", "--shm-dir", ""], "--shm-dir"),
+        (["node", "--ready-file", ""], "--ready-file"),
+        (["master", "--dfs-dir", ""], "--dfs-dir"),
+        (["master", "--token-file", ""], "--token-file"),
+        (["master", "--config", ""], "--config"),
+        (["get", "k", "--output", ""], "--output"),
+    ],
+)
+def test_an_empty_path_is_a_usage_error_not_the_working_directory(
+    nothing_opens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], option: str
+) -> None:
+    # Click reads "" as "."; `--disk-dir ""` made a disk tier in the working directory.
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and "an empty path" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []

@@ -102,6 +102,14 @@ class LogLevel(str, Enum):
     error = "error"
 
 
+def _path(text: str) -> Path:
+    """A path option's value. An empty one is refused: click reads "" as ".", and
+    `--disk-dir ""` made a disk tier in the working directory."""
+    if not text:
+        raise typer.BadParameter("an empty path")
+    return Path(text)
+
+
 # A choice, so that a misspelt level is a usage error naming the choices, not a traceback.
 LogLevelOption = Annotated[
     LogLevel, typer.Option(envvar="KVPOOL_LOG_LEVEL", case_sensitive=False, help="The least severe level logged.")
@@ -109,7 +117,7 @@ LogLevelOption = Annotated[
 TokenFileOption = Annotated[
     Optional[Path],
     typer.Option(
-        "--token-file", envvar="KVPOOL_TOKEN_FILE",
+        "--token-file", envvar="KVPOOL_TOKEN_FILE", parser=_path,
         help="File holding the cluster token (or set KVPOOL_TOKEN). Without a token, servers "
         "bind loopback only.",
     ),
@@ -117,7 +125,7 @@ TokenFileOption = Annotated[
 ConfigOption = Annotated[
     Optional[Path],
     typer.Option(
-        "--config", envvar="KVPOOL_CONFIG", is_eager=True, callback=load_settings,
+        "--config", envvar="KVPOOL_CONFIG", is_eager=True, callback=load_settings, parser=_path,
         help="TOML file of settings, a table per command ([master], [node]) keyed by option name "
         "(memory = \"64GiB\"). The command line wins, then KVPOOL_* variables, then the file.",
     ),
@@ -370,7 +378,7 @@ def master(
     ] = limits.EVICT_RATIO_DEFAULT,
     token_file: TokenFileOption = None,
     ready_file: Annotated[
-        Optional[Path], typer.Option(help="Write {\"endpoint\", \"http_port\"} here once serving.")
+        Optional[Path], typer.Option(parser=_path, help="Write {\"endpoint\", \"http_port\"} here once serving.")
     ] = None,
     debug_invariants: Annotated[
         bool,
@@ -397,7 +405,7 @@ def master(
         Optional[str], typer.Option(help="Address the leader record tells clients and nodes to dial (default: --host).")
     ] = None,
     dfs_dir: Annotated[
-        Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR",
+        Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR", parser=_path,
                                      help="The shared filesystem tier's directory (indexed from its files at start).")
     ] = None,
     dfs_size: Annotated[
@@ -490,8 +498,8 @@ def node(
         Optional[str], typer.Option(help="Address clients dial (default: the listen address).")
     ] = None,
     shm_dir: Annotated[
-        str, typer.Option(help="Directory of the segment file: /dev/shm or a hugetlbfs mount.")
-    ] = "/dev/shm",
+        Path, typer.Option(parser=_path, help="Directory of the segment file: /dev/shm or a hugetlbfs mount.")
+    ] = Path("/dev/shm"),
     shm: Annotated[
         bool, typer.Option(help="Let same-host clients map the segment; reach a same-host master by Unix socket.")
     ] = True,
@@ -505,7 +513,7 @@ def node(
     ] = None,
     disk_dir: Annotated[
         Optional[Path],
-        typer.Option(help="Directory of the node's disk tier (NVMe): objects evicted from DRAM "
+        typer.Option(parser=_path, help="Directory of the node's disk tier (NVMe): objects evicted from DRAM "
                      "move there, and survive a restart with the same directory."),
     ] = None,
     disk_size: Annotated[
@@ -515,13 +523,13 @@ def node(
         bool, typer.Option(help="fsync every disk tier file before the master hears of it.")
     ] = True,
     dfs_dir: Annotated[
-        Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR",
+        Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR", parser=_path,
                                      help="This host's mount of the shared filesystem tier's directory.")
     ] = None,
     token_file: TokenFileOption = None,
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     ready_file: Annotated[
-        Optional[Path], typer.Option(help="Write the node's endpoints as JSON here once mounted.")
+        Optional[Path], typer.Option(parser=_path, help="Write the node's endpoints as JSON here once mounted.")
     ] = None,
     drain_ms: Annotated[
         int,
@@ -549,7 +557,7 @@ def node(
             listen_host=host,
             listen_port=port,
             advertise_host=advertise_host,
-            shm_dir=shm_dir,
+            shm_dir=str(shm_dir),
             shm_enabled=shm,
             token=_token(token_file),
             metrics_port=metrics_port,
@@ -674,7 +682,7 @@ def _write_ready(path: Path, payload: dict) -> None:
 def put(
     key: Annotated[str, typer.Argument(help="Object key.")],
     source: Annotated[
-        Optional[Path], typer.Argument(help="File to store ('-' or absent: standard input).")
+        Optional[Path], typer.Argument(parser=_path, help="File to store ('-' or absent: standard input).")
     ] = None,
     replicas: Annotated[int, typer.Option(help="Replicas on distinct segments.")] = 1,
     master: MasterOption = MASTER_DEFAULT,
@@ -745,12 +753,12 @@ def _read_at_most(source: Optional[Path], size_bytes: int) -> bytes:
 def get(
     key: Annotated[str, typer.Argument(help="Object key.")],
     output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")
+        Optional[Path], typer.Option("--output", "-o", parser=_path, help="File to write (default: stdout).")
     ] = None,
     dfs_dir: Annotated[
         Optional[Path],
         typer.Option(
-            "--dfs-dir", envvar="KVPOOL_DFS_DIR",
+            "--dfs-dir", envvar="KVPOOL_DFS_DIR", parser=_path,
             help="This host's mount of the shared-filesystem (DFS) tier: objects kept only there "
             "are read from it (no node serves DFS bytes).",
         ),
