@@ -137,7 +137,10 @@ def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
         (["put", "", "-"], "put: empty key (a key holds 1 to 4096 bytes of UTF-8)"),
         # Taken, and the master started (a negative grace: puts at once; the etcd lease unused).
         (["master", "--remount-grace-ms", "-5"], "--remount-grace-ms -5: give 0 or more"),
-        (["master", "--etcd-lease-ttl-ms", "-5000"], "--etcd-lease-ttl-ms -5000: give whole seconds, 1000 or more"),
+        (["master", "--etcd-lease-ttl-ms", "-5000"], "--etcd-lease-ttl-ms -5000: give whole seconds, 3000 or more"),
+        # Whole seconds, but no longer than twice the leader's step-down margin (1 s): it said
+        # "step-down margin 1000 ms must be under half the lease TTL", a setting with no flag.
+        (["master", "--etcd-lease-ttl-ms", "2000"], "--etcd-lease-ttl-ms 2000: give whole seconds, 3000 or more"),
         # The address is said to be invalid before the token rule for non-loopback hosts
         # ("refusing to listen on 256.1.1.1 without a cluster token").
         (["master", "--host", "256.1.1.1"], "--host 256.1.1.1: not a valid address (an IPv4 address is 4 numbers "
@@ -159,7 +162,7 @@ def test_a_bad_option_or_key_is_named_before_anything_opens(nothing_opens, args:
     [
         ["put", "a" * 4096, "-"],  # the longest key
         ["get", "é" * 2048],
-        ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "1000"],
+        ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "3000"],
         ["master", "--host", "10.0.0.5", "--http-host", "::1"],  # an address not held here is the bind's to refuse
         ["node", "--host", "localhost"],
     ],

@@ -432,12 +432,12 @@ def master(
     _check_listen_host("--host", host)
     if http_host is not None:
         _check_listen_host("--http-host", http_host)
-    # ElectionConfig's rule (a lease is whole seconds, as etcd grants it), checked with or
-    # without --etcd: ElectionConfig checks it only with it.
-    from kvpool.master.election import is_lease_ttl_ms
+    # ElectionConfig's rule (whole seconds, as etcd grants a lease, and over twice the
+    # step-down margin), checked with or without --etcd: ElectionConfig checks it only with it.
+    from kvpool.master.election import is_lease_ttl_ms, lease_ttl_ms_min
 
     if not is_lease_ttl_ms(etcd_lease_ttl_ms):
-        raise _fail(f"--etcd-lease-ttl-ms {etcd_lease_ttl_ms}: give whole seconds, 1000 or more")
+        raise _fail(f"--etcd-lease-ttl-ms {etcd_lease_ttl_ms}: give whole seconds, {lease_ttl_ms_min()} or more")
     try:
         config = MasterConfig(
             lease_ttl_ms=lease_ttl_ms,

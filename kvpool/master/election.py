@@ -147,9 +147,16 @@ class ElectionListener(Protocol):
         ...
 
 
-def is_lease_ttl_ms(ttl_ms: int) -> bool:
-    """Whether etcd can grant a lease of `ttl_ms`: whole seconds, at least one."""
-    return ttl_ms > 0 and ttl_ms % 1000 == 0
+def lease_ttl_ms_min(step_down_margin_ms: int = limits.LEADER_STEP_DOWN_MARGIN_MS_DEFAULT) -> int:
+    """The shortest lease etcd can grant (whole seconds) that is over twice the step-down
+    margin: 3 s with the default margin."""
+    return 2 * step_down_margin_ms // 1000 * 1000 + 1000
+
+
+def is_lease_ttl_ms(ttl_ms: int, step_down_margin_ms: int = limits.LEADER_STEP_DOWN_MARGIN_MS_DEFAULT) -> bool:
+    """Whether a leader can hold a lease of `ttl_ms`: whole seconds (etcd's unit), and
+    lease_ttl_ms_min or more."""
+    return ttl_ms >= lease_ttl_ms_min(step_down_margin_ms) and ttl_ms % 1000 == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +173,13 @@ class ElectionConfig:
         if not self.etcd_endpoints:
             raise InvalidParams("an election needs at least one etcd endpoint")
         check_cluster_id(self.cluster_id)
-        if not is_lease_ttl_ms(self.lease_ttl_ms):
-            raise InvalidParams(f"lease TTL {self.lease_ttl_ms} ms: etcd takes whole seconds")
-        if not 0 <= 2 * self.step_down_margin_ms < self.lease_ttl_ms:
+        if self.step_down_margin_ms < 0:
+            raise InvalidParams(f"step-down margin {self.step_down_margin_ms} ms: give 0 or more")
+        if not is_lease_ttl_ms(self.lease_ttl_ms, self.step_down_margin_ms):
             raise InvalidParams(
-                f"step-down margin {self.step_down_margin_ms} ms must be under half the lease TTL"
+                f"lease TTL {self.lease_ttl_ms} ms: give whole seconds, "
+                f"{lease_ttl_ms_min(self.step_down_margin_ms)} or more (a leader steps down "
+                f"{self.step_down_margin_ms} ms before its lease can lapse)"
             )
 
 
