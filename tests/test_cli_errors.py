@@ -1,18 +1,21 @@
 """What the `kvpool` CLI tells an operator when things go wrong, on real processes on 127.0.0.1:
 a master that stops answering (SIGSTOP after the CLI connected), a stdout that is full or
 closed, a put over an existing key or with more replicas than segments, a `rm` given two
-selections, keys holding control characters, output to a pipe, help at 80 columns, and a node
-started before its master or with the wrong token. Each case runs the command as a child
+selections, keys holding control characters, output to a pipe, help at 80 columns, a node
+started before its master or with the wrong token, and a --master port that is another
+service's. Each case runs the command as a child
 process and checks its exit status and its lines: one `error: ...` line, never a traceback.
 Every process a test starts is ended by its pid."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -268,3 +271,34 @@ def test_a_put_refused_for_want_of_a_segment_says_so(make_cluster):
     cluster = make_cluster(0)
     refused = kvpool_cli("put", "k", "--master", cluster.master_endpoint, stdin=b"v")
     assert_one_error_line(refused, "no segment takes puts now (segments: none mounted)")
+
+
+def test_a_port_that_is_not_a_kvpool_server_is_named_as_such():
+    """An operator who gives the master's HTTP port, etcd's, or another service's as --master:
+    a peer that sends something else says what it sent; one that waits for a request (HTTP,
+    etcd) is a handshake timeout that says so. Before: "bad frame magic 0x5353", and a bare
+    timeout."""
+    foreign, silent = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def greet() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = foreign.accept()
+                accepted.append(conn)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n")
+
+    thread = threading.Thread(target=greet, daemon=True)
+    thread.start()
+    try:
+        out = kvpool_cli("ls", "--master", f"127.0.0.1:{foreign.getsockname()[1]}")
+        assert_one_error_line(out, "not a kvpool peer (a wrong port?): it sent b'SSH-2.0-OpenSSH_9.2p'")
+        # The silent listener's backlog takes the connection; nothing ever answers it.
+        out = kvpool_cli("ls", "--master", f"127.0.0.1:{silent.getsockname()[1]}")
+        assert_one_error_line(out, "timed out after", "not a kvpool port: an HTTP or etcd port waits for a request")
+    finally:
+        foreign.close()
+        silent.close()
+        for conn in accepted:
+            conn.close()
+        thread.join(10)

@@ -364,6 +364,9 @@ class FrameDecoder:
             self._staging, self._start
         )
         if magic != limits.FRAME_MAGIC:
+            if self.frames_decoded == 0:  # another protocol: SSH, HTTP, etcd's gRPC, ...
+                first = bytes(self._staging[self._start : self._start + _header.size])
+                raise RemoteProtocolError(f"not a kvpool peer (a wrong port?): it sent {first!r}")
             raise RemoteProtocolError(f"bad frame magic 0x{magic:04x}")
         if version != limits.FRAME_VERSION:
             raise RemoteProtocolError(f"unsupported frame version {version}")

@@ -47,7 +47,7 @@ from kvpool.protocol.frames import (
     encode_frame,
 )
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ErrorReply, Message
-from kvpool.transports.connection import LateReply, hand_late_reply, split_endpoint
+from kvpool.transports.connection import NO_HANDSHAKE_WHY, LateReply, hand_late_reply, split_endpoint
 
 # Buffers per sendmsg: Linux takes at most IOV_MAX (1024) in one call.
 IOV_PARTS_MAX = 1024
@@ -118,7 +118,9 @@ class BlockingConnection:
             conn._authenticate(challenge, key, deadline)
         except BaseException as exc:
             conn.close()
-            if isinstance(exc, (RpcFailed, RpcTimeout)):
+            if isinstance(exc, RpcTimeout):
+                raise ConnectFailed(f"handshake with {endpoint}: {exc} {NO_HANDSHAKE_WHY}") from None
+            if isinstance(exc, RpcFailed):
                 raise ConnectFailed(f"handshake with {endpoint}: {exc}") from None
             raise
         return conn

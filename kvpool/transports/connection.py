@@ -74,6 +74,9 @@ from kvpool.transports.files import FileRange
 FILE_SENDER_THREADS = 8
 _file_senders = ThreadPool(FILE_SENDER_THREADS, "kvpool-sendfile")
 
+# What a handshake that never comes may mean: a server's first frame comes at once.
+NO_HANDSHAKE_WHY = "(a stalled server, or not a kvpool port: an HTTP or etcd port waits for a request)"
+
 log = logging.getLogger(__name__)
 
 Payload = Sequence[memoryview | bytes | FileRange]
@@ -226,7 +229,7 @@ class Connection(asyncio.BufferedProtocol):
             await asyncio.wait_for(asyncio.shield(self._ready), timeout_ms / 1000)
         except asyncio.TimeoutError:
             self.close("handshake timed out")
-            raise RpcTimeout(f"handshake with {self.peer} timed out after {timeout_ms} ms") from None
+            raise RpcTimeout(f"handshake with {self.peer} timed out after {timeout_ms} ms {NO_HANDSHAKE_WHY}") from None
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
@@ -403,7 +406,9 @@ class Connection(asyncio.BufferedProtocol):
         try:
             self._process_events()
         except ProtocolError as exc:
-            log.warning("closing connection %s %s: %s", self.name, self.peer, exc)
+            # A client's handshake that fails is its caller's error (wait_ready): not said twice.
+            level = logging.DEBUG if not self._is_server and not self._ready.done() else logging.WARNING
+            log.log(level, "closing connection %s %s: %s", self.name, self.peer, exc)
             self.close(str(exc))
 
     def _write_now(self, data: bytes) -> None:
