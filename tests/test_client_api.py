@@ -751,6 +751,31 @@ def test_a_put_cancelled_mid_write_frees_its_keys_at_once_and_its_ranges_after_t
     run(main())
 
 
+def test_a_put_whose_end_comes_after_the_master_gave_it_up_says_so():
+    """A writer stalled between its writes and its put_end for longer than the grants: the
+    master has discarded the put, and the put raises an error that says why (it said
+    "OBJECT_NOT_FOUND" alone: a riddle for a put). The key is free to put again."""
+
+    async def main():
+        async with cluster(1, 64 << 20, put_discard_timeout_ms=1_000, put_release_timeout_ms=1_500) as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                call = store._master.call
+
+                async def late_put_end(message, *args, **kwargs):
+                    if isinstance(message, PutEnd):
+                        await asyncio.sleep(2.0)  # past the discard timeout, and a tick of the master
+                    return await call(message, *args, **kwargs)
+
+                store._master.call = late_put_end
+                with pytest.raises(ObjectNotFound, match="the master had given the put up before it ended"):
+                    await store.put("late", b"v" * 4096)
+                store._master.call = call
+                await store.put("late", b"w" * 4096)
+                assert await store.get("late") == b"w" * 4096
+
+    run(main())
+
+
 async def _removed_once_the_lease_is_back(store: AsyncStore, key: str) -> None:
     """A plain remove refuses an object under a read lease (10 s): it goes through within a
     bound only if the cancelled get gave its lease back."""

@@ -878,12 +878,26 @@ def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
     raise InvalidParams(f"{config!r:.200} cannot be sent")
 
 
+# What a code means to the caller of a one-key call, where its name alone leaves it a riddle.
+_WHY_BY_ACTION_CODE = {
+    ("put", ErrorCode.NO_AVAILABLE_HANDLE): "no segment has room for it even after eviction (what is "
+    "left is leased, pinned or being written), or it is larger than every segment",
+    ("put", ErrorCode.REPLICA_IS_NOT_READY): "another put of this key is in flight",
+    ("put", ErrorCode.TRANSFER_FAIL): "no replica could be written (its nodes refused the bytes or did not answer)",
+    ("put", ErrorCode.OBJECT_NOT_FOUND): "the master had given the put up before it ended (its writes took "
+    "longer than their grants)",
+    ("remove", ErrorCode.OBJECT_HAS_LEASE): "a reader holds a read lease on it (force=True removes it anyway)",
+}
+
+
 def key_error(code: int, action: str, key: str) -> KVPoolError:
     """The error of a one-key call whose key came back with `code` (not OK), for `action`."""
     try:
         reason = ErrorCode(code).name
     except ValueError:
         reason = f"code {code}"
+    if why := _WHY_BY_ACTION_CODE.get((action, code)):
+        reason = f"{reason}: {why}"
     return error_from_code(code, f"{action} {key!r:.100} failed: {reason}")
 
 
