@@ -596,6 +596,34 @@ def test_an_etcd_call_keeps_its_bound_past_frozen_members(etcd_endpoint, tmp_pat
     assert 0.25 < timed_out_s < 0.5, timed_out_s
 
 
+def test_a_watch_past_a_frozen_member_sees_the_change_on_the_live_one(etcd_endpoint, tmp_path):
+    """A standby watches its leader's key. A frozen member listed first got the whole wait
+    (ETCD_WATCH_TIMEOUT_MS, 10 s): a failover took 8.6 s where it takes 4-5. Now a member that
+    does not answer a watch within a request's timeout (1 s) is passed over, and the change,
+    made 0.3 s in, is seen on the live member."""
+    key = f"/kvpool-test/{new_cluster_id()}/watched".encode()
+
+    async def main(frozen: str) -> tuple[bool, float]:
+        async with EtcdClient([etcd_endpoint]) as etcd:
+            revision = await etcd.put(key, b"1")
+
+            async def change_soon() -> None:
+                await asyncio.sleep(0.3)
+                await etcd.put(key, b"2")
+
+            changing = asyncio.ensure_future(change_soon())
+            async with EtcdClient([frozen, etcd_endpoint]) as watcher:
+                started_s = time.monotonic()
+                changed = await watcher.wait_for_change(key, revision, 5_000)
+                took_s = time.monotonic() - started_s
+            await changing
+        return changed, took_s
+
+    with _frozen_etcd_member(tmp_path) as frozen:
+        changed, took_s = run(main(frozen))
+    assert changed and took_s < 2.5, (changed, took_s)  # the frozen member's 1 s, then the live one
+
+
 def test_an_etcd_call_gives_a_slow_member_that_answers_most_of_its_bound():
     """The member that answered last, tried first, slow but alive (300 ms), with two frozen
     members after it: a keepalive bounded by 750 ms is answered. Shared out equally, that

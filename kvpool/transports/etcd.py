@@ -27,7 +27,6 @@ import asyncio
 import base64
 import dataclasses
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -229,16 +228,19 @@ class EtcdClient:
             ConnectFailed, RpcTimeout, CoordinationError: the watch could not be opened.
         """
         body = {"create_request": {"key": _b64(key), "start_revision": str(after_revision + 1)}}
-        deadline = time.monotonic() + timeout_ms / 1000
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
         session = self._session_now()
         last_error: Exception | None = None
         for endpoint in self._rotation():
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
+            if deadline <= loop.time():
                 return False
+            # A member answers a watch at once (its headers, then "created"): one that does not
+            # within a request's timeout is frozen or gone, and the next is tried. It used to
+            # get the whole wait, and a standby missed its leader's end for that long.
+            is_open = False
             try:
-                # The stream stays open until a change: bound the whole of it, not one read.
-                async with asyncio.timeout(remaining_s):
+                async with asyncio.timeout_at(min(deadline, loop.time() + self._request_timeout_ms / 1000)) as bound:
                     async with session.post(
                         f"http://{endpoint}{_API_PREFIX}watch",
                         json=body,
@@ -248,8 +250,10 @@ class EtcdClient:
                     ) as response:
                         if response.status != 200:
                             raise _answer_error(response.status, await _read_capped(response))
+                        is_open = True
+                        bound.reschedule(deadline)  # the stream stays open until a change
                         self._prefer(endpoint)
-                        while True:  # Ends on an event, a cancel, or the timeout above.
+                        while True:  # Ends on an event, a cancel, or the deadline.
                             line = await response.content.readline()
                             if not line:
                                 raise ConnectFailed(f"etcd {endpoint} closed the watch")
@@ -259,7 +263,10 @@ class EtcdClient:
                             if result.get("canceled") or result.get("events"):
                                 return True
             except TimeoutError:
-                return False
+                if is_open or deadline <= loop.time():
+                    return False
+                last_error = RpcTimeout(f"{endpoint} did not answer within {self._request_timeout_ms} ms")
+                continue
             except (aiohttp.ClientError, OSError, ConnectFailed) as exc:
                 last_error = exc
                 continue
