@@ -30,6 +30,7 @@ from kvpool.protocol.messages import (
     CountReply,
     ExistKeys,
     ExistsReply,
+    ListObjects,
     LongestPrefix,
 )
 from kvpool.transports.blocking import BlockingConnection
@@ -76,12 +77,29 @@ def test_requests_and_error_replies_on_the_unix_socket_and_on_tcp() -> None:
             assert conn.request(ExistKeys(["a", "b"]), 2_000) == ExistsReply([False, False])
             assert conn.request(LongestPrefix(["a"]), 2_000) == CountReply(0)
             with pytest.raises(InvalidParams):  # the master's error answer, typed
-                conn.request(ExistKeys(["k"] * (limits.BATCH_KEYS_MAX + 1)), 2_000)
+                conn.request(ListObjects("", 0), 2_000)
             assert conn.request(ExistKeys(["a"]), 2_000) == ExistsReply([False])  # still usable
             conn.close()
             assert conn.is_closed() and not conn.is_usable()
             with pytest.raises(ConnectFailed):  # never sent
                 conn.request(ExistKeys(["a"]), 2_000)
+
+
+def test_a_batch_over_the_limit_closes_its_connection_at_once_and_others_are_served() -> None:
+    """A request of more keys than a batch takes (BATCH_KEYS_MAX) is refused by the decoder
+    before it reads a key, and its connection closed. A 64 MiB ExistKeys of 22 million
+    one-byte keys used to be decoded whole, then refused: 4 s of the master's loop (helper-52),
+    during which nodes' heartbeats timed out."""
+    with master_on_a_thread() as endpoint:
+        hostile = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        other = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        started_s = time.monotonic()
+        with pytest.raises(RpcFailed, match="closed the connection"):
+            hostile.request(ExistKeys(["k"] * 20_000_000), 10_000)
+        assert time.monotonic() - started_s < 3.0  # sending 40 MB, not decoding 20 million keys
+        assert hostile.is_closed()
+        assert other.request(ExistKeys(["a"]), 2_000) == ExistsReply([False])
+        other.close()
 
 
 def test_a_token_that_does_not_match_is_refused_either_way() -> None:

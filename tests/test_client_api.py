@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import uvloop
 
-from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store
+from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
 from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound, RpcFailed
 from kvpool.master.server import MasterServer
@@ -109,7 +109,6 @@ def test_payloads_over_tcp_are_padded_so_that_no_copy_runs_at_a_slow_offset(monk
     page: every frame with a payload names where it is read from and where it lands, its
     control message is padded so that neither copy's destination is 1-63 bytes past its
     source modulo a page (frames.payload_padding), and the bytes arrive intact."""
-    from kvpool import limits
     from kvpool.protocol import frames
     from kvpool.transports import connection
 
@@ -159,7 +158,6 @@ def test_a_node_leaving_a_large_table_goes_in_steps_while_the_master_serves(monk
     """A master whose table holds more keys than one unmount step looks at (8 here): a node
     that stops takes its segment away in steps, run between requests (master/server.py);
     meanwhile and after, the other node's objects are served, and the leaving one's go."""
-    from kvpool import limits
 
     monkeypatch.setattr(limits, "UNMOUNT_SWEEP_KEYS_PER_STEP", 8)
 
@@ -747,6 +745,26 @@ def test_a_put_cancelled_mid_write_frees_its_keys_at_once_and_its_ranges_after_t
                     assert asyncio.get_running_loop().time() < deadline
                     await asyncio.sleep(0.05)
                 assert await store.get_batch(keys) == values
+
+    run(main())
+
+
+def test_a_batch_over_the_limit_is_refused_here_and_the_store_goes_on():
+    """A batch of more than BATCH_KEYS_MAX keys is InvalidParams, said by the client: the
+    master's decoder refuses such a request and closes its connection (protocol/messages.py
+    Batch), which callers would see as RpcFailed."""
+
+    async def main():
+        async with cluster(1, 16 << 20) as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                too_many = [f"k{i}" for i in range(limits.BATCH_KEYS_MAX + 1)]
+                for call in (store.batch_exists, store.get_batch, store.longest_prefix, store.batch_remove):
+                    with pytest.raises(InvalidParams, match=f"{len(too_many)} keys in one batch"):
+                        await call(too_many)
+                with pytest.raises(InvalidParams, match="keys in one batch"):
+                    await store.put_batch(too_many, [b"v"] * len(too_many))
+                await store.put("k", b"v")
+                assert await store.get("k") == b"v"
 
     run(main())
 

@@ -485,9 +485,10 @@ class AsyncStore:
         the loop."""
         if not job.bad_replicas:
             return
-        keys = [key for key, _ in job.bad_replicas]
-        segment_ids = [replica.segment_id for _, replica in job.bad_replicas]
-        offsets = [replica.offset for _, replica in job.bad_replicas]
+        bad = job.bad_replicas[: limits.BATCH_KEYS_MAX]  # a key may read bad on several replicas
+        keys = [key for key, _ in bad]
+        segment_ids = [replica.segment_id for _, replica in bad]
+        offsets = [replica.offset for _, replica in bad]
         report = ReportBadReplicas(keys, segment_ids, offsets)
         self._in_background(report, True, "reporting bad replicas failed (the next bad read reports them again)")
 
@@ -799,8 +800,11 @@ def exists_flags(reply: Message) -> list[bool]:
 def key_list(keys: Iterable[str]) -> list[str]:
     """`keys` as the list a request carries, each a str: the master takes a request with a key
     of another type (bytes, say) for a malformed frame and drops the connection, which the
-    caller would see as RpcFailed. Raises InvalidKey."""
+    caller would see as RpcFailed; so would it a batch of more than BATCH_KEYS_MAX keys (the
+    decoder refuses it, protocol/messages.py Batch). Raises InvalidKey, InvalidParams."""
     listed = list(keys)
+    if len(listed) > limits.BATCH_KEYS_MAX:
+        raise InvalidParams(f"{len(listed)} keys in one batch > {limits.BATCH_KEYS_MAX}")
     try:
         "".join(listed).encode()  # in C: stops at the first key that is not a str, or not UTF-8
     except TypeError:

@@ -21,9 +21,17 @@ reply or an `ErrorReply(code, message)`. Batch replies carry one code per key.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, TypeVar, Union
 
 import msgspec
+
+from kvpool import limits
+
+T = TypeVar("T")
+# A list a request carries one item of per key (BATCH_KEYS_MAX at most). The decoder refuses
+# a longer one before it reads an item: a 64 MiB control message holds 22 million one-byte
+# keys, whose decoding held a master's loop for seconds and took GiBs (any token holder could).
+Batch = Annotated[list[T], msgspec.Meta(max_length=limits.BATCH_KEYS_MAX)]
 
 
 class Message(msgspec.Struct, array_like=True, tag_field="t", frozen=False):
@@ -53,7 +61,7 @@ class ReplicateConfig(msgspec.Struct, array_like=True):
     with_soft_pin: bool = False
     with_hard_pin: bool = False
     placement: str = "random"
-    preferred_segments: list[str] = []
+    preferred_segments: Batch[str] = []
     # Appended with the tiers (docs/tiers.md); old encodings decode with the defaults.
     # with_disk_copy: put_end returns once a copy is also on the disk tier of the node that
     # holds the DRAM replica (write-through), or has failed: best effort, as replica_num is
@@ -225,8 +233,8 @@ class PutStart(Message, tag=10):
     with a master that failed over, the key may be another writer's put, which a late end or
     revoke by key alone would commit with the wrong checksum or take away."""
 
-    keys: list[str]
-    sizes: list[int]
+    keys: Batch[str]
+    sizes: Batch[int]
     config: ReplicateConfig
     client_hostname: str = ""
     put_id: int = 0
@@ -260,9 +268,9 @@ class PutEnd(Message, tag=12):
     read regardless). A writer over TCP lists nothing: a write that broke off mid-way is then
     refused by the node's hash."""
 
-    keys: list[str]
-    checksums: list[int]
-    hashed_in_place: list[str] = []
+    keys: Batch[str]
+    checksums: Batch[int]
+    hashed_in_place: Batch[str] = []
     put_id: int = 0  # the PutStart's (the pieces of one put share it)
 
 
@@ -272,13 +280,13 @@ class PutRevoke(Message, tag=13):
     once but their ranges stay quarantined until the put's release timeout, as a discarded
     put's; else every range is free at once."""
 
-    keys: list[str]
+    keys: Batch[str]
     writes_in_flight: bool = False
     put_id: int = 0  # the PutStart's
 
 
 class GetReplicaList(Message, tag=14):
-    keys: list[str]
+    keys: Batch[str]
 
 
 class GetReplicaListReply(Message, tag=15):
@@ -301,12 +309,12 @@ class ReleaseLeases(Message, tag=29):
     GetReplicaListReply said) on `keys[i]` are given back. An object's lease ends when its last
     reader gives it back, or at its expiry, whichever comes first. Answered with OkReply."""
 
-    granted_ms: list[int]
-    keys: list[list[str]]
+    granted_ms: Batch[int]
+    keys: Batch[Batch[str]]
 
 
 class ExistKeys(Message, tag=16):
-    keys: list[str]
+    keys: Batch[str]
 
 
 class ExistsReply(Message, tag=17):
@@ -319,12 +327,12 @@ class LongestPrefix(Message, tag=18):
     or until a reader of it gives its lease back (ReleaseLeases), whichever comes first: an
     engine's lookup holds what it found until its load reads it. Answered with CountReply."""
 
-    keys: list[str]
+    keys: Batch[str]
     hold_ms: int = 0
 
 
 class Remove(Message, tag=19):
-    keys: list[str]
+    keys: Batch[str]
     force: bool = False
 
 
@@ -340,7 +348,7 @@ class RemoveAll(Message, tag=21):
 class QueryObjects(Message, tag=22):
     """Sizes and replicas without a lease (get_size, stat)."""
 
-    keys: list[str]
+    keys: Batch[str]
 
 
 class QueryReply(Message, tag=23):
@@ -366,9 +374,9 @@ class ReportBadReplicas(Message, tag=28):
     (VerifyObjects) and drops the objects whose node agrees; a client's word alone changes
     nothing. Answered at once (OkReply): the check runs after."""
 
-    keys: list[str]
-    segment_ids: list[str]
-    offsets: list[int]
+    keys: Batch[str]
+    segment_ids: Batch[str]
+    offsets: Batch[int]
 
 
 class ClusterStatus(Message, tag=26):
@@ -425,7 +433,7 @@ class MountSegment(Message, tag=40):
     until the last (`is_last`): a range not yet reported may still hold an object."""
 
     segment: SegmentInfo
-    inventory: list[InventoryEntry]
+    inventory: Batch[InventoryEntry]
     is_last: bool = True
 
 
@@ -456,7 +464,7 @@ class Heartbeat(Message, tag=42):
     filesystems under the node's slower tiers can take, which caps the room the master gives
     them (master/tiers.py report_free, report_writable); appended, empty from an older node."""
 
-    segment_ids: list[str]
+    segment_ids: Batch[str]
     filesystems: dict[str, FilesystemReport] = {}
 
 
@@ -486,7 +494,7 @@ class CommitObjects(Message, tag=46):
     entry."""
 
     segment_id: str
-    entries: list[InventoryEntry]
+    entries: Batch[InventoryEntry]
     is_hashed_in_place: bool = False
 
 
@@ -497,14 +505,14 @@ class VerifyObjects(Message, tag=49):
     torn or unreadable) or OBJECT_NOT_FOUND (not held here, or held elsewhere in the segment)."""
 
     segment_id: str
-    entries: list[InventoryEntry]
+    entries: Batch[InventoryEntry]
 
 
 class DropObjects(Message, tag=47):
     """master -> node before a range is reused: forget these objects (by key and offset)."""
 
     segment_id: str
-    entries: list[InventoryEntry]
+    entries: Batch[InventoryEntry]
 
 
 class MoveItem(msgspec.Struct, array_like=True):
@@ -535,7 +543,7 @@ class MoveObjects(Message, tag=48):
     what it wrote is removed: the master gives up on the request a little later and drops its
     targets (limits.MOVE_DECIDED_BEFORE_TIMEOUT_MS)."""
 
-    items: list[MoveItem]
+    items: Batch[MoveItem]
     deadline_ms: int = 0
 
 
@@ -553,7 +561,7 @@ class WriteItem(msgspec.Struct, array_like=True, gc=False):
 class WriteSlices(Message, tag=60):
     """The frame's payload is the items' bytes, concatenated in item order."""
 
-    items: list[WriteItem]
+    items: Batch[WriteItem]
 
 
 class ReadItem(msgspec.Struct, array_like=True, gc=False):
@@ -567,7 +575,7 @@ class ReadSlices(Message, tag=61):
     the reader's buffer for them starts, modulo 4 KiB (-1: not said), which the node's reply
     pads its control message for (frames.payload_padding)."""
 
-    items: list[ReadItem]
+    items: Batch[ReadItem]
     landing: int = -1
 
     @property
