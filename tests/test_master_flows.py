@@ -331,7 +331,7 @@ def test_another_peers_heartbeat_does_not_take_a_nodes_segment_link():
             return self.closed
 
     server = empty_server()
-    info = SegmentInfo("own", "node-1", "host", "127.0.0.1:1", "", b"t", 1 << 20)
+    info = SegmentInfo("own", "node-1", "host", "127.0.0.1:1", "", b"t-own", 1 << 20)
     node_link, rogue = Peer(), Peer()
     server._dispatch(node_link, MountSegment(info, [], True))
     assert server._node_links["own"].conn is node_link

@@ -83,11 +83,14 @@ def make(seed: int = 0, policy: str | None = None, **config) -> Checked:
 
 
 def info(
-    segment_id: str, capacity: int = MIB, node: str = "", hostname: str = "host-a", token: bytes = b"t"
+    segment_id: str, capacity: int = MIB, node: str = "", hostname: str = "host-a", token: bytes = b""
 ) -> SegmentInfo:
+    """A segment's info; its file token is its own unless given (the master refuses a second
+    segment naming another's file)."""
     return SegmentInfo(
-        segment_id, node or f"node-{segment_id}", hostname, f"{hostname}:1", "/dev/shm/x", token, capacity
-    )
+        segment_id, node or f"node-{segment_id}", hostname, f"{hostname}:1", "/dev/shm/x",
+        token or b"t-" + segment_id.encode(), capacity,
+    )  # fmt: skip
 
 
 def mount(svc, segment_id: str, now: int = 0, inventory=(), **kwargs) -> list[InventoryEntry]:
@@ -1321,6 +1324,22 @@ def test_restarted_master_rebuilds_from_inventories() -> None:
 
 def held_keys(held: dict[str, list[InventoryEntry]]) -> set[str]:
     return {entry.key for entries in held.values() for entry in entries}
+
+
+def test_a_segment_naming_another_segments_file_is_refused() -> None:
+    """A token holder mounted a segment of its own id with node1's file path and token (both in
+    ClusterStatus): same-host clients mapped node1's file for it and copied puts over node1's
+    objects, placed by an allocator of its own (helper-52). Its token is node1's: refused, and
+    node1 keeps its segment and objects; a segment with a token of its own mounts."""
+    svc = make()
+    mount(svc, "node1", inventory=[InventoryEntry("k", 0, 100, checksum_of("k"))])
+    with pytest.raises(SegmentAlreadyExists, match="names the file of segment 'node1'"):
+        mount(svc, "fake", token=b"t-node1")
+    assert [s.segment.segment_id for s in svc.cluster_status(ClusterStatus(), 0).segments] == ["node1"]
+    assert svc.get_replica_list(GetReplicaList(["k"]), 0).codes == [ErrorCode.OK]
+    mount(svc, "fake")
+    # A node's own segment mounted again (a refresh, a restarted master) is no alias.
+    assert mount(svc, "node1", inventory=[InventoryEntry("k", 0, 100, checksum_of("k"))]) == []
 
 
 def test_mount_rejects_conflicting_inventory_entries() -> None:

@@ -120,7 +120,8 @@ class MasterMachine(RuleBasedStateMachine):
             self._mount(segment_id, capacity)
 
     def _mount(self, segment_id: str, capacity: int) -> None:
-        info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", b"t", capacity)
+        token = b"t-" + segment_id.encode()  # each its own: the master refuses a second holder
+        info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", token, capacity)
         reply = self.service.mount_segment(MountSegment(info, []), self.now)
         assert reply.rejected == []
         self.segments[segment_id] = Seg(capacity, self.now)
@@ -565,7 +566,8 @@ class MasterMachine(RuleBasedStateMachine):
             seg.drain_deadline_ms = None
             seg.is_reachable = True  # it re-mounted
             seg.busy = {o: b for o, b in seg.busy.items() if b[1] == "obj"}
-            info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", b"t", seg.capacity)
+            token = b"t-" + segment_id.encode()
+            info = SegmentInfo(segment_id, f"node-{segment_id}", "host", "host:1", "", token, seg.capacity)
             reply = self.service.mount_segment(MountSegment(info, inventories[segment_id]), self.now)
             assert reply.rejected == []
         event(f"restart with {len(self.objects)} objects")

@@ -248,6 +248,7 @@ class MasterService:
         if segment is None:
             if self._registry.is_full():
                 raise self._count_error(InvalidParams("too many segments mounted"))
+            self._check_token_unique(info)
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
         inventory, removed = self.tombstones.unearth(info.segment_id, msg.inventory)
         if removed:
@@ -258,6 +259,26 @@ class MasterService:
         rejected = removed + self._mounts.adopt(segment, inventory, soft_pin_expiry_ms)
         self._registry.set_inventory_whole(segment, msg.is_last)
         return MountReply(rejected, self.term, now_ms)
+
+    def _check_token_unique(self, info: SegmentInfo) -> None:
+        """Refuse a new segment whose file token another segment holds. Same-host clients map a
+        segment's file by its path and check that token, so a second segment id naming another
+        node's file (with a token copied from ClusterStatus) would have had puts placed in it
+        by an allocator of its own, over that node's objects (helper-52: 32 of 200 destroyed).
+
+        Raises:
+            SegmentAlreadyExists: the token is another segment's.
+        """
+        if not info.shm_token:
+            return
+        for other in self._registry:
+            if other.info.shm_token == info.shm_token and other.info.segment_id != info.segment_id:
+                raise self._count_error(
+                    SegmentAlreadyExists(
+                        f"segment {info.segment_id!r} names the file of segment {other.info.segment_id!r} "
+                        f"(node {other.info.node_id!r}): refused"
+                    )
+                )
 
     def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
         """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""
