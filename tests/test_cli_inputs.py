@@ -183,6 +183,29 @@ def test_a_valid_non_loopback_host_still_needs_a_token(monkeypatch: pytest.Monke
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "serving"),
+    [
+        (["master", "--port", "0", "--http-port", "0", "--http-host", "0.0.0.0"], " for /metrics, /health and /status"),
+        (["master", "--port", "0", "--http-port", "0", "--http-host", "::"], " for /metrics, /health and /status"),
+        (["node", "--memory", "4MiB", "--metrics-port", "0", "--metrics-host", "0.0.0.0"], " for /metrics"),
+    ],
+)
+def test_without_a_token_the_http_ports_stay_on_loopback_too(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], serving: str
+) -> None:
+    # They served every interface: /status names every node's endpoint and host (helper-52).
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
+    result = CliRunner().invoke(app, [*args, "--master", "127.0.0.1:1"] if args[0] == "node" else args)
+    assert result.exit_code == 1, result.output
+    host = args[-1]
+    assert result.output == (
+        f"error: refusing to listen on {host}{serving} without a cluster token: set KVPOOL_TOKEN or --token-file, "
+        "or bind 127.0.0.1\n"
+    )
+
+
 @pytest.mark.parametrize("limit", ["0", str(limits.LIST_OBJECTS_MAX + 1)])
 def test_ls_limit_out_of_range_is_a_usage_error_naming_it(limit: str) -> None:
     # It went to the master, whose answer named its own field ("list limit 0 not in 1..N").

@@ -80,7 +80,7 @@ from kvpool.protocol.messages import (
     VerifyObjects,
 )
 from kvpool.transports import files
-from kvpool.transports.connection import Connection, HandlerResult, Listener, Reply, start_server
+from kvpool.transports.connection import Connection, HandlerResult, Listener, Reply, refuse_open_listen, start_server
 from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
@@ -250,6 +250,9 @@ class MasterServer:
         return "leader" if takeover is None or takeover.is_open(wall_clock_ms()) else "recovering"
 
     async def start(self) -> None:
+        refuse_open_listen(self.host, self._key)
+        if self.http_port is not None:
+            refuse_open_listen(self.http_host, self._key, " for /metrics, /health and /status")
         if self._dfs_dir:
             await self._open_dfs()
             await self._ensure_dfs()

@@ -66,6 +66,7 @@ from kvpool.transports.connection import (
     Listener,
     connect,
     is_loopback,
+    refuse_open_listen,
     start_server,
 )
 from kvpool.transports.dfs import DfsDirectory
@@ -244,12 +245,10 @@ class Node:
         config = self.config
         self._resolver = MasterResolver(parse_master_address(config.master_endpoint))
         master_host = self._resolver.address.probe_host
-        if self._key is None and not is_loopback(config.listen_host):
-            # start_server refuses too; saying it first leaves no segment file behind.
-            raise Unauthorized(
-                f"refusing to listen on {config.listen_host} without a cluster token: set a "
-                "token, or bind 127.0.0.1"
-            )
+        # start_server refuses too; saying it first leaves no segment file behind.
+        refuse_open_listen(config.listen_host, self._key)
+        if config.metrics_port is not None:
+            refuse_open_listen(config.metrics_host or config.listen_host, self._key, " for /metrics")
         for path in remove_stale_segments(config.shm_dir):
             log.info("removed stale segment file %s", path)
         log.info("node %s: open files limit %d", config.node_id, raise_open_files_limit())

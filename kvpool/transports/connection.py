@@ -791,6 +791,20 @@ def _log_task_failure(task: asyncio.Task[None]) -> None:
         log.error("request handler failed", exc_info=task.exception())
 
 
+def refuse_open_listen(host: str, key: bytes | None, serving: str = "") -> None:
+    """Without a cluster token a server listens on loopback only: its RPC, and its /metrics,
+    /health and /status too (they name every node's endpoint and host).
+
+    Raises:
+        Unauthorized: `host` is not loopback and `key` is None.
+    """
+    if key is None and not is_loopback(host):
+        raise Unauthorized(
+            f"refusing to listen on {host}{serving} without a cluster token: set KVPOOL_TOKEN or "
+            "--token-file, or bind 127.0.0.1"
+        )
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` is "localhost" or a loopback address (127.0.0.0/8, ::1). A name that
     only starts with "127." (127.example.com) may resolve to any address: not loopback."""
@@ -855,11 +869,7 @@ async def start_server(
         Unauthorized: a non-loopback host without a cluster token.
         ConnectFailed: the address cannot be bound.
     """
-    if key is None and not is_loopback(host):
-        raise Unauthorized(
-            f"refusing to listen on {host} without a cluster token: set KVPOOL_TOKEN or "
-            "--token-file, or bind 127.0.0.1"
-        )
+    refuse_open_listen(host, key)
     loop = asyncio.get_running_loop()
     connections: set[Connection] = set()
     busy_poll = BusyPoll(loop, busy_poll_us, not_back_soon) if busy_poll_us else None
