@@ -51,9 +51,10 @@ class Segment:
 
     def __init__(
         self, path: Path, file_map: mmap.mmap, capacity_bytes: int, token: bytes, is_owner: bool,
-        lock_fd: int | None = None,
+        lock_fd: int | None = None, file_id: tuple[int, int] | None = None,
     ):  # fmt: skip
         self.path = path
+        self._file_id = file_id  # (device, inode) of the file mapped: is_unlinked
         self._lock_fd = lock_fd
         self.capacity_bytes = capacity_bytes
         self.token = token
@@ -143,7 +144,8 @@ class Segment:
         with map_exceptions({OSError: SegmentNotFound, ValueError: SegmentNotFound}):
             fd = os.open(path, os.O_RDWR)
             try:
-                file_size = os.fstat(fd).st_size
+                stat = os.fstat(fd)
+                file_size = stat.st_size
                 if file_size < limits.SEGMENT_HEADER_SIZE_BYTES:
                     raise SegmentNotFound(f"{path} is too small to be a segment")
                 # Fill the page tables now (one pass, kernel side) rather than with a fault per
@@ -165,12 +167,23 @@ class Segment:
         if problem:
             file_map.close()
             raise SegmentNotFound(f"{path}: {problem}")
-        return cls(Path(path), file_map, capacity_bytes, token, is_owner=False)
+        return cls(Path(path), file_map, capacity_bytes, token, is_owner=False, file_id=(stat.st_dev, stat.st_ino))
+
+    def is_unlinked(self) -> bool:
+        """Whether a mapped segment's file is gone from its path (its node stopped; the memory
+        stays while this process maps it). False for the owner's."""
+        if self._file_id is None:
+            return False
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return True
+        return (stat.st_dev, stat.st_ino) != self._file_id
 
     def close(self) -> None:
         """Unmap (and, for the owner, unlink). Views handed out must be released first."""
-        self.data.release()
         try:
+            self.data.release()
             self._map.close()
         except BufferError:
             # A transfer still holds a view (e.g. a send in flight at shutdown): the mapping
