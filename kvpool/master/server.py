@@ -79,11 +79,14 @@ from kvpool.protocol.messages import (
     UnmountSegment,
     VerifyObjects,
 )
+from kvpool.repeated_log import RepeatedLog
 from kvpool.transports import files
 from kvpool.transports.connection import Connection, HandlerResult, Listener, Reply, refuse_open_listen, start_server
 from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
+# Puts refused for want of room: errors_total counts each; the log says it now and then.
+_no_room = RepeatedLog(log, logging.INFO)
 
 TICK_INTERVAL_MS = 200
 # A tick this late says the master itself did not run (nodes' TTLs are not charged for it).
@@ -450,7 +453,7 @@ class MasterServer:
         if not retry:
             return reply  # the common case answers at once, without a task
         if not self._is_room_coming(service):
-            log.info("put of %d keys: no room, and none coming (nothing evictable)", len(retry))
+            _no_room.log("put of %d keys: no room, and none coming (nothing evictable)", len(retry))
             return service.put_start_settled(reply)
         return self._put_start_after_drops(service, message, reply, retry)
 
@@ -510,7 +513,7 @@ class MasterServer:
                 service.forget_room_claims()
         if waiter.retry:  # why, for an operator whose errors_total climbs (and a test that fails)
             why = "none coming" if not self._is_room_coming(service) else "the wait is over"
-            log.info("put of %d keys: no room after %d rounds (%s)", len(waiter.retry), rounds + 1, why)
+            _no_room.log("put of %d keys: no room after %d rounds (%s)", len(waiter.retry), rounds + 1, why)
         settled = service.put_start_settled(reply)
         if settled.grants:  # what is left of their life now, not what it was before the wait
             settled.grant_ttl_ms = max(1, min(grant.expiry_ms for grant in settled.grants) - wall_clock_ms())
