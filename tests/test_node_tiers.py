@@ -29,7 +29,7 @@ import xxhash
 
 from kvpool import AsyncStore, ReplicateConfig, limits
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, ObjectNotFound, TransferFailed
+from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, ObjectNotFound, RpcFailed, TransferFailed
 from kvpool.master.server import MasterServer
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
@@ -591,11 +591,16 @@ def test_a_disk_read_the_node_cannot_open_is_a_clean_error_never_zeros(tmp_path,
                 assert sink == bytes(len(sink))  # nothing landed
                 await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
                 assert sink == data
-                too_many = [ReadItem(segment_id, 0, 1)] * (limits.DISK_ITEMS_PER_FRAME_MAX + 1)
-                with pytest.raises(InvalidParams, match="disk items"):
-                    await read_disk(conn, too_many, bytearray(len(too_many)))
-                await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
                 assert not conn.is_closed()
+                # More items than a frame takes: the decoder refuses the request before it reads
+                # an item (protocol/messages.py Batch) and closes that connection only.
+                too_many = [ReadItem(segment_id, 0, 1)] * (limits.DISK_ITEMS_PER_FRAME_MAX + 1)
+                with pytest.raises(RpcFailed, match="closed"):
+                    await read_disk(conn, too_many, bytearray(len(too_many)))
+                conn.close()
+                conn = await connect(node.endpoint, key=None)
+                await read_disk(conn, [ReadItem(segment_id, 0, len(data))], sink)
+                assert sink == data
             finally:
                 conn.close()
 

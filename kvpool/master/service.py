@@ -269,10 +269,14 @@ class MasterService:
         Raises:
             SegmentAlreadyExists: the token is another segment's.
         """
-        if not info.shm_token:
+        if not info.shm_token or not info.shm_path:  # no file to map (TCP only, the simulator)
             return
         for other in self._registry:
-            if other.info.shm_token == info.shm_token and other.info.segment_id != info.segment_id:
+            if (
+                other.info.shm_token == info.shm_token
+                and other.info.shm_path
+                and other.info.segment_id != info.segment_id
+            ):
                 raise self._count_error(
                     SegmentAlreadyExists(
                         f"segment {info.segment_id!r} names the file of segment {other.info.segment_id!r} "
