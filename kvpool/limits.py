@@ -129,6 +129,9 @@ INFLIGHT_REQUESTS_PER_CONNECTION_MAX = 4_096
 RECONNECT_BACKOFF_MS_MAX = 2_000
 AUTH_NONCE_SIZE_BYTES = 32
 AUTH_TIMEOUT_MS = 2_000
+# A server's connections in their handshake at once (TCP and Unix together); past it the oldest
+# is closed (transports/connection.py `_begin_handshake`).
+HANDSHAKES_PENDING_MAX = 256
 REGISTERED_BUFFERS_MAX = 65_536
 
 assert FRAME_HEADER_SIZE_BYTES == struct.calcsize(FRAME_HEADER_FMT)

@@ -350,9 +350,10 @@ def test_a_node_signalled_while_it_waits_for_its_master_leaves_gracefully(tmp_pa
             node.wait(10)
 
 
-def _rss_kib(pid: int) -> int:
+def _rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now, or at its peak (field "VmHWM")."""
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(f"{field}:")))
 
 
 def test_a_client_that_never_reads_its_replies_is_not_answered_into_memory(make_cluster):
@@ -423,3 +424,49 @@ def test_the_http_ports_listen_where_they_are_told(make_cluster):
     for address, port in (("127.0.0.1", cluster.http_port), ("127.0.0.1", metrics_port)):
         with socket.socket() as probe:
             assert probe.connect_ex((address, port)) != 0  # not served there
+
+
+def test_a_flood_of_connections_that_never_authenticate_holds_bounded_memory(make_cluster):
+    """Connections that send part of a first frame and stall: the master held each one's
+    buffers until its handshake timed out (2 s), 220-500 MB under a flood (helper-53). It now
+    holds HANDSHAKES_PENDING_MAX handshakes at once and closes the oldest past that, so a
+    client's handshake, one round trip, still goes through during the flood."""
+    cluster = make_cluster(1, "16MiB")
+    host, port = cluster.master_endpoint.rsplit(":", 1)
+    control_size = 60 * 1024  # under the 64 KiB a peer may send before it authenticates
+    header = struct.Struct(limits.FRAME_HEADER_FMT)
+    first_frame_part = header.pack(limits.FRAME_MAGIC, limits.FRAME_VERSION, 0, 1, control_size, 0)
+    first_frame_part += b"\x00" * (control_size - 4 * 1024)
+    before_kib = _rss_kib(cluster.master.pid, "VmHWM")
+    flood: list[socket.socket] = []
+    t0 = time.monotonic()
+    try:
+        for _ in range(1_500):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            flood.append(sock)
+            try:
+                sock.sendall(first_frame_part)
+            except OSError:
+                pass  # closed as the oldest already
+        flood[-1].settimeout(5)
+        assert flood[-1].recv(65536)  # the master's challenge: it has taken every connection
+        oldest_closed = 0
+        for sock in flood[:1_000]:  # closed already, long before their handshake timers
+            sock.settimeout(0.2)
+            try:
+                while sock.recv(65536):
+                    pass  # the server's challenge, then the end
+            except TimeoutError:
+                break
+            except OSError:
+                pass  # reset
+            oldest_closed += 1
+        time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))  # the master has read them all
+        grown_kib = _rss_kib(cluster.master.pid, "VmHWM") - before_kib
+        with Store(cluster.master_endpoint) as store:
+            assert len(store.cluster_status().segments) == 1
+    finally:
+        for sock in flood:
+            sock.close()
+    assert oldest_closed == 1_000
+    assert grown_kib < 48 * 1024, grown_kib  # at its peak: 1,500 held were 100 MB

@@ -162,12 +162,15 @@ class Connection(asyncio.BufferedProtocol):
         local_name: str = "",
         busy_poll: BusyPoll | None = None,
         replies_owed_max: int | None = None,
+        handshaking: dict[Connection, None] | None = None,
     ) -> None:
         self.name = name
         # Server side: the Unix socket name announced to TCP clients. Client side: the name the
         # server announced ("" when none, or on a Unix connection).
         self.local_name = local_name
         self._registry = registry
+        # A server's connections still in their handshake, oldest first (see _begin_handshake).
+        self._handshaking = handshaking
         self.peer = ""
         self._handler = handler
         self._key = key
@@ -343,8 +346,7 @@ class Connection(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._pads_payloads = True
         if self._is_server:
-            # A peer that does not finish the handshake in time is cut off (slow loris).
-            self._handshake_timer = self._loop.call_later(limits.AUTH_TIMEOUT_MS / 1000, self._handshake_deadline)
+            self._begin_handshake()
             self._nonce_server = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
             challenge = AuthChallenge(self._nonce_server, self._key is not None, self.local_name)
             self._write_now(encode_frame(challenge, 0))
@@ -772,6 +774,26 @@ class Connection(asyncio.BufferedProtocol):
             return
         raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
 
+    def _begin_handshake(self) -> None:
+        """A peer that does not finish the handshake in time is cut off (slow loris), and so is
+        the oldest of a server's handshakes when HANDSHAKES_PENDING_MAX are under way: a flood of
+        connections that never authenticate holds at most that many buffers (each up to
+        HANDSHAKE_CONTROL_SIZE_BYTES_MAX), where it held every connection of the last
+        AUTH_TIMEOUT_MS (helper-53: 220-500 MB). A kvpool peer's handshake takes one round trip,
+        so it is the stalled ones that go, and a new connection always gets its turn."""
+        self._handshake_timer = self._loop.call_later(limits.AUTH_TIMEOUT_MS / 1000, self._handshake_deadline)
+        handshaking = self._handshaking
+        if handshaking is None:
+            return
+        handshaking[self] = None
+        if len(handshaking) > limits.HANDSHAKES_PENDING_MAX:
+            oldest = next(iter(handshaking))
+            _refused_peers.log(
+                "closing %s: %d handshakes under way, it is the oldest (a flood of connections?)",
+                oldest.peer, len(handshaking) - 1,
+            )  # fmt: skip
+            oldest.close("handshake pre-empted by newer connections")
+
     def _cancel_handshake_timer(self) -> None:
         """Let go of the handshake's timer once it is moot: it held a closed connection and its
         buffers for the rest of AUTH_TIMEOUT_MS (helper-53: ~19 KiB each, 76 MiB of a master's
@@ -779,6 +801,8 @@ class Connection(asyncio.BufferedProtocol):
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
             self._handshake_timer = None
+            if self._handshaking is not None:
+                self._handshaking.pop(self, None)
 
     def _handshake_deadline(self) -> None:
         if not self._ready.done() and not self.is_closed():
@@ -889,6 +913,7 @@ async def start_server(
     refuse_open_listen(host, key)
     loop = asyncio.get_running_loop()
     connections: set[Connection] = set()
+    handshaking: dict[Connection, None] = {}
     busy_poll = BusyPoll(loop, busy_poll_us, not_back_soon) if busy_poll_us else None
     # Abstract namespace (leading NUL): no file to leave behind, gone with the process.
     local_name = f"\0kvpool-{os.urandom(16).hex()}"
@@ -897,7 +922,7 @@ async def start_server(
     def serving(announced_name: str = "") -> Connection:
         return Connection(
             handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name,
-            busy_poll=busy_poll, replies_owed_max=replies_owed_max,
+            busy_poll=busy_poll, replies_owed_max=replies_owed_max, handshaking=handshaking,
         )  # fmt: skip
 
     with map_exceptions({OSError: ConnectFailed}):
