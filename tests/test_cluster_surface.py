@@ -259,6 +259,7 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     largest = [v for k, v in master.items() if k.startswith("kvpool_master_segment_largest_free_bytes")]
     capacity = [v for k, v in master.items() if k.startswith("kvpool_master_segment_capacity_bytes")]
     assert largest == [capacity[0] - 10 * 4096]
+    assert [v for k, v in master.items() if k.startswith("kvpool_master_segment_quarantined_bytes")] == [0]
     # The eviction policy's sets (all ten were read: protected) and its readmissions (none:
     # nothing was evicted).
     assert master["kvpool_master_policy_objects{set=protected}"] == 10
@@ -285,6 +286,20 @@ def test_prometheus_metrics_of_master_and_node(make_cluster):
     assert 0 < master["kvpool_master_busy_poll_seconds_total"] < 10
     assert node["kvpool_node_busy_poll_windows_total"] >= 1  # the node answered reads and writes
     assert 0 < node["kvpool_node_busy_poll_seconds_total"] < 10
+    # A put given up while its writes may still land holds its range until the release
+    # timeout: used, and said so.
+    from kvpool.protocol.messages import PutRevoke, PutStart, ReplicateConfig
+    from kvpool.transports.blocking import BlockingConnection
+
+    conn = BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=False)
+    try:
+        conn.request(PutStart(["q"], [8192], ReplicateConfig(), put_id=7), timeout_ms=5_000)
+        conn.request(PutRevoke(["q"], writes_in_flight=True, put_id=7), timeout_ms=5_000)
+    finally:
+        conn.close()
+    master = scrape(cluster.http_port)
+    assert [v for k, v in master.items() if k.startswith("kvpool_master_segment_quarantined_bytes")] == [8192]
+    assert [v for k, v in master.items() if k.startswith("kvpool_master_segment_used_bytes")] == [15 * 4096 + 8192]
     health = urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=5).read()
     assert b"ok" in health
 

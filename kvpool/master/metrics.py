@@ -9,6 +9,8 @@ puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_tot
 evicted_bytes_total, removes_total, errors_total, put_room_rounds_total,
 leases_released_total, refused_returns_total, per segment
 segment_capacity_bytes{segment,node,endpoint}, segment_used_bytes{...}, segment_objects{...},
+segment_quarantined_bytes{...} (of the used bytes, those that discarded or revoked puts hold
+until their writers' grants are long past: master/membership.py),
 segment_free_extents{...} and segment_largest_free_bytes{...} (fragmentation: a full cache
 that churns leaves its free space in holes, docs/performance.md "A full cache that churns"),
 segment_filesystem_free_bytes{...} and segment_writable{...} (what a slower tier's node last
@@ -98,6 +100,10 @@ class MasterMetrics(Collector):
         capacity = GaugeMetricFamily(_PREFIX + "segment_capacity_bytes", "Segment size.", labels=labels)
         used = GaugeMetricFamily(_PREFIX + "segment_used_bytes", "Bytes allocated.", labels=labels)
         objects = GaugeMetricFamily(_PREFIX + "segment_objects", "Replicas held.", labels=labels)
+        quarantined = GaugeMetricFamily(
+            _PREFIX + "segment_quarantined_bytes",
+            "Of the used bytes, those of puts given up while their writes may still land.", labels=labels,
+        )  # fmt: skip
         extents = GaugeMetricFamily(_PREFIX + "segment_free_extents", "Holes of free space.", labels=labels)
         largest = GaugeMetricFamily(
             _PREFIX + "segment_largest_free_bytes", "The largest hole of free space.", labels=labels
@@ -118,10 +124,11 @@ class MasterMetrics(Collector):
             counters = holes[segment.segment.segment_id]  # the same registry, the same moment
             extents.add_metric(values, counters.free_extent_count)
             largest.add_metric(values, counters.largest_free_bytes)
+            quarantined.add_metric(values, counters.quarantined_bytes)
             if segment.filesystem_free_bytes >= 0:
                 filesystem_free.add_metric(values, segment.filesystem_free_bytes)
             writable.add_metric(values, int(segment.is_writable))
-        yield from (capacity, used, objects, extents, largest, filesystem_free, writable)
+        yield from (capacity, used, objects, quarantined, extents, largest, filesystem_free, writable)
         yield from _tier_metrics(status)
         yield from _policy_metrics(self._service.policy_stats())
         if self.busy_poll is not None:
