@@ -20,7 +20,15 @@ from kvpool import Store, limits
 from kvpool.cli.replay import find_trace
 from kvpool.errors import InvalidParams, SegmentNotFound, Unauthorized
 from kvpool.protocol.frames import encode_frame
-from kvpool.protocol.messages import GetReplicaList, ReadItem, ReadSlices, WriteGrant, WriteItem, WriteSlices
+from kvpool.protocol.messages import (
+    AuthResponse,
+    GetReplicaList,
+    ReadItem,
+    ReadSlices,
+    WriteGrant,
+    WriteItem,
+    WriteSlices,
+)
 
 
 def kvpool_cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
@@ -37,6 +45,7 @@ def hostile_payloads() -> dict[str, bytes]:
         "huge control size": header.pack(limits.FRAME_MAGIC, 1, 0, 1, 2**32 - 1, 0),
         "huge payload size": header.pack(limits.FRAME_MAGIC, 1, 0, 1, 4, 2**64 - 1),
         "garbage control": header.pack(limits.FRAME_MAGIC, 1, 0, 1, 8, 0) + b"\xc1" * 8,
+        "handshake with a payload": encode_frame(AuthResponse(os.urandom(32), b""), 0, payload_size=10) + b"x" * 10,
     }
 
 

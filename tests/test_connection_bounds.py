@@ -82,3 +82,36 @@ def test_a_server_lets_go_of_a_closed_connection_at_once():
 
     alive = uvloop.run(asyncio.wait_for(main(), 30))
     assert alive == [], alive  # well within the 2 s of the handshake timer
+
+
+def test_a_handshake_frame_with_a_payload_closes_the_connection_saying_so():
+    """Nothing takes a handshake frame's payload: the server closes the connection, naming
+    what the peer sent (it said "set_payload_sinks must follow a Frame with a payload", a
+    complaint about itself)."""
+    import os
+
+    from kvpool.protocol.frames import encode_frame
+    from kvpool.protocol.messages import AuthResponse
+    from kvpool.transports.connection import start_server
+
+    reasons: list[str] = []
+
+    class Handler:
+        def connection_closed(self, conn) -> None:
+            reasons.append(conn.close_reason)
+
+    async def main() -> None:
+        listener = await start_server("127.0.0.1", 0, Handler(), key=None, name="test")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            await reader.read(4096)  # the challenge
+            writer.write(encode_frame(AuthResponse(os.urandom(32), b""), 0, payload_size=10) + b"x" * 10)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing answered
+            writer.close()
+            while not reasons:
+                await asyncio.sleep(0.01)
+        finally:
+            await listener.close()
+
+    uvloop.run(asyncio.wait_for(main(), 30))
+    assert reasons == ["AuthResponse with a payload during the handshake"], reasons

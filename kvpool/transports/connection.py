@@ -600,6 +600,8 @@ class Connection(asyncio.BufferedProtocol):
     def _on_frame(self, frame: Frame) -> None:
         message = frame.message
         if not self._ready.done():
+            if frame.payload_size:  # nothing would take it, and the decoder waits for it
+                raise RemoteProtocolError(f"{type(message).__name__} with a payload during the handshake")
             self._on_handshake(frame)
             return
         if isinstance(message, (AuthChallenge, AuthResponse, AuthOk)):
