@@ -944,7 +944,10 @@ async def start_server(
             )
         except OSError as exc:  # said as an operator reads it, not as "OSError: [Errno 98] ..."
             local.close()
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            if isinstance(exc, socket.gaierror):  # a host name the resolver refuses: its errno is not errno's
+                reason = exc.strerror or str(exc)
+            else:
+                reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise ConnectFailed(f"{name} cannot listen on {host}:{port}: {reason}") from None
         except BaseException:
             local.close()
