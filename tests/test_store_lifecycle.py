@@ -193,6 +193,54 @@ def test_a_closed_async_store_refuses_every_call_and_opens_no_connection_again(m
     asyncio.run(asyncio.wait_for(main(), JOIN_TIMEOUT_S))
 
 
+@pytest.mark.parametrize("call", ["put", "get", "get_into"])
+def test_a_same_host_copy_that_a_close_from_another_thread_overtakes_raises_store_closed(
+    make_cluster, monkeypatch, call
+):
+    """A serving engine shuts down while its threads still load and store blocks: a caller
+    thread whose put or get had its grants or replicas, and then found the segments unmapped
+    by a close, raised ValueError ("operation forbidden on released memoryview object")
+    instead of StoreClosed."""
+    cluster = make_cluster(1, "32MiB")
+    store = Store(cluster.master_endpoint, shm_enabled=True)
+    buffer = np.zeros(PAGE, dtype=np.uint8)
+    address = store.register_buffer(buffer)
+    store.put("k", b"v" * PAGE)
+    local_segment = AsyncStore._local_segment
+    mapped, closed = threading.Event(), threading.Event()
+
+    def mapped_then_closed(async_store, info):  # the caller thread has the segment, then the close comes
+        segment = local_segment(async_store, info)
+        if threading.current_thread() is thread and not mapped.is_set():
+            mapped.set()
+            assert closed.wait(JOIN_TIMEOUT_S)
+        return segment
+
+    monkeypatch.setattr(AsyncStore, "_local_segment", mapped_then_closed)
+    calls = {
+        "put": lambda: store.put("k2", b"w" * PAGE),
+        "get": lambda: store.get("k"),
+        "get_into": lambda: store.get_into("k", address, PAGE),
+    }
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            calls[call]()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            errors.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert mapped.wait(JOIN_TIMEOUT_S)
+    store.close()
+    closed.set()
+    thread.join(JOIN_TIMEOUT_S)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], StoreClosed), errors
+    assert not any("/dev/shm" in line for line in open("/proc/self/maps"))  # noqa: SIM115
+
+
 def _child_close_then_get(store: Store) -> str:
     store.close()  # the parent's Store, never used here: nothing of the parent's closes
     try:

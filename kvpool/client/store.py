@@ -45,6 +45,7 @@ from kvpool.errors import (
     KVPoolError,
     RpcTimeout,
     SegmentNotFound,
+    StoreClosed,
     error_from_code,
 )
 from kvpool.node.segment import Segment
@@ -409,7 +410,8 @@ class AsyncStore:
             codes = await self._put_parts([keys[i] for i in unique], [parts[i] for i in unique], config)
             return [codes[p] for p in positions]
         job = await self._put_start(keys, parts, config)
-        job.copy_local()
+        with self.closed_meanwhile():
+            job.copy_local()
         return await self._put_finish(job)
 
     async def _get_parts(
@@ -420,6 +422,15 @@ class AsyncStore:
     ) -> list[GetJob]:
         """A whole get, every phase on this loop: a job per piece of the batch (GetPieces), in
         order. `starts`: see buffer_starts."""
+        with self.closed_meanwhile():
+            return await self._get_phases(keys, targets, starts)
+
+    async def _get_phases(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[list[memoryview] | None],
+        starts: Sequence[int | None] | None,
+    ) -> list[GetJob]:
         if len(keys) < GET_PIECES_FROM_KEYS:
             return await self._got([await self._located(keys, targets, starts)], False)
         with self._get_pieces.pieces(keys, targets) as pieces:
@@ -496,6 +507,20 @@ class AsyncStore:
         offsets = [replica.offset for _, replica in bad]
         report = ReportBadReplicas(keys, segment_ids, offsets)
         self._in_background(report, True, "reporting bad replicas failed (the next bad read reports them again)")
+
+    @contextlib.contextmanager
+    def closed_meanwhile(self) -> Iterator[None]:
+        """A put or get whose same-host copy found its mapped segments unmapped by a close
+        from another thread or task (aclose unmaps them once closed) raises StoreClosed, as a
+        call begun after the close does: not the ValueError of a released memoryview (a
+        serving engine that shuts down while its threads still load and store blocks). Memory
+        is never at stake: a copy under way holds a view, and the mapping outlives it."""
+        try:
+            yield
+        except ValueError as exc:
+            if self._is_closed:
+                raise StoreClosed("the store was closed during the call") from exc
+            raise
 
     @contextlib.contextmanager
     def leases_back_if_abandoned(self, jobs: Sequence[GetJob]) -> Iterator[None]:
