@@ -9,13 +9,15 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import selectors
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvpool import AsyncStore, ErrorCode, Store
+from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store
+from kvpool.client import node_links
 from kvpool.errors import InvalidRequest, KVPoolError, StoreClosed
 
 JOIN_TIMEOUT_S = 60.0
@@ -239,6 +241,54 @@ def test_a_same_host_copy_that_a_close_from_another_thread_overtakes_raises_stor
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], StoreClosed), errors
     assert not any("/dev/shm" in line for line in open("/proc/self/maps"))  # noqa: SIM115
+
+
+@pytest.mark.parametrize("call", ["get", "put"])
+def test_a_transfer_with_several_nodes_that_a_close_from_another_thread_overtakes_raises_store_closed(
+    make_cluster, monkeypatch, call
+):
+    """A caller thread's round with two nodes over its own connections (node_links.py), the
+    frames begun, when a close from another thread closed those connections: the round
+    registered their stale descriptors with its selector and raised OSError (EBADF) out of
+    get_batch and put_batch, instead of StoreClosed."""
+    cluster = make_cluster(2, "32MiB")
+    store = Store(cluster.master_endpoint, shm_enabled=False)
+    segments = list(store.cluster_status().segment_infos())
+    assert len(segments) == 2
+    keys = [f"k{i}" for i in range(2)]  # one on each node
+    for key, segment in zip(keys, segments):
+        store.put(key, b"v" * PAGE, ReplicateConfig(placement="preferred", preferred_segments=[segment]))
+    assert store.get_batch(keys) == [b"v" * PAGE] * 2  # this thread's connections to both nodes
+    real_selector = node_links.selectors.DefaultSelector
+    begun, closed = threading.Event(), threading.Event()
+
+    def begun_then_closed() -> selectors.BaseSelector:  # both frames begun, then the close comes
+        if threading.current_thread() is thread and not begun.is_set():
+            begun.set()
+            assert closed.wait(JOIN_TIMEOUT_S)
+        return real_selector()
+
+    monkeypatch.setattr(node_links.selectors, "DefaultSelector", begun_then_closed)
+    calls = {
+        "get": lambda: store.get_batch(keys),
+        "put": lambda: store.put("k2", b"w" * PAGE, ReplicateConfig(replica_num=2)),
+    }
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            calls[call]()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            errors.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert begun.wait(JOIN_TIMEOUT_S)
+    store.close()
+    closed.set()
+    thread.join(JOIN_TIMEOUT_S)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], StoreClosed), errors
 
 
 def _child_close_then_get(store: Store) -> str:

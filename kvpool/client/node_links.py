@@ -31,16 +31,26 @@ through the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import time
+from collections.abc import Callable
 
 from kvpool import limits
 from kvpool.client.slow_nodes import SlowNodes
 from kvpool.client.thread_links import ThreadLink, ThreadLinks
 from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, now_monotonic_ms, write_landing
 from kvpool.config import ClientConfig
-from kvpool.errors import ConnectFailed, KVPoolError, RpcTimeout, Unauthorized, error_from_code
+from kvpool.errors import (
+    ConnectFailed,
+    KVPoolError,
+    RpcFailed,
+    RpcTimeout,
+    StoreClosed,
+    Unauthorized,
+    error_from_code,
+)
 from kvpool.protocol.messages import ErrorReply, WriteSlices
 from kvpool.transports.blocking import BlockingConnection
 
@@ -106,6 +116,7 @@ class NodeLinks:
             if conns is None:
                 return False
             failed = self._round(batches, conns, deadline, budget_ms)
+            self._check_open()
             job.remote_done({i for batch in batches for i in batch.owners[0]}, set().union(*failed))
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
         return True
@@ -119,7 +130,11 @@ class NodeLinks:
         timeout_ms = job.write_timeout_ms(self._transfer_timeout_ms)
         deadline = time.monotonic() + timeout_ms / 1000
         conns = self._connections(batches, deadline)
-        return None if conns is None else self._round(batches, conns, deadline, timeout_ms)
+        if conns is None:
+            return None
+        failed = self._round(batches, conns, deadline, timeout_ms)
+        self._check_open()
+        return failed
 
     def _round(
         self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float, budget_ms: int
@@ -133,23 +148,27 @@ class NodeLinks:
         others' frames or replies."""
         if len(batches) == 1:
             return [self._transfer(batches[0], conns[0], deadline, budget_ms)]
-        failed: list[set[int]] = [set() for _ in batches]
+        # Every batch fails until its reply says otherwise.
+        failed: list[set[int]] = [set(batch.owners[0]) for batch in batches]
         pending: dict[int, list] = {}  # by descriptor: [batch index, connection, request id, parts unsent, sinks]
         for index, (batch, conn) in enumerate(zip(batches, conns)):
             ((message, views),) = batch.frames
             try:
+                descriptor = conn.fileno()  # before it may close: -1 then, and begin raises
                 if isinstance(message, WriteSlices):
                     request_id, parts = conn.begin(message, views, write_landing(message))
                     sinks = []
                 else:
                     (request_id, parts), sinks = conn.begin(message), views
-                pending[conn.fileno()] = [index, conn, request_id, conn.send_some(parts), sinks]
+                pending[descriptor] = [index, conn, request_id, conn.send_some(parts), sinks]
             except KVPoolError as exc:
                 failed[index] = self._failed(batch, conn, exc, budget_ms)
         try:
             with selectors.DefaultSelector() as selector:
-                for descriptor, (_, _, _, parts, _) in pending.items():
-                    selector.register(descriptor, selectors.EVENT_WRITE if parts else selectors.EVENT_READ)
+                for descriptor, (index, conn, _, parts, _) in list(pending.items()):
+                    if not self._watch(selector.register, descriptor, parts):
+                        failed[index] = self._closed_meanwhile(batches[index], conn, budget_ms)
+                        del pending[descriptor]
                 while pending and (remaining_s := deadline - time.monotonic()) > 0:
                     for key, _ in selector.select(remaining_s):
                         exchange = pending[key.fd]
@@ -162,11 +181,13 @@ class NodeLinks:
                             else:
                                 if exchange[3]:
                                     continue
-                                selector.modify(key.fd, selectors.EVENT_READ)  # sent: wait for the reply
-                                continue
+                                if self._watch(selector.modify, key.fd, []):  # sent: wait for the reply
+                                    continue
+                                failed[index] = self._closed_meanwhile(batches[index], conn, budget_ms)
                         else:
                             failed[index] = self._reply(batches[index], conn, request_id, sinks, deadline, budget_ms)
-                        selector.unregister(key.fd)
+                        with contextlib.suppress(KeyError, OSError, ValueError):
+                            selector.unregister(key.fd)
                         del pending[key.fd]
         finally:  # not done in time (or interrupted): a late reply must not answer the next
             is_late = time.monotonic() >= deadline
@@ -177,6 +198,28 @@ class NodeLinks:
                 failed[index] = set(batches[index].owners[0])
                 log.info("transfer with %s failed: not done in time", batches[index].endpoint)
         return failed
+
+    @staticmethod
+    def _watch(how: Callable[[int, int], object], descriptor: int, parts: list[memoryview]) -> bool:
+        """`how` (the selector's register or modify) of a round's connection, for room to send
+        its frame's `parts` (none: for its reply). False when its descriptor was closed under
+        the round: a close of the Store from another thread closes this thread's connections
+        (the number may even be another file's by now, which the round then leaves alone)."""
+        try:
+            how(descriptor, selectors.EVENT_WRITE if parts else selectors.EVENT_READ)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _closed_meanwhile(self, batch: RemoteBatch, conn: BlockingConnection, budget_ms: int) -> set[int]:
+        conn.close()
+        return self._failed(batch, conn, RpcFailed(f"connection to {batch.endpoint} closed meanwhile"), budget_ms)
+
+    def _check_open(self) -> None:
+        """After a round: StoreClosed if a close of the Store from another thread came during it
+        (its connections closed under it, its frames failed), rather than the keys' misses."""
+        if self._links.is_closed:
+            raise StoreClosed("the store was closed during the call")
 
     def _transfer(self, batch: RemoteBatch, conn: BlockingConnection, deadline: float, budget_ms: int) -> set[int]:
         """Send the batch's frame and take the node's reply: the key indexes whose frame failed
