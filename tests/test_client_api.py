@@ -1160,6 +1160,41 @@ def test_a_sync_put_interrupted_while_it_maps_the_segment_gives_its_keys_back(ma
         assert sum(s.used_bytes for s in status.segments) < 17 << 20  # nothing held besides the two
 
 
+def test_a_sync_put_beside_another_interrupted_in_its_copy_gives_its_keys_back(make_cluster, monkeypatch):
+    """Ctrl-C while a sync put of over 1 MiB, made while another put of the Store was in
+    flight (its put_start through the loop), copied into a mapped segment in the caller's
+    thread: its grants were never given back (the lone put's way did), the keys refused
+    puts for 30 s and their ranges were quarantined for 10 minutes after."""
+    from kvpool.client.transfer import PutJob
+
+    cluster = make_cluster(1, "64MiB")
+    copy_local = PutJob.copy_local
+
+    def interrupted_once(job):
+        monkeypatch.setattr(PutJob, "copy_local", copy_local)
+        raise KeyboardInterrupt
+
+    value = os.urandom(4 << 20)
+    with Store(cluster.master_endpoint) as store:
+        store.put("warm-up", b"w")  # the node's segment mapped here
+        monkeypatch.setattr(PutJob, "copy_local", interrupted_once)
+        store._puts_in_flight += 1  # another thread's put under way: this one goes through the loop
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                store.put_batch(["first", "second"], [value, value])
+        finally:
+            store._puts_in_flight -= 1
+        deadline = time.monotonic() + 3
+        while (codes := store.put_batch(["first", "second"], [value, value])) != [0, 0]:
+            assert set(codes) <= {ErrorCode.REPLICA_IS_NOT_READY}, codes
+            assert time.monotonic() < deadline, f"the interrupted put stayed pending: {codes}"
+            time.sleep(0.02)
+        assert store.get_batch(["first", "second"]) == [value, value]
+        status = store.cluster_status()
+        assert status.pending_count == 0
+        assert sum(s.used_bytes for s in status.segments) < 9 << 20  # nothing held besides the two
+
+
 @pytest.mark.parametrize("shm_enabled", [False, True])
 def test_a_node_checks_write_grants_against_the_masters_clock_not_its_own(monkeypatch, caplog, shm_enabled):
     """A write grant expires 30 s after its put started, in the master's time. A node whose

@@ -663,7 +663,11 @@ class Store:
             # (Batches that repeat a key go this way too: the loop side puts each key once.)
             return self._run(self._async._put_parts(keys, parts, config))
         job = self._run(self._async._put_start(keys, parts, config))
-        job.copy_local()
+        try:
+            job.copy_local()
+        except BaseException:  # Ctrl-C in the copy, a close meanwhile: the keys go back (_put_direct's way)
+            self._give_up([job])
+            raise
         return self._run(self._async._put_finish(job))
 
     def _put_direct(
