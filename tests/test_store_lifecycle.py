@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing
 import os
 import selectors
+import signal
 import threading
 import time
 
@@ -289,6 +290,46 @@ def test_a_transfer_with_several_nodes_that_a_close_from_another_thread_overtake
     thread.join(JOIN_TIMEOUT_S)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], StoreClosed), errors
+
+
+def test_a_get_waiting_on_several_nodes_that_do_not_answer_ends_at_once_when_the_store_closes(make_cluster):
+    """A caller thread's read of two nodes that stopped answering waits for their replies on
+    a selector (node_links.py); a close from another thread closes its connections, which
+    takes them out of the selector without waking it: the get returned StoreClosed only at
+    the round's deadline (the lease, 10 s), where a read of one node returns at once."""
+    cluster = make_cluster(2, "32MiB")
+    store = Store(cluster.master_endpoint, shm_enabled=False)
+    segments = list(store.cluster_status().segment_infos())
+    keys = [f"k{i}" for i in range(2)]  # one on each node
+    for key, segment in zip(keys, segments):
+        store.put(key, b"v" * PAGE, ReplicateConfig(placement="preferred", preferred_segments=[segment]))
+    outcome: dict[str, object] = {}
+    waiting = threading.Event()
+
+    def caller() -> None:
+        assert store.get_batch(keys) == [b"v" * PAGE] * 2  # this thread's connections to both nodes
+        for node in cluster.nodes:
+            node.signal(signal.SIGSTOP)
+        waiting.set()
+        try:
+            outcome["result"] = store.get_batch(keys)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            outcome["result"] = exc
+        outcome["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        assert waiting.wait(JOIN_TIMEOUT_S)
+        time.sleep(1)  # the frames sent, the replies waited for
+        closed_at = time.monotonic()
+        store.close()
+        thread.join(JOIN_TIMEOUT_S)
+    finally:
+        for node in cluster.nodes:
+            node.signal(signal.SIGCONT)
+    assert isinstance(outcome["result"], StoreClosed), outcome
+    assert outcome["ended"] - closed_at < 2, outcome["ended"] - closed_at
 
 
 def _child_close_then_get(store: Store) -> str:

@@ -65,6 +65,10 @@ NODE_LINKS_PER_THREAD_MAX = 16
 # before trying again.
 NODE_RETRY_AFTER_S = 5.0
 NODE_OPEN_TIMEOUT_MS = 1_000
+# A round that waits on several nodes looks this often whether the Store was closed: a close
+# from another thread closes the round's connections, which takes them out of its selector
+# without waking it (a round of one node wakes at once: its receive ends).
+CLOSED_CHECK_S = 0.1
 
 
 class _ThreadNodes(ThreadLink):
@@ -169,8 +173,8 @@ class NodeLinks:
                     if not self._watch(selector.register, descriptor, parts):
                         failed[index] = self._closed_meanwhile(batches[index], conn, budget_ms)
                         del pending[descriptor]
-                while pending and (remaining_s := deadline - time.monotonic()) > 0:
-                    for key, _ in selector.select(remaining_s):
+                while pending and (remaining_s := deadline - time.monotonic()) > 0 and not self._links.is_closed:
+                    for key, _ in selector.select(min(remaining_s, CLOSED_CHECK_S)):
                         exchange = pending[key.fd]
                         index, conn, request_id, parts, sinks = exchange
                         if parts:  # room for more of the frame
@@ -189,7 +193,7 @@ class NodeLinks:
                         with contextlib.suppress(KeyError, OSError, ValueError):
                             selector.unregister(key.fd)
                         del pending[key.fd]
-        finally:  # not done in time (or interrupted): a late reply must not answer the next
+        finally:  # not done in time (or interrupted, or closed): a late reply must not answer the next
             is_late = time.monotonic() >= deadline
             for index, *_ in pending.values():
                 self._links.link().drop(batches[index].endpoint)
