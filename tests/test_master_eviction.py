@@ -141,6 +141,32 @@ def test_protected_objects_are_lru_among_themselves_and_capped() -> None:
     assert policy.is_protected("k0") and policy.is_protected("k3")
 
 
+def test_the_ticks_eviction_takes_read_objects_before_those_put_since_the_last_tick() -> None:
+    """The tick's eviction above the watermark frees up to 15% of a segment, more than the
+    unread tenth: it took the newest objects before anyone could read them (helper-54: 1 in
+    1,000 put-then-get pairs of one writer missed). What was put since the previous tick now
+    goes after the read objects there; a put short of room still takes the unread first."""
+    policy = ProbationLruPolicy()
+    config = MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    svc = MasterService(config, random.Random(0), None, policy=policy)
+    svc.mount_segment(MountSegment(SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB), []), 0)
+    put(svc, ["old"], now=0)
+    put(svc, keys_of("r", 13), now=0)
+    read(svc, keys_of("r", 13), now=1)
+    svc.tick(10)  # 14 of 16 used: under the watermark, nothing to evict
+    assert svc.take_drops() == {}
+    put(svc, keys_of("new", 2), now=20)
+    svc.tick(30)  # full: max(0.05, 1.0 - 0.9 + 0.05) of 1 MiB is three objects
+    drops = svc.take_drops()
+    assert [entry.key for entry in drops["s1"]] == ["old", "r0", "r1"]
+    svc.drops_done("s1", drops["s1"], 30)
+    svc.check_invariants()
+    put(svc, keys_of("more", 4), now=40)  # three fit; the fourth evicts the oldest unread
+    assert put.evicted == ["new0"]  # type: ignore[attr-defined]
+    svc.tick(50)  # and the next tick's eviction no longer spares new0's neighbour, put two ticks ago
+    assert [entry.key for entry in svc.take_drops()["s1"]][:1] == ["new1"]
+
+
 def test_a_cache_with_room_demotes_nothing_and_the_first_eviction_a_bounded_number() -> None:
     """Reads of a cache with room promote without demoting (a working set read round and
     round would otherwise cost a demotion per read); the eviction that comes when it fills
