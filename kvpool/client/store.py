@@ -422,21 +422,13 @@ class AsyncStore:
     ) -> list[GetJob]:
         """A whole get, every phase on this loop: a job per piece of the batch (GetPieces), in
         order. `starts`: see buffer_starts."""
-        with self.closed_meanwhile():
-            return await self._get_phases(keys, targets, starts)
-
-    async def _get_phases(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[list[memoryview] | None],
-        starts: Sequence[int | None] | None,
-    ) -> list[GetJob]:
-        if len(keys) < GET_PIECES_FROM_KEYS:
-            return await self._got([await self._located(keys, targets, starts)], False)
-        with self._get_pieces.pieces(keys, targets) as pieces:
-            if len(pieces) == 1:
-                return await self._got([await self._located(keys, targets, starts)], True)
-            return await self._got(await self._located_in_pieces(keys, targets, starts, pieces), True)
+        with self.closed_meanwhile():  # a close meanwhile unmapped the segments
+            if len(keys) < GET_PIECES_FROM_KEYS:
+                return await self._got([await self._located(keys, targets, starts)], False)
+            with self._get_pieces.pieces(keys, targets) as pieces:
+                if len(pieces) == 1:
+                    return await self._got([await self._located(keys, targets, starts)], True)
+                return await self._got(await self._located_in_pieces(keys, targets, starts, pieces), True)
 
     async def _located(
         self,

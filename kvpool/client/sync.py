@@ -640,35 +640,25 @@ class Store:
             self._puts_in_flight += 1
         try:
             with self._opened.closed_meanwhile():  # a close from another thread unmapped the segments
-                return self._put_phases(parts, keys, config, is_alone)
+                repeats_a_key = len(set(keys)) < len(keys)
+                if is_alone and not repeats_a_key:
+                    codes = self._put_direct(parts, keys, config)
+                    if codes is not None:
+                        return codes
+                if repeats_a_key or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
+                    # Small batches: the copies cost less than a second thread hand-off (~50 us).
+                    # (Batches that repeat a key go this way too: the loop side puts each key once.)
+                    return self._run(self._async._put_parts(keys, parts, config))
+                job = self._run(self._async._put_start(keys, parts, config))
+                try:
+                    job.copy_local()
+                except BaseException:  # Ctrl-C in the copy, a close meanwhile: the keys go back (_put_direct's way)
+                    self._give_up([job])
+                    raise
+                return self._run(self._async._put_finish(job))
         finally:
             with self._in_flight_lock:
                 self._puts_in_flight -= 1
-
-    def _put_phases(
-        self,
-        parts: Sequence[Sequence[memoryview]],
-        keys: list[str],
-        config: ReplicateConfig | None,
-        is_alone: bool,
-    ) -> list[int]:
-        """_put's phases: from this thread when no other put is in flight, else through the loop."""
-        repeats_a_key = len(set(keys)) < len(keys)
-        if is_alone and not repeats_a_key:
-            codes = self._put_direct(parts, keys, config)
-            if codes is not None:
-                return codes
-        if repeats_a_key or sum(len(p) for ps in parts for p in ps) <= INLINE_COPY_BYTES_MAX:
-            # Small batches: the copies cost less than a second thread hand-off (~50 us).
-            # (Batches that repeat a key go this way too: the loop side puts each key once.)
-            return self._run(self._async._put_parts(keys, parts, config))
-        job = self._run(self._async._put_start(keys, parts, config))
-        try:
-            job.copy_local()
-        except BaseException:  # Ctrl-C in the copy, a close meanwhile: the keys go back (_put_direct's way)
-            self._give_up([job])
-            raise
-        return self._run(self._async._put_finish(job))
 
     def _put_direct(
         self,
@@ -819,21 +809,12 @@ class Store:
         """Look up, copy what is mapped here, read the rest over TCP: a job per piece of the
         batch (the AsyncStore's GetPieces decides, for both), in order."""
         with self._async.closed_meanwhile():  # a close from another thread unmapped the segments
-            return self._get_phases(keys, targets, starts)
-
-    def _get_phases(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[list[memoryview] | None],
-        starts: Sequence[int | None] | None,
-    ) -> list[GetJob]:
-        """_get's phases: the batch whole, or in pieces."""
-        if len(keys) < GET_PIECES_FROM_KEYS:
-            return self._get_whole(keys, targets, starts)
-        with self._async._get_pieces.pieces(keys, targets) as pieces:
-            if len(pieces) > 1:
-                return self._get_in_pieces(keys, targets, starts, pieces)
-            return self._get_whole(keys, targets, starts)
+            if len(keys) < GET_PIECES_FROM_KEYS:
+                return self._get_whole(keys, targets, starts)
+            with self._async._get_pieces.pieces(keys, targets) as pieces:
+                if len(pieces) > 1:
+                    return self._get_in_pieces(keys, targets, starts, pieces)
+                return self._get_whole(keys, targets, starts)
 
     def _get_whole(
         self,

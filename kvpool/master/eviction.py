@@ -519,18 +519,19 @@ class ProbationLruPolicy(EvictionPolicy):
         stopped = False
         # Passes 1 and 2 (and 2b when sparing new objects): unpinned objects, probation first,
         # each oldest first.
-        probation = self._probation
+        probation, protected = self._probation, self._protected
         new: list[str] = []
-        passes: list[Iterable[str]] = [probation, self._protected]
+        # (keys in the order to offer them, the set they are in)
+        passes: list[tuple[Iterable[str], OrderedDict[str, int]]] = [(probation, probation), (protected, protected)]
         if spares_new and self._ticks:
-            passes = [_set_aside(probation, self._ticks, new), self._protected, new]
-        for keys in passes:
+            passes = [(_set_aside(probation, self._ticks, new), probation), (protected, protected), (new, probation)]
+        for keys, owner in passes:
             deferred, scanned_here, stopped = _take_unpinned(keys, objects, judge, scan_max - scanned, victims)
             scanned += scanned_here
             # Move what could not go behind the rest of its set, so the next scan starts on
             # fresh candidates instead of re-reading the same pinned or leased ones.
             for key in deferred:
-                (probation if key in probation else self._protected).move_to_end(key)
+                owner.move_to_end(key)
             if stopped:
                 break
         # Pass 3: soft-pinned objects, least recently accessed first.
