@@ -1092,6 +1092,21 @@ def test_a_sync_get_interrupted_in_its_reads_gives_its_read_leases_back():
                 time.sleep(0.02)
 
 
+def put_once_given_back(store: Store, keys: list[str], values: list[bytes], waiting_codes: set[int]):
+    """Put `keys` again until they are stored, within 3 s, each try answered only with
+    `waiting_codes` (the keys of an interrupted put are given back at once, not after the
+    30 s discard); then read them back. Returns the cluster status: no put left pending."""
+    deadline = time.monotonic() + 3
+    while (codes := store.put_batch(keys, values)) != [0] * len(keys):
+        assert set(codes) <= waiting_codes, codes
+        assert time.monotonic() < deadline, f"the interrupted put stayed pending: {codes}"
+        time.sleep(0.02)
+    assert store.get_batch(keys) == values
+    status = store.cluster_status()
+    assert status.pending_count == 0
+    return status
+
+
 def test_a_sync_put_interrupted_while_it_waits_or_writes_gives_its_keys_back(monkeypatch):
     """Ctrl-C while a sync Store's put waited for its put_start answer, or wrote to a node,
     in the caller's thread: the put was left pending at the master, the keys refused puts
@@ -1121,13 +1136,7 @@ def test_a_sync_put_interrupted_while_it_waits_or_writes_gives_its_keys_back(mon
         with pytest.raises(KeyboardInterrupt):
             store.put("wrote", value)
         store._nodes.write = write
-        deadline = time.monotonic() + 3
-        while (codes := store.put_batch(["waited", "wrote"], [value, value])) != [0, 0]:
-            assert set(codes) <= {0, ErrorCode.REPLICA_IS_NOT_READY}, codes
-            assert time.monotonic() < deadline, f"the interrupted puts stayed pending: {codes}"
-            time.sleep(0.02)
-        assert store.get_batch(["waited", "wrote"]) == [value, value]
-        assert store.cluster_status().pending_count == 0
+        put_once_given_back(store, ["waited", "wrote"], [value, value], {0, ErrorCode.REPLICA_IS_NOT_READY})
 
 
 def test_a_sync_put_interrupted_while_it_maps_the_segment_gives_its_keys_back(make_cluster, monkeypatch):
@@ -1149,14 +1158,7 @@ def test_a_sync_put_interrupted_while_it_maps_the_segment_gives_its_keys_back(ma
     with Store(cluster.master_endpoint) as store:
         with pytest.raises(KeyboardInterrupt):
             store.put_batch(["first", "second"], [value, value])
-        deadline = time.monotonic() + 3
-        while (codes := store.put_batch(["first", "second"], [value, value])) != [0, 0]:
-            assert set(codes) <= {ErrorCode.REPLICA_IS_NOT_READY}, codes
-            assert time.monotonic() < deadline, f"the interrupted put stayed pending: {codes}"
-            time.sleep(0.02)
-        assert store.get_batch(["first", "second"]) == [value, value]
-        status = store.cluster_status()
-        assert status.pending_count == 0
+        status = put_once_given_back(store, ["first", "second"], [value, value], {ErrorCode.REPLICA_IS_NOT_READY})
         assert sum(s.used_bytes for s in status.segments) < 17 << 20  # nothing held besides the two
 
 
@@ -1184,14 +1186,7 @@ def test_a_sync_put_beside_another_interrupted_in_its_copy_gives_its_keys_back(m
                 store.put_batch(["first", "second"], [value, value])
         finally:
             store._puts_in_flight -= 1
-        deadline = time.monotonic() + 3
-        while (codes := store.put_batch(["first", "second"], [value, value])) != [0, 0]:
-            assert set(codes) <= {ErrorCode.REPLICA_IS_NOT_READY}, codes
-            assert time.monotonic() < deadline, f"the interrupted put stayed pending: {codes}"
-            time.sleep(0.02)
-        assert store.get_batch(["first", "second"]) == [value, value]
-        status = store.cluster_status()
-        assert status.pending_count == 0
+        status = put_once_given_back(store, ["first", "second"], [value, value], {ErrorCode.REPLICA_IS_NOT_READY})
         assert sum(s.used_bytes for s in status.segments) < 9 << 20  # nothing held besides the two
 
 

@@ -196,6 +196,33 @@ def test_a_closed_async_store_refuses_every_call_and_opens_no_connection_again(m
     asyncio.run(asyncio.wait_for(main(), JOIN_TIMEOUT_S))
 
 
+CALLER = "kvpool-test-caller"  # the thread errors_of_a_call_a_close_overtakes runs the call on
+
+
+def errors_of_a_call_a_close_overtakes(
+    store: Store, call, reached: threading.Event, closed: threading.Event
+) -> list[BaseException]:
+    """Run `call` on a thread named CALLER; once it has `reached` the point where the test's
+    patch holds it, close `store` from this thread and let the call go on (`closed`). Returns
+    what the call raised."""
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            errors.append(exc)
+
+    thread = threading.Thread(target=caller, name=CALLER)
+    thread.start()
+    assert reached.wait(JOIN_TIMEOUT_S)
+    store.close()
+    closed.set()
+    thread.join(JOIN_TIMEOUT_S)
+    assert not thread.is_alive()
+    return errors
+
+
 @pytest.mark.parametrize("call", ["put", "get", "get_into"])
 def test_a_same_host_copy_that_a_close_from_another_thread_overtakes_raises_store_closed(
     make_cluster, monkeypatch, call
@@ -214,7 +241,7 @@ def test_a_same_host_copy_that_a_close_from_another_thread_overtakes_raises_stor
 
     def mapped_then_closed(async_store, info):  # the caller thread has the segment, then the close comes
         segment = local_segment(async_store, info)
-        if threading.current_thread() is thread and not mapped.is_set():
+        if threading.current_thread().name == CALLER and not mapped.is_set():
             mapped.set()
             assert closed.wait(JOIN_TIMEOUT_S)
         return segment
@@ -225,21 +252,7 @@ def test_a_same_host_copy_that_a_close_from_another_thread_overtakes_raises_stor
         "get": lambda: store.get("k"),
         "get_into": lambda: store.get_into("k", address, PAGE),
     }
-    errors: list[BaseException] = []
-
-    def caller() -> None:
-        try:
-            calls[call]()
-        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
-            errors.append(exc)
-
-    thread = threading.Thread(target=caller)
-    thread.start()
-    assert mapped.wait(JOIN_TIMEOUT_S)
-    store.close()
-    closed.set()
-    thread.join(JOIN_TIMEOUT_S)
-    assert not thread.is_alive()
+    errors = errors_of_a_call_a_close_overtakes(store, calls[call], mapped, closed)
     assert len(errors) == 1 and isinstance(errors[0], StoreClosed), errors
     assert not any("/dev/shm" in line for line in open("/proc/self/maps"))  # noqa: SIM115
 
@@ -264,7 +277,7 @@ def test_a_transfer_with_several_nodes_that_a_close_from_another_thread_overtake
     begun, closed = threading.Event(), threading.Event()
 
     def begun_then_closed() -> selectors.BaseSelector:  # both frames begun, then the close comes
-        if threading.current_thread() is thread and not begun.is_set():
+        if threading.current_thread().name == CALLER and not begun.is_set():
             begun.set()
             assert closed.wait(JOIN_TIMEOUT_S)
         return real_selector()
@@ -274,21 +287,7 @@ def test_a_transfer_with_several_nodes_that_a_close_from_another_thread_overtake
         "get": lambda: store.get_batch(keys),
         "put": lambda: store.put("k2", b"w" * PAGE, ReplicateConfig(replica_num=2)),
     }
-    errors: list[BaseException] = []
-
-    def caller() -> None:
-        try:
-            calls[call]()
-        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
-            errors.append(exc)
-
-    thread = threading.Thread(target=caller)
-    thread.start()
-    assert begun.wait(JOIN_TIMEOUT_S)
-    store.close()
-    closed.set()
-    thread.join(JOIN_TIMEOUT_S)
-    assert not thread.is_alive()
+    errors = errors_of_a_call_a_close_overtakes(store, calls[call], begun, closed)
     assert len(errors) == 1 and isinstance(errors[0], StoreClosed), errors
 
 
