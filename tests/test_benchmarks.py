@@ -156,3 +156,13 @@ def test_bench_peers_measures_kvpool_everywhere_and_says_why_a_peer_is_skipped(t
             skipped = result["skipped"].get(peer) or result["skipped"].get(f"{peer} {mode}")
             assert (peer in result["runs"][mode]) != bool(skipped)  # measured, or skipped with the reason
     assert result["targets"]  # each target said met or not
+
+
+@pytest.mark.timeout(120)
+def test_put_then_get_counts_every_pair_each_writer_read_back(tmp_path):
+    result = run_benchmark(
+        tmp_path, "put_then_get.py", "--threads", "2", "--memory", "16MiB", "--mib-per-thread", "4",
+    )  # fmt: skip
+    assert result["threads"] == 2 and result["policy"] == "probation"
+    assert result["pairs"] >= 2 * 4 * 1024 // 64  # 4 MiB a writer, objects of 64 KiB at most
+    assert 0 <= result["misses"] <= result["pairs"]

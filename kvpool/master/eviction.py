@@ -342,8 +342,8 @@ class ProbationLruPolicy(EvictionPolicy):
     the tick's eviction above the watermark (`select_sweep_victims`) offers the objects put
     since the previous tick after protected ones: that eviction frees up to 15% of a segment
     that puts keep full (`select_above_watermark` below), more than probation's
-    tenth, and took the newest objects before their first read (helper-54: 1 in 1,000
-    put-then-get pairs of one writer missed; a decode instance reads a prefill's blocks
+    tenth, and took the newest objects before their first read (benchmarks/put_then_get.py:
+    13-23 of 6,304 pairs of one writer missed; a decode instance reads a prefill's blocks
     milliseconds after their put). A put short of room still takes probation first. Each
     victim's key is remembered by a `GhostFilter` sized to GHOST_OBJECTS_RATIO x the table:
     a key put again while remembered enters protected directly (it was wanted once more after
