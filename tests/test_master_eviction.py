@@ -167,6 +167,28 @@ def test_the_ticks_eviction_takes_read_objects_before_those_put_since_the_last_t
     assert [entry.key for entry in svc.take_drops()["s1"]][:1] == ["new1"]
 
 
+def test_the_ticks_eviction_takes_objects_read_since_the_last_tick_last() -> None:
+    """Sparing the new objects must not make the objects read a moment ago the first to go: an
+    engine's load that has just ended its hold lost 5 of its 8 blocks to the next tick (a
+    flake of test_a_lookup_hold_keeps_the_hits_through_a_flood_until_their_load). Those go
+    after the new ones; the read objects read before the previous tick still go before them."""
+    policy = ProbationLruPolicy()
+    config = MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
+    svc = MasterService(config, random.Random(0), None, policy=policy)
+    svc.mount_segment(MountSegment(SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB), []), 0)
+    put(svc, ["old"], now=0)
+    put(svc, keys_of("r", 13), now=0)
+    read(svc, keys_of("r", 13), now=1)
+    svc.tick(10)
+    put(svc, keys_of("new", 2), now=20)
+    read(svc, keys_of("r", 12), now=21)  # all but r12, whose last read was before the tick
+    svc.tick(40)  # the leases of those reads are over: candidates
+    drops = svc.take_drops()
+    assert [entry.key for entry in drops["s1"]] == ["old", "r12", "new0"]
+    svc.drops_done("s1", drops["s1"], 40)
+    svc.check_invariants()
+
+
 def test_a_cache_with_room_demotes_nothing_and_the_first_eviction_a_bounded_number() -> None:
     """Reads of a cache with room promote without demoting (a working set read round and
     round would otherwise cost a demotion per read); the eviction that comes when it fills

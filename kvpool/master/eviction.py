@@ -41,7 +41,7 @@ import abc
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import xxhash
@@ -316,6 +316,7 @@ class GhostFilter:
 # ProbationLruPolicy: what a demoted object's probation entry holds in place of the tick it was
 # put in: never one of the objects put since the previous tick.
 _DEMOTED = -1
+_V = TypeVar("_V")
 
 
 class ProbationLruPolicy(EvictionPolicy):
@@ -340,11 +341,13 @@ class ProbationLruPolicy(EvictionPolicy):
 
     Victims are offered from probation, then from protected, then the soft-pinned objects; but
     the tick's eviction above the watermark (`select_sweep_victims`) offers the objects put
-    since the previous tick after protected ones: that eviction frees up to 15% of a segment
-    that puts keep full (`select_above_watermark` below), more than probation's
-    tenth, and took the newest objects before their first read (benchmarks/put_then_get.py:
-    13-23 of 6,304 pairs of one writer missed; a decode instance reads a prefill's blocks
-    milliseconds after their put). A put short of room still takes probation first. Each
+    since the previous tick after the other protected ones, and those read since then last:
+    that eviction frees up to 15% of a segment that puts keep full (`select_above_watermark`
+    below), more than probation's tenth, and took the newest objects before their first read
+    (benchmarks/put_then_get.py: 13-23 of 6,304 pairs of one writer missed; a decode instance
+    reads a prefill's blocks milliseconds after their put); objects read a moment ago are
+    spared with them, or the sweep would take those first (an engine's load just done, its
+    hold just ended). A put short of room still takes probation first. Each
     victim's key is remembered by a `GhostFilter` sized to GHOST_OBJECTS_RATIO x the table:
     a key put again while remembered enters protected directly (it was wanted once more after
     it went, which is what a read would have shown had it stayed).
@@ -379,9 +382,12 @@ class ProbationLruPolicy(EvictionPolicy):
         # key -> the tick count when it was put (`_ticks`, one int shared by the keys of a
         # tick: no memory per key), or _DEMOTED
         self._probation: OrderedDict[str, int] = OrderedDict()
-        self._protected: OrderedDict[str, int] = OrderedDict()  # key -> epoch of its last read
+        # key -> (epoch, tick count) of its last read: `_read_stamp`, one tuple shared by the
+        # keys read in the same epoch and tick
+        self._protected: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._ticks = 0
         self._epoch = 0
+        self._read_stamp = (0, 0)
         self._puts_left_in_epoch = 1
         self._idle_checked_epoch = -1  # the oldest protected object was fresh in this epoch
         self._probation_bytes = 0
@@ -428,10 +434,11 @@ class ProbationLruPolicy(EvictionPolicy):
         self._puts_left_in_epoch -= 1
         if self._puts_left_in_epoch <= 0:
             self._epoch += 1
+            self._read_stamp = (self._epoch, self._ticks)
             self._puts_left_in_epoch = max(len(self._table.objects), 1)  # type: ignore[union-attr]
         ghost = self._ghost
         if ghost is not None and ghost.contains(key):
-            self._protected[key] = self._epoch
+            self._protected[key] = self._read_stamp
             self._protected_bytes += meta.size_bytes
             self._readmissions += 1
         else:
@@ -444,12 +451,12 @@ class ProbationLruPolicy(EvictionPolicy):
         protected = self._protected
         if key in protected:
             protected.move_to_end(key)
-            protected[key] = self._epoch
+            protected[key] = self._read_stamp
             return
         del self._probation[key]
         size_bytes = meta.size_bytes
         self._probation_bytes -= size_bytes
-        protected[key] = self._epoch
+        protected[key] = self._read_stamp
         self._protected_bytes += size_bytes
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
@@ -481,7 +488,7 @@ class ProbationLruPolicy(EvictionPolicy):
         protected = self._protected
         stale = self._epoch - PROTECTED_IDLE_TURNOVERS_MAX
         for _ in range(2):
-            if next(iter(protected.values())) > stale:
+            if next(iter(protected.values()))[0] > stale:
                 self._idle_checked_epoch = self._epoch
                 return
             self._demote_oldest()
@@ -498,6 +505,7 @@ class ProbationLruPolicy(EvictionPolicy):
 
     def on_tick(self) -> None:
         self._ticks += 1
+        self._read_stamp = (self._epoch, self._ticks)
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
         return self._select(judge, scan_max, spares_new=False)
@@ -507,8 +515,9 @@ class ProbationLruPolicy(EvictionPolicy):
 
     def _select(self, judge: Judge, scan_max: int, spares_new: bool) -> list[str]:
         """Victims in the order of the class docstring. `spares_new`: the objects put since
-        the previous tick go after protected ones (none before the first tick: what a master
-        holds then came from its nodes' inventories)."""
+        the previous tick go after the other protected ones, and those read since then last
+        (none before the first tick: what a master holds then came from its nodes'
+        inventories)."""
         assert scan_max > 0, scan_max
         table = self._table
         assert table is not None, "policy not attached"
@@ -521,10 +530,17 @@ class ProbationLruPolicy(EvictionPolicy):
         # each oldest first.
         probation, protected = self._probation, self._protected
         new: list[str] = []
+        read_lately: list[str] = []
         # (keys in the order to offer them, the set they are in)
-        passes: list[tuple[Iterable[str], OrderedDict[str, int]]] = [(probation, probation), (protected, protected)]
+        passes: list[tuple[Iterable[str], OrderedDict]] = [(probation, probation), (protected, protected)]
         if spares_new and self._ticks:
-            passes = [(_set_aside(probation, self._ticks, new), probation), (protected, protected), (new, probation)]
+            ticks = self._ticks
+            passes = [
+                (_set_aside(probation, lambda put_at: put_at >= ticks, new), probation),
+                (_set_aside(protected, lambda stamp: stamp[1] >= ticks, read_lately), protected),
+                (new, probation),
+                (read_lately, protected),
+            ]
         for keys, owner in passes:
             deferred, scanned_here, stopped = _take_unpinned(keys, objects, judge, scan_max - scanned, victims)
             scanned += scanned_here
@@ -554,8 +570,8 @@ class ProbationLruPolicy(EvictionPolicy):
             assert put_at == _DEMOTED or 0 <= put_at <= self._ticks, (key, put_at, self._ticks)
             probation_bytes += objects[key].size_bytes
         protected_bytes = 0
-        for key, epoch in protected.items():
-            assert epoch <= self._epoch, (key, epoch, self._epoch)
+        for key, (epoch, read_at) in protected.items():
+            assert epoch <= self._epoch and read_at <= self._ticks, (key, epoch, read_at, self._read_stamp)
             assert key in objects, f"protected holds {key!r}, not an object"
             assert key not in probation, f"{key!r} both on probation and protected"
             protected_bytes += objects[key].size_bytes
@@ -585,11 +601,12 @@ def make_policy(name: str = POLICY_DEFAULT) -> EvictionPolicy:
 # --- what to evict: the judges of the two triggers ---------------------------------------
 
 
-def _set_aside(probation: OrderedDict[str, int], tick: int, new: list[str]) -> Iterator[str]:
-    """The probation keys put before `tick` ended, in order; those put since go to `new`."""
-    for key, put_at in probation.items():
-        if put_at >= tick:
-            new.append(key)
+def _set_aside(keys: OrderedDict[str, _V], is_recent: Callable[[_V], bool], recent: list[str]) -> Iterator[str]:
+    """The keys whose value is not recent, in order; the recent ones go to `recent`, for a
+    later pass. Lazy: a scan that stops early sets aside only what it passed."""
+    for key, value in keys.items():
+        if is_recent(value):
+            recent.append(key)
         else:
             yield key
 
