@@ -141,51 +141,64 @@ def test_protected_objects_are_lru_among_themselves_and_capped() -> None:
     assert policy.is_protected("k0") and policy.is_protected("k3")
 
 
-def test_the_ticks_eviction_takes_read_objects_before_those_put_since_the_last_tick() -> None:
-    """The tick's eviction above the watermark frees up to 15% of a segment, more than the
-    unread tenth: it took the newest objects before anyone could read them (helper-54: 1 in
-    1,000 put-then-get pairs of one writer missed). What was put since the previous tick now
-    goes after the read objects there; a put short of room still takes the unread first."""
-    policy = ProbationLruPolicy()
+def service_after_a_tick() -> MasterService:
+    """A master with a 1 MiB segment (16 objects) whose tick's eviction frees three, holding
+    "old" (never read) and r0-r12 (read), after its first tick (at 10 ms)."""
     config = MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
-    svc = MasterService(config, random.Random(0), None, policy=policy)
+    svc = MasterService(config, random.Random(0), None, policy=ProbationLruPolicy())
     svc.mount_segment(MountSegment(SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB), []), 0)
     put(svc, ["old"], now=0)
     put(svc, keys_of("r", 13), now=0)
     read(svc, keys_of("r", 13), now=1)
     svc.tick(10)  # 14 of 16 used: under the watermark, nothing to evict
     assert svc.take_drops() == {}
+    return svc
+
+
+def test_what_was_put_since_the_last_tick_is_evicted_after_the_read_objects() -> None:
+    """A reader is often a moment behind its writer. The tick's eviction above the watermark
+    frees up to 15% of a segment, more than the unread tenth, and took the newest objects
+    before anyone could read them (one writer reading back its puts missed 1 in 1,000); a put
+    short of room, choosing among 256 candidates the one that makes it a hole, took another
+    writer's (four writers, 6 in 1,000). What was put in the last two ticks (200-400 ms) goes
+    after the read objects in both."""
+    svc = service_after_a_tick()
     put(svc, keys_of("new", 2), now=20)
     svc.tick(30)  # full: max(0.05, 1.0 - 0.9 + 0.05) of 1 MiB is three objects
     drops = svc.take_drops()
     assert [entry.key for entry in drops["s1"]] == ["old", "r0", "r1"]
     svc.drops_done("s1", drops["s1"], 30)
     svc.check_invariants()
-    put(svc, keys_of("more", 4), now=40)  # three fit; the fourth evicts the oldest unread
-    assert put.evicted == ["new0"]  # type: ignore[attr-defined]
-    svc.tick(50)  # and the next tick's eviction no longer spares new0's neighbour, put two ticks ago
-    assert [entry.key for entry in svc.take_drops()["s1"]][:1] == ["new1"]
+    put(svc, keys_of("more", 3), now=40)  # they fit: full again
+    put(svc, keys_of("last", 3), now=45)
+    assert put.evicted == ["r2", "r3", "r4"]  # type: ignore[attr-defined]
+    svc.check_invariants()
+    svc.tick(50)  # its eviction still spares new0 and new1; from its end, no longer
+    drops = svc.take_drops()
+    assert [entry.key for entry in drops["s1"]] == ["r5", "r6", "r7"]
+    svc.drops_done("s1", drops["s1"], 50)
+    put(svc, keys_of("after", 6), now=60)  # three fit
+    assert put.evicted == ["new0", "new1", "r8"]  # type: ignore[attr-defined]
+    svc.check_invariants()
 
 
-def test_the_ticks_eviction_takes_objects_read_since_the_last_tick_last() -> None:
-    """Sparing the new objects must not make the objects read a moment ago the first to go: an
-    engine's load that has just ended its hold lost 5 of its 8 blocks to the next tick (a
-    flake of test_a_lookup_hold_keeps_the_hits_through_a_flood_until_their_load). Those go
-    after the new ones; the read objects read before the previous tick still go before them."""
-    policy = ProbationLruPolicy()
-    config = MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
-    svc = MasterService(config, random.Random(0), None, policy=policy)
-    svc.mount_segment(MountSegment(SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB), []), 0)
-    put(svc, ["old"], now=0)
-    put(svc, keys_of("r", 13), now=0)
-    read(svc, keys_of("r", 13), now=1)
-    svc.tick(10)
+def test_recent_objects_go_least_recently_touched_first() -> None:
+    """Among what was put or read in the last two ticks, the least recently touched goes
+    first. Sparing the new objects only made what was read a moment ago the first to go (an
+    engine's load that had just ended its hold lost 5 of its 8 blocks to the next tick: a
+    flake of test_a_lookup_hold_keeps_the_hits_through_a_flood_until_their_load); sparing the
+    read ones after them made another writer's batch, about to be read, go before what was
+    read a moment earlier (four writers reading back their puts: 42-57 of 6,368 missed)."""
+    svc = service_after_a_tick()
     put(svc, keys_of("new", 2), now=20)
-    read(svc, keys_of("r", 12), now=21)  # all but r12, whose last read was before the tick
+    read(svc, keys_of("r", 12), now=21)  # all but r12, whose last read was before the first tick
     svc.tick(40)  # the leases of those reads are over: candidates
     drops = svc.take_drops()
     assert [entry.key for entry in drops["s1"]] == ["old", "r12", "new0"]
     svc.drops_done("s1", drops["s1"], 40)
+    put(svc, keys_of("batch", 3), now=45)  # full again, and put after the reads
+    put(svc, keys_of("x", 2), now=46)
+    assert put.evicted == ["new1", "r0"]  # type: ignore[attr-defined]
     svc.check_invariants()
 
 

@@ -12,11 +12,13 @@ Two policies, picked by name with `make_policy` (`POLICIES`):
   put are on probation and go first, least recently put first; objects that were read are
   protected, least recently read first, and hold at most 90% of the bytes when victims are
   chosen. An object evicted and put again soon after (a ghost filter remembers recent
-  evictions) skips probation. This is segmented LRU (Karedla et al., 1994) with 2Q's ghost
-  admission (Johnson and Shasha, VLDB 1994). On the FAST'25 trace it beats LRU at every
-  capacity measured (docs/replay.md): KV-cache blocks put once and never read again (the tail
-  of every prompt) no longer push out the documents and conversation prefixes that are read
-  again and again.
+  evictions) skips probation. What was put or read in the last two of the master's ticks
+  (200-400 ms) goes after the rest, least recently touched first: a reader is often a moment
+  behind its writer. This is segmented LRU (Karedla et al., 1994) with 2Q's ghost admission
+  (Johnson and Shasha, VLDB 1994). On the FAST'25 trace it beats LRU at every capacity
+  measured (docs/replay.md): KV-cache blocks put once and never read again (the tail of every
+  prompt) no longer push out the documents and conversation prefixes that are read again and
+  again.
 - `LruPolicy` ("lru"): least recently accessed first, at no memory cost: it keeps its order
   in the object table's own dict (insertion-ordered; an access moves the key to the end).
 
@@ -40,8 +42,8 @@ from __future__ import annotations
 import abc
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -82,6 +84,10 @@ EVICT_SHORTFALL_BACKOFF_MS = 250
 # room, though objects put or leases lapsed meanwhile could make it (a cache of a few large
 # objects, most of them leased, refused one put in eight that way).
 EVICT_SCAN_BACKOFF_CANDIDATES_MIN = 1_024
+# ProbationLruPolicy: what was put or read since the master's last RECENT_TICKS ticks (200 ms
+# apart) is evicted after everything else. One tick is not enough: an object put a moment
+# before a tick would be recent for that moment only.
+RECENT_TICKS = 2
 # ProbationLruPolicy: protected (read) objects hold at most this share of the bytes, so that
 # new objects always have room to prove themselves. Measured on the FAST'25 trace (1M, 3M and
 # 10M tokens, docs/replay.md): 0.9 and 0.95 are best and alike; 1.0 (probation emptied first,
@@ -160,12 +166,6 @@ class EvictionPolicy(abc.ABC):
         one. The scan ends when the judge says STOP, after `scan_max` candidates, or when
         candidates run out. The judge must not change the table.
         """
-
-    def select_sweep_victims(self, judge: Judge, scan_max: int) -> list[str]:
-        """select_victims for the master's housekeeping eviction above the high watermark
-        (its tick), which frees a share of the segment that no one put is waiting for: the
-        same order, unless a policy spares some objects there (ProbationLruPolicy)."""
-        return self.select_victims(judge, scan_max)
 
     def on_tick(self) -> None:
         """The master's housekeeping tick ran (after its eviction above the watermark)."""
@@ -313,25 +313,28 @@ class GhostFilter:
         return len(self._current) + len(self._previous)
 
 
-# ProbationLruPolicy: what a demoted object's probation entry holds in place of the tick it was
-# put in: never one of the objects put since the previous tick.
-_DEMOTED = -1
-_V = TypeVar("_V")
+# ProbationLruPolicy: a recent key's stamp in place of the epoch of its last read, when it was
+# not read since its put.
+_UNREAD = -1
 
 
 class ProbationLruPolicy(EvictionPolicy):
-    """Unread objects first (least recently put first), then read ones (least recently read).
+    """Unread objects first (least recently put first), then read ones (least recently read),
+    then what was put or read in the last RECENT_TICKS ticks (least recently touched first).
 
-    Holds two ordered key sets over the table's objects, oldest first, and every object is in
-    exactly one of them: `_probation` (put, and not read since; or demoted) and `_protected`
-    (read at least once, or put again soon after an eviction). A read moves an object to the
-    newest end of `_protected`. When victims are chosen and protected objects hold more than
-    PROTECTED_BYTES_RATIO_MAX of the bytes in the table, the oldest protected ones are demoted
-    to the newest end of probation first; and one not read for PROTECTED_IDLE_TURNOVERS_MAX
-    turnovers of the table (as many puts as it holds objects: an epoch; each protected key
-    holds the epoch of its last read) is demoted as puts come.
+    Holds three ordered key sets over the table's objects, oldest first, and every object is
+    in exactly one of them: `_recent` (put or read since the RECENT_TICKS-th last tick of the
+    master; none before its first tick), `_probation` (put before that, and not read since;
+    or demoted) and `_protected` (read at least once, or put again soon after an eviction;
+    last read before that). A put or a read moves an object to the newest end of `_recent`; at each tick, what has been
+    there RECENT_TICKS ticks moves on, to the newest end of `_protected` if it was read (or
+    put again soon after an eviction), else of `_probation`. When victims are chosen and
+    protected objects hold more than PROTECTED_BYTES_RATIO_MAX of the bytes in the table, the
+    oldest protected ones are demoted to the newest end of probation first; and one not read
+    for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (as many puts as it holds objects:
+    an epoch; each protected key holds the epoch of its last read) is demoted as puts come.
 
-    Demotion for the cap waits for an eviction because the split between the two sets decides
+    Demotion for the cap waits for an eviction because the split between the sets decides
     the order of victims and nothing else: a cache that is not full would otherwise pay a
     demotion for each first read once protected holds its share (a working set read round
     and round: every read a promotion and a demotion, 3 us more per 4 KiB get on the master
@@ -339,18 +342,19 @@ class ProbationLruPolicy(EvictionPolicy):
     probation's order is nearly what demotion at each read gave (the replays' hit rates moved
     by 0.0004 at most, docs/replay.md).
 
-    Victims are offered from probation, then from protected, then the soft-pinned objects; but
-    the tick's eviction above the watermark (`select_sweep_victims`) offers the objects put
-    since the previous tick after the other protected ones, and those read since then last:
-    that eviction frees up to 15% of a segment that puts keep full (`select_above_watermark`
-    below), more than probation's tenth, and took the newest objects before their first read
-    (benchmarks/put_then_get.py: 13-23 of 6,304 pairs of one writer missed; a decode instance
-    reads a prefill's blocks milliseconds after their put); objects read a moment ago are
-    spared with them, or the sweep would take those first (an engine's load just done, its
-    hold just ended). A put short of room still takes probation first. Each
-    victim's key is remembered by a `GhostFilter` sized to GHOST_OBJECTS_RATIO x the table:
-    a key put again while remembered enters protected directly (it was wanted once more after
-    it went, which is what a read would have shown had it stayed).
+    Victims are offered from probation, then from protected, then from recent, then the
+    soft-pinned objects. Recent objects go last because a reader is often a moment behind its
+    writer (a decode instance reads a prefill's blocks milliseconds after their put; an
+    engine's workers load what its scheduler looked up): the tick's eviction above the
+    watermark frees up to 15% of a segment that puts keep full, more than probation's tenth,
+    and a put short of room picks among 256 candidates the one that makes it a hole; both
+    took the newest objects before their first read (benchmarks/put_then_get.py: one writer
+    missed 23 of 6,304 of its pairs, four writers 115 of 6,368). Among them, least recently
+    touched first: sparing only the unread made what was read a moment ago the next to go,
+    and putting the unread after the read made another writer's batch, about to be read, go
+    before what was read 300 ms ago. Each victim's key is remembered by a `GhostFilter` sized
+    to GHOST_OBJECTS_RATIO x the table: a key put again while remembered counts as read (it
+    was wanted once more after it went, which is what a read would have shown had it stayed).
 
     Why this order for a KV cache: most blocks a request puts are never read again (58% of the
     blocks of the FAST'25 trace are used exactly once: each prompt's own tail), while a
@@ -360,9 +364,9 @@ class ProbationLruPolicy(EvictionPolicy):
     its whole prefix hits, so a prefix's blocks are promoted and demoted together.
 
     Costs: on_insert, on_access, on_remove O(1) (OrderedDict moves, one hash for the ghost);
-    select_victims O(demotions + candidates examined) <= O(2 scan_max). Memory: ~80 bytes
-    per object for the ordered sets (the key strings are the table's) and ~16 bytes for the
-    ghost filter.
+    on_tick O(objects that stop being recent); select_victims O(demotions + candidates
+    examined) <= O(2 scan_max). Memory: ~80 bytes per object for the ordered sets (the key
+    strings are the table's; the stamps are shared) and ~16 bytes for the ghost filter.
 
     Args:
         protected_bytes_ratio_max: the share of bytes read objects may hold, in (0, 1].
@@ -379,19 +383,21 @@ class ProbationLruPolicy(EvictionPolicy):
         if ghost_objects_ratio < 0:
             raise InvalidParams(f"ghost_objects_ratio {ghost_objects_ratio} < 0")
         self._table: ObjectTable | None = None
-        # key -> the tick count when it was put (`_ticks`, one int shared by the keys of a
-        # tick: no memory per key), or _DEMOTED
-        self._probation: OrderedDict[str, int] = OrderedDict()
-        # key -> (epoch, tick count) of its last read: `_read_stamp`, one tuple shared by the
-        # keys read in the same epoch and tick
-        self._protected: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._probation: OrderedDict[str, None] = OrderedDict()
+        self._protected: OrderedDict[str, int] = OrderedDict()  # key -> epoch of its last read
+        # key -> (tick count, epoch of its last read or _UNREAD) when it was last put or read:
+        # `_put_stamp` or `_read_stamp`, tuples shared by the keys of a tick (no memory per key)
+        self._recent: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._recent_read = 0  # recent keys whose stamp is a read's
         self._ticks = 0
         self._epoch = 0
+        self._put_stamp = (0, _UNREAD)
         self._read_stamp = (0, 0)
         self._puts_left_in_epoch = 1
         self._idle_checked_epoch = -1  # the oldest protected object was fresh in this epoch
         self._probation_bytes = 0
         self._protected_bytes = 0
+        self._recent_bytes = 0
         self._protected_bytes_ratio_max = protected_bytes_ratio_max
         self._ghost_objects_ratio = ghost_objects_ratio
         self._ghost = GhostFilter() if ghost_objects_ratio else None
@@ -400,28 +406,33 @@ class ProbationLruPolicy(EvictionPolicy):
     def __repr__(self) -> str:
         return (
             f"<ProbationLruPolicy probation={len(self._probation)} ({self._probation_bytes} B) "
-            f"protected={len(self._protected)} ({self._protected_bytes} B)>"
+            f"protected={len(self._protected)} ({self._protected_bytes} B) "
+            f"recent={len(self._recent)} ({self._recent_bytes} B)>"
         )
 
     @property
     def probation_count(self) -> int:
-        return len(self._probation)
+        """Objects not read since their put (or demoted), recent ones included."""
+        return len(self._probation) + len(self._recent) - self._recent_read
 
     @property
     def protected_count(self) -> int:
-        return len(self._protected)
+        """Objects read (or put again soon after an eviction), recent ones included."""
+        return len(self._protected) + self._recent_read
 
     def is_protected(self, key: str) -> bool:
-        return key in self._protected
+        stamp = self._recent.get(key)
+        return key in self._protected if stamp is None else stamp[1] != _UNREAD
 
     def stats(self) -> dict[str, int]:
-        """The objects of each set, and the readmissions: objects put again while the ghost
-        filter remembered their eviction (~0.1% of other puts count too, its false positives).
-        A readmission is a KV block evicted and then needed again: what more capacity would
-        have kept, the operator's signal that the cache is too small for its traffic."""
+        """The objects read and not read (recent ones counted by whether they were), and the
+        readmissions: objects put again while the ghost filter remembered their eviction
+        (~0.1% of other puts count too, its false positives). A readmission is a KV block
+        evicted and then needed again: what more capacity would have kept, the operator's
+        signal that the cache is too small for its traffic."""
         return {
-            "probation_objects": len(self._probation),
-            "protected_objects": len(self._protected),
+            "probation_objects": self.probation_count,
+            "protected_objects": self.protected_count,
             "readmissions": self._readmissions,
         }
 
@@ -434,38 +445,81 @@ class ProbationLruPolicy(EvictionPolicy):
         self._puts_left_in_epoch -= 1
         if self._puts_left_in_epoch <= 0:
             self._epoch += 1
-            self._read_stamp = (self._epoch, self._ticks)
+            self._read_stamp = (self._ticks, self._epoch)
             self._puts_left_in_epoch = max(len(self._table.objects), 1)  # type: ignore[union-attr]
         ghost = self._ghost
-        if ghost is not None and ghost.contains(key):
-            self._protected[key] = self._read_stamp
-            self._protected_bytes += meta.size_bytes
-            self._readmissions += 1
-        else:
-            self._probation[key] = self._ticks
-            self._probation_bytes += meta.size_bytes
+        readmitted = ghost is not None and ghost.contains(key)
+        self._readmissions += readmitted
+        self._enter(key, meta.size_bytes, read=readmitted)
         if self._idle_checked_epoch != self._epoch and self._protected:
             self._demote_idle()
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
-        protected = self._protected
-        if key in protected:
-            protected.move_to_end(key)
-            protected[key] = self._read_stamp
-            return
-        del self._probation[key]
-        size_bytes = meta.size_bytes
-        self._probation_bytes -= size_bytes
-        protected[key] = self._read_stamp
-        self._protected_bytes += size_bytes
+        recent = self._recent
+        stamp = recent.get(key)
+        if stamp is None:
+            self._leave(key, meta.size_bytes)
+            self._enter(key, meta.size_bytes, read=True)
+        else:
+            recent.move_to_end(key)
+            recent[key] = self._read_stamp
+            self._recent_read += stamp[1] == _UNREAD
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
+        stamp = self._recent.pop(key, None)
+        if stamp is None:
+            self._leave(key, meta.size_bytes)
+        else:
+            self._recent_bytes -= meta.size_bytes
+            self._recent_read -= stamp[1] != _UNREAD
+
+    def _enter(self, key: str, size_bytes: int, read: bool) -> None:
+        """Put `key` at the newest end of recent; before the first tick, of protected if it
+        was read, else of probation: nothing is recent then, as what a master holds at its
+        start came from its nodes' inventories."""
+        if self._ticks:
+            self._recent[key] = self._read_stamp if read else self._put_stamp
+            self._recent_bytes += size_bytes
+            self._recent_read += read
+        elif read:
+            self._protected[key] = self._epoch
+            self._protected_bytes += size_bytes
+        else:
+            self._probation[key] = None
+            self._probation_bytes += size_bytes
+
+    def _leave(self, key: str, size_bytes: int) -> None:
+        """Take a key that is not recent out of protected or probation."""
         if key in self._protected:
             del self._protected[key]
-            self._protected_bytes -= meta.size_bytes
+            self._protected_bytes -= size_bytes
         else:
             del self._probation[key]
-            self._probation_bytes -= meta.size_bytes
+            self._probation_bytes -= size_bytes
+
+    def on_tick(self) -> None:
+        """What has been recent for RECENT_TICKS ticks moves on, to protected if it was read,
+        else to probation: O(the puts and reads of a tick)."""
+        self._ticks += 1
+        ticks = self._ticks
+        self._put_stamp = (ticks, _UNREAD)
+        self._read_stamp = (ticks, self._epoch)
+        recent, objects = self._recent, self._table.objects  # type: ignore[union-attr]
+        since = ticks - RECENT_TICKS + 1  # the tick count of the oldest recent ones
+        while recent:
+            key, (touched_at, read_epoch) = next(iter(recent.items()))
+            if touched_at >= since:
+                return
+            del recent[key]
+            size_bytes = objects[key].size_bytes
+            self._recent_bytes -= size_bytes
+            if read_epoch == _UNREAD:
+                self._probation[key] = None
+                self._probation_bytes += size_bytes
+            else:
+                self._recent_read -= 1
+                self._protected[key] = read_epoch
+                self._protected_bytes += size_bytes
 
     def _demote_overflow(self, count_max: int) -> None:
         """Demote the oldest protected objects while they hold too large a share of the bytes,
@@ -474,7 +528,8 @@ class ProbationLruPolicy(EvictionPolicy):
         that filled while everything was read (protected holding all of it) short: the next
         evictions demote the rest (DEMOTIONS_PER_SELECTION_MAX)."""
         protected = self._protected
-        limit_bytes = self._protected_bytes_ratio_max * (self._protected_bytes + self._probation_bytes)
+        total_bytes = self._protected_bytes + self._probation_bytes + self._recent_bytes
+        limit_bytes = self._protected_bytes_ratio_max * total_bytes
         while self._protected_bytes > limit_bytes and len(protected) > 1 and count_max > 0:
             self._demote_oldest()
             count_max -= 1
@@ -488,7 +543,7 @@ class ProbationLruPolicy(EvictionPolicy):
         protected = self._protected
         stale = self._epoch - PROTECTED_IDLE_TURNOVERS_MAX
         for _ in range(2):
-            if next(iter(protected.values()))[0] > stale:
+            if next(iter(protected.values())) > stale:
                 self._idle_checked_epoch = self._epoch
                 return
             self._demote_oldest()
@@ -500,24 +555,11 @@ class ProbationLruPolicy(EvictionPolicy):
         key, _ = self._protected.popitem(last=False)
         size_bytes = self._table.objects[key].size_bytes  # type: ignore[union-attr]
         self._protected_bytes -= size_bytes
-        self._probation[key] = _DEMOTED
+        self._probation[key] = None
         self._probation_bytes += size_bytes
 
-    def on_tick(self) -> None:
-        self._ticks += 1
-        self._read_stamp = (self._epoch, self._ticks)
-
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
-        return self._select(judge, scan_max, spares_new=False)
-
-    def select_sweep_victims(self, judge: Judge, scan_max: int) -> list[str]:
-        return self._select(judge, scan_max, spares_new=True)
-
-    def _select(self, judge: Judge, scan_max: int, spares_new: bool) -> list[str]:
-        """Victims in the order of the class docstring. `spares_new`: the objects put since
-        the previous tick go after the other protected ones, and those read since then last
-        (none before the first tick: what a master holds then came from its nodes'
-        inventories)."""
+        """Victims in the order of the class docstring."""
         assert scan_max > 0, scan_max
         table = self._table
         assert table is not None, "policy not attached"
@@ -526,31 +568,17 @@ class ProbationLruPolicy(EvictionPolicy):
         victims: list[str] = []
         scanned = 0
         stopped = False
-        # Passes 1 and 2 (and 2b when sparing new objects): unpinned objects, probation first,
-        # each oldest first.
-        probation, protected = self._probation, self._protected
-        new: list[str] = []
-        read_lately: list[str] = []
-        # (keys in the order to offer them, the set they are in)
-        passes: list[tuple[Iterable[str], OrderedDict]] = [(probation, probation), (protected, protected)]
-        if spares_new and self._ticks:
-            ticks = self._ticks
-            passes = [
-                (_set_aside(probation, lambda put_at: put_at >= ticks, new), probation),
-                (_set_aside(protected, lambda stamp: stamp[1] >= ticks, read_lately), protected),
-                (new, probation),
-                (read_lately, protected),
-            ]
-        for keys, owner in passes:
+        # Passes 1 to 3: unpinned objects, each set oldest first.
+        for keys in (self._probation, self._protected, self._recent):
             deferred, scanned_here, stopped = _take_unpinned(keys, objects, judge, scan_max - scanned, victims)
             scanned += scanned_here
             # Move what could not go behind the rest of its set, so the next scan starts on
             # fresh candidates instead of re-reading the same pinned or leased ones.
             for key in deferred:
-                owner.move_to_end(key)
+                keys.move_to_end(key)
             if stopped:
                 break
-        # Pass 3: soft-pinned objects, least recently accessed first.
+        # Pass 4: soft-pinned objects, least recently accessed first.
         if not stopped:
             _take_soft_pinned(table, judge, scan_max - scanned, victims)
         ghost = self._ghost
@@ -562,21 +590,33 @@ class ProbationLruPolicy(EvictionPolicy):
     def check_invariants(self) -> None:
         table = self._table
         assert table is not None, "policy not attached"
-        probation, protected, objects = self._probation, self._protected, table.objects
-        assert len(probation) + len(protected) == len(objects), (len(probation), len(protected), len(objects))
-        probation_bytes = 0
-        for key, put_at in probation.items():
-            assert key in objects, f"probation holds {key!r}, not an object"
-            assert put_at == _DEMOTED or 0 <= put_at <= self._ticks, (key, put_at, self._ticks)
-            probation_bytes += objects[key].size_bytes
-        protected_bytes = 0
-        for key, (epoch, read_at) in protected.items():
-            assert epoch <= self._epoch and read_at <= self._ticks, (key, epoch, read_at, self._read_stamp)
-            assert key in objects, f"protected holds {key!r}, not an object"
-            assert key not in probation, f"{key!r} both on probation and protected"
-            protected_bytes += objects[key].size_bytes
-        assert probation_bytes == self._probation_bytes, (probation_bytes, self._probation_bytes)
-        assert protected_bytes == self._protected_bytes, (protected_bytes, self._protected_bytes)
+        probation, protected, recent, objects = self._probation, self._protected, self._recent, table.objects
+        assert len(probation) + len(protected) + len(recent) == len(objects), (
+            len(probation),
+            len(protected),
+            len(recent),
+            len(objects),
+        )
+        sizes = {}
+        for name, keys in (("probation", probation), ("protected", protected), ("recent", recent)):
+            total = 0
+            for key in keys:
+                assert key in objects, f"{name} holds {key!r}, not an object"
+                total += objects[key].size_bytes
+            sizes[name] = total
+        assert sizes == {
+            "probation": self._probation_bytes,
+            "protected": self._protected_bytes,
+            "recent": self._recent_bytes,
+        }, sizes
+        for key, epoch in protected.items():
+            assert epoch <= self._epoch, (key, epoch, self._epoch)
+        read = 0
+        for key, (touched_at, read_epoch) in recent.items():
+            assert key not in probation and key not in protected, f"{key!r} in two sets"
+            assert touched_at <= self._ticks and read_epoch <= self._epoch, (key, touched_at, read_epoch)
+            read += read_epoch != _UNREAD
+        assert read == self._recent_read, (read, self._recent_read)
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
@@ -599,16 +639,6 @@ def make_policy(name: str = POLICY_DEFAULT) -> EvictionPolicy:
 
 
 # --- what to evict: the judges of the two triggers ---------------------------------------
-
-
-def _set_aside(keys: OrderedDict[str, _V], is_recent: Callable[[_V], bool], recent: list[str]) -> Iterator[str]:
-    """The keys whose value is not recent, in order; the recent ones go to `recent`, for a
-    later pass. Lazy: a scan that stops early sets aside only what it passed."""
-    for key, value in keys.items():
-        if is_recent(value):
-            recent.append(key)
-        else:
-            yield key
 
 
 def _take_unpinned(
@@ -805,5 +835,5 @@ def select_above_watermark(
         taken += 1
         return Verdict.TAKE
 
-    victims = policy.select_sweep_victims(judge, EVICT_SCAN_CANDIDATES_TICK_MAX)
+    victims = policy.select_victims(judge, EVICT_SCAN_CANDIDATES_TICK_MAX)
     return victims, bool(goals) and taken < EVICT_VICTIMS_TICK_MAX
