@@ -599,7 +599,7 @@ def test_writers_read_back_what_they_just_put_into_a_full_cache(make_cluster, mo
     cache the tick's eviction above the watermark (~15% of the segment) took every unread
     object, the newest too (one writer: 13-23 of 6,304 such pairs missed), and a put short of
     room took another writer's newest (four writers: 37-47 of 6,368; benchmarks/
-    put_then_get.py). What was put or read in the last two ticks now goes after the rest
+    put_then_get.py). The 10% of objects put or read most recently now go after the rest
     (master/eviction.py, ProbationLruPolicy)."""
     import random
 

@@ -12,10 +12,11 @@ Two policies, picked by name with `make_policy` (`POLICIES`):
   put are on probation and go first, least recently put first; objects that were read are
   protected, least recently read first, and hold at most 90% of the bytes when victims are
   chosen. An object evicted and put again soon after (a ghost filter remembers recent
-  evictions) skips probation. What was put or read in the last two of the master's ticks
-  (200-400 ms) goes after the rest, least recently touched first: a reader is often a moment
-  behind its writer. This is segmented LRU (Karedla et al., 1994) with 2Q's ghost admission
-  (Johnson and Shasha, VLDB 1994). On the FAST'25 trace it beats LRU at every capacity
+  evictions) skips probation. The 10% of objects put or read most recently go after the rest,
+  least recently touched first: a reader is often a moment behind its writer. This is
+  segmented LRU (Karedla et al., 1994) with 2Q's ghost admission
+  (Johnson and Shasha, VLDB 1994) and, for that window, W-TinyLFU's (Einziger et al., 2017)
+  without its admission filter. On the FAST'25 trace it beats LRU at every capacity
   measured (docs/replay.md): KV-cache blocks put once and never read again (the tail of every
   prompt) no longer push out the documents and conversation prefixes that are read again and
   again.
@@ -84,10 +85,14 @@ EVICT_SHORTFALL_BACKOFF_MS = 250
 # room, though objects put or leases lapsed meanwhile could make it (a cache of a few large
 # objects, most of them leased, refused one put in eight that way).
 EVICT_SCAN_BACKOFF_CANDIDATES_MIN = 1_024
-# ProbationLruPolicy: what was put or read since the master's last RECENT_TICKS ticks (200 ms
-# apart) is evicted after everything else. One tick is not enough: an object put a moment
-# before a tick would be recent for that moment only.
-RECENT_TICKS = 2
+# ProbationLruPolicy: the objects put or read most recently, this share of the table's, are
+# evicted after all the others: a reader is often a moment behind its writer. Measured
+# (2026-12-05): writers reading back each batch right after its put into a full 64 MiB node
+# (benchmarks/put_then_get.py) missed none at 5% or 10% with batches of 8, 108 and 6 of 6,400
+# with four writers' batches of 32; on the FAST'25 trace (docs/replay.md), 10% moved one
+# instance's hit rates by -0.0006 to +0.0033 and four local instances' by -0.0007 to +0.0026,
+# 5% by -0.0046 to +0.0018, 20% lost 0.0025 at 500K.
+RECENT_OBJECTS_RATIO = 0.10
 # ProbationLruPolicy: protected (read) objects hold at most this share of the bytes, so that
 # new objects always have room to prove themselves. Measured on the FAST'25 trace (1M, 3M and
 # 10M tokens, docs/replay.md): 0.9 and 0.95 are best and alike; 1.0 (probation emptied first,
@@ -166,9 +171,6 @@ class EvictionPolicy(abc.ABC):
         one. The scan ends when the judge says STOP, after `scan_max` candidates, or when
         candidates run out. The judge must not change the table.
         """
-
-    def on_tick(self) -> None:
-        """The master's housekeeping tick ran (after its eviction above the watermark)."""
 
     def stats(self) -> dict[str, int]:
         """What the policy can tell an operator (master/metrics.py), by name; none by default."""
@@ -313,22 +315,23 @@ class GhostFilter:
         return len(self._current) + len(self._previous)
 
 
-# ProbationLruPolicy: a recent key's stamp in place of the epoch of its last read, when it was
+# ProbationLruPolicy: a recent key's value in place of the epoch of its last read, when it was
 # not read since its put.
 _UNREAD = -1
 
 
 class ProbationLruPolicy(EvictionPolicy):
     """Unread objects first (least recently put first), then read ones (least recently read),
-    then what was put or read in the last RECENT_TICKS ticks (least recently touched first).
+    then the most recently put or read (least recently touched first).
 
     Holds three ordered key sets over the table's objects, oldest first, and every object is
-    in exactly one of them: `_recent` (put or read since the RECENT_TICKS-th last tick of the
-    master; none before its first tick), `_probation` (put before that, and not read since;
-    or demoted) and `_protected` (read at least once, or put again soon after an eviction;
-    last read before that). A put or a read moves an object to the newest end of `_recent`; at each tick, what has been
-    there RECENT_TICKS ticks moves on, to the newest end of `_protected` if it was read (or
-    put again soon after an eviction), else of `_probation`. When victims are chosen and
+    in exactly one of them: `_recent` (the RECENT_OBJECTS_RATIO of the objects put or read
+    most recently), `_probation` (put, and not read since; or demoted) and `_protected` (read
+    at least once, or put again soon after an eviction). A put or a read moves an object to
+    the newest end of `_recent`; when victims are chosen, the oldest recent ones past that
+    share move on to the newest end of `_protected` if they were read (or put again soon after
+    an eviction), else of `_probation`. A window counted in objects, not in time, keeps the order a function of the
+    requests alone: `kvpool replay --mode live` hits what the simulation does, to the block. When victims are chosen and
     protected objects hold more than PROTECTED_BYTES_RATIO_MAX of the bytes in the table, the
     oldest protected ones are demoted to the newest end of probation first; and one not read
     for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (as many puts as it holds objects:
@@ -343,7 +346,7 @@ class ProbationLruPolicy(EvictionPolicy):
     by 0.0004 at most, docs/replay.md).
 
     Victims are offered from probation, then from protected, then from recent, then the
-    soft-pinned objects. Recent objects go last because a reader is often a moment behind its
+    soft-pinned objects. The recent ones go last because a reader is often a moment behind its
     writer (a decode instance reads a prefill's blocks milliseconds after their put; an
     engine's workers load what its scheduler looked up): the tick's eviction above the
     watermark frees up to 15% of a segment that puts keep full, more than probation's tenth,
@@ -352,7 +355,7 @@ class ProbationLruPolicy(EvictionPolicy):
     missed 23 of 6,304 of its pairs, four writers 115 of 6,368). Among them, least recently
     touched first: sparing only the unread made what was read a moment ago the next to go,
     and putting the unread after the read made another writer's batch, about to be read, go
-    before what was read 300 ms ago. Each victim's key is remembered by a `GhostFilter` sized
+    before what was read a moment earlier. Each victim's key is remembered by a `GhostFilter` sized
     to GHOST_OBJECTS_RATIO x the table: a key put again while remembered counts as read (it
     was wanted once more after it went, which is what a read would have shown had it stayed).
 
@@ -364,20 +367,24 @@ class ProbationLruPolicy(EvictionPolicy):
     its whole prefix hits, so a prefix's blocks are promoted and demoted together.
 
     Costs: on_insert, on_access, on_remove O(1) (OrderedDict moves, one hash for the ghost);
-    on_tick O(objects that stop being recent); select_victims O(demotions + candidates
-    examined) <= O(2 scan_max). Memory: ~80 bytes per object for the ordered sets (the key
-    strings are the table's; the stamps are shared) and ~16 bytes for the ghost filter.
+    select_victims O(demotions + candidates examined) <= O(2 scan_max). Memory: ~80 bytes per
+    object for the ordered sets (the key strings are the table's) and ~16 bytes for the ghost
+    filter.
 
     Args:
         protected_bytes_ratio_max: the share of bytes read objects may hold, in (0, 1].
         ghost_objects_ratio: evictions remembered, per object in the table (0: no ghost).
+        recent_objects_ratio: the share of the objects that is recent, in [0, 1).
     """
 
     def __init__(
         self,
         protected_bytes_ratio_max: float = PROTECTED_BYTES_RATIO_MAX,
         ghost_objects_ratio: int = GHOST_OBJECTS_RATIO,
+        recent_objects_ratio: float = RECENT_OBJECTS_RATIO,
     ) -> None:
+        if not 0.0 <= recent_objects_ratio < 1.0:
+            raise InvalidParams(f"recent_objects_ratio {recent_objects_ratio} not in [0, 1)")
         if not 0.0 < protected_bytes_ratio_max <= 1.0:
             raise InvalidParams(f"protected_bytes_ratio_max {protected_bytes_ratio_max} not in (0, 1]")
         if ghost_objects_ratio < 0:
@@ -385,14 +392,10 @@ class ProbationLruPolicy(EvictionPolicy):
         self._table: ObjectTable | None = None
         self._probation: OrderedDict[str, None] = OrderedDict()
         self._protected: OrderedDict[str, int] = OrderedDict()  # key -> epoch of its last read
-        # key -> (tick count, epoch of its last read or _UNREAD) when it was last put or read:
-        # `_put_stamp` or `_read_stamp`, tuples shared by the keys of a tick (no memory per key)
-        self._recent: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self._recent_read = 0  # recent keys whose stamp is a read's
-        self._ticks = 0
+        self._recent: OrderedDict[str, int] = OrderedDict()  # key -> epoch of its last read, or _UNREAD
+        self._recent_read = 0  # recent keys that were read
+        self._recent_objects_ratio = recent_objects_ratio
         self._epoch = 0
-        self._put_stamp = (0, _UNREAD)
-        self._read_stamp = (0, 0)
         self._puts_left_in_epoch = 1
         self._idle_checked_epoch = -1  # the oldest protected object was fresh in this epoch
         self._probation_bytes = 0
@@ -421,8 +424,8 @@ class ProbationLruPolicy(EvictionPolicy):
         return len(self._protected) + self._recent_read
 
     def is_protected(self, key: str) -> bool:
-        stamp = self._recent.get(key)
-        return key in self._protected if stamp is None else stamp[1] != _UNREAD
+        read_epoch = self._recent.get(key)
+        return key in self._protected if read_epoch is None else read_epoch != _UNREAD
 
     def stats(self) -> dict[str, int]:
         """The objects read and not read (recent ones counted by whether they were), and the
@@ -445,7 +448,6 @@ class ProbationLruPolicy(EvictionPolicy):
         self._puts_left_in_epoch -= 1
         if self._puts_left_in_epoch <= 0:
             self._epoch += 1
-            self._read_stamp = (self._ticks, self._epoch)
             self._puts_left_in_epoch = max(len(self._table.objects), 1)  # type: ignore[union-attr]
         ghost = self._ghost
         readmitted = ghost is not None and ghost.contains(key)
@@ -456,29 +458,28 @@ class ProbationLruPolicy(EvictionPolicy):
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
         recent = self._recent
-        stamp = recent.get(key)
-        if stamp is None:
+        read_epoch = recent.get(key)
+        if read_epoch is None:
             self._leave(key, meta.size_bytes)
             self._enter(key, meta.size_bytes, read=True)
         else:
             recent.move_to_end(key)
-            recent[key] = self._read_stamp
-            self._recent_read += stamp[1] == _UNREAD
+            recent[key] = self._epoch
+            self._recent_read += read_epoch == _UNREAD
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
-        stamp = self._recent.pop(key, None)
-        if stamp is None:
+        read_epoch = self._recent.pop(key, None)
+        if read_epoch is None:
             self._leave(key, meta.size_bytes)
         else:
             self._recent_bytes -= meta.size_bytes
-            self._recent_read -= stamp[1] != _UNREAD
+            self._recent_read -= read_epoch != _UNREAD
 
     def _enter(self, key: str, size_bytes: int, read: bool) -> None:
-        """Put `key` at the newest end of recent; before the first tick, of protected if it
-        was read, else of probation: nothing is recent then, as what a master holds at its
-        start came from its nodes' inventories."""
-        if self._ticks:
-            self._recent[key] = self._read_stamp if read else self._put_stamp
+        """Put `key` at the newest end of recent; with no recent share, of protected if it was
+        read, else of probation."""
+        if self._recent_objects_ratio:
+            self._recent[key] = self._epoch if read else _UNREAD
             self._recent_bytes += size_bytes
             self._recent_read += read
         elif read:
@@ -488,6 +489,26 @@ class ProbationLruPolicy(EvictionPolicy):
             self._probation[key] = None
             self._probation_bytes += size_bytes
 
+    def _trim_recent(self, count_max: int) -> None:
+        """Move the oldest recent objects past recent's share on, to protected (if read) or
+        probation, `count_max` at most. Done when victims are chosen, not at each put or read:
+        a cache with room pays nothing for it (a put's master work was 1.0 -> 1.8 us per key
+        when each put moved one on, `bench_paths.py master`), and as with demotions, the
+        bound keeps the first eviction of a cache that filled short."""
+        recent, objects = self._recent, self._table.objects  # type: ignore[union-attr]
+        recent_max = int(self._recent_objects_ratio * len(objects))
+        for _ in range(min(len(recent) - recent_max, count_max)):
+            oldest, read_epoch = recent.popitem(last=False)
+            size_bytes = objects[oldest].size_bytes
+            self._recent_bytes -= size_bytes
+            if read_epoch == _UNREAD:
+                self._probation[oldest] = None
+                self._probation_bytes += size_bytes
+            else:
+                self._recent_read -= 1
+                self._protected[oldest] = read_epoch
+                self._protected_bytes += size_bytes
+
     def _leave(self, key: str, size_bytes: int) -> None:
         """Take a key that is not recent out of protected or probation."""
         if key in self._protected:
@@ -496,30 +517,6 @@ class ProbationLruPolicy(EvictionPolicy):
         else:
             del self._probation[key]
             self._probation_bytes -= size_bytes
-
-    def on_tick(self) -> None:
-        """What has been recent for RECENT_TICKS ticks moves on, to protected if it was read,
-        else to probation: O(the puts and reads of a tick)."""
-        self._ticks += 1
-        ticks = self._ticks
-        self._put_stamp = (ticks, _UNREAD)
-        self._read_stamp = (ticks, self._epoch)
-        recent, objects = self._recent, self._table.objects  # type: ignore[union-attr]
-        since = ticks - RECENT_TICKS + 1  # the tick count of the oldest recent ones
-        while recent:
-            key, (touched_at, read_epoch) = next(iter(recent.items()))
-            if touched_at >= since:
-                return
-            del recent[key]
-            size_bytes = objects[key].size_bytes
-            self._recent_bytes -= size_bytes
-            if read_epoch == _UNREAD:
-                self._probation[key] = None
-                self._probation_bytes += size_bytes
-            else:
-                self._recent_read -= 1
-                self._protected[key] = read_epoch
-                self._protected_bytes += size_bytes
 
     def _demote_overflow(self, count_max: int) -> None:
         """Demote the oldest protected objects while they hold too large a share of the bytes,
@@ -564,6 +561,7 @@ class ProbationLruPolicy(EvictionPolicy):
         table = self._table
         assert table is not None, "policy not attached"
         objects = table.objects
+        self._trim_recent(min(scan_max, DEMOTIONS_PER_SELECTION_MAX))
         self._demote_overflow(min(scan_max, DEMOTIONS_PER_SELECTION_MAX))
         victims: list[str] = []
         scanned = 0
@@ -612,9 +610,9 @@ class ProbationLruPolicy(EvictionPolicy):
         for key, epoch in protected.items():
             assert epoch <= self._epoch, (key, epoch, self._epoch)
         read = 0
-        for key, (touched_at, read_epoch) in recent.items():
+        for key, read_epoch in recent.items():
             assert key not in probation and key not in protected, f"{key!r} in two sets"
-            assert touched_at <= self._ticks and read_epoch <= self._epoch, (key, touched_at, read_epoch)
+            assert read_epoch <= self._epoch, (key, read_epoch)
             read += read_epoch != _UNREAD
         assert read == self._recent_read, (read, self._recent_read)
 

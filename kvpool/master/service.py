@@ -885,7 +885,6 @@ class MasterService:
         self.tombstones.expire(now_ms)
         self._table.expire_soft_pins(now_ms)
         self._evict_above_watermark(now_ms)
-        self._table.policy.on_tick()  # what was put or read two ticks ago no longer goes last
         self._tiers.evict_above_watermark(now_ms)
         self._tiers.promote_due(now_ms)
 
