@@ -14,12 +14,11 @@ Two policies, picked by name with `make_policy` (`POLICIES`):
   chosen. An object evicted and put again soon after (a ghost filter remembers recent
   evictions) skips probation. The 10% of objects put or read most recently go after the rest,
   least recently touched first: a reader is often a moment behind its writer. This is
-  segmented LRU (Karedla et al., 1994) with 2Q's ghost admission
-  (Johnson and Shasha, VLDB 1994) and, for that window, W-TinyLFU's (Einziger et al., 2017)
-  without its admission filter. On the FAST'25 trace it beats LRU at every capacity
-  measured (docs/replay.md): KV-cache blocks put once and never read again (the tail of every
-  prompt) no longer push out the documents and conversation prefixes that are read again and
-  again.
+  segmented LRU (Karedla et al., 1994) with 2Q's ghost admission (Johnson and Shasha, VLDB
+  1994) and, for that window, W-TinyLFU's (Einziger et al., 2017) without its admission
+  filter. On the FAST'25 trace it beats LRU at every capacity measured (docs/replay.md):
+  KV-cache blocks put once and never read again (the tail of every prompt) no longer push out
+  the documents and conversation prefixes that are read again and again.
 - `LruPolicy` ("lru"): least recently accessed first, at no memory cost: it keeps its order
   in the object table's own dict (insertion-ordered; an access moves the key to the end).
 
@@ -330,12 +329,13 @@ class ProbationLruPolicy(EvictionPolicy):
     at least once, or put again soon after an eviction). A put or a read moves an object to
     the newest end of `_recent`; when victims are chosen, the oldest recent ones past that
     share move on to the newest end of `_protected` if they were read (or put again soon after
-    an eviction), else of `_probation`. A window counted in objects, not in time, keeps the order a function of the
-    requests alone: `kvpool replay --mode live` hits what the simulation does, to the block. When victims are chosen and
-    protected objects hold more than PROTECTED_BYTES_RATIO_MAX of the bytes in the table, the
-    oldest protected ones are demoted to the newest end of probation first; and one not read
-    for PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (as many puts as it holds objects:
-    an epoch; each protected key holds the epoch of its last read) is demoted as puts come.
+    an eviction), else of `_probation`. A window counted in objects, not in time, keeps the
+    order a function of the requests alone: `kvpool replay --mode live` hits what the
+    simulation does, to the block. When victims are chosen and protected objects hold more
+    than PROTECTED_BYTES_RATIO_MAX of the bytes in the table, the oldest protected ones are
+    demoted to the newest end of probation first; and one not read for
+    PROTECTED_IDLE_TURNOVERS_MAX turnovers of the table (as many puts as it holds objects: an
+    epoch; each protected key holds the epoch of its last read) is demoted as puts come.
 
     Demotion for the cap waits for an eviction because the split between the sets decides
     the order of victims and nothing else: a cache that is not full would otherwise pay a
@@ -478,16 +478,13 @@ class ProbationLruPolicy(EvictionPolicy):
     def _enter(self, key: str, size_bytes: int, read: bool) -> None:
         """Put `key` at the newest end of recent; with no recent share, of protected if it was
         read, else of probation."""
+        read_epoch = self._epoch if read else _UNREAD
         if self._recent_objects_ratio:
-            self._recent[key] = self._epoch if read else _UNREAD
+            self._recent[key] = read_epoch
             self._recent_bytes += size_bytes
             self._recent_read += read
-        elif read:
-            self._protected[key] = self._epoch
-            self._protected_bytes += size_bytes
         else:
-            self._probation[key] = None
-            self._probation_bytes += size_bytes
+            self._settle(key, size_bytes, read_epoch)
 
     def _trim_recent(self, count_max: int) -> None:
         """Move the oldest recent objects past recent's share on, to protected (if read) or
@@ -501,13 +498,18 @@ class ProbationLruPolicy(EvictionPolicy):
             oldest, read_epoch = recent.popitem(last=False)
             size_bytes = objects[oldest].size_bytes
             self._recent_bytes -= size_bytes
-            if read_epoch == _UNREAD:
-                self._probation[oldest] = None
-                self._probation_bytes += size_bytes
-            else:
-                self._recent_read -= 1
-                self._protected[oldest] = read_epoch
-                self._protected_bytes += size_bytes
+            self._recent_read -= read_epoch != _UNREAD
+            self._settle(oldest, size_bytes, read_epoch)
+
+    def _settle(self, key: str, size_bytes: int, read_epoch: int) -> None:
+        """Put a key that is in no set at the newest end of protected if it was read (in
+        `read_epoch`), else of probation."""
+        if read_epoch == _UNREAD:
+            self._probation[key] = None
+            self._probation_bytes += size_bytes
+        else:
+            self._protected[key] = read_epoch
+            self._protected_bytes += size_bytes
 
     def _leave(self, key: str, size_bytes: int) -> None:
         """Take a key that is not recent out of protected or probation."""
@@ -552,8 +554,7 @@ class ProbationLruPolicy(EvictionPolicy):
         key, _ = self._protected.popitem(last=False)
         size_bytes = self._table.objects[key].size_bytes  # type: ignore[union-attr]
         self._protected_bytes -= size_bytes
-        self._probation[key] = None
-        self._probation_bytes += size_bytes
+        self._settle(key, size_bytes, _UNREAD)
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
         """Victims in the order of the class docstring."""
