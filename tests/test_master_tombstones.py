@@ -198,3 +198,20 @@ def test_drops_taken_for_an_earlier_incarnation_of_a_segment_are_not_due_to_the_
     svc.remove(Remove(["b"], force=True), 1_003)
     (fresh,) = svc.take_drops()["s1"]
     assert svc.drops_due("s1", [taken, fresh]) == [fresh]
+
+
+def test_the_first_drop_still_waiting_is_found_from_where_the_last_look_stopped() -> None:
+    # A remove is answered once its drops are acknowledged; the server asks after each
+    # acknowledgement, from the first drop that still waited the time before.
+    svc = make()
+    mount(svc, "s1")
+    assert put(svc, ["a", "b", "c"]) == [OK, OK, OK]
+    svc.remove(Remove(["a", "b", "c"], force=True), 1)
+    taken = svc.take_drops()["s1"]
+    assert svc.first_dropping("s1", taken) == 0
+    svc.drops_done("s1", taken[:2], 2)
+    assert svc.first_dropping("s1", taken) == 2
+    assert svc.first_dropping("s1", taken, 2) == 2
+    svc.drops_done("s1", taken[2:], 3)
+    assert svc.first_dropping("s1", taken, 2) == len(taken)
+    assert svc.first_dropping("gone", taken) == len(taken)  # no such segment: nothing waits

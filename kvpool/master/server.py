@@ -673,8 +673,14 @@ class MasterServer:
     ) -> CodesReply | CountReply:
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + REMOVE_DROPS_WAIT_MS / 1000
+        resume = dict.fromkeys(taken, 0)  # per segment, the first of its drops that may still wait
         while service is self.service and loop.time() < deadline_s:
-            if not any(s in self._drop_tasks and service.is_dropping(s, e) for s, e in taken.items()):
+            waiting = False
+            for segment_id, entries in taken.items():
+                if segment_id in self._drop_tasks:
+                    resume[segment_id] = service.first_dropping(segment_id, entries, resume[segment_id])
+                    waiting = waiting or resume[segment_id] < len(entries)
+            if not waiting:
                 break
             if self._drops_moving is None:
                 self._drops_moving = loop.create_future()

@@ -980,11 +980,19 @@ class MasterService:
         sent = segment.drops_sent
         return [entry for entry in entries if sent.get(entry.offset) is entry]
 
-    def is_dropping(self, segment_id: str, entries: list[InventoryEntry]) -> bool:
-        """Whether some of these drops (taken by take_drops) still wait for their node's
-        acknowledgement on the segment mounted under that id."""
+    def first_dropping(self, segment_id: str, entries: list[InventoryEntry], start: int = 0) -> int:
+        """The index of the first of these drops (taken by take_drops), from `start` on, that
+        still waits for its node's acknowledgement on the segment mounted under that id;
+        len(entries) when none does. An acknowledged drop never waits again, so a caller that
+        asks as acknowledgements come resumes where it stopped: a linear scan in all, not one
+        per acknowledgement (a remove_all of 400,000 objects took the master 1.9 s of CPU)."""
         segment = self._registry.get(segment_id)
-        return segment is not None and any(segment.drops_sent.get(entry.offset) is entry for entry in entries)
+        if segment is not None:
+            sent = segment.drops_sent
+            for index in range(start, len(entries)):
+                if sent.get(entries[index].offset) is entries[index]:
+                    return index
+        return len(entries)
 
     def has_segment(self, segment_id: str) -> bool:
         return self._registry.get(segment_id) is not None
