@@ -8,13 +8,17 @@ ready-made. Only the edges (cli/, integrations/) read the environment or files, 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
+import stat
 from fractions import Fraction
 from pathlib import Path
 
 from kvpool import limits
 from kvpool.errors import InvalidParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +122,30 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
             raise InvalidParams(f"cannot read token file {token_file}: {reason}") from None
         if not text:
             raise InvalidParams(f"token file {token_file} is empty")
+        _warn_if_every_user_reads(token_file)
         return text
     return os.environ.get("KVPOOL_TOKEN") or None
+
+
+_token_files_warned: set[str] = set()
+
+
+def _warn_if_every_user_reads(token_file: str) -> None:
+    """Says once per file that every user of this host can read the token, and so read and
+    write the cluster's cache. Not refused: a Kubernetes secret is mounted 0644 unless its
+    defaultMode says otherwise, and the operator may mean it."""
+    try:
+        mode = os.stat(token_file).st_mode
+    except OSError:
+        return  # read a moment ago: gone meanwhile, and the token is what was read
+    if mode & stat.S_IROTH and token_file not in _token_files_warned:
+        _token_files_warned.add(token_file)
+        log.warning(
+            "token file %s can be read by every user of this host (mode %03o): each of them can "
+            "read and write the cluster's cache; make it readable only by kvpool's users (chmod o-r)",
+            token_file,
+            stat.S_IMODE(mode),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

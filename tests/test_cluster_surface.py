@@ -158,8 +158,9 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
 
 
 def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path):
-    """What an operator mistypes: a token file that is missing, a directory or not text, and
-    a metrics port another process holds (9100, the master's default, is node_exporter's)."""
+    """What an operator mistypes: a token file that is missing, a directory or not text (and
+    one every user can read: a warning), and a metrics port another process holds (9100, the
+    master's default, is node_exporter's)."""
     binary = tmp_path / "binary"
     binary.write_bytes(b"\xff\xfe\x01")
     for path, reason in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory"), (binary, "not UTF-8")):
@@ -168,6 +169,14 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
             assert out.returncode == 1, out
             assert f"cannot read token file {path}: {reason}" in " ".join(out.stderr.decode().split())
             assert b"Traceback" not in out.stderr
+    shared = tmp_path / "token"
+    shared.write_text("secret")
+    for mode, warned in ((0o644, True), (0o640, False)):
+        shared.chmod(mode)
+        out = kvpool_cli("ls", "--master", "127.0.0.1:1", "--token-file", str(shared))
+        message = " ".join(out.stderr.decode().split())
+        assert (f"token file {shared} can be read by every user of this host (mode {mode:03o})" in message) is warned
+        assert out.returncode == 1 and b"Traceback" not in out.stderr, out  # no master there: it went on
     with socket.create_server(("127.0.0.1", 0)) as held:
         port = str(held.getsockname()[1])
         for args, option in (
