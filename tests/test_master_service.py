@@ -522,8 +522,7 @@ def test_a_lookup_hold_keeps_its_hits_until_their_load_reads_them() -> None:
     hold runs out; without a hold the oldest object goes first."""
     svc = make(lease_ttl_ms=10_000, evict_watermark_ratio_high=1.0, evict_ratio=0.05)
     mount(svc, "s1")
-    keys = [f"k{i}" for i in range(16)]  # 16 x 64 KiB: the whole 1 MiB segment
-    assert put(svc, keys) == [OK] * 16
+    fill(svc, "s1", 16)  # 16 x 64 KiB: the whole 1 MiB segment, k0 the oldest
     held = LongestPrefix(["k0", "k1", "k2", "absent", "k3"], hold_ms=5_000)
     assert svc.longest_prefix(held, 10).count == 3 and svc.counters.lookup_holds == 3
     assert svc.counters.gets == 0  # not a read: eviction order untouched
@@ -800,11 +799,11 @@ EVICTION_POLICIES = ["lru", "probation"]
 
 
 def fill(svc, segment_id: str, count: int, prefix: str = "k", now: int = 0, **replicate) -> list[str]:
+    """`count` objects on `segment_id`, one put each, so that the first is the oldest under
+    every policy (ProbationLru enters one batch's keys last key first)."""
     keys = [f"{prefix}{i}" for i in range(count)]
-    assert (
-        put(svc, keys, now=now, placement="preferred", preferred_segments=[segment_id], **replicate)
-        == [OK] * count
-    )
+    for key in keys:
+        assert put(svc, [key], now=now, placement="preferred", preferred_segments=[segment_id], **replicate) == [OK]
     return keys
 
 
@@ -922,7 +921,8 @@ def test_a_put_that_finds_free_bytes_but_no_hole_evicts_an_object_that_makes_one
     for i in range(8):  # 8 x (32 + 96) KiB fill the 1 MiB segment, in address order
         assert put(svc, [f"small{i}"], size=32 * KIB) == [OK]
         assert put(svc, [f"large{i}"], size=96 * KIB) == [OK]
-    get(svc, [f"large{i}" for i in range(8)], 0)  # read, so the small ones go first
+    for i in range(8):  # read (in turn: large0 the least recently), so the small ones go first
+        get(svc, [f"large{i}"], 0)
     message = PutStart(["new"], [96 * KIB], config())
     reply = svc.put_start(message, 10)
     assert reply.codes == [ErrorCode.NO_AVAILABLE_HANDLE]
@@ -948,7 +948,8 @@ def _short_scan_then_leases_lapse(svc) -> None:
     short; its retry finds no more; the leases lapse at 100."""
     mount(svc, "s1")
     keys = fill(svc, "s1", 16)
-    get(svc, keys[1:], 0)
+    for key in keys[1:]:  # in turn: k1 the least recently read
+        get(svc, [key], 0)
     message = PutStart(["a", "b"], [OBJECT_SIZE] * 2, config())
     reply = svc.put_start(message, 1)
     assert [e.key for e in ack_drops(svc)["s1"]] == ["k0"]
@@ -1009,7 +1010,8 @@ def test_eviction_that_finds_nothing_backs_off(policy: str) -> None:
     svc = make(policy=policy, lease_ttl_ms=100, evict_watermark_ratio_high=0.9, evict_ratio=0.05)
     mount(svc, "s1")
     keys = fill(svc, "s1", 16)
-    get(svc, keys, 0)  # everything leased until 100
+    for key in keys:  # everything leased until 100 (read in turn: k0 the least recently)
+        get(svc, [key], 0)
     svc.tick(1)
     assert not svc.has_pending_drops()
     svc.tick(150)  # leases are over, but the scan that came up short backs off for a while

@@ -103,8 +103,10 @@ def tiers(svc) -> dict[str, dict]:
 
 
 def fill(svc, count: int = 16, prefix: str = "k", now: int = 0) -> list[str]:
+    """One put per key: the first is the oldest (one batch's keys enter last key first)."""
     names = keys(prefix, count)
-    assert put(svc, names, now=now) == [OK] * count
+    for name in names:
+        assert put(svc, [name], now=now) == [OK]
     return names
 
 
@@ -181,7 +183,8 @@ def test_an_offload_into_a_full_disk_tier_evicts_an_object_that_makes_it_a_hole(
         put_through(svc, key, now, size)
     on_disk = [key for key in sizes if where(svc, key) == ["A/disk"]]
     assert on_disk == [f"{kind}{i}" for i in range(8) for kind in "sb"]  # the disk is full
-    svc.get_replica_list(GetReplicaList([f"b{i}" for i in range(8)]), now)
+    for i in range(8):  # read in turn: b0 the least recently
+        svc.get_replica_list(GetReplicaList([f"b{i}"]), now)
     now += 10  # the reads' leases are over
     # A put of 96 KiB evicts b8, the DRAM object that makes it room: its offload into the full
     # disk evicts b0 there, and goes once that drop landed.

@@ -434,7 +434,8 @@ class PutFlow:
         keys, puts, writing, insert = pending.keys, pending.puts, self._table.pending, self._table.insert
         soft_pin_ttl_ms = self._config.soft_pin_ttl_ms
         done = done_bytes = 0
-        for index in pending.awaiting:
+        awaiting = pending.awaiting
+        for index in reversed(awaiting) if self._table.policy.enters_batches_last_key_first else awaiting:
             key = keys[index]
             put = puts[key]
             assert writing.get(key) is put, f"committing put of {key!r} vanished"

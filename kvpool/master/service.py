@@ -634,6 +634,7 @@ class MasterService:
         replica_lists: list[list[Replica]] = []
         infos: dict[str, SegmentInfo] = {}
         hits = 0
+        accessed: list[tuple[str, ObjectMeta]] = []  # touched once the batch is read (its order)
         tier_counters = self._tiers.counters
         dram_hits = 0
         for key in keys:
@@ -652,7 +653,7 @@ class MasterService:
                 tier_counters[self._tiers.tier_of_nearest(meta)].hits += 1
                 self._tiers.count_read(key, now_ms)
             hits += 1
-            access(key, meta, now_ms, lease_ttl_ms, soft_pin_ttl_ms)
+            accessed.append((key, meta))
             packed = meta.replicas
             if type(packed) is int:  # one replica: the common case
                 info = by_index(replica_segment_index(packed)).info
@@ -668,6 +669,10 @@ class MasterService:
             sizes.append(meta.size_bytes)
             checksums.append(meta.checksum)
             replica_lists.append(replicas)
+        if table.policy.enters_batches_last_key_first:
+            accessed.reverse()
+        for key, meta in accessed:
+            access(key, meta, now_ms, lease_ttl_ms, soft_pin_ttl_ms)
         self.counters.gets += len(keys)
         self.counters.hits += hits
         self.counters.misses += len(keys) - hits
