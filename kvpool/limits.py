@@ -132,6 +132,10 @@ AUTH_TIMEOUT_MS = 2_000
 # A server's connections in their handshake at once (TCP and Unix together); past it the oldest
 # is closed (transports/connection.py `_begin_handshake`).
 HANDSHAKES_PENDING_MAX = 256
+# A server whose open files pass this share of its limit says so in its log: past the limit the
+# kernel's queue of new connections is closed as it comes, without a word to either side
+# (libuv's answer to EMFILE), and a client only sees "connection closed by peer".
+OPEN_FILES_WARN_RATIO = 0.9
 REGISTERED_BUFFERS_MAX = 65_536
 
 assert FRAME_HEADER_SIZE_BYTES == struct.calcsize(FRAME_HEADER_FMT)

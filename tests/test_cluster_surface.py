@@ -101,6 +101,51 @@ def test_hostile_bytes_leave_master_and_node_serving_and_objects_intact(make_clu
         assert all(n.is_alive() for n in cluster.nodes) and cluster.master.is_alive()
 
 
+def test_a_master_out_of_open_files_says_so_and_serves_again_once_they_close(make_cluster):
+    """A client that leaks connections runs a master out of open files: past the limit, new
+    connections are closed as they come (libuv), and the client sees only "connection closed
+    by peer". The master says so in its log before; its clients already connected are served
+    throughout, and new ones once the leaked connections close."""
+    import asyncio
+    import resource
+
+    from kvpool.errors import ConnectFailed
+    from kvpool.protocol.auth import cluster_key
+    from kvpool.transports.connection import connect
+
+    cluster = make_cluster(1, "16MiB", token="secret")
+    resource.prlimit(cluster.master.pid, resource.RLIMIT_NOFILE, (160, 160))
+    with Store(cluster.master_endpoint, token="secret") as store:
+        store.put("kept", b"x" * 1000)
+
+        async def leak() -> tuple[int, bool]:
+            held = []
+            try:
+                for _ in range(200):  # more than the master can hold
+                    try:
+                        held.append(await connect(cluster.master_endpoint, key=cluster_key("secret"), timeout_ms=2_000))
+                    except ConnectFailed:
+                        break
+                return len(held), store.get("kept") == b"x" * 1000
+            finally:
+                for conn in held:
+                    conn.close()
+
+        held, served = asyncio.run(leak())
+        assert 100 < held < 160 and served, (held, served)
+        log_text = cluster.master.log_tail(200)
+        assert "files open of this process's limit of 160" in log_text, log_text
+        deadline_s = time.monotonic() + 10
+        while True:  # the master lets go of the closed connections
+            try:
+                with Store(cluster.master_endpoint, token="secret") as fresh:
+                    assert fresh.get("kept") == b"x" * 1000
+                break
+            except ConnectFailed:
+                assert time.monotonic() < deadline_s, "no new connection after the leaked ones closed"
+                time.sleep(0.1)
+
+
 def test_object_commands_of_the_cli(make_cluster, tmp_path):
     cluster = make_cluster(2, "16MiB")
     master = ["--master", cluster.master_endpoint]

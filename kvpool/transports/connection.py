@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
+import resource
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple, Protocol
@@ -81,6 +83,7 @@ NO_HANDSHAKE_WHY = "(a stalled server, or not a kvpool port: an HTTP or etcd por
 log = logging.getLogger(__name__)
 # Peers refused before their handshake (wrong token, none in time, not kvpool's protocol).
 _refused_peers = RepeatedLog(log, logging.WARNING)
+_near_open_files_limit = RepeatedLog(log, logging.WARNING)
 
 Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
@@ -336,6 +339,7 @@ class Connection(asyncio.BufferedProtocol):
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         if self._registry is not None:
             self._registry.add(self)
+            _warn_near_open_files_limit(len(self._registry))
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family == socket.AF_UNIX:
             self.peer = "local"
@@ -816,6 +820,30 @@ class Connection(asyncio.BufferedProtocol):
             self._ready.set_exception(exc)
             self._ready.exception()
         self.close(str(exc))
+
+
+def _warn_near_open_files_limit(connections: int) -> None:
+    """Says (at most every 10 s) when this process holds OPEN_FILES_WARN_RATIO of its open-files
+    limit, `connections` of them a server's connections: a client that leaks connections, or
+    a limit too low for the cluster. Counted only from half the limit in connections on (a
+    listing of /proc/self/fd), so that a server far from it pays one getrlimit per accept."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY or connections < limit // 2:
+        return
+    try:
+        open_files = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            return  # no /proc: nothing to tell
+        open_files = limit  # the listing itself found none left
+    if open_files >= limits.OPEN_FILES_WARN_RATIO * limit:
+        _near_open_files_limit.log(
+            "%d files open of this process's limit of %d, %d of them connections: past the limit, new "
+            "connections are closed as they come, and their clients see only \"connection closed by "
+            "peer\"; raise the limit (systemd's LimitNOFILE=, ulimit -n) or find the client that does "
+            "not close its connections",
+            open_files, limit, connections,
+        )  # fmt: skip
 
 
 def _payload_size(payload: Payload) -> int:
