@@ -38,6 +38,9 @@ REQUEST_ID_MAX = 2**32 - 1
 KEY_SIZE_BYTES_MAX = 4 * KIB
 OBJECT_SIZE_BYTES_MAX = 1 * GIB
 BATCH_KEYS_MAX = 16_384
+# Keys a remove_all or remove_by_regex looks at between two turns of the master's loop (about
+# 30 ms of it at 2 us a removal: master/service.py Removal).
+REMOVE_STEP_KEYS = 16_384
 # Disk items one ReadSlices may name: what a client's frame holds at most (one item per key,
 # BATCH_KEYS_MAX keys: client/transfer.py). Each object file a frame names is open until the
 # frame is sent (one descriptor per file, shared by its items: DiskTier.open_range).

@@ -620,6 +620,31 @@ def test_remove_by_regex_and_remove_all() -> None:
     assert used(svc, "s1") == 0
 
 
+def test_a_removal_in_steps_takes_what_is_there_at_each_step() -> None:
+    """A server runs remove_all and remove_by_regex a step at a time, answering other requests
+    between them: a key put after the removal began stays, one read meanwhile is leased and
+    stays (unless forced), one put again meanwhile goes like the rest."""
+    svc = make(lease_ttl_ms=1_000)
+    mount(svc, "s1")
+    for i in range(6):  # one put each: the removal's keys in that order
+        put(svc, [f"k{i}"])
+    removal = svc.removal(RemoveAll())
+    assert removal.step(0, 2) is False and removal.count == 2  # k0 and k1
+    assert exists(svc, ["k0", "k1", "k2"]) == [False, False, True]
+    put(svc, ["late"])  # after the removal began: not one of its keys
+    get(svc, ["k3"], 0)  # leased
+    svc.remove(Remove(["k4"]), 0)
+    put(svc, ["k4"])  # removed and put again meanwhile
+    assert removal.step(0, 10) is True and removal.count == 5  # and k2, k4, k5
+    assert exists(svc, ["late", "k3", "k4", "k5"]) == [True, True, False, False]
+    with pytest.raises(InvalidParams):
+        svc.removal(RemoveByRegex("(unclosed"))  # refused at once, not at its first step
+    forced = svc.removal(RemoveByRegex("^k", force=True))
+    assert forced.step(0) is True and forced.count == 1  # k3, leased
+    assert exists(svc, ["late", "k3"]) == [True, False]
+    svc.check_invariants()
+
+
 def test_list_objects() -> None:
     svc = make()
     mount(svc, "s1")

@@ -40,7 +40,7 @@ from kvpool.discovery import LeaderRecord
 from kvpool.errors import ErrorCode, InvalidParams, InvalidRequest, KVPoolError, NotLeader
 from kvpool.master.election import ElectionConfig, Elector
 from kvpool.master.metrics import MasterMetrics, start_http
-from kvpool.master.service import MasterService
+from kvpool.master.service import MasterService, Removal
 from kvpool.master.takeover import Takeover
 from kvpool.process import raise_open_files_limit
 from kvpool.protocol import auth
@@ -355,10 +355,8 @@ class MasterServer:
                 return service.put_revoke(message, now_ms)
             case Remove():
                 return self._removed(service.remove(message, now_ms))
-            case RemoveByRegex():
-                return self._removed(service.remove_by_regex(message, now_ms))
-            case RemoveAll():
-                return self._removed(service.remove_all(message, now_ms))
+            case RemoveByRegex() | RemoveAll():
+                return self._remove_in_steps(service, service.removal(message))
             case QueryObjects():
                 return service.query_objects(message, now_ms)
             case ListObjects():
@@ -667,6 +665,24 @@ class MasterServer:
         taken = self._take_drops()  # the remove's drops, and any scheduled before them
         self._send_drops()
         return self._answer_when_dropped(reply, self.service, taken)
+
+    async def _remove_in_steps(self, service: MasterService, removal: Removal) -> CountReply:
+        """A remove_all or remove_by_regex, a step at a time with other requests between
+        (service.Removal), answered as _removed answers. Each step's drops are taken at once,
+        so that the tick does not send them unseen by the wait for them."""
+        taken: dict[str, list[InventoryEntry]] = {}
+        while True:
+            is_done = removal.step(wall_clock_ms())
+            for segment_id, entries in self._take_drops().items():
+                taken.setdefault(segment_id, []).extend(entries)
+            self._send_drops()
+            if is_done or service is not self.service:  # a term that ended removes no more
+                break
+            await asyncio.sleep(0)
+        reply = CountReply(removal.count)
+        if not removal.count:
+            return reply
+        return await self._answer_when_dropped(reply, service, taken)
 
     async def _answer_when_dropped(
         self, reply: CodesReply | CountReply, service: MasterService, taken: dict[str, list[InventoryEntry]]

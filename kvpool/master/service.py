@@ -115,6 +115,28 @@ _PATTERN_OPTIONS = re2.Options()
 _PATTERN_OPTIONS.log_errors = False  # a bad pattern is the caller's InvalidParams, not a log line
 
 
+class Removal:
+    """A remove_all or remove_by_regex under way (MasterService.removal): the keys of the
+    complete objects when it began, removed in steps. A step removes those of its keys that are
+    still complete objects when it runs, and match, and are not leased (unless forced): a key
+    put again between steps goes too, one put first meanwhile stays."""
+
+    def __init__(self, service: MasterService, keys: list[str], search, force: bool) -> None:
+        self.keys = keys
+        self.count = 0  # removed so far
+        self._service = service
+        self._search = search
+        self._force = force
+        self._next = 0
+
+    def step(self, now_ms: int, max_keys: int = limits.REMOVE_STEP_KEYS) -> bool:
+        """Remove among the next `max_keys` keys; True once every key was looked at."""
+        end = min(self._next + max_keys, len(self.keys))
+        self.count += self._service._remove_matching(self.keys[self._next : end], self._search, self._force, now_ms)
+        self._next = end
+        return end == len(self.keys)
+
+
 class MasterService:
     """The master's metadata: segments, objects, puts in flight, leases, pins, drops.
 
@@ -850,12 +872,25 @@ class MasterService:
         Raises:
             InvalidParams: the pattern is too long or does not compile.
         """
-        search = self._compile(msg.pattern).search
-        return CountReply(self._remove_where(lambda key: search(key) is not None, msg.force, now_ms))
+        removal = self.removal(msg)
+        removal.step(now_ms, len(removal.keys))
+        return CountReply(removal.count)
 
     def remove_all(self, msg: RemoveAll, now_ms: int) -> CountReply:
         """Remove every complete object, skipping leased ones unless `force`. O(n)."""
-        return CountReply(self._remove_where(lambda key: True, msg.force, now_ms))
+        removal = self.removal(msg)
+        removal.step(now_ms, len(removal.keys))
+        return CountReply(removal.count)
+
+    def removal(self, msg: RemoveAll | RemoveByRegex) -> Removal:
+        """remove_all or remove_by_regex in steps (Removal.step), so that a server answers other
+        requests between them: in one go, 400,000 objects held every other request for 0.7 s.
+
+        Raises:
+            InvalidParams: the pattern is too long or does not compile.
+        """
+        search = self._compile(msg.pattern).search if isinstance(msg, RemoveByRegex) else None
+        return Removal(self, [*self._table.objects, *self._table.lower], search, msg.force)
 
     # --- time ---------------------------------------------------------------------------
 
@@ -1137,12 +1172,17 @@ class MasterService:
                     segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
         return metas
 
-    def _remove_where(self, matches, force: bool, now_ms: int) -> int:
-        doomed = [
-            key
-            for key, meta in self._table.items()
-            if matches(key) and (force or not meta.has_lease(now_ms))
-        ]
+    def _remove_matching(self, keys: list[str], search, force: bool, now_ms: int) -> int:
+        """Remove those of `keys` still complete objects that `search` finds (all without one),
+        skipping leased ones unless `force`; how many went."""
+        get = self._table.get
+        doomed = []
+        for key in keys:
+            meta = get(key)
+            if meta is None or (search is not None and search(key) is None):
+                continue
+            if force or not meta.has_lease(now_ms):
+                doomed.append(key)
         self._drop_objects(doomed)
         self.counters.removes += len(doomed)
         return len(doomed)
