@@ -676,9 +676,11 @@ class MasterServer:
             for segment_id, entries in self._take_drops().items():
                 taken.setdefault(segment_id, []).extend(entries)
             self._send_drops()
-            if is_done or service is not self.service:  # a term that ended removes no more
+            if is_done:
                 break
             await asyncio.sleep(0)
+            if service is not self.service:  # a term that ended meanwhile removes no more
+                break
         reply = CountReply(removal.count)
         if not removal.count:
             return reply

@@ -136,6 +136,11 @@ class Removal:
         self._next = end
         return end == len(self.keys)
 
+    def run(self, now_ms: int) -> int:
+        """Every step that is left, at once; how many were removed in all."""
+        self.step(now_ms, len(self.keys))
+        return self.count
+
 
 class MasterService:
     """The master's metadata: segments, objects, puts in flight, leases, pins, drops.
@@ -872,15 +877,11 @@ class MasterService:
         Raises:
             InvalidParams: the pattern is too long or does not compile.
         """
-        removal = self.removal(msg)
-        removal.step(now_ms, len(removal.keys))
-        return CountReply(removal.count)
+        return CountReply(self.removal(msg).run(now_ms))
 
     def remove_all(self, msg: RemoveAll, now_ms: int) -> CountReply:
         """Remove every complete object, skipping leased ones unless `force`. O(n)."""
-        removal = self.removal(msg)
-        removal.step(now_ms, len(removal.keys))
-        return CountReply(removal.count)
+        return CountReply(self.removal(msg).run(now_ms))
 
     def removal(self, msg: RemoveAll | RemoveByRegex) -> Removal:
         """remove_all or remove_by_regex in steps (Removal.step), so that a server answers other
