@@ -100,7 +100,8 @@ def test_disk_objects_removed_while_the_filesystem_is_read_only_stay_removed(mak
         if then == "writable_again":
             subprocess.run(["mount", "-o", "remount,rw", str(mount_path)], check=True)
             assert wait_until(lambda: object_file_count(disk) == len(kept), 10)  # the drop went through
-            assert "go through again" in cluster.master.log_tail(50)
+            # The node unlinks the files before it answers the drop: the master's line follows.
+            assert wait_until(lambda: "go through again" in cluster.master.log_tail(50), 10)
         else:
             node.kill()
             node = cluster.start_node(disk_args(disk, "24MiB"))  # on the read-only filesystem
