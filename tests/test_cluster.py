@@ -579,6 +579,76 @@ def test_reads_and_writes_of_several_nodes_from_the_calling_thread_are_not_held_
         assert store.get_batch(list(two)) == list(two.values())
 
 
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_get_that_times_out_mid_transfer_writes_nothing_into_the_buffer_after_it_returned(make_cluster, api):
+    """An engine frees or reuses a buffer once its get returned, timed out or not. A node
+    stopped (SIGSTOP) while a 64 MiB reply lands in the caller's registered buffer: the get
+    fails within the transfer timeout, the buffer can be unregistered, and once the node runs
+    again and sends the rest, not one more byte reaches the buffer (the store closed that
+    connection). The next get reads the object whole."""
+    cluster = make_cluster(1, "96MiB")
+    value = np.random.default_rng(7).integers(1, 256, 64 << 20, dtype=np.uint8)  # no zero byte
+    node = cluster.nodes[0]
+    options = {"shm_enabled": False, "transfer_timeout_ms": 1_000}
+    with Store(cluster.master_endpoint, **options) as store:
+        store.put("big", value.tobytes())
+
+    def stop_once_landing(buffer: np.ndarray, done: threading.Event) -> None:
+        while buffer[0] == 0 and not done.is_set():  # the reply's first byte has landed
+            time.sleep(0.0002)
+        if not done.is_set():
+            os.kill(node.pid, signal.SIGSTOP)
+
+    def get_stopped_mid_transfer(get_into, register, unregister) -> None:
+        for _ in range(5):  # until the stop comes mid-transfer (the first try, in practice)
+            buffer = np.zeros_like(value)
+            address, done = register(buffer), threading.Event()
+            watcher = threading.Thread(target=stop_once_landing, args=(buffer, done))
+            watcher.start()
+            try:
+                started = time.monotonic()
+                code = get_into(address)
+                took = time.monotonic() - started
+            finally:
+                done.set()
+                watcher.join()
+                unregister(address)  # the call returned: its buffer is the caller's again
+                os.kill(node.pid, signal.SIGCONT)
+            if code < 0:
+                break
+            assert code == len(value) and np.array_equal(buffer, value)  # too quick for the stop
+        else:
+            pytest.fail("the node was never stopped mid-transfer")
+        assert took < 4, took
+        returned = buffer.copy()
+        assert 0 < np.count_nonzero(returned) < len(value)  # part of the reply had landed
+        time.sleep(1)  # the node, running again, sends the rest of its reply
+        assert np.array_equal(buffer, returned)
+        buffer = np.zeros_like(value)
+        address = register(buffer)
+        assert get_into(address) == len(value) and np.array_equal(buffer, value)
+        unregister(address)
+
+    if api == "Store":
+        with Store(cluster.master_endpoint, **options) as store:
+            get_stopped_mid_transfer(
+                lambda address: store.get_into("big", address, len(value)), store.register_buffer,
+                store.unregister_buffer,
+            )  # fmt: skip
+        return
+
+    async def main() -> None:
+        async with await AsyncStore.open(cluster.master_endpoint, **options) as client:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: get_stopped_mid_transfer(
+                lambda address: asyncio.run_coroutine_threadsafe(
+                    client.get_into("big", address, len(value)), loop).result(),
+                client.register_buffer, client.unregister_buffer,
+            ))  # fmt: skip
+
+    uvloop.run(main())
+
+
 def test_eviction_under_pressure_keeps_leased_objects(make_cluster):
     cluster = make_cluster(1, "8MiB", master_args=("--lease-ttl-ms", "20000"))
     object_size = 256 * 1024
