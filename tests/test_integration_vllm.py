@@ -380,6 +380,66 @@ def test_a_load_that_fails_on_one_tp_rank_only_leaves_no_rank_the_blocks_compute
             side.shutdown()
 
 
+class _Model:
+    """What the connector reads of vLLM's ModelConfig (a real one needs the model's HF config)."""
+
+    model, dtype = "org/tiny", "torch.bfloat16"
+
+    def __init__(self, use_mla: bool, kv_heads: int) -> None:
+        self.use_mla, self._kv_heads = use_mla, kv_heads
+
+    def get_total_num_kv_heads(self) -> int:
+        return self._kv_heads
+
+
+@pytest.mark.parametrize(
+    ("use_mla", "kv_heads", "key_ranks", "blocks_saved"),
+    [(True, 1, [0, 0, 0, 0], [1, 1, 1, 0]), (False, 2, [0, 0, 1, 1], [2, 1, 2, 1]),
+     (False, 4, [0, 1, 2, 3], [3, 3, 3, 3])],
+    ids=["mla", "two-kv-heads", "four-kv-heads"],
+)  # fmt: skip
+def test_tp_ranks_that_hold_the_same_kv_store_it_once(make_cluster, use_mla, kv_heads, key_ranks, blocks_saved):
+    """At TP 4 an MLA model's ranks all hold the same latent KV, and with 2 KV heads vLLM
+    gives ranks 0-1 one head and 2-3 the other. Every rank stored its bytes under a key of its
+    own: four copies of each MLA block in the pool. Ranks that hold the same bytes now share
+    keys, save the blocks of a step in turns, and all load every block."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.parallel_config.tensor_parallel_size = 4
+    config.model_config = _Model(use_mla, kv_heads)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 3 * HEAD_SIZE) if use_mla else FLASH_ATTENTION_SHAPE
+    sched_a, sched_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.SCHEDULER)
+    workers, caches = {}, {}
+    for name in ("a", "b"):
+        for rank in range(4):
+            worker = workers[name, rank] = connector(config, KVConnectorRole.WORKER)
+            worker.tp_rank = rank  # what _parallel_ranks() gives TP rank `rank`
+            caches[name, rank] = paged_cache(key_ranks[rank] if name == "a" else None, shape)
+            worker.register_kv_caches(caches[name, rank])
+    try:
+        meta = first_prefill(sched_a, "a-1", [5, 6, 7, 8])
+        store = workers["a", 0]._store
+        saved = []
+        for rank in range(4):
+            before = set(store.list_objects().keys)
+            assert run_worker_step(workers["a", rank], meta) == set()
+            saved.append(len(set(store.list_objects().keys) - before))
+        assert saved == blocks_saved  # the ranks of one KV take turns over the 3 blocks
+        assert len(store.list_objects().keys) == 3 * len(set(key_ranks))  # once per distinct KV
+
+        def blocks_of(layer: torch.Tensor, ids: list[int]) -> torch.Tensor:
+            return layer[ids] if use_mla else layer[:, ids]
+
+        meta = second_turn(sched_b)  # loads the 3 blocks into 6, 7 and 8
+        for rank in range(4):
+            assert run_worker_step(workers["b", rank], meta) == set()
+            for name, layer in caches["b", rank].items():
+                assert torch.equal(blocks_of(layer, [6, 7, 8]), blocks_of(caches["a", rank][name], [5, 6, 7]))
+    finally:
+        for side in [*workers.values(), sched_a, sched_b]:
+            side.shutdown()
+
+
 def test_hit_sources_name_the_nearest_replica_of_each_block():
     def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
         return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)

@@ -20,7 +20,12 @@ layer for FlashAttention-style caches; the block as it lies for block-first and 
 named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
 mooncake/store/data.py PoolKey) with the block's format after the model (_kv_format):
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`
-(with PP, `@pp_layers:16.16` after the PP size: how many layers each stage holds).
+(with PP, `@pp_layers:16.16` after the PP size: how many layers each stage holds). TP ranks
+that hold the same bytes share their keys, as in that connector: every rank of an MLA model
+(one latent per token), and the ranks over which vLLM replicates a KV head when TP exceeds
+the KV heads. A key's `tp_rank` is the rank divided by that replication (`_tp_replicas`);
+each of those ranks saves every Nth block of a step (by its position in the prompt) and all
+of them load every block.
 
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
   prompt every TP and PP rank holds, in one `longest_prefix` round trip per BATCH_KEYS_MAX
@@ -90,6 +95,7 @@ class BlockTransfer:
     block_hashes: list[str]
     block_ids: list[int]
     is_async: bool = False  # a load vLLM waits for in WAITING_FOR_REMOTE_KVS, not before a forward
+    first_block: int = 0  # the first block's position in the prompt (which rank saves which)
 
 
 @dataclasses.dataclass
@@ -141,6 +147,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.tp_rank, self.pp_rank = _parallel_ranks()
+        self._tp_replicas = _tp_replicas(vllm_config)
         # Scheduler state.
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -175,11 +182,18 @@ class KVPoolConnector(KVConnectorBase_V1):
     # --- keys ---------------------------------------------------------------------------------
 
     def _key(
-        self, block_hash: str, tp_rank: int | None = None, pp_rank: int | None = None, prefix: str = ""
+        self, block_hash: str, key_tp: int | None = None, pp_rank: int | None = None, prefix: str = ""
     ) -> str:
-        tp = self.tp_rank if tp_rank is None else tp_rank
+        """A block's key for this worker's ranks, or for `key_tp` (a TP rank over the
+        replication: one of _key_ranks) and `pp_rank`."""
+        tp = self.tp_rank // self._tp_replicas if key_tp is None else key_tp
         pp = self.pp_rank if pp_rank is None else pp_rank
         return f"{prefix or self._model_prefix}@tp_rank:{tp}@pcp0@dcp0@pp_rank:{pp}@group:0@{block_hash}"
+
+    def _key_ranks(self) -> list[tuple[int, int]]:
+        """The (key TP rank, PP rank) of every distinct object of a block."""
+        key_tp_size = self.tp_size // self._tp_replicas
+        return [(tp, pp) for pp in range(self.pp_size) for tp in range(key_tp_size)]
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -194,7 +208,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         )
         if not hashes:
             return 0, False
-        ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+        ranks = self._key_ranks()
         # A worker loads a request's blocks in one batch, which a master takes up to
         # BATCH_KEYS_MAX keys: a longer hit would be a failed load (past 262k tokens at block 16).
         keys = [self._key(h, tp, pp) for h in hashes[: limits.BATCH_KEYS_MAX] for tp, pp in ranks]
@@ -312,7 +326,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         full = min(full, len(state.block_hashes), len(state.block_ids))
         if full > state.stored_block_count:
             first = state.stored_block_count
-            meta.saves.append(BlockTransfer(req_id, state.block_hashes[first:full], state.block_ids[first:full]))
+            hashes, block_ids = state.block_hashes[first:full], state.block_ids[first:full]
+            meta.saves.append(BlockTransfer(req_id, hashes, block_ids, first_block=first))
             state.stored_block_count = full
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -356,7 +371,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self._doomed_saves.append((self._steps_in_flight + 1, hashes))
         if not self._doomed_saves:
             return
-        ranks = [(tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+        ranks = self._key_ranks()
         keys = [self._key(h, tp, pp) for _, hashes in self._doomed_saves for h in hashes for tp, pp in ranks]
         try:
             for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
@@ -491,9 +506,13 @@ class KVPoolConnector(KVConnectorBase_V1):
                     sum(len(save.block_ids) for save in meta.saves),
                 )
             return
+        replicas, share = self._tp_replicas, self.tp_rank % self._tp_replicas
         for save in meta.saves:
-            keys = [self._key(h, prefix=meta.key_prefix) for h in save.block_hashes]
-            addresses, sizes = self._block_buffers(save.block_ids)
+            mine = [i for i in range(len(save.block_ids)) if (save.first_block + i) % replicas == share]
+            if not mine:
+                continue
+            keys = [self._key(save.block_hashes[i], prefix=meta.key_prefix) for i in mine]
+            addresses, sizes = self._block_buffers([save.block_ids[i] for i in mine])
             try:
                 codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
             except KVPoolError as exc:
@@ -542,6 +561,21 @@ def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
             f"kvpool's vLLM connector needs block hashes per block: hash_block_size "
             f"{hash_block_size} != block_size {block_size} (unset --prefix-match-unit)"
         )
+
+
+def _tp_replicas(vllm_config: VllmConfig) -> int:
+    """How many TP ranks hold each rank's KV bytes: all of them in an MLA model (one latent
+    per token, no heads to split), tp_size / KV heads when TP exceeds the KV heads (vLLM
+    gives rank r head r // that, linear.py's num_kv_head_replicas), else 1. Without this
+    every rank of an MLA model stored the same bytes under its own key: TP times the pool."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    model = vllm_config.model_config
+    if model is None or tp_size == 1:
+        return 1
+    if getattr(model, "use_mla", False):
+        return tp_size
+    kv_heads = model.get_total_num_kv_heads()
+    return tp_size // kv_heads if tp_size > kv_heads and tp_size % kv_heads == 0 else 1
 
 
 def _kv_format(vllm_config: VllmConfig) -> str:
