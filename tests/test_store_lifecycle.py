@@ -331,6 +331,64 @@ def test_a_get_waiting_on_several_nodes_that_do_not_answer_ends_at_once_when_the
     assert outcome["ended"] - closed_at < 2, outcome["ended"] - closed_at
 
 
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_put_waiting_on_the_master_when_the_store_closes_raises_store_closed(make_cluster, api):
+    """A put whose put_start the master has not answered (stopped with SIGSTOP) when the
+    store closes under it. A put_start is not sent again once its connection breaks (the
+    master may have granted it), and an AsyncStore's put raised RpcFailed, "connection
+    closed: client closed": the same close that a call begun after it names StoreClosed."""
+    cluster = make_cluster(1, "32MiB")
+    outcome: dict[str, object] = {}
+    if api == "Store":
+        store = Store(cluster.master_endpoint, shm_enabled=False)
+        store.put("k0", b"v" * PAGE)  # connected
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            caller = threading.Thread(target=lambda: outcome.update(result=_raised(store.put, "k", b"v" * PAGE)))
+            caller.start()
+            time.sleep(0.5)  # the put_start sent, its answer waited for
+            closed_at = time.monotonic()
+            store.close()
+            caller.join(JOIN_TIMEOUT_S)
+            ended = time.monotonic()
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+    else:
+
+        async def main() -> float:
+            store = await AsyncStore.open(cluster.master_endpoint, shm_enabled=False)
+            await store.put("k0", b"v" * PAGE)
+            cluster.master.signal(signal.SIGSTOP)
+            try:
+                put = asyncio.ensure_future(store.put("k", b"v" * PAGE))
+                await asyncio.sleep(0.5)
+                closed_at = time.monotonic()
+                await store.aclose()
+                outcome["result"] = await _raised_async(put)
+                return closed_at
+            finally:
+                cluster.master.signal(signal.SIGCONT)
+
+        closed_at = asyncio.run(main())
+        ended = time.monotonic()
+    assert isinstance(outcome["result"], StoreClosed), outcome
+    assert ended - closed_at < 2, ended - closed_at
+
+
+def _raised(call, *args) -> object:
+    try:
+        return call(*args)
+    except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+        return exc
+
+
+async def _raised_async(awaitable) -> object:
+    try:
+        return await awaitable
+    except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+        return exc
+
+
 def _child_close_then_get(store: Store) -> str:
     store.close()  # the parent's Store, never used here: nothing of the parent's closes
     try:

@@ -226,8 +226,8 @@ class MasterLink(_ClosedForGood):
         Raises:
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
             request.
-            StoreClosed, InvalidRequest: closed, or in a forked child (_ClosedForGood);
-                InvalidRequest also from another event loop than the first call's (its
+            StoreClosed, InvalidRequest: closed (before or during the call), or in a forked
+                child (_ClosedForGood); InvalidRequest also from another event loop than the first call's (its
                 connection is that loop's).
         """
         self._check_usable()
@@ -266,6 +266,8 @@ class MasterLink(_ClosedForGood):
                     raise
                 error = exc
             except RpcFailed as exc:
+                if self._is_closed:  # by close() under the call: say so, as a call after it does
+                    raise StoreClosed("the store was closed during the call") from exc
                 self._drop(conn, f"broken: {exc}")
                 if not broken_retries:
                     raise
