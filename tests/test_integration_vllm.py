@@ -402,7 +402,8 @@ def test_tp_ranks_that_hold_the_same_kv_store_it_once(make_cluster, use_mla, kv_
     """At TP 4 an MLA model's ranks all hold the same latent KV, and with 2 KV heads vLLM
     gives ranks 0-1 one head and 2-3 the other. Every rank stored its bytes under a key of its
     own: four copies of each MLA block in the pool. Ranks that hold the same bytes now share
-    keys, save the blocks of a step in turns, and all load every block."""
+    keys, save the blocks of a step in turns, and all load every block. An MLA block is the
+    same at any TP size: a deployment at TP 2 finds it too; a GQA one must not."""
     cluster = make_cluster(1, "16MiB")
     config = vllm_config(cluster.master_endpoint)
     config.parallel_config.tensor_parallel_size = 4
@@ -435,6 +436,12 @@ def test_tp_ranks_that_hold_the_same_kv_store_it_once(make_cluster, use_mla, kv_
             assert run_worker_step(workers["b", rank], meta) == set()
             for name, layer in caches["b", rank].items():
                 assert torch.equal(blocks_of(layer, [6, 7, 8]), blocks_of(caches["a", rank][name], [5, 6, 7]))
+        config.parallel_config.tensor_parallel_size = 2
+        sched_c = connector(config, KVConnectorRole.SCHEDULER)
+        try:
+            assert sched_c.get_num_new_matched_tokens(request("c-1", PROMPT), 0) == ((12 if use_mla else 0), False)
+        finally:
+            sched_c.shutdown()
     finally:
         for side in [*workers.values(), sched_a, sched_b]:
             side.shutdown()

@@ -20,6 +20,7 @@ layer for FlashAttention-style caches; the block as it lies for block-first and 
 named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
 mooncake/store/data.py PoolKey) with the block's format after the model (_kv_format):
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`
+(`tp_size:any` for an MLA model: its blocks are the same bytes at every TP size)
 (with PP, `@pp_layers:16.16` after the PP size: how many layers each stage holds). TP ranks
 that hold the same bytes share their keys, as in that connector: every rank of an MLA model
 (one latent per token), and the ranks over which vLLM replicates a KV head when TP exceeds
@@ -569,27 +570,32 @@ def _tp_replicas(vllm_config: VllmConfig) -> int:
     gives rank r head r // that, linear.py's num_kv_head_replicas), else 1. Without this
     every rank of an MLA model stored the same bytes under its own key: TP times the pool."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    model = vllm_config.model_config
-    if model is None or tp_size == 1:
+    if tp_size == 1 or vllm_config.model_config is None:
         return 1
-    if getattr(model, "use_mla", False):
+    if _is_mla(vllm_config):
         return tp_size
-    kv_heads = model.get_total_num_kv_heads()
+    kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     return tp_size // kv_heads if tp_size > kv_heads and tp_size % kv_heads == 0 else 1
+
+
+def _is_mla(vllm_config: VllmConfig) -> bool:
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
 def _kv_format(vllm_config: VllmConfig) -> str:
     """What decides a block's bytes besides its tokens, for the key: the KV dtype (same-sized
     dtypes, bf16 and fp16, or two fp8 formats, read as one another's garbage), the TP and PP
     sizes (a rank's share of the heads: 4 KV heads over TP 4 or TP 8 give rank 1 another head
-    in objects of one size) and with PP the stages' layer counts. The scheduler's is the one
+    in objects of one size; "any" TP size for MLA, whose latent every rank holds whole) and
+    with PP the stages' layer counts. The scheduler's is the one
     keys use: each step's metadata carries it to the workers, whose config vLLM may have
     changed since."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype == "auto" and vllm_config.model_config is not None:
         cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     parallel = vllm_config.parallel_config
-    kv_format = f"kv:{cache_dtype}@tp_size:{parallel.tensor_parallel_size}@pp_size:{parallel.pipeline_parallel_size}"
+    tp_size = "any" if _is_mla(vllm_config) else parallel.tensor_parallel_size
+    kv_format = f"kv:{cache_dtype}@tp_size:{tp_size}@pp_size:{parallel.pipeline_parallel_size}"
     if parallel.pipeline_parallel_size > 1 and vllm_config.model_config is not None:
         kv_format += f"@pp_layers:{_stage_layer_counts(vllm_config)}"
     return kv_format
