@@ -227,8 +227,8 @@ class MasterLink(_ClosedForGood):
             ConnectFailed, RpcFailed, RpcTimeout, NotLeader, or the master's error for the
             request.
             StoreClosed, InvalidRequest: closed (before or during the call), or in a forked
-                child (_ClosedForGood); InvalidRequest also from another event loop than the first call's (its
-                connection is that loop's).
+                child (_ClosedForGood); InvalidRequest also from another event loop than the
+                first call's (its connection is that loop's).
         """
         self._check_usable()
         loop = asyncio.get_running_loop()

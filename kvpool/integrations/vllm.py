@@ -20,8 +20,8 @@ layer for FlashAttention-style caches; the block as it lies for block-first and 
 named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
 mooncake/store/data.py PoolKey) with the block's format after the model (_kv_format):
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`
-(`tp_size:any` for an MLA model: its blocks are the same bytes at every TP size)
-(with PP, `@pp_layers:16.16` after the PP size: how many layers each stage holds). TP ranks
+(`tp_size:any` for an MLA model, whose blocks are the same bytes at every TP size; with PP,
+`@pp_layers:16.16` after the PP size: how many layers each stage holds). TP ranks
 that hold the same bytes share their keys, as in that connector: every rank of an MLA model
 (one latent per token), and the ranks over which vLLM replicates a KV head when TP exceeds
 the KV heads. A key's `tp_rank` is the rank divided by that replication (`_tp_replicas`);
