@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import time
 import weakref
 
@@ -54,7 +55,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvpool import Store, limits  # noqa: E402
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
-from kvpool.integrations.vllm import _hex, _hit_source  # noqa: E402
+from kvpool.integrations.vllm import KVPoolWorkerMetadata, _hex, _hit_source  # noqa: E402
 from kvpool.protocol.messages import Replica, SegmentInfo  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -444,6 +445,51 @@ def test_tp_ranks_that_hold_the_same_kv_store_it_once(make_cluster, use_mla, kv_
             sched_c.shutdown()
     finally:
         for side in [*workers.values(), sched_a, sched_b]:
+            side.shutdown()
+
+
+def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_reports(make_cluster):
+    """With vLLM's block pool bound (its scheduler binds it), wait_for_save returns at once and
+    a worker puts the step's blocks on its saver thread, during the next forward passes; the
+    scheduler holds a reference on each block until every worker has reported the save done,
+    so that vLLM hands none of them out again (a finished or preempted request frees its
+    blocks at once) while a put still reads them: written again under it, a block would be
+    stored under its old key."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.parallel_config.tensor_parallel_size = 2
+    sched = connector(config, KVConnectorRole.SCHEDULER)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    sched.bind_gpu_block_pool(pool)
+    workers = [connector(config, KVConnectorRole.WORKER) for _ in range(2)]
+    gate = threading.Event()
+    for rank, worker in enumerate(workers):
+        worker.tp_rank = rank  # what _parallel_ranks() gives TP rank `rank`
+        worker.register_kv_caches(paged_cache(seed=20 + rank))
+    held_put = workers[0]._store.batch_put_from_multi_buffers
+    workers[0]._store.batch_put_from_multi_buffers = lambda *args: gate.wait(10) and held_put(*args)
+    try:
+        meta = first_prefill(sched, "a-1", [5, 6, 7, 8])
+        assert [save.job for save in meta.saves] == [0]
+        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [1, 1, 1] and sched.has_pending_push_work()
+        for worker in workers:
+            assert run_worker_step(worker, meta) == set()  # returns with rank 0's put held
+        reported = wait_until(workers[1].build_connector_worker_meta, 10)
+        assert reported.saved == {0: 1}
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
+        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [1, 1, 1] and sched.has_pending_push_work()
+        assert workers[0].build_connector_worker_meta() is None  # its put still reads the blocks
+        gate.set()
+        reported = wait_until(workers[0].build_connector_worker_meta, 10)
+        assert reported.aggregate(KVPoolWorkerMetadata({0: 1})).saved == {0: 2}  # as vLLM sums them
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
+        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [0, 0, 0] and not sched.has_pending_push_work()
+        assert sched.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (12, False)  # both ranks put
+    finally:
+        gate.set()
+        for side in [*workers, sched]:
             side.shutdown()
 
 

@@ -12,6 +12,12 @@ plays each SchedulerOutput the way vLLM's GPU model runner + KVConnectorModelRun
   KV of the request's token prefix -> wait_for_save -> get_block_ids_with_load_errors ->
   clear_connector_metadata -> ModelRunnerOutput -> scheduler.update_from_output.
 
+vLLM's scheduler binds its block pool to the connector, so saves run on the worker's saver
+thread with their blocks pinned. Each step's saves run on during the next step's forward
+pass (which writes the cache beside them) and end before that step's own saves start; the
+step reports them to the scheduler then (build_connector_worker_meta), so that which saves a
+step reports depends on the seed alone.
+
 KV of token position p = f(tokens[0..p]) (a rolling 64-bit hash spread over head_dim floats,
 distinct per layer and K/V). A forward that read wrong KV writes poisoned KV (-(x)-1) for its
 tokens and samples POISON_TOKEN, so contamination propagates and becomes visible.
@@ -208,6 +214,7 @@ class Instance:
         self.processed_upto = 0  # steps whose update_from_output has run: all < this
         self.batch_queue: collections.deque = collections.deque()
         self.cur_meta = None
+        self.saves_planned: dict[str, tuple[str, int]] = {}  # block hash -> (request, vLLM block)
         self.cur_step = 0
         self.ctx: dict = {}
         self.ctx_sched_processed: dict[int, int] = {}
@@ -244,11 +251,7 @@ class Instance:
         return (addr - base) // stride
 
     def _check_save(self, keys, addresses):
-        meta = self.cur_meta
-        by_hash = {}
-        for s in meta.saves:
-            for h, b in zip(s.block_hashes, s.block_ids):
-                by_hash[h] = (s.request_id, b)
+        by_hash = self.saves_planned  # a save may run during the step after its own
         for key, addrs in zip(keys, addresses):
             h = key.rsplit("@", 1)[1]
             req_id, b = by_hash[h]
@@ -462,6 +465,13 @@ class Instance:
             b = meta.loads[0].block_ids[0]
             for n in LAYER_NAMES:
                 self.cache[n][:, b, 0] += 1.0
+        # The saves of the step before ran during this forward: they end now, and this step
+        # reports them (exactly those: this step's saves start below).
+        concurrent.futures.wait(self.worker._saving)
+        saved = self.worker.build_connector_worker_meta()
+        for save in meta.saves:
+            for h, b in zip(save.block_hashes, save.block_ids):
+                self.saves_planned[h] = (save.request_id, b)
         self.worker.wait_for_save()
         # As the runner's connector mixin asks: the async loads that ended, then the blocks
         # that failed (an async load's failures come with its end; the sync ones were marked
@@ -490,6 +500,7 @@ class Instance:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if sampled[r] is not None else [] for r in req_ids],
             kv_connector_output=KVConnectorOutput(
+                kv_connector_worker_meta=saved,
                 finished_recving=results.finished_recving or None, failed_recving=results.failed_recving or None,
                 invalid_block_ids=invalid,
             ),

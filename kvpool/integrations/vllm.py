@@ -40,8 +40,14 @@ of them load every block.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
   (`batch_get_into_multi_buffers`, one range per layer and K/V): a synchronous load at once,
   before the forward pass; an async one on the worker's loader thread, whose end
-  `get_finished` reports once, with the blocks that failed. `wait_for_save` writes the
-  prompt blocks computed in this step (`batch_put_from_multi_buffers`). A block that fails to
+  `get_finished` reports once, with the blocks that failed. `wait_for_save` hands the
+  prompt blocks computed in this step to the worker's saver thread
+  (`batch_put_from_multi_buffers`), which puts them during the next forward passes while the
+  scheduler holds a reference on each block (vLLM's block pool, `bind_gpu_block_pool`), so
+  that none is handed out and written again under a put; each worker reports its finished
+  saves with the next step's output (`build_connector_worker_meta`), and the scheduler lets
+  a save's blocks go once every worker has (`update_connector_output`). Without a bound pool
+  (a scheduler that is not vLLM's) a step's saves are put in the step. A block that fails to
   load is reported by `get_block_ids_with_load_errors` (vLLM then recomputes or fails the
   request, per its kv_load_failure_policy); after a synchronous load, the saves of its step
   and of the steps in flight with it are skipped (computed over it); the scheduler side
@@ -68,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvpool import limits
@@ -79,6 +86,7 @@ from kvpool.protocol.messages import TIER_DRAM, Replica, SegmentInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -97,6 +105,7 @@ class BlockTransfer:
     block_ids: list[int]
     is_async: bool = False  # a load vLLM waits for in WAITING_FOR_REMOTE_KVS, not before a forward
     first_block: int = 0  # the first block's position in the prompt (which rank saves which)
+    job: int = -1  # a save whose blocks the scheduler pinned: reported done by every worker
 
 
 @dataclasses.dataclass
@@ -109,6 +118,21 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
     key_prefix: str = ""
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
     saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """From the workers to the scheduler, each step: the save jobs each has finished (job ->
+    how many workers; vLLM sums them over the workers with `aggregate`)."""
+
+    saved: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPoolWorkerMetadata), type(other)
+        saved = dict(self.saved)
+        for job, count in other.saved.items():
+            saved[job] = saved.get(job, 0) + count
+        return KVPoolWorkerMetadata(saved)
 
 
 @dataclasses.dataclass
@@ -177,8 +201,21 @@ class KVPoolConnector(KVConnectorBase_V1):
         # Scheduler: the block hashes each recent step planned to save (the steps a load
         # failure may have run beside), and what a load failure doomed, removed again at the
         # next updates until those steps' saves are surely over (update_connector_output).
-        self._recent_saves: collections.deque[list[str]] = collections.deque(maxlen=self._steps_in_flight + 1)
-        self._doomed_saves: list[tuple[int, list[str]]] = []
+        self._recent_saves: collections.deque[tuple[list[str], list[int]]] = collections.deque(
+            maxlen=self._steps_in_flight + 1
+        )
+        self._doomed_saves: list[tuple[int, list[str], list[int]]] = []
+        # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
+        # reference of their own until every worker reported the job: _pin_saves).
+        self._block_pool: BlockPool | None = None
+        self._pinned: dict[int, tuple[list[int], int]] = {}
+        self._next_job = 0
+        self._workers = self.tp_size * self.pp_size  # each reports every job (context parallelism is refused)
+        # Worker: saves put on a thread of their own after the forward pass, and the jobs done
+        # since the last step's report (build_connector_worker_meta).
+        self._saver: concurrent.futures.ThreadPoolExecutor | None = None
+        self._saving: list[concurrent.futures.Future[None]] = []
+        self._saved: collections.deque[int] = collections.deque()
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -317,8 +354,48 @@ class KVPoolConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._loaded_async.discard(req_id)
-        self._recent_saves.append([h for save in meta.saves for h in save.block_hashes])
+        self._pin_saves(meta)
+        self._recent_saves.append(([h for save in meta.saves for h in save.block_hashes], [s.job for s in meta.saves]))
         return meta
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's block pool (the real scheduler binds it): with it, saves run after the
+        forward pass on the workers' saver threads while their blocks stay pinned."""
+        self._block_pool = gpu_block_pool
+
+    def _pin_saves(self, meta: KVPoolConnectorMetadata) -> None:
+        """Give each save a job and take a reference on its blocks, so that vLLM reuses none of
+        them (a finished or preempted request frees its blocks at once) while a worker's put
+        still reads them: written again under a put in flight, a block would be stored under
+        its old key. Released when every worker has reported the job (update_connector_output)."""
+        pool = self._block_pool
+        if pool is None:
+            return  # no pool to pin in (a scheduler vLLM did not bind): workers save in the step
+        for save in meta.saves:
+            save.job, self._next_job = self._next_job, self._next_job + 1
+            block_ids = list(dict.fromkeys(save.block_ids))
+            pool.touch([pool.blocks[block_id] for block_id in block_ids])
+            self._pinned[save.job] = (block_ids, self._workers)
+
+    def _unpin_saved(self, worker_meta: Any) -> None:
+        """Release the blocks of the save jobs every worker has now reported."""
+        if not isinstance(worker_meta, KVPoolWorkerMetadata) or self._block_pool is None:
+            return
+        pool = self._block_pool
+        for job, count in worker_meta.saved.items():
+            pinned = self._pinned.pop(job, None)
+            if pinned is None:  # a bug (a job reported by more workers than there are): say so
+                log.warning("kvpool: save job %d reported done again", job)
+                continue
+            block_ids, left = pinned
+            if left > count:
+                self._pinned[job] = (block_ids, left - count)
+                continue
+            pool.free_blocks(pool.blocks[block_id] for block_id in reversed(block_ids))
+
+    def has_pending_push_work(self) -> bool:
+        """Saves still read pinned blocks: vLLM keeps stepping until the workers report them."""
+        return bool(self._pinned)
 
     def _plan_save(
         self, meta: KVPoolConnectorMetadata, req_id: str, state: _RequestState, computed_tokens: int
@@ -341,6 +418,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         with that prefix read the failed block's garbage as a prefix-cache hit (and this
         connector then saved the blocks it computed over them into the pool: seen driving
         vLLM's real scheduler, 4 of 6 seeds with load failures injected)."""
+        self._unpin_saved(getattr(connector_output, "kv_connector_worker_meta", None))
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         self._remove_doomed_saves(bool(invalid))
         manager = getattr(self, "_kv_cache_manager", None)
@@ -365,21 +443,27 @@ class KVPoolConnector(KVConnectorBase_V1):
         on across PP), under their right keys, and a later recompute of them found the keys
         taken. Only the scheduler hears every rank's failures. A save of a step still in
         flight may land after a removal: hence again, at each of the next updates (each
-        comes after one more step's saves)."""
+        comes after one more step's saves), and for as long as a worker has not reported one
+        of those saves done (saves put on the workers' threads: _pin_saves)."""
         if is_failure:
-            hashes = [h for step in self._recent_saves for h in step]
+            hashes = [h for step_hashes, _ in self._recent_saves for h in step_hashes]
+            jobs = [job for _, step_jobs in self._recent_saves for job in step_jobs if job >= 0]
             if hashes:
-                self._doomed_saves.append((self._steps_in_flight + 1, hashes))
+                self._doomed_saves.append((self._steps_in_flight + 1, hashes, jobs))
         if not self._doomed_saves:
             return
         ranks = self._key_ranks()
-        keys = [self._key(h, tp, pp) for _, hashes in self._doomed_saves for h in hashes for tp, pp in ranks]
+        keys = [self._key(h, tp, pp) for _, hashes, _ in self._doomed_saves for h in hashes for tp, pp in ranks]
         try:
             for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
                 self._store.batch_remove(keys[start : start + limits.BATCH_KEYS_MAX], force=True)
         except KVPoolError as exc:
             log.warning("kvpool: removing %d blocks saved beside a failed load failed: %s", len(keys), exc)
-        self._doomed_saves = [(left - 1, hashes) for left, hashes in self._doomed_saves if left > 1]
+        self._doomed_saves = [
+            (left - 1, hashes, jobs)
+            for left, hashes, jobs in self._doomed_saves
+            if left > 1 or any(job in self._pinned for job in jobs)
+        ]
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -391,7 +475,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
         self._loaded_async.discard(request.request_id)
-        return False, None  # saves finish within the step: vLLM may free the blocks now
+        return False, None  # vLLM may free the blocks now: a save in flight holds its own reference
 
     # --- worker side --------------------------------------------------------------------------
 
@@ -489,7 +573,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Write the prompt blocks this step computed. A failure is logged: a future miss.
+        """Write the prompt blocks this step computed: on the saver thread, while the next
+        steps run, when the scheduler pinned their blocks (a job per save: _pin_saves), else
+        now. A failure is logged: a future miss. Each job is reported done once, put or not
+        (build_connector_worker_meta).
 
         Not after a load failed, in its step and in the steps vLLM scheduled before it learnt
         of the failure (one more with async scheduling; PP - 1 more with PP): their forward
@@ -506,22 +593,50 @@ class KVPoolConnector(KVConnectorBase_V1):
                     "kvpool: a load failed in this step or one in flight with it; not saving %d blocks",
                     sum(len(save.block_ids) for save in meta.saves),
                 )
+            self._saved.extend(save.job for save in meta.saves if save.job >= 0)
             return
         replicas, share = self._tp_replicas, self.tp_rank % self._tp_replicas
         for save in meta.saves:
             mine = [i for i in range(len(save.block_ids)) if (save.first_block + i) % replicas == share]
-            if not mine:
-                continue
-            keys = [self._key(save.block_hashes[i], prefix=meta.key_prefix) for i in mine]
-            addresses, sizes = self._block_buffers([save.block_ids[i] for i in mine])
-            try:
-                codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
-            except KVPoolError as exc:
-                log.warning("kvpool save of %s failed: %s", save.request_id, exc)
-                continue
-            failed = sum(code not in _PUT_OK for code in codes)
-            if failed:
-                log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
+            if save.job < 0:
+                self._save(save, mine, meta.key_prefix)
+            elif not mine:
+                self._saved.append(save.job)
+            else:
+                if self._saver is None:
+                    self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+                self._saving.append(self._saver.submit(self._save_job, save, mine, meta.key_prefix))
+
+    def _save_job(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
+        try:
+            self._save(save, mine, key_prefix)
+        except Exception:  # a bug, not an operating error: the job still ends (its blocks unpinned)
+            log.exception("kvpool save of %s failed", save.request_id)
+        finally:
+            self._saved.append(save.job)
+
+    def _save(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
+        """Put this rank's blocks of `save` (those at `mine`); a failure is logged."""
+        if not mine:
+            return
+        keys = [self._key(save.block_hashes[i], prefix=key_prefix) for i in mine]
+        addresses, sizes = self._block_buffers([save.block_ids[i] for i in mine])
+        try:
+            codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
+        except KVPoolError as exc:
+            log.warning("kvpool save of %s failed: %s", save.request_id, exc)
+            return
+        failed = sum(code not in _PUT_OK for code in codes)
+        if failed:
+            log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
+
+    def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
+        """The save jobs this worker finished since the last step (each once)."""
+        saved: dict[int, int] = {}
+        while self._saved:
+            saved[self._saved.popleft()] = 1
+        self._saving = [future for future in self._saving if not future.done()]
+        return KVPoolWorkerMetadata(saved) if saved else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -530,6 +645,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._loader is not None:  # loads in flight write into the registered cache
             self._loader.shutdown(wait=True)
+        if self._saver is not None:  # and saves in flight read it
+            self._saver.shutdown(wait=True)
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []
