@@ -467,7 +467,8 @@ class Instance:
                 self.cache[n][:, b, 0] += 1.0
         # The saves of the step before ran during this forward: they end now, and this step
         # reports them (exactly those: this step's saves start below).
-        concurrent.futures.wait(self.worker._saving)
+        if self.worker._saver is not None:  # one thread: this runs after every save queued before
+            self.worker._saver.submit(lambda: None).result()
         saved = self.worker.build_connector_worker_meta()
         for save in meta.saves:
             for h, b in zip(save.block_hashes, save.block_ids):

@@ -214,7 +214,6 @@ class KVPoolConnector(KVConnectorBase_V1):
         # Worker: saves put on a thread of their own after the forward pass, and the jobs done
         # since the last step's report (build_connector_worker_meta).
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None
-        self._saving: list[concurrent.futures.Future[None]] = []
         self._saved: collections.deque[int] = collections.deque()
 
     # --- keys ---------------------------------------------------------------------------------
@@ -605,7 +604,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             else:
                 if self._saver is None:
                     self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
-                self._saving.append(self._saver.submit(self._save_job, save, mine, meta.key_prefix))
+                self._saver.submit(self._save_job, save, mine, meta.key_prefix)
 
     def _save_job(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
         try:
@@ -635,7 +634,6 @@ class KVPoolConnector(KVConnectorBase_V1):
         saved: dict[int, int] = {}
         while self._saved:
             saved[self._saved.popleft()] = 1
-        self._saving = [future for future in self._saving if not future.done()]
         return KVPoolWorkerMetadata(saved) if saved else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
