@@ -58,8 +58,8 @@ install_sglang() {
 
 install_vllm() {
     install_torch
-    pip_install --no-deps "vllm==0.33.0"
-    pip_install cbor2 openai-harmony openai cachetools xgrammar fastapi partial-json-parser \
+    pip_install --no-deps "vllm==0.34.0"
+    pip_install cbor2 openai-harmony openai cachetools xgrammar==0.2.8 fastapi partial-json-parser requests \
         llguidance py-cpuinfo pyzmq pillow psutil pybase64 pyyaml cloudpickle einops
 }
 

@@ -12,28 +12,23 @@ a dead master makes lookups miss and loads fail without raising. Most tests load
 (`load_async` false); the async tests drive the default path: a load on the worker's thread,
 its end reported by get_finished.
 
-vLLM itself cannot be installed with its dependencies here: vllm 0.33.0 pins torch==2.14.0,
+vLLM itself cannot be installed with its dependencies here: vllm 0.34.0 pins torch==2.14.0,
 a CUDA build of several GB. scripts/install-peers.sh vllm installs it with --no-deps plus the
-few pure-Python packages its connector, config and scheduler modules import; VLLM_TARGET_DEVICE
-is set to cpu so that vLLM's platform detection picks its CPU platform. Skipped unless vllm
-imports.
+few pure-Python packages its connector, config and scheduler modules import; vllm_on_cpu makes
+vLLM take its CPU platform. Skipped unless vllm imports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
 import weakref
 
 import pytest
+import vllm_on_cpu  # noqa: E402, F401  (before vLLM)
 from conftest import wait_until
-
-# vLLM decides its platform on first use; this wheel is not a CPU build, so say it (as its CPU
-# docs do). Only read by vLLM.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
 pytest.importorskip(
@@ -89,7 +84,7 @@ def connector(config: VllmConfig, role: KVConnectorRole):
 
 
 FLASH_ATTENTION_SHAPE = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
-CPU_ATTENTION_SHAPE = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)  # vLLM 0.33's CPU backend
+CPU_ATTENTION_SHAPE = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)  # vLLM's CPU backend
 
 
 def paged_cache(seed: int | None, shape: tuple[int, ...] = FLASH_ATTENTION_SHAPE) -> dict[str, torch.Tensor]:
@@ -121,7 +116,7 @@ def step(new: list[NewRequestData], scheduled: dict[str, int]) -> SchedulerOutpu
     return SchedulerOutput(
         scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
         num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[],
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
         finished_req_ids=set(), free_encoder_mm_hashes=[],
     )  # fmt: skip
 
@@ -131,6 +126,7 @@ def new_request_data(req: Request, block_ids: list[int], num_computed_tokens: in
         req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[],
         sampling_params=req.sampling_params, pooling_params=None, block_ids=(block_ids,),
         num_computed_tokens=num_computed_tokens, lora_request=None,
+        prefill_token_ids=list(req.prompt_token_ids),
     )  # fmt: skip
 
 
@@ -285,7 +281,7 @@ def a_saves_and_b_loads(master: str, cache_a: dict, cache_b: dict) -> None:
 
 
 def test_the_cpu_backends_block_first_layout_saves_and_loads_whole_blocks(make_cluster):
-    """vLLM 0.33's CPU attention (the backend this connector serves) lays a layer out block
+    """vLLM's CPU attention (the backend this connector serves) lays a layer out block
     first, K and V in one row: (num_blocks, kv_heads, block_size, 2 * head_size)."""
     cluster = make_cluster(1, "16MiB")
     cache_a, cache_b = paged_cache(1, CPU_ATTENTION_SHAPE), paged_cache(None, CPU_ATTENTION_SHAPE)
@@ -515,14 +511,18 @@ def test_hit_sources_name_the_nearest_replica_of_each_block():
 def test_async_loads_run_beside_the_forward_passes_and_end_once(make_cluster):
     """The default: vLLM parks a request with a hit in WAITING_FOR_REMOTE_KVS, its blocks load
     on the worker's loader thread while forward passes go on, and the worker reports the
-    request done once; it is scheduled to compute after that, and saves its own blocks."""
+    request done once; it is scheduled to compute after that, and saves its own blocks.
+    vLLM (0.34, with --max-num-inflight-kv-loads) queues a request that may load so before it
+    asks: any prompt longer than a block, but not one whose later loads are synchronous."""
     cluster = make_cluster(2, "16MiB")
     config = vllm_config(cluster.master_endpoint, load_async=None)
     with two_instances(config, 4) as (sched_a, worker_a, cache_a, sched_b, worker_b, cache_b):
         assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
         req_b = request("b-1", PROMPT + [7, 8, 9, 10, 11, 12])
+        assert sched_b.may_load_async(req_b) and not sched_b.may_load_async(request("b-2", PROMPT[:BLOCK_SIZE]))
         assert sched_b.get_num_new_matched_tokens(req_b, 0) == (12, True)
         sched_b.update_state_after_alloc(req_b, blocks([1, 2, 3, 9, 10]), 12)
+        assert not sched_b.may_load_async(req_b)  # were it preempted: its next load is synchronous
         meta = sched_b.build_connector_meta(step([], {}))  # b-1 is not scheduled: it waits
         assert [(load.block_ids, load.is_async) for load in meta.loads] == [([1, 2, 3], True)]
         assert run_async_load_step(worker_b, meta, "b-1") == set()

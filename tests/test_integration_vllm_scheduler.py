@@ -8,7 +8,9 @@ block saved into the pool and every output token is checked against that functio
 conversations alternate between the instances over a shared system prompt; the caches are small
 enough for preemptions; load failures are injected by removing planned blocks from the pool
 between the lookup and the load; loads are synchronous, or the connector's async loads
-(`--load-async`: requests wait in WAITING_FOR_REMOTE_KVS while forward passes go on). (Run it
+(`--load-async`: requests wait in WAITING_FOR_REMOTE_KVS while forward passes go on), also
+started while the running batch is full (`--inflight-loads`, vLLM's
+--max-num-inflight-kv-loads). (Run it
 by hand for more seeds:
 `python tests/vllm_scheduler_sim.py --seed 3 --faults 0.3 --blocks 28 --convs 16 --max-seqs 8`.)
 
@@ -17,12 +19,9 @@ Needs vLLM (scripts/install-peers.sh vllm, which installs einops for vLLM's mode
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import vllm_on_cpu  # noqa: E402, F401  (before vLLM)
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM decides its platform
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model's config is a local file
 pytest.importorskip("torch", reason="needs torch==2.13.0")
 pytest.importorskip("einops", reason="vLLM's model registry imports it (scripts/install-peers.sh vllm)")
 pytest.importorskip(
@@ -31,6 +30,7 @@ pytest.importorskip(
 from tests import vllm_scheduler_sim as sim  # noqa: E402
 
 SMALL = ["--blocks", "28", "--convs", "16", "--max-seqs", "8"]
+FULL_BATCHES = ["--blocks", "64", "--convs", "16", "--max-seqs", "3"]  # running slots, not blocks, run out
 
 
 @pytest.mark.parametrize(
@@ -45,9 +45,12 @@ SMALL = ["--blocks", "28", "--convs", "16", "--max-seqs", "8"]
         ["--seed", "0", "--faults", "0.3", "--load-async", *SMALL],
         ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--load-async", "--blocks", "32", "--convs", "12"],
         ["--seed", "0", "--async", "--load-async", "--blocks", "32", "--convs", "12"],
+        # --max-num-inflight-kv-loads: loads start while every running slot is taken.
+        ["--seed", "0", "--faults", "0.3", "--load-async", "--inflight-loads", "4", *FULL_BATCHES],
+        ["--seed", "3", "--async", "--faults", "0.3", "--load-async", "--inflight-loads", "2", *FULL_BATCHES],
     ],
     ids=["recompute", "recompute-block-16", "fail", "async-no-faults", "load-async", "load-async-fail",
-         "async-load-async-no-faults"],
+         "async-load-async-no-faults", "inflight-loads", "async-inflight-loads"],
 )
 def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
     outcome = sim.run(sim.arguments(argv))
@@ -56,3 +59,6 @@ def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
     assert stats.finished == stats.requests > 0 and stats.loads_ok_blocks > 0 and stats.saves_ok > 0
     if "--faults" in argv:
         assert stats.load_failed_blocks > 0  # the failure path ran
+    if "--inflight-loads" in argv:
+        assert stats.async_loads_beside_a_full_batch > 0  # KVPoolConnector.may_load_async
+

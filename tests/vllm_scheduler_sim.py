@@ -42,17 +42,14 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import torch  # noqa: E402
+import vllm_on_cpu  # noqa: E402, F401  (before vLLM)
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -140,7 +137,8 @@ def make_vllm_config(args, master: str) -> VllmConfig:
                         max_model_len=args.max_model_len)
     sched = SchedulerConfig(max_num_batched_tokens=args.batched_tokens, max_num_seqs=args.max_seqs,
                             max_model_len=args.max_model_len, enable_chunked_prefill=True,
-                            is_encoder_decoder=False, async_scheduling=args.async_sched)
+                            is_encoder_decoder=False, async_scheduling=args.async_sched,
+                            max_num_inflight_kv_loads=args.inflight_loads)
     config = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=args.block_size, enable_prefix_caching=True),
@@ -182,6 +180,7 @@ class Stats:
     excused_reads: int = 0
     downstream_reads: int = 0
     start_load_after_forward_with_loads: int = 0
+    async_loads_beside_a_full_batch: int = 0  # started while every running slot was taken
     finished: int = 0
     requests: int = 0
     convs_ended_at_capacity: int = 0
@@ -211,6 +210,7 @@ class Instance:
         # slot -> origin step of wrong content (load failure / poison), or "W" for unexcused.
         self.origin: dict[tuple[int, int], object] = {}
         self.step_no = 0
+        self.slots_taken_before_schedule = 0  # running requests as the step was scheduled
         self.processed_upto = 0  # steps whose update_from_output has run: all < this
         self.batch_queue: collections.deque = collections.deque()
         self.cur_meta = None
@@ -316,20 +316,18 @@ class Instance:
         for load in meta.loads:
             loaded_tokens[load.request_id] += len(load.block_ids) * self.bs
         self.stats.external_hit_tokens += sum(loaded_tokens.values())
+        if self.slots_taken_before_schedule >= self.args.max_seqs:
+            self.stats.async_loads_beside_a_full_batch += sum(load.is_async for load in meta.loads)
         for new in so.scheduled_new_reqs:
             self.block_table[new.req_id] = list(new.block_ids[0])
             computed[new.req_id] = new.num_computed_tokens
             self.stats.prefix_hit_tokens += new.num_computed_tokens - loaded_tokens[new.req_id]
         cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
+        for i, rid in enumerate(cached.req_ids):  # resumed requests come as new ones
             nb = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                self.block_table[rid] = list(nb[0]) if nb is not None else []
-            elif nb is not None:
+            if nb is not None:
                 self.block_table.setdefault(rid, []).extend(nb[0])
             computed[rid] = cached.num_computed_tokens[i]
-            if rid in cached.resumed_req_ids:
-                self.stats.prefix_hit_tokens += computed[rid] - loaded_tokens[rid]
         # Cross-check against the scheduler's own block table (sync scheduling only: exact).
         if not self.args.async_sched:
             for rid in so.num_scheduled_tokens:
@@ -352,7 +350,7 @@ class Instance:
 
         if self.args.trace:
             print(f"  {self.name} step {step}: sched " + ", ".join(
-                f"{r}(c={computed[r]},n={n},{_how_scheduled(so, cached, r)},bt={self.block_table[r]})"
+                f"{r}(c={computed[r]},n={n},{_how_scheduled(so, r)},bt={self.block_table[r]})"
                 for r, n in so.num_scheduled_tokens.items())
                 + f" loads={[(x.request_id, x.block_ids) for x in meta.loads]}"
                 + f" saves={[(x.request_id, x.block_ids) for x in meta.saves]}"
@@ -498,7 +496,7 @@ class Instance:
             if sampled[rid] is not None:
                 self.pending[rid].append((step, sampled[rid]))
         return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            req_ids=req_ids,
             sampled_token_ids=[[sampled[r]] if sampled[r] is not None else [] for r in req_ids],
             kv_connector_output=KVConnectorOutput(
                 kv_connector_worker_meta=saved,
@@ -530,6 +528,7 @@ class Instance:
         if not self.args.async_sched:
             if not self.scheduler.has_requests():
                 return finished
+            self.slots_taken_before_schedule = len(self.scheduler.running)
             so = self.scheduler.schedule()
             self.step_no += 1
             self.ctx_sched_processed[self.step_no] = self.step_no  # only this step unprocessed
@@ -539,6 +538,7 @@ class Instance:
         # step_with_batch_queue, batch_queue_size = 2
         scheduled = False
         if self.scheduler.has_requests():
+            self.slots_taken_before_schedule = len(self.scheduler.running)
             so = self.scheduler.schedule()
             self.step_no += 1
             self.ctx_sched_processed[self.step_no] = self.processed_upto + 1
@@ -590,10 +590,8 @@ class Instance:
 
 # ------------------------------------------------------------------------------ driver
 
-def _how_scheduled(so, cached, req_id: str) -> str:
-    if any(x.req_id == req_id for x in so.scheduled_new_reqs):
-        return "new"
-    return "resumed" if req_id in cached.resumed_req_ids else "run"
+def _how_scheduled(so, req_id: str) -> str:
+    return "new" if any(x.req_id == req_id for x in so.scheduled_new_reqs) else "run"  # new: or resumed
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -601,6 +599,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async", dest="async_sched", action="store_true")
     ap.add_argument("--load-async", action="store_true", help="the connector's async loads (WAITING_FOR_REMOTE_KVS)")
+    ap.add_argument("--inflight-loads", type=int, default=None,
+                    help="--max-num-inflight-kv-loads: async loads may start while the running batch is full")
     ap.add_argument("--faults", type=float, default=0.0, help="probability per load to remove a block")
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=48)

@@ -261,12 +261,25 @@ class KVPoolConnector(KVConnectorBase_V1):
         state.stored_block_count = hit_blocks
         tokens = max(0, hit_blocks * self.block_size - num_computed_tokens)
         # A request looked up again after an async load failed from its first block is
-        # loaded synchronously: vLLM 0.33 keeps it at the head of its queue of requests
+        # loaded synchronously: vLLM keeps it at the head of its queue of requests
         # holding blocks, and an async load there must fit beside every other one in flight,
         # so while it waits for room the requests behind it, loaded already and holding that
         # room, never move (seen in tests/vllm_scheduler_sim.py, seed 0, faults 0.3).
         state.load_async = tokens > 0 and self._load_async and request.request_id not in self._loaded_async
         return tokens, state.load_async
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether the lookup may answer with an async load, asked (from vLLM 0.34) as a
+        request enters the waiting queues, so without a round trip. With
+        --max-num-inflight-kv-loads such a request's load may start while the running batch
+        is full, and its KV is there when a slot frees. Any prompt longer than a block may be
+        in the pool; one that is not holds back the loads queued behind it until a slot
+        frees, as every request waited before (and is looked up once a step meanwhile)."""
+        return (
+            self._load_async
+            and request.request_id not in self._loaded_async
+            and len(request.prompt_token_ids or ()) > self.block_size
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
