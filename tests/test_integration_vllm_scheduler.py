@@ -62,3 +62,13 @@ def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
     if "--inflight-loads" in argv:
         assert stats.async_loads_beside_a_full_batch > 0  # KVPoolConnector.may_load_async
 
+
+def test_with_async_scheduling_and_load_failures_no_wrong_kv_reaches_the_pool():
+    """vLLM's async scheduling with failed loads puts wrong KV in the engine, by vLLM's own
+    doing (integrations.md): a request that shared the failed block in the step in flight
+    keeps the tokens it computed over it. None of it may reach the pool: in seed 3 the
+    connector saved such a request's later blocks (eleven) until it stopped saving any
+    request that held a failed block."""
+    outcome = sim.run(sim.arguments(["--seed", "3", "--async", "--faults", "0.3", *SMALL]))
+    assert outcome.stats.load_failed_blocks > 0 and outcome.stats.saves_ok > 0
+    assert not [kind for kind in outcome.problems if kind.startswith("POOL-POISONED")], dict(outcome.problems)

@@ -437,11 +437,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         if not invalid or manager is None:
             return
         doomed = set(invalid)
-        for req_id in self._requests:
+        for req_id, state in self._requests.items():
             block_ids = manager.get_block_ids(req_id)[0]
             for index, block_id in enumerate(block_ids):
                 if block_id in invalid:
                     doomed.update(block_ids[index:])
+                    # Nothing more of it is saved: with async scheduling a request that took
+                    # the failed block from vLLM's prefix cache in the step in flight has
+                    # computed over it, and vLLM keeps those tokens computed.
+                    state.stored_block_count = len(state.block_hashes)
                     break
         manager.evict_blocks(doomed)
 
