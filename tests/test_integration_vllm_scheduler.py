@@ -40,6 +40,9 @@ FULL_BATCHES = ["--blocks", "64", "--convs", "16", "--max-seqs", "3"]  # running
         ["--seed", "2", "--faults", "0.3", "--block-size", "16", *SMALL],
         ["--seed", "0", "--faults", "0.3", "--policy", "fail", "--blocks", "32", "--convs", "12"],
         ["--seed", "0", "--async", "--blocks", "32", "--convs", "12"],
+        # Async scheduling with failed loads: clean under "fail" (under "recompute" vLLM itself
+        # hands out tokens computed over the failed block: integrations.md).
+        ["--seed", "3", "--async", "--faults", "0.3", "--policy", "fail", *SMALL],
         # Seed 0 deadlocks instance B unless a request's later loads are synchronous
         # (KVPoolConnector.get_num_new_matched_tokens).
         ["--seed", "0", "--faults", "0.3", "--load-async", *SMALL],
@@ -49,7 +52,7 @@ FULL_BATCHES = ["--blocks", "64", "--convs", "16", "--max-seqs", "3"]  # running
         ["--seed", "0", "--faults", "0.3", "--load-async", "--inflight-loads", "4", *FULL_BATCHES],
         ["--seed", "3", "--async", "--faults", "0.3", "--load-async", "--inflight-loads", "2", *FULL_BATCHES],
     ],
-    ids=["recompute", "recompute-block-16", "fail", "async-no-faults", "load-async", "load-async-fail",
+    ids=["recompute", "recompute-block-16", "fail", "async-no-faults", "async-fail", "load-async", "load-async-fail",
          "async-load-async-no-faults", "inflight-loads", "async-inflight-loads"],
 )
 def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
