@@ -2,11 +2,12 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool.integrations.vllm", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"master": "10.0.0.1:50051"}}'
 
-("recompute": a block lost between the lookup and the load is recomputed; vLLM's default,
-"fail", ends the request with an error.)
+(A block lost between the lookup and the load ends its request with an error, vLLM's default
+"kv_load_failure_policy"; "recompute" recomputes it instead, but is safe only with
+--no-async-scheduling: under async scheduling vLLM hands out tokens computed over the lost
+block. docs/integrations.md.)
 
 Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
 default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
