@@ -302,3 +302,34 @@ def test_a_port_that_is_not_a_kvpool_server_is_named_as_such():
         for conn in accepted:
             conn.close()
         thread.join(10)
+
+
+# The command's entry point, with a Ctrl-C arriving while it loads the CLI's modules.
+_INTERRUPTED_WHILE_LOADING = """
+import sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvpool.cli.main":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+from kvpool.cli import main
+main()
+"""
+
+
+def test_a_ctrl_c_while_the_command_loads_exits_quietly():
+    """The `kvpool` command spends about half a second loading its modules (typer, rich, the
+    client, numpy); a Ctrl-C in that time printed a traceback. Its entry point loads nothing
+    of them itself (the package's names load on first use), so it can catch that: exit 130,
+    no traceback."""
+    interrupted = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_LOADING, "master"], capture_output=True, timeout=60
+    )
+    assert interrupted.returncode == 130, interrupted.stderr
+    assert b"Traceback" not in interrupted.stderr, interrupted.stderr
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, kvpool.cli; print(sorted(m for m in sys.modules if m.startswith("
+         "('kvpool.', 'typer', 'rich', 'numpy', 'msgspec'))))"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert loaded.stdout.split() == ["['kvpool.cli']"]
