@@ -423,7 +423,8 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks the workers failed to load leave vLLM's prefix cache, with every block after
-        them in the requests that hold them (computed over them).
+        them in the requests that hold them (computed over them), and those requests save
+        nothing more.
 
         vLLM does so itself only under kv_load_failure_policy "fail": under "recompute" it
         keeps them cached for the failed request to recompute in place, but a request
