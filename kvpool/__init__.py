@@ -26,7 +26,7 @@ __all__ = ["AsyncStore", "ErrorCode", "KVPoolError", "ReplicateConfig", "Store"]
 __version__ = "0.1.0"
 
 # Loaded on first use: the `kvpool` command imports this package before anything else, and
-# only then can it make a Ctrl-C during its imports quiet (kvpool.cli.main()).
+# only then can it make a Ctrl-C during its imports quiet (main in kvpool/cli/__init__.py).
 _HOMES = {
     "AsyncStore": "kvpool.client.store",
     "Store": "kvpool.client.sync",
