@@ -2,12 +2,13 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"master": "10.0.0.1:50051"}}'
 
-(A block lost between the lookup and the load ends its request with an error, vLLM's default
-"kv_load_failure_policy"; "recompute" recomputes it instead, but is safe only with
---no-async-scheduling: under async scheduling vLLM hands out tokens computed over the lost
-block. docs/integrations.md.)
+("recompute": a block lost between the lookup and the load is recomputed; vLLM's default,
+"fail", ends the request with an error. With "load_async": false, recompute only together
+with --no-async-scheduling: a synchronous load that fails under async scheduling has vLLM
+hand out tokens computed over the lost block. docs/integrations.md.)
 
 Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
 default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
@@ -250,8 +251,17 @@ class KVPoolConnector(KVConnectorBase_V1):
         # A worker loads a request's blocks in one batch, which a master takes up to
         # BATCH_KEYS_MAX keys: a longer hit would be a failed load (past 262k tokens at block 16).
         keys = [self._key(h, tp, pp) for h in hashes[: limits.BATCH_KEYS_MAX] for tp, pp in ranks]
+        # A request looked up again after an async load (which failed, or vLLM would not ask)
+        # loads nothing more: it computes the rest. Loaded async again, it would wait at the
+        # head of vLLM's queue of requests holding blocks for room beside every load in
+        # flight, while the requests behind it, loaded already and holding that room, never
+        # moved (tests/vllm_scheduler_sim.py, seed 0, faults 0.3). Loaded synchronously (as
+        # until 2026-12-05), a failure of that load under vLLM's async scheduling handed out
+        # tokens computed over the failed block (vLLM's own bug; integrations.md). A
+        # preempted request gave its blocks back, and loads async again (build_connector_meta).
+        again = self._load_async and request.request_id in self._loaded_async
         try:
-            hit_blocks = self._held_prefix(keys) // len(ranks)
+            hit_blocks = self._held_prefix(keys, hold=not again) // len(ranks)
         except KVPoolError as exc:
             log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
             return 0, False
@@ -260,13 +270,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             hit_blocks -= 1
         state = self._requests[request.request_id]
         state.stored_block_count = hit_blocks
+        if again:
+            return 0, False
         tokens = max(0, hit_blocks * self.block_size - num_computed_tokens)
-        # A request looked up again after an async load failed from its first block is
-        # loaded synchronously: vLLM keeps it at the head of its queue of requests
-        # holding blocks, and an async load there must fit beside every other one in flight,
-        # so while it waits for room the requests behind it, loaded already and holding that
-        # room, never move (seen in tests/vllm_scheduler_sim.py, seed 0, faults 0.3).
-        state.load_async = tokens > 0 and self._load_async and request.request_id not in self._loaded_async
+        state.load_async = tokens > 0 and self._load_async
         return tokens, state.load_async
 
     def may_load_async(self, request: Request) -> bool:
@@ -274,8 +281,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         request enters the waiting queues, so without a round trip. With
         --max-num-inflight-kv-loads such a request's load may start while the running batch
         is full, and its KV is there when a slot frees. Any prompt longer than a block may be
-        in the pool; one that is not holds back the loads queued behind it until a slot
-        frees, as every request waited before (and is looked up once a step meanwhile)."""
+        in the pool (a request looked up again after an async load loads nothing: see
+        get_num_new_matched_tokens); one that is not holds back the loads queued behind it
+        until a slot frees, as every request waited before (and is looked up once a step
+        meanwhile)."""
         return (
             self._load_async
             and request.request_id not in self._loaded_async
@@ -298,14 +307,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         if state.load_async:
             self._loaded_async.add(request.request_id)
 
-    def _held_prefix(self, keys: list[str]) -> int:
-        """How many leading keys the pool holds (and holds for the load), in one round trip
+    def _held_prefix(self, keys: list[str], hold: bool = True) -> int:
+        """How many leading keys the pool holds (and holds for the load, with `hold`), in one round trip
         per BATCH_KEYS_MAX keys, which a master takes in one batch: a long prompt at TP 4 and
         block 16 has more past 65k tokens, and its whole lookup used to be refused (a miss)."""
         found = 0
         for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
             batch = keys[start : start + limits.BATCH_KEYS_MAX]
-            count = self._store.longest_prefix(batch, self._lookup_hold_ms)
+            count = self._store.longest_prefix(batch, self._lookup_hold_ms if hold else 0)
             found += count
             if count < len(batch):
                 break
@@ -364,6 +373,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                 state.block_ids += list(new_ids[0])
             computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
             self._plan_save(meta, req_id, state, computed)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._loaded_async.discard(req_id)  # its blocks are gone: a load of it starts afresh
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._loaded_async.discard(req_id)
