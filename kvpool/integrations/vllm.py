@@ -35,8 +35,8 @@ of them load every block.
   keys (at most BATCH_KEYS_MAX blocks: a worker loads them in one batch), and always leaves
   at least one token to compute. The plan (and the scheduler's key prefix) goes to the workers
   in the metadata. Loads are asynchronous (load_async): vLLM parks the request in
-  WAITING_FOR_REMOTE_KVS and goes on with the others; a request's later loads (vLLM looks
-  it up again after its load failed, or after a preemption) are synchronous.
+  WAITING_FOR_REMOTE_KVS and goes on with the others; a request vLLM looks up again after
+  its async load failed loads nothing more (a preempted one loads async again).
   `get_external_cache_hit_sources` splits the loaded tokens, for vLLM's metrics, by where
   each block lies: this host's DRAM ("host"), another's ("p2p"), a disk tier or the DFS.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
@@ -178,8 +178,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         # Scheduler state.
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
-        # Requests that had an async load: any later load of theirs is synchronous (see
-        # get_num_new_matched_tokens).
+        # Requests that had an async load (and were not preempted since): a later lookup of
+        # theirs loads nothing (see get_num_new_matched_tokens).
         self._loaded_async: set[str] = set()
         # Where segments are (by id), for get_external_cache_hit_sources: fetched again when
         # a replica lies in one not known yet.
