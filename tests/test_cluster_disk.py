@@ -394,8 +394,15 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_clu
     # Least recently used first: the misses are the oldest objects, and at most the one whose
     # offload found the filesystem full, if no report came first (before: 13 of the newest).
     lost_among_kept = [key for key in keys[keys.index(kept[0]) :] if key not in kept]
-    assert len(lost_among_kept) <= 1, lost_among_kept
     master_log = cluster.master.log_tail(200)
+    # (Failed once in a full CI run, 2026-12-05: 9, 10 and 13 lost, 13 being the offload that
+    # found the filesystem full; not reproduced alone, under load either. Say what happened.)
+    assert len(lost_among_kept) <= 1, (
+        lost_among_kept,
+        [line for line in master_lines(cluster) if line.startswith("kvpool_master_tier_failed_moves_total")],
+        [line for line in master_log.splitlines() if "filesystem" in line or "evict" in line],
+        [line for line in node.log_tail(200).splitlines() if "No space left" in line],
+    )
     assert "its filesystem has" in master_log or "its filesystem is full" in master_log
     failures = [line for line in node.log_tail(200).splitlines() if "No space left" in line]
     assert len(failures) <= 2, failures  # one line per request, not one per object
