@@ -259,7 +259,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         # until 2026-12-05), a failure of that load under vLLM's async scheduling handed out
         # tokens computed over the failed block (vLLM's own bug; integrations.md). A
         # preempted request gave its blocks back, and loads async again (build_connector_meta).
-        again = self._load_async and request.request_id in self._loaded_async
+        again = request.request_id in self._loaded_async  # (empty without async loads)
         try:
             hit_blocks = self._held_prefix(keys, hold=not again) // len(ranks)
         except KVPoolError as exc:
