@@ -341,18 +341,23 @@ class SmallFilesystem:
         file_bytes = footprint_bytes(self.object_size) + objectfile.header_size_for("k0")
         return (self.files_max - len(self.files)) * file_bytes
 
-    def put(self, svc, key: str, now: int) -> None:
-        """One put as the server runs it: moves and drops land between its rounds."""
+    def put(self, svc, key: str | list[str], now: int) -> None:
+        """One put (of a key, or a batch) as the server runs it: moves and drops land between
+        its rounds."""
+        todo = [key] if isinstance(key, str) else key
         for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
-            if put(svc, [key], size=self.object_size, now=now) == [OK]:
+            codes = put(svc, todo, size=self.object_size, now=now)
+            todo = [name for name, code in zip(todo, codes) if code != OK]
+            if not todo:
                 return
             run_moves(svc, now, self.answer)
             drops = ack_drops(svc, now)
             self.files -= {entry.key for disk in ("A/disk", "B/disk") for entry in drops.get(disk, [])}
-        raise AssertionError(f"{key} found no room")
+        raise AssertionError(f"{todo} found no room")
 
 
-def test_a_disk_tier_whose_filesystem_fills_up_keeps_its_newest_objects(caplog):
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_disk_tier_whose_filesystem_fills_up_keeps_its_newest_objects(caplog, batch):
     # 4 MiB of disk tier by its capacity, but other files left its filesystem room for 8
     # objects of 64 KiB. Before: every offload after the 8th failed, so the disk kept the 8
     # oldest objects for good and every object evicted from DRAM since was lost.
@@ -361,24 +366,28 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_its_newest_objects(caplog):
     now = 0
     names = keys("k", 64)
     with caplog.at_level(logging.WARNING, logger="kvpool.master.service"):
-        for name in names:
+        for start in range(0, len(names), batch):
             now += 100
-            filesystem.put(svc, name, now)
-    assert filesystem.full_answers == 1  # then its room was capped at what it held
+            filesystem.put(svc, names[start : start + batch], now)
+    # The offloads in flight when it filled (a batch put evicts several at once) found it
+    # full, and those objects were lost; then its room was capped at what it held.
+    assert filesystem.full_answers == batch
+    assert tiers(svc)[TIER_DISK]["failed_moves"] == batch
     assert len(filesystem.files) == 8
     on_disk = sorted(filesystem.files, key=names.index)
     in_dram = [name for name in names if where(svc, name) == ["A"]]
     # Least recently used first, in DRAM as on the disk: what is left is the newest objects.
     assert on_disk + in_dram == names[-len(on_disk + in_dram) :]
     assert all(where(svc, name) == ["A/disk"] for name in on_disk)
-    assert sum("its filesystem is full" in r.getMessage() for r in caplog.records) == 1
+    (full,) = [r.getMessage() for r in caplog.records if "its filesystem is full" in r.getMessage()]
+    assert f"full with {8 * footprint_bytes(OBJECT_SIZE)} of" in full  # once all those failed
 
     # A minute later the tier is tried at its capacity again: the other files are gone.
     filesystem.files_max = 64
     for name in keys("later", 16):
         now += 100
         filesystem.put(svc, name, now + tiers_module.FULL_TIER_RETRY_MS)
-    assert filesystem.full_answers == 1
+    assert filesystem.full_answers == batch  # none more
     assert len(filesystem.files) > 8
 
 

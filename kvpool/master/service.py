@@ -969,7 +969,7 @@ class MasterService:
         if results is not None and len(results) != len(items):
             results = None
         self._tiers.finish(items, results, now_ms)
-        for segment, room_bytes in self._tiers.newly_full:
+        for segment, room_bytes in self._tiers.newly_full.values():
             log.warning(
                 "%s segment %s (node %s): its filesystem is full with %d of its %d bytes held; moves "
                 "there now make room by evicting its oldest objects (for %d s, then it is tried again)",

@@ -375,9 +375,10 @@ class TierFlow:
         # never, until the master restarted). Bounded: forgotten when it fills up.
         self._without_dfs: dict[str, int] = {}
         # Segments whose filesystem is full (FULL_TIER_RETRY_MS): id -> (segment, the bytes it
-        # may hold, until when); and those found full since the service last took the list.
+        # may hold, until when); and those found full since the service last logged them, by
+        # id, with the bytes they may hold.
         self._full: dict[str, tuple[Segment, int, int]] = {}
-        self.newly_full: list[tuple[Segment, int]] = []
+        self.newly_full: dict[str, tuple[Segment, int]] = {}
         # The last report of each slower segment's free filesystem space (report_free); per
         # filesystem, the segments on it and the file bytes they may take, until when: a
         # filesystem none reported for FULL_TIER_RETRY_MS caps nothing (a node that cannot
@@ -570,12 +571,14 @@ class TierFlow:
         room_bytes = segment.allocator.used_bytes
         before = self._full_bytes(segment, now_ms)
         if before is None:
-            self.newly_full.append((segment, room_bytes))
             for segment_id, (held_by, _, _) in list(self._full.items()):
                 if not self._is_live(held_by):
                     del self._full[segment_id]
         else:
             room_bytes = min(before, room_bytes)
+        if before is None or segment.segment_id in self.newly_full:
+            # Logged once, with the room left once every move in flight failed alike.
+            self.newly_full[segment.segment_id] = (segment, room_bytes)
         self._full[segment.segment_id] = (segment, room_bytes, now_ms + FULL_TIER_RETRY_MS)
 
     def _file_bytes(self, segment: Segment, with_arriving: bool = True) -> int:
