@@ -187,9 +187,9 @@ class ZeroCopyRun:
         return self.size * len(self.keys) / elapsed / 1e9
 
 
-def small_objects(store: Store, repeats: int, threads: int) -> dict:
+def small_objects(store: Store, repeats: int, threads: int, batch_count: int = 48) -> dict:
     """4 KiB objects in batches of 128 through one Store, from `threads` caller threads."""
-    batches = [[f"small-{b}-{i}" for i in range(128)] for b in range(48)]
+    batches = [[f"small-{b}-{i}" for i in range(128)] for b in range(batch_count)]
     value = os.urandom(4096)
     values = [value] * 128
 
@@ -219,13 +219,13 @@ def small_objects(store: Store, repeats: int, threads: int) -> dict:
 FULL_CACHE_MEMORY = 64 * MIB
 
 
-def small_puts_into_a_full_cache(repeats: int, polling: tuple[str, str]) -> dict:
-    """4 KiB puts in batches of 128 from one thread into a node of FULL_CACHE_MEMORY that was
-    filled twice over first: each put finds no room until eviction makes it. Every put must
-    be stored."""
-    batches_per_round = 48
+def small_puts_into_a_full_cache(repeats: int, polling: tuple[str, str], memory: int = FULL_CACHE_MEMORY) -> dict:
+    """4 KiB puts in batches of 128 from one thread into a node of `memory` that was filled
+    twice over first: each put finds no room until eviction makes it. Every put must be
+    stored."""
+    batches_per_round = 48 * memory // FULL_CACHE_MEMORY
     value = os.urandom(4096)
-    with LocalCluster(1, f"{FULL_CACHE_MEMORY // MIB}MiB", master_args=polling, node_args=polling) as cluster:
+    with LocalCluster(1, f"{memory // MIB}MiB", master_args=polling, node_args=polling) as cluster:
         with Store(cluster.master_endpoint, token=cluster.client_token) as store:
             next_batch = 0
 
@@ -238,18 +238,18 @@ def small_puts_into_a_full_cache(repeats: int, polling: tuple[str, str]) -> dict
                 next_batch += batch_count
                 return 128 * batch_count / (time.perf_counter() - started)
 
-            put_rounds(2 * FULL_CACHE_MEMORY // (128 * len(value)))  # fill, then evict as much again
+            put_rounds(2 * memory // (128 * len(value)))  # fill, then evict as much again
             rate = median_of(repeats, lambda: put_rounds(batches_per_round))
             evictions = store.cluster_status().evicted_count
-    return {"segment_bytes": FULL_CACHE_MEMORY, "put_objects_per_s": round(rate), "evictions": evictions}
+    return {"segment_bytes": memory, "put_objects_per_s": round(rate), "evictions": evictions}
 
 
-def single_get_latency(store: Store) -> dict:
+def single_get_latency(store: Store, gets: int = 3000) -> dict:
     """One 4 KiB get at a time: the sync Store, and AsyncStore on its own loop."""
     keys = [f"latency-{i}" for i in range(256)]
     store.put_batch(keys, [os.urandom(4096)] * len(keys))
     sync_us = []
-    for i in range(3000):
+    for i in range(gets):
         started = time.perf_counter_ns()
         assert store.get(keys[i % len(keys)]) is not None
         sync_us.append((time.perf_counter_ns() - started) / 1000)
@@ -257,7 +257,7 @@ def single_get_latency(store: Store) -> dict:
     async def async_latencies() -> list[float]:
         async with await AsyncStore.open(store._async.config.master, token=store._async.config.token) as async_store:
             out = []
-            for i in range(3000):
+            for i in range(gets):
                 started = time.perf_counter_ns()
                 assert await async_store.get(keys[i % len(keys)]) is not None
                 out.append((time.perf_counter_ns() - started) / 1000)
@@ -323,11 +323,16 @@ def main() -> None:
         with Store(cluster.master_endpoint, token=cluster.client_token) as store:
             for threads in (1, 4):
                 result[f"small_4KiB_batch128_shm_{threads}_threads"] = small_objects(
-                    store, args.repeats, threads
+                    store, args.repeats, threads, 16 if args.quick else 48
                 )
             store.remove_all(force=True)
-            result["single_get_4KiB"] = single_get_latency(store)
-    result["small_4KiB_batch128_shm_1_thread_full_cache"] = small_puts_into_a_full_cache(args.repeats, polling)
+            result["single_get_4KiB"] = single_get_latency(store, 500 if args.quick else 3000)
+    # --quick: a quarter of the node, as fewer batches and gets above, so that a smoke run
+    # under the tests' invariant checks (O(objects) after every request) takes seconds.
+    full_cache_memory = FULL_CACHE_MEMORY // 4 if args.quick else FULL_CACHE_MEMORY
+    result["small_4KiB_batch128_shm_1_thread_full_cache"] = small_puts_into_a_full_cache(
+        args.repeats, polling, full_cache_memory
+    )
     json.dump(result, sys.stdout, indent=2)
     print()
 
