@@ -327,7 +327,7 @@ def main() -> None:
                 )
             store.remove_all(force=True)
             result["single_get_4KiB"] = single_get_latency(store, 500 if args.quick else 3000)
-    # --quick: a quarter of the node, as fewer batches and gets above, so that a smoke run
+    # --quick: a quarter of the node (and fewer batches and gets above), so that a smoke run
     # under the tests' invariant checks (O(objects) after every request) takes seconds.
     full_cache_memory = FULL_CACHE_MEMORY // 4 if args.quick else FULL_CACHE_MEMORY
     result["small_4KiB_batch128_shm_1_thread_full_cache"] = small_puts_into_a_full_cache(
