@@ -396,31 +396,26 @@ def test_a_disk_tier_whose_filesystem_fills_up_keeps_the_newest_objects(make_clu
     cluster = make_cluster(0, "8MiB")
     node = cluster.start_node((*disk_args(mount / "disk", "12MiB"), "--metrics-port", "0"))
     keys, kept = put_through_a_full_filesystem(cluster, mount, mount / "disk", wait_for_report=False)
-
-    def failed_moves() -> int:
-        return int(master_metric(cluster, 'kvpool_master_tier_failed_moves_total{tier="disk"}'))
-
     # Least recently used first: the misses are the oldest objects, and among the newest at
     # most the offloads that found the filesystem full, if no report came first: every one in
     # flight then (several when the node lags behind the puts, as on a loaded machine, or
     # when a batch put evicted several at once; it failed a CI run, 2026-12-05, when this
     # allowed one). Nothing else: before, 13 of the newest were lost.
-    failed = failed_moves()
-    lost_among_kept = [key for key in keys[keys.index(kept[0]) :] if key not in kept]
-    assert len(lost_among_kept) <= failed, (
-        lost_among_kept,
-        failed,
-        [line for line in cluster.master.log_tail(200).splitlines() if "filesystem" in line or "evict" in line],
-    )
-    # And once capped, the tier fails no more moves: the next 20 DRAM victims are offloaded,
-    # each evicting the tier's oldest objects to make room.
     with Store(cluster.master_endpoint) as store:
+        failed = tiers_of(store)["disk"]["failed_moves"]
+        lost_among_kept = [key for key in keys[keys.index(kept[0]) :] if key not in kept]
+        assert len(lost_among_kept) <= failed, (
+            lost_among_kept,
+            failed,
+            [line for line in cluster.master.log_tail(200).splitlines() if "filesystem" in line or "evict" in line],
+        )
+        # And once capped, the tier fails no more moves: the next 20 DRAM victims are
+        # offloaded, each evicting the tier's oldest objects to make room.
         offloads = tiers_of(store)["disk"]["offloads"]
         for key, value in values_for("after-full", 20, 512 * 1024).items():
             store.put(key, value)
-        is_offloaded = wait_until(lambda: tiers_of(store)["disk"]["offloads"] >= offloads + 20, 10)
-    assert failed_moves() == failed
-    assert is_offloaded
+        wait_until(lambda: tiers_of(store)["disk"]["offloads"] >= offloads + 20, 10)
+        assert tiers_of(store)["disk"]["failed_moves"] == failed
     master_log = cluster.master.log_tail(200)
     assert "its filesystem has" in master_log or "its filesystem is full" in master_log
     # One warning per request, naming how many more failed alike, not one line per object.
