@@ -24,8 +24,10 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # logged, rather than later, mid-request. 4: put ids (PutStart, PutEnd and PutRevoke). 5: the
 # lookup hold (LongestPrefix.hold_ms, which a master of version 4 would drop unread). 6: a
 # move's deadline (MoveObjects.deadline_ms: a node of version 5 would record a move the master
-# gave up on) and a mount's last part (MountSegment.is_last).
-FRAME_VERSION = 6
+# gave up on) and a mount's last part (MountSegment.is_last). 7: the reads a lookup holds for
+# (LongestPrefix.hold_reads: a master of version 6 would end an MLA block's hold at the first
+# of the TP ranks that read it).
+FRAME_VERSION = 7
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB
@@ -75,6 +77,9 @@ LOOKUP_HOLD_MS_DEFAULT = 5_000
 # An adapter's lookup_hold_ms above this is refused at start as a typo (an hour; the master
 # would cut it to the lease TTL anyway).
 LOOKUP_HOLD_MS_MAX = 3_600_000
+# The reads one lookup may hold its hits for (LongestPrefix.hold_reads: the engine ranks that
+# load each object, at most a TP group's).
+LOOKUP_HOLD_READS_MAX = 1_024
 # A writer silent past the discard timeout loses its put (the key becomes free again); its
 # space is released only after the release timeout, so a slow writer can never scribble on
 # someone else's object (Mooncake put_start_discard_timeout_sec=30, release_timeout_sec=600).

@@ -323,6 +323,7 @@ def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on(
             lambda: store.remove_all(force=None), lambda: store.list_objects("", 2**70),
             lambda: store.list_objects(None), lambda: store.batch_remove(["good"], force=1),
             lambda: store.longest_prefix(["good"], hold_ms="5"), lambda: store.longest_prefix(["good"], -1),
+            lambda: store.longest_prefix(["good"], 5, hold_reads=2.0), lambda: store.longest_prefix(["good"], 5, 0),
         ):  # fmt: skip
             with pytest.raises(InvalidParams):
                 call()

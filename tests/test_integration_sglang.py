@@ -526,6 +526,52 @@ def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(mak
         rank1.close()
 
 
+def test_an_mla_models_shared_pages_are_held_until_every_rank_has_fetched_them(make_cluster):
+    """Each TP rank of an MLA model looks the pages up (SGLang syncs the ranks' hits before
+    any fetch), then fetches them into its own host pool. The KV and indexer pages are one
+    object for every rank: their hold lasted until the first rank's fetch, and an eviction
+    before the second rank's failed it. Now it lasts until both have fetched; a rank's own
+    Mamba state (one object per rank) is held for that rank's fetch only. A remove that
+    spares leased objects stands for eviction here."""
+    cluster = make_cluster(1, "16MiB")
+    ranks, mambas = [], []
+    for rank in (0, 1):
+        mambas.append(MambaHostPool())
+        mambas[rank].fill_randomly()
+        ranks.append(hybrid(storage_config(cluster.master_endpoint, mla=True, tp_rank=rank),
+                            MLAHostPool("page_first"), indexer=IndexerHostPool(), mamba=mambas[rank]))  # fmt: skip
+    try:
+        keys = ["s0", "s1"]
+        indexer = PoolTransfer(PoolName.INDEXER, host_indices=host_indices([0, 1]), keys=keys)
+        assert ranks[0].batch_set_v1(keys, host_indices([0, 1])) == [True] * 2
+        assert ranks[0].batch_set_v2([indexer]) == {PoolName.INDEXER: [True] * 2}
+        for rank in ranks:
+            assert rank.batch_set_v2([states([1], keys[1:])]) == {PoolName.MAMBA: [True]}
+        query = [PoolTransfer(PoolName.INDEXER, keys=keys), states([], window(1), PoolHitPolicy.TRAILING_PAGES)]
+        for rank in ranks:  # the lookups, then SGLang's sync of the ranks' hits
+            assert rank.batch_exists_v2(keys, query).kv_hit_pages == 2
+        shared = ranks[0]._object_keys(keys) + ranks[0]._sidecar_keys(PoolName.INDEXER, keys)
+        own = [rank._sidecar_keys(PoolName.MAMBA, keys[1:])[0] for rank in ranks]
+        assert len(set(shared)) == 4 and own[0] != own[1]
+
+        def fetch(rank: int) -> None:
+            loaded = PoolTransfer(PoolName.INDEXER, host_indices=host_indices([2, 3]), keys=keys)
+            assert ranks[rank].batch_get_v1(keys, host_indices([2, 3])) == [True] * 2
+            assert ranks[rank].batch_get_v2([loaded, states([2], keys[1:])]) == {
+                PoolName.INDEXER: [True] * 2, PoolName.MAMBA: [True],
+            }  # fmt: skip
+
+        fetch(0)
+        # A remove gives the store's own leases back first: rank 0's fetch is over.
+        leased = ErrorCode.OBJECT_HAS_LEASE
+        assert ranks[0]._store.batch_remove([*shared, *own]) == [leased] * 4 + [ErrorCode.OK, leased]
+        fetch(1)
+        assert ranks[1]._store.batch_remove([*shared, own[1]]) == [ErrorCode.OK] * 5
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
 def test_other_pools_kvpool_cannot_store_are_refused_at_attach_and_bad_transfers_fail(make_cluster):
     """Refused when SGLang attaches: DeepSeek V4's compressed pools (the BLOCK_GROUPS policy)
     and, in an MLA model with TP > 1, a pool holding each rank's heads, which SGLang backs up

@@ -611,6 +611,37 @@ def test_the_blocks_a_lookup_planned_to_load_are_held_until_the_load(make_cluste
         sched.shutdown()
 
 
+def test_an_mla_block_is_held_until_every_tp_rank_has_loaded_it(make_cluster):
+    """The TP ranks of an MLA model share each block's object and each loads it. The lookup's
+    hold waited for one read: the first rank's release ended it, and an eviction before a
+    later rank's read failed that rank's load. Now it lasts until every rank has read it."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    config.parallel_config.tensor_parallel_size = 2
+    config.model_config = _Model(use_mla=True, kv_heads=1)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 3 * HEAD_SIZE)
+    sched = connector(config, KVConnectorRole.SCHEDULER)
+    workers = [connector(config, KVConnectorRole.WORKER) for _ in range(2)]
+    for rank, worker in enumerate(workers):
+        worker.tp_rank = rank  # what _parallel_ranks() gives TP rank `rank`
+        worker.register_kv_caches(paged_cache(7, shape))
+    try:
+        meta = first_prefill(sched, "r-1", [0, 1, 2, 3])
+        for worker in workers:
+            assert run_worker_step(worker, meta) == set()
+        meta = second_turn(sched)
+        planned = [workers[0]._key(h) for h in meta.loads[0].block_hashes]
+        held = [ErrorCode.OBJECT_HAS_LEASE] * len(planned)
+        assert run_worker_step(workers[0], meta) == set()
+        # A remove gives the store's own leases back first: rank 0's read is over.
+        assert workers[0]._store.batch_remove(planned) == held  # rank 1 has yet to read
+        assert run_worker_step(workers[1], meta) == set()
+        assert workers[1]._store.batch_remove(planned) == [ErrorCode.OK] * len(planned)
+    finally:
+        for side in [*workers, sched]:
+            side.shutdown()
+
+
 def test_failed_loads_are_reported_for_recompute(make_cluster):
     cluster = make_cluster(1, "16MiB")
     config = vllm_config(cluster.master_endpoint)

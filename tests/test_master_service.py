@@ -554,6 +554,43 @@ def test_a_lookup_hold_is_cut_to_the_lease_ttl_and_not_negative() -> None:
         svc.longest_prefix(LongestPrefix(["b"], hold_ms=-1), 0)
 
 
+def test_a_lookup_hold_for_several_reads_lasts_until_the_last_of_them() -> None:
+    """The TP ranks of an MLA model share one object per block and each loads it: a hold for
+    two reads outlives the first reader's release and ends with the second's. Looked up again
+    (a scheduler does, every step a request waits), a hold does not add reads up; a hold
+    that ran out awaits none; and a lookup that holds nothing asks for no reads."""
+    svc = make(lease_ttl_ms=10_000)
+    mount(svc, "s1")
+    put(svc, ["a", "b"])
+    for now in (0, 5):
+        assert svc.longest_prefix(LongestPrefix(["a"], hold_ms=5_000, hold_reads=2), now).count == 1
+    first, second = get(svc, ["a"], 10), get(svc, ["a"], 20)
+    release(svc, first.lease_granted_ms, ["a"], 30)
+    assert svc.remove(Remove(["a"]), 31).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    release(svc, second.lease_granted_ms, ["a"], 40)
+    assert svc.remove(Remove(["a"]), 41).codes == [OK]
+    # Only one of the two reads came: the first reader's release leaves the hold, until the
+    # lease of that read runs out (the hold's own time, cut to the TTL, is past by then).
+    svc.longest_prefix(LongestPrefix(["b"], hold_ms=1_000, hold_reads=2), 100)
+    reply = get(svc, ["b"], 200)
+    release(svc, reply.lease_granted_ms, ["b"], 300)
+    assert svc.remove(Remove(["b"]), 10_199).codes == [ErrorCode.OBJECT_HAS_LEASE]
+    assert svc.remove(Remove(["b"]), 10_200).codes == [OK]
+    put(svc, ["c"])
+    svc.longest_prefix(LongestPrefix(["c"], hold_ms=1_000, hold_reads=3), 0)
+    reply = get(svc, ["c"], 1_500)  # after the hold ran out: a lease of its own, nothing awaited
+    release(svc, reply.lease_granted_ms, ["c"], 1_600)
+    assert svc.remove(Remove(["c"]), 1_601).codes == [OK]
+    put(svc, ["d"])
+    svc.longest_prefix(LongestPrefix(["d"], hold_ms=0, hold_reads=2), 0)
+    reply = get(svc, ["d"], 10)
+    release(svc, reply.lease_granted_ms, ["d"], 20)
+    assert svc.remove(Remove(["d"]), 21).codes == [OK]
+    for reads in (0, -1, limits.LOOKUP_HOLD_READS_MAX + 1):
+        with pytest.raises(InvalidParams, match="hold_reads"):
+            svc.longest_prefix(LongestPrefix(["a"], hold_ms=1_000, hold_reads=reads), 0)
+
+
 def test_removed_ranges_are_reused_only_after_drops_done() -> None:
     svc = make()
     mount(svc, "s1")  # 16 objects of 64 KiB fill it

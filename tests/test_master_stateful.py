@@ -112,6 +112,7 @@ class MasterMachine(RuleBasedStateMachine):
         self.pending: dict[str, Put] = {}
         self.leases: dict[str, int] = {}
         self.readers: dict[str, int] = {}  # leases granted since the last lapse, not given back
+        self.awaited: dict[str, int] = {}  # reads a lookup's hold awaits (since the last lapse)
         self.granted: list[tuple[int, str]] = []  # leases a reader may give back: (time, key)
         self.quarantine: list[tuple[int, str, int]] = []  # release_ms, segment, offset
         self.taken: list[tuple[str, InventoryEntry]] = []  # drops sent, not yet acknowledged
@@ -422,8 +423,10 @@ class MasterMachine(RuleBasedStateMachine):
             assert {r.segment_id: r.offset for r in replicas} == obj.replicas
             event("hit")
             if not self._is_leased(key):
-                self.readers[key] = 0
+                self.readers[key] = self.awaited[key] = 0
             self.readers[key] = self.readers.get(key, 0) + 1
+            if self.awaited.get(key, 0) > 0:
+                self.awaited[key] -= 1
             self.leases[key] = max(self.leases.get(key, 0), self.now + CONFIG.lease_ttl_ms)
             self.granted.append((self.now, key))
 
@@ -436,9 +439,13 @@ class MasterMachine(RuleBasedStateMachine):
         is_current = granted_ms + CONFIG.lease_ttl_ms > self.now and key in self.objects
         if is_current and self._is_leased(key) and self.readers.get(key, 0) > 0:
             self.readers[key] -= 1
-            if not self.readers[key]:
+            if not self.readers[key] and not self.awaited.get(key, 0):
                 del self.leases[key]
                 event("lease ended by its last reader")
+            elif not self.readers[key]:
+                event("lease kept for a read a hold awaits")
+                # Still leased: a remove that spares leased objects is refused (and changes nothing).
+                assert self.service.remove(Remove([key]), self.now).codes == [ErrorCode.OBJECT_HAS_LEASE]
 
     @precondition(lambda self: self.objects)
     @rule()
@@ -446,17 +453,22 @@ class MasterMachine(RuleBasedStateMachine):
         """Every object under a lease at once: eviction must then find nothing to take."""
         self.get(sorted(self.objects))
 
-    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=0, max_size=5), hold_ms=st.sampled_from([0, 300, 5_000]))
-    def exists_and_prefix(self, keys: list[str], hold_ms: int) -> None:
-        """With a hold, the prefix found is leased (to at most the TTL) with no reader counted."""
+    @rule(data=st.data(), hold_ms=st.sampled_from([0, 300, 5_000]), hold_reads=st.integers(1, 3))
+    def exists_and_prefix(self, data: st.DataObject, hold_ms: int, hold_reads: int) -> None:
+        """With a hold, the prefix found is leased (to at most the TTL) with no reader counted,
+        awaiting `hold_reads` reads (the most of the holds since the lease last lapsed). Keys
+        of objects lead, so that most lookups find some (an engine's usually do)."""
+        found = data.draw(st.lists(st.sampled_from(sorted(self.objects)), max_size=3)) if self.objects else []
+        keys = found + data.draw(st.lists(st.sampled_from(KEYS), max_size=3))
         flags = self.service.exist_keys(ExistKeys(keys), self.now).flags
         assert flags == [key in self.objects for key in keys]
-        prefix = self.service.longest_prefix(LongestPrefix(keys, hold_ms), self.now).count
+        prefix = self.service.longest_prefix(LongestPrefix(keys, hold_ms, hold_reads), self.now).count
         expected = next((i for i, key in enumerate(keys) if key not in self.objects), len(keys))
         assert prefix == expected
         for key in keys[:prefix] if hold_ms else ():
             if not self._is_leased(key):
-                self.readers[key] = 0
+                self.readers[key] = self.awaited[key] = 0
+            self.awaited[key] = max(self.awaited.get(key, 0), hold_reads)
             self.leases[key] = max(self.leases.get(key, 0), self.now + min(hold_ms, CONFIG.lease_ttl_ms))
             event("held by a lookup")
 
@@ -574,6 +586,7 @@ class MasterMachine(RuleBasedStateMachine):
         self.pending = {}
         self.leases = {}
         self.readers = {}
+        self.awaited = {}
         self.granted = []  # an earlier master's: the new one ignores them (test_master_service)
         self.quarantine = []
 

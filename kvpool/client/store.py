@@ -329,13 +329,15 @@ class AsyncStore:
     async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_flags(await self._master.call(ExistKeys(key_list(keys)), is_idempotent=True))
 
-    async def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0) -> int:
+    async def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0, hold_reads: int = 1) -> int:
         """How many leading keys are present, in one round trip (engines' prefix lookup).
         With `hold_ms`, what was found is kept from eviction for that long (at most the
-        master's lease TTL), or until a reader of it gives its lease back: for the load that
-        follows the lookup (an engine's scheduler looks up, its workers load moments later)."""
-        checked_args(hold_ms=(hold_ms, int))
-        message = LongestPrefix(key_list(keys), hold_ms)
+        master's lease TTL), or until `hold_reads` reads of it have begun and their readers
+        have given their leases back: for the load that follows the lookup (an engine's
+        scheduler looks up, its workers load moments later; `hold_reads` is how many ranks
+        load each object, all the TP ranks of an MLA model, which share its blocks)."""
+        checked_args(hold_ms=(hold_ms, int), hold_reads=(hold_reads, int))
+        message = LongestPrefix(key_list(keys), hold_ms, hold_reads)
         return prefix_count(await self._master.call(message, is_idempotent=True))
 
     async def get_size(self, key: str) -> int:

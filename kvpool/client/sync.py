@@ -596,9 +596,9 @@ class Store:
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_flags(self._ask(ExistKeys(key_list(keys))))
 
-    def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0) -> int:
-        checked_args(hold_ms=(hold_ms, int))
-        return prefix_count(self._ask(LongestPrefix(key_list(keys), hold_ms)))
+    def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0, hold_reads: int = 1) -> int:
+        checked_args(hold_ms=(hold_ms, int), hold_reads=(hold_reads, int))
+        return prefix_count(self._ask(LongestPrefix(key_list(keys), hold_ms, hold_reads)))
 
     def get_size(self, key: str) -> int:
         return object_size(self._ask(QueryObjects(key_list([key]))), key)

@@ -253,7 +253,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            count = self._store.longest_prefix(self._object_keys(keys), self._lookup_hold_ms)
+            count = self._store.longest_prefix(self._object_keys(keys), self._lookup_hold_ms, self._readers_of_each())
         except KVPoolError as exc:
             log.warning("kvpool batch_exists failed, reporting a miss: %s", exc)
             return 0
@@ -356,7 +356,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         except KVPoolError as exc:
             log.warning("kvpool batch_exists_v2 failed, reporting a miss: %s", exc)
             return PoolTransferResult(0, {}, [])
-        windows: list[tuple[list[str], int]] = []  # per pool: its objects, pages it needs at the end
+        windows: list[tuple[list[str], int, int]] = []  # per pool: its objects, pages it needs at the end, readers
         for transfer, pool_keys in zip(transfers, object_keys):
             present = [next(found) for _ in pool_keys]
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
@@ -374,12 +374,15 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             if boundary:
                 hits[transfer.name] = boundary
             restorable = [n for n in restorable if n in pool_restorable]
-            windows.append((pool_keys, window))
+            windows.append((pool_keys, window, self._readers_of_each(str(transfer.name))))
         if restorable and self._lookup_hold_ms:
             end = restorable[-1]
-            held = [key for pool_keys, window in windows for key in pool_keys[max(0, end - window) : end]]
+            held: dict[int, list[str]] = {}  # by the ranks that read each object
+            for pool_keys, window, readers in windows:
+                held.setdefault(readers, []).extend(pool_keys[max(0, end - window) : end])
             try:
-                if self._store.longest_prefix(held, self._lookup_hold_ms) < len(held):
+                hold = self._store.longest_prefix
+                if any(hold(keys, self._lookup_hold_ms, readers) < len(keys) for readers, keys in held.items()):
                     restorable.pop()  # evicted since it was found: the longest is not restorable now
             except KVPoolError as exc:
                 log.warning("kvpool could not hold the pages found (they may be evicted): %s", exc)
@@ -437,6 +440,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         for name, first, count in spans:
             results[name] = ok[first : first + count]
         return results
+
+    def _readers_of_each(self, pool_name: str = PoolName.KV.value) -> int:
+        """The ranks that load each object of that pool, which a lookup holds it for: all the
+        TP ranks of an MLA model share its KV pages (and all but the rank-sharded pools');
+        each rank looks them up, and SGLang syncs the ranks' hits before any loads."""
+        shared = self.is_mla and pool_name not in _RANK_SHARDED_IN_MLA
+        return self.storage_config.tp_size if shared else 1
 
     def _sidecar_keys(self, pool_name: Any, keys: Sequence[str]) -> list[str]:
         """The objects of a registered non-KV pool's pages. Raises InvalidParams otherwise."""

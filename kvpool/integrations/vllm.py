@@ -314,7 +314,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         found = 0
         for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
             batch = keys[start : start + limits.BATCH_KEYS_MAX]
-            count = self._store.longest_prefix(batch, self._lookup_hold_ms if hold else 0)
+            # Each key is loaded by the TP ranks that share it (every rank of an MLA model).
+            count = self._store.longest_prefix(batch, self._lookup_hold_ms if hold else 0, self._tp_replicas)
             found += count
             if count < len(batch):
                 break

@@ -708,7 +708,8 @@ class MasterService:
 
     def release_leases(self, msg: ReleaseLeases, now_ms: int) -> OkReply:
         """Readers give back the leases granted at `msg.granted_ms[i]` on `msg.keys[i]`: each
-        object's count of readers drops by one, and its lease ends with the last.
+        object's count of readers drops by one, and its lease ends with the last, unless a
+        lookup's hold still awaits reads (LongestPrefix.hold_reads).
 
         A lease that lapsed before its release came is ignored: its reader no longer counted
         (a later read started a new count), and giving it back would end the lease of a reader
@@ -728,9 +729,7 @@ class MasterService:
                 meta = in_dram(key) or in_lower(key)  # (an ObjectMeta is always true)
                 if meta is None or meta.readers <= 0 or meta.lease_expiry_ms <= now_ms:
                     continue
-                meta.readers -= 1
-                if not meta.readers:
-                    meta.lease_expiry_ms = 0
+                if meta.release():
                     released += 1
         self.counters.leases_released += released
         return OkReply()
@@ -749,15 +748,18 @@ class MasterService:
     def longest_prefix(self, msg: LongestPrefix, now_ms: int) -> CountReply:
         """The number of leading keys that are complete objects. Not an access (eviction
         order is untouched). With msg.hold_ms, those objects are held (LongestPrefix): their
-        lease runs at least min(hold_ms, lease_ttl_ms) from now, with no reader counted, so
-        the last reader to give its lease back ends the hold too (it read what was held).
+        lease runs at least min(hold_ms, lease_ttl_ms) from now, with no reader counted, and
+        awaits msg.hold_reads reads: the release that leaves no reader and no read awaited
+        ends the hold too (the load read what was held).
 
         Raises:
-            InvalidParams: too many keys, or a negative hold.
+            InvalidParams: too many keys, a negative hold, or hold_reads outside 1..LOOKUP_HOLD_READS_MAX.
         """
         self._check_batch(msg.keys)
         if msg.hold_ms < 0:
             raise InvalidParams(f"hold_ms must be >= 0, not {msg.hold_ms}")
+        if not 1 <= msg.hold_reads <= limits.LOOKUP_HOLD_READS_MAX:
+            raise InvalidParams(f"hold_reads must be in 1..{limits.LOOKUP_HOLD_READS_MAX}, not {msg.hold_reads}")
         in_dram, in_lower = self._table.objects.get, self._table.lower.get
         found: list[ObjectMeta] = []
         for key in msg.keys:
@@ -768,7 +770,7 @@ class MasterService:
         if msg.hold_ms:
             held_until_ms = now_ms + min(msg.hold_ms, self.config.lease_ttl_ms)
             for meta in found:
-                meta.extend_lease(now_ms, held_until_ms)
+                meta.hold_for_reads(now_ms, held_until_ms, msg.hold_reads)
             self.counters.lookup_holds += len(found)
         return CountReply(len(found))
 

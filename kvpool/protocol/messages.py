@@ -324,11 +324,14 @@ class ExistsReply(Message, tag=17):
 class LongestPrefix(Message, tag=18):
     """How many leading keys are complete objects. With `hold_ms` > 0 (at most the master's
     lease TTL; more is cut to it), each of those objects is kept from eviction for that long
-    or until a reader of it gives its lease back (ReleaseLeases), whichever comes first: an
-    engine's lookup holds what it found until its load reads it. Answered with CountReply."""
+    or until `hold_reads` reads of it have begun and their readers have given their leases
+    back (ReleaseLeases), whichever comes first: an engine's lookup holds what it found until
+    its load reads it, and an object that several ranks load (the TP ranks of an MLA model
+    share one) until the last of them has. Answered with CountReply."""
 
     keys: Batch[str]
     hold_ms: int = 0
+    hold_reads: int = 1
 
 
 class Remove(Message, tag=19):
