@@ -141,15 +141,6 @@ class ObjectMeta(msgspec.Struct, gc=False):
         if reads > self.held_reads:
             self.held_reads = reads
 
-    def release(self) -> bool:
-        """A reader gives its lease back; True when that ends the lease (the last reader, and
-        no read awaited)."""
-        self.readers -= 1
-        if self.readers or self.held_reads:
-            return False
-        self.lease_expiry_ms = 0
-        return True
-
     def has_replica_on(self, segment_index: int) -> bool:
         replicas = self.replicas
         if type(replicas) is int:

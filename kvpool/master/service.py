@@ -729,7 +729,9 @@ class MasterService:
                 meta = in_dram(key) or in_lower(key)  # (an ObjectMeta is always true)
                 if meta is None or meta.readers <= 0 or meta.lease_expiry_ms <= now_ms:
                     continue
-                if meta.release():
+                meta.readers -= 1  # (inline: a get's release comes for every key it read)
+                if not meta.readers and not meta.held_reads:
+                    meta.lease_expiry_ms = 0
                     released += 1
         self.counters.leases_released += released
         return OkReply()
