@@ -333,8 +333,10 @@ def test_a_kv_cache_outside_host_memory_is_refused_at_registration(make_cluster)
     worker = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.WORKER)
     try:
         on_device = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in paged_cache(None).items()}
-        with pytest.raises(InvalidParams, match=r"layer model\.layers\.0\.self_attn\.attn: the KV cache is on meta"):
+        named = r"layer model\.layers\.0\.self_attn\.attn: the KV cache is on meta"
+        with pytest.raises(InvalidParams, match=named) as refused:
             worker.register_kv_caches(on_device)
+        assert "LMCacheConnectorV1" in str(refused.value)  # what to run instead
         assert worker._registered == []
     finally:
         worker.shutdown()

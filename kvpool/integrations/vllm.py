@@ -528,7 +528,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             if tensor.device.type != "cpu":  # a GPU's address: the first save would crash the worker
                 raise InvalidParams(
                     f"layer {name}: the KV cache is on {tensor.device}; kvpool's vLLM connector reads "
-                    "and writes host memory only (vLLM's CPU backend)"
+                    "and writes host memory only (vLLM's CPU backend). On GPUs, serve with vLLM's "
+                    "LMCacheConnectorV1 and kvpool as LMCache's remote storage plugin (kvpool's "
+                    "docs/integrations.md)"
                 )
             identity = (tensor.data_ptr(), tuple(tensor.shape))
             if identity in seen:
