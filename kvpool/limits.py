@@ -145,6 +145,9 @@ HANDSHAKES_PENDING_MAX = 256
 # (libuv's answer to EMFILE), and a client only sees "connection closed by peer".
 OPEN_FILES_WARN_RATIO = 0.9
 REGISTERED_BUFFERS_MAX = 65_536
+# Operations of one kind an engine adapter keeps for the engine's stats until the engine takes
+# them (vLLM does after every step: integrations/vllm_stats.py); past it they are not kept.
+ENGINE_STATS_RECORDS_MAX = 10_000
 
 assert FRAME_HEADER_SIZE_BYTES == struct.calcsize(FRAME_HEADER_FMT)
 assert SLICE_SIZE_BYTES_MAX % PAGE_SIZE_BYTES == 0

@@ -21,11 +21,13 @@ vLLM take its CPU platform. Skipped unless vllm imports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 import time
 import weakref
 
+import msgspec
 import pytest
 import vllm_on_cpu  # noqa: E402, F401  (before vLLM)
 from conftest import wait_until
@@ -50,7 +52,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvpool import Store, limits  # noqa: E402
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
-from kvpool.integrations.vllm import KVPoolWorkerMetadata, _hex, _hit_source  # noqa: E402
+from kvpool.integrations.vllm import KVPoolConnector, KVPoolWorkerMetadata, _hex, _hit_source  # noqa: E402
 from kvpool.protocol.messages import Replica, SegmentInfo  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -642,6 +644,95 @@ def test_an_mla_block_is_held_until_every_tp_rank_has_loaded_it(make_cluster):
     finally:
         for side in [*workers, sched]:
             side.shutdown()
+
+
+def test_the_pools_lookups_loads_and_saves_reach_vllms_log_and_prometheus(make_cluster):
+    """vLLM asks each side of the connector for its stats after every step, sums the
+    workers', logs a summary every interval and exports them to Prometheus, as for its own
+    Mooncake store connector (same metric names, kvpool for mooncake_store). What each
+    operation moved is counted: keys, bytes, failed keys, and errors when the pool is gone."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=4))
+    block_bytes = sum(size for _, _, size in worker._layer_ranges)
+    try:
+        assert worker.get_kv_connector_stats() is None  # nothing yet
+        run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))  # saves its 3 blocks
+        meta = second_turn(sched)  # finds them; loads them into 6-8, saves block 9
+        assert run_worker_step(worker, meta) == set()
+        again = request("r-3", PROMPT + [9, 9, 9, 9])
+        assert sched.get_num_new_matched_tokens(again, 0) == (12, False)
+        sched.update_state_after_alloc(again, blocks([10, 11, 12, 13, 14]), 12)
+        meta = sched.build_connector_meta(step([new_request_data(again, [10, 11, 12, 13, 14], 12)], {"r-3": 6}))
+        worker._store.remove(worker._key(meta.loads[0].block_hashes[1]), force=True)
+        assert run_worker_step(worker, meta) == {11}  # one block of three lost: no save in that step
+        cluster.master.kill()
+        assert sched.get_num_new_matched_tokens(request("r-4", PROMPT), 0) == (0, False)
+
+        stats = worker.get_kv_connector_stats()
+        assert worker.get_kv_connector_stats() is None  # taken: a new interval
+        records = stats.data
+        assert [(r[1], r[2], r[3], r[4]) for r in records["save"]] == [
+            (3, 3 * block_bytes, 0, 0), (1, block_bytes, 0, 0),
+        ]  # fmt: skip
+        assert [(r[1], r[2], r[3], r[4]) for r in records["load"]] == [
+            (3, 3 * block_bytes, 0, 0), (3, 2 * block_bytes, 1, 0),
+        ]  # fmt: skip
+        lookups = sched.get_kv_connector_stats().data["lookup"]
+        assert [(r[1], r[3], r[4]) for r in lookups] == [(3, 0, 0), (4, 0, 0), (4, 0, 0), (3, 3, 1)]
+        assert all(0 < r[0] < 10 for op in (records["save"], records["load"], lookups) for r in op)
+
+        # As vLLM carries them: the workers' and the scheduler's summed, to the logger's process.
+        shipped = KVPoolConnector.build_kv_connector_stats(msgspec.msgpack.decode(msgspec.msgpack.encode(
+            stats.aggregate(KVPoolConnector.build_kv_connector_stats({"lookup": lookups})).to_dict()
+        )))  # fmt: skip
+        summary = shipped.reduce()
+        assert (summary["load_keys"], summary["load_failed_keys"], summary["load_bytes"]) == (6, 1, 5 * block_bytes)
+        assert (summary["lookup_count"], summary["lookup_errors"], summary["save_errors"]) == (4, 1, 0)
+        logged: list[str] = []
+        vllm_logging = KVConnectorLogging(config.kv_transfer_config)
+        vllm_logging.observe(shipped.to_dict())
+        vllm_logging.log(lambda fmt, *args: logged.append(fmt % args))
+        assert len(logged) == 1 and "load_failed_keys=1" in logged[0] and "save_keys=4" in logged[0]
+
+        registry = CollectorRegistry()
+        types = {kind: functools.partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
+        prom = KVPoolConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+        prom.observe(shipped.to_dict(), 0)
+
+        def sample(name: str, operation: str, status: str = "ok") -> float | None:
+            labels = {"model_name": "tiny", "engine": "0", "operation": operation, "status": status}
+            return registry.get_sample_value(f"vllm:kvpool_operation_{name}", labels)
+
+        assert sample("keys_total", "load") == 6 and sample("failed_keys_total", "load") == 1
+        assert sample("bytes_total", "save") == 4 * block_bytes and sample("total", "save") == 2
+        assert sample("total", "lookup", "error") == 1 and sample("failed_keys_total", "lookup", "error") == 3
+        assert sample("time_seconds_count", "lookup") == 3
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_connector_stats_reduce_to_a_summary_and_stay_bounded():
+    """The logged summary: per operation its count, mean and 90th-percentile time (nearest
+    rank), keys, failed keys, errors, and for loads and saves bytes and GB/s over their time.
+    Stats nothing takes stop growing at a bound."""
+    stats = KVPoolConnector.build_kv_connector_stats()
+    for ms in range(1, 11):
+        stats.record("load", ms / 1000, 2, 1_000_000, 1 if ms == 10 else 0, raised=False)
+    stats.record("lookup", 0.002, 5, 0, 5, raised=True)
+    summary = stats.reduce()
+    assert (summary["load_count"], summary["load_avg_ms"], summary["load_p90_ms"]) == (10, 5.5, 9.0)
+    assert (summary["load_keys"], summary["load_failed_keys"], summary["load_errors"]) == (20, 1, 0)
+    assert (summary["load_bytes"], summary["load_gb_per_s"]) == (10_000_000, 0.182)  # 10 MB in 55 ms
+    assert (summary["lookup_errors"], summary["lookup_failed_keys"]) == (1, 5) and "lookup_bytes" not in summary
+    for _ in range(limits.ENGINE_STATS_RECORDS_MAX + 5):
+        stats.record("save", 0.001, 1, 0, 0, raised=False)
+    assert len(stats.data["save"]) == limits.ENGINE_STATS_RECORDS_MAX
 
 
 def test_failed_loads_are_reported_for_recompute(make_cluster):

@@ -54,13 +54,15 @@ of them load every block.
   request, per its kv_load_failure_policy); after a synchronous load, the saves of its step
   and of the steps in flight with it are skipped (computed over it); the scheduler side
   evicts it and the blocks after it from vLLM's prefix cache (update_connector_output); a
-  failed save is a future miss. Operating errors never raise into vLLM.
+  failed save is a future miss. Operating errors never raise into vLLM. Each lookup, load
+  and save goes to vLLM's connector stats, log and Prometheus metrics (vllm_stats.py).
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
 SupportsHMA), prefix/decode context parallelism, block hashes finer than the block
 (hash_block_size). Not supported either: KV caches on a device the Store cannot address (the
-paged cache must be host memory, e.g. vLLM's CPU backend), layer-wise pipelining.
+paged cache must be host memory, e.g. vLLM's CPU backend; on GPUs vLLM reaches kvpool through
+LMCache's connector and kvpool's LMCache plugin), layer-wise pipelining.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import register_tensors
+from kvpool.integrations.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics, StatsRecorder
 from kvpool.protocol.messages import TIER_DRAM, Replica, SegmentInfo
 
 if TYPE_CHECKING:
@@ -175,6 +178,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.tp_rank, self.pp_rank = _parallel_ranks()
         self._tp_replicas = _tp_replicas(vllm_config)
+        # This side's pool operations since vLLM last asked (get_kv_connector_stats).
+        self._stats = StatsRecorder()
         # Scheduler state.
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -314,8 +319,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         found = 0
         for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
             batch = keys[start : start + limits.BATCH_KEYS_MAX]
-            # Each key is loaded by the TP ranks that share it (every rank of an MLA model).
-            count = self._store.longest_prefix(batch, self._lookup_hold_ms if hold else 0, self._tp_replicas)
+            with self._stats.timed("lookup", len(batch)):
+                # Each key is loaded by the TP ranks that share it (every rank of an MLA model).
+                count = self._store.longest_prefix(batch, self._lookup_hold_ms if hold else 0, self._tp_replicas)
             found += count
             if count < len(batch):
                 break
@@ -577,11 +583,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         keys = [self._key(h, prefix=key_prefix) for h in load.block_hashes]
         addresses, sizes = self._block_buffers(load.block_ids)
         try:
-            read = self._store.batch_get_into_multi_buffers(keys, addresses, sizes)
+            with self._stats.timed("load", len(keys)) as outcome:
+                read = self._store.batch_get_into_multi_buffers(keys, addresses, sizes)
+                whole = [count == sum(parts) for count, parts in zip(read, sizes)]
+                outcome.size_bytes = sum(count for count, ok in zip(read, whole) if ok)
+                outcome.failed_keys = whole.count(False)
         except KVPoolError as exc:
             log.warning("kvpool load of %s failed, vLLM recomputes: %s", load.request_id, exc)
             return set(load.block_ids)
-        return {block for block, count, parts in zip(load.block_ids, read, sizes) if count != sum(parts)}
+        return {block for block, ok in zip(load.block_ids, whole) if not ok}
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose async load ended, each reported once; the blocks that failed to
@@ -654,11 +664,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         keys = [self._key(save.block_hashes[i], prefix=key_prefix) for i in mine]
         addresses, sizes = self._block_buffers([save.block_ids[i] for i in mine])
         try:
-            codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
+            with self._stats.timed("save", len(keys)) as outcome:
+                codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
+                # (a block already in the pool moved no bytes, and did not fail)
+                outcome.size_bytes = sum(sum(parts) for code, parts in zip(codes, sizes) if code == ErrorCode.OK)
+                outcome.failed_keys = failed = sum(code not in _PUT_OK for code in codes)
         except KVPoolError as exc:
             log.warning("kvpool save of %s failed: %s", save.request_id, exc)
             return
-        failed = sum(code not in _PUT_OK for code in codes)
         if failed:
             log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
 
@@ -683,6 +696,27 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._registered = []
         self._kv_caches = {}
         self._store.close()
+
+    # --- telemetry (either side) -------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
+        """This side's pool operations since vLLM last asked (it asks after every step, sums
+        the workers' and logs and exports them: vllm_stats.py)."""
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolConnectorStats:
+        return KVPoolConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
