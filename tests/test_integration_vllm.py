@@ -493,6 +493,65 @@ def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_re
             side.shutdown()
 
 
+def test_a_reset_of_the_connectors_cache_removes_the_models_blocks_and_the_saves_in_flight(make_cluster):
+    """vLLM resets the connector's cache with reset_prefix_cache(reset_connector=True), and
+    by default on sleep and on a pause that clears caches, as around a weight update: blocks
+    computed with the old weights must not load again. The base class answers None, which
+    vLLM takes for success, and the pool kept serving them. Now every block of the model
+    goes, in every KV format, and only that model's; a save still in flight at the reset
+    (its put held on a worker's saver thread) is removed again once it has run. With the
+    master gone the reset fails (vLLM then fails it)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    other = vllm_config(cluster.master_endpoint)
+    other.kv_transfer_config.kv_connector_extra_config["model_name"] = "org/other"
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    other_sched, other_worker = connector(other, KVConnectorRole.SCHEDULER), connector(other, KVConnectorRole.WORKER)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    sched.bind_gpu_block_pool(pool)
+    gate = threading.Event()
+    try:
+        for w in (worker, other_worker):
+            w.register_kv_caches(paged_cache(seed=5))
+        assert run_worker_step(other_worker, first_prefill(other_sched, "o-1", [0, 1, 2, 3])) == set()
+        meta = first_prefill(sched, "r-1", [0, 1, 2, 3])
+        assert run_worker_step(worker, meta) == set()
+        wait_until(lambda: sched.get_num_new_matched_tokens(request("r-2", PROMPT), 0) == (12, False), timeout_s=10)
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta()))
+        another_format = Store(cluster.master_endpoint)
+        stale_tp2 = f"org/tiny@kv:bfloat16@tp_size:2@pp_size:1@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{'ab' * 16}"
+        another_format.put(stale_tp2, b"kv of the old weights")
+
+        held_put = worker._store.batch_put_from_multi_buffers
+        worker._store.batch_put_from_multi_buffers = lambda *args: gate.wait(10) and held_put(*args)
+        longer = request("r-3", list(range(200, 217)))  # 4 full blocks the pool does not hold
+        sched.get_num_new_matched_tokens(longer, 0)
+        sched.update_state_after_alloc(longer, blocks([5, 6, 7, 8, 9]), 0)
+        in_flight = sched.build_connector_meta(step([new_request_data(longer, [5, 6, 7, 8, 9], 0)], {"r-3": 17}))
+        assert run_worker_step(worker, in_flight) == set()  # its put is held on the saver thread
+
+        assert sched.reset_cache() is True
+        assert sched.get_num_new_matched_tokens(request("r-4", PROMPT), 0) == (0, False)
+        assert not another_format.exists(stale_tp2)
+        assert other_sched.get_num_new_matched_tokens(request("o-2", PROMPT), 0) == (12, False)  # not this model
+        gate.set()
+        reported = wait_until(worker.build_connector_worker_meta, 10)
+        saved = [worker._key(h) for h in in_flight.saves[0].block_hashes]
+        assert all(another_format.batch_exists(saved))  # landed after the reset...
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
+        assert not any(another_format.batch_exists(saved))  # ... and removed at the next update
+        another_format.close()
+
+        cluster.master.kill()
+        assert sched.reset_cache() is False
+    finally:
+        gate.set()
+        for side in (worker, sched, other_worker, other_sched):
+            side.shutdown()
+
+
 def test_hit_sources_name_the_nearest_replica_of_each_block():
     def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
         return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)

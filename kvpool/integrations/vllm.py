@@ -54,7 +54,9 @@ of them load every block.
   request, per its kv_load_failure_policy); after a synchronous load, the saves of its step
   and of the steps in flight with it are skipped (computed over it); the scheduler side
   evicts it and the blocks after it from vLLM's prefix cache (update_connector_output); a
-  failed save is a future miss. Operating errors never raise into vLLM. Each lookup, load
+  failed save is a future miss. Operating errors never raise into vLLM. vLLM's reset of the
+  connector's cache (around a weight update, on sleep) removes the model's blocks from the
+  pool (reset_cache). Each lookup, load
   and save goes to vLLM's connector stats, log and Prometheus metrics (vllm_stats.py).
 
 Not supported, and refused at start because each would load the wrong KV: more than one
@@ -71,6 +73,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -173,7 +176,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
-        self._model_prefix = f"{prefix}{model}@{_kv_format(vllm_config)}"
+        self._namespace = f"{prefix}{model}@"  # every block of this model, in any KV format
+        self._model_prefix = f"{self._namespace}{_kv_format(vllm_config)}"
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.tp_rank, self.pp_rank = _parallel_ranks()
@@ -213,9 +217,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         )
         self._doomed_saves: list[tuple[int, list[str], list[int]]] = []
         # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
-        # reference of their own until every worker reported the job: _pin_saves).
+        # reference of their own until every worker reported the job: _pin_saves), with the
+        # workers yet to report it and the job's block hashes.
         self._block_pool: BlockPool | None = None
-        self._pinned: dict[int, tuple[list[int], int]] = {}
+        self._pinned: dict[int, tuple[list[int], int, list[str]]] = {}
         self._next_job = 0
         self._workers = self.tp_size * self.pp_size  # each reports every job (context parallelism is refused)
         # Worker: saves put on a thread of their own after the forward pass, and the jobs done
@@ -406,7 +411,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             save.job, self._next_job = self._next_job, self._next_job + 1
             block_ids = list(dict.fromkeys(save.block_ids))
             pool.touch([pool.blocks[block_id] for block_id in block_ids])
-            self._pinned[save.job] = (block_ids, self._workers)
+            self._pinned[save.job] = (block_ids, self._workers, save.block_hashes)
 
     def _unpin_saved(self, worker_meta: Any) -> None:
         """Release the blocks of the save jobs every worker has now reported."""
@@ -418,11 +423,32 @@ class KVPoolConnector(KVConnectorBase_V1):
             if pinned is None:  # a bug (a job reported by more workers than there are): say so
                 log.warning("kvpool: save job %d reported done again", job)
                 continue
-            block_ids, left = pinned
+            block_ids, left, hashes = pinned
             if left > count:
-                self._pinned[job] = (block_ids, left - count)
+                self._pinned[job] = (block_ids, left - count, hashes)
                 continue
             pool.free_blocks(pool.blocks[block_id] for block_id in reversed(block_ids))
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset of the connector's cache (reset_prefix_cache with reset_connector, and
+        by default sleep and a pause that clears the caches, as around a weight update): every
+        object of this model's namespace leaves the pool, whichever deployment of it wrote it
+        and in whatever KV format, since blocks computed with the weights before must not load
+        again. A save planned before may still land after the removal: the blocks of the saves
+        of the steps in flight and of those no worker has finished go again at the next
+        updates, until those saves are over (_remove_doomed_saves, as after a failed load).
+        Returns False when the pool could not be reached: vLLM then fails the reset."""
+        hashes = [h for step_hashes, _ in self._recent_saves for h in step_hashes]
+        hashes += [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
+        if hashes:
+            self._doomed_saves.append((self._steps_in_flight + 1, hashes, list(self._pinned)))
+        try:
+            removed = self._store.remove_by_regex(f"^{re.escape(self._namespace)}", force=True)
+        except KVPoolError as exc:
+            log.warning("kvpool: the reset of the connector's cache failed: %s", exc)
+            return False
+        log.info("kvpool: the connector's cache was reset: %d objects of %s removed", removed, self._namespace)
+        return True
 
     def has_pending_push_work(self) -> bool:
         """Saves still read pinned blocks: vLLM keeps stepping until the workers report them."""
@@ -480,7 +506,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         taken. Only the scheduler hears every rank's failures. A save of a step still in
         flight may land after a removal: hence again, at each of the next updates (each
         comes after one more step's saves), and for as long as a worker has not reported one
-        of those saves done (saves put on the workers' threads: _pin_saves)."""
+        of those saves done (saves put on the workers' threads: _pin_saves). A reset of the
+        connector's cache dooms the saves planned before it alike (reset_cache)."""
         if is_failure:
             hashes = [h for step_hashes, _ in self._recent_saves for h in step_hashes]
             jobs = [job for _, step_jobs in self._recent_saves for job in step_jobs if job >= 0]
@@ -494,7 +521,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
                 self._store.batch_remove(keys[start : start + limits.BATCH_KEYS_MAX], force=True)
         except KVPoolError as exc:
-            log.warning("kvpool: removing %d blocks saved beside a failed load failed: %s", len(keys), exc)
+            log.warning("kvpool: removing %d blocks saved beside a failed load or before a reset failed: %s",
+                        len(keys), exc)  # fmt: skip
         self._doomed_saves = [
             (left - 1, hashes, jobs)
             for left, hashes, jobs in self._doomed_saves
