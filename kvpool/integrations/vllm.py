@@ -56,8 +56,8 @@ of them load every block.
   evicts it and the blocks after it from vLLM's prefix cache (update_connector_output); a
   failed save is a future miss. Operating errors never raise into vLLM. vLLM's reset of the
   connector's cache (around a weight update, on sleep) removes the model's blocks from the
-  pool (reset_cache). Each lookup, load
-  and save goes to vLLM's connector stats, log and Prometheus metrics (vllm_stats.py).
+  pool (reset_cache). Each lookup, load and save goes to vLLM's connector stats, log and
+  Prometheus metrics (vllm_stats.py).
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
