@@ -4,8 +4,9 @@ vLLM collects a connector's stats after every step, from the scheduler side and 
 worker (`get_kv_connector_stats`), sums them over the workers (`aggregate`), logs a summary
 every stats interval ("KV Transfer metrics: ...", `reduce`) and feeds its Prometheus endpoint
 (`build_prom_metrics`). The connector records each of its pool operations there, as vLLM's
-own Mooncake store connector does, under the same metric names with `kvpool` for
-`mooncake_store`, so that a dashboard moves from one to the other by a rename:
+own Mooncake store connector does, under its metric names with `kvpool` for
+`mooncake_store` and the same labels (a dashboard moves over by renaming the metrics; the
+`operation` label names kvpool's three operations, where Mooncake's names its RPCs):
 
     lookup  the scheduler's longest_prefix of a request's blocks (keys asked)
     load    a worker's read of a request's planned blocks (keys, bytes landed, keys failed)
