@@ -77,6 +77,11 @@ LOOKUP_HOLD_MS_DEFAULT = 5_000
 # An adapter's lookup_hold_ms above this is refused at start as a typo (an hour; the master
 # would cut it to the lease TTL anyway).
 LOOKUP_HOLD_MS_MAX = 3_600_000
+# How long a bulk removal waits for the master (an engine adapter's removal of a model's
+# objects: vLLM's reset of the connector's cache, SGLang's clear; `kvpool rm --regex/--all`):
+# it removes about 6 us an object on this project's machine (ad hoc, 200k objects through the
+# pure service), so 5 minutes is some 50 million, where the RPC timeout is under a million.
+BULK_REMOVE_TIMEOUT_MS = 300_000
 # The reads one lookup may hold its hits for (LongestPrefix.hold_reads: the engine ranks that
 # load each object, at most a TP group's).
 LOOKUP_HOLD_READS_MAX = 1_024

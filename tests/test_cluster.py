@@ -24,7 +24,7 @@ import uvloop
 from conftest import wait_until
 
 from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
-from kvpool.errors import NoAvailableHandle, Unauthorized
+from kvpool.errors import InvalidParams, NoAvailableHandle, RpcTimeout, Unauthorized
 from kvpool.master.server import TICK_INTERVAL_MS
 from kvpool.protocol.messages import GetReplicaList
 
@@ -691,6 +691,40 @@ def test_writers_read_back_what_they_just_put_into_a_full_cache(make_cluster, mo
     with Store(cluster.master_endpoint) as store, ThreadPoolExecutor(4) as pool:
         assert list(pool.map(writer, range(4))) == [[]] * 4
     assert master_metrics(cluster)["kvpool_master_evictions_total"] > 0  # it was full
+
+
+def test_a_bulk_removal_waits_for_the_master_as_long_as_its_caller_says(make_cluster):
+    """The master removes a few microseconds an object between other requests: a namespace of
+    millions takes longer than the RPC timeout, and the call failed while the master went on
+    removing. remove_by_regex and remove_all take a bound of their own (the engine adapters'
+    resets and `kvpool rm` wait limits.BULK_REMOVE_TIMEOUT_MS). A master that answers late
+    (stopped for 1.5 s here) fails the call only past that bound."""
+    cluster = make_cluster(1, "16MiB")
+
+    def stall_master(seconds: float) -> threading.Timer:
+        os.kill(cluster.master.pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, os.kill, (cluster.master.pid, signal.SIGCONT))
+        timer.start()
+        return timer
+
+    with Store(cluster.master_endpoint, rpc_timeout_ms=500) as store:
+        store.put_batch(["a/0", "a/1", "b/0", "other"], [b"v"] * 4)
+        stalled = stall_master(1.5)
+        try:
+            with pytest.raises(RpcTimeout):
+                store.remove_by_regex("^zzz", force=True)  # the RPC timeout: 0.5 s
+            assert store.remove_by_regex("^a/", force=True, timeout_ms=10_000) == 2
+        finally:
+            stalled.join()
+        assert store.batch_exists(["a/0", "a/1", "b/0", "other"]) == [False, False, True, True]
+        stalled = stall_master(1.5)
+        try:
+            assert store.remove_all(force=True, timeout_ms=10_000) == 2
+        finally:
+            stalled.join()
+        for bad in (0, -1, 1.5):
+            with pytest.raises(InvalidParams):
+                store.remove_all(timeout_ms=bad)
 
 
 def test_a_lookup_hold_keeps_the_hits_through_a_flood_until_their_load(make_cluster):

@@ -834,7 +834,11 @@ def rm(
         _check_key("rm", key)
     with _connected("rm", master, token_file) as store:
         if all_objects or regex is not None:
-            count = store.remove_all(force) if all_objects else store.remove_by_regex(regex or "", force)
+            bound = limits.BULK_REMOVE_TIMEOUT_MS  # millions of objects take the master seconds
+            if all_objects:
+                count = store.remove_all(force, timeout_ms=bound)
+            else:
+                count = store.remove_by_regex(regex or "", force, timeout_ms=bound)
             left = None if force else store.list_objects(regex or "", limit=_LEFT_SHOWN_MAX)
             if left is not None and left.keys:  # under read leases (or put since): said, as `rm KEY` says it
                 err_console.print(f"removed {count} object(s); {len(left.keys)}{'+' if left.truncated else ''} "

@@ -360,17 +360,23 @@ class AsyncStore:
         assert isinstance(reply, CodesReply)
         return reply.codes
 
-    async def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+    async def remove_by_regex(self, pattern: str, force: bool = False, timeout_ms: int | None = None) -> int:
+        """Remove the objects whose keys match (RE2), leased ones only with `force`; how many.
+        The master removes a few microseconds an object between other requests, so millions
+        take seconds: `timeout_ms` waits that long for it instead of the RPC timeout."""
         checked_args(pattern=(pattern, str), force=(force, bool))
         await self._leases_given_back(force)
-        reply = await self._master.call(RemoveByRegex(pattern, force), is_idempotent=False)
+        message = RemoveByRegex(pattern, force)
+        reply = await self._master.call(message, is_idempotent=False, timeout_ms=_call_bound(timeout_ms))
         assert isinstance(reply, CountReply)
         return reply.count
 
-    async def remove_all(self, force: bool = False) -> int:
+    async def remove_all(self, force: bool = False, timeout_ms: int | None = None) -> int:
+        """Remove every object, leased ones only with `force`; how many. `timeout_ms`: as
+        remove_by_regex."""
         checked_args(force=(force, bool))
         await self._leases_given_back(force)
-        reply = await self._master.call(RemoveAll(force), is_idempotent=False)
+        reply = await self._master.call(RemoveAll(force), is_idempotent=False, timeout_ms=_call_bound(timeout_ms))
         assert isinstance(reply, CountReply)
         return reply.count
 
@@ -885,6 +891,15 @@ def value_views(values: Sequence[BytesLike]) -> list[list[memoryview]]:
             except TypeError as exc:
                 raise InvalidParams(f"value {index}: {type(value).__name__} is not contiguous bytes ({exc})") from None
         raise
+
+
+def _call_bound(timeout_ms: int | None) -> int | None:
+    """A call's own bound on the master's answer (None: the RPC timeout). Raises InvalidParams."""
+    if timeout_ms is not None:
+        checked_args(timeout_ms=(timeout_ms, int))
+        if not timeout_ms:
+            raise InvalidParams("timeout_ms must be > 0 (None: the store's RPC timeout)")
+    return timeout_ms
 
 
 def checked_args(**args: tuple[object, type]) -> None:

@@ -472,9 +472,11 @@ class Store:
             self._puts_in_flight = 0
             self._opened_in = forks()
 
-    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of this Store's AsyncStore (made through _async, which checked)."""
-        return self._loop.run(coroutine, self._timeout_ms)
+    def _run(self, coroutine: Coroutine[Any, Any, T], call_timeout_ms: int | None = None) -> T:
+        """Run a coroutine of this Store's AsyncStore (made through _async, which checked);
+        one with a master call of its own bound (`call_timeout_ms`) gets that much longer."""
+        extra_ms = call_timeout_ms if type(call_timeout_ms) is int and call_timeout_ms > 0 else 0
+        return self._loop.run(coroutine, self._timeout_ms + extra_ms)
 
     def _ask(self, message: Message, is_idempotent: bool = True, late_reply: LateReply | None = None) -> Message:
         """The master's reply: on this thread's own connection, or through the loop when the
@@ -612,11 +614,11 @@ class Store:
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         return self._run(self._async.batch_remove(keys, force))
 
-    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
-        return self._run(self._async.remove_by_regex(pattern, force))
+    def remove_by_regex(self, pattern: str, force: bool = False, timeout_ms: int | None = None) -> int:
+        return self._run(self._async.remove_by_regex(pattern, force, timeout_ms), timeout_ms)
 
-    def remove_all(self, force: bool = False) -> int:
-        return self._run(self._async.remove_all(force))
+    def remove_all(self, force: bool = False, timeout_ms: int | None = None) -> int:
+        return self._run(self._async.remove_all(force, timeout_ms), timeout_ms)
 
     def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
         return self._run(self._async.list_objects(pattern, limit))

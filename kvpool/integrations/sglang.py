@@ -56,6 +56,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvpool import limits
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import covering_ranges, register_tensors
@@ -532,7 +533,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """Remove every object of this model's namespace (all ranks). Never raises."""
         pattern = f"^{re.escape(self._prefix)}_" if self._prefix else ".*"
         try:
-            removed = self._store.remove_by_regex(pattern, force=True)
+            removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
         except KVPoolError as exc:
             log.warning("kvpool clear failed: %s", exc)
             return

@@ -443,7 +443,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if hashes:
             self._doomed_saves.append((self._steps_in_flight + 1, hashes, list(self._pinned)))
         try:
-            removed = self._store.remove_by_regex(f"^{re.escape(self._namespace)}", force=True)
+            pattern = f"^{re.escape(self._namespace)}"
+            removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
         except KVPoolError as exc:
             log.warning("kvpool: the reset of the connector's cache failed: %s", exc)
             return False
