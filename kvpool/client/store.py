@@ -367,7 +367,7 @@ class AsyncStore:
         checked_args(pattern=(pattern, str), force=(force, bool))
         await self._leases_given_back(force)
         message = RemoveByRegex(pattern, force)
-        reply = await self._master.call(message, is_idempotent=False, timeout_ms=_call_bound(timeout_ms))
+        reply = await self._master.call(message, is_idempotent=False, timeout_ms=call_bound(timeout_ms))
         assert isinstance(reply, CountReply)
         return reply.count
 
@@ -376,7 +376,7 @@ class AsyncStore:
         remove_by_regex."""
         checked_args(force=(force, bool))
         await self._leases_given_back(force)
-        reply = await self._master.call(RemoveAll(force), is_idempotent=False, timeout_ms=_call_bound(timeout_ms))
+        reply = await self._master.call(RemoveAll(force), is_idempotent=False, timeout_ms=call_bound(timeout_ms))
         assert isinstance(reply, CountReply)
         return reply.count
 
@@ -893,7 +893,7 @@ def value_views(values: Sequence[BytesLike]) -> list[list[memoryview]]:
         raise
 
 
-def _call_bound(timeout_ms: int | None) -> int | None:
+def call_bound(timeout_ms: int | None) -> int | None:
     """A call's own bound on the master's answer (None: the RPC timeout). Raises InvalidParams."""
     if timeout_ms is not None:
         checked_args(timeout_ms=(timeout_ms, int))

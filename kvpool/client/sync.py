@@ -52,6 +52,7 @@ from kvpool.client.store import (
     BytesLike,
     batch_pieces,
     buffer_starts,
+    call_bound,
     checked_args,
     checked_config,
     exists_flags,
@@ -474,9 +475,9 @@ class Store:
 
     def _run(self, coroutine: Coroutine[Any, Any, T], call_timeout_ms: int | None = None) -> T:
         """Run a coroutine of this Store's AsyncStore (made through _async, which checked);
-        one with a master call of its own bound (`call_timeout_ms`) gets that much longer."""
-        extra_ms = call_timeout_ms if type(call_timeout_ms) is int and call_timeout_ms > 0 else 0
-        return self._loop.run(coroutine, self._timeout_ms + extra_ms)
+        one with a master call of its own bound (`call_timeout_ms`, checked: call_bound)
+        gets that much longer."""
+        return self._loop.run(coroutine, self._timeout_ms + (call_timeout_ms or 0))
 
     def _ask(self, message: Message, is_idempotent: bool = True, late_reply: LateReply | None = None) -> Message:
         """The master's reply: on this thread's own connection, or through the loop when the
@@ -615,10 +616,12 @@ class Store:
         return self._run(self._async.batch_remove(keys, force))
 
     def remove_by_regex(self, pattern: str, force: bool = False, timeout_ms: int | None = None) -> int:
-        return self._run(self._async.remove_by_regex(pattern, force, timeout_ms), timeout_ms)
+        bound = call_bound(timeout_ms)
+        return self._run(self._async.remove_by_regex(pattern, force, bound), bound)
 
     def remove_all(self, force: bool = False, timeout_ms: int | None = None) -> int:
-        return self._run(self._async.remove_all(force, timeout_ms), timeout_ms)
+        bound = call_bound(timeout_ms)
+        return self._run(self._async.remove_all(force, bound), bound)
 
     def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
         return self._run(self._async.list_objects(pattern, limit))
