@@ -133,3 +133,11 @@ def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def pytest_assertrepr_compare(config, op: str, left: object, right: object) -> list[str] | None:
+    """Comparisons of objects' bytes say which keys or positions differ and how, instead of
+    pytest's byte-by-byte diff (tests/bytes_diff.py)."""
+    from tests.bytes_diff import explain
+
+    return explain(left, right) if op == "==" else None

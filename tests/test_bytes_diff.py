@@ -1,0 +1,24 @@
+"""The assertion messages of comparisons of objects' bytes (tests/bytes_diff.py)."""
+
+from tests.bytes_diff import explain
+
+
+def test_a_batch_that_missed_names_the_positions_and_how():
+    values = [bytes([i]) * 20_000 for i in range(5)]
+    lines = explain(values[:3] + [None, values[4][:100]], values)
+    assert lines[0] == "<list of 5> == <list of 5>: 2 position(s) differ"
+    assert lines[1].startswith("  [3] None != <20000 bytes, xxh3 ")
+    assert lines[2].startswith("  [4] <100 bytes, xxh3 ") and len(lines) == 3
+
+
+def test_dicts_name_their_keys_and_bytes_their_first_difference():
+    values = {"a": b"a" * 100, "b": b"b" * 100}
+    lines = explain({"a": b"x" * 100}, values)
+    assert lines[0].endswith("2 key(s) differ") and lines[2].startswith("  ['b'] (absent) != <100 bytes")
+    assert explain(b"a" * 99 + b"z", b"a" * 100)[1] == "first difference at byte 99 of 100 and 100"
+    assert explain(b"a" * 99, b"a" * 100)[1] == "the shorter is a prefix of the longer (99 and 100 bytes)"
+
+
+def test_small_values_keep_pytests_own_diff():
+    assert explain([b"short", None], [b"short", b"other"]) is None
+    assert explain(1, 2) is None
