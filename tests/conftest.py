@@ -141,3 +141,18 @@ def pytest_assertrepr_compare(config, op: str, left: object, right: object) -> l
     from tests.bytes_diff import explain
 
     return explain(left, right) if op == "==" else None
+
+
+_failed_tests: list[str] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.failed:
+        _failed_tests.append(f"{report.nodeid} ({report.when})")
+
+
+def pytest_unconfigure(config) -> None:
+    """The failed tests once more, after pytest's last line: CI keeps the run's last 12,000
+    characters, and a failure's message (a log tail, a diff) can fill them."""
+    if _failed_tests:
+        print("\nfailed:", *_failed_tests, sep="\n  ")
