@@ -910,13 +910,16 @@ def test_a_segment_file_whose_owner_lives_in_another_pid_namespace_is_not_stale(
 
 def test_a_dead_owners_segment_file_is_stale_though_a_process_it_forked_lives(tmp_path: Path) -> None:
     """The owner's lock is its own: a worker it forked (a serving process with an embedded node)
-    shares its open files, and kept a SIGKILLed owner's file from ever being found stale."""
+    shares its open files, and kept a SIGKILLed owner's file from ever being found stale. The
+    worker lets go of its copy as it starts (os.register_at_fork): the owner reports once the
+    worker runs, since a worker not yet scheduled on a loaded machine still holds it (a full
+    run beside two busy loops failed here once)."""
     owner = python_child(
         "import os, sys, time; from kvpool.node.segment import Segment; "
         f"s = Segment.create({str(tmp_path)!r}, 'forker', {MEMORY_BYTES}, os.urandom(16)); "
-        "worker = os.fork()\n"
-        "if worker == 0: time.sleep(60); os._exit(0)\n"
-        "print(s.path, worker, flush=True); sys.stdin.read()"
+        "running, started = os.pipe(); worker = os.fork()\n"
+        "if worker == 0: os.write(started, b'.'); time.sleep(60); os._exit(0)\n"
+        "os.read(running, 1); print(s.path, worker, flush=True); sys.stdin.read()"
     )
     path_text, worker_text = owner.stdout.readline().split()
     path, worker = Path(path_text), int(worker_text)
