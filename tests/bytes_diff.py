@@ -62,7 +62,7 @@ def _explain_items(left, right) -> list[str]:
         positions, noun = list({**left, **right}), "key(s)"
     else:
         positions, noun = range(max(len(left), len(right))), "position(s)"
-    differing = [p for p in positions if _item(left, p) != _item(right, p)]
+    differing = [p for p in positions if _differs(_item(left, p), _item(right, p))]
     lines = [f"{_describe(left)} == {_describe(right)}: {len(differing)} {noun} differ"]
     for p in differing[:SHOWN_DIFFERENCES]:
         lines.append(f"  [{p!r}] {_describe(_item(left, p))} != {_describe(_item(right, p))}")
@@ -77,6 +77,13 @@ class _Absent:
 
 
 ABSENT = _Absent()
+
+
+def _differs(mine: object, theirs: object) -> bool:
+    try:
+        return bool(mine != theirs)
+    except (TypeError, ValueError):  # e.g. arrays, whose != is elementwise
+        return mine is not theirs
 
 
 def _item(container, position):

@@ -22,3 +22,10 @@ def test_dicts_name_their_keys_and_bytes_their_first_difference():
 def test_small_values_keep_pytests_own_diff():
     assert explain([b"short", None], [b"short", b"other"]) is None
     assert explain(1, 2) is None
+
+
+def test_items_without_a_plain_answer_to_equality_count_as_differing():
+    import numpy as np
+
+    lines = explain([b"x" * 100, np.zeros(3)], [b"x" * 100, np.ones(3)])
+    assert lines[0].endswith("1 position(s) differ") and lines[1].startswith("  [1] array(")
