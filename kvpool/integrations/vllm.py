@@ -438,10 +438,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         of the steps in flight and of those no worker has finished go again at the next
         updates, until those saves are over (_remove_doomed_saves, as after a failed load).
         Returns False when the pool could not be reached: vLLM then fails the reset."""
-        hashes = [h for step_hashes, _ in self._recent_saves for h in step_hashes]
-        hashes += [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
-        if hashes:
-            self._doomed_saves.append((self._steps_in_flight + 1, hashes, list(self._pinned)))
+        pinned_hashes = [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
+        self._doom_saves(self._recent_save_hashes() + pinned_hashes, list(self._pinned))
         try:
             pattern = f"^{re.escape(self._namespace)}"
             removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
@@ -510,10 +508,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         of those saves done (saves put on the workers' threads: _pin_saves). A reset of the
         connector's cache dooms the saves planned before it alike (reset_cache)."""
         if is_failure:
-            hashes = [h for step_hashes, _ in self._recent_saves for h in step_hashes]
             jobs = [job for _, step_jobs in self._recent_saves for job in step_jobs if job >= 0]
-            if hashes:
-                self._doomed_saves.append((self._steps_in_flight + 1, hashes, jobs))
+            self._doom_saves(self._recent_save_hashes(), jobs)
         if not self._doomed_saves:
             return
         ranks = self._key_ranks()
@@ -529,6 +525,16 @@ class KVPoolConnector(KVConnectorBase_V1):
             for left, hashes, jobs in self._doomed_saves
             if left > 1 or any(job in self._pinned for job in jobs)
         ]
+
+    def _recent_save_hashes(self) -> list[str]:
+        """The block hashes of the saves planned in the steps that may still be in flight."""
+        return [h for step_hashes, _ in self._recent_saves for h in step_hashes]
+
+    def _doom_saves(self, hashes: list[str], jobs: list[int]) -> None:
+        """Remove these blocks (their hashes, every rank's keys) at each of the next updates,
+        until the steps in flight now are over and no worker still runs one of `jobs`."""
+        if hashes:
+            self._doomed_saves.append((self._steps_in_flight + 1, hashes, jobs))
 
     @property
     def requires_kv_delivery(self) -> bool:
