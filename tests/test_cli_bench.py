@@ -149,13 +149,14 @@ def test_an_interrupted_bench_removes_what_it_wrote(make_cluster):
 
 
 def test_a_bench_whose_master_stops_answering_says_the_error_and_what_it_left(make_cluster):
-    """The master frozen mid-run: the run's own error is said first, then that its objects
-    may be left, with the command that removes them; that command works once it is back."""
+    """The master frozen mid-run (the bench waits 1 s for each answer: --timeout): the run's own
+    error is said first, then that its objects may be left, with the command that removes them;
+    that command works once it is back."""
     cluster = make_cluster(1, "64MiB")
     with Store(cluster.master_endpoint) as store:
         bench = subprocess.Popen(
             [sys.executable, "-m", "kvpool.cli.main", "bench", "--total", "8MiB", "--size", "64KiB",
-             "--rounds", "100000", "--master", cluster.master_endpoint],
+             "--rounds", "100000", "--timeout", "1", "--master", cluster.master_endpoint],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         try:

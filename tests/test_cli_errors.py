@@ -22,14 +22,13 @@ from pathlib import Path
 from tests.test_cluster_surface import kvpool_cli
 
 # The CLI, with every Store it opens freezing the master (SIGSTOP) once connected: a master
-# that hangs between the handshake and the request. Its RPC timeout is cut to 1 s (5 s in the
-# CLI) to keep the test short.
+# that hangs between the handshake and the request. The tests give it `--timeout 1` (5 s by
+# default) to keep them short.
 _FREEZING_CLI = """
 import os, signal, sys
 import kvpool.client.sync as sync
 opened = sync.Store.__init__
 def open_then_freeze(self, *args, **kwargs):
-    kwargs["rpc_timeout_ms"] = 1000
     opened(self, *args, **kwargs)
     os.kill(int(os.environ["FROZEN_MASTER_PID"]), signal.SIGSTOP)
 sync.Store.__init__ = open_then_freeze
@@ -58,11 +57,12 @@ def test_get_and_stat_say_one_line_when_the_master_stops_answering(make_cluster)
     for args, first_words in commands:
         try:
             out = subprocess.run(
-                [sys.executable, "-c", _FREEZING_CLI, *args, *master], capture_output=True, timeout=30, env=env
-            )
+                [sys.executable, "-c", _FREEZING_CLI, *args, *master, "--timeout", "1"],
+                capture_output=True, timeout=30, env=env,
+            )  # fmt: skip
         finally:
             os.kill(cluster.master.pid, signal.SIGCONT)
-        line = assert_one_error_line(out, "timed out")
+        line = assert_one_error_line(out, "timed out after 1000 ms")
         assert line.startswith(f"error: {first_words}"), line
 
 

@@ -122,6 +122,15 @@ TokenFileOption = Annotated[
         "bind loopback only.",
     ),
 ]  # fmt: skip
+TimeoutOption = Annotated[
+    float,
+    typer.Option(
+        "--timeout", envvar="KVPOOL_TIMEOUT", min=0.1, max=3600.0,
+        help="Seconds to wait for each answer of the master before the command fails (reaching "
+        "it: at most 2 s of them). Moves of bytes to and from nodes have their own 30 s bound.",
+    ),
+]  # fmt: skip
+TIMEOUT_DEFAULT = limits.RPC_TIMEOUT_MS_DEFAULT / 1000
 ConfigOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -274,12 +283,17 @@ def _shm_from_environment() -> bool:
 
 
 def _store(
-    master: str, token_file: Optional[Path], dfs_dir: Optional[Path] = None, shm_enabled: bool | None = None
+    master: str,
+    token_file: Optional[Path],
+    dfs_dir: Optional[Path] = None,
+    shm_enabled: bool | None = None,
+    timeout_s: float = TIMEOUT_DEFAULT,
 ) -> Store:
     from kvpool.client.sync import Store
 
     if shm_enabled is None:
         shm_enabled = _shm_from_environment()
+    rpc_timeout_ms = round(timeout_s * 1000)
     try:
         token = _token(token_file)
     except KVPoolError as exc:
@@ -287,7 +301,8 @@ def _store(
     try:
         return Store(
             master, token=token, shm_enabled=shm_enabled,
-            connect_timeout_ms=2_000, rpc_timeout_ms=5_000, dfs_dir=str(dfs_dir or ""),
+            connect_timeout_ms=min(limits.CONNECT_TIMEOUT_MS_DEFAULT, rpc_timeout_ms),
+            rpc_timeout_ms=rpc_timeout_ms, dfs_dir=str(dfs_dir or ""),
         )  # fmt: skip
     except Unauthorized as exc:  # reached, and refused: the token, not the network
         raise _fail(f"Unauthorized: {exc}") from None
@@ -304,11 +319,12 @@ def _connected(
     key: str | None = None,
     dfs_dir: Optional[Path] = None,
     shm_enabled: bool | None = None,
+    timeout_s: float = TIMEOUT_DEFAULT,
 ) -> Iterator[Store]:
     """A Store for an object command, closed on leaving. Any cluster error in the block (a
     master that stops answering: RpcTimeout) ends the command with one line and exit status 1,
     never a traceback: "COMMAND [KEY]: the error"."""
-    store = _store(master, token_file, dfs_dir, shm_enabled)
+    store = _store(master, token_file, dfs_dir, shm_enabled, timeout_s)
     try:
         with store:
             yield store
@@ -687,6 +703,7 @@ def put(
     replicas: Annotated[int, typer.Option(help="Replicas on distinct segments.")] = 1,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
+    timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """Store a file (or stdin) as one object. A key that exists is left as it is."""
     from kvpool.protocol.messages import ReplicateConfig
@@ -708,7 +725,7 @@ def put(
     if len(data) > limits.OBJECT_SIZE_BYTES_MAX:
         raise _fail(f"put {shown}: {source or 'standard input'} holds more than an object can "
                     f"({_human(limits.OBJECT_SIZE_BYTES_MAX)} at most)")  # fmt: skip
-    with _connected("put", master, token_file, key=key) as store:
+    with _connected("put", master, token_file, key=key, timeout_s=timeout) as store:
         # Objects are immutable: a put of an existing key succeeds without writing (the
         # Store's rule, for content-hashed keys), so the operator is told it was not stored.
         existing = store.query([key])
@@ -765,13 +782,14 @@ def get(
     ] = None,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
+    timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """Fetch an object (exit code 2 on a miss)."""
     from kvpool.protocol.messages import TIER_DFS
 
     _check_key("get", key)
     shown = _shown(key)
-    with _connected("get", master, token_file, key=key, dfs_dir=dfs_dir) as store:
+    with _connected("get", master, token_file, key=key, dfs_dir=dfs_dir, timeout_s=timeout) as store:
         data = store.get(key)
         if data is None:  # a miss: say which kind
             (replicas,) = store.query([key]).replicas
@@ -819,6 +837,7 @@ def rm(
     force: Annotated[bool, typer.Option(help="Also remove objects under a read lease.")] = False,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
+    timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """Remove objects by key, by regex, or all of them. Name one of the three. Exit status 1
     when some were not removed (not found, or under a read lease: --force removes those), 2
@@ -832,7 +851,7 @@ def rm(
         raise _fail("--regex '': an empty pattern matches every key (--all says so)", code=2)
     for key in keys or []:
         _check_key("rm", key)
-    with _connected("rm", master, token_file) as store:
+    with _connected("rm", master, token_file, timeout_s=timeout) as store:
         if all_objects or regex is not None:
             bound = limits.BULK_REMOVE_TIMEOUT_MS  # millions of objects take the master seconds
             if all_objects:
@@ -863,9 +882,10 @@ def ls(
     limit: Annotated[int, typer.Option(help="At most this many keys.", min=1, max=limits.LIST_OBJECTS_MAX)] = 1000,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
+    timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """List objects (key and size). A key with control characters is printed as a literal."""
-    with _connected("ls", master, token_file) as store:
+    with _connected("ls", master, token_file, timeout_s=timeout) as store:
         reply = store.list_objects(pattern, limit)
     with _writing_stdout():
         # Plain writes: a rich console folds a long key onto a second line.
@@ -881,9 +901,10 @@ def stat(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
+    timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """Show the cluster's segments and usage, or where given objects live."""
-    with _connected("stat", master, token_file) as store:
+    with _connected("stat", master, token_file, timeout_s=timeout) as store:
         if keys:
             reply = store.query(keys)
         else:
@@ -979,6 +1000,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     master: MasterOption = MASTER_DEFAULT,
     token_file: TokenFileOption = None,
+    timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """Measure put and get throughput and one-object get latency of a running cluster from
     this host (its own keys, removed at the end; refused if it would evict cached objects)."""
@@ -990,7 +1012,8 @@ def bench(
         raise _fail(str(exc), 2) from None
     if shm is None:
         shm = _shm_from_environment()
-    with interrupts_between_calls() as check, _connected("bench", master, token_file, shm_enabled=shm) as store:
+    connected = _connected("bench", master, token_file, shm_enabled=shm, timeout_s=timeout)
+    with interrupts_between_calls() as check, connected as store:
         try:
             figures = run_bench(store, plan, err_console, check)
         except Interrupted as exc:
