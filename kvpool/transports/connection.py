@@ -298,6 +298,12 @@ class Connection(asyncio.BufferedProtocol):
         except asyncio.CancelledError:
             if late_reply is not None:
                 self._keep_for_late_reply(request_id, future, late_reply)
+            if payload and self.is_write_buffered():
+                # uvloop's writelines keeps the caller's buffers, not copies, until the kernel
+                # takes them: the rest of the frame must not be read from memory the caller may
+                # reuse (or free) once it has its error. Only closing stops it.
+                self.close(f"{type(message).__name__} {'timed out' if expired else 'cancelled'} "
+                           "while its payload was still being sent")  # fmt: skip
             if not expired:
                 # The caller was cancelled. A reply whose payload is landing in its buffers
                 # would go on writing there after the cancel returned: stop it (the only way
@@ -487,8 +493,16 @@ class Connection(asyncio.BufferedProtocol):
                     return
         except (KVPoolError, OSError) as exc:
             log.warning("closing connection %s %s: sending a file failed: %s", self.name, self.peer, exc)
-            files.close_parts(parts)
             self.close(f"sending a file failed: {exc}")
+        finally:
+            # A file frame not sent (the connection closed first, or the send failed) keeps
+            # its descriptors open until released here; so do the frames that came back to
+            # `_held` after the close released what it held then.
+            files.close_parts(parts)
+            if self.is_closed():
+                held, self._held = self._held, None
+                for frame in held or ():
+                    files.close_parts(frame)
 
     async def _send(
         self, message: Message, request_id: int, payload: Payload, landing: int | None, deadline_s: float
@@ -612,9 +626,14 @@ class Connection(asyncio.BufferedProtocol):
             raise RemoteProtocolError(f"unexpected {type(message).__name__} after the handshake")
         if frame.is_reply:
             entry = self._pending.get(frame.request_id)
+            if entry is not None and entry[0].done() and not entry[0].cancelled():
+                # Answered already, its caller not yet woken: a second reply's payload would
+                # land in the caller's buffers after it returned with the first one.
+                raise RemoteProtocolError(f"a second reply to request {frame.request_id}")
             if frame.payload_size:
                 sinks = on_landed = None
-                if entry is not None and entry[1] is not None and not isinstance(message, ErrorReply):
+                live = entry is not None and not entry[0].done()  # not cancelled meanwhile
+                if live and entry[1] is not None and not isinstance(message, ErrorReply):
                     sinks, on_landed = entry[1](message), entry[3]
                 self._decoder.set_payload_sinks(sinks, on_landed)
                 self._incoming_id = frame.request_id
