@@ -82,6 +82,11 @@ LOOKUP_HOLD_MS_MAX = 3_600_000
 # it removes about 6 us an object on this project's machine (ad hoc, 200k objects through the
 # pure service), so 5 minutes is some 50 million, where the RPC timeout is under a million.
 BULK_REMOVE_TIMEOUT_MS = 300_000
+# A call's own bound (remove_all/remove_by_regex `timeout_ms`) above this is refused: a week,
+# removals of some 100 billion objects, far more than a master holds. Unbounded, 2**53 ms passed
+# the client's check and the sync Store's wait for it raised OverflowError (threading.TIMEOUT_MAX).
+CALL_TIMEOUT_MS_MAX = 7 * 24 * 3_600_000
+assert BULK_REMOVE_TIMEOUT_MS <= CALL_TIMEOUT_MS_MAX
 # The reads one lookup may hold its hits for (LongestPrefix.hold_reads: the engine ranks that
 # load each object, at most a TP group's).
 LOOKUP_HOLD_READS_MAX = 1_024

@@ -482,6 +482,105 @@ def test_a_value_that_is_not_contiguous_bytes_is_invalid_params():
     )
 
 
+@pytest.mark.parametrize("shm_enabled", [True, False], ids=["shm", "tcp"])
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_numpy_integer_addresses_and_sizes_work_end_to_end(api, shm_enabled):
+    """An engine's page table in numpy arrays: uint64 pointers and int64 sizes summed to a
+    float64 (TypeError from a slice), an int32 size plus an address overflowed, and a uint64
+    address to register_buffer was taken for a buffer object. Every zero-copy form takes them."""
+    pages = np.random.default_rng(3).integers(0, 256, 8 * 4096, dtype=np.uint8)
+    landed = np.zeros_like(pages)
+    with cluster_on_a_thread() as endpoint, either_store(api, endpoint, shm_enabled=shm_enabled) as store:
+        source = store.register_buffer(np.uint64(pages.ctypes.data), np.int64(pages.nbytes))
+        target = store.register_buffer(landed)
+        pointers = np.uint64(source) + np.arange(8, dtype=np.uint64) * np.uint64(4096)
+        sizes = np.full(8, 4096, dtype=np.int64)
+        keys = [f"p{i}" for i in range(4)]
+        assert store.batch_put_from(keys, pointers[:4], sizes[:4]) == [ErrorCode.OK] * 4
+        assert store.put_from("p4", pointers[4], np.int32(4096)) == ErrorCode.OK
+        layers = [[pointers[5], pointers[6]], [pointers[7]]]  # numpy per key too
+        assert store.batch_put_from_multi_buffers(["m0", "m1"], layers, [sizes[:2], sizes[:1]]) == [ErrorCode.OK] * 2
+        into = np.uint64(target) + np.arange(8, dtype=np.uint64) * np.uint64(4096)
+        assert store.batch_get_into(keys, [int(a) for a in into[:4]], sizes[:4].astype(np.int32)) == [4096] * 4
+        assert store.get_into("p4", into[4], np.int32(4096)) == 4096
+        read = store.batch_get_into_multi_buffers(["m0", "m1"], [into[5:7], into[7:]], [sizes[:2], sizes[:1]])
+        assert read == [8192, 4096]
+        assert landed.tobytes() == pages.tobytes()
+        store.unregister_buffer(np.uint64(source))
+        store.unregister_buffer(target)
+
+
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_arguments_of_the_wrong_type_or_range_are_invalid_params_naming_them_and_change_nothing(api):
+    """A float, str or None address or size, flat lists to a multi-buffer call, a strided view,
+    a str or an empty buffer to register, a str to unregister, a config that is not a
+    ReplicateConfig, a bulk removal's bound past what a wait takes (2**53 ms: OverflowError
+    from the sync Store's wait): untyped errors came out before, or a registry corrupted."""
+    with cluster_on_a_thread() as endpoint, either_store(api, endpoint) as store:
+        store.put("good", b"v" * 100)
+        buffer = bytearray(8192)
+        base = store.register_buffer(buffer)
+        refusals = [
+            (lambda: store.put_from("k", float(base), 100), "addresses must be an integer, not float"),
+            (lambda: store.put_from("k", str(base), 100), "addresses must be an integer, not str"),
+            (lambda: store.put_from("k", base, 100.0), "sizes must be an integer, not float"),
+            (lambda: store.get_into("good", None, 100), "addresses must be an integer, not NoneType"),
+            (lambda: store.batch_get_into(["good"], [base], ["100"]), "sizes must be an integer, not str"),
+            (lambda: store.batch_get_into_multi_buffers(["good"], [base], [100]), "addresses must be a sequence"),
+            (lambda: store.batch_put_from_multi_buffers(["k"], [[base]], [100]), "sizes must be a sequence"),
+            (lambda: store.register_buffer(np.zeros((10, 10), np.uint8)[:, ::2]), "C-contiguous buffer, not ndarray"),
+            (lambda: store.register_buffer("abc"), "C-contiguous buffer, not str"),
+            (lambda: store.register_buffer(bytearray(100), 10.0), "size_bytes must be an integer, not float"),
+            (lambda: store.register_buffer(bytearray()), "empty buffer"),
+            (lambda: store.unregister_buffer("x"), "address must be an integer, not str"),
+            (lambda: store.put("k", b"v", "abc"), "config must be a ReplicateConfig or None, not str"),
+            (lambda: store.put_batch(["k"], [b"v"], {"replica_num": 1}), "config must be a ReplicateConfig"),
+            (lambda: store.batch_put_from(["k"], [base], [100], "abc"), "config must be a ReplicateConfig"),
+            (lambda: store.remove_all(False, 2**62), "timeout_ms 4611686018427387904 not in 1.."),
+            (lambda: store.remove_by_regex("good", False, 2**53), "timeout_ms 9007199254740992 not in 1.."),
+            (lambda: store.remove_all(True, limits.CALL_TIMEOUT_MS_MAX + 1), "timeout_ms"),
+        ]
+        for call, match in refusals:
+            with pytest.raises(InvalidParams, match=match):
+                call()
+        assert bytes(buffer) == bytes(len(buffer))
+        store.unregister_buffer(base)  # registered once, and no refused call holds it
+        with pytest.raises(InvalidParams, match="no buffer registered"):
+            store.unregister_buffer(base)
+        assert store.remove_all(False, limits.CALL_TIMEOUT_MS_MAX) == 1  # "good" alone: "k" never stored
+
+
+def test_a_segment_retired_by_another_thread_between_two_lookups_fails_no_get():
+    """A sync Store's caller threads look mapped segments up while another thread may retire
+    one (a node on this host restarted: _retire_unlinked): a lookup that tested for the entry
+    and then read it raised KeyError out of the get. Simulated by an entry that goes the
+    moment it is tested for; a get then maps the segment anew."""
+
+    retired = []
+
+    class _GoesOnceTested(dict):
+        def __contains__(self, key: object) -> bool:
+            present = super().__contains__(key)
+            retired.append(self.pop(key, None))
+            type(self).__contains__ = dict.__contains__  # once
+            return present
+
+    async def main():
+        async with cluster(1) as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                await store.put("k", b"v" * 4096)
+                assert await store.get("k") == b"v" * 4096
+                assert [s for s in store._mapped.values() if s is not None]  # same host: mapped
+                store._mapped = _GoesOnceTested(store._mapped)
+                try:
+                    assert await store.get("k") == b"v" * 4096
+                finally:
+                    for segment in retired:
+                        segment is None or segment.close()
+
+    run(main())
+
+
 def test_a_remove_right_after_the_stores_own_get_is_not_refused_for_its_lease():
     """A finished get's lease went back 10 ms later, batched with the gets after it: a remove
     (by key, pattern or all) right after it was refused with OBJECT_HAS_LEASE for a read that

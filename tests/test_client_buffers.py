@@ -95,3 +95,86 @@ def test_ranges_a_get_writes_may_touch_come_in_any_order_or_be_empty():
     with registry.lent([[base, base + 1024], [base + 2048]], [[1024, 1024], [2048]], per_key=True, is_written=True):
         pass
     registry.unregister(base)
+
+
+@pytest.mark.parametrize(
+    "address_type, size_type",
+    [
+        (np.uint64, np.int64),  # numpy 2: their sum is a float64, which no slice takes
+        (np.int64, np.uint64),
+        (int, np.int32),  # an address plus an int32 overflowed
+    ],
+)
+@pytest.mark.parametrize("per_key", [False, True])
+def test_numpy_integer_addresses_and_sizes_are_taken_as_ints(address_type, size_type, per_key):
+    """Engines keep their pages' addresses and sizes in numpy arrays; the registry takes them
+    as the Python ints they stand for, and registers by a numpy address too."""
+    registry = BufferRegistry()
+    memory = np.arange(3 * 4096, dtype=np.uint16).view(np.uint8)
+    base = registry.register(np.uint64(memory.ctypes.data), np.int64(memory.nbytes))
+    assert base == memory.ctypes.data and type(base) is int
+    offsets = [0, 4096, 9000]
+    addresses = [address_type(base + offset) for offset in offsets]
+    sizes = [size_type(n) for n in (4096, 4096, 100)]
+    if per_key:
+        addresses, sizes = [[a] for a in addresses], [[n] for n in sizes]
+    else:
+        addresses, sizes = np.array(addresses, dtype=address_type), np.array(sizes, dtype=size_type)
+    with registry.lent(addresses, sizes, per_key=per_key, is_written=True) as views:
+        assert [bytes(v) for (v,) in views] == [memory[o : o + n].tobytes() for o, n in zip(offsets, (4096, 4096, 100))]
+    registry.unregister(np.uint64(base))
+    assert len(registry) == 0
+
+
+def test_an_empty_buffer_or_an_address_registered_already_is_refused_and_the_registry_stays_whole():
+    """Two empty bytearrays share one address (CPython's): both registered made one view under
+    two starts, and a lookup near it raised KeyError once one was unregistered."""
+    registry = BufferRegistry()
+    for empty in (bytearray(), np.zeros(0, dtype=np.uint8), bytearray(10)[10:]):
+        with pytest.raises(InvalidParams, match="empty buffer"):
+            registry.register(empty)
+    memory = bytearray(8192)
+    base = registry.register(memory)
+    with pytest.raises(InvalidParams, match="already registered"):
+        registry.register(base, 100)
+    assert len(registry) == 1
+    with registry.lent([base + 10], [10]) as views:
+        assert len(views[0][0]) == 10
+    registry.unregister(base)
+    assert len(registry) == 0
+
+
+def test_arguments_that_are_neither_integers_nor_buffers_are_invalid_params_naming_them():
+    """A float, str or None address or size, a flat list where each key needs a sequence, a
+    strided view or a str to register: TypeError (or ValueError) came out before. Each is
+    InvalidParams naming the argument, and nothing is registered or held."""
+    registry = BufferRegistry()
+    base = registry.register(bytearray(8192))
+    lent_refusals = [
+        ([float(base)], [10], False, "each of addresses must be an integer, not float"),
+        ([str(base)], [10], False, "each of addresses must be an integer, not str"),
+        ([None], [10], False, "each of addresses must be an integer, not NoneType"),
+        ([base], [10.0], False, "each of sizes must be an integer, not float"),
+        ([base], 10, False, "sizes must be a sequence of integers, not int"),
+        ([base], [10], True, "addresses must be a sequence of integers per key, not int"),  # flat lists
+        ([[base]], [[10.0]], True, "each of sizes must be an integer, not float"),
+    ]
+    for addresses, sizes, per_key, match in lent_refusals:
+        for is_written in (False, True):
+            with pytest.raises(InvalidParams, match=match):
+                with registry.lent(addresses, sizes, per_key=per_key, is_written=is_written):
+                    pass
+    register_refusals = [
+        ((np.zeros((10, 10), dtype=np.uint8)[:, ::2],), "C-contiguous buffer, not ndarray"),
+        (("abc",), "C-contiguous buffer, not str"),
+        ((bytearray(100), 10.0), "size_bytes must be an integer, not float"),
+        ((base + 9000, 10.5), "size_bytes must be an integer, not float"),
+        ((2**64, 10), "positive address and size in 64 bits"),  # OverflowError from ctypes before
+    ]
+    for args, match in register_refusals:
+        with pytest.raises(InvalidParams, match=match):
+            registry.register(*args)
+    with pytest.raises(InvalidParams, match="address must be an integer, not str"):
+        registry.unregister("x")
+    assert len(registry) == 1
+    registry.unregister(base)  # nothing held

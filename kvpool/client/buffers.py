@@ -13,6 +13,8 @@ import bisect
 import contextlib
 import ctypes
 import functools
+import itertools
+import operator
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -27,6 +29,31 @@ def address_of(buffer: object) -> int:
     if view.readonly:
         raise InvalidParams("a registered buffer must be writable")
     return buffer_address(view)
+
+
+def integer(value: object, name: str) -> int:
+    """`value` as a Python int: any integer (`__index__`, numpy's too), not a float or a str.
+    Raises InvalidParams naming `name`."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidParams(f"{name} must be an integer, not {type(value).__name__}: {value!r:.100}") from None
+
+
+def _not_integers(addresses: Sequence, sizes: Sequence, per_key: bool) -> InvalidParams:
+    """Why `lent` could not take `addresses` and `sizes` as integers (errors only)."""
+    for name, values in (("addresses", addresses), ("sizes", sizes)):
+        for key_values in values if per_key else [values]:
+            try:
+                items = list(key_values)
+            except TypeError:  # a flat list given where each key needs a sequence, say
+                return InvalidParams(
+                    f"{name} must be a sequence of integers{' per key' if per_key else ''}, not "
+                    f"{type(key_values).__name__}: {key_values!r:.100}"
+                )
+            for value in items:
+                integer(value, f"each of {name}")
+    return InvalidParams("addresses and sizes must be integers")
 
 
 class BufferRegistry:
@@ -51,26 +78,47 @@ class BufferRegistry:
         return registry  # no call of the parent's is in flight in the child
 
     def register(self, buffer: object | int, size_bytes: int | None = None) -> int:
-        """Register `size_bytes` at address `buffer`, or a buffer object. Returns its address.
+        """Register `size_bytes` at address `buffer` (any integer: numpy's too), or a buffer
+        object (its first `size_bytes`, or all of it). Returns its address.
 
         Raises:
-            InvalidParams: bad size, overlap with a registered range, or too many buffers.
+            InvalidParams: not an address or a writable C-contiguous buffer, a size that is
+                not an integer or not positive, an empty buffer, a range that overlaps a
+                registered one, or too many buffers. Nothing is registered then.
         """
-        if isinstance(buffer, int):
-            if size_bytes is None or size_bytes <= 0 or buffer <= 0:
-                raise InvalidParams("register_buffer(address, size) needs a positive size")
-            view = memoryview((ctypes.c_char * size_bytes).from_address(buffer)).cast("B")
-            address, owner = buffer, None
+        if size_bytes is not None:
+            size_bytes = integer(size_bytes, "size_bytes")
+        try:  # an address: an int, or numpy's uint64 of one (an array is a buffer object)
+            address = operator.index(buffer)  # type: ignore[call-overload]
+        except TypeError:
+            address = None
+        if address is not None:
+            if size_bytes is None or size_bytes <= 0 or address <= 0 or address + size_bytes > 2**64:
+                raise InvalidParams("register_buffer(address, size_bytes) needs a positive address and size in 64 bits")
+            view = memoryview((ctypes.c_char * size_bytes).from_address(address)).cast("B")
+            owner = None
         else:
-            view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+            try:
+                view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+            except TypeError as exc:
+                raise InvalidParams(
+                    f"register_buffer takes an address or a writable C-contiguous buffer, not "
+                    f"{type(buffer).__name__} ({exc})"
+                ) from None
+            # Empty, it would lie at an address other buffers share (CPython's empty bytearrays
+            # all do): two of them under one start corrupted the registry.
+            if not len(view):
+                raise InvalidParams("an empty buffer cannot be registered")
             address, owner = address_of(buffer), buffer
             if size_bytes is not None:
                 if not 0 < size_bytes <= len(view):
-                    raise InvalidParams(f"size {size_bytes} outside the buffer of {len(view)}")
+                    raise InvalidParams(f"size_bytes {size_bytes} outside the buffer of {len(view)}")
                 view = view[:size_bytes]
         with self._lock:
             if len(self._starts) >= limits.REGISTERED_BUFFERS_MAX:
                 raise InvalidParams(f"more than {limits.REGISTERED_BUFFERS_MAX} registered buffers")
+            if address in self._views:
+                raise InvalidParams(f"a buffer is already registered at 0x{address:x}")
             index = bisect.bisect_right(self._starts, address)
             if index and self._starts[index - 1] + len(self._views[self._starts[index - 1]]) > address:
                 raise InvalidParams(f"buffer at 0x{address:x} overlaps a registered buffer")
@@ -84,6 +132,7 @@ class BufferRegistry:
 
     def unregister(self, address: int) -> None:
         """Raises InvalidParams if nothing is registered at `address`."""
+        address = integer(address, "address")
         with self._lock:
             if address not in self._views:
                 raise InvalidParams(f"no buffer registered at 0x{address:x}")
@@ -112,26 +161,39 @@ class BufferRegistry:
         another key's bytes in them. A put only reads them: overlap is fine there.
 
         Raises:
-            InvalidParams: a range not inside one registered buffer, a key without ranges, or
-                (`is_written`) two ranges that overlap.
+            InvalidParams: an address or size that is not an integer, a range not inside one
+                registered buffer, a key without ranges, or (`is_written`) two ranges that
+                overlap. Nothing is held then.
         """
+        # Python ints from here on: engines keep addresses and sizes in numpy arrays, whose
+        # arithmetic is not Python's (numpy 2: a uint64 address plus an int64 size is a float64,
+        # which no slice takes; an int32 size plus an address overflows). One pass in C each
+        # (~2 us for 128 ranges), over every key's ranges at once.
+        try:
+            if per_key:
+                counts = list(map(len, addresses))
+                if counts != list(map(len, sizes)) or 0 in counts:
+                    raise InvalidParams("each key needs as many sizes as buffers, and at least one")
+                starts = list(map(operator.index, itertools.chain.from_iterable(addresses)))
+                lengths = list(map(operator.index, itertools.chain.from_iterable(sizes)))
+            else:
+                starts, lengths = list(map(operator.index, addresses)), list(map(operator.index, sizes))
+        except TypeError:
+            raise _not_integers(addresses, sizes, per_key) from None
         used: set[int] = set()
         with self._lock:
-            if per_key:
-                views = []
-                for key_addresses, key_sizes in zip(addresses, sizes):  # type: ignore[call-overload]
-                    if len(key_addresses) != len(key_sizes) or not key_addresses:
-                        raise InvalidParams("each key needs as many sizes as buffers, and at least one")
-                    views.append(self._views_locked(key_addresses, key_sizes, used))
-            else:
-                views = [[view] for view in self._views_locked(addresses, sizes, used)]  # type: ignore[arg-type]
+            flat = self._views_locked(starts, lengths, used)
             if is_written:
-                if per_key:
-                    addresses = [a for key_addresses in addresses for a in key_addresses]  # type: ignore[union-attr]
-                    sizes = [n for key_sizes in sizes for n in key_sizes]  # type: ignore[union-attr]
-                check_disjoint(addresses, sizes)  # type: ignore[arg-type]
+                check_disjoint(starts, lengths)
             for start in used:
                 self._held[start] = self._held.get(start, 0) + 1
+        if per_key:
+            views, at = [], 0
+            for count in counts:
+                views.append(flat[at : at + count])
+                at += count
+        else:
+            views = [[view] for view in flat]
         try:
             yield views
         finally:

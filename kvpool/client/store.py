@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -247,8 +248,9 @@ class AsyncStore:
     # --- zero-copy API --------------------------------------------------------------------
 
     def register_buffer(self, buffer: object | int, size_bytes: int | None = None) -> int:
-        """Register caller memory (an address and size, or a writable buffer object) for the
-        zero-copy calls. Returns its address. Raises InvalidParams."""
+        """Register caller memory (an address and size, ints or numpy integers, or a writable
+        C-contiguous buffer object, not empty) for the zero-copy calls. Returns its address.
+        Raises InvalidParams, and registers nothing then."""
         return self.buffers.register(buffer, size_bytes)
 
     def unregister_buffer(self, address: int) -> None:
@@ -274,7 +276,8 @@ class AsyncStore:
         sizes: Sequence[int],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
-        """Put each key from one registered range; one ErrorCode per key."""
+        """Put each key from one registered range; one ErrorCode per key. Addresses and sizes
+        are ints or numpy integers (a numpy array of them will do), in every zero-copy call."""
         with self._lent(keys, addresses, sizes) as views:
             return await self._put_parts(keys, views, config)
 
@@ -283,7 +286,7 @@ class AsyncStore:
     ) -> list[int]:
         """Get each key into one registered range; per key its size or a negative ErrorCode."""
         with self._lent(keys, addresses, sizes, is_written=True) as views:
-            jobs = await self._get_parts(keys, views, list(addresses))
+            jobs = await self._get_parts(keys, views, buffer_starts(addresses, per_key=False))
         return [result for job in jobs for result in get_into_results(job)]
 
     async def batch_put_from_multi_buffers(
@@ -363,11 +366,13 @@ class AsyncStore:
     async def remove_by_regex(self, pattern: str, force: bool = False, timeout_ms: int | None = None) -> int:
         """Remove the objects whose keys match (RE2), leased ones only with `force`; how many.
         The master removes a few microseconds an object between other requests, so millions
-        take seconds: `timeout_ms` waits that long for it instead of the RPC timeout."""
+        take seconds: `timeout_ms` (at most limits.CALL_TIMEOUT_MS_MAX, a week) waits that
+        long for it instead of the RPC timeout."""
         checked_args(pattern=(pattern, str), force=(force, bool))
+        bound = call_bound(timeout_ms)
         await self._leases_given_back(force)
         message = RemoveByRegex(pattern, force)
-        reply = await self._master.call(message, is_idempotent=False, timeout_ms=call_bound(timeout_ms))
+        reply = await self._master.call(message, is_idempotent=False, timeout_ms=bound)
         assert isinstance(reply, CountReply)
         return reply.count
 
@@ -375,8 +380,9 @@ class AsyncStore:
         """Remove every object, leased ones only with `force`; how many. `timeout_ms`: as
         remove_by_regex."""
         checked_args(force=(force, bool))
+        bound = call_bound(timeout_ms)
         await self._leases_given_back(force)
-        reply = await self._master.call(RemoveAll(force), is_idempotent=False, timeout_ms=call_bound(timeout_ms))
+        reply = await self._master.call(RemoveAll(force), is_idempotent=False, timeout_ms=bound)
         assert isinstance(reply, CountReply)
         return reply.count
 
@@ -798,8 +804,12 @@ class AsyncStore:
         """The mapped segment if it is on this host and its token matches, else None."""
         if not self.config.shm_enabled or not info.shm_path:
             return None
-        if info.segment_id in self._mapped:
+        # One lookup, not `in` and then [ ]: _retire_unlinked (another thread's, under
+        # _mapping) may delete the entry between the two. None is cached too (not mappable).
+        try:
             return self._mapped[info.segment_id]
+        except KeyError:
+            pass
         with self._mapping:  # the sync Store's caller threads build gets too (_get_job)
             return self._map_segment(info)
 
@@ -894,11 +904,14 @@ def value_views(values: Sequence[BytesLike]) -> list[list[memoryview]]:
 
 
 def call_bound(timeout_ms: int | None) -> int | None:
-    """A call's own bound on the master's answer (None: the RPC timeout). Raises InvalidParams."""
+    """A call's own bound on the master's answer (None: the RPC timeout), the same check for
+    Store and AsyncStore. Raises InvalidParams."""
     if timeout_ms is not None:
         checked_args(timeout_ms=(timeout_ms, int))
-        if not timeout_ms:
-            raise InvalidParams("timeout_ms must be > 0 (None: the store's RPC timeout)")
+        if not 0 < timeout_ms <= limits.CALL_TIMEOUT_MS_MAX:
+            raise InvalidParams(
+                f"timeout_ms {timeout_ms} not in 1..{limits.CALL_TIMEOUT_MS_MAX} (None: the store's RPC timeout)"
+            )
     return timeout_ms
 
 
@@ -927,6 +940,8 @@ def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
     InvalidParams, naming the field (found field by field, which costs ~150 µs: errors only)."""
     if config is None:
         return None
+    if not isinstance(config, ReplicateConfig):
+        raise InvalidParams(f"config must be a ReplicateConfig or None, not {type(config).__name__}: {config!r:.100}")
     encoder, decoder = _config_codec
     try:
         decoder.decode(encoder.encode(config))
@@ -1054,10 +1069,13 @@ class GetPieces:
             self._was_local = is_local
 
 
-def buffer_starts(addresses: Sequence[Sequence[int]]) -> list[int | None]:
+def buffer_starts(addresses: Sequence, per_key: bool = True) -> list[int | None]:
     """Per key of a zero-copy get: its buffer's address when it is one registered range, so
-    that replies for keys laid out back to back land in one receive (GetJob)."""
-    return [a[0] if len(a) == 1 else None for a in addresses]
+    that replies for keys laid out back to back land in one receive (GetJob). Python ints, as
+    BufferRegistry.lent took them (it checked them): numpy's plus a size may be a float."""
+    if not per_key:
+        return list(map(operator.index, addresses))
+    return [operator.index(a[0]) if len(a) == 1 else None for a in addresses]
 
 
 def get_into_results(job: GetJob) -> list[int]:

@@ -569,7 +569,7 @@ class Store:
     ) -> list[int]:
         store = self._async
         with store._lent(keys, addresses, sizes, is_written=True) as views:
-            jobs = self._get(keys, views, list(addresses))
+            jobs = self._get(keys, views, buffer_starts(addresses, per_key=False))
         return [result for job in jobs for result in get_into_results(job)]
 
     def batch_put_from_multi_buffers(
