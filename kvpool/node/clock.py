@@ -33,6 +33,11 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def monotonic_ms() -> int:
+    """This host's monotonic time in ms (for spans measured here alone)."""
+    return time.monotonic_ns() // 1_000_000
+
+
 class MasterClock:
     """The master's wall-clock time, estimated from its replies (the module)."""
 

@@ -185,11 +185,21 @@ class DiskTier:
 
     def write_file(self, entry: InventoryEntry, source: list[memoryview] | FileRange) -> None:
         """Write the file of `entry` (not yet recorded). Raises FilesystemFull, TransferFailed."""
+        self.publish(entry, self.write_temporary(entry, source))
+
+    def write_temporary(self, entry: InventoryEntry, source: list[memoryview] | FileRange) -> Path:
+        """Write the file of `entry` under a temporary name, for `publish` (or removal: a move
+        no longer wanted). Raises FilesystemFull, TransferFailed (nothing is left behind)."""
         assert 0 <= entry.offset and entry.offset + entry.size <= self.capacity_bytes, entry
-        files.write_object(
+        return files.write_temporary(
             self.objects_path, objectfile.disk_name(entry.offset), entry.key, entry.checksum,
             source, is_durable=self.is_durable,
         )  # fmt: skip
+
+    def publish(self, entry: InventoryEntry, temporary: Path) -> None:
+        """Rename a file write_temporary wrote to `entry`'s name (sync() makes it durable).
+        Raises TransferFailed (the temporary file is removed)."""
+        files.publish(temporary, self.path_of(entry.offset))
 
     def filesystem_free_bytes(self) -> float:
         """What the filesystem under the tier has left (NaN if it cannot be read): other files

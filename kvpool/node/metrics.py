@@ -19,7 +19,7 @@ Metric names (all prefixed kvpool_node_):
     write_requests_total     counter  WriteSlices requests answered OK
     read_requests_total      counter  ReadSlices requests answered OK
     errors_total{code}       counter  requests answered with an error, by ErrorCode name
-    commits_total{result}    counter  entries committed by the master, result ok|checksum|bounds
+    commits_total{result}    counter  entries committed by the master, result ok|checksum|bounds|moving
     commits_hashed_in_place_total  counter  of the ok ones, those taken on the writer's hash
                                    (a same-host copy, PutEnd.hashed_in_place), not hashed again
     mounts_total             counter  successful MountSegment calls (first mount and re-mounts)

@@ -22,7 +22,20 @@ never grows without bound. The master keeps its own, smaller, budget per node
 Deadline: a request's copies that finish after its `deadline_ms` (the master's clock, as this
 node estimates it: node/clock.py) are not recorded, and the files they wrote are removed. The
 master gives up on the request a little later and drops its targets before reusing them; a
-copy recorded after that drop would be an entry in a range the master hands out again.
+copy recorded after that drop would be an entry in a range the master hands out again. A
+request begun before the node's latest mount (`remounted`: the master timed the node out, or
+restarted, and rebuilt the segment from an inventory without the target) is as late.
+
+A copy the master gave up on still runs until it ends (a read stalled on a hung share), so:
+
+    plan (loop)         hold the target (moving.py): no write, commit or move lands there
+    copy (thread)       DRAM: into the mapping; disk, DFS: into a temporary file
+    check (loop)        late? remove the temporary files; else rename them (thread) into place
+    check again (loop)  late? remove the renamed files; else record the entries
+    end (loop)          release the targets (a DRAM one a late copy wrote: marked, moving.py)
+
+A late file is never renamed over the file of an object placed there since, and nothing the
+master hands out again while the copy runs can be overwritten by it.
 """
 
 from __future__ import annotations
@@ -30,9 +43,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import xxhash
 
@@ -45,11 +60,13 @@ from kvpool.errors import (
     NoAvailableHandle,
     ObjectNotFound,
     SegmentNotFound,
+    TransferFailed,
 )
-from kvpool.node.clock import wall_clock_ms
+from kvpool.node.clock import monotonic_ms, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import TierMetrics
+from kvpool.node.moving import MovingRanges
 from kvpool.node.segment import Segment
 from kvpool.protocol.messages import (
     TIER_DFS,
@@ -74,20 +91,25 @@ class _SourceGone(Exception):
 
 @dataclasses.dataclass
 class _Plan:
-    """One item, validated: which tiers, how to copy (in a thread), and what to record."""
+    """One item, validated, its target held: which tiers, how to copy (in a thread: returns
+    the temporary file written, or None for DRAM), how to rename that file into place, and
+    what to record."""
 
     item: MoveItem
     src: str
     dst: str
-    copy: Callable[[], None]
+    copy: Callable[[], Path | None]
+    publish: Callable[[Path], None] | None
     entry: InventoryEntry  # the destination, as the destination tier records it
+    is_started: bool = False  # its copy ran (may have written its target)
 
 
 class Mover:
     """Runs MoveObjects for one node. Holds the node's tiers (the DRAM segment and its
     inventory, the disk tier if any, the DFS directory if any), a thread pool and the count of
     admitted bytes. Invariant: 0 <= `_admitted_bytes` <= max(MOVE_QUEUE_BYTES_MAX, the
-    largest single request in flight)."""
+    largest single request in flight); `moving` holds the target of every planned item until
+    its copy (and rename) has ended."""
 
     def __init__(
         self,
@@ -109,6 +131,11 @@ class Mover:
         self.metrics = metrics
         self.is_durable = is_durable
         self._clock_ms = clock_ms  # the master's clock, as estimated here (deadlines are its)
+        # The targets of moves in flight, per tier; DRAM's is shared with the handlers that
+        # take writes and commits there (node/transfer.py).
+        self.moving = {TIER_DRAM: MovingRanges(), TIER_DISK: MovingRanges(), TIER_DFS: MovingRanges()}
+        # Mounts begun so far: a request begun under an earlier one is late (the module).
+        self._mount_number = 0
         self._admitted_bytes = 0
         self._room = asyncio.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -120,6 +147,12 @@ class Mover:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def remounted(self) -> None:
+        """The node is mounting its segments (again): the master it mounts on allocates from
+        the inventories it is sent, which hold no target of a move in flight, so no move begun
+        before is recorded (it is late)."""
+        self._mount_number += 1
 
     async def run_in_thread(self, function: Callable, *args: object) -> object:
         """Run blocking file I/O on this node's disk threads."""
@@ -136,48 +169,74 @@ class Mover:
         items = message.items
         if len(items) > limits.MOVE_ITEMS_PER_REQUEST_MAX:
             raise InvalidParams(f"{len(items)} move items > {limits.MOVE_ITEMS_PER_REQUEST_MAX}")
+        mount_number = self._mount_number
         codes: list[int] = [int(ErrorCode.OK)] * len(items)
         plans: list[tuple[int, _Plan]] = []
-        for index, item in enumerate(items):
-            try:
-                plans.append((index, self._plan(item)))
-            except _SourceGone as exc:
-                log.info("move of %r: %s", item.key, exc)
-                codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
-            except KVPoolError as exc:
-                log.warning("refusing move of %r: %s", item.key, exc)
-                codes[index] = int(exc.code)
-        size_bytes = sum(plan.item.size for _, plan in plans)
-        failed: dict[tuple[str, str, str], list[tuple[str, object]]] = {}  # (src, dst, why) -> (key, outcome)
-        await self._admit(size_bytes, self._wait_ms(message.deadline_ms))
         try:
-            outcomes = await asyncio.gather(
-                *(self.run_in_thread(plan.copy) for _, plan in plans), return_exceptions=True
-            )
-            if message.deadline_ms and self._clock_ms() >= message.deadline_ms:
-                return await self._too_late(plans, outcomes, codes)
-            to_disk: list[InventoryEntry] = []
-            to_dram: list[InventoryEntry] = []
-            for (index, plan), outcome in zip(plans, outcomes):
-                codes[index] = self._code_of(plan, outcome)
-                if codes[index] != ErrorCode.OK:
-                    failed.setdefault((plan.src, plan.dst, type(outcome).__name__), []).append((plan.item.key, outcome))
-                    continue
-                self.metrics.move_bytes.labels(src=plan.src, dst=plan.dst).inc(plan.item.size)
-                if plan.dst == TIER_DISK:
-                    to_disk.append(plan.entry)
-                elif plan.dst == TIER_DRAM:
-                    to_dram.append(plan.entry)
-            if to_dram:
-                self._record_promotions(to_dram)
-            if to_disk:
-                assert self.disk is not None
-                displaced = self.disk.record(to_disk)
-                # The master hears of the files only once their renames are durable.
-                await self.run_in_thread(self.disk.remove_files, displaced)
-                await self.run_in_thread(self.disk.sync)
+            for index, item in enumerate(items):
+                try:
+                    plans.append((index, self._plan(item)))
+                except _SourceGone as exc:
+                    log.info("move of %r: %s", item.key, exc)
+                    codes[index] = int(ErrorCode.OBJECT_NOT_FOUND)
+                except KVPoolError as exc:
+                    log.warning("refusing move of %r: %s", item.key, exc)
+                    codes[index] = int(exc.code)
+            size_bytes = sum(plan.item.size for _, plan in plans)
+            await self._admit(size_bytes, self._wait_ms(message.deadline_ms))
+            try:
+                return await self._run(plans, codes, message.deadline_ms, mount_number)
+            finally:
+                self._release(size_bytes)
         finally:
-            self._release(size_bytes)
+            # Every copy and rename of the request has ended here (each is awaited: the reply
+            # task is never cancelled while the node serves, Connection._reply_later).
+            is_late = self._is_late(message.deadline_ms, mount_number)
+            for _, plan in plans:
+                item = plan.item
+                is_written_late = is_late and plan.dst == TIER_DRAM and plan.is_started
+                self.moving[plan.dst].release(
+                    item.dst_offset, item.size, written_late_at_ms=monotonic_ms() if is_written_late else None
+                )
+
+    async def _run(
+        self, plans: list[tuple[int, _Plan]], codes: list[int], deadline_ms: int, mount_number: int
+    ) -> CodesReply:
+        """Copy, check, rename, check again, record (the module's diagram)."""
+        if self._is_late(deadline_ms, mount_number):  # admitted too late: copy nothing
+            return await self._too_late(plans, [None] * len(plans), codes)
+        for _, plan in plans:
+            plan.is_started = True
+        outcomes = await asyncio.gather(*(self.run_in_thread(plan.copy) for _, plan in plans), return_exceptions=True)
+        if self._is_late(deadline_ms, mount_number):
+            return await self._too_late(plans, outcomes, codes)
+        failed: dict[tuple[str, str, str], list[tuple[str, object]]] = {}  # (src, dst, why) -> (key, outcome)
+        written = [(plan, outcome) for (_, plan), outcome in zip(plans, outcomes) if isinstance(outcome, Path)]
+        renamed = await self._publish(written) if written else {}
+        if self._is_late(deadline_ms, mount_number):
+            return await self._too_late(plans, outcomes, codes, renamed=renamed)
+        to_disk: list[InventoryEntry] = []
+        to_dram: list[InventoryEntry] = []
+        for (index, plan), outcome in zip(plans, outcomes):
+            if isinstance(outcome, Path):
+                outcome = renamed[id(plan)]
+            codes[index] = self._code_of(plan, outcome)
+            if codes[index] != ErrorCode.OK:
+                failed.setdefault((plan.src, plan.dst, type(outcome).__name__), []).append((plan.item.key, outcome))
+                continue
+            self.metrics.move_bytes.labels(src=plan.src, dst=plan.dst).inc(plan.item.size)
+            if plan.dst == TIER_DISK:
+                to_disk.append(plan.entry)
+            elif plan.dst == TIER_DRAM:
+                to_dram.append(plan.entry)
+        if to_dram:
+            self._record_promotions(to_dram)
+        if to_disk:
+            assert self.disk is not None
+            displaced = self.disk.record(to_disk)
+            # The master hears of the files only once their renames are durable.
+            await self.run_in_thread(self.disk.remove_files, displaced)
+            await self.run_in_thread(self.disk.sync)
         # One line per kind of failure and request, not per object: a full disk fails every
         # move of a request alike.
         for (src, dst, _), failures in failed.items():
@@ -185,6 +244,31 @@ class Mover:
             more = f" (and {len(failures) - 1} more like it)" if len(failures) > 1 else ""
             log.warning("move of %r from %s to %s failed: %s%s", key, src, dst, outcome, more)
         return CodesReply(codes)
+
+    async def _publish(self, written: list[tuple[_Plan, Path]]) -> dict[int, object]:
+        """Rename the temporary files into place (a worker thread); by id(plan): None, or the
+        error that left it unrenamed (its temporary file removed)."""
+
+        def rename_all() -> dict[int, object]:
+            renamed: dict[int, object] = {}
+            for plan, temporary in written:
+                assert plan.publish is not None
+                try:
+                    plan.publish(temporary)
+                    renamed[id(plan)] = None
+                except KVPoolError as exc:
+                    renamed[id(plan)] = exc
+            return renamed
+
+        renamed = await self.run_in_thread(rename_all)
+        assert isinstance(renamed, dict)
+        return renamed
+
+    def _is_late(self, deadline_ms: int, mount_number: int) -> bool:
+        """The master gave up on the request, or rebuilt the segment without its targets."""
+        if mount_number != self._mount_number:
+            return True
+        return bool(deadline_ms) and self._clock_ms() >= deadline_ms
 
     def _record_promotions(self, entries: list[InventoryEntry]) -> None:
         """Record copies into DRAM. One displacing its own key's older entry is normal: the
@@ -198,35 +282,55 @@ class Mover:
                         self.segment_id, len(displaced), [e.key for e in displaced[:8]])  # fmt: skip
 
     async def _too_late(
-        self, plans: list[tuple[int, _Plan]], outcomes: list[object], codes: list[int]
+        self,
+        plans: list[tuple[int, _Plan]],
+        outcomes: list[object],
+        codes: list[int],
+        renamed: dict[int, object] | None = None,
     ) -> CodesReply:
-        """The copies finished after the request's deadline: record none, remove the files
-        they wrote (a DRAM copy is bytes in a range the inventory leaves free), fail them all."""
-        written = [plan for (_, plan), outcome in zip(plans, outcomes) if outcome is None]
-        # A disk file goes unless an entry the tier holds lies there: then it is not this copy's.
+        """The request is late (_is_late): record none, remove the files its copies wrote,
+        renamed into place (`renamed`: by id(plan), None where it was) or not yet, fail them
+        all. A DRAM copy leaves bytes in a range the inventory leaves free."""
+        temporaries: list[Path] = []
+        to_disk: list[InventoryEntry] = []
+        to_dfs: list[InventoryEntry] = []
         disk = self.disk
-        to_disk = [
-            p.entry for p in written
-            if p.dst == TIER_DISK and disk is not None and disk.inventory.is_range_free(p.entry.offset, p.entry.size)
-        ]  # fmt: skip
-        to_dfs = [p.entry for p in written if p.dst == TIER_DFS]
-        await self.run_in_thread(self._remove_written, to_disk, to_dfs)
+        for (_, plan), outcome in zip(plans, outcomes):
+            if not isinstance(outcome, Path):
+                continue
+            if renamed is None or id(plan) not in renamed:
+                temporaries.append(outcome)
+            elif renamed[id(plan)] is None:
+                if plan.dst == TIER_DFS:
+                    to_dfs.append(plan.entry)
+                # A file stays only when the tier holds an entry at that very place for that
+                # key (its file: the same bytes); any other at that name is this copy's.
+                elif disk is not None and disk.entry_at(plan.entry.key, plan.entry.offset) is None:
+                    to_disk.append(plan.entry)
+        await self.run_in_thread(self._remove_written, temporaries, to_disk, to_dfs)
         for index, plan in plans:
             codes[index] = int(ErrorCode.TRANSFER_FAIL)
             self.metrics.moves.labels(src=plan.src, dst=plan.dst, result="late").inc()
         if plans:
-            log.warning("moves of %d objects (%r first) finished after their deadline: not recorded",
-                        len(plans), plans[0][1].item.key)  # fmt: skip
+            log.warning("moves of %d objects (%r first) finished after their deadline, or began before the node "
+                        "mounted again: not recorded", len(plans), plans[0][1].item.key)  # fmt: skip
         return CodesReply(codes)
 
-    def _remove_written(self, to_disk: list[InventoryEntry], to_dfs: list[InventoryEntry]) -> None:
+    def _remove_written(
+        self, temporaries: list[Path], to_disk: list[InventoryEntry], to_dfs: list[InventoryEntry]
+    ) -> None:
         """Remove the files of copies not recorded (a worker thread), the disk tier's as its
         drops do (DiskTier.remove_files: then the directory is synced)."""
-        left = []
+        left: list[object] = []
+        for temporary in temporaries:
+            try:
+                files.remove(temporary)
+            except KVPoolError:
+                left.append(temporary)
         if to_disk:
             assert self.disk is not None
             try:
-                left = self.disk.remove_files(to_disk)
+                left += self.disk.remove_files(to_disk)
             except KVPoolError as exc:  # the directory's sync
                 log.warning("removing files of moves too late to record: %s", exc)
         for entry in to_dfs:
@@ -236,7 +340,7 @@ class Mover:
             except KVPoolError:
                 left.append(entry)
         if left:
-            log.warning("could not remove the files of %d moves too late to record (%r first)", len(left), left[0].key)
+            log.warning("could not remove the files of %d moves too late to record (%r first)", len(left), left[0])
 
     def _wait_ms(self, deadline_ms: int) -> int:
         """How long admission may wait: MOVE_TIMEOUT_MS, and not past the deadline."""
@@ -245,7 +349,7 @@ class Mover:
         return max(0, min(limits.MOVE_TIMEOUT_MS, deadline_ms - self._clock_ms()))
 
     def _code_of(self, plan: _Plan, outcome: object) -> int:
-        if outcome is None:
+        if outcome is None:  # copied (and, into a file, renamed)
             result, code = "ok", ErrorCode.OK
         elif isinstance(outcome, _SourceGone):
             result, code = "source_gone", ErrorCode.OBJECT_NOT_FOUND
@@ -301,29 +405,42 @@ class Mover:
         raise SegmentNotFound(f"segment {segment_id!r} is not a tier of this node")
 
     def _plan(self, item: MoveItem) -> _Plan:
+        """Check an item and hold its target (released by `move` once its copy has ended).
+
+        Raises:
+            _SourceGone: the source is not there. SegmentNotFound, InvalidParams: as named.
+            TransferFailed: a copy of an earlier move still runs into the target (one the
+                master gave up on: the range is not its to give out again until that ends).
+        """
         src = self._tier_of(item.src_segment_id)
         dst = self._tier_of(item.dst_segment_id)
         if src == dst or item.size <= 0:
             raise InvalidParams(f"move from {src} to {dst} of {item.size} bytes")
         entry = InventoryEntry(item.key, item.dst_offset, item.size, item.checksum)
         read = self._source(item, src)
+        publish: Callable[[Path], None] | None = None
         if dst == TIER_DISK:
             disk = self.disk
             assert disk is not None
             if not 0 <= item.dst_offset <= disk.capacity_bytes - item.size:
                 raise InvalidParams(f"disk range [{item.dst_offset}, +{item.size}) outside the tier")
 
-            def copy() -> None:
+            def copy() -> Path | None:
                 with read() as source:
-                    disk.write_file(entry, source)
+                    return disk.write_temporary(entry, source)
+
+            publish = functools.partial(disk.publish, entry)
 
         elif dst == TIER_DFS:
             dfs = self.dfs
             assert dfs is not None
 
-            def copy() -> None:
+            def copy() -> Path | None:
                 with read() as source:
-                    dfs.write(item.key, item.dst_offset, item.checksum, source, is_durable=self.is_durable)
+                    return dfs.write_temporary(item.key, item.dst_offset, item.checksum, source,
+                                               is_durable=self.is_durable)  # fmt: skip
+
+            publish = functools.partial(dfs.publish, item.key, item.dst_offset, is_durable=self.is_durable)
 
         else:
             if not 0 <= item.dst_offset <= self.segment.capacity_bytes - item.size:
@@ -332,7 +449,7 @@ class Mover:
                 raise InvalidParams(f"DRAM range [{item.dst_offset}, +{item.size}) holds an object")
             target = self.segment.data[item.dst_offset : item.dst_offset + item.size]
 
-            def copy() -> None:
+            def copy() -> Path | None:
                 with read() as source:
                     if isinstance(source, FileRange):
                         files.read_range_into(source, [target])
@@ -340,8 +457,15 @@ class Mover:
                         target[:] = source[0]
                 if xxhash.xxh3_64_intdigest(target) != item.checksum:
                     raise _SourceGone(f"bytes of {item.key!r} do not match its checksum")
+                return None
 
-        return _Plan(item, src, dst, copy, entry)
+        moving = self.moving[dst]
+        if moving.is_held(item.dst_offset, item.size):
+            raise TransferFailed(
+                f"{dst} range [{item.dst_offset}, +{item.size}) is the target of a copy still running"
+            )
+        moving.hold(item.dst_offset, item.size)
+        return _Plan(item, src, dst, copy, publish, entry)
 
     def _source(self, item: MoveItem, src: str) -> Callable[[], _Source]:
         """Check the source on the loop; returns how a thread opens it."""

@@ -50,6 +50,7 @@ from kvpool.node.transfer import MasterCallHandler, TransferHandler
 from kvpool.process import raise_open_files_limit
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
+    TIER_DRAM,
     DrainSegment,
     FilesystemReport,
     Heartbeat,
@@ -270,6 +271,8 @@ class Node:
             DfsDirectory(config.dfs_dir) if config.dfs_dir else None, self.tier_metrics,
             is_durable=config.disk_fsync, clock_ms=self._master_clock.now_ms,
         )  # fmt: skip
+        # Writes are refused where a promotion's copy may still land (node/moving.py).
+        self._transfer.moving = self._mover.moving[TIER_DRAM]
         self._master_calls = TieredMasterCalls(
             MasterCallHandler(self._segment, self._segment_id, self._inventory, self.metrics),
             self._disk, self._mover,
@@ -475,6 +478,10 @@ class Node:
             log.info("node %s: drain over, not re-mounting", self.node_id)
             return
         self._master_clock.forget()
+        # The master rebuilds the segments from the inventories sent now: a move begun before
+        # must not be recorded after (its target is not in them, and may be given out again).
+        assert self._mover is not None
+        self._mover.remounted()
         for info, inventory in self._mounts():
             chunks = list(_inventory_chunks(inventory.entries()))
             for index, chunk in enumerate(chunks):

@@ -31,6 +31,7 @@ from kvpool.node.metrics import TierMetrics
 from kvpool.node.moves import Mover
 from kvpool.node.transfer import MasterCallHandler, TransferHandler
 from kvpool.protocol.messages import (
+    TIER_DRAM,
     CodesReply,
     CommitObjects,
     DropObjects,
@@ -186,6 +187,8 @@ class TieredMasterCalls:
         self.dram = dram
         self.disk = disk
         self.mover = mover
+        # Commits are refused where a promotion's copy may still write (node/moving.py).
+        dram.moving = mover.moving[TIER_DRAM]
         self._is_closed = False
         # Set while a commit (or a call queued behind one) has not started or finished: the
         # next call starts after it (see the module docstring).

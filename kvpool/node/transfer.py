@@ -36,11 +36,13 @@ from kvpool.errors import (
     InvalidParams,
     KVPoolError,
     SegmentNotFound,
+    TransferFailed,
     Unauthorized,
 )
-from kvpool.node.clock import wall_clock_ms
+from kvpool.node.clock import monotonic_ms, wall_clock_ms
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import NodeMetrics
+from kvpool.node.moving import MovingRanges
 from kvpool.node.segment import Segment
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -79,6 +81,9 @@ class _SegmentHandler:
         self.metrics = metrics
         self.connections: set[Connection] = set()
         self._is_closed = False
+        # The DRAM targets of moves whose copies still run (moving.py): nothing lands there.
+        # Its own until the node hands it the Mover's (node/server.py, tiered.py).
+        self.moving = MovingRanges()
 
     def close(self) -> None:
         """Refuse every later request (the segment is about to be unmapped)."""
@@ -258,6 +263,7 @@ class TransferHandler(_SegmentHandler):
                 range holding a committed object (a stale grant: the master drops an object
                 before it reuses its range).
             InvalidParams: a range outside the grant or the segment.
+            TransferFailed: a range a move's copy may still write (moving.py).
         """
         now_ms = self._clock_ms()
         # The slices of one object, and the objects of one run (master/puts.py), share a grant:
@@ -301,6 +307,12 @@ class TransferHandler(_SegmentHandler):
             raise Unauthorized(
                 f"item {index}: grant [{grant.offset}, +{grant.size}) holds committed object "
                 f"{held[0].key!r}: stale grant"
+            )
+        if self.moving.is_held(grant.offset, grant.size):
+            # The master gave up on a promotion there and granted the range again, but its
+            # copy (a read stalled on a hung disk or share) may still land: the put fails.
+            raise TransferFailed(
+                f"item {index}: grant [{grant.offset}, +{grant.size}) is the target of a move's copy still running"
             )
 
     def _read(self, message: ReadSlices) -> HandlerResult:
@@ -372,23 +384,41 @@ class MasterCallHandler(_SegmentHandler):
         entries = message.entries
         capacity_bytes = self.segment.capacity_bytes
         in_bounds = [0 <= e.offset and 0 < e.size and e.offset + e.size <= capacity_bytes for e in entries]
-        if message.is_hashed_in_place:  # the writer hashed these bytes here (PutEnd.hashed_in_place)
+        is_hashed_in_place = message.is_hashed_in_place
+        moving: frozenset[int] = frozenset()
+        if self.moving:  # a move's copy runs into this segment, or ran late (rare): moving.py
+            moving, is_hashed_in_place = self._check_moving(entries, is_hashed_in_place)
+            in_bounds = [ok and index not in moving for index, ok in enumerate(in_bounds)]
+        if is_hashed_in_place:  # the writer hashed these bytes here (PutEnd.hashed_in_place)
             codes = [ErrorCode.OK if ok else ErrorCode.INVALID_PARAMS for ok in in_bounds]
             self.metrics.commits_hashed_in_place.inc(sum(in_bounds))
-            return self._record(entries, codes)
+            return self._record(entries, codes, moving)
         data = self.segment.data
         views = [[data[e.offset : e.offset + e.size]] for e, ok in zip(entries, in_bounds) if ok]
         if sum(e.size for e, ok in zip(entries, in_bounds) if ok) < checksums.PARALLEL_BYTES_MIN:
-            return self._record(entries, self._codes(entries, in_bounds, checksums.checksums_of(views)))
-        return self._commit_later(entries, in_bounds, views)
+            return self._record(entries, self._codes(entries, in_bounds, checksums.checksums_of(views)), moving)
+        return self._commit_later(entries, in_bounds, views, moving)
+
+    def _check_moving(self, entries: list[InventoryEntry], is_hashed_in_place: bool) -> tuple[frozenset[int], bool]:
+        """Entries in a range a move's copy may still write are refused (their bytes may be
+        overwritten after any check); entries where a late copy wrote are hashed even if the
+        writer hashed them in place (a same-host writer may have copied before that copy
+        landed). Returns the indexes refused, and whether to take the writer's hash."""
+        moving = self.moving
+        refused = frozenset(index for index, e in enumerate(entries) if moving.is_held(e.offset, e.size))
+        if is_hashed_in_place:
+            now_ms = monotonic_ms()
+            is_hashed_in_place = not any(moving.is_written_late(e.offset, e.size, now_ms) for e in entries)
+        return refused, is_hashed_in_place
 
     async def _commit_later(
-        self, entries: list[InventoryEntry], in_bounds: list[bool], views: list[list[memoryview]]
-    ) -> HandlerResult:
+        self, entries: list[InventoryEntry], in_bounds: list[bool], views: list[list[memoryview]],
+        moving: frozenset[int],
+    ) -> HandlerResult:  # fmt: skip
         """A large commit is hashed off the loop, on one thread: the put was answered already
         (master/server.py), so this is background work, and the cores go to the clients."""
         sums = await asyncio.get_running_loop().run_in_executor(None, _checksums_in_turn, views)
-        return self._record(entries, self._codes(entries, in_bounds, sums))
+        return self._record(entries, self._codes(entries, in_bounds, sums), moving)
 
     @staticmethod
     def _codes(entries: list[InventoryEntry], in_bounds: list[bool], sums: list[int]) -> list[int]:
@@ -404,14 +434,21 @@ class MasterCallHandler(_SegmentHandler):
                 codes.append(ErrorCode.OK)
         return codes
 
-    def _record(self, entries: list[InventoryEntry], codes: list[int]) -> HandlerResult:
-        """Add the verified entries to the inventory; log and count the refused ones."""
+    def _record(
+        self, entries: list[InventoryEntry], codes: list[int], moving: frozenset[int] = frozenset()
+    ) -> HandlerResult:
+        """Add the verified entries to the inventory; log and count the refused ones (`moving`:
+        the indexes refused for a move's copy still running there: TRANSFER_FAIL)."""
         verified = []
-        for entry, code in zip(entries, codes):
+        for index, (entry, code) in enumerate(zip(entries, codes)):
             if code == ErrorCode.OK:
                 verified.append(entry)
                 continue
-            reason = "bounds" if code == ErrorCode.INVALID_PARAMS else "checksum"
+            if index in moving:
+                codes[index] = code = ErrorCode.TRANSFER_FAIL
+                reason = "moving"
+            else:
+                reason = "bounds" if code == ErrorCode.INVALID_PARAMS else "checksum"
             log.warning("segment %s: refusing commit of %r at %d+%d: %s",
                         self.segment_id, entry.key, entry.offset, entry.size, reason)  # fmt: skip
             self.metrics.commits.labels(result=reason).inc()

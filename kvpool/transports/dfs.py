@@ -155,9 +155,24 @@ class DfsDirectory:
             FilesystemFull: no space left there. TransferFailed: it could not be written
             otherwise (nothing is left under its name in either case).
         """
+        self.publish(key, offset, self.write_temporary(key, offset, checksum, source, is_durable=is_durable),
+                     is_durable=is_durable)  # fmt: skip
+
+    def write_temporary(
+        self, key: str, offset: int, checksum: int, source: Sequence[memoryview] | FileRange,
+        *, is_durable: bool,
+    ) -> Path:  # fmt: skip
+        """Write one object under a temporary name in its bucket, for `publish` (or removal:
+        a move no longer wanted). Blocks. Raises as `write`."""
         final = self.path_of(key, offset)
         _make_bucket(final.parent)
-        files.write_object(final.parent, final.name, key, checksum, source, is_durable=is_durable)
+        return files.write_temporary(final.parent, final.name, key, checksum, source, is_durable=is_durable)
+
+    def publish(self, key: str, offset: int, temporary: Path, *, is_durable: bool) -> None:
+        """Rename a file write_temporary wrote into place (and sync its bucket when
+        `is_durable`). Blocks. Raises TransferFailed (the temporary file is removed)."""
+        final = self.path_of(key, offset)
+        files.publish(temporary, final)
         if is_durable:
             files.sync_directory(final.parent)
 

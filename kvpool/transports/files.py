@@ -10,8 +10,10 @@ no state beyond the open files it hands out.
 Writes are atomic: the bytes go to `<name>.<random>.tmp`, optionally fdatasync'ed, then the
 temporary file is renamed to `<name>`; a crash at any moment leaves either the whole new file
 or none (plus a temporary file that scans remove). The directory's own fsync, which makes the
-rename durable, is the caller's (`sync_directory`, once per batch). A written file is dropped
-from the page cache (POSIX_FADV_DONTNEED): DRAM is the DRAM tier's, not the disk tier's.
+rename durable, is the caller's (`sync_directory`, once per batch). A caller that may find
+between the two steps that the file is no longer wanted writes it with `write_temporary` and
+renames it with `publish` (node/moves.py). A written file is dropped from the page cache
+(POSIX_FADV_DONTNEED): DRAM is the DRAM tier's, not the disk tier's.
 
 Every call here blocks (disk or network filesystem): callers on an event loop run them in a
 thread (node/moves.py, the Connection's file sender).
@@ -341,20 +343,53 @@ def write_object(
         FilesystemFull: no space left on the filesystem (nothing is left behind).
         TransferFailed: the file could not be written otherwise (nothing is left behind).
     """
+    publish(write_temporary(directory, name, key, checksum, source, is_durable=is_durable), directory / name)
+
+
+def write_temporary(
+    directory: Path,
+    name: str,
+    key: str,
+    checksum: int,
+    source: Sequence[memoryview] | FileRange,
+    *,
+    is_durable: bool,
+) -> Path:
+    """Write an object file under a temporary name next to `directory/name`, for `publish` to
+    rename into place: a caller that learns meanwhile that the file is no longer wanted (a
+    move the master gave up on: node/moves.py) removes it instead, and no file of that name,
+    perhaps another object's by then, is ever replaced. Arguments as write_object's.
+
+    Returns:
+        The temporary file's path.
+
+    Raises:
+        FilesystemFull, TransferFailed: as write_object (nothing is left behind).
+    """
     with map_exceptions(_WRITE_ERRORS):
         try:
-            _write_object(directory, name, key, checksum, source, is_durable)
+            return _write_temporary(directory, name, key, checksum, source, is_durable)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 raise FilesystemFull(f"{directory}: {exc.strerror}") from exc
             raise
 
 
-def _write_object(
+def publish(temporary: Path, final: Path) -> None:
+    """Rename a file write_temporary wrote into place (replacing any file there). Raises
+    TransferFailed (the temporary file is removed)."""
+    with map_exceptions(_WRITE_ERRORS):
+        try:
+            os.rename(temporary, final)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+
+def _write_temporary(
     directory: Path, name: str, key: str, checksum: int, source: Sequence[memoryview] | FileRange, is_durable: bool
-) -> None:
+) -> Path:
     size = source.size if isinstance(source, FileRange) else sum(len(v) for v in source)
-    final = directory / name
     temporary = directory / f"{name}.{secrets.token_hex(6)}{objectfile.TEMP_SUFFIX}"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -373,11 +408,7 @@ def _write_object(
         temporary.unlink(missing_ok=True)
         raise
     os.close(fd)
-    try:
-        os.rename(temporary, final)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    return temporary
 
 
 def _write_all(fd: int, views: Sequence[memoryview], position: int) -> None:
