@@ -26,8 +26,9 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # move's deadline (MoveObjects.deadline_ms: a node of version 5 would record a move the master
 # gave up on) and a mount's last part (MountSegment.is_last). 7: the reads a lookup holds for
 # (LongestPrefix.hold_reads: a master of version 6 would end an MLA block's hold at the first
-# of the TP ranks that read it).
-FRAME_VERSION = 7
+# of the TP ranks that read it). 8: ReleaseLeases' keys in one bounded list with a count per
+# grant time (its list of lists let one frame hold 15 million keys).
+FRAME_VERSION = 8
 # A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
 # maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
 FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB

@@ -27,7 +27,7 @@ def test_only_the_leased_keys_of_a_get_are_given_back_grouped_by_grant_time() ->
     assert not releases.add(reply([OK], 100), ["d"])  # one is scheduled already
     assert not releases.add(reply([OK, OK], 200), ["a", "a"])  # a key read twice: two leases
     [message] = releases.take()
-    assert (message.granted_ms, message.keys) == ([100, 200], [["a", "c", "d"], ["a", "a"]])
+    assert (message.granted_ms, message.counts, message.keys) == ([100, 200], [3, 2], ["a", "c", "d", "a", "a"])
     assert releases.take() == []
     assert releases.add(reply([OK], 300), ["e"])  # after a flush, the next addition schedules one
 
@@ -45,11 +45,9 @@ def test_a_flush_is_cut_into_messages_of_at_most_a_batch_of_keys() -> None:
     releases.add(reply([OK] * count, 100), [f"k{i}" for i in range(count)])
     releases.add(reply([OK] * 5, 200), [f"j{i}" for i in range(5)])
     messages = releases.take()
-    assert [sum(map(len, m.keys)) for m in messages] == [limits.BATCH_KEYS_MAX, 15]
-    assert [m.granted_ms for m in messages] == [[100], [100, 200]]
-    assert [key for m in messages for keys in m.keys for key in keys] == (
-        [f"k{i}" for i in range(count)] + [f"j{i}" for i in range(5)]
-    )
+    assert [len(m.keys) for m in messages] == [limits.BATCH_KEYS_MAX, 15]
+    assert [(m.granted_ms, m.counts) for m in messages] == [([100], [limits.BATCH_KEYS_MAX]), ([100, 200], [10, 5])]
+    assert [key for m in messages for key in m.keys] == [f"k{i}" for i in range(count)] + [f"j{i}" for i in range(5)]
 
 
 def test_gets_finishing_on_many_threads_lose_no_lease_and_schedule_one_flush_per_take() -> None:
@@ -67,4 +65,4 @@ def test_gets_finishing_on_many_threads_lose_no_lease_and_schedule_one_flush_per
         thread.join()
     assert firsts.count(True) == 1
     [message] = releases.take()
-    assert sorted(message.keys[0]) == sorted(f"t{t}-{i}" for t in range(4) for i in range(200))
+    assert sorted(message.keys) == sorted(f"t{t}-{i}" for t in range(4) for i in range(200))

@@ -218,6 +218,24 @@ def test_write_through_put_and_same_host_reads_of_the_disk_files(make_cluster, t
     del restarted
 
 
+def test_a_put_preferring_the_disk_tiers_segment_is_stored_in_dram(make_cluster, tmp_path):
+    """ClusterStatus lists the disk tier's segment, and a client may name it as its preferred
+    segment: the put is stored in DRAM and read back (before, the master granted the write on
+    the disk tier, the node refused it, and the put failed)."""
+    from kvpool import ReplicateConfig
+
+    cluster = make_cluster(0, "8MiB")
+    node = cluster.start_node(disk_args(tmp_path / "disk"))
+    data = os.urandom(OBJECT_SIZE)
+    with Store(cluster.master_endpoint) as store:
+        disk_id = node.info["disk_segment_id"]
+        assert disk_id in {s.segment.segment_id for s in store.cluster_status().segments}
+        config = ReplicateConfig(placement="preferred", preferred_segments=[disk_id])
+        assert store.put_batch(["preferred"], [data], config) == [ErrorCode.OK]
+        assert [r.segment_id for r in store.query(["preferred"]).replicas[0]] == [node.info["segment_id"]]
+        assert store.get("preferred") == data
+
+
 def test_a_cancelled_get_into_from_a_disk_file_writes_nothing_into_the_buffer_after_it_returned(
     make_cluster, tmp_path, monkeypatch
 ):

@@ -147,7 +147,7 @@ def test_a_put_during_the_eviction_back_off_waits_it_out_instead_of_failing():
         service.drops_done(segment_id, entries, wall_clock_ms())
     service.put_start_again(first, reply, [i for i, c in enumerate(reply.codes) if c == NO_ROOM], wall_clock_ms())
     service.release_leases(
-        ReleaseLeases([r.lease_granted_ms for r in leases], parts), wall_clock_ms()
+        ReleaseLeases([r.lease_granted_ms for r in leases], list(map(len, parts)), leased), wall_clock_ms()
     )
     waiting = server._put_start(put_start([f"y-{i}" for i in range(8)]))
     assert asyncio.iscoroutine(waiting)  # the back-off ends soon: room may come

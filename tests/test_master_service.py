@@ -440,7 +440,8 @@ def test_lease_blocks_remove_until_it_expires() -> None:
 
 
 def release(svc, granted_ms: int, keys, now: int) -> None:
-    svc.release_leases(ReleaseLeases([granted_ms], [list(keys)]), now)
+    keys = list(keys)
+    svc.release_leases(ReleaseLeases([granted_ms], [len(keys)], keys), now)
 
 
 def test_a_lease_ends_when_its_last_reader_gives_it_back() -> None:
@@ -458,6 +459,24 @@ def test_a_lease_ends_when_its_last_reader_gives_it_back() -> None:
     assert svc.remove(Remove(["k", "other"]), 401).codes == [OK, ErrorCode.OBJECT_HAS_LEASE]
     release(svc, 200, ["k"], 402)  # given back twice, or for an object gone: nothing happens
     assert svc.counters.leases_released == 1
+
+
+def test_a_release_whose_counts_do_not_add_up_is_refused_and_releases_nothing() -> None:
+    """ReleaseLeases carries its keys in one list and a count per grant time (wire version 8,
+    bounded where a list of lists was not): counts that do not cover the keys exactly, or do
+    not match the grant times, are InvalidParams, counted, and change no lease."""
+    svc = make(lease_ttl_ms=10_000)
+    mount(svc, "s1")
+    put(svc, ["a", "b"])
+    get(svc, ["a"], 100)
+    get(svc, ["b"], 200)
+    for granted_ms, counts in (([100, 200], [1, 2]), ([100, 200], [1]), ([100, 200], [3, -1]), ([100], [1, 1])):
+        with pytest.raises(InvalidParams):
+            svc.release_leases(ReleaseLeases(granted_ms, counts, ["a", "b"]), 300)
+    assert svc.counters.errors == 4 and svc.counters.leases_released == 0
+    assert svc.remove(Remove(["a", "b"]), 301).codes == [ErrorCode.OBJECT_HAS_LEASE] * 2
+    svc.release_leases(ReleaseLeases([100, 200], [1, 1], ["a", "b"]), 302)
+    assert svc.remove(Remove(["a", "b"]), 303).codes == [OK, OK]
 
 
 def test_a_lease_given_back_after_it_lapsed_does_not_end_a_later_readers_lease() -> None:
@@ -552,6 +571,15 @@ def test_a_lookup_hold_is_cut_to_the_lease_ttl_and_not_negative() -> None:
     assert svc.remove(Remove(["b"]), 2_201).codes == [OK]
     with pytest.raises(InvalidParams, match="hold_ms"):
         svc.longest_prefix(LongestPrefix(["b"], hold_ms=-1), 0)
+
+
+def test_bad_lookup_holds_are_counted_as_errors() -> None:
+    """Like every refused request, a lookup with a bad hold counts in errors_total (/metrics)."""
+    svc = make()
+    for msg in (LongestPrefix(["a"], hold_ms=-1), LongestPrefix(["a"], hold_ms=1_000, hold_reads=0)):
+        with pytest.raises(InvalidParams):
+            svc.longest_prefix(msg, 0)
+    assert svc.counters.errors == 2
 
 
 def test_a_lookup_hold_for_several_reads_lasts_until_the_last_of_them() -> None:

@@ -435,7 +435,7 @@ class MasterMachine(RuleBasedStateMachine):
     def release_lease(self, data: st.DataObject) -> None:
         """A reader is done: it gives back one lease it was granted (maybe after it lapsed)."""
         granted_ms, key = self.granted.pop(data.draw(st.integers(0, len(self.granted) - 1)))
-        self.service.release_leases(ReleaseLeases([granted_ms], [[key]]), self.now)
+        self.service.release_leases(ReleaseLeases([granted_ms], [1], [key]), self.now)
         is_current = granted_ms + CONFIG.lease_ttl_ms > self.now and key in self.objects
         if is_current and self._is_leased(key) and self.readers.get(key, 0) > 0:
             self.readers[key] -= 1

@@ -14,12 +14,13 @@ import logging
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool import ReplicateConfig, limits
 from kvpool.errors import ErrorCode, SegmentAlreadyExists
 from kvpool.master import tiers as tiers_module
 from kvpool.master.allocator import footprint_bytes
+from kvpool.node.inventory import Inventory
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import (
     TIER_DFS,
@@ -34,6 +35,7 @@ from kvpool.protocol.messages import (
     MountSegment,
     MoveItem,
     PutEnd,
+    PutRevoke,
     PutStart,
     QueryObjects,
     Remove,
@@ -725,6 +727,165 @@ def test_unmounting_a_dram_segment_keeps_the_disk_copies_and_losing_the_disk_kee
     assert tiers(svc)[TIER_DISK]["object_count"] == 0
 
 
+# --- a key whose move is running: no new object under it until the move ends -----------------
+
+
+class Nodes:
+    """What node n1 holds, recorded the way the node records it (node/inventory.py: one entry
+    per key in a segment; a commit or a finished move adds an entry and displaces the key's
+    other one there, a drop forgets an entry by key and offset). A test puts, moves and drops
+    through it, and checks the master against it, or restarts the master from it."""
+
+    CAPACITIES = {"A": MIB, "A/disk": 8 * MIB}
+
+    def __init__(self, svc) -> None:
+        self.svc = svc
+        self.inventories = {segment_id: Inventory(size) for segment_id, size in self.CAPACITIES.items()}
+
+    def put(self, names: list[str], now: int) -> list[int]:
+        """A whole put (no write-through); returns the final code per key."""
+        svc = self.svc
+        start = svc.put_start(PutStart(names, [OBJECT_SIZE] * len(names), ReplicateConfig()), now)
+        started = [k for k, code in zip(names, start.codes) if code == OK]
+        pending = svc.put_end(PutEnd(started, [checksum_of(k) for k in started]), now)
+        for segment_id, entries in pending.commits.items():
+            self.inventories[segment_id].add(entries)
+        results = {segment_id: [0] * len(entries) for segment_id, entries in pending.commits.items()}
+        reply = svc.finish_put_end(pending, results, now)
+        final = dict(zip(started, reply.codes))
+        return [final.get(k, code) for k, code in zip(names, start.codes)]
+
+    def move(self, moves: dict[str, list[MoveItem]], now: int) -> None:
+        """The node makes these moves (every one succeeds) and answers them."""
+        for segment_id, items in moves.items():
+            for item in items:
+                entry = InventoryEntry(item.key, item.dst_offset, item.size, item.checksum)
+                self.inventories[item.dst_segment_id].add([entry])
+            self.svc.finish_moves(segment_id, items, [OK] * len(items), now)
+
+    def drop(self, now: int) -> None:
+        for segment_id, entries in self.svc.take_drops().items():
+            self.inventories[segment_id].drop(entries)
+            self.svc.drops_done(segment_id, entries, now)
+
+    def check(self, names: list[str]) -> None:
+        """Every replica the master lists is an entry of that key in its segment's inventory."""
+        reply = self.svc.query_objects(QueryObjects(names), 0)
+        for key, replicas in zip(names, reply.replicas):
+            for replica in replicas:
+                held = self.inventories[replica.segment_id].get(key)
+                assert held is not None and held.offset == replica.offset, (key, replica, held)
+
+    def restarted_master(self, now: int):
+        """A new master, the node mounting its segments again with their inventories."""
+        svc = make(node_ttl_ms=10**9)
+        svc.mount_segment(MountSegment(dram("A", "n1"), self.inventories["A"].entries()), now)
+        svc.mount_segment(MountSegment(disk("A/disk", "n1"), self.inventories["A/disk"].entries()), now)
+        return svc
+
+
+def promoting(nodes: Nodes) -> tuple[str, dict[str, list[MoveItem]]]:
+    """Fill A, offload, read a key that went to disk until its promotion into A is sent; returns
+    the key and the move sent (its node is making it)."""
+    svc = nodes.svc
+    for name in keys("k", 16):
+        assert nodes.put([name], 0) == [OK]
+    svc.tick(1)
+    nodes.move(svc.take_moves(), 1)
+    nodes.drop(1)
+    cold = next(k for k in keys("k", 16) if where(svc, k) == ["A/disk"])
+    for now in (2, 3):
+        svc.get_replica_list(GetReplicaList([cold]), now)
+    svc.tick(5_000)  # the reads' leases are over
+    moves = svc.take_moves()
+    assert [(i.key, i.dst_segment_id) for i in moves["A/disk"]] == [(cold, "A")]
+    return cold, moves
+
+
+def test_a_key_removed_while_its_promotion_runs_takes_a_put_only_once_the_node_answered():
+    """The node records a promotion under its key in A, which would displace the entry of a new
+    object put there meanwhile: the master listed that object, its node did not, and a master
+    restart lost it. The key answers puts as while another writer puts it, until the move ends;
+    then it is put as any key, and survives a restart."""
+    svc = cluster(promote_reads=2, lease_ttl_ms=1_000)
+    nodes = Nodes(svc)
+    cold, moves = promoting(nodes)
+    assert svc.remove(Remove([cold]), 5_000).codes == [OK]
+    nodes.drop(5_000)
+    assert nodes.put([cold], 5_000) == [ErrorCode.REPLICA_IS_NOT_READY]
+    assert svc.exist_keys(ExistKeys([cold]), 5_000).flags == [False]
+    nodes.move(moves, 5_001)  # the copy lands in A under the key; the master drops it
+    nodes.drop(5_001)
+    assert nodes.put([cold], 5_002) == [OK]
+    nodes.drop(5_002)
+    nodes.check(keys("k", 16))
+    restarted = nodes.restarted_master(5_003)
+    assert restarted.exist_keys(ExistKeys([cold]), 5_003).flags == [True]
+
+
+@pytest.mark.parametrize("removed", [False, True], ids=["still-there", "removed"])
+def test_a_remount_adopts_no_entry_of_a_key_whose_move_writes_into_that_segment(removed):
+    """A node mounting A again (its link came back) listing the key being promoted into A: the
+    node's record of the promotion would displace that entry (the master would list the key
+    where no node holds it, or twice in A). Removed or not, the entry is refused (the node
+    drops it), as an entry of a key being put is."""
+    svc = cluster(promote_reads=2, lease_ttl_ms=1_000)
+    nodes = Nodes(svc)
+    cold, moves = promoting(nodes)
+    elsewhere = svc.put_start(PutStart(["hole"], [OBJECT_SIZE], ReplicateConfig()), 5_000)  # a free range of A
+    svc.put_revoke(PutRevoke(["hole"]), 5_000)
+    entry = InventoryEntry(cold, elsewhere.grants[0].offset, OBJECT_SIZE, checksum_of(cold))
+    if removed:
+        assert svc.remove(Remove([cold]), 5_000).codes == [OK]
+    reply = svc.mount_segment(MountSegment(dram("A", "n1"), [*nodes.inventories["A"].entries(), entry]), 5_000)
+    assert reply.rejected == [entry]
+    nodes.move(moves, 5_001)
+    nodes.drop(5_001)
+    nodes.check(keys("k", 16))
+    assert svc.exist_keys(ExistKeys([cold]), 5_001).flags == [not removed]
+
+
+@pytest.mark.parametrize("gone", ["removed", "lost"])
+def test_a_move_whose_object_went_before_it_was_sent_is_never_sent(gone):
+    """Offloads started by the tick, then their objects removed (their keys take a put at
+    once) or lost with their DRAM segment: no node is asked to copy them, and their targets'
+    room is free without any drop."""
+    svc = cluster()
+    names = fill(svc)
+    svc.tick(1)
+    assert svc.has_unsent_moves()
+    if gone == "removed":
+        assert svc.remove(Remove(names), 2).codes == [OK] * 16
+    else:
+        unmount(svc, "A", 2)
+    assert svc.take_moves() == {} and svc.moves_in_flight() == 0
+    assert tiers(svc)[TIER_DISK]["used_bytes"] == 0
+    assert "A/disk" not in ack_drops(svc, 2)
+    if gone == "removed":
+        assert put(svc, names, now=3) == [OK] * 16
+
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["one-key", "in-pieces"])
+def test_a_put_preferring_a_slower_tiers_segment_lands_in_dram(fragmented):
+    """ClusterStatus lists the disk and DFS segments too, and a client may name one as its
+    preferred segment: it is passed over like a preferred segment without room (the put
+    goes to DRAM), for a run that fits a hole and for one placed in pieces across the holes
+    of a fragmented segment. Before, the put was granted on the disk tier, where the node
+    refuses writes (and the master filed the object as DRAM-resident)."""
+    svc = cluster(with_dfs=True)
+    names = ["p"]
+    if fragmented:
+        every_other = fill(svc)[1::2]
+        assert svc.remove(Remove(every_other), 1).codes == [OK] * 8
+        ack_drops(svc, 1)
+        names = keys("p", 4)  # a run of 256 KiB; the largest hole holds 64 KiB
+    preferred = ReplicateConfig(placement="preferred", preferred_segments=["A/disk", "dfs-1"])
+    start = svc.put_start(PutStart(names, [OBJECT_SIZE] * len(names), preferred), 2)
+    assert start.codes == [OK] * len(names)
+    assert {grant.segment_id for grant in start.grants} == {"A"}
+    assert len(start.grants) == (len(names) if fragmented else 1)
+
+
 # --- random interleavings against the nodes' truth ---------------------------------------------
 
 TIER_KEYS = [f"t{i}" for i in range(40)]
@@ -732,11 +893,13 @@ MOVE_CODES = st.sampled_from([OK, OK, OK, FAIL, ErrorCode.OBJECT_NOT_FOUND, Erro
 
 
 class TierMachine(RuleBasedStateMachine):
-    """Puts (some with write-through), gets, removes, ticks, move answers, drop
-    acknowledgements and reports of free or read-only filesystems in any order, on a node with 1 MiB
-    of DRAM, a 2 MiB disk tier and a 4 MiB DFS. The model is what the nodes hold (segment ->
-    offset -> (key, size)), changed only the way nodes change it: a commit or a successful
-    move adds an entry, a drop removes it. Invariants: every replica the master lists is held by its node under that key
+    """Puts (some with write-through), gets, removes, ticks, moves sent and answered later,
+    drop acknowledgements, re-mounts of the DRAM segment and reports of free or read-only
+    filesystems in any order, on a node with 1 MiB of DRAM, a 2 MiB disk tier and a 4 MiB DFS.
+    The model is what the nodes hold (segment -> offset -> (key, size)), changed only the way
+    nodes change it: a commit or a successful move adds an entry (in the node's DRAM and disk
+    tier, displacing the key's other entry there: node/inventory.py holds one per key), a drop
+    removes it. Invariants: every replica the master lists is held by its node under that key
     (the master never points a reader at bytes that are not the object), no node is ever told
     to write over an entry it still holds (no range is reused before it was forgotten), a move
     only reads a source the node holds, and a removed key never comes back."""
@@ -748,9 +911,14 @@ class TierMachine(RuleBasedStateMachine):
         self.now = 0
         self.held: dict[str, dict[int, tuple[str, int]]] = {"A": {}, "A/disk": {}, "dfs-1": {}}
         self.removed: set[str] = set()
+        self.sent: list[tuple[str, list[MoveItem]]] = []  # moves the node is making
+        self.refused: set[tuple[str, int, str]] = set()  # (segment id, offset, key) a mount refused
 
     def _hold(self, segment_id: str, offset: int, key: str, size: int) -> None:
         entries = self.held[segment_id]
+        if segment_id != "dfs-1":  # the DFS has no node inventory: the master indexes its files
+            for other in [other for other, (other_key, _) in entries.items() if other_key == key]:
+                del entries[other]
         for other, (other_key, other_size) in entries.items():
             assert offset + size <= other or other + other_size <= offset, (
                 f"{segment_id}: {key} at {offset} overlaps {other_key} at {other}, still held"
@@ -784,6 +952,27 @@ class TierMachine(RuleBasedStateMachine):
     def do_get(self, index: int) -> None:
         self.svc.get_replica_list(GetReplicaList([TIER_KEYS[index]]), self.now)
 
+    @rule(copy=st.sampled_from([(), ("disk",)]))
+    def do_fill(self, copy: tuple[str, ...]) -> None:
+        # Six new objects: DRAM fills in a few steps, so that its eviction moves objects down
+        # (single puts, drawn from 40 keys, rarely filled it).
+        flags = self.svc.exist_keys(ExistKeys(TIER_KEYS), self.now).flags
+        for index in [index for index, flag in enumerate(flags) if not flag][:6]:
+            self.do_put(index, copy, OBJECT_SIZE)
+
+    @rule(data=st.data())
+    def do_read_a_cold_key(self, data) -> None:
+        # Read twice an object outside DRAM, and tick: it is promoted (promote_reads=2) if
+        # DRAM has room below its watermark, else DRAM evicts for it.
+        reply = self.svc.query_objects(QueryObjects(TIER_KEYS), self.now)
+        cold = [key for key, replicas in zip(TIER_KEYS, reply.replicas) if replicas and "A" not in
+                {replica.segment_id for replica in replicas}]  # fmt: skip
+        if cold:
+            key = data.draw(st.sampled_from(cold))
+            for _ in range(2):
+                self.svc.get_replica_list(GetReplicaList([key]), self.now)
+            self.svc.tick(self.now)
+
     @rule(index=st.integers(0, len(TIER_KEYS) - 1))
     def do_remove(self, index: int) -> None:
         key = TIER_KEYS[index]
@@ -807,16 +996,46 @@ class TierMachine(RuleBasedStateMachine):
         }
         self.svc.heartbeat(Heartbeat(["A", "A/disk", "dfs-1"], reports), self.now)
 
+    @rule()
+    def do_send_moves(self) -> None:
+        self.sent.extend(self.svc.take_moves().items())
+
     @rule(codes=st.lists(MOVE_CODES, min_size=1, max_size=8))
     def do_moves(self, codes: list[int]) -> None:
-        for segment_id, items in self.svc.take_moves().items():
+        self.do_send_moves()
+        sent, self.sent = self.sent, []
+        for segment_id, items in sent:
             answers = [codes[i % len(codes)] for i in range(len(items))]
             self._answer(segment_id, items, answers)
 
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), copy=st.sampled_from([(), ("disk",)]))
+    def do_put_a_moving_key_again(self, data, copy: tuple[str, ...]) -> None:
+        # A key the node is moving, removed and put again (its new object must not be
+        # displaced by the node's record of the old one's move).
+        key = data.draw(st.sampled_from(sorted({item.key for _, items in self.sent for item in items})))
+        self.do_remove(TIER_KEYS.index(key))
+        self.do_put(TIER_KEYS.index(key), copy, OBJECT_SIZE)
+
+    @rule()
+    def do_remount(self) -> None:
+        # The node's link came back: it mounts its DRAM segment again with what it holds,
+        # and forgets what the master refuses.
+        held = self.held["A"].items()
+        inventory = [InventoryEntry(key, offset, size, checksum_of(key)) for offset, (key, size) in held]
+        reply = self.svc.mount_segment(MountSegment(dram("A", "n1"), inventory), self.now)
+        for entry in reply.rejected:
+            del self.held["A"][entry.offset]
+            self.refused.add(("A", entry.offset, entry.key))
+
     def _answer(self, segment_id: str, items: list[MoveItem], answers: list[int]) -> None:
-        for item, code in zip(items, answers):
+        answers = list(answers)
+        for index, (item, code) in enumerate(zip(items, answers)):
+            if self.held[item.src_segment_id].get(item.src_offset) != (item.key, item.size):
+                # Only a source the node forgot as a re-mount told it (node/moves.py: gone).
+                assert (item.src_segment_id, item.src_offset, item.key) in self.refused, item
+                answers[index] = code = ErrorCode.OBJECT_NOT_FOUND
             if code == OK:
-                assert self.held[item.src_segment_id].get(item.src_offset) == (item.key, item.size), item
                 self._hold(item.dst_segment_id, item.dst_offset, item.key, item.size)
         self.svc.finish_moves(segment_id, items, [int(c) for c in answers], self.now)
 

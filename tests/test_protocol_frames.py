@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 
+import msgspec
+import msgspec.inspect
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -14,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvpool import limits
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
+from kvpool.protocol import messages
 from kvpool.protocol.frames import (
     DIRECT_SINK_BYTES_MIN,
     FLAG_PADDED,
@@ -324,6 +328,44 @@ def test_control_message_larger_than_staging_buffer():
     for start in range(0, len(wire), 65536):
         decoder.receive_data(wire[start : start + 65536])
     assert drain(decoder)[0].message.keys == keys
+
+
+def _unbounded_containers(info, path: str, inside: str | None) -> Iterator[str]:
+    """The containers below `info` (msgspec.inspect) that a request could make its receiver
+    decode millions of items of: one with no bound or more than BATCH_KEYS_MAX items, or one
+    inside another (a bounded list of bounded lists multiplies the bounds)."""
+    if isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.DictType)):
+        max_length = info.max_length
+        if max_length is None or max_length > limits.BATCH_KEYS_MAX:
+            yield f"{path}: {max_length} items at most"
+        if inside is not None:
+            yield f"{path}: a container inside {inside}"
+        items = (info.item_type,) if isinstance(info, msgspec.inspect.ListType) else (info.key_type, info.value_type)
+        for item in items:
+            yield from _unbounded_containers(item, f"{path}[]", inside or path)
+    elif isinstance(info, msgspec.inspect.StructType):
+        for field in info.fields:
+            yield from _unbounded_containers(field.type, f"{path}.{field.name}", inside)
+
+
+def test_no_request_holds_more_items_than_a_batch():
+    """A request is decoded before anyone looks at it, on the receiver's loop: a 64 MiB
+    control message of a list of lists (ReleaseLeases) or of an unbounded dict (Heartbeat)
+    held 15 million keys, and a master's loop for 6-7 s at 1.2 GB (review helper-56). Every
+    list and dict of a message a peer sends unasked is bounded by a batch, and none nests."""
+    requests = [
+        cls
+        for cls in vars(messages).values()
+        if isinstance(cls, type) and issubclass(cls, messages.Message) and cls is not messages.Message
+        and not cls.__name__.endswith("Reply")
+    ]  # fmt: skip
+    assert len(requests) > 20
+    found = [
+        problem
+        for cls in requests
+        for problem in _unbounded_containers(msgspec.inspect.type_info(cls), cls.__name__, None)
+    ]
+    assert found == []
 
 
 @settings(max_examples=300, deadline=None)

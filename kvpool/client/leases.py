@@ -58,16 +58,17 @@ class LeaseReleases:
         with self._lock:
             pending, self._pending = self._pending, {}
         messages: list[ReleaseLeases] = []
-        message, room = ReleaseLeases([], []), 0
+        message, room = ReleaseLeases([], [], []), 0
         for granted_ms, keys in pending.items():
             position = 0
             while position < len(keys):
                 if not room:
-                    message, room = ReleaseLeases([], []), limits.BATCH_KEYS_MAX
+                    message, room = ReleaseLeases([], [], []), limits.BATCH_KEYS_MAX
                     messages.append(message)
                 piece = keys[position : position + room]
                 message.granted_ms.append(granted_ms)
-                message.keys.append(piece)
+                message.counts.append(len(piece))
+                message.keys += piece
                 position += len(piece)
                 room -= len(piece)
         return messages

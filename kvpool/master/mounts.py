@@ -100,7 +100,8 @@ class MountFlow:
         `soft_pin_expiry_ms`).
 
         First every entry is checked against the table (valid fields, no put in flight, same
-        size and checksum as the object's other replicas, at most one offset per key here),
+        size and checksum as the object's other replicas, at most one offset per key here, no
+        move of the key in flight into this segment),
         then the survivors' ranges are allocated in one sweep, then the objects are recorded.
         An entry already recorded at the same place is accepted as is (a refresh).
         """
@@ -130,7 +131,10 @@ class MountFlow:
                 first_of_key[key] = entry
                 here = None if meta is None else meta.offset_on(segment.index)
                 if here is None:
-                    candidates.append(entry)
+                    if self._is_moving_into(key, segment):
+                        rejected.append(entry)
+                    else:
+                        candidates.append(entry)
                 elif here != offset:
                     rejected.append(entry)
         results = segment.allocator.allocate_many_at([(entry.offset, entry.size) for entry in candidates])
@@ -153,6 +157,14 @@ class MountFlow:
             rejected_ids = {id(entry) for entry in rejected}
             rejected.extend(entry for entry, first in repeats if id(first) in rejected_ids)
         return rejected
+
+    def _is_moving_into(self, key: str, segment: Segment) -> bool:
+        """Whether a move of `key` in flight writes into `segment`. Its node will record the
+        copy under the key there, displacing any other entry of it (one entry per key): an
+        entry adopted meanwhile would be listed by the master and held by no node (or twice
+        here, should the move add its copy too). Like a put of the key, it waits for the move."""
+        move = self._tiers.moves.by_key.get(key)
+        return move is not None and any(target is segment for target, _ in move.targets)
 
     def leave(self, segment: Segment) -> None:
         """Unmount a segment: at once when it holds no object or the table is small, else in

@@ -10,7 +10,10 @@ draining segment, nor one whose node the master lost its connection to (the regi
                   random start, so a nearly full cluster still finds the one that fits.
     "free_ratio"  emptiest first (free_bytes / capacity), ties by mount order.
     "local"       segments on the client's host first (in random order), then random.
-    "preferred"   the request's preferred segment ids in the given order, then random.
+    "preferred"   the request's preferred segment ids in the given order, then random. A
+                  preferred id naming a slower tier's segment (disk, DFS: ClusterStatus lists
+                  them) is skipped like one without room: puts land in DRAM only, and moves
+                  fill the slower tiers (docs/tiers.md).
 
 A put places a run of keys at a time (up to puts.RUN_BYTES_MAX, one range per replica), or a
 key at a time when no segment holds the run in one piece. Costs per placement: "random",
@@ -24,6 +27,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from kvpool.master.membership import Segment, SegmentRegistry
+from kvpool.protocol.messages import TIER_DRAM
 
 # Independent random draws before the exhaustive scan: enough that a cluster with room almost
 # never needs the scan, few enough that a full one is not probed at length.
@@ -49,7 +53,7 @@ def candidate_segments(
     elif placement == "preferred":
         for segment_id in preferred_segment_ids:
             segment = registry.get(segment_id)
-            if segment is not None and segment.takes_new_replicas:
+            if segment is not None and segment.takes_new_replicas and segment.tier == TIER_DRAM:
                 yield segment
     yield from _random_order(registry.active, replica_num, rng)
 

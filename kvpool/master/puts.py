@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Mapping
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -160,7 +161,9 @@ class PutFlow:
     (batch length, replica config); per-key validation happens here.
     """
 
-    __slots__ = ("_config", "_rng", "_cluster_key", "_term", "_registry", "_table", "_quarantine", "_counters")
+    __slots__ = (
+        "_config", "_rng", "_cluster_key", "_term", "_registry", "_table", "_quarantine", "_counters", "_moving",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -172,6 +175,7 @@ class PutFlow:
         table: ObjectTable,
         quarantine: Quarantine,
         counters: MasterCounters,
+        moving: Mapping[str, object],
     ):
         self._config = config
         self._term = term
@@ -181,6 +185,7 @@ class PutFlow:
         self._table = table
         self._quarantine = quarantine
         self._counters = counters
+        self._moving = moving  # keys with a move in flight (TierFlow.moves.by_key)
 
     def start(
         self,
@@ -197,7 +202,7 @@ class PutFlow:
         whole run, carved into the keys' ranges in key order, and one grant per extent.
         """
         table = self._table
-        objects, lower, pending = table.objects, table.lower, table.pending
+        objects, lower, pending, moving = table.objects, table.lower, table.pending, self._moving
         grants = _Grants(
             len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config,
             put_id,
@@ -213,7 +218,11 @@ class PutFlow:
                 code = codes.INVALID_PARAMS
             elif key in objects or key in lower:
                 code = codes.OBJECT_ALREADY_EXISTS
-            elif key in pending or key in accepted:
+            elif key in pending or key in accepted or key in moving:
+                # A move of the object removed meanwhile is still running: its node will
+                # record the copy under this key, over the entry of a new put of it (a node's
+                # inventory holds one entry per key), and a master restart would lose the new
+                # object. So the key waits for the move, as it waits for another writer.
                 code = codes.REPLICA_IS_NOT_READY
             elif footprint_bytes(size) > self._registry.capacity_max:
                 code = codes.NO_AVAILABLE_HANDLE  # fits in no segment: evicting would not help

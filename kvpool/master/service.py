@@ -188,10 +188,11 @@ class MasterService:
         # by an earlier master (a restart, a new term), whose readers this one does not count.
         self._first_lease_ms = 0
         self._evict_watermark_after_ms = 0
-        self._puts = PutFlow(
-            config, rng, cluster_key, term, self._registry, self._table, self._quarantine, self.counters
-        )
         self._tiers = TierFlow(config, rng, self._registry, self._table, self._evict)
+        self._puts = PutFlow(
+            config, rng, cluster_key, term, self._registry, self._table, self._quarantine, self.counters,
+            self._tiers.moves.by_key,
+        )  # fmt: skip
         self.tombstones = Tombstones()
         self._mounts = MountFlow(self._registry, self._table, self._tiers, self.tombstones, self.counters)
 
@@ -413,7 +414,8 @@ class MasterService:
 
         Per key: OK with one grant per replica (1..replica_num, on distinct active segments,
         each signed until now + put_discard_timeout_ms); OBJECT_ALREADY_EXISTS (complete:
-        nothing to write); REPLICA_IS_NOT_READY (another put of it is in flight); INVALID_KEY
+        nothing to write); REPLICA_IS_NOT_READY (another put of it is in flight, or a move of
+        the object it named before a remove is still running: docs/tiers.md); INVALID_KEY
         / INVALID_PARAMS; NO_AVAILABLE_HANDLE. When a key finds no room, least recently used
         objects are evicted into the drop outbox; their ranges are free only after drops_done,
         so the server flushes the drops and retries those keys. Without `evict`, keys that find
@@ -707,7 +709,8 @@ class MasterService:
         return GetReplicaListReply(codes_out, sizes, checksums, replica_lists, lease_ttl_ms, infos, now_ms)
 
     def release_leases(self, msg: ReleaseLeases, now_ms: int) -> OkReply:
-        """Readers give back the leases granted at `msg.granted_ms[i]` on `msg.keys[i]`: each
+        """Readers give back the leases granted at `msg.granted_ms[i]` on the `msg.counts[i]`
+        keys that follow in `msg.keys` (InvalidParams if the counts do not add up): each
         object's count of readers drops by one, and its lease ends with the last, unless a
         lookup's hold still awaits reads (LongestPrefix.hold_reads).
 
@@ -719,13 +722,21 @@ class MasterService:
         one for a key removed and put again within the TTL counts against the new object's
         readers, who then risk a miss (bytes are checked), never wrong bytes.
         """
+        counts, keys = msg.counts, msg.keys
+        if len(counts) != len(msg.granted_ms) or min(counts, default=0) < 0 or sum(counts) != len(keys):
+            raise self._count_error(
+                InvalidParams(f"ReleaseLeases of {len(keys)} keys: {len(counts)} counts (none negative, their sum "
+                              f"the keys) for {len(msg.granted_ms)} grant times")  # fmt: skip
+            )
         lease_ttl_ms = self.config.lease_ttl_ms
         in_dram, in_lower = self._table.objects.get, self._table.lower.get
         released = 0
-        for granted_ms, keys in zip(msg.granted_ms, msg.keys):
+        end = 0
+        for granted_ms, count in zip(msg.granted_ms, counts):
+            start, end = end, end + count
             if not self._first_lease_ms <= granted_ms <= now_ms or granted_ms + lease_ttl_ms <= now_ms:
                 continue  # not this master's, lapsed, or from a clock that stepped back
-            for key in keys:
+            for key in keys[start:end]:
                 meta = in_dram(key) or in_lower(key)  # (an ObjectMeta is always true)
                 if meta is None or meta.readers <= 0 or meta.lease_expiry_ms <= now_ms:
                     continue
@@ -759,9 +770,11 @@ class MasterService:
         """
         self._check_batch(msg.keys)
         if msg.hold_ms < 0:
-            raise InvalidParams(f"hold_ms must be >= 0, not {msg.hold_ms}")
+            raise self._count_error(InvalidParams(f"hold_ms must be >= 0, not {msg.hold_ms}"))
         if not 1 <= msg.hold_reads <= limits.LOOKUP_HOLD_READS_MAX:
-            raise InvalidParams(f"hold_reads must be in 1..{limits.LOOKUP_HOLD_READS_MAX}, not {msg.hold_reads}")
+            raise self._count_error(
+                InvalidParams(f"hold_reads must be in 1..{limits.LOOKUP_HOLD_READS_MAX}, not {msg.hold_reads}")
+            )
         in_dram, in_lower = self._table.objects.get, self._table.lower.get
         found: list[ObjectMeta] = []
         for key in msg.keys:
@@ -938,8 +951,9 @@ class MasterService:
     def take_moves(self) -> dict[str, list[MoveItem]]:
         """Per segment id (whose node runs them), the moves started since the last call:
         offloads (eviction), promotions (tick). Send each list as MoveObjects on that segment's
-        node connection, then pass the codes to finish_moves. O(moves taken)."""
-        return self._tiers.moves.take_unsent()
+        node connection, then pass the codes to finish_moves. A move whose object went before
+        it was sent ends here instead. O(moves taken)."""
+        return self._tiers.take_unsent()
 
     def has_unsent_moves(self) -> bool:
         return self._tiers.moves.has_unsent()

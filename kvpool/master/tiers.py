@@ -233,6 +233,9 @@ class MoveBook:
     def has_unsent(self) -> bool:
         return bool(self._unsent)
 
+    def unsent(self) -> list[Move]:
+        return list(self._unsent)
+
     def target_index(self, move: Move, item: MoveItem) -> int | None:
         for index, (segment, offset) in enumerate(move.targets):
             if segment.segment_id == item.dst_segment_id and offset == item.dst_offset:
@@ -798,7 +801,9 @@ class TierFlow:
 
     def release_for_removal(self, keys: list[str]) -> dict[str, set[int]]:
         """The objects are being removed: cancel their moves, and return the packed replicas
-        each move holds, by key (the move drops them when it ends, not the remove)."""
+        each move holds, by key (the move drops them, not the remove). A move not sent yet
+        ends now; one sent ends when its node answers, and until then its key takes no new
+        put (puts.py): the node records the copy under that key whatever the master does."""
         self.promotions.forget_many(keys)
         held: dict[str, set[int]] = {}
         if not self.moves:
@@ -809,7 +814,38 @@ class TierFlow:
             if move is not None:
                 move.is_cancelled = True
                 held[key] = {pack_replica(s.index, offset) for s, offset in move.held() if self._is_live(s)}
+                if not move.is_sent:
+                    self._end_unsent(move)
         return held
+
+    def take_unsent(self) -> dict[str, list[MoveItem]]:
+        """MoveBook.take_unsent, less the moves whose object went since they started (lost with
+        a segment that left): those end here, never sent."""
+        for move in self.moves.unsent():
+            if not self._is_current(move):
+                self._end_unsent(move)
+        return self.moves.take_unsent()
+
+    def _end_unsent(self, move: Move) -> None:
+        """End a move of an object that went, before any node was asked to make it: its
+        targets were never written (free at once), the ranges it held are dropped."""
+        assert not move.is_sent, move
+        assert not self._is_current(move), move
+        self.moves.end(move)
+        size_bytes, checksum = move.meta.size_bytes, move.meta.checksum
+        for segment, _ in move.retiring:
+            if self._is_live(segment):
+                segment.end_leaving(size_bytes)
+        for segment, offset in move.targets:
+            if self._is_live(segment):
+                segment.allocator.free(offset, size_bytes)
+        for segment, offset in move.held():
+            if self._is_live(segment):
+                segment.schedule_drop(InventoryEntry(move.key, offset, size_bytes, checksum))
+
+    def _is_current(self, move: Move) -> bool:
+        """Whether the move's object is still the one it copies (not removed, nor lost)."""
+        return not move.is_cancelled and self._table.get(move.key) is move.meta
 
     def _is_without_dfs(self, node_id: str, now_ms: int) -> bool:
         return self._without_dfs.get(node_id, 0) > now_ms
@@ -821,7 +857,7 @@ class TierFlow:
         self.moves.end(move)
         key, meta = move.key, move.meta
         size_bytes, checksum = meta.size_bytes, meta.checksum
-        is_current = not move.is_cancelled and self._table.get(key) is meta
+        is_current = self._is_current(move)
         for segment, _ in move.retiring:
             if self._is_live(segment):
                 segment.end_leaving(size_bytes)
