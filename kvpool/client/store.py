@@ -963,7 +963,8 @@ def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
 _WHY_BY_ACTION_CODE = {
     ("put", ErrorCode.NO_AVAILABLE_HANDLE): "no segment has room for it even after eviction (what is "
     "left is leased, pinned or being written), or it is larger than every segment",
-    ("put", ErrorCode.REPLICA_IS_NOT_READY): "another put of this key is in flight",
+    ("put", ErrorCode.REPLICA_IS_NOT_READY): "another put of this key is in flight (or, just after a remove "
+    "of it, a node's move of the removed object: at most a minute)",
     ("put", ErrorCode.TRANSFER_FAIL): "no replica could be written (its nodes refused the bytes or did not answer)",
     ("put", ErrorCode.OBJECT_NOT_FOUND): "the master had given the put up before it ended (its writes took "
     "longer than their grants)",

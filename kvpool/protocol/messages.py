@@ -54,7 +54,8 @@ class ReplicateConfig(msgspec.Struct, array_like=True):
     """How a put is placed: replica count, pins and placement strategy.
 
     Placement is one of "random" (default), "free_ratio" (emptiest segment first), "local"
-    (segments on the client's host first) and "preferred" (the given segments first).
+    (segments on the client's host first) and "preferred" (the given segments first: DRAM
+    segments, a disk or DFS one named there is skipped).
     """
 
     replica_num: int = 1
