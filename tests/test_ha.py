@@ -131,21 +131,47 @@ def test_leadership_ends_margin_before_the_lease_can_lapse():
         leadership.renew(5_000, 8_000)
 
 
+def _takeover(expected, elected_ms: int, grace_ms: int) -> Takeover:
+    takeover = Takeover(elected_ms, grace_ms)
+    takeover.expect(expected)
+    return takeover
+
+
 def test_takeover_opens_when_the_recorded_segments_remount_or_at_the_grace():
-    takeover = Takeover(["a", "b"], elected_ms=1_000, grace_ms=3_000)
+    takeover = _takeover(["a", "b"], elected_ms=1_000, grace_ms=3_000)
     assert not takeover.is_open(1_000) and takeover.waiting_count() == 2
     takeover.mounted("a")
     takeover.mounted("x")  # a node nobody waited for
     assert not takeover.is_open(3_999)
     takeover.mounted("b")
     assert takeover.is_open(1_001)
-    late = Takeover(["a"], elected_ms=1_000, grace_ms=3_000)
+    late = _takeover(["a"], elected_ms=1_000, grace_ms=3_000)
     assert not late.is_open(3_999) and late.remaining_ms(3_000) == 1_000
     assert late.is_open(4_000) and late.is_open(0)  # open stays open
-    assert Takeover([], 0, 3_000).is_open(0)  # a first leader waits for nobody
-    unknown = Takeover(None, 0, 3_000)  # the record could not be read: the whole grace
+    assert _takeover([], 0, 3_000).is_open(0)  # a first leader waits for nobody
+    unknown = _takeover(None, 0, 3_000)  # the record could not be read: the whole grace
     unknown.mounted("a")
     assert not unknown.is_open(2_999) and unknown.is_open(3_000)
+
+
+def test_takeover_is_closed_until_the_record_is_read_and_counts_mounts_from_the_election():
+    """A new leader takes no put nor remove while it reads its predecessor's record, and a
+    segment that re-mounted meanwhile counts: it will not mount again."""
+    takeover = Takeover(elected_ms=1_000, grace_ms=3_000)
+    takeover.mounted("a")
+    assert not takeover.is_open(1_500) and takeover.waiting_count() == -1  # even with nothing recorded
+    takeover.expect(["a", "b"])
+    assert not takeover.is_open(1_500) and takeover.waiting_count() == 1
+    takeover.mounted("b")
+    assert takeover.is_open(1_500)
+    early = Takeover(elected_ms=1_000, grace_ms=3_000)
+    early.mounted("a")
+    early.expect(["a"])  # every recorded segment is back already
+    assert early.is_open(1_000)
+    pending = Takeover(elected_ms=1_000, grace_ms=3_000)
+    assert pending.is_open(4_000)  # the grace bounds the read too
+    with pytest.raises(AssertionError):
+        early.expect([])
 
 
 def test_master_addresses_parse():

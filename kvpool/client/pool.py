@@ -151,7 +151,10 @@ class MasterLink(_ClosedForGood):
         # Set when the master answered NotLeader: look the leader up again before the next
         # request, but keep the connection if it still is the leader (one still recovering).
         self._is_stale = False
-        self._lock = asyncio.Lock()
+        # The look-up and connect under way, shared by every call that finds no usable
+        # connection. Calls used to queue on a lock and each redo both: the Nth call to a
+        # master that accepts TCP but does not answer took N connect timeouts.
+        self._opening: asyncio.Task[Connection] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first call: the link's
 
     def __repr__(self) -> str:
@@ -179,29 +182,49 @@ class MasterLink(_ClosedForGood):
             return None
         return conn
 
-    async def _connection(self, timeout_ms: int) -> Connection:
+    async def _connection(self, deadline: float) -> Connection:
+        """The usable connection, else the one being opened (an attempt is started if none
+        is under way), waited for until `deadline` (time.monotonic()) at most.
+
+        Raises:
+            ConnectFailed: the deadline came first (the attempt goes on for later calls), or
+                the attempt's error (ConnectFailed, RpcTimeout, NotLeader...).
+            StoreClosed: closed before or during the attempt.
+        """
         conn = self._usable()
         if conn is not None:
             return conn
-        async with self._lock:
-            conn = self._usable()
-            if conn is not None:
-                return conn
-            if self._is_closed:  # closed while this call waited: it opens nothing
-                raise StoreClosed("the store is closed")
-            timeout_ms = max(1, min(timeout_ms, self._connect_timeout_ms))
-            endpoint = await self._resolver.resolve(timeout_ms)
-            old = self._conn
-            if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
-                self._is_stale = False  # Still the leader: other calls keep their connection.
-                return old
-            conn = self._kept(await connect(
-                endpoint, key=self._key, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
-            ))
-            if old is not None:
-                old.close("the master moved")
-            self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False
-            return conn
+        if self._is_closed:
+            raise StoreClosed("the store is closed")
+        opening = self._opening
+        if opening is None or opening.done():
+            opening = self._opening = asyncio.get_running_loop().create_task(self._open(), name="kvpool master connect")
+            # Its error is every waiting call's; retrieved here in case none waits any more.
+            opening.add_done_callback(lambda task: task.cancelled() or task.exception())
+        wait_s = deadline - time.monotonic()
+        try:
+            # shield: a call that gives up (timeout, cancelled) leaves the attempt to the others.
+            return await asyncio.wait_for(asyncio.shield(opening), max(wait_s, 0.001))
+        except TimeoutError:
+            raise ConnectFailed(f"no connection to the master {self.endpoint} within the call's bound") from None
+
+    async def _open(self) -> Connection:
+        """Look the master up and connect, within connect_timeout_ms in all; the link's
+        connection from then on."""
+        deadline = time.monotonic() + self._connect_timeout_ms / 1000
+        endpoint = await self._resolver.resolve(self._connect_timeout_ms)
+        old = self._conn
+        if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
+            self._is_stale = False  # Still the leader: other calls keep their connection.
+            return old
+        timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        conn = self._kept(await connect(
+            endpoint, key=self._key, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
+        ))  # fmt: skip
+        if old is not None:
+            old.close("the master moved")
+        self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False
+        return conn
 
     def _drop(self, conn: Connection | None, reason: str) -> None:
         """Forget a connection that failed us (not a newer one another task opened since)."""
@@ -242,10 +265,9 @@ class MasterLink(_ClosedForGood):
         broken_retries = 1 if is_idempotent else 0
         backoff_ms = limits.MASTER_RESOLVE_BACKOFF_MS_MIN
         for _ in range(limits.MASTER_CALL_ATTEMPTS_MAX):
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
             conn: Connection | None = None
             try:
-                conn = await self._connection(remaining_ms)
+                conn = await self._connection(deadline)
                 remaining_ms = max(1, min(timeout_ms, int((deadline - time.monotonic()) * 1000)))
                 return await conn.request(message, timeout_ms=remaining_ms, late_reply=late_reply)
             except NotLeader as exc:

@@ -131,9 +131,14 @@ class Leadership:
 class ElectionListener(Protocol):
     """What the master server does when leadership changes (called on the event loop)."""
 
-    def elected(self, term: int, expected_segment_ids: list[str] | None) -> None:
-        """This candidate leads from now on; `expected_segment_ids` is the predecessor's
-        record of live segments (None: unreadable)."""
+    def elected(self, term: int) -> None:
+        """This candidate leads from now on (called as it wins, before any await): it takes
+        no put nor remove until it has its predecessor's record (`predecessor_record`)."""
+        ...
+
+    def predecessor_record(self, expected_segment_ids: list[str] | None) -> None:
+        """The predecessor's record of live segments, read after `elected` (None: unreadable
+        or no time left to read it)."""
         ...
 
     def deposed(self, reason: str) -> None:
@@ -234,8 +239,8 @@ class Elector:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        # Cancelled before _lead took over (reading the segment record), the leadership
-        # would last until its deadline: it ends before the lease goes and a standby wins.
+        # _campaign's cleanup stepped down already; whatever the task was doing, no
+        # leadership outlives stop(), whose revoke lets a standby win at once.
         self.leadership.step_down()
         if self._held_lease_id:
             await self._revoke_quietly(self._held_lease_id)
@@ -318,13 +323,18 @@ class Elector:
         self._held_lease_id = lease_id
         self.leadership.elect(lease_id, revision, ttl_ms, sent_ms)
         self.leader = self.record
-        expected = await self._read_expected()
-        log.info("election: elected leader of cluster %s (term %d, lease %x, %s segments to "
-                 "wait for)", self.config.cluster_id, revision, lease_id,
-                 "unknown" if expected is None else len(expected))  # fmt: skip
         reason = "master stopping"
         try:
-            self._listener.elected(revision, expected)
+            # Before any await: from is_leader() on, the server answers with the term's state,
+            # closed to puts and removes. It answered as an open leader, on a service it then
+            # threw away, while the record below was read: a remove taken then missed the
+            # replicas of a node that re-mounted later, and the object came back.
+            self._listener.elected(revision)
+            expected = await self._read_expected()
+            log.info("election: elected leader of cluster %s (term %d, lease %x, %s segments to "
+                     "wait for)", self.config.cluster_id, revision, lease_id,
+                     "unknown" if expected is None else len(expected))  # fmt: skip
+            self._listener.predecessor_record(expected)
             reason = await self._lead(lease_id, revision)
         finally:
             self.leadership.step_down()
@@ -345,9 +355,9 @@ class Elector:
         the re-mount grace, and one that left just before this leader died cost a failover
         those 3 s (seen in the chaos suite: 8.1 s against a 10 s target)."""
         etcd, leadership = self._etcd, self.leadership
-        interval_ms = self.config.lease_ttl_ms // limits.ETCD_KEEPALIVES_PER_TTL
+        interval_ms = self._keepalive_interval_ms()
         published: list[str] | None = None
-        keepalive_at_ms = self._clock_ms() + interval_ms
+        keepalive_at_ms = self._keepalive_due_ms(self._clock_ms())
         is_etcd_answering = True  # else only keepalives are tried (and logged), not records
         while True:  # Ends when leadership ends (returns) or the elector stops (cancelled).
             now_ms = self._clock_ms()
@@ -371,7 +381,7 @@ class Elector:
                     )
                     if kv is None or kv.lease_id != lease_id:
                         return "the leader key is gone or held under another lease"
-                    keepalive_at_ms = sent_ms + interval_ms
+                    keepalive_at_ms = self._keepalive_due_ms(sent_ms)
                     is_etcd_answering = True
                 segment_ids = self._listener.live_segment_ids()
                 if is_etcd_answering and segment_ids is not None and segment_ids != published:
@@ -387,9 +397,28 @@ class Elector:
                             "in %d ms unless a keepalive succeeds", type(exc).__name__, exc,
                             leadership.remaining_ms(self._clock_ms()))  # fmt: skip
 
+    def _keepalive_interval_ms(self) -> int:
+        return self.config.lease_ttl_ms // limits.ETCD_KEEPALIVES_PER_TTL
+
+    def _keepalive_due_ms(self, after_ms: int) -> int:
+        """When to send the next keepalive: an interval after `after_ms`, and no later than
+        an interval before the step-down deadline, so that one has time to succeed. The first
+        was due an interval after _lead began, while the deadline runs from the grant's send:
+        an election that took over TTL - margin - interval (1 s at the 3 s minimum TTL: one
+        etcd request timeout) stepped down without sending any."""
+        interval_ms = self._keepalive_interval_ms()
+        return min(after_ms + interval_ms, self.leadership.valid_until_ms - interval_ms)
+
     async def _read_expected(self) -> list[str] | None:
+        # Bounded so that the first keepalive, due an interval before the deadline, is sent
+        # in time (each etcd member may take its request timeout, 1 s).
+        now_ms = self._clock_ms()
+        timeout_ms = self._keepalive_due_ms(now_ms) - now_ms
+        if timeout_ms <= 0:
+            log.warning("election: no time left to read the segment record; waiting the full grace")
+            return None
         try:
-            kv, _ = await self._etcd.get(self._segments_key)
+            kv, _ = await self._etcd.get(self._segments_key, timeout_ms=timeout_ms)
         except _ETCD_ERRORS as exc:
             log.warning("election: cannot read the segment record (%s); waiting the full grace", exc)
             return None

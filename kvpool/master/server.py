@@ -250,7 +250,7 @@ class MasterServer:
         if not self.elector.is_leader():
             return "standby"
         takeover = self._takeover
-        return "leader" if takeover is None or takeover.is_open(wall_clock_ms()) else "recovering"
+        return "leader" if takeover is not None and takeover.is_open(wall_clock_ms()) else "recovering"
 
     async def start(self) -> None:
         refuse_open_listen(self.host, self._key)
@@ -952,21 +952,38 @@ class MasterServer:
             where = f"; the leader is {leader.endpoint}" if leader is not None else ""
             raise NotLeader(f"master {self.advertised_endpoint} is not the leader of cluster "
                             f"{elector.config.cluster_id}{where}")  # fmt: skip
+        if not isinstance(message, _TAKEOVER_REFUSED):
+            return
         takeover = self._takeover
-        if takeover is not None and isinstance(message, _TAKEOVER_REFUSED) and not takeover.is_open(now_ms):
+        # None: leading, but elected() has not installed the term (the Elector calls it before
+        # its first await, so never seen; were it, the term's service would be a throwaway).
+        if takeover is None:
+            raise NotLeader(f"new leader {self.advertised_endpoint} takes no {type(message).__name__} yet")
+        if not takeover.is_open(now_ms):
+            waiting = takeover.waiting_count()
             raise NotLeader(
                 f"new leader {self.advertised_endpoint} takes {type(message).__name__} once "
-                f"{takeover.waiting_count()} more node(s) re-mount, within "
-                f"{takeover.remaining_ms(now_ms)} ms"
+                + (f"{waiting} more node(s) re-mount" if waiting >= 0 else "its predecessor's nodes re-mount")
+                + f", within {takeover.remaining_ms(now_ms)} ms"
             )
 
-    def elected(self, term: int, expected_segment_ids: list[str] | None) -> None:
+    def elected(self, term: int) -> None:
+        # The term's state from now on, closed to puts and removes: segments that mount while
+        # the predecessor's record is read count (a service made after them would not know
+        # them, and a remove it took could miss their replicas).
         self._new_term()
-        self._takeover = Takeover(expected_segment_ids, wall_clock_ms(), self.config.remount_grace_ms)
-        log.info("master %s leads (term %d); waiting for %s segment(s) to re-mount before "
-                 "taking puts (at most %d ms)", self.advertised_endpoint, term,
-                 "unknown" if expected_segment_ids is None else len(expected_segment_ids),
-                 self.config.remount_grace_ms)  # fmt: skip
+        self._takeover = Takeover(wall_clock_ms(), self.config.remount_grace_ms)
+        log.info("master %s leads (term %d); reading its predecessor's segment record",
+                 self.advertised_endpoint, term)  # fmt: skip
+
+    def predecessor_record(self, expected_segment_ids: list[str] | None) -> None:
+        takeover = self._takeover
+        assert takeover is not None, "the predecessor's record before elected()"
+        takeover.expect(expected_segment_ids)
+        waiting = takeover.waiting_count()
+        log.info("master %s waits for %s more segment(s) to re-mount before taking puts (at "
+                 "most %d ms since elected)", self.advertised_endpoint,
+                 "unknown" if waiting < 0 else waiting, self.config.remount_grace_ms)  # fmt: skip
 
     def deposed(self, reason: str) -> None:
         # Requests were refused from the deadline on; now end every conversation of the term

@@ -1,0 +1,85 @@
+"""The client's master link under concurrent calls: each call keeps its bound (connect timeout
++ RPC timeout) however many calls wait for a connection with it.
+
+How: in-process over loopback sockets. A listening socket that never accepts is a master
+frozen after TCP's handshake (the kernel completes it) and before kvpool's (SIGSTOP, a host
+whose kernel still answers); a real etcd (the `etcd_endpoint` fixture, 127.0.0.1) names it
+as the leader for the etcd:// case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+import uvloop
+
+from kvpool.client import pool
+from kvpool.client.pool import MasterLink
+from kvpool.discovery import LeaderRecord, leader_key, mark_key
+from kvpool.errors import ConnectFailed, RpcTimeout
+from kvpool.protocol.messages import ExistKeys
+from kvpool.transports.etcd import EtcdClient
+
+CONNECT_TIMEOUT_MS = 300
+RPC_TIMEOUT_MS = 300
+SLACK_S = 0.3  # a loaded 2-core CI machine
+
+
+def _frozen_master() -> socket.socket:
+    return socket.create_server(("127.0.0.1", 0), backlog=64)  # never accept()s
+
+
+async def _calls_took_s(link: MasterLink, count: int) -> list[float]:
+    async def one() -> float:
+        started = time.monotonic()
+        with pytest.raises((ConnectFailed, RpcTimeout)):
+            await link.call(ExistKeys(["k"]), is_idempotent=True)
+        return time.monotonic() - started
+
+    try:
+        return await asyncio.gather(*(one() for _ in range(count)))
+    finally:
+        link.close()
+
+
+def test_concurrent_calls_share_one_connect_and_each_keeps_its_bound(monkeypatch):
+    """They queued on a lock, each redoing the connect: the Nth took N connect timeouts."""
+    attempts = []
+    connect = pool.connect
+
+    async def counted_connect(endpoint, **kwargs):
+        attempts.append(endpoint)
+        return await connect(endpoint, **kwargs)
+
+    monkeypatch.setattr(pool, "connect", counted_connect)
+    with _frozen_master() as master:
+        endpoint = f"127.0.0.1:{master.getsockname()[1]}"
+        link = MasterLink(endpoint, None, CONNECT_TIMEOUT_MS, RPC_TIMEOUT_MS, prefer_local=False)
+        took_s = uvloop.run(_calls_took_s(link, 6))
+    assert max(took_s) < (CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS) / 1000 + SLACK_S, took_s
+    assert len(attempts) == 1, attempts
+
+
+def test_concurrent_calls_to_a_frozen_leader_named_by_etcd_each_keep_their_bound(etcd_endpoint):
+    """With etcd:// a call retries within its bound; the first call's retries queued behind
+    every other call's connect (9 s against a 2 s bound, for 8 calls)."""
+    cluster_id = f"pool-{time.monotonic_ns()}"
+
+    async def main(frozen: str) -> list[float]:
+        async with EtcdClient([etcd_endpoint]) as etcd:
+            lease_id, _ = await etcd.grant_lease(30_000)
+            await etcd.put(mark_key(cluster_id), b"")
+            await etcd.put(leader_key(cluster_id), LeaderRecord(frozen, "", "frozen").encode(), lease_id=lease_id)
+            try:
+                link = MasterLink(f"etcd://{etcd_endpoint}/{cluster_id}", None, CONNECT_TIMEOUT_MS, RPC_TIMEOUT_MS,
+                                  prefer_local=False)  # fmt: skip
+                return await _calls_took_s(link, 8)
+            finally:
+                await etcd.revoke_lease(lease_id)
+
+    with _frozen_master() as master:
+        took_s = uvloop.run(asyncio.wait_for(main(f"127.0.0.1:{master.getsockname()[1]}"), 30))
+    assert max(took_s) < (CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS) / 1000 + SLACK_S, took_s
