@@ -1,10 +1,13 @@
-"""The settings the engine adapters read from vLLM's, SGLang's and LMCache's extra config."""
+"""The settings the engine adapters read from vLLM's, SGLang's and LMCache's extra config, and
+the lookup breaker they build from them (on a fake clock; the adapters' own tests freeze a real
+master)."""
 
 import pytest
 
 from kvpool import limits
 from kvpool.config import parse_size
-from kvpool.errors import InvalidParams
+from kvpool.errors import InvalidKey, InvalidParams, RpcTimeout
+from kvpool.integrations import breaker
 from kvpool.integrations.engine_options import EngineOptions
 
 
@@ -20,6 +23,9 @@ def test_values_as_json_and_yaml_give_them_are_read(tmp_path, monkeypatch):
         "shm_enabled": "false",
         "replica_num": "2",
         "lookup_hold_ms": 0,
+        "lookup_timeout_ms": "150",
+        "lookup_backoff_ms_min": 200,
+        "lookup_backoff_ms_max": "800",
     }
     options = EngineOptions.read(extra, "kv_connector_extra_config")
     assert options == EngineOptions(
@@ -29,6 +35,9 @@ def test_values_as_json_and_yaml_give_them_are_read(tmp_path, monkeypatch):
         shm_enabled=False,
         replicate=options.replicate,
         lookup_hold_ms=0,
+        lookup_timeout_ms=150,
+        lookup_backoff_ms_min=200,
+        lookup_backoff_ms_max=800,
     )
     assert options.replicate.replica_num == 2
 
@@ -42,6 +51,12 @@ def test_defaults_and_the_master_from_the_environment(monkeypatch):
         "10.0.0.2:50051", None, 0, True,
     )  # fmt: skip
     assert (options.replicate.replica_num, options.lookup_hold_ms) == (1, limits.LOOKUP_HOLD_MS_DEFAULT)
+    assert (options.lookup_timeout_ms, options.lookup_backoff_ms_min, options.lookup_backoff_ms_max) == (
+        breaker.LOOKUP_TIMEOUT_MS_DEFAULT, breaker.LOOKUP_BACKOFF_MS_MIN_DEFAULT, breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT,
+    )  # fmt: skip
+    # A minimum above the default maximum takes the maximum with it.
+    longer = EngineOptions.read({"lookup_backoff_ms_min": 60_000}, "extra")
+    assert (longer.lookup_backoff_ms_min, longer.lookup_backoff_ms_max) == (60_000, 60_000)
 
 
 def test_a_prefix_names_every_key(monkeypatch):
@@ -65,6 +80,12 @@ def test_a_prefix_names_every_key(monkeypatch):
         ("lookup_hold_ms", -1),
         ("lookup_hold_ms", "5s"),
         ("lookup_hold_ms", limits.LOOKUP_HOLD_MS_MAX + 1),
+        ("lookup_timeout_ms", 0),
+        ("lookup_timeout_ms", "300ms"),
+        ("lookup_timeout_ms", breaker.LOOKUP_TIMEOUT_MS_MAX + 1),
+        ("lookup_backoff_ms_min", 0),
+        ("lookup_backoff_ms_max", breaker.LOOKUP_BACKOFF_MS_MIN_DEFAULT - 1),  # under the minimum
+        ("lookup_backoff_ms_max", breaker.LOOKUP_BACKOFF_MS_MAX + 1),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key(key, value):
@@ -116,3 +137,48 @@ def test_an_adapter_takes_the_token_file_the_deployment_exported(tmp_path, monke
     assert given.token == "another"  # the adapter's own setting wins
     monkeypatch.delenv("KVPOOL_TOKEN_FILE")
     assert EngineOptions.read({"master": "127.0.0.1:1"}, "extra").token == "loses to the file, as on the command line"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_the_lookup_breaker_opens_probes_at_doubling_intervals_and_closes():
+    clock = FakeClock()
+    lookups = breaker.LookupBreaker("test lookups", 1_000, 3_000, clock)
+    assert lookups.can_call() and not lookups.is_open()
+    assert lookups.record_failure(InvalidKey("the master answered")) is False  # the caller's to log
+    assert lookups.can_call() and not lookups.is_open()
+    assert lookups.record_failure(RpcTimeout("no answer")) is True
+    assert lookups.is_open() and not lookups.can_call()
+    lookups.record_failure(RpcTimeout("a lookup begun before it opened"))  # no probe: the window stands
+    for window_s in (1, 2, 3, 3):  # each probe that fails doubles it, up to the maximum
+        clock.now_s += window_s - 0.001
+        assert not lookups.can_call()
+        clock.now_s += 0.001
+        assert lookups.can_call()  # this one probes...
+        assert not lookups.can_call()  # ...the others miss meanwhile
+        lookups.record_failure(RpcTimeout("still no answer"))
+    clock.now_s += 3
+    assert lookups.can_call()
+    lookups.record_success()
+    assert not lookups.is_open() and lookups.can_call() and lookups.can_call()
+    lookups.record_failure(RpcTimeout("again"))
+    clock.now_s += 1
+    assert lookups.can_call()  # back to the minimum
+
+
+def test_a_probe_that_never_reports_delays_the_next_one_by_a_window():
+    clock = FakeClock()
+    lookups = breaker.LookupBreaker("test lookups", 1_000, 30_000, clock)
+    lookups.record_failure(RpcTimeout("no answer"))
+    clock.now_s += 1
+    assert lookups.can_call()  # a probe, which then raises something else: no report
+    clock.now_s += 0.999
+    assert not lookups.can_call()
+    clock.now_s += 0.001
+    assert lookups.can_call()

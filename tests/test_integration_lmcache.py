@@ -16,7 +16,9 @@ nvtx and cufile-python, and numpy<=2.2.6); scripts/install-peers.sh lmcache inst
 from __future__ import annotations
 
 import asyncio
+import signal
 import struct
+import time
 
 import pytest
 from conftest import wait_until
@@ -43,7 +45,7 @@ KV_SHAPE = (3, 2, CHUNK, 2, 8)  # layers, k/v, tokens, heads, head size
 class Instance:
     """One LMCache worker: its config, CPU backend and connector, on its own event loop."""
 
-    def __init__(self, master: str, save_chunk_meta: bool = True) -> None:
+    def __init__(self, master: str, save_chunk_meta: bool = True, **options) -> None:
         self.config = LMCacheEngineConfig.from_defaults(
             chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
             remote_storage_plugins=["kvpool"],
@@ -51,6 +53,7 @@ class Instance:
                 "remote_storage_plugin.kvpool.module_path": "kvpool.integrations.lmcache",
                 "remote_storage_plugin.kvpool.class_name": "KVPoolConnectorAdapter",
                 "kvpool.master": master, "save_chunk_meta": save_chunk_meta,
+                **{f"kvpool.{name}": value for name, value in options.items()},
             },
         )  # fmt: skip
         self.metadata = LMCacheMetadata(
@@ -217,6 +220,34 @@ def test_a_dead_master_turns_calls_into_misses(make_cluster):
         a.run(a.conn.batched_put([key(2)], [a.chunk(2)]))  # logged, not raised
         assert a.run(a.conn.list()) == []
         assert a.run(a.conn.ping()) < 0
+    finally:
+        a.close()
+
+
+def test_a_master_that_stops_answering_costs_lookups_one_short_wait(make_cluster):
+    """LMCache runs batched_contains inside vLLM's scheduler step with no timeout around it:
+    a master alive but not answering (SIGSTOP) cost each lookup the RPC timeout (5-6 s). Now
+    one waits lookup_timeout_ms, the next ones (exists too) miss without asking while the
+    breaker is open, and a probe after the master answers again closes it."""
+    cluster = make_cluster(1, "16MiB")
+    a = Instance(cluster.master_endpoint, lookup_timeout_ms=200, lookup_backoff_ms_min=500, lookup_backoff_ms_max=1000)
+    try:
+        a.run(a.conn.put(key(1), a.chunk(1)))
+        assert a.conn.batched_contains([key(1)]) == 1
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert a.conn.batched_contains([key(1)]) == 0
+            assert time.monotonic() - started < 2  # the lookup's own bound, 0.2 s (was 5 s)
+            started = time.monotonic()
+            assert [a.conn.batched_contains([key(1)]) for _ in range(5)] == [0] * 5
+            assert a.conn.exists_sync(key(1)) is False
+            assert a.run(a.conn.batched_async_contains("lookup-1", [key(1)], pin=True)) == 0
+            assert time.monotonic() - started < 0.5  # the breaker is open: none asks
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+        wait_until(lambda: a.conn.batched_contains([key(1)]) == 1, timeout_s=10)
+        assert a.conn.exists_sync(key(1)) is True
     finally:
         a.close()
 

@@ -24,6 +24,8 @@ dependencies).
 from __future__ import annotations
 
 import re
+import signal
+import time
 
 import pytest
 from conftest import wait_until
@@ -193,7 +195,7 @@ def test_instance_b_loads_pages_instance_a_backed_up(make_cluster, mla, layout):
         for source, target in zip([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]):
             assert torch.equal(pool_b.page(target * PAGE_SIZE), pool_a.page(source * PAGE_SIZE))
         listed = sorted(b._store.list_objects("org-tiny-model").keys)
-        prefix = f"org-tiny-model_{layout}_float16_" if mla else f"org-tiny-model_{layout}_bfloat16_tp2_"
+        prefix = f"org-tiny-model@{layout}_float16_" if mla else f"org-tiny-model@{layout}_bfloat16_tp2_"
         expected = [f"{prefix}hash0__k"] if mla else [f"{prefix}hash0_0_k", f"{prefix}hash0_0_v"]
         assert listed[: len(expected)] == expected
         stats = a.get_stats()
@@ -219,7 +221,7 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
         assert rank0.batch_exists(keys) == 3
         assert rank1.batch_exists(keys) == 0  # each TP rank holds its own heads
         assert other_model.batch_exists(keys) == 0  # models never share pages
-        rank0._store.remove("org-tiny-model_page_first_bfloat16_tp2_p1_0_v", force=True)  # page 1 loses its V
+        rank0._store.remove("org-tiny-model@page_first_bfloat16_tp2_p1_0_v", force=True)  # page 1 loses its V
         assert rank0.batch_exists(keys) == 1
         assert mla0.batch_set_v1(keys, host_indices([0, 1, 2])) == [True] * 3
         assert mla1.batch_exists(keys) == 3  # MLA pages are one copy for every rank
@@ -230,6 +232,53 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
     finally:
         for backend in backends:
             backend.close()
+
+
+def test_clear_leaves_the_pages_of_a_model_whose_name_extends_this_ones(make_cluster):
+    """Key parts are joined with '_', and clear() removed every key starting with the
+    namespace and a '_': model "org/llama" removed "org/llama_3"'s pages too (and with a tag,
+    tag "a" model "b" those of model "b_..."). The namespace now ends with an '@', which no
+    tag or model name holds."""
+    cluster = make_cluster(1, "16MiB")
+    llama = create(storage_config(cluster.master_endpoint, model="org/llama"), MHAHostPool("page_first"))
+    llama_3 = create(storage_config(cluster.master_endpoint, model="org/llama_3"), MHAHostPool("page_first"))
+    try:
+        keys = ["q0", "q1"]
+        for backend in (llama, llama_3):
+            assert backend.batch_set_v1(keys, host_indices([0, 1])) == [True] * 2
+        llama.clear()
+        assert llama.batch_exists(keys) == 0
+        assert llama_3.batch_exists(keys) == 2
+    finally:
+        llama.close()
+        llama_3.close()
+
+
+def test_a_master_that_stops_answering_costs_the_prefetch_thread_one_short_wait(make_cluster):
+    """SGLang's prefetch thread runs every request's hit query (batch_exists), one after the
+    other: a master alive but not answering (SIGSTOP) cost each the RPC timeout (5-6 s). Now
+    one waits lookup_timeout_ms, the next ones miss without asking while the breaker is
+    open, and a probe after the master answers again closes it."""
+    cluster = make_cluster(1, "16MiB")
+    config = storage_config(cluster.master_endpoint)
+    config.extra_config.update(lookup_timeout_ms=200, lookup_backoff_ms_min=500, lookup_backoff_ms_max=1000)
+    backend = create(config, MHAHostPool("page_first"))
+    try:
+        assert backend.batch_set_v1(["s0"], host_indices([0])) == [True]
+        assert backend.batch_exists(["s0"]) == 1
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert backend.batch_exists(["s0"]) == 0
+            assert time.monotonic() - started < 2  # the lookup's own bound, 0.2 s (was 5 s)
+            started = time.monotonic()
+            assert [backend.batch_exists(["s0"]) for _ in range(5)] == [0] * 5
+            assert time.monotonic() - started < 0.5  # the breaker is open: none asks
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+        wait_until(lambda: backend.batch_exists(["s0"]) == 1, timeout_s=10)
+    finally:
+        backend.close()
 
 
 def test_the_pages_batch_exists_found_are_held_until_they_are_fetched(make_cluster):
@@ -306,8 +355,8 @@ def test_pages_of_another_pipeline_split_are_not_found(make_cluster):
         assert same.batch_exists(["p0"]) == 1
         assert [custom.batch_exists(["p0"]), deeper.batch_exists(["p0"])] == [0, 0]
         assert sorted(same._store.list_objects("org-tiny-model").keys) == [
-            "org-tiny-model_page_first_bfloat16_tp2_pp2from16_p0_0_1_k",
-            "org-tiny-model_page_first_bfloat16_tp2_pp2from16_p0_0_1_v",
+            "org-tiny-model@page_first_bfloat16_tp2_pp2from16_p0_0_1_k",
+            "org-tiny-model@page_first_bfloat16_tp2_pp2from16_p0_0_1_v",
         ]
     finally:
         for backend in (writer, same, custom, deeper):
@@ -454,7 +503,7 @@ def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(make_cluste
         assert a.batch_set_v2([states([3], [keys[2]])]) == {PoolName.MAMBA: [True]}  # present: success
         listed = a._store.list_objects("mamba")  # one object per state: every component gathered
         state_bytes = sum(part.numel() * part.element_size() for part in mamba_a.state(0))
-        name = "org-tiny-model_page_first_bfloat16_tp2_{}_0_mamba_page_first_float32_bfloat16_{}B"
+        name = "org-tiny-model@page_first_bfloat16_tp2_{}_0_mamba_page_first_float32_bfloat16_{}B"
         assert sorted(listed.keys) == [name.format(k, state_bytes) for k in ("h2", "h4")]
         assert listed.sizes == [state_bytes] * 2
 

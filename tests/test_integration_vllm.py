@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import signal
 import threading
 import time
 import weakref
@@ -552,6 +553,31 @@ def test_a_reset_of_the_connectors_cache_removes_the_models_blocks_and_the_saves
             side.shutdown()
 
 
+def test_a_reset_leaves_the_blocks_of_a_namespace_that_extends_this_ones(make_cluster):
+    """The reset removed every key starting with the namespace, "team@": the blocks of
+    another deployment whose cache_prefix is "team" ("team@org/tiny@kv:...") went with those
+    of model "team". It now matches up to the KV format's first field."""
+    cluster = make_cluster(1, "16MiB")
+    prefixed = vllm_config(cluster.master_endpoint, cache_prefix="team")
+    named_like_it = vllm_config(cluster.master_endpoint)
+    named_like_it.kv_transfer_config.kv_connector_extra_config["model_name"] = "team"
+    sides = []
+    try:
+        for config, req_id in ((prefixed, "p"), (named_like_it, "n")):
+            sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+            sides += [sched, worker]
+            worker.register_kv_caches(paged_cache(seed=4))
+            assert run_worker_step(worker, first_prefill(sched, f"{req_id}-1", [0, 1, 2, 3])) == set()
+            wait_until(lambda s=sched: s.get_num_new_matched_tokens(request("again", PROMPT), 0) == (12, False), 10)
+        prefixed_sched, _, named_sched, _ = sides
+        assert named_sched.reset_cache() is True
+        assert named_sched.get_num_new_matched_tokens(request("n-2", PROMPT), 0) == (0, False)
+        assert prefixed_sched.get_num_new_matched_tokens(request("p-2", PROMPT), 0) == (12, False)
+    finally:
+        for side in sides:
+            side.shutdown()
+
+
 def test_hit_sources_name_the_nearest_replica_of_each_block():
     def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
         return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)
@@ -669,6 +695,71 @@ def test_the_blocks_a_lookup_planned_to_load_are_held_until_the_load(make_cluste
         gone = (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND)  # (a retry after a partial remove)
         wait_until(lambda: all(code in gone for code in worker._store.batch_remove(planned)), timeout_s=5)
         assert not any(worker._store.batch_exists(planned))
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def calls_of(store: Store, *names: str) -> list[str]:
+    """The names of the calls of `store`'s methods `names` from now on, in order."""
+    calls: list[str] = []
+
+    def recorded(name: str, method):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(store, name, recorded(name, getattr(store, name)))
+    return calls
+
+
+def test_a_master_that_stops_answering_costs_the_scheduler_one_short_wait_not_one_per_lookup(make_cluster):
+    """A master alive but not answering (SIGSTOP here: a GC pause, a partition) cost every
+    scheduler lookup the RPC timeout (5-6 s), for each waiting request at every step of
+    vLLM's engine loop. Now a lookup waits lookup_timeout_ms, and the breaker then answers
+    lookups and hit-source queries without asking the master (none reaches the Store) until
+    its window ends; a probe then, still unanswered, waits that short time once more. Once
+    the master answers, a probe closes the breaker and blocks are found again."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint, lookup_timeout_ms=200, lookup_backoff_ms_min=500,
+                         lookup_backoff_ms_max=1000)  # fmt: skip
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    worker.register_kv_caches(paged_cache(seed=3))
+    asked = calls_of(sched._store, "longest_prefix", "query")
+
+    def timed_lookup(req_id: str) -> tuple[tuple[int, bool], float]:
+        started = time.monotonic()
+        found = sched.get_num_new_matched_tokens(request(req_id, PROMPT), 0)
+        return found, time.monotonic() - started
+
+    try:
+        run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3]))
+        wait_until(lambda: timed_lookup("r-2")[0] == (12, False), timeout_s=10)
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            found, took_s = timed_lookup("w-0")
+            assert found == (0, False) and took_s < 2, took_s  # the lookup's own bound, 0.2 s (was 5 s)
+            asked.clear()
+            for index in range(1, 6):  # the breaker is open: misses, and no call at all
+                assert timed_lookup(f"w-{index}")[0] == (0, False)
+            assert sched.get_external_cache_hit_sources(request("w-1", PROMPT), 12) == {
+                CacheHitSource.EXTERNAL_UNSPECIFIED: 12
+            }
+            assert asked == []
+            time.sleep(0.6)  # past the window: one probe, unanswered, and the window doubles
+            found, took_s = timed_lookup("w-6")
+            assert found == (0, False) and took_s < 2 and asked == ["longest_prefix"], (took_s, asked)
+            assert timed_lookup("w-7")[0] == (0, False) and asked == ["longest_prefix"]
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+        # The master answers again: the next probe (within the 1 s window) closes the breaker.
+        wait_until(lambda: timed_lookup("r-3")[0] == (12, False), timeout_s=10)
+        req = request("r-4", PROMPT + [1, 2, 3, 4])
+        assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+        assert sched.get_external_cache_hit_sources(req, 12) == {CacheHitSource.HOST: 12}
     finally:
         worker.shutdown()
         sched.shutdown()

@@ -332,23 +332,30 @@ class AsyncStore:
     async def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_flags(await self._master.call(ExistKeys(key_list(keys)), is_idempotent=True))
 
-    async def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0, hold_reads: int = 1) -> int:
+    async def longest_prefix(
+        self, keys: Sequence[str], hold_ms: int = 0, hold_reads: int = 1, timeout_ms: int | None = None
+    ) -> int:
         """How many leading keys are present, in one round trip (engines' prefix lookup).
         With `hold_ms`, what was found is kept from eviction for that long (at most the
         master's lease TTL), or until `hold_reads` reads of it have begun and their readers
         have given their leases back: for the load that follows the lookup (an engine's
         scheduler looks up, its workers load moments later; `hold_reads` is how many ranks
-        load each object, all the TP ranks of an MLA model, which share its blocks)."""
+        load each object, all the TP ranks of an MLA model, which share its blocks).
+        `timeout_ms`: the call's own bound on the master's answer (call_bound), shorter than
+        the RPC timeout for an engine's loop that waits on the lookup."""
         checked_args(hold_ms=(hold_ms, int), hold_reads=(hold_reads, int))
+        bound = call_bound(timeout_ms)
         message = LongestPrefix(key_list(keys), hold_ms, hold_reads)
-        return prefix_count(await self._master.call(message, is_idempotent=True))
+        return prefix_count(await self._master.call(message, is_idempotent=True, timeout_ms=bound))
 
     async def get_size(self, key: str) -> int:
         """Raises ObjectNotFound."""
         return object_size(await self._master.call(QueryObjects(key_list([key])), is_idempotent=True), key)
 
-    async def query(self, keys: Sequence[str]) -> QueryReply:
-        return query_reply(await self._master.call(QueryObjects(key_list(keys)), is_idempotent=True))
+    async def query(self, keys: Sequence[str], timeout_ms: int | None = None) -> QueryReply:
+        """Each key's replicas. `timeout_ms`: as longest_prefix."""
+        bound = call_bound(timeout_ms)
+        return query_reply(await self._master.call(QueryObjects(key_list(keys)), is_idempotent=True, timeout_ms=bound))
 
     async def remove(self, key: str, force: bool = False) -> None:
         """Raises ObjectNotFound, or ObjectHasLease while a reader holds it (unless force)."""
@@ -403,8 +410,10 @@ class AsyncStore:
         assert isinstance(reply, ListReply)
         return reply
 
-    async def cluster_status(self) -> ClusterStatusReply:
-        reply = await self._master.call(ClusterStatus(), is_idempotent=True)
+    async def cluster_status(self, timeout_ms: int | None = None) -> ClusterStatusReply:
+        """`timeout_ms`: as longest_prefix."""
+        bound = call_bound(timeout_ms)
+        reply = await self._master.call(ClusterStatus(), is_idempotent=True, timeout_ms=bound)
         assert isinstance(reply, ClusterStatusReply)
         return reply
 

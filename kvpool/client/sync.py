@@ -276,25 +276,33 @@ class _DirectLinks:
         self._links = ThreadLinks(_ThreadMasterLink, DIRECT_LINKS_MAX, DIRECT_RETRY_AFTER_S)
 
     def ask(
-        self, message: Message, is_idempotent: bool = True, late_reply: LateReply | None = None
+        self,
+        message: Message,
+        is_idempotent: bool = True,
+        late_reply: LateReply | None = None,
+        timeout_ms: int | None = None,
     ) -> Message | None:
         """The master's reply, or None when the master has not seen the request from here
         (no working connection in this thread, or NotLeader): the caller then asks through
         the loop. A request that is not idempotent is sent only on a connection that is
         still open at the other end, and not sent again when it broke after leaving.
 
-        `late_reply`: see BlockingConnection.request.
+        `late_reply`: see BlockingConnection.request. `timeout_ms`: a bound on opening a
+        connection and the answer together (None: the open's own, then the RPC timeout).
 
         Raises:
             RpcTimeout: the master did not answer within the RPC timeout.
             RpcFailed: a request that is not idempotent left, and the connection broke.
             KVPoolError subclass: the master's answer was an error (but NotLeader: None).
         """
-        link, conn = self._link_and_connection(is_idempotent)
+        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+        link, conn = self._link_and_connection(is_idempotent, timeout_ms)
         if conn is None:
             return None
+        if deadline is not None:
+            timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            return conn.request(message, self._rpc_timeout_ms, late_reply)
+            return conn.request(message, timeout_ms or self._rpc_timeout_ms, late_reply)
         except BaseException as exc:
             if not self._may_ask_through_the_loop(link, conn, exc, is_idempotent):
                 raise
@@ -336,13 +344,16 @@ class _DirectLinks:
             return list(range(answered, len(messages)))
         return []
 
-    def _link_and_connection(self, is_idempotent: bool) -> tuple[_ThreadMasterLink, BlockingConnection | None]:
-        """This thread's link, and its connection if it has a working one. A request that is
+    def _link_and_connection(
+        self, is_idempotent: bool, open_timeout_ms: int | None = None
+    ) -> tuple[_ThreadMasterLink, BlockingConnection | None]:
+        """This thread's link, and its connection if it has a working one (one opened now
+        within `open_timeout_ms`, if shorter than the open's own bound). A request that is
         not idempotent gets one that is still open at the other end."""
         link = self._links.link()
-        conn = self._connection(link)
+        conn = self._connection(link, open_timeout_ms)
         if conn is not None and not is_idempotent and not conn.is_usable():
-            conn = self._connection(link)  # the master restarted: a new connection, or None
+            conn = self._connection(link, open_timeout_ms)  # the master restarted: a new connection, or None
         return link, conn
 
     def _may_ask_through_the_loop(
@@ -367,7 +378,7 @@ class _DirectLinks:
         """The open connections of live threads."""
         return [link.conn for link in self._links.admitted() if link.conn is not None and not link.conn.is_closed()]
 
-    def _connection(self, link: _ThreadMasterLink) -> BlockingConnection | None:
+    def _connection(self, link: _ThreadMasterLink, open_timeout_ms: int | None = None) -> BlockingConnection | None:
         endpoint = self._master.connected_endpoint()
         if endpoint is None or self._links.is_closed or not link.is_admitted:
             return None
@@ -379,7 +390,10 @@ class _DirectLinks:
             return None
         try:
             conn = BlockingConnection.open(
-                endpoint, key=self._key, timeout_ms=self._open_timeout_ms, prefer_local=self._prefer_local
+                endpoint,
+                key=self._key,
+                timeout_ms=min(self._open_timeout_ms, open_timeout_ms or self._open_timeout_ms),
+                prefer_local=self._prefer_local,
             )
         except (ConnectFailed, Unauthorized) as exc:
             log.info("no direct link to the master at %s (asking through the loop): %s", endpoint, exc)
@@ -479,15 +493,28 @@ class Store:
         gets that much longer."""
         return self._loop.run(coroutine, self._timeout_ms + (call_timeout_ms or 0))
 
-    def _ask(self, message: Message, is_idempotent: bool = True, late_reply: LateReply | None = None) -> Message:
+    def _ask(
+        self,
+        message: Message,
+        is_idempotent: bool = True,
+        late_reply: LateReply | None = None,
+        timeout_ms: int | None = None,
+    ) -> Message:
         """The master's reply: on this thread's own connection, or through the loop when the
         master did not see the request there (see the module and _DirectLinks.ask).
         `late_reply`: given the reply if it comes after the call timed out, either way (on a
-        thread of its own, or on the loop: it must not raise)."""
+        thread of its own, or on the loop: it must not raise). `timeout_ms` (checked:
+        call_bound): the call's own bound, both ways together, instead of the RPC timeout."""
         self._check_open()
-        reply = self._direct.ask(message, is_idempotent, late_reply)
+        started = time.monotonic()
+        reply = self._direct.ask(message, is_idempotent, late_reply, timeout_ms)
         if reply is None:
-            reply = self._run(self._async._master.call(message, is_idempotent=is_idempotent, late_reply=late_reply))
+            if timeout_ms is not None:  # what the direct try left of it
+                timeout_ms = max(1, timeout_ms - int((time.monotonic() - started) * 1000))
+            call = self._async._master.call(
+                message, is_idempotent=is_idempotent, late_reply=late_reply, timeout_ms=timeout_ms
+            )
+            reply = self._run(call, timeout_ms)
         return reply
 
     def close(self) -> None:
@@ -599,15 +626,18 @@ class Store:
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_flags(self._ask(ExistKeys(key_list(keys))))
 
-    def longest_prefix(self, keys: Sequence[str], hold_ms: int = 0, hold_reads: int = 1) -> int:
+    def longest_prefix(
+        self, keys: Sequence[str], hold_ms: int = 0, hold_reads: int = 1, timeout_ms: int | None = None
+    ) -> int:
         checked_args(hold_ms=(hold_ms, int), hold_reads=(hold_reads, int))
-        return prefix_count(self._ask(LongestPrefix(key_list(keys), hold_ms, hold_reads)))
+        bound = call_bound(timeout_ms)
+        return prefix_count(self._ask(LongestPrefix(key_list(keys), hold_ms, hold_reads), timeout_ms=bound))
 
     def get_size(self, key: str) -> int:
         return object_size(self._ask(QueryObjects(key_list([key]))), key)
 
-    def query(self, keys: Sequence[str]) -> QueryReply:
-        return query_reply(self._ask(QueryObjects(key_list(keys))))
+    def query(self, keys: Sequence[str], timeout_ms: int | None = None) -> QueryReply:
+        return query_reply(self._ask(QueryObjects(key_list(keys)), timeout_ms=call_bound(timeout_ms)))
 
     def remove(self, key: str, force: bool = False) -> None:
         self._run(self._async.remove(key, force))
@@ -626,8 +656,9 @@ class Store:
     def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
         return self._run(self._async.list_objects(pattern, limit))
 
-    def cluster_status(self) -> ClusterStatusReply:
-        return self._run(self._async.cluster_status())
+    def cluster_status(self, timeout_ms: int | None = None) -> ClusterStatusReply:
+        bound = call_bound(timeout_ms)
+        return self._run(self._async.cluster_status(bound), bound)
 
     # --- the two data paths: network phases on the loop, copies here -------------------------
 

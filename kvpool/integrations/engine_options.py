@@ -19,6 +19,7 @@ from kvpool import limits
 from kvpool.client.sync import Store
 from kvpool.config import parse_flag, parse_size, token_from
 from kvpool.errors import InvalidParams
+from kvpool.integrations import breaker
 from kvpool.protocol.messages import ReplicateConfig
 
 _WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # as text; str.isdigit() takes '²', which int() refuses
@@ -34,6 +35,11 @@ class EngineOptions:
     shm_enabled: bool
     replicate: ReplicateConfig
     lookup_hold_ms: int
+    # A lookup's own bound on the master's answer, and the breaker's window after one could
+    # not reach it (breaker.py).
+    lookup_timeout_ms: int = breaker.LOOKUP_TIMEOUT_MS_DEFAULT
+    lookup_backoff_ms_min: int = breaker.LOOKUP_BACKOFF_MS_MIN_DEFAULT
+    lookup_backoff_ms_max: int = breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT
 
     @classmethod
     def read(cls, extra: Mapping[str, Any] | None, where: str, prefix: str = "") -> EngineOptions:
@@ -59,6 +65,12 @@ class EngineOptions:
         master = value("master", None) or os.environ.get("KVPOOL_MASTER")
         if not master:
             raise InvalidParams(f"set '{prefix}master' in {where} (or $KVPOOL_MASTER)")
+        timeout_ms = whole("lookup_timeout_ms", breaker.LOOKUP_TIMEOUT_MS_DEFAULT, 1, breaker.LOOKUP_TIMEOUT_MS_MAX)
+        longest_ms = breaker.LOOKUP_BACKOFF_MS_MAX
+        backoff_ms_min = whole("lookup_backoff_ms_min", breaker.LOOKUP_BACKOFF_MS_MIN_DEFAULT, 1, longest_ms)
+        # (a minimum above the default maximum raises the maximum's default with it)
+        default_ms_max = max(backoff_ms_min, breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT)
+        backoff_ms_max = whole("lookup_backoff_ms_max", default_ms_max, backoff_ms_min, longest_ms)
         return cls(
             master=str(master),
             token=token_from(value("token", None), value("token_file", None)),
@@ -66,7 +78,14 @@ class EngineOptions:
             shm_enabled=parse_flag(value("shm_enabled", True), f"{prefix}shm_enabled in {where}"),
             replicate=ReplicateConfig(replica_num=whole("replica_num", 1, 1, limits.REPLICA_NUM_MAX)),
             lookup_hold_ms=whole("lookup_hold_ms", limits.LOOKUP_HOLD_MS_DEFAULT, 0, limits.LOOKUP_HOLD_MS_MAX),
+            lookup_timeout_ms=timeout_ms,
+            lookup_backoff_ms_min=backoff_ms_min,
+            lookup_backoff_ms_max=backoff_ms_max,
         )
+
+    def lookup_breaker(self, what: str) -> breaker.LookupBreaker:
+        """A breaker for these lookups (`what`: whose, for its log lines)."""
+        return breaker.LookupBreaker(what, self.lookup_backoff_ms_min, self.lookup_backoff_ms_max)
 
     def open_store(self) -> Store:
         """A Store on the pool these options name."""

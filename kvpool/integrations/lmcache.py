@@ -12,7 +12,10 @@ LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LM
       kvpool.master: 10.0.0.1:50051
       # optional: kvpool.token_file, kvpool.embedded_memory (a size), kvpool.shm_enabled,
       # kvpool.replica_num, kvpool.lookup_hold_ms (how long a lookup's hits are held from
-      # eviction for their retrieval, default 5000; 0 = none)
+      # eviction for their retrieval, default 5000; 0 = none), kvpool.lookup_timeout_ms,
+      # kvpool.lookup_backoff_ms_min, kvpool.lookup_backoff_ms_max (the lookups' own bound
+      # on the master's answer and the breaker's window after one could not reach it,
+      # default 300, 1000 and 30000: breaker.py)
 
 The adapter takes LMCache's plugin URLs only (`plugin://kvpool[.instance]`): LMCache 0.5.6
 loads a plugin's adapter only for the names in `remote_storage_plugins`, so a `remote_url`
@@ -28,7 +31,11 @@ header and the chunk with the multi-buffer API (no concatenation copy).
 
 The Store is synchronous and bounded; every call runs in a worker thread (`asyncio.to_thread`)
 so LMCache's event loop never blocks. Operating errors become misses (None, False, 0) and
-logged failed puts, never exceptions into LMCache. This module is not used without LMCache.
+logged failed puts, never exceptions into LMCache. Lookups (`batched_contains`, `exists`) wait
+lookup_timeout_ms at most: LMCache asks them inside vLLM's scheduler step, with no timeout of
+its own around the synchronous ones, and after one could not reach the master the next ones
+answer a miss without asking until a probe gets an answer (breaker.py). This module is not
+used without LMCache.
 """
 
 from __future__ import annotations
@@ -90,6 +97,8 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._store = options.open_store()
         self._replicate = options.replicate
         self._lookup_hold_ms = options.lookup_hold_ms
+        self._lookup_timeout_ms = options.lookup_timeout_ms
+        self._breaker = options.lookup_breaker("LMCache's lookups")
 
     def __repr__(self) -> str:
         return f"<KVPoolRemoteConnector {self._store!r}>"
@@ -97,11 +106,8 @@ class KVPoolRemoteConnector(RemoteConnector):
     # --- existence --------------------------------------------------------------------------
 
     def exists_sync(self, key: Any) -> bool:
-        try:
-            return self._store.exists(key.to_string())
-        except KVPoolError as exc:
-            log.info("kvpool exists failed, reporting a miss: %s", exc)
-            return False
+        """A lookup of one chunk (a prefix of one key: bound and skipped as the others are)."""
+        return self._lookup([key], 0) == 1
 
     async def exists(self, key: Any) -> bool:
         return await asyncio.to_thread(self.exists_sync, key)
@@ -123,13 +129,18 @@ class KVPoolRemoteConnector(RemoteConnector):
         return await asyncio.to_thread(self._lookup, keys, self._lookup_hold_ms if pin else 0)
 
     def _lookup(self, keys: list[Any], hold_ms: int) -> int:
-        if not keys:
+        """How many leading chunks are stored; 0 when the master cannot be asked (breaker.py)."""
+        if not keys or not self._breaker.can_call():
             return 0
         try:
-            return self._store.longest_prefix([k.to_string() for k in keys], hold_ms)
+            names = [k.to_string() for k in keys]
+            found = self._store.longest_prefix(names, hold_ms, timeout_ms=self._lookup_timeout_ms)
         except KVPoolError as exc:
-            log.info("kvpool lookup failed, reporting a miss: %s", exc)
+            if not self._breaker.record_failure(exc):
+                log.info("kvpool lookup failed, reporting a miss: %s", exc)
             return 0
+        self._breaker.record_success()
+        return found
 
     # --- reads ------------------------------------------------------------------------------
 

@@ -11,16 +11,23 @@ Other extra-config keys: "embedded_memory" (a size: this process contributes tha
 to the pool, default 0), "token" / "token_file" (the cluster token), "replica_num" (default
 1), "shm_enabled" (default true), "extra_backend_tag" (a namespace prefix, as in SGLang's
 Mooncake backend), "lookup_hold_ms" (how long `batch_exists` holds its hits from eviction for
-the prefetch that follows, default 5000; 0 = none). $KVPOOL_MASTER is read when "master" is
-absent.
+the prefetch that follows, default 5000; 0 = none), "lookup_timeout_ms" (how long a lookup
+waits for the master, default 300), "lookup_backoff_ms_min" / "lookup_backoff_ms_max" (after a
+lookup could not reach the master, lookups miss without asking for that long, doubling from
+the min to the max between probes; default 1000 / 30000: breaker.py; SGLang runs every
+request's hit query on its one prefetch thread, one after the other). $KVPOOL_MASTER is read
+when "master" is absent.
 
-Pages are objects named as SGLang's own Mooncake backend names them
+Pages are objects named much as SGLang's own Mooncake backend names them
 (sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py): the page hash, prefixed by
 the backend tag and model name, suffixed by the TP rank (and PP rank when PP > 1) and `_k` /
 `_v`; an MLA model stores one `_k` object per page, shared by every TP rank (SGLang lets only
-the first rank write it). kvpool adds what else decides a page's bytes to the prefix: the
-host pool's layout (SGLang's layouts order a page's bytes differently in objects of one
-size), its dtype, and for MHA the TP size (a rank's share of the heads).
+the first rank write it). The tag and model name end with an '@' (one in either becomes a
+'-'), so that no model's namespace is a prefix of another's, as "m_" is of "m_2_" (clear).
+kvpool adds what else decides a page's bytes to the prefix: the host pool's layout (SGLang's
+layouts order a page's bytes differently in objects of one size), its dtype, and for MHA the
+TP size (a rank's share of the heads):
+`tag_model@layout_dtype_tpN[_ppNfromL]_<hash>_<tp rank>[_<pp rank>]_k`.
 
 With `interface_v1: 1` SGLang calls batch_get_v1 / batch_set_v1, which move each page
 straight between kvpool and the registered host pool (`register_mem_pool_host`) with the
@@ -90,13 +97,19 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.is_mla = storage_config.is_mla_model
         self._replicate = options.replicate
         self._lookup_hold_ms = options.lookup_hold_ms
+        # SGLang's prefetch thread runs every request's hit query, one after the other.
+        self._lookup_timeout_ms = options.lookup_timeout_ms
+        self._breaker = options.lookup_breaker("SGLang's lookups")
         self._store = options.open_store()
         parts = []
         if extra.get("extra_backend_tag") is not None:
-            parts.append(str(extra["extra_backend_tag"]))
+            parts.append(_without_ats(str(extra["extra_backend_tag"])))
         if storage_config.model_name:
-            parts.append("-".join(storage_config.model_name.split("/")))
-        self._prefix = "_".join(parts)
+            parts.append(_without_ats("-".join(storage_config.model_name.split("/"))))
+        # The namespace ends with an '@', which no tag or model name holds: with '_', which
+        # they do, the namespace of model "m" was a prefix of model "m_2"'s, and clear()
+        # removed both.
+        self._prefix = "_".join(parts) + "@"
         self._page_prefix = self._prefix  # and the page format, once the host pool is known
         if storage_config.pp_size > 1:
             self._mha_suffix = f"{storage_config.tp_rank}_{storage_config.pp_rank}"
@@ -139,7 +152,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             "" if self.is_mla else f"tp{self.storage_config.tp_size}",  # MLA pages: one for every rank
             _pipeline_stage(self.storage_config.pp_size, getattr(device_pool, "start_layer", None)),
         ]
-        self._page_prefix = "_".join(part for part in [self._prefix, *page_format] if part)
+        self._page_prefix = self._prefix + "_".join(part for part in page_format if part)
         self._register_pool(mem_pool_host)
         if hasattr(mem_pool_host, "get_ksize_per_token"):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
@@ -229,7 +242,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     # --- keys ---------------------------------------------------------------------------------
 
     def _namespace(self, key: str) -> str:
-        return f"{self._page_prefix}_{key}" if self._page_prefix else key
+        return f"{self._page_prefix}_{key}"
 
     def _object_keys(self, keys: Sequence[str]) -> list[str]:
         """The kvpool objects of each page, in page order: k (and v unless MLA)."""
@@ -250,14 +263,19 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many leading pages are in the pool (all their objects), in one round trip."""
-        if not keys:
+        """How many leading pages are in the pool (all their objects), in one round trip of
+        lookup_timeout_ms at most; 0 while the master does not answer (breaker.py)."""
+        if not keys or not self._breaker.can_call():
             return 0
         try:
-            count = self._store.longest_prefix(self._object_keys(keys), self._lookup_hold_ms, self._readers_of_each())
+            object_keys = self._object_keys(keys)
+            readers = self._readers_of_each()
+            count = self._store.longest_prefix(object_keys, self._lookup_hold_ms, readers, self._lookup_timeout_ms)
         except KVPoolError as exc:
-            log.warning("kvpool batch_exists failed, reporting a miss: %s", exc)
+            if not self._breaker.record_failure(exc):
+                log.warning("kvpool batch_exists failed, reporting a miss: %s", exc)
             return 0
+        self._breaker.record_success()
         return count // self._objects_per_page
 
     def batch_get_v1(
@@ -355,7 +373,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             object_keys = [self._sidecar_keys(t.name, keys[:kv_pages]) for t in transfers]
             found = iter(self._store.batch_exists([k for ks in object_keys for k in ks]))
         except KVPoolError as exc:
-            log.warning("kvpool batch_exists_v2 failed, reporting a miss: %s", exc)
+            if not self._breaker.record_failure(exc):
+                log.warning("kvpool batch_exists_v2 failed, reporting a miss: %s", exc)
             return PoolTransferResult(0, {}, [])
         windows: list[tuple[list[str], int, int]] = []  # per pool: its objects, pages it needs at the end, readers
         for transfer, pool_keys in zip(transfers, object_keys):
@@ -382,11 +401,14 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             for pool_keys, window, readers in windows:
                 held.setdefault(readers, []).extend(pool_keys[max(0, end - window) : end])
             try:
-                hold = self._store.longest_prefix
-                if any(hold(keys, self._lookup_hold_ms, readers) < len(keys) for readers, keys in held.items()):
-                    restorable.pop()  # evicted since it was found: the longest is not restorable now
+                hold_ms, timeout_ms = self._lookup_hold_ms, self._lookup_timeout_ms
+                for readers, held_keys in held.items():
+                    if self._store.longest_prefix(held_keys, hold_ms, readers, timeout_ms) < len(held_keys):
+                        restorable.pop()  # evicted since it was found: the longest is not restorable now
+                        break
             except KVPoolError as exc:
-                log.warning("kvpool could not hold the pages found (they may be evicted): %s", exc)
+                if not self._breaker.record_failure(exc):
+                    log.warning("kvpool could not hold the pages found (they may be evicted): %s", exc)
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def batch_get_v2(
@@ -530,8 +552,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     # --- housekeeping -------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every object of this model's namespace (all ranks). Never raises."""
-        pattern = f"^{re.escape(self._prefix)}_" if self._prefix else ".*"
+        """Remove every object of this model's namespace (all ranks, every page format).
+        Never raises."""
+        pattern = f"^{re.escape(self._prefix)}"
         try:
             removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
         except KVPoolError as exc:
@@ -581,6 +604,11 @@ def _storage_metrics_class() -> Any:
             StorageMetrics = None  # noqa: N806
         _STORAGE_METRICS.append(StorageMetrics)
     return _STORAGE_METRICS[0]
+
+
+def _without_ats(name: str) -> str:
+    """A tag or model name with no '@', which ends the namespace."""
+    return name.replace("@", "-")
 
 
 def _pipeline_stage(pp_size: int, start_layer: int | None) -> str:

@@ -14,8 +14,11 @@ Other extra-config keys: "embedded_memory" (a size this process contributes to t
 default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
 true), "cache_prefix" (a namespace for separate deployments), "lookup_hold_ms" (how long a
 lookup's hits are held from eviction for their load, default 5000; 0 = none), "load_async"
-(default true, as vLLM's Mooncake store connector). $KVPOOL_MASTER is read when "master" is
-absent.
+(default true, as vLLM's Mooncake store connector), "lookup_timeout_ms" (how long a scheduler
+lookup waits for the master, default 300), "lookup_backoff_ms_min" / "lookup_backoff_ms_max"
+(after a lookup could not reach the master, lookups miss without asking for that long,
+doubling from the min to the max between probes; default 1000 / 30000: breaker.py).
+$KVPOOL_MASTER is read when "master" is absent.
 
 Each full block of a prompt is one object holding that block of every layer (K then V per
 layer for FlashAttention-style caches; the block as it lies for block-first and MLA caches),
@@ -33,10 +36,14 @@ of them load every block.
 - Scheduler side: `get_num_new_matched_tokens` asks the pool how many leading blocks of the
   prompt every TP and PP rank holds, in one `longest_prefix` round trip per BATCH_KEYS_MAX
   keys (at most BATCH_KEYS_MAX blocks: a worker loads them in one batch), and always leaves
-  at least one token to compute. The plan (and the scheduler's key prefix) goes to the workers
-  in the metadata. Loads are asynchronous (load_async): vLLM parks the request in
-  WAITING_FOR_REMOTE_KVS and goes on with the others; a request vLLM looks up again after
-  its async load failed loads nothing more (a preempted one loads async again).
+  at least one token to compute. A lookup waits lookup_timeout_ms at most, and after one
+  could not reach the master the next ones answer a miss without asking, until a probe gets
+  an answer (breaker.py): a master that stops answering costs vLLM's loop one short wait
+  per back-off window, not the RPC timeout per waiting request per step. The plan (and the
+  scheduler's key prefix) goes to the workers in the metadata. Loads are asynchronous
+  (load_async): vLLM parks the request in WAITING_FOR_REMOTE_KVS and goes on with the
+  others; a request vLLM looks up again after its async load failed loads nothing more (a
+  preempted one loads async again).
   `get_external_cache_hit_sources` splits the loaded tokens, for vLLM's metrics, by where
   each block lies: this host's DRAM ("host"), another's ("p2p"), a disk tier or the DFS.
 - Worker side: `start_load_kv` reads the planned blocks straight into the paged KV cache
@@ -173,11 +180,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._store = options.open_store()
         self._replicate = options.replicate
         self._lookup_hold_ms = options.lookup_hold_ms
+        # The scheduler's lookups run in vLLM's engine loop: a bound of their own, and a breaker
+        # that answers misses while the master does not answer (breaker.py).
+        self._lookup_timeout_ms = options.lookup_timeout_ms
+        self._breaker = options.lookup_breaker("vLLM's scheduler lookups")
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
         prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
         self._namespace = f"{prefix}{model}@"  # every block of this model, in any KV format
         self._model_prefix = f"{self._namespace}{_kv_format(vllm_config)}"
+        assert self._model_prefix.startswith(f"{self._namespace}kv:"), self._model_prefix  # reset_cache's pattern
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.tp_rank, self.pp_rank = _parallel_ranks()
@@ -270,11 +282,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         # tokens computed over the failed block (vLLM's own bug; integrations.md). A
         # preempted request gave its blocks back, and loads async again (build_connector_meta).
         again = request.request_id in self._loaded_async  # (empty without async loads)
+        if not self._breaker.can_call():
+            return 0, False  # the master did not answer lately: a miss, without waiting for it
         try:
             hit_blocks = self._held_prefix(keys, hold=not again) // len(ranks)
         except KVPoolError as exc:
-            log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
+            if not self._breaker.record_failure(exc):
+                log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
             return 0, False
+        self._breaker.record_success()
         # vLLM must compute at least the last token to sample from it.
         if hit_blocks * self.block_size >= request.num_tokens:
             hit_blocks -= 1
@@ -320,13 +336,16 @@ class KVPoolConnector(KVConnectorBase_V1):
     def _held_prefix(self, keys: list[str], hold: bool = True) -> int:
         """How many leading keys the pool holds (and holds for the load, with `hold`), in one round trip
         per BATCH_KEYS_MAX keys, which a master takes in one batch: a long prompt at TP 4 and
-        block 16 has more past 65k tokens, and its whole lookup used to be refused (a miss)."""
+        block 16 has more past 65k tokens, and its whole lookup used to be refused (a miss).
+        Each round trip waits lookup_timeout_ms at most."""
         found = 0
         for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
             batch = keys[start : start + limits.BATCH_KEYS_MAX]
             with self._stats.timed("lookup", len(batch)):
                 # Each key is loaded by the TP ranks that share it (every rank of an MLA model).
-                count = self._store.longest_prefix(batch, self._lookup_hold_ms if hold else 0, self._tp_replicas)
+                count = self._store.longest_prefix(
+                    batch, self._lookup_hold_ms if hold else 0, self._tp_replicas, timeout_ms=self._lookup_timeout_ms
+                )
             found += count
             if count < len(batch):
                 break
@@ -335,7 +354,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's prefix-cache metrics by source: the tokens this request loads from the pool,
         split by where their blocks lie now (_hit_source). One query of the master, for the
-        first TP and PP rank's keys; all EXTERNAL_UNSPECIFIED when it fails."""
+        first TP and PP rank's keys, bound and skipped as the lookups are (the breaker); all
+        EXTERNAL_UNSPECIFIED when it fails or is skipped."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         state = self._requests.get(request.request_id)
@@ -345,13 +365,17 @@ class KVPoolConnector(KVConnectorBase_V1):
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         first = state.local_block_count
         hashes = state.block_hashes[first : first + -(-num_external_tokens // self.block_size)]
-        try:
-            reply = self._store.query([self._key(h, 0, 0) for h in hashes])
-            if any(r.segment_id not in self._segments for replicas in reply.replicas for r in replicas):
-                self._segments = self._store.cluster_status().segment_infos()
-        except KVPoolError as exc:
-            log.debug("kvpool: no hit sources for %s: %s", request.request_id, exc)
+        if not self._breaker.can_call():
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        try:
+            reply = self._store.query([self._key(h, 0, 0) for h in hashes], timeout_ms=self._lookup_timeout_ms)
+            if any(r.segment_id not in self._segments for replicas in reply.replicas for r in replicas):
+                self._segments = self._store.cluster_status(timeout_ms=self._lookup_timeout_ms).segment_infos()
+        except KVPoolError as exc:
+            if not self._breaker.record_failure(exc):
+                log.debug("kvpool: no hit sources for %s: %s", request.request_id, exc)
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        self._breaker.record_success()
         sources: dict[Any, int] = {}
         left, hostname = num_external_tokens, self._store.hostname
         for replicas in reply.replicas:
@@ -441,7 +465,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         pinned_hashes = [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
         self._doom_saves(self._recent_save_hashes() + pinned_hashes, list(self._pinned))
         try:
-            pattern = f"^{re.escape(self._namespace)}"
+            # Up to the KV format's first field: a namespace alone is a prefix of another's
+            # where a model's name extends this one's past an '@' (a cache_prefix named
+            # like this model, or a model "m@x" beside "m").
+            pattern = f"^{re.escape(self._namespace)}kv:"
             removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
         except KVPoolError as exc:
             log.warning("kvpool: the reset of the connector's cache failed: %s", exc)
