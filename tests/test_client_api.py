@@ -887,6 +887,38 @@ def test_segments_of_nodes_that_restarted_are_unmapped(monkeypatch: pytest.Monke
     run(main())
 
 
+def test_the_segment_of_a_node_stopped_for_good_is_unmapped(monkeypatch: pytest.MonkeyPatch):
+    """A node stopped and not restarted (scaled down, moved to another host): its segment was
+    unmapped only when the client mapped another one, so a long-lived same-host client held
+    all its memory in /dev/shm (review helper-69: 256 MiB). A mapped segment's file is looked
+    at every MAPPED_SEGMENT_SWEEP_MS (cut to 0.1 s here, the unmapping after to 0.2 s)."""
+    import kvpool.client.store as store_module
+
+    monkeypatch.setattr(store_module, "MAPPED_SEGMENT_SWEEP_MS", 100)
+    monkeypatch.setattr(store_module, "MAPPED_SEGMENT_RETIRE_MS", 200)
+
+    def deleted_segment_maps() -> list[str]:
+        with open("/proc/self/maps") as maps:
+            return [line for line in maps if "kvpool-" in line and line.rstrip().endswith("(deleted)")]
+
+    async def main():
+        async with cluster(0) as (master, _):
+            async with await AsyncStore.open(master.endpoint) as store:
+                node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=8 << 20))
+                await node.start()
+                await store.put("k", b"v" * 4096)
+                assert await store.get("k") == b"v" * 4096
+                await node.stop()  # unlinks its file; this store still maps it
+                assert deleted_segment_maps() != []
+                deadline = asyncio.get_running_loop().time() + 10
+                while deleted_segment_maps():
+                    assert asyncio.get_running_loop().time() < deadline, deleted_segment_maps()
+                    await asyncio.sleep(0.05)
+                assert [s for s in store._mapped.values() if s is not None] == []
+
+    run(main())
+
+
 def test_a_batch_over_the_limit_is_refused_here_and_the_store_goes_on():
     """A batch of more than BATCH_KEYS_MAX keys is InvalidParams, said by the client: the
     master's decoder refuses such a request and closes its connection (protocol/messages.py

@@ -103,6 +103,10 @@ CLOSE_BACKGROUND_WAIT_MS = 250
 # A segment whose file is gone is unmapped this long after it is found so: longer than any
 # get or put begun before may copy from it (their transfers are bounded by 30 s).
 MAPPED_SEGMENT_RETIRE_MS = 60_000
+# While a segment is mapped, whether its file is gone is looked at this often: a node stopped
+# for good (scaled down, moved) held its whole segment's memory in /dev/shm in every
+# long-lived same-host client until the client mapped another segment.
+MAPPED_SEGMENT_SWEEP_MS = 10_000
 
 
 class AsyncStore:
@@ -126,6 +130,7 @@ class AsyncStore:
         self._mapped: dict[str, Segment | None] = {}
         self._retired: set[Segment] = set()  # unlinked, unmapped soon (_retire_unlinked)
         self._mapping = threading.Lock()
+        self._sweep: asyncio.TimerHandle | None = None  # the next look for unlinked segments
         # Disk and DFS segments whose object files this host can open (docs/tiers.md).
         self._directories: dict[str, Path | None] = {}
         self.buffers = BufferRegistry()
@@ -204,6 +209,9 @@ class AsyncStore:
             await self._embedded_node.stop()
         self._master.close()
         self._peers.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for segment in [*self._mapped.values(), *self._retired]:
             if segment is not None:
                 segment.close()
@@ -835,13 +843,37 @@ class AsyncStore:
                 log.info("segment %s not mappable, using TCP: %s", info.segment_id, exc)
         if segment is not None:
             self._retire_unlinked()
+            if self._sweep is None and self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed
+                    self._loop.call_soon_threadsafe(self._schedule_sweep)
         if len(self._mapped) < limits.REGISTERED_BUFFERS_MAX:
             self._mapped[info.segment_id] = segment
         return segment
 
+    def _schedule_sweep(self) -> None:
+        """On the loop: look for unlinked segments MAPPED_SEGMENT_SWEEP_MS from now, and on
+        while any segment is mapped."""
+        if self._sweep is None and not self._is_closed:
+            self._sweep = asyncio.get_running_loop().call_later(MAPPED_SEGMENT_SWEEP_MS / 1000, self._sweep_unlinked)
+
+    def _sweep_unlinked(self) -> None:
+        self._sweep = None
+        # Not blocking the loop: a caller thread may be mapping a large segment (populated
+        # page by page); then the next sweep looks.
+        if not self._mapping.acquire(blocking=False):
+            self._schedule_sweep()
+            return
+        try:
+            self._retire_unlinked()
+            is_mapping = any(segment is not None for segment in self._mapped.values())
+        finally:
+            self._mapping.release()
+        if is_mapping:
+            self._schedule_sweep()
+
     def _retire_unlinked(self) -> None:
         """Forget the mapped segments whose file is gone (a node that stopped or restarted:
-        a new segment is being mapped), and unmap them MAPPED_SEGMENT_RETIRE_MS later, when no
+        a new segment is being mapped, or the periodic sweep), and unmap them MAPPED_SEGMENT_RETIRE_MS later, when no
         copy begun before can still be using them. Kept, each held its whole size of memory
         and a descriptor in every long-lived same-host client, per node restart (helper-53:
         6 mappings and 201 MiB of /dev/shm after 5 restarts of a 32 MiB node). Under
