@@ -55,6 +55,17 @@ class MasterConfig:
             raise InvalidParams("need promote_reads >= 0 and promotion_window_ms > 0")
         if self.remount_grace_ms < 0:  # 0: a new leader takes puts at once
             raise InvalidParams(f"remount_grace_ms {self.remount_grace_ms}: give 0 or more")
+        durations = ("lease_ttl_ms", "soft_pin_ttl_ms", "put_discard_timeout_ms", "put_release_timeout_ms",
+                     "node_ttl_ms", "remount_grace_ms", "promotion_window_ms")  # fmt: skip
+        _refuse_over_a_week(self, durations)
+
+
+def _refuse_over_a_week(record: object, names: tuple[str, ...]) -> None:
+    """Raises InvalidParams: a duration field of `record` over limits.SETTING_DURATION_MS_MAX."""
+    for name in names:
+        value = getattr(record, name)
+        if value > limits.SETTING_DURATION_MS_MAX:
+            raise InvalidParams(f"{name} {value}: at most {limits.SETTING_DURATION_MS_MAX} ms (a week)")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -124,7 +135,15 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
             raise InvalidParams(f"token file {token_file} is empty")
         _warn_if_every_user_reads(token_file)
         return text
-    return os.environ.get("KVPOOL_TOKEN") or None
+    value = os.environ.get("KVPOOL_TOKEN")
+    if not value:
+        return None
+    # Stripped as a file's text is: a secret made from a file and set as a variable (a
+    # Kubernetes secretKeyRef) keeps the file's newline, and gave another cluster key.
+    text = value.strip()
+    if not text:
+        raise InvalidParams("KVPOOL_TOKEN holds only whitespace: set a token, or unset it for none")
+    return text
 
 
 _token_files_warned: set[str] = set()
@@ -186,6 +205,7 @@ class ClientConfig:
         for name in ("rpc_timeout_ms", "connect_timeout_ms", "transfer_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise InvalidParams(f"{name} must be positive")
+        _refuse_over_a_week(self, ("rpc_timeout_ms", "connect_timeout_ms", "transfer_timeout_ms"))
 
 
 # The node section: its two imports stay local to it, so that it was appended without edits above.
@@ -252,6 +272,7 @@ class NodeConfig:
         for name in ("heartbeat_interval_ms", "rpc_timeout_ms", "connect_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise InvalidParams(f"{name} must be positive")
+        _refuse_over_a_week(self, ("heartbeat_interval_ms", "rpc_timeout_ms", "connect_timeout_ms"))
         check_busy_poll_us(self.busy_poll_us)
         for name in ("listen_port", "metrics_port"):
             port = getattr(self, name)

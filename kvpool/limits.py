@@ -108,6 +108,11 @@ FILESYSTEM_LOOK_WAIT_MS = 500
 # ... and a look overdue this long reports the tier as taking no writes (no more moves there).
 FILESYSTEM_LOOK_OVERDUE_MS = 5_000
 DRAIN_TIMEOUT_MS_DEFAULT = 30_000
+# A TTL, timeout or interval setting (MasterConfig, NodeConfig, ClientConfig) above this is
+# refused at start: a week, longer than any of them means. Unbounded, `--lease-ttl-ms` 1e20
+# started, then every get's reply (its lease TTL, past a u64) failed to encode and
+# closed the client's connection.
+SETTING_DURATION_MS_MAX = 7 * 24 * 3_600_000
 # `kvpool node --drain-ms`: a drain is for readers to move on, not a second way to keep a node.
 DRAIN_TIMEOUT_MS_MAX = 3_600_000
 # A master restarted with no memory waits this long for nodes to re-mount before it treats an
@@ -126,6 +131,10 @@ TOMBSTONES_MAX = 1_000_000
 
 # --- client and connections -------------------------------------------------------------------
 MASTER_PORT_DEFAULT = 50051
+# A server given port 0 on a host of several addresses (localhost: 127.0.0.1 and ::1) binds the
+# others to the port the first got; where one of them holds it already, it picks again, this
+# many times at most (transports/connection.py bind_listening_sockets).
+LISTEN_PORT_PICKS_MAX = 8
 MASTER_HTTP_PORT_DEFAULT = 9100
 RPC_TIMEOUT_MS_DEFAULT = 5_000
 CONNECT_TIMEOUT_MS_DEFAULT = 2_000

@@ -4,6 +4,7 @@ before anything starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -173,5 +174,25 @@ def test_a_token_in_the_environment_wins_over_a_token_file_in_the_settings_file(
             assert store.cluster_status().segments == []
         with pytest.raises(Unauthorized):
             Store(master.info["endpoint"], token="from-the-file", connect_timeout_ms=2_000)
+    finally:
+        master.stop()
+
+
+def test_kvpool_token_is_stripped_as_a_token_file_is(tmp_path):
+    """A secret made from a file and set as a variable (a Kubernetes secretKeyRef) keeps the
+    file's newline: KVPOOL_TOKEN was taken verbatim, a token file stripped, and the same secret
+    gave two cluster keys (Unauthorized). Only whitespace is refused, as an empty file is."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o600)
+    master = spawn("master", ["master", "--port", "0", "--http-port", "0", "--token-file", str(token_file)], tmp_path)
+    try:
+        cases = (("s3cret-token\n", 0, b""), (" \n", 1, b"error: KVPOOL_TOKEN holds only whitespace"))
+        for value, code, stderr in cases:
+            out = subprocess.run(
+                [sys.executable, "-m", "kvpool.cli.main", "ls", "--master", master.info["endpoint"]],
+                capture_output=True, timeout=60, env={**os.environ, "KVPOOL_TOKEN": value},
+            )  # fmt: skip
+            assert (out.returncode, out.stderr[: len(stderr)]) == (code, stderr), out.stderr
     finally:
         master.stop()

@@ -8,10 +8,11 @@ standard input holds more than an object can is refused with one line naming the
 read at most one byte past it (an endless input, `kvpool put k < /dev/zero`, was read until the
 memory ran out); KVPOOL_SHM turns shared memory off with the spellings engines' shm_enabled
 takes (off, False), not only 0, false and no; an option out of its range (--replicas, a server's
-durations, an address that is not one) or a key over limits.KEY_SIZE_BYTES_MAX is refused with
-one line naming it and its range, before a Store opens or a server starts (both replaced by
-stubs that raise); an empty path option is a usage error, and nothing is made in the working
-directory. Bounded: well under a second.
+durations, over a week too, an address that is not one) or a key over
+limits.KEY_SIZE_BYTES_MAX is refused with one line naming it and its range, before a Store
+opens or a server starts (both replaced by stubs that raise); so is a duration of the config
+records that no flag sets, over a week; an empty path option is a usage error, and nothing is
+made in the working directory. Bounded: well under a second.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from typer.testing import CliRunner
 import kvpool.client.sync as sync
 from kvpool import limits
 from kvpool.cli.main import app, put
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig
+from kvpool.errors import InvalidParams
 
 OBJECT_SIZE_BYTES_MAX = 4096
+WEEK_MS = str(7 * 24 * 3_600_000)  # the longest duration a server takes
 
 
 class EndlessZeros(io.RawIOBase):
@@ -135,6 +139,14 @@ def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
         (["get", "a" * 4097], f"get {'a' * 40}...: key too long: 4097 bytes of UTF-8, at most 4096"),
         (["rm", "k", "é" * 2049], f"rm {'é' * 40}...: key too long: 4098 bytes of UTF-8, at most 4096"),
         (["put", "", "-"], "put: empty key (a key holds 1 to 4096 bytes of UTF-8)"),
+        # `kvpool stat` answered such keys with a row, and exit status 0.
+        (["stat", ""], "stat: empty key (a key holds 1 to 4096 bytes of UTF-8)"),
+        (["stat", "k", "a" * 4097], f"stat {'a' * 40}...: key too long: 4097 bytes of UTF-8, at most 4096"),
+        # Over a week: it started, then every get's reply failed to encode (its lease TTL).
+        (["master", "--lease-ttl-ms", str(10**20)], f"--lease-ttl-ms {10**20}: at most 604800000 ms (a week)"),
+        (["master", "--node-ttl-ms", "604800001"], "--node-ttl-ms 604800001: at most 604800000 ms (a week)"),
+        (["master", "--put-release-timeout-ms", "604800001"],
+         "--put-release-timeout-ms 604800001: at most 604800000 ms (a week)"),
         # Taken, and the master started (a negative grace: puts at once; the etcd lease unused).
         (["master", "--remount-grace-ms", "-5"], "--remount-grace-ms -5: give 0 or more"),
         (["master", "--etcd-lease-ttl-ms", "-5000"], "--etcd-lease-ttl-ms -5000: give whole seconds, 3000 or more"),
@@ -158,11 +170,30 @@ def test_a_bad_option_or_key_is_named_before_anything_opens(nothing_opens, args:
 
 
 @pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        (MasterConfig, "soft_pin_ttl_ms"),
+        (MasterConfig, "promotion_window_ms"),
+        (NodeConfig, "heartbeat_interval_ms"),
+        (NodeConfig, "rpc_timeout_ms"),
+        (ClientConfig, "transfer_timeout_ms"),
+    ],
+)
+def test_a_duration_over_a_week_is_refused_by_its_config(record, field: str) -> None:
+    required = {"master_endpoint": "127.0.0.1:1", "memory_bytes": 16 << 20} if record is NodeConfig else {}
+    record(**required, **{field: limits.SETTING_DURATION_MS_MAX})  # a week: taken
+    with pytest.raises(InvalidParams, match=f"^{field} 604800001: at most 604800000 ms"):
+        record(**required, **{field: limits.SETTING_DURATION_MS_MAX + 1})
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["put", "a" * 4096, "-"],  # the longest key
         ["get", "é" * 2048],
         ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "3000"],
+        ["master", "--lease-ttl-ms", WEEK_MS, "--node-ttl-ms", WEEK_MS, "--put-release-timeout-ms", WEEK_MS],
+        ["stat", "k", "a" * 4096],
         ["master", "--host", "10.0.0.5", "--http-host", "::1"],  # an address not held here is the bind's to refuse
         ["node", "--host", "localhost"],
     ],

@@ -1,10 +1,13 @@
 """What operators touch on a running cluster of real processes: hostile bytes on the master's and
 a node's ports (the servers keep serving and no stored object changes), the object commands of
-the `kvpool` CLI, and the Prometheus /metrics of master and node."""
+the `kvpool` CLI, the Prometheus /metrics of master and node, and the addresses and ports the
+servers listen on and report."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -14,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import Store, limits
@@ -556,3 +560,109 @@ def test_a_flood_of_connections_that_never_authenticate_holds_bounded_memory(mak
             sock.close()
     assert oldest_closed == 1_000
     assert grown_kib < 48 * 1024, grown_kib  # at its peak: 1,500 held were 100 MB
+
+
+def test_an_elected_master_keeps_its_busy_poll_metrics(make_cluster, etcd_endpoint):
+    """docs/operations.md lists kvpool_master_busy_poll_*: an HA master lost them once elected
+    (its new term made new metrics without the listener's busy poll)."""
+    cluster = make_cluster(0, etcd_endpoint=etcd_endpoint, cluster_id="busy-poll-metrics")
+    leader = cluster.wait_leader()
+    samples = scrape(leader.info["http_port"])
+    assert "kvpool_master_busy_poll_windows_total" in samples
+    assert "kvpool_master_busy_poll_seconds_total" in samples
+
+
+def _start_server(tmp_path: Path, name: str, args: tuple[str, ...], wrapper: tuple[str, ...] = ()) -> tuple:
+    """`kvpool <args>` with a ready file and a log in tmp_path: (its Popen, what it reported)."""
+    ready = tmp_path / f"{name}.ready"
+    log_path = tmp_path / f"{name}.log"
+    command = [*wrapper, sys.executable, "-m", "kvpool.cli.main", *args, "--ready-file", str(ready)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not ready.exists():
+        _stop([process])
+        raise AssertionError(f"{name} did not start:\n{log_path.read_text()}")
+    return process, json.loads(ready.read_text())
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def _can_listen_on(address: str) -> bool:
+    try:
+        with socket.create_server((address, 0), family=socket.AF_INET6 if ":" in address else socket.AF_INET):
+            return True
+    except OSError:
+        return False
+
+
+def _can_mount_in_a_namespace() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "mount", "--bind", "/", "/mnt"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_listen_on("::1"), reason="no IPv6 loopback")
+@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs unshare -m and mount (root)")
+def test_a_host_of_two_addresses_listens_on_one_port_for_both(tmp_path: Path) -> None:
+    """`--host localhost` where localhost is 127.0.0.1 and ::1 (Debian's and Fedora's
+    /etc/hosts), with port 0 (a node's default): each address got a port of its own, and the
+    server reported one of them. How: each server runs in a mount namespace of its own, where
+    such a hosts file is bind-mounted over /etc/hosts (the real one is never touched); needs
+    root, else skipped. Asserted: the RPC and HTTP ports that master and node report answer on
+    both addresses."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n::1 localhost\n")
+    wrapper = ("unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts))
+    processes = []
+    try:
+        master, master_info = _start_server(
+            tmp_path, "master", ("master", "--host", "localhost", "--port", "0", "--http-port", "0"), wrapper
+        )
+        processes.append(master)
+        master_port = int(master_info["endpoint"].rsplit(":", 1)[1])
+        node_args = ("node", "--master", f"127.0.0.1:{master_port}", "--host", "localhost", "--memory", "16MiB",
+                     "--metrics-port", "0")  # fmt: skip
+        node, node_info = _start_server(tmp_path, "node", node_args, wrapper)
+        processes.append(node)
+        ports = {
+            "master RPC": master_port,
+            "master HTTP": master_info["http_port"],
+            "node RPC": int(node_info["endpoint"].rsplit(":", 1)[1]),
+            "node metrics": int(node_info["metrics_endpoint"].rsplit(":", 1)[1]),
+        }
+        for what, port in ports.items():
+            for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+                with socket.socket(family) as probe:
+                    assert probe.connect_ex((address, port)) == 0, f"{what} port {port} not served on {address}"
+    finally:
+        _stop(processes)
+
+
+@pytest.mark.skipif(not _can_listen_on("::1"), reason="no IPv6 loopback")
+def test_a_master_on_ipv6_reports_its_endpoint_in_brackets(tmp_path: Path) -> None:
+    """`kvpool master --host ::1` wrote "::1:PORT" to its ready file, /health and log, where a
+    node writes "[::1]:PORT"; clients take the bracketed form."""
+    master, info = _start_server(tmp_path, "master", ("master", "--host", "::1", "--port", "0", "--http-port", "0"))
+    try:
+        endpoint = info["endpoint"]
+        assert endpoint.startswith("[::1]:"), endpoint
+        health = json.loads(urllib.request.urlopen(f"http://[::1]:{info['http_port']}/health", timeout=5).read())
+        assert health["endpoint"] == endpoint
+        assert f"master listening on {endpoint} " in (tmp_path / "master.log").read_text()
+        assert f"/metrics on http://[::1]:{info['http_port']})" in (tmp_path / "master.log").read_text()
+        out = kvpool_cli("stat", "--master", endpoint)
+        assert out.returncode == 0, out.stderr
+    finally:
+        _stop([master])

@@ -64,7 +64,7 @@ def dfs(capacity: int = 64 * MIB) -> SegmentInfo:
 def cluster(disk_capacity: int = 8 * MIB, with_dfs: bool = False, **config):
     """One node "n1" with a DRAM segment "A" (1 MiB) and a disk tier "A/disk" (nodes never
     time out here: the test plays them)."""
-    config.setdefault("node_ttl_ms", 10**9)
+    config.setdefault("node_ttl_ms", limits.SETTING_DURATION_MS_MAX)
     svc = make(**config)
     svc.mount_segment(MountSegment(dram("A", "n1"), []), 0)
     if disk_capacity:
@@ -778,7 +778,7 @@ class Nodes:
 
     def restarted_master(self, now: int):
         """A new master, the node mounting its segments again with their inventories."""
-        svc = make(node_ttl_ms=10**9)
+        svc = make(node_ttl_ms=limits.SETTING_DURATION_MS_MAX)  # no node expires here
         svc.mount_segment(MountSegment(dram("A", "n1"), self.inventories["A"].entries()), now)
         svc.mount_segment(MountSegment(disk("A/disk", "n1"), self.inventories["A/disk"].entries()), now)
         return svc

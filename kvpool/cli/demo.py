@@ -3,7 +3,7 @@
 Starts a master and N nodes as separate processes on loopback, writes objects through one
 client, reads them back through a second client (same-host shared memory) and a third (TCP
 only), checks every byte, prints where the objects landed and the throughput of each path,
-and stops every process it started, on SIGINT or SIGTERM too. It ends with a short live trace
+and stops every process it started, on SIGINT, SIGTERM or SIGHUP too. It ends with a short live trace
 replay, local caches against one pool (cli/replay.py `run_demo_replay`, ~10 s).
 """
 
@@ -32,7 +32,7 @@ PUT_REPLICA_NUM = 2
 
 
 def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_bytes: int, console: Console) -> None:
-    """The demo (module docstring); SIGTERM stops it as SIGINT does, then exits 143.
+    """The demo (module docstring); SIGTERM or SIGHUP stops it as SIGINT does, then exits 143 or 129.
 
     Raises:
         InvalidParams: a segment below the minimum a node takes, or objects that could not be

@@ -5,8 +5,8 @@ Used by `kvpool demo`, the cluster and chaos tests and the benchmarks. Every pro
 through a ready file (no port guessing, no sleeps), logs to a file in the work directory, and
 is ended by its pid: SIGTERM, then SIGKILL after a bound, and gets SIGTERM from the kernel
 if this process dies first. `sigterm_as_interrupt` lets a command stop its clusters on SIGTERM
-as on SIGINT. `LocalEtcd` is a one-member etcd on 127.0.0.1 with free ports and a data
-directory of its own, for HA clusters. Not a deployment tool.
+(and SIGHUP) as on SIGINT. `LocalEtcd` is a one-member etcd on 127.0.0.1 with free ports and
+a data directory of its own, for HA clusters. Not a deployment tool.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def _popen(command: list[str], **kwargs) -> subprocess.Popen[bytes]:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt (sigterm_as_interrupt)."""
+    """SIGTERM or SIGHUP, raised in the main thread as SIGINT raises KeyboardInterrupt
+    (sigterm_as_interrupt)."""
 
 
 @dataclasses.dataclass
@@ -127,7 +128,7 @@ class _Interrupts:
     (Python runs signal handlers there)."""
 
     is_installed: bool = False
-    is_sigterm_received: bool = False
+    terminating_signal: int = 0  # the SIGTERM or SIGHUP received, 0 if none: the exit status's
     is_forking: bool = False  # the main thread is in Popen: an interrupt waits (_on_signal)
     pending: type[KeyboardInterrupt] | None = None
 
@@ -136,8 +137,9 @@ _interrupts = _Interrupts()
 
 
 def _on_signal(signum: int, frame: object) -> None:
-    interrupt = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
-    _interrupts.is_sigterm_received |= interrupt is Terminated
+    interrupt = KeyboardInterrupt if signum == signal.SIGINT else Terminated
+    if interrupt is Terminated:
+        _interrupts.terminating_signal = signum
     if _interrupts.is_forking:
         # Raised in Popen, it would land in an at-fork hook, which swallows it and keeps
         # logging's lock: the next fork hung (the demo's SIGTERM test, in 2 runs of 7).
@@ -168,17 +170,19 @@ def _raise_pending() -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM takes the way out that SIGINT takes, then exits 143.
+    """Within the block, SIGTERM and SIGHUP take the way out that SIGINT takes, then exit
+    with 128 + the signal (143, 129).
 
-    By default SIGTERM ends Python at once: no `with` block stops the processes it started or
-    removes its directory. Here it raises Terminated (a KeyboardInterrupt) instead, so every
-    LocalCluster on the way out stops its processes (they remove their segments) and its
-    directory, and the command then exits with 128 + SIGTERM, as if killed by it. Either
-    interrupt waits while the main thread forks a server (_on_signal). Outside the main
-    thread, where Python cannot catch signals, it changes nothing.
+    By default SIGTERM ends Python at once, and so does SIGHUP (the terminal or ssh session that
+    started the command closed): no `with` block stops the processes it started or removes its
+    directory. Here they raise Terminated (a KeyboardInterrupt) instead, so every LocalCluster
+    on the way out stops its processes (they remove their segments) and its directory, and the
+    command then exits as if killed by the signal. SIGHUP is left alone where it is ignored
+    (`nohup kvpool demo`). Any interrupt waits while the main thread forks a server
+    (_on_signal). Outside the main thread, where Python cannot catch signals, it changes nothing.
 
     Raises:
-        SystemExit: 143, after a SIGTERM within the block.
+        SystemExit: 143 or 129, after a SIGTERM or a SIGHUP within the block.
     """
     global _interrupts
     if threading.current_thread() is not threading.main_thread() or _interrupts.is_installed:
@@ -188,16 +192,18 @@ def sigterm_as_interrupt() -> Iterator[None]:
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _on_signal)}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _on_signal)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _on_signal)
     try:
         yield
     except Terminated:
-        raise SystemExit(128 + signal.SIGTERM) from None
+        raise SystemExit(128 + _interrupts.terminating_signal) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _interrupts.is_installed = False
-    if _interrupts.is_sigterm_received:  # its exception was lost (raised where Python ignores them)
-        raise SystemExit(128 + signal.SIGTERM)
+    if _interrupts.terminating_signal:  # its exception was lost (raised where Python ignores them)
+        raise SystemExit(128 + _interrupts.terminating_signal)
 
 
 def spawn(

@@ -549,7 +549,7 @@ def node(
     ] = None,
     drain_ms: Annotated[
         int,
-        typer.Option(help="On SIGTERM or SIGINT, drain first: no new objects here, reads served for this "
+        typer.Option(help="On SIGTERM, SIGINT or SIGHUP, drain first: no new objects here, reads served for this "
                      "long, then leave (0: leave at once).", min=0, max=limits.DRAIN_TIMEOUT_MS_MAX),
     ] = 0,
     log_level: LogLevelOption = LogLevel.info,
@@ -671,12 +671,17 @@ async def _drain(storage_node: Node, drain_ms: int, stop: asyncio.Event) -> None
 
 
 def _stop_on_signal() -> asyncio.Event:
-    """An event that SIGTERM or SIGINT sets, from now on. Taken before a server starts, so
-    that a signal while it starts (a node may wait seconds for its master) ends it through its
-    graceful stop rather than the default handler's instant death."""
+    """An event that SIGTERM, SIGINT or SIGHUP sets, from now on. Taken before a server starts,
+    so that a signal while it starts (a node may wait seconds for its master) ends it through
+    its graceful stop rather than the default handler's instant death. SIGHUP (the terminal or
+    ssh session that started it closed) killed a node that way, and left its segment file in
+    /dev/shm; it is left alone where it is ignored (`nohup kvpool node`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     return stop
 
@@ -904,6 +909,8 @@ def stat(
     timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """Show the cluster's segments and usage, or where given objects live."""
+    for key in keys or ():  # refused as get, put and rm refuse them (was a row, and exit status 0)
+        _check_key("stat", key)
     with _connected("stat", master, token_file, timeout_s=timeout) as store:
         if keys:
             reply = store.query(keys)

@@ -25,6 +25,7 @@ the default eviction policy policy_objects{set} (probation, protected) and readm
 
 from __future__ import annotations
 
+import socket
 from collections import Counter as CountByName
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from kvpool.errors import InvalidParams
 from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
+from kvpool.transports.connection import bind_listening_sockets
 
 if TYPE_CHECKING:
     from kvpool.master.server import MasterServer
@@ -207,11 +209,18 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
     app.router.add_get("/status", status)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    sockets: list[socket.socket] = []
     try:
-        await site.start()
-    except OSError as exc:  # a busy --http-port (9100 is also node_exporter's default)
+        # Sockets of one port on every address of the host (aiohttp's TCPSite gave each its own).
+        sockets = await bind_listening_sockets(host, port)
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+    except BaseException as exc:
         await runner.cleanup()
-        raise InvalidParams(f"cannot listen on {host}:{port} for /metrics (--http-port): {exc.strerror}") from None
-    bound_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, bound_port
+        for sock in sockets:  # those not started yet (a started site's are closed already)
+            sock.close()
+        if isinstance(exc, OSError):  # a busy --http-port (9100 is also node_exporter's default)
+            reason = exc.strerror or str(exc)
+            raise InvalidParams(f"cannot listen on {host}:{port} for /metrics (--http-port): {reason}") from None
+        raise
+    return runner, runner.addresses[0][1]

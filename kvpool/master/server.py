@@ -232,7 +232,8 @@ class MasterServer:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """Where it listens, "host:port", an IPv6 host in brackets as the node writes its own."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     @property
     def advertised_endpoint(self) -> str:
@@ -268,7 +269,8 @@ class MasterServer:
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
-        http = f", /metrics on http://{self.http_host}:{self.http_port}" if self._http is not None else ""
+        http_host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
+        http = f", /metrics on http://{http_host}:{self.http_port}" if self._http is not None else ""
         log.info("master listening on %s (auth %s, open files limit %d%s)", self.endpoint,
                  "on" if self._key else "off", raise_open_files_limit(), http)  # a descriptor per client  # fmt: skip
         if self._election is not None:
@@ -1002,7 +1004,9 @@ class MasterServer:
 
     def _new_term(self) -> None:
         self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id())
+        busy_poll = self.metrics.busy_poll  # the listener's, set once at start: it outlives terms
         self.metrics = MasterMetrics(self.service)
+        self.metrics.busy_poll = busy_poll
         self._node_links = {}
         self._unsent_drops = {}
         self._drops_failing = set()

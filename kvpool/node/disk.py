@@ -29,14 +29,13 @@ master re-adopts its objects without any client writing them anew.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.errors import InvalidParams, KVPoolError, ObjectNotFound, TransferFailed
+from kvpool.errors import InvalidParams, ObjectNotFound, TransferFailed
 from kvpool.node.inventory import Inventory
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import TIER_DISK, FilesystemReport, InventoryEntry, SegmentInfo
@@ -200,14 +199,6 @@ class DiskTier:
         """Rename a file write_temporary wrote to `entry`'s name (sync() makes it durable).
         Raises TransferFailed (the temporary file is removed)."""
         files.publish(temporary, self.path_of(entry.offset))
-
-    def filesystem_free_bytes(self) -> float:
-        """What the filesystem under the tier has left (NaN if it cannot be read): other files
-        may take it before the tier's capacity is used."""
-        try:
-            return files.free_bytes(self.directory)
-        except KVPoolError:
-            return math.nan
 
     def filesystem_report(self) -> FilesystemReport:
         """What the filesystem under the tier can take, for the master (files.filesystem_report):

@@ -30,6 +30,7 @@ Metric names (all prefixed kvpool_node_):
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from prometheus_client.registry import Collector
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
+from kvpool.transports.connection import bind_listening_sockets
 
 _PREFIX = "kvpool_node_"
 
@@ -138,18 +140,24 @@ class MetricsServer:
         app.router.add_get("/health", self._get_health)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        sockets: list[socket.socket] = []
         try:
-            await site.start()
+            # Sockets of one port on every address of the host (aiohttp's TCPSite gave each its own).
+            sockets = await bind_listening_sockets(host, port)
+            for sock in sockets:
+                await web.SockSite(runner, sock).start()
         except BaseException as exc:
             await runner.cleanup()
+            for sock in sockets:  # those not started yet (a started site's are closed already)
+                sock.close()
             if isinstance(exc, OSError):  # a busy --metrics-port
-                message = f"cannot listen on {host}:{port} for /metrics (--metrics-port): {exc.strerror}"
+                reason = exc.strerror or str(exc)
+                message = f"cannot listen on {host}:{port} for /metrics (--metrics-port): {reason}"
                 raise InvalidParams(message) from None
             raise
         self._runner = runner
-        bound = runner.addresses[0]
-        self.endpoint = f"{host}:{bound[1]}"
+        bound_port = runner.addresses[0][1]
+        self.endpoint = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -168,12 +176,14 @@ class TierMetrics:
     """The node's disk and DFS tier metrics, in the node's registry (appended with the tiers).
 
     Names (prefixed kvpool_node_): disk_capacity_bytes, disk_used_bytes, disk_objects and
-    disk_filesystem_free_bytes (gauges read at scrape time: the last is what the filesystem
-    under the tier has left, which other files may take before the tier's capacity is used:
-    docs/tiers.md), disk_read_bytes_total and disk_read_requests_total (bytes and items
-    clients read from the disk tier), moves_total{src,dst,result} and move_bytes_total{src,dst}
-    (copies between tiers the master asked for: offloads, promotions, write-through), and
-    move_queue_bytes (bytes of moves admitted and not finished).
+    disk_filesystem_free_bytes (gauges read at scrape time; the last is what the filesystem
+    under the tier had left at the heartbeat's last look, which other files may take before
+    the tier's capacity is used: docs/tiers.md; NaN before the first look; a scrape never
+    looks itself, as a disk that hangs would freeze the node), disk_read_bytes_total and
+    disk_read_requests_total (bytes and items clients read from the disk tier),
+    moves_total{src,dst,result} and move_bytes_total{src,dst} (copies between tiers the master
+    asked for: offloads, promotions, write-through), and move_queue_bytes (bytes of moves
+    admitted and not finished).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -182,7 +192,9 @@ class TierMetrics:
         self.disk_used_bytes = Gauge(_PREFIX + "disk_used_bytes", "Bytes of objects on the disk tier.", registry=r)
         self.disk_objects = Gauge(_PREFIX + "disk_objects", "Objects on the disk tier.", registry=r)
         self.disk_filesystem_free_bytes = Gauge(
-            _PREFIX + "disk_filesystem_free_bytes", "Bytes left on the disk tier's filesystem.", registry=r
+            _PREFIX + "disk_filesystem_free_bytes",
+            "Bytes left on the disk tier's filesystem, as of the node's last look (each heartbeat).",
+            registry=r,
         )
         self.disk_read_bytes = Counter(
             _PREFIX + "disk_read_bytes", "Bytes clients read from the disk tier.", registry=r

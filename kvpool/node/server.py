@@ -26,13 +26,17 @@ any state ─► STOPPED.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import functools
 import logging
+import math
 import random
 import secrets
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from kvpool import limits
@@ -93,6 +97,7 @@ _MOUNT_CHUNK_SIZE_BYTES_MAX = limits.FRAME_CONTROL_SIZE_BYTES_MAX // 2
 _MOUNT_ENTRY_OVERHEAD_BYTES = 32
 
 _M = TypeVar("_M", bound=Message)
+_T = TypeVar("_T")
 
 
 class NodeState(enum.Enum):
@@ -131,6 +136,9 @@ class Node:
         self._segment_id = ""
         self._filesystem_look: asyncio.Future[FilesystemReport] | None = None  # for the heartbeat
         self._filesystem_look_since_s = 0.0  # when it began (loop time)
+        # What the last look found free, for /metrics: a scrape must not look itself (a
+        # statvfs that hangs froze the event loop, and the master dropped the node).
+        self._filesystem_free_bytes = math.nan
         self._master_clock = MasterClock(f"node {config.node_id}")  # what write grants are checked against
         self._segment_info: SegmentInfo | None = None
         self._inventory: Inventory | None = None
@@ -576,12 +584,14 @@ class Node:
         loop = asyncio.get_running_loop()
         look = self._filesystem_look
         if look is None:
-            look = self._filesystem_look = asyncio.ensure_future(asyncio.to_thread(disk.filesystem_report))
+            look = self._filesystem_look = _in_daemon_thread(disk.filesystem_report)
             self._filesystem_look_since_s = loop.time()
         done, _ = await asyncio.wait((look,), timeout=limits.FILESYSTEM_LOOK_WAIT_MS / 1000)
         if done:
             self._filesystem_look = None
-            return {disk.segment_id: look.result()}
+            report = look.result()
+            self._filesystem_free_bytes = report.free_bytes  # 0 where it takes no writes
+            return {disk.segment_id: report}
         if loop.time() - self._filesystem_look_since_s >= limits.FILESYSTEM_LOOK_OVERDUE_MS / 1000:
             return {disk.segment_id: FilesystemReport(is_writable=False)}
         return {}
@@ -640,7 +650,7 @@ class Node:
         if disk is not None:
             self.tier_metrics.track_disk(
                 disk.capacity_bytes, lambda: disk.inventory.used_bytes, lambda: len(disk.inventory),
-                disk.filesystem_free_bytes,
+                lambda: self._filesystem_free_bytes,
             )  # fmt: skip
 
     def _health(self) -> dict[str, Any]:
@@ -656,6 +666,32 @@ class Node:
             "used_bytes": inventory.used_bytes if inventory is not None else 0,
             "capacity_bytes": inventory.capacity_bytes if inventory is not None else 0,
         }
+
+
+def _in_daemon_thread(function: Callable[[], _T]) -> asyncio.Future[_T]:
+    """`function()` on a daemon thread of its own, its outcome in the returned future. Not
+    asyncio.to_thread: asyncio.run and the interpreter join its executor's threads at exit, and
+    a node whose disk hung in statvfs did not exit on SIGTERM until the statvfs returned. The
+    caller bounds how many run at once (_filesystems: one look at a time)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # else cancelled meanwhile: nobody waits for it
+            outcome()
+
+    def run() -> None:
+        try:
+            result = function()
+        except BaseException as exc:  # handed to the waiter, as to_thread would
+            outcome = functools.partial(future.set_exception, exc)
+        else:
+            outcome = functools.partial(future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name="kvpool-filesystem-look", daemon=True).start()
+    return future
 
 
 async def _advertise_host(config: NodeConfig, master_host: str) -> str:

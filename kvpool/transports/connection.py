@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -981,25 +982,66 @@ async def start_server(
         except BaseException:
             local_socket.close()
             raise
+        servers: list[asyncio.Server] = []
+        sockets: list[socket.socket] = []
         try:
-            server = await loop.create_server(
-                lambda: serving(local_name),
-                host,
-                port,
-                reuse_address=True,
-                backlog=1024,
-            )
-        except OSError as exc:  # said as an operator reads it, not as "OSError: [Errno 98] ..."
-            local.close()
+            sockets = await bind_listening_sockets(host, port)
+            for sock in sockets:
+                servers.append(await loop.create_server(lambda: serving(local_name), sock=sock, backlog=1024))
+        except BaseException as exc:
+            for server in (*servers, local):
+                server.close()
+            for sock in sockets:
+                sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            # Said as an operator reads it, not as "OSError: [Errno 98] ...".
             if isinstance(exc, socket.gaierror):  # a host name the resolver refuses: its errno is not errno's
                 reason = exc.strerror or str(exc)
             else:
                 reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise ConnectFailed(f"{name} cannot listen on {host}:{port}: {reason}") from None
-        except BaseException:
-            local.close()
-            raise
-    return Listener([server, local], connections, busy_poll)
+    return Listener([*servers, local], connections, busy_poll)
+
+
+async def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to every address of `host` ("": every interface), all on one port,
+    for `loop.create_server(sock=...)` or aiohttp's SockSite. Given port 0, the first address
+    picks it and the others take the same: asyncio's create_server gave each address a port of
+    its own, and a server on `--host localhost` (127.0.0.1 and ::1) listened on two ports and
+    reported one. Where another process holds the pick on a later address, it picks again, at
+    most limits.LISTEN_PORT_PICKS_MAX times. Options as create_server's: SO_REUSEADDR, and
+    IPV6_V6ONLY so that :: and 0.0.0.0 can both be bound.
+
+    Raises:
+        OSError: the host does not resolve (socket.gaierror), or an address cannot be bound.
+    """
+    # The system's resolver, as create_server's: uvloop's getaddrinfo takes "::1%lo", which the
+    # system refuses, and drops its scope.
+    resolve = functools.partial(socket.getaddrinfo, host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)  # fmt: skip
+    infos = await asyncio.get_running_loop().run_in_executor(None, resolve)
+    addresses = list(dict.fromkeys((family, sockaddr) for family, _, _, _, sockaddr in infos))  # in order, once
+    for pick in range(limits.LISTEN_PORT_PICKS_MAX):
+        sockets: list[socket.socket] = []
+        try:
+            bound_port = port
+            for family, sockaddr in addresses:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((sockaddr[0], bound_port, *sockaddr[2:]))
+                bound_port = sock.getsockname()[1]
+            return sockets
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            is_pick_taken = port == 0 and len(sockets) > 1 and exc.errno == errno.EADDRINUSE
+            if not is_pick_taken or pick == limits.LISTEN_PORT_PICKS_MAX - 1:
+                raise
+    raise AssertionError("unreachable: the last pick returns or raises")
 
 
 async def connect(
