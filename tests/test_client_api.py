@@ -849,6 +849,12 @@ def test_a_put_cancelled_mid_write_frees_its_keys_at_once_and_its_ranges_after_t
     run(main())
 
 
+def deleted_segment_maps() -> list[str]:
+    """This process's mappings of segment files whose node unlinked them."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "kvpool-" in line and line.rstrip().endswith("(deleted)")]
+
+
 def test_segments_of_nodes_that_restarted_are_unmapped(monkeypatch: pytest.MonkeyPatch):
     """A long-lived same-host client kept every segment it ever mapped: after each restart of a
     node on its host, the old segment's whole memory (the file unlinked, still mapped) and a
@@ -858,10 +864,6 @@ def test_segments_of_nodes_that_restarted_are_unmapped(monkeypatch: pytest.Monke
     import kvpool.client.store as store_module
 
     monkeypatch.setattr(store_module, "MAPPED_SEGMENT_RETIRE_MS", 200)
-
-    def deleted_segment_maps() -> list[str]:
-        with open("/proc/self/maps") as maps:
-            return [line for line in maps if "kvpool-" in line and line.rstrip().endswith("(deleted)")]
 
     async def main():
         async with cluster(0) as (master, _):
@@ -896,10 +898,6 @@ def test_the_segment_of_a_node_stopped_for_good_is_unmapped(monkeypatch: pytest.
 
     monkeypatch.setattr(store_module, "MAPPED_SEGMENT_SWEEP_MS", 100)
     monkeypatch.setattr(store_module, "MAPPED_SEGMENT_RETIRE_MS", 200)
-
-    def deleted_segment_maps() -> list[str]:
-        with open("/proc/self/maps") as maps:
-            return [line for line in maps if "kvpool-" in line and line.rstrip().endswith("(deleted)")]
 
     async def main():
         async with cluster(0) as (master, _):
