@@ -5,7 +5,9 @@ objects, and `check_invariants()` (which includes the policy's own) after every 
 are read from the drop outbox, so the tests see the order the service really evicts in. The
 scenarios are the ones where ProbationLru and LRU part: objects put and never read go first
 under ProbationLru, by put order, even when read objects are older; and a batch's keys (a
-prompt's blocks, in prompt order) enter it last key first. The ghost filter is tested
+prompt's blocks, in prompt order) enter it last key first. Soft-pinned objects are put
+first, so that they lead every order, with the scan bounds made small (module constants,
+monkeypatched) so that a handful of them would use up a bound. The ghost filter is tested
 on its own (no false negatives inside its window, forgetting after two windows, few false
 positives). No sockets, no sleeps.
 """
@@ -46,25 +48,26 @@ from kvpool.protocol.messages import (
 OBJECT_SIZE = 64 * limits.KIB  # sixteen fill the segment
 
 
-def service(policy) -> MasterService:
-    config = MasterConfig(lease_ttl_ms=10, evict_watermark_ratio_high=1.0)
+def service(policy, **options) -> MasterService:
+    config = MasterConfig(**{"lease_ttl_ms": 10, "evict_watermark_ratio_high": 1.0, **options})
     svc = MasterService(config, random.Random(0), None, policy=policy)
     info = SegmentInfo("s1", "n1", "host", "host:1", "", b"t", limits.MIB)
     svc.mount_segment(MountSegment(info, []), 0)
     return svc
 
 
-def put(svc: MasterService, keys: list[str], now: int = 0) -> list[int]:
+def put(svc: MasterService, keys: list[str], now: int = 0, **replicate) -> list[int]:
     """Put, evicting for room (drops acknowledged at once, one retry, as the server does);
     returns the keys evicted, in order, through `put.evicted`."""
-    reply = svc.put_start(PutStart(keys, [OBJECT_SIZE] * len(keys), ReplicateConfig()), now)
+    reply = svc.put_start(PutStart(keys, [OBJECT_SIZE] * len(keys), ReplicateConfig(**replicate)), now)
     retry = [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE]
     evicted = []
     for segment_id, entries in svc.take_drops().items():
         evicted += [entry.key for entry in entries]
         svc.drops_done(segment_id, entries, now)
     if retry:
-        again = svc.put_start(PutStart([keys[i] for i in retry], [OBJECT_SIZE] * len(retry), ReplicateConfig()), now)
+        again_keys = [keys[i] for i in retry]
+        again = svc.put_start(PutStart(again_keys, [OBJECT_SIZE] * len(retry), ReplicateConfig(**replicate)), now)
         for position, index in enumerate(retry):
             reply.codes[index] = again.codes[position]
     ok = [key for key, code in zip(keys, reply.codes) if code == ErrorCode.OK]
@@ -276,6 +279,52 @@ def test_leased_objects_wait_and_pinned_ones_are_spared() -> None:
     assert set(put.evicted) == set(keys_of("k", 15)) - {"k0", "k1"}  # type: ignore[attr-defined]
     assert "hard" not in put.evicted  # type: ignore[attr-defined]
     assert svc.object_count == 16  # hard + k0 + k1 + 13 of the new ones
+
+
+@pytest.mark.parametrize("policy", ["probation", "lru"])
+def test_a_put_into_a_cache_full_of_soft_pinned_objects_evicts_unpinned_first_then_soft_pinned(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Soft-pinned objects stood in the eviction order, skipped but counted against the put's
+    scan bound (16,384): with that many ahead of the unpinned ones a put found no victim, and
+    in a cache of soft-pinned objects alone (Mooncake's with_soft_pin on every put) it never
+    reached the soft-pinned pass either: every put was refused. Here the bound is 4."""
+    monkeypatch.setattr(eviction, "EVICT_SCAN_CANDIDATES_PUT_MAX", 4)
+    svc = service(make_policy(policy))
+    put(svc, keys_of("soft", 8), with_soft_pin=True)
+    put(svc, keys_of("plain", 8))
+    evicted = []
+    for batch in ("new", "newer"):  # 4 victims per scan at most
+        assert put(svc, keys_of(batch, 4)) == [ErrorCode.OK] * 4
+        evicted += put.evicted  # type: ignore[attr-defined]
+    assert sorted(evicted) == keys_of("plain", 8)
+
+    svc = service(make_policy(policy))
+    for key in keys_of("soft", 16):  # one by one: least recently put is soft0, whatever the policy
+        put(svc, [key], with_soft_pin=True)
+    assert put(svc, keys_of("new", 4)) == [ErrorCode.OK] * 4
+    assert put.evicted == keys_of("soft", 4)  # type: ignore[attr-defined]
+    assert put(svc, keys_of("more", 4)) == [ErrorCode.OK] * 4
+    assert sorted(put.evicted) == keys_of("new", 4)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("policy", ["probation", "lru"])
+def test_the_ticks_eviction_is_not_held_up_by_soft_pinned_objects(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watermark eviction's bound (262,144 candidates) was used up the same way: a cache
+    above its watermark with that many soft-pinned objects first evicted nothing, tick after
+    tick. Here the bound is 4: each tick takes 4 unpinned objects, none soft-pinned."""
+    monkeypatch.setattr(eviction, "EVICT_SCAN_CANDIDATES_TICK_MAX", 4)
+    svc = service(make_policy(policy), evict_watermark_ratio_high=0.5, evict_ratio=0.25)
+    put(svc, keys_of("soft", 8), with_soft_pin=True)
+    put(svc, keys_of("plain", 8))
+    evicted: list[str] = []
+    for now in (1_000, 2_000, 3_000):  # 16 of 16 used: 8 to free, 4 per tick, then under the mark
+        svc.tick(now)
+        for segment_id, entries in svc.take_drops().items():
+            evicted += [entry.key for entry in entries]
+            svc.drops_done(segment_id, entries, now)
+        svc.check_invariants()
+    assert sorted(evicted) == keys_of("plain", 8)
 
 
 def test_ghost_filter_remembers_its_window_and_forgets_after_two() -> None:

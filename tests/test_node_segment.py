@@ -1,20 +1,25 @@
-"""Segment sizing (kvpool/node/segment.py): the file size follows the filesystem's page size.
+"""Segment files (kvpool/node/segment.py): sizing, and the files a killed node leaves behind.
 
 How: hugetlbfs cannot be mounted in CI, so os.statvfs is replaced by one that reports a 2 MiB
 block size (what hugetlbfs reports) for pytest's tmp_path; the segment must then round its file
-down to whole huge pages, or refuse a size that rounds below the minimum. No sockets.
+down to whole huge pages, or refuse a size that rounds below the minimum. A killed node is a
+child process that creates a segment and is sent SIGKILL; its header's pid is then rewritten to
+what another PID namespace would have left there. No sockets.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import struct
 from pathlib import Path
 
 import pytest
+from conftest import python_child
 
 from kvpool import limits
 from kvpool.errors import InvalidParams, SegmentNotFound
-from kvpool.node.segment import Segment
+from kvpool.node.segment import Segment, remove_stale_segments
 
 HUGE_PAGE_SIZE_BYTES = 2 * limits.MIB
 
@@ -128,3 +133,31 @@ def test_a_segment_whose_room_was_taken_after_the_check_is_refused_not_killed_by
     assert done.returncode == 0, f"the node died (returncode {done.returncode}): {done.stderr[-2000:]}"
     assert "refused: a segment of" in done.stdout and "does not fit" in done.stdout, done.stdout
     assert "left: ['another-process']" in done.stdout, done.stdout
+
+
+def test_a_node_killed_while_its_header_pid_is_alive_here_restarts(tmp_path: Path) -> None:
+    """A node that ran as PID 1 of its container, with /dev/shm shared, and was SIGKILLed (OOM)
+    left pid 1 in its file's header, and pid 1 is alive in the next container: the file was
+    never found stale, and the node restarted with the same id could not create its segment
+    (EEXIST). Whether the owner lives is its flock's to say, which died with it."""
+    owner = python_child(
+        "import os, sys; from kvpool.node.segment import Segment; "
+        f"s = Segment.create({str(tmp_path)!r}, 'pid1', 4 * {limits.MIB}, os.urandom(16)); "
+        "print(s.path, flush=True); sys.stdin.read()"
+    )
+    try:
+        path = Path(owner.stdout.readline().strip())
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+    with open(path, "r+b") as file:  # the pid as the dead node saw it: alive here (this test's)
+        file.seek(40)
+        file.write(struct.pack("<Q", os.getpid()))
+    assert remove_stale_segments(str(tmp_path)) == [path]
+    restarted = Segment.create(str(tmp_path), "pid1", 4 * limits.MIB, os.urandom(16))
+    try:
+        assert restarted.path == path
+        assert remove_stale_segments(str(tmp_path)) == []  # its own lock: alive, kept
+        assert path.exists()
+    finally:
+        restarted.close()

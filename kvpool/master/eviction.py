@@ -20,8 +20,8 @@ Two policies, picked by name with `make_policy` (`POLICIES`):
   filter. On the FAST'25 trace it beats LRU at every capacity measured (docs/replay.md):
   KV-cache blocks put once and never read again (the tail of every prompt) no longer push out
   the documents and conversation prefixes that are read again and again.
-- `LruPolicy` ("lru"): least recently accessed first, at no memory cost: it keeps its order
-  in the object table's own dict (insertion-ordered; an access moves the key to the end).
+- `LruPolicy` ("lru"): least recently accessed first, in a dict of its own (insertion-ordered;
+  an access moves the key to the end).
 
 Another policy (an offline optimum for simulation, kvpool/sim/belady.py) subclasses
 `EvictionPolicy` and keeps its own structures.
@@ -33,9 +33,14 @@ the rest of the shortfall goes in policy order. Eviction above the watermark fre
 Scans are bounded (`select_victims(scan_max)`), so that an allocation failure never costs
 O(all objects). Candidates that cannot go now are moved behind the others when the scan ends,
 so the next bounded scan starts on fresh ones: hard-pinned objects (never candidates) and
-leased ones (read within the lease TTL, so the move hardly changes the LRU order). Soft-pinned
-objects stay in place, so that a lapsed pin competes by its true last access; a scan skips
-them in the first passes, which costs O(soft-pinned objects ahead of the victims).
+leased ones (read within the lease TTL, so the move hardly changes the LRU order).
+Soft-pinned objects are in no policy's own order while pinned, only in the table's
+`soft_pinned` (last-access order), which the last pass scans. Left in place and skipped, they
+used up the bound: with 16,384 of them ahead (a put's bound), a put found no victim, not even
+in a cache of soft-pinned objects alone (Mooncake's `with_soft_pin` on every put); skipped
+without counting, every put would pay a scan of them all. A lapsed pin (`on_unpin`) joins
+the unpinned at the oldest end: unread for the whole soft-pin TTL (30 min by default), it is
+older than most of a busy cache.
 """
 
 from __future__ import annotations
@@ -169,7 +174,10 @@ class EvictionPolicy(abc.ABC):
             self.on_remove(key, meta)
 
     def on_unpin(self, key: str, meta: ObjectMeta) -> None:
-        """The object's soft pin expired; it competes with unpinned objects from now on."""
+        """The object's soft pin expired; it competes with unpinned objects from now on.
+
+        A policy that keeps an order of its own keeps soft-pinned objects out of it (the hooks
+        see `meta.soft_pin_expiry_ms`), and enters them here."""
 
     @abc.abstractmethod
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
@@ -177,7 +185,8 @@ class EvictionPolicy(abc.ABC):
 
         Order: every unpinned object first, then the soft-pinned ones; never a hard-pinned
         one. The scan ends when the judge says STOP, after `scan_max` candidates, or when
-        candidates run out. The judge must not change the table.
+        candidates run out; soft-pinned objects must not take up the bound before the last
+        pass. The judge must not change the table.
         """
 
     def stats(self) -> dict[str, int]:
@@ -189,16 +198,21 @@ class EvictionPolicy(abc.ABC):
 
 
 class LruPolicy(EvictionPolicy):
-    """Least recently accessed first, ordered by the object table's own dict ("lru").
+    """Least recently accessed first ("lru").
 
-    Holds no structure of its own: the table's `objects` dict is in access order (oldest
-    first) because every access re-inserts its key at the end, and the table's `soft_pinned`
-    dict is in access order among soft-pinned objects. Costs: on_access O(1); select_victims
-    O(candidates examined) <= O(scan_max).
+    Holds `_unpinned`, the keys of the table's objects that are not soft-pinned, in access
+    order (oldest first): every access re-inserts its key at the end; and ahead of them
+    `_lapsed`, the keys whose soft pin lapsed since their last access, in the order they
+    lapsed (a dict cannot put a key at its front). The soft-pinned ones are the table's
+    `soft_pinned`, in access order too. Costs: on_insert, on_access, on_remove O(1);
+    select_victims O(candidates examined) <= O(scan_max). Memory: one dict entry per
+    unpinned object (~31 bytes at a million, measured; an OrderedDict's were 80).
     """
 
     def __init__(self) -> None:
         self._table: ObjectTable | None = None
+        self._unpinned: dict[str, None] = {}
+        self._lapsed: dict[str, None] = {}
 
     def attach(self, table: ObjectTable) -> None:
         assert self._table is None, "policy attached twice"
@@ -206,39 +220,76 @@ class LruPolicy(EvictionPolicy):
         self._table = table
 
     def on_insert(self, key: str, meta: ObjectMeta) -> None:
-        pass  # A new key is at the end of the dict already: the most recent.
+        if not meta.soft_pin_expiry_ms:
+            self._unpinned[key] = None
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
-        objects = self._table.objects  # type: ignore[union-attr]
-        del objects[key]
-        objects[key] = meta
+        if not meta.soft_pin_expiry_ms:
+            unpinned = self._unpinned
+            try:
+                del unpinned[key]
+            except KeyError:
+                del self._lapsed[key]
+            unpinned[key] = None
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
-        pass
+        if not meta.soft_pin_expiry_ms:
+            try:
+                del self._unpinned[key]
+            except KeyError:
+                del self._lapsed[key]
 
     def on_remove_many(self, removed: list[tuple[str, ObjectMeta]]) -> None:
-        pass
+        unpinned = self._unpinned
+        for key, meta in removed:
+            if not meta.soft_pin_expiry_ms:
+                try:
+                    del unpinned[key]
+                except KeyError:
+                    del self._lapsed[key]
+
+    def on_unpin(self, key: str, meta: ObjectMeta) -> None:
+        self._lapsed[key] = None
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
         assert scan_max > 0, scan_max
         table = self._table
         assert table is not None, "policy not attached"
-        objects = table.objects
+        unpinned = self._unpinned
         victims: list[str] = []
-        # Pass 1: unpinned objects, least recently accessed first.
-        deferred, scanned, stopped = _take_unpinned(objects, objects, judge, scan_max, victims)
-        # Pass 2: soft-pinned objects, least recently accessed first.
+        scanned = 0
+        stopped = False
+        # Passes 1 and 2: unpinned objects, lapsed pins first, least recently accessed first.
+        for keys in (self._lapsed, unpinned) if self._lapsed else (unpinned,):
+            deferred, scanned_here, stopped = _take_unpinned(keys, table.objects, judge, scan_max - scanned, victims)
+            scanned += scanned_here
+            # Move what could not go behind everything else, so the next scan starts on fresh
+            # candidates instead of re-reading the same pinned or leased ones.
+            for key in deferred:
+                del keys[key]
+                unpinned[key] = None
+            if stopped:
+                break
+        # Pass 3: soft-pinned objects, least recently accessed first.
         if not stopped:
             _take_soft_pinned(table, judge, scan_max - scanned, victims)
-        # Move what could not go behind everything else, so the next scan starts on fresh
-        # candidates instead of re-reading the same pinned or leased ones.
-        for key in deferred:
-            objects[key] = objects.pop(key)
         return victims
 
     def check_invariants(self) -> None:
         table = self._table
         assert table is not None, "policy not attached"
+        unpinned, lapsed, objects = self._unpinned, self._lapsed, table.objects
+        assert len(unpinned) + len(lapsed) + len(table.soft_pinned) == len(objects), (
+            len(unpinned),
+            len(lapsed),
+            len(table.soft_pinned),
+            len(objects),
+        )
+        for key in [*lapsed, *unpinned]:
+            meta = objects.get(key)
+            assert meta is not None, f"{key!r} ordered, not an object"
+            assert not meta.soft_pin_expiry_ms, f"{key!r} soft-pinned and ordered as unpinned"
+            assert not (key in lapsed and key in unpinned), f"{key!r} ordered twice"
 
 
 class GhostFilter:
@@ -333,10 +384,11 @@ class ProbationLruPolicy(EvictionPolicy):
     then the most recently put or read (least recently touched first); a batch's keys are
     touched last key first (`enters_batches_last_key_first`).
 
-    Holds three ordered key sets over the table's objects, oldest first, and every object is
-    in exactly one of them: `_recent` (the RECENT_OBJECTS_RATIO of the objects put or read
-    most recently), `_probation` (put, and not read since; or demoted) and `_protected` (read
-    at least once, or put again soon after an eviction). A put or a read moves an object to
+    Holds three ordered key sets over the table's objects, oldest first, and every object not
+    soft-pinned (those are the table's `soft_pinned`) is in exactly one of them: `_recent`
+    (the RECENT_OBJECTS_RATIO of the objects put or read most recently), `_probation` (put,
+    and not read since; or demoted; or its soft pin lapsed) and `_protected` (read at least
+    once, or put again soon after an eviction). A put or a read moves an object to
     the newest end of `_recent`; when victims are chosen, the oldest recent ones past that
     share move on to the newest end of `_protected` if they were read (or put again soon after
     an eviction), else of `_probation`. A window counted in objects, not in time, keeps the
@@ -427,7 +479,8 @@ class ProbationLruPolicy(EvictionPolicy):
 
     @property
     def probation_count(self) -> int:
-        """Objects not read since their put (or demoted), recent ones included."""
+        """Objects not read since their put (or demoted), recent ones included; soft-pinned
+        ones are in neither count."""
         return len(self._probation) + len(self._recent) - self._recent_read
 
     @property
@@ -464,11 +517,14 @@ class ProbationLruPolicy(EvictionPolicy):
         ghost = self._ghost
         readmitted = ghost is not None and ghost.contains(key)
         self._readmissions += readmitted
-        self._enter(key, meta.size_bytes, read=readmitted)
+        if not meta.soft_pin_expiry_ms:
+            self._enter(key, meta.size_bytes, read=readmitted)
         if self._idle_checked_epoch != self._epoch and self._protected:
             self._demote_idle()
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
+        if meta.soft_pin_expiry_ms:
+            return
         recent = self._recent
         read_epoch = recent.get(key)
         if read_epoch is None:
@@ -480,12 +536,19 @@ class ProbationLruPolicy(EvictionPolicy):
             self._recent_read += read_epoch == _UNREAD
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
+        if meta.soft_pin_expiry_ms:
+            return
         read_epoch = self._recent.pop(key, None)
         if read_epoch is None:
             self._leave(key, meta.size_bytes)
         else:
             self._recent_bytes -= meta.size_bytes
             self._recent_read -= read_epoch != _UNREAD
+
+    def on_unpin(self, key: str, meta: ObjectMeta) -> None:
+        # Unread for the soft-pin TTL: first to go (the module docstring).
+        self._settle(key, meta.size_bytes, _UNREAD)
+        self._probation.move_to_end(key, last=False)
 
     def _enter(self, key: str, size_bytes: int, read: bool) -> None:
         """Put `key` at the newest end of recent; with no recent share, of protected if it was
@@ -504,8 +567,10 @@ class ProbationLruPolicy(EvictionPolicy):
         a cache with room pays nothing for it (a put's master work was 1.0 -> 1.8 us per key
         when each put moved one on, `bench_paths.py master`), and as with demotions, the
         bound keeps the first eviction of a cache that filled short."""
-        recent, objects = self._recent, self._table.objects  # type: ignore[union-attr]
-        recent_max = int(self._recent_objects_ratio * len(objects))
+        table = self._table
+        assert table is not None, "policy not attached"
+        recent, objects = self._recent, table.objects
+        recent_max = int(self._recent_objects_ratio * (len(objects) - len(table.soft_pinned)))
         for _ in range(min(len(recent) - recent_max, count_max)):
             oldest, read_epoch = recent.popitem(last=False)
             size_bytes = objects[oldest].size_bytes
@@ -602,10 +667,11 @@ class ProbationLruPolicy(EvictionPolicy):
         table = self._table
         assert table is not None, "policy not attached"
         probation, protected, recent, objects = self._probation, self._protected, self._recent, table.objects
-        assert len(probation) + len(protected) + len(recent) == len(objects), (
+        assert len(probation) + len(protected) + len(recent) + len(table.soft_pinned) == len(objects), (
             len(probation),
             len(protected),
             len(recent),
+            len(table.soft_pinned),
             len(objects),
         )
         sizes = {}
@@ -613,6 +679,7 @@ class ProbationLruPolicy(EvictionPolicy):
             total = 0
             for key in keys:
                 assert key in objects, f"{name} holds {key!r}, not an object"
+                assert not objects[key].soft_pin_expiry_ms, f"{name} holds {key!r}, soft-pinned"
                 total += objects[key].size_bytes
             sizes[name] = total
         assert sizes == {
@@ -655,11 +722,11 @@ def make_policy(name: str = POLICY_DEFAULT) -> EvictionPolicy:
 def _take_unpinned(
     keys: Iterable[str], objects: dict[str, ObjectMeta], judge: Judge, scan_max: int, victims: list[str]
 ) -> tuple[list[str], int, bool]:
-    """A pass of every policy over unpinned objects, in the order of `keys`: each judged one is
-    appended to `victims` if taken. A soft-pinned object is left in place (when its pin lapses
-    it competes by its real last access). Returns the keys to move behind the rest (hard-pinned
-    ones, never candidates, and deferred ones), how many keys were scanned, and whether the
-    scan must end (`scan_max` reached, or the judge said STOP)."""
+    """A pass of every policy over unpinned objects, in the order of `keys` (which holds no
+    soft-pinned one): each judged one is appended to `victims` if taken. Returns the keys to
+    move behind the rest (hard-pinned ones, never candidates, and deferred ones), how many
+    keys were scanned, and whether the scan must end (`scan_max` reached, or the judge said
+    STOP)."""
     deferred: list[str] = []
     scanned = 0
     for key in keys:
@@ -669,8 +736,6 @@ def _take_unpinned(
         meta = objects[key]
         if meta.is_hard_pinned:
             deferred.append(key)
-            continue
-        if meta.soft_pin_expiry_ms:
             continue
         verdict = judge(key, meta)
         if verdict is Verdict.TAKE:

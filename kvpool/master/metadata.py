@@ -18,7 +18,7 @@ named by a small index rather than its id string, and absent times are the cache
 With slower tiers (docs/tiers.md) the table is split by where an object lives, so that each
 tier's eviction scans only its own objects: `objects` holds the objects with a DRAM replica
 (the eviction policy's domain, as before), `lower` the others (on disk or DFS only), and a
-`TierView` per slower tier orders its objects by last access for that tier's own LRU:
+`TierView` per slower tier holds its objects for that tier's own LRU:
 
     ObjectTable.objects   key -> meta   has a DRAM replica        EvictionPolicy (pluggable)
     ObjectTable.lower     key -> meta   no DRAM replica
@@ -191,12 +191,12 @@ class PendingPut(msgspec.Struct, gc=False):
 
 
 class TierView:
-    """The objects resident in one slower tier, in last-access order: what an LruPolicy
-    orders that tier's eviction by (it reads `objects` and `soft_pinned`, like a table).
+    """The objects resident in one slower tier: what an LruPolicy orders that tier's eviction
+    of (it reads `objects` and `soft_pinned`, like a table).
 
-    `objects` (key -> meta) and `soft_pinned` (the soft-pinned among them) are both in
-    last-access order. Invariant: `soft_pinned` holds exactly the keys of `objects` whose
-    soft pin is set.
+    `objects` (key -> meta) is in the order they entered the tier, `soft_pinned` (the
+    soft-pinned among them) in last-access order. Invariant: `soft_pinned` holds exactly the
+    keys of `objects` whose soft pin is set.
     """
 
     __slots__ = ("tier", "objects", "soft_pinned", "policy")
@@ -215,10 +215,11 @@ class TierView:
 class ObjectTable:
     """Every complete object by key, every put in flight by key, and the soft-pinned objects.
 
-    Holds `objects` (key -> ObjectMeta of objects with a DRAM replica; its order belongs to
-    the eviction policy, which the table notifies of every insert, access and remove),
+    Holds `objects` (key -> ObjectMeta of objects with a DRAM replica, in the order they
+    entered; the eviction policy keeps its own order, and the table notifies it of every
+    insert, access, remove and lapsed soft pin),
     `lower` (key -> ObjectMeta of the complete objects without one), `views` (per slower
-    tier, its resident objects in last-access order), `pending` (key -> PendingPut, in
+    tier, its resident objects), `pending` (key -> PendingPut, in
     put_start order), `soft_pinned` and `lower_soft_pinned` (keys of soft-pinned objects of
     `objects` and of `lower`, in last-access order, hence in soft-pin expiry order).
     Invariants: a key is in at most one of `objects`, `lower` and `pending`; the soft-pin
@@ -250,7 +251,7 @@ class ObjectTable:
         return meta if meta is not None else self.lower.get(key)
 
     def items(self) -> list[tuple[str, ObjectMeta]]:
-        """Every complete object: DRAM-resident ones in policy order, then the others. O(n)."""
+        """Every complete object: DRAM-resident ones, then the others. O(n)."""
         return [*self.objects.items(), *self.lower.items()]
 
     def insert(self, key: str, meta: ObjectMeta, tiers: frozenset[str] | tuple[str, ...] = (TIER_DRAM,)) -> None:

@@ -44,9 +44,10 @@ class Segment:
     """A mapped segment file: `data` is a writable memoryview of exactly `capacity_bytes`.
 
     The owner (`create`) unlinks the file on `close`; a mapper (`open_mapped`) only unmaps.
-    The owner holds an exclusive flock on the file while it lives: that, not only the pid in
-    the header, tells another node that the file is not stale (remove_stale_segments), since
-    a pid means nothing across PID namespaces (containers sharing /dev/shm).
+    The owner holds an exclusive flock on the file from its creation until it is unlinked:
+    that alone tells another node whether the file is stale (remove_stale_segments). The pid
+    in the header means nothing across PID namespaces (containers sharing /dev/shm): there it
+    may name no process while its owner lives, or a live one (PID 1) when its owner is dead.
     """
 
     def __init__(
@@ -246,36 +247,25 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
     """Unlink segment files whose owner process is gone (a node killed with SIGKILL).
 
-    Only files of this user whose header names a pid that no longer exists here, and whose
-    flock no process holds (the owner's: a live node in another PID namespace, whose pid
-    means nothing here, holds it), are removed.
+    Only files of this user that no process holds the flock of are removed: the owner holds
+    it from `create` until the file is unlinked, and the kernel lets go of it when the owner
+    dies, whatever its pid. The header's pid is not looked at: a node that ran as PID 1 in a
+    container sharing /dev/shm left a pid that is alive in the next container (itself
+    restarted), and the restarted node could never create its segment (EEXIST).
     """
     removed = []
     for path in Path(directory).glob(f"{SEGMENT_FILE_PREFIX}*{SEGMENT_FILE_SUFFIX}"):
         try:
             with open(path, "rb") as file:
                 header = file.read(_HEADER.size)
-                if len(header) < _HEADER.size:
-                    continue
-                magic, *_, pid = _HEADER.unpack(header)
-                if magic != _MAGIC or _is_process_alive(pid):
+                if len(header) < _HEADER.size or header[: len(_MAGIC)] != _MAGIC:
                     continue
                 try:
                     fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    continue  # its owner lives, in another PID namespace
+                    continue  # its owner lives, here or in another PID namespace
                 path.unlink()  # while holding the lock: the file is gone before anyone else looks
             removed.append(path)
         except OSError:
             continue
     return removed
-
-
-def _is_process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
