@@ -152,6 +152,36 @@ def test_discarded_payload_is_skipped():
     assert [type(e) for e in events] == [Frame, PayloadDone, Frame]
 
 
+def _received_in_pieces(decoder: FrameDecoder, wire: bytes, sinks_for) -> None:
+    """Feed `wire` as a transport does (get_buffer, then buffer_updated), 64 KiB a receive."""
+    position = 0
+    while position < len(wire):
+        buffer = decoder.get_buffer()
+        size = min(len(buffer), len(wire) - position, 65536)
+        buffer[:size] = wire[position : position + size]
+        buffer.release()
+        decoder.buffer_updated(size)
+        position += size
+        drain(decoder, sinks_for)
+
+
+def test_a_discarded_payload_leaves_no_room_behind_where_small_sinks_keep_theirs():
+    """A payload that grew the staging buffer to 256 KiB: the connection keeps that room when
+    its payloads land in small sinks (a batch of 4 KiB pages, one receive for many), not when
+    it was discarded (the master takes no payload: a token holder sending one on each of
+    20,000 connections held 5 GiB there; review helper-56)."""
+    size = 300_000
+    wire = encode_frame(GetReplicaList(["k"]), 1, payload_size=size) + bytes(size)
+    discarding = FrameDecoder()
+    _received_in_pieces(discarding, wire, None)
+    assert len(discarding.get_buffer()) == 16 * 1024
+    pages = bytearray(size)
+    taking = FrameDecoder()
+    small = 4096
+    _received_in_pieces(taking, wire, lambda _: [memoryview(pages)[i : i + small] for i in range(0, size, small)])
+    assert len(taking.get_buffer()) == 256 * 1024
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 3 * DIRECT_SINK_BYTES_MIN),

@@ -54,7 +54,7 @@ _decoder = msgspec.msgpack.Decoder(AnyMessage)
 _STAGING_IDLE_BYTES: Final = 16 * limits.KIB
 # Room for payload bytes of small sinks (or discarded): a payload larger than the room left
 # grows the buffer to this, so that one receive fills many sinks; a connection that carried
-# one keeps it.
+# one keeps it (not one whose payload was discarded).
 _STAGING_PAYLOAD_BYTES: Final = 256 * limits.KIB
 # A payload sink smaller than this is filled through the staging buffer: one receive
 # call for many small sinks (a batch of 4 KiB objects) and a copy out of it cost less than a
@@ -241,7 +241,10 @@ class FrameDecoder:
             return sink[self._sink_pos :]
         if self._start == self._end:
             self._start = self._end = 0
-            if len(self._staging) > _STAGING_PAYLOAD_BYTES:  # a large frame is over: let its room go
+            # A large frame is over, or a payload nobody took (a master takes none: any token
+            # holder could leave each of 20,000 connections holding 256 KiB): let its room go.
+            was_discarded = self._discard and self._state is not _State.PAYLOAD
+            if len(self._staging) > (_STAGING_IDLE_BYTES if was_discarded else _STAGING_PAYLOAD_BYTES):
                 self._staging = bytearray(_STAGING_IDLE_BYTES)
         staging_bytes = len(self._staging)
         if self._state is _State.PAYLOAD and staging_bytes < _STAGING_PAYLOAD_BYTES:
