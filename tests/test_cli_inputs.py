@@ -191,7 +191,7 @@ def test_a_duration_over_a_week_is_refused_by_its_config(record, field: str) -> 
     [
         ["put", "a" * 4096, "-"],  # the longest key
         ["get", "é" * 2048],
-        ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "3000"],
+        ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "3000", "--etcd", "127.0.0.1:2379"],
         ["master", "--lease-ttl-ms", WEEK_MS, "--node-ttl-ms", WEEK_MS, "--put-release-timeout-ms", WEEK_MS],
         ["stat", "k", "a" * 4096],
         ["master", "--host", "10.0.0.5", "--http-host", "::1"],  # an address not held here is the bind's to refuse

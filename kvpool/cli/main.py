@@ -467,6 +467,13 @@ def master(
             eviction_policy=eviction_policy,
         )
         election = None
+        # Settings of an election, which only --etcd holds: without it they were ignored.
+        for flag, value, default in (
+            ("--etcd-lease-ttl-ms", etcd_lease_ttl_ms, limits.ETCD_LEASE_TTL_MS_DEFAULT),
+            ("--remount-grace-ms", remount_grace_ms, limits.REMOUNT_GRACE_MS_DEFAULT),
+        ):
+            if value != default and not etcd:
+                raise _fail(f"{flag} needs --etcd: without an election there is no leader to wait for")
         if etcd:
             from kvpool.master.election import ElectionConfig
             from kvpool.transports.etcd import parse_etcd_endpoints
