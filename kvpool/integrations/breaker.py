@@ -25,8 +25,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from kvpool.errors import KVPoolError, TransportError
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,21 @@ class LookupBreaker:
 
     def is_open(self) -> bool:
         return self._backoff_ms > 0
+
+    def ask(self, lookup: Callable[[], T], miss: T, on_error: Callable[[KVPoolError], None]) -> T:
+        """`lookup()`'s answer; `miss` without calling it while the breaker keeps the master
+        unasked, or when it fails: a failure to reach the master moves the breaker (and is
+        logged here), any other error goes to `on_error` (the caller's log line)."""
+        if not self.can_call():
+            return miss
+        try:
+            answer = lookup()
+        except KVPoolError as exc:
+            if not self.record_failure(exc):
+                on_error(exc)
+            return miss
+        self.record_success()
+        return answer
 
     def can_call(self) -> bool:
         """Whether this lookup may ask the master (closed, or this one probes); if not,

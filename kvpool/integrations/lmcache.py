@@ -15,7 +15,7 @@ LMCache loads it by name, no patch to LMCache; in the LMCache config file (or LM
       # eviction for their retrieval, default 5000; 0 = none), kvpool.lookup_timeout_ms,
       # kvpool.lookup_backoff_ms_min, kvpool.lookup_backoff_ms_max (the lookups' own bound
       # on the master's answer and the breaker's window after one could not reach it,
-      # default 300, 1000 and 30000: breaker.py)
+      # default 1000, 1000 and 30000: breaker.py)
 
 The adapter takes LMCache's plugin URLs only (`plugin://kvpool[.instance]`): LMCache 0.5.6
 loads a plugin's adapter only for the names in `remote_storage_plugins`, so a `remote_url`
@@ -130,17 +130,13 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     def _lookup(self, keys: list[Any], hold_ms: int) -> int:
         """How many leading chunks are stored; 0 when the master cannot be asked (breaker.py)."""
-        if not keys or not self._breaker.can_call():
+        if not keys:
             return 0
-        try:
-            names = [k.to_string() for k in keys]
-            found = self._store.longest_prefix(names, hold_ms, timeout_ms=self._lookup_timeout_ms)
-        except KVPoolError as exc:
-            if not self._breaker.record_failure(exc):
-                log.info("kvpool lookup failed, reporting a miss: %s", exc)
-            return 0
-        self._breaker.record_success()
-        return found
+        names = [k.to_string() for k in keys]
+        return self._breaker.ask(
+            lambda: self._store.longest_prefix(names, hold_ms, timeout_ms=self._lookup_timeout_ms), 0,
+            lambda exc: log.info("kvpool lookup failed, reporting a miss: %s", exc),
+        )  # fmt: skip
 
     # --- reads ------------------------------------------------------------------------------
 

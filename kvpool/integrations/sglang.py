@@ -12,7 +12,7 @@ to the pool, default 0), "token" / "token_file" (the cluster token), "replica_nu
 1), "shm_enabled" (default true), "extra_backend_tag" (a namespace prefix, as in SGLang's
 Mooncake backend), "lookup_hold_ms" (how long `batch_exists` holds its hits from eviction for
 the prefetch that follows, default 5000; 0 = none), "lookup_timeout_ms" (how long a lookup
-waits for the master, default 300), "lookup_backoff_ms_min" / "lookup_backoff_ms_max" (after a
+waits for the master, default 1000), "lookup_backoff_ms_min" / "lookup_backoff_ms_max" (after a
 lookup could not reach the master, lookups miss without asking for that long, doubling from
 the min to the max between probes; default 1000 / 30000: breaker.py; SGLang runs every
 request's hit query on its one prefetch thread, one after the other). $KVPOOL_MASTER is read
@@ -265,17 +265,15 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     ) -> int:
         """How many leading pages are in the pool (all their objects), in one round trip of
         lookup_timeout_ms at most; 0 while the master does not answer (breaker.py)."""
-        if not keys or not self._breaker.can_call():
+        if not keys:
             return 0
-        try:
-            object_keys = self._object_keys(keys)
-            readers = self._readers_of_each()
-            count = self._store.longest_prefix(object_keys, self._lookup_hold_ms, readers, self._lookup_timeout_ms)
-        except KVPoolError as exc:
-            if not self._breaker.record_failure(exc):
-                log.warning("kvpool batch_exists failed, reporting a miss: %s", exc)
-            return 0
-        self._breaker.record_success()
+        object_keys = self._object_keys(keys)
+        count = self._breaker.ask(
+            lambda: self._store.longest_prefix(
+                object_keys, self._lookup_hold_ms, self._readers_of_each(), self._lookup_timeout_ms
+            ),
+            0, lambda exc: log.warning("kvpool batch_exists failed, reporting a miss: %s", exc),
+        )  # fmt: skip
         return count // self._objects_per_page
 
     def batch_get_v1(

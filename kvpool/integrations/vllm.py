@@ -15,7 +15,7 @@ default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (de
 true), "cache_prefix" (a namespace for separate deployments), "lookup_hold_ms" (how long a
 lookup's hits are held from eviction for their load, default 5000; 0 = none), "load_async"
 (default true, as vLLM's Mooncake store connector), "lookup_timeout_ms" (how long a scheduler
-lookup waits for the master, default 300), "lookup_backoff_ms_min" / "lookup_backoff_ms_max"
+lookup waits for the master, default 1000), "lookup_backoff_ms_min" / "lookup_backoff_ms_max"
 (after a lookup could not reach the master, lookups miss without asking for that long,
 doubling from the min to the max between probes; default 1000 / 30000: breaker.py).
 $KVPOOL_MASTER is read when "master" is absent.
@@ -97,7 +97,7 @@ from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import register_tensors
 from kvpool.integrations.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics, StatsRecorder
-from kvpool.protocol.messages import TIER_DRAM, Replica, SegmentInfo
+from kvpool.protocol.messages import TIER_DRAM, QueryReply, Replica, SegmentInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -282,15 +282,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         # tokens computed over the failed block (vLLM's own bug; integrations.md). A
         # preempted request gave its blocks back, and loads async again (build_connector_meta).
         again = request.request_id in self._loaded_async  # (empty without async loads)
-        if not self._breaker.can_call():
-            return 0, False  # the master did not answer lately: a miss, without waiting for it
-        try:
-            hit_blocks = self._held_prefix(keys, hold=not again) // len(ranks)
-        except KVPoolError as exc:
-            if not self._breaker.record_failure(exc):
-                log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc)
+        # None: the lookup failed, or the master did not answer lately (not asked): a miss.
+        held = self._breaker.ask(
+            lambda: self._held_prefix(keys, hold=not again), None,
+            lambda exc: log.warning("kvpool lookup failed, computing %s locally: %s", request.request_id, exc),
+        )  # fmt: skip
+        if held is None:
             return 0, False
-        self._breaker.record_success()
+        hit_blocks = held // len(ranks)
         # vLLM must compute at least the last token to sample from it.
         if hit_blocks * self.block_size >= request.num_tokens:
             hit_blocks -= 1
@@ -365,17 +364,18 @@ class KVPoolConnector(KVConnectorBase_V1):
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         first = state.local_block_count
         hashes = state.block_hashes[first : first + -(-num_external_tokens // self.block_size)]
-        if not self._breaker.can_call():
-            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        try:
+
+        def query() -> QueryReply:
             reply = self._store.query([self._key(h, 0, 0) for h in hashes], timeout_ms=self._lookup_timeout_ms)
             if any(r.segment_id not in self._segments for replicas in reply.replicas for r in replicas):
                 self._segments = self._store.cluster_status(timeout_ms=self._lookup_timeout_ms).segment_infos()
-        except KVPoolError as exc:
-            if not self._breaker.record_failure(exc):
-                log.debug("kvpool: no hit sources for %s: %s", request.request_id, exc)
+            return reply
+
+        reply = self._breaker.ask(
+            query, None, lambda exc: log.debug("kvpool: no hit sources for %s: %s", request.request_id, exc)
+        )
+        if reply is None:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        self._breaker.record_success()
         sources: dict[Any, int] = {}
         left, hostname = num_external_tokens, self._store.hostname
         for replicas in reply.replicas:
