@@ -225,28 +225,24 @@ class LruPolicy(EvictionPolicy):
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
         if not meta.soft_pin_expiry_ms:
-            unpinned = self._unpinned
-            try:
-                del unpinned[key]
-            except KeyError:
-                del self._lapsed[key]
-            unpinned[key] = None
+            self._forget(key)
+            self._unpinned[key] = None
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
         if not meta.soft_pin_expiry_ms:
-            try:
-                del self._unpinned[key]
-            except KeyError:
-                del self._lapsed[key]
+            self._forget(key)
 
     def on_remove_many(self, removed: list[tuple[str, ObjectMeta]]) -> None:
-        unpinned = self._unpinned
         for key, meta in removed:
             if not meta.soft_pin_expiry_ms:
-                try:
-                    del unpinned[key]
-                except KeyError:
-                    del self._lapsed[key]
+                self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        """Take an unpinned key out of its order (a lapsed pin's, or the access order)."""
+        try:
+            del self._unpinned[key]
+        except KeyError:
+            del self._lapsed[key]
 
     def on_unpin(self, key: str, meta: ObjectMeta) -> None:
         self._lapsed[key] = None
