@@ -220,21 +220,25 @@ class ObjectTable:
     insert, access, remove and lapsed soft pin),
     `lower` (key -> ObjectMeta of the complete objects without one), `views` (per slower
     tier, its resident objects), `pending` (key -> PendingPut, in
-    put_start order), `soft_pinned` and `lower_soft_pinned` (keys of soft-pinned objects of
-    `objects` and of `lower`, in last-access order, hence in soft-pin expiry order).
+    put_start order), `soft_pin_order` (keys of every soft-pinned object, whatever its tier, in
+    last-access order, hence in soft-pin expiry order) and `soft_pinned` (those of `objects`,
+    for eviction's last pass: in last-access order, a promoted one from its promotion on).
+    One order across tiers because a dict only appends: a pin moved from one tier's order to
+    the end of another's was out of expiry order, and the scan that stops at the first live pin
+    kept it up to a TTL too long (a dict entry more per soft-pinned object in DRAM).
     Invariants: a key is in at most one of `objects`, `lower` and `pending`; the soft-pin
     sets hold exactly the objects whose `soft_pin_expiry_ms` is set; a hard-pinned object is
     not soft-pinned. Which tiers an object is resident in is the service's to say (`place`).
     """
 
-    __slots__ = ("objects", "lower", "pending", "soft_pinned", "lower_soft_pinned", "policy", "views")
+    __slots__ = ("objects", "lower", "pending", "soft_pinned", "soft_pin_order", "policy", "views")
 
     def __init__(self, policy: EvictionPolicy, view_policies: dict[str, EvictionPolicy] | None = None):
         self.objects: dict[str, ObjectMeta] = {}
         self.lower: dict[str, ObjectMeta] = {}
         self.pending: dict[str, PendingPut] = {}
         self.soft_pinned: dict[str, None] = {}
-        self.lower_soft_pinned: dict[str, None] = {}
+        self.soft_pin_order: dict[str, None] = {}
         self.policy = policy
         policy.attach(self)
         self.views = {tier: TierView(tier, p) for tier, p in (view_policies or {}).items()}
@@ -259,6 +263,8 @@ class ObjectTable:
         assert key not in self.objects and key not in self.lower, f"insert of existing object {key!r}"
         assert key not in self.pending, f"insert of pending object {key!r}"
         assert not (meta.is_hard_pinned and meta.soft_pin_expiry_ms), key
+        if meta.soft_pin_expiry_ms:
+            self.soft_pin_order[key] = None
         if TIER_DRAM in tiers:
             self.objects[key] = meta
             if meta.soft_pin_expiry_ms:
@@ -268,22 +274,20 @@ class ObjectTable:
                 return  # a new object in DRAM alone (a put's): in no tier view
         else:
             self.lower[key] = meta
-            if meta.soft_pin_expiry_ms:
-                self.lower_soft_pinned[key] = None
         self._place_views(key, meta, tiers)
 
     def _pop(self, key: str) -> tuple[ObjectMeta, bool]:
-        """Take `key` out of `objects` or `lower` (and their soft-pin orders); whether it had
-        a DRAM replica. The policy and the views are the caller's."""
+        """Take `key` out of `objects` or `lower` (and the soft-pin orders); whether it had a
+        DRAM replica. The policy and the views are the caller's."""
         meta = self.objects.pop(key, None)
-        if meta is not None:
-            if meta.soft_pin_expiry_ms:
-                del self.soft_pinned[key]
-            return meta, True
-        meta = self.lower.pop(key)
+        is_in_dram = meta is not None
+        if meta is None:
+            meta = self.lower.pop(key)
         if meta.soft_pin_expiry_ms:
-            del self.lower_soft_pinned[key]
-        return meta, False
+            del self.soft_pin_order[key]
+            if is_in_dram:
+                del self.soft_pinned[key]
+        return meta, is_in_dram
 
     def on_segment(
         self, segment_index: int, among: Iterable[tuple[str, ObjectMeta]] | None = None
@@ -337,7 +341,6 @@ class ObjectTable:
             del self.lower[key]
             self.objects[key] = meta
             if meta.soft_pin_expiry_ms:
-                del self.lower_soft_pinned[key]
                 self.soft_pinned[key] = None
             self.policy.on_insert(key, meta)
         elif TIER_DRAM not in tiers and is_in_dram:
@@ -345,7 +348,6 @@ class ObjectTable:
             self.lower[key] = meta
             if meta.soft_pin_expiry_ms:
                 del self.soft_pinned[key]
-                self.lower_soft_pinned[key] = None
             self.policy.on_remove(key, meta)
         self._place_views(key, meta, tiers)
 
@@ -375,9 +377,11 @@ class ObjectTable:
         is_in_dram = key in self.objects
         if meta.soft_pin_expiry_ms:
             meta.soft_pin_expiry_ms = now_ms + soft_pin_ttl_ms
-            soft_pinned = self.soft_pinned if is_in_dram else self.lower_soft_pinned
-            del soft_pinned[key]
-            soft_pinned[key] = None
+            del self.soft_pin_order[key]
+            self.soft_pin_order[key] = None
+            if is_in_dram:
+                del self.soft_pinned[key]
+                self.soft_pinned[key] = None
         if is_in_dram:
             self.policy.on_access(key, meta)
         for view in self.views.values():
@@ -390,31 +394,28 @@ class ObjectTable:
     def expire_soft_pins(self, now_ms: int) -> int:
         """Unpin soft pins not refreshed for the TTL; returns how many. O(expired + 1).
 
-        The soft-pin sets are in last-access order, so each scan stops at the first live pin
-        (a wall clock that stepped back only delays an expiry, never advances one).
+        `soft_pin_order` is in last-access order, so the scan stops at the first live pin (a
+        wall clock that stepped back only delays an expiry, never advances one).
         """
-        count = 0
-        for soft_pinned, objects, policy in (
-            (self.soft_pinned, self.objects, self.policy),
-            (self.lower_soft_pinned, self.lower, None),
-        ):
-            expired: list[str] = []
-            for key in soft_pinned:
-                if objects[key].soft_pin_expiry_ms > now_ms:
-                    break
-                expired.append(key)
-            for key in expired:
-                del soft_pinned[key]
-                meta = objects[key]
-                meta.soft_pin_expiry_ms = 0
-                if policy is not None:
-                    policy.on_unpin(key, meta)
-                for view in self.views.values():
-                    if key in view.soft_pinned:
-                        del view.soft_pinned[key]
-                        view.policy.on_unpin(key, meta)
-            count += len(expired)
-        return count
+        expired: list[tuple[str, ObjectMeta]] = []
+        get = self.get
+        for key in self.soft_pin_order:
+            meta = get(key)
+            assert meta is not None, key
+            if meta.soft_pin_expiry_ms > now_ms:
+                break
+            expired.append((key, meta))
+        for key, meta in expired:
+            del self.soft_pin_order[key]
+            meta.soft_pin_expiry_ms = 0
+            if key in self.soft_pinned:
+                del self.soft_pinned[key]
+                self.policy.on_unpin(key, meta)
+            for view in self.views.values():
+                if key in view.soft_pinned:
+                    del view.soft_pinned[key]
+                    view.policy.on_unpin(key, meta)
+        return len(expired)
 
     def check_invariants(self) -> None:
         """O(n): the key sets agree; pins are consistent; the policies agree with the table."""
@@ -425,8 +426,8 @@ class ObjectTable:
         for key, meta in lower.items():
             assert key not in objects, f"{key!r} both in DRAM and lower"
             assert meta.size_bytes > 0, (key, meta)
-            assert (key in self.lower_soft_pinned) == bool(meta.soft_pin_expiry_ms), key
-        assert all(key in lower for key in self.lower_soft_pinned), "stale lower soft pin"
+            assert (key in self.soft_pin_order) == bool(meta.soft_pin_expiry_ms), key
+            assert key not in self.soft_pinned, f"{key!r}: no DRAM replica, in DRAM's soft pins"
         for tier, view in self.views.items():
             for key, meta in view.objects.items():
                 assert self.get(key) is meta, f"view {tier} holds stale {key!r}"
@@ -446,5 +447,8 @@ class ObjectTable:
                 soft_count += 1
                 assert not meta.is_hard_pinned, key
                 assert key in self.soft_pinned, key
+                assert key in self.soft_pin_order, key
         assert soft_count == len(self.soft_pinned), (soft_count, len(self.soft_pinned))
+        pinned_lower = sum(1 for meta in lower.values() if meta.soft_pin_expiry_ms)
+        assert soft_count + pinned_lower == len(self.soft_pin_order), "stale soft pin in the expiry order"
         self.policy.check_invariants()

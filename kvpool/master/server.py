@@ -1,7 +1,8 @@
 """The master process's I/O shell: RPC server, node calls, ticks and the HTTP endpoints.
 
 All decisions are MasterService's (service.py, pure). This module only moves messages: it
-feeds requests to the service with the wall clock, sends the service's outbox to nodes
+feeds requests to the service with the wall clock (its times leave this host: a grant's
+expiry and a move's deadline are checked by nodes), sends the service's outbox to nodes
 (CommitObjects at put_end, DropObjects before a range is reused) on the connection each node
 opened, runs `tick` periodically, and serves /metrics, /health and /status over HTTP.
 
@@ -19,6 +20,10 @@ reaches a node; each term of leadership starts from a fresh MasterService that t
 re-mount into, and takes puts and removes once the takeover (takeover.py) is over. A flow
 that awaits a node keeps the service of the term it started in, so a late reply can never
 touch the state of a later term.
+
+Durations of this process alone (the takeover's grace, a node link's silence, when to look at
+the DFS again) run on `local_clock_ms`, which no clock step moves: a wall clock stepped
+forward opened a takeover at once, and one stepped back held puts off for as long.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from kvpool import limits
 from kvpool.config import MasterConfig, check_busy_poll_us
 from kvpool.discovery import LeaderRecord
 from kvpool.errors import ErrorCode, InvalidParams, InvalidRequest, KVPoolError, NotLeader
-from kvpool.master.election import ElectionConfig, Elector
+from kvpool.master.election import ElectionConfig, Elector, lease_clock_ms
 from kvpool.master.metrics import MasterMetrics, start_http
 from kvpool.master.service import MasterService, Removal
 from kvpool.master.takeover import Takeover
@@ -145,6 +150,11 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+# The clock of durations on this host (the module docstring): the election's, so that a
+# takeover's grace and the leadership it began with count the same time.
+local_clock_ms = lease_clock_ms
+
+
 def _not_back_soon(message: Message, result: Message) -> bool:
     """Whether the client, once answered, will not be back within a busy-poll window: a node's
     heartbeat (the next comes in a second: polling after each would keep a master of a thousand
@@ -162,7 +172,8 @@ def _not_back_soon(message: Message, result: Message) -> bool:
 @dataclasses.dataclass(slots=True)
 class _NodeLink:
     """The connection a segment's node mounted it on (only that connection changes it, see
-    MasterServer._check_segment_owner), and when the node last mounted or heartbeat on it."""
+    MasterServer._check_segment_owner), and when the node last mounted or heartbeat on it
+    (local_clock_ms)."""
 
     conn: Connection
     heard_ms: int
@@ -251,7 +262,7 @@ class MasterServer:
         if not self.elector.is_leader():
             return "standby"
         takeover = self._takeover
-        return "leader" if takeover is not None and takeover.is_open(wall_clock_ms()) else "recovering"
+        return "leader" if takeover is not None and takeover.is_open(local_clock_ms()) else "recovering"
 
     async def start(self) -> None:
         refuse_open_listen(self.host, self._key)
@@ -339,7 +350,7 @@ class MasterServer:
     def _dispatch(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         now_ms = wall_clock_ms()
         if self.elector is not None:
-            self._check_leading(message, now_ms)
+            self._check_leading(message)
         service = self.service
         self.metrics.count_request(type(message).__name__)
         match message:
@@ -366,9 +377,9 @@ class MasterServer:
             case ClusterStatus():
                 return service.cluster_status(message, now_ms)
             case MountSegment():
-                self._check_segment_owner(conn, message.segment.segment_id, now_ms)
+                self._check_segment_owner(conn, message.segment.segment_id)
                 reply = service.mount_segment(message, now_ms)
-                self._node_links[message.segment.segment_id] = _NodeLink(conn, now_ms)
+                self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
                 log.info(
@@ -386,10 +397,11 @@ class MasterServer:
                 # segment whose link was gone, with the drops and commits meant for its node,
                 # and kept the node's own mount refused while it went on heartbeating.
                 owned = []
+                heard_ms = local_clock_ms()
                 for segment_id in message.segment_ids:
                     link = self._node_links.get(segment_id)
                     if link is not None and link.conn is conn:
-                        link.heard_ms = now_ms
+                        link.heard_ms = heard_ms
                         owned.append(segment_id)
                     elif not service.has_segment(segment_id):
                         owned.append(segment_id)
@@ -397,14 +409,14 @@ class MasterServer:
                     message = Heartbeat(owned, {s: r for s, r in message.filesystems.items() if s in owned})
                 return service.heartbeat(message, now_ms)
             case UnmountSegment():
-                self._check_segment_owner(conn, message.segment_id, now_ms)
+                self._check_segment_owner(conn, message.segment_id)
                 reply = service.unmount_segment(message, now_ms)
                 self._node_links.pop(message.segment_id, None)
                 self._unsent_drops.pop(message.segment_id, None)
                 self._drops_failing.discard(message.segment_id)
                 return reply
             case DrainSegment():
-                self._check_segment_owner(conn, message.segment_id, now_ms)
+                self._check_segment_owner(conn, message.segment_id)
                 return service.drain_segment(message, now_ms)
             case ReportBadReplicas():
                 return self._verify_reported(message, now_ms)
@@ -416,7 +428,7 @@ class MasterServer:
         link = self._node_links.get(segment_id)
         return None if link is None else link.conn
 
-    def _check_segment_owner(self, conn: Connection, segment_id: str, now_ms: int) -> None:
+    def _check_segment_owner(self, conn: Connection, segment_id: str) -> None:
         """Refuse a mount, unmount or drain of a segment that another connection serves, live:
         open, and heard (a mount or heartbeat) within a third of the node TTL. Any peer that
         holds the cluster token could otherwise take a node's segment (its commits went to the
@@ -432,7 +444,7 @@ class MasterServer:
         bound = self._node_links.get(segment_id)
         if bound is None or bound.conn is conn or bound.conn.is_closed():
             return
-        silent_ms = now_ms - bound.heard_ms
+        silent_ms = local_clock_ms() - bound.heard_ms
         if silent_ms < self.config.node_ttl_ms // 3:
             raise InvalidRequest(
                 f"segment {segment_id} is served by another connection, heard {silent_ms} ms ago: "
@@ -841,6 +853,7 @@ class MasterServer:
                 service.finish_moves(segment_id, chunk, [int(ErrorCode.TRANSFER_FAIL)] * len(chunk), wall_clock_ms())
                 continue  # never sent
             codes: list[int] | None = None  # no answer: the node may have recorded some
+            # The node's clock judges it (it keeps its offset to the master's wall clock).
             deadline_ms = wall_clock_ms() + limits.MOVE_TIMEOUT_MS - limits.MOVE_DECIDED_BEFORE_TIMEOUT_MS
             try:
                 reply = await conn.request(MoveObjects(chunk, deadline_ms), timeout_ms=limits.MOVE_TIMEOUT_MS)
@@ -906,7 +919,7 @@ class MasterServer:
         """For the DFS's heartbeat: what its filesystem can take (Heartbeat.filesystems). Read
         once a heartbeat interval (on a network filesystem a statvfs may be a round trip); no
         news between."""
-        dfs, info, now_ms = self._dfs, self._dfs_info, wall_clock_ms()
+        dfs, info, now_ms = self._dfs, self._dfs_info, local_clock_ms()
         assert dfs is not None and info is not None
         if now_ms < self._dfs_free_due_ms:
             return {}
@@ -914,19 +927,35 @@ class MasterServer:
         return {info.segment_id: await asyncio.to_thread(files.filesystem_report, dfs.path)}
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
-        """Remove DFS files of dropped replicas, then free their ranges."""
+        """Remove DFS files of dropped replicas, then free their ranges.
+
+        Each removal first checks that `service`'s term still leads: the DFS is shared, and a
+        successor scans it as it takes over, so a file this term dropped may be the
+        successor's since. A removal on a slow share (a hard NFS mount) can take minutes, and
+        the whole batch used to go on after the term ended, removing files the successor had
+        adopted. At most the one removal in flight at the step-down still lands."""
         dfs, info = self._dfs, self._dfs_info
         assert dfs is not None and info is not None
         entries = service.drops_due(info.segment_id, entries)
+
+        def remove_while_leading() -> list[InventoryEntry]:
+            removed = []
+            for entry in entries:
+                if service is not self.service or not self._is_leading():
+                    break  # the term is over: its drops die with its state
+                dfs.remove(entry.key, entry.offset)
+                removed.append(entry)
+            return removed
+
         try:
-            await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in entries])
+            removed = await asyncio.to_thread(remove_while_leading)
         except KVPoolError as exc:
             self._drops_deferred(info.segment_id, exc, logging.WARNING)
             if service is self.service:
                 self._unsent_drops.setdefault(info.segment_id, []).extend(entries)
             return
         self._drops_through(info.segment_id)
-        service.drops_done(info.segment_id, entries, wall_clock_ms())
+        service.drops_done(info.segment_id, removed, wall_clock_ms())
 
     def _drops_deferred(self, segment_id: str, exc: KVPoolError, level: int) -> None:
         """A drop failed; it is sent again at each flush. Logged once until one goes through
@@ -945,7 +974,7 @@ class MasterServer:
     def _is_leading(self) -> bool:
         return self.elector is None or self.elector.is_leader()
 
-    def _check_leading(self, message: Message, now_ms: int) -> None:
+    def _check_leading(self, message: Message) -> None:
         """Raise NotLeader unless this master may answer `message` now."""
         elector = self.elector
         assert elector is not None
@@ -961,12 +990,13 @@ class MasterServer:
         # its first await, so never seen; were it, the term's service would be a throwaway).
         if takeover is None:
             raise NotLeader(f"new leader {self.advertised_endpoint} takes no {type(message).__name__} yet")
-        if not takeover.is_open(now_ms):
+        local_ms = local_clock_ms()
+        if not takeover.is_open(local_ms):
             waiting = takeover.waiting_count()
             raise NotLeader(
                 f"new leader {self.advertised_endpoint} takes {type(message).__name__} once "
                 + (f"{waiting} more node(s) re-mount" if waiting >= 0 else "its predecessor's nodes re-mount")
-                + f", within {takeover.remaining_ms(now_ms)} ms"
+                + f", within {takeover.remaining_ms(local_ms)} ms"
             )
 
     def elected(self, term: int) -> None:
@@ -974,7 +1004,7 @@ class MasterServer:
         # the predecessor's record is read count (a service made after them would not know
         # them, and a remove it took could miss their replicas).
         self._new_term()
-        self._takeover = Takeover(wall_clock_ms(), self.config.remount_grace_ms)
+        self._takeover = Takeover(local_clock_ms(), self.config.remount_grace_ms)
         log.info("master %s leads (term %d); reading its predecessor's segment record",
                  self.advertised_endpoint, term)  # fmt: skip
 
@@ -998,7 +1028,7 @@ class MasterServer:
 
     def live_segment_ids(self) -> list[str] | None:
         takeover = self._takeover
-        if takeover is None or not takeover.is_open(wall_clock_ms()):
+        if takeover is None or not takeover.is_open(local_clock_ms()):
             return None
         return [counters.segment_id for counters in self.service.segment_counters()]
 

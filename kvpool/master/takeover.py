@@ -6,7 +6,8 @@ has read its predecessor's record of live segments in etcd and every segment nam
 re-mounted, or until a grace period has passed (MasterConfig.remount_grace_ms), whichever
 comes first. Taking a put earlier would place it without knowing a node's contents, and a
 remove could miss a replica that is about to come back. This is a pure core (time is
-`now_ms`); it is not the election (election.py) and decides nothing about reads.
+`now_ms`, of a clock no step of the wall clock moves: the grace is a duration on this host);
+it is not the election (election.py) and decides nothing about reads.
 """
 
 from __future__ import annotations

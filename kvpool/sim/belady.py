@@ -31,11 +31,15 @@ _HEAP_STALE_RATIO_MAX = 2
 class BeladyPolicy(EvictionPolicy):
     """Furthest next use first, from the priorities the replay announced.
 
-    Holds `_priority` (key -> (next use, depth, block id) of every object in the table) and a
-    heap of (-next use, -depth, -block id, key) entries, some stale (a key re-announced or
-    removed); an entry is live when it equals the key's current priority. Invariants: the
-    keys of `_priority` are the table's objects; every live priority has a heap entry.
-    Costs: on_insert/on_access O(log n); select_victims O(k log n) for k candidates examined.
+    Holds `_priority` (key -> (next use, depth, block id) of every object in the table) and two
+    heaps of (-next use, -depth, -block id, key) entries: `_heap` for the objects not
+    soft-pinned, `_pinned_heap` for the soft-pinned ones, which only the last pass scans (as
+    the master's own policies keep them out of their orders, eviction.py: skipped in the first
+    pass, they used up its bound). Some entries are stale (a key re-announced, removed, or its
+    pin lapsed); an entry is live when it equals the key's current priority and its heap is
+    the one of the key's pin state now. Invariants: the keys of `_priority` are the table's
+    objects; every live priority has a live entry in its heap. Costs: on_insert, on_access and
+    on_unpin O(log n); select_victims O(k log n) for k candidates examined.
     """
 
     def __init__(self) -> None:
@@ -43,6 +47,7 @@ class BeladyPolicy(EvictionPolicy):
         self._announced: dict[str, Priority] = {}
         self._priority: dict[str, Priority] = {}
         self._heap: list[tuple[int, int, int, str]] = []
+        self._pinned_heap: list[tuple[int, int, int, str]] = []
 
     def announce(self, priorities: dict[str, Priority]) -> None:
         """The next use of each key of the request about to be served (replaces the last)."""
@@ -53,76 +58,84 @@ class BeladyPolicy(EvictionPolicy):
         self._table = table
 
     def on_insert(self, key: str, meta: ObjectMeta) -> None:
-        self._set(key)
+        self._set(key, meta)
 
     def on_access(self, key: str, meta: ObjectMeta) -> None:
-        self._set(key)
+        self._set(key, meta)
 
     def on_remove(self, key: str, meta: ObjectMeta) -> None:
         del self._priority[key]
 
-    def _set(self, key: str) -> None:
+    def on_unpin(self, key: str, meta: ObjectMeta) -> None:
+        next_use, depth, block_id = self._priority[key]
+        heapq.heappush(self._heap, (-next_use, -depth, -block_id, key))
+
+    def _set(self, key: str, meta: ObjectMeta) -> None:
         priority = self._announced.get(key)
         assert priority is not None, f"{key!r} used without an announced next use"
         self._priority[key] = priority
         next_use, depth, block_id = priority
-        heapq.heappush(self._heap, (-next_use, -depth, -block_id, key))
-        if len(self._heap) > _HEAP_STALE_RATIO_MAX * len(self._priority) + 1_024:
-            self._heap = [(-n, -d, -b, k) for k, (n, d, b) in self._priority.items()]
-            heapq.heapify(self._heap)
+        heap = self._pinned_heap if meta.soft_pin_expiry_ms else self._heap
+        heapq.heappush(heap, (-next_use, -depth, -block_id, key))
+        if len(self._heap) + len(self._pinned_heap) > _HEAP_STALE_RATIO_MAX * len(self._priority) + 1_024:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Both heaps again from the live priorities alone."""
+        objects = self._table.objects  # type: ignore[union-attr]
+        self._heap, self._pinned_heap = [], []
+        for k, (n, d, b) in self._priority.items():
+            (self._pinned_heap if objects[k].soft_pin_expiry_ms else self._heap).append((-n, -d, -b, k))
+        heapq.heapify(self._heap)
+        heapq.heapify(self._pinned_heap)
+
+    def _is_live(self, entry: tuple[int, int, int, str], is_pinned_heap: bool) -> bool:
+        key = entry[3]
+        if self._priority.get(key) != (-entry[0], -entry[1], -entry[2]):
+            return False
+        return bool(self._table.objects[key].soft_pin_expiry_ms) == is_pinned_heap  # type: ignore[union-attr]
 
     def select_victims(self, judge: Judge, scan_max: int) -> list[str]:
         assert scan_max > 0, scan_max
         table = self._table
         assert table is not None, "policy not attached"
-        objects, heap, priority = table.objects, self._heap, self._priority
+        objects = table.objects
         victims: list[str] = []
-        held: list[tuple[int, int, int, str]] = []
-        soft_pinned: list[tuple[int, int, int, str]] = []
         scanned = 0
-        while heap and scanned < scan_max:
-            entry = heapq.heappop(heap)
-            key = entry[3]
-            if priority.get(key) != (-entry[0], -entry[1], -entry[2]):
-                continue  # stale
-            scanned += 1
-            meta = objects[key]
-            if meta.is_hard_pinned:
-                held.append(entry)
-                continue
-            if meta.soft_pin_expiry_ms:
-                soft_pinned.append(entry)
-                continue
-            verdict = judge(key, meta)
-            if verdict is Verdict.TAKE:
-                victims.append(key)
-            elif verdict is Verdict.STOP:
-                held.append(entry)
-                break
-            else:
-                held.append(entry)
-        else:
-            # Unpinned candidates ran out: soft-pinned ones next, in the same order.
-            for position, entry in enumerate(soft_pinned):
-                if scanned >= scan_max:
-                    break
+        stopped = False
+        # Objects not soft-pinned first; once they ran out, the soft-pinned ones, each in
+        # furthest-next-use order.
+        for heap, is_pinned_heap in ((self._heap, False), (self._pinned_heap, True)):
+            held: list[tuple[int, int, int, str]] = []
+            while heap and scanned < scan_max:
+                entry = heapq.heappop(heap)
+                if not self._is_live(entry, is_pinned_heap):
+                    continue
                 scanned += 1
-                verdict = judge(entry[3], objects[entry[3]])
+                key = entry[3]
+                meta = objects[key]
+                if meta.is_hard_pinned:
+                    held.append(entry)
+                    continue
+                verdict = judge(key, meta)
                 if verdict is Verdict.TAKE:
-                    victims.append(entry[3])
-                    soft_pinned[position] = None  # type: ignore[call-overload]
-                elif verdict is Verdict.STOP:
-                    break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        for entry in soft_pinned:
-            if entry is not None:
+                    victims.append(key)
+                else:
+                    held.append(entry)
+                    if verdict is Verdict.STOP:
+                        stopped = True
+                        break
+            for entry in held:
                 heapq.heappush(heap, entry)
+            if stopped or scanned >= scan_max:
+                break
         return victims
 
     def check_invariants(self) -> None:
         table = self._table
         assert table is not None, "policy not attached"
         assert self._priority.keys() == table.objects.keys(), "Belady priorities differ from the table"
-        live = {entry[3] for entry in self._heap if self._priority.get(entry[3]) == (-entry[0], -entry[1], -entry[2])}
-        assert live == self._priority.keys(), "an object has no live heap entry"
+        for heap, is_pinned_heap in ((self._heap, False), (self._pinned_heap, True)):
+            live = {entry[3] for entry in heap if self._is_live(entry, is_pinned_heap)}
+            pinned = {key for key in self._priority if bool(table.objects[key].soft_pin_expiry_ms) == is_pinned_heap}
+            assert live == pinned, "an object has no live entry in the heap of its pin state"
