@@ -557,9 +557,9 @@ def full_cache_soak() -> dict:
     grants: list[int] = []
     put_job = store_module.AsyncStore._put_job
 
-    def counting_put_job(self, keys, parts, reply):  # type: ignore[no-untyped-def]
+    def counting_put_job(self, message, parts, reply, *rest):  # type: ignore[no-untyped-def]
         grants.append(len(reply.grants))
-        return put_job(self, keys, parts, reply)
+        return put_job(self, message, parts, reply, *rest)
 
     rounds, batches_per_round, window = 100, 48, 20
     value = os.urandom(PAGE)

@@ -103,6 +103,10 @@ CLOSE_BACKGROUND_WAIT_MS = 250
 # A segment whose file is gone is unmapped this long after it is found so: longer than any
 # get or put begun before may copy from it (their transfers are bounded by 30 s).
 MAPPED_SEGMENT_RETIRE_MS = 60_000
+# A store remembers, per segment it met, whether it is mapped here (and the directory of a
+# disk or DFS segment's files): of this many segments at most, so that a long-lived client
+# of a cluster whose nodes come and go does not remember them without end (_map_segment).
+SEGMENTS_REMEMBERED_MAX = 65_536
 # While a segment is mapped, whether its file is gone is looked at this often: a node stopped
 # for good (scaled down, moved) held its whole segment's memory in /dev/shm in every
 # long-lived same-host client until the client mapped another segment.
@@ -373,8 +377,9 @@ class AsyncStore:
 
     async def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         checked_args(force=(force, bool))
+        keys = key_list(keys)
         await self._leases_given_back(force)
-        reply = await self._master.call(Remove(key_list(keys), force), is_idempotent=False)
+        reply = await self._master.call(Remove(keys, force), is_idempotent=False)
         assert isinstance(reply, CodesReply)
         return reply.codes
 
@@ -441,8 +446,12 @@ class AsyncStore:
             codes = await self._put_parts([keys[i] for i in unique], [parts[i] for i in unique], config)
             return [codes[p] for p in positions]
         job = await self._put_start(keys, parts, config)
-        with self.closed_meanwhile():
-            job.copy_local()
+        try:
+            with self.closed_meanwhile():
+                job.copy_local()
+        except BaseException:  # a close meanwhile, Ctrl-C: the keys go back at once (the sync Store's way)
+            self._give_up(job)
+            raise
         return await self._put_finish(job)
 
     async def _get_parts(
@@ -595,8 +604,9 @@ class AsyncStore:
     ) -> PutJob:
         message = self._put_start_message(keys, parts, config)
         late_reply = functools.partial(self._revoke_granted, message)
+        sent_ms = now_monotonic_ms()
         reply = await self._master.call(message, is_idempotent=False, late_reply=late_reply)
-        return self._put_job(message, parts, reply)
+        return self._put_job(message, parts, reply, sent_ms)
 
     def _revoke_granted(self, message: PutStart, reply: Message) -> None:
         """A put_start answered after its caller was cancelled or timed out: nothing was
@@ -621,10 +631,13 @@ class AsyncStore:
         # The keys were checked where the put came in (key_list: _put_parts, Store._put).
         return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname, put_id or new_put_id())
 
-    def _put_job(self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
-        """The put the master's answer to `message` describes. Any thread (the sync Store's)."""
+    def _put_job(
+        self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message, sent_ms: int | None = None
+    ) -> PutJob:
+        """The put the master's answer to `message` (sent at `sent_ms`, monotonic) describes.
+        Any thread (the sync Store's)."""
         assert isinstance(reply, PutStartReply)
-        return PutJob(message.keys, parts, reply, self._local_segment, message.put_id)
+        return PutJob(message.keys, parts, reply, self._local_segment, message.put_id, sent_ms)
 
     async def _put_finish(self, job: PutJob) -> list[int]:
         """Write the remote replicas, then put_end what was written and revoke the rest."""
@@ -697,7 +710,9 @@ class AsyncStore:
     ) -> GetJob:
         """The get of `keys` the master's GetReplicaList answer describes (a lease taken at
         `lease_start_ms` or later); with `piece` (start, end), of keys[start:end] (their
-        targets and starts likewise). Any thread: the sync Store builds it in the caller's."""
+        targets and starts likewise). Its reads over TCP end within one transfer timeout from
+        `lease_start_ms`, all replicas together, however long the lease: within the sync
+        Store's bound on a call. Any thread: the sync Store builds it in the caller's."""
         assert isinstance(reply, GetReplicaListReply)
         if piece is not None:
             start, end = piece
@@ -706,7 +721,7 @@ class AsyncStore:
         span = self.buffers.view if starts is not None else None
         return GetJob(
             reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span,
-            self.slow_nodes.is_slow,
+            self.slow_nodes.is_slow, lease_start_ms + self.config.transfer_timeout_ms,
         )  # fmt: skip
 
     async def _read_remote(self, job: GetJob) -> None:
@@ -800,8 +815,10 @@ class AsyncStore:
         a disk tier of a node on this host (its identity file holds the advertised token),
         or the DFS at this client's own dfs_dir (likewise). Else None (read over TCP, or not
         at all for the DFS)."""
-        if info.segment_id in self._directories:
+        try:  # one lookup: another thread may clear them meanwhile (SEGMENTS_REMEMBERED_MAX)
             return self._directories[info.segment_id]
+        except KeyError:
+            pass
         directory: Path | None = None
         if info.tier == TIER_DISK:
             if self.config.shm_enabled and info.shm_path and info.hostname == self.hostname:
@@ -813,8 +830,9 @@ class AsyncStore:
                 directory = Path(self.config.dfs_dir)
             else:
                 log.info("DFS %s is not at %s: DFS replicas are skipped", info.segment_id, self.config.dfs_dir)
-        if len(self._directories) < limits.REGISTERED_BUFFERS_MAX:
-            self._directories[info.segment_id] = directory
+        if len(self._directories) >= SEGMENTS_REMEMBERED_MAX:
+            self._directories.clear()  # each is looked at again when met (they hold nothing)
+        self._directories[info.segment_id] = directory
         return directory
 
     def _local_segment(self, info: SegmentInfo) -> Segment | None:
@@ -846,9 +864,19 @@ class AsyncStore:
             if self._sweep is None and self._loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed
                     self._loop.call_soon_threadsafe(self._schedule_sweep)
-        if len(self._mapped) < limits.REGISTERED_BUFFERS_MAX:
-            self._mapped[info.segment_id] = segment
+        if len(self._mapped) >= SEGMENTS_REMEMBERED_MAX:
+            self._forget_unmapped()
+        self._mapped[info.segment_id] = segment
         return segment
+
+    def _forget_unmapped(self) -> None:
+        """Forget the segments remembered as not mappable here (other hosts'), to make room:
+        a segment met again is looked at again, a name compare. Before, past
+        SEGMENTS_REMEMBERED_MAX nothing more was remembered, and every get or put that met
+        a segment of this host mapped its whole file again. Under self._mapping."""
+        for segment_id, segment in list(self._mapped.items()):
+            if segment is None:
+                del self._mapped[segment_id]
 
     def _schedule_sweep(self) -> None:
         """On the loop: look for unlinked segments MAPPED_SEGMENT_SWEEP_MS from now, and on
@@ -905,7 +933,11 @@ def key_list(keys: Iterable[str]) -> list[str]:
     """`keys` as the list a request carries, each a str: the master takes a request with a key
     of another type (bytes, say) for a malformed frame and drops the connection, which the
     caller would see as RpcFailed; so would it a batch of more than BATCH_KEYS_MAX keys (the
-    decoder refuses it, protocol/messages.py Batch). Raises InvalidKey, InvalidParams."""
+    decoder refuses it, protocol/messages.py Batch). A str or bytes is refused whole: taken as
+    its characters (get_batch("abc") read keys "a", "b" and "c"), it is one key passed where a
+    batch form wants a list. Raises InvalidKey, InvalidParams."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidParams(f"keys must be a list of keys, not a {type(keys).__name__}: {keys!r:.100}")
     listed = list(keys)
     if len(listed) > limits.BATCH_KEYS_MAX:
         raise InvalidParams(f"{len(listed)} keys in one batch > {limits.BATCH_KEYS_MAX}")
@@ -1006,7 +1038,8 @@ _WHY_BY_ACTION_CODE = {
     "left is leased, pinned or being written), or it is larger than every segment",
     ("put", ErrorCode.REPLICA_IS_NOT_READY): "another put of this key is in flight (or, just after a remove "
     "of it, a node's move of the removed object: at most a minute)",
-    ("put", ErrorCode.TRANSFER_FAIL): "no replica could be written (its nodes refused the bytes or did not answer)",
+    ("put", ErrorCode.TRANSFER_FAIL): "no replica could be written (its nodes refused the bytes or did not answer, "
+    "or the writer was stalled past its grants)",
     ("put", ErrorCode.OBJECT_NOT_FOUND): "the master had given the put up before it ended (its writes took "
     "longer than their grants)",
     ("remove", ErrorCode.OBJECT_HAS_LEASE): "a reader holds a read lease on it (force=True removes it anyway)",

@@ -723,10 +723,11 @@ class Store:
             if len(pieces) > 1:
                 return self._put_in_pieces(parts, keys, config, pieces)
         message = async_store._put_start_message(keys, parts, config)
+        sent_ms = now_monotonic_ms()
         reply = self._direct.ask(message, False, functools.partial(self._revoke_granted, message))
         if reply is None:
             return None
-        job = self._put_job(message, parts, reply)
+        job = self._put_job(message, parts, reply, sent_ms)
         try:
             job.copy_local()
             if len(keys) >= PUT_PIECES_FROM_KEYS:
@@ -739,13 +740,15 @@ class Store:
             return self._run(async_store._put_finish(job))
         return self._put_settled(job, failed)
 
-    def _put_job(self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message) -> PutJob:
+    def _put_job(
+        self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message, sent_ms: int
+    ) -> PutJob:
         """The job of an answered put_start. If making it raises (Ctrl-C while it maps a node's
         segment, on a Store's first put there), its grants go back, as a late reply's do:
         before, they stayed pending 30 s, then quarantined for the release timeout (10
         minutes), and a cache under that much less room evicted what it stored next."""
         try:
-            return self._async._put_job(message, parts, reply)
+            return self._async._put_job(message, parts, reply, sent_ms)
         except BaseException:
             self._revoke_granted(message, reply)
             raise
@@ -773,12 +776,16 @@ class Store:
                 self._give_up([job])
                 raise
             job.ended(end, reply)
+        self._revoke(job, revoke)
+        return job.codes
+
+    def _revoke(self, job: PutJob, revoke: list[int]) -> None:
+        """Revoke the keys at `revoke` (indexes) of `job`, whose writes failed, from this thread."""
         if revoke:
             try:
                 self._ask(job.put_revoke(revoke), is_idempotent=False)
             except KVPoolError as exc:  # the master discards the put at its timeout anyway
                 log.info("put_revoke failed (the master will discard the put): %s", exc)
-        return job.codes
 
     def _put_in_pieces(
         self,
@@ -796,12 +803,13 @@ class Store:
         async_store = self._async
         put_id = new_put_id()  # one put: one PutEnd for its pieces
         starts = [async_store._put_start_message(keys[a:b], parts[a:b], config, put_id) for a, b in pieces]
+        sent_ms = now_monotonic_ms()
         jobs: list[PutJob] = [None] * len(pieces)  # type: ignore[list-item]
         answered: list[PutJob] = []
 
         def started(index: int, reply: Message) -> None:
             start, end = pieces[index]
-            job = jobs[index] = self._put_job(starts[index], parts[start:end], reply)
+            job = jobs[index] = self._put_job(starts[index], parts[start:end], reply, sent_ms)
             answered.append(job)
             job.copy_local()
 
@@ -816,10 +824,12 @@ class Store:
             remote = [job for job in jobs if job.remote]
             if remote:
                 self._run(_each(async_store._put_finish, remote))
-            ends = [(job, job.settle_writes([])[0]) for job in jobs if not job.remote]  # nothing to revoke:
-            ends = [(job, end) for job, end in ends if end]  # only remote writes fail keys
+            settled = [(job, *job.settle_writes([])) for job in jobs if not job.remote]
+            ends = [(job, end) for job, end, _ in settled if end]
             if ends:
                 ended_each(ends, self._ask(put_end_of_each(ends), is_idempotent=False))
+            for job, _, revoke in settled:  # copies refused past their grants (PutJob.copy_local)
+                self._revoke(job, revoke)
         except BaseException:
             self._give_up(answered)
             raise

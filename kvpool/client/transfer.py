@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,8 @@ from kvpool.protocol.messages import (
 )
 from kvpool.transports import files
 
+log = logging.getLogger(__name__)
+
 _OK = int(ErrorCode.OK)
 _FILE_TIERS = (TIER_DISK, TIER_DFS)
 
@@ -73,6 +76,15 @@ FRAME_BYTES_TARGET = 4 * limits.MIB
 # Plain gets over TCP of objects up to this size land together, one buffer per frame
 # (GetJob._page_frames); larger ones land in the bytes object returned (_new_bytes).
 SMALL_LANDING_BYTES_MAX = 16 * limits.KIB
+
+# A put's same-host copies larger than a page go in groups of about this many bytes, the
+# deadline of its grants checked before each (PutJob.copy_local): large enough that a group
+# still spreads over the copying threads (checksums.PARALLEL_BYTES_MIN), a few ms of copying.
+COPY_GROUP_BYTES = 8 * limits.MIB
+
+# Small same-host copies look at their grants' deadline once per this many (a clock read per
+# 4 KiB page cost 10% of copy_local: 133 -> 149 us per batch of 128, ad hoc); larger ones each.
+DEADLINE_CHECK_EVERY = 64
 
 LocalSegments = Callable[[SegmentInfo], Segment | None]
 # A view of registered memory: (address, size) -> memoryview; raises KVPoolError when the range
@@ -84,6 +96,21 @@ FILE_PREFETCH_BYTES_MAX = 64 * limits.MIB
 FILE_READ_THREADS = 4
 # The directory of a disk or DFS segment's object files if this host can open them, else None.
 LocalDirectories = Callable[[SegmentInfo], Path | None]
+
+
+def _copy_groups(positions: list[int], sizes: list[int]) -> list[list[int]]:
+    """`positions` in runs of about COPY_GROUP_BYTES (objects of `sizes`): a put's larger
+    same-host copies go a run at a time (on several threads when large), each run only while
+    the grants hold (PutJob.copy_local)."""
+    groups: list[list[int]] = []
+    group_bytes = COPY_GROUP_BYTES
+    for position, size in zip(positions, sizes):
+        if group_bytes >= COPY_GROUP_BYTES:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(position)
+        group_bytes += size
+    return groups
 
 
 def first_occurrences(keys: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -292,7 +319,9 @@ class PutJob:
         reply: PutStartReply,
         local_segments: LocalSegments,
         put_id: int,
+        sent_ms: int | None = None,
     ) -> None:
+        """`sent_ms`: the monotonic time the put_start left (before its answer: None, now)."""
         self.keys = list(keys)
         self.put_id = put_id
         self.parts = parts
@@ -303,6 +332,10 @@ class PutJob:
         # the put, and every key failed.
         grant_ttl_ms = reply.grant_ttl_ms or limits.PUT_DISCARD_TIMEOUT_MS_DEFAULT
         self.writes_deadline_ms = now_monotonic_ms() + grant_ttl_ms * 2 // 3
+        # When copies into mapped segments must have begun by (monotonic ns): the grants'
+        # life from when the put_start left, before the master started it (see copy_local).
+        sent_ms = now_monotonic_ms() if sent_ms is None else sent_ms
+        self.copies_deadline_ns = (sent_ms + grant_ttl_ms) * 1_000_000
         self.checksums: list[int] = []
         self.codes: list[int] = []
         self.needs_end: list[bool] = []
@@ -358,15 +391,33 @@ class PutJob:
         so the cyclic collector ran during nearly every batch and promoted them, and a full
         collection of the client's heap (~25 ms for 32,000 objects on this VM) came every
         ~80 batches: 0.2-0.36 ms per batch, 15-25% of the client's CPU (ad hoc, gc.callbacks).
+
+        A copy into a mapped segment goes straight into the node's memory: no node checks its
+        grant, so each object's copy is refused here once the grants may have lapsed
+        (copies_deadline_ns; a caller stalled since its put_start, by SIGSTOP or swapping): the
+        master may have discarded the put by then and, after the release timeout, granted the
+        range to another put, whose bytes the copy would overwrite. The key fails as a write
+        the node refuses for its expired grant does (TRANSFER_FAIL, revoked). A stall in the
+        middle of one copy (or of one group of larger objects, COPY_GROUP_BYTES) still lands
+        late: only the release timeout covers that (10 minutes by default, against the grants' 30 s).
         """
         checksums = [0] * len(self.keys)
         local_keys, grants, offsets, sizes = self._local_keys, self._local_grants, self._local_offsets, self._sizes
         mapped_data, parts = self._mapped_data, self.parts
-        first: dict[int, int] = {}  # key index -> position of its first local replica
+        deadline_ns, clock = self.copies_deadline_ns, time.monotonic_ns
+        # Key index -> position of its first local replica (-1: late, not copied).
+        first: dict[int, int] = {}
         larger: list[int] = []  # positions of first replicas not a page
+        late: set[int] = set()  # key indexes whose copies came after their grants
         for position, index in enumerate(local_keys):
             if index in first:
                 continue
+            if position % DEADLINE_CHECK_EVERY == 0 and clock() > deadline_ns:  # and the keys after it
+                for later in local_keys[position:]:
+                    if later not in first:
+                        first[later] = -1
+                        late.add(later)
+                break
             first[index] = position
             key_parts = parts[index]
             if len(key_parts) == 1 and sizes[index] <= SMALL_COPY_BYTES_MAX:
@@ -375,25 +426,46 @@ class PutJob:
                 checksums[index] = copy_small_checksummed(key_parts[0], destination)
             else:
                 larger.append(position)
-        if larger:
-            sources = [parts[local_keys[p]] for p in larger]
-            destinations = [[self._destination(p)] for p in larger]
+        for group in _copy_groups(larger, [sizes[local_keys[p]] for p in larger]):
+            if clock() > deadline_ns:
+                late.update(local_keys[p] for p in group)
+                continue
+            sources = [parts[local_keys[p]] for p in group]
+            destinations = [[self._destination(p)] for p in group]
             landed = copies_checksummed(sources, destinations, SIMD_COPY_INTO_SEGMENT_BYTES_MIN)
-            for position, checksum in zip(larger, landed):
+            for position, checksum in zip(group, landed):
                 checksums[local_keys[position]] = checksum
         hashed, copied = set(), set()
         for position, index in enumerate(local_keys):
             segment_id = self.granted_segments[grants[position]]
             if first[index] == position:
                 hashed.add(segment_id)
+            elif index in late:
+                continue
+            elif (
+                position % DEADLINE_CHECK_EVERY == 0 or sizes[index] > SMALL_COPY_BYTES_MAX
+            ) and clock() > deadline_ns:
+                late.add(index)
             else:  # a second same-host replica: copy the first (not hashed where it landed)
                 self._destination(position)[:] = self._destination(first[index])
                 copied.add(segment_id)
         self.hashed_in_place = sorted(hashed - copied)
+        if late:
+            self._fail_late(late)
         remote_only = [i for i, needs_end in enumerate(self.needs_end) if needs_end and i not in first]
         for index, checksum in zip(remote_only, checksums_of([parts[i] for i in remote_only])):
             checksums[index] = checksum
         self.checksums = checksums
+
+    def _fail_late(self, late: set[int]) -> None:
+        """These keys' copies into mapped segments were refused, past their grants: they fail."""
+        for index in late:
+            self.codes[index] = int(ErrorCode.TRANSFER_FAIL)
+        late_ms = (time.monotonic_ns() - self.copies_deadline_ns) // 1_000_000
+        log.warning(
+            "%d keys of a put not copied into this host's segments: %d ms past their grants (was this "
+            "process stopped or swapped out?); they fail", len(late), late_ms,
+        )  # fmt: skip
 
     def _destination(self, position: int) -> memoryview:
         """The range of the same-host replica at `position` in the mapped segment."""
@@ -499,6 +571,7 @@ class GetJob:
         starts: Sequence[int | None] | None = None,
         span: Span | None = None,
         is_slow: Callable[[str], bool] | None = None,
+        reads_deadline_ms: int | None = None,
     ) -> None:
         self.reply = reply
         self._is_slow = is_slow  # a node endpoint that stopped answering in time (slow_nodes.py)
@@ -512,6 +585,8 @@ class GetJob:
         self.codes = list(reply.codes)
         self.results: list[bytes | int | None] = [None] * len(reply.codes)
         self.lease_deadline_ms = lease_start_ms + reply.lease_ttl_ms
+        # When every round of TCP reads must have ended (round_timeout_ms), whatever the lease.
+        self.reads_deadline_ms = self.lease_deadline_ms if reads_deadline_ms is None else reads_deadline_ms
         self._local_segments = local_segments
         # Per key its replicas nearest first, and how many of them were tried: the next to
         # read is candidates[i][tried[i]] (the reply's own list when there is nothing to order:
@@ -793,16 +868,18 @@ class GetJob:
 
     def round_timeout_ms(self, now_ms: int, transfer_timeout_ms: int) -> int:
         """How long the next round of TCP reads may take: within the transfer timeout and what
-        is left of the lease (bytes that land after it lapsed are not returned), less
-        READ_FALLBACK_RESERVE_MS for each replica still to try after this one, so that a node
-        that stopped answering leaves the next replica time to be read instead of taking the
-        whole get down; but at least an equal share of the lease left. A read slower than that
-        is given up for the next replica: on a KV cache, bytes that take seconds to come are
-        worth less than the prefill that recomputes them. 0: the lease lapsed already, so there
-        is nothing to read for (the keys are misses)."""
+        is left of the lease (bytes that land after it lapsed are not returned) and of the
+        job's reads_deadline_ms (all rounds together: a lease longer than the sync Store's
+        bound on a call, 45 s by default, had rounds of a transfer timeout each run past it,
+        RpcTimeout instead of a miss), less READ_FALLBACK_RESERVE_MS for each replica still
+        to try after this one, so that a node that stopped answering leaves the next replica
+        time to be read instead of taking the whole get down; but at least an equal share of
+        the time left. A read slower than that is given up for the next replica: on a KV
+        cache, bytes that take seconds to come are worth less than the prefill that
+        recomputes them. 0: no time is left, so there is nothing to read for (misses)."""
         candidates, tried = self._candidates, self._tried
         rounds = max((len(candidates[i]) - tried[i] for i in self.pending_indexes()), default=1)
-        left_ms = self.lease_deadline_ms - now_ms
+        left_ms = min(self.lease_deadline_ms, self.reads_deadline_ms) - now_ms
         share_ms = max(left_ms // max(1, rounds), left_ms - READ_FALLBACK_RESERVE_MS * (rounds - 1))
         return max(0, min(transfer_timeout_ms, share_ms))
 
