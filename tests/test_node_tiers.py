@@ -17,6 +17,7 @@ import contextlib
 import errno
 import multiprocessing
 import os
+import select
 import socket
 import threading
 import time
@@ -153,7 +154,9 @@ def test_a_file_range_is_copied_in_the_kernel(tmp_path):
     assert files.read_object_bytes(tmp_path / "dst.kvo", "k", len(data)) == data
 
 
-def test_send_parts_mixes_buffers_and_file_ranges_on_a_non_blocking_socket(tmp_path):
+def test_send_some_mixes_buffers_and_file_ranges_on_a_non_blocking_socket(tmp_path):
+    """A slow reader makes room in time: send_some waits for it in its thread and sends
+    everything, in order, in one call or a few (the caller waits for room between)."""
     data = os.urandom(5 * MIB)
     path = write(tmp_path, "a.kvo", "k", data)
     fd, header = files.open_object(path, "k", len(data))
@@ -173,7 +176,12 @@ def test_send_parts_mixes_buffers_and_file_ranges_on_a_non_blocking_socket(tmp_p
     reader.start()
     try:
         parts = [b"head", FileRange(fd, header.header_size + 100, len(data) - 100), b"!!"]
-        files.send_parts(left.fileno(), parts, 5_000)
+        position: files.SendPosition | None = files.SEND_START
+        deadline_s = time.monotonic() + 5
+        while position is not None and time.monotonic() < deadline_s:
+            position = files.send_some(left.fileno(), parts, position)
+            if position is not None:
+                select.select([], [left], [], 1)
     finally:
         reader.join(10)
         files.close_parts([FileRange(fd, 0, 0)])

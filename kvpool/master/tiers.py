@@ -901,7 +901,12 @@ class TierFlow:
         doomed: list[Place] = []
         if is_source_gone:
             doomed.append(move.source)
-        if move.kind is MoveKind.OFFLOAD and not meta.has_lease(now_ms):
+        # An offload that found its filesystem full leaves the object where it was (the
+        # source is untouched: nodes never change one), back among that tier's eviction
+        # candidates; the tier's room is capped now (_found_full), so the next offload there
+        # makes room instead of failing. Before, the object was dropped: lost, though whole.
+        is_kept = all(code == ErrorCode.NO_AVAILABLE_HANDLE for code in move.results.values())
+        if move.kind is MoveKind.OFFLOAD and not is_kept and not meta.has_lease(now_ms):
             # Moved (or not: the room was needed all the same). A reader under a lease may
             # be copying from them: then they stay, as ordinary replicas.
             doomed.extend(place for place in move.retiring if place != move.source or not is_source_gone)

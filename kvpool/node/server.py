@@ -43,7 +43,7 @@ from kvpool import limits
 from kvpool.config import NodeConfig
 from kvpool.discovery import MasterResolver, parse_master_address
 from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, Unauthorized
-from kvpool.node.clock import MasterClock, wall_clock_ms
+from kvpool.node.clock import MasterClock, monotonic_ms, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import MetricsServer, NodeMetrics, TierMetrics
@@ -139,7 +139,8 @@ class Node:
         # What the last look found free, for /metrics: a scrape must not look itself (a
         # statvfs that hangs froze the event loop, and the master dropped the node).
         self._filesystem_free_bytes = math.nan
-        self._master_clock = MasterClock(f"node {config.node_id}")  # what write grants are checked against
+        # What write grants are checked against; measured on the monotonic clock, which no one steps.
+        self._master_clock = MasterClock(f"node {config.node_id}", local_ms=monotonic_ms)
         self._segment_info: SegmentInfo | None = None
         self._inventory: Inventory | None = None
         self._transfer: TransferHandler | None = None
@@ -463,7 +464,7 @@ class Node:
                     log.warning("node %s: master link lost: %s", self.node_id, conn.close_reason)
                     return
                 heartbeat = Heartbeat(self._segment_ids(), await self._filesystems())
-                sent_ms = wall_clock_ms()
+                sent_ms = self._master_clock.local_ms()
                 reply = _expect(await conn.request(heartbeat, timeout_ms=self.config.rpc_timeout_ms), HeartbeatReply)
                 self._observe_master_clock(sent_ms, reply.master_time_ms)
                 if reply.unknown_segment_ids:
@@ -494,7 +495,7 @@ class Node:
             chunks = list(_inventory_chunks(inventory.entries()))
             for index, chunk in enumerate(chunks):
                 mount = MountSegment(info, chunk, is_last=index == len(chunks) - 1)
-                sent_ms = wall_clock_ms()
+                sent_ms = self._master_clock.local_ms()
                 reply = _expect(await conn.request(mount, timeout_ms=self.config.rpc_timeout_ms), MountReply)
                 self._observe_master_clock(sent_ms, reply.master_time_ms)
                 if info.segment_id == self._segment_id and self._transfer is not None:
@@ -516,8 +517,9 @@ class Node:
             await self._send_drain(conn)
 
     def _observe_master_clock(self, sent_ms: int, master_time_ms: int) -> None:
-        self._master_clock.observe(sent_ms, master_time_ms)
-        self.metrics.master_clock_offset.set(self._master_clock.offset_ms / 1000)
+        clock = self._master_clock
+        clock.observe(sent_ms, master_time_ms, clock.local_ms())
+        self.metrics.master_clock_offset.set(clock.wall_offset_ms / 1000)
 
     def _drain_remaining_ms(self) -> int:
         return max(0, self._drain_deadline_ms - wall_clock_ms())

@@ -170,7 +170,7 @@ class TieredTransferHandler:
                 raise
             return payload
 
-        payload = await self.mover.run_in_thread(open_all)
+        payload = await self.mover.read_in_thread(open_all)
         assert isinstance(payload, list)
         disk_bytes = sum(part.size for part in payload if type(part) is FileRange)
         self.metrics.disk_read_bytes.inc(disk_bytes)

@@ -18,9 +18,10 @@ renames it with `publish` (node/moves.py). A written file is dropped from the pa
 Every call here blocks (disk or network filesystem): callers on an event loop run them in a
 thread (node/moves.py, the Connection's file sender).
 
-Sending a file to a socket (`send_parts`) runs in a worker thread on a dup() of the socket: a
-uvloop transport has no loop.sendfile, and a sendfile on the loop thread would block it on the
-disk. Measured on this repository's VM (loopback, 256 MiB from the page cache, one thread):
+Sending a file to a socket (`send_some`: as much as the socket takes within a short wait, the
+rest of the wait left to the caller) runs in a worker thread on a dup() of the socket: a uvloop
+transport has no loop.sendfile, and a sendfile on the loop thread would block it on the disk.
+Measured on this repository's VM (loopback, 256 MiB from the page cache, one thread):
 os.sendfile 2.2 GB/s; os.preadv into a buffer then transport.write 0.7 GB/s.
 """
 
@@ -48,7 +49,6 @@ from kvpool.errors import (
     KVPoolError,
     ObjectNotFound,
     RpcFailed,
-    RpcTimeout,
     TransferFailed,
     map_exceptions,
 )
@@ -61,8 +61,12 @@ from kvpool.protocol.objectfile import ObjectHeader, TierIdentity
 _HEADER_READ_BYTES = objectfile.ALIGN_BYTES
 # Bytes per copy_file_range / sendfile call between files.
 _COPY_CHUNK_BYTES = 64 * limits.MIB
-# How long a socket write waits for room at most, per poll (the whole send has its deadline).
-_POLL_INTERVAL_MS = 200
+# How long send_some waits in its thread for room in a socket, at a time and in all, before it
+# gives the thread back: a reader that reads makes room well within it (each hand-back to the
+# event loop and new thread hop cost up to 12% of a 128 MiB sendfile over loopback, ad hoc), and
+# one that stopped reading holds the thread no longer; the event loop judges the deadline.
+SEND_ROOM_WAIT_MS = 20
+SEND_CALL_MS_MAX = 200
 # Reads into a buffer at a slow offset from the page cache's (read_range_into) from this size
 # go through a bounce buffer of this size per reading thread. 64 x 4 MiB objects from the page
 # cache into a numpy array, four threads: 3.9 GB/s straight, 6.7 through the bounce buffer,
@@ -573,55 +577,78 @@ def lock_directory(directory: Path) -> int:
 # --- sending to a socket -------------------------------------------------------------------
 
 
-def send_parts(sock_fd: int, parts: Sequence[Part], timeout_ms: int) -> None:
-    """Write `parts` to a non-blocking socket, in order: buffers with os.write, file ranges
-    with os.sendfile (the kernel moves the file's pages to the socket). Blocks: run it in a
+class SendPosition(NamedTuple):
+    """How far send_some got: the part, and the bytes of it sent."""
+
+    part: int
+    done: int
+
+
+SEND_START = SendPosition(0, 0)
+
+
+def send_some(sock_fd: int, parts: Sequence[Part], position: SendPosition) -> SendPosition | None:
+    """Write `parts` from `position` to a non-blocking socket, in order, while it takes bytes:
+    buffers with os.write, file ranges with os.sendfile (the kernel moves the file's pages to
+    the socket). A full socket is waited for here for SEND_ROOM_WAIT_MS at a time, at most
+    SEND_CALL_MS_MAX in all; then this returns where it stopped, and the caller waits for room
+    without holding a thread (the Connection, on its event loop: a reader that stops reading
+    holds no sender thread), then calls again. None once all is sent. Blocks: run it in a
     worker thread, on a dup() of the socket, while nothing else writes to that socket.
 
     Raises:
         RpcFailed: the socket broke (the peer left, or the connection was shut down).
-        RpcTimeout: the socket took no bytes for longer than the deadline allows.
         TransferFailed: a file could not be read.
     """
-    deadline_s = time.monotonic() + timeout_ms / 1000
-    poller = select.poll()
-    poller.register(sock_fd, select.POLLOUT)
-    for part in parts:
-        if isinstance(part, FileRange):
-            done = 0
-            while done < part.size:
-                try:
-                    sent = os.sendfile(sock_fd, part.fd, part.offset + done, part.size - done)
-                except BlockingIOError:
-                    _wait_writable(poller, deadline_s)
-                    continue
-                except OSError as exc:
-                    if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
-                        raise RpcFailed(f"socket closed during sendfile: {exc}") from exc
-                    raise TransferFailed(f"sendfile: {exc}") from exc
-                if sent == 0:
-                    raise TransferFailed("object file ended before its size")
-                done += sent
-            continue
-        view = memoryview(part).cast("B")
-        done = 0
-        while done < len(view):
+    poller: select.poll | None = None
+    call_end_s = time.monotonic() + SEND_CALL_MS_MAX / 1000
+    for index in range(position.part, len(parts)):
+        part = parts[index]
+        done = position.done if index == position.part else 0
+        view = None if isinstance(part, FileRange) else memoryview(part).cast("B")
+        size = part.size if view is None else len(view)
+        while done < size:
             try:
-                done += os.write(sock_fd, view[done:])
+                done += _send_once(sock_fd, part, view, done)
             except BlockingIOError:
-                _wait_writable(poller, deadline_s)
-            except OSError as exc:
-                raise RpcFailed(f"socket closed during send: {exc}") from exc
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(sock_fd, select.POLLOUT)
+                if time.monotonic() > call_end_s or not _has_room_within(poller, SEND_ROOM_WAIT_MS):
+                    return SendPosition(index, done)
+    return None
 
 
-def _wait_writable(poller: select.poll, deadline_s: float) -> None:
-    remaining_s = deadline_s - time.monotonic()
-    if remaining_s <= 0:
-        raise RpcTimeout("peer took no bytes before the transfer deadline")
-    events = poller.poll(min(_POLL_INTERVAL_MS, remaining_s * 1000))
-    for _, event in events:
+def _send_once(sock_fd: int, part: Part, view: memoryview | None, done: int) -> int:
+    """One write of `part` past its first `done` bytes; the bytes the socket took."""
+    if view is not None:
+        try:
+            return os.write(sock_fd, view[done:])
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            raise RpcFailed(f"socket closed during send: {exc}") from exc
+    assert isinstance(part, FileRange)
+    try:
+        sent = os.sendfile(sock_fd, part.fd, part.offset + done, part.size - done)
+    except BlockingIOError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+            raise RpcFailed(f"socket closed during sendfile: {exc}") from exc
+        raise TransferFailed(f"sendfile: {exc}") from exc
+    if sent == 0:
+        raise TransferFailed("object file ended before its size")
+    return sent
+
+
+def _has_room_within(poller: select.poll, timeout_ms: int) -> bool:
+    """Whether the polled socket takes bytes within `timeout_ms`."""
+    for _, event in poller.poll(timeout_ms):
         if event & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
             raise RpcFailed("socket closed while waiting to send")
+        return True
+    return False
 
 
 def close_parts(parts: Sequence[Part]) -> None:
