@@ -231,7 +231,7 @@ def test_get_of_an_object_whose_nodes_are_gone_says_so_not_not_found(make_cluste
     assert kvpool_cli("put", "orphan", *master, stdin=b"v").returncode == 0
     cluster.nodes[0].kill()
     got = kvpool_cli("get", "orphan", *master)
-    assert got.returncode == 2 and b"stored, but no replica could be read" in got.stderr, got.stderr
+    assert got.returncode == 3 and b"stored, but no replica could be read" in got.stderr, got.stderr
     assert b"`kvpool stat orphan` shows where" in got.stderr, got.stderr  # was a literal {shown}
     assert kvpool_cli("get", "never-put", *master).stderr.strip().endswith(b"not found")
 
@@ -251,10 +251,10 @@ def test_rm_by_pattern_says_what_it_left_and_refuses_an_empty_pattern(make_clust
         assert empty.returncode == 2 and b"an empty pattern matches every key" in empty.stderr, empty.stderr
         assert store.longest_prefix(["held"], hold_ms=60_000) == 1  # a read lease, as an engine's lookup
         by_regex = kvpool_cli("rm", "--regex", "^(held|free-1)$", *master)
-        assert by_regex.returncode == 1, by_regex.stderr
+        assert by_regex.returncode == 3, by_regex.stderr
         assert b"removed 1 object(s); 1 matching still stored, under read leases" in by_regex.stderr, by_regex.stderr
         every = kvpool_cli("rm", "--all", *master)
-        assert every.returncode == 1 and b"removed 1 object(s); 1 matching still stored" in every.stderr, every.stderr
+        assert every.returncode == 3 and b"removed 1 object(s); 1 matching still stored" in every.stderr, every.stderr
         assert store.list_objects().keys == ["held"]
         forced = kvpool_cli("rm", "--all", "--force", *master)
         assert forced.returncode == 0 and b"removed 1 object(s)" in forced.stderr, forced.stderr

@@ -55,7 +55,7 @@ def test_object_put_by_one_client_process_is_read_by_another(make_cluster, tmp_p
         assert got.returncode == 0, got.stderr.decode()
         assert out.read_bytes() == data
     miss = kvpool_cli("get", "no/such/key", "--master", cluster.master_endpoint)
-    assert miss.returncode == 2
+    assert miss.returncode == 3
     assert b"not found" in miss.stderr
 
 

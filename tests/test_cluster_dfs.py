@@ -60,7 +60,7 @@ def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_p
         assert got.returncode == 0, got.stderr.decode()
         assert (tmp_path / "out").read_bytes() == persisted[first]
     missed = kvpool_cli("get", first, "--master", cluster.master_endpoint)
-    assert missed.returncode == 2
+    assert missed.returncode == 3
     assert "kept only on the DFS tier, which no node serves: give --dfs-dir" in " ".join(missed.stderr.decode().split())
     with Store(cluster.master_endpoint, shm_enabled=False) as outsider:
         assert outsider.get(first) is None

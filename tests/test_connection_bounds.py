@@ -9,14 +9,16 @@ within its timeout, not sit in the wait for the peer to drain the connection.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
 import uvloop
-from conftest import raw_server
+from conftest import raw_server, wait_until
 
 from kvpool.errors import RpcTimeout
-from kvpool.protocol.messages import Heartbeat
+from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
+from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, Heartbeat
 from kvpool.transports.connection import connect
 
 
@@ -115,3 +117,89 @@ def test_a_handshake_frame_with_a_payload_closes_the_connection_saying_so():
 
     uvloop.run(asyncio.wait_for(main(), 30))
     assert reasons == ["AuthResponse with a payload during the handshake"], reasons
+
+
+# The open files limit of the master below: it holds at most a quarter of it, 128 authenticated
+# connections (connection.authenticated_connections_max), and ran out of descriptors at about 490.
+MASTER_OPEN_FILES = 512
+MASTER_CONNECTIONS_MAX = 128
+
+
+def _authenticated(endpoint: str) -> socket.socket | None:
+    """A raw connection that shakes hands (no token) and then says nothing, as a client that
+    opens a connection and never closes it; None when the server closed it instead."""
+    import os
+
+    host, port = endpoint.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    decoder = FrameDecoder()
+    try:
+        for answer in range(2):  # the challenge, then AuthOk
+            while (frame := decoder.next_event()) is NEED_DATA:
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("closed")
+                decoder.receive_data(data)
+            assert isinstance(frame.message, (AuthChallenge, AuthOk)[answer]), frame.message
+            if answer == 0:
+                sock.sendall(encode_frame(AuthResponse(os.urandom(32), b""), 0))
+    except OSError:
+        sock.close()
+        return None
+    sock.setblocking(False)  # for _is_open
+    return sock
+
+
+def _is_open(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def test_idle_connections_past_the_bound_crowd_out_their_own_kind_not_a_node(tmp_path):
+    """Authenticated connections were uncapped: idle ones that a client never closed took every
+    descriptor of the master, and then no client nor node could connect. Now a master holds
+    at most a share of its open files limit; past it, the connections silent the longest go,
+    never a live node's link, and newcomers (a client, a node) get in."""
+    from kvpool import Store
+    from kvpool.cli.launcher import spawn
+    from kvpool.errors import KVPoolError
+
+    wrapper = ("prlimit", f"--nofile={MASTER_OPEN_FILES}:{MASTER_OPEN_FILES}")
+    master = spawn("master", ["master", "--port", "0", "--http-port", "0"], tmp_path, wrapper=wrapper)
+    processes, held = [master], []
+    try:
+        endpoint = master.info["endpoint"]
+        processes.append(spawn("node1", ["node", "--master", endpoint, "--memory", "16MiB"], tmp_path))
+        value = b"v" * 1_000
+        with Store(endpoint, token="", shm_enabled=False) as store:
+            store.put("kept", value)
+            for opened in range(MASTER_OPEN_FILES + 100):  # more than the master has descriptors for
+                if (sock := _authenticated(endpoint)) is not None:
+                    held.append(sock)
+                if opened % 100 == 0:
+                    assert store.get("kept") == value  # an established client is served throughout
+            # Those of the node and of the store among them.
+            wait_until(lambda: sum(map(_is_open, held)) <= MASTER_CONNECTIONS_MAX - 2)
+
+            def a_newcomer_sees_the_node() -> bool:
+                try:
+                    with Store(endpoint, token="", shm_enabled=False) as newcomer:
+                        return [s.state for s in newcomer.cluster_status().segments] == ["active"]
+                except KVPoolError:  # refused: no connection silent long enough to go yet
+                    return False
+
+            wait_until(a_newcomer_sees_the_node)
+            processes.append(spawn("node2", ["node", "--master", endpoint, "--memory", "16MiB"], tmp_path))
+            assert store.get("kept") == value  # its connection may have gone: it opens another
+        said = master.log_path.read_text()
+        assert "the least recently heard of" in said and "a client that does not close its connections?" in said
+        assert "lost the connection to the node" not in said, said  # node1's link was never closed
+    finally:
+        for sock in held:
+            sock.close()
+        for process in reversed(processes):
+            process.stop()

@@ -40,12 +40,23 @@ if TYPE_CHECKING:
     from kvpool.node.server import Node
     from kvpool.protocol.messages import SegmentStatus
 
+# What the object commands (put, get, rm, ls, stat, bench) exit with: a script tells a miss, which
+# it answers by computing the object again, from a failure, which it reports.
+EXIT_FAILED = 1  # the cluster unreachable, too slow or refusing; a file unreadable or unwritable
+EXIT_USAGE = 2  # click's own code for a command line it cannot read
+EXIT_NOT_FOUND = 3  # get: no object to read; rm: keys not removed (absent, or under a read lease)
+EXIT_STATUSES_HELP = (
+    "Exit status of the object commands: 0 done, 1 failed (the cluster unreachable or refusing, a "
+    "file unreadable), 2 usage error, 3 not found (get: a miss; rm: keys not removed)."
+)
+
 # Help is click's plain layout (rich_markup_mode=None): rich's option tables, fitted to 80
 # columns, cut option and environment variable names ("--evict-watermar…"); click wraps the
 # descriptions and never cuts a name.
 app = typer.Typer(
     name="kvpool",
     help="kvpool: a pooled KV-cache store. Host DRAM of many servers as one cache for LLM serving.",
+    epilog=EXIT_STATUSES_HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -167,7 +178,7 @@ def _token(token_file: Optional[Path]) -> str | None:
     return token_from(None, str(token_file) if token_file else None)
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
+def _fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
     err_console.print(f"[red]error:[/red] {escape(message + flags_from_file(message))}")
     return typer.Exit(code)
 
@@ -198,6 +209,13 @@ def _fail_in_flags(exc: KVPoolError, flags: dict[str, str]) -> typer.Exit:
     """_fail for a config error, each field it names spelt as its command-line flag."""
     pattern = r"\b(" + "|".join(flags) + r")\b"
     return _fail(re.sub(pattern, lambda match: flags[match.group(1)], str(exc)))
+
+
+def _source_name(ctx: typer.Context, name: str) -> str:
+    """Where option `name` took its value: COMMANDLINE, ENVIRONMENT, DEFAULT_MAP (a settings
+    file) or DEFAULT, click's ParameterSource by name (typer may vendor click)."""
+    source = ctx.get_parameter_source(name)
+    return source.name if source is not None else "DEFAULT"
 
 
 def _require_directory(size_flag: str, size: str | None, directory_flag: str, directory: Path | None) -> None:
@@ -279,7 +297,7 @@ def _shm_from_environment() -> bool:
     try:
         return parse_flag(os.environ.get("KVPOOL_SHM") or "1", "KVPOOL_SHM")
     except KVPoolError as exc:
-        raise _fail(str(exc), code=2) from None
+        raise _fail(str(exc), code=EXIT_USAGE) from None
 
 
 def _store(
@@ -348,7 +366,7 @@ def _writing_stdout() -> Iterator[None]:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         if exc.errno == errno.EPIPE:
-            raise typer.Exit(1) from None
+            raise typer.Exit(EXIT_FAILED) from None
         raise _fail(f"cannot write to standard output: {exc.strerror or exc}") from None
 
 
@@ -364,6 +382,7 @@ def _table_console() -> Console:
 
 @app.command()
 def master(
+    ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[
         int, typer.Option(help="RPC port (0 = any free port).", min=0, max=PORT_MAX)
@@ -409,7 +428,9 @@ def master(
         ),
     ] = None,
     cluster_id: Annotated[
-        str, typer.Option(envvar="KVPOOL_CLUSTER_ID", help="Name of the cluster in etcd.")
+        str,
+        typer.Option(envvar="KVPOOL_CLUSTER_ID",
+                     help="Name of the cluster in etcd (with --etcd; KVPOOL_CLUSTER_ID is ignored without it)."),
     ] = limits.CLUSTER_ID_DEFAULT,
     etcd_lease_ttl_ms: Annotated[
         int, typer.Option(help="The leader's etcd lease (whole seconds): how long a failover waits for a dead leader.")
@@ -474,6 +495,10 @@ def master(
         ):
             if value != default and not etcd:
                 raise _fail(f"{flag} needs --etcd: without an election there is no leader to wait for")
+        # The cluster's name in etcd names nothing without it. KVPOOL_CLUSTER_ID, exported on a
+        # host for its HA masters, is left to them; a flag or a settings file's line is refused.
+        if not etcd and _source_name(ctx, "cluster_id") in ("COMMANDLINE", "DEFAULT_MAP"):
+            raise _fail("--cluster-id needs --etcd: it names the cluster in etcd, and without --etcd there is none")
         if etcd:
             from kvpool.master.election import ElectionConfig
             from kvpool.transports.etcd import parse_etcd_endpoints
@@ -796,7 +821,8 @@ def get(
     token_file: TokenFileOption = None,
     timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
-    """Fetch an object (exit code 2 on a miss)."""
+    """Fetch an object. Exit status 3 when there is none to read (a miss: not found, or no
+    replica readable), 1 when the command failed (the master unreachable), 2 on a usage error."""
     from kvpool.protocol.messages import TIER_DFS
 
     _check_key("get", key)
@@ -807,12 +833,14 @@ def get(
             (replicas,) = store.query([key]).replicas
             tiers = {s.segment.segment_id: s.segment.tier for s in store.cluster_status().segments}
             if not dfs_dir and replicas and all(tiers.get(r.segment_id) == TIER_DFS for r in replicas):
-                raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir", code=2)
+                raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir",
+                            code=EXIT_NOT_FOUND)  # fmt: skip
             if replicas:
                 raise _fail(f"{shown}: stored, but no replica could be read (its nodes: down, not answering, "
-                            f"or bad bytes; `kvpool stat {shown}` shows where it lives)", code=2)  # fmt: skip
+                            f"or bad bytes; `kvpool stat {shown}` shows where it lives)",
+                            code=EXIT_NOT_FOUND)  # fmt: skip
     if data is None:
-        raise _fail(f"{shown}: not found", code=2)
+        raise _fail(f"{shown}: not found", code=EXIT_NOT_FOUND)
     if output is None:
         with _writing_stdout():
             sys.stdout.buffer.write(data)
@@ -851,16 +879,16 @@ def rm(
     token_file: TokenFileOption = None,
     timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
-    """Remove objects by key, by regex, or all of them. Name one of the three. Exit status 1
-    when some were not removed (not found, or under a read lease: --force removes those), 2
-    on a usage error."""
+    """Remove objects by key, by regex, or all of them. Name one of the three. Exit status 3
+    when some were not removed (not found, or under a read lease: --force removes those), 1
+    when the command failed (the master unreachable), 2 on a usage error."""
     chosen = sum((bool(keys), regex is not None, all_objects))
     if chosen != 1:
         # Two of them once meant the first in an order nobody wrote down (`rm KEY --regex R`
         # removed what R matched and left KEY): a usage error now.
-        raise _fail("name keys, --regex PATTERN or --all" + (", only one of them" if chosen else ""), code=2)
+        raise _fail("name keys, --regex PATTERN or --all" + (", only one of them" if chosen else ""), EXIT_USAGE)
     if regex == "":  # an unset shell variable in `--regex "$PREFIX"`: every key would match
-        raise _fail("--regex '': an empty pattern matches every key (--all says so)", code=2)
+        raise _fail("--regex '': an empty pattern matches every key (--all says so)", EXIT_USAGE)
     for key in keys or []:
         _check_key("rm", key)
     with _connected("rm", master, token_file, timeout_s=timeout) as store:
@@ -875,7 +903,7 @@ def rm(
                 err_console.print(f"removed {count} object(s); {len(left.keys)}{'+' if left.truncated else ''} "
                                   "matching still stored, under read leases or put since (--force removes "
                                   "leased ones)")  # fmt: skip
-                raise typer.Exit(1)
+                raise typer.Exit(EXIT_NOT_FOUND)
         else:
             codes = store.batch_remove(keys or [], force)
             for key, code in zip(keys or [], codes):
@@ -884,7 +912,7 @@ def rm(
             count = sum(1 for c in codes if c == ErrorCode.OK)
             if count < len(codes):
                 err_console.print(f"removed {count} of {len(codes)} object(s)")
-                raise typer.Exit(1)
+                raise typer.Exit(EXIT_NOT_FOUND)
     err_console.print(f"removed {count} object(s)")
 
 
@@ -1021,9 +1049,10 @@ def bench(
     from kvpool.cli.bench import Interrupted, interrupts_between_calls, plan_bench, print_figures, run_bench
 
     try:
-        plan = plan_bench(_size_of("--size", size, 2), _size_of("--total", total, 2), batch, rounds, replicas)
+        plan = plan_bench(_size_of("--size", size, EXIT_USAGE), _size_of("--total", total, EXIT_USAGE), batch, rounds,
+                          replicas)  # fmt: skip
     except KVPoolError as exc:
-        raise _fail(str(exc), 2) from None
+        raise _fail(str(exc), EXIT_USAGE) from None
     if shm is None:
         shm = _shm_from_environment()
     connected = _connected("bench", master, token_file, shm_enabled=shm, timeout_s=timeout)

@@ -34,6 +34,8 @@ import logging
 import os
 import resource
 import socket
+import sys
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -85,6 +87,10 @@ log = logging.getLogger(__name__)
 # Peers refused before their handshake (wrong token, none in time, not kvpool's protocol).
 _refused_peers = RepeatedLog(log, logging.WARNING)
 _near_open_files_limit = RepeatedLog(log, logging.WARNING)
+# Connections closed, and newcomers refused, because a server holds as many as it may
+# (Connection._has_room).
+_crowded_out = RepeatedLog(log, logging.WARNING)
+_refused_for_room = RepeatedLog(log, logging.WARNING)
 
 Payload = Sequence[memoryview | bytes | FileRange]
 ReplySinks = Callable[[Message], Sequence[memoryview] | None]
@@ -95,6 +101,18 @@ OnLanded = Callable[[memoryview], None] | None
 # The largest control message a peer may send before the handshake is over (its own are
 # tens of bytes): one that is not authenticated yet buys no large buffer.
 HANDSHAKE_CONTROL_SIZE_BYTES_MAX = 64 * limits.KIB
+# The share of its open files limit a server's connections may hold, handshakes included; the
+# rest is the process's own: its files (a node's disk tier reads hold one per object), its
+# outgoing connections (a node's link to its master), its HTTP port. Without it, idle connections
+# that a client never closed took every descriptor, and then nobody could connect, not even
+# the master's own nodes.
+CONNECTIONS_SHARE_OF_OPEN_FILES = 0.75
+# A full server closes an idle connection only once it has been silent this long: a node speaks
+# to its master at least this often (it heartbeats every second; a link not heard from for a
+# third of the node TTL is not live), so a live node's link is never the one closed.
+CROWDED_OUT_SILENT_MS_MIN = limits.NODE_TTL_MS_DEFAULT // 3
+# How many of the least recently heard connections a full server looks at for an idle one.
+CROWDED_OUT_SCAN_MAX = 64
 
 
 class Reply(NamedTuple):
@@ -167,6 +185,7 @@ class Connection(asyncio.BufferedProtocol):
         busy_poll: BusyPoll | None = None,
         replies_owed_max: int | None = None,
         handshaking: dict[Connection, None] | None = None,
+        heard: OrderedDict[Connection, None] | None = None,
     ) -> None:
         self.name = name
         # Server side: the Unix socket name announced to TCP clients. Client side: the name the
@@ -175,6 +194,10 @@ class Connection(asyncio.BufferedProtocol):
         self._registry = registry
         # A server's connections still in their handshake, oldest first (see _begin_handshake).
         self._handshaking = handshaking
+        # A server's authenticated connections, least recently heard first, and when this one
+        # last was (see _has_room).
+        self._heard = heard
+        self._heard_s = 0.0
         self.peer = ""
         self._handler = handler
         self._key = key
@@ -455,6 +478,21 @@ class Connection(asyncio.BufferedProtocol):
         else:
             transport.writelines(parts)
 
+    async def _until_writable(self, fd: int, deadline_s: float) -> None:
+        """Wait on the loop until socket `fd` takes bytes again (or is shut down: close()).
+
+        Raises:
+            RpcTimeout: not before `deadline_s` (loop time).
+        """
+        writable = self._loop.create_future()
+        self._loop.add_writer(fd, lambda: writable.done() or writable.set_result(None))
+        try:
+            await asyncio.wait_for(writable, max(0.0, deadline_s - self._loop.time()))
+        except asyncio.TimeoutError:
+            raise RpcTimeout("peer took no bytes before the transfer deadline") from None
+        finally:
+            self._loop.remove_writer(fd)
+
     async def _send_file_frames(self, parts: list) -> None:
         """Send a file-backed frame from a thread, then the held frames up to the next one."""
         transport = self._transport
@@ -472,10 +510,16 @@ class Connection(asyncio.BufferedProtocol):
                 sock = transport.get_extra_info("socket")
                 self._sender_fd = os.dup(sock.fileno())
                 try:
-                    await self._loop.run_in_executor(
-                        _file_senders.executor(), files.send_parts, self._sender_fd, parts,
-                        limits.TRANSFER_TIMEOUT_MS_DEFAULT,
-                    )  # fmt: skip
+                    # A thread sends while the socket takes bytes; room is awaited here, so
+                    # that readers who stop reading hold no sender thread (8 of them held
+                    # every one, up to 30 s each, and every other disk read waited).
+                    position: files.SendPosition | None = files.SEND_START
+                    while position is not None:
+                        position = await self._loop.run_in_executor(
+                            _file_senders.executor(), files.send_some, self._sender_fd, parts, position
+                        )
+                        if position is not None:
+                            await self._until_writable(self._sender_fd, deadline_s)
                 finally:
                     os.close(self._sender_fd)
                     self._sender_fd = None
@@ -536,6 +580,58 @@ class Connection(asyncio.BufferedProtocol):
         self._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)
         self._ready.set_result(None)
         self._cancel_handshake_timer()
+        if self._heard is not None:
+            self._heard[self] = None
+            self._heard_s = self._loop.time()
+
+    def _has_room(self) -> bool:
+        """Whether a server takes this peer, which has just proved its token: it holds at most
+        authenticated_connections_max() authenticated connections. At the bound, the least
+        recently heard one that is idle and has been silent for CROWDED_OUT_SILENT_MS_MIN is
+        closed, with a logged reason: connections a client opened and never closed crowd out
+        their own kind, never a live node's link nor a connection in use (a client whose pooled
+        connection went opens another at its next call). When none is, this peer is refused
+        (closed before its handshake ends: it may retry): a burst of connections past the
+        bound waits until the silent ones can go, and the established ones are served."""
+        heard = self._heard
+        if heard is None:
+            return True
+        connections_max = authenticated_connections_max()
+        if len(heard) < connections_max:
+            return True
+        silent_since_s = self._loop.time() - CROWDED_OUT_SILENT_MS_MIN / 1000
+        for scanned, conn in enumerate(heard):
+            if scanned == CROWDED_OUT_SCAN_MAX or conn._heard_s > silent_since_s:
+                break  # the rest were heard more recently still
+            if conn._is_idle():
+                _crowded_out.log(
+                    "%s: closing %s, silent for %.0f s, the least recently heard of %d connections, the most "
+                    "this server holds (%.0f%% of its open files limit, less room for handshakes), to take "
+                    "%s: a client that does not close its connections?", conn.name, conn.peer,
+                    self._loop.time() - conn._heard_s, len(heard), CONNECTIONS_SHARE_OF_OPEN_FILES * 100,
+                    self.peer,
+                )  # fmt: skip
+                conn.close("closed to make room: the server holds as many connections as it may")
+                return True
+        _refused_for_room.log(
+            "%s: refusing %s: this server holds %d connections, the most it may (%.0f%% of its open files "
+            "limit, less room for handshakes), none idle and silent for %d ms: a client that does not "
+            "close its connections?", self.name, self.peer, len(heard), CONNECTIONS_SHARE_OF_OPEN_FILES * 100,
+            CROWDED_OUT_SILENT_MS_MIN,
+        )  # fmt: skip
+        self.close("refused: the server holds as many connections as it may")
+        return False
+
+    def _is_idle(self) -> bool:
+        """Nothing under way either way: no request of this side's awaits its reply, no
+        request of the peer's is being received, prepared or sent."""
+        return (
+            not self._pending
+            and self._incoming is None
+            and self._replies_preparing == 0
+            and not self._decoder.is_mid_frame
+            and not self.is_write_buffered()
+        )
 
     def _keep_for_late_reply(self, request_id: int, future: asyncio.Future[Message], late_reply: LateReply) -> None:
         """The caller of `request_id` stopped waiting: hand its reply to `late_reply` when it
@@ -558,6 +654,8 @@ class Connection(asyncio.BufferedProtocol):
         self._closed.set_result(None)
         if self._registry is not None:
             self._registry.discard(self)
+        if self._heard is not None:
+            self._heard.pop(self, None)
         error = RpcFailed(f"connection to {self.peer} closed: {reason}")
         if not self._ready.done():
             self._ready.set_exception(ConnectFailed(f"{self.peer}: {reason}"))
@@ -625,6 +723,9 @@ class Connection(asyncio.BufferedProtocol):
             return
         if isinstance(message, (AuthChallenge, AuthResponse, AuthOk)):
             raise RemoteProtocolError(f"unexpected {type(message).__name__} after the handshake")
+        if self._heard is not None:
+            self._heard.move_to_end(self)
+            self._heard_s = self._loop.time()
         if frame.is_reply:
             entry = self._pending.get(frame.request_id)
             if entry is not None and entry[0].done() and not entry[0].cancelled():
@@ -766,6 +867,8 @@ class Connection(asyncio.BufferedProtocol):
             if not isinstance(message, AuthResponse):
                 raise RemoteProtocolError(f"expected AuthResponse, got {type(message).__name__}")
             if self._key is None:
+                if not self._has_room():
+                    return
                 self._write_now(encode_frame(AuthOk(b""), 0))
             else:
                 expected = auth.client_proof(self._key, self._nonce_server, message.nonce)
@@ -777,6 +880,8 @@ class Connection(asyncio.BufferedProtocol):
                     if self._transport is not None:
                         self._transport.close()
                     self._finish("wrong cluster token")
+                    return
+                if not self._has_room():
                     return
                 proof = auth.server_proof(self._key, self._nonce_server, message.nonce)
                 self._write_now(encode_frame(AuthOk(proof), 0))
@@ -864,6 +969,16 @@ def _warn_near_open_files_limit(connections: int) -> None:
             "not close its connections",
             open_files, limit, connections,
         )  # fmt: skip
+
+
+def authenticated_connections_max() -> int:
+    """How many authenticated connections a server holds at most: CONNECTIONS_SHARE_OF_OPEN_FILES
+    of this process's open files limit, less the room of HANDSHAKES_PENDING_MAX handshakes (a
+    quarter of the limit at least). Read at each handshake: servers raise the limit once started."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return sys.maxsize
+    return max(limit // 4, int(limit * CONNECTIONS_SHARE_OF_OPEN_FILES) - limits.HANDSHAKES_PENDING_MAX)
 
 
 def _payload_size(payload: Payload) -> int:
@@ -964,6 +1079,7 @@ async def start_server(
     loop = asyncio.get_running_loop()
     connections: set[Connection] = set()
     handshaking: dict[Connection, None] = {}
+    heard: OrderedDict[Connection, None] = OrderedDict()
     busy_poll = BusyPoll(loop, busy_poll_us, not_back_soon) if busy_poll_us else None
     # Abstract namespace (leading NUL): no file to leave behind, gone with the process.
     local_name = f"\0kvpool-{os.urandom(16).hex()}"
@@ -972,7 +1088,7 @@ async def start_server(
     def serving(announced_name: str = "") -> Connection:
         return Connection(
             handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name,
-            busy_poll=busy_poll, replies_owed_max=replies_owed_max, handshaking=handshaking,
+            busy_poll=busy_poll, replies_owed_max=replies_owed_max, handshaking=handshaking, heard=heard,
         )  # fmt: skip
 
     with map_exceptions({OSError: ConnectFailed}):
