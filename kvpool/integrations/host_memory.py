@@ -9,11 +9,15 @@ engine's tensors must outlive the registration.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvpool.client.sync import Store
 from kvpool.errors import InvalidParams
+
+log = logging.getLogger(__name__)
 
 
 def covering_ranges(tensors: Iterable[Any]) -> list[tuple[int, int]]:
@@ -55,3 +59,36 @@ def register_tensors(store: Store, tensors: Iterable[Any]) -> list[int]:
             store.unregister_buffer(address)
         raise
     return addresses
+
+
+class RefusedRegistrations:
+    """Registrations a Store would not drop yet, kept until it does: a get cancelled past the
+    transfer timeout whose disk read still writes into the range (the Store refuses its
+    unregister_buffer until that read ends). Each is kept with what owns its memory (holding
+    it keeps the engine from freeing or reusing it under the late write) and what to call
+    once the range is free; `retry` (at an adapter's next call) drops them again."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._kept: list[tuple[int, Any, Callable[[], None] | None]] = []
+        self._lock = threading.Lock()
+
+    def unregister(self, address: int, owner: Any = None, on_free: Callable[[], None] | None = None) -> bool:
+        """Drop the registration at `address` now (True), or keep it with `owner` for `retry`,
+        which calls `on_free` once it is dropped (False, logged)."""
+        try:
+            self._store.unregister_buffer(address)
+        except InvalidParams as exc:
+            log.warning("kvpool kept memory registered, a late read still writes into it: %s", exc)
+            with self._lock:
+                self._kept.append((address, owner, on_free))
+            return False
+        return True
+
+    def retry(self) -> None:
+        """Drop the kept registrations whose late writes have ended since."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for address, owner, on_free in kept:
+            if self.unregister(address, owner, on_free) and on_free is not None:
+                on_free()

@@ -57,6 +57,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
+from kvpool.integrations.host_memory import RefusedRegistrations
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._lookup_hold_ms = options.lookup_hold_ms
         self._lookup_timeout_ms = options.lookup_timeout_ms
         self._breaker = options.lookup_breaker("LMCache's lookups")
+        # Chunks whose registration the Store refused to drop (a cancelled get's disk read
+        # still writes into them): given back to LMCache once it lets them go.
+        self._refused = RefusedRegistrations(self._store)
 
     def __repr__(self) -> str:
         return f"<KVPoolRemoteConnector {self._store!r}>"
@@ -147,8 +151,17 @@ class KVPoolRemoteConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[Any]) -> list[Any]:
-        """One MemoryObj per key (allocated from the local CPU backend), None for a miss."""
-        return await asyncio.to_thread(self._get_objects, keys)
+        """One MemoryObj per key (allocated from the local CPU backend), None for a miss.
+
+        LMCache cancels a get that outlasts its blocking_timeout_secs, which does not stop
+        the worker thread: the chunks that thread returns are nobody's, so they go back to
+        the CPU backend as they arrive."""
+        reading = asyncio.ensure_future(asyncio.to_thread(self._get_objects, keys))
+        try:
+            return await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            reading.add_done_callback(_release_late_chunks)
+            raise
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
         """The leading run of chunks that could be read; later ones are released."""
@@ -164,6 +177,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         return run
 
     def _get_objects(self, keys: Sequence[Any]) -> list[Any]:
+        self._refused.retry()
         if not keys:
             return []
         names = [k.to_string() for k in keys]
@@ -241,10 +255,18 @@ class KVPoolRemoteConnector(RemoteConnector):
         except KVPoolError as exc:
             log.info("kvpool get failed, reporting misses: %s", exc)
         finally:
-            for address in registered:
-                self._store.unregister_buffer(address)
-        for obj, result in zip(objects, results):
-            if obj is not None and result is None:
+            by_address = {objects[i].data_ptr: objects[i] for i in usable}
+            stuck = {
+                address
+                for address in registered
+                if not self._refused.unregister(address, by_address[address], by_address[address].ref_count_down)
+            }
+        for index, obj in enumerate(objects):
+            if obj is None:
+                continue
+            if obj.data_ptr in stuck:  # a late write may still land in it: kept until it cannot
+                results[index] = None
+            elif results[index] is None:
                 obj.ref_count_down()
         return results
 
@@ -262,6 +284,7 @@ class KVPoolRemoteConnector(RemoteConnector):
     def _put_objects(self, keys: Sequence[Any], memory_objs: Sequence[Any]) -> list[int]:
         """Store each chunk (header + bytes, or bytes), gathered without a copy. Returns the
         per-chunk codes; failures are logged (LMCache treats a lost put as a future miss)."""
+        self._refused.retry()
         if not keys:
             return []
         headers = bytearray()
@@ -291,7 +314,7 @@ class KVPoolRemoteConnector(RemoteConnector):
             return [int(exc.code)] * len(keys)
         finally:
             for address in registered:
-                self._store.unregister_buffer(address)
+                self._refused.unregister(address)  # retried if refused; the chunk is LMCache's
         failed = sum(code not in _PUT_OK for code in codes)
         if failed:
             log.warning("kvpool put: %d of %d chunks failed", failed, len(codes))
@@ -327,3 +350,12 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     async def close(self) -> None:
         await asyncio.to_thread(self._store.close)
+
+
+def _release_late_chunks(reading: asyncio.Future) -> None:
+    """The chunks of a get that LMCache cancelled, back to its CPU backend."""
+    if reading.cancelled() or reading.exception() is not None:
+        return
+    for obj in reading.result():
+        if obj is not None:
+            obj.ref_count_down()

@@ -66,7 +66,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvpool import limits
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
-from kvpool.integrations.host_memory import covering_ranges, register_tensors
+from kvpool.integrations.host_memory import RefusedRegistrations, covering_ranges, register_tensors
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._lookup_timeout_ms = options.lookup_timeout_ms
         self._breaker = options.lookup_breaker("SGLang's lookups")
         self._store = options.open_store()
+        # Page tensors whose registration the Store refused to drop (a cancelled get's disk
+        # read still writes into them): held, so SGLang cannot free them under it, until it may.
+        self._refused = RefusedRegistrations(self._store)
         parts = []
         if extra.get("extra_backend_tag") is not None:
             parts.append(_without_ats(str(extra["extra_backend_tag"])))
@@ -504,25 +507,37 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
-        """Write page tensors. True when every page is in the pool afterwards."""
+        """Write page tensors. True when every page is in the pool afterwards (the usable
+        pages are written when another's tensor is not)."""
         if not keys or values is None or len(values) != len(keys):
             return False
         return all(self._tensor_io(keys, list(values), is_set=True))
 
     def _tensor_io(self, keys: list[str], tensors: list[Any], is_set: bool) -> list[bool]:
-        """Page tensors hold a whole page; with MHA the first half is K and the second V."""
+        """Page tensors hold a whole page; with MHA the first half is K and the second V.
+        Per page whether it moved: a page whose tensor is unusable (not a contiguous CPU
+        tensor, or memory that cannot be registered) fails alone, the others move."""
+        self._refused.retry()
         object_keys = self._object_keys(keys)
+        per_page = self._objects_per_page
+        pages: list[int] = []  # the pages that move, by index
         addresses: list[list[int]] = []
         sizes: list[list[int]] = []
-        registered: list[int] = []
+        registered: dict[int, int] = {}  # address -> the page whose tensor it is
+        ok: list[bool] = []
         try:
-            for tensor in tensors:
+            for index, tensor in enumerate(tensors):
                 if tensor is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
-                    raise InvalidParams("page tensors must be contiguous CPU tensors")
+                    log.warning("kvpool page %s: not a contiguous CPU tensor, it fails alone", keys[index])
+                    continue
                 start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
                 if not self._in_a_pool(start, size):  # a page copied out (MHA); an MLA page is a view of the pool
-                    self._store.register_buffer(start, size)
-                    registered.append(start)
+                    try:
+                        registered[self._store.register_buffer(start, size)] = index
+                    except InvalidParams as exc:  # e.g. overlapping another page of the batch
+                        log.warning("kvpool page %s fails alone: %s", keys[index], exc)
+                        continue
+                pages.append(index)
                 if self.is_mla:
                     addresses.append([start])
                     sizes.append([size])
@@ -530,22 +545,22 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                     half = size // 2
                     addresses += [[start], [start + half]]
                     sizes += [[half], [size - half]]
-            if is_set:
-                codes = self._store.batch_put_from_multi_buffers(
-                    object_keys, addresses, sizes, self._replicate
-                )
+            moving = [object_keys[page * per_page + part] for page in pages for part in range(per_page)]
+            if moving and is_set:
+                codes = self._store.batch_put_from_multi_buffers(moving, addresses, sizes, self._replicate)
                 ok = [code in _PUT_OK for code in codes]
-            else:
-                read = self._store.batch_get_into_multi_buffers(object_keys, addresses, sizes)
+            elif moving:
+                read = self._store.batch_get_into_multi_buffers(moving, addresses, sizes)
                 ok = [n == sum(s) for n, s in zip(read, sizes)]
         except KVPoolError as exc:
             log.warning("kvpool page tensor %s failed: %s", "set" if is_set else "get", exc)
             return [False] * len(keys)
-        finally:
-            for start in registered:
-                self._store.unregister_buffer(start)
-        per_page = self._objects_per_page
-        return [all(ok[i * per_page : (i + 1) * per_page]) for i in range(len(keys))]
+        finally:  # a page still written into by a late read did not move
+            stuck = {page for start, page in registered.items() if not self._refused.unregister(start, tensors[page])}
+        moved = [False] * len(keys)
+        for n, page in enumerate(pages):
+            moved[page] = page not in stuck and all(ok[n * per_page : (n + 1) * per_page])
+        return moved
 
     # --- housekeeping -------------------------------------------------------------------------
 

@@ -64,7 +64,9 @@ of them load every block.
   failed save is a future miss. Operating errors never raise into vLLM. vLLM's reset of the
   connector's cache (around a weight update, on sleep) removes the model's blocks from the
   pool (reset_cache). Each lookup, load and save goes to vLLM's connector stats, log and
-  Prometheus metrics (vllm_stats.py).
+  Prometheus metrics (vllm_stats.py). With vLLM's KV events on, the blocks saved (once every
+  worker has put them) and those removed after a failed load go to vLLM's KV event
+  publisher (take_events, vllm_events.py).
 
 Not supported, and refused at start because each would load the wrong KV: more than one
 KV cache group (vLLM turns the hybrid KV cache manager off for a connector without
@@ -96,11 +98,13 @@ from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import EngineOptions
 from kvpool.integrations.host_memory import register_tensors
+from kvpool.integrations.vllm_events import SaveEvents
 from kvpool.integrations.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics, StatsRecorder
 from kvpool.protocol.messages import TIER_DRAM, QueryReply, Replica, SegmentInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -109,6 +113,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+# First blocks of prompts the scheduler last knew in the pool (may_load_async), at most: ~10 MB.
+_FIRST_BLOCKS_KNOWN_MAX = 65_536
 
 
 @dataclasses.dataclass
@@ -138,16 +144,21 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
 @dataclasses.dataclass
 class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
     """From the workers to the scheduler, each step: the save jobs each has finished (job ->
-    how many workers; vLLM sums them over the workers with `aggregate`)."""
+    how many workers; vLLM sums them over the workers with `aggregate`), and of those the
+    positions of the blocks some worker did not put (job -> positions in the save; for the
+    scheduler's KV events)."""
 
     saved: dict[int, int] = dataclasses.field(default_factory=dict)
+    failed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVPoolWorkerMetadata), type(other)
-        saved = dict(self.saved)
+        saved, failed = dict(self.saved), dict(self.failed)
         for job, count in other.saved.items():
             saved[job] = saved.get(job, 0) + count
-        return KVPoolWorkerMetadata(saved)
+        for job, positions in other.failed.items():
+            failed[job] = sorted({*failed.get(job, ()), *positions})
+        return KVPoolWorkerMetadata(saved, failed)
 
 
 @dataclasses.dataclass
@@ -164,6 +175,7 @@ class _RequestState:
     # only after update_state_after_alloc (0 until then, and again after a preemption).
     local_block_count: int = 0
     load_async: bool = False  # what the lookup told vLLM
+    request: Request | None = None  # with KV events on: what they describe of its blocks
 
 
 class KVPoolConnector(KVConnectorBase_V1):
@@ -202,6 +214,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         # Requests that had an async load (and were not preempted since): a later lookup of
         # theirs loads nothing (see get_num_new_matched_tokens).
         self._loaded_async: set[str] = set()
+        # The first blocks of prompts that the pool held at this scheduler's last lookup or
+        # save of them, least recently seen first (may_load_async).
+        self._first_blocks_in_pool: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Where segments are (by id), for get_external_cache_hit_sources: fetched again when
         # a replica lies in one not known yet.
         self._segments: dict[str, SegmentInfo] = {}
@@ -228,6 +243,12 @@ class KVPoolConnector(KVConnectorBase_V1):
             maxlen=self._steps_in_flight + 1
         )
         self._doomed_saves: list[tuple[int, list[str], list[int]]] = []
+        # Their removals run on a thread of their own (a master that does not answer must not
+        # stall vLLM's engine loop): the one in flight, and the doomed saves whose last
+        # removal it is (doomed again if it fails).
+        self._remover: concurrent.futures.ThreadPoolExecutor | None = None
+        self._removal: concurrent.futures.Future[bool] | None = None
+        self._last_removed: list[tuple[int, list[str], list[int]]] = []
         # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
         # reference of their own until every worker reported the job: _pin_saves), with the
         # workers yet to report it and the job's block hashes.
@@ -235,10 +256,17 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._pinned: dict[int, tuple[list[int], int, list[str]]] = {}
         self._next_job = 0
         self._workers = self.tp_size * self.pp_size  # each reports every job (context parallelism is refused)
+        # vLLM's KV events for the blocks saved and removed, kept only while they are on (as
+        # vLLM's scheduler and block pool decide it): vllm_events.py.
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._save_events = (
+            SaveEvents(self.block_size) if events_config is not None and events_config.enable_kv_cache_events else None
+        )
         # Worker: saves put on a thread of their own after the forward pass, and the jobs done
-        # since the last step's report (build_connector_worker_meta).
+        # since the last step's report (build_connector_worker_meta), each with the positions
+        # of its blocks this worker did not put.
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None
-        self._saved: collections.deque[int] = collections.deque()
+        self._saved: collections.deque[tuple[int, Sequence[int]]] = collections.deque()
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -265,14 +293,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         prompt_blocks = len(request.prompt_token_ids or ()) // self.block_size
         hashes = [_hex(h) for h in request.block_hashes[:prompt_blocks]]
         self._requests[request.request_id] = _RequestState(
-            hashes, len(request.prompt_token_ids or ()), local_block_count=num_computed_tokens // self.block_size
-        )
-        if not hashes:
-            return 0, False
-        ranks = self._key_ranks()
+            hashes, len(request.prompt_token_ids or ()), local_block_count=num_computed_tokens // self.block_size,
+            request=request if self._save_events is not None else None,
+        )  # fmt: skip
         # A worker loads a request's blocks in one batch, which a master takes up to
         # BATCH_KEYS_MAX keys: a longer hit would be a failed load (past 262k tokens at block 16).
-        keys = [self._key(h, tp, pp) for h in hashes[: limits.BATCH_KEYS_MAX] for tp, pp in ranks]
+        loadable = self._before_doomed(hashes[: limits.BATCH_KEYS_MAX])
+        if not loadable:
+            return 0, False
+        ranks = self._key_ranks()
+        keys = [self._key(h, tp, pp) for h in loadable for tp, pp in ranks]
         # A request looked up again after an async load (which failed, or vLLM would not ask)
         # loads nothing more: it computes the rest. Loaded async again, it would wait at the
         # head of vLLM's queue of requests holding blocks for room beside every load in
@@ -289,6 +319,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         )  # fmt: skip
         if held is None:
             return 0, False
+        self._know_first_block(loadable[0], held >= len(ranks))
         hit_blocks = held // len(ranks)
         # vLLM must compute at least the last token to sample from it.
         if hit_blocks * self.block_size >= request.num_tokens:
@@ -305,16 +336,32 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Whether the lookup may answer with an async load, asked (from vLLM 0.34) as a
         request enters the waiting queues, so without a round trip. With
         --max-num-inflight-kv-loads such a request's load may start while the running batch
-        is full, and its KV is there when a slot frees. Any prompt longer than a block may be
-        in the pool (a request looked up again after an async load loads nothing: see
-        get_num_new_matched_tokens); one that is not holds back the loads queued behind it
-        until a slot frees, as every request waited before (and is looked up once a step
-        meanwhile)."""
+        is full, and its KV is there when a slot frees; one told yes that then has nothing to
+        load holds back the loads queued behind it until a slot frees. So yes only where a
+        load is likely: the prompt's first block (every hit starts there) was in the pool at
+        this scheduler's last lookup or save of it; a shared prefix (a system prompt) is known
+        after its first lookup. Any other request waits for a slot, as every one did before
+        vLLM 0.34, and loads then. A request looked up again after an async load loads
+        nothing (get_num_new_matched_tokens)."""
+        hashes = request.block_hashes
         return (
             self._load_async
             and request.request_id not in self._loaded_async
             and len(request.prompt_token_ids or ()) > self.block_size
+            and bool(hashes)
+            and _hex(hashes[0]) in self._first_blocks_in_pool
         )
+
+    def _know_first_block(self, block_hash: str, is_in_pool: bool) -> None:
+        """Remember whether the pool holds a prompt's first block (may_load_async)."""
+        known = self._first_blocks_in_pool
+        if not is_in_pool:
+            known.pop(block_hash, None)
+            return
+        known[block_hash] = None
+        known.move_to_end(block_hash)
+        if len(known) > _FIRST_BLOCKS_KNOWN_MAX:
+            known.popitem(last=False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -436,22 +483,38 @@ class KVPoolConnector(KVConnectorBase_V1):
             block_ids = list(dict.fromkeys(save.block_ids))
             pool.touch([pool.blocks[block_id] for block_id in block_ids])
             self._pinned[save.job] = (block_ids, self._workers, save.block_hashes)
+            state = self._requests.get(save.request_id)
+            if self._save_events is not None and state is not None and state.request is not None:
+                self._save_events.plan(save.job, state.request, save.first_block, len(save.block_hashes))
 
     def _unpin_saved(self, worker_meta: Any) -> None:
-        """Release the blocks of the save jobs every worker has now reported."""
+        """Release the blocks of the save jobs every worker has now reported (in job order:
+        with KV events on, a job's blocks are announced then, after those of the jobs before
+        it, which hold their parents)."""
         if not isinstance(worker_meta, KVPoolWorkerMetadata) or self._block_pool is None:
             return
         pool = self._block_pool
-        for job, count in worker_meta.saved.items():
+        doomed = self._doomed_hashes() if self._save_events is not None else set()
+        for job, count in sorted(worker_meta.saved.items()):
             pinned = self._pinned.pop(job, None)
             if pinned is None:  # a bug (a job reported by more workers than there are): say so
                 log.warning("kvpool: save job %d reported done again", job)
                 continue
             block_ids, left, hashes = pinned
+            if self._save_events is not None:
+                self._save_events.report(job, worker_meta.failed.get(job, ()), left <= count, pool, doomed)
             if left > count:
                 self._pinned[job] = (block_ids, left - count, hashes)
                 continue
             pool.free_blocks(pool.blocks[block_id] for block_id in reversed(block_ids))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events since vLLM last asked (each step, publishing them with its own):
+        BlockStored for the blocks of the save jobs every worker has reported, less those a
+        worker did not put and those this connector removes; BlockRemoved for the blocks of
+        the saves it removes after a failed load (_remove_doomed_saves). None while KV
+        events are off (vllm_events.py)."""
+        return self._save_events.take() if self._save_events is not None else []
 
     def reset_cache(self) -> bool:
         """vLLM's reset of the connector's cache (reset_prefix_cache with reset_connector, and
@@ -463,6 +526,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         updates, until those saves are over (_remove_doomed_saves, as after a failed load).
         Returns False when the pool could not be reached: vLLM then fails the reset."""
         pinned_hashes = [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
+        self._first_blocks_in_pool.clear()
         self._doom_saves(self._recent_save_hashes() + pinned_hashes, list(self._pinned))
         try:
             # Up to the KV format's first field: a namespace alone is a prefix of another's
@@ -490,6 +554,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             hashes, block_ids = state.block_hashes[first:full], state.block_ids[first:full]
             meta.saves.append(BlockTransfer(req_id, hashes, block_ids, first_block=first))
             state.stored_block_count = full
+            if first == 0:
+                self._know_first_block(hashes[0], True)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks the workers failed to load leave vLLM's prefix cache, with every block after
@@ -502,9 +568,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         with that prefix read the failed block's garbage as a prefix-cache hit (and this
         connector then saved the blocks it computed over them into the pool: seen driving
         vLLM's real scheduler, 4 of 6 seeds with load failures injected)."""
-        self._unpin_saved(getattr(connector_output, "kv_connector_worker_meta", None))
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        self._remove_doomed_saves(bool(invalid))
+        if invalid:  # before the saves reported now are announced (KV events): they go too
+            self._doom_recent_saves()
+        self._unpin_saved(getattr(connector_output, "kv_connector_worker_meta", None))
+        self._remove_doomed_saves()
         manager = getattr(self, "_kv_cache_manager", None)
         if not invalid or manager is None:
             return
@@ -521,7 +589,16 @@ class KVPoolConnector(KVConnectorBase_V1):
                     break
         manager.evict_blocks(doomed)
 
-    def _remove_doomed_saves(self, is_failure: bool) -> None:
+    def _doom_recent_saves(self) -> None:
+        """A load failed: the saves planned in the steps it may have run beside are doomed
+        (_remove_doomed_saves), and with KV events on announced removed."""
+        jobs = [job for _, step_jobs in self._recent_saves for job in step_jobs if job >= 0]
+        recent = self._recent_save_hashes()
+        self._doom_saves(recent, jobs)
+        if self._save_events is not None:
+            self._save_events.removed(recent)
+
+    def _remove_doomed_saves(self) -> None:
         """After a load failure, every rank's objects of the saves planned in the steps it may
         have run beside go, now and at the next updates until those steps are over.
 
@@ -533,25 +610,67 @@ class KVPoolConnector(KVConnectorBase_V1):
         flight may land after a removal: hence again, at each of the next updates (each
         comes after one more step's saves), and for as long as a worker has not reported one
         of those saves done (saves put on the workers' threads: _pin_saves). A reset of the
-        connector's cache dooms the saves planned before it alike (reset_cache)."""
-        if is_failure:
-            jobs = [job for _, step_jobs in self._recent_saves for job in step_jobs if job >= 0]
-            self._doom_saves(self._recent_save_hashes(), jobs)
+        connector's cache dooms the saves planned before it alike (reset_cache).
+
+        The removals run on the remover thread: a master that does not answer cost vLLM's
+        engine loop the RPC timeout at each of those updates. An update while one is in
+        flight starts none; a failed last removal goes again; and the scheduler's lookups
+        stop before any doomed block until its last removal has succeeded (_before_doomed),
+        so that this engine loads none meanwhile. Readers elsewhere need the master's replica
+        list, as the removal does: a master that answers neither serves them none."""
+        if self._removal is not None:
+            if not self._removal.done():
+                return  # it still waits on the master: the next update asks again
+            if not self._removal.result():  # their last removal goes again
+                self._doomed_saves += [(1, hashes, jobs) for _, hashes, jobs in self._last_removed]
+            self._removal, self._last_removed = None, []
         if not self._doomed_saves:
             return
         ranks = self._key_ranks()
         keys = [self._key(h, tp, pp) for _, hashes, _ in self._doomed_saves for h in hashes for tp, pp in ranks]
-        try:
-            for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
-                self._store.batch_remove(keys[start : start + limits.BATCH_KEYS_MAX], force=True)
-        except KVPoolError as exc:
-            log.warning("kvpool: removing %d blocks saved beside a failed load or before a reset failed: %s",
-                        len(keys), exc)  # fmt: skip
+        # A save's blocks are removed for the last time once its steps are over and no worker
+        # still puts them: if that removal succeeds, none of them is left.
+        self._last_removed = [
+            (left, hashes, jobs)
+            for left, hashes, jobs in self._doomed_saves
+            if left <= 1 and not any(job in self._pinned for job in jobs)
+        ]
         self._doomed_saves = [
             (left - 1, hashes, jobs)
             for left, hashes, jobs in self._doomed_saves
             if left > 1 or any(job in self._pinned for job in jobs)
         ]
+        if self._remover is None:
+            self._remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-remove")
+        self._removal = self._remover.submit(self._remove_keys, keys)
+
+    def _remove_keys(self, keys: list[str]) -> bool:
+        """Remove every one of `keys` (on the remover thread); False (logged) if that failed."""
+        try:
+            for start in range(0, len(keys), limits.BATCH_KEYS_MAX):
+                self._store.batch_remove(keys[start : start + limits.BATCH_KEYS_MAX], force=True)
+        except KVPoolError as exc:
+            log.warning("kvpool: removing %d blocks saved beside a failed load or before a reset failed "
+                        "(tried again at the next update): %s", len(keys), exc)  # fmt: skip
+            return False
+        return True
+
+    def _before_doomed(self, hashes: list[str]) -> list[str]:
+        """The leading `hashes` that no doomed save holds: until their last removal has
+        succeeded, this scheduler plans no load of blocks computed over a failed load's
+        garbage or with the weights before a reset (a removal runs beside the engine loop,
+        and such a save may land after one)."""
+        doomed = self._doomed_hashes()
+        if not doomed:
+            return hashes
+        for index, block_hash in enumerate(hashes):
+            if block_hash in doomed:
+                return hashes[:index]
+        return hashes
+
+    def _doomed_hashes(self) -> set[str]:
+        """The blocks (hashes) of the doomed saves whose last removal has not succeeded yet."""
+        return {h for entries in (self._doomed_saves, self._last_removed) for _, hs, _ in entries for h in hs}
 
     def _recent_save_hashes(self) -> list[str]:
         """The block hashes of the saves planned in the steps that may still be in flight."""
@@ -562,6 +681,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         until the steps in flight now are over and no worker still runs one of `jobs`."""
         if hashes:
             self._doomed_saves.append((self._steps_in_flight + 1, hashes, jobs))
+            for block_hash in hashes:
+                self._first_blocks_in_pool.pop(block_hash, None)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -697,7 +818,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                     "kvpool: a load failed in this step or one in flight with it; not saving %d blocks",
                     sum(len(save.block_ids) for save in meta.saves),
                 )
-            self._saved.extend(save.job for save in meta.saves if save.job >= 0)
+            self._saved.extend((save.job, range(len(save.block_ids))) for save in meta.saves if save.job >= 0)
             return
         replicas, share = self._tp_replicas, self.tp_rank % self._tp_replicas
         for save in meta.saves:
@@ -705,24 +826,26 @@ class KVPoolConnector(KVConnectorBase_V1):
             if save.job < 0:
                 self._save(save, mine, meta.key_prefix)
             elif not mine:
-                self._saved.append(save.job)
+                self._saved.append((save.job, ()))
             else:
                 if self._saver is None:
                     self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
                 self._saver.submit(self._save_job, save, mine, meta.key_prefix)
 
     def _save_job(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
+        failed: Sequence[int] = mine
         try:
-            self._save(save, mine, key_prefix)
+            failed = self._save(save, mine, key_prefix)
         except Exception:  # a bug, not an operating error: the job still ends (its blocks unpinned)
             log.exception("kvpool save of %s failed", save.request_id)
         finally:
-            self._saved.append(save.job)
+            self._saved.append((save.job, failed))
 
-    def _save(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
-        """Put this rank's blocks of `save` (those at `mine`); a failure is logged."""
+    def _save(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> list[int]:
+        """Put this rank's blocks of `save` (those at `mine`); a failure is logged. Returns the
+        positions of those not put."""
         if not mine:
-            return
+            return []
         keys = [self._key(save.block_hashes[i], prefix=key_prefix) for i in mine]
         addresses, sizes = self._block_buffers([save.block_ids[i] for i in mine])
         try:
@@ -733,16 +856,22 @@ class KVPoolConnector(KVConnectorBase_V1):
                 outcome.failed_keys = failed = sum(code not in _PUT_OK for code in codes)
         except KVPoolError as exc:
             log.warning("kvpool save of %s failed: %s", save.request_id, exc)
-            return
+            return mine
         if failed:
             log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
+        return [i for i, code in zip(mine, codes) if code not in _PUT_OK]
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
-        """The save jobs this worker finished since the last step (each once)."""
+        """The save jobs this worker finished since the last step (each once), and the
+        blocks of theirs it did not put."""
         saved: dict[int, int] = {}
+        failed: dict[int, list[int]] = {}
         while self._saved:
-            saved[self._saved.popleft()] = 1
-        return KVPoolWorkerMetadata(saved) if saved else None
+            job, not_put = self._saved.popleft()
+            saved[job] = 1
+            if not_put:
+                failed[job] = list(not_put)
+        return KVPoolWorkerMetadata(saved, failed) if saved else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -753,6 +882,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._loader.shutdown(wait=True)
         if self._saver is not None:  # and saves in flight read it
             self._saver.shutdown(wait=True)
+        if self._remover is not None:
+            self._remover.shutdown(wait=True)
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []
