@@ -19,8 +19,9 @@ import uvloop
 from kvpool.client import pool
 from kvpool.client.pool import MasterLink
 from kvpool.discovery import LeaderRecord, leader_key, mark_key
-from kvpool.errors import ConnectFailed, RpcTimeout
+from kvpool.errors import ConnectFailed, RpcTimeout, StoreClosed
 from kvpool.protocol.messages import ExistKeys
+from kvpool.transports.connection import Connection
 from kvpool.transports.etcd import EtcdClient
 
 CONNECT_TIMEOUT_MS = 300
@@ -61,6 +62,37 @@ def test_concurrent_calls_share_one_connect_and_each_keeps_its_bound(monkeypatch
         took_s = uvloop.run(_calls_took_s(link, 6))
     assert max(took_s) < (CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS) / 1000 + SLACK_S, took_s
     assert len(attempts) == 1, attempts
+
+
+def test_close_during_the_handshake_ends_the_connect_and_its_callers(monkeypatch):
+    """close() left the connect in flight: its socket stayed open to the master, and its
+    caller waited, until the connect timed out (a minute here)."""
+    connect_timeout_ms = 60_000
+    in_handshake = asyncio.Event()
+    wait_ready = Connection.wait_ready
+
+    async def signalled_wait_ready(self: Connection, timeout_ms: int) -> None:
+        in_handshake.set()
+        await wait_ready(self, timeout_ms)
+
+    monkeypatch.setattr(Connection, "wait_ready", signalled_wait_ready)
+
+    async def main() -> None:
+        accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
+        # A master that accepts and never answers the handshake.
+        master = await asyncio.start_server(lambda reader, _: accepted.put_nowait(reader), "127.0.0.1", 0)
+        endpoint = f"127.0.0.1:{master.sockets[0].getsockname()[1]}"
+        async with master:
+            link = MasterLink(endpoint, None, connect_timeout_ms, RPC_TIMEOUT_MS, prefer_local=False)
+            call = asyncio.create_task(link.call(ExistKeys(["k"]), is_idempotent=True))
+            reader = await asyncio.wait_for(accepted.get(), 10)
+            await asyncio.wait_for(in_handshake.wait(), 10)
+            link.close()
+            with pytest.raises(StoreClosed):
+                await asyncio.wait_for(call, 10)
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # the client's socket is closed
+
+    uvloop.run(main())
 
 
 def test_concurrent_calls_to_a_frozen_leader_named_by_etcd_each_keep_their_bound(etcd_endpoint):

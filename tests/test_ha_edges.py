@@ -115,7 +115,8 @@ def test_a_deposed_terms_dfs_drops_leave_the_files_its_successor_adopted(etcd_en
     values = {"a": b"A" * 5000, "b": b"B" * 7000}
     offsets = {"a": 0, "b": 1 << 20}
     for key, value in values.items():
-        dfs.write(key, offsets[key], checksum_of([value]), [memoryview(value)], is_durable=False)
+        written = dfs.write_temporary(key, offsets[key], checksum_of([value]), [memoryview(value)], is_durable=False)
+        dfs.publish(key, offsets[key], written, is_durable=False)
     entered, release = threading.Event(), threading.Event()
     removing: list[str] = []  # the keys whose files the old leader removed, in order
 

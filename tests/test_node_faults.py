@@ -159,7 +159,7 @@ def test_a_clients_disk_read_does_not_wait_behind_a_backlog_of_offloads(tmp_path
         async with node_with_disk(tmp_path) as node:
             disk, segment, mover = node.disk, node._segment, node._mover
             cold = InventoryEntry("cold", 0, MIB, xxhash.xxh3_64_intdigest(data))
-            disk.write_file(cold, [memoryview(data)])
+            disk.publish(cold, disk.write_temporary(cold, [memoryview(data)]))
             disk.record([cold])
             hot = []
             for index in range(8):  # more copies than disk threads
@@ -366,7 +366,7 @@ def test_readers_that_stop_reading_hold_no_sender_thread(tmp_path):
             entries = [InventoryEntry("big", 0, len(big), xxhash.xxh3_64_intdigest(big)),
                        InventoryEntry("small", 16 * MIB, MIB, xxhash.xxh3_64_intdigest(small))]  # fmt: skip
             for entry, data in zip(entries, (big, small)):
-                disk.write_file(entry, [memoryview(data)])
+                disk.publish(entry, disk.write_temporary(entry, [memoryview(data)]))
             disk.record(entries)
             stalled = []
             try:

@@ -144,7 +144,7 @@ def test_a_promotion_stalled_past_its_deadline_never_overwrites_what_the_master_
     taken on the writer's word."""
     x = os.urandom(MIB)
     on_disk = InventoryEntry("X", 0, MIB, xxhash.xxh3_64_intdigest(x))
-    node.disk.write_file(on_disk, [memoryview(x)])
+    node.disk.publish(on_disk, node.disk.write_temporary(on_disk, [memoryview(x)]))
     node.disk.record([on_disk])
     stall = Stall(monkeypatch, "read_range_into", lambda *args: True)
 

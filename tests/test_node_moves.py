@@ -50,7 +50,7 @@ class Tiers:
     def on_disk(self, key: str, offset: int, data: bytes | None = None) -> InventoryEntry:
         data = os.urandom(SIZE) if data is None else data
         entry = InventoryEntry(key, offset, SIZE, xxhash.xxh3_64_intdigest(data))
-        self.disk.write_file(entry, [memoryview(data)])
+        self.disk.publish(entry, self.disk.write_temporary(entry, [memoryview(data)]))
         self.disk.record([entry])
         return entry
 

@@ -197,7 +197,9 @@ def _racing_writer(directory: str, seed: int) -> None:
     dfs = DfsDirectory(directory)
     for round_ in range(WRITERS_ROUNDS):
         data = bytes([seed]) * (64 * 1024 + round_)
-        dfs.write("same-key", 4096, xxhash.xxh3_64_intdigest(data), [memoryview(data)], is_durable=False)
+        checksum = xxhash.xxh3_64_intdigest(data)
+        written = dfs.write_temporary("same-key", 4096, checksum, [memoryview(data)], is_durable=False)
+        dfs.publish("same-key", 4096, written, is_durable=False)
 
 
 def test_two_writers_of_one_key_never_produce_a_torn_file(tmp_path):
@@ -240,13 +242,13 @@ def test_disk_tier_keeps_its_identity_refuses_a_second_user_and_cleans_up_after_
         DiskTier.open(tmp_path / "d", 16 * MIB, "node-2", is_durable=True)  # locked
     data = os.urandom(100_000)
     entry = InventoryEntry("k1", 4096, len(data), xxhash.xxh3_64_intdigest(data))
-    tier.write_file(entry, [memoryview(data)])
+    tier.publish(entry, tier.write_temporary(entry, [memoryview(data)]))
     assert tier.record([entry]) == []
     objects = tier.objects_path
     # What a kill -9 can leave: a temporary file, a file with a torn tail, a foreign file.
     (objects / f"{objectfile.disk_name(8192)}.dead{objectfile.TEMP_SUFFIX}").write_bytes(b"partial")
     torn = InventoryEntry("k2", 1 << 20, len(data), 1)
-    tier.write_file(torn, [memoryview(data)])
+    tier.publish(torn, tier.write_temporary(torn, [memoryview(data)]))
     os.truncate(tier.path_of(torn.offset), 4096 + 10)
     (objects / "README").write_text("not ours")
     tier.close()
@@ -284,10 +286,10 @@ def test_a_restarted_disk_tier_removes_the_older_of_two_files_that_collide(tmp_p
     over = InventoryEntry("y", 8 * MIB + 4096, len(data), checksum)  # over the end of x's range
     long_ago_s = time.time() - 100
     for entry in (old_copy, under):
-        tier.write_file(entry, [memoryview(data)])
+        tier.publish(entry, tier.write_temporary(entry, [memoryview(data)]))
         os.utime(tier.path_of(entry.offset), (long_ago_s, long_ago_s))
     for entry in (new_copy, over):
-        tier.write_file(entry, [memoryview(data)])
+        tier.publish(entry, tier.write_temporary(entry, [memoryview(data)]))
     tier.close()
     for _ in range(2):  # and again: nothing more goes at the next restart
         again = DiskTier.open(tmp_path / "d", 0, "node-1", is_durable=False)
@@ -479,7 +481,7 @@ def adopt_object(directory: Path, key: str, data: bytes) -> InventoryEntry:
     tier = DiskTier.open(directory, 32 * MIB, "node-1", is_durable=False)
     try:
         entry = InventoryEntry(key, 0, len(data), xxhash.xxh3_64_intdigest(data))
-        tier.write_file(entry, [memoryview(data)])
+        tier.publish(entry, tier.write_temporary(entry, [memoryview(data)]))
     finally:
         tier.close()
     return entry
@@ -638,12 +640,13 @@ def test_a_dfs_share_gone_from_under_its_mount_point_takes_no_write(tmp_path):
     share = DfsDirectory.create_or_open(mount_point / "kvpool", 64 * MIB)
     data = os.urandom(10_000)
     checksum = xxhash.xxh3_64_intdigest(data)
-    share.write("before", 4096, checksum, [memoryview(data)], is_durable=False)
+    share.publish("before", 4096, share.write_temporary("before", 4096, checksum, [memoryview(data)], is_durable=False),
+                  is_durable=False)  # fmt: skip
     assert share.read_bytes("before", 4096, len(data)) == data
     mount_point.rename(tmp_path / "share-elsewhere")  # what the node sees of an unmount
     mount_point.mkdir()
     with pytest.raises(TransferFailed, match="is gone .is the shared filesystem mounted"):
-        share.write("after", 8192, checksum, [memoryview(data)], is_durable=False)
+        share.write_temporary("after", 8192, checksum, [memoryview(data)], is_durable=False)
     assert list(mount_point.iterdir()) == []
 
 

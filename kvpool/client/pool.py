@@ -207,6 +207,11 @@ class MasterLink(_ClosedForGood):
             return await asyncio.wait_for(asyncio.shield(opening), max(wait_s, 0.001))
         except TimeoutError:
             raise ConnectFailed(f"no connection to the master {self.endpoint} within the call's bound") from None
+        except asyncio.CancelledError:
+            # close() cancelled the attempt, not this call's caller: say what happened.
+            if opening.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
+                raise StoreClosed("the store was closed during the call") from None
+            raise
 
     async def _open(self) -> Connection:
         """Look the master up and connect, within connect_timeout_ms in all; the link's
@@ -305,8 +310,14 @@ class MasterLink(_ClosedForGood):
         raise error
 
     def close(self) -> None:
-        """For good (_ClosedForGood): a call after this raises StoreClosed instead of connecting again."""
-        if self._close_for_good() and self._conn is not None:
+        """For good (_ClosedForGood): a call after this raises StoreClosed instead of connecting
+        again. A connect under way is cancelled (its socket closed), and its callers get
+        StoreClosed: left running, it held a socket to the master up to the connect timeout."""
+        if not self._close_for_good():
+            return
+        if self._opening is not None:
+            self._opening.cancel()
+        if self._conn is not None:
             self._conn.close("client closed")
 
 

@@ -50,10 +50,10 @@ class DiskTier:
     """An open disk tier directory: identity, lock and inventory of complete object files.
 
     The inventory is changed on the event loop only (`record`, `forget`); file I/O runs in
-    worker threads (write_file, remove_files, open_range). Invariant: every inventory entry
-    has a whole file named `disk_name(entry.offset)`; a file without an entry is either being
-    written (a temporary name), about to be removed, or one a drop could not remove
-    (`unremoved`: a read-only filesystem).
+    worker threads (write_temporary, publish, remove_files, open_range). Invariant: every
+    inventory entry has a whole file named `disk_name(entry.offset)`; a file without an entry
+    is either being written (a temporary name), about to be removed, or one a drop could not
+    remove (`unremoved`: a read-only filesystem).
     """
 
     def __init__(self, directory: Path, identity: TierIdentity, lock_fd: int, is_durable: bool) -> None:
@@ -181,10 +181,6 @@ class DiskTier:
         return dropped
 
     # --- files (worker threads) -----------------------------------------------------------
-
-    def write_file(self, entry: InventoryEntry, source: list[memoryview] | FileRange) -> None:
-        """Write the file of `entry` (not yet recorded). Raises FilesystemFull, TransferFailed."""
-        self.publish(entry, self.write_temporary(entry, source))
 
     def write_temporary(self, entry: InventoryEntry, source: list[memoryview] | FileRange) -> Path:
         """Write the file of `entry` under a temporary name, for `publish` (or removal: a move

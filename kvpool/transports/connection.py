@@ -260,8 +260,11 @@ class Connection(asyncio.BufferedProtocol):
     async def wait_ready(self, timeout_ms: int) -> None:
         """Wait for the handshake. Raises ConnectFailed, Unauthorized or RpcTimeout."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), timeout_ms / 1000)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that comes
+            # in the loop step the awaited future completes, and the cancelled caller went on.
+            async with asyncio.timeout(timeout_ms / 1000):
+                await asyncio.shield(self._ready)
+        except TimeoutError:
             self.close("handshake timed out")
             raise RpcTimeout(f"handshake with {self.peer} timed out after {timeout_ms} ms {NO_HANDSHAKE_WHY}") from None
 
@@ -1188,7 +1191,8 @@ async def connect(
     local_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         local_socket.setblocking(False)
-        await asyncio.wait_for(loop.sock_connect(local_socket, conn.local_name), timeout_ms / 1000)
+        async with asyncio.timeout(timeout_ms / 1000):  # not wait_for: see wait_ready
+            await loop.sock_connect(local_socket, conn.local_name)
         local = await _open(loop.create_unix_connection(new_connection, sock=local_socket), endpoint, timeout_ms)
     except BaseException as exc:
         # Whatever went wrong, the transport (if one was made) is closed and has let go of
@@ -1208,9 +1212,10 @@ async def connect(
 async def _open(opening: Awaitable[tuple[object, object]], endpoint: str, timeout_ms: int) -> Connection:
     """The connection `opening` makes, once its handshake is done; closed if that fails."""
     try:
-        with map_exceptions({OSError: ConnectFailed}):
-            _, conn = await asyncio.wait_for(opening, timeout_ms / 1000)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_ms / 1000):  # not wait_for: see Connection.wait_ready
+            with map_exceptions({OSError: ConnectFailed}):
+                _, conn = await opening
+    except TimeoutError:
         raise ConnectFailed(f"connect to {endpoint} timed out after {timeout_ms} ms") from None
     assert isinstance(conn, Connection)
     try:

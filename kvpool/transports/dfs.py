@@ -145,25 +145,17 @@ class DfsDirectory:
     def path_of(self, key: str, offset: int) -> Path:
         return self.path / objectfile.dfs_relative_path(key, offset)
 
-    def write(
-        self, key: str, offset: int, checksum: int, source: Sequence[memoryview] | FileRange,
-        *, is_durable: bool,
-    ) -> None:  # fmt: skip
-        """Write one object atomically (temporary name, then rename). Blocks.
-
-        Raises:
-            FilesystemFull: no space left there. TransferFailed: it could not be written
-            otherwise (nothing is left under its name in either case).
-        """
-        self.publish(key, offset, self.write_temporary(key, offset, checksum, source, is_durable=is_durable),
-                     is_durable=is_durable)  # fmt: skip
-
     def write_temporary(
         self, key: str, offset: int, checksum: int, source: Sequence[memoryview] | FileRange,
         *, is_durable: bool,
     ) -> Path:  # fmt: skip
         """Write one object under a temporary name in its bucket, for `publish` (or removal:
-        a move no longer wanted). Blocks. Raises as `write`."""
+        a move no longer wanted). Blocks.
+
+        Raises:
+            FilesystemFull: no space left there. TransferFailed: it could not be written
+            otherwise (nothing is left behind in either case).
+        """
         final = self.path_of(key, offset)
         _make_bucket(final.parent)
         return files.write_temporary(final.parent, final.name, key, checksum, source, is_durable=is_durable)
