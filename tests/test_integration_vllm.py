@@ -703,6 +703,49 @@ def test_the_blocks_a_lookup_planned_to_load_are_held_until_the_load(make_cluste
         sched.shutdown()
 
 
+def test_a_reset_while_the_master_does_not_answer_fails_after_a_short_wait(make_cluster):
+    """vLLM resets the connector's cache in its engine loop: a master alive but not answering
+    (SIGSTOP here: a GC pause, a partition) held that loop the removal's bound, 300 s. Now the
+    reset waits on the removal while the master answers a probe of lookup_timeout_ms, and
+    otherwise answers False (vLLM fails the reset); the connector's shutdown does not wait for
+    the removal given up on. Tried again once the master answers, the reset succeeds, and the
+    blocks saved before it are not found."""
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint, lookup_timeout_ms=200)
+    stuck, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    sched = connector(config, KVConnectorRole.SCHEDULER)
+    worker.register_kv_caches(paged_cache(seed=3))
+    answers: list[tuple[bool, float]] = []
+
+    def timed_reset() -> None:
+        started = time.monotonic()
+        answers.append((stuck.reset_cache(), time.monotonic() - started))
+
+    reset = threading.Thread(target=timed_reset, daemon=True)
+    try:
+        assert run_worker_step(worker, first_prefill(sched, "r-1", [0, 1, 2, 3])) == set()
+        wait_until(lambda: sched.get_num_new_matched_tokens(request("r-2", PROMPT), 0) == (12, False), timeout_s=10)
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            reset.start()
+            reset.join(timeout=5)
+            assert answers and answers[0][0] is False, "the reset still waits on the master"
+            assert answers[0][1] < 2, answers  # two bounds of 0.2 s and a connect (was 300 s)
+            started = time.monotonic()
+            stuck.shutdown()
+            assert time.monotonic() - started < 2
+            # nor does the process's exit, which joins the reset's thread
+            wait_until(lambda: not any(t.name.startswith("kvpool-reset") for t in threading.enumerate()), 2)
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+        reset.join(timeout=10)
+        assert sched.reset_cache() is True
+        assert sched.get_num_new_matched_tokens(request("r-3", PROMPT), 0) == (0, False)
+    finally:
+        for side in (worker, sched, stuck):
+            side.shutdown()
+
+
 def calls_of(store: Store, *names: str) -> list[str]:
     """The names of the calls of `store`'s methods `names` from now on, in order."""
     calls: list[str] = []

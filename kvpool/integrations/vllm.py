@@ -15,7 +15,7 @@ default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (de
 true), "cache_prefix" (a namespace for separate deployments), "lookup_hold_ms" (how long a
 lookup's hits are held from eviction for their load, default 5000; 0 = none), "load_async"
 (default true, as vLLM's Mooncake store connector), "lookup_timeout_ms" (how long a scheduler
-lookup waits for the master, default 1000), "lookup_backoff_ms_min" / "lookup_backoff_ms_max"
+lookup, or a reset's probe, waits for the master, default 1000), "lookup_backoff_ms_min" / "lookup_backoff_ms_max"
 (after a lookup could not reach the master, lookups miss without asking for that long,
 doubling from the min to the max between probes; default 1000 / 30000: breaker.py).
 $KVPOOL_MASTER is read when "master" is absent.
@@ -249,6 +249,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._remover: concurrent.futures.ThreadPoolExecutor | None = None
         self._removal: concurrent.futures.Future[bool] | None = None
         self._last_removed: list[tuple[int, list[str], list[int]]] = []
+        # A reset's removal of the namespace runs there, waited for while the master answers
+        # (reset_cache).
+        self._resetter: concurrent.futures.ThreadPoolExecutor | None = None
         # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
         # reference of their own until every worker reported the job: _pin_saves), with the
         # workers yet to report it and the job's block hashes.
@@ -524,21 +527,46 @@ class KVPoolConnector(KVConnectorBase_V1):
         again. A save planned before may still land after the removal: the blocks of the saves
         of the steps in flight and of those no worker has finished go again at the next
         updates, until those saves are over (_remove_doomed_saves, as after a failed load).
-        Returns False when the pool could not be reached: vLLM then fails the reset."""
+        Returns False when the pool could not be reached, or its master stopped answering
+        (_answered): vLLM then fails the reset."""
         pinned_hashes = [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
         self._first_blocks_in_pool.clear()
         self._doom_saves(self._recent_save_hashes() + pinned_hashes, list(self._pinned))
+        # Up to the KV format's first field: a namespace alone is a prefix of another's
+        # where a model's name extends this one's past an '@' (a cache_prefix named like
+        # this model, or a model "m@x" beside "m").
+        pattern = f"^{re.escape(self._namespace)}kv:"
+        if self._resetter is None:
+            self._resetter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-reset")
+        removal = self._resetter.submit(
+            self._store.remove_by_regex, pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS
+        )
         try:
-            # Up to the KV format's first field: a namespace alone is a prefix of another's
-            # where a model's name extends this one's past an '@' (a cache_prefix named
-            # like this model, or a model "m@x" beside "m").
-            pattern = f"^{re.escape(self._namespace)}kv:"
-            removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
+            removed = self._answered(removal)
         except KVPoolError as exc:
             log.warning("kvpool: the reset of the connector's cache failed: %s", exc)
             return False
         log.info("kvpool: the connector's cache was reset: %d objects of %s removed", removed, self._namespace)
         return True
+
+    def _answered(self, removal: concurrent.futures.Future[int]) -> int:
+        """The reset's removal's count, waited for in vLLM's engine loop for as long as the
+        master answers: a master removing millions of objects takes seconds, and answers
+        other requests between its steps; one that answers nothing (SIGSTOP, a partition)
+        held the engine loop the removal's bound, 300 s. Between waits of lookup_timeout_ms,
+        a probe of that bound must be answered. A removal given up on goes on, on the reset
+        thread, until the master answers it, its bound ends or the connector shuts down; a
+        later reset's removal runs after it (removing more is harmless).
+
+        Raises:
+            KVPoolError: the removal's, or the probe's (the master did not answer it).
+        """
+        wait_s = self._lookup_timeout_ms / 1000
+        while True:
+            try:
+                return removal.result(timeout=wait_s)
+            except concurrent.futures.TimeoutError:
+                self._store.cluster_status(timeout_ms=self._lookup_timeout_ms)
 
     def has_pending_push_work(self) -> bool:
         """Saves still read pinned blocks: vLLM keeps stepping until the workers report them."""
@@ -884,6 +912,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._saver.shutdown(wait=True)
         if self._remover is not None:
             self._remover.shutdown(wait=True)
+        if self._resetter is not None:  # a removal waiting on a master that does not answer ends with the store
+            self._resetter.shutdown(wait=False, cancel_futures=True)
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []
