@@ -49,7 +49,8 @@ class Segment:
     """One mounted segment and the byte ranges of it that are not free.
 
     Fields: `index` (the small int that packed replicas carry), `info` (as the node sent it),
-    `allocator`, `state`, `last_seen_ms` (last mount or heartbeat), `drain_deadline_ms`,
+    `allocator`, `state`, `last_seen_ms` (last mount or heartbeat) and `drain_deadline_ms`
+    (both on the master's local monotonic clock: service.py's Clocks),
     `object_count` (complete objects with a replica here), `quarantined` (offset -> size of
     ranges of discarded puts, freed at their release time), `drops_unsent` (entries the node
     must forget, not yet taken by the server), `drops_sent` (offset -> entry, taken but not yet
@@ -79,14 +80,14 @@ class Segment:
         "has_whole_inventory",
     )
 
-    def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int):
+    def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, heard_ms: int):
         self.index = index
         self.tier = info.tier
         self.leaving_bytes = 0
         self.info = info
         self.allocator = allocator
         self.state = SegmentState.ACTIVE
-        self.last_seen_ms = now_ms
+        self.last_seen_ms = heard_ms
         self.drain_deadline_ms = 0
         self.object_count = 0
         self.quarantined: dict[int, int] = {}
@@ -341,7 +342,7 @@ class SegmentRegistry:
     def is_full(self) -> bool:
         return len(self._by_id) >= SEGMENT_COUNT_MAX
 
-    def add(self, info: SegmentInfo, allocator: OffsetAllocator, now_ms: int) -> Segment:
+    def add(self, info: SegmentInfo, allocator: OffsetAllocator, heard_ms: int) -> Segment:
         assert info.segment_id not in self._by_id, f"segment {info.segment_id} mounted twice"
         assert not self.is_full(), "too many segments"
         if self._free_indexes:
@@ -349,7 +350,7 @@ class SegmentRegistry:
         else:
             index = len(self._by_index)
             self._by_index.append(None)
-        segment = Segment(index, info, allocator, now_ms)
+        segment = Segment(index, info, allocator, heard_ms)
         self._by_index[index] = segment
         self._by_id[info.segment_id] = segment
         self._is_stale = True
@@ -407,17 +408,6 @@ class SegmentRegistry:
         if self._is_stale:
             self._rebuild_views()
         return self._active_by_node.get((node_id, tier))
-
-    def silent_since(self, deadline_ms: int) -> list[Segment]:
-        """Segments whose node has not spoken since before `deadline_ms`. O(s)."""
-        return [seg for seg in self._by_id.values() if seg.last_seen_ms < deadline_ms]
-
-    def drains_due(self, now_ms: int) -> list[Segment]:
-        return [
-            seg
-            for seg in self._by_id.values()
-            if seg.state is SegmentState.DRAINING and seg.drain_deadline_ms <= now_ms
-        ]
 
     def check_invariants(self) -> None:
         count = 0

@@ -177,7 +177,8 @@ def _tier_metrics(status: ClusterStatusReply) -> Iterator[Any]:
             ("evictions", "replicas that left the tier to make room."),
             ("failed_moves", "offloads, promotions and write-through copies into the tier that failed: the "
                              "node could not write them, did not answer, or could not be reached (an offloaded "
-                             "object is then dropped; a put's copy leaves its faster replicas)."),
+                             "object is then dropped, or kept where it was if the filesystem was full; a "
+                             "put's copy leaves its faster replicas)."),
         )
     }
     for tier in status.tiers:

@@ -2,7 +2,8 @@
 
 All decisions are MasterService's (service.py, pure). This module only moves messages: it
 feeds requests to the service with the wall clock (its times leave this host: a grant's
-expiry and a move's deadline are checked by nodes), sends the service's outbox to nodes
+expiry and a move's deadline are checked by nodes), and node liveness and drains with
+`liveness_clock_ms` (service.py's Clocks), sends the service's outbox to nodes
 (CommitObjects at put_end, DropObjects before a range is reused) on the connection each node
 opened, runs `tick` periodically, and serves /metrics, /health and /status over HTTP.
 
@@ -150,6 +151,19 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+# The clock of a node's liveness and a drain's deadline in the service (service.py's Clocks):
+# CLOCK_MONOTONIC, the event loop's, on which _tick_forever measures the master's own stalls
+# that it excuses from node TTLs; no step of the wall clock moves it, and neither does a
+# suspend of the host (its nodes could not be heard). It reads as the wall clock did when this
+# module loaded, so a caller that mounts segments in server.service on the wall clock alone (a
+# test) sees them timed out alike.
+_LIVENESS_EPOCH_MS = time.time_ns() // 1_000_000 - time.monotonic_ns() // 1_000_000
+
+
+def liveness_clock_ms() -> int:
+    return time.monotonic_ns() // 1_000_000 + _LIVENESS_EPOCH_MS
+
+
 # The clock of durations on this host (the module docstring): the election's, so that a
 # takeover's grace and the leadership it began with count the same time.
 local_clock_ms = lease_clock_ms
@@ -210,7 +224,7 @@ class MasterServer:
         self.busy_poll_us = busy_poll_us  # transports/busy_poll.py
         self._key = auth.cluster_key(token) if token else None
         self._seed = seed
-        self.service = MasterService(config, random.Random(seed), self._key, term=_new_term_id())
+        self.service = MasterService(config, random.Random(seed), self._key, term=_new_term_id(), local_clock=True)
         self.metrics = MasterMetrics(self.service)
         self.advertise_host = advertise_host
         self._election = election
@@ -378,7 +392,7 @@ class MasterServer:
                 return service.cluster_status(message, now_ms)
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
-                reply = service.mount_segment(message, now_ms)
+                reply = service.mount_segment(message, now_ms, liveness_clock_ms())
                 self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
@@ -407,7 +421,7 @@ class MasterServer:
                         owned.append(segment_id)
                 if len(owned) < len(message.segment_ids):
                     message = Heartbeat(owned, {s: r for s, r in message.filesystems.items() if s in owned})
-                return service.heartbeat(message, now_ms)
+                return service.heartbeat(message, now_ms, liveness_clock_ms())
             case UnmountSegment():
                 self._check_segment_owner(conn, message.segment_id)
                 reply = service.unmount_segment(message, now_ms)
@@ -417,7 +431,7 @@ class MasterServer:
                 return reply
             case DrainSegment():
                 self._check_segment_owner(conn, message.segment_id)
-                return service.drain_segment(message, now_ms)
+                return service.drain_segment(message, now_ms, liveness_clock_ms())
             case ReportBadReplicas():
                 return self._verify_reported(message, now_ms)
             case ReleaseLeases():
@@ -768,6 +782,7 @@ class MasterServer:
             if self.elector is not None and self.role != "leader":
                 continue  # A standby keeps no state; a new leader waits for its nodes first.
             try:
+                self.service.expire_segments(liveness_clock_ms())
                 self.service.tick(wall_clock_ms())
                 self._send_moves()
                 self._send_drops()  # not awaited: a node slow to answer holds up no tick
@@ -897,7 +912,8 @@ class MasterServer:
         service, dfs, info = self.service, self._dfs, self._dfs_info
         assert dfs is not None and info is not None
         if self._dfs_service is service and service.has_segment(info.segment_id):
-            service.heartbeat(Heartbeat([info.segment_id], await self._dfs_filesystem()), wall_clock_ms())
+            report = await self._dfs_filesystem()
+            service.heartbeat(Heartbeat([info.segment_id], report), wall_clock_ms(), liveness_clock_ms())
             return
         entries = await asyncio.to_thread(lambda: list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)))
         if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
@@ -905,7 +921,7 @@ class MasterServer:
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
             chunk = entries[start : start + _DFS_MOUNT_CHUNK]
-            reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms())
+            reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms(), liveness_clock_ms())
             rejected.extend(reply.rejected)
         self._dfs_service = service
         if self._takeover is not None:
@@ -1033,7 +1049,8 @@ class MasterServer:
         return [counters.segment_id for counters in self.service.segment_counters()]
 
     def _new_term(self) -> None:
-        self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id())
+        self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id(),
+                                    local_clock=True)
         busy_poll = self.metrics.busy_poll  # the listener's, set once at start: it outlives terms
         self.metrics = MasterMetrics(self.service)
         self.metrics.busy_poll = busy_poll

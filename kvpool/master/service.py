@@ -24,6 +24,17 @@ return one `ErrorCode` per key (partial failure is normal). Costs per key (put, 
 are O(log f) in free extents plus O(replicas); O(n) paths are named where they are: unmount of
 a segment that holds objects (in steps of UNMOUNT_SWEEP_KEYS_PER_STEP keys when the table is
 larger: sweep_step), remove_by_regex / remove_all / list_objects, check_invariants.
+
+Clocks. `now_ms` is the master's wall clock: a grant's expiry and a move's deadline leave this
+host and nodes check them against their estimate of it (node/clock.py); read leases, lookup
+holds, soft pins, put discard and release timeouts and eviction back-offs share it. A node's
+liveness (its TTL) and a drain's deadline are counted on `local_ms` instead, a monotonic clock
+of this host that the server passes to mount_segment, heartbeat and drain_segment and with
+which it runs expire_segments each tick (a service made with `local_clock`): they drop a
+segment with its replicas when they run out, so a wall clock stepped forward past the node
+TTL (an NTP step, a VM restored from a snapshot) dropped every node at the next tick, and one
+stepped back kept a silent node for as long. A caller that drives the service with one clock
+(tests, the simulator) leaves `local_ms` out: it is then `now_ms`, and tick expires segments.
 """
 
 from __future__ import annotations
@@ -161,6 +172,8 @@ class MasterService:
         term: names this service (the server draws a new one per start and leadership term);
             every write grant carries it and a mounted node takes only this term's grants,
             so a writer stalled across a failover cannot write into a range reallocated since.
+        local_clock: the caller runs expire_segments on its local clock (the module
+            docstring's Clocks) before each tick, which then leaves that to it.
     """
 
     def __init__(
@@ -170,9 +183,11 @@ class MasterService:
         cluster_key: bytes | None,
         policy: EvictionPolicy | None = None,
         term: int = 0,
+        local_clock: bool = False,
     ):
         self.config = config
         self.term = term
+        self._local_clock = local_clock
         self.counters = MasterCounters()
         self._registry = SegmentRegistry()
         # DRAM eviction follows `policy`; each slower tier has its own LRU (docs/tiers.md).
@@ -230,7 +245,7 @@ class MasterService:
 
     # --- node side ----------------------------------------------------------------------
 
-    def mount_segment(self, msg: MountSegment, now_ms: int) -> MountReply:
+    def mount_segment(self, msg: MountSegment, now_ms: int, local_ms: int | None = None) -> MountReply:
         """Mount a segment, or re-mount one (after a node or master restart) with its inventory.
 
         A known segment id from the same node with the same capacity and segment token is
@@ -247,6 +262,7 @@ class MasterService:
             InvalidParams: malformed segment info, or too many segments.
             SegmentAlreadyExists: the id is mounted by another node or with another capacity.
         """
+        heard_ms = now_ms if local_ms is None else local_ms  # liveness: the module docstring's Clocks
         info = msg.segment
         self._check_segment_info(info)
         segment = self._registry.get(info.segment_id)
@@ -272,12 +288,12 @@ class MasterService:
             else:
                 self._registry.replace_info(segment, info)
                 self._registry.set_reachable(segment, True)
-                segment.last_seen_ms = now_ms
+                segment.last_seen_ms = heard_ms
         if segment is None:
             if self._registry.is_full():
                 raise self._count_error(InvalidParams("too many segments mounted"))
             self._check_token_unique(info)
-            segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), now_ms)
+            segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), heard_ms)
         inventory, removed = self.tombstones.unearth(info.segment_id, msg.inventory)
         if removed:
             self.counters.refused_returns += len(removed)
@@ -312,16 +328,18 @@ class MasterService:
                     )
                 )
 
-    def heartbeat(self, msg: Heartbeat, now_ms: int) -> HeartbeatReply:
-        """Refresh the liveness of the node's segments; unknown ids are returned (re-mount them)."""
+    def heartbeat(self, msg: Heartbeat, now_ms: int, local_ms: int | None = None) -> HeartbeatReply:
+        """Refresh the liveness of the node's segments (on `local_ms`); unknown ids are returned
+        (re-mount them)."""
         self._check_batch(msg.segment_ids)
+        heard_ms = now_ms if local_ms is None else local_ms
         unknown: list[str] = []
         for segment_id in msg.segment_ids:
             segment = self._registry.get(segment_id)
             if segment is None or segment.state is SegmentState.LEAVING:
                 unknown.append(segment_id)
             else:
-                segment.last_seen_ms = now_ms
+                segment.last_seen_ms = heard_ms
                 self._registry.set_reachable(segment, True)  # it speaks: its connection is back
                 self.tombstones.settle(segment_id)
                 report = msg.filesystems.get(segment_id)
@@ -391,9 +409,9 @@ class MasterService:
         (unmounting it after the last slice). True while steps remain."""
         return self._mounts.sweep_step()
 
-    def drain_segment(self, msg: DrainSegment, now_ms: int) -> OkReply:
-        """Stop allocating on a segment; it serves reads until now + timeout_ms, then tick()
-        unmounts it. Draining again moves the deadline.
+    def drain_segment(self, msg: DrainSegment, now_ms: int, local_ms: int | None = None) -> OkReply:
+        """Stop allocating on a segment; it serves reads until now + timeout_ms (on `local_ms`),
+        then tick() unmounts it. Draining again moves the deadline.
 
         Raises:
             SegmentNotFound: the id is not mounted.
@@ -404,7 +422,7 @@ class MasterService:
             raise self._count_error(SegmentNotFound(f"segment {msg.segment_id!r} is being unmounted"))
         if type(msg.timeout_ms) is not int or msg.timeout_ms < 0:
             raise self._count_error(InvalidParams(f"drain timeout_ms {msg.timeout_ms!r}"))
-        self._registry.set_draining(segment, now_ms + msg.timeout_ms)
+        self._registry.set_draining(segment, (now_ms if local_ms is None else local_ms) + msg.timeout_ms)
         return OkReply()
 
     # --- client side: puts --------------------------------------------------------------
@@ -920,24 +938,12 @@ class MasterService:
             segment.last_seen_ms += stalled_ms
 
     def tick(self, now_ms: int) -> None:
-        """Housekeeping, every 100-500 ms: unmount segments of silent nodes and finished drains,
-        discard zombie puts, release quarantined ranges, expire soft pins, evict above the
-        high watermark. O(s + expired + eviction scan)."""
-        config = self.config
-        for segment in self._registry:
-            if segment.state is SegmentState.LEAVING:
-                continue
-            if segment.last_seen_ms + config.node_ttl_ms <= now_ms:
-                log.warning(
-                    "segment %s of node %s at %s silent for %d ms (node TTL %d ms): unmounted, with its "
-                    "replicas of %d objects", segment.info.segment_id, segment.info.node_id, segment.info.endpoint,
-                    now_ms - segment.last_seen_ms, config.node_ttl_ms, segment.object_count,
-                )  # fmt: skip
-                self._mounts.leave(segment)
-            elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= now_ms:
-                log.info("segment %s: drain over, unmounted (%d objects)", segment.info.segment_id,
-                         segment.object_count)  # fmt: skip
-                self._mounts.leave(segment)
+        """Housekeeping, every 100-500 ms: unmount segments of silent nodes and finished drains
+        (expire_segments, unless the service has a `local_clock`), discard zombie puts, release
+        quarantined ranges, expire soft pins, evict above the high watermark.
+        O(s + expired + eviction scan)."""
+        if not self._local_clock:
+            self.expire_segments(now_ms)
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
         self.tombstones.expire(now_ms)
@@ -945,6 +951,25 @@ class MasterService:
         self._evict_above_watermark(now_ms)
         self._tiers.evict_above_watermark(now_ms)
         self._tiers.promote_due(now_ms)
+
+    def expire_segments(self, local_ms: int) -> None:
+        """Unmount the segments of nodes silent for the node TTL and those of finished drains,
+        both on `local_ms` (the module docstring's Clocks). O(s)."""
+        config = self.config
+        for segment in self._registry:
+            if segment.state is SegmentState.LEAVING:
+                continue
+            if segment.last_seen_ms + config.node_ttl_ms <= local_ms:
+                log.warning(
+                    "segment %s of node %s at %s silent for %d ms (node TTL %d ms): unmounted, with its "
+                    "replicas of %d objects", segment.info.segment_id, segment.info.node_id, segment.info.endpoint,
+                    local_ms - segment.last_seen_ms, config.node_ttl_ms, segment.object_count,
+                )  # fmt: skip
+                self._mounts.leave(segment)
+            elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= local_ms:
+                log.info("segment %s: drain over, unmounted (%d objects)", segment.info.segment_id,
+                         segment.object_count)  # fmt: skip
+                self._mounts.leave(segment)
 
     # --- tiers: moves outbox (docs/tiers.md) ---------------------------------------------
 

@@ -465,8 +465,9 @@ class TierFlow:
                 continue
             for segment, _ in here:
                 segment.start_leaving(size_bytes)
+            # Counted as evictions when it ends (_end): one that finds the filesystem full
+            # leaves them where they are.
             self.moves.add(Move(key, meta, MoveKind.OFFLOAD, source, here, [room], source[0]))
-            counters.evictions += len(here)
             self.place(key, meta)
             return True
         counters.evictions += len(here)
@@ -906,6 +907,9 @@ class TierFlow:
         # candidates; the tier's room is capped now (_found_full), so the next offload there
         # makes room instead of failing. Before, the object was dropped: lost, though whole.
         is_kept = all(code == ErrorCode.NO_AVAILABLE_HANDLE for code in move.results.values())
+        if move.kind is MoveKind.OFFLOAD and not is_kept:
+            # Evicted from their tier now, not when the offload began (a kept object counted).
+            self.counters[move.source[0].tier].evictions += len(move.retiring)
         if move.kind is MoveKind.OFFLOAD and not is_kept and not meta.has_lease(now_ms):
             # Moved (or not: the room was needed all the same). A reader under a lease may
             # be copying from them: then they stay, as ordinary replicas.
