@@ -363,6 +363,120 @@ def test_pages_of_another_pipeline_split_are_not_found(make_cluster):
             backend.close()
 
 
+def kv_head_rank(master: str, tp_rank: int, total_kv_heads: object = None, *, v1: bool = True):
+    """Rank `tp_rank` of TP 4 with one KV head (two ranks per head when total_kv_heads is 2),
+    its pool's pages filled with that head's bytes: the same on the ranks holding it."""
+    config = storage_config(master, tp_rank=tp_rank)
+    config.tp_size = 4
+    config.extra_config["interface_v1"] = int(v1)
+    if total_kv_heads is not None:
+        config.extra_config["total_kv_heads"] = total_kv_heads
+    pool = MHAHostPool("page_first")
+    pool.head_num = 1  # the rank's share of the heads (the buffers keep the helper's geometry)
+    head = tp_rank // 2
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=torch.Generator().manual_seed(head)))
+    return create(config, pool), pool
+
+
+def test_ranks_holding_one_kv_head_store_one_copy_and_each_reads_it(make_cluster):
+    """8 KV heads at TP 16: each head on two ranks, which stored the same pages twice, each
+    under its rank. SGLang does not tell a backend the head count (the host pool's head_num is
+    1 for 16 KV heads too): with the operator's "total_kv_heads" the ranks of one head share
+    one copy, named by the head, written by the first of them and read by all; the pool holds
+    half the objects. Here 2 KV heads at TP 4."""
+    cluster = make_cluster(1, "16MiB")
+    ranks = [kv_head_rank(cluster.master_endpoint, rank, total_kv_heads=2) for rank in range(4)]
+    try:
+        keys = ["g0", "g1"]
+        (rank0, pool0), (rank1, pool1), (rank2, pool2), (rank3, pool3) = ranks
+        assert rank1.batch_set_v1(keys, host_indices([0, 1])) == [True] * 2  # rank 0 writes them
+        assert rank1.batch_exists(keys) == 0 and rank0._store.list_objects("org-tiny-model").keys == []
+        for rank, _ in ranks:
+            assert rank.batch_set_v1(keys, host_indices([0, 1])) == [True] * 2
+        listed = sorted(rank0._store.list_objects("org-tiny-model").keys)
+        assert len(listed) == 8  # 2 heads x 2 pages x K, V (per rank: 16)
+        assert listed[:2] == [
+            "org-tiny-model@page_first_bfloat16_tp4_g0_kvh0of2_k",
+            "org-tiny-model@page_first_bfloat16_tp4_g0_kvh0of2_v",
+        ]
+        assert rank0._object_keys(keys) == rank1._object_keys(keys) != rank2._object_keys(keys)
+        for rank, _ in ranks:  # the lookups (SGLang syncs the ranks' hits), then the loads
+            assert rank.batch_exists(keys) == 2
+        for rank, pool in ranks:
+            assert rank.batch_get_v1(keys, host_indices([4, 5])) == [True] * 2
+            for source, target in ((0, 4), (1, 5)):
+                assert torch.equal(pool.page(target * PAGE_SIZE), pool.page(source * PAGE_SIZE))
+        assert not torch.equal(pool0.page(4 * PAGE_SIZE), pool2.page(4 * PAGE_SIZE))  # another head
+        assert torch.equal(pool1.page(4 * PAGE_SIZE), pool0.page(0)) and torch.equal(pool3.page(0), pool2.page(0))
+    finally:
+        for rank, _ in ranks:
+            rank.close()
+
+
+def test_a_kv_heads_pages_are_held_until_each_of_its_ranks_has_fetched_them(make_cluster):
+    """As an MLA model's shared pages: a hold that ended with the first rank's fetch let an
+    eviction fail the other's. A remove that spares leased objects stands for eviction."""
+    cluster = make_cluster(1, "16MiB")
+    (rank0, _), (rank1, _) = ranks = [kv_head_rank(cluster.master_endpoint, rank, 2) for rank in (0, 1)]
+    try:
+        assert rank0.batch_set_v1(["h0"], host_indices([0])) == [True]
+        assert rank0.batch_exists(["h0"]) == 1 and rank1.batch_exists(["h0"]) == 1
+        names = rank0._object_keys(["h0"])
+        assert rank0.batch_get_v1(["h0"], host_indices([1])) == [True]
+        assert rank0._store.batch_remove(names) == [ErrorCode.OBJECT_HAS_LEASE] * 2
+        assert rank1.batch_get_v1(["h0"], host_indices([1])) == [True]
+        wait_until(lambda: rank1._store.batch_remove(names) == [ErrorCode.OK] * 2, timeout_s=5)
+    finally:
+        for rank, _ in ranks:
+            rank.close()
+
+
+def test_the_v0_interface_writes_a_kv_heads_pages_from_its_first_rank(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    (rank0, pool0), (rank1, pool1) = ranks = [kv_head_rank(cluster.master_endpoint, r, 2, v1=False) for r in (0, 1)]
+    try:
+        assert rank1.batch_set(["v0"], [pool1.get_data_page(0)]) is True  # rank 0 writes it
+        assert rank1.batch_exists(["v0"]) == 0
+        assert rank0.batch_set(["v0"], [pool0.get_data_page(0)]) is True
+        (got,) = rank1.batch_get(["v0"], [pool1.get_dummy_flat_data_page()])
+        assert got is not None and torch.equal(got, pool1.get_data_page(0))
+    finally:
+        for rank, _ in ranks:
+            rank.close()
+
+
+def test_without_total_kv_heads_every_rank_keeps_its_own_pages(make_cluster):
+    """One head per rank may be a head two ranks hold or a head of its own: never guessed.
+    Nor at a head count of the TP size or above, where no two ranks hold one head."""
+    cluster = make_cluster(1, "16MiB")
+    ranks = [kv_head_rank(cluster.master_endpoint, rank, heads) for heads in (None, 4) for rank in (0, 1)]
+    try:
+        for rank, _ in ranks:
+            assert rank.batch_set_v1(["r0"], host_indices([0])) == [True]
+        listed = sorted(ranks[0][0]._store.list_objects("org-tiny-model").keys)
+        prefix = "org-tiny-model@page_first_bfloat16_tp4_r0"
+        assert listed == [f"{prefix}_{rank}_{kv}" for rank in (0, 1) for kv in "kv"]  # each wrote its own
+    finally:
+        for rank, _ in ranks:
+            rank.close()
+
+
+def test_a_total_kv_heads_that_cannot_be_the_models_is_refused(make_cluster):
+    cluster = make_cluster(1, "16MiB")
+    for heads in (3, 0, "x", "²", 2.0):
+        with pytest.raises(InvalidParams, match="total_kv_heads"):
+            kv_head_rank(cluster.master_endpoint, 0, heads)
+    config = storage_config(cluster.master_endpoint)  # TP 2, a pool of 2 heads per rank: 4 heads
+    config.extra_config["total_kv_heads"] = 2
+    with pytest.raises(InvalidParams, match="gives each rank 1 KV heads, but the host pool holds 2"):
+        create(config, MHAHostPool("page_first"))
+    config.extra_config["total_kv_heads"] = 4
+    create(config, MHAHostPool("page_first")).close()
+    mla = storage_config(cluster.master_endpoint, mla=True)  # its pages are shared by every rank already
+    mla.extra_config["total_kv_heads"] = 1
+    create(mla, MLAHostPool("page_first")).close()
+
+
 def test_attention_context_parallelism_is_refused_at_start(make_cluster):
     cluster = make_cluster(1, "16MiB")
     config = storage_config(cluster.master_endpoint)

@@ -15,8 +15,10 @@ the prefetch that follows, default 5000; 0 = none), "lookup_timeout_ms" (how lon
 waits for the master, default 1000), "lookup_backoff_ms_min" / "lookup_backoff_ms_max" (after a
 lookup could not reach the master, lookups miss without asking for that long, doubling from
 the min to the max between probes; default 1000 / 30000: breaker.py; SGLang runs every
-request's hit query on its one prefetch thread, one after the other). $KVPOOL_MASTER is read
-when "master" is absent.
+request's hit query on its one prefetch thread, one after the other), "total_kv_heads" (the
+model's KV head count, which SGLang does not give a backend: set, with more TP ranks than KV
+heads, the ranks holding one head share one copy of its pages; the operator vouches for it).
+$KVPOOL_MASTER is read when "master" is absent.
 
 Pages are objects named much as SGLang's own Mooncake backend names them
 (sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py): the page hash, prefixed by
@@ -27,7 +29,10 @@ the first rank write it). The tag and model name end with an '@' (one in either 
 kvpool adds what else decides a page's bytes to the prefix: the host pool's layout (SGLang's
 layouts order a page's bytes differently in objects of one size), its dtype, and for MHA the
 TP size (a rank's share of the heads):
-`tag_model@layout_dtype_tpN[_ppNfromL]_<hash>_<tp rank>[_<pp rank>]_k`.
+`tag_model@layout_dtype_tpN[_ppNfromL]_<hash>_<tp rank>[_<pp rank>]_k`. With "total_kv_heads"
+below the TP size, the ranks holding one KV head name its pages by the head instead of the
+rank (`..._<hash>_kvh<head>of<total_kv_heads>[_<pp rank>]_k`); the first of them writes them,
+the others report their writes done (as SGLang's non-writing MLA ranks do), and all read them.
 
 With `interface_v1: 1` SGLang calls batch_get_v1 / batch_set_v1, which move each page
 straight between kvpool and the registered host pool (`register_mem_pool_host`) with the
@@ -120,6 +125,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         else:
             self._mha_suffix = f"{storage_config.tp_rank}"
             self._mla_suffix = ""
+        # With more TP ranks than KV heads, SGLang gives `replicas` consecutive ranks the same
+        # head (QKVParallelLinear: head = rank // replicas). Only the operator can say so (see
+        # _total_kv_heads): without it every rank keeps its own copy, under its rank.
+        self._total_kv_heads = None if self.is_mla else _total_kv_heads(extra, storage_config.tp_size)
+        self._kv_head_replicas = max(1, storage_config.tp_size // (self._total_kv_heads or storage_config.tp_size))
+        self._kv_suffix = self._mha_suffix  # names this rank's KV pages (MHA)
+        if self._kv_head_replicas > 1:
+            head = storage_config.tp_rank // self._kv_head_replicas
+            stage = f"_{storage_config.pp_rank}" if storage_config.pp_size > 1 else ""
+            self._kv_suffix = f"kvh{head}of{self._total_kv_heads}{stage}"
+        # The first rank of a head's replicas writes its pages; the others' writes are done.
+        self._writes_kv = storage_config.tp_rank % self._kv_head_replicas == 0
         self.mem_pool_host: Any = None
         self._sidecars: dict[str, tuple[Any, str]] = {}  # pool name -> (host pool, object suffix)
         self._registered: list[int] = []
@@ -145,6 +162,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """
         super().register_mem_pool_host(mem_pool_host)
         self._check_page_ranges(mem_pool_host)
+        self._check_head_count(mem_pool_host)
         # The device pool's dtype: the host pool's is how it stores bytes (uint8 for every
         # fp8 format, which would read as one another's garbage).
         device_pool = getattr(mem_pool_host, "device_pool", None)
@@ -160,6 +178,24 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if hasattr(mem_pool_host, "get_ksize_per_token"):
             bytes_per_page = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
             self._gb_per_page = bytes_per_page / (1 << 30)
+
+    def _check_head_count(self, mem_pool_host: Any) -> None:
+        """A "total_kv_heads" that cannot be the model's: this rank's share of it is not the
+        host pool's head count. (One head per rank fits any count up to the TP size: that the
+        ranks share heads is the operator's word.)
+
+        Raises:
+            InvalidParams: the pool holds another number of heads.
+        """
+        head_num = getattr(mem_pool_host, "head_num", None)
+        if self._total_kv_heads is None or head_num is None:
+            return
+        expected = max(1, self._total_kv_heads // self.storage_config.tp_size)
+        if head_num != expected:
+            raise InvalidParams(
+                f"total_kv_heads {self._total_kv_heads} at TP {self.storage_config.tp_size} gives each rank "
+                f"{expected} KV heads, but the host pool holds {head_num}: it is not this model's KV head count"
+            )
 
     def _register_pool(self, pool: Any) -> None:
         tensors = list(_pool_tensors(pool))
@@ -253,7 +289,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return [f"{self._namespace(k)}_{self._mla_suffix}_k" for k in keys]
         out = []
         for key in keys:
-            base = f"{self._namespace(key)}_{self._mha_suffix}"
+            base = f"{self._namespace(key)}_{self._kv_suffix}"
             out += [f"{base}_k", f"{base}_v"]
         return out
 
@@ -297,7 +333,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Write pages straight from the host pool. A page already present is a success."""
+        """Write pages straight from the host pool. A page already present is a success, and
+        so is every page another rank holding this rank's KV heads writes."""
+        if not self._writes_kv:
+            return [True] * len(keys)
         started = time.perf_counter()
         results = self._page_io(keys, host_indices, is_set=True)
         self._record(self._backup_pages, self._backup_bandwidth, keys, results, started)
@@ -306,6 +345,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def _page_io(self, keys: list[str], host_indices: Any, is_set: bool) -> list[bool]:
         if not keys:
             return []
+        if is_set and not self._writes_kv:  # another rank of this rank's KV heads writes them
+            return [True] * len(keys)
         if self.mem_pool_host is None:
             log.error("kvpool: page I/O before register_mem_pool_host")
             return [False] * len(keys)
@@ -468,9 +509,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def _readers_of_each(self, pool_name: str = PoolName.KV.value) -> int:
         """The ranks that load each object of that pool, which a lookup holds it for: all the
         TP ranks of an MLA model share its KV pages (and all but the rank-sharded pools');
-        each rank looks them up, and SGLang syncs the ranks' hits before any loads."""
+        each rank looks them up, and SGLang syncs the ranks' hits before any loads. The ranks
+        holding one KV head share its KV pages likewise ("total_kv_heads")."""
         shared = self.is_mla and pool_name not in _RANK_SHARDED_IN_MLA
-        return self.storage_config.tp_size if shared else 1
+        if shared:
+            return self.storage_config.tp_size
+        return self._kv_head_replicas if pool_name == PoolName.KV.value else 1
 
     def _sidecar_keys(self, pool_name: Any, keys: Sequence[str]) -> list[str]:
         """The objects of a registered non-KV pool's pages. Raises InvalidParams otherwise."""
@@ -511,6 +555,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         pages are written when another's tensor is not)."""
         if not keys or values is None or len(values) != len(keys):
             return False
+        if not self._writes_kv:  # another rank of this rank's KV heads writes them
+            return True
         return all(self._tensor_io(keys, list(values), is_set=True))
 
     def _tensor_io(self, keys: list[str], tensors: list[Any], is_set: bool) -> list[bool]:
@@ -622,6 +668,33 @@ def _storage_metrics_class() -> Any:
 def _without_ats(name: str) -> str:
     """A tag or model name with no '@', which ends the namespace."""
     return name.replace("@", "-")
+
+
+def _total_kv_heads(extra: dict, tp_size: int) -> int | None:
+    """The model's KV head count, as the operator gives it ("total_kv_heads"), or None.
+
+    SGLang gives a storage backend no way to know it: the host pool's head_num is this rank's
+    share, 1 both for 8 KV heads at TP 16 (each held by two ranks) and for 16, and
+    HiCacheStorageConfig has no head count. SGLang's own unified key scheme
+    (hicache_key_scheme.py) refuses to guess at one head per rank too; in 0.5.23 it is wired
+    to no backend and its --hicache-storage-head-group is no server argument. So it is never
+    guessed.
+
+    Raises:
+        InvalidParams: not a whole number that divides the TP size or that it divides, as
+            SGLang's tensor parallelism requires.
+    """
+    given = extra.get("total_kv_heads")
+    if given is None:
+        return None
+    text = str(given).strip()
+    heads = given if type(given) is int else int(text) if text.isascii() and text.isdigit() else None
+    if heads is None or heads < 1 or (heads % tp_size and tp_size % heads):
+        raise InvalidParams(
+            f"total_kv_heads in --hicache-storage-backend-extra-config must be the model's KV head count, "
+            f"which divides TP size {tp_size} or is a multiple of it, not {given!r}"
+        )
+    return heads
 
 
 def _pipeline_stage(pp_size: int, start_layer: int | None) -> str:
