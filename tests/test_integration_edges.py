@@ -273,15 +273,10 @@ def test_sglang_v0_one_bad_page_tensor_fails_alone(make_cluster):
     cannot be used (not contiguous, here) failed the whole batch, every page a miss, and a
     set stored none of the batch's pages. Now that page fails alone."""
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed")
-    from test_integration_sglang import PAGE_SIZE, MHAHostPool, create, storage_config
+    from test_integration_sglang import PAGE_SIZE, v0_backends
 
     cluster = make_cluster(1, "16MiB")
-    pool_a, pool_b = MHAHostPool("page_first"), MHAHostPool("page_first")
-    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
-    config = storage_config(cluster.master_endpoint)
-    config.extra_config["interface_v1"] = 0
-    a, b = create(config, pool_a), create(config, pool_b)
-    try:
+    with v0_backends(cluster.master_endpoint) as ((pool_a, a), (pool_b, b)):
         pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(3)]
         bad = pool_a.get_data_page(3 * PAGE_SIZE).reshape(2, -1).t()  # not contiguous
         assert a.batch_set(["p0", "p1", "bad", "p2"], [pages[0], pages[1], bad, pages[2]]) is False
@@ -292,9 +287,6 @@ def test_sglang_v0_one_bad_page_tensor_fails_alone(make_cluster):
         for index, tensor in ((0, got[0]), (1, got[1]), (2, got[3])):
             pool_b.set_from_flat_data_page(index * PAGE_SIZE, tensor)
             assert torch.equal(pool_b.page(index * PAGE_SIZE), pool_a.page(index * PAGE_SIZE))
-    finally:
-        a.close()
-        b.close()
 
 
 def test_sglang_v0_keeps_a_page_a_late_disk_read_writes_into_until_it_ended(make_cluster):
@@ -304,15 +296,10 @@ def test_sglang_v0_keeps_a_page_a_late_disk_read_writes_into_until_it_ended(make
     stayed behind. Now the get answers misses, that tensor is held (SGLang cannot free it
     under the late write) and its registration goes at a later call once the read ended."""
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed")
-    from test_integration_sglang import PAGE_SIZE, MHAHostPool, create, storage_config
+    from test_integration_sglang import PAGE_SIZE, v0_backends
 
     cluster = make_cluster(1, "16MiB")
-    pool = MHAHostPool("page_first")
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.dtype))
-    config = storage_config(cluster.master_endpoint)
-    config.extra_config["interface_v1"] = 0
-    backend = create(config, pool)
-    try:
+    with v0_backends(cluster.master_endpoint, count=1) as ((pool, backend),):
         keys = ["late0", "late1"]
         assert backend.batch_set(keys, [pool.get_data_page(i * PAGE_SIZE) for i in range(2)]) is True
         store = backend._store
@@ -341,5 +328,3 @@ def test_sglang_v0_keeps_a_page_a_late_disk_read_writes_into_until_it_ended(make
         assert torch.equal(got[1], pool.get_data_page(PAGE_SIZE))
         assert len(store._async.buffers) == registered  # no registration left behind
         assert backend._refused._kept == []
-    finally:
-        backend.close()

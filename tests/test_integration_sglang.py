@@ -23,6 +23,7 @@ dependencies).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import time
@@ -166,6 +167,26 @@ def create(config: HiCacheStorageConfig, pool):
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)  # as SGLang's cache controller does after creating it
     return backend
+
+
+@contextlib.contextmanager
+def v0_backends(master: str, pool_type=None, mla: bool = False, count: int = 2):
+    """`count` backends on SGLang's v0 interface (page tensors), each over a host pool of
+    `pool_type` (MHAHostPool by default), the first pool filled with random KV; yields
+    [(pool, backend), ...] and closes the backends."""
+    pool_type = MHAHostPool if pool_type is None else pool_type
+    config = storage_config(master, mla=mla)
+    config.extra_config["interface_v1"] = 0
+    pools = [pool_type("page_first") for _ in range(count)]
+    pools[0].kv_buffer.copy_(torch.randn(pools[0].kv_buffer.shape).to(pools[0].dtype))
+    made = []
+    try:
+        for pool in pools:
+            made.append((pool, create(config, pool)))
+        yield made
+    finally:
+        for _, backend in made:
+            backend.close()
 
 
 def host_indices(pages: list[int]):
@@ -768,12 +789,7 @@ def test_other_pools_kvpool_cannot_store_are_refused_at_attach_and_bad_transfers
 
 def test_v0_page_tensor_interface(make_cluster):
     cluster = make_cluster(1, "16MiB")
-    pool_a, pool_b = MHAHostPool("page_first"), MHAHostPool("page_first")
-    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
-    config = storage_config(cluster.master_endpoint)
-    config.extra_config["interface_v1"] = 0
-    a, b = create(config, pool_a), create(config, pool_b)
-    try:
+    with v0_backends(cluster.master_endpoint) as ((pool_a, a), (pool_b, b)):
         pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(3)]
         assert a.batch_set(["t0", "t1", "t2"], pages) is True
         assert a.set("t3", pool_a.get_data_page(3 * PAGE_SIZE)) is True
@@ -786,9 +802,6 @@ def test_v0_page_tensor_interface(make_cluster):
         assert b.get("absent", pool_b.get_dummy_flat_data_page()) is None
         assert b.batch_get([], []) == [] and b.batch_get(["t0"], None) == [None]
         assert a.batch_set([], []) is False
-    finally:
-        a.close()
-        b.close()
 
 
 def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_cluster):
@@ -806,12 +819,7 @@ def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_
             return torch.zeros(LAYERS * PAGE_SIZE * MLA_DIM, dtype=self.dtype)
 
     cluster = make_cluster(1, "16MiB")
-    pool_a, pool_b = MLAPoolPages("page_first"), MLAPoolPages("page_first")
-    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
-    config = storage_config(cluster.master_endpoint, mla=True)
-    config.extra_config["interface_v1"] = 0
-    a, b = create(config, pool_a), create(config, pool_b)
-    try:
+    with v0_backends(cluster.master_endpoint, MLAPoolPages, mla=True) as ((pool_a, a), (pool_b, b)):
         pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(2)]
         assert pages[0].data_ptr() == pool_a.kv_buffer.data_ptr()  # a view, not a copy
         assert a.batch_set(["m0", "m1"], pages) is True
@@ -821,9 +829,6 @@ def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_
         into_pool = [pool_b.get_data_page(i * PAGE_SIZE) for i in range(2)]  # a get into the pool itself
         assert all(t is not None for t in b.batch_get(["m0", "m1"], into_pool))
         assert torch.equal(pool_b.kv_buffer[: 2 * PAGE_SIZE], pool_a.kv_buffer[: 2 * PAGE_SIZE])
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_dead_master_fails_pages_without_raising(make_cluster):

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -23,17 +22,14 @@ from pathlib import Path
 import pytest
 import uvloop
 import xxhash
+from test_node_moves import SIZE
+from test_node_moves import Tiers as MoverTiers
 
 from kvpool import AsyncStore
 from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import ErrorCode
 from kvpool.master.server import MasterServer
 from kvpool.node.clock import MasterClock, monotonic_ms, wall_clock_ms
-from kvpool.node.disk import DiskTier
-from kvpool.node.inventory import Inventory
-from kvpool.node.metrics import NodeMetrics, TierMetrics
-from kvpool.node.moves import Mover
-from kvpool.node.segment import Segment
 from kvpool.node.server import Node
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import InventoryEntry, MoveItem, MoveObjects, ReadItem, ReadReply, ReadSlices
@@ -41,31 +37,10 @@ from kvpool.transports import files
 from kvpool.transports.connection import connect
 
 MIB = 1 << 20
-SIZE = 64 * 1024
 
 
-class Tiers:
-    """A node's DRAM segment and disk tier, and a Mover over them."""
-
-    def __init__(self, root: Path) -> None:
-        (root / "shm").mkdir()
-        self.segment = Segment.create(str(root / "shm"), "n1", 4 * MIB, secrets.token_bytes(16))
-        self.inventory = Inventory(self.segment.capacity_bytes)
-        self.disk = DiskTier.open(root / "disk", 16 * MIB, "n1", is_durable=False)
-        self.mover = Mover(
-            self.segment, "n1-dram", self.inventory, self.disk, None, TierMetrics(NodeMetrics().registry),
-            is_durable=False,
-        )  # fmt: skip
-
-    def in_dram(self, key: str, offset: int) -> InventoryEntry:
-        data = os.urandom(SIZE)
-        self.segment.data[offset : offset + SIZE] = data
-        entry = InventoryEntry(key, offset, SIZE, xxhash.xxh3_64_intdigest(data))
-        self.inventory.add([entry])
-        return entry
-
-    def offload(self, entry: InventoryEntry, to_offset: int) -> MoveItem:
-        return MoveItem(entry.key, SIZE, entry.checksum, "n1-dram", entry.offset, self.disk.segment_id, to_offset)
+class Tiers(MoverTiers):
+    """test_node_moves' DRAM segment, disk tier and Mover, and the disk tier's files."""
 
     def object_files(self) -> set[int]:
         """The offsets of the object files in the disk tier's directory (temporary ones too)."""
@@ -78,9 +53,7 @@ class Tiers:
 def tiers(tmp_path: Path) -> Iterator[Tiers]:
     made = Tiers(tmp_path)
     yield made
-    made.mover.close()
-    made.disk.close()
-    made.segment.close()
+    made.close()
 
 
 # --- 1. a copy that fails with an error that is not kvpool's ------------------------------

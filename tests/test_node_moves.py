@@ -60,14 +60,17 @@ class Tiers:
     def promote(self, entry: InventoryEntry, to_offset: int) -> MoveItem:
         return MoveItem(entry.key, SIZE, entry.checksum, self.disk.segment_id, entry.offset, "n1-dram", to_offset)
 
+    def close(self) -> None:
+        self.mover.close()
+        self.disk.close()
+        self.segment.close()
+
 
 @pytest.fixture
 def tiers(tmp_path: Path) -> Iterator[Tiers]:
     made = Tiers(tmp_path)
     yield made
-    made.mover.close()
-    made.disk.close()
-    made.segment.close()
+    made.close()
 
 
 def test_copies_that_finish_after_the_deadline_are_not_recorded_and_leave_no_file(tiers: Tiers) -> None:
