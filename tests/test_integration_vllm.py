@@ -746,6 +746,41 @@ def test_a_reset_while_the_master_does_not_answer_fails_after_a_short_wait(make_
             side.shutdown()
 
 
+def test_a_reset_does_not_wait_behind_a_removal_an_earlier_reset_gave_up_on(make_cluster):
+    """A reset that gave up leaves its removal running until its own bound (300 s): stuck on a
+    connection that never answers (an old leader's, half-open) while probes on another are
+    answered, the next reset's removal queued behind it on the one reset thread, and that
+    reset held vLLM's engine loop as long. Each reset's removal has a thread of its own now."""
+    cluster = make_cluster(1, "16MiB")
+    sched = connector(vllm_config(cluster.master_endpoint, lookup_timeout_ms=200), KVConnectorRole.SCHEDULER)
+    store = sched._store
+    real_remove = store.remove_by_regex
+    first_stuck = threading.Event()
+    removals = []
+
+    def remove_first_stuck(*args, **kwargs):
+        removals.append(args)
+        if len(removals) == 1:
+            first_stuck.wait(60)  # a connection that never answers, until the test ends it
+        return real_remove(*args, **kwargs)
+
+    store.remove_by_regex = remove_first_stuck
+    answers: list[bool] = []
+    try:
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            assert sched.reset_cache() is False  # its probe went unanswered
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+        second = threading.Thread(target=lambda: answers.append(sched.reset_cache()), daemon=True)
+        second.start()
+        second.join(timeout=10)
+        assert answers == [True], "the second reset waits behind the first's removal"
+    finally:
+        first_stuck.set()
+        sched.shutdown()
+
+
 def calls_of(store: Store, *names: str) -> list[str]:
     """The names of the calls of `store`'s methods `names` from now on, in order."""
     calls: list[str] = []

@@ -204,7 +204,10 @@ class MasterLink(_ClosedForGood):
         wait_s = deadline - time.monotonic()
         try:
             # shield: a call that gives up (timeout, cancelled) leaves the attempt to the others.
-            return await asyncio.wait_for(asyncio.shield(opening), max(wait_s, 0.001))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that comes in
+            # the loop step the connect completes, and the cancelled call sent its request.
+            async with asyncio.timeout(max(wait_s, 0.001)):
+                return await asyncio.shield(opening)
         except TimeoutError:
             raise ConnectFailed(f"no connection to the master {self.endpoint} within the call's bound") from None
         except asyncio.CancelledError:

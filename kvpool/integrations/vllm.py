@@ -249,9 +249,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._remover: concurrent.futures.ThreadPoolExecutor | None = None
         self._removal: concurrent.futures.Future[bool] | None = None
         self._last_removed: list[tuple[int, list[str], list[int]]] = []
-        # A reset's removal of the namespace runs there, waited for while the master answers
-        # (reset_cache).
-        self._resetter: concurrent.futures.ThreadPoolExecutor | None = None
+        # Each reset's removal of the namespace runs on a thread of its own, waited for while
+        # the master answers (reset_cache): the removals still running, with their threads.
+        self._resets: list[tuple[concurrent.futures.ThreadPoolExecutor, concurrent.futures.Future[int]]] = []
         # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
         # reference of their own until every worker reported the job: _pin_saves), with the
         # workers yet to report it and the job's block hashes.
@@ -536,11 +536,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         # where a model's name extends this one's past an '@' (a cache_prefix named like
         # this model, or a model "m@x" beside "m").
         pattern = f"^{re.escape(self._namespace)}kv:"
-        if self._resetter is None:
-            self._resetter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-reset")
-        removal = self._resetter.submit(
+        for reset in [reset for reset in self._resets if reset[1].done()]:
+            reset[0].shutdown(wait=False)
+            self._resets.remove(reset)
+        # A thread per reset (they are rare): behind one given up on, stuck on a connection
+        # that never answers while probes on another do, a reset waited out its 300 s.
+        resetter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-reset")
+        removal = resetter.submit(
             self._store.remove_by_regex, pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS
         )
+        self._resets.append((resetter, removal))
         try:
             removed = self._answered(removal)
         except KVPoolError as exc:
@@ -554,9 +559,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         master answers: a master removing millions of objects takes seconds, and answers
         other requests between its steps; one that answers nothing (SIGSTOP, a partition)
         held the engine loop the removal's bound, 300 s. Between waits of lookup_timeout_ms,
-        a probe of that bound must be answered. A removal given up on goes on, on the reset
+        a probe of that bound must be answered. A removal given up on goes on, on its
         thread, until the master answers it, its bound ends or the connector shuts down; a
-        later reset's removal runs after it (removing more is harmless).
+        later reset's removal runs beside it (removing more is harmless).
 
         Raises:
             KVPoolError: the removal's, or the probe's (the master did not answer it).
@@ -912,8 +917,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._saver.shutdown(wait=True)
         if self._remover is not None:
             self._remover.shutdown(wait=True)
-        if self._resetter is not None:  # a removal waiting on a master that does not answer ends with the store
-            self._resetter.shutdown(wait=False, cancel_futures=True)
+        for resetter, _ in self._resets:  # a removal waiting on a master that does not answer ends with the store
+            resetter.shutdown(wait=False, cancel_futures=True)
+        self._resets = []
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []

@@ -907,12 +907,12 @@ class TierFlow:
         # candidates; the tier's room is capped now (_found_full), so the next offload there
         # makes room instead of failing. Before, the object was dropped: lost, though whole.
         is_kept = all(code == ErrorCode.NO_AVAILABLE_HANDLE for code in move.results.values())
-        if move.kind is MoveKind.OFFLOAD and not is_kept:
-            # Evicted from their tier now, not when the offload began (a kept object counted).
-            self.counters[move.source[0].tier].evictions += len(move.retiring)
         if move.kind is MoveKind.OFFLOAD and not is_kept and not meta.has_lease(now_ms):
             # Moved (or not: the room was needed all the same). A reader under a lease may
-            # be copying from them: then they stay, as ordinary replicas.
+            # be copying from them: then they stay, as ordinary replicas, counted evicted
+            # when a later eviction takes them. Counted here, not when the offload began: a
+            # kept object counted, and a leased one twice.
+            self.counters[move.source[0].tier].evictions += len(move.retiring)
             doomed.extend(place for place in move.retiring if place != move.source or not is_source_gone)
         doomed = [place for place in doomed if self._is_live(place[0])]
         doomed_packed = {pack_replica(segment.index, offset) for segment, offset in doomed}

@@ -490,8 +490,9 @@ class Connection(asyncio.BufferedProtocol):
         writable = self._loop.create_future()
         self._loop.add_writer(fd, lambda: writable.done() or writable.set_result(None))
         try:
-            await asyncio.wait_for(writable, max(0.0, deadline_s - self._loop.time()))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout_at(deadline_s):  # not wait_for: see wait_ready
+                await writable
+        except TimeoutError:
             raise RpcTimeout("peer took no bytes before the transfer deadline") from None
         finally:
             self._loop.remove_writer(fd)
@@ -573,8 +574,9 @@ class Connection(asyncio.BufferedProtocol):
             waiter = self._loop.create_future()
             self._drain_waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, max(0.0, deadline_s - self._loop.time()))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(deadline_s):  # not wait_for: see wait_ready
+                    await waiter
+            except TimeoutError:
                 self.close(f"{type(message).__name__} not taken by the peer before its deadline")
                 raise RpcTimeout(f"{type(message).__name__} to {self.peer}: the peer read nothing "
                                  "before the deadline") from None  # fmt: skip
