@@ -115,3 +115,53 @@ def test_concurrent_calls_to_a_frozen_leader_named_by_etcd_each_keep_their_bound
     with _frozen_master() as master:
         took_s = uvloop.run(asyncio.wait_for(main(f"127.0.0.1:{master.getsockname()[1]}"), 30))
     assert max(took_s) < (CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS) / 1000 + SLACK_S, took_s
+
+
+class _RecordingConnection:
+    """A master connection that records what it is asked (a unit test of MasterLink alone)."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def is_closed(self) -> bool:
+        return False
+
+    async def request(self, message, timeout_ms, late_reply=None):  # type: ignore[no-untyped-def]
+        self.sent.append(message)
+        return "reply"
+
+    def close(self, reason: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_a_call_cancelled_as_its_connect_completes_sends_nothing(run):
+    """Python 3.11's asyncio.wait_for drops a cancel that arrives in the loop step its awaited
+    future completes: a call cancelled just as the master connection opened (its caller's own
+    timeout, a store closing) went on and sent its request, which may not be idempotent."""
+    conn = _RecordingConnection()
+
+    async def main() -> bool:
+        link = MasterLink("127.0.0.1:1", None, 1000, 1000, prefer_local=False)
+        connected = asyncio.get_running_loop().create_future()
+
+        async def open_when_told() -> object:
+            await connected
+            link._conn = conn  # type: ignore[assignment]
+            return conn
+
+        link._open = open_when_told  # type: ignore[method-assign]
+        call = asyncio.create_task(link.call(ExistKeys(["k"]), is_idempotent=True))
+        for _ in range(5):  # the call waits on the connect
+            await asyncio.sleep(0)
+        connected.set_result(None)
+        await asyncio.sleep(0)  # the connect task ends: the call's wake-up is scheduled
+        call.cancel()  # in that same step
+        try:
+            await call
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert run(main()) is True, "the cancelled call went on"
+    assert conn.sent == []
