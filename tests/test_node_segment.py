@@ -9,6 +9,7 @@ what another PID namespace would have left there. No sockets.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import struct
@@ -161,3 +162,39 @@ def test_a_node_killed_while_its_header_pid_is_alive_here_restarts(tmp_path: Pat
         assert path.exists()
     finally:
         restarted.close()
+
+
+def test_a_sweep_never_removes_the_file_of_a_node_that_restarted_under_it(tmp_path, monkeypatch):
+    """A sweep opened a dead node's file; before it took the lock, that node restarted (its own
+    start removed the old file and made a new one, locked, at the same path). The sweep's lock
+    on the old, unlinked file succeeded, and it unlinked the path: the live node's new file.
+    Every running node sweeps every 30 s, so a restart loop of one node id meets it."""
+    owner = python_child(
+        "import os, sys; from kvpool.node.segment import Segment; "
+        f"s = Segment.create({str(tmp_path)!r}, 'x', 4 * {limits.MIB}, os.urandom(16)); "
+        "print(s.path, flush=True); sys.stdin.read()"
+    )
+    try:
+        path = Path(owner.stdout.readline().strip())
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+    restarted: list[Segment] = []
+    flock, turns = fcntl.flock, []
+
+    def restart_then_lock(fd: int, operation: int) -> None:
+        turns.append(fd)
+        if len(turns) == 1:  # the sweep holds the old file open: "x" restarts now
+            path.unlink()
+            restarted.append(Segment.create(str(tmp_path), "x", 4 * limits.MIB, os.urandom(16)))
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", restart_then_lock)
+    try:
+        assert remove_stale_segments(str(tmp_path)) == []
+        monkeypatch.undo()
+        assert restarted and restarted[0].path == path and path.exists()
+    finally:
+        monkeypatch.undo()
+        for segment in restarted:
+            segment.close()

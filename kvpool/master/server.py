@@ -37,6 +37,7 @@ import logging
 import random
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Awaitable
 
@@ -110,6 +111,10 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
 # Inventory entries per MountSegment of the DFS (its files, scanned at start).
 _DFS_MOUNT_CHUNK = limits.BATCH_KEYS_MAX
+# How often a running master removes the DFS's temporary files whose writer is gone (a node
+# killed mid-copy leaves its in-flight ones, up to its move budget): the scan at start removes
+# them too, and a master that ran for weeks let them fill the share meanwhile.
+DFS_TEMP_SWEEP_INTERVAL_MS = limits.DFS_TEMP_FILE_AGE_MS_MAX
 
 
 class _RoomWaiter:
@@ -251,6 +256,8 @@ class MasterServer:
         self._dfs_service: MasterService | None = None
         self._dfs_free_due_ms = 0  # when to look at the DFS's free space next
         self._dfs_task: asyncio.Task[None] | None = None  # its mount, or a look at it, in flight
+        self._dfs_temps_due_ms = 0  # when to remove dead writers' temporary files next
+        self._dfs_temps_task: asyncio.Task[None] | None = None  # that removal, in flight
 
     def __repr__(self) -> str:
         return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_links)}>"
@@ -314,7 +321,8 @@ class MasterServer:
             self._tick_task.cancel()
         if self._sweep_task is not None:
             self._sweep_task.cancel()
-        for task in [*self._move_tasks, *self._verify_tasks, *self._drop_tasks.values(), self._dfs_task]:
+        for task in [*self._move_tasks, *self._verify_tasks, *self._drop_tasks.values(), self._dfs_task,
+                     self._dfs_temps_task]:  # fmt: skip
             if task is not None:
                 task.cancel()
         if self._server is not None:
@@ -477,7 +485,7 @@ class MasterServer:
             i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
         ]
         if not retry:
-            return reply  # the common case answers at once, without a task
+            return service.put_start_settled(reply)  # the common case answers at once, without a task
         if not self._is_room_coming(service):
             _no_room.log("put of %d keys: no room, and none coming (nothing evictable)", len(retry))
             return service.put_start_settled(reply)
@@ -905,6 +913,43 @@ class MasterServer:
         if self._dfs_task is None or self._dfs_task.done():
             self._dfs_task = asyncio.get_running_loop().create_task(self._ensure_dfs())
             self._dfs_task.add_done_callback(functools.partial(_log_task_failure, doing="tending the DFS"))
+        now_ms = local_clock_ms()
+        is_mounted = self._dfs_service is self.service  # its mount's scan sweeps as well: not twice
+        if is_mounted and now_ms >= self._dfs_temps_due_ms and (
+            self._dfs_temps_task is None or self._dfs_temps_task.done()
+        ):
+            # A task of its own: the walk of every file of the share may outlast the node TTL,
+            # which the DFS's heartbeat (_ensure_dfs) must not.
+            self._dfs_temps_due_ms = now_ms + DFS_TEMP_SWEEP_INTERVAL_MS
+            self._dfs_temps_task = asyncio.get_running_loop().create_task(self._remove_dfs_temporaries())
+            self._dfs_temps_task.add_done_callback(
+                functools.partial(_log_task_failure, doing="removing the DFS's stale temporary files")
+            )
+
+    async def _remove_dfs_temporaries(self) -> None:
+        """Remove the DFS's temporary files older than DFS_TEMP_FILE_AGE_MS_MAX: their writer
+        is gone (a node killed mid-copy; a live one renames or removes its own well before).
+        The walk, in a thread, stops at the next file once this task is cancelled (the master
+        stops: its executor would wait for the walk of a hung share) or the term ends."""
+        dfs, service, cancelled = self._dfs, self.service, threading.Event()
+        assert dfs is not None
+
+        def keep_going() -> bool:
+            return not cancelled.is_set() and service is self.service and self._is_leading()
+
+        try:
+            removed, failed = await asyncio.to_thread(
+                dfs.remove_stale_temporaries, limits.DFS_TEMP_FILE_AGE_MS_MAX, keep_going
+            )
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        except KVPoolError as exc:  # the share itself (its objects directory) cannot be read
+            log.warning("removing the DFS's stale temporary files: %s (tried again at the next sweep)", exc)
+            return
+        if removed or failed:
+            log.info("removed %d temporary files of DFS writers gone (nodes killed mid-copy); %d could not be "
+                     "removed", removed, failed)  # fmt: skip
 
     async def _ensure_dfs(self) -> None:
         """Mount the DFS in the current service (once per service: at start, each new term),
@@ -924,6 +969,7 @@ class MasterServer:
             reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms(), liveness_clock_ms())
             rejected.extend(reply.rejected)
         self._dfs_service = service
+        self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them
         if self._takeover is not None:
             self._takeover.mounted(info.segment_id)
         log.info("mounted the DFS %s at %s: %d objects, %d files rejected", info.segment_id, dfs.path,

@@ -264,6 +264,11 @@ def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
                     fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # its owner lives, here or in another PID namespace
+                # The path may name a new file by now (its node restarted: the old one unlinked,
+                # a new one created and locked): unlink only the file this lock is on.
+                locked, named = os.fstat(file.fileno()), os.stat(path)
+                if (locked.st_dev, locked.st_ino) != (named.st_dev, named.st_ino):
+                    continue
                 path.unlink()  # while holding the lock: the file is gone before anyone else looks
             removed.append(path)
         except OSError:

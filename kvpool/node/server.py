@@ -87,6 +87,9 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # A master link that keeps failing (a node started before its master) logs the first failure,
 # then at most one every this many seconds.
 LINK_FAILURE_LOG_INTERVAL_S = 30
+# How often a running node removes the segment files of processes that died on its host (a
+# serving process killed with its embedded segment): their memory stays taken until then.
+STALE_SEGMENTS_SWEEP_INTERVAL_MS = 30_000
 # How long a node tries to reach its own advertised address at start (_warn_if_unreachable).
 ADVERTISE_CHECK_TIMEOUT_MS = 1_000
 # A MountSegment is one control frame (FRAME_CONTROL_SIZE_BYTES_MAX): a larger inventory goes
@@ -157,6 +160,7 @@ class Node:
         self._master_conn: Connection | None = None
         self._resolver: MasterResolver | None = None  # set by start()
         self._master_task: asyncio.Task[None] | None = None
+        self._stale_segments_task: asyncio.Task[None] | None = None
         self._mounted = asyncio.Event()
         self._first_attempt = asyncio.Event()
         # The master refused the cluster token at the last attempt (wait_mounted raises it: a
@@ -324,6 +328,10 @@ class Node:
             self._master_link(), name=f"kvpool node {config.node_id} master link"
         )
         self._master_task.add_done_callback(_log_task_death)
+        self._stale_segments_task = asyncio.get_running_loop().create_task(
+            self._remove_stale_segments_forever(), name=f"kvpool node {config.node_id} stale segments"
+        )
+        self._stale_segments_task.add_done_callback(_log_task_death)
         first_attempt_ms = config.connect_timeout_ms + config.rpc_timeout_ms + 1_000
         try:
             await asyncio.wait_for(self._first_attempt.wait(), first_attempt_ms / 1000)
@@ -611,14 +619,31 @@ class Node:
             return len(entries) - len(left)
         return len(self.inventory.drop(rejected))
 
+    async def _remove_stale_segments_forever(self) -> None:
+        """Remove the segment files whose owner died, as start() does, every
+        STALE_SEGMENTS_SWEEP_INTERVAL_MS. A serving process killed with its embedded segment
+        (or a node killed with SIGKILL) left its file, and the host memory under it, until the
+        next node started on this host: a killed engine rescheduled elsewhere, never."""
+        while True:  # until _teardown cancels it
+            await asyncio.sleep(STALE_SEGMENTS_SWEEP_INTERVAL_MS / 1000)
+            try:
+                # In a thread: unlinking a large tmpfs file frees all its pages first.
+                removed = await asyncio.to_thread(remove_stale_segments, self.config.shm_dir)
+            except Exception as exc:  # noqa: BLE001 (the next sweep tries again; this one is not the node's end)
+                log.warning("looking for stale segment files in %s: %s", self.config.shm_dir, exc)
+                continue
+            for path in removed:
+                log.info("removed stale segment file %s (its owner died)", path)
+
     # --- teardown, state, metrics ----------------------------------------------------------
 
     async def _teardown(self) -> None:
         """Release whatever start() acquired, in reverse order. Safe on a partial start."""
         self._leave.set()
-        if self._master_task is not None and not self._master_task.done():
-            self._master_task.cancel()
-            await asyncio.gather(self._master_task, return_exceptions=True)
+        for task in (self._master_task, self._stale_segments_task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._master_conn is not None:
             self._master_conn.close("node stopping")
         for handler in (self._transfer, self._master_calls):
@@ -767,7 +792,7 @@ def _expect(reply: Message, cls: type[_M]) -> _M:
 
 def _log_task_death(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.critical("node master link died", exc_info=task.exception())
+        log.critical("node task %r died", task.get_name(), exc_info=task.exception())
 
 
 __all__ = ["Node", "NodeState"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import limits
@@ -194,9 +194,7 @@ class DfsDirectory:
             for entry in files.scan(Path(bucket.path)):
                 name = entry.name
                 if objectfile.is_temp_name(name):
-                    modified_s = files.modified_s(entry.path)
-                    if modified_s is not None and (now_s - modified_s) * 1000 > temp_age_ms_max:
-                        files.remove(entry.path)
+                    _remove_if_stale(entry.path, now_s, temp_age_ms_max)
                     continue
                 offset = objectfile.dfs_offset_of(name)
                 if offset is None:
@@ -210,3 +208,33 @@ class DfsDirectory:
                     files.remove(entry.path)  # Torn or misplaced: never an object to serve.
                     continue
                 yield InventoryEntry(header.key, offset, header.size, header.checksum)
+
+    def remove_stale_temporaries(self, temp_age_ms_max: int, keep_going: Callable[[], bool]) -> tuple[int, int]:
+        """Remove the temporary files older than `temp_age_ms_max` (their writer is gone: a
+        node killed mid-copy), as `scan` does, without reading any object, while `keep_going()`
+        (asked before each file); returns how many were removed and how many could not be (a
+        file that cannot go stops no other). O(files): a running master calls it rarely
+        (server.DFS_TEMP_SWEEP_INTERVAL_MS). Blocks.
+
+        Raises:
+            TransferFailed: the objects directory cannot be read.
+        """
+        now_s = time.time()
+        removed = failed = 0
+        for bucket in files.scan(self.objects_path):
+            if bucket.is_dir():
+                for entry in files.scan(Path(bucket.path)):
+                    if not keep_going():
+                        return removed, failed
+                    if objectfile.is_temp_name(entry.name):
+                        try:
+                            removed += _remove_if_stale(entry.path, now_s, temp_age_ms_max)
+                        except TransferFailed:
+                            failed += 1
+        return removed, failed
+
+
+def _remove_if_stale(path: str, now_s: float, temp_age_ms_max: int) -> bool:
+    """Remove a temporary file last written over `temp_age_ms_max` ago; True if removed."""
+    modified_s = files.modified_s(path)
+    return modified_s is not None and (now_s - modified_s) * 1000 > temp_age_ms_max and files.remove(path)
