@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import numbers
 import operator
+import os
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -158,10 +161,11 @@ class AsyncStore:
 
         Raises:
             ConnectFailed, Unauthorized: the master cannot be reached or rejects the token.
+            InvalidParams: an option that ClientConfig does not have, or of another type.
         """
         if master is not None:
             options["master"] = master
-        store = cls(ClientConfig(**options))  # type: ignore[arg-type]
+        store = cls(client_config(options))
         await store._start()
         return store
 
@@ -262,15 +266,25 @@ class AsyncStore:
     def register_buffer(self, buffer: object | int, size_bytes: int | None = None) -> int:
         """Register caller memory (an address and size, ints or numpy integers, or a writable
         C-contiguous buffer object, not empty) for the zero-copy calls. Returns its address.
-        Raises InvalidParams, and registers nothing then."""
+        Raises InvalidParams, and registers nothing then; StoreClosed once closed."""
+        self._check_not_closed()
         return self.buffers.register(buffer, size_bytes)
 
     def unregister_buffer(self, address: int) -> None:
         """Forget a registered range. Raises InvalidParams if none starts at `address`, or while
         a call in flight uses it (a transfer may read or write it until that call returned:
         free the memory only after unregistering), or a cancelled get's read of a disk file
-        that outlasted the transfer timeout still writes into it (_copy_on_a_worker)."""
+        that outlasted the transfer timeout still writes into it (_copy_on_a_worker).
+        StoreClosed once closed."""
+        self._check_not_closed()
         self.buffers.unregister(address)
+
+    def _check_not_closed(self) -> None:
+        """For the calls that reach no server (those that do are refused by their links): a
+        registration after aclose() was taken, and kept the caller's buffer alive, where the
+        Store refuses it (StoreClosed)."""
+        if self._is_closed:
+            raise StoreClosed("the store is closed")
 
     async def put_from(
         self, key: str, address: int, size_bytes: int, config: ReplicateConfig | None = None
@@ -1032,6 +1046,31 @@ def checked_config(config: ReplicateConfig | None) -> ReplicateConfig | None:
     raise InvalidParams(f"{config!r:.200} cannot be sent")
 
 
+def client_config(options: dict[str, object]) -> ClientConfig:
+    """The ClientConfig of a Store's or AsyncStore's options, each checked against its field
+    first: a timeout read from the environment as "5000" came out of ClientConfig as "'<='
+    not supported between instances of 'str' and 'int'", a master or token of another type as
+    an AttributeError, and shm_enabled="false" turned the same-host paths on. An integer may be
+    numpy's (taken as an int), a path a PathLike (dfs_dir=Path(...)); a bool is not an integer.
+    Raises InvalidParams, naming the option."""
+    names = [field.name for field in dataclasses.fields(ClientConfig)]
+    if unknown := sorted(options.keys() - set(names)):
+        raise InvalidParams(f"no option {unknown[0]!r}: a Store takes {', '.join(names)}")
+    plain = {name: _plain_option(value) for name, value in options.items()}
+    try:
+        return msgspec.convert(plain, ClientConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidParams(f"a Store's options: {exc}") from None
+
+
+def _plain_option(value: object) -> object:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
+
+
 # What a code means to the caller of a one-key call, where its name alone leaves it a riddle.
 _WHY_BY_ACTION_CODE = {
     ("put", ErrorCode.NO_AVAILABLE_HANDLE): "no segment has room for it even after eviction (what is "
@@ -1043,6 +1082,9 @@ _WHY_BY_ACTION_CODE = {
     ("put", ErrorCode.OBJECT_NOT_FOUND): "the master had given the put up before it ended (its writes took "
     "longer than their grants)",
     ("remove", ErrorCode.OBJECT_HAS_LEASE): "a reader holds a read lease on it (force=True removes it anyway)",
+    ("put", ErrorCode.INVALID_KEY): f"a key holds 1 to {limits.KEY_SIZE_BYTES_MAX} bytes of UTF-8",
+    ("put", ErrorCode.INVALID_PARAMS): f"an object holds 1 to {limits.OBJECT_SIZE_BYTES_MAX} bytes (empty objects "
+    "are not stored)",
 }
 
 
@@ -1054,6 +1096,8 @@ def key_error(code: int, action: str, key: str) -> KVPoolError:
         reason = f"code {code}"
     if why := _WHY_BY_ACTION_CODE.get((action, code)):
         reason = f"{reason}: {why}"
+    if (action, code) == ("put", ErrorCode.INVALID_KEY):  # key_list let it by: a str of UTF-8
+        reason = f"{reason} (this one: {len(key.encode())})"
     return error_from_code(code, f"{action} {key!r:.100} failed: {reason}")
 
 

@@ -55,6 +55,7 @@ from kvpool.client.store import (
     call_bound,
     checked_args,
     checked_config,
+    client_config,
     exists_flags,
     get_into_results,
     key_error,
@@ -420,7 +421,7 @@ class Store:
 
     def __init__(self, master: str | None = None, **options: Any) -> None:
         self._loop = _LoopThread.get()
-        config = ClientConfig(**({"master": master} if master else {}), **options)
+        config = client_config({**options, **({"master": master} if master else {})})
         # The outer bound covers a whole batch: lookups, transfers and the closing round trip.
         self._timeout_ms = config.transfer_timeout_ms + 3 * config.rpc_timeout_ms
         self._opened: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
