@@ -17,7 +17,7 @@ segment_filesystem_free_bytes{...} and segment_writable{...} (what a slower tier
 reported of the filesystem under it: docs/tiers.md "Bounds and back-pressure"),
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
-tier_evictions_total{tier}, tier_failed_moves_total{tier}; busy_poll_seconds_total and
+tier_copies_total{tier}, tier_evictions_total{tier}, tier_failed_moves_total{tier}; busy_poll_seconds_total and
 busy_poll_windows_total (what polling after replies costs: transports/busy_poll.py); and with
 the default eviction policy policy_objects{set} (probation, protected) and readmissions_total
 (objects put again soon after their eviction: the signal that DRAM is short for the traffic).
@@ -175,6 +175,7 @@ def _tier_metrics(status: ClusterStatusReply) -> Iterator[Any]:
             ("offloads", "objects moved into the tier from a faster one."),
             ("promotions", "objects copied into the tier from a slower one."),
             ("evictions", "replicas that left the tier to make room."),
+            ("copies", "write-through copies into the tier (puts with with_disk_copy or with_dfs_copy)."),
             ("failed_moves", "offloads, promotions and write-through copies into the tier that failed: the "
                              "node could not write them, did not answer, or could not be reached (an offloaded "
                              "object is then dropped, or kept where it was if the filesystem was full; a "

@@ -1037,6 +1037,7 @@ class MasterService:
             status.promotions = counters.promotions
             status.evictions = counters.evictions
             status.failed_moves = counters.failed_moves
+            status.copies = counters.copies
         return list(statuses.values())
 
     # --- drops outbox -------------------------------------------------------------------

@@ -14,10 +14,12 @@ Metric names (all prefixed kvpool_node_):
     master_connected         gauge    1 while mounted on a master, else 0
     master_clock_offset_seconds  gauge  the master's wall clock minus this host's (node/clock.py)
     info{node_id,segment_id,endpoint}  gauge, always 1
-    write_bytes_total        counter  payload bytes accepted into the segment
-    read_bytes_total         counter  payload bytes served from the segment
+    write_bytes_total        counter  payload bytes accepted into the segment (over TCP: a
+                                      same-host client copies through the mapping, uncounted)
+    read_bytes_total         counter  payload bytes served from the segment (likewise), also
+                                      in requests that read the disk tier too
     write_requests_total     counter  WriteSlices requests answered OK
-    read_requests_total      counter  ReadSlices requests answered OK
+    read_requests_total      counter  ReadSlices requests answered OK that read the segment
     errors_total{code}       counter  requests answered with an error, by ErrorCode name
     commits_total{result}    counter  entries committed by the master, result ok|checksum|bounds|moving
     commits_hashed_in_place_total  counter  of the ok ones, those taken on the writer's hash
@@ -176,26 +178,20 @@ class TierMetrics:
     """The node's disk and DFS tier metrics, in the node's registry (appended with the tiers).
 
     Names (prefixed kvpool_node_): disk_capacity_bytes, disk_used_bytes, disk_objects and
-    disk_filesystem_free_bytes (gauges read at scrape time; the last is what the filesystem
-    under the tier had left at the heartbeat's last look, which other files may take before
-    the tier's capacity is used: docs/tiers.md; NaN before the first look; a scrape never
-    looks itself, as a disk that hangs would freeze the node), disk_read_bytes_total and
-    disk_read_requests_total (bytes and items clients read from the disk tier),
+    disk_filesystem_free_bytes (gauges read at scrape time, exported by a node with a disk tier
+    only; the last is what the filesystem under the tier had left at the heartbeat's last
+    look, which other files may take before the tier's capacity is used: docs/tiers.md; NaN
+    before the first look; a scrape never looks itself, as a disk that hangs would freeze the
+    node), disk_read_bytes_total and disk_read_requests_total (bytes and items read from the
+    disk tier through this node: a same-host client reads the files itself, uncounted),
     moves_total{src,dst,result} and move_bytes_total{src,dst} (copies between tiers the master
     asked for: offloads, promotions, write-through), and move_queue_bytes (bytes of moves
     admitted and not finished).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
         r = registry
-        self.disk_capacity_bytes = Gauge(_PREFIX + "disk_capacity_bytes", "Bytes of the disk tier.", registry=r)
-        self.disk_used_bytes = Gauge(_PREFIX + "disk_used_bytes", "Bytes of objects on the disk tier.", registry=r)
-        self.disk_objects = Gauge(_PREFIX + "disk_objects", "Objects on the disk tier.", registry=r)
-        self.disk_filesystem_free_bytes = Gauge(
-            _PREFIX + "disk_filesystem_free_bytes",
-            "Bytes left on the disk tier's filesystem, as of the node's last look (each heartbeat).",
-            registry=r,
-        )
         self.disk_read_bytes = Counter(
             _PREFIX + "disk_read_bytes", "Bytes clients read from the disk tier.", registry=r
         )
@@ -220,7 +216,14 @@ class TierMetrics:
         objects: Callable[[], float],
         filesystem_free_bytes: Callable[[], float],
     ) -> None:
-        self.disk_capacity_bytes.set(capacity_bytes)
-        self.disk_used_bytes.set_function(used_bytes)
-        self.disk_objects.set_function(objects)
-        self.disk_filesystem_free_bytes.set_function(filesystem_free_bytes)
+        """Export the disk tier's gauges: only a node that has one does (a 0 from a node without
+        would read as a full disk, and fire the alert on its free space)."""
+        r = self._registry
+        Gauge(_PREFIX + "disk_capacity_bytes", "Bytes of the disk tier.", registry=r).set(capacity_bytes)
+        Gauge(_PREFIX + "disk_used_bytes", "Bytes of objects on the disk tier.", registry=r).set_function(used_bytes)
+        Gauge(_PREFIX + "disk_objects", "Objects on the disk tier.", registry=r).set_function(objects)
+        Gauge(
+            _PREFIX + "disk_filesystem_free_bytes",
+            "Bytes left on the disk tier's filesystem, as of the node's last look (each heartbeat).",
+            registry=r,
+        ).set_function(filesystem_free_bytes)

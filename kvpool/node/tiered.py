@@ -175,6 +175,11 @@ class TieredTransferHandler:
         disk_bytes = sum(part.size for part in payload if type(part) is FileRange)
         self.metrics.disk_read_bytes.inc(disk_bytes)
         self.metrics.disk_read_requests.inc(sum(1 for part in payload if type(part) is FileRange))
+        # The frame's DRAM items, counted as the DRAM handler counts a frame of its own.
+        dram_bytes = sum(step.nbytes for step in plan if isinstance(step, memoryview))
+        if dram_bytes:
+            self.dram.metrics.read_requests.inc()
+            self.dram.metrics.read_bytes.inc(dram_bytes)
         total = sum(step.size if type(step) is FileRange else len(step) for step in payload)
         return Reply(ReadReply(total), payload, landing)
 

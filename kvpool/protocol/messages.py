@@ -166,7 +166,8 @@ class TierStatus(msgspec.Struct, array_like=True):
     tier; `promotions` objects copied into it from a slower tier (DRAM only); `evictions`
     replicas that left it to make room (moved down or dropped); `failed_moves` offloads,
     promotions and write-through copies into it that failed: the node could not write them,
-    did not answer, or could not be reached (appended)."""
+    did not answer, or could not be reached (appended); `copies` write-through copies into it
+    (with_disk_copy, with_dfs_copy: appended)."""
 
     tier: str
     capacity_bytes: int = 0
@@ -177,6 +178,7 @@ class TierStatus(msgspec.Struct, array_like=True):
     promotions: int = 0
     evictions: int = 0
     failed_moves: int = 0
+    copies: int = 0
 
 
 # --- replies --------------------------------------------------------------------------------
