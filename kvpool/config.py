@@ -68,12 +68,13 @@ def _refuse_over_a_week(record: object, names: tuple[str, ...]) -> None:
             raise InvalidParams(f"{name} {value}: at most {limits.SETTING_DURATION_MS_MAX} ms (a week)")
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+# A unit is K, M, G or T, with or without "iB" or "B", or "B" alone ("5iB" was read as 5 bytes).
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """Bytes in a size such as "1GiB", "512MB", "4096" (binary units throughout).
+    """Bytes in a size such as "1GiB", "512MB", "4096" (binary units throughout: "1GB" is 1 GiB).
 
     Raises:
         InvalidParams: the text is not a size.
@@ -208,6 +209,14 @@ class ClientConfig:
         _refuse_over_a_week(self, ("rpc_timeout_ms", "connect_timeout_ms", "transfer_timeout_ms"))
 
 
+def _check_segment_size(name: str, size_bytes: int) -> None:
+    """Raises InvalidParams: a segment size out of limits, its range also said in units."""
+    low, high = limits.SEGMENT_SIZE_BYTES_MIN, limits.SEGMENT_SIZE_BYTES_MAX
+    if not low <= size_bytes <= high:
+        raise InvalidParams(f"{name} {size_bytes} out of [{low}, {high}] bytes ({exact_size(low)} to "
+                            f"{high >> 40} TiB)")  # fmt: skip
+
+
 # The node section: its two imports stay local to it, so that it was appended without edits above.
 def _node_id_default() -> str:
     import uuid
@@ -259,16 +268,9 @@ class NodeConfig:
     dfs_dir: str = ""
 
     def __post_init__(self) -> None:
-        if self.disk_bytes and not limits.SEGMENT_SIZE_BYTES_MIN <= self.disk_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
-            raise InvalidParams(
-                f"disk_bytes {self.disk_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
-                f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
-            )
-        if not limits.SEGMENT_SIZE_BYTES_MIN <= self.memory_bytes <= limits.SEGMENT_SIZE_BYTES_MAX:
-            raise InvalidParams(
-                f"memory_bytes {self.memory_bytes} out of [{limits.SEGMENT_SIZE_BYTES_MIN}, "
-                f"{limits.SEGMENT_SIZE_BYTES_MAX}]"
-            )
+        if self.disk_bytes:
+            _check_segment_size("disk_bytes", self.disk_bytes)
+        _check_segment_size("memory_bytes", self.memory_bytes)
         for name in ("heartbeat_interval_ms", "rpc_timeout_ms", "connect_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise InvalidParams(f"{name} must be positive")

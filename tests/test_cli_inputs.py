@@ -8,7 +8,8 @@ standard input holds more than an object can is refused with one line naming the
 read at most one byte past it (an endless input, `kvpool put k < /dev/zero`, was read until the
 memory ran out); KVPOOL_SHM turns shared memory off with the spellings engines' shm_enabled
 takes (off, False), not only 0, false and no; an option out of its range (--replicas, a server's
-durations, over a week too, an address that is not one) or a key over
+durations, over a week too, an address that is not one, a --master that is none: exit status 2
+for an object command) or a key over
 limits.KEY_SIZE_BYTES_MAX is refused with one line naming it and its range, before a Store
 opens or a server starts (both replaced by stubs that raise); so is a duration of the config
 records that no flag sets, over a week; an empty path option is a usage error, and nothing is
@@ -131,9 +132,6 @@ def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        # The master's answer, once connected: "put k: replica_num 0 not in 1..8".
-        (["put", "k", "-", "--replicas", "0"], "--replicas 0 not in 1..8"),
-        (["put", "k", "-", "--replicas", "9"], "--replicas 9 not in 1..8"),
         # Keys over limits.KEY_SIZE_BYTES_MAX: a bare INVALID_KEY (put), "not found" (get, rm).
         (["put", "a" * 4097, "-"], f"put {'a' * 40}...: key too long: 4097 bytes of UTF-8, at most 4096"),
         (["get", "a" * 4097], f"get {'a' * 40}...: key too long: 4097 bytes of UTF-8, at most 4096"),
@@ -161,12 +159,50 @@ def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
          "in 0..255, such as 10.0.0.5)"),
         (["node", "--host", "256.1.1.1"], "--host 256.1.1.1: not a valid address (an IPv4 address is 4 numbers in "
          "0..255, such as 10.0.0.5)"),
+        # Sizes: "5iB" was read as 5 bytes; a size out of range is said in units too.
+        (["node", "--memory", "5iB"], "--memory: not a size: '5iB' (try 1GiB, 512MiB or a byte count)"),
+        (["node", "--memory", "1.5KiB"], "--memory 1536 out of [1048576, 140737488355328] bytes (1 MiB to 128 TiB)"),
+        (["node", "--memory", "-1GB"], "--memory: not a size: '-1GB' (try 1GiB, 512MiB or a byte count)"),
     ],
 )  # fmt: skip
 def test_a_bad_option_or_key_is_named_before_anything_opens(nothing_opens, args: list[str], line: str) -> None:
     result = CliRunner().invoke(app, args, input=b"v")
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert (result.exit_code, result.output) == (1, f"error: {line}\n")
+
+
+MASTER_ADDRESS_FORMS = "(HOST:PORT, or etcd://HOST:PORT[,...][/CLUSTER_ID])"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        # The master's answer, once connected: "put k: replica_num 0 not in 1..8" (exit status 1).
+        (["put", "k", "-", "--replicas", "0"], "--replicas 0 not in 1..8"),
+        (["put", "k", "-", "--replicas", "9"], "--replicas 9 not in 1..8"),
+        # "cannot reach the master at 10.0.0.5: not a master address", exit status 1: as if the
+        # network had failed. ":abc:" was printed as an emoji (rich's emoji codes).
+        (["ls", "--master", "127.0.0.1:abc"],
+         f"--master: not a master address: '127.0.0.1:abc' {MASTER_ADDRESS_FORMS}"),
+        (["get", "k", "-m", "10.0.0.5"], f"--master: not a master address: '10.0.0.5' {MASTER_ADDRESS_FORMS}"),
+        (["put", "k", "-", "-m", "master-host:99999"],
+         f"--master: not a master address: 'master-host:99999' {MASTER_ADDRESS_FORMS}"),
+        (["stat", "-m", "etcd://"], "--master: no etcd endpoint in ''"),
+    ],
+)  # fmt: skip
+def test_an_object_command_out_of_range_is_a_usage_error_naming_the_option(
+    nothing_opens, args: list[str], line: str
+) -> None:
+    # docs/operations.md, "Exit statuses": 2 for a value out of an option's range.
+    result = CliRunner().invoke(app, args, input=b"v")
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert (result.exit_code, result.output) == (2, f"error: {line}\n")
+
+
+def test_a_node_names_a_master_address_that_is_none(nothing_opens) -> None:
+    result = CliRunner().invoke(app, ["node", "--master", "master-host", "--memory", "4MiB"])
+    assert (result.exit_code, result.output) == (1, f"error: --master: not a master address: 'master-host' "
+                                                    f"{MASTER_ADDRESS_FORMS}\n")  # fmt: skip
 
 
 @pytest.mark.parametrize(

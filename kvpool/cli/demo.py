@@ -150,7 +150,8 @@ def _keep_freed_memory() -> None:
 
 def _timed_batches(console: Console, label: str, keys: list[str], action) -> float:
     started = time.perf_counter()
-    with Progress(console=console, transient=True) as progress:
+    # Shown on a terminal only: piped, a transient bar left an empty line behind (as bench's).
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(label, total=len(keys))
         for start in range(0, len(keys), BATCH_KEYS):
             batch = keys[start : start + BATCH_KEYS]

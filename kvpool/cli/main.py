@@ -50,6 +50,9 @@ EXIT_STATUSES_HELP = (
     "file unreadable), 2 usage error, 3 not found (get: a miss; rm: keys not removed)."
 )
 
+# What every size option says of its units (config.parse_size): "1GB" is not 10^9 bytes.
+SIZE_UNITS = "binary units: 1GB is 1 GiB"
+
 # Help is click's plain layout (rich_markup_mode=None): rich's option tables, fitted to 80
 # columns, cut option and environment variable names ("--evict-watermar…"); click wraps the
 # descriptions and never cuts a name.
@@ -83,9 +86,11 @@ def _kvpool(
     forget_settings()
 
 
-console = Console()
+# emoji=False: rich read ":name:" in a message as an emoji code, and printed the key "a:ok:b"
+# or the address in "127.0.0.1:abc: not a master address" with an emoji in its place.
+console = Console(emoji=False)
 # soft_wrap: a message is one line however long (a terminal folds it; a log file keeps it whole).
-err_console = Console(stderr=True, soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True, emoji=False)
 log = logging.getLogger(__name__)
 
 MasterOption = Annotated[
@@ -300,6 +305,17 @@ def _shm_from_environment() -> bool:
         raise _fail(str(exc), code=EXIT_USAGE) from None
 
 
+def _check_master(master: str, code: int) -> None:
+    """Refuse a --master that is no address, naming the flag, before anything connects (it was
+    said as "cannot reach the master at foo", as if the network were at fault)."""
+    from kvpool.discovery import parse_master_address
+
+    try:
+        parse_master_address(master)
+    except KVPoolError as exc:
+        raise _fail(f"--master: {exc}", code) from None
+
+
 def _store(
     master: str,
     token_file: Optional[Path],
@@ -309,6 +325,7 @@ def _store(
 ) -> Store:
     from kvpool.client.sync import Store
 
+    _check_master(master, EXIT_USAGE)
     if shm_enabled is None:
         shm_enabled = _shm_from_environment()
     rpc_timeout_ms = round(timeout_s * 1000)
@@ -374,7 +391,7 @@ def _table_console() -> Console:
     """Where tables go: the terminal, fitted to its width, or a pipe or file, whole."""
     if console.is_terminal:
         return console
-    return Console(width=CONSOLE_WIDTH_NOT_TERMINAL)
+    return Console(width=CONSOLE_WIDTH_NOT_TERMINAL, emoji=False)
 
 
 # --- servers ----------------------------------------------------------------------------------
@@ -446,7 +463,8 @@ def master(
                                      help="The shared filesystem tier's directory (indexed from its files at start).")
     ] = None,
     dfs_size: Annotated[
-        Optional[str], typer.Option(help="DFS tier capacity (default: the filesystem's size, at most 128 TiB).")
+        Optional[str],
+        typer.Option(help=f"DFS tier capacity (default: the filesystem's size, at most 128 TiB; {SIZE_UNITS})."),
     ] = None,
     promote_reads: Annotated[
         int, typer.Option(help="Copy an object back into DRAM after this many reads from disk or DFS (0: never).")
@@ -536,10 +554,10 @@ def master(
         raise _fail(str(exc)) from None
 
 
-@app.command()
+@app.command(short_help="Run a storage node: a DRAM segment (and a disk tier) for the pool.")
 def node(
     master: MasterOption = MASTER_DEFAULT,
-    memory: Annotated[str, typer.Option(help="DRAM segment size, e.g. 1GiB.")] = "1GiB",
+    memory: Annotated[str, typer.Option(help=f"DRAM segment size, e.g. 64GiB ({SIZE_UNITS}).")] = "1GiB",
     host: Annotated[str, typer.Option(help="Address the transfer server listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Transfer port (0 = any free port).", min=0, max=PORT_MAX)] = 0,
     advertise_host: Annotated[
@@ -565,7 +583,8 @@ def node(
                      "move there, and survive a restart with the same directory."),
     ] = None,
     disk_size: Annotated[
-        Optional[str], typer.Option(help="Disk tier capacity, e.g. 100GiB (needed for a new --disk-dir).")
+        Optional[str],
+        typer.Option(help=f"Disk tier capacity, e.g. 100GiB (needed for a new --disk-dir; {SIZE_UNITS})."),
     ] = None,
     disk_fsync: Annotated[
         bool, typer.Option(help="fsync every disk tier file before the master hears of it.")
@@ -595,6 +614,7 @@ def node(
 
     _setup_logging(log_level)
     _require_directory("--disk-size", disk_size, "--disk-dir", disk_dir)
+    _check_master(master, EXIT_FAILED)
     _check_listen_host("--host", host)
     if metrics_host is not None:
         _check_listen_host("--metrics-host", metrics_host)
@@ -731,7 +751,7 @@ def _write_ready(path: Path, payload: dict) -> None:
 # --- object commands --------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUSES_HELP)
 def put(
     key: Annotated[str, typer.Argument(help="Object key.")],
     source: Annotated[
@@ -746,9 +766,10 @@ def put(
     from kvpool.protocol.messages import ReplicateConfig
 
     _check_key("put", key)
+    _check_master(master, EXIT_USAGE)  # before standard input is read
     # The master's rule (master/service.py), said before anything is read or sent.
     if not 1 <= replicas <= limits.REPLICA_NUM_MAX:
-        raise _fail(f"--replicas {replicas} not in 1..{limits.REPLICA_NUM_MAX}")
+        raise _fail(f"--replicas {replicas} not in 1..{limits.REPLICA_NUM_MAX}", EXIT_USAGE)
     shown = _shown(key)
     try:
         # One byte more than an object holds tells a value too large, without reading all of
@@ -894,10 +915,12 @@ def rm(
     with _connected("rm", master, token_file, timeout_s=timeout) as store:
         if all_objects or regex is not None:
             bound = limits.BULK_REMOVE_TIMEOUT_MS  # millions of objects take the master seconds
-            if all_objects:
-                count = store.remove_all(force, timeout_ms=bound)
-            else:
-                count = store.remove_by_regex(regex or "", force, timeout_ms=bound)
+            # A spinner on a terminal, as the call may take minutes and says nothing meanwhile.
+            with err_console.status("removing ...") if err_console.is_terminal else contextlib.nullcontext():
+                if all_objects:
+                    count = store.remove_all(force, timeout_ms=bound)
+                else:
+                    count = store.remove_by_regex(regex or "", force, timeout_ms=bound)
             left = None if force else store.list_objects(regex or "", limit=_LEFT_SHOWN_MAX)
             if left is not None and left.keys:  # under read leases (or put since): said, as `rm KEY` says it
                 err_console.print(f"removed {count} object(s); {len(left.keys)}{'+' if left.truncated else ''} "
@@ -916,7 +939,7 @@ def rm(
     err_console.print(f"removed {count} object(s)")
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUSES_HELP)
 def ls(
     pattern: Annotated[str, typer.Argument(help="Regex the keys must contain (RE2 syntax).")] = "",
     limit: Annotated[int, typer.Option(help="At most this many keys.", min=1, max=limits.LIST_OBJECTS_MAX)] = 1000,
@@ -935,7 +958,7 @@ def ls(
         err_console.print(f"(first {limit} shown)")
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUSES_HELP, short_help="Show the segments and their usage, or where objects live.")
 def stat(
     keys: Annotated[Optional[list[str]], typer.Argument(help="Objects to describe (none: the cluster).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -984,13 +1007,13 @@ def stat(
             )
         out.print(table)
         if status.tiers:
-            tiers = Table("tier", "capacity", "used", "replicas", "hits", "offloads", "promotions", "evictions",
-                          "failed moves")
+            tiers = Table("tier", "capacity", "used", "replicas", "hits", "offloads", "promotions", "copies",
+                          "evictions", "failed moves")
             for tier in status.tiers:
                 tiers.add_row(
                     tier.tier, _human(tier.capacity_bytes), _human(tier.used_bytes), str(tier.object_count),
-                    str(tier.hits), str(tier.offloads), str(tier.promotions), str(tier.evictions),
-                    str(tier.failed_moves),
+                    str(tier.hits), str(tier.offloads), str(tier.promotions), str(tier.copies),
+                    str(tier.evictions), str(tier.failed_moves),
                 )  # fmt: skip
             out.print(tiers)
         out.print(f"objects: {status.object_count}  pending puts: {status.pending_count}")
@@ -1011,12 +1034,12 @@ def _human(size_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-@app.command()
+@app.command(short_help="Start a local cluster, move objects across it, report, stop it.")
 def demo(
     nodes: Annotated[int, typer.Option(help="Storage nodes to start.", min=1)] = 3,
-    memory: Annotated[str, typer.Option(help="DRAM segment per node.")] = "128MiB",
+    memory: Annotated[str, typer.Option(help=f"DRAM segment per node ({SIZE_UNITS}).")] = "128MiB",
     objects: Annotated[int, typer.Option(help="Objects to write and read back.", min=1)] = 64,
-    object_size: Annotated[str, typer.Option(help="Size of each object.")] = "1MiB",
+    object_size: Annotated[str, typer.Option(help=f"Size of each object ({SIZE_UNITS}).")] = "1MiB",
 ) -> None:
     """Start a master and nodes on loopback, move objects across them, report, stop everything."""
     from kvpool.cli.demo import run_demo
@@ -1027,10 +1050,12 @@ def demo(
         raise _fail(str(exc)) from None
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUSES_HELP, short_help="Measure put and get throughput and latency of a running cluster.")
 def bench(
-    size: Annotated[str, typer.Option(help="Size of each object, e.g. 4KiB, 1MiB.")] = "1MiB",
-    total: Annotated[str, typer.Option(help="Bytes a round puts and reads back (whole objects).")] = "64MiB",
+    size: Annotated[str, typer.Option(help=f"Size of each object, e.g. 4KiB, 1MiB ({SIZE_UNITS}).")] = "1MiB",
+    total: Annotated[
+        str, typer.Option(help=f"Bytes a round puts and reads back (whole objects; {SIZE_UNITS}).")
+    ] = "64MiB",
     batch: Annotated[int, typer.Option(help="Objects per put or get call.")] = 32,
     rounds: Annotated[int, typer.Option(help="Rounds of put then get; the figures are their medians.")] = 3,
     replicas: Annotated[int, typer.Option(help="Replicas of each object, on distinct segments.")] = 1,
@@ -1073,7 +1098,7 @@ def bench(
 # `kvpool replay` (trace replay, issue 6) lives in cli/replay.py; it imports kvpool.sim lazily.
 from kvpool.cli.replay import replay as _replay  # noqa: E402
 
-app.command(name="replay")(_replay)
+app.command(name="replay", short_help="Replay a trace: hit rates of local caches vs one pool.")(_replay)
 
 
 if __name__ == "__main__":

@@ -138,9 +138,9 @@ def replay(
     """Replay a request trace: hit rates of local caches vs one pool, per capacity and policy."""
     from kvpool.cli.launcher import sigterm_as_interrupt
 
-    console = Console()
+    console = Console(emoji=False)
     if not console.is_terminal:
-        console = Console(width=CONSOLE_WIDTH_NOT_TERMINAL)  # a log file: do not fold the table
+        console = Console(width=CONSOLE_WIDTH_NOT_TERMINAL, emoji=False)  # a log file: do not fold the table
     try:
         # Live, SIGTERM stops the clusters as SIGINT does (no process or segment outlives it).
         with sigterm_as_interrupt():
@@ -149,7 +149,7 @@ def replay(
                 mode, limit, skip, out, watermark_high, speedup, seed, check_every,
             )  # fmt: skip
     except KVPoolError as exc:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {exc}")  # one line, for logs
+        Console(stderr=True, soft_wrap=True, emoji=False).print(f"[red]error:[/red] {exc}")  # one line, for logs
         raise typer.Exit(1) from None
 
 
