@@ -124,6 +124,30 @@ def python_child(code: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
+def segment_owner(shm_dir, name: str, size_bytes: int = 1 << 20) -> tuple[subprocess.Popen[str], Path]:
+    """A process holding a segment file `name` in `shm_dir`, as a node or an embedded client
+    does, and the file's path; it lives until the test kills it by its pid."""
+    child = python_child(
+        "import os, sys; from kvpool.node.segment import Segment; "
+        f"s = Segment.create({str(shm_dir)!r}, {name!r}, {size_bytes}, os.urandom(16)); "
+        "print(s.path, flush=True); sys.stdin.read()"
+    )
+    try:
+        return child, Path(child.stdout.readline().strip())  # type: ignore[union-attr]
+    except BaseException:
+        child.kill()
+        child.wait(10)
+        raise
+
+
+def dead_segment_owner(shm_dir, name: str, size_bytes: int = 1 << 20) -> Path:
+    """The path of a segment file `name` in `shm_dir` whose owner was killed with SIGKILL."""
+    child, path = segment_owner(shm_dir, name, size_bytes)
+    child.kill()
+    child.wait(10)
+    return path
+
+
 def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
     """predicate()'s first true value, polled until `timeout_s` (then AssertionError)."""
     deadline = time.monotonic() + timeout_s

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import fcntl
 import os
-import signal
 import struct
 from pathlib import Path
 
 import pytest
-from conftest import python_child
+from conftest import dead_segment_owner
 
 from kvpool import limits
 from kvpool.errors import InvalidParams, SegmentNotFound
@@ -141,16 +140,7 @@ def test_a_node_killed_while_its_header_pid_is_alive_here_restarts(tmp_path: Pat
     left pid 1 in its file's header, and pid 1 is alive in the next container: the file was
     never found stale, and the node restarted with the same id could not create its segment
     (EEXIST). Whether the owner lives is its flock's to say, which died with it."""
-    owner = python_child(
-        "import os, sys; from kvpool.node.segment import Segment; "
-        f"s = Segment.create({str(tmp_path)!r}, 'pid1', 4 * {limits.MIB}, os.urandom(16)); "
-        "print(s.path, flush=True); sys.stdin.read()"
-    )
-    try:
-        path = Path(owner.stdout.readline().strip())
-    finally:
-        owner.send_signal(signal.SIGKILL)
-        owner.wait(10)
+    path = dead_segment_owner(tmp_path, "pid1", 4 * limits.MIB)
     with open(path, "r+b") as file:  # the pid as the dead node saw it: alive here (this test's)
         file.seek(40)
         file.write(struct.pack("<Q", os.getpid()))
@@ -169,16 +159,7 @@ def test_a_sweep_never_removes_the_file_of_a_node_that_restarted_under_it(tmp_pa
     start removed the old file and made a new one, locked, at the same path). The sweep's lock
     on the old, unlinked file succeeded, and it unlinked the path: the live node's new file.
     Every running node sweeps every 30 s, so a restart loop of one node id meets it."""
-    owner = python_child(
-        "import os, sys; from kvpool.node.segment import Segment; "
-        f"s = Segment.create({str(tmp_path)!r}, 'x', 4 * {limits.MIB}, os.urandom(16)); "
-        "print(s.path, flush=True); sys.stdin.read()"
-    )
-    try:
-        path = Path(owner.stdout.readline().strip())
-    finally:
-        owner.send_signal(signal.SIGKILL)
-        owner.wait(10)
+    path = dead_segment_owner(tmp_path, "x", 4 * limits.MIB)
     restarted: list[Segment] = []
     flock, turns = fcntl.flock, []
 

@@ -28,7 +28,7 @@ import aiohttp
 import msgspec
 import pytest
 import xxhash
-from conftest import python_child
+from conftest import python_child, segment_owner
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import limits
@@ -890,13 +890,8 @@ def test_a_segment_file_whose_owner_lives_in_another_pid_namespace_is_not_stale(
     """Containers that share /dev/shm (docker --ipc=host) each see their own pids: the pid in a
     live node's header may name no process here. The owner's flock on its file says it lives:
     a node starting here removed the live segment, and same-host clients lost its shm path."""
-    owner = python_child(
-        "import os, sys; from kvpool.node.segment import Segment; "
-        f"s = Segment.create({str(tmp_path)!r}, 'elsewhere', {MEMORY_BYTES}, os.urandom(16)); "
-        "print(s.path, flush=True); sys.stdin.read()"
-    )
+    owner, path = segment_owner(tmp_path, "elsewhere", MEMORY_BYTES)
     try:
-        path = Path(owner.stdout.readline().strip())
         with open(path, "r+b") as file:  # its pid, as this namespace sees it: no such process
             file.seek(40)
             file.write(struct.pack("<Q", 2**22 + 12345))

@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from pathlib import Path
 
 import uvloop
-from conftest import python_child
+from conftest import segment_owner
 
 from kvpool import limits
 from kvpool.config import MasterConfig, NodeConfig
@@ -78,25 +77,14 @@ def test_a_sweep_of_dfs_temporaries_passes_a_file_it_cannot_remove_and_stops_whe
     assert not any(path.exists() for path in stale) and stuck.exists()
 
 
-def owner_of_a_segment(shm_dir: Path, name: str):
-    """A process holding a segment file in `shm_dir`, as an embedded node does; it prints the
-    file's path and lives until killed."""
-    child = python_child(
-        "import os, sys; from kvpool.node.segment import Segment; "
-        f"s = Segment.create({str(shm_dir)!r}, {name!r}, {limits.MIB}, os.urandom(16)); "
-        "print(s.path, flush=True); sys.stdin.read()"
-    )
-    return child, Path(child.stdout.readline().strip())
-
-
 def test_a_running_node_removes_the_segment_file_of_a_process_killed_on_its_host(tmp_path, monkeypatch):
     """A serving process killed with SIGKILL leaves its embedded segment's file in /dev/shm,
     and the host memory under it. Only a node's start removed such files: a host whose engine
     was killed and rescheduled elsewhere kept that memory taken for as long as its other kvpool
     processes ran. Now every running node removes them; a live owner's file stays."""
     monkeypatch.setattr(node_server_module, "STALE_SEGMENTS_SWEEP_INTERVAL_MS", 100, raising=False)
-    killed, killed_path = owner_of_a_segment(tmp_path, "killed-engine")
-    alive, alive_path = owner_of_a_segment(tmp_path, "live-engine")
+    killed, killed_path = segment_owner(tmp_path, "killed-engine")
+    alive, alive_path = segment_owner(tmp_path, "live-engine")
 
     async def main() -> None:
         master = MasterServer(MasterConfig(), port=0)
