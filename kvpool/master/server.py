@@ -755,7 +755,7 @@ class MasterServer:
         if conn is not None:
             try:
                 while sent < len(entries):
-                    if service is not self.service or not self._is_leading():
+                    if not self._leads_as(service):
                         return False  # The term is over: its drops die with its state.
                     chunk = entries[sent : sent + limits.DROP_ENTRIES_PER_REQUEST_MAX]
                     await conn.request(DropObjects(segment_id, chunk), timeout_ms=NODE_CALL_TIMEOUT_MS)
@@ -872,7 +872,7 @@ class MasterServer:
         conn = self._node_conn(segment_id)
         for start in range(0, len(items), limits.MOVE_ITEMS_PER_REQUEST_MAX):
             chunk = items[start : start + limits.MOVE_ITEMS_PER_REQUEST_MAX]
-            if conn is None or not self._is_leading() or service is not self.service:
+            if conn is None or not self._leads_as(service):
                 service.finish_moves(segment_id, chunk, [int(ErrorCode.TRANSFER_FAIL)] * len(chunk), wall_clock_ms())
                 continue  # never sent
             codes: list[int] | None = None  # no answer: the node may have recorded some
@@ -935,7 +935,7 @@ class MasterServer:
         assert dfs is not None
 
         def keep_going() -> bool:
-            return not cancelled.is_set() and service is self.service and self._is_leading()
+            return not cancelled.is_set() and self._leads_as(service)
 
         try:
             removed, failed = await asyncio.to_thread(
@@ -1003,7 +1003,7 @@ class MasterServer:
         def remove_while_leading() -> list[InventoryEntry]:
             removed = []
             for entry in entries:
-                if service is not self.service or not self._is_leading():
+                if not self._leads_as(service):
                     break  # the term is over: its drops die with its state
                 dfs.remove(entry.key, entry.offset)
                 removed.append(entry)
@@ -1035,6 +1035,11 @@ class MasterServer:
 
     def _is_leading(self) -> bool:
         return self.elector is None or self.elector.is_leader()
+
+    def _leads_as(self, service: MasterService) -> bool:
+        """Whether the term of `service` is still this master's, and it leads: work a flow of
+        that term does on shared state (nodes' drops, moves, the DFS) stops once it is not."""
+        return service is self.service and self._is_leading()
 
     def _check_leading(self, message: Message) -> None:
         """Raise NotLeader unless this master may answer `message` now."""
