@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -28,6 +29,8 @@ import numpy as np
 
 from kvpool import limits
 from kvpool.errors import InvalidParams, SegmentNotFound, map_exceptions
+
+log = logging.getLogger(__name__)
 
 _MAGIC = b"KVPOOLSG"
 _VERSION = 1
@@ -271,6 +274,7 @@ def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
                     continue
                 path.unlink()  # while holding the lock: the file is gone before anyone else looks
             removed.append(path)
+            log.info("removed stale segment file %s (its owner died)", path)
         except OSError:
             continue
     return removed

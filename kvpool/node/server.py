@@ -263,8 +263,7 @@ class Node:
         refuse_open_listen(config.listen_host, self._key)
         if config.metrics_port is not None:
             refuse_open_listen(config.metrics_host or config.listen_host, self._key, " for /metrics")
-        for path in remove_stale_segments(config.shm_dir):
-            log.info("removed stale segment file %s", path)
+        remove_stale_segments(config.shm_dir)
         log.info("node %s: open files limit %d", config.node_id, raise_open_files_limit())
         token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
         self._segment = Segment.create(config.shm_dir, config.node_id, config.memory_bytes, token)
@@ -628,12 +627,9 @@ class Node:
             await asyncio.sleep(STALE_SEGMENTS_SWEEP_INTERVAL_MS / 1000)
             try:
                 # In a thread: unlinking a large tmpfs file frees all its pages first.
-                removed = await asyncio.to_thread(remove_stale_segments, self.config.shm_dir)
+                await asyncio.to_thread(remove_stale_segments, self.config.shm_dir)
             except Exception as exc:  # noqa: BLE001 (the next sweep tries again; this one is not the node's end)
                 log.warning("looking for stale segment files in %s: %s", self.config.shm_dir, exc)
-                continue
-            for path in removed:
-                log.info("removed stale segment file %s (its owner died)", path)
 
     # --- teardown, state, metrics ----------------------------------------------------------
 
