@@ -646,7 +646,7 @@ class AsyncStore:
         return PutStart(list(keys), sizes, config or ReplicateConfig(), self.hostname, put_id or new_put_id())
 
     def _put_job(
-        self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message, sent_ms: int | None = None
+        self, message: PutStart, parts: Sequence[Sequence[memoryview]], reply: Message, sent_ms: int
     ) -> PutJob:
         """The put the master's answer to `message` (sent at `sent_ms`, monotonic) describes.
         Any thread (the sync Store's)."""
