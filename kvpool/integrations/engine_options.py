@@ -10,9 +10,10 @@ otherwise fail (or be refused by the master) at the first put or lookup of a ser
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from kvpool import limits
@@ -23,6 +24,14 @@ from kvpool.integrations import breaker
 from kvpool.protocol.messages import ReplicateConfig
 
 _WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # as text; str.isdigit() takes '²', which int() refuses
+
+log = logging.getLogger(__name__)
+
+# The keys read here, as every adapter's configuration names them (after its prefix).
+COMMON_KEYS = (
+    "master", "token", "token_file", "embedded_memory", "shm_enabled", "replica_num", "lookup_hold_ms",
+    "lookup_timeout_ms", "lookup_backoff_ms_min", "lookup_backoff_ms_max",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +51,25 @@ class EngineOptions:
     lookup_backoff_ms_max: int = breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT
 
     @classmethod
-    def read(cls, extra: Mapping[str, Any] | None, where: str, prefix: str = "") -> EngineOptions:
+    def read(
+        cls,
+        extra: Mapping[str, Any] | None,
+        where: str,
+        prefix: str = "",
+        adapter_keys: Collection[str] = (),
+        engine_keys: Collection[str] = (),
+    ) -> EngineOptions:
         """kvpool's keys (each named `prefix` + key) from `extra`, the dict an engine calls
         `where` in its own configuration. The master is its "master" key, else $KVPOOL_MASTER.
+        A key under `prefix` that is none of these, of `adapter_keys` (the adapter's own) or of
+        `engine_keys` (what the engine itself reads from the dict) is logged as a warning: the
+        engine hands a misspelt key on unread, and the default stood in without a word.
 
         Raises:
             InvalidParams: no master anywhere, or a value that is not what its key takes.
         """
         extra = extra or {}
+        _warn_of_unread_keys(extra, where, prefix, (*COMMON_KEYS, *adapter_keys), engine_keys)
 
         def value(key: str, default: object) -> object:
             return extra.get(prefix + key, default)
@@ -61,6 +81,12 @@ class EngineOptions:
             if number is None or not low <= number <= high:
                 raise InvalidParams(f"{prefix}{key} in {where} must be a whole number in {low}..{high}, not {given!r}")
             return number
+
+        def size(key: str) -> int:
+            try:
+                return parse_size(str(value(key, 0)))
+            except InvalidParams as exc:
+                raise InvalidParams(f"{prefix}{key} in {where}: {exc}") from None
 
         master = value("master", None) or os.environ.get("KVPOOL_MASTER")
         if not master:
@@ -74,7 +100,7 @@ class EngineOptions:
         return cls(
             master=str(master),
             token=token_from(value("token", None), value("token_file", None)),
-            embedded_memory_bytes=parse_size(str(value("embedded_memory", 0))),
+            embedded_memory_bytes=size("embedded_memory"),
             shm_enabled=parse_flag(value("shm_enabled", True), f"{prefix}shm_enabled in {where}"),
             replicate=ReplicateConfig(replica_num=whole("replica_num", 1, 1, limits.REPLICA_NUM_MAX)),
             lookup_hold_ms=whole("lookup_hold_ms", limits.LOOKUP_HOLD_MS_DEFAULT, 0, limits.LOOKUP_HOLD_MS_MAX),
@@ -95,3 +121,15 @@ class EngineOptions:
             embedded_memory_bytes=self.embedded_memory_bytes,
             shm_enabled=self.shm_enabled,
         )
+
+
+def _warn_of_unread_keys(
+    extra: Mapping[str, Any], where: str, prefix: str, kvpool_keys: Collection[str], engine_keys: Collection[str]
+) -> None:
+    names = [str(key) for key in extra if str(key).startswith(prefix)]
+    unread = sorted(name for name in names if name[len(prefix) :] not in kvpool_keys and name not in engine_keys)
+    if unread:
+        log.warning(
+            "kvpool: %s has %s, which kvpool does not read (misspelt?); it reads %s",
+            where, ", ".join(map(repr, unread)), ", ".join(prefix + key for key in kvpool_keys),
+        )  # fmt: skip

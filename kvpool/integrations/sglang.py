@@ -78,6 +78,12 @@ log = logging.getLogger(__name__)
 # A stats window bigger than this is dropped from the front: get_stats() may never be called.
 STATS_SAMPLES_MAX = 10_000
 _PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+# What SGLang 0.5.23 itself reads from the extra config it hands the backend (the dynamic
+# backend's, cache_controller.py, hybrid_cache_controller.py): not kvpool's, and no typo.
+_SGLANG_KEYS = (
+    "backend_name", "module_path", "class_name", "interface_v1", "file_storage_path", "tp_lcm_size",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+)  # fmt: skip
 # In an MLA model every TP rank shares the KV pages and SGLang backs a page up from the first
 # rank only, except for these pools, whose states are sharded by rank (SGLang's
 # HybridCacheController.should_backup): their objects are named per rank and TP size.
@@ -97,7 +103,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         if storage_config.should_split_heads or storage_config.dcp_size > 1 or storage_config.attn_cp_size > 1:
             raise InvalidParams("kvpool's SGLang backend does not support split heads, DCP or attention CP yet")
-        options = EngineOptions.read(extra, "--hicache-storage-backend-extra-config")
+        options = EngineOptions.read(
+            extra, "--hicache-storage-backend-extra-config", adapter_keys=("extra_backend_tag", "total_kv_heads"),
+            engine_keys=_SGLANG_KEYS,
+        )  # fmt: skip
         self.storage_config = storage_config
         self.is_mla = storage_config.is_mla_model
         self._replicate = options.replicate

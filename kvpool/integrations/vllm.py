@@ -10,10 +10,11 @@
 with --no-async-scheduling: a synchronous load that fails under async scheduling has vLLM
 hand out tokens computed over the lost block. docs/integrations.md.)
 
-Other extra-config keys: "embedded_memory" (a size this process contributes to the pool,
-default 0), "token" / "token_file", "replica_num" (default 1), "shm_enabled" (default
-true), "cache_prefix" (a namespace for separate deployments), "lookup_hold_ms" (how long a
-lookup's hits are held from eviction for their load, default 5000; 0 = none), "load_async"
+Other extra-config keys: "embedded_memory" (a size each worker process contributes to the
+pool, default 0; the scheduler side contributes none), "token" / "token_file", "replica_num"
+(default 1), "shm_enabled" (default true), "cache_prefix" (a namespace for separate
+deployments), "lookup_hold_ms" (how long a lookup's hits are held from eviction for their
+load, default 5000; 0 = none), "load_async"
 (default true, as vLLM's Mooncake store connector), "lookup_timeout_ms" (how long a scheduler
 lookup, or a reset's probe, waits for the master, default 1000), "lookup_backoff_ms_min" / "lookup_backoff_ms_max"
 (after a lookup could not reach the master, lookups miss without asking for that long,
@@ -186,9 +187,15 @@ class KVPoolConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        options = EngineOptions.read(extra, "kv_connector_extra_config")
+        options = EngineOptions.read(
+            extra, "kv_connector_extra_config", adapter_keys=("cache_prefix", "load_async", "model_name")
+        )
         self._load_async = parse_flag(extra.get("load_async", True), "load_async in kv_connector_extra_config")
         _refuse_unsupported(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # embedded_memory is what each worker contributes: vLLM builds a scheduler side
+            # too (in the engine core's process, a worker's own at TP 1), which only looks up.
+            options = dataclasses.replace(options, embedded_memory_bytes=0)
         self._store = options.open_store()
         self._replicate = options.replicate
         self._lookup_hold_ms = options.lookup_hold_ms
