@@ -112,10 +112,13 @@ def test_a_file_reply_not_sent_before_the_client_hangs_up_closes_its_file(tmp_pa
             pass
 
         def handle(self, conn, message):
-            if message.items[0].offset == 0:
+            if message.items[0].offset == 1:
                 return Reply(ReadReply(len(big)), [memoryview(big)])
-            opened.append(os.open(path, os.O_RDONLY))
-            return Reply(ReadReply(SIZE), [FileRange(opened[-1], 0, SIZE)])
+            return file_reply()  # ready once the large reply is queued: a disk read opens off the loop
+
+    async def file_reply() -> Reply:
+        opened.append(os.open(path, os.O_RDONLY))
+        return Reply(ReadReply(SIZE), [FileRange(opened[-1], 0, SIZE)])
 
     def client(port: int) -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -123,7 +126,7 @@ def test_a_file_reply_not_sent_before_the_client_hangs_up_closes_its_file(tmp_pa
             sock.recv(4096)  # the challenge
             sock.sendall(encode_frame(AuthResponse(os.urandom(32), b""), 0))
             time.sleep(0.2)
-            reads = [ReadSlices([ReadItem("s", offset, 1)]) for offset in (0, 1)]
+            reads = [ReadSlices([ReadItem("s", offset, 1)]) for offset in (0, 1)]  # the file's, the large
             sock.sendall(b"".join(encode_frame(read, i + 1) for i, read in enumerate(reads)))
             time.sleep(0.5)  # reads nothing, then gives up
 

@@ -679,8 +679,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def _process_events(self) -> None:
         while not self.is_closed():
-            if self._is_server and self._is_backed_up():
-                return  # the requests received meanwhile wait: _update_reading takes them up
+            # The requests received meanwhile wait (_update_reading takes them up), also those
+            # already buffered when the peer stopped reading its replies: one receive holds
+            # hundreds of small requests, and each reply (a ListObjects') may be megabytes.
+            if self._is_server and (self._write_paused or self._is_backed_up()):
+                return
             event = self._decoder.next_event()
             if event is NEED_DATA:
                 if self._decoder.is_mid_frame:
