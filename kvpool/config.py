@@ -125,15 +125,17 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
     every kvpool command and serving process (README, "Deploying on several machines")."""
     if token:
         return token
+    # A file named by the environment is said to be: the command named none.
+    source = "" if token_file else " (named by $KVPOOL_TOKEN_FILE)"
     token_file = token_file or os.environ.get("KVPOOL_TOKEN_FILE") or None
     if token_file:
         try:
             text = Path(token_file).read_text().strip()
         except (OSError, ValueError) as exc:  # ValueError: not UTF-8 (the token is text), a NUL in the path
             reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else getattr(exc, "strerror", str(exc))
-            raise InvalidParams(f"cannot read token file {token_file}: {reason}") from None
+            raise InvalidParams(f"cannot read token file {token_file}{source}: {reason}") from None
         if not text:
-            raise InvalidParams(f"token file {token_file} is empty")
+            raise InvalidParams(f"token file {token_file}{source} is empty")
         _warn_if_every_user_reads(token_file)
         return text
     value = os.environ.get("KVPOOL_TOKEN")

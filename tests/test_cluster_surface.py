@@ -35,10 +35,11 @@ from kvpool.protocol.messages import (
 )
 
 
-def kvpool_cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+def kvpool_cli(*args: str, stdin: bytes = b"", env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvpool.cli.main", *args], input=stdin, capture_output=True, timeout=60
-    )
+        [sys.executable, "-m", "kvpool.cli.main", *args], input=stdin, capture_output=True, timeout=60,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 def hostile_payloads() -> dict[str, bytes]:
@@ -223,6 +224,10 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
             assert out.returncode == 1, out
             assert f"cannot read token file {path}: {reason}" in " ".join(out.stderr.decode().split())
             assert b"Traceback" not in out.stderr
+    # The file named by the environment, not on the command line: the error says where from.
+    named = kvpool_cli("ls", "--master", "127.0.0.1:1", env={"KVPOOL_TOKEN_FILE": str(tmp_path / "missing")})
+    message = " ".join(named.stderr.decode().split())
+    assert named.returncode == 1 and f"{tmp_path / 'missing'} (named by $KVPOOL_TOKEN_FILE)" in message, message
     shared = tmp_path / "token"
     shared.write_text("secret")
     for mode, warned in ((0o644, True), (0o640, False)):

@@ -92,6 +92,15 @@ def test_a_segment_larger_than_the_room_left_in_its_filesystem_is_refused_before
     assert not any(name in entry for entry in os.listdir(shm))
 
 
+def test_a_segment_directory_that_is_a_file_is_named_as_not_a_directory(tmp_path) -> None:
+    """`--shm-dir` naming a file: statvfs takes it, and the create said only ENOTDIR on a
+    path the operator never typed."""
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    with pytest.raises(InvalidParams, match=f"cannot make segments in {plain}: not a directory"):
+        Segment.create(str(plain), "file-dir", limits.SEGMENT_SIZE_BYTES_MIN, os.urandom(16))
+
+
 _TAKEN_MEANWHILE = """
 import os, sys
 from kvpool.errors import InvalidParams

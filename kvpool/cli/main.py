@@ -180,7 +180,11 @@ def _freeze_start_up_objects() -> None:
 
 
 def _token(token_file: Optional[Path]) -> str | None:
-    return token_from(None, str(token_file) if token_file else None)
+    # --token-file takes $KVPOOL_TOKEN_FILE: the path it holds goes as unnamed, so that an
+    # error about the file says where its name came from.
+    named = os.environ.get("KVPOOL_TOKEN_FILE")
+    from_environment = bool(named) and token_file == Path(named)
+    return token_from(None, str(token_file) if token_file and not from_environment else None)
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:

@@ -89,6 +89,8 @@ class Segment:
             filesystem = os.statvfs(directory)
         except OSError as exc:
             raise InvalidParams(f"cannot make segments in {directory}: {exc.strerror or exc}") from exc
+        if not os.path.isdir(directory):  # statvfs takes a file too; the open below said only ENOTDIR
+            raise InvalidParams(f"cannot make segments in {directory}: not a directory")
         # hugetlbfs reports its huge page size here and refuses a file size that is not a
         # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
         block_size = max(filesystem.f_bsize, limits.PAGE_SIZE_BYTES)
