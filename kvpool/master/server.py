@@ -41,6 +41,8 @@ import threading
 import time
 from collections.abc import Awaitable
 
+import msgspec
+
 from kvpool import limits
 from kvpool.config import MasterConfig, check_busy_poll_us
 from kvpool.discovery import LeaderRecord
@@ -49,6 +51,7 @@ from kvpool.master.election import ElectionConfig, Elector, lease_clock_ms
 from kvpool.master.metrics import MasterMetrics, start_http
 from kvpool.master.service import MasterService, Removal
 from kvpool.master.takeover import Takeover
+from kvpool.master.tombstones import RemovedAtStart
 from kvpool.process import raise_open_files_limit
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -106,6 +109,9 @@ REMOVE_DROPS_WAIT_MS = 1_000
 # What a new leader refuses until its takeover is over: requests that change what exists.
 _TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# How long a master without election remembers its removes for the nodes that re-mount after
+# its restart (RemovedAtStart): they try to reach it at most every RECONNECT_BACKOFF_MS_MAX.
+REMOUNT_WINDOW_MS = limits.RECONNECT_BACKOFF_MS_MAX + 1_000
 # A put that found no room waits at most this long for moves and drops in flight to free some
 # (in at most limits.PUT_ROOM_ROUNDS_MAX rounds).
 PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
@@ -235,6 +241,7 @@ class MasterServer:
         self._election = election
         self.elector: Elector | None = None
         self._takeover: Takeover | None = None
+        self._removed_at_start = RemovedAtStart(0)  # without election: set at start
         self._node_links: dict[str, _NodeLink] = {}  # per segment id
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
         self._drops_failing: set[str] = set()  # segment ids whose last drop failed (logged once)
@@ -298,6 +305,8 @@ class MasterServer:
         )  # fmt: skip
         self.metrics.busy_poll = self._server.busy_poll
         self.port = self._server.port
+        if self._election is None:
+            self._removed_at_start = RemovedAtStart(local_clock_ms() + REMOUNT_WINDOW_MS)
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
@@ -389,9 +398,13 @@ class MasterServer:
             case PutRevoke():
                 return service.put_revoke(message, now_ms)
             case Remove():
+                self._removed_at_start.removed(message.keys, now_ms=local_clock_ms())
                 return self._removed(service.remove(message, now_ms))
             case RemoveByRegex() | RemoveAll():
-                return self._remove_in_steps(service, service.removal(message))
+                removal = service.removal(message)
+                self._removed_at_start.removed(search=removal.search, is_all=removal.search is None,
+                                               now_ms=local_clock_ms())  # fmt: skip
+                return self._remove_in_steps(service, removal)
             case QueryObjects():
                 return service.query_objects(message, now_ms)
             case ListObjects():
@@ -400,7 +413,17 @@ class MasterServer:
                 return service.cluster_status(message, now_ms)
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
-                reply = service.mount_segment(message, now_ms, liveness_clock_ms())
+                inventory, removed = self._removed_at_start.mounting(
+                    message.segment.segment_id, message.inventory, local_clock_ms()
+                )
+                mount = MountSegment(message.segment, inventory, message.is_last) if removed else message
+                reply = service.mount_segment(mount, now_ms, liveness_clock_ms())
+                if message.is_last:
+                    self._removed_at_start.mounted(message.segment.segment_id, local_clock_ms())
+                if removed:
+                    log.info("segment %s mounted holding %d objects removed since this master started: refused",
+                             message.segment.segment_id, len(removed))  # fmt: skip
+                    reply = msgspec.structs.replace(reply, rejected=[*reply.rejected, *removed])
                 self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)

@@ -140,6 +140,11 @@ class Removal:
         self._force = force
         self._next = 0
 
+    @property
+    def search(self):
+        """The pattern's re2 search function; None for remove_all."""
+        return self._search
+
     def step(self, now_ms: int, max_keys: int = limits.REMOVE_STEP_KEYS) -> bool:
         """Remove among the next `max_keys` keys; True once every key was looked at."""
         end = min(self._next + max_keys, len(self.keys))

@@ -23,6 +23,9 @@ A segment's tombstones go
 Not kept across a restart of the master or a change of leader (in memory, as the drops were);
 nor can a remove reach an object whose node the master had already timed out (the remove
 finds no such key). A burial is stamped with the time of the master's last tick.
+
+`RemovedAtStart` covers the other way an object removed comes back: a master without election
+takes a remove right after its restart, before a node re-mounted with a replica of it.
 """
 
 from __future__ import annotations
@@ -153,3 +156,62 @@ class Tombstones:
         assert all(g.offsets for g in self._segments.values()), "a segment without tombstones is kept"
         assert self._count <= self.entries_max, (self._count, self.entries_max)
         assert self._mounted <= self._segments.keys(), self._mounted - self._segments.keys()
+
+
+class RemovedAtStart:
+    """What a master without election removed in its first moments, while the nodes of the
+    cluster it restarted into may still be re-mounting (they try again at most every
+    limits.RECONNECT_BACKOFF_MS_MAX). A segment mounting for the first time in this master's
+    life holds only objects put before it started, so before any of its removes: its entries
+    that one of them names are refused, as a tombstone's are. Else a remove taken before a
+    node re-mounted missed that node's replicas, and the objects came back with it.
+
+    Kept until `until_ms` (a node mounting later was away, as the module says); a remove or
+    a first mount after that finds nothing here. Bounded by what that window's removes name.
+    """
+
+    __slots__ = ("_until_ms", "_keys", "_searches", "_is_all", "_mounted")
+
+    def __init__(self, until_ms: int) -> None:
+        self._until_ms = until_ms
+        self._keys: set[str] = set()
+        self._searches: list = []  # re2 search functions of the window's regex removes
+        self._is_all = False  # a remove_all came in the window
+        self._mounted: set[str] = set()  # segments whose whole inventory mounted
+
+    def removed(self, keys: Iterable[str] = (), search=None, is_all: bool = False, now_ms: int = 0) -> None:
+        """A remove of `keys`, of the keys `search` finds, or of all (`is_all`)."""
+        if now_ms >= self._until_ms:
+            return
+        self._keys.update(keys)
+        if search is not None:
+            self._searches.append(search)
+        self._is_all |= is_all
+
+    def mounting(
+        self, segment_id: str, inventory: list[InventoryEntry], now_ms: int
+    ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
+        """A mount of the segment (a part of its inventory): (the entries to adopt, the
+        entries removed before it came)."""
+        if now_ms >= self._until_ms:
+            self._keys.clear()
+            self._searches.clear()
+            self._mounted.clear()
+            return inventory, []
+        if segment_id in self._mounted or not (self._keys or self._searches or self._is_all):
+            return inventory, []
+        adopted: list[InventoryEntry] = []
+        refused: list[InventoryEntry] = []
+        for entry in inventory:
+            key = entry.key
+            if self._is_all or key in self._keys or any(search(key) for search in self._searches):
+                refused.append(entry)
+            else:
+                adopted.append(entry)
+        return adopted, refused
+
+    def mounted(self, segment_id: str, now_ms: int) -> None:
+        """The segment's whole inventory was mounted: what it holds from now on was put
+        through this master."""
+        if now_ms < self._until_ms:
+            self._mounted.add(segment_id)

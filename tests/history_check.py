@@ -1,0 +1,641 @@
+"""A small Jepsen-style checker: clients record every operation, a nemesis injects faults, and
+the recorded history is checked for what a user of the store relies on.
+
+Three parts, each usable alone:
+
+- `run_client` (`python tests/history_check.py client ...`): one Store in its own process
+  doing a seeded random mix of put / put_batch / get / get_batch / get_into / exists /
+  batch_exists / longest_prefix / remove / remove_by_regex on a key set that overlaps the other
+  clients'. Every value is a pure function of (key, writer, sequence), so any read is
+  attributed to the one put that wrote it (`value_of`, `attribution`). Each operation is logged
+  to `ops-<writer>.jsonl` twice: before the call (its invocation time) and after it (its return
+  time and result), with time.monotonic_ns, which all processes of one machine share. A client
+  killed mid-call leaves the first line only: that operation's end is unknown.
+- `HistoryRun`: a LocalCluster, clients, a nemesis thread (SIGKILL and restart a node, SIGSTOP
+  and SIGCONT a node, SIGKILL and restart the master, SIGKILL a client and start another), a
+  sampler of the master's eviction and loss counters, then a quiet phase and the final state.
+- `check`: the properties, over the recorded files; returns the violations found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+MAGIC = b"KVHIST01"
+HEADER = struct.Struct("<8sQIIQ")  # magic, key hash, writer, size, sequence
+SIZE_MIN, SIZE_MAX = 1024, 512 * 1024
+PINNED_SIZE_MAX = 4096
+FAULTS = ("kill_node", "stop_node", "kill_master", "kill_client")
+NEVER = math.inf  # the return time of an operation whose client was killed during it
+
+# The cluster's timeouts: short, so that faults resolve within a run of seconds.
+RPC_TIMEOUT_MS, CONNECT_TIMEOUT_MS, TRANSFER_TIMEOUT_MS = 4_000, 1_000, 2_000
+CALL_BOUND_MS = TRANSFER_TIMEOUT_MS + 3 * RPC_TIMEOUT_MS  # sync Store's bound on one call
+NODE_TTL_MS, LEASE_TTL_MS, PUT_DISCARD_MS, PUT_RELEASE_MS = 2_000, 3_000, 3_000, 4_000
+MASTER_ARGS = (
+    "--node-ttl-ms", str(NODE_TTL_MS), "--lease-ttl-ms", str(LEASE_TTL_MS),
+    "--put-discard-timeout-ms", str(PUT_DISCARD_MS), "--put-release-timeout-ms", str(PUT_RELEASE_MS),
+)  # fmt: skip
+
+
+# --- values ---------------------------------------------------------------------------------
+
+
+def key_hash(key: str) -> int:
+    return xxhash.xxh64_intdigest(key.encode())
+
+
+def value_of(key: str, writer: int, sequence: int, size: int) -> bytes:
+    """The bytes that writer `writer`'s operation `sequence` puts under `key`."""
+    header = HEADER.pack(MAGIC, key_hash(key), writer, size, sequence)
+    body = np.random.default_rng([key_hash(key), writer, sequence]).bytes(size - HEADER.size)
+    return header + body
+
+
+def attribution(key: str, data: bytes | memoryview) -> list | str:
+    """[writer, sequence] of the put that wrote `data` under `key`, or why no put did."""
+    if len(data) < HEADER.size:
+        return f"bad: {len(data)} bytes"
+    magic, hashed, writer, size, sequence = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        return "bad: no header"
+    if hashed != key_hash(key):
+        return f"bad: another key's bytes (writer {writer} sequence {sequence})"
+    if size != len(data):
+        return f"bad: {len(data)} bytes of a {size}-byte value (writer {writer} sequence {sequence})"
+    if value_of(key, writer, sequence, size) != bytes(data):
+        return f"bad: torn or mixed bytes (writer {writer} sequence {sequence})"
+    return [writer, sequence]
+
+
+# --- the client -----------------------------------------------------------------------------
+
+
+def client_keys(client: int) -> tuple[list[str], list[str]]:
+    """A client's ~50 plain keys (overlapping the next client's), and the pinned keys all share."""
+    start = 20 * client
+    return [f"k{(start + i) % 100:03d}" for i in range(50)], [f"p{i:02d}" for i in range(6)]
+
+
+def run_client(master: str, out_dir: Path, writer: int, client: int, seed: int, duration_s: float, shm: bool) -> None:
+    from kvpool import ReplicateConfig, Store
+    from kvpool.errors import ErrorCode
+
+    rng = random.Random(seed)
+    plain, pinned = client_keys(client)
+    log = os.open(out_dir / f"ops-{writer}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    store = Store(master, shm_enabled=shm, rpc_timeout_ms=RPC_TIMEOUT_MS, connect_timeout_ms=CONNECT_TIMEOUT_MS,
+                  transfer_timeout_ms=TRANSFER_TIMEOUT_MS)  # fmt: skip
+    buffer = np.zeros(SIZE_MAX, dtype=np.uint8)
+    address = store.register_buffer(buffer)
+
+    def size_for(key: str) -> int:
+        top = PINNED_SIZE_MAX if key in pinned else SIZE_MAX
+        return int(math.exp(rng.uniform(math.log(SIZE_MIN), math.log(top))))
+
+    def some(count: int) -> list[str]:
+        return rng.sample(plain, count)
+
+    def put(sequence: int, keys: list[str], sizes: list[int], replicas: int) -> list[int]:
+        values = [value_of(k, writer, sequence, s) for k, s in zip(keys, sizes)]
+        config = ReplicateConfig(replica_num=replicas, with_hard_pin=keys[0] in pinned)
+        return store.put_batch(keys, values, config)
+
+    def get(keys: list[str]) -> list:
+        return [None if d is None else attribution(k, d) for k, d in zip(keys, store.get_batch(keys))]
+
+    def get_into(key: str) -> list:
+        got = store.get_into(key, address, SIZE_MAX)
+        if got == ErrorCode.OBJECT_NOT_FOUND:
+            return [None]
+        if got < 0:
+            return [f"code {got}"]
+        return [attribution(key, memoryview(buffer)[:got])]
+
+    deadline = time.monotonic() + duration_s
+    sequence = 0
+    while time.monotonic() < deadline and not stopping.is_set():
+        sequence += 1
+        roll = rng.random()
+        op: dict = {"w": writer, "n": sequence}
+        if roll < 0.25:
+            keys = [rng.choice(pinned)] if rng.random() < 0.2 else some(1)
+            op.update(f="put", keys=keys, sizes=[size_for(keys[0])], replicas=rng.choice((1, 2)))
+        elif roll < 0.35:
+            keys = some(rng.randint(2, 6))
+            op.update(f="put", keys=keys, sizes=[size_for(k) for k in keys], replicas=rng.choice((1, 2)))
+        elif roll < 0.55:
+            op.update(f="get", keys=[rng.choice(pinned)] if rng.random() < 0.3 else some(1))
+        elif roll < 0.65:
+            op.update(f="get", keys=some(rng.randint(2, 6)) + ([rng.choice(pinned)] if rng.random() < 0.5 else []))
+        elif roll < 0.72:
+            op.update(f="get_into", keys=[rng.choice(pinned + some(3))])
+        elif roll < 0.80:
+            op.update(f="exists", keys=some(rng.randint(1, 6)))
+        elif roll < 0.88:
+            op.update(f="longest_prefix", keys=sorted(some(rng.randint(2, 8))))
+        elif roll < 0.97:
+            op.update(f="remove", keys=[rng.choice(pinned)] if rng.random() < 0.1 else some(1))
+        else:
+            digit = rng.randrange(10)
+            op.update(f="remove_by_regex", pattern=f"^k0{digit}[0-4]$")
+        record = dict(op, i=time.monotonic_ns())
+        os.write(log, (json.dumps(record) + "\n").encode())
+        try:
+            f = op["f"]
+            if f == "put":
+                result: object = put(sequence, op["keys"], op["sizes"], op["replicas"])
+            elif f == "get":
+                result = get(op["keys"])
+            elif f == "get_into":
+                result = get_into(op["keys"][0])
+            elif f == "exists":
+                result = store.batch_exists(op["keys"])
+            elif f == "longest_prefix":
+                result = store.longest_prefix(op["keys"])
+            elif f == "remove":
+                result = store.batch_remove(op["keys"])
+            else:
+                result = store.remove_by_regex(op["pattern"], force=True)
+            outcome = {"res": result}
+        except Exception as exc:  # recorded: the checker tells typed errors from others
+            from kvpool.errors import KVPoolError
+
+            outcome = {"err": type(exc).__name__, "typed": isinstance(exc, KVPoolError), "msg": str(exc)[:200]}
+        os.write(log, (json.dumps(dict(outcome, w=writer, n=sequence, r=time.monotonic_ns())) + "\n").encode())
+        time.sleep(rng.uniform(0.002, 0.02))  # keeps the CPU modest: two vCPUs are shared
+    store.close()
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Client:
+    popen: subprocess.Popen
+    writer: int
+    client: int
+
+
+class HistoryRun:
+    """A cluster, clients and a nemesis, recording into `out_dir`. Every process it starts is
+    ended by its pid (the cluster's by LocalCluster.stop)."""
+
+    def __init__(self, out_dir: Path, seed: int, duration_s: float, clients: int = 3, nodes: int = 3,
+                 memory: str = "4MiB", fault_gap_s: float = 3.0, disk: bool = True) -> None:  # fmt: skip
+        from kvpool.cli.launcher import LocalCluster
+
+        self.out_dir = out_dir
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.duration_s = duration_s
+        self.client_count = clients
+        self.fault_gap_s = fault_gap_s
+        self.cluster = LocalCluster(0, memory, master_args=MASTER_ARGS, workdir=out_dir / "cluster")
+        (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
+        self.node_count = nodes
+        self.disk = disk
+        self.node_extra: dict[int, tuple[str, ...]] = {}  # node slot -> its own flags (a disk tier)
+        self.slots: list = []  # node slot -> its Process now
+        self.clients: list[Client] = []
+        self._writers = 0
+        self._events = open(out_dir / "events.jsonl", "a")  # noqa: SIM115 - closed in stop
+        self._stop = threading.Event()
+
+    def event(self, **fields) -> None:
+        self._events.write(json.dumps(dict(fields, t=time.monotonic_ns())) + "\n")
+        self._events.flush()
+
+    def start(self) -> None:
+        self.cluster.start()
+        for slot in range(self.node_count):
+            extra: tuple[str, ...] = ("--metrics-port", "0")
+            if self.disk and slot == 0:
+                disk_dir = self.out_dir / "disk0"
+                extra += ("--disk-dir", str(disk_dir), "--disk-size", "32MiB")
+            self.node_extra[slot] = extra
+            self.slots.append(self.cluster.start_node(extra))
+        for client in range(self.client_count):
+            self.start_client(client)
+
+    def start_client(self, client: int) -> None:
+        self._writers += 1
+        writer = self._writers
+        command = [sys.executable, __file__, "client", "--master", self.cluster.master_endpoint,
+                   "--out-dir", str(self.out_dir), "--writer", str(writer), "--client", str(client),
+                   "--seed", str(self.seed * 1000 + writer), "--duration-s", str(self.duration_s + 60),
+                   "--shm" if client % 2 == 0 else "--no-shm"]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        with open(self.out_dir / f"client-{writer}.log", "ab") as log:
+            popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.clients.append(Client(popen, writer, client))
+        self.event(what="client_start", writer=writer)
+
+    def nemesis(self) -> None:
+        """One fault every `fault_gap_s`, in a seeded order; each is over before the next."""
+        faults = list(FAULTS)
+        index = 0
+        while not self._stop.wait(self.fault_gap_s):
+            fault = faults[index % len(faults)] if index < len(faults) else self.rng.choice(faults)
+            index += 1
+            slot = self.rng.randrange(self.node_count)
+            node = self.slots[slot]
+            if fault == "kill_node":
+                self.event(what="kill_node", slot=slot, segment=node.info["segment_id"])
+                node.kill()
+                self._stop.wait(self.rng.uniform(0.5, 2.0))
+                self.slots[slot] = self.cluster.start_node(self.node_extra[slot])
+                self.event(what="node_back", slot=slot, segment=self.slots[slot].info["segment_id"])
+            elif fault == "stop_node":
+                self.event(what="stop_node", slot=slot, segment=node.info["segment_id"])
+                node.signal(signal.SIGSTOP)
+                self._stop.wait(self.rng.uniform(1.0, 3.0))
+                node.signal(signal.SIGCONT)
+                self.event(what="cont_node", slot=slot)
+            elif fault == "kill_master":
+                self.event(what="kill_master")
+                self.cluster.master.kill()
+                self._stop.wait(self.rng.uniform(0.2, 2.0))
+                self.cluster.start_master()
+                self.event(what="master_back")
+            else:
+                victim = self.rng.choice([c for c in self.clients if c.popen.poll() is None])
+                self.event(what="kill_client", writer=victim.writer)
+                victim.popen.kill()
+                victim.popen.wait(10)
+                self.start_client(victim.client)
+
+    def sample_counters(self) -> None:
+        """The master's eviction and loss counters every 0.2 s: the checker's evidence that an
+        object may have left without a remove."""
+        while not self._stop.wait(0.2):
+            try:
+                url = f"http://127.0.0.1:{self.cluster.http_port}/metrics"
+                with urllib.request.urlopen(url, timeout=1.0) as response:
+                    text = response.read().decode()
+            except (OSError, ValueError):
+                continue
+            values = {}
+            for name in ("evictions_total", "lost_total", "bad_replicas_total"):
+                found = re.search(rf"^kvpool_master_{name} (\S+)$", text, re.M)
+                values[name] = float(found.group(1)) if found else 0.0
+            self.event(what="counters", **values)
+
+    def run(self) -> dict:
+        """Start, run the clients under faults for `duration_s`, stop the faults and clients,
+        and record the final state (exists, prefix and gets in a quiet cluster; segment use as
+        the master and the nodes see it). Returns the final state."""
+        threads = [threading.Thread(target=self.nemesis), threading.Thread(target=self.sample_counters)]
+        self.start()
+        for thread in threads:
+            thread.start()
+        try:
+            self._stop.wait(self.duration_s)
+        finally:
+            self._stop.set()
+            for thread in threads:
+                thread.join()
+            for client in self.clients:
+                client.popen.send_signal(signal.SIGTERM)
+            for client in self.clients:
+                try:
+                    client.popen.wait(CALL_BOUND_MS / 1000 + 5)
+                except subprocess.TimeoutExpired:
+                    client.popen.kill()
+                    client.popen.wait(10)
+        self.event(what="quiet")
+        return final_state(self.cluster, self.slots)
+
+    def stop(self) -> None:
+        for client in self.clients:
+            if client.popen.poll() is None:
+                client.popen.kill()
+                client.popen.wait(10)
+        self.cluster.stop()
+        self._events.close()
+
+
+def final_state(cluster, slots: list) -> dict:
+    """Once every fault is over: each key's presence by exists, prefix and get, and each DRAM
+    segment's use as the master counts it, as its node holds it, and as the replicas the master
+    lists there add up; looked at again until the use agrees (the put release timeout frees
+    what killed writers held) or for that timeout and the node TTL and some."""
+    deadline = time.monotonic() + (PUT_RELEASE_MS + NODE_TTL_MS) / 1000 + 10
+    while True:
+        state = _state_now(cluster, slots)
+        if not check_final(state) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def _state_now(cluster, slots: list) -> dict:
+    from kvpool import Store
+
+    keys = sorted({k for c in range(5) for k in client_keys(c)[0]} | set(client_keys(0)[1]))
+    with Store(cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS) as store:
+        exists = store.batch_exists(keys)
+        got = [None if d is None else attribution(k, d) for k, d in zip(keys, store.get_batch(keys))]
+        prefixes = [[keys[:n], store.longest_prefix(keys[:n])] for n in range(1, len(keys), 7)]
+        status = store.cluster_status()
+        replicas = store.query(keys)
+    held: dict[str, list[int]] = defaultdict(list)  # segment id -> sizes of the replicas there
+    for size, places in zip(replicas.sizes, replicas.replicas):
+        for replica in places:
+            held[replica.segment_id].append(size)
+    master_used = {s.segment.segment_id: s.used_bytes for s in status.segments if s.segment.tier == "dram"}
+    node_used = {}
+    for process in slots:
+        with urllib.request.urlopen(f"http://{process.info['metrics_endpoint']}/metrics", timeout=2) as response:
+            text = response.read().decode()
+        found = re.search(r"^kvpool_node_segment_used_bytes(?:\{[^}]*\})? (\S+)$", text, re.M)
+        node_used[process.info["segment_id"]] = int(float(found.group(1))) if found else -1
+    return {"keys": keys, "exists": exists, "got": got, "prefixes": prefixes, "master_used": master_used,
+            "node_used": node_used, "held": {s: held[s] for s in node_used}}  # fmt: skip
+
+
+# --- the checker ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Op:
+    writer: int
+    sequence: int
+    f: str
+    start: int
+    end: float  # NEVER: the client died during it
+    args: dict
+    result: object = None
+    error: dict | None = None
+
+
+def load(out_dir: Path) -> tuple[list[Op], list[dict]]:
+    ops: dict[tuple[int, int], Op] = {}
+    for path in sorted(out_dir.glob("ops-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.endswith("}"):
+                continue  # the half line of a client killed while writing it
+            record = json.loads(line)
+            key = (record["w"], record["n"])
+            if "i" in record:
+                ops[key] = Op(record["w"], record["n"], record["f"], record["i"], NEVER, record)
+            elif key in ops:
+                op = ops[key]
+                op.end = record["r"]
+                op.result = record.get("res")
+                if "err" in record:
+                    op.error = record
+    events = [json.loads(line) for line in (out_dir / "events.jsonl").read_text().splitlines()]
+    return sorted(ops.values(), key=lambda o: o.start), events
+
+
+class Evidence:
+    """What may take an object away without a remove: evictions and losses the master counted
+    (sampled), and faults (a node killed or stopped, the master killed), each from its start
+    until its node TTL (and a re-mount) after it ended, when its consequences are over."""
+
+    SETTLE_NS = (NODE_TTL_MS + 1_500) * 1_000_000
+
+    def __init__(self, events: list[dict]) -> None:
+        self.samples = [(e["t"], e["evictions_total"] + e["lost_total"] + e["bad_replicas_total"])
+                        for e in events if e["what"] == "counters"]  # fmt: skip
+        self.faults: list[tuple[float, float]] = []
+        self.node_faults: list[tuple[float, float]] = []
+        ends = {"kill_node": "node_back", "stop_node": "cont_node", "kill_master": "master_back"}
+        for index, event in enumerate(events):
+            if event["what"] in ends:
+                end = next((e["t"] for e in events[index:] if e["what"] == ends[event["what"]]), NEVER)
+                self.faults.append((event["t"], end + self.SETTLE_NS))
+                if event["what"] != "kill_master":
+                    self.node_faults.append(self.faults[-1])
+        self.master_restarts = [e["t"] for e in events if e["what"] == "kill_master"]
+        self.losses = [(e["t"], e["lost_total"]) for e in events if e["what"] == "counters"]
+        self.evictions = [(e["t"], e["evictions_total"]) for e in events if e["what"] == "counters"]
+
+    def fault_between(self, start: float, end: float) -> bool:
+        return any(s <= end and start <= e for s, e in self.faults)
+
+    def missed_drops(self, put: Op, removal: Op, read: Op) -> bool:
+        """The documented limits (docs/operations.md): a node away during a remove misses its
+        drops, which wait in the master's memory, so a master restart before they land brings
+        the objects back; and a remove cannot reach an object lost with a node the master
+        had timed out already, which comes back with the node."""
+        node_away = any(s <= removal.end and removal.start <= e for s, e in self.node_faults)
+        restarted = any(removal.start <= t <= read.end for t in self.master_restarts)
+        return node_away and (restarted or self.lost_between(put.start, removal.end))
+
+    def lost_between(self, start: float, end: float) -> bool:
+        """Whether the master counted objects lost with a node (or cannot tell) meanwhile."""
+        return _moved(self.losses, start, end)
+
+    def eviction_between(self, start: float, end: float) -> bool:
+        """Whether the counters moved (or cannot tell) between the last sample before `start`
+        and the first after `end`."""
+        return _moved(self.samples, start, end)
+
+    def departure_between(self, start: float, end: float, pinned: bool) -> bool:
+        return self.fault_between(start, end) or (not pinned and self.eviction_between(start, end))
+
+
+def _moved(samples: list[tuple[int, float]], start: float, end: float) -> bool:
+    """Whether a sampled counter (samples by time) changed, or a master restart reset it, from
+    the last sample at or before `start` to the first at or after `end`; True if not sampled."""
+    before = bisect.bisect_right(samples, (start, math.inf)) - 1
+    after = bisect.bisect_left(samples, (end, -math.inf))
+    if before < 0 or after >= len(samples):
+        return True
+    return samples[after][1] != samples[before][1]
+
+
+def check(out_dir: Path, final: dict | None = None) -> list[str]:
+    """The violations in the history recorded in `out_dir` (empty: none)."""
+    ops, events = load(out_dir)
+    evidence = Evidence(events)
+    violations: list[str] = []
+    puts: dict[tuple[str, int, int], Op] = {}
+    reads: dict[str, list[tuple[Op, tuple[int, int]]]] = defaultdict(list)
+    misses: dict[str, list[Op]] = defaultdict(list)
+    removes: dict[str, list[Op]] = defaultdict(list)
+    regexes: list[Op] = []
+    acked: dict[str, list[Op]] = defaultdict(list)
+    for op in ops:
+        if op.f == "put":
+            for index, key in enumerate(op.args["keys"]):
+                puts[(key, op.writer, op.sequence)] = op
+                if op.error is None and op.end != NEVER and op.result[index] == 0:
+                    acked[key].append(op)
+        elif op.f == "remove":
+            removes[op.args["keys"][0]].append(op)
+        elif op.f == "remove_by_regex":
+            regexes.append(op)
+
+    @functools.cache
+    def removals(key: str) -> list[Op]:
+        return removes[key] + [r for r in regexes if re.search(r.args["pattern"], key)]
+
+    # Every result is typed and within its bound.
+    longest = max((o for o in ops if o.end != NEVER), key=lambda o: o.end - o.start, default=None)
+    for op in ops:
+        if op.error is not None and not op.error["typed"]:
+            violations.append(f"untyped error {op.error['err']}: {op.error['msg']} ({op.f} {op.args})")
+        if op.end != NEVER and (op.end - op.start) / 1e6 > CALL_BOUND_MS + 1000:
+            violations.append(f"{op.f} took {(op.end - op.start) / 1e6:.0f} ms > {CALL_BOUND_MS} ms bound")
+    # Reads: every value is one a put of that key wrote, invoked before the read ended.
+    for op in ops:
+        if op.f not in ("get", "get_into") or op.error is not None or op.end == NEVER:
+            continue
+        for key, got in zip(op.args["keys"], op.result):
+            if got is None:
+                misses[key].append(op)
+            elif isinstance(got, str):
+                if got.startswith("bad"):
+                    violations.append(f"{op.f} {key} returned {got}")
+            else:
+                writer, sequence = got
+                put = puts.get((key, writer, sequence))
+                if put is None or put.start > op.end:
+                    violations.append(f"{op.f} {key} returned the bytes of a put that never began: {got}")
+                    continue
+                reads[key].append((op, (writer, sequence)))
+    for key, key_reads in reads.items():
+        pinned = key.startswith("p")
+        # A value changes only after its object left: removed, evicted, lost. For each read and
+        # each other value, the first read of that value after it is the one to look at.
+        by_value: dict[tuple[int, int], list[Op]] = defaultdict(list)
+        for read, version in key_reads:
+            by_value[version].append(read)
+        starts = {v: [r.start for r in value_reads] for v, value_reads in by_value.items()}
+        for first, version in key_reads:
+            for other, other_reads in by_value.items():
+                index = bisect.bisect_right(starts[other], first.end)
+                if other == version or index == len(other_reads):
+                    continue
+                second = other_reads[index]
+                put = puts[(key, *other)]
+                # A value lost with a node the master timed out comes back with it (documented).
+                back = evidence.fault_between(put.start, second.end) and evidence.lost_between(put.start, second.end)
+                if put.end < first.start and not back:
+                    violations.append(f"{key}: read {version} then {other}, whose put had ended before")
+                gone = any(r.start < second.end and r.end > first.start for r in removals(key))
+                if not gone and not evidence.departure_between(first.start, second.end, pinned):
+                    violations.append(f"{key}: read {version} then {other} with nothing removing {version}")
+        # A removed value does not come back.
+        for read, version in key_reads:
+            put = puts[(key, *version)]
+            for removal in removals(key):
+                done = removal.error is None and removal.end != NEVER
+                if removal.f == "remove":
+                    done = done and removal.result[0] == 0
+                if done and put.end < removal.start and removal.end < read.start:
+                    if not evidence.missed_drops(put, removal, read):
+                        violations.append(f"{key}: {read.f} returned {version} after a remove that took it")
+    # An acknowledged pinned put stays readable unless it left (removed, a node killed or stopped).
+    for key, key_acks in acked.items():
+        if not key.startswith("p"):
+            continue
+        for put in key_acks:
+            for miss in misses[key]:
+                if miss.start <= put.end:
+                    continue
+                gone = any(r.start < miss.end and r.end > put.start for r in removals(key))
+                if not gone and not evidence.departure_between(put.start, miss.end, True):
+                    violations.append(f"{key}: a miss after acknowledged put {put.writer}/{put.sequence}")
+                    break
+    if final is not None:
+        violations += check_final(final)
+    violations = list(dict.fromkeys(violations))
+    report = {"ops": len(ops), "unfinished": sum(o.end == NEVER for o in ops),
+              "errors": sum(o.error is not None for o in ops),
+              "faults": sum(e["what"] in FAULTS for e in events),
+              "longest_ms": None if longest is None else (longest.end - longest.start) / 1e6,
+              "longest_op": None if longest is None else longest.f,
+              "reads": sum(len(r) for r in reads.values()), "misses": sum(len(m) for m in misses.values()),
+              "evictions": sum(max(0, b[1] - a[1]) for a, b in zip(evidence.evictions, evidence.evictions[1:])),
+              "fault_kinds": sorted({e["what"] for e in events if e["what"] in FAULTS}),
+              "violations": len(violations)}  # fmt: skip
+    (out_dir / "report.json").write_text(json.dumps({"report": report, "violations": violations}, indent=1))
+    return violations
+
+
+def check_final(final: dict) -> list[str]:
+    """In a quiet cluster: exists, longest_prefix and get agree; the master's use of each DRAM
+    segment is what its node holds."""
+    violations = []
+    present = {k: g is not None for k, g in zip(final["keys"], final["got"])}
+    for key, exists, got in zip(final["keys"], final["exists"], final["got"]):
+        if isinstance(got, str):
+            violations.append(f"final get {key}: {got}")
+        if exists != (got is not None):
+            violations.append(f"final: exists({key}) is {exists} but get returned {got}")
+    for keys, count in final["prefixes"]:
+        expected = next((i for i, k in enumerate(keys) if not present[k]), len(keys))
+        if count != expected:
+            violations.append(f"final: longest_prefix of {len(keys)} keys is {count}, gets say {expected}")
+    from kvpool.master.allocator import footprint_bytes
+
+    for segment, used in final["node_used"].items():
+        sizes = final["held"].get(segment, [])
+        footprint = sum(footprint_bytes(size) for size in sizes)
+        if final["master_used"].get(segment) != footprint or used != sum(sizes):
+            counted = final["master_used"].get(segment)
+            violations.append(f"final: segment {segment}: the master counts {counted} bytes used for replicas "
+                              f"of {footprint}, its node holds {used} for {sum(sizes)}")  # fmt: skip
+    return violations
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers(dest="command", required=True)
+    client = commands.add_parser("client")
+    client.add_argument("--master", required=True)
+    client.add_argument("--out-dir", type=Path, required=True)
+    client.add_argument("--writer", type=int, required=True)
+    client.add_argument("--client", type=int, required=True)
+    client.add_argument("--seed", type=int, required=True)
+    client.add_argument("--duration-s", type=float, required=True)
+    client.add_argument("--shm", action=argparse.BooleanOptionalAction, default=True)
+    run = commands.add_parser("run")
+    run.add_argument("--out-dir", type=Path, required=True)
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--duration-s", type=float, default=60)
+    run.add_argument("--fault-gap-s", type=float, default=3.0)
+    args = parser.parse_args()
+    if args.command == "client":
+        run_client(args.master, args.out_dir, args.writer, args.client, args.seed, args.duration_s, args.shm)
+        return
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    history = HistoryRun(args.out_dir, args.seed, args.duration_s, fault_gap_s=args.fault_gap_s)
+    try:
+        final = history.run()
+    finally:
+        history.stop()
+    (args.out_dir / "final.json").write_text(json.dumps(final))
+    violations = check(args.out_dir, final)
+    print(json.dumps(json.loads((args.out_dir / "report.json").read_text())["report"]))
+    for violation in violations[:50]:
+        print(violation)
+
+
+if __name__ == "__main__":
+    main()
