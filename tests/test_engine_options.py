@@ -101,10 +101,22 @@ def test_a_flag_that_is_no_flag_is_refused_with_its_key():
 
 
 def test_a_bad_size_or_token_file_is_refused(tmp_path):
-    with pytest.raises(InvalidParams, match="not a size: 'lots'"):
-        EngineOptions.read({"master": "127.0.0.1:1", "embedded_memory": "lots"}, "extra")
+    with pytest.raises(InvalidParams, match=r"^kvpool.embedded_memory in LMCache's extra_config: not a size: 'lots'"):
+        extra = {"kvpool.master": "127.0.0.1:1", "kvpool.embedded_memory": "lots"}
+        EngineOptions.read(extra, "LMCache's extra_config", "kvpool.")
     with pytest.raises(InvalidParams, match="cannot read token file"):
         EngineOptions.read({"master": "127.0.0.1:1", "token_file": str(tmp_path / "absent")}, "extra")
+
+
+def test_a_key_no_one_reads_is_named_once_and_the_keys_of_the_adapter_and_engine_are_not(caplog):
+    """A misspelt key took its default without a word; every worker of an engine reads the same
+    config, so the warning is said once per process."""
+    extra = {"kvpool.master": "127.0.0.1:1", "kvpool.replicas": 2, "kvpool.tag": "a", "engine_key": 1, "other": 0}
+    for _ in range(2):
+        EngineOptions.read(extra, "the extra", "kvpool.", adapter_keys=("tag",), engine_keys=("kvpool.engine_key",))
+    warned = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(warned) == 1 and "'kvpool.replicas'" in warned[0] and "kvpool.replica_num" in warned[0], warned
+    assert "tag" not in warned[0].split("does not read")[0] and "other" not in warned[0], warned
 
 
 def test_sizes_are_read_exactly_at_any_length():

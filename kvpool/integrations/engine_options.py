@@ -123,12 +123,16 @@ class EngineOptions:
         )
 
 
+_unread_keys_warned: set[tuple[str, ...]] = set()  # an engine's every worker reads the same config
+
+
 def _warn_of_unread_keys(
     extra: Mapping[str, Any], where: str, prefix: str, kvpool_keys: Collection[str], engine_keys: Collection[str]
 ) -> None:
     names = [str(key) for key in extra if str(key).startswith(prefix)]
     unread = sorted(name for name in names if name[len(prefix) :] not in kvpool_keys and name not in engine_keys)
-    if unread:
+    if unread and (where, *unread) not in _unread_keys_warned:
+        _unread_keys_warned.add((where, *unread))
         log.warning(
             "kvpool: %s has %s, which kvpool does not read (misspelt?); it reads %s",
             where, ", ".join(map(repr, unread)), ", ".join(prefix + key for key in kvpool_keys),

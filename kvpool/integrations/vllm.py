@@ -188,8 +188,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = EngineOptions.read(
-            extra, "kv_connector_extra_config", adapter_keys=("cache_prefix", "load_async", "model_name")
-        )
+            extra, "kv_connector_extra_config", adapter_keys=("cache_prefix", "load_async", "model_name"),
+            engine_keys=("custom_mem_pool",),  # vLLM's own (KVTransferConfig.uses_custom_mem_pool)
+        )  # fmt: skip
         self._load_async = parse_flag(extra.get("load_async", True), "load_async in kv_connector_extra_config")
         _refuse_unsupported(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
