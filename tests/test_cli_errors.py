@@ -294,9 +294,10 @@ def test_a_port_that_is_not_a_kvpool_server_is_named_as_such():
         out = kvpool_cli("ls", "--master", f"127.0.0.1:{foreign.getsockname()[1]}")
         assert_one_error_line(out, "not a kvpool peer (a wrong port?): it sent b'SSH-2.0-OpenSSH_9.2p'")
         # The silent listener's backlog takes the connection; nothing ever answers it.
-        out = kvpool_cli("ls", "--master", f"127.0.0.1:{silent.getsockname()[1]}")
+        out = kvpool_cli("ls", "--master", f"127.0.0.1:{silent.getsockname()[1]}", "--timeout", "1")
         assert_one_error_line(out, "timed out after", "not a kvpool port: an HTTP or etcd port waits for a request")
     finally:
+        foreign.shutdown(socket.SHUT_RDWR)  # wakes the accept: a close alone left it for join's 10 s
         foreign.close()
         silent.close()
         for conn in accepted:

@@ -476,7 +476,7 @@ def test_a_client_that_never_reads_its_replies_is_not_answered_into_memory(make_
     sock.settimeout(0.5)
     started = time.monotonic()
     try:
-        while time.monotonic() - started < 8:
+        while time.monotonic() - started < 3:  # the buffers fill within the first second
             try:
                 sock.send(requests)
             except TimeoutError:
@@ -488,7 +488,7 @@ def test_a_client_that_never_reads_its_replies_is_not_answered_into_memory(make_
             assert time.monotonic() - asked < 2
     finally:
         conn.close()
-    assert grown_kib < 32 * 1024, grown_kib
+    assert grown_kib < 8 * 1024, grown_kib  # answered into memory: ~7 MB/s
 
 
 def test_idle_connections_cost_the_master_little_memory(make_cluster):

@@ -286,8 +286,7 @@ def test_seeded_hostile_frames_leave_every_server_serving_with_its_objects_intac
         pids = [cluster.master.pid, *(node.pid for node in cluster.nodes)]
         rss_before = [rss_bytes(pid) for pid in pids]
         frames = connections = 0
-        deadline = time.monotonic() + 12
-        while time.monotonic() < deadline:
+        while connections < 80:  # a count, not a time: the same frames on a slow runner (~6 s)
             if connections % 20 == 0:  # fresh real grants, to reach past the grant checks
                 peer = Peer(cluster.master_endpoint)
                 peer.send(encode_frame(m.PutStart([f"grant-{connections}"], [70_000], m.ReplicateConfig()), 1))
@@ -326,7 +325,7 @@ def test_seeded_hostile_frames_leave_every_server_serving_with_its_objects_intac
                 frames += sent
                 if not sent:
                     break
-            while style != "cut short" and peer.read_frame(0.3) is not None:
+            while style != "cut short" and peer.read_frame(0.1) is not None:
                 pass  # its replies, until it is quiet or closed
             peer.close()
             if connections % 30 == 0:
