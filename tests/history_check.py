@@ -46,6 +46,9 @@ HEADER = struct.Struct("<8sQIIQ")  # magic, key hash, writer, size, sequence
 SIZE_MIN, SIZE_MAX = 1024, 512 * 1024
 PINNED_SIZE_MAX = 4096
 FAULTS = ("kill_node", "stop_node", "kill_master", "kill_client")
+# With tiers (HistoryRun(tiers=True)) also: every node killed at once (the DFS alone serves),
+# then each restarted on its disk directory.
+TIER_FAULTS = (*FAULTS, "kill_all_nodes")
 NEVER = math.inf  # the return time of an operation whose client was killed during it
 
 # The cluster's timeouts: short, so that faults resolve within a run of seconds.
@@ -91,23 +94,29 @@ def attribution(key: str, data: bytes | memoryview) -> list | str:
 # --- the client -----------------------------------------------------------------------------
 
 
-def client_keys(client: int) -> tuple[list[str], list[str]]:
-    """A client's ~50 plain keys (overlapping the next client's), and the pinned keys all share."""
-    start = 20 * client
-    return [f"k{(start + i) % 100:03d}" for i in range(50)], [f"p{i:02d}" for i in range(6)]
+def client_keys(client: int, key_space: int = 100) -> tuple[list[str], list[str]]:
+    """A client's plain keys, half of the `key_space` (overlapping the next client's), and the
+    pinned keys all share."""
+    start = key_space // 5 * client
+    plain = [f"k{(start + i) % key_space:03d}" for i in range(key_space // 2)]
+    return plain, [f"p{i:02d}" for i in range(6)]
 
 
-def run_client(master: str, out_dir: Path, writer: int, client: int, seed: int, duration_s: float, shm: bool) -> None:
+def run_client(master: str, out_dir: Path, writer: int, client: int, seed: int, duration_s: float, shm: bool,
+               dfs_dir: str = "", key_space: int = 100) -> None:  # fmt: skip
+    """With `dfs_dir` (a cluster with tiers), the client reads DFS files itself and some of its
+    puts ask for write-through copies to the disk tier and to the DFS. `key_space`: how many
+    plain keys the clients share (more: more bytes than DRAM holds)."""
     from kvpool import ReplicateConfig, Store
     from kvpool.errors import ErrorCode
 
     rng = random.Random(seed)
-    plain, pinned = client_keys(client)
+    plain, pinned = client_keys(client, key_space)
     log = os.open(out_dir / f"ops-{writer}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     store = Store(master, shm_enabled=shm, rpc_timeout_ms=RPC_TIMEOUT_MS, connect_timeout_ms=CONNECT_TIMEOUT_MS,
-                  transfer_timeout_ms=TRANSFER_TIMEOUT_MS)  # fmt: skip
+                  transfer_timeout_ms=TRANSFER_TIMEOUT_MS, dfs_dir=dfs_dir)  # fmt: skip
     buffer = np.zeros(SIZE_MAX, dtype=np.uint8)
     address = store.register_buffer(buffer)
 
@@ -118,9 +127,10 @@ def run_client(master: str, out_dir: Path, writer: int, client: int, seed: int, 
     def some(count: int) -> list[str]:
         return rng.sample(plain, count)
 
-    def put(sequence: int, keys: list[str], sizes: list[int], replicas: int) -> list[int]:
+    def put(sequence: int, keys: list[str], sizes: list[int], replicas: int, copies: tuple = ()) -> list[int]:
         values = [value_of(k, writer, sequence, s) for k, s in zip(keys, sizes)]
-        config = ReplicateConfig(replica_num=replicas, with_hard_pin=keys[0] in pinned)
+        config = ReplicateConfig(replica_num=replicas, with_hard_pin=keys[0] in pinned,
+                                 with_disk_copy="disk" in copies, with_dfs_copy="dfs" in copies)  # fmt: skip
         return store.put_batch(keys, values, config)
 
     def get(keys: list[str]) -> list:
@@ -161,12 +171,14 @@ def run_client(master: str, out_dir: Path, writer: int, client: int, seed: int, 
         else:
             digit = rng.randrange(10)
             op.update(f="remove_by_regex", pattern=f"^k0{digit}[0-4]$")
+        if dfs_dir and op["f"] == "put":  # drawn only with tiers: a run without keeps its sequence
+            op.update(copies=[tier for tier in ("disk", "dfs") if rng.random() < 0.2])
         record = dict(op, i=time.monotonic_ns())
         os.write(log, (json.dumps(record) + "\n").encode())
         try:
             f = op["f"]
             if f == "put":
-                result: object = put(sequence, op["keys"], op["sizes"], op["replicas"])
+                result: object = put(sequence, op["keys"], op["sizes"], op["replicas"], op.get("copies", ()))
             elif f == "get":
                 result = get(op["keys"])
             elif f == "get_into":
@@ -204,7 +216,13 @@ class HistoryRun:
     ended by its pid (the cluster's by LocalCluster.stop)."""
 
     def __init__(self, out_dir: Path, seed: int, duration_s: float, clients: int = 3, nodes: int = 3,
-                 memory: str = "4MiB", fault_gap_s: float = 3.0, disk: bool = True) -> None:  # fmt: skip
+                 memory: str = "4MiB", fault_gap_s: float = 3.0, disk: bool = True, *, tiers: bool = False,
+                 disk_size: str = "24MiB", promote_reads: int = 1, key_space: int = 100) -> None:  # fmt: skip
+        """`tiers`: every node has a disk tier of `disk_size` (DRAM of `memory` over it), and a
+        DFS directory is shared by the master, the nodes and the clients; the master promotes
+        objects read `promote_reads` times; the nemesis also kills every node at once
+        (TIER_FAULTS). The final state then also holds each tier's files. `key_space`: the
+        clients' plain keys (client_keys)."""
         from kvpool.cli.launcher import LocalCluster
 
         self.out_dir = out_dir
@@ -213,7 +231,15 @@ class HistoryRun:
         self.duration_s = duration_s
         self.client_count = clients
         self.fault_gap_s = fault_gap_s
-        self.cluster = LocalCluster(0, memory, master_args=MASTER_ARGS, workdir=out_dir / "cluster")
+        self.tiers = tiers
+        self.key_space = key_space
+        self.disk_size = disk_size
+        self.dfs_dir = out_dir / "dfs" if tiers else None
+        self.faults = TIER_FAULTS if tiers else FAULTS
+        master_args = MASTER_ARGS
+        if self.dfs_dir is not None:
+            master_args += ("--dfs-dir", str(self.dfs_dir), "--promote-reads", str(promote_reads))
+        self.cluster = LocalCluster(0, memory, master_args=master_args, workdir=out_dir / "cluster")
         (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
         self.node_count = nodes
         self.disk = disk
@@ -221,6 +247,8 @@ class HistoryRun:
         self.slots: list = []  # node slot -> its Process now
         self.clients: list[Client] = []
         self._writers = 0
+        self._reads = 0  # writer 0's operations: the nemesis's reads of a tier (read_tier)
+        self.node_kills: list[float] = []  # when (time.time) the nemesis killed nodes
         self._events = open(out_dir / "events.jsonl", "a")  # noqa: SIM115 - closed in stop
         self._stop = threading.Event()
 
@@ -232,7 +260,10 @@ class HistoryRun:
         self.cluster.start()
         for slot in range(self.node_count):
             extra: tuple[str, ...] = ("--metrics-port", "0")
-            if self.disk and slot == 0:
+            if self.tiers:
+                extra += ("--disk-dir", str(self.out_dir / f"disk{slot}"), "--disk-size", self.disk_size,
+                          "--dfs-dir", str(self.dfs_dir))  # fmt: skip
+            elif self.disk and slot == 0:
                 disk_dir = self.out_dir / "disk0"
                 extra += ("--disk-dir", str(disk_dir), "--disk-size", "32MiB")
             self.node_extra[slot] = extra
@@ -247,6 +278,9 @@ class HistoryRun:
                    "--out-dir", str(self.out_dir), "--writer", str(writer), "--client", str(client),
                    "--seed", str(self.seed * 1000 + writer), "--duration-s", str(self.duration_s + 60),
                    "--shm" if client % 2 == 0 else "--no-shm"]  # fmt: skip
+        if self.dfs_dir is not None:
+            command += ["--dfs-dir", str(self.dfs_dir)]
+        command += ["--key-space", str(self.key_space)]
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
         with open(self.out_dir / f"client-{writer}.log", "ab") as log:
             popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -255,7 +289,7 @@ class HistoryRun:
 
     def nemesis(self) -> None:
         """One fault every `fault_gap_s`, in a seeded order; each is over before the next."""
-        faults = list(FAULTS)
+        faults = list(self.faults)
         index = 0
         while not self._stop.wait(self.fault_gap_s):
             fault = faults[index % len(faults)] if index < len(faults) else self.rng.choice(faults)
@@ -263,11 +297,25 @@ class HistoryRun:
             slot = self.rng.randrange(self.node_count)
             node = self.slots[slot]
             if fault == "kill_node":
-                self.event(what="kill_node", slot=slot, segment=node.info["segment_id"])
+                moving = self.tiers and self.wait_moving(node)
+                self.event(what="kill_node", slot=slot, segment=node.info["segment_id"], moving=moving)
                 node.kill()
+                self.node_kills.append(time.time())
                 self._stop.wait(self.rng.uniform(0.5, 2.0))
                 self.slots[slot] = self.cluster.start_node(self.node_extra[slot])
                 self.event(what="node_back", slot=slot, segment=self.slots[slot].info["segment_id"])
+                if self.tiers:
+                    self.read_tier(self.slots[slot].info["disk_segment_id"])
+            elif fault == "kill_all_nodes":
+                self.event(what="kill_all_nodes")
+                for process in self.slots:
+                    process.kill()
+                self.node_kills.append(time.time())
+                self._stop.wait((NODE_TTL_MS + 1_500) / 1000)  # the master has dropped them all
+                self.read_tier("dfs")
+                for back in range(self.node_count):
+                    self.slots[back] = self.cluster.start_node(self.node_extra[back])
+                self.event(what="nodes_back")
             elif fault == "stop_node":
                 self.event(what="stop_node", slot=slot, segment=node.info["segment_id"])
                 node.signal(signal.SIGSTOP)
@@ -286,6 +334,43 @@ class HistoryRun:
                 victim.popen.kill()
                 victim.popen.wait(10)
                 self.start_client(victim.client)
+
+    def wait_moving(self, node) -> bool:
+        """Whether `node` had moves queued (an offload, a promotion, a copy) within 2 s: the
+        nemesis kills it then, mid-move, when it can."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if _metric(node.info["metrics_endpoint"], "kvpool_node_move_queue_bytes") > 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def read_tier(self, tier: str) -> None:
+        """Gets (recorded as writer 0's, checked as any client's) of the keys the master lists
+        on a slower tier: `tier` is a disk segment id (a node re-adopted it) or "dfs"."""
+        from kvpool import Store
+
+        keys = all_keys(self.key_space)
+        path = self.out_dir / "ops-0.jsonl"
+        try:
+            with Store(self.cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS,
+                       dfs_dir=str(self.dfs_dir)) as store:  # fmt: skip
+                if tier != "dfs":
+                    wait_mounted(store, tier, NODE_TTL_MS / 1000 + 5)
+                dfs = {s.segment.segment_id for s in store.cluster_status().segments if s.segment.tier == "dfs"}
+                held = [k for k, places in zip(keys, store.query(keys).replicas)
+                        if any(r.segment_id in ({tier} if tier != "dfs" else dfs) for r in places)]  # fmt: skip
+                if not held:
+                    return
+                self._reads += 1
+                op = {"w": 0, "n": self._reads, "f": "get", "keys": held, "tier": tier}
+                with open(path, "a") as log:
+                    log.write(json.dumps(dict(op, i=time.monotonic_ns())) + "\n")
+                    got = [None if d is None else attribution(k, d) for k, d in zip(held, store.get_batch(held))]
+                    log.write(json.dumps({"res": got, "w": 0, "n": self._reads, "r": time.monotonic_ns()}) + "\n")
+                self.event(what="read_tier", tier=tier, keys=len(held), hits=sum(g is not None for g in got))
+        except Exception as exc:  # the run goes on; the event says why this look was not taken
+            self.event(what="read_tier_failed", tier=tier, error=f"{type(exc).__name__}: {exc}"[:200])
 
     def sample_counters(self) -> None:
         """The master's eviction and loss counters every 0.2 s: the checker's evidence that an
@@ -326,7 +411,15 @@ class HistoryRun:
                     client.popen.kill()
                     client.popen.wait(10)
         self.event(what="quiet")
-        return final_state(self.cluster, self.slots)
+        if not self.tiers:
+            return final_state(self.cluster, self.slots)
+        return final_state(self.cluster, self.slots, self.tier_dirs(), self.key_space, tuple(self.node_kills))
+
+    def tier_dirs(self) -> dict[str, str]:
+        """Segment id -> directory of each slower tier: the nodes' disk tiers and the DFS."""
+        dirs = {p.info["disk_segment_id"]: str(self.out_dir / f"disk{slot}") for slot, p in enumerate(self.slots)}
+        identity = json.loads((self.dfs_dir / "kvpool-tier.json").read_text())
+        return dict(dirs, **{identity["segment_id"]: str(self.dfs_dir)})
 
     def stop(self) -> None:
         for client in self.clients:
@@ -337,27 +430,64 @@ class HistoryRun:
         self._events.close()
 
 
-def final_state(cluster, slots: list) -> dict:
+def _metric(endpoint: str, name: str) -> float:
+    """One unlabelled value of a server's /metrics, 0 if absent or unreachable."""
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=1.0) as response:
+            text = response.read().decode()
+    except (OSError, ValueError):
+        return 0.0
+    found = re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def all_keys(key_space: int = 100) -> list[str]:
+    return sorted({k for c in range(5) for k in client_keys(c, key_space)[0]} | set(client_keys(0)[1]))
+
+
+def wait_mounted(store, segment_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while segment_id not in {s.segment.segment_id for s in store.cluster_status().segments}:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{segment_id} not mounted within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def final_state(cluster, slots: list, tier_dirs: dict[str, str] | None = None, key_space: int = 100,
+                node_kills: tuple[float, ...] = ()) -> dict:  # fmt: skip
     """Once every fault is over: each key's presence by exists, prefix and get, and each DRAM
     segment's use as the master counts it, as its node holds it, and as the replicas the master
     lists there add up; looked at again until the use agrees (the put release timeout frees
-    what killed writers held) or for that timeout and the node TTL and some."""
+    what killed writers held) or for that timeout and the node TTL and some.
+
+    With `tier_dirs` (segment id -> directory of each slower tier), also each tier's files
+    against its replicas; the use is looked at without reading until it agrees, and the keys
+    read once after: a read of a disk object earns a promotion (and a DRAM eviction), so use
+    read along with gets never settles. `node_kills`: when (time.time) nodes were killed."""
     deadline = time.monotonic() + (PUT_RELEASE_MS + NODE_TTL_MS) / 1000 + 10
     while True:
-        state = _state_now(cluster, slots)
+        state = _state_now(cluster, slots, tier_dirs, key_space, reads=tier_dirs is None)
+        if tier_dirs is not None:
+            state["node_kills"] = list(node_kills)
+            if not check_final(state):
+                read = _state_now(cluster, slots, tier_dirs, key_space, reads=True)
+                state.update({name: read[name] for name in ("exists", "got", "prefixes")})
         if not check_final(state) or time.monotonic() > deadline:
             return state
         time.sleep(0.2)
 
 
-def _state_now(cluster, slots: list) -> dict:
+def _state_now(cluster, slots: list, tier_dirs: dict[str, str] | None, key_space: int, reads: bool) -> dict:
     from kvpool import Store
 
-    keys = sorted({k for c in range(5) for k in client_keys(c)[0]} | set(client_keys(0)[1]))
-    with Store(cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS) as store:
-        exists = store.batch_exists(keys)
-        got = [None if d is None else attribution(k, d) for k, d in zip(keys, store.get_batch(keys))]
-        prefixes = [[keys[:n], store.longest_prefix(keys[:n])] for n in range(1, len(keys), 7)]
+    keys = all_keys(key_space)
+    dfs_dir = next((d for d in (tier_dirs or {}).values() if tier_of(d) == "dfs"), "")
+    exists, got, prefixes = [], [], []
+    with Store(cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS, dfs_dir=dfs_dir) as store:
+        if reads:
+            exists = store.batch_exists(keys)
+            got = [None if d is None else attribution(k, d) for k, d in zip(keys, store.get_batch(keys))]
+            prefixes = [[keys[:n], store.longest_prefix(keys[:n])] for n in range(1, len(keys), 7)]
         status = store.cluster_status()
         replicas = store.query(keys)
     held: dict[str, list[int]] = defaultdict(list)  # segment id -> sizes of the replicas there
@@ -371,8 +501,46 @@ def _state_now(cluster, slots: list) -> dict:
             text = response.read().decode()
         found = re.search(r"^kvpool_node_segment_used_bytes(?:\{[^}]*\})? (\S+)$", text, re.M)
         node_used[process.info["segment_id"]] = int(float(found.group(1))) if found else -1
-    return {"keys": keys, "exists": exists, "got": got, "prefixes": prefixes, "master_used": master_used,
-            "node_used": node_used, "held": {s: held[s] for s in node_used}}  # fmt: skip
+    state = {"keys": keys, "exists": exists, "got": got, "prefixes": prefixes, "master_used": master_used,
+             "node_used": node_used, "held": {s: held[s] for s in node_used}}  # fmt: skip
+    if tier_dirs is not None:
+        state["tiers"] = tier_state(keys, replicas, tier_dirs)
+        state["tier_counts"] = status.to_dict()["tiers"]  # for the record: what moved where
+        state["segment_objects"] = {s.segment.segment_id: s.object_count for s in status.segments}
+    return state
+
+
+def tier_of(directory: str) -> str:
+    """The tier ("disk" or "dfs") the directory's identity file names."""
+    from kvpool.protocol import objectfile
+
+    return json.loads((Path(directory) / objectfile.IDENTITY_FILE).read_text())["tier"]
+
+
+def tier_state(keys: list[str], replicas, tier_dirs: dict[str, str]) -> dict:
+    """Per slower tier: the object files the master's replicas name there, and the files there
+    (temporary ones included), as paths relative to its directory."""
+    from kvpool.protocol import objectfile
+
+    listed: dict[str, list[str]] = {segment: [] for segment in tier_dirs}
+    is_dfs = {segment: tier_of(directory) == "dfs" for segment, directory in tier_dirs.items()}
+    for key, places in zip(keys, replicas.replicas):
+        for replica in places:
+            if replica.segment_id not in tier_dirs:
+                continue
+            if is_dfs[replica.segment_id]:
+                name = objectfile.dfs_relative_path(key, replica.offset)
+            else:
+                name = f"{objectfile.OBJECTS_DIR}/{objectfile.disk_name(replica.offset)}"
+            listed[replica.segment_id].append(name)
+    found, modified = {}, {}
+    for segment, directory in tier_dirs.items():
+        objects = Path(directory) / objectfile.OBJECTS_DIR
+        paths = [p for p in objects.rglob("*") if p.is_file()]
+        found[segment] = sorted(str(p.relative_to(directory)) for p in paths)
+        modified[segment] = {str(p.relative_to(directory)): p.stat().st_mtime for p in paths if p.name.endswith(".tmp")}
+    return {s: {"listed": sorted(listed[s]), "files": found[s], "temporary": modified[s], "dfs": is_dfs[s]}
+            for s in tier_dirs}  # fmt: skip
 
 
 # --- the checker ----------------------------------------------------------------------------
@@ -422,7 +590,8 @@ class Evidence:
                         for e in events if e["what"] == "counters"]  # fmt: skip
         self.faults: list[tuple[float, float]] = []
         self.node_faults: list[tuple[float, float]] = []
-        ends = {"kill_node": "node_back", "stop_node": "cont_node", "kill_master": "master_back"}
+        ends = {"kill_node": "node_back", "stop_node": "cont_node", "kill_master": "master_back",
+                "kill_all_nodes": "nodes_back"}  # fmt: skip
         for index, event in enumerate(events):
             if event["what"] in ends:
                 end = next((e["t"] for e in events[index:] if e["what"] == ends[event["what"]]), NEVER)
@@ -567,12 +736,12 @@ def check(out_dir: Path, final: dict | None = None) -> list[str]:
     violations = list(dict.fromkeys(violations))
     report = {"ops": len(ops), "unfinished": sum(o.end == NEVER for o in ops),
               "errors": sum(o.error is not None for o in ops),
-              "faults": sum(e["what"] in FAULTS for e in events),
+              "faults": sum(e["what"] in TIER_FAULTS for e in events),
               "longest_ms": None if longest is None else (longest.end - longest.start) / 1e6,
               "longest_op": None if longest is None else longest.f,
               "reads": sum(len(r) for r in reads.values()), "misses": sum(len(m) for m in misses.values()),
               "evictions": sum(max(0, b[1] - a[1]) for a, b in zip(evidence.evictions, evidence.evictions[1:])),
-              "fault_kinds": sorted({e["what"] for e in events if e["what"] in FAULTS}),
+              "fault_kinds": sorted({e["what"] for e in events if e["what"] in TIER_FAULTS}),
               "violations": len(violations)}  # fmt: skip
     (out_dir / "report.json").write_text(json.dumps({"report": report, "violations": violations}, indent=1))
     return violations
@@ -601,7 +770,26 @@ def check_final(final: dict) -> list[str]:
             counted = final["master_used"].get(segment)
             violations.append(f"final: segment {segment}: the master counts {counted} bytes used for replicas "
                               f"of {footprint}, its node holds {used} for {sum(sizes)}")  # fmt: skip
+    for segment, tier in final.get("tiers", {}).items():
+        from kvpool.protocol import objectfile
+
+        temporary = [f for f in tier["files"] if objectfile.is_temp_name(Path(f).name)]
+        # A node killed while it wrote a DFS file leaves its temporary file to the master, which
+        # removes those over an hour old (docs/tiers.md): no other host can tell it is dead.
+        left = [f for f in temporary if not (tier["dfs"] and _killed_writing(tier["temporary"][f], final))]
+        if left:
+            violations.append(f"final: tier {segment}: temporary files left: {left[:5]}")
+        whole = {f for f in tier["files"] if f not in temporary}
+        if whole != set(tier["listed"]):
+            violations.append(f"final: tier {segment}: files no replica names {sorted(whole - set(tier['listed']))[:5]}"
+                              f", replicas without a file {sorted(set(tier['listed']) - whole)[:5]}")  # fmt: skip
     return violations
+
+
+def _killed_writing(modified_s: float, final: dict) -> bool:
+    """Whether a file last written at `modified_s` may be a killed node's (written up to the
+    kill: a copy runs for at most the master's move timeout, far less here)."""
+    return any(kill - 60 <= modified_s <= kill + 1 for kill in final.get("node_kills", ()))
 
 
 def main() -> None:
@@ -615,17 +803,27 @@ def main() -> None:
     client.add_argument("--seed", type=int, required=True)
     client.add_argument("--duration-s", type=float, required=True)
     client.add_argument("--shm", action=argparse.BooleanOptionalAction, default=True)
+    client.add_argument("--dfs-dir", default="")
+    client.add_argument("--key-space", type=int, default=100)
     run = commands.add_parser("run")
     run.add_argument("--out-dir", type=Path, required=True)
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--duration-s", type=float, default=60)
     run.add_argument("--fault-gap-s", type=float, default=3.0)
+    run.add_argument("--tiers", action="store_true", help="disk tiers on every node, a shared DFS, promotions")
+    run.add_argument("--memory", default="4MiB")
+    run.add_argument("--disk-size", default="24MiB")
+    run.add_argument("--key-space", type=int, default=100)
+    run.add_argument("--nodes", type=int, default=3)
     args = parser.parse_args()
     if args.command == "client":
-        run_client(args.master, args.out_dir, args.writer, args.client, args.seed, args.duration_s, args.shm)
+        run_client(args.master, args.out_dir, args.writer, args.client, args.seed, args.duration_s, args.shm,
+                   args.dfs_dir, args.key_space)  # fmt: skip
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    history = HistoryRun(args.out_dir, args.seed, args.duration_s, fault_gap_s=args.fault_gap_s)
+    history = HistoryRun(args.out_dir, args.seed, args.duration_s, nodes=args.nodes, fault_gap_s=args.fault_gap_s,
+                         memory=args.memory, tiers=args.tiers, disk_size=args.disk_size,
+                         key_space=args.key_space)  # fmt: skip
     try:
         final = history.run()
     finally:

@@ -109,9 +109,16 @@ REMOVE_DROPS_WAIT_MS = 1_000
 # What a new leader refuses until its takeover is over: requests that change what exists.
 _TAKEOVER_REFUSED = (PutStart, Remove, RemoveByRegex, RemoveAll)
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_GONE_OR_UNKNOWN = (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND)
 # How long a master without election remembers its removes for the nodes that re-mount after
-# its restart (RemovedAtStart): they try to reach it at most every RECONNECT_BACKOFF_MS_MAX.
-REMOUNT_WINDOW_MS = limits.RECONNECT_BACKOFF_MS_MAX + 1_000
+# its restart (RemovedAtStart): they try to reach it at most every RECONNECT_BACKOFF_MS_MAX,
+# and a master adopting many inventories at once takes their mounts up late. Only a memory
+# bound: a segment's first mount holds nothing put since, however late it comes.
+REMOUNT_WINDOW_MS = 15_000
+# The same for a new leader, from its election: the nodes of a predecessor that froze notice
+# only when a heartbeat times out (the RPC timeout), after the takeover may have opened on its
+# grace, then look the leader up and connect.
+TAKEOVER_REMOUNT_WINDOW_MS = limits.HEARTBEAT_INTERVAL_MS_DEFAULT + limits.RPC_TIMEOUT_MS_DEFAULT + REMOUNT_WINDOW_MS
 # A put that found no room waits at most this long for moves and drops in flight to free some
 # (in at most limits.PUT_ROOM_ROUNDS_MAX rounds).
 PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
@@ -241,7 +248,7 @@ class MasterServer:
         self._election = election
         self.elector: Elector | None = None
         self._takeover: Takeover | None = None
-        self._removed_at_start = RemovedAtStart(0)  # without election: set at start
+        self._removed_at_start = RemovedAtStart(0)  # set at start, or at each election
         self._node_links: dict[str, _NodeLink] = {}  # per segment id
         self._unsent_drops: dict[str, list[InventoryEntry]] = {}
         self._drops_failing: set[str] = set()  # segment ids whose last drop failed (logged once)
@@ -398,11 +405,15 @@ class MasterServer:
             case PutRevoke():
                 return service.put_revoke(message, now_ms)
             case Remove():
-                self._removed_at_start.removed(message.keys, now_ms=local_clock_ms())
-                return self._removed(service.remove(message, now_ms))
+                reply = service.remove(message, now_ms)
+                # Gone, or unknown here (it may be on a node not back yet); not one a reader kept.
+                gone = [key for key, code in zip(message.keys, reply.codes) if code in _GONE_OR_UNKNOWN]
+                self._removed_at_start.removed(gone, now_ms=local_clock_ms())
+                return self._removed(reply)
             case RemoveByRegex() | RemoveAll():
                 removal = service.removal(message)
-                self._removed_at_start.removed(search=removal.search, is_all=removal.search is None,
+                pattern = message.pattern if isinstance(message, RemoveByRegex) else None
+                self._removed_at_start.removed(pattern=pattern, search=removal.search, is_all=pattern is None,
                                                now_ms=local_clock_ms())  # fmt: skip
                 return self._remove_in_steps(service, removal)
             case QueryObjects():
@@ -414,13 +425,12 @@ class MasterServer:
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
                 inventory, removed = self._removed_at_start.mounting(
-                    message.segment.segment_id, message.inventory, local_clock_ms()
+                    message.segment.segment_id, message.inventory, local_clock_ms(), message.is_last
                 )
-                mount = MountSegment(message.segment, inventory, message.is_last) if removed else message
+                mount = msgspec.structs.replace(message, inventory=inventory) if removed else message
                 reply = service.mount_segment(mount, now_ms, liveness_clock_ms())
-                if message.is_last:
-                    self._removed_at_start.mounted(message.segment.segment_id, local_clock_ms())
                 if removed:
+                    service.counters.refused_returns += len(removed)
                     log.info("segment %s mounted holding %d objects removed since this master started: refused",
                              message.segment.segment_id, len(removed))  # fmt: skip
                     reply = msgspec.structs.replace(reply, rejected=[*reply.rejected, *removed])
@@ -763,6 +773,13 @@ class MasterServer:
                 self._drops_moving = loop.create_future()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._drops_moving), deadline_s - loop.time())
+        if self.elector is not None and not self._leads_as(service):
+            # The term ended (or its deadline passed) meanwhile: it sends no more drops, and its
+            # successor rebuilds from the nodes, which still hold what was not dropped. Answered
+            # as done, the remove's keys came back with the next leader.
+            if any(service.first_dropping(s, entries, resume.get(s, 0)) < len(entries) for s, entries in taken.items()):
+                raise NotLeader(f"master {self.advertised_endpoint} stopped leading before its nodes dropped what "
+                                f"this remove took: nothing is sure to be removed; ask the leader")  # fmt: skip
         return reply
 
     async def _drop(self, service: MasterService, segment_id: str, entries: list[InventoryEntry]) -> None:
@@ -1094,7 +1111,12 @@ class MasterServer:
         # the predecessor's record is read count (a service made after them would not know
         # them, and a remove it took could miss their replicas).
         self._new_term()
-        self._takeover = Takeover(local_clock_ms(), self.config.remount_grace_ms)
+        now_ms = local_clock_ms()
+        self._takeover = Takeover(now_ms, self.config.remount_grace_ms)
+        # Once the takeover opens on its grace, a remove misses the replicas of the nodes not
+        # back yet (a frozen predecessor's notice it after the grace): they came back with them.
+        window_ms = max(TAKEOVER_REMOUNT_WINDOW_MS, self.config.remount_grace_ms + REMOUNT_WINDOW_MS)
+        self._removed_at_start = RemovedAtStart(now_ms + window_ms)
         log.info("master %s leads (term %d); reading its predecessor's segment record",
                  self.advertised_endpoint, term)  # fmt: skip
 
@@ -1115,6 +1137,7 @@ class MasterServer:
                 conn.close(f"master stepped down: {reason}")
         self._new_term()
         self._takeover = None
+        self._removed_at_start = RemovedAtStart(0)
 
     def live_segment_ids(self) -> list[str] | None:
         takeover = self._takeover

@@ -24,15 +24,15 @@ Not kept across a restart of the master or a change of leader (in memory, as the
 nor can a remove reach an object whose node the master had already timed out (the remove
 finds no such key). A burial is stamped with the time of the master's last tick.
 
-`RemovedAtStart` covers the other way an object removed comes back: a master without election
-takes a remove right after its restart, before a node re-mounted with a replica of it.
+`RemovedAtStart` covers the other way an object removed comes back: a master takes a remove
+right after its restart (or election), before a node re-mounted with a replica of it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from kvpool import limits
 from kvpool.protocol.messages import InventoryEntry
@@ -159,59 +159,86 @@ class Tombstones:
 
 
 class RemovedAtStart:
-    """What a master without election removed in its first moments, while the nodes of the
-    cluster it restarted into may still be re-mounting (they try again at most every
-    limits.RECONNECT_BACKOFF_MS_MAX). A segment mounting for the first time in this master's
-    life holds only objects put before it started, so before any of its removes: its entries
-    that one of them names are refused, as a tombstone's are. Else a remove taken before a
-    node re-mounted missed that node's replicas, and the objects came back with it.
+    """What a master removed in its first moments (after its start, or its election), while
+    nodes that held objects before it may still be on their way to mount: a segment that
+    mounts for the first time since holds only objects put before, so before any of those
+    removes, and its entries that one of them names are refused, as a tombstone's are. Else a
+    remove taken before a node came back missed that node's replicas, and the objects came
+    back with it.
 
-    Kept until `until_ms` (a node mounting later was away, as the module says); a remove or
-    a first mount after that finds nothing here. Bounded by what that window's removes name.
+    Removes are remembered until `until_ms` (a node back later was away, as the module says),
+    a segment's mount that began by then is filtered to its last part; at most `keys_max`
+    keys and PATTERNS_MAX patterns (the rest are logged, not remembered).
     """
 
-    __slots__ = ("_until_ms", "_keys", "_searches", "_is_all", "_mounted")
+    PATTERNS_MAX = 64  # each is searched in every entry a first mount brings
 
-    def __init__(self, until_ms: int) -> None:
+    __slots__ = ("_until_ms", "_keys_max", "_keys", "_searches", "_is_all", "_mounting", "_mounted", "_is_full")
+
+    def __init__(self, until_ms: int, keys_max: int = limits.TOMBSTONES_MAX) -> None:
         self._until_ms = until_ms
+        self._keys_max = keys_max
         self._keys: set[str] = set()
-        self._searches: list = []  # re2 search functions of the window's regex removes
+        self._searches: dict[str, Callable[[str], object]] = {}  # by pattern
         self._is_all = False  # a remove_all came in the window
-        self._mounted: set[str] = set()  # segments whose whole inventory mounted
+        self._mounting: set[str] = set()  # segments whose first part came in the window
+        self._mounted: set[str] = set()  # segments whose whole inventory mounted in the window
+        self._is_full = False  # a remove went unremembered (logged once)
 
-    def removed(self, keys: Iterable[str] = (), search=None, is_all: bool = False, now_ms: int = 0) -> None:
-        """A remove of `keys`, of the keys `search` finds, or of all (`is_all`)."""
+    def removed(
+        self,
+        keys: Collection[str] = (),
+        pattern: str | None = None,
+        search: Callable[[str], object] | None = None,
+        is_all: bool = False,
+        now_ms: int = 0,
+    ) -> None:
+        """A remove of `keys`, of the keys `search` (of `pattern`) finds, or of all."""
         if now_ms >= self._until_ms:
             return
-        self._keys.update(keys)
-        if search is not None:
-            self._searches.append(search)
         self._is_all |= is_all
+        if pattern is not None and search is not None and pattern not in self._searches:
+            if len(self._searches) < self.PATTERNS_MAX:
+                self._searches[pattern] = search
+            else:
+                self._full(f"more than {self.PATTERNS_MAX} patterns")
+        if len(self._keys) + len(keys) <= self._keys_max:
+            self._keys.update(keys)
+        elif keys:
+            self._full(f"more than {self._keys_max} keys")
 
     def mounting(
-        self, segment_id: str, inventory: list[InventoryEntry], now_ms: int
+        self, segment_id: str, inventory: list[InventoryEntry], now_ms: int, is_last: bool
     ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
-        """A mount of the segment (a part of its inventory): (the entries to adopt, the
-        entries removed before it came)."""
-        if now_ms >= self._until_ms:
-            self._keys.clear()
-            self._searches.clear()
-            self._mounted.clear()
+        """A part of the segment's mount: (the entries to adopt, those removed before it came)."""
+        if segment_id not in self._mounting:
+            if now_ms >= self._until_ms or segment_id in self._mounted:
+                self._forget_if_over(now_ms)
+                return inventory, []
+            self._mounting.add(segment_id)
+        if is_last:
+            self._mounting.discard(segment_id)
+            self._mounted.add(segment_id)
+        if not (self._keys or self._searches or self._is_all):
             return inventory, []
-        if segment_id in self._mounted or not (self._keys or self._searches or self._is_all):
-            return inventory, []
+        keys, searches = self._keys, list(self._searches.values())
         adopted: list[InventoryEntry] = []
         refused: list[InventoryEntry] = []
         for entry in inventory:
             key = entry.key
-            if self._is_all or key in self._keys or any(search(key) for search in self._searches):
+            if self._is_all or key in keys or any(search(key) for search in searches):
                 refused.append(entry)
             else:
                 adopted.append(entry)
         return adopted, refused
 
-    def mounted(self, segment_id: str, now_ms: int) -> None:
-        """The segment's whole inventory was mounted: what it holds from now on was put
-        through this master."""
-        if now_ms < self._until_ms:
-            self._mounted.add(segment_id)
+    def _forget_if_over(self, now_ms: int) -> None:
+        if now_ms >= self._until_ms and not self._mounting and (self._keys or self._searches or self._mounted):
+            self._keys, self._searches, self._mounted = set(), {}, set()
+            self._is_all = False
+
+    def _full(self, what: str) -> None:
+        if not self._is_full:
+            self._is_full = True
+            log.warning("removes of %s since this master started or was elected are not remembered: "
+                        "a node that mounts later may bring their objects back", what)  # fmt: skip
