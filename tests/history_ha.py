@@ -40,9 +40,11 @@ from tests.history_check import (
     RPC_TIMEOUT_MS,
     TRANSFER_TIMEOUT_MS,
     Evidence,
+    History,
     HistoryRun,
     check,
     load,
+    segments_of,
 )
 
 # Each kind once first, in this order (the quickest first: a short run injects them all).
@@ -56,9 +58,6 @@ MASTER_CALL_BOUND_MS = CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS + 1_000
 # A frozen leader costs up to its lease plus a node's heartbeat timeout (RPC timeout, 5 s by
 # default) before the nodes re-mount, then the takeover's grace at most; and some slack.
 FAILOVER_BOUND_MS = ETCD_LEASE_TTL_MS + 5_000 + REMOUNT_GRACE_MS + 3_000
-# After the cluster is whole again, how long a read may still miss what the new leader has
-# not entered yet (a re-mount is answered before its last part is in the table).
-SETTLE_AFTER_BACK_NS = 1_000_000_000
 # Memory enough that nothing is evicted (~100 keys of 1-512 KiB, 2 replicas at most).
 MEMORY = "48MiB"
 
@@ -102,6 +101,8 @@ class HAHistoryRun(HistoryRun):
         """One fault every `fault_gap_s`, each kind once first, then in a seeded order."""
         index = 0
         while not self._stop.wait(self.fault_gap_s):
+            if index >= len(self.faults):
+                self.every_fault_ran.set()
             fault = self.faults[index] if index < len(self.faults) else self.rng.choice(self.faults)
             index += 1
             getattr(self, fault)()
@@ -151,11 +152,11 @@ class HAHistoryRun(HistoryRun):
     def kill_node(self) -> None:
         slot = self.rng.randrange(self.node_count)
         node = self.slots[slot]
-        self.event(what="kill_node", slot=slot, segment=node.info["segment_id"])
+        self.event(what="kill_node", slot=slot, segments=segments_of([node]))
         node.kill()
         self._stop.wait(self.rng.uniform(0.5, 2.0))
-        self.slots[slot] = self.cluster.start_node(self.node_extra[slot])
-        self.event(what="node_back", slot=slot, segment=self.slots[slot].info["segment_id"])
+        self.start_node(slot)
+        self.event(what="node_back", slot=slot)
 
     def kill_client(self) -> None:
         victim = self.rng.choice([c for c in self.clients if c.popen.poll() is None])
@@ -230,43 +231,26 @@ def check_ha(out_dir: Path, final: dict | None = None) -> list[str]:
         took_ms = (op.end - op.start) / 1e6
         if op.end != NEVER and took_ms > call_bound_ms(op.f) + 500:
             violations.append(f"{op.f} took {took_ms:.0f} ms > {call_bound_ms(op.f)} ms ({op.error or 'ok'})")
-    # No acknowledged put reads as missing unless its object could have left.
-    windows = []  # leader faults: from the fault until the cluster is whole again, and a settle
-    for index, event in enumerate(events):
-        if event["what"] == "kill_master":
-            back = next((e["t"] for e in events[index:] if e["what"] == "master_back"), NEVER)
-            windows.append((event["t"], back + SETTLE_AFTER_BACK_NS))
+    # No acknowledged put reads as missing unless its object could have left: removed, a fault
+    # on a node that held it, an eviction (unpinned) in the run; or while a failover hid it.
     evicted = any(value for _, value in evidence.evictions)
-    acked: dict[str, list] = defaultdict(list)
-    removals: dict[str, list] = defaultdict(list)
-    for op in ops:
-        if op.f == "put" and op.error is None and op.end != NEVER:
-            for key, code in zip(op.args["keys"], op.result):
-                if code == 0:
-                    acked[key].append(op)
-        elif op.f == "remove":
-            removals[op.args["keys"][0]].append(op)
-    for op in ops:
-        if op.f == "remove_by_regex":
-            for key in acked:
-                if re.search(op.args["pattern"], key):
-                    removals[key].append(op)
+    history = History(ops, evidence)
     for op in ops:
         if op.f not in ("get", "get_into") or op.error is not None or op.end == NEVER:
             continue
         for key, got in zip(op.args["keys"], op.result):
             if got is not None or (evicted and not key.startswith("p")):
                 continue
-            before = [p for p in acked[key] if p.end < op.start]
+            before = [p for p in history.acked[key] if p.end < op.start]
             if not before:
                 continue
             put = max(before, key=lambda p: p.end)  # the latest: the narrowest span to excuse
-            span = (put.start, op.end)
-            if any(r.start < span[1] and r.end > span[0] for r in removals[key]):
+            if any(r.start < op.end and r.end > put.start and history.may_remove(r, key)
+                   for r in history.removals(key)):  # fmt: skip
                 continue
-            if any(s <= span[1] and span[0] <= e for s, e in evidence.node_faults):
+            if evidence.node_fault_on(history.where(key, put, op.end), put.start, op.end):
                 continue
-            if any(s <= op.end and op.start <= e for s, e in windows):
+            if evidence.master_away(op.start, op.end):
                 continue
             violations.append(f"{key}: {op.f} missed it after acknowledged put {put.writer}/{put.sequence}, "
                               f"with no remove, node fault or failover since")  # fmt: skip

@@ -5,7 +5,6 @@ seeded run under every HA fault, and the regressions it led to, each reproduced 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Awaitable
 
@@ -19,6 +18,7 @@ from kvpool.node.server import Node
 from kvpool.protocol.messages import DropObjects, Remove
 from kvpool.transports.connection import connect
 from kvpool.transports.etcd import EtcdClient
+from tests.history_check import run_checked
 from tests.history_ha import HA_FAULTS, HAHistoryRun, call_bound_ms, check_ha
 from tests.test_ha import _candidate, _recorded, _wait_for, _wait_for_async, new_cluster_id, run
 
@@ -171,12 +171,7 @@ def test_history_of_an_ha_cluster_under_failovers_keeps_the_promises(tmp_path) -
     every failover over within its bound, one leader per term."""
     seed = int(os.environ.get("KVPOOL_HISTORY_SEED", "5"))
     run_ = HAHistoryRun(tmp_path, seed=seed, duration_s=12, fault_gap_s=0.5)
-    try:
-        final = run_.run()
-    finally:
-        run_.stop()
-    violations = check_ha(tmp_path, final)
-    report = json.loads((tmp_path / "ha-report.json").read_text())["report"]
+    violations, report, _ = run_checked(run_, check_ha, "ha-report.json")
     assert violations == [], report
     assert report["ha_faults"] == sorted(HA_FAULTS), report  # the run did inject every fault
     assert report["terms"] >= 4, report  # the first leader and three failovers at least

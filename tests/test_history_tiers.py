@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from tests.history_check import CALL_BOUND_MS, TIER_FAULTS, HistoryRun, check
+from tests.history_check import CALL_BOUND_MS, TIER_FAULTS, HistoryRun, run_checked
 
 
 def test_history_with_busy_tiers_keeps_the_promises(tmp_path) -> None:
@@ -22,12 +22,7 @@ def test_history_with_busy_tiers_keeps_the_promises(tmp_path) -> None:
     left (but a DFS one a killed node was writing: the master removes those after an hour)."""
     seed = int(os.environ.get("KVPOOL_HISTORY_SEED", "11"))
     run = HistoryRun(tmp_path, seed=seed, duration_s=12, fault_gap_s=0.8, tiers=True, disk_size="16MiB", key_space=400)
-    try:
-        final = run.run()
-    finally:
-        run.stop()
-    violations = check(tmp_path, final)
-    report = json.loads((tmp_path / "report.json").read_text())["report"]
+    violations, report, final = run_checked(run)
     assert violations == [], (violations[:10], report)
     assert report["fault_kinds"] == sorted(TIER_FAULTS), report  # the run did inject every fault
     assert report["reads"] > 100 and report["longest_ms"] < CALL_BOUND_MS, report

@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-import re2
 
 from kvpool import limits
-from kvpool.master.tombstones import RemovedAtStart, Tombstones
+from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import (
     TIER_DISK,
     Heartbeat,
@@ -79,6 +78,27 @@ def test_tombstones_expire_by_segment_and_are_bounded_oldest_first(caplog) -> No
     # "new" (buried first of the three) went whole, then "old"'s oldest entry.
     assert tombstones.unearth("new", [entry("c", 0)])[1] == []
     assert tombstones.unearth("old", [entry("a", 0), entry("b", 128)])[1] == [entry("b", 128)]
+    tombstones.check_invariants()
+
+
+def test_a_replica_left_behind_becomes_a_tombstone_once_its_object_goes() -> None:
+    """A segment that went held replicas of objects that live on elsewhere: no drop was due,
+    yet a remove of one of them must reach that replica when its node comes back (k033)."""
+    tombstones = Tombstones()
+    tombstones.expire(0)
+    tombstones.leave_behind("s1", [("a", 0), ("b", 128), ("c", 256)], 1_000)
+    assert len(tombstones) == 0  # not tombstones until their objects go
+    tombstones.gone(["a", "x"])
+    assert len(tombstones) == 1
+    adopted, refused = tombstones.unearth("s1", [entry("a", 0), entry("b", 128)])
+    assert refused == [entry("a", 0)] and adopted == [entry("b", 128)]  # b was not removed
+    tombstones.settle("s1")  # the node heartbeats: what it left behind is settled too
+    tombstones.gone(["c"])
+    assert len(tombstones) == 0
+    tombstones.leave_behind("s2", [("d", 0)], 100)
+    tombstones.expire(100)  # as long as a tombstone would last
+    tombstones.gone(["d"])
+    assert len(tombstones) == 0
     tombstones.check_invariants()
 
 
@@ -216,47 +236,3 @@ def test_the_first_drop_still_waiting_is_found_from_where_the_last_look_stopped(
     svc.drops_done("s1", taken[2:], 3)
     assert svc.first_dropping("s1", taken, 2) == len(taken)
     assert svc.first_dropping("gone", taken) == len(taken)  # no such segment: nothing waits
-
-
-# --- RemovedAtStart: removes taken before every node came back ---------------------------
-
-
-def keys_of(entries: list[InventoryEntry]) -> list[str]:
-    return [e.key for e in entries]
-
-
-def test_a_first_mount_refuses_what_the_window_removed_by_key_pattern_or_all() -> None:
-    removed = RemovedAtStart(until_ms=1_000)
-    removed.removed(["a", "b"], now_ms=10)
-    removed.removed(pattern="^c", search=re2.compile("^c").search, now_ms=20)
-    inventory = [entry(key, i * 4096) for i, key in enumerate(["a", "c1", "d", "b"])]
-    adopted, refused = removed.mounting("s1", inventory, now_ms=30, is_last=True)
-    assert keys_of(adopted) == ["d"] and keys_of(refused) == ["a", "c1", "b"]
-    # A segment whose whole inventory mounted holds only what was put through this master since.
-    assert removed.mounting("s1", inventory, now_ms=40, is_last=True) == (inventory, [])
-    removed.removed(is_all=True, now_ms=50)
-    assert keys_of(removed.mounting("s2", inventory, now_ms=60, is_last=True)[1]) == keys_of(inventory)
-
-
-def test_a_mount_in_parts_begun_in_the_window_is_filtered_to_its_last_part() -> None:
-    removed = RemovedAtStart(until_ms=1_000)
-    removed.removed(["a", "z"], now_ms=10)
-    assert keys_of(removed.mounting("s1", [entry("a", 0)], now_ms=900, is_last=False)[1]) == ["a"]
-    # The window ended between the parts: the rest of that inventory is still from before.
-    assert keys_of(removed.mounting("s1", [entry("z", 4096)], now_ms=5_000, is_last=True)[1]) == ["z"]
-    # A segment first seen after the window: nothing refused, and the window's removes forgotten.
-    assert removed.mounting("s2", [entry("a", 0)], now_ms=5_001, is_last=True) == ([entry("a", 0)], [])
-    removed.removed(["b"], now_ms=5_002)
-    assert removed.mounting("s3", [entry("b", 0)], now_ms=5_003, is_last=True)[1] == []
-
-
-def test_what_the_window_remembers_is_bounded_and_said_once(caplog) -> None:
-    removed = RemovedAtStart(until_ms=1_000, keys_max=3)
-    removed.removed(["a", "b"], now_ms=1)
-    removed.removed(["c", "d"], now_ms=2)  # past the bound: not remembered
-    for i in range(RemovedAtStart.PATTERNS_MAX + 1):
-        removed.removed(pattern=f"^p{i}$", search=re2.compile(f"^p{i}$").search, now_ms=3)
-    removed.removed(pattern="^p0$", search=re2.compile("^p0$").search, now_ms=4)  # one each
-    inventory = [entry("a", 0), entry("c", 4096), entry("p0", 8192), entry(f"p{RemovedAtStart.PATTERNS_MAX}", 12288)]
-    assert keys_of(removed.mounting("s1", inventory, now_ms=5, is_last=True)[1]) == ["a", "p0"]
-    assert len([r for r in caplog.records if "not remembered" in r.getMessage()]) == 1

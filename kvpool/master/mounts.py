@@ -229,8 +229,14 @@ class MountFlow:
     def _let_go(
         self, segment: Segment, lost: list[tuple[str, ObjectMeta]], kept: list[tuple[str, ObjectMeta]]
     ) -> None:
-        """Objects lose their replica on `segment`: `lost` had no other and go."""
+        """Objects lose their replica on `segment`: `lost` had no other and go; `kept` live on
+        elsewhere, and their replicas here are left behind (tombstones.py): its node may come
+        back with them after they were removed."""
         index = segment.index
+        if kept:
+            ttl_ms = limits.TOMBSTONE_DRAM_TTL_MS if segment.tier == TIER_DRAM else limits.TOMBSTONE_TTL_MS
+            self._tombstones.leave_behind(segment.segment_id, [(key, meta.offset_on(index)) for key, meta in kept],
+                                          ttl_ms)  # type: ignore[misc]  # fmt: skip
         lost_keys = [key for key, _ in lost]
         self._table.remove_many(lost_keys)
         self._tiers.promotions.forget_many(lost_keys)

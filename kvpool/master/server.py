@@ -49,9 +49,9 @@ from kvpool.discovery import LeaderRecord
 from kvpool.errors import ErrorCode, InvalidParams, InvalidRequest, KVPoolError, NotLeader
 from kvpool.master.election import ElectionConfig, Elector, lease_clock_ms
 from kvpool.master.metrics import MasterMetrics, start_http
+from kvpool.master.removed_at_start import RemovedAtStart
 from kvpool.master.service import MasterService, Removal
 from kvpool.master.takeover import Takeover
-from kvpool.master.tombstones import RemovedAtStart
 from kvpool.process import raise_open_files_limit
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -303,6 +303,8 @@ class MasterServer:
         refuse_open_listen(self.host, self._key)
         if self.http_port is not None:
             refuse_open_listen(self.http_host, self._key, " for /metrics, /health and /status")
+        if self._election is None:  # before the DFS mounts: its remounts are then not first mounts
+            self._removed_at_start = RemovedAtStart(local_clock_ms() + REMOUNT_WINDOW_MS)
         if self._dfs_dir:
             await self._open_dfs()
             await self._ensure_dfs()
@@ -312,8 +314,6 @@ class MasterServer:
         )  # fmt: skip
         self.metrics.busy_poll = self._server.busy_poll
         self.port = self._server.port
-        if self._election is None:
-            self._removed_at_start = RemovedAtStart(local_clock_ms() + REMOUNT_WINDOW_MS)
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
@@ -413,8 +413,7 @@ class MasterServer:
             case RemoveByRegex() | RemoveAll():
                 removal = service.removal(message)
                 pattern = message.pattern if isinstance(message, RemoveByRegex) else None
-                self._removed_at_start.removed(pattern=pattern, search=removal.search, is_all=pattern is None,
-                                               now_ms=local_clock_ms())  # fmt: skip
+                self._removed_at_start.removed(pattern=pattern, is_all=pattern is None, now_ms=local_clock_ms())
                 return self._remove_in_steps(service, removal)
             case QueryObjects():
                 return service.query_objects(message, now_ms)
@@ -424,11 +423,11 @@ class MasterServer:
                 return service.cluster_status(message, now_ms)
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
-                inventory, removed = self._removed_at_start.mounting(
-                    message.segment.segment_id, message.inventory, local_clock_ms(), message.is_last
-                )
+                segment_id = message.segment.segment_id
+                inventory, removed = self._removed_at_start.mounting(segment_id, message.inventory, local_clock_ms())
                 mount = msgspec.structs.replace(message, inventory=inventory) if removed else message
                 reply = service.mount_segment(mount, now_ms, liveness_clock_ms())
+                self._removed_at_start.mounted(segment_id, message.is_last, local_clock_ms())
                 if removed:
                     service.counters.refused_returns += len(removed)
                     log.info("segment %s mounted holding %d objects removed since this master started: refused",
@@ -749,7 +748,8 @@ class MasterServer:
                 break
             await asyncio.sleep(0)
             if service is not self.service:  # a term that ended meanwhile removes no more
-                break
+                raise NotLeader(f"master {self.advertised_endpoint} stopped leading part way through this removal: "
+                                "some keys were removed, some not; ask the leader")  # fmt: skip
         reply = CountReply(removal.count)
         if not removal.count:
             return reply
@@ -777,7 +777,14 @@ class MasterServer:
             # The term ended (or its deadline passed) meanwhile: it sends no more drops, and its
             # successor rebuilds from the nodes, which still hold what was not dropped. Answered
             # as done, the remove's keys came back with the next leader.
-            if any(service.first_dropping(s, entries, resume.get(s, 0)) < len(entries) for s, entries in taken.items()):
+            # A segment gone meanwhile took its unacknowledged drops along as tombstones, which
+            # die with the term too.
+            def is_unsure(segment_id: str, entries: list[InventoryEntry]) -> bool:
+                if not service.has_segment(segment_id):
+                    return bool(entries)
+                return service.first_dropping(segment_id, entries, resume.get(segment_id, 0)) < len(entries)
+
+            if any(is_unsure(segment_id, entries) for segment_id, entries in taken.items()):
                 raise NotLeader(f"master {self.advertised_endpoint} stopped leading before its nodes dropped what "
                                 f"this remove took: nothing is sure to be removed; ask the leader")  # fmt: skip
         return reply
@@ -1005,9 +1012,15 @@ class MasterServer:
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
-            chunk = entries[start : start + _DFS_MOUNT_CHUNK]
+            # Files a remove of this term's first moments named: as a node's mount (RemovedAtStart).
+            chunk, removed = self._removed_at_start.mounting(
+                info.segment_id, entries[start : start + _DFS_MOUNT_CHUNK], local_clock_ms()
+            )
             reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms(), liveness_clock_ms())
-            rejected.extend(reply.rejected)
+            is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
+            self._removed_at_start.mounted(info.segment_id, is_last, local_clock_ms())
+            service.counters.refused_returns += len(removed)
+            rejected.extend([*reply.rejected, *removed])
         self._dfs_service = service
         self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them
         if self._takeover is not None:

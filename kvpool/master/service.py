@@ -1211,6 +1211,7 @@ class MasterService:
         ranges a move of one holds: the move drops those when it ends, tiers.py). Their metas,
         in order."""
         metas = self._table.remove_many(keys)
+        self.tombstones.gone(keys)  # replicas a segment left behind with them must not come back
         held = self._tiers.release_for_removal(keys)
         by_index = self._registry.by_index
         for key, meta in zip(keys, metas):

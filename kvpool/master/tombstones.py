@@ -20,11 +20,18 @@ A segment's tombstones go
   a node cut off from the master and mounting again meets them;
 - beyond TOMBSTONES_MAX, the oldest segment's first (and a warning is logged).
 
+A segment that goes also leaves behind its replicas of objects that live on elsewhere: no
+drop was due, yet its node may come back with them. Each is kept as a replica left behind
+(for as long as a tombstone would be) and becomes a tombstone once its object is removed or
+evicted (`gone`); else a remove answered as done was undone when the node came back with its
+replica (the history checker: k033). Those of a segment go at its first heartbeat after it
+mounts again, as its tombstones do.
+
 Not kept across a restart of the master or a change of leader (in memory, as the drops were);
 nor can a remove reach an object whose node the master had already timed out (the remove
 finds no such key). A burial is stamped with the time of the master's last tick.
 
-`RemovedAtStart` covers the other way an object removed comes back: a master takes a remove
+removed_at_start.py covers the other way an object removed comes back: a master takes a remove
 right after its restart (or election), before a node re-mounted with a replica of it.
 """
 
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Iterable
 
 from kvpool import limits
 from kvpool.protocol.messages import InventoryEntry
@@ -53,12 +60,14 @@ class _Graves:
 class Tombstones:
     """Per segment id, the drops its node never acknowledged (the module)."""
 
-    __slots__ = ("_segments", "_mounted", "_count", "_now_ms", "_is_over", "entries_max")
+    __slots__ = ("_segments", "_left", "_left_count", "_mounted", "_count", "_now_ms", "_is_over", "entries_max")
 
     def __init__(self, entries_max: int = limits.TOMBSTONES_MAX) -> None:
         assert entries_max > 0, entries_max
         self.entries_max = entries_max
         self._segments: dict[str, _Graves] = {}  # by last burial, oldest first
+        self._left: dict[str, _Graves] = {}  # replicas left behind (the module), oldest first
+        self._left_count = 0
         self._mounted: set[str] = set()  # ids whose mount looked at their tombstones
         self._count = 0
         self._now_ms = 0
@@ -82,6 +91,35 @@ class Tombstones:
             self._segments[segment_id] = graves
         if self._count > self.entries_max:
             self._forget_oldest(self._count - self.entries_max)
+
+    def leave_behind(self, segment_id: str, replicas: Iterable[tuple[str, int]], ttl_ms: int) -> None:
+        """The segment is going with these replicas, (key, offset), of objects that live on
+        elsewhere: each becomes a tombstone if its object goes within `ttl_ms` (`gone`)."""
+        assert ttl_ms > 0, ttl_ms
+        graves = self._left.pop(segment_id, None) or _Graves()
+        graves.expiry_ms = self._now_ms + ttl_ms
+        before = len(graves.offsets)
+        graves.offsets.update(replicas)
+        self._left_count += len(graves.offsets) - before
+        if graves.offsets:
+            self._left[segment_id] = graves
+        while self._left_count > self.entries_max:  # the oldest segment's go whole: a rare cap
+            self._left_count -= len(self._left.pop(next(iter(self._left))).offsets)
+
+    def gone(self, keys: Iterable[str]) -> None:
+        """These objects were removed or evicted: their replicas left behind become tombstones.
+        O(1) without any left behind, else O(keys x segments that left some)."""
+        if not self._left:
+            return
+        for segment_id, graves in list(self._left.items()):
+            found = [(key, graves.offsets.pop(key)) for key in keys if key in graves.offsets]
+            if not found:
+                continue
+            self._left_count -= len(found)
+            if not graves.offsets:
+                del self._left[segment_id]
+            entries = [InventoryEntry(key, offset, 0, 0) for key, offset in found]
+            self.bury(segment_id, entries, max(1, graves.expiry_ms - self._now_ms))
 
     def unearth(
         self, segment_id: str, inventory: list[InventoryEntry]
@@ -109,7 +147,10 @@ class Tombstones:
 
     def settle(self, segment_id: str) -> None:
         """The segment's node heartbeats: a mount before it sent the whole inventory, so the
-        tombstones it did not match are forgotten."""
+        tombstones it did not match are forgotten, and so are its replicas left behind."""
+        left = self._left.pop(segment_id, None) if self._left else None
+        if left is not None:
+            self._left_count -= len(left.offsets)
         if segment_id in self._mounted:
             self._mounted.discard(segment_id)
             graves = self._segments.pop(segment_id, None)
@@ -128,6 +169,8 @@ class Tombstones:
             del segments[segment_id]
             self._mounted.discard(segment_id)
             self._count -= len(graves.offsets)
+        for segment_id in [s for s, graves in self._left.items() if graves.expiry_ms <= now_ms]:
+            self._left_count -= len(self._left.pop(segment_id).offsets)
         if self._is_over and self._count < self.entries_max:
             self._is_over = False
 
@@ -156,89 +199,5 @@ class Tombstones:
         assert all(g.offsets for g in self._segments.values()), "a segment without tombstones is kept"
         assert self._count <= self.entries_max, (self._count, self.entries_max)
         assert self._mounted <= self._segments.keys(), self._mounted - self._segments.keys()
-
-
-class RemovedAtStart:
-    """What a master removed in its first moments (after its start, or its election), while
-    nodes that held objects before it may still be on their way to mount: a segment that
-    mounts for the first time since holds only objects put before, so before any of those
-    removes, and its entries that one of them names are refused, as a tombstone's are. Else a
-    remove taken before a node came back missed that node's replicas, and the objects came
-    back with it.
-
-    Removes are remembered until `until_ms` (a node back later was away, as the module says),
-    a segment's mount that began by then is filtered to its last part; at most `keys_max`
-    keys and PATTERNS_MAX patterns (the rest are logged, not remembered).
-    """
-
-    PATTERNS_MAX = 64  # each is searched in every entry a first mount brings
-
-    __slots__ = ("_until_ms", "_keys_max", "_keys", "_searches", "_is_all", "_mounting", "_mounted", "_is_full")
-
-    def __init__(self, until_ms: int, keys_max: int = limits.TOMBSTONES_MAX) -> None:
-        self._until_ms = until_ms
-        self._keys_max = keys_max
-        self._keys: set[str] = set()
-        self._searches: dict[str, Callable[[str], object]] = {}  # by pattern
-        self._is_all = False  # a remove_all came in the window
-        self._mounting: set[str] = set()  # segments whose first part came in the window
-        self._mounted: set[str] = set()  # segments whose whole inventory mounted in the window
-        self._is_full = False  # a remove went unremembered (logged once)
-
-    def removed(
-        self,
-        keys: Collection[str] = (),
-        pattern: str | None = None,
-        search: Callable[[str], object] | None = None,
-        is_all: bool = False,
-        now_ms: int = 0,
-    ) -> None:
-        """A remove of `keys`, of the keys `search` (of `pattern`) finds, or of all."""
-        if now_ms >= self._until_ms:
-            return
-        self._is_all |= is_all
-        if pattern is not None and search is not None and pattern not in self._searches:
-            if len(self._searches) < self.PATTERNS_MAX:
-                self._searches[pattern] = search
-            else:
-                self._full(f"more than {self.PATTERNS_MAX} patterns")
-        if len(self._keys) + len(keys) <= self._keys_max:
-            self._keys.update(keys)
-        elif keys:
-            self._full(f"more than {self._keys_max} keys")
-
-    def mounting(
-        self, segment_id: str, inventory: list[InventoryEntry], now_ms: int, is_last: bool
-    ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
-        """A part of the segment's mount: (the entries to adopt, those removed before it came)."""
-        if segment_id not in self._mounting:
-            if now_ms >= self._until_ms or segment_id in self._mounted:
-                self._forget_if_over(now_ms)
-                return inventory, []
-            self._mounting.add(segment_id)
-        if is_last:
-            self._mounting.discard(segment_id)
-            self._mounted.add(segment_id)
-        if not (self._keys or self._searches or self._is_all):
-            return inventory, []
-        keys, searches = self._keys, list(self._searches.values())
-        adopted: list[InventoryEntry] = []
-        refused: list[InventoryEntry] = []
-        for entry in inventory:
-            key = entry.key
-            if self._is_all or key in keys or any(search(key) for search in searches):
-                refused.append(entry)
-            else:
-                adopted.append(entry)
-        return adopted, refused
-
-    def _forget_if_over(self, now_ms: int) -> None:
-        if now_ms >= self._until_ms and not self._mounting and (self._keys or self._searches or self._mounted):
-            self._keys, self._searches, self._mounted = set(), {}, set()
-            self._is_all = False
-
-    def _full(self, what: str) -> None:
-        if not self._is_full:
-            self._is_full = True
-            log.warning("removes of %s since this master started or was elected are not remembered: "
-                        "a node that mounts later may bring their objects back", what)  # fmt: skip
+        assert self._left_count == sum(len(g.offsets) for g in self._left.values()), self._left_count
+        assert self._left_count <= self.entries_max, (self._left_count, self.entries_max)

@@ -1,0 +1,127 @@
+"""What a master removed in its first moments, for the segments still on their way to mount.
+
+After a restart (or an election) a master knows no object until the nodes mount their
+segments again, and they come back over seconds: a node tries again at most every
+limits.RECONNECT_BACKOFF_MS_MAX, the nodes of a frozen predecessor notice only when a
+heartbeat times out, a master adopting many inventories takes their mounts up late, and a DFS
+is mounted from a scan of its files. A remove taken meanwhile missed the replicas of the
+segments not back yet, and the objects came back with them.
+
+A segment that mounts for the first time since the start (or election) holds nothing put
+through this master, so nothing put after any of its removes: its entries that such a remove
+names are refused, as a tombstone's are (tombstones.py), and its node drops them. Kept for a
+window from the start (a memory bound only: the reasoning holds however late a segment comes),
+a mount begun in it filtered to its last part; at most `keys_max` keys and PATTERNS_MAX
+patterns (past them a remove is not remembered, and the log says so once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+import re2
+
+from kvpool import limits
+from kvpool.protocol.messages import InventoryEntry
+
+log = logging.getLogger(__name__)
+
+PATTERNS_MAX = 64
+# A node sends its inventory's parts back to back: a mount begun in the window and not ended
+# this long after it was abandoned (its node died), and no longer holds the window's memory.
+MOUNT_PARTS_WAIT_MS = 60_000
+
+_PATTERN_OPTIONS = re2.Options()
+_PATTERN_OPTIONS.log_errors = False
+
+
+class RemovedAtStart:
+    """The window's removes (the module), and the segments that mounted in it."""
+
+    __slots__ = ("_until_ms", "_keys_max", "_keys", "_patterns", "_search", "_is_all", "_mounting", "_mounted",
+                 "_is_full")  # fmt: skip
+
+    def __init__(self, until_ms: int, keys_max: int = limits.TOMBSTONES_MAX) -> None:
+        self._until_ms = until_ms
+        self._keys_max = keys_max
+        self._keys: set[str] = set()
+        self._patterns: list[str] = []
+        self._search = None  # one search for every pattern: 64 searched one by one cost 90 us an entry
+        self._is_all = False  # a remove_all came in the window
+        self._mounting: dict[str, int] = {}  # segment id -> when its first part came
+        self._mounted: set[str] = set()  # segments whose whole inventory mounted
+        self._is_full = False
+
+    def removed(self, keys: Collection[str] = (), pattern: str | None = None, is_all: bool = False,
+                now_ms: int = 0) -> None:  # fmt: skip
+        """A remove that took or did not find `keys`, of the keys `pattern` (RE2, as the
+        remove searched it) finds, or of all (`is_all`)."""
+        if now_ms >= self._until_ms:
+            return
+        self._is_all |= is_all
+        if pattern is not None and pattern not in self._patterns:
+            patterns = [*self._patterns, pattern]
+            try:
+                either = "|".join(f"(?:{p})" for p in patterns)
+                search = re2.compile(either, _PATTERN_OPTIONS).search if len(patterns) <= PATTERNS_MAX else None
+            except re2.error:  # each compiled alone (the remove's), not all together: too large
+                search = None
+            if search is None:
+                self._full(f"patterns past {len(self._patterns)}")
+            else:
+                self._patterns, self._search = patterns, search
+        new = [key for key in keys if key not in self._keys]
+        room = self._keys_max - len(self._keys)
+        self._keys.update(new[:room])
+        if len(new) > room:
+            self._full(f"more than {self._keys_max} keys")
+
+    def mounting(
+        self, segment_id: str, inventory: list[InventoryEntry], now_ms: int
+    ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
+        """A part of the segment's mount: (the entries to adopt, those the window removed).
+        Changes nothing: `mounted` says the part was taken."""
+        if not self._filters(segment_id, now_ms) or not (self._keys or self._search or self._is_all):
+            return inventory, []
+        if self._is_all:
+            return [], inventory
+        keys, search = self._keys, self._search
+        adopted: list[InventoryEntry] = []
+        refused: list[InventoryEntry] = []
+        for entry in inventory:
+            if entry.key in keys or (search is not None and search(entry.key)):
+                refused.append(entry)
+            else:
+                adopted.append(entry)
+        return adopted, refused
+
+    def mounted(self, segment_id: str, is_last: bool, now_ms: int) -> None:
+        """The master took that part of the segment's mount (a part it refused leaves the
+        segment as it was, to be filtered when its node tries again)."""
+        if not self._filters(segment_id, now_ms):
+            self._forget_if_over(now_ms)
+        elif is_last:
+            self._mounting.pop(segment_id, None)
+            self._mounted.add(segment_id)
+        else:
+            self._mounting.setdefault(segment_id, now_ms)
+
+    def _filters(self, segment_id: str, now_ms: int) -> bool:
+        if segment_id in self._mounting:
+            return True
+        return now_ms < self._until_ms and segment_id not in self._mounted
+
+    def _forget_if_over(self, now_ms: int) -> None:
+        if now_ms < self._until_ms:
+            return
+        for segment_id in [s for s, since_ms in self._mounting.items() if now_ms - since_ms > MOUNT_PARTS_WAIT_MS]:
+            del self._mounting[segment_id]
+        if not self._mounting and (self._keys or self._patterns or self._mounted or self._is_all):
+            self._keys, self._patterns, self._search, self._mounted, self._is_all = set(), [], None, set(), False
+
+    def _full(self, what: str) -> None:
+        if not self._is_full:
+            self._is_full = True
+            log.warning("removes of %s since this master started or was elected are not remembered: a segment "
+                        "that mounts later may bring their objects back", what)  # fmt: skip
