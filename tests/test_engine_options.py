@@ -2,6 +2,8 @@
 the lookup breaker they build from them (on a fake clock; the adapters' own tests freeze a real
 master)."""
 
+import logging
+
 import pytest
 
 from kvpool import limits
@@ -112,8 +114,9 @@ def test_a_key_no_one_reads_is_named_once_and_the_keys_of_the_adapter_and_engine
     """A misspelt key took its default without a word; every worker of an engine reads the same
     config, so the warning is said once per process."""
     extra = {"kvpool.master": "127.0.0.1:1", "kvpool.replicas": 2, "kvpool.tag": "a", "engine_key": 1, "other": 0}
-    for _ in range(2):
-        EngineOptions.read(extra, "the extra", "kvpool.", adapter_keys=("tag",), engine_keys=("kvpool.engine_key",))
+    with caplog.at_level(logging.WARNING, logger="kvpool.integrations.engine_options"):
+        for _ in range(2):
+            EngineOptions.read(extra, "the extra", "kvpool.", adapter_keys=("tag",), engine_keys=("kvpool.engine_key",))
     warned = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
     assert len(warned) == 1 and "'kvpool.replicas'" in warned[0] and "kvpool.replica_num" in warned[0], warned
     assert "tag" not in warned[0].split("does not read")[0] and "other" not in warned[0], warned

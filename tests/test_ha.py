@@ -272,8 +272,8 @@ def test_etcd_client_create_fence_lease_and_watch(etcd_endpoint):
 # --- election, in-process ----------------------------------------------------------------------
 
 
-def _candidate(etcd_endpoint: str, cluster_id: str, **config) -> MasterServer:
-    election = ElectionConfig((etcd_endpoint,), cluster_id, lease_ttl_ms=TTL_MS)
+def _candidate(etcd_endpoint: str, cluster_id: str, lease_ttl_ms: int = TTL_MS, **config) -> MasterServer:
+    election = ElectionConfig((etcd_endpoint,), cluster_id, lease_ttl_ms=lease_ttl_ms)
     return MasterServer(MasterConfig(**config), port=0, seed=1, election=election,
                         debug_invariants=True)  # fmt: skip
 
@@ -305,7 +305,8 @@ def test_one_leader_standby_refuses_and_takes_over_when_the_leader_stops(etcd_en
     async def main():
         nonlocal cluster_id, leader
         cluster_id = new_cluster_id()
-        first, second = _candidate(etcd_endpoint, cluster_id), _candidate(etcd_endpoint, cluster_id)
+        # A lease far longer than a hand-over: one that waited for it to lapse would show.
+        first, second = (_candidate(etcd_endpoint, cluster_id, lease_ttl_ms=30_000) for _ in range(2))
         await first.start()
         await _wait_for(lambda: first.role == "leader")
         await second.start()
@@ -325,8 +326,8 @@ def test_one_leader_standby_refuses_and_takes_over_when_the_leader_stops(etcd_en
                 await store.put("k", b"v" * 1000, ReplicateConfig())
                 await first.stop()  # revokes its lease: no waiting for it to lapse
                 started = time.monotonic()
-                await _wait_for(lambda: second.role == "leader", 5.0)
-                assert time.monotonic() - started < 2.0
+                await _wait_for(lambda: second.role == "leader", 15.0)
+                assert time.monotonic() - started < 15.0  # against the 30 s the lease had left
                 # The node re-mounts by itself; the store finds the new leader by itself.
                 await _wait_for(lambda: second.service.object_count == 1, 5.0)
                 assert await store.get("k") == b"v" * 1000

@@ -5,6 +5,7 @@ tests/test_history.py, a leader elected in tests/test_history_ha.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -77,11 +78,12 @@ def test_a_mount_abandoned_in_parts_does_not_hold_the_window_forever() -> None:
 
 def test_what_the_window_remembers_is_bounded_and_said_once(caplog) -> None:
     removed = RemovedAtStart(until_ms=1_000, keys_max=3)
-    removed.removed(["a", "b", "a"], now_ms=1)
-    removed.removed(["b", "c", "d"], now_ms=2)  # room for one more: c
-    for i in range(removed_at_start.PATTERNS_MAX + 1):
-        removed.removed(pattern=f"^p{i}$", now_ms=3)
-    removed.removed(pattern="^p0$", now_ms=4)  # remembered once
+    with caplog.at_level(logging.WARNING, logger="kvpool.master.removed_at_start"):
+        removed.removed(["a", "b", "a"], now_ms=1)
+        removed.removed(["b", "c", "d"], now_ms=2)  # room for one more: c
+        for i in range(removed_at_start.PATTERNS_MAX + 1):
+            removed.removed(pattern=f"^p{i}$", now_ms=3)
+        removed.removed(pattern="^p0$", now_ms=4)  # remembered once
     last = f"p{removed_at_start.PATTERNS_MAX}"
     assert mount(removed, "s1", ["a", "c", "d", "p0", last], now_ms=5) == ["a", "c", "p0"]
     assert len([r for r in caplog.records if "not remembered" in r.getMessage()]) == 1
@@ -144,3 +146,24 @@ def test_a_first_mount_the_service_refused_is_filtered_when_its_node_tries_again
     with pytest.raises(InvalidParams):
         server._dispatch(_Conn(), mount)
     assert [e.key for e in server._dispatch(_Conn(), mount).rejected] == ["K"]
+
+
+def test_patterns_that_do_not_compile_together_are_searched_one_by_one() -> None:
+    """RE2 quotes to the end of a pattern after an unclosed \\Q: it took the ")" of the
+    combined search, which then did not compile, and the remove was not remembered."""
+    removed = RemovedAtStart(until_ms=1_000)
+    removed.removed(pattern=r"\Qa.b", now_ms=1)
+    removed.removed(pattern="(?i)^X", now_ms=2)
+    assert mount(removed, "s1", ["a.b", "axb", "xy", "zx"], now_ms=3) == ["a.b", "xy"]
+
+
+def test_a_scan_that_ends_past_the_window_is_filtered_and_a_slow_mount_is_not_abandoned() -> None:
+    removed = RemovedAtStart(until_ms=1_000)
+    removed.removed(["a"], now_ms=10)
+    removed.scanning("dfs", now_ms=20)  # the DFS's scan begins in the window ...
+    wait = removed_at_start.MOUNT_PARTS_WAIT_MS
+    assert mount(removed, "s1", ["a"], now_ms=30, is_last=False) == ["a"]
+    assert mount(removed, "s1", ["a"], now_ms=30 + wait, is_last=False) == ["a"]  # parts keep coming
+    assert mount(removed, "s2", ["a"], now_ms=20 + 2 * wait) == []  # after the window, a new segment
+    assert mount(removed, "s1", ["a"], now_ms=20 + 2 * wait) == ["a"]
+    assert mount(removed, "dfs", ["a"], now_ms=10 * wait) == ["a"]  # ... and ends far past it

@@ -95,6 +95,17 @@ def test_a_replica_left_behind_becomes_a_tombstone_once_its_object_goes() -> Non
     tombstones.settle("s1")  # the node heartbeats: what it left behind is settled too
     tombstones.gone(["c"])
     assert len(tombstones) == 0
+    # Shown again by its segment's mount, a replica left behind is an ordinary one: a remove
+    # before the segment's heartbeat reaches it by its drop, and buries nothing that would
+    # refuse a later object at that offset.
+    tombstones.leave_behind("s3", [("k", 0), ("m", 128)], 1_000)
+    assert tombstones.unearth("s3", [entry("k", 0)]) == ([entry("k", 0)], [])
+    tombstones.gone(["k", "m"])  # m: not shown (a later part of the inventory, or not held)
+    assert len(tombstones) == 1 and tombstones.unearth("s3", [entry("m", 128)])[1] == [entry("m", 128)]
+    tombstones.gone(["m2"])
+    tombstones.check_invariants()
+    tombstones.settle("s3")
+    assert len(tombstones) == 0
     tombstones.leave_behind("s2", [("d", 0)], 100)
     tombstones.expire(100)  # as long as a tombstone would last
     tombstones.gone(["d"])

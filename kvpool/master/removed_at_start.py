@@ -28,8 +28,8 @@ from kvpool.protocol.messages import InventoryEntry
 log = logging.getLogger(__name__)
 
 PATTERNS_MAX = 64
-# A node sends its inventory's parts back to back: a mount begun in the window and not ended
-# this long after it was abandoned (its node died), and no longer holds the window's memory.
+# A node sends its inventory's parts back to back: a mount begun in the window with no part
+# this long after its last was abandoned (its node died), and no longer holds the window's memory.
 MOUNT_PARTS_WAIT_MS = 60_000
 
 _PATTERN_OPTIONS = re2.Options()
@@ -39,17 +39,19 @@ _PATTERN_OPTIONS.log_errors = False
 class RemovedAtStart:
     """The window's removes (the module), and the segments that mounted in it."""
 
-    __slots__ = ("_until_ms", "_keys_max", "_keys", "_patterns", "_search", "_is_all", "_mounting", "_mounted",
-                 "_is_full")  # fmt: skip
+    __slots__ = ("_until_ms", "_keys_max", "_keys", "_patterns", "_searches", "_search", "_is_all", "_mounting",
+                 "_mounted", "_is_full")  # fmt: skip
 
     def __init__(self, until_ms: int, keys_max: int = limits.TOMBSTONES_MAX) -> None:
         self._until_ms = until_ms
         self._keys_max = keys_max
         self._keys: set[str] = set()
         self._patterns: list[str] = []
+        self._searches: list = []  # each pattern's own search
         self._search = None  # one search for every pattern: 64 searched one by one cost 90 us an entry
         self._is_all = False  # a remove_all came in the window
-        self._mounting: dict[str, int] = {}  # segment id -> when its first part came
+        # segment id -> when its last part came; None: a scan's, filtered however late it ends
+        self._mounting: dict[str, int | None] = {}
         self._mounted: set[str] = set()  # segments whose whole inventory mounted
         self._is_full = False
 
@@ -61,21 +63,30 @@ class RemovedAtStart:
             return
         self._is_all |= is_all
         if pattern is not None and pattern not in self._patterns:
-            patterns = [*self._patterns, pattern]
-            try:
-                either = "|".join(f"(?:{p})" for p in patterns)
-                search = re2.compile(either, _PATTERN_OPTIONS).search if len(patterns) <= PATTERNS_MAX else None
-            except re2.error:  # each compiled alone (the remove's), not all together: too large
-                search = None
-            if search is None:
-                self._full(f"patterns past {len(self._patterns)}")
+            if len(self._patterns) < PATTERNS_MAX:
+                self._add_pattern(pattern)
             else:
-                self._patterns, self._search = patterns, search
+                self._full(f"more than {PATTERNS_MAX} patterns")
         new = [key for key in keys if key not in self._keys]
         room = self._keys_max - len(self._keys)
         self._keys.update(new[:room])
         if len(new) > room:
             self._full(f"more than {self._keys_max} keys")
+
+    def _add_pattern(self, pattern: str) -> None:
+        self._patterns.append(pattern)
+        self._searches.append(re2.compile(pattern, _PATTERN_OPTIONS).search)  # the remove compiled it so
+        try:
+            self._search = re2.compile("|".join(f"(?:{p})" for p in self._patterns), _PATTERN_OPTIONS).search
+        except re2.error:  # together they do not compile (too large; a \Q left open takes the ")")
+            searches = self._searches
+            self._search = lambda key: any(search(key) for search in searches)
+
+    def scanning(self, segment_id: str, now_ms: int) -> None:
+        """A segment whose mount will come from a scan that may end long after the window (the
+        DFS's): filtered whenever its parts come, until its last."""
+        if self._filters(segment_id, now_ms):
+            self._mounting[segment_id] = None
 
     def mounting(
         self, segment_id: str, inventory: list[InventoryEntry], now_ms: int
@@ -104,8 +115,8 @@ class RemovedAtStart:
         elif is_last:
             self._mounting.pop(segment_id, None)
             self._mounted.add(segment_id)
-        else:
-            self._mounting.setdefault(segment_id, now_ms)
+        elif self._mounting.get(segment_id, 0) is not None:
+            self._mounting[segment_id] = now_ms
 
     def _filters(self, segment_id: str, now_ms: int) -> bool:
         if segment_id in self._mounting:
@@ -115,10 +126,12 @@ class RemovedAtStart:
     def _forget_if_over(self, now_ms: int) -> None:
         if now_ms < self._until_ms:
             return
-        for segment_id in [s for s, since_ms in self._mounting.items() if now_ms - since_ms > MOUNT_PARTS_WAIT_MS]:
-            del self._mounting[segment_id]
+        for segment_id, last_ms in list(self._mounting.items()):
+            if last_ms is not None and now_ms - last_ms > MOUNT_PARTS_WAIT_MS:
+                del self._mounting[segment_id]
         if not self._mounting and (self._keys or self._patterns or self._mounted or self._is_all):
-            self._keys, self._patterns, self._search, self._mounted, self._is_all = set(), [], None, set(), False
+            self._keys, self._mounted, self._is_all = set(), set(), False
+            self._patterns, self._searches, self._search = [], [], None
 
     def _full(self, what: str) -> None:
         if not self._is_full:

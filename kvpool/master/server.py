@@ -423,11 +423,11 @@ class MasterServer:
                 return service.cluster_status(message, now_ms)
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
-                segment_id = message.segment.segment_id
-                inventory, removed = self._removed_at_start.mounting(segment_id, message.inventory, local_clock_ms())
+                segment_id, local_ms = message.segment.segment_id, local_clock_ms()  # one time for both
+                inventory, removed = self._removed_at_start.mounting(segment_id, message.inventory, local_ms)
                 mount = msgspec.structs.replace(message, inventory=inventory) if removed else message
                 reply = service.mount_segment(mount, now_ms, liveness_clock_ms())
-                self._removed_at_start.mounted(segment_id, message.is_last, local_clock_ms())
+                self._removed_at_start.mounted(segment_id, message.is_last, local_ms)
                 if removed:
                     service.counters.refused_returns += len(removed)
                     log.info("segment %s mounted holding %d objects removed since this master started: refused",
@@ -1007,18 +1007,20 @@ class MasterServer:
             report = await self._dfs_filesystem()
             service.heartbeat(Heartbeat([info.segment_id], report), wall_clock_ms(), liveness_clock_ms())
             return
+        self._removed_at_start.scanning(info.segment_id, local_clock_ms())  # the scan may end past the window
         entries = await asyncio.to_thread(lambda: list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)))
         if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
             # Files a remove of this term's first moments named: as a node's mount (RemovedAtStart).
+            local_ms = local_clock_ms()
             chunk, removed = self._removed_at_start.mounting(
-                info.segment_id, entries[start : start + _DFS_MOUNT_CHUNK], local_clock_ms()
+                info.segment_id, entries[start : start + _DFS_MOUNT_CHUNK], local_ms
             )
             reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms(), liveness_clock_ms())
             is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
-            self._removed_at_start.mounted(info.segment_id, is_last, local_clock_ms())
+            self._removed_at_start.mounted(info.segment_id, is_last, local_ms)
             service.counters.refused_returns += len(removed)
             rejected.extend([*reply.rejected, *removed])
         self._dfs_service = service

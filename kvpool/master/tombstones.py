@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from kvpool import limits
 from kvpool.protocol.messages import InventoryEntry
@@ -60,7 +60,8 @@ class _Graves:
 class Tombstones:
     """Per segment id, the drops its node never acknowledged (the module)."""
 
-    __slots__ = ("_segments", "_left", "_left_count", "_mounted", "_count", "_now_ms", "_is_over", "entries_max")
+    __slots__ = ("_segments", "_left", "_left_count", "_mounted", "_count", "_now_ms", "_is_over", "_is_left_over",
+                 "entries_max")  # fmt: skip
 
     def __init__(self, entries_max: int = limits.TOMBSTONES_MAX) -> None:
         assert entries_max > 0, entries_max
@@ -68,10 +69,11 @@ class Tombstones:
         self._segments: dict[str, _Graves] = {}  # by last burial, oldest first
         self._left: dict[str, _Graves] = {}  # replicas left behind (the module), oldest first
         self._left_count = 0
-        self._mounted: set[str] = set()  # ids whose mount looked at their tombstones
+        self._mounted: set[str] = set()  # ids whose mount looked at their tombstones or what they left
         self._count = 0
         self._now_ms = 0
         self._is_over = False  # entries_max was reached (logged once until under again)
+        self._is_left_over = False  # the same for the replicas left behind
 
     def __len__(self) -> int:
         return self._count
@@ -103,20 +105,34 @@ class Tombstones:
         self._left_count += len(graves.offsets) - before
         if graves.offsets:
             self._left[segment_id] = graves
+        if self._left_count > self.entries_max and not self._is_left_over:
+            self._is_left_over = True
+            log.warning("more than %d replicas left behind by segments that went: the oldest are forgotten, "
+                        "and objects removed while their node was away may come back with it",
+                        self.entries_max)  # fmt: skip
         while self._left_count > self.entries_max:  # the oldest segment's go whole: a rare cap
-            self._left_count -= len(self._left.pop(next(iter(self._left))).offsets)
+            gone_id = next(iter(self._left))
+            self._left_count -= len(self._left.pop(gone_id).offsets)
+            self._unmark_if_none(gone_id)
 
-    def gone(self, keys: Iterable[str]) -> None:
+    def gone(self, keys: Collection[str]) -> None:
         """These objects were removed or evicted: their replicas left behind become tombstones.
-        O(1) without any left behind, else O(keys x segments that left some)."""
+        O(1) without any left behind, else O(the smaller of keys and each segment's left)."""
         if not self._left:
             return
+        key_set: set[str] | None = None
         for segment_id, graves in list(self._left.items()):
-            found = [(key, graves.offsets.pop(key)) for key in keys if key in graves.offsets]
-            if not found:
+            offsets = graves.offsets
+            if len(keys) <= len(offsets):
+                found_keys = [key for key in keys if key in offsets]
+            else:
+                key_set = set(keys) if key_set is None else key_set
+                found_keys = [key for key in offsets if key in key_set]
+            if not found_keys:
                 continue
+            found = [(key, offsets.pop(key)) for key in found_keys]
             self._left_count -= len(found)
-            if not graves.offsets:
+            if not offsets:
                 del self._left[segment_id]
             entries = [InventoryEntry(key, offset, 0, 0) for key, offset in found]
             self.bury(segment_id, entries, max(1, graves.expiry_ms - self._now_ms))
@@ -125,9 +141,21 @@ class Tombstones:
         self, segment_id: str, inventory: list[InventoryEntry]
     ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
         """A mount of the segment: (the entries to adopt, the entries a tombstone refuses).
-        A refused entry's tombstone goes; the rest stay until the segment's next heartbeat."""
+        A refused entry's tombstone goes; the rest stay until the segment's next heartbeat. A
+        replica left behind that the mount shows is an ordinary replica again (a remove's drop
+        reaches it now): it is no longer watched."""
+        left = self._left.get(segment_id)
+        if left is not None:
+            self._mounted.add(segment_id)  # settle forgets the rest, and what `gone` buries meanwhile
+            shown = [entry.key for entry in inventory if left.offsets.get(entry.key) == entry.offset]
+            for key in shown:
+                del left.offsets[key]
+            self._left_count -= len(shown)
+            if not left.offsets:
+                del self._left[segment_id]
         graves = self._segments.get(segment_id)
         if graves is None:
+            self._unmark_if_none(segment_id)
             return inventory, []
         self._mounted.add(segment_id)
         offsets = graves.offsets
@@ -142,7 +170,7 @@ class Tombstones:
         self._count -= len(refused)
         if not offsets:
             del self._segments[segment_id]
-            self._mounted.discard(segment_id)
+            self._unmark_if_none(segment_id)
         return adopted, refused
 
     def settle(self, segment_id: str) -> None:
@@ -167,12 +195,15 @@ class Tombstones:
             log.debug("tombstones of segment %s expired: %d objects removed while it was away may come back with it",
                      segment_id, len(graves.offsets))  # fmt: skip
             del segments[segment_id]
-            self._mounted.discard(segment_id)
+            self._unmark_if_none(segment_id)
             self._count -= len(graves.offsets)
         for segment_id in [s for s, graves in self._left.items() if graves.expiry_ms <= now_ms]:
             self._left_count -= len(self._left.pop(segment_id).offsets)
+            self._unmark_if_none(segment_id)
         if self._is_over and self._count < self.entries_max:
             self._is_over = False
+        if self._is_left_over and self._left_count < self.entries_max:
+            self._is_left_over = False
 
     def _forget_oldest(self, count: int) -> None:
         if not self._is_over:
@@ -185,7 +216,7 @@ class Tombstones:
             offsets = graves.offsets
             if len(offsets) <= count:
                 del segments[segment_id]
-                self._mounted.discard(segment_id)
+                self._unmark_if_none(segment_id)
                 self._count -= len(offsets)
                 count -= len(offsets)
                 continue
@@ -194,10 +225,15 @@ class Tombstones:
             self._count -= count
             count = 0
 
+    def _unmark_if_none(self, segment_id: str) -> None:
+        if segment_id not in self._segments and segment_id not in self._left:
+            self._mounted.discard(segment_id)
+
     def check_invariants(self) -> None:
         assert self._count == sum(len(g.offsets) for g in self._segments.values()), self._count
         assert all(g.offsets for g in self._segments.values()), "a segment without tombstones is kept"
         assert self._count <= self.entries_max, (self._count, self.entries_max)
-        assert self._mounted <= self._segments.keys(), self._mounted - self._segments.keys()
+        watched = self._segments.keys() | self._left.keys()
+        assert self._mounted <= watched, self._mounted - watched
         assert self._left_count == sum(len(g.offsets) for g in self._left.values()), self._left_count
         assert self._left_count <= self.entries_max, (self._left_count, self.entries_max)
