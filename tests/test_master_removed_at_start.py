@@ -41,7 +41,9 @@ def test_a_first_mount_refuses_what_the_window_removed_by_key_pattern_or_all() -
     removed.removed(pattern="^c", now_ms=20)
     removed.removed(pattern="x$", now_ms=21)
     assert mount(removed, "s1", ["a", "c1", "d", "b", "dx", "xd"], now_ms=30) == ["a", "c1", "b", "dx"]
-    # A segment whose whole inventory mounted holds only what was put through this master since.
+    # A segment whose whole inventory mounted, and whose node then heartbeat (it read the
+    # reply), holds only what was put through this master since.
+    removed.settled(["s1"])
     assert mount(removed, "s1", ["a", "c1"], now_ms=40) == []
     removed.removed(is_all=True, now_ms=50)
     assert mount(removed, "s2", ["d", "e"], now_ms=60) == ["d", "e"]
@@ -167,3 +169,14 @@ def test_a_scan_that_ends_past_the_window_is_filtered_and_a_slow_mount_is_not_ab
     assert mount(removed, "s2", ["a"], now_ms=20 + 2 * wait) == []  # after the window, a new segment
     assert mount(removed, "s1", ["a"], now_ms=20 + 2 * wait) == ["a"]
     assert mount(removed, "dfs", ["a"], now_ms=10 * wait) == ["a"]  # ... and ends far past it
+
+
+def test_what_a_mount_had_refused_is_refused_again_until_its_segments_heartbeat() -> None:
+    """A node drops a refused entry once it reads the reply: one whose reply was lost (or came
+    after its timeout) mounts the whole inventory again, and the removed object came back."""
+    removed = RemovedAtStart(until_ms=1_000)
+    removed.removed(["a"], now_ms=10)
+    assert mount(removed, "s1", ["a", "b"], now_ms=20) == ["a"]  # the reply is lost
+    assert mount(removed, "s1", ["a", "b"], now_ms=5_000) == ["a"]  # past the window, still
+    removed.settled(["s1"])
+    assert mount(removed, "s1", ["a", "b"], now_ms=5_001) == []  # a new "a", put since

@@ -40,7 +40,7 @@ class RemovedAtStart:
     """The window's removes (the module), and the segments that mounted in it."""
 
     __slots__ = ("_until_ms", "_keys_max", "_keys", "_patterns", "_searches", "_search", "_is_all", "_mounting",
-                 "_mounted", "_is_full")  # fmt: skip
+                 "_mounted", "_refused", "_is_full")  # fmt: skip
 
     def __init__(self, until_ms: int, keys_max: int = limits.TOMBSTONES_MAX) -> None:
         self._until_ms = until_ms
@@ -53,6 +53,9 @@ class RemovedAtStart:
         # segment id -> when its last part came; None: a scan's, filtered however late it ends
         self._mounting: dict[str, int | None] = {}
         self._mounted: set[str] = set()  # segments whose whole inventory mounted
+        # Per segment, when and which (key, offset) were refused, until its heartbeat: its node
+        # drops them once it reads the reply, and one that did not mounts again.
+        self._refused: dict[str, tuple[int, set[tuple[str, int]]]] = {}
         self._is_full = False
 
     def removed(self, keys: Collection[str] = (), pattern: str | None = None, is_all: bool = False,
@@ -92,26 +95,41 @@ class RemovedAtStart:
         self, segment_id: str, inventory: list[InventoryEntry], now_ms: int
     ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
         """A part of the segment's mount: (the entries to adopt, those the window removed).
-        Changes nothing: `mounted` says the part was taken."""
-        if not self._filters(segment_id, now_ms) or not (self._keys or self._search or self._is_all):
-            return inventory, []
-        if self._is_all:
-            return [], inventory
-        keys, search = self._keys, self._search
+        `mounted` says whether the master took the part; what was refused is refused again
+        until the segment's heartbeat (`settled`)."""
         adopted: list[InventoryEntry] = []
         refused: list[InventoryEntry] = []
+        if not self._filters(segment_id, now_ms):
+            _, again = self._refused.get(segment_id, (0, None))
+            if not again:
+                return inventory, []
+            for entry in inventory:
+                (refused if (entry.key, entry.offset) in again else adopted).append(entry)
+            return adopted, refused
+        if not (self._keys or self._search or self._is_all):
+            return inventory, []
+        keys, search, is_all = self._keys, self._search, self._is_all
         for entry in inventory:
-            if entry.key in keys or (search is not None and search(entry.key)):
+            if is_all or entry.key in keys or (search is not None and search(entry.key)):
                 refused.append(entry)
             else:
                 adopted.append(entry)
+        if refused:
+            _, already = self._refused.setdefault(segment_id, (now_ms, set()))
+            already.update((entry.key, entry.offset) for entry in refused)
         return adopted, refused
+
+    def settled(self, segment_ids: Collection[str]) -> None:
+        """These segments' node heartbeats: it read every reply to its mount."""
+        if self._refused:
+            for segment_id in segment_ids:
+                self._refused.pop(segment_id, None)
 
     def mounted(self, segment_id: str, is_last: bool, now_ms: int) -> None:
         """The master took that part of the segment's mount (a part it refused leaves the
         segment as it was, to be filtered when its node tries again)."""
         if not self._filters(segment_id, now_ms):
-            self._forget_if_over(now_ms)
+            self.expire(now_ms)
         elif is_last:
             self._mounting.pop(segment_id, None)
             self._mounted.add(segment_id)
@@ -123,12 +141,17 @@ class RemovedAtStart:
             return True
         return now_ms < self._until_ms and segment_id not in self._mounted
 
-    def _forget_if_over(self, now_ms: int) -> None:
+    def expire(self, now_ms: int) -> None:
+        """Past the window, forget what no mount still being filtered needs (the master's tick,
+        and each mount after the window)."""
         if now_ms < self._until_ms:
             return
         for segment_id, last_ms in list(self._mounting.items()):
             if last_ms is not None and now_ms - last_ms > MOUNT_PARTS_WAIT_MS:
                 del self._mounting[segment_id]
+        for segment_id, (since_ms, _) in list(self._refused.items()):
+            if now_ms - since_ms > MOUNT_PARTS_WAIT_MS:  # its node never heartbeat: it died
+                del self._refused[segment_id]
         if not self._mounting and (self._keys or self._patterns or self._mounted or self._is_all):
             self._keys, self._mounted, self._is_all = set(), set(), False
             self._patterns, self._searches, self._search = [], [], None

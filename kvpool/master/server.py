@@ -461,6 +461,7 @@ class MasterServer:
                         owned.append(segment_id)
                 if len(owned) < len(message.segment_ids):
                     message = Heartbeat(owned, {s: r for s, r in message.filesystems.items() if s in owned})
+                self._removed_at_start.settled(owned)  # it read its mount's replies
                 return service.heartbeat(message, now_ms, liveness_clock_ms())
             case UnmountSegment():
                 self._check_segment_owner(conn, message.segment_id)
@@ -839,6 +840,7 @@ class MasterServer:
             try:
                 self.service.expire_segments(liveness_clock_ms())
                 self.service.tick(wall_clock_ms())
+                self._removed_at_start.expire(local_clock_ms())
                 self._send_moves()
                 self._send_drops()  # not awaited: a node slow to answer holds up no tick
                 if self.debug_invariants:

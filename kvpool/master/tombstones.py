@@ -83,7 +83,7 @@ class Tombstones:
         `ttl_ms` from now."""
         assert ttl_ms > 0, ttl_ms
         graves = self._segments.pop(segment_id, None) or _Graves()
-        graves.expiry_ms = self._now_ms + ttl_ms
+        graves.expiry_ms = max(graves.expiry_ms, self._now_ms + ttl_ms)
         offsets = graves.offsets
         before = len(offsets)
         for entry in entries:
@@ -120,6 +120,7 @@ class Tombstones:
         O(1) without any left behind, else O(the smaller of keys and each segment's left)."""
         if not self._left:
             return
+        keys = list(dict.fromkeys(keys))  # each once: a second pop of one would fail
         key_set: set[str] | None = None
         for segment_id, graves in list(self._left.items()):
             offsets = graves.offsets
@@ -141,9 +142,10 @@ class Tombstones:
         self, segment_id: str, inventory: list[InventoryEntry]
     ) -> tuple[list[InventoryEntry], list[InventoryEntry]]:
         """A mount of the segment: (the entries to adopt, the entries a tombstone refuses).
-        A refused entry's tombstone goes; the rest stay until the segment's next heartbeat. A
-        replica left behind that the mount shows is an ordinary replica again (a remove's drop
-        reaches it now): it is no longer watched."""
+        Every tombstone stays until the segment's next heartbeat, a refused entry's too: its node
+        drops the entry only once it reads the reply, and one that did not (a reply lost, late)
+        mounts again and is refused again. A replica left behind that the mount shows is an
+        ordinary replica again (a remove's drop reaches it now): it is no longer watched."""
         left = self._left.get(segment_id)
         if left is not None:
             self._mounted.add(segment_id)  # settle forgets the rest, and what `gone` buries meanwhile
@@ -162,15 +164,7 @@ class Tombstones:
         adopted: list[InventoryEntry] = []
         refused: list[InventoryEntry] = []
         for entry in inventory:
-            if offsets.get(entry.key) == entry.offset:
-                del offsets[entry.key]
-                refused.append(entry)
-            else:
-                adopted.append(entry)
-        self._count -= len(refused)
-        if not offsets:
-            del self._segments[segment_id]
-            self._unmark_if_none(segment_id)
+            (refused if offsets.get(entry.key) == entry.offset else adopted).append(entry)
         return adopted, refused
 
     def settle(self, segment_id: str) -> None:
