@@ -11,9 +11,10 @@ refuses the inventory entries that match one when the segment mounts again (Moun
 `rejected`: the node drops them, and a disk tier removes their files).
 
 A segment's tombstones go
-- one by one, as its mount refuses the entries they match;
 - all at its first heartbeat after a mount: a node sends its whole inventory before it
-  heartbeats, so what is left matched nothing the node holds;
+  heartbeats, and heartbeats only once it read every reply, so the entries refused are
+  dropped and what is left matched nothing the node holds (a refusal does not spend its
+  tombstone: a node whose reply was lost mounts again, and is refused again);
 - TOMBSTONE_TTL_MS after the segment's last burial (a node that stays away longer comes back
   with what was removed meanwhile: the cost of keeping no state forever), or
   TOMBSTONE_DRAM_TTL_MS for a DRAM segment: its id is new at each start of its node, so only
