@@ -280,7 +280,7 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
         (("master", "--port", "0", "--remount-grace-ms", "100"), 1, "--remount-grace-ms needs --etcd"),
         (("master", "--port", "0", "--etcd-lease-ttl-ms", "10000"), 1, "--etcd-lease-ttl-ms needs --etcd"),
         ((*node, "--disk-dir", str(tmp_path / "disk"), "--disk-size", str(free_bytes + limits.GIB)), 1,
-         f"a disk tier of {free_bytes + limits.GIB} bytes does not fit in {tmp_path / 'disk'}"),
+         f"a disk tier of {free_bytes + limits.GIB} bytes (--disk-size) does not fit in {tmp_path / 'disk'}"),
         (("demo", "--object-size", "0"), 1, "--object-size 0 bytes: give 1 byte to --memory (128 MiB)"),
         (("demo", "--memory", "16MiB", "--object-size", "17MiB"), 1, "--object-size 17 MiB: give 1 byte to --memory"),
         # The config's checks name the flag typed, not the field behind it (was lease_ttl_ms).

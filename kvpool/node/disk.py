@@ -307,6 +307,6 @@ def _check_new_tier(path: Path, capacity_bytes: int) -> None:
     free_bytes = files.free_bytes(existing)
     if capacity_bytes > free_bytes:
         raise InvalidParams(
-            f"a disk tier of {capacity_bytes} bytes does not fit in {path} ({free_bytes} bytes free): ask for "
-            "less, or give that filesystem more room"
+            f"a disk tier of {capacity_bytes} bytes (--disk-size) does not fit in {path} ({free_bytes} bytes "
+            "free): ask for less, or give that filesystem more room"
         )
