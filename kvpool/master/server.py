@@ -71,6 +71,7 @@ from kvpool.protocol.messages import (
     ListObjects,
     LongestPrefix,
     Message,
+    MountReply,
     MountSegment,
     MoveItem,
     MoveObjects,
@@ -423,16 +424,7 @@ class MasterServer:
                 return service.cluster_status(message, now_ms)
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
-                segment_id, local_ms = message.segment.segment_id, local_clock_ms()  # one time for both
-                inventory, removed = self._removed_at_start.mounting(segment_id, message.inventory, local_ms)
-                mount = msgspec.structs.replace(message, inventory=inventory) if removed else message
-                reply = service.mount_segment(mount, now_ms, liveness_clock_ms())
-                self._removed_at_start.mounted(segment_id, message.is_last, local_ms)
-                if removed:
-                    service.counters.refused_returns += len(removed)
-                    log.info("segment %s mounted holding %d objects removed since this master started: refused",
-                             message.segment.segment_id, len(removed))  # fmt: skip
-                    reply = msgspec.structs.replace(reply, rejected=[*reply.rejected, *removed])
+                reply = self._mount(service, message, message.is_last, now_ms)
                 self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
@@ -478,6 +470,22 @@ class MasterServer:
             case ReleaseLeases():
                 return service.release_leases(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
+
+    def _mount(self, service: MasterService, mount: MountSegment, is_last: bool, now_ms: int) -> MountReply:
+        """service.mount_segment, less the entries a remove of this master's first moments
+        named (RemovedAtStart), which its reply rejects too, so that the node (or the DFS sweep)
+        drops them. `is_last`: the segment's inventory is whole with this part."""
+        segment_id, local_ms = mount.segment.segment_id, local_clock_ms()  # one time for both calls
+        inventory, removed = self._removed_at_start.mounting(segment_id, mount.inventory, local_ms)
+        reply = service.mount_segment(msgspec.structs.replace(mount, inventory=inventory) if removed else mount,
+                                      now_ms, liveness_clock_ms())  # fmt: skip
+        self._removed_at_start.mounted(segment_id, is_last, local_ms)
+        if not removed:
+            return reply
+        service.counters.refused_returns += len(removed)
+        log.info("segment %s mounted holding %d objects removed since this master started or was elected: refused",
+                 segment_id, len(removed))  # fmt: skip
+        return msgspec.structs.replace(reply, rejected=[*reply.rejected, *removed])
 
     def _node_conn(self, segment_id: str) -> Connection | None:
         link = self._node_links.get(segment_id)
@@ -1015,16 +1023,9 @@ class MasterServer:
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
-            # Files a remove of this term's first moments named: as a node's mount (RemovedAtStart).
-            local_ms = local_clock_ms()
-            chunk, removed = self._removed_at_start.mounting(
-                info.segment_id, entries[start : start + _DFS_MOUNT_CHUNK], local_ms
-            )
-            reply = service.mount_segment(MountSegment(info, chunk), wall_clock_ms(), liveness_clock_ms())
+            chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK])
             is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
-            self._removed_at_start.mounted(info.segment_id, is_last, local_ms)
-            service.counters.refused_returns += len(removed)
-            rejected.extend([*reply.rejected, *removed])
+            rejected.extend(self._mount(service, chunk, is_last, wall_clock_ms()).rejected)
         self._dfs_service = service
         self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them
         if self._takeover is not None:
