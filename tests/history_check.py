@@ -1012,13 +1012,9 @@ def main() -> None:
     history = HistoryRun(args.out_dir, args.seed, args.duration_s, nodes=args.nodes, fault_gap_s=args.fault_gap_s,
                          memory=args.memory, tiers=args.tiers, disk_size=args.disk_size,
                          key_space=args.key_space)  # fmt: skip
-    try:
-        final = history.run()
-    finally:
-        history.stop()
+    violations, report, final = run_checked(history)
     (args.out_dir / "final.json").write_text(json.dumps(final))
-    violations = check(args.out_dir, final)
-    print(json.dumps(json.loads((args.out_dir / "report.json").read_text())["report"]))
+    print(json.dumps(report))
     for violation in violations[:50]:
         print(violation)
 

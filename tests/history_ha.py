@@ -44,6 +44,7 @@ from tests.history_check import (
     HistoryRun,
     check,
     load,
+    run_checked,
     segments_of,
 )
 
@@ -280,13 +281,9 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     history = HAHistoryRun(args.out_dir, args.seed, args.duration_s, masters=args.masters,
                            fault_gap_s=args.fault_gap_s)  # fmt: skip
-    try:
-        final = history.run()
-    finally:
-        history.stop()
+    violations, report, final = run_checked(history, check_ha, "ha-report.json")
     (args.out_dir / "final.json").write_text(json.dumps(final))
-    violations = check_ha(args.out_dir, final)
-    print(json.dumps(json.loads((args.out_dir / "ha-report.json").read_text())["report"]))
+    print(json.dumps(report))
     for violation in violations[:50]:
         print(violation)
 
