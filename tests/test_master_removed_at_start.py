@@ -65,6 +65,7 @@ def test_a_mount_in_parts_begun_in_the_window_is_filtered_to_its_last_part() -> 
     assert mount(removed, "s1", ["z"], now_ms=5_000) == ["z"]
     # A segment first seen after the window: nothing refused, and the window's removes forgotten.
     assert mount(removed, "s2", ["a"], now_ms=5_001) == []
+    removed.expire(5_001)
     removed.removed(["b"], now_ms=5_002)
     assert mount(removed, "s3", ["a", "b", "z"], now_ms=5_003) == []
 
@@ -74,7 +75,8 @@ def test_a_mount_abandoned_in_parts_does_not_hold_the_window_forever() -> None:
     removed.removed(["a"], now_ms=10)
     assert mount(removed, "s1", ["a"], now_ms=20, is_last=False) == ["a"]  # then its node died
     late = 20 + removed_at_start.MOUNT_PARTS_WAIT_MS + 1
-    assert mount(removed, "s2", ["a"], now_ms=late) == []  # past the window, and s1 let go
+    removed.expire(late)  # the master's tick: s1 let go
+    assert mount(removed, "s2", ["a"], now_ms=late) == []
     assert mount(removed, "s1", ["a"], now_ms=late + 1) == []
 
 

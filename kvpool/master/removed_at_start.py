@@ -129,8 +129,8 @@ class RemovedAtStart:
         """The master took that part of the segment's mount (a part it refused leaves the
         segment as it was, to be filtered when its node tries again)."""
         if not self._filters(segment_id, now_ms):
-            self.expire(now_ms)
-        elif is_last:
+            return
+        if is_last:
             self._mounting.pop(segment_id, None)
             self._mounted.add(segment_id)
         elif self._mounting.get(segment_id, 0) is not None:
@@ -142,8 +142,7 @@ class RemovedAtStart:
         return now_ms < self._until_ms and segment_id not in self._mounted
 
     def expire(self, now_ms: int) -> None:
-        """Past the window, forget what no mount still being filtered needs (the master's tick,
-        and each mount after the window)."""
+        """Past the window, forget what no mount still being filtered needs (the master's tick)."""
         if now_ms < self._until_ms:
             return
         for segment_id, last_ms in list(self._mounting.items()):
