@@ -251,7 +251,8 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
             out = kvpool_cli(*args)
             last = out.stderr.decode().strip().splitlines()[-1]
             assert out.returncode == 1 and b"Traceback" not in out.stderr, out
-            assert last.startswith("error: ") and f"cannot listen on 127.0.0.1:{port}: Address already in use" in last
+            expected = f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use"
+            assert last.startswith("error: ") and expected in last
     # A host name the resolver refuses: its reason, not "Unknown error -2" (the resolver's errno
     # read as the system's).
     for args in (("master", "--port", "0", "--http-port", "0"),
@@ -259,7 +260,7 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
         out = kvpool_cli(*args, "--host", "::1%lo")
         last = out.stderr.decode().strip().splitlines()[-1]
         assert out.returncode == 1 and b"Traceback" not in out.stderr, out
-        assert "cannot listen on ::1%lo:0: " in last and "Unknown error" not in last, last
+        assert "cannot listen on ::1%lo:0 (--host, --port): " in last and "Unknown error" not in last, last
 
 
 def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):

@@ -311,7 +311,7 @@ class MasterServer:
             await self._ensure_dfs()
         self._server = await start_server(
             self.host, self.port, self, key=self._key, name="master", busy_poll_us=self.busy_poll_us,
-            not_back_soon=_not_back_soon,
+            not_back_soon=_not_back_soon, flags="--host, --port",
         )  # fmt: skip
         self.metrics.busy_poll = self._server.busy_poll
         self.port = self._server.port

@@ -294,7 +294,7 @@ class Node:
             TieredTransferHandler(self._transfer, self._disk, self._mover, self.tier_metrics),
             key=self._key, name=f"node {config.node_id}", busy_poll_us=config.busy_poll_us,
             # A disk read holds its files open from when it is prepared until it is sent.
-            replies_owed_max=limits.HELD_FRAMES_MAX,
+            replies_owed_max=limits.HELD_FRAMES_MAX, flags="--host, --port",
         )  # fmt: skip
         port = self._server.port
         host = await _advertise_host(config, master_host)

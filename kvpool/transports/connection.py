@@ -1069,6 +1069,7 @@ async def start_server(
     busy_poll_us: int = 0,
     not_back_soon: Callable[[Message, Message], bool] | None = None,
     replies_owed_max: int | None = None,
+    flags: str = "",
 ) -> Listener:
     """Listen for kvpool connections on TCP and on a same-host Unix socket (see the module).
     Without a cluster key only loopback may be bound. `busy_poll_us`: how long the loop keeps
@@ -1077,7 +1078,8 @@ async def start_server(
     how many replies a connection may owe (being prepared by an awaitable handler, or waiting
     behind a file-backed frame) before it reads no more of its peer's requests; None: only
     limits.HELD_FRAMES_MAX frames waiting behind a file-backed one stop it (a master's handler may
-    wait seconds for room, and must not hold up the connection's other requests).
+    wait seconds for room, and must not hold up the connection's other requests). `flags`:
+    the settings `host` and `port` came from, named in the error when they cannot be bound.
 
     Raises:
         Unauthorized: a non-loopback host without a cluster token.
@@ -1124,7 +1126,8 @@ async def start_server(
                 reason = exc.strerror or str(exc)
             else:
                 reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise ConnectFailed(f"{name} cannot listen on {host}:{port}: {reason}") from None
+            named = f" ({flags})" if flags else ""
+            raise ConnectFailed(f"{name} cannot listen on {host}:{port}{named}: {reason}") from None
     return Listener([*servers, local], connections, busy_poll)
 
 
