@@ -128,6 +128,11 @@ UNMOUNT_SWEEP_KEYS_PER_STEP = 20_000
 TOMBSTONE_TTL_MS = 24 * 3_600_000
 TOMBSTONE_DRAM_TTL_MS = 10 * 60_000
 TOMBSTONES_MAX = 1_000_000
+# Keys of objects lost with a segment that went (it held their only replica; a remove meanwhile
+# makes them tombstones): a budget of their own, so that a node timed out with a disk tier of a
+# million objects pushes out neither the replicas left behind nor the drops' tombstones above. As
+# large: one full disk tier is the case it is for, and a smaller one would forget part of it.
+LOST_KEYS_MAX = 1_000_000
 
 # --- client and connections -------------------------------------------------------------------
 MASTER_PORT_DEFAULT = 50051

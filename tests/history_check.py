@@ -775,6 +775,19 @@ class History:
         since = removal.start - (LEASE_TTL_MS + 1_000) * 1_000_000
         return not any(since <= r.start and r.start <= removal.end for r in self.reads_of[key])
 
+    def ended(self, removal: Op, key: str, put: Op) -> bool:
+        """Whether `removal` surely ended the value `put` wrote under `key` (put before it):
+        it took the key's object, or it was a remove of the key that found none, `put` having
+        been acknowledged (a put that failed may yet be committed after the remove)."""
+        from kvpool.errors import ErrorCode
+
+        if self.took(removal, key):
+            return True
+        return (
+            removal.f == "remove" and removal.error is None and removal.end != NEVER
+            and removal.result[0] == ErrorCode.OBJECT_NOT_FOUND and put in self.acked[key]
+        )  # fmt: skip
+
     def where(self, key: str, put: Op, end: float) -> set[str] | None:
         """The segments the master listed for `key`'s object after `put` (its own sample and
         those of the acknowledged puts of the key that found it there until `end`: a put of an
@@ -876,29 +889,19 @@ def check(out_dir: Path, final: dict | None = None) -> list[str]:
                 else:
                     violations.append(f"{key}: read {version} then {other} with nothing removing {version}")
         # A removed value does not come back.
+        # Nor does one a remove of its key found no more (lost with a node the master timed
+        # out: the master keeps what such a node held, tombstones.py).
         for read, version in key_reads:
             put = puts[(key, *version)]
             for removal in history.removals(key):
-                if not (put.end < removal.start and removal.end < read.start and history.took(removal, key)):
+                if not (put.end < removal.start and removal.end < read.start and history.ended(removal, key, put)):
                     continue
-                # Documented limits (docs/operations.md): a master restart forgets the drops a
-                # node had not acknowledged; and an object lost with a node the master timed
-                # out is out of a remove's reach and comes back with it: the remove took
-                # another value, on other segments.
-                was = history.where(key, put, removal.start)
-                placed = set(put.at[key]) if put.at and key in put.at else None  # where `version` went
-                before = set((removal.args.get("before") or {}).get(key) or ())
-                other_value = placed is None or not before or not before <= placed
+                # Documented limit (docs/operations.md): a master restart forgets the drops a
+                # node had not acknowledged and what a node away held.
                 if evidence.restart_between(removal.start, read.end):
                     excused["removed value back after a master restart"] += 1
-                elif (
-                    other_value
-                    and evidence.node_fault_on(was, put.start, removal.end)
-                    and evidence.lost_between(put.start, removal.end)
-                ):
-                    excused["removed value back with its node"] += 1
                 else:
-                    violations.append(f"{key}: {read.f} returned {version} after a remove that took it "
+                    violations.append(f"{key}: {read.f} returned {version} after a remove that ended it "
                                       f"({removal.f} {removal.writer}/{removal.sequence})")  # fmt: skip
     # An acknowledged pinned put stays readable unless it left (removed, a fault on a node that
     # held it), or while a master restart hides it.

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from kvpool import Store
+from kvpool.errors import ErrorCode
 from kvpool.protocol import objectfile
 from tests.test_cluster import values_for, wait_until
 from tests.test_cluster_disk import OBJECT_SIZE, disk_args, disk_keys, tiers_of
@@ -75,6 +76,39 @@ def test_disk_objects_removed_while_their_node_is_dead_stay_removed_after_its_re
     assert wait_until(lambda: object_file_count(disk) == len(kept), 10)
     assert wait_until(lambda: "rejected" in restarted.log_tail(50), 10)
 
+
+
+@pytest.mark.parametrize("remove_by", ["keys", "all"])
+def test_disk_objects_removed_after_their_dead_node_was_dropped_stay_removed_after_its_restart(
+    make_cluster, tmp_path, remove_by
+):
+    # Past its TTL the master drops a dead node's segments, and the objects they alone held
+    # with them: a remove then finds no such key (nor a remove_all any), and the restarted
+    # node's disk tier brought them back. The master keeps the keys lost with a segment, and a
+    # remove that names them, found or not, refuses them when the segment mounts again.
+    cluster = make_cluster(0, "8MiB", master_args=("--node-ttl-ms", str(NODE_TTL_MS)))
+    disk = tmp_path / "disk"
+    node = cluster.start_node(disk_args(disk))
+    values = values_for("lost", 64, OBJECT_SIZE)  # 16 MiB through 8 MiB of DRAM
+    with Store(cluster.master_endpoint) as store:
+        on_disk = put_until_settled_on_disk(store, values, node)
+        assert len(on_disk) >= 32
+        node.kill()
+        assert wait_until(lambda: node.info["disk_segment_id"] not in segment_ids(store), 10)
+        if remove_by == "keys":
+            removed, kept = on_disk[::2], on_disk[1::2]
+            assert store.batch_remove(removed) == [ErrorCode.OBJECT_NOT_FOUND] * len(removed)
+        else:
+            removed, kept = on_disk, []
+            assert store.remove_all() == 0  # none it knew of
+    restarted = cluster.start_node(disk_args(disk))
+    with Store(cluster.master_endpoint, shm_enabled=False) as reader:
+        assert wait_until(lambda: "rejected" in restarted.log_tail(50), 10)
+        assert wait_until(lambda: all(reader.batch_exists(kept)), 10)
+        assert not any(reader.batch_exists(removed))
+        assert reader.get_batch(removed) == [None] * len(removed)
+        assert reader.get_batch(kept) == [values[key] for key in kept]
+    assert wait_until(lambda: object_file_count(disk) == len(kept), 10)
 
 
 @pytest.mark.parametrize("then", ["writable_again", "restarted_read_only"])

@@ -15,17 +15,20 @@ import logging
 import pytest
 
 from kvpool import limits
+from kvpool.errors import ErrorCode
 from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import (
     TIER_DISK,
     Heartbeat,
     InventoryEntry,
     MountSegment,
+    MoveItem,
     Remove,
     RemoveAll,
     UnmountSegment,
 )
 from tests.test_master_service import OBJECT_SIZE, OK, checksum_of, exists, get, info, make, mount, put
+from tests.test_master_tiers import Nodes, cluster, disk, dram, fill, promoting
 
 
 def entry(key: str, offset: int) -> InventoryEntry:
@@ -251,3 +254,76 @@ def test_the_first_drop_still_waiting_is_found_from_where_the_last_look_stopped(
     svc.drops_done("s1", taken[2:], 3)
     assert svc.first_dropping("s1", taken, 2) == len(taken)
     assert svc.first_dropping("gone", taken) == len(taken)  # no such segment: nothing waits
+
+
+# --- moves in flight when a segment goes (tiers.py) ------------------------------------------
+
+
+def offloading(**config):
+    """Node n1's DRAM "A" filled: offloads into its disk tier "A/disk" sent and not answered.
+    Returns the service and the items (A/disk and A time out after 10 s without a heartbeat)."""
+    svc = cluster(node_ttl_ms=10_000, **config)
+    fill(svc)
+    svc.tick(1)
+    items = svc.take_moves()["A"]
+    assert items and {item.dst_segment_id for item in items} == {"A/disk"}
+    return svc, items
+
+
+def moved(items: list[MoveItem]) -> list[InventoryEntry]:
+    """What the node recorded of the moves it made: their targets."""
+    return [InventoryEntry(item.key, item.dst_offset, item.size, item.checksum) for item in items]
+
+
+def test_an_offload_target_left_on_a_disk_tier_that_went_is_refused_once_its_object_is_removed() -> None:
+    svc, items = offloading()
+    svc.heartbeat(Heartbeat(["A"]), 9_000)
+    svc.tick(10_000)  # the disk tier went with the copies its node was writing
+    first, *others = items
+    assert svc.remove(Remove([first.key], force=True), 10_001).codes == [OK]
+    rejected = svc.mount_segment(MountSegment(disk("A/disk", "n1"), moved(items)), 10_002).rejected
+    assert [entry.key for entry in rejected] == [first.key]
+    svc.finish_moves("A", items, [OK] * len(items), 10_003)  # late: their target went meanwhile
+    assert exists(svc, [item.key for item in items], 10_004) == [item is not first for item in items]
+
+
+def test_a_promotion_target_left_in_a_dram_segment_that_went_is_refused_once_its_object_is_removed() -> None:
+    svc = cluster(promote_reads=2, lease_ttl_ms=1_000, node_ttl_ms=100_000)
+    nodes = Nodes(svc)
+    cold, moves = promoting(nodes)
+    svc.heartbeat(Heartbeat(["A/disk"]), 99_000)
+    svc.tick(100_000)  # node n1's DRAM segment timed out, the promotion written into it
+    assert svc.remove(Remove([cold]), 100_001).codes == [OK]  # found on the disk tier
+    for items in moves.values():  # the node wrote the copy; its answer comes late
+        nodes.inventories["A"].add(moved(items))
+    rejected = svc.mount_segment(MountSegment(dram("A", "n1"), nodes.inventories["A"].entries()), 100_002).rejected
+    assert [entry.key for entry in rejected] == [cold]
+    assert exists(svc, [cold], 100_003) == [False]
+
+
+def test_ranges_a_move_of_a_removed_object_held_on_a_segment_that_went_are_refused() -> None:
+    svc, items = offloading()
+    first = items[0]
+    source = get(svc, [first.key], 2).replicas[0][0]
+    assert source.segment_id == "A"
+    assert svc.remove(Remove([first.key], force=True), 3).codes == [OK]  # its move drops the source
+    svc.tick(10_000)  # the node cut off: both its segments went before the move ended
+    svc.finish_moves("A", items, None, 10_001)
+    entry = InventoryEntry(first.key, source.offset, first.size, first.checksum)
+    assert svc.mount_segment(MountSegment(dram("A", "n1"), [entry]), 10_002).rejected == [entry]
+    rejected = svc.mount_segment(MountSegment(disk("A/disk", "n1"), moved(items)), 10_002).rejected
+    assert [e.key for e in rejected] == [first.key]
+    assert exists(svc, [first.key], 10_003) == [False]
+
+
+def test_an_object_lost_during_its_offload_and_removed_comes_back_from_neither_tier() -> None:
+    svc, items = offloading()
+    first = items[0]
+    source = get(svc, [first.key], 2).replicas[0][0]
+    svc.tick(10_000)  # the node cut off: both its segments went, the object lost
+    assert svc.remove(Remove([first.key]), 10_001).codes == [ErrorCode.OBJECT_NOT_FOUND]
+    entry = InventoryEntry(first.key, source.offset, first.size, first.checksum)
+    assert svc.mount_segment(MountSegment(dram("A", "n1"), [entry]), 10_002).rejected == [entry]
+    rejected = svc.mount_segment(MountSegment(disk("A/disk", "n1"), moved(items)), 10_002).rejected
+    assert [e.key for e in rejected] == [first.key]
+    assert exists(svc, [item.key for item in items], 10_003) == [item is not first for item in items]

@@ -230,13 +230,14 @@ class MountFlow:
         self, segment: Segment, lost: list[tuple[str, ObjectMeta]], kept: list[tuple[str, ObjectMeta]]
     ) -> None:
         """Objects lose their replica on `segment`: `lost` had no other and go; `kept` live on
-        elsewhere, and their replicas here are left behind (tombstones.py): its node may come
-        back with them after they were removed."""
+        elsewhere. Both are left behind (tombstones.py): its node may come back with them after
+        their keys were removed (a remove of a lost key finds none, yet must reach it)."""
         index = segment.index
+        segment_id, ttl_ms = segment.segment_id, _tombstone_ttl_ms(segment)
+        if lost:
+            self._tombstones.leave_lost(segment_id, _offsets_on(index, lost), ttl_ms)
         if kept:
-            ttl_ms = limits.TOMBSTONE_DRAM_TTL_MS if segment.tier == TIER_DRAM else limits.TOMBSTONE_TTL_MS
-            self._tombstones.leave_behind(segment.segment_id, [(key, meta.offset_on(index)) for key, meta in kept],
-                                          ttl_ms)  # type: ignore[misc]  # fmt: skip
+            self._tombstones.leave_behind(segment_id, _offsets_on(index, kept), ttl_ms)
         lost_keys = [key for key, _ in lost]
         self._table.remove_many(lost_keys)
         self._tiers.promotions.forget_many(lost_keys)
@@ -258,10 +259,21 @@ class MountFlow:
     def unmount(self, segment: Segment) -> None:
         """Remove a segment: its replicas vanish (O(n) scan when it holds any object), puts in
         flight lose their ranges there, its quarantine goes with it, and its drops its node has
-        not acknowledged become tombstones (tombstones.py)."""
-        if segment.drops_unsent or segment.drops_sent:
-            ttl_ms = limits.TOMBSTONE_DRAM_TTL_MS if segment.tier == TIER_DRAM else limits.TOMBSTONE_TTL_MS
-            self._tombstones.bury(segment.segment_id, [*segment.drops_unsent, *segment.drops_sent.values()], ttl_ms)
+        not acknowledged become tombstones (tombstones.py), as do the ranges there of moves of
+        removed objects; the targets there of the other moves in flight are left behind."""
+        ttl_ms = _tombstone_ttl_ms(segment)
+        targets, removed = self._tiers.stranded_on(segment)
+        if segment.drops_unsent or segment.drops_sent or removed:
+            drops = [*segment.drops_unsent, *segment.drops_sent.values(), *removed]
+            self._tombstones.bury(segment.segment_id, drops, ttl_ms)
+        if targets:  # those of objects lost meanwhile are lost keys, on their budget
+            get = self._table.get
+            lost = [(key, offset) for key, offset in targets if get(key) is None]
+            if lost:
+                self._tombstones.leave_lost(segment.segment_id, lost, ttl_ms)
+            if len(lost) < len(targets):
+                live = [(key, offset) for key, offset in targets if get(key) is not None]
+                self._tombstones.leave_behind(segment.segment_id, live, ttl_ms)
         index = segment.index
         table = self._table
         if segment.object_count:
@@ -272,3 +284,14 @@ class MountFlow:
         segment.object_count = 0
         segment.transition(SegmentState.UNMOUNTED)
         self._registry.remove(segment)
+
+
+def _tombstone_ttl_ms(segment: Segment) -> int:
+    """How long what a segment went with is kept: a DRAM segment's id is new at each start of
+    its node, so only a node cut off and mounting again meets its tombstones (tombstones.py)."""
+    return limits.TOMBSTONE_DRAM_TTL_MS if segment.tier == TIER_DRAM else limits.TOMBSTONE_TTL_MS
+
+
+def _offsets_on(index: int, objects: list[tuple[str, ObjectMeta]]) -> list[tuple[str, int]]:
+    """(key, offset) of the objects' replicas on the segment at `index` (each has one)."""
+    return [(key, meta.offset_on(index)) for key, meta in objects]  # type: ignore[misc]

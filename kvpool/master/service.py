@@ -128,9 +128,12 @@ _PATTERN_OPTIONS.log_errors = False  # a bad pattern is the caller's InvalidPara
 
 class Removal:
     """A remove_all or remove_by_regex under way (MasterService.removal): the keys of the
-    complete objects when it began, removed in steps. A step removes those of its keys that are
-    still complete objects when it runs, and match, and are not leased (unless forced): a key
-    put again between steps goes too, one put first meanwhile stays."""
+    complete objects when it began, and of those lost with segments that went, removed in
+    steps. A step removes those of its keys that are still complete objects when it runs, and
+    match, and are not leased (unless forced): a key put again between steps goes too, and so
+    does a lost key put again after it began, or mounted again by its node partway (each
+    counted); a key put first meanwhile stays. A matching key that is no object turns what
+    segments that went left behind of it into tombstones (tombstones.py)."""
 
     def __init__(self, service: MasterService, keys: list[str], search, force: bool) -> None:
         self.keys = keys
@@ -299,7 +302,7 @@ class MasterService:
                 raise self._count_error(InvalidParams("too many segments mounted"))
             self._check_token_unique(info)
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), heard_ms)
-        inventory, removed = self.tombstones.unearth(info.segment_id, msg.inventory)
+        inventory, removed = self.tombstones.unearth(info.segment_id, msg.inventory, msg.is_last)
         if removed:
             self.counters.refused_returns += len(removed)
             log.info("segment %s (node %s) mounted again holding %d objects removed or evicted while it was away: "
@@ -890,6 +893,7 @@ class MasterService:
         self._check_batch(msg.keys)
         table = self._table
         codes_out: list[int] = []
+        absent: list[str] = []  # removed without an object here: a node away may hold one
         for key in msg.keys:
             meta = table.get(key)
             if meta is not None:
@@ -903,11 +907,15 @@ class MasterService:
             put = table.pending.get(key)
             if put is None:
                 codes_out.append(codes.OBJECT_NOT_FOUND)
+                absent.append(key)
             elif put.is_committing or not msg.force:
                 codes_out.append(codes.REPLICA_IS_NOT_READY)
             else:
                 self._puts.discard(key, put)
                 codes_out.append(codes.OK)
+                absent.append(key)
+        if absent:
+            self.tombstones.gone(absent)  # an object lost with a segment that went: not to come back
         return CodesReply(codes_out)
 
     def remove_by_regex(self, msg: RemoveByRegex, now_ms: int) -> CountReply:
@@ -931,7 +939,10 @@ class MasterService:
             InvalidParams: the pattern is too long or does not compile.
         """
         search = self._compile(msg.pattern).search if isinstance(msg, RemoveByRegex) else None
-        return Removal(self, [*self._table.objects, *self._table.lower], search, msg.force)
+        table = self._table
+        # And the keys lost with segments that went (mounts.py): their nodes may come back with
+        # them. As they are, O(lost keys) copied: a step tells those put again from the others.
+        return Removal(self, [*table.objects, *table.lower, *self.tombstones.lost_keys()], search, msg.force)
 
     # --- time ---------------------------------------------------------------------------
 
@@ -1225,16 +1236,23 @@ class MasterService:
 
     def _remove_matching(self, keys: list[str], search, force: bool, now_ms: int) -> int:
         """Remove those of `keys` still complete objects that `search` finds (all without one),
-        skipping leased ones unless `force`; how many went."""
+        skipping leased ones unless `force`; how many went. Those found that are no object any
+        more still go from the replicas segments that went left behind (tombstones.py). A key
+        may come twice (lost, then put again): it goes once."""
         get = self._table.get
-        doomed = []
+        doomed: dict[str, None] = {}
+        absent = []
         for key in keys:
-            meta = get(key)
-            if meta is None or (search is not None and search(key) is None):
+            if search is not None and search(key) is None:
                 continue
-            if force or not meta.has_lease(now_ms):
-                doomed.append(key)
-        self._drop_objects(doomed)
+            meta = get(key)
+            if meta is None:
+                absent.append(key)
+            elif force or not meta.has_lease(now_ms):
+                doomed[key] = None
+        if absent:
+            self.tombstones.gone(absent)
+        self._drop_objects(list(doomed))
         self.counters.removes += len(doomed)
         return len(doomed)
 

@@ -926,6 +926,25 @@ class TierFlow:
             segment.object_count -= 1
         self.place(key, meta)
 
+    def stranded_on(self, segment: Segment) -> tuple[list[tuple[str, int]], list[InventoryEntry]]:
+        """`segment` is going: the ranges there of moves in flight, which their end no longer
+        reaches (its node may come back with them). (key, offset) of the targets of moves whose
+        object lives (or was lost), and the entries of every range of those whose object was
+        removed or evicted (their end would have dropped them). O(moves in flight)."""
+        targets: list[tuple[str, int]] = []
+        removed: list[InventoryEntry] = []
+        for move in self.moves:
+            key, size_bytes, checksum = move.key, move.meta.size_bytes, move.meta.checksum
+            places = [*move.targets, *move.held()] if move.is_cancelled else move.targets
+            for place_segment, offset in places:
+                if place_segment is not segment:
+                    continue
+                if move.is_cancelled:
+                    removed.append(InventoryEntry(key, offset, size_bytes, checksum))
+                else:
+                    targets.append((key, offset))
+        return targets, removed
+
     # --- invariants ------------------------------------------------------------------------
 
     def iter_held_ranges(self) -> Iterator[tuple[Segment, int, int, bool]]:
