@@ -45,10 +45,13 @@ def segment_ids(store: Store) -> set[str]:
     return {status.segment.segment_id for status in store.cluster_status().segments}
 
 
-@pytest.mark.parametrize("comes_back", ["within_ttl", "after_ttl"])
-def test_disk_objects_removed_while_their_node_is_dead_stay_removed_after_its_restart(
-    make_cluster, tmp_path, comes_back
-):
+@pytest.mark.parametrize("removed", ["before_ttl", "before_ttl_back_after_it", "after_ttl", "all_after_ttl"])
+def test_disk_objects_removed_while_their_node_is_dead_stay_removed_after_its_restart(make_cluster, tmp_path, removed):
+    # Before the node's TTL the master still lists its objects: a remove takes them, and its
+    # drops wait as tombstones. After it, the master has dropped the node's segments and the
+    # objects they alone held: a remove finds no such key (nor a remove_all any), and until
+    # 2026-12-06 the restarted node's disk tier brought them back. The master now keeps the
+    # keys lost with a segment, and a remove that names them, found or not, refuses them.
     cluster = make_cluster(0, "8MiB", master_args=("--node-ttl-ms", str(NODE_TTL_MS)))
     disk = tmp_path / "disk"
     node = cluster.start_node(disk_args(disk))
@@ -57,57 +60,34 @@ def test_disk_objects_removed_while_their_node_is_dead_stay_removed_after_its_re
         on_disk = put_until_settled_on_disk(store, values, node)
         assert len(on_disk) >= 32
         node.kill()
-        removed, kept = on_disk[::2], on_disk[1::2]
-        assert store.batch_remove(removed) == [0] * len(removed)  # the master forgets them at once
-        assert not any(store.batch_exists(removed))
-        if comes_back == "after_ttl":
-            assert wait_until(lambda: node.info["disk_segment_id"] not in segment_ids(store), 10)
+
+        def dropped() -> bool:
+            return node.info["disk_segment_id"] not in segment_ids(store)
+
+        if removed.endswith("after_ttl"):
+            assert wait_until(dropped, 10)
+        if removed == "all_after_ttl":
+            gone, kept = on_disk, []
+            assert store.remove_all() == 0  # none it knew of
+        else:
+            gone, kept = on_disk[::2], on_disk[1::2]
+            code = 0 if removed.startswith("before_ttl") else ErrorCode.OBJECT_NOT_FOUND
+            assert store.batch_remove(gone) == [code] * len(gone)  # the master forgets them at once
+        assert not any(store.batch_exists(gone))
+        if removed == "before_ttl_back_after_it":
+            assert wait_until(dropped, 10)
     assert object_file_count(disk) >= len(on_disk)  # the dead node removed no file
     restarted = cluster.start_node(disk_args(disk))
     assert restarted.info["disk_segment_id"] == node.info["disk_segment_id"]
     with Store(cluster.master_endpoint, shm_enabled=False) as reader:
         assert wait_until(lambda: all(reader.batch_exists(kept)), 10)
-        assert not any(reader.batch_exists(removed))
-        assert reader.get_batch(removed) == [None] * len(removed)
+        assert wait_until(lambda: "rejected" in restarted.log_tail(50), 10)
+        assert not any(reader.batch_exists(gone))
+        assert reader.get_batch(gone) == [None] * len(gone)
         assert reader.get_batch(kept) == [values[key] for key in kept]
         assert tiers_of(reader)["disk"]["object_count"] == len(kept)
     # The restarted node removes their files once its mount is answered (the kept ones may
-    # be read before that), then says so.
-    assert wait_until(lambda: object_file_count(disk) == len(kept), 10)
-    assert wait_until(lambda: "rejected" in restarted.log_tail(50), 10)
-
-
-
-@pytest.mark.parametrize("remove_by", ["keys", "all"])
-def test_disk_objects_removed_after_their_dead_node_was_dropped_stay_removed_after_its_restart(
-    make_cluster, tmp_path, remove_by
-):
-    # Past its TTL the master drops a dead node's segments, and the objects they alone held
-    # with them: a remove then finds no such key (nor a remove_all any), and the restarted
-    # node's disk tier brought them back. The master keeps the keys lost with a segment, and a
-    # remove that names them, found or not, refuses them when the segment mounts again.
-    cluster = make_cluster(0, "8MiB", master_args=("--node-ttl-ms", str(NODE_TTL_MS)))
-    disk = tmp_path / "disk"
-    node = cluster.start_node(disk_args(disk))
-    values = values_for("lost", 64, OBJECT_SIZE)  # 16 MiB through 8 MiB of DRAM
-    with Store(cluster.master_endpoint) as store:
-        on_disk = put_until_settled_on_disk(store, values, node)
-        assert len(on_disk) >= 32
-        node.kill()
-        assert wait_until(lambda: node.info["disk_segment_id"] not in segment_ids(store), 10)
-        if remove_by == "keys":
-            removed, kept = on_disk[::2], on_disk[1::2]
-            assert store.batch_remove(removed) == [ErrorCode.OBJECT_NOT_FOUND] * len(removed)
-        else:
-            removed, kept = on_disk, []
-            assert store.remove_all() == 0  # none it knew of
-    restarted = cluster.start_node(disk_args(disk))
-    with Store(cluster.master_endpoint, shm_enabled=False) as reader:
-        assert wait_until(lambda: "rejected" in restarted.log_tail(50), 10)
-        assert wait_until(lambda: all(reader.batch_exists(kept)), 10)
-        assert not any(reader.batch_exists(removed))
-        assert reader.get_batch(removed) == [None] * len(removed)
-        assert reader.get_batch(kept) == [values[key] for key in kept]
+    # be read before that).
     assert wait_until(lambda: object_file_count(disk) == len(kept), 10)
 
 
