@@ -53,9 +53,10 @@ from kvpool.master.removed_at_start import RemovedAtStart
 from kvpool.master.service import MasterService, Removal
 from kvpool.master.takeover import Takeover
 from kvpool.process import raise_open_files_limit
-from kvpool.protocol import auth
+from kvpool.protocol import auth, objectfile
 from kvpool.protocol.messages import (
     TIER_DFS,
+    TIER_DRAM,
     ClusterStatus,
     CodesReply,
     CommitObjects,
@@ -129,6 +130,13 @@ _DFS_MOUNT_CHUNK = limits.BATCH_KEYS_MAX
 # killed mid-copy leaves its in-flight ones, up to its move budget): the scan at start removes
 # them too, and a master that ran for weeks let them fill the share meanwhile.
 DFS_TEMP_SWEEP_INTERVAL_MS = limits.DFS_TEMP_FILE_AGE_MS_MAX
+# How often at most it walks the DFS for the temporary files of nodes gone mid-copy (their
+# names say whose they are: objectfile.temp_name), sooner than their hour: each walk lists
+# every file of the share, and a node crash-looping would otherwise have one walk per run.
+DFS_GONE_WRITERS_SWEEP_INTERVAL_MS = 60_000
+# Nodes whose DFS copies went unanswered, remembered at most (the oldest forgotten, their files
+# left to the hourly sweep): one per node killed mid-copy, forgotten once it is walked for.
+DFS_WRITERS_UNANSWERED_MAX = 10_000
 
 
 class _RoomWaiter:
@@ -273,6 +281,17 @@ class MasterServer:
         self._dfs_task: asyncio.Task[None] | None = None  # its mount, or a look at it, in flight
         self._dfs_temps_due_ms = 0  # when to remove dead writers' temporary files next
         self._dfs_temps_task: asyncio.Task[None] | None = None  # that removal, in flight
+        # DFS writers: a node's DRAM segment id names its temporary files there. Per open
+        # connection, the one its node mounted; those this term asked for DFS copies that went
+        # unanswered (killed mid-copy?), oldest first, with a number per record, forgotten once
+        # their node answers or mounts again (it removes its own late copies) or a walk for them
+        # ends; and, per tag, those the walk in flight removes the files of (with their number).
+        self._dfs_writer_of_conn: dict[Connection, str] = {}
+        self._dfs_writers_unanswered: dict[str, int] = {}
+        self._dfs_writers_recorded = 0  # records so far: each record's number
+        self._dfs_writers_over = False  # past DFS_WRITERS_UNANSWERED_MAX (logged once a term)
+        self._dfs_tags_gone: dict[str, tuple[str, int]] = {}
+        self._dfs_writers_due_ms = 0  # when the next walk for them may start
 
     def __repr__(self) -> str:
         return f"<MasterServer {self.endpoint} {self.role} nodes={len(self._node_links)}>"
@@ -361,6 +380,7 @@ class MasterServer:
         lost = [segment_id for segment_id, link in self._node_links.items() if link.conn is conn]
         for segment_id in lost:
             del self._node_links[segment_id]
+        self._dfs_writer_of_conn.pop(conn, None)
         if lost and self.service.node_link_lost(lost):
             log.info("lost the connection to the node of %s: no puts there until it speaks again", ", ".join(lost))
 
@@ -424,6 +444,7 @@ class MasterServer:
                 return service.cluster_status(message, now_ms)
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
+                self._dfs_writer_mounts(conn, message.segment)
                 reply = self._mount(service, message, message.is_last, now_ms)
                 self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
@@ -927,6 +948,10 @@ class MasterServer:
         """One node's moves, in requests of at most MOVE_ITEMS_PER_REQUEST_MAX items; every
         item gets a code back into `service` (TRANSFER_FAIL when its request failed)."""
         conn = self._node_conn(segment_id)
+        # The node's DRAM segment id names its DFS temporary files; taken now: a link that
+        # closes leaves _dfs_writer_of_conn.
+        writer = self._dfs_writer_of_conn.get(conn) if conn is not None else None
+        dfs_id = self._dfs_info.segment_id if self._dfs_info is not None else None
         for start in range(0, len(items), limits.MOVE_ITEMS_PER_REQUEST_MAX):
             chunk = items[start : start + limits.MOVE_ITEMS_PER_REQUEST_MAX]
             if conn is None or not self._leads_as(service):
@@ -941,6 +966,10 @@ class MasterServer:
                     codes = reply.codes
             except KVPoolError as exc:
                 log.warning("moves on segment %s failed: %s", segment_id, exc)
+            if writer is not None and codes is not None:  # alive: it removes its own late copies
+                self._dfs_writers_unanswered.pop(writer, None)
+            elif writer is not None and any(item.dst_segment_id == dfs_id for item in chunk):
+                self._dfs_writer_unanswered(service, writer)
             service.finish_moves(segment_id, chunk, codes, wall_clock_ms())
         if service is self.service and service.has_pending_drops():
             # The offloaded replicas: their room is what puts wait for (those waiting for room
@@ -972,20 +1001,69 @@ class MasterServer:
             self._dfs_task.add_done_callback(functools.partial(_log_task_failure, doing="tending the DFS"))
         now_ms = local_clock_ms()
         is_mounted = self._dfs_service is self.service  # its mount's scan sweeps as well: not twice
-        if is_mounted and now_ms >= self._dfs_temps_due_ms and (
-            self._dfs_temps_task is None or self._dfs_temps_task.done()
-        ):
+        if not is_mounted or (self._dfs_temps_task is not None and not self._dfs_temps_task.done()):
+            return
+        is_due = now_ms >= self._dfs_temps_due_ms
+        gone = self._dfs_writers_gone() if now_ms >= self._dfs_writers_due_ms else {}
+        if is_due or gone:
             # A task of its own: the walk of every file of the share may outlast the node TTL,
             # which the DFS's heartbeat (_ensure_dfs) must not.
             self._dfs_temps_due_ms = now_ms + DFS_TEMP_SWEEP_INTERVAL_MS
-            self._dfs_temps_task = asyncio.get_running_loop().create_task(self._remove_dfs_temporaries())
+            self._dfs_writers_due_ms = now_ms + DFS_GONE_WRITERS_SWEEP_INTERVAL_MS
+            self._dfs_tags_gone = gone
+            self._dfs_temps_task = asyncio.get_running_loop().create_task(self._remove_dfs_temporaries(gone))
             self._dfs_temps_task.add_done_callback(
                 functools.partial(_log_task_failure, doing="removing the DFS's stale temporary files")
             )
 
-    async def _remove_dfs_temporaries(self) -> None:
-        """Remove the DFS's temporary files older than DFS_TEMP_FILE_AGE_MS_MAX: their writer
-        is gone (a node killed mid-copy; a live one renames or removes its own well before).
+    def _dfs_writer_mounts(self, conn: Connection, segment: SegmentInfo) -> None:
+        """A node mounts its DRAM segment, whose id names its DFS temporary files: it is alive
+        (the id is new at each start) and judges the copies it began before as late, removing
+        their files itself (node/moves.py). Called before the reply, hence before the node is
+        sent any new copy: the walk in flight spares every file that node writes from now on."""
+        if self._dfs_info is None or segment.tier != TIER_DRAM:
+            return
+        writer = segment.segment_id
+        self._dfs_writer_of_conn[conn] = writer
+        self._dfs_writers_unanswered.pop(writer, None)
+        if self._dfs_tags_gone:
+            self._dfs_tags_gone.pop(objectfile.writer_tag(writer), None)
+
+    def _dfs_writer_unanswered(self, service: MasterService, writer: str) -> None:
+        """Remember that `writer` left DFS copies of `service`'s term unanswered."""
+        if service is not self.service:
+            return  # an earlier term's request: its records went with it (_new_term)
+        records = self._dfs_writers_unanswered
+        records.pop(writer, None)
+        self._dfs_writers_recorded += 1
+        records[writer] = self._dfs_writers_recorded  # the newest last
+        if len(records) <= DFS_WRITERS_UNANSWERED_MAX:
+            return
+        if not self._dfs_writers_over:
+            self._dfs_writers_over = True
+            log.warning("more than %d nodes left DFS copies unanswered: the oldest are forgotten, their "
+                        "temporary files removed after an hour", DFS_WRITERS_UNANSWERED_MAX)  # fmt: skip
+        del records[next(iter(records))]
+
+    def _dfs_writers_gone(self) -> dict[str, tuple[str, int]]:
+        """Per writer tag, the records of _dfs_writers_unanswered whose DRAM segment is not
+        mounted (timed out, or left): the master cannot tell a node killed from one cut off,
+        and one that comes back mounts again (_dfs_writer_mounts). A node cut off past the
+        TTL but alive loses, at most, copies the master has given up on (their rename fails)."""
+        service = self.service
+        return {
+            objectfile.writer_tag(writer): (writer, number)
+            for writer, number in self._dfs_writers_unanswered.items()
+            if not service.has_segment(writer)
+        }
+
+    async def _remove_dfs_temporaries(self, gone: dict[str, tuple[str, int]]) -> None:
+        """Remove the DFS's temporary files whose writer is gone: those named after a tag of
+        `gone` (_dfs_writers_gone; looked up at each file, while its writer may come back),
+        and any older than DFS_TEMP_FILE_AGE_MS_MAX (a node killed mid-copy; a live one
+        renames or removes its own well before). Then forgets the records walked for, those
+        still gone and unchanged (a node that came back, or left copies unanswered since, may
+        have written files the walk had passed).
         The walk, in a thread, stops at the next file once this task is cancelled (the master
         stops: its executor would wait for the walk of a hung share) or the term ends."""
         dfs, service, cancelled = self._dfs, self.service, threading.Event()
@@ -996,7 +1074,7 @@ class MasterServer:
 
         try:
             removed, failed = await asyncio.to_thread(
-                dfs.remove_stale_temporaries, limits.DFS_TEMP_FILE_AGE_MS_MAX, keep_going
+                dfs.remove_stale_temporaries, limits.DFS_TEMP_FILE_AGE_MS_MAX, keep_going, gone
             )
         except asyncio.CancelledError:
             cancelled.set()
@@ -1004,6 +1082,13 @@ class MasterServer:
         except KVPoolError as exc:  # the share itself (its objects directory) cannot be read
             log.warning("removing the DFS's stale temporary files: %s (tried again at the next sweep)", exc)
             return
+        finally:
+            if self._dfs_tags_gone is gone:
+                self._dfs_tags_gone = {}
+        records = self._dfs_writers_unanswered
+        for writer, number in gone.values():  # those mounted again meanwhile left `gone`
+            if records.get(writer) == number:
+                del records[writer]
         if removed or failed:
             log.info("removed %d temporary files of DFS writers gone (nodes killed mid-copy); %d could not be "
                      "removed", removed, failed)  # fmt: skip
@@ -1173,6 +1258,9 @@ class MasterServer:
         self._unsent_drops = {}
         self._drops_failing = set()
         self._drop_tasks = {}  # the old term's tasks end by themselves
+        self._dfs_writers_unanswered = {}
+        self._dfs_writers_over = False
+        self._dfs_tags_gone = {}  # a walk in flight stops at its next file
 
 
 def _new_term_id() -> int:

@@ -455,8 +455,10 @@ class Mover:
 
             def copy() -> Path | None:
                 with read() as source:
+                    # Named after this run's DRAM segment: the master removes the file once
+                    # that segment is gone, should this node die before it does.
                     return dfs.write_temporary(item.key, item.dst_offset, item.checksum, source,
-                                               is_durable=self.is_durable)  # fmt: skip
+                                               is_durable=self.is_durable, writer_id=self.segment_id)  # fmt: skip
 
             publish = functools.partial(dfs.publish, item.key, item.dst_offset, is_durable=self.is_durable)
 

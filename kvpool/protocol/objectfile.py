@@ -30,7 +30,10 @@ host find it from (key, replica) alone, and a new copy of a key never takes an o
 
     <dfs_dir>/objects/<2 hex>/<xxh3-128 of the key, 32 hex>-<offset, 12 hex>.kvo
 
-A file being written is `<final name>.<random hex>.tmp` in the same directory.
+A file being written is `<final name>.<random hex>.tmp` in the same directory; a DFS one also
+names its writer, so that the master can remove it once that writer is gone (temp_name):
+
+    <dfs_dir>/objects/<2 hex>/<final name>.<writer tag, 16 hex>.<random hex>.tmp
 """
 
 from __future__ import annotations
@@ -55,10 +58,17 @@ TEMP_SUFFIX = ".tmp"
 IDENTITY_FILE = "kvpool-tier.json"
 LOCK_FILE = "kvpool-tier.lock"
 _OFFSET_HEX_DIGITS = 12  # 48 bits: more than any offset (SEGMENT_SIZE_BYTES_MAX is 2**47).
+_RANDOM_HEX_DIGITS = 12
+_WRITER_TAG_HEX_DIGITS = 16  # xxh3-64: a fixed length whatever the writer's id
+# The longest name a file of a tier takes: a DFS temporary file's (filesystems allow 255 bytes).
+NAME_BYTES_MAX = (
+    32 + 1 + _OFFSET_HEX_DIGITS + len(SUFFIX) + 1 + _WRITER_TAG_HEX_DIGITS + 1 + _RANDOM_HEX_DIGITS + len(TEMP_SUFFIX)
+)
 
 assert FIXED_SIZE_BYTES == 48
 assert limits.SEGMENT_SIZE_BYTES_MAX < 16**_OFFSET_HEX_DIGITS
 assert ALIGN_BYTES % 512 == 0  # O_DIRECT's alignment on every Linux block device
+assert NAME_BYTES_MAX <= 255
 
 
 class ObjectHeader(NamedTuple):
@@ -165,6 +175,37 @@ def dfs_offset_of(name: str) -> int | None:
 
 def is_temp_name(name: str) -> bool:
     return name.endswith(TEMP_SUFFIX)
+
+
+def writer_tag(writer_id: str) -> str:
+    """What a temporary file's name says of its writer: the hash of its id (a node's DRAM
+    segment id, new at each start), of one length and alphabet whatever the id is."""
+    return xxhash.xxh3_64_hexdigest(writer_id.encode())
+
+
+def temp_name(final_name: str, random_hex: str, writer_id: str = "") -> str:
+    """The name a file is written under before it is renamed to `final_name`: random, so that
+    two writers of one name never share a temporary file, and tagged with `writer_id` when
+    given (DFS files: the master removes a gone writer's, temp_writer_of)."""
+    assert len(random_hex) == _RANDOM_HEX_DIGITS, random_hex
+    writer = f".{writer_tag(writer_id)}" if writer_id else ""
+    return f"{final_name}{writer}.{random_hex}{TEMP_SUFFIX}"
+
+
+def temp_writer_of(name: str) -> str | None:
+    """The writer tag a temporary file's name carries, or None (no temporary file's name, or
+    one written without a writer: before 2026-12-06, a disk tier's)."""
+    if not is_temp_name(name):
+        return None
+    head, _, _random = name[: -len(TEMP_SUFFIX)].rpartition(".")
+    final, _, tag = head.rpartition(".")
+    if not final.endswith(SUFFIX) or len(tag) != _WRITER_TAG_HEX_DIGITS:
+        return None
+    try:
+        int(tag, 16)
+    except ValueError:
+        return None
+    return tag
 
 
 # --- a tier directory's identity ---------------------------------------------------------------

@@ -15,7 +15,11 @@ so the path may differ from host to host.
 
     <dfs_dir>/kvpool-tier.json                      identity: tier "dfs", segment id, token
     <dfs_dir>/objects/<2 hex>/<32 hex>-<12 hex>.kvo one object (key hash, offset in the tier)
-    <dfs_dir>/objects/<2 hex>/....kvo.<hex>.tmp     being written (removed by the master's scan)
+    <dfs_dir>/objects/<2 hex>/....kvo.<writer>.<hex>.tmp   being written by the node <writer> names
+
+A temporary file whose writer is gone (a node killed mid-copy) is removed by the master: once
+it finds that writer gone (remove_stale_temporaries, `tags_gone`), or an hour after the file
+was last written (its writer unknown: a name without a writer, a master restarted since).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import limits
@@ -147,10 +151,12 @@ class DfsDirectory:
 
     def write_temporary(
         self, key: str, offset: int, checksum: int, source: Sequence[memoryview] | FileRange,
-        *, is_durable: bool,
+        *, is_durable: bool, writer_id: str = "",
     ) -> Path:  # fmt: skip
         """Write one object under a temporary name in its bucket, for `publish` (or removal:
-        a move no longer wanted). Blocks.
+        a move no longer wanted), the name tagged with `writer_id` when given (the writing
+        node's DRAM segment id: the master removes the file once that segment is gone; an
+        untagged one an hour after it was last written). Blocks.
 
         Raises:
             FilesystemFull: no space left there. TransferFailed: it could not be written
@@ -158,7 +164,9 @@ class DfsDirectory:
         """
         final = self.path_of(key, offset)
         _make_bucket(final.parent)
-        return files.write_temporary(final.parent, final.name, key, checksum, source, is_durable=is_durable)
+        return files.write_temporary(
+            final.parent, final.name, key, checksum, source, is_durable=is_durable, writer_id=writer_id
+        )
 
     def publish(self, key: str, offset: int, temporary: Path, *, is_durable: bool) -> None:
         """Rename a file write_temporary wrote into place (and sync its bucket when
@@ -209,12 +217,17 @@ class DfsDirectory:
                     continue
                 yield InventoryEntry(header.key, offset, header.size, header.checksum)
 
-    def remove_stale_temporaries(self, temp_age_ms_max: int, keep_going: Callable[[], bool]) -> tuple[int, int]:
-        """Remove the temporary files older than `temp_age_ms_max` (their writer is gone: a
-        node killed mid-copy), as `scan` does, without reading any object, while `keep_going()`
-        (asked before each file); returns how many were removed and how many could not be (a
-        file that cannot go stops no other). O(files): a running master calls it rarely
-        (server.DFS_TEMP_SWEEP_INTERVAL_MS). Blocks.
+    def remove_stale_temporaries(
+        self, temp_age_ms_max: int, keep_going: Callable[[], bool], tags_gone: Collection[str] = ()
+    ) -> tuple[int, int]:
+        """Remove the temporary files whose writer is gone: those tagged with one of
+        `tags_gone` (objectfile.writer_tag), and any older than `temp_age_ms_max` (as `scan`
+        does), without reading any object, while `keep_going()` (asked before each file);
+        returns how many were removed and how many could not be (a file, or a whole bucket
+        that cannot be listed, stops no other). `tags_gone` is looked up at each file: a
+        caller may take a tag out meanwhile (its writer came back), and the files that writer
+        writes from then on stay. O(files): a running master calls it rarely
+        (server.DFS_TEMP_SWEEP_INTERVAL_MS, DFS_GONE_WRITERS_SWEEP_INTERVAL_MS). Blocks.
 
         Raises:
             TransferFailed: the objects directory cannot be read.
@@ -222,15 +235,22 @@ class DfsDirectory:
         now_s = time.time()
         removed = failed = 0
         for bucket in files.scan(self.objects_path):
-            if bucket.is_dir():
+            try:
+                if not bucket.is_dir():  # may stat (a filesystem that reports no file types)
+                    continue
                 for entry in files.scan(Path(bucket.path)):
                     if not keep_going():
                         return removed, failed
                     if objectfile.is_temp_name(entry.name):
                         try:
-                            removed += _remove_if_stale(entry.path, now_s, temp_age_ms_max)
+                            if objectfile.temp_writer_of(entry.name) in tags_gone:
+                                removed += files.remove(entry.path)
+                            else:
+                                removed += _remove_if_stale(entry.path, now_s, temp_age_ms_max)
                         except TransferFailed:
                             failed += 1
+            except (TransferFailed, OSError):  # the bucket cannot be listed (EACCES, ESTALE, EIO)
+                failed += 1
         return removed, failed
 
 

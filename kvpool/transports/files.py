@@ -7,13 +7,14 @@ or TransferFailed, any other failure is TransferFailed (InvalidParams for a dire
 cannot be used at all). It is not the disk tier (node/disk.py decides what to keep) and holds
 no state beyond the open files it hands out.
 
-Writes are atomic: the bytes go to `<name>.<random>.tmp`, optionally fdatasync'ed, then the
-temporary file is renamed to `<name>`; a crash at any moment leaves either the whole new file
-or none (plus a temporary file that scans remove). The directory's own fsync, which makes the
-rename durable, is the caller's (`sync_directory`, once per batch). A caller that may find
-between the two steps that the file is no longer wanted writes it with `write_temporary` and
-renames it with `publish` (node/moves.py). A written file is dropped from the page cache
-(POSIX_FADV_DONTNEED): DRAM is the DRAM tier's, not the disk tier's.
+Writes are atomic: the bytes go to `<name>.<random>.tmp` (a DFS file's also names its writer:
+objectfile.temp_name), optionally fdatasync'ed, then the temporary file is renamed to `<name>`;
+a crash at any moment leaves either the whole new file or none (plus a temporary file that
+scans remove). The directory's own fsync, which makes the rename durable, is the caller's
+(`sync_directory`, once per batch). A caller that may find between the two steps that the file
+is no longer wanted writes it with `write_temporary` and renames it with `publish`
+(node/moves.py). A written file is dropped from the page cache (POSIX_FADV_DONTNEED): DRAM is
+the DRAM tier's, not the disk tier's.
 
 Every call here blocks (disk or network filesystem): callers on an event loop run them in a
 thread (node/moves.py, the Connection's file sender).
@@ -358,11 +359,13 @@ def write_temporary(
     source: Sequence[memoryview] | FileRange,
     *,
     is_durable: bool,
+    writer_id: str = "",
 ) -> Path:
     """Write an object file under a temporary name next to `directory/name`, for `publish` to
     rename into place: a caller that learns meanwhile that the file is no longer wanted (a
     move the master gave up on: node/moves.py) removes it instead, and no file of that name,
-    perhaps another object's by then, is ever replaced. Arguments as write_object's.
+    perhaps another object's by then, is ever replaced. Arguments as write_object's;
+    `writer_id` is named in the temporary name (objectfile.temp_name).
 
     Returns:
         The temporary file's path.
@@ -372,7 +375,7 @@ def write_temporary(
     """
     with map_exceptions(_WRITE_ERRORS):
         try:
-            return _write_temporary(directory, name, key, checksum, source, is_durable)
+            return _write_temporary(directory, name, key, checksum, source, is_durable, writer_id)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 raise FilesystemFull(f"{directory}: {exc.strerror}") from exc
@@ -391,10 +394,16 @@ def publish(temporary: Path, final: Path) -> None:
 
 
 def _write_temporary(
-    directory: Path, name: str, key: str, checksum: int, source: Sequence[memoryview] | FileRange, is_durable: bool
+    directory: Path,
+    name: str,
+    key: str,
+    checksum: int,
+    source: Sequence[memoryview] | FileRange,
+    is_durable: bool,
+    writer_id: str,
 ) -> Path:
     size = source.size if isinstance(source, FileRange) else sum(len(v) for v in source)
-    temporary = directory / f"{name}.{secrets.token_hex(6)}{objectfile.TEMP_SUFFIX}"
+    temporary = directory / objectfile.temp_name(name, secrets.token_hex(6), writer_id)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         header = objectfile.encode_header(key, size, checksum)
