@@ -15,7 +15,7 @@ import logging
 
 import pytest
 
-from kvpool.errors import ErrorCode
+from kvpool.errors import ErrorCode, SegmentNotFound
 from kvpool.master.metadata import ObjectTable
 from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import Heartbeat, InventoryEntry, MountSegment, Remove, RemoveAll, RemoveByRegex
@@ -201,17 +201,49 @@ def test_lost_keys_over_their_budget_forget_the_oldest_lost_keys_only(caplog) ->
     tombstones.gone(["a"])  # a tombstone, on the lost budget
     with caplog.at_level(logging.WARNING, logger="kvpool.master.tombstones"):
         tombstones.leave_lost("new", [("c", 0), ("d", 128)], 1_000)  # 4 > 3: "old"'s b goes
-        tombstones.leave_lost("newer", [("e", 0)], 1_000)  # then "old"'s a
+        tombstones.leave_lost("newer", [("e", 0)], 1_000)  # then "new"'s c: "old"'s a is a remove answered
     assert caplog.text.count("more than 3 keys of objects lost") == 1
     tombstones.check_invariants()
     a, b = InventoryEntry("a", 0, 1, 1), InventoryEntry("b", 128, 1, 1)
-    assert tombstones.unearth("old", [a, b]) == ([a, b], [])
-    tombstones.gone(["k", "c", "e"])
-    assert len(tombstones) == 4  # r, k, c, e
-    entries = {key: InventoryEntry(key, 0, 1, 1) for key in "rkce"}
-    for segment_id, key in [("s9", "r"), ("s8", "k"), ("new", "c"), ("newer", "e")]:
+    assert tombstones.unearth("old", [a, b]) == ([b], [a])
+    tombstones.gone(["k", "c", "d", "e"])
+    assert len(tombstones) == 5  # r, k, a, d, e
+    entries = {key: InventoryEntry(key, 0 if key != "d" else 128, 1, 1) for key in "rkcde"}
+    for segment_id, key in [("s9", "r"), ("s8", "k"), ("new", "d"), ("newer", "e")]:
         assert tombstones.unearth(segment_id, [entries[key]])[1] == [entries[key]]
+    assert tombstones.unearth("new", [entries["c"]]) == ([entries["c"]], [])
     tombstones.check_invariants()
+
+
+def test_lost_keys_over_their_budget_forget_those_no_remove_named_before_any_tombstone() -> None:
+    """A remove_all buried every lost key of a segment: one more lost key over the budget
+    forgot them all, and every object it had answered as removed came back with the node."""
+    tombstones = Tombstones(lost_keys_max=4)
+    tombstones.leave_lost("old", [(key, offset) for offset, key in enumerate(KEYS)], 1_000)
+    tombstones.gone(KEYS)  # a remove_all: all four are tombstones
+    tombstones.leave_lost("new", [("e", 0)], 1_000)  # 5 > 4: "new"'s e goes, no tombstone
+    tombstones.check_invariants()
+    held = [InventoryEntry(key, offset, 1, 1) for offset, key in enumerate(KEYS)]
+    assert len(tombstones) == 4
+    assert tombstones.unearth("old", held) == ([], held)
+    tombstones.lost_keys_max = 3  # none left unnamed: the oldest tombstone goes, not all of them
+    tombstones.leave_lost("newer", [("f", 0)], 1_000)
+    tombstones.check_invariants()
+    assert len(tombstones) == 3
+    assert tombstones.unearth("old", held) == ([held[0]], held[1:])
+
+
+def test_removed_lost_keys_stay_removed_when_other_lost_keys_go_over_the_budget() -> None:
+    svc = make(node_ttl_ms=1_000)
+    svc.tombstones.lost_keys_max = 5  # stands for LOST_KEYS_MAX
+    held = lost_with_s1(svc)
+    assert svc.remove_all(RemoveAll(), 1_100).count == 0  # a, b, c and d are tombstones
+    mount(svc, "s3", now=1_100)
+    assert put(svc, ["e", "f"], now=1_100, placement="preferred", preferred_segments=["s3"]) == [OK, OK]
+    svc.heartbeat(Heartbeat(["s2"]), 1_500)
+    svc.tick(2_100)  # s3 goes: e and f lost, 6 > 5
+    assert comes_back(svc, held, now=2_200) == KEYS
+    assert exists(svc, KEYS, 2_300) == [False] * 4
 
 
 def test_a_remove_between_the_parts_of_a_mount_reaches_a_lost_key_in_a_later_part() -> None:
@@ -223,6 +255,25 @@ def test_a_remove_between_the_parts_of_a_mount_reaches_a_lost_key_in_a_later_par
     assert [entry.key for entry in rejected] == ["c"]
     svc.heartbeat(Heartbeat(["s1", "s2"]), 1_400)
     assert exists(svc, KEYS, 1_500) == [True, True, False, True]
+
+
+def test_a_later_part_of_a_mount_is_refused_once_its_segment_went_since_the_first() -> None:
+    """The last part's is_whole forgot the lost keys the first part (to the incarnation that
+    timed out) showed: the master no longer knew of objects its node held (a remove of one
+    found nothing, and the node's next mount brought it back). The node mounts again from the
+    first part (test_mount_in_parts.py)."""
+    svc = make(node_ttl_ms=1_000)
+    held = lost_with_s1(svc)
+    svc.mount_segment(MountSegment(info("s1"), held[:2], is_last=False), 1_200)  # a, b
+    svc.heartbeat(Heartbeat(["s2"]), 2_200)
+    svc.tick(2_300)  # the node slow between parts: s1 times out, a and b lost again
+    with pytest.raises(SegmentNotFound):
+        svc.mount_segment(MountSegment(info("s1"), held[2:], is_first=False), 2_400)
+    assert comes_back(svc, held, now=2_500) == []  # from its first part
+    with pytest.raises(SegmentNotFound):  # nor a later part once the inventory is whole
+        svc.mount_segment(MountSegment(info("s1"), held[2:], is_first=False), 2_600)
+    assert svc.remove(Remove(["a"]), 2_700).codes == [OK]
+    assert exists(svc, KEYS, 2_800) == [False, True, True, True]
 
 
 def test_a_key_put_again_into_its_segment_mounted_whole_is_not_refused_when_the_node_mounts_again() -> None:

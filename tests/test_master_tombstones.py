@@ -222,6 +222,26 @@ def test_acknowledged_drops_leave_no_tombstone() -> None:
     assert len(svc.tombstones) == 0
 
 
+def test_a_key_removed_twice_from_a_segment_that_went_with_both_drops_stays_removed() -> None:
+    """Removed, put again on the same segment, removed again, its node acknowledging neither
+    drop: the tombstone kept the older drop's offset, and the node's newer copy was adopted."""
+    svc = make(node_ttl_ms=1_000)
+    mount(svc, "s1")
+    mount(svc, "s2")
+    on_s1 = dict(placement="preferred", preferred_segments=["s1"])
+    assert put(svc, ["k"], **on_s1) == [OK]
+    assert svc.remove(Remove(["k"], force=True), 10).codes == [OK]
+    svc.take_drops()  # sent; its node (cut off) never answers
+    assert put(svc, ["k"], now=20, **on_s1) == [OK]
+    newer = get(svc, ["k"], 20).replicas[0][0].offset
+    assert svc.remove(Remove(["k"], force=True), 30).codes == [OK]  # this drop not sent yet
+    svc.heartbeat(Heartbeat(["s2"]), 999)
+    svc.tick(1_000)  # s1 goes with both drops
+    held = InventoryEntry("k", newer, OBJECT_SIZE, checksum_of("k"))  # its node holds the last put
+    assert mount(svc, "s1", now=1_100, inventory=[held]) == [held]
+    assert exists(svc, ["k"], 1_200) == [False]
+
+
 def test_drops_taken_for_an_earlier_incarnation_of_a_segment_are_not_due_to_the_next() -> None:
     # The server keeps drops a node did not answer and sends them again; once their segment
     # went (as tombstones) and came back under the same id, they are no longer due: sent, they

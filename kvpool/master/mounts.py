@@ -264,7 +264,12 @@ class MountFlow:
         ttl_ms = _tombstone_ttl_ms(segment)
         targets, removed = self._tiers.stranded_on(segment)
         if segment.drops_unsent or segment.drops_sent or removed:
-            drops = [*segment.drops_unsent, *segment.drops_sent.values(), *removed]
+            # Oldest first, as a later tombstone of a key replaces an earlier (its node holds one
+            # entry per key, the last written): drops_sent holds those taken before any of
+            # drops_unsent was scheduled. A key removed, put again there and removed again,
+            # neither drop acknowledged, came back with its newer copy. (The ranges of moves
+            # cancelled meanwhile, `removed`, may be older or newer: last.)
+            drops = [*segment.drops_sent.values(), *segment.drops_unsent, *removed]
             self._tombstones.bury(segment.segment_id, drops, ttl_ms)
         if targets:  # those of objects lost meanwhile are lost keys, on their budget
             get = self._table.get

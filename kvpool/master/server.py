@@ -1108,8 +1108,8 @@ class MasterServer:
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
-            chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK])
             is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
+            chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK], is_last=is_last, is_first=start == 0)
             rejected.extend(self._mount(service, chunk, is_last, wall_clock_ms()).rejected)
         self._dfs_service = service
         self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them

@@ -269,6 +269,8 @@ class MasterService:
         Raises:
             InvalidParams: malformed segment info, or too many segments.
             SegmentAlreadyExists: the id is mounted by another node or with another capacity.
+            SegmentNotFound: a part after the first (MountSegment.is_first), the segment not
+                mounting since one: its node mounts again from the first part.
         """
         heard_ms = now_ms if local_ms is None else local_ms  # liveness: the module docstring's Clocks
         info = msg.segment
@@ -281,6 +283,11 @@ class MasterService:
             # it is for a restarted node's disk tier, a new incarnation).
             self._mounts.unmount(segment)
             segment = None
+        if not msg.is_first and (segment is None or segment.has_whole_inventory):
+            # The earlier parts reached an incarnation that went (timed out between parts): the
+            # last part's is_whole would forget lost keys they showed, which its node holds.
+            raise self._count_error(SegmentNotFound(f"segment {info.segment_id!r} is not mounting: "
+                                                    "mount again from the first part"))  # fmt: skip
         if segment is not None:
             old = segment.info
             if old.node_id != info.node_id or old.capacity_bytes != info.capacity_bytes or old.tier != info.tier:

@@ -36,9 +36,9 @@ there of moves whose object was removed (their end would have dropped them) are 
 
 Lost keys, and the tombstones a remove makes of them, have a budget of their own
 (LOST_KEYS_MAX): a node timed out with a disk tier of millions of objects forgets the oldest of
-those (and a warning is logged), never a replica left behind of an object that lives on nor a
-drop's tombstone. The replicas left behind are bounded by TOMBSTONES_MAX too (the oldest
-segment's go whole).
+those no remove named yet, and only once none is left the oldest of their tombstones (a warning
+is logged), never a replica left behind of an object that lives on nor a drop's tombstone. The
+replicas left behind are bounded by TOMBSTONES_MAX too (the oldest segment's go whole).
 
 Not kept across a restart of the master or a change of leader (in memory, as the drops were).
 A burial is stamped with the time of the master's last tick.
@@ -110,7 +110,8 @@ class Tombstones:
         return self._count + sum(len(lost.buried) for lost in self._lost.values())
 
     def bury(self, segment_id: str, entries: Iterable[InventoryEntry], ttl_ms: int) -> None:
-        """The segment is going with these drops unacknowledged; its tombstones are kept
+        """The segment is going with these drops unacknowledged, oldest first (a key keeps
+        one tombstone, its last: a node holds one entry per key); its tombstones are kept
         `ttl_ms` from now."""
         assert ttl_ms > 0, ttl_ms
         graves = self._segments.pop(segment_id, None) or _Graves()
@@ -149,7 +150,7 @@ class Tombstones:
     def leave_lost(self, segment_id: str, replicas: Iterable[tuple[str, int]], ttl_ms: int) -> None:
         """The segment is going with the only replicas, (key, offset), of these objects: each
         becomes a tombstone if its key is removed within `ttl_ms` (`gone`). Beyond lost_keys_max,
-        the oldest lost keys are forgotten (the module)."""
+        the oldest lost keys no remove named are forgotten first (the module)."""
         assert ttl_ms > 0, ttl_ms
         lost = self._lost.pop(segment_id, None) or _Lost()
         lost.expiry_ms = max(lost.expiry_ms, self._now_ms + ttl_ms)
@@ -287,21 +288,36 @@ class Tombstones:
             count = 0
 
     def _forget_oldest_lost(self, count: int) -> None:
-        """Forget `count` lost keys, the oldest segment's first; only lost keys."""
+        """Forget `count` lost keys: those no remove named yet first, the oldest segment's
+        first (one is only an object that may come back, a buried one a remove answered as
+        done); only then the buried ones, the oldest first. Only lost keys. O(segments with
+        lost keys + count)."""
         if not self._is_lost_over:
             self._is_lost_over = True
             log.warning("more than %d keys of objects lost with segments that went: the oldest are forgotten, "
                         "and those removed while their node was away may come back with it",
                         self.lost_keys_max)  # fmt: skip
-        while count > 0:
+        for segment_id, lost in list(self._lost.items()):
+            if count == 0:
+                return
+            forgotten = min(count, len(lost.offsets))
+            if forgotten == 0:
+                continue
+            lost.offsets = dict(itertools.islice(lost.offsets.items(), forgotten, None))  # as in _forget_oldest
+            self._lost_count -= forgotten
+            count -= forgotten
+            if not len(lost):
+                del self._lost[segment_id]
+                self._unmark_if_none(segment_id)
+        while count > 0:  # every lost key left is buried
             segment_id, lost = next(iter(self._lost.items()))
-            if len(lost) <= count or len(lost.offsets) < count:  # whole (its tombstones too: rare)
+            if len(lost) <= count:
                 del self._lost[segment_id]
                 self._unmark_if_none(segment_id)
                 self._lost_count -= len(lost)
                 count -= len(lost)
                 continue
-            lost.offsets = dict(itertools.islice(lost.offsets.items(), count, None))  # as in _forget_oldest
+            lost.buried = dict(itertools.islice(lost.buried.items(), count, None))
             self._lost_count -= count
             count = 0
 

@@ -440,11 +440,14 @@ class ClusterStatusReply(Message, tag=27):
 class MountSegment(Message, tag=40):
     """Mount (or re-mount after a master restart) a segment with the objects it already holds.
     A large inventory comes in several, in order; the master places nothing on the segment
-    until the last (`is_last`): a range not yet reported may still hold an object."""
+    until the last (`is_last`): a range not yet reported may still hold an object. It refuses
+    a part after the first (`is_first` False) unless the segment is mounting since a first
+    part: the segment went between them (timed out), and the node mounts again from the first."""
 
     segment: SegmentInfo
     inventory: Batch[InventoryEntry]
     is_last: bool = True
+    is_first: bool = True
 
 
 class MountReply(Message, tag=41):

@@ -1,0 +1,157 @@
+"""A segment mounted in parts (MountSegment.is_last): a large inventory, a node's or the DFS
+scan's, goes to the master in several messages, and things happen between them.
+
+How: an in-process master and node on real sockets, parts of one or two entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from kvpool import AsyncStore, limits
+from kvpool.config import MasterConfig, NodeConfig
+from kvpool.master import server as master_server
+from kvpool.master.server import MasterServer
+from kvpool.node import server as node_server
+from kvpool.node.server import Node
+from kvpool.protocol.messages import MountSegment
+from kvpool.transports.connection import Connection
+
+TIMEOUT_MS = 10_000
+
+
+def test_an_object_removed_between_the_parts_of_its_nodes_mount_is_not_listed_again(tmp_path: Path, monkeypatch):
+    """The node built every part before sending the first: a drop that reached it between
+    parts made it forget the object and answer, and a later part listed the object again: the
+    master adopted it back, a removed key served from a replica the node no longer held."""
+    monkeypatch.setattr(node_server, "_MOUNT_ENTRIES_MAX", 1)
+    remove_between_parts: list[str] = []  # the key to remove once the first part is in
+    mounted_again = asyncio.Event()
+    request = Connection.request
+
+    async def request_then_remove(conn, message, *args, **kwargs):
+        reply = await request(conn, message, *args, **kwargs)
+        if isinstance(message, MountSegment) and not message.is_last and remove_between_parts:
+            await store.remove(remove_between_parts.pop())  # answered once its node dropped it
+        if isinstance(message, MountSegment) and message.is_last and not remove_between_parts:
+            mounted_again.set()
+        return reply
+
+    async def main() -> None:
+        nonlocal store
+        master = MasterServer(MasterConfig(), port=0)
+        await master.start()
+        node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=4 * limits.MIB,
+                               shm_dir=str(tmp_path), heartbeat_interval_ms=200))  # fmt: skip
+        try:
+            await node.start()
+            await node.wait_mounted(TIMEOUT_MS)
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                for key in ("a", "k"):
+                    await store.put(key, key.encode() * 4096)
+                last = node.inventory.entries()[-1].key  # in the last part
+                remove_between_parts.append(last)
+                monkeypatch.setattr(Connection, "request", request_then_remove)
+                await _mount_again(node, mounted_again)
+                assert node.inventory.get(last) is None  # its drop came between the parts
+                assert not await store.exists(last)
+                assert await store.exists(({"a", "k"} - {last}).pop())
+        finally:
+            await node.stop()
+            await master.stop()
+
+    store: AsyncStore | None = None
+    asyncio.run(main())
+
+
+def test_the_dfs_scan_is_mounted_whole_only_with_its_last_part(tmp_path: Path, monkeypatch) -> None:
+    """Every part of the DFS's scan said is_last: the master took its inventory as whole after
+    the first, and a mount's is_whole forgets what the segment left behind that later parts show."""
+    monkeypatch.setattr(master_server, "_DFS_MOUNT_CHUNK", 2)
+
+    async def main() -> None:
+        server = MasterServer(MasterConfig(), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
+        await server._open_dfs()
+        dfs = server._dfs
+        assert dfs is not None
+        for index, key in enumerate("abc"):
+            source = [memoryview(key.encode() * 4096)]
+            dfs.publish(key, index * limits.MIB, dfs.write_temporary(key, index * limits.MIB, 1, source,
+                                                                     is_durable=False), is_durable=False)  # fmt: skip
+        mount_segment = server.service.mount_segment
+        parts: list[bool] = []
+
+        def seen(mount: MountSegment, *args, **kwargs):
+            parts.append(mount.is_last)
+            return mount_segment(mount, *args, **kwargs)
+
+        monkeypatch.setattr(server.service, "mount_segment", seen)
+        await server._ensure_dfs()
+        assert parts == [False, True]
+
+    asyncio.run(main())
+
+
+def test_a_mount_whose_segment_times_out_between_parts_starts_again_from_the_first(tmp_path: Path, monkeypatch):
+    """The first part went to the incarnation that timed out (its objects lost again), the last
+    to a new one, which took the inventory as whole: the objects of the first part were unknown
+    to the master though their node held them, a remove of one found nothing, and the node's
+    next mount brought it back."""
+    monkeypatch.setattr(node_server, "_MOUNT_ENTRIES_MAX", 2)
+    held_up = [True]  # the first part of the next mount waits until its segment timed out
+    mounted_again = asyncio.Event()
+    request = Connection.request
+
+    async def request_slowly(conn, message, *args, **kwargs):
+        reply = await request(conn, message, *args, **kwargs)
+        if isinstance(message, MountSegment) and not message.is_last and held_up:
+            held_up.pop()
+            await _until(lambda: not master.service.has_segment(node.segment_info.segment_id))
+        elif isinstance(message, MountSegment) and message.is_last and not held_up:
+            mounted_again.set()
+        return reply
+
+    async def main() -> None:
+        nonlocal master, node
+        master = MasterServer(MasterConfig(node_ttl_ms=1_000), port=0)
+        await master.start()
+        node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=4 * limits.MIB,
+                               shm_dir=str(tmp_path), heartbeat_interval_ms=100))  # fmt: skip
+        try:
+            await node.start()
+            await node.wait_mounted(TIMEOUT_MS)
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                keys = ["a", "b", "c", "d"]
+                for key in keys:
+                    await store.put(key, key.encode() * 4096)
+                monkeypatch.setattr(Connection, "request", request_slowly)
+                await _mount_again(node, mounted_again)
+                assert [await store.exists(key) for key in keys] == [True] * 4  # all its node holds
+                await store.remove("a")
+                mounted_again.clear()
+                await _mount_again(node, mounted_again)
+                assert [await store.exists(key) for key in keys] == [False, True, True, True]
+        finally:
+            await node.stop()
+            await master.stop()
+
+    master: MasterServer | None = None
+    node: Node | None = None
+    asyncio.run(main())
+
+
+async def _mount_again(node: Node, mounted: asyncio.Event) -> None:
+    """Cut the node's master link: it reconnects and mounts again; wait until it has."""
+    assert node._master_conn is not None
+    node._master_conn.close("the test cuts the link: the node mounts again")
+    await asyncio.wait_for(mounted.wait(), TIMEOUT_MS / 1000)
+    await node.wait_mounted(TIMEOUT_MS)
+
+
+async def _until(predicate, timeout_s: float = TIMEOUT_MS / 1000) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
