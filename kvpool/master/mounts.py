@@ -267,8 +267,8 @@ class MountFlow:
             # Oldest first, as a later tombstone of a key replaces an earlier (its node holds one
             # entry per key, the last written): drops_sent holds those taken before any of
             # drops_unsent was scheduled. A key removed, put again there and removed again,
-            # neither drop acknowledged, came back with its newer copy. (The ranges of moves
-            # cancelled meanwhile, `removed`, may be older or newer: last.)
+            # neither drop acknowledged, came back with its newer copy. The ranges of moves
+            # cancelled meanwhile, `removed`, last: a key is not put again while its move runs.
             drops = [*segment.drops_sent.values(), *segment.drops_unsent, *removed]
             self._tombstones.bury(segment.segment_id, drops, ttl_ms)
         if targets:  # those of objects lost meanwhile are lost keys, on their budget

@@ -504,7 +504,7 @@ class Node:
                 # What the inventory still holds as the part goes: the master sends drops on this
                 # link once a part is in, and a later part listing an entry dropped meanwhile had
                 # the master adopt it again (a removed key back, its replica no longer held).
-                held = [entry for entry in chunk if inventory.get(entry.key) is entry]
+                held = [entry for entry in chunk if inventory.get(entry.key) == entry]
                 mount = MountSegment(info, held, is_last=index == len(chunks) - 1, is_first=index == 0)
                 sent_ms = self._master_clock.local_ms()
                 reply = _expect(await conn.request(mount, timeout_ms=self.config.rpc_timeout_ms), MountReply)
