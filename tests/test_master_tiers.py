@@ -1111,3 +1111,35 @@ def test_a_confirmed_bad_replica_goes_alone_and_the_object_lives_on_in_its_other
     assert tiers(svc)[TIER_DISK]["object_count"] == 1
     drops = {s: sorted(e.key for e in entries) for s, entries in svc.take_drops().items()}
     assert drops == {"A": ["d", "last"], "A/disk": ["k", "last"]}
+
+
+def test_a_report_between_a_drop_and_its_acknowledgement_counts_the_dropped_file_once():
+    # The node deletes a dropped file and its heartbeat (another connection) says what the
+    # filesystem has free before the master hears the drop acknowledged. Counted both as a
+    # file the tier holds and as free space, that file's room went to two objects until the
+    # next report a second later: a move found the disk full (a cluster test saw it under load).
+    svc = cluster(disk_capacity=4 * MIB)
+    filesystem = SmallFilesystem(files_max=8)
+
+    def heartbeat(now: int) -> None:
+        svc.heartbeat(Heartbeat(["A", "A/disk"], {"A/disk": FilesystemReport(filesystem.free_bytes())}), now)
+
+    heartbeat(0)
+    is_reported = False
+    for now, name in enumerate(keys("k", 40), start=1):
+        todo = [name]
+        for _ in range(limits.PUT_ROOM_ROUNDS_MAX):
+            todo = [key for key, code in zip(todo, put(svc, todo, now=now)) if code != OK]
+            if not todo:
+                break
+            run_moves(svc, now, filesystem.answer)
+            drops = svc.take_drops()
+            filesystem.files -= {entry.key for entry in drops.get("A/disk", [])}  # deleted ...
+            if drops.get("A/disk") and not is_reported:
+                heartbeat(now)  # ... and reported free before the acknowledgement came
+                is_reported = True
+            for segment_id, entries in drops.items():
+                svc.drops_done(segment_id, entries, now)
+        assert not todo, name
+    assert filesystem.full_answers == 0
+    assert tiers(svc)[TIER_DISK]["failed_moves"] == 0

@@ -585,15 +585,23 @@ class TierFlow:
             self.newly_full[segment.segment_id] = (segment, room_bytes)
         self._full[segment.segment_id] = (segment, room_bytes, now_ms + FULL_TIER_RETRY_MS)
 
-    def _file_bytes(self, segment: Segment, with_arriving: bool = True) -> int:
+    def _file_bytes(self, segment: Segment, with_unsettled: bool = True) -> int:
         """What the files of slower-tier `segment` take on its filesystem, as the master counts
-        them: a footprint and a header each, for its objects and the files its node is yet to
-        delete; with the files moves are writing there (or without them: what may not be on
-        the filesystem yet)."""
+        them: a footprint and a header each, for its objects, the files its node is yet to
+        delete and those moves are writing there; or, without the unsettled ones, only what
+        is surely there while its node looks at its free space: not the files being written
+        (maybe not there yet), nor those whose drop was sent (maybe deleted already, their
+        room counted free: counted twice, it went to two objects, and a move found the disk
+        full)."""
         arriving, arriving_bytes = self.moves.arriving(segment)
         files = segment.object_count + len(segment.drops_unsent) + len(segment.drops_sent) + arriving
         file_bytes = segment.allocator.used_bytes + files * FILE_OVERHEAD_BYTES
-        return file_bytes if with_arriving else file_bytes - arriving_bytes - arriving * FILE_OVERHEAD_BYTES
+        if with_unsettled:
+            return file_bytes
+        footprint = segment.allocator.footprint_bytes
+        deleting_bytes = sum(footprint(entry.size) for entry in segment.drops_sent.values())
+        unsettled = arriving + len(segment.drops_sent)
+        return file_bytes - arriving_bytes - deleting_bytes - unsettled * FILE_OVERHEAD_BYTES
 
     def report_writable(self, segment: Segment, is_writable: bool) -> bool | None:
         """Whether slower-tier `segment`'s filesystem takes writes: while it does not (mounted
@@ -635,8 +643,9 @@ class TierFlow:
         is_capped = segment.allocator.used_bytes + free_bytes < segment.allocator.capacity_bytes
         self._reported[segment_id] = FreeReport(segment, free_bytes, filesystem, is_capped)
         self._sharing.setdefault(filesystem, {})[segment_id] = segment
-        # Files being written may not have taken their space yet: counted as still to come.
-        file_bytes = sum(self._file_bytes(s, with_arriving=False) for s in self._on_filesystem(filesystem))
+        # Files being written may not have taken their space yet, and files being deleted may
+        # have given theirs back: counted as still to come, and as gone.
+        file_bytes = sum(self._file_bytes(s, with_unsettled=False) for s in self._on_filesystem(filesystem))
         self._filesystem_room[filesystem] = (file_bytes + free_bytes, now_ms + FULL_TIER_RETRY_MS)
         return None if is_capped == was_capped else is_capped
 
