@@ -649,8 +649,8 @@ class Evidence:
     SETTLE_AFTER_BACK_NS = 1_000_000_000
 
     def __init__(self, events: list[dict]) -> None:
-        self.samples = [(e["t"], e["evictions_total"] + e["lost_total"] + e["bad_replicas_total"])
-                        for e in events if e["what"] == "counters"]  # fmt: skip
+        self.samples = _counted([(e["t"], e["evictions_total"] + e["lost_total"] + e["bad_replicas_total"])
+                                 for e in events if e["what"] == "counters"])  # fmt: skip
         self.slot_of: dict[str, int] = {}  # segment id -> node slot
         for event in events:
             if event["what"] == "node_start":
@@ -670,7 +670,7 @@ class Evidence:
                     hit = {event["slot"]} if "slot" in event else (slots or None)
                     self.node_faults.append((event["t"], end + self.SETTLE_NS, hit))
         self.master_restarts = [e["t"] for e in events if e["what"] == "kill_master"]
-        self.losses = [(e["t"], e["lost_total"]) for e in events if e["what"] == "counters"]
+        self.losses = _counted([(e["t"], e["lost_total"]) for e in events if e["what"] == "counters"])
         self.evictions = [(e["t"], e["evictions_total"]) for e in events if e["what"] == "counters"]
 
     def slots(self, segments: set[str] | None) -> set[int] | None:
@@ -707,14 +707,27 @@ class Evidence:
         return self.node_fault_on(segments, start, end) or (not pinned and self.eviction_between(start, end))
 
 
-def _moved(samples: list[tuple[int, float]], start: float, end: float) -> bool:
-    """Whether a sampled counter (samples by time) changed, or a master restart reset it, from
-    the last sample at or before `start` to the first at or after `end`; True if not sampled."""
+def _counted(samples: list[tuple[int, float]]) -> list[tuple[int, float, int]]:
+    """Samples of a counter by time, each with how many times the counter changed up to it: a
+    master restart resets its counters, and one back at the value it had before (evictions
+    15, a restart, 15 again) has moved all the same (a run's checker took it for still)."""
+    changes = 0
+    counted = []
+    for index, (t, value) in enumerate(samples):
+        changes += index > 0 and value != samples[index - 1][1]
+        counted.append((t, value, changes))
+    return counted
+
+
+def _moved(samples: list[tuple[int, float, int]], start: float, end: float) -> bool:
+    """Whether a sampled counter (`_counted` samples by time) changed, or a master restart reset
+    it, from the last sample at or before `start` to the first at or after `end`; True if not
+    sampled."""
     before = bisect.bisect_right(samples, (start, math.inf)) - 1
     after = bisect.bisect_left(samples, (end, -math.inf))
     if before < 0 or after >= len(samples):
         return True
-    return samples[after][1] != samples[before][1]
+    return samples[after][2] != samples[before][2]
 
 
 class History:
