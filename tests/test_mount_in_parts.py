@@ -7,6 +7,8 @@ How: an in-process master and node on real sockets, parts of one or two entries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from kvpool import AsyncStore, limits
@@ -40,13 +42,7 @@ def test_an_object_removed_between_the_parts_of_its_nodes_mount_is_not_listed_ag
 
     async def main() -> None:
         nonlocal store
-        master = MasterServer(MasterConfig(), port=0)
-        await master.start()
-        node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=4 * limits.MIB,
-                               shm_dir=str(tmp_path), heartbeat_interval_ms=200))  # fmt: skip
-        try:
-            await node.start()
-            await node.wait_mounted(TIMEOUT_MS)
+        async with _master_and_node(tmp_path, MasterConfig(), heartbeat_interval_ms=200) as (master, node):
             async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
                 for key in ("a", "k"):
                     await store.put(key, key.encode() * 4096)
@@ -57,9 +53,6 @@ def test_an_object_removed_between_the_parts_of_its_nodes_mount_is_not_listed_ag
                 assert node.inventory.get(last) is None  # its drop came between the parts
                 assert not await store.exists(last)
                 assert await store.exists(({"a", "k"} - {last}).pop())
-        finally:
-            await node.stop()
-            await master.stop()
 
     store: AsyncStore | None = None
     asyncio.run(main())
@@ -114,13 +107,10 @@ def test_a_mount_whose_segment_times_out_between_parts_starts_again_from_the_fir
 
     async def main() -> None:
         nonlocal master, node
-        master = MasterServer(MasterConfig(node_ttl_ms=1_000), port=0)
-        await master.start()
-        node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=4 * limits.MIB,
-                               shm_dir=str(tmp_path), heartbeat_interval_ms=100))  # fmt: skip
-        try:
-            await node.start()
-            await node.wait_mounted(TIMEOUT_MS)
+        async with _master_and_node(tmp_path, MasterConfig(node_ttl_ms=1_000), heartbeat_interval_ms=100) as (
+            master,
+            node,
+        ):
             async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
                 keys = ["a", "b", "c", "d"]
                 for key in keys:
@@ -132,13 +122,28 @@ def test_a_mount_whose_segment_times_out_between_parts_starts_again_from_the_fir
                 mounted_again.clear()
                 await _mount_again(node, mounted_again)
                 assert [await store.exists(key) for key in keys] == [False, True, True, True]
-        finally:
-            await node.stop()
-            await master.stop()
 
     master: MasterServer | None = None
     node: Node | None = None
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def _master_and_node(
+    tmp_path: Path, config: MasterConfig, heartbeat_interval_ms: int
+) -> AsyncIterator[tuple[MasterServer, Node]]:
+    """A master and a node of 4 MiB, in process on real sockets, the node mounted."""
+    master = MasterServer(config, port=0)
+    await master.start()
+    node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=4 * limits.MIB, shm_dir=str(tmp_path),
+                           heartbeat_interval_ms=heartbeat_interval_ms))  # fmt: skip
+    try:
+        await node.start()
+        await node.wait_mounted(TIMEOUT_MS)
+        yield master, node
+    finally:
+        await node.stop()
+        await master.stop()
 
 
 async def _mount_again(node: Node, mounted: asyncio.Event) -> None:
