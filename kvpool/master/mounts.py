@@ -272,12 +272,13 @@ class MountFlow:
             drops = [*segment.drops_sent.values(), *segment.drops_unsent, *removed]
             self._tombstones.bury(segment.segment_id, drops, ttl_ms)
         if targets:  # those of objects lost meanwhile are lost keys, on their budget
-            get = self._table.get
-            lost = [(key, offset) for key, offset in targets if get(key) is None]
+            lost: list[tuple[str, int]] = []
+            live: list[tuple[str, int]] = []
+            for key, offset in targets:
+                (live if key in self._table else lost).append((key, offset))
             if lost:
                 self._tombstones.leave_lost(segment.segment_id, lost, ttl_ms)
-            if len(lost) < len(targets):
-                live = [(key, offset) for key, offset in targets if get(key) is not None]
+            if live:
                 self._tombstones.leave_behind(segment.segment_id, live, ttl_ms)
         index = segment.index
         table = self._table

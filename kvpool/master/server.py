@@ -445,7 +445,7 @@ class MasterServer:
             case MountSegment():
                 self._check_segment_owner(conn, message.segment.segment_id)
                 self._dfs_writer_mounts(conn, message.segment)
-                reply = self._mount(service, message, message.is_last, now_ms)
+                reply = self._mount(service, message, now_ms)
                 self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
@@ -492,15 +492,15 @@ class MasterServer:
                 return service.release_leases(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
 
-    def _mount(self, service: MasterService, mount: MountSegment, is_last: bool, now_ms: int) -> MountReply:
+    def _mount(self, service: MasterService, mount: MountSegment, now_ms: int) -> MountReply:
         """service.mount_segment, less the entries a remove of this master's first moments
         named (RemovedAtStart), which its reply rejects too, so that the node (or the DFS sweep)
-        drops them. `is_last`: the segment's inventory is whole with this part."""
+        drops them."""
         segment_id, local_ms = mount.segment.segment_id, local_clock_ms()  # one time for both calls
         inventory, removed = self._removed_at_start.mounting(segment_id, mount.inventory, local_ms)
         reply = service.mount_segment(msgspec.structs.replace(mount, inventory=inventory) if removed else mount,
                                       now_ms, liveness_clock_ms())  # fmt: skip
-        self._removed_at_start.mounted(segment_id, is_last, local_ms)
+        self._removed_at_start.mounted(segment_id, mount.is_last, local_ms)
         if not removed:
             return reply
         service.counters.refused_returns += len(removed)
@@ -1110,7 +1110,7 @@ class MasterServer:
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
             is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
             chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK], is_last=is_last, is_first=start == 0)
-            rejected.extend(self._mount(service, chunk, is_last, wall_clock_ms()).rejected)
+            rejected.extend(self._mount(service, chunk, wall_clock_ms()).rejected)
         self._dfs_service = service
         self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them
         if self._takeover is not None:

@@ -548,7 +548,7 @@ def load_identity(directory: Path) -> TierIdentity | None:
 def store_identity(directory: Path, identity: TierIdentity) -> None:
     """Write the identity file atomically and durably. Raises InvalidParams."""
     path = directory / objectfile.IDENTITY_FILE
-    temporary = directory / f"{objectfile.IDENTITY_FILE}.{secrets.token_hex(6)}{objectfile.TEMP_SUFFIX}"
+    temporary = directory / objectfile.temp_name(objectfile.IDENTITY_FILE, secrets.token_hex(6))
     with map_exceptions({OSError: InvalidParams}):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
