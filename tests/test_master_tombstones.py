@@ -87,6 +87,23 @@ def test_tombstones_expire_by_segment_and_are_bounded_oldest_first(caplog) -> No
     tombstones.check_invariants()
 
 
+def test_replicas_left_behind_over_the_cap_forget_the_oldest_first(caplog) -> None:
+    """Over the cap, the oldest replicas left behind go, not the whole oldest segment's: its
+    newer ones still become tombstones when their objects go."""
+    tombstones = Tombstones(entries_max=3)
+    tombstones.expire(0)
+    tombstones.leave_behind("old", [("a", 0), ("b", 128)], 1_000)
+    with caplog.at_level(logging.WARNING, logger="kvpool.master.tombstones"):
+        tombstones.leave_behind("new", [("c", 0), ("d", 128)], 1_000)  # 4 > 3: "old"'s a goes
+    assert "more than 3 replicas left behind" in caplog.text
+    tombstones.check_invariants()
+    tombstones.gone(["a", "b", "c", "d"])
+    assert len(tombstones) == 3
+    assert tombstones.unearth("old", [entry("a", 0), entry("b", 128)])[1] == [entry("b", 128)]
+    assert tombstones.unearth("new", [entry("c", 0), entry("d", 128)])[1] == [entry("c", 0), entry("d", 128)]
+    tombstones.check_invariants()
+
+
 def test_a_replica_left_behind_becomes_a_tombstone_once_its_object_goes() -> None:
     """A segment that went held replicas of objects that live on elsewhere: no drop was due,
     yet a remove of one of them must reach that replica when its node comes back (k033)."""

@@ -38,7 +38,7 @@ Lost keys, and the tombstones a remove makes of them, have a budget of their own
 (LOST_KEYS_MAX): a node timed out with a disk tier of millions of objects forgets the oldest of
 those no remove named yet, and only once none is left the oldest of their tombstones (a warning
 is logged), never a replica left behind of an object that lives on nor a drop's tombstone. The
-replicas left behind are bounded by TOMBSTONES_MAX too (the oldest segment's go whole).
+replicas left behind are bounded by TOMBSTONES_MAX too (the oldest first).
 
 Not kept across a restart of the master or a change of leader (in memory, as the drops were).
 A burial is stamped with the time of the master's last tick.
@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Collection, Iterable, Iterator
+from typing import TypeVar
 
 from kvpool import limits
 from kvpool.protocol.messages import InventoryEntry
@@ -68,6 +69,9 @@ class _Graves:
         self.offsets: dict[str, int] = {}
         self.expiry_ms = 0
 
+    def __len__(self) -> int:
+        return len(self.offsets)
+
 
 class _Lost(_Graves):
     """One segment's lost keys: `offsets` those no remove named yet, `buried` those one did
@@ -81,6 +85,9 @@ class _Lost(_Graves):
 
     def __len__(self) -> int:
         return len(self.offsets) + len(self.buried)
+
+
+_G = TypeVar("_G", bound=_Graves)
 
 
 class Tombstones:
@@ -137,15 +144,13 @@ class Tombstones:
         self._left_count += len(graves.offsets) - before
         if graves.offsets:
             self._left[segment_id] = graves
-        if self._left_count > self.entries_max and not self._is_left_over:
-            self._is_left_over = True
-            log.warning("more than %d replicas left behind by segments that went: the oldest are forgotten, "
-                        "and objects removed while their node was away may come back with it",
-                        self.entries_max)  # fmt: skip
-        while self._left_count > self.entries_max:  # the oldest segment's go whole: a rare cap
-            gone_id = next(iter(self._left))
-            self._left_count -= len(self._left.pop(gone_id).offsets)
-            self._unmark_if_none(gone_id)
+        if self._left_count > self.entries_max:
+            if not self._is_left_over:
+                self._is_left_over = True
+                log.warning("more than %d replicas left behind by segments that went: the oldest are forgotten, "
+                            "and objects removed while their node was away may come back with it",
+                            self.entries_max)  # fmt: skip
+            self._left_count -= self._forget_front(self._left, self._left_count - self.entries_max, "offsets")
 
     def leave_lost(self, segment_id: str, replicas: Iterable[tuple[str, int]], ttl_ms: int) -> None:
         """The segment is going with the only replicas, (key, offset), of these objects: each
@@ -272,20 +277,7 @@ class Tombstones:
             self._is_over = True
             log.warning("more than %d tombstones: the oldest are forgotten, and objects removed while their "
                         "node was away may come back with it", self.entries_max)  # fmt: skip
-        segments = self._segments
-        while count > 0:
-            segment_id, graves = next(iter(segments.items()))
-            offsets = graves.offsets
-            if len(offsets) <= count:
-                del segments[segment_id]
-                self._unmark_if_none(segment_id)
-                self._count -= len(offsets)
-                count -= len(offsets)
-                continue
-            # Rebuilt rather than popped from the front, which costs a CPython dict O(n) a pop.
-            graves.offsets = dict(itertools.islice(offsets.items(), count, None))
-            self._count -= count
-            count = 0
+        self._count -= self._forget_front(self._segments, count, "offsets")
 
     def _forget_oldest_lost(self, count: int) -> None:
         """Forget `count` lost keys: those no remove named yet first, the oldest segment's
@@ -297,29 +289,31 @@ class Tombstones:
             log.warning("more than %d keys of objects lost with segments that went: the oldest are forgotten, "
                         "and those removed while their node was away may come back with it",
                         self.lost_keys_max)  # fmt: skip
-        for segment_id, lost in list(self._lost.items()):
-            if count == 0:
-                return
-            forgotten = min(count, len(lost.offsets))
-            if forgotten == 0:
-                continue
-            lost.offsets = dict(itertools.islice(lost.offsets.items(), forgotten, None))  # as in _forget_oldest
-            self._lost_count -= forgotten
-            count -= forgotten
-            if not len(lost):
-                del self._lost[segment_id]
-                self._unmark_if_none(segment_id)
-        while count > 0:  # every lost key left is buried
-            segment_id, lost = next(iter(self._lost.items()))
-            if len(lost) <= count:
-                del self._lost[segment_id]
-                self._unmark_if_none(segment_id)
-                self._lost_count -= len(lost)
-                count -= len(lost)
-                continue
-            lost.buried = dict(itertools.islice(lost.buried.items(), count, None))
-            self._lost_count -= count
-            count = 0
+        forgotten = self._forget_front(self._lost, count, "offsets")
+        if forgotten < count:  # every lost key left is buried
+            forgotten += self._forget_front(self._lost, count - forgotten, "buried")
+        self._lost_count -= forgotten
+
+    def _forget_front(self, segments: dict[str, _G], count: int, field: str) -> int:
+        """Forget up to `count` entries of the `field` dicts ("offsets", "buried") of `segments`,
+        the oldest segment's first, and the segments left with none of any kind; how many
+        entries went. The caller keeps its count. O(segments looked at + count)."""
+        forgotten = 0
+        emptied: list[str] = []
+        for segment_id, graves in segments.items():
+            if forgotten == count:
+                break
+            entries: dict[str, int] = getattr(graves, field)
+            taken = min(count - forgotten, len(entries))
+            # Rebuilt rather than popped from the front, which costs a CPython dict O(n) a pop.
+            setattr(graves, field, dict(itertools.islice(entries.items(), taken, None)))
+            forgotten += taken
+            if not len(graves):
+                emptied.append(segment_id)
+        for segment_id in emptied:
+            del segments[segment_id]
+            self._unmark_if_none(segment_id)
+        return forgotten
 
     def _unmark_if_none(self, segment_id: str) -> None:
         if segment_id not in self._segments and segment_id not in self._left and segment_id not in self._lost:
