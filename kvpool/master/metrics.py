@@ -25,7 +25,6 @@ the default eviction policy policy_objects{set} (probation, protected) and readm
 
 from __future__ import annotations
 
-import socket
 from collections import Counter as CountByName
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -35,11 +34,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.errors import InvalidParams
 from kvpool.protocol.messages import ClusterStatus, ClusterStatusReply
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
-from kvpool.transports.connection import bind_listening_sockets
+from kvpool.transports.http import serve_http
 
 if TYPE_CHECKING:
     from kvpool.master.server import MasterServer
@@ -209,20 +207,4 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    sockets: list[socket.socket] = []
-    try:
-        # Sockets of one port on every address of the host (aiohttp's TCPSite gave each its own).
-        sockets = await bind_listening_sockets(host, port)
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
-    except BaseException as exc:
-        await runner.cleanup()
-        for sock in sockets:  # those not started yet (a started site's are closed already)
-            sock.close()
-        if isinstance(exc, OSError):  # a busy --http-port (9100 is also node_exporter's default)
-            reason = exc.strerror or str(exc)
-            raise InvalidParams(f"cannot listen on {host}:{port} for /metrics (--http-port): {reason}") from None
-        raise
-    return runner, runner.addresses[0][1]
+    return await serve_http(app, host, port, "--http-port")

@@ -32,7 +32,6 @@ Metric names (all prefixed kvpool_node_):
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,10 +39,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.registry import Collector
 
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
+from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
-from kvpool.transports.connection import bind_listening_sockets
+from kvpool.transports.http import serve_http
 
 _PREFIX = "kvpool_node_"
 
@@ -140,25 +139,8 @@ class MetricsServer:
         app = web.Application()
         app.router.add_get("/metrics", self._get_metrics)
         app.router.add_get("/health", self._get_health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sockets: list[socket.socket] = []
-        try:
-            # Sockets of one port on every address of the host (aiohttp's TCPSite gave each its own).
-            sockets = await bind_listening_sockets(host, port)
-            for sock in sockets:
-                await web.SockSite(runner, sock).start()
-        except BaseException as exc:
-            await runner.cleanup()
-            for sock in sockets:  # those not started yet (a started site's are closed already)
-                sock.close()
-            if isinstance(exc, OSError):  # a busy --metrics-port
-                reason = exc.strerror or str(exc)
-                message = f"cannot listen on {host}:{port} for /metrics (--metrics-port): {reason}"
-                raise InvalidParams(message) from None
-            raise
+        runner, bound_port = await serve_http(app, host, port, "--metrics-port")
         self._runner = runner
-        bound_port = runner.addresses[0][1]
         self.endpoint = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
     async def stop(self) -> None:
