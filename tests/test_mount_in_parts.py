@@ -90,13 +90,17 @@ def test_a_mount_whose_segment_times_out_between_parts_starts_again_from_the_fir
     """The first part went to the incarnation that timed out (its objects lost again), the last
     to a new one, which took the inventory as whole: the objects of the first part were unknown
     to the master though their node held them, a remove of one found nothing, and the node's
-    next mount brought it back."""
+    next mount brought it back. The segment mounts again on the same link (it used to close
+    the link and mount every segment again after a backoff)."""
     monkeypatch.setattr(node_server, "_MOUNT_ENTRIES_MAX", 2)
     held_up = [True]  # the first part of the next mount waits until its segment timed out
     mounted_again = asyncio.Event()
+    mount_links: dict[int, Connection] = {}  # the connections the mounts after the cut went on (kept: ids stay theirs)
     request = Connection.request
 
     async def request_slowly(conn, message, *args, **kwargs):
+        if isinstance(message, MountSegment):
+            mount_links[id(conn)] = conn
         reply = await request(conn, message, *args, **kwargs)
         if isinstance(message, MountSegment) and not message.is_last and held_up:
             held_up.pop()
@@ -118,6 +122,7 @@ def test_a_mount_whose_segment_times_out_between_parts_starts_again_from_the_fir
                 monkeypatch.setattr(Connection, "request", request_slowly)
                 await _mount_again(node, mounted_again)
                 assert [await store.exists(key) for key in keys] == [True] * 4  # all its node holds
+                assert len(mount_links) == 1, list(mount_links.values())
                 await store.remove("a")
                 mounted_again.clear()
                 await _mount_again(node, mounted_again)

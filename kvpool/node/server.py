@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from kvpool import limits
 from kvpool.config import NodeConfig
 from kvpool.discovery import MasterResolver, parse_master_address
-from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, Unauthorized
+from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, SegmentNotFound, Unauthorized
 from kvpool.node.clock import MasterClock, monotonic_ms, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
@@ -499,22 +499,14 @@ class Node:
         assert self._mover is not None
         self._mover.remounted()
         for info, inventory in self._mounts():
-            chunks = list(_inventory_chunks(inventory.entries()))
-            for index, chunk in enumerate(chunks):
-                # What the inventory still holds as the part goes: the master sends drops on this
-                # link once a part is in, and a later part listing an entry dropped meanwhile had
-                # the master adopt it again (a removed key back, its replica no longer held).
-                held = [entry for entry in chunk if inventory.get(entry.key) == entry]
-                mount = MountSegment(info, held, is_last=index == len(chunks) - 1, is_first=index == 0)
-                sent_ms = self._master_clock.local_ms()
-                reply = _expect(await conn.request(mount, timeout_ms=self.config.rpc_timeout_ms), MountReply)
-                self._observe_master_clock(sent_ms, reply.master_time_ms)
-                if info.segment_id == self._segment_id and self._transfer is not None:
-                    self._transfer.term = reply.term  # grants of earlier masters are refused now
-                if reply.rejected:
-                    dropped = await self._drop_rejected(info, reply.rejected)
-                    log.warning("node %s: master rejected %d inventory entries; dropped %d",
-                                self.node_id, len(reply.rejected), dropped)  # fmt: skip
+            for restart in range(limits.MOUNT_RESTARTS_MAX + 1):
+                try:
+                    await self._mount_segment(conn, info, inventory)
+                    break
+                except SegmentNotFound as exc:  # a later part: the segment timed out since the first
+                    if restart == limits.MOUNT_RESTARTS_MAX:
+                        raise
+                    log.warning("node %s: %s", self.node_id, exc)
         inventory = self.inventory
         self._mounted.set()
         self._refusal = None
@@ -526,6 +518,31 @@ class Node:
                  self._segment_id, self.config.master_endpoint, len(inventory))  # fmt: skip
         if self._state is NodeState.DRAINING:
             await self._send_drain(conn)
+
+    async def _mount_segment(self, conn: Connection, info: SegmentInfo, inventory: Inventory) -> None:
+        """Mount one segment with its inventory, in parts of at most _MOUNT_ENTRIES_MAX entries.
+
+        Raises:
+            SegmentNotFound: the master refused a part after the first (MountSegment.is_first):
+                mount the segment again from its first part.
+            KVPoolError: the master refused otherwise or the link failed.
+        """
+        chunks = list(_inventory_chunks(inventory.entries()))
+        for index, chunk in enumerate(chunks):
+            # What the inventory still holds as the part goes: the master sends drops on this
+            # link once a part is in, and a later part listing an entry dropped meanwhile had
+            # the master adopt it again (a removed key back, its replica no longer held).
+            held = [entry for entry in chunk if inventory.get(entry.key) == entry]
+            mount = MountSegment(info, held, is_last=index == len(chunks) - 1, is_first=index == 0)
+            sent_ms = self._master_clock.local_ms()
+            reply = _expect(await conn.request(mount, timeout_ms=self.config.rpc_timeout_ms), MountReply)
+            self._observe_master_clock(sent_ms, reply.master_time_ms)
+            if info.segment_id == self._segment_id and self._transfer is not None:
+                self._transfer.term = reply.term  # grants of earlier masters are refused now
+            if reply.rejected:
+                dropped = await self._drop_rejected(info, reply.rejected)
+                log.warning("node %s: master rejected %d inventory entries; dropped %d",
+                            self.node_id, len(reply.rejected), dropped)  # fmt: skip
 
     def _observe_master_clock(self, sent_ms: int, master_time_ms: int) -> None:
         clock = self._master_clock
