@@ -305,8 +305,11 @@ class Tombstones:
                 break
             entries: dict[str, int] = getattr(graves, field)
             taken = min(count - forgotten, len(entries))
-            # Rebuilt rather than popped from the front, which costs a CPython dict O(n) a pop.
-            setattr(graves, field, dict(itertools.islice(entries.items(), taken, None)))
+            # The front, deleted in place and listed first: a pop of the first key at a time
+            # scans the slots emptied before it, and a rebuild copied the whole rest of the
+            # segment's on each call over the cap (a large segment leaving in steps).
+            for key in list(itertools.islice(entries, taken)):
+                del entries[key]
             forgotten += taken
             if not len(graves):
                 emptied.append(segment_id)
