@@ -118,9 +118,9 @@ DRAIN_TIMEOUT_MS_MAX = 3_600_000
 # A master restarted with no memory waits this long for nodes to re-mount before it treats an
 # absent node as gone; during the wait it serves what it knows.
 REMOUNT_GRACE_MS_DEFAULT = 3_000
-# A node's mount of a segment in parts that the master refuses past the first (the segment
-# timed out between parts) starts that segment again from its first part, at most this many
-# times on one link; past them the link closes and the node mounts everything again.
+# A node's mount in parts that the master refuses past the first (the segment timed out
+# between parts) starts again from its first segment's first part, at most this many times on
+# one link; past them the link closes and the node mounts again on a new one.
 MOUNT_RESTARTS_MAX = 3
 # A segment that holds objects leaves in steps (master/mounts.py) when the table holds more
 # keys than one step looks at (a few ms of work) before the master serves requests again.

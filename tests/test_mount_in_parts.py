@@ -133,15 +133,63 @@ def test_a_mount_whose_segment_times_out_between_parts_starts_again_from_the_fir
     asyncio.run(main())
 
 
+def test_a_disk_mount_longer_than_the_node_ttl_keeps_the_dram_segment_mounted_before_it(tmp_path: Path, monkeypatch):
+    """A node mounts its DRAM segment, then its disk tier's inventory in parts: with a million
+    disk objects that takes longer than the node TTL. The DRAM segment, heard from at its own
+    mount only, timed out meanwhile (its objects lost), and the heartbeat after had the node
+    mount everything again, which timed it out again: the node never came back whole."""
+    monkeypatch.setattr(node_server, "_MOUNT_ENTRIES_MAX", 1)
+    part_gap_s = 0.3  # under the node TTL between parts, past it over the disk's whole mount
+    dram_mounts: list[MountSegment] = []
+    disk_mounted = asyncio.Event()
+    request = Connection.request
+
+    async def request_slowly(conn, message, *args, **kwargs):
+        reply = await request(conn, message, *args, **kwargs)
+        if not isinstance(message, MountSegment):
+            return reply
+        if message.segment.tier == "dram" and message.is_first:
+            dram_mounts.append(message)
+        elif message.segment.tier == "disk" and not message.is_last:
+            await asyncio.sleep(part_gap_s)
+        elif message.segment.tier == "disk":
+            disk_mounted.set()
+        return reply
+
+    async def main() -> None:
+        async with _master_and_node(
+            tmp_path, MasterConfig(node_ttl_ms=1_000), heartbeat_interval_ms=100, disk_bytes=64 * limits.MIB
+        ) as (master, node):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                for i in range(24):  # 12 MiB into 4 MiB of DRAM: most go to disk
+                    await store.put(f"k{i}", bytes([i]) * (512 * 1024))
+                assert node._disk is not None
+                await _until(lambda: len(node._disk.inventory) >= 6 and len(node.inventory) >= 1)
+                in_dram, *others = [entry.key for entry in node.inventory.entries()]
+                for key in others:  # room in DRAM: nothing is evicted from it while the disk mounts
+                    await store.remove(key)
+                monkeypatch.setattr(Connection, "request", request_slowly)
+                await _mount_again(node, disk_mounted)
+                assert len(node._disk.inventory) * part_gap_s > 1.5  # the disk's mount outlasted the TTL
+                await asyncio.sleep(0.5)  # heartbeats: a DRAM segment timed out would be mounted again
+                assert len(dram_mounts) == 1, dram_mounts
+                assert master.service.has_segment(node.segment_info.segment_id)
+                assert await store.get(in_dram) is not None
+
+    asyncio.run(main())
+
+
 @contextlib.asynccontextmanager
 async def _master_and_node(
-    tmp_path: Path, config: MasterConfig, heartbeat_interval_ms: int
+    tmp_path: Path, config: MasterConfig, heartbeat_interval_ms: int, disk_bytes: int = 0
 ) -> AsyncIterator[tuple[MasterServer, Node]]:
-    """A master and a node of 4 MiB, in process on real sockets, the node mounted."""
+    """A master and a node of 4 MiB (over a disk tier of `disk_bytes`, if any), in process on
+    real sockets, the node mounted."""
     master = MasterServer(config, port=0)
     await master.start()
+    disk = {"disk_dir": str(tmp_path / "disk"), "disk_bytes": disk_bytes} if disk_bytes else {}
     node = Node(NodeConfig(master_endpoint=master.endpoint, memory_bytes=4 * limits.MIB, shm_dir=str(tmp_path),
-                           heartbeat_interval_ms=heartbeat_interval_ms))  # fmt: skip
+                           heartbeat_interval_ms=heartbeat_interval_ms, **disk))  # fmt: skip
     try:
         await node.start()
         await node.wait_mounted(TIMEOUT_MS)

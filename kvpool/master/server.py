@@ -446,7 +446,15 @@ class MasterServer:
                 self._check_segment_owner(conn, message.segment.segment_id)
                 self._dfs_writer_mounts(conn, message.segment)
                 reply = self._mount(service, message, now_ms)
-                self._node_links[message.segment.segment_id] = _NodeLink(conn, local_clock_ms())
+                heard_ms = local_clock_ms()
+                self._node_links[message.segment.segment_id] = _NodeLink(conn, heard_ms)
+                # Its node's other segments on this link are not silent either: the parts of a
+                # large disk tier's mount (a million objects: 5-10 s) timed out the DRAM segment
+                # mounted before them, and its next mount, after the heartbeat said so, again.
+                siblings = [s for s, link in self._node_links.items() if link.conn is conn]
+                for segment_id in siblings:
+                    self._node_links[segment_id].heard_ms = heard_ms
+                service.hear(siblings, liveness_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
                 log.info(

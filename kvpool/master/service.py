@@ -362,6 +362,14 @@ class MasterService:
                     self._report_filesystem(segment, report, now_ms)
         return HeartbeatReply(unknown, now_ms)
 
+    def hear(self, segment_ids: list[str], local_ms: int) -> None:
+        """The node of these segments spoke (on `local_ms`): a part of a mount on their link.
+        Liveness only: a heartbeat also says that its node read every mount reply (tombstones)."""
+        for segment_id in segment_ids:
+            segment = self._registry.get(segment_id)
+            if segment is not None and segment.state is not SegmentState.LEAVING:
+                segment.last_seen_ms = max(segment.last_seen_ms, local_ms)
+
     def _report_filesystem(self, segment: Segment, report: FilesystemReport, now_ms: int) -> None:
         """What a slower tier's filesystem can take, from its node's heartbeat (or the master's
         own look at the DFS): logged when the tier's room changes."""

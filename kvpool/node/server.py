@@ -498,15 +498,17 @@ class Node:
         # must not be recorded after (its target is not in them, and may be given out again).
         assert self._mover is not None
         self._mover.remounted()
-        for info, inventory in self._mounts():
-            for restart in range(limits.MOUNT_RESTARTS_MAX + 1):
-                try:
+        for restart in range(limits.MOUNT_RESTARTS_MAX + 1):
+            try:
+                for info, inventory in self._mounts():
                     await self._mount_segment(conn, info, inventory)
-                    break
-                except SegmentNotFound as exc:  # a later part: the segment timed out since the first
-                    if restart == limits.MOUNT_RESTARTS_MAX:
-                        raise
-                    log.warning("node %s: %s", self.node_id, exc)
+                break
+            except SegmentNotFound as exc:  # a later part: the node was silent past its TTL since the first
+                if restart == limits.MOUNT_RESTARTS_MAX or self._leave.is_set():
+                    raise
+                # Every segment again: those mounted before went silent as long (a heartbeat
+                # would find them unknown and have them mounted again after this one).
+                log.warning("node %s: %s; mounting every segment again", self.node_id, exc)
         inventory = self.inventory
         self._mounted.set()
         self._refusal = None
