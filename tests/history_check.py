@@ -187,6 +187,7 @@ def run_client(master: str, out_dir: Path, writer: int, client: int, seed: int, 
             op.update(copies=[tier for tier in ("disk", "dfs") if rng.random() < 0.2])
         if op["f"] in ("remove", "remove_by_regex"):
             candidates = op["keys"] if op["f"] == "remove" else [k for k in every_key if re.search(op["pattern"], k)]
+            op.update(before_t=time.monotonic_ns())  # a put landing after this look is not in it
             op.update(before=where(candidates))
         record = dict(op, i=time.monotonic_ns())
         os.write(log, (json.dumps(record) + "\n").encode())
@@ -737,6 +738,7 @@ class History:
     def __init__(self, ops: list[Op], evidence: Evidence) -> None:
         self.evidence = evidence
         self.puts: dict[tuple[str, int, int], Op] = {}
+        self._puts_of: dict[str, list[Op]] = defaultdict(list)
         self.acked: dict[str, list[Op]] = defaultdict(list)
         self.reads_of: dict[str, list[Op]] = defaultdict(list)  # gets, exists, prefixes: a lease, a hold
         removes: dict[str, list[Op]] = defaultdict(list)
@@ -745,6 +747,7 @@ class History:
             if op.f == "put":
                 for index, key in enumerate(op.args["keys"]):
                     self.puts[(key, op.writer, op.sequence)] = op
+                    self._puts_of[key].append(op)
                     if op.error is None and op.end != NEVER and op.result[index] == 0:
                         self.acked[key].append(op)
             elif op.f == "remove":
@@ -769,7 +772,12 @@ class History:
         if removal.f == "remove":
             return removal.result[0] == 0 or self.evidence.master_away(removal.start, removal.end)
         before = removal.args.get("before")
-        return before is None or bool(before.get(key))
+        if before is None or before.get(key):
+            return True
+        # Not listed when the runner looked, just before the call: a put of the key that ended
+        # after that look (or was still going) may have landed before the pattern reached it.
+        looked = removal.args.get("before_t", removal.start - CALL_BOUND_MS * 1_000_000)
+        return any(put.start < removal.end and put.end > looked for put in self._puts_of[key])
 
     def took(self, removal: Op, key: str) -> bool:
         """Whether `removal` surely removed the object `key` had when it began: done, and for a
