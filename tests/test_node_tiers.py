@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import multiprocessing
 import os
 import select
@@ -32,6 +33,7 @@ from kvpool import AsyncStore, ReplicateConfig, limits
 from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import ChecksumMismatch, FilesystemFull, InvalidParams, ObjectNotFound, RpcFailed, TransferFailed
 from kvpool.master.server import MasterServer
+from kvpool.node import disk as disk_module
 from kvpool.node.disk import DiskTier
 from kvpool.node.server import Node
 from kvpool.protocol import auth, objectfile
@@ -271,6 +273,24 @@ def test_disk_tier_keeps_its_identity_refuses_a_second_user_and_cleans_up_after_
     again.close()
     with pytest.raises(InvalidParams):
         DiskTier.open(tmp_path / "new", 0, "node-3", is_durable=True)  # a new tier needs a size
+
+
+def test_a_disk_tier_adopting_many_files_at_start_says_how_far_it_is(tmp_path, monkeypatch, caplog):
+    """A million files take a node tens of seconds to adopt before it serves: it says so as it
+    goes, not only once done (a node silent that long looks hung)."""
+    tier = DiskTier.open(tmp_path / "d", 16 * MIB, "node-1", is_durable=False)
+    data = b"x" * 100
+    checksum = xxhash.xxh3_64_intdigest(data)
+    for i in range(1_100):
+        entry = InventoryEntry(f"k{i}", i * 4096, len(data), checksum)
+        tier.publish(entry, tier.write_temporary(entry, [memoryview(data)]))
+    tier.close()
+    monkeypatch.setattr(disk_module, "ADOPT_PROGRESS_LOG_INTERVAL_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="kvpool.node.disk"):
+        again = DiskTier.open(tmp_path / "d", 0, "node-1", is_durable=False)
+    again.close()
+    assert "adopting its files, 1024 read" in caplog.text
+    assert "adopted 1100 objects" in caplog.text
 
 
 def test_a_restarted_disk_tier_removes_the_older_of_two_files_that_collide(tmp_path):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -44,6 +45,10 @@ from kvpool.transports import files
 from kvpool.transports.files import FileRange
 
 log = logging.getLogger(__name__)
+
+# A tier of a million files takes its node tens of seconds to adopt at start, before it serves:
+# said at this interval, so that a node that is reading is not taken for one that hangs.
+ADOPT_PROGRESS_LOG_INTERVAL_S = 10.0
 
 
 class DiskTier:
@@ -263,7 +268,12 @@ class DiskTier:
         """Build the inventory from the files in the directory (at start, before serving)."""
         found: list[tuple[float, InventoryEntry]] = []
         removed = 0
-        for item in files.scan(self.objects_path):
+        started_s = said_s = time.monotonic()
+        for read, item in enumerate(files.scan(self.objects_path)):
+            if read and read % 1024 == 0 and time.monotonic() - said_s >= ADOPT_PROGRESS_LOG_INTERVAL_S:
+                said_s = time.monotonic()
+                log.info("disk tier %s at %s: adopting its files, %d read in %.0f s", self.segment_id,
+                         self.directory, read, said_s - started_s)  # fmt: skip
             name = item.name
             if objectfile.is_temp_name(name):
                 files.remove(item.path)  # A write that never finished: no one knows of it.
