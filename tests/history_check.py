@@ -738,7 +738,6 @@ class History:
     def __init__(self, ops: list[Op], evidence: Evidence) -> None:
         self.evidence = evidence
         self.puts: dict[tuple[str, int, int], Op] = {}
-        self._puts_of: dict[str, list[Op]] = defaultdict(list)
         self.acked: dict[str, list[Op]] = defaultdict(list)
         self.reads_of: dict[str, list[Op]] = defaultdict(list)  # gets, exists, prefixes: a lease, a hold
         removes: dict[str, list[Op]] = defaultdict(list)
@@ -747,7 +746,6 @@ class History:
             if op.f == "put":
                 for index, key in enumerate(op.args["keys"]):
                     self.puts[(key, op.writer, op.sequence)] = op
-                    self._puts_of[key].append(op)
                     if op.error is None and op.end != NEVER and op.result[index] == 0:
                         self.acked[key].append(op)
             elif op.f == "remove":
@@ -763,21 +761,23 @@ class History:
     def removals(self, key: str) -> list[Op]:
         return self._removes[key] + [r for r in self._regexes if re.search(r.args["pattern"], key)]
 
-    def may_remove(self, removal: Op, key: str) -> bool:
-        """Whether `removal` may have removed `key`'s object (an error: it may have; so may one
-        that found no such key while a restarted master waited for nodes: it refuses the key
-        from them when they mount, tombstones.RemovedAtStart)."""
+    def may_remove(self, removal: Op, key: str, put: Op) -> bool:
+        """Whether `removal` may have removed the object `put` wrote under `key` (an error: it
+        may have; so may one that found no such key while a restarted master waited for
+        nodes: it refuses the key from them when they mount, tombstones.RemovedAtStart)."""
         if removal.error is not None or removal.end == NEVER:
             return True
+        if self.evidence.master_away(removal.start, removal.end):
+            return True
         if removal.f == "remove":
-            return removal.result[0] == 0 or self.evidence.master_away(removal.start, removal.end)
+            return removal.result[0] == 0
         before = removal.args.get("before")
         if before is None or before.get(key):
             return True
-        # Not listed when the runner looked, just before the call: a put of the key that ended
-        # after that look (or was still going) may have landed before the pattern reached it.
+        # Not listed when the runner looked, just before the call: `put` may yet have landed
+        # after that look and before the pattern reached it (ended later, or still going).
         looked = removal.args.get("before_t", removal.start - CALL_BOUND_MS * 1_000_000)
-        return any(put.start < removal.end and put.end > looked for put in self._puts_of[key])
+        return put.start < removal.end and put.end > looked
 
     def took(self, removal: Op, key: str) -> bool:
         """Whether `removal` surely removed the object `key` had when it began: done, and for a
@@ -897,7 +897,8 @@ def check(out_dir: Path, final: dict | None = None) -> list[str]:
                         excused["value back after a master restart hid it"] += 1
                     else:
                         violations.append(f"{key}: read {version} then {other}, whose put had ended before")
-                if any(r.start < second.end and r.end > first.start and history.may_remove(r, key)
+                gone = puts[(key, *version)]
+                if any(r.start < second.end and r.end > first.start and history.may_remove(r, key, gone)
                        for r in history.removals(key)):  # fmt: skip
                     continue
                 was = history.where(key, puts[(key, *version)], second.end)
@@ -933,7 +934,7 @@ def check(out_dir: Path, final: dict | None = None) -> list[str]:
             for miss in misses[key]:
                 if miss.start <= put.end:
                     continue
-                if any(r.start < miss.end and r.end > put.start and history.may_remove(r, key)
+                if any(r.start < miss.end and r.end > put.start and history.may_remove(r, key, put)
                        for r in history.removals(key)):  # fmt: skip
                     continue
                 if evidence.master_away(miss.start, miss.end):

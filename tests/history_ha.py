@@ -246,7 +246,7 @@ def check_ha(out_dir: Path, final: dict | None = None) -> list[str]:
             if not before:
                 continue
             put = max(before, key=lambda p: p.end)  # the latest: the narrowest span to excuse
-            if any(r.start < op.end and r.end > put.start and history.may_remove(r, key)
+            if any(r.start < op.end and r.end > put.start and history.may_remove(r, key, put)
                    for r in history.removals(key)):  # fmt: skip
                 continue
             if evidence.node_fault_on(history.where(key, put, op.end), put.start, op.end):
