@@ -179,6 +179,56 @@ def test_a_disk_mount_longer_than_the_node_ttl_keeps_the_dram_segment_mounted_be
     asyncio.run(main())
 
 
+def test_a_disk_part_refused_after_the_node_went_silent_mounts_every_segment_again(tmp_path: Path, monkeypatch):
+    """The node went silent past its TTL between two parts of its disk tier's mount: both its
+    segments timed out. It mounts both again from the first part on the same link, and tells
+    its mover at each attempt (a move the master placed into the DRAM segment of the attempt
+    before must not be recorded into the one rebuilt after)."""
+    monkeypatch.setattr(node_server, "_MOUNT_ENTRIES_MAX", 1)
+    held_up = [True]  # a disk part of the next mount waits until its segments timed out
+    mounted_again = asyncio.Event()
+    first_parts: list[tuple[str, int]] = []  # (tier, connection id) of each first part after the cut
+    request = Connection.request
+
+    async def request_slowly(conn, message, *args, **kwargs):
+        if isinstance(message, MountSegment) and message.is_first:
+            first_parts.append((message.segment.tier, id(conn)))
+        reply = await request(conn, message, *args, **kwargs)
+        if isinstance(message, MountSegment) and message.segment.tier == "disk":
+            if not message.is_first and not message.is_last and held_up:
+                held_up.pop()
+                await _until(lambda: not master.service.has_segment(message.segment.segment_id))
+            elif message.is_last and not held_up:
+                mounted_again.set()
+        return reply
+
+    async def main() -> None:
+        nonlocal master
+        async with _master_and_node(
+            tmp_path, MasterConfig(node_ttl_ms=1_000), heartbeat_interval_ms=100, disk_bytes=64 * limits.MIB
+        ) as (master, node):
+            async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
+                for i in range(12):  # 6 MiB into 4 MiB of DRAM: some go to disk
+                    await store.put(f"k{i}", bytes([i]) * (512 * 1024))
+                assert node._disk is not None and node._mover is not None
+                await _until(lambda: len(node._disk.inventory) >= 3)
+                remounts: list[None] = []
+                remounted = node._mover.remounted
+                monkeypatch.setattr(node._mover, "remounted", lambda: (remounts.append(None), remounted()))
+                monkeypatch.setattr(Connection, "request", request_slowly)
+                await _mount_again(node, mounted_again)
+                assert [tier for tier, _ in first_parts] == ["dram", "disk", "dram", "disk"], first_parts
+                assert len({link for _, link in first_parts}) == 1, first_parts  # on one link
+                assert len(remounts) == 2
+                segments = [node.segment_info.segment_id, node._disk.segment_id]
+                assert all(master.service.has_segment(segment_id) for segment_id in segments)
+                held = [entry.key for entry in (*node.inventory.entries(), *node._disk.inventory.entries())]
+                assert held and await store.batch_exists(held) == [True] * len(held)  # the master lists them all
+
+    master: MasterServer | None = None
+    asyncio.run(main())
+
+
 @contextlib.asynccontextmanager
 async def _master_and_node(
     tmp_path: Path, config: MasterConfig, heartbeat_interval_ms: int, disk_bytes: int = 0

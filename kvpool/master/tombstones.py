@@ -297,7 +297,9 @@ class Tombstones:
     def _forget_front(self, segments: dict[str, _G], count: int, field: str) -> int:
         """Forget up to `count` entries of the `field` dicts ("offsets", "buried") of `segments`,
         the oldest segment's first, and the segments left with none of any kind; how many
-        entries went. The caller keeps its count. O(segments looked at + count)."""
+        entries went. The caller keeps its count. O(segments looked at + count), plus the
+        slots earlier calls emptied at the front of a dict still trimmed (CPython keeps them
+        until the dict grows: 0.6 ms a call after a million, in review)."""
         forgotten = 0
         emptied: list[str] = []
         for segment_id, graves in segments.items():

@@ -494,11 +494,13 @@ class Node:
             log.info("node %s: drain over, not re-mounting", self.node_id)
             return
         self._master_clock.forget()
-        # The master rebuilds the segments from the inventories sent now: a move begun before
-        # must not be recorded after (its target is not in them, and may be given out again).
         assert self._mover is not None
-        self._mover.remounted()
         for restart in range(limits.MOUNT_RESTARTS_MAX + 1):
+            # The master rebuilds the segments from the inventories sent now: a move begun
+            # before must not be recorded after (its target is not in them, and may be given
+            # out again). So at each restart too: the master may have placed moves into the
+            # segments of the attempt before.
+            self._mover.remounted()
             try:
                 for info, inventory in self._mounts():
                     await self._mount_segment(conn, info, inventory)
