@@ -161,10 +161,8 @@ def test_a_disk_mount_longer_than_the_node_ttl_keeps_the_dram_segment_mounted_be
             tmp_path, MasterConfig(node_ttl_ms=1_000), heartbeat_interval_ms=100, disk_bytes=64 * limits.MIB
         ) as (master, node):
             async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
-                for i in range(24):  # 12 MiB into 4 MiB of DRAM: most go to disk
-                    await store.put(f"k{i}", bytes([i]) * (512 * 1024))
+                await _offloaded(store, node, 24, on_disk=6)  # 12 MiB into 4 MiB of DRAM
                 assert node._disk is not None
-                await _until(lambda: len(node._disk.inventory) >= 6 and len(node.inventory) >= 1)
                 in_dram, *others = [entry.key for entry in node.inventory.entries()]
                 for key in others:  # room in DRAM: nothing is evicted from it while the disk mounts
                     await store.remove(key)
@@ -208,10 +206,8 @@ def test_a_disk_part_refused_after_the_node_went_silent_mounts_every_segment_aga
             tmp_path, MasterConfig(node_ttl_ms=1_000), heartbeat_interval_ms=100, disk_bytes=64 * limits.MIB
         ) as (master, node):
             async with await AsyncStore.open(master.endpoint, shm_enabled=False) as store:
-                for i in range(12):  # 6 MiB into 4 MiB of DRAM: some go to disk
-                    await store.put(f"k{i}", bytes([i]) * (512 * 1024))
+                await _offloaded(store, node, 12, on_disk=3)  # 6 MiB into 4 MiB of DRAM
                 assert node._disk is not None and node._mover is not None
-                await _until(lambda: len(node._disk.inventory) >= 3)
                 remounts: list[None] = []
                 remounted = node._mover.remounted
                 monkeypatch.setattr(node._mover, "remounted", lambda: (remounts.append(None), remounted()))
@@ -247,6 +243,14 @@ async def _master_and_node(
     finally:
         await node.stop()
         await master.stop()
+
+
+async def _offloaded(store: AsyncStore, node: Node, count: int, on_disk: int) -> None:
+    """Put `count` objects of 512 KiB; wait until the node's disk tier holds `on_disk` of them
+    and its DRAM one at least."""
+    for i in range(count):
+        await store.put(f"k{i}", bytes([i]) * (512 * 1024))
+    await _until(lambda: node._disk is not None and len(node._disk.inventory) >= on_disk and len(node.inventory) >= 1)
 
 
 async def _mount_again(node: Node, mounted: asyncio.Event) -> None:
