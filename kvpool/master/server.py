@@ -725,11 +725,19 @@ class MasterServer:
         """Send the service's drop outbox, a task per segment, so that a node slow to answer
         (up to NODE_CALL_TIMEOUT_MS) holds up its own drops only; returns the tasks in flight.
         Drops for a segment whose task runs wait in _unsent_drops: that task sends them next.
-        Ranges are freed as each node acknowledges."""
+        Ranges are freed as each node acknowledges.
+
+        A task that is done no longer sends anything, though it stays in _drop_tasks until its
+        done callback runs (a later turn of the loop): a new one is started in its place. Taken
+        for one still sending, it left the drops of a remove read in between unsent until the
+        next tick, and the remove was answered as done meanwhile (_answer_when_dropped no longer
+        waited once the callback took the task out): a leader killed then left the objects on
+        their node, and its successor served the removed keys again."""
         service = self.service
         self._take_drops()
         dfs_id = self._dfs_info.segment_id if self._dfs_info is not None else None
-        for segment_id in [s for s in self._unsent_drops if s not in self._drop_tasks]:
+        tasks = self._drop_tasks
+        for segment_id in [s for s in self._unsent_drops if s not in tasks or tasks[s].done()]:
             entries = self._unsent_drops.pop(segment_id)
             is_dfs = segment_id == dfs_id
             send = self._drop_dfs(service, entries) if is_dfs else self._drop(service, segment_id, entries)
