@@ -919,8 +919,14 @@ def check(out_dir: Path, final: dict | None = None) -> list[str]:
                 if not (put.end < removal.start and removal.end < read.start and history.ended(removal, key, put)):
                     continue
                 # Documented limit (docs/operations.md): a master restart forgets the drops a
-                # node had not acknowledged and what a node away held.
-                if evidence.restart_between(removal.start, read.end):
+                # node had not acknowledged and what a node away held. A remove answered as
+                # done while its node was linked had its drops acknowledged first (docs/ha.md):
+                # only a node fault or a master change about the remove leaves them pending.
+                was = history.where(key, put, removal.start)
+                unlinked = evidence.node_fault_on(was, removal.start, removal.end) or evidence.master_away(
+                    removal.start, removal.end
+                )
+                if evidence.restart_between(removal.start, read.end) and unlinked:
                     excused["removed value back after a master restart"] += 1
                 else:
                     violations.append(f"{key}: {read.f} returned {version} after a remove that ended it "
