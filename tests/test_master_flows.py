@@ -237,6 +237,54 @@ def test_a_remove_read_as_its_segments_drop_task_ends_is_answered_once_its_node_
     run(main())
 
 
+class HeldDfs:
+    """A DFS directory as the master's drops use it: its first file removal waits for `go`
+    (a slow share), and it records the keys whose files it removed."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+        self.go = threading.Event()
+
+    def remove(self, key: str, offset: int) -> bool:
+        if not self.removed:
+            self.go.wait(5)
+        self.removed.append(key)
+        return True
+
+
+def test_a_remove_whose_dfs_drops_wait_behind_another_is_answered_once_their_files_are_gone():
+    """The DFS's drop task removed one batch of files and ended: drops that came for it while
+    it ran (a second remove) waited for the next tick, and the second remove, woken as the
+    task ended, was answered as done with its files still there (a master killed then left
+    them to its successor's scan, and the removed keys came back)."""
+
+    async def main():
+        server = empty_server()
+        assert stored(server, ["a", "b"]) == [ErrorCode.OK] * 2
+        dfs = HeldDfs()
+        server._dfs = dfs  # the segment stands for the master's DFS tier
+        server._dfs_info = SegmentInfo("seg", "dfs", "", "", "/dfs", b"t", 8 * limits.MIB, tier="dfs")
+        first = asyncio.ensure_future(server.handle(None, Remove(["a"])))
+        await _until_true(lambda: "seg" in server._drop_tasks)
+        second = asyncio.ensure_future(server.handle(None, Remove(["b"])))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # its drop waits behind the first's
+        dfs.go.set()
+        assert (await asyncio.wait_for(first, 5)).codes == [ErrorCode.OK]
+        assert (await asyncio.wait_for(second, 5)).codes == [ErrorCode.OK]
+        assert dfs.removed == ["a", "b"]  # both files gone when both removes were answered
+        assert not server._unsent_drops.get("seg")
+
+    run(main())
+
+
+async def _until_true(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "not within the bound"
+        await asyncio.sleep(0.01)
+
+
 def test_room_claimed_by_puts_that_no_longer_wait_is_no_ones():
     """A put short of room claims its shortfall of the drops in flight so that the next one
     evicts for its own. The claim outlived the put: drops a remove scheduled later counted as

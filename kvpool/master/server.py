@@ -1148,7 +1148,17 @@ class MasterServer:
         return {info.segment_id: await asyncio.to_thread(files.filesystem_report, dfs.path)}
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:
-        """Remove DFS files of dropped replicas, then free their ranges.
+        """The DFS's drops, then those that came for it meanwhile, until a batch fails (as
+        _drop does for a node's: a remove read while this ran was answered as done once the
+        task ended, its files left for the next tick, and a master killed then left them to
+        its successor's scan)."""
+        assert self._dfs_info is not None
+        dfs_id = self._dfs_info.segment_id
+        while entries and await self._drop_dfs_batch(service, entries):
+            entries = self._unsent_drops.pop(dfs_id, []) if service is self.service else []
+
+    async def _drop_dfs_batch(self, service: MasterService, entries: list[InventoryEntry]) -> bool:
+        """Remove DFS files of dropped replicas, then free their ranges; False if some were not.
 
         Each removal first checks that `service`'s term still leads: the DFS is shared, and a
         successor scans it as it takes over, so a file this term dropped may be the
@@ -1174,9 +1184,11 @@ class MasterServer:
             self._drops_deferred(info.segment_id, exc, logging.WARNING)
             if service is self.service:
                 self._unsent_drops.setdefault(info.segment_id, []).extend(entries)
-            return
+            return False
         self._drops_through(info.segment_id)
         service.drops_done(info.segment_id, removed, wall_clock_ms())
+        self._drops_moved()
+        return len(removed) == len(entries)
 
     def _drops_deferred(self, segment_id: str, exc: KVPoolError, level: int) -> None:
         """A drop failed; it is sent again at each flush. Logged once until one goes through
