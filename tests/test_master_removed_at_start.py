@@ -173,6 +173,22 @@ def test_a_scan_that_ends_past_the_window_is_filtered_and_a_slow_mount_is_not_ab
     assert mount(removed, "dfs", ["a"], now_ms=10 * wait) == ["a"]  # ... and ends far past it
 
 
+def test_a_remove_past_the_window_reaches_the_mounts_begun_in_it_that_still_come_in() -> None:
+    """The DFS's scan of a large share, or a node's mount of many parts, begun in the window,
+    went on past it: a remove taken then found none of their objects (not mounted yet) and was
+    not remembered, and the parts that came after brought the removed keys back."""
+    removed = RemovedAtStart(until_ms=1_000)
+    removed.scanning("dfs", now_ms=20)
+    assert mount(removed, "s1", ["x"], now_ms=30, is_last=False) == []
+    removed.removed(["a", "b"], now_ms=5_000)  # past the window: both mounts still come in
+    assert mount(removed, "s1", ["b", "x2"], now_ms=6_000) == ["b"]
+    assert mount(removed, "dfs", ["a", "c"], now_ms=7_000) == ["a"]
+    assert mount(removed, "s2", ["a"], now_ms=8_000) == []  # begun past the window: not filtered
+    removed.expire(8_000)  # no mount left to filter: forgotten
+    removed.removed(["c"], now_ms=9_000)
+    assert mount(removed, "s3", ["c"], now_ms=9_000) == []
+
+
 def test_what_a_mount_had_refused_is_refused_again_until_its_segments_heartbeat() -> None:
     """A node drops a refused entry once it reads the reply: one whose reply was lost (or came
     after its timeout) mounts the whole inventory again, and the removed object came back."""

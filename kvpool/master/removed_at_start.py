@@ -11,8 +11,9 @@ A segment that mounts for the first time since the start (or election) holds not
 through this master, so nothing put after any of its removes: its entries that such a remove
 names are refused, as a tombstone's are (tombstones.py), and its node drops them. Kept for a
 window from the start (a memory bound only: the reasoning holds however late a segment comes),
-a mount begun in it filtered to its last part; at most `keys_max` keys and PATTERNS_MAX
-patterns (past them a remove is not remembered, and the log says so once).
+a mount begun in it filtered to its last part, with the removes taken until then too; at most
+`keys_max` keys and PATTERNS_MAX patterns (past them a remove is not remembered, and the log
+says so once).
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class RemovedAtStart:
     def removed(self, keys: Collection[str] = (), pattern: str | None = None, is_all: bool = False,
                 now_ms: int = 0) -> None:  # fmt: skip
         """A remove that took or did not find `keys`, of the keys `pattern` (RE2, as the
-        remove searched it) finds, or of all (`is_all`)."""
-        if now_ms >= self._until_ms:
+        remove searched it) finds, or of all (`is_all`). Past the window, while a mount begun
+        in it still comes in (a DFS scan of a large share, a node's many parts): it found none
+        of that mount's objects, and the parts to come would bring them back."""
+        if now_ms >= self._until_ms and not self._mounting:
             return
         self._is_all |= is_all
         if pattern is not None and pattern not in self._patterns:
