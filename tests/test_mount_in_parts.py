@@ -13,11 +13,13 @@ from pathlib import Path
 
 from kvpool import AsyncStore, limits
 from kvpool.config import MasterConfig, NodeConfig
+from kvpool.errors import ErrorCode
 from kvpool.master import server as master_server
-from kvpool.master.server import MasterServer
+from kvpool.master.removed_at_start import RemovedAtStart
+from kvpool.master.server import MasterServer, local_clock_ms, wall_clock_ms
 from kvpool.node import server as node_server
 from kvpool.node.server import Node
-from kvpool.protocol.messages import MountSegment
+from kvpool.protocol.messages import ExistKeys, MountSegment, Remove
 from kvpool.transports.connection import Connection
 
 TIMEOUT_MS = 10_000
@@ -82,6 +84,54 @@ def test_the_dfs_scan_is_mounted_whole_only_with_its_last_part(tmp_path: Path, m
         monkeypatch.setattr(server.service, "mount_segment", seen)
         await server._ensure_dfs()
         assert parts == [False, True]
+
+    asyncio.run(main())
+
+
+def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeypatch) -> None:
+    """The DFS's parts were mounted in one go: a share of millions of files held the master's
+    loop for as many seconds at each start and term (requests timed out meanwhile). A remove
+    read between two parts still reaches the objects of the parts to come."""
+    monkeypatch.setattr(master_server, "_DFS_MOUNT_CHUNK", 1)
+
+    async def main() -> None:
+        server = MasterServer(MasterConfig(), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
+        server._removed_at_start = RemovedAtStart(local_clock_ms() + 60_000)  # as start() sets it
+        await server._open_dfs()
+        dfs = server._dfs
+        assert dfs is not None
+        for index, key in enumerate("abc"):
+            source = [memoryview(key.encode() * 4096)]
+            dfs.publish(key, index * limits.MIB, dfs.write_temporary(key, index * limits.MIB, 1, source,
+                                                                     is_durable=False), is_durable=False)  # fmt: skip
+        mount_segment = server.service.mount_segment
+        turns = [0]  # loop turns of a task beside the mount
+        seen_at: list[int] = []  # the turn each part was mounted at
+        part_keys: list[list[str]] = []  # what each part adopted
+        removes: list = []
+
+        def seen(mount: MountSegment, *args, **kwargs):
+            seen_at.append(turns[0])
+            part_keys.append([entry.key for entry in mount.inventory])
+            return mount_segment(mount, *args, **kwargs)
+
+        async def count_turns() -> None:  # and read a remove once the first part is in
+            while True:
+                turns[0] += 1
+                if len(part_keys) == 1 and not removes:
+                    removes.append(server._dispatch(None, Remove(["a", "b", "c"])))
+                await asyncio.sleep(0)
+
+        monkeypatch.setattr(server.service, "mount_segment", seen)
+        counter = asyncio.ensure_future(count_turns())
+        await server._ensure_dfs()
+        counter.cancel()
+        assert len(seen_at) == 3 and seen_at[0] < seen_at[1] < seen_at[2]  # requests ran between parts
+        assert [len(keys) for keys in part_keys] == [1, 0, 0]  # the later parts' keys: refused, as removed
+        reply = removes[0] if not asyncio.iscoroutine(removes[0]) else await removes[0]
+        (first,) = part_keys[0]  # mounted before the remove: found; the others came after it
+        assert [code == ErrorCode.OK for code in reply.codes] == [key == first for key in "abc"]
+        assert server.service.exist_keys(ExistKeys(["a", "b", "c"]), wall_clock_ms()).flags == [False] * 3
 
     asyncio.run(main())
 

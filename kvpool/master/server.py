@@ -1124,6 +1124,13 @@ class MasterServer:
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
         for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
+            if start:
+                # Requests between the parts, as between a node's (a part is ~75 ms of work):
+                # a share of millions of files held the loop for as many seconds, every term.
+                # A remove meanwhile is remembered for the parts to come (RemovedAtStart).
+                await asyncio.sleep(0)
+                if service is not self.service:
+                    return  # A new term began: it mounts the DFS from a scan of its own.
             is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
             chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK], is_last=is_last, is_first=start == 0)
             rejected.extend(self._mount(service, chunk, wall_clock_ms()).rejected)
