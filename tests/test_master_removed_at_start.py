@@ -13,6 +13,7 @@ from kvpool import limits
 from kvpool.config import MasterConfig
 from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.master import removed_at_start
+from kvpool.master import server as master_server
 from kvpool.master.removed_at_start import RemovedAtStart
 from kvpool.master.server import MasterServer, local_clock_ms, wall_clock_ms
 from kvpool.protocol.messages import ExistKeys, InventoryEntry, MountSegment, Remove, SegmentInfo
@@ -127,6 +128,33 @@ def test_a_new_leaders_dfs_scan_refuses_a_file_removed_before_it(tmp_path) -> No
         await server._ensure_dfs()  # the term's DFS mount, from its scan
         assert server.service.exist_keys(ExistKeys(["K"]), wall_clock_ms()).flags == [False]
         assert list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)) == []  # and its file is gone
+
+    asyncio.run(main())
+
+
+def test_a_new_leaders_dfs_scan_that_begins_past_its_window_refuses_a_file_removed_before_it(
+    tmp_path, monkeypatch
+) -> None:
+    """A term's DFS scan begins only once the last term's is over (one at a time), which on a
+    hung or large share is past the new term's window: the DFS was not on the window's list
+    then, a remove meanwhile was forgotten, and the scan's mount brought the key back."""
+    clock = [1_000_000]
+    monkeypatch.setattr(master_server, "local_clock_ms", lambda: clock[0])
+
+    async def main() -> None:
+        server = MasterServer(MasterConfig(remount_grace_ms=0), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
+        await server._open_dfs()
+        dfs = server._dfs
+        assert dfs is not None and server._dfs_info is not None
+        dfs.publish("K", 0, dfs.write_temporary("K", 0, 123, [memoryview(b"x" * 4096)], is_durable=False),
+                    is_durable=False)  # fmt: skip
+        server.elector = _Leading()  # type: ignore[assignment]
+        server.elected(7)
+        server.predecessor_record([server._dfs_info.segment_id])
+        clock[0] += 120_000  # the last term's scan ends past this term's window
+        assert server._dispatch(_Conn(), Remove(["K"])).codes == [ErrorCode.OBJECT_NOT_FOUND]
+        await server._ensure_dfs()  # the term's DFS mount, from its scan
+        assert server.service.exist_keys(ExistKeys(["K"]), wall_clock_ms()).flags == [False]
 
     asyncio.run(main())
 

@@ -1255,6 +1255,10 @@ class MasterServer:
         # back yet (a frozen predecessor's notice it after the grace): they came back with them.
         window_ms = max(TAKEOVER_REMOUNT_WINDOW_MS, self.config.remount_grace_ms + REMOUNT_WINDOW_MS)
         self._removed_at_start = RemovedAtStart(now_ms + window_ms)
+        if self._dfs_info is not None:
+            # The term's DFS scan may begin past the window (the last term's may still run:
+            # one at a time), and a remove before its last part must reach its files.
+            self._removed_at_start.scanning(self._dfs_info.segment_id, now_ms)
         log.info("master %s leads (term %d); reading its predecessor's segment record",
                  self.advertised_endpoint, term)  # fmt: skip
 
