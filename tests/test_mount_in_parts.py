@@ -62,7 +62,9 @@ def test_an_object_removed_between_the_parts_of_its_nodes_mount_is_not_listed_ag
 
 def test_the_dfs_scan_is_mounted_whole_only_with_its_last_part(tmp_path: Path, monkeypatch) -> None:
     """Every part of the DFS's scan said is_last: the master took its inventory as whole after
-    the first, and a mount's is_whole forgets what the segment left behind that later parts show."""
+    the first, and a mount's is_whole forgets what the segment left behind that later parts show.
+    The last part comes alone, once the files the parts refused are gone (it opens the DFS to
+    new copies, which could take a refused file's name)."""
     monkeypatch.setattr(master_server, "_DFS_MOUNT_CHUNK", 2)
 
     async def main() -> None:
@@ -83,7 +85,7 @@ def test_the_dfs_scan_is_mounted_whole_only_with_its_last_part(tmp_path: Path, m
 
         monkeypatch.setattr(server.service, "mount_segment", seen)
         await server._ensure_dfs()
-        assert parts == [False, True]
+        assert parts == [False, False, True]
 
     asyncio.run(main())
 
@@ -108,11 +110,14 @@ def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeyp
         turns = [0]  # loop turns of a task beside the mount
         seen_at: list[int] = []  # the turn each part was mounted at
         part_keys: list[list[str]] = []  # what each part adopted
+        files_left: list[str] = []  # the DFS's files when its last part came
         removes: list = []
 
         def seen(mount: MountSegment, *args, **kwargs):
             seen_at.append(turns[0])
             part_keys.append([entry.key for entry in mount.inventory])
+            if mount.is_last:  # the refused files are gone by then
+                files_left.extend(entry.key for entry in dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX))
             return mount_segment(mount, *args, **kwargs)
 
         async def count_turns() -> None:  # and read a remove once the first part is in
@@ -126,11 +131,12 @@ def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeyp
         counter = asyncio.ensure_future(count_turns())
         await server._ensure_dfs()
         counter.cancel()
-        assert len(seen_at) == 3 and seen_at[0] < seen_at[1] < seen_at[2]  # requests ran between parts
-        assert [len(keys) for keys in part_keys] == [1, 0, 0]  # the later parts' keys: refused, as removed
+        assert len(seen_at) == 4 and seen_at[0] < seen_at[1] < seen_at[2]  # requests ran between parts
+        assert [len(keys) for keys in part_keys] == [1, 0, 0, 0]  # the later parts' keys: refused, as removed
         reply = removes[0] if not asyncio.iscoroutine(removes[0]) else await removes[0]
         (first,) = part_keys[0]  # mounted before the remove: found; the others came after it
         assert [code == ErrorCode.OK for code in reply.codes] == [key == first for key in "abc"]
+        assert set(files_left) <= {first}  # the refused ones' files were gone before the last part
         assert server.service.exist_keys(ExistKeys(["a", "b", "c"]), wall_clock_ms()).flags == [False] * 3
 
     asyncio.run(main())

@@ -1123,7 +1123,7 @@ class MasterServer:
         if service is not self.service or (self._dfs_service is service and service.has_segment(info.segment_id)):
             return  # A new term began during the scan (or another call mounted it): next tick.
         rejected: list[InventoryEntry] = []
-        for start in range(0, max(len(entries), 1), _DFS_MOUNT_CHUNK):
+        for start in range(0, len(entries), _DFS_MOUNT_CHUNK):
             if start:
                 # Requests between the parts, as between a node's (a part is ~75 ms of work):
                 # a share of millions of files held the loop for as many seconds, every term.
@@ -1131,17 +1131,24 @@ class MasterServer:
                 await asyncio.sleep(0)
                 if service is not self.service:
                     return  # A new term began: it mounts the DFS from a scan of its own.
-            is_last = start + _DFS_MOUNT_CHUNK >= len(entries)
-            chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK], is_last=is_last, is_first=start == 0)
+            chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK], is_last=False, is_first=start == 0)
             rejected.extend(self._mount(service, chunk, wall_clock_ms()).rejected)
+        if rejected:
+            # Before the last part, which opens the DFS to new copies: a refused file's range is
+            # free, and a new copy of its key there would take its name (and be unlinked).
+            failed = await asyncio.to_thread(_remove_refused, dfs, rejected)
+            if failed:
+                log.warning("the DFS %s: %d refused files could not be removed (the next scan removes them, "
+                            "or refuses them again)", info.segment_id, failed)  # fmt: skip
+            if service is not self.service:
+                return
+        self._mount(service, MountSegment(info, [], is_last=True, is_first=not entries), wall_clock_ms())
         self._dfs_service = service
         self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them
         if self._takeover is not None:
             self._takeover.mounted(info.segment_id)
         log.info("mounted the DFS %s at %s: %d objects, %d files rejected", info.segment_id, dfs.path,
                  len(entries) - len(rejected), len(rejected))  # fmt: skip
-        if rejected:
-            await asyncio.to_thread(lambda: [dfs.remove(e.key, e.offset) for e in rejected])
 
     async def _dfs_filesystem(self) -> dict[str, FilesystemReport]:
         """For the DFS's heartbeat: what its filesystem can take (Heartbeat.filesystems). Read
@@ -1300,6 +1307,17 @@ class MasterServer:
         self._dfs_writers_unanswered = {}
         self._dfs_writers_over = False
         self._dfs_tags_gone = {}  # a walk in flight stops at its next file
+
+
+def _remove_refused(dfs: DfsDirectory, refused: list[InventoryEntry]) -> int:
+    """Unlink the files of DFS entries a mount refused; how many could not be. Blocks."""
+    failed = 0
+    for entry in refused:
+        try:
+            dfs.remove(entry.key, entry.offset)
+        except KVPoolError:
+            failed += 1
+    return failed
 
 
 def _new_term_id() -> int:
