@@ -591,10 +591,21 @@ def tier_state(keys: list[str], replicas, tier_dirs: dict[str, str]) -> dict:
     for segment, directory in tier_dirs.items():
         objects = Path(directory) / objectfile.OBJECTS_DIR
         paths = [p for p in objects.rglob("*") if p.is_file()]
-        found[segment] = sorted(str(p.relative_to(directory)) for p in paths)
-        modified[segment] = {str(p.relative_to(directory)): p.stat().st_mtime for p in paths if p.name.endswith(".tmp")}
+        temporaries = {str(p.relative_to(directory)): _modified_s(p) for p in paths if p.name.endswith(".tmp")}
+        gone = {name for name, at in temporaries.items() if at is None}  # the next look sees where it went
+        found[segment] = sorted(name for name in (str(p.relative_to(directory)) for p in paths) if name not in gone)
+        modified[segment] = {name: at for name, at in temporaries.items() if at is not None}
     return {s: {"listed": sorted(listed[s]), "files": found[s], "temporary": modified[s], "dfs": is_dfs[s]}
             for s in tier_dirs}  # fmt: skip
+
+
+def _modified_s(path: Path) -> float | None:
+    """When the file was last written; None if it is gone since it was listed (a move that
+    renamed its temporary file in between)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 # --- the checker ----------------------------------------------------------------------------
