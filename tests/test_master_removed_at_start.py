@@ -109,35 +109,12 @@ class _Conn:
         return False
 
 
-def test_a_new_leaders_dfs_scan_refuses_a_file_removed_before_it(tmp_path) -> None:
+@pytest.mark.parametrize("scan_late_ms", [0, 120_000], ids=["in_the_window", "past_the_window"])
+def test_a_new_leaders_dfs_scan_refuses_a_file_removed_before_it(tmp_path, monkeypatch, scan_late_ms) -> None:
     """A new term mounts the DFS from a scan started by its tick, which on a large share ends
     after the takeover opened: a remove taken meanwhile found no such key, and the scan then
-    adopted the file (the key was back)."""
-
-    async def main() -> None:
-        server = MasterServer(MasterConfig(remount_grace_ms=0), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
-        await server._open_dfs()
-        dfs = server._dfs
-        assert dfs is not None and server._dfs_info is not None
-        dfs.publish("K", 0, dfs.write_temporary("K", 0, 123, [memoryview(b"x" * 4096)], is_durable=False),
-                    is_durable=False)  # fmt: skip
-        server.elector = _Leading()  # type: ignore[assignment]
-        server.elected(7)
-        server.predecessor_record([server._dfs_info.segment_id])
-        assert server._dispatch(_Conn(), Remove(["K"])).codes == [ErrorCode.OBJECT_NOT_FOUND]
-        await server._ensure_dfs()  # the term's DFS mount, from its scan
-        assert server.service.exist_keys(ExistKeys(["K"]), wall_clock_ms()).flags == [False]
-        assert list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)) == []  # and its file is gone
-
-    asyncio.run(main())
-
-
-def test_a_new_leaders_dfs_scan_that_begins_past_its_window_refuses_a_file_removed_before_it(
-    tmp_path, monkeypatch
-) -> None:
-    """A term's DFS scan begins only once the last term's is over (one at a time), which on a
-    hung or large share is past the new term's window: the DFS was not on the window's list
-    then, a remove meanwhile was forgotten, and the scan's mount brought the key back."""
+    adopted the file (the key was back). The scan may even begin past the term's window (the
+    last term's still runs: one at a time): the DFS was not on the window's list then."""
     clock = [1_000_000]
     monkeypatch.setattr(master_server, "local_clock_ms", lambda: clock[0])
 
@@ -151,10 +128,11 @@ def test_a_new_leaders_dfs_scan_that_begins_past_its_window_refuses_a_file_remov
         server.elector = _Leading()  # type: ignore[assignment]
         server.elected(7)
         server.predecessor_record([server._dfs_info.segment_id])
-        clock[0] += 120_000  # the last term's scan ends past this term's window
+        clock[0] += scan_late_ms
         assert server._dispatch(_Conn(), Remove(["K"])).codes == [ErrorCode.OBJECT_NOT_FOUND]
         await server._ensure_dfs()  # the term's DFS mount, from its scan
         assert server.service.exist_keys(ExistKeys(["K"]), wall_clock_ms()).flags == [False]
+        assert list(dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX)) == []  # and its file is gone
 
     asyncio.run(main())
 

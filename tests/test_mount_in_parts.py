@@ -68,14 +68,7 @@ def test_the_dfs_scan_is_mounted_whole_only_with_its_last_part(tmp_path: Path, m
     monkeypatch.setattr(master_server, "_DFS_MOUNT_CHUNK", 2)
 
     async def main() -> None:
-        server = MasterServer(MasterConfig(), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
-        await server._open_dfs()
-        dfs = server._dfs
-        assert dfs is not None
-        for index, key in enumerate("abc"):
-            source = [memoryview(key.encode() * 4096)]
-            dfs.publish(key, index * limits.MIB, dfs.write_temporary(key, index * limits.MIB, 1, source,
-                                                                     is_durable=False), is_durable=False)  # fmt: skip
+        server = await _master_with_dfs_files(tmp_path, "abc")
         mount_segment = server.service.mount_segment
         parts: list[bool] = []
 
@@ -97,15 +90,10 @@ def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeyp
     monkeypatch.setattr(master_server, "_DFS_MOUNT_CHUNK", 1)
 
     async def main() -> None:
-        server = MasterServer(MasterConfig(), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
+        server = await _master_with_dfs_files(tmp_path, "abc")
         server._removed_at_start = RemovedAtStart(local_clock_ms() + 60_000)  # as start() sets it
-        await server._open_dfs()
         dfs = server._dfs
         assert dfs is not None
-        for index, key in enumerate("abc"):
-            source = [memoryview(key.encode() * 4096)]
-            dfs.publish(key, index * limits.MIB, dfs.write_temporary(key, index * limits.MIB, 1, source,
-                                                                     is_durable=False), is_durable=False)  # fmt: skip
         mount_segment = server.service.mount_segment
         turns = [0]  # loop turns of a task beside the mount
         seen_at: list[int] = []  # the turn each part was mounted at
@@ -279,6 +267,19 @@ def test_a_disk_part_refused_after_the_node_went_silent_mounts_every_segment_aga
 
     master: MasterServer | None = None
     asyncio.run(main())
+
+
+async def _master_with_dfs_files(tmp_path: Path, keys: str) -> MasterServer:
+    """A master (no sockets) over a DFS directory holding a file of 4 KiB for each key, 1 MiB apart."""
+    server = MasterServer(MasterConfig(), seed=1, dfs_dir=str(tmp_path), dfs_bytes=limits.GIB)
+    await server._open_dfs()
+    dfs = server._dfs
+    assert dfs is not None
+    for index, key in enumerate(keys):
+        source = [memoryview(key.encode() * 4096)]
+        dfs.publish(key, index * limits.MIB, dfs.write_temporary(key, index * limits.MIB, 1, source,
+                                                                 is_durable=False), is_durable=False)  # fmt: skip
+    return server
 
 
 @contextlib.asynccontextmanager
