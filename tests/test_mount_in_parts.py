@@ -86,8 +86,10 @@ def test_the_dfs_scan_is_mounted_whole_only_with_its_last_part(tmp_path: Path, m
 def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeypatch) -> None:
     """The DFS's parts were mounted in one go: a share of millions of files held the master's
     loop for as many seconds at each start and term (requests timed out meanwhile). A remove
-    read between two parts still reaches the objects of the parts to come."""
+    read between two parts still reaches the objects of the parts to come, and the files those
+    parts refused are gone before the last part, the DFS kept alive meanwhile."""
     monkeypatch.setattr(master_server, "_DFS_MOUNT_CHUNK", 1)
+    monkeypatch.setattr(master_server, "_DFS_UNLINK_CHUNK", 1)
 
     async def main() -> None:
         server = await _master_with_dfs_files(tmp_path, "abc")
@@ -106,7 +108,16 @@ def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeyp
             part_keys.append([entry.key for entry in mount.inventory])
             if mount.is_last:  # the refused files are gone by then
                 files_left.extend(entry.key for entry in dfs.scan(limits.DFS_TEMP_FILE_AGE_MS_MAX))
+                heard_before_last.extend(heard)
             return mount_segment(mount, *args, **kwargs)
+
+        hear = server.service.hear
+        heard: list[str] = []  # the segments kept alive while the refused files were unlinked
+        heard_before_last: list[str] = []
+
+        def hearing(segment_ids: list[str], local_ms: int) -> None:
+            heard.extend(segment_ids)
+            hear(segment_ids, local_ms)
 
         async def count_turns() -> None:  # and read a remove once the first part is in
             while True:
@@ -116,6 +127,7 @@ def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeyp
                 await asyncio.sleep(0)
 
         monkeypatch.setattr(server.service, "mount_segment", seen)
+        monkeypatch.setattr(server.service, "hear", hearing)
         counter = asyncio.ensure_future(count_turns())
         await server._ensure_dfs()
         counter.cancel()
@@ -125,6 +137,7 @@ def test_the_dfs_mount_serves_requests_between_its_parts(tmp_path: Path, monkeyp
         (first,) = part_keys[0]  # mounted before the remove: found; the others came after it
         assert [code == ErrorCode.OK for code in reply.codes] == [key == first for key in "abc"]
         assert set(files_left) <= {first}  # the refused ones' files were gone before the last part
+        assert server._dfs_info is not None and heard_before_last == [server._dfs_info.segment_id] * 2
         assert server.service.exist_keys(ExistKeys(["a", "b", "c"]), wall_clock_ms()).flags == [False] * 3
 
     asyncio.run(main())

@@ -126,6 +126,7 @@ TAKEOVER_REMOUNT_WINDOW_MS = limits.HEARTBEAT_INTERVAL_MS_DEFAULT + limits.RPC_T
 PUT_ROOM_WAIT_MS = limits.RPC_TIMEOUT_MS_DEFAULT // 2
 # Inventory entries per MountSegment of the DFS (its files, scanned at start).
 _DFS_MOUNT_CHUNK = limits.BATCH_KEYS_MAX
+_DFS_UNLINK_CHUNK = 1_024  # refused files unlinked between two looks at the DFS's liveness
 # How often a running master removes the DFS's temporary files whose writer is gone (a node
 # killed mid-copy leaves its in-flight ones, up to its move budget): the scan at start removes
 # them too, and a master that ran for weeks let them fill the share meanwhile.
@@ -1133,15 +1134,19 @@ class MasterServer:
                     return  # A new term began: it mounts the DFS from a scan of its own.
             chunk = MountSegment(info, entries[start : start + _DFS_MOUNT_CHUNK], is_last=False, is_first=start == 0)
             rejected.extend(self._mount(service, chunk, wall_clock_ms()).rejected)
-        if rejected:
+        failed = 0
+        for start in range(0, len(rejected), _DFS_UNLINK_CHUNK):
             # Before the last part, which opens the DFS to new copies: a refused file's range is
-            # free, and a new copy of its key there would take its name (and be unlinked).
-            failed = await asyncio.to_thread(_remove_refused, dfs, rejected)
-            if failed:
-                log.warning("the DFS %s: %d refused files could not be removed (the next scan removes them, "
-                            "or refuses them again)", info.segment_id, failed)  # fmt: skip
+            # free, and a new copy of its key there would take its name (and be unlinked). The
+            # DFS has no heartbeat until it is whole: each chunk keeps it alive (on a slow share
+            # a remove_all's millions of unlinks outlast the node TTL).
+            failed += await asyncio.to_thread(_remove_refused, dfs, rejected[start : start + _DFS_UNLINK_CHUNK])
             if service is not self.service:
                 return
+            service.hear([info.segment_id], liveness_clock_ms())
+        if failed:
+            log.warning("the DFS %s: %d refused files could not be removed (the next scan removes them, "
+                        "or refuses them again)", info.segment_id, failed)  # fmt: skip
         self._mount(service, MountSegment(info, [], is_last=True, is_first=not entries), wall_clock_ms())
         self._dfs_service = service
         self._dfs_temps_due_ms = local_clock_ms() + DFS_TEMP_SWEEP_INTERVAL_MS  # the scan removed them
