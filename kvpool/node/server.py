@@ -528,7 +528,7 @@ class Node:
 
         Raises:
             SegmentNotFound: the master refused a part after the first (MountSegment.is_first):
-                mount the segment again from its first part.
+                the node was silent past its TTL; `_mount` mounts every segment again.
             KVPoolError: the master refused otherwise or the link failed.
         """
         chunks = list(_inventory_chunks(inventory.entries()))
