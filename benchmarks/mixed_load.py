@@ -63,8 +63,10 @@ def main() -> int:
             )  # fmt: skip
             (workdir / "cluster").mkdir()
             with cluster:
-                for index in range(args.nodes if args.disk_size else 0):  # a disk directory each
-                    cluster.start_node(("--disk-dir", str(workdir / f"disk{index}"), "--disk-size", args.disk_size))
+                cluster.start_nodes([  # a disk directory each
+                    ("--disk-dir", str(workdir / f"disk{index}"), "--disk-size", args.disk_size)
+                    for index in range(args.nodes if args.disk_size else 0)
+                ])  # fmt: skip
                 out_dir = workdir / "load"
                 workers = [
                     subprocess.Popen(

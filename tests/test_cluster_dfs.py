@@ -29,8 +29,7 @@ def dfs_keys(store: Store, keys: list[str]) -> list[str]:
 def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_path):
     dfs = str(tmp_path / "dfs")
     cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", dfs, "--node-ttl-ms", "1500"))
-    for _ in range(2):
-        cluster.start_node(("--dfs-dir", dfs))
+    cluster.start_nodes([("--dfs-dir", dfs)] * 2)
     persisted = values_for("persisted", 12, OBJECT_SIZE)
     flood = values_for("flood", 64, OBJECT_SIZE)  # 19 MiB in all through 16 MiB of DRAM
     with Store(cluster.master_endpoint, dfs_dir=dfs) as writer:

@@ -85,8 +85,7 @@ def only_on_disk(make_cluster, tmp_path: Path, key: str, data: bytes):
 
 def test_dram_filled_past_the_watermark_is_read_back_from_disk_by_another_client(make_cluster, tmp_path):
     cluster = make_cluster(0, "8MiB")
-    for index in range(2):
-        cluster.start_node(disk_args(tmp_path / f"disk{index}"))
+    cluster.start_nodes([disk_args(tmp_path / f"disk{index}") for index in range(2)])
     values = values_for("fill", 96, OBJECT_SIZE)  # 24 MiB through 16 MiB of DRAM
     with Store(cluster.master_endpoint) as writer:
         for key, value in values.items():
@@ -568,7 +567,7 @@ def test_disk_tiers_of_two_nodes_on_one_filesystem_share_its_free_space(make_clu
     # take all of it, and together they would overfill the disk.
     mount = small_filesystem("16m")
     cluster = make_cluster(0, "4MiB")
-    nodes = [cluster.start_node(disk_args(mount / f"disk{i}", "8MiB")) for i in range(2)]
+    nodes = cluster.start_nodes([disk_args(mount / f"disk{i}", "8MiB") for i in range(2)])
     (mount / "other-files").write_bytes(os.urandom(9 * 1024 * 1024))
     assert wait_until(lambda: cluster.master.log_tail(200).count("its filesystem has") >= 2, 10)
     values = values_for("shared", 40, 512 * 1024)  # 20 MiB through 8 MiB of DRAM

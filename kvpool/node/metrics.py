@@ -3,8 +3,9 @@
 `NodeMetrics` owns one `CollectorRegistry` per node, so that several nodes (embedded mode, tests)
 can live in one process without colliding in prometheus_client's global registry. The transfer
 handlers count into it on the data path (a counter increment, no I/O). `MetricsServer` is the
-aiohttp shell that exposes it; it is started only when a metrics port is configured. This module
-is not where anything is measured for benchmarks (benchmarks/ does that).
+HTTP shell that exposes it (node/metrics_http.py), imported and started only when a metrics port
+is configured. This module is not where anything is measured for benchmarks (benchmarks/ does
+that).
 
 Metric names (all prefixed kvpool_node_):
 
@@ -31,18 +32,15 @@ Metric names (all prefixed kvpool_node_):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.registry import Collector
 
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.transports import busy_poll
 from kvpool.transports.busy_poll import BusyPoll
-from kvpool.transports.http import serve_http
 
 _PREFIX = "kvpool_node_"
 
@@ -123,37 +121,6 @@ class _BusyPollCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         return busy_poll.metric_families(_PREFIX, self._poll)
-
-
-class MetricsServer:
-    """aiohttp server for GET /metrics (Prometheus text) and GET /health (JSON)."""
-
-    def __init__(self, metrics: NodeMetrics, health: Callable[[], dict[str, Any]]) -> None:
-        self._metrics = metrics
-        self._health = health
-        self._runner: web.AppRunner | None = None
-        self.endpoint = ""
-
-    async def start(self, host: str, port: int) -> None:
-        """Listen on host:port (0: ephemeral); `endpoint` is then the bound "host:port"."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._get_metrics)
-        app.router.add_get("/health", self._get_health)
-        runner, bound_port = await serve_http(app, host, port, "--metrics-port")
-        self._runner = runner
-        self.endpoint = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
-
-    async def _get_metrics(self, request: web.Request) -> web.Response:
-        body = self._metrics.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _get_health(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self._health()), content_type="application/json")
 
 
 class TierMetrics:

@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpool import limits
 from kvpool.config import NodeConfig
@@ -46,7 +46,7 @@ from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, SegmentN
 from kvpool.node.clock import MasterClock, monotonic_ms, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
-from kvpool.node.metrics import MetricsServer, NodeMetrics, TierMetrics
+from kvpool.node.metrics import NodeMetrics, TierMetrics
 from kvpool.node.moves import Mover
 from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.tiered import TieredMasterCalls, TieredTransferHandler
@@ -75,6 +75,9 @@ from kvpool.transports.connection import (
     start_server,
 )
 from kvpool.transports.dfs import DfsDirectory
+
+if TYPE_CHECKING:
+    from kvpool.node.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +316,8 @@ class Node:
             self._disk_info = self._disk.info(config.node_id, config.hostname, self._endpoint, shm_enabled)
         self._init_metrics()
         if config.metrics_port is not None:
+            from kvpool.node.metrics_http import MetricsServer  # brings aiohttp: only when asked for
+
             self._metrics_server = MetricsServer(self.metrics, self._health)
             await self._metrics_server.start(config.metrics_host or config.listen_host,
                                              config.metrics_port)  # fmt: skip

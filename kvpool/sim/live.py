@@ -257,9 +257,10 @@ class LiveCluster(StartedInContext):
     def _start_cluster(self, cluster: LocalCluster) -> None:
         cluster.start()
         if self.disk_size_bytes:
-            for index in range(self._nodes_per_cluster):
-                disk_dir = cluster.workdir / f"disk{index}"
-                cluster.start_node(("--disk-dir", str(disk_dir), "--disk-size", str(self.disk_size_bytes)))
+            cluster.start_nodes([
+                ("--disk-dir", str(cluster.workdir / f"disk{index}"), "--disk-size", str(self.disk_size_bytes))
+                for index in range(self._nodes_per_cluster)
+            ])  # fmt: skip
 
     def bind(self) -> None:
         """Open a Store per instance on clusters already started."""
