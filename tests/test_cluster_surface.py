@@ -5,6 +5,7 @@ servers listen on and report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -317,6 +318,24 @@ def test_a_ready_file_that_cannot_be_written_is_one_line_and_leaves_no_segment(m
         assert out.returncode == 1 and b"Traceback" not in out.stderr, out.stderr
         assert out.stderr.decode() == f"error: cannot write --ready-file {ready}: No such file or directory\n"
     assert list(shm_dir.iterdir()) == []
+
+
+def test_nodes_started_side_by_side_stop_together_when_one_cannot_start(make_cluster):
+    """start_nodes starts its nodes at once and waits for each: when one exits (here a memory
+    size that cannot be parsed), the error names it and the others it started are stopped,
+    not left running unlisted; the nodes started before are untouched."""
+    from kvpool.errors import ConnectFailed
+
+    cluster = make_cluster(1, "16MiB")
+    with pytest.raises(ConnectFailed, match="node3 did not start"):
+        cluster.start_nodes([(), ("--memory", "lots")])
+    assert [node.name for node in cluster.nodes] == ["node1"] and cluster.nodes[0].is_alive()
+    ready_file = str(cluster.workdir / "node2.ready")
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            assert ready_file not in (proc / "cmdline").read_bytes().decode(errors="replace"), "node2 still runs"
+    with Store(cluster.master_endpoint) as store:  # node2 mounted (if it was quick), then left
+        assert len(store.cluster_status().segments) == 1
 
 
 def scrape(port: int) -> dict[str, float]:
