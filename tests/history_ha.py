@@ -6,8 +6,10 @@ A real etcd on 127.0.0.1, two or three master candidates, nodes and clients give
 stale leader that wakes up), stops it gracefully (SIGTERM, then a new candidate), kills a
 node or a client, or freezes etcd briefly. Each leader fault is recorded as the checker's
 `kill_master` ... `master_back` pair, `master_back` once a leader is open and every live
-node has re-mounted on it, so the checker's evidence treats a failover as it treats a
-master restart.
+node has re-mounted on it (its disk tier too), so the checker's evidence treats a failover as
+it treats a master restart. With `--tiers` (HistoryRun's tiers: 4 MiB of DRAM over disk tiers,
+a shared DFS the masters index, promotions) the nemesis also kills every node at once, and
+objects move between tiers across failovers.
 
 `check_ha` adds, on top of the checker's properties: no acknowledged put read as missing
 while its object could not have left (no remove, no node fault, no eviction in the run, and
@@ -37,6 +39,7 @@ from tests.history_check import (
     CONNECT_TIMEOUT_MS,
     MASTER_ARGS,
     NEVER,
+    NODE_TTL_MS,
     RPC_TIMEOUT_MS,
     TRANSFER_TIMEOUT_MS,
     Evidence,
@@ -51,8 +54,8 @@ from tests.history_check import (
 # Each kind once first, in this order (the quickest first: a short run injects them all).
 HA_FAULTS = ("kill_client", "kill_node", "stop_etcd", "term_leader", "kill_leader", "stop_leader")
 ETCD_LEASE_TTL_MS, REMOUNT_GRACE_MS = 3_000, 3_000
-HA_MASTER_ARGS = (*MASTER_ARGS, "--etcd-lease-ttl-ms", str(ETCD_LEASE_TTL_MS),
-                  "--remount-grace-ms", str(REMOUNT_GRACE_MS))  # fmt: skip
+HA_ARGS = ("--etcd-lease-ttl-ms", str(ETCD_LEASE_TTL_MS), "--remount-grace-ms", str(REMOUNT_GRACE_MS))
+HA_MASTER_ARGS = (*MASTER_ARGS, *HA_ARGS)
 # docs/ha.md: a master request ends within connect + RPC timeout, and a thread opening its
 # connection to a master that stopped answering adds at most 1 s.
 MASTER_CALL_BOUND_MS = CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS + 1_000
@@ -76,15 +79,18 @@ class HAHistoryRun(HistoryRun):
 
     def __init__(self, out_dir: Path, seed: int, duration_s: float, masters: int = 2, clients: int = 3,
                  nodes: int = 3, memory: str = MEMORY, fault_gap_s: float = 3.0,
-                 faults: tuple[str, ...] = HA_FAULTS) -> None:  # fmt: skip
-        super().__init__(out_dir, seed, duration_s, clients, nodes, memory, fault_gap_s, disk=True)
+                 faults: tuple[str, ...] = HA_FAULTS, **tier_options) -> None:  # fmt: skip
+        """`tier_options`: HistoryRun's (tiers=True, disk_size, key_space); with tiers the
+        nemesis also kills every node at once."""
+        super().__init__(out_dir, seed, duration_s, clients, nodes, memory, fault_gap_s, disk=True, **tier_options)
         self.masters = masters
-        self.faults = faults
+        self.faults = (*faults, "kill_all_nodes") if self.tiers else faults
         self.etcd = LocalEtcd(out_dir)
 
     def start(self) -> None:
         self.etcd.start()
-        self.cluster = EtcdCluster(0, self.cluster.memory, master_args=HA_MASTER_ARGS, workdir=self.out_dir / "cluster",
+        self.cluster = EtcdCluster(0, self.cluster.memory, master_args=(*self.cluster.master_args, *HA_ARGS),
+                                   workdir=self.out_dir / "cluster",
                                    etcd_endpoint=self.etcd.endpoint, cluster_id=f"history-{self.seed}",
                                    master_count=self.masters)  # fmt: skip
         super().start()
@@ -155,9 +161,24 @@ class HAHistoryRun(HistoryRun):
         node = self.slots[slot]
         self.event(what="kill_node", slot=slot, segments=segments_of([node]))
         node.kill()
+        self.node_kills.append(time.time())
         self._stop.wait(self.rng.uniform(0.5, 2.0))
         self.start_node(slot)
         self.event(what="node_back", slot=slot)
+        if self.tiers:
+            self.read_tier(self.slots[slot].info["disk_segment_id"])
+
+    def kill_all_nodes(self) -> None:
+        """With tiers: every node at once, the DFS alone serving until they are back."""
+        self.event(what="kill_all_nodes", segments=segments_of(self.slots))
+        for process in self.slots:
+            process.kill()
+        self.node_kills.append(time.time())
+        self._stop.wait((NODE_TTL_MS + 1_500) / 1000)  # the leader has dropped them all
+        self.read_tier("dfs")
+        for slot in range(self.node_count):
+            self.start_node(slot)
+        self.event(what="nodes_back")
 
     def kill_client(self) -> None:
         victim = self.rng.choice([c for c in self.clients if c.popen.poll() is None])
@@ -175,7 +196,7 @@ class HAHistoryRun(HistoryRun):
                 leader = self.cluster.wait_leader(timeout_s=max(0.1, deadline - time.monotonic()))
             except ConnectFailed:  # no leader within the bound
                 break
-            if self._mounted(leader) >= {p.info["segment_id"] for p in self.slots}:
+            if self._mounted(leader) >= set(segments_of(self.slots)):  # disk tiers too
                 self.event(what="master_back", pid=leader.pid, took_ms=(time.monotonic() - started) * 1000)
                 return
             time.sleep(0.05)
@@ -277,10 +298,15 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=60)
     parser.add_argument("--fault-gap-s", type=float, default=3.0)
     parser.add_argument("--masters", type=int, default=2)
+    parser.add_argument("--tiers", action="store_true", help="4 MiB of DRAM over disk tiers, a shared DFS")
+    parser.add_argument("--disk-size", default="16MiB")
+    parser.add_argument("--key-space", type=int, default=100)
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    tier_options = dict(tiers=True, disk_size=args.disk_size, key_space=args.key_space) if args.tiers else {}
     history = HAHistoryRun(args.out_dir, args.seed, args.duration_s, masters=args.masters,
-                           fault_gap_s=args.fault_gap_s)  # fmt: skip
+                           memory="4MiB" if args.tiers else MEMORY, fault_gap_s=args.fault_gap_s,
+                           **tier_options)  # fmt: skip
     violations, report, final = run_checked(history, check_ha, "ha-report.json")
     (args.out_dir / "final.json").write_text(json.dumps(final))
     print(json.dumps(report))
