@@ -51,6 +51,8 @@ from tests.history_check import (
     segments_of,
 )
 
+# The events that record a fault (a leader fault is a kill_master with its `how`).
+FAULT_EVENTS = ("kill_master", "kill_node", "kill_client", "kill_all_nodes")
 # Each kind once first, in this order (the quickest first: a short run injects them all).
 HA_FAULTS = ("kill_client", "kill_node", "stop_etcd", "term_leader", "kill_leader", "stop_leader")
 ETCD_LEASE_TTL_MS, REMOUNT_GRACE_MS = 3_000, 3_000
@@ -159,7 +161,8 @@ class HAHistoryRun(HistoryRun):
     def kill_node(self) -> None:
         slot = self.rng.randrange(self.node_count)
         node = self.slots[slot]
-        self.event(what="kill_node", slot=slot, segments=segments_of([node]))
+        moving = self.tiers and self.wait_moving(node)  # mid-move when it has one
+        self.event(what="kill_node", slot=slot, segments=segments_of([node]), moving=moving)
         node.kill()
         self.node_kills.append(time.time())
         self._stop.wait(self.rng.uniform(0.5, 2.0))
@@ -196,11 +199,16 @@ class HAHistoryRun(HistoryRun):
                 leader = self.cluster.wait_leader(timeout_s=max(0.1, deadline - time.monotonic()))
             except ConnectFailed:  # no leader within the bound
                 break
-            if self._mounted(leader) >= set(segments_of(self.slots)):  # disk tiers too
+            if self._mounted(leader) >= self._awaited():
                 self.event(what="master_back", pid=leader.pid, took_ms=(time.monotonic() - started) * 1000)
                 return
             time.sleep(0.05)
         self.event(what="master_back", pid=None, took_ms=None)  # check_ha reports it
+
+    def _awaited(self) -> set[str]:
+        """Every live node's segments (its disk tier too), and with tiers the DFS, which a new
+        leader mounts from a scan that may end after it opened."""
+        return set(segments_of(self.slots)) | (set(self.tier_dirs()) if self.tiers else set())
 
     def _mounted(self, leader) -> set[str]:
         try:
@@ -279,9 +287,8 @@ def check_ha(out_dir: Path, final: dict | None = None) -> list[str]:
     violations = list(dict.fromkeys(violations))
     report = json.loads((out_dir / "report.json").read_text())["report"]
     report.update(
-        ha_faults=sorted({e.get("how", e["what"]) for e in events if e["what"] in ("kill_master", "kill_node",
-                                                                               "kill_client")}),
-        fault_count=sum(e["what"] in ("kill_master", "kill_node", "kill_client") for e in events),
+        ha_faults=sorted({e.get("how", e["what"]) for e in events if e["what"] in FAULT_EVENTS}),
+        fault_count=sum(e["what"] in FAULT_EVENTS for e in events),
         failover_ms=[None if b["took_ms"] is None else round(b["took_ms"]) for b in failovers],
         terms=len(terms), evicted=evicted, violations=len(violations),
         longest_by_kind={f: round(max((o.end - o.start) / 1e6 for o in ops if o.f == f and o.end != NEVER))

@@ -338,6 +338,20 @@ def test_nodes_started_side_by_side_stop_together_when_one_cannot_start(make_clu
         assert len(store.cluster_status().segments) == 1
 
 
+def test_a_node_that_cannot_start_is_named_at_once_while_one_before_it_still_waits(make_cluster):
+    """Side by side, each child is watched while any is waited for: a node that exits is
+    reported at once, by name, not after the ready timeout of one still waiting for its
+    master (which a node does for as long as it takes)."""
+    from kvpool.cli.launcher import READY_TIMEOUT_S, free_port
+    from kvpool.errors import ConnectFailed
+
+    cluster = make_cluster(0)
+    started = time.monotonic()
+    with pytest.raises(ConnectFailed, match="node2 did not start"):
+        cluster.start_nodes([("--master", f"127.0.0.1:{free_port()}"), ("--memory", "lots")])
+    assert time.monotonic() - started < READY_TIMEOUT_S / 3 and cluster.nodes == []
+
+
 def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples = {}

@@ -254,15 +254,24 @@ def spawn_side_by_side(
                 popen = _popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env)
                 started.append((Process(name, popen, log_path, {}), ready))
             _raise_pending()
-        for process, ready in started:
-            while not ready.exists():
-                if not process.is_alive() or time.monotonic() > deadline:
+        waiting = list(started)
+        while waiting:
+            for process, ready in list(waiting):
+                if ready.exists():
+                    process.info = json.loads(ready.read_text())
+                    waiting.remove((process, ready))
+                elif not process.is_alive() or time.monotonic() > deadline:  # whichever fails first
                     raise ConnectFailed(f"{process.name} did not start:\n{process.log_tail()}")
+            if waiting:
                 time.sleep(READY_POLL_S)
-            process.info = json.loads(ready.read_text())
     except BaseException:
+        # Failed or interrupted (SIGINT, SIGTERM) while they started: nobody else holds them.
+        # Each is told first, so that a second interrupt during the waits leaves none running.
         for process, _ in started:
-            process.stop()  # interrupted (SIGINT, SIGTERM) while they started: nobody else holds them
+            process.signal(signal.SIGCONT)
+            process.signal(signal.SIGTERM)
+        for process, _ in started:
+            process.stop()
         raise
     return [process for process, _ in started]
 

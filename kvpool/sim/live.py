@@ -238,7 +238,7 @@ class LiveCluster(StartedInContext):
         self.is_pooled = config.sharing == "pooled"
         cluster_count = 1 if self.is_pooled else config.instance_count
         nodes_per_cluster = config.instance_count if self.is_pooled else 1
-        # Nodes with a disk tier each need their own directory: started one by one (starters).
+        # Nodes with a disk tier each need their own directory: started with their flags (starters).
         self._nodes_per_cluster = nodes_per_cluster
         node_count = 0 if self.disk_size_bytes else nodes_per_cluster
         self.clusters = [LocalCluster(node_count, memory, master_args=master_args) for _ in range(cluster_count)]
