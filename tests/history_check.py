@@ -336,15 +336,7 @@ class HistoryRun:
                 if self.tiers:
                     self.read_tier(self.slots[slot].info["disk_segment_id"])
             elif fault == "kill_all_nodes":
-                self.event(what="kill_all_nodes", segments=segments_of(self.slots))
-                for process in self.slots:
-                    process.kill()
-                self.node_kills.append(time.time())
-                self._stop.wait((NODE_TTL_MS + 1_500) / 1000)  # the master has dropped them all
-                self.read_tier("dfs")
-                for back in range(self.node_count):
-                    self.start_node(back)
-                self.event(what="nodes_back")
+                self.kill_all_nodes()
             elif fault == "stop_node":
                 self.event(what="stop_node", slot=slot, segments=segments_of([node]))
                 node.signal(signal.SIGSTOP)
@@ -364,6 +356,18 @@ class HistoryRun:
                 victim.popen.kill()
                 victim.popen.wait(10)
                 self.start_client(victim.client)
+
+    def kill_all_nodes(self) -> None:
+        """With tiers: every node at once, the DFS alone serving until they are back."""
+        self.event(what="kill_all_nodes", segments=segments_of(self.slots))
+        for process in self.slots:
+            process.kill()
+        self.node_kills.append(time.time())
+        self._stop.wait((NODE_TTL_MS + 1_500) / 1000)  # the master has dropped them all
+        self.read_tier("dfs")
+        for slot in range(self.node_count):
+            self.start_node(slot)
+        self.event(what="nodes_back")
 
     def wait_moving(self, node) -> bool:
         """Whether `node` had moves queued (an offload, a promotion, a copy) within 2 s: the

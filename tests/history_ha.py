@@ -39,7 +39,6 @@ from tests.history_check import (
     CONNECT_TIMEOUT_MS,
     MASTER_ARGS,
     NEVER,
-    NODE_TTL_MS,
     RPC_TIMEOUT_MS,
     TRANSFER_TIMEOUT_MS,
     Evidence,
@@ -170,18 +169,6 @@ class HAHistoryRun(HistoryRun):
         self.event(what="node_back", slot=slot)
         if self.tiers:
             self.read_tier(self.slots[slot].info["disk_segment_id"])
-
-    def kill_all_nodes(self) -> None:
-        """With tiers: every node at once, the DFS alone serving until they are back."""
-        self.event(what="kill_all_nodes", segments=segments_of(self.slots))
-        for process in self.slots:
-            process.kill()
-        self.node_kills.append(time.time())
-        self._stop.wait((NODE_TTL_MS + 1_500) / 1000)  # the leader has dropped them all
-        self.read_tier("dfs")
-        for slot in range(self.node_count):
-            self.start_node(slot)
-        self.event(what="nodes_back")
 
     def kill_client(self) -> None:
         victim = self.rng.choice([c for c in self.clients if c.popen.poll() is None])
