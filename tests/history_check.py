@@ -326,15 +326,7 @@ class HistoryRun:
             slot = self.rng.randrange(self.node_count)
             node = self.slots[slot]
             if fault == "kill_node":
-                moving = self.tiers and self.wait_moving(node)
-                self.event(what="kill_node", slot=slot, segments=segments_of([node]), moving=moving)
-                node.kill()
-                self.node_kills.append(time.time())
-                self._stop.wait(self.rng.uniform(0.5, 2.0))
-                self.start_node(slot)
-                self.event(what="node_back", slot=slot)
-                if self.tiers:
-                    self.read_tier(self.slots[slot].info["disk_segment_id"])
+                self.kill_node_in(slot)
             elif fault == "kill_all_nodes":
                 self.kill_all_nodes()
             elif fault == "stop_node":
@@ -356,6 +348,20 @@ class HistoryRun:
                 victim.popen.kill()
                 victim.popen.wait(10)
                 self.start_client(victim.client)
+
+    def kill_node_in(self, slot: int) -> None:
+        """SIGKILL the node of `slot` (mid-move, with tiers, when it has one), then start it
+        again; with tiers, read what its disk tier re-adopted."""
+        node = self.slots[slot]
+        moving = self.tiers and self.wait_moving(node)
+        self.event(what="kill_node", slot=slot, segments=segments_of([node]), moving=moving)
+        node.kill()
+        self.node_kills.append(time.time())
+        self._stop.wait(self.rng.uniform(0.5, 2.0))
+        self.start_node(slot)
+        self.event(what="node_back", slot=slot)
+        if self.tiers:
+            self.read_tier(self.slots[slot].info["disk_segment_id"])
 
     def kill_all_nodes(self) -> None:
         """With tiers: every node at once, the DFS alone serving until they are back."""

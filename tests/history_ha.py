@@ -37,7 +37,6 @@ from kvpool.cli.launcher import LocalCluster, LocalEtcd
 from kvpool.errors import ConnectFailed
 from tests.history_check import (
     CONNECT_TIMEOUT_MS,
-    MASTER_ARGS,
     NEVER,
     RPC_TIMEOUT_MS,
     TRANSFER_TIMEOUT_MS,
@@ -55,8 +54,8 @@ FAULT_EVENTS = ("kill_master", "kill_node", "kill_client", "kill_all_nodes")
 # Each kind once first, in this order (the quickest first: a short run injects them all).
 HA_FAULTS = ("kill_client", "kill_node", "stop_etcd", "term_leader", "kill_leader", "stop_leader")
 ETCD_LEASE_TTL_MS, REMOUNT_GRACE_MS = 3_000, 3_000
+# Added to the run's master flags (HistoryRun's, with tiers its DFS's too).
 HA_ARGS = ("--etcd-lease-ttl-ms", str(ETCD_LEASE_TTL_MS), "--remount-grace-ms", str(REMOUNT_GRACE_MS))
-HA_MASTER_ARGS = (*MASTER_ARGS, *HA_ARGS)
 # docs/ha.md: a master request ends within connect + RPC timeout, and a thread opening its
 # connection to a master that stopped answering adds at most 1 s.
 MASTER_CALL_BOUND_MS = CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS + 1_000
@@ -158,17 +157,7 @@ class HAHistoryRun(HistoryRun):
         self._back(started)
 
     def kill_node(self) -> None:
-        slot = self.rng.randrange(self.node_count)
-        node = self.slots[slot]
-        moving = self.tiers and self.wait_moving(node)  # mid-move when it has one
-        self.event(what="kill_node", slot=slot, segments=segments_of([node]), moving=moving)
-        node.kill()
-        self.node_kills.append(time.time())
-        self._stop.wait(self.rng.uniform(0.5, 2.0))
-        self.start_node(slot)
-        self.event(what="node_back", slot=slot)
-        if self.tiers:
-            self.read_tier(self.slots[slot].info["disk_segment_id"])
+        self.kill_node_in(self.rng.randrange(self.node_count))
 
     def kill_client(self) -> None:
         victim = self.rng.choice([c for c in self.clients if c.popen.poll() is None])
