@@ -29,9 +29,10 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # of the TP ranks that read it). 8: ReleaseLeases' keys in one bounded list with a count per
 # grant time (its list of lists let one frame hold 15 million keys).
 FRAME_VERSION = 8
-# A control message is metadata only (keys, offsets, codes); 64 MiB holds a batch of 16,384
-# maximal keys with room to spare, and bounds what a malicious peer can make us buffer.
-FRAME_CONTROL_SIZE_BYTES_MAX = 64 * MIB
+# A control message is metadata only (keys, offsets, codes); 72 MiB holds a batch of 16,384
+# maximal keys with what each carries (asserted below: 64 MiB was the keys alone, and such a
+# batch failed with LocalProtocolError), and bounds what a malicious peer can make us buffer.
+FRAME_CONTROL_SIZE_BYTES_MAX = 72 * MIB
 # A payload rides in one frame up to this size; larger transfers are cut into slices.
 SLICE_SIZE_BYTES_MAX = 64 * MIB
 FRAME_PAYLOAD_SIZE_BYTES_MAX = 1 * GIB
@@ -51,6 +52,9 @@ DISK_ITEMS_PER_FRAME_MAX = BATCH_KEYS_MAX
 REPLICA_NUM_MAX = 8
 REGEX_SIZE_BYTES_MAX = 4 * KIB
 LIST_OBJECTS_MAX = 100_000
+# A listing ends (truncated) once its keys hold this many bytes: 100,000 long keys would not fit
+# one reply frame.
+LIST_OBJECTS_KEY_BYTES_MAX = 32 * MIB
 
 # --- allocation ------------------------------------------------------------------------------
 # Every allocation starts on a cache line, so that copies into a segment never straddle one
@@ -189,6 +193,10 @@ assert HEARTBEAT_INTERVAL_MS_DEFAULT * 3 <= NODE_TTL_MS_DEFAULT
 assert (HEARTBEAT_INTERVAL_MS_DEFAULT + FILESYSTEM_LOOK_WAIT_MS) * 3 <= NODE_TTL_MS_DEFAULT
 assert 0.0 < EVICT_RATIO_DEFAULT < EVICT_WATERMARK_RATIO_HIGH_DEFAULT <= 1.0
 assert CONNECTIONS_PER_PEER_DEFAULT <= CONNECTIONS_PER_PEER_MAX
+# A batch of maximal keys, each with up to 64 bytes of what its request or reply adds (a size,
+# a code, a str header), fits one control message with a MiB to spare.
+assert BATCH_KEYS_MAX * (KEY_SIZE_BYTES_MAX + 64) <= FRAME_CONTROL_SIZE_BYTES_MAX - MIB
+assert LIST_OBJECTS_KEY_BYTES_MAX + LIST_OBJECTS_MAX * 64 <= FRAME_CONTROL_SIZE_BYTES_MAX - MIB
 
 # --- high availability: etcd election and discovery (master/election.py, discovery.py) -----
 # The leader's etcd lease (Mooncake's ETCD_MASTER_VIEW_LEASE_TTL = 5 s, types.h). etcd counts

@@ -68,6 +68,11 @@ def test_bytes_api_round_trip(shm_enabled):
                 assert await store.get_size("k3") == 3 << 20
                 with pytest.raises(ObjectNotFound):
                     await store.get_size("absent")
+                # A put under way is no object yet, as exists() says: ObjectNotFound, not ReplicaNotReady.
+                await store._put_start(["writing"], [[memoryview(b"w" * 100)]], None)
+                assert await store.exists("writing") is False
+                with pytest.raises(ObjectNotFound):
+                    await store.get_size("writing")
 
     run(main())
 
@@ -334,6 +339,33 @@ def test_a_key_that_is_not_a_str_is_an_invalid_key_and_the_connection_serves_on(
     refused_on_an_async_store(
         [(lambda s, act=act, bad=bad: act(s, bad), InvalidKey, None) for bad in bad_keys for act in actions]
     )
+
+
+def test_keys_of_a_str_subclass_are_the_keys_their_text_names():
+    """Keys taken from a numpy array of strings are numpy.str_, a str subclass: they passed
+    the client's key check and then failed in the frame encoder with a bare TypeError, from
+    every call. They are their text now, through the sync and the async paths alike."""
+
+    class Key(str):
+        pass
+
+    keys = list(np.array(["np-a", "np-b"])) + [Key("sub-c")]
+    values = [os.urandom(1000) for _ in keys]
+    with cluster_on_a_thread() as endpoint:
+        with Store(endpoint) as store:
+            assert store.put_batch(keys, values) == [0, 0, 0]
+            assert store.get_batch(["np-a", "np-b", "sub-c"]) == values
+            assert store.get(keys[0]) == values[0] and store.get_size(keys[2]) == 1000
+            assert store.batch_exists(keys) == [True] * 3 and store.longest_prefix(keys) == 3
+            assert sorted(store.list_objects("").keys) == ["np-a", "np-b", "sub-c"]
+
+        async def main():
+            async with await AsyncStore.open(endpoint) as store:
+                assert await store.get_batch(keys) == values
+                await store.remove(keys[1])
+                assert await store.batch_exists(["np-a", "np-b", "sub-c"]) == [True, False, True]
+
+        asyncio.run(main())
 
 
 def refused_on_an_async_store(refusals) -> None:

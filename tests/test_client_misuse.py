@@ -125,3 +125,19 @@ def test_an_option_of_another_type_or_name_is_invalid_params_naming_it(endpoint,
             asyncio.run(open_async())
     with Store(endpoint, token="", rpc_timeout_ms=np.int64(5000), dfs_dir=Path("")) as store:
         assert store.get("nothing") is None  # numpy integers are integers, a Path is a path
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False])
+def test_a_batch_at_the_limits_of_keys_and_key_size_goes_through(endpoint, shm_enabled):
+    """16,384 keys (BATCH_KEYS_MAX) of 4,096 bytes (KEY_SIZE_BYTES_MAX) each: a batch inside
+    both documented limits failed with LocalProtocolError, its control message (the keys
+    alone 64 MiB) over the 64 MiB a frame could carry; and a same-host get of 16,384 keys
+    (of 64 bytes too) timed out: its pieces' lookups, sent together, waited on their own
+    replies, which the master stops sending to a peer that does not read them."""
+    keys = [f"{i:08d}".ljust(KEY_MAX, "k") for i in range(limits.BATCH_KEYS_MAX)]
+    with Store(endpoint, token="", shm_enabled=shm_enabled) as store:
+        assert store.put_batch(keys, [b"x"] * len(keys)) == [0] * len(keys)
+        assert store.batch_exists(keys) == [True] * len(keys)
+        assert store.longest_prefix(keys) == len(keys)
+        assert store.get_batch(keys) == [b"x"] * len(keys)
+        assert store.batch_remove(keys) == [0] * len(keys)

@@ -750,6 +750,18 @@ def test_list_objects() -> None:
         svc.list_objects(ListObjects("[", 10), 0)
 
 
+def test_a_listing_of_long_keys_ends_within_one_reply_frame(monkeypatch) -> None:
+    """100,000 keys of 4 KiB (the list limit, the key limit) made a 400 MB reply, over the
+    control message limit: the listing stops, truncated, at LIST_OBJECTS_KEY_BYTES_MAX of keys."""
+    monkeypatch.setattr(limits, "LIST_OBJECTS_KEY_BYTES_MAX", 10_000)
+    svc = make()
+    mount(svc, "s1")
+    keys = [f"{i}" + "\u00e9" * 1000 for i in range(12)]  # 2,001 bytes each in UTF-8
+    put(svc, keys)
+    listed = svc.list_objects(ListObjects("", 100), 0)
+    assert len(listed.keys) == 4 and listed.truncated
+
+
 # --- placement ---------------------------------------------------------------------------
 
 

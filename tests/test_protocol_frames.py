@@ -360,6 +360,35 @@ def test_control_message_larger_than_staging_buffer():
     assert drain(decoder)[0].message.keys == keys
 
 
+def test_a_control_message_larger_than_the_buffer_is_copied_a_bounded_number_of_times(monkeypatch):
+    """Every receive of a frame larger than the staging buffer compacted it, copying all it
+    had received so far: quadratic, a batch of 16,384 keys of 4 KiB (64 MiB) took 3-5 s to
+    reach the master and timed out. The bytes are now moved at most a few times in all."""
+    from kvpool.protocol import frames
+
+    copied = [0]
+
+    class CountedBytearray(bytearray):  # the staging buffers: what slices of them copy
+        def __getitem__(self, key):
+            item = super().__getitem__(key)
+            copied[0] += len(item) if isinstance(key, slice) else 0
+            return item
+
+        def __setitem__(self, key, value):
+            copied[0] += len(value) if isinstance(key, slice) else 0
+            super().__setitem__(key, value)
+
+    keys = [f"{i:08d}".ljust(1024, "k") for i in range(4096)]  # ~4 MiB of control message
+    wire = encode_frame(GetReplicaList(keys), 1)
+    monkeypatch.setattr(frames, "bytearray", CountedBytearray, raising=False)
+    decoder = FrameDecoder()
+    for start in range(0, len(wire), 200_000):  # what a Unix socket hands over per receive
+        decoder.receive_data(wire[start : start + 200_000])
+    assert drain(decoder)[0].message.keys == keys
+    assert isinstance(decoder._staging, CountedBytearray)
+    assert copied[0] <= 4 * len(wire), (copied[0], len(wire))
+
+
 def _unbounded_containers(info, path: str, inside: str | None) -> Iterator[str]:
     """The containers below `info` (msgspec.inspect) that a request could make its receiver
     decode millions of items of: one with no bound or more than BATCH_KEYS_MAX items, or one

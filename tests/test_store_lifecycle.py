@@ -514,3 +514,152 @@ def test_an_async_store_refuses_another_event_loop_before_it_sends_anything(make
         assert on_loop(store.get("k")) == b"v" * 100
         assert on_loop(store.exists("k2")) is False
         on_loop(store.aclose())
+
+
+def _stored_and_nothing_held(endpoint: str, keys: list[str], values: list[bytes]) -> None:
+    """A fresh Store reads every key back, and the master holds nothing beyond their objects:
+    no put pending, no range quarantined."""
+    from kvpool.master.allocator import footprint_bytes
+
+    with Store(endpoint) as reader:
+        assert reader.get_batch(keys) == values
+        status = reader.cluster_status()
+        assert status.pending_count == 0
+        assert sum(s.used_bytes for s in status.segments) == sum(footprint_bytes(len(v)) for v in values)
+
+
+@pytest.mark.parametrize("shm_enabled", [True, False])
+def test_a_put_under_way_when_another_thread_closes_the_store_finishes_stored(make_cluster, monkeypatch, shm_enabled):
+    """A serving engine shuts down while a worker thread saves blocks. The close cut the put
+    off and dropped what it gave back: its keys refused puts (REPLICA_IS_NOT_READY) for the
+    master's discard timeout (30 s) and its ranges (16 MiB here) stayed out of use for the
+    release timeout (10 minutes). A put under way now finishes first; no new put starts."""
+    from kvpool.client.transfer import PutJob
+
+    cluster = make_cluster(1, "64MiB")
+    store = Store(cluster.master_endpoint, shm_enabled=shm_enabled)
+    store.put("warm-up", b"w")
+    keys, values = [f"k{i}" for i in range(64)], [os.urandom(256 << 10) for _ in range(64)]
+    copy_local, copying = PutJob.copy_local, threading.Event()
+
+    def copy_once_closing(job):  # the put holds here until the close has begun
+        copying.set()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not store._closing and time.monotonic() < deadline:
+            time.sleep(0.001)
+        copy_local(job)
+
+    monkeypatch.setattr(PutJob, "copy_local", copy_once_closing)
+    outcome: dict[str, object] = {}
+    caller = threading.Thread(target=lambda: outcome.update(codes=_raised(store.put_batch, keys, values)))
+    caller.start()
+    assert copying.wait(JOIN_TIMEOUT_S)
+    store.close()
+    caller.join(JOIN_TIMEOUT_S)
+    monkeypatch.setattr(PutJob, "copy_local", copy_local)
+    assert outcome["codes"] == [0] * len(keys), outcome
+    with pytest.raises(StoreClosed):
+        store.put("after", b"v")
+    _stored_and_nothing_held(cluster.master_endpoint, ["warm-up", *keys], [b"w", *values])
+
+
+def test_a_put_under_way_when_its_async_store_closes_finishes_stored(make_cluster, monkeypatch):
+    """The same for an AsyncStore: a put writing to a node when aclose() came."""
+    cluster = make_cluster(1, "64MiB")
+    keys, values = [f"k{i}" for i in range(64)], [os.urandom(256 << 10) for _ in range(64)]
+    run_batches = AsyncStore._run_batches
+
+    async def writes_once_closing(self, batches, timeout_ms):
+        while not self._is_closed:
+            await asyncio.sleep(0.001)
+        return await run_batches(self, batches, timeout_ms)
+
+    async def main() -> object:
+        store = await AsyncStore.open(cluster.master_endpoint, shm_enabled=False)
+        put = asyncio.ensure_future(store.put_batch(keys, values))
+        await asyncio.sleep(0.05)  # granted, held before its writes
+        await store.aclose()
+        with pytest.raises(StoreClosed):
+            await store.put("after", b"v")
+        return await _raised_async(put)
+
+    monkeypatch.setattr(AsyncStore, "_run_batches", writes_once_closing)
+    codes = asyncio.run(asyncio.wait_for(main(), JOIN_TIMEOUT_S))
+    monkeypatch.setattr(AsyncStore, "_run_batches", run_batches)
+    assert codes == [0] * len(keys), codes
+    _stored_and_nothing_held(cluster.master_endpoint, keys, values)
+
+
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_put_a_close_cuts_off_gives_its_keys_back_at_once(make_cluster, api):
+    """A put still writing to a node that stopped answering when the store closes ends with
+    StoreClosed, and gives its keys back then: the close had dropped the revoke, and the
+    keys refused puts until the master's discard timeout (30 s)."""
+    cluster = make_cluster(2, "32MiB")
+    first, second = cluster.nodes
+    keys, values = [f"k{i}" for i in range(4)], [os.urandom(PAGE) for _ in range(4)]
+    on_first, on_second = (ReplicateConfig(placement="preferred", preferred_segments=[n.info["segment_id"]])
+                           for n in (first, second))  # fmt: skip
+    outcome: dict[str, object] = {}
+    first.signal(signal.SIGSTOP)
+    try:
+        if api == "Store":
+            store = Store(cluster.master_endpoint, shm_enabled=False)
+            put = lambda: outcome.update(result=_raised(store.put_batch, keys, values, on_first))  # noqa: E731
+            caller = threading.Thread(target=put)
+            caller.start()
+            time.sleep(0.5)  # granted, the writes sent, their answers waited for
+            store.close()
+            caller.join(JOIN_TIMEOUT_S)
+        else:
+
+            async def main() -> None:
+                store = await AsyncStore.open(cluster.master_endpoint, shm_enabled=False)
+                put = asyncio.ensure_future(store.put_batch(keys, values, on_first))
+                await asyncio.sleep(0.5)
+                await store.aclose()
+                outcome["result"] = await _raised_async(put)
+
+            asyncio.run(asyncio.wait_for(main(), JOIN_TIMEOUT_S))
+        assert isinstance(outcome["result"], StoreClosed), outcome
+        with Store(cluster.master_endpoint) as other:
+            codes = other.put_batch(keys, values, on_second)  # at once: not REPLICA_IS_NOT_READY
+            assert codes == [0] * len(keys), codes
+            assert other.get_batch(keys) == values
+    finally:
+        first.signal(signal.SIGCONT)
+
+
+def test_an_async_store_closed_after_its_loop_ended_unmaps_its_segments(make_cluster):
+    """An AsyncStore used in one asyncio.run and closed in a later one: aclose raised
+    RuntimeError ("Event loop is closed") half-way, its segments left mapped. It closes what
+    needs no loop now; from another loop still running, aclose is refused, named."""
+    cluster = make_cluster(1, "32MiB")
+    holder: dict[str, AsyncStore] = {}
+
+    async def used() -> None:
+        store = holder["store"] = await AsyncStore.open(cluster.master_endpoint)
+        await store.put("k", b"v" * PAGE)
+        assert await store.get("k") == b"v" * PAGE  # the node's segment mapped here
+
+    async def closed_later() -> None:
+        await holder["store"].aclose()
+        with pytest.raises(StoreClosed):
+            await holder["store"].get("k")
+
+    asyncio.run(used())
+    assert any("/dev/shm" in line for line in open("/proc/self/maps"))  # noqa: SIM115
+    asyncio.run(closed_later())
+    assert not any("/dev/shm" in line for line in open("/proc/self/maps"))  # noqa: SIM115
+
+    async def opened() -> AsyncStore:
+        return await AsyncStore.open(cluster.master_endpoint)
+
+    loop = asyncio.new_event_loop()
+    try:
+        store = loop.run_until_complete(opened())
+        with pytest.raises(InvalidRequest, match="close it there"):
+            asyncio.run(store.aclose())  # another loop, while its own still runs
+        loop.run_until_complete(store.aclose())
+    finally:
+        loop.close()

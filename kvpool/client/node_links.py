@@ -304,6 +304,8 @@ class NodeLinks:
                 endpoint, key=self._key, timeout_ms=timeout_ms, prefer_local=self._prefer_local
             )
         except (ConnectFailed, Unauthorized) as exc:
+            if self._links.is_closed:  # by another thread meanwhile: not through the loop either
+                raise StoreClosed("the store was closed during the call") from None
             log.info("no connection of this thread to node %s (through the loop): %s", endpoint, exc)
             link.retry_at = {e: at for e, at in link.retry_at.items() if at > now}  # forget the lapsed
             link.retry_at[endpoint] = now + NODE_RETRY_AFTER_S

@@ -37,6 +37,10 @@ class _ClosedForGood:
         self._is_closed = False
         self._opened_in = forks()
 
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
     def _check_usable(self) -> None:
         """Raises StoreClosed once closed, and InvalidRequest in a process forked since."""
         if self._is_closed:
@@ -71,6 +75,7 @@ class PeerPool(_ClosedForGood):
         self._size = connections_per_peer
         self._connect_timeout_ms = connect_timeout_ms
         self._conns: dict[str, list[Connection]] = {}
+        self._opening: set[asyncio.Task[Connection]] = set()  # connects under way, ended by close()
 
     def __repr__(self) -> str:
         return f"<PeerPool {sum(len(c) for c in self._conns.values())} connections>"
@@ -102,18 +107,32 @@ class PeerPool(_ClosedForGood):
         return sorted(conns, key=Connection.inflight_count)[:count]
 
     async def _open(self, endpoint: str, timeout_ms: int | None = None) -> Connection:
+        """A new connection; StoreClosed if close() came during the connect, which it ends:
+        a closing store's puts wait for their transfers to end (AsyncStore.aclose), and a
+        connect to a node that does not answer took its whole timeout."""
         timeout_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
-        return await connect(
+        opening = asyncio.ensure_future(connect(
             endpoint, key=self._key, timeout_ms=timeout_ms, name="client", prefer_local=self._prefer_local
-        )
+        ))  # fmt: skip
+        self._opening.add(opening)
+        try:
+            return await opening
+        except asyncio.CancelledError:
+            if opening.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
+                raise StoreClosed("the store was closed during the call") from None
+            raise
+        finally:
+            self._opening.discard(opening)
 
     def drop(self, endpoint: str) -> None:
         for conn in self._conns.pop(endpoint, []):
             conn.close("dropped by pool")
 
     def close(self) -> None:
-        """For good (_ClosedForGood)."""
+        """For good (_ClosedForGood), connects under way too."""
         if self._close_for_good():
+            for opening in list(self._opening):
+                opening.cancel()
             for endpoint in list(self._conns):
                 self.drop(endpoint)
 

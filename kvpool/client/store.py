@@ -22,6 +22,7 @@ import operator
 import os
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from kvpool.errors import (
     ErrorCode,
     InvalidKey,
     InvalidParams,
+    InvalidRequest,
     KVPoolError,
     RpcTimeout,
     SegmentNotFound,
@@ -103,6 +105,11 @@ BytesLike = bytes | bytearray | memoryview
 # master on the network answers in a millisecond or two); one that does not answer in time
 # loses only their early effect: the leases lapse after their TTL, a bad read reports again.
 CLOSE_BACKGROUND_WAIT_MS = 250
+# A closing store lets the puts in flight finish for this long (their objects stored), then
+# ends their transfers: each then gives back what it held through the master, for as long
+# again. Cut off at once, a put's keys refused puts until the master's discard (30 s) and its
+# ranges stayed out of use for the release timeout (10 minutes).
+CLOSE_PUTS_WAIT_MS = 250
 # A segment whose file is gone is unmapped this long after it is found so: longer than any
 # get or put begun before may copy from it (their transfers are bounded by 30 s).
 MAPPED_SEGMENT_RETIRE_MS = 60_000
@@ -144,6 +151,7 @@ class AsyncStore:
         self._embedded_node = None
         self._reports: set[asyncio.Task] = set()  # bad-replica reports and lease releases in flight
         self._is_closed = False
+        self._puts_in_flight = 0  # on the loop: puts under way here, which aclose lets finish
         self._leases = LeaseReleases()  # leases of finished gets, to give back (client/leases.py)
         self._get_pieces = GetPieces(config.shm_enabled)
         self.slow_nodes = SlowNodes()  # read last for a while (client/slow_nodes.py)
@@ -194,18 +202,28 @@ class AsyncStore:
         return node.segment_info if node is not None else None
 
     async def aclose(self) -> None:
-        """Give back the leases of the last gets, then close everything. Waits at most
-        CLOSE_BACKGROUND_WAIT_MS for the calls still in the background (releases, reports),
-        then cancels them and lets them end here: a call left pending would run on after
-        the store (reconnecting to the master), or die with the caller's loop. In a forked
-        child it only marks the store closed: what it holds is the parent's (process.py)."""
+        """Refuse new puts; let those in flight finish (CLOSE_PUTS_WAIT_MS), then end their
+        transfers and let them give back what they held (as long again); give back the
+        leases of the last gets; then close everything. Waits at most
+        CLOSE_BACKGROUND_WAIT_MS for the calls still in the background (releases, reports,
+        revokes), then cancels them and lets them end here: a call left pending would run on
+        after the store (reconnecting to the master), or die with the caller's loop. In a
+        forked child it only marks the store closed: what it holds is the parent's (process.py)."""
         if self._opened_in != forks():
             self._is_closed = True
             self._master.close()
             self._peers.close()
             return
-        self._send_releases()  # now, rather than when the leases lapse
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            if not self._loop.is_closed():
+                raise InvalidRequest("an AsyncStore belongs to the event loop it was opened on: close it there")
+            self._close_after_its_loop()
+            return
         self._is_closed = True
+        await self._puts_settled(CLOSE_PUTS_WAIT_MS)
+        self._peers.close()  # writes still in flight end now; their puts revoke through the master
+        await self._puts_settled(CLOSE_PUTS_WAIT_MS)
+        self._send_releases()  # now, rather than when the leases lapse
         background = list(self._reports)
         if background:
             _, pending = await asyncio.wait(background, timeout=CLOSE_BACKGROUND_WAIT_MS / 1000)
@@ -216,15 +234,44 @@ class AsyncStore:
         if self._embedded_node is not None:
             await self._embedded_node.stop()
         self._master.close()
-        self._peers.close()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
+        self._unmap_all()
+
+    def _unmap_all(self) -> None:
         for segment in [*self._mapped.values(), *self._retired]:
             if segment is not None:
                 segment.close()
         self._mapped.clear()
         self._retired.clear()
+
+    def _close_after_its_loop(self) -> None:
+        """aclose() after the loop the store was opened on has closed (an AsyncStore used in
+        one asyncio.run and closed in a later one): nothing runs there any more, so the
+        segments are unmapped and the store marked closed; its connections cannot be aborted
+        through that loop, and their sockets close when the store is collected. It raised
+        RuntimeError half-way before, the segments left mapped."""
+        self._is_closed = True
+        for link in (self._master, self._peers):
+            with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+                link.close()
+        self._unmap_all()
+
+    async def _puts_settled(self, timeout_ms: int) -> None:
+        """Wait until no put of this store is under way on its loop, at most `timeout_ms`."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self._puts_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
+    @contextlib.contextmanager
+    def _put_under_way(self) -> Iterator[None]:
+        """Count a put (or its network phases) as under way, for aclose. On the loop."""
+        self._puts_in_flight += 1
+        try:
+            yield
+        finally:
+            self._puts_in_flight -= 1
 
     async def __aenter__(self) -> AsyncStore:
         return self
@@ -453,20 +500,23 @@ class AsyncStore:
         config: ReplicateConfig | None,
     ) -> list[int]:
         """A whole put, every phase on this loop."""
+        if self._is_closed:  # closing: the puts under way may finish, no new one starts
+            raise StoreClosed("the store is closed")
         keys = key_list(keys)  # before first_occurrences: an unhashable key is an InvalidKey too
         config = checked_config(config)
         unique, positions = first_occurrences(keys)
         if len(unique) < len(keys):
             codes = await self._put_parts([keys[i] for i in unique], [parts[i] for i in unique], config)
             return [codes[p] for p in positions]
-        job = await self._put_start(keys, parts, config)
-        try:
-            with self.closed_meanwhile():
-                job.copy_local()
-        except BaseException:  # a close meanwhile, Ctrl-C: the keys go back at once (the sync Store's way)
-            self._give_up(job)
-            raise
-        return await self._put_finish(job)
+        with self._put_under_way():
+            job = await self._put_start(keys, parts, config)
+            try:
+                with self.closed_meanwhile():
+                    job.copy_local()
+            except BaseException:  # a close meanwhile, Ctrl-C: the keys go back at once (the sync Store's way)
+                self._give_up(job)
+                raise
+            return await self._put_finish(job)
 
     async def _get_parts(
         self,
@@ -598,8 +648,9 @@ class AsyncStore:
     def _in_background(self, message: Message, is_idempotent: bool, failure: str) -> None:
         """Send `message` to the master without waiting for its answer; log `failure` if it
         fails (a report or a release the get's caller has no use for). On the loop. Not once
-        the store is closed (a get that finished meanwhile): its leases lapse instead."""
-        if self._is_closed:
+        the master's link is closed (a get that finished meanwhile): its leases lapse instead;
+        a closing store's puts still give back what they held (aclose)."""
+        if self._master.is_closed:
             return
         task = asyncio.ensure_future(self._master.call(message, is_idempotent=is_idempotent))
         self._reports.add(task)
@@ -655,6 +706,10 @@ class AsyncStore:
 
     async def _put_finish(self, job: PutJob) -> list[int]:
         """Write the remote replicas, then put_end what was written and revoke the rest."""
+        with self._put_under_way():
+            return await self._put_written(job)
+
+    async def _put_written(self, job: PutJob) -> list[int]:
         try:
             failed = await self._run_batches(job.remote, job.write_timeout_ms(self.config.transfer_timeout_ms))
         except asyncio.CancelledError:
@@ -674,8 +729,10 @@ class AsyncStore:
             try:
                 await self._master.call(job.put_revoke(revoke), is_idempotent=False)
             except KVPoolError as exc:
-                # The master discards the put at its timeout anyway: nothing leaks.
+                # The master discards the put at its timeout, then holds its ranges until the release timeout.
                 log.info("put_revoke failed (the master will discard the put): %s", exc)
+            if self._peers.is_closed:  # its writes were ended by a close (aclose), not by their nodes
+                raise StoreClosed("the store was closed during the put")
         return job.codes
 
     def _give_up(self, job: PutJob) -> None:
@@ -1107,10 +1164,13 @@ def prefix_count(reply: Message) -> int:
 
 
 def object_size(reply: Message, key: str) -> int:
-    """Raises ObjectNotFound."""
+    """Raises ObjectNotFound: absent, or still being put (as exists() says it is absent)."""
     assert isinstance(reply, QueryReply)
-    if reply.codes[0] != ErrorCode.OK:
-        raise key_error(reply.codes[0], "size of", key)
+    code = reply.codes[0]
+    if code == ErrorCode.REPLICA_IS_NOT_READY:  # a put under way: not an object yet
+        code = ErrorCode.OBJECT_NOT_FOUND
+    if code != ErrorCode.OK:
+        raise key_error(code, "size of", key)
     return reply.sizes[0]
 
 

@@ -43,9 +43,10 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from kvpool.client.node_links import NodeLinks
+from kvpool.client.node_links import NODE_OPEN_TIMEOUT_MS, NodeLinks
 from kvpool.client.pool import MasterLink
 from kvpool.client.store import (
+    CLOSE_PUTS_WAIT_MS,
     GET_PIECES_FROM_KEYS,
     PUT_PIECES_FROM_KEYS,
     AsyncStore,
@@ -429,6 +430,7 @@ class Store:
         self._nodes = NodeLinks(self._opened._key, config, self._opened.slow_nodes)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
+        self._closing = False  # close() began: no new put starts, those under way may finish
         self._put_was_local = config.shm_enabled  # whether the last large put wrote all here (batch_pieces)
         # process.forks() when the Store was opened (or reopened) in this process; None once closed.
         self._opened_in: int | None = forks()
@@ -519,14 +521,30 @@ class Store:
         return reply
 
     def close(self) -> None:
-        """Close every connection; a later call raises StoreClosed. Idempotent."""
+        """Close every connection; a later call raises StoreClosed. Idempotent.
+
+        Puts other threads have under way may finish first (CLOSE_PUTS_WAIT_MS, their objects
+        stored); those still under way then end with StoreClosed, and give back what they held
+        (as an interrupted put does) before the master's connection closes."""
+        if self._opened_in == forks():
+            self._closing = True
+            self._puts_settled()
         with _reopening:
             opened_in, self._opened_in = self._opened_in, None
         if opened_in != forks():  # closed already, or opened by the parent and never used here
             return
         self._direct.close()
         self._nodes.close()
+        # Those cut off queue their give-backs on the loop, ahead of aclose (a thread opening
+        # a connection to a node that does not answer ends at the open's timeout).
+        self._puts_settled(NODE_OPEN_TIMEOUT_MS + CLOSE_PUTS_WAIT_MS)
         self._loop.run(self._opened.aclose(), self._timeout_ms)
+
+    def _puts_settled(self, timeout_ms: int = CLOSE_PUTS_WAIT_MS) -> None:
+        """Wait until no put of this Store is under way, at most `timeout_ms`."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self._puts_in_flight and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def __enter__(self) -> Store:
         return self
@@ -670,6 +688,8 @@ class Store:
         config: ReplicateConfig | None,
     ) -> list[int]:
         self._check_open()
+        if self._closing:  # the puts under way may finish, no new one starts
+            raise StoreClosed("the Store is closed")
         keys = key_list(keys)  # before set(keys) below: an unhashable key is an InvalidKey too
         config = checked_config(config)
         with self._in_flight_lock:

@@ -857,7 +857,8 @@ class MasterService:
 
     def list_objects(self, msg: ListObjects, now_ms: int) -> ListReply:
         """Complete objects whose key matches `pattern` (RE2 search; "" matches all), at most
-        `limit`, in eviction order (least recently accessed first under LRU). O(n).
+        `limit` and LIST_OBJECTS_KEY_BYTES_MAX of keys (a reply frame's worth), in eviction
+        order (least recently accessed first under LRU). O(n).
 
         Raises:
             InvalidParams: a bad pattern, or a limit outside 1..LIST_OBJECTS_MAX.
@@ -870,10 +871,12 @@ class MasterService:
         keys: list[str] = []
         sizes: list[int] = []
         truncated = False
+        room_bytes = limits.LIST_OBJECTS_KEY_BYTES_MAX
         for key, meta in self._table.items():
             if search is not None and search(key) is None:
                 continue
-            if len(keys) == msg.limit:
+            room_bytes -= len(key.encode())
+            if len(keys) == msg.limit or room_bytes < 0:
                 truncated = True
                 break
             keys.append(key)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
@@ -211,18 +212,76 @@ class BlockingConnection:
         return True
 
     def send(self, messages: Sequence[Message], deadline: float) -> list[int]:
-        """Send requests without payload, in one write, before the replies of any are read
-        (pipelining: the server works on the next while the caller handles the first);
-        returns their ids, for `reply`. Any failure closes the connection.
+        """Send requests without payload, before the replies of any are read (pipelining: the
+        server works on the next while the caller handles the first); returns their ids, for
+        `reply`. Replies that come while the later requests are still going out are read
+        meanwhile and kept: a server stops reading from a peer that leaves its replies unread,
+        and a batch of requests larger than the sockets' buffers (a get of 16,384 keys in
+        pieces) waited on its own replies until the deadline. Any failure closes the connection.
 
         Raises:
             ConnectFailed: the requests could not be sent: the peer never saw them.
+            RpcFailed: the peer broke the protocol in a reply that came meanwhile.
             RpcTimeout: not sent by `deadline` (time.monotonic()).
         """
         request_ids = [self._take_request_id() for _ in messages]
-        self._send_requests(b"".join(map(encode_frame, messages, request_ids)), deadline)
+        data = b"".join(map(encode_frame, messages, request_ids))
+        if self._socket is None:
+            raise ConnectFailed(f"connection to {self.peer} is closed")
         self._unanswered.update(request_ids)
+        try:
+            self._send_reading_replies(memoryview(data), deadline)
+        except RpcFailed as exc:
+            self.close()
+            if isinstance(exc, _BrokenWhileSending):  # refused whole, as _send_requests says
+                raise ConnectFailed(str(exc)) from None
+            raise
+        except BaseException:
+            self.close()
+            raise
         return request_ids
+
+    def _send_reading_replies(self, data: memoryview, deadline: float) -> None:
+        """Send `data` whole by `deadline`; while the socket has no room, keep the replies
+        that come (_keep_replies)."""
+        sock = self._live_socket()
+        poller = None
+        while data:
+            try:
+                sock.settimeout(0.0)
+                data = data[sock.send(data) :]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise _BrokenWhileSending(f"connection to {self.peer} broke: {exc}") from None
+            if poller is None:
+                poller = select.poll()
+                poller.register(sock, select.POLLIN | select.POLLOUT)
+            events = poller.poll(max(0, int(_remaining_s(deadline) * 1000)))
+            if not events:
+                raise RpcTimeout(f"sending to {self.peer} timed out")
+            if events[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                self._keep_replies()
+
+    def _keep_replies(self) -> None:
+        """Receive what the socket holds now, and keep each reply it completes in `_early`."""
+        sock, decoder = self._live_socket(), self._decoder
+        try:
+            received = sock.recv_into(decoder.get_buffer())
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise RpcFailed(f"connection to {self.peer} broke: {exc}") from None
+        if not received:
+            raise RpcFailed(f"{self.peer} closed the connection")
+        decoder.buffer_updated(received)
+        while (frame := self._next_event()) is not NEED_DATA:
+            if not isinstance(frame, Frame) or not frame.is_reply or frame.payload_size:
+                raise RpcFailed(f"{self.peer} sent an unexpected frame while requests went out")
+            if frame.request_id not in self._unanswered or frame.request_id in self._early:
+                raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
+            self._early[frame.request_id] = frame
 
     def send_payload(
         self, message: Message, payload: Sequence[memoryview], landing: int | None, deadline: float
@@ -506,6 +565,10 @@ def _read_late_replies(
     finally:
         sock.close()
         _late_reply_readers.release()
+
+
+class _BrokenWhileSending(RpcFailed):
+    """The connection broke under a send: no request of it was carried out whole."""
 
 
 def _unsent(parts: list[memoryview], sent: int) -> list[memoryview]:
