@@ -10,9 +10,12 @@ the directory alone. Every check is on the bytes a user gets back.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
-from kvpool import ErrorCode, ReplicateConfig, Store
+import pytest
+
+from kvpool import AsyncStore, ErrorCode, ReplicateConfig, Store, limits
 from kvpool.protocol import objectfile
 from tests.test_cluster import kvpool_cli, values_for, wait_until
 
@@ -129,6 +132,85 @@ def test_a_dfs_file_that_rots_is_checked_by_the_master_and_dropped(make_cluster,
         wait_until(lambda: not store.exists("rotten"))
         wait_until(lambda: not path.exists())  # the master removed the file itself
         assert store.get("sound") == sound
+
+
+@pytest.mark.parametrize("api", ["Store", "AsyncStore"])
+def test_a_same_host_get_whose_nearer_copy_rotted_reads_the_dfs_copy(make_cluster, tmp_path, api):
+    """An object with a DRAM replica and a DFS copy, its DRAM bytes rotted, read from the
+    node's host: the key went on from the mapped copy to the DFS file, which the reads over
+    TCP took for a node's (a sync get raised InvalidParams "not a host:port endpoint", for
+    every key of the batch, an async get missed). It reads the DFS copy here now; a reader
+    without the DFS mounted gets a clean miss."""
+    dfs = tmp_path / "dfs"
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs)))
+    cluster.start_node(("--dfs-dir", str(dfs)))
+    value, other = os.urandom(OBJECT_SIZE), os.urandom(OBJECT_SIZE)
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as store:
+        assert store.put_batch(["k", "other"], [value, other], ReplicateConfig(with_dfs_copy=True)) == [0, 0]
+        assert wait_until(lambda: dfs_keys(store, ["k"]) == ["k"])
+        segments = store.cluster_status().segment_infos()
+        (dram,) = [r for r in store.query(["k"]).replicas[0] if segments[r.segment_id].tier == "dram"]
+        with open(segments[dram.segment_id].shm_path, "r+b") as segment:
+            segment.seek(limits.SEGMENT_HEADER_SIZE_BYTES + dram.offset + 100)
+            segment.write(b"\x01\x02\x03")
+    if api == "Store":
+        with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as reader:
+            got = reader.get_batch(["k", "other"])
+    else:
+
+        async def read() -> list:
+            async with await AsyncStore.open(cluster.master_endpoint, dfs_dir=str(dfs)) as reader:
+                return await reader.get_batch(["k", "other"])
+
+        got = asyncio.run(read())
+    assert got == [value, other]
+    with Store(cluster.master_endpoint) as without_the_dfs:  # the DRAM copy dropped as bad by now, or not
+        assert without_the_dfs.get("k") in (None, value)
+
+
+def test_a_running_node_takes_the_new_identity_of_a_dfs_emptied_under_it(make_cluster, tmp_path):
+    """An operator empties the shared DFS directory and restarts the master, which gives it a
+    new identity: the nodes kept the old one, and refused every DFS move against the new
+    (a put's DFS copy, an offload) until they were restarted."""
+    import shutil
+
+    dfs = tmp_path / "dfs"
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs)))
+    cluster.start_node(("--dfs-dir", str(dfs)))
+    config = ReplicateConfig(with_dfs_copy=True)
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as store:
+        store.put("before", b"b" * OBJECT_SIZE, config)
+        assert dfs_keys(store, ["before"]) == ["before"]
+    cluster.master.kill()
+    shutil.rmtree(dfs)
+    dfs.mkdir()
+    cluster.start_master()
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as store:
+        assert wait_until(lambda: any(s.segment.tier == "dram" for s in store.cluster_status().segments), 10)
+        store.put("after", b"a" * OBJECT_SIZE, config)
+        assert dfs_keys(store, ["after"]) == ["after"]
+        assert store.get("after") == b"a" * OBJECT_SIZE
+
+
+def test_a_store_reads_a_dfs_mounted_after_it_first_looked(make_cluster, tmp_path, monkeypatch):
+    """A serving process started before the share was mounted at its dfs_dir skipped the DFS
+    for the life of its store; it looks again (after DFS_LOOK_AGAIN_S, a minute)."""
+    from kvpool.client import store as store_module
+
+    monkeypatch.setattr(store_module, "DFS_LOOK_AGAIN_S", 0.0)
+    dfs, mount_point = tmp_path / "dfs", tmp_path / "mnt"
+    cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs), "--node-ttl-ms", "2000"))
+    node = cluster.start_node(("--dfs-dir", str(dfs)))
+    value = os.urandom(OBJECT_SIZE)
+    with Store(cluster.master_endpoint, dfs_dir=str(dfs)) as store:
+        store.put("k", value, ReplicateConfig(with_dfs_copy=True))
+    node.kill()
+    with Store(cluster.master_endpoint, dfs_dir=str(mount_point)) as reader:
+        assert wait_until(lambda: reader.query(["k"]).replicas[0] and dfs_keys(reader, ["k"]) == ["k"]
+                          and len(reader.query(["k"]).replicas[0]) == 1, 15)  # fmt: skip
+        assert reader.get("k") is None  # nothing mounted at its dfs_dir yet
+        mount_point.symlink_to(dfs)
+        assert reader.get("k") == value
 
 
 def test_a_dfs_directory_is_one_clusters(make_cluster, tmp_path):

@@ -117,6 +117,9 @@ MAPPED_SEGMENT_RETIRE_MS = 60_000
 # disk or DFS segment's files): of this many segments at most, so that a long-lived client
 # of a cluster whose nodes come and go does not remember them without end (_map_segment).
 SEGMENTS_REMEMBERED_MAX = 65_536
+# A DFS not found at a store's dfs_dir (the share not mounted yet) is looked for again after
+# this long: it was skipped for the life of the store.
+DFS_LOOK_AGAIN_S = 60.0
 # While a segment is mapped, whether its file is gone is looked at this often: a node stopped
 # for good (scaled down, moved) held its whole segment's memory in /dev/shm in every
 # long-lived same-host client until the client mapped another segment.
@@ -147,6 +150,7 @@ class AsyncStore:
         self._sweep: asyncio.TimerHandle | None = None  # the next look for unlinked segments
         # Disk and DFS segments whose object files this host can open (docs/tiers.md).
         self._directories: dict[str, Path | None] = {}
+        self._dfs_look_again_at = 0.0  # when a DFS not found at dfs_dir is looked for again
         self.buffers = BufferRegistry()
         self._embedded_node = None
         self._reports: set[asyncio.Task] = set()  # bad-replica reports and lease releases in flight
@@ -887,10 +891,12 @@ class AsyncStore:
         or the DFS at this client's own dfs_dir (likewise). Else None (read over TCP, or not
         at all for the DFS)."""
         try:  # one lookup: another thread may clear them meanwhile (SEGMENTS_REMEMBERED_MAX)
-            return self._directories[info.segment_id]
+            directory = self._directories[info.segment_id]
+            if directory is not None or info.tier != TIER_DFS or time.monotonic() < self._dfs_look_again_at:
+                return directory
         except KeyError:
             pass
-        directory: Path | None = None
+        directory = None
         if info.tier == TIER_DISK:
             if self.config.shm_enabled and info.shm_path and info.hostname == self.hostname:
                 identity = files.load_identity(Path(info.shm_path))
@@ -899,7 +905,8 @@ class AsyncStore:
         elif info.tier == TIER_DFS and self.config.dfs_dir:
             if DfsDirectory(self.config.dfs_dir).has_token(info.shm_token):
                 directory = Path(self.config.dfs_dir)
-            else:
+            else:  # not mounted yet, perhaps: looked for again a minute on
+                self._dfs_look_again_at = time.monotonic() + DFS_LOOK_AGAIN_S
                 log.info("DFS %s is not at %s: DFS replicas are skipped", info.segment_id, self.config.dfs_dir)
         if len(self._directories) >= SEGMENTS_REMEMBERED_MAX:
             self._directories.clear()  # each is looked at again when met (they hold nothing)

@@ -585,6 +585,7 @@ class GetJob:
         # (key, replica) whose bytes did not match the object's checksum: for the master to
         # have the node check them, and drop the replica if the node agrees (report_bad).
         self.bad_replicas: list[tuple[str, Replica]] = []
+        self._failures = 0  # replicas whose read failed (_next_candidate): copy_local goes on after one
         # Per segment id: the mapped segment, or None (looked up once per segment, not per key).
         self._mapped: dict[str, Segment | None] = {}
         self._has_file_tiers = False  # any disk or DFS segment among the replicas
@@ -645,7 +646,18 @@ class GetJob:
         return self._has_file_tiers and any(self._file_path(i) is not None for i in self.pending_indexes())
 
     def copy_local(self) -> None:
-        """Read every pending key whose next candidate replica is mapped here, then verify."""
+        """Read every pending key whose next candidate replica is here (a mapped segment, an
+        object file this host opens), then verify. A key whose read fails goes on to its next
+        candidate, read in another pass when that one is here too (a rotted disk file, then the
+        DFS copy): with one pass it went to the TCP reads, which have no way to a DFS file (a
+        sync get raised InvalidParams, an async one missed)."""
+        while True:
+            failures = self._failures
+            self._copy_local_pass()
+            if self._failures == failures:
+                return
+
+    def _copy_local_pass(self) -> None:
         reply = self.reply
         segments, sizes, checksums = reply.segments, reply.sizes, reply.checksums
         reads: list[tuple[int, Path]] = []  # object files this host can open
@@ -782,6 +794,10 @@ class GetJob:
         for index in pending:
             replica = candidates[index][tried[index]]
             endpoint = segments[replica.segment_id].endpoint
+            if not endpoint:  # a DFS file this host cannot open (no --dfs-dir here): no node serves it
+                self._take_next(index)
+                self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
+                continue
             size = sizes[index]
             target = targets[index]
             if target is None and size <= SMALL_LANDING_BYTES_MAX:
@@ -936,6 +952,7 @@ class GetJob:
         return replica
 
     def _next_candidate(self, index: int, code: ErrorCode) -> None:
+        self._failures += 1
         self._landed[index] = None
         if self._tried[index] >= len(self._candidates[index]):
             self.codes[index] = int(code)

@@ -137,12 +137,23 @@ class DfsDirectory:
     def is_segment(self, segment_id: str) -> bool:
         """True when this directory is the DFS the master mounts as `segment_id`."""
         identity = self.identity()
+        if identity is not None and identity.segment_id != segment_id:
+            identity = self._identity_again()
         return identity is not None and identity.segment_id == segment_id
 
     def has_token(self, token: bytes) -> bool:
         """True when this directory is the DFS whose token the master announced."""
         identity = self.identity()
+        if identity is not None and identity.token != token:
+            identity = self._identity_again()
         return identity is not None and bool(token) and identity.token == token
+
+    def _identity_again(self) -> TierIdentity | None:
+        """The identity read anew: the master may have made a new one (the directory emptied
+        by an operator, then the master restarted), which a node that kept the old refused
+        every DFS move against until it restarted."""
+        self._identity = None
+        return self.identity()
 
     # --- objects -------------------------------------------------------------------------
 
