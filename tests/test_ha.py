@@ -19,7 +19,7 @@ import time
 
 import pytest
 import uvloop
-from conftest import python_child
+from conftest import python_child, wait_until
 
 from kvpool import ErrorCode, ReplicateConfig
 from kvpool.client.store import AsyncStore
@@ -829,3 +829,36 @@ def test_an_etcd_started_for_a_process_ends_with_it(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(etcd_pid, signal.SIGKILL)  # a failure leaves nothing behind
+
+
+def test_a_master_that_cannot_reach_etcd_says_so_on_health(make_cluster, etcd_endpoint):
+    """A standby given a mistyped --etcd answered /health "ok" while it could reach no etcd
+    (a warning a second in its log), a failure seen only at the failover that needed it. It
+    answers 503 with the reason; a master that reaches etcd answers 200."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from kvpool.cli.launcher import free_port, spawn
+
+    def health(process) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{process.info['http_port']}/health", timeout=5) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as refused:
+            return refused.code, json.loads(refused.read())
+
+    cluster = make_cluster(0, etcd_endpoint=etcd_endpoint, cluster_id=new_cluster_id())
+    assert health(cluster.wait_leader()) == (200, {"status": "ok", "endpoint": cluster.master_endpoint,
+                                                   "role": "leader"})  # fmt: skip
+    nowhere = f"127.0.0.1:{free_port()}"
+    args = ["master", "--port", "0", "--http-port", "0", "--etcd", nowhere, "--cluster-id", cluster.cluster_id]
+    stray = spawn("stray-master", args, cluster.workdir, cluster.env)
+    try:
+        wait_until(lambda: health(stray)[0] == 503)
+        code, said = health(stray)
+        assert said["status"] == "etcd unreachable" and said["role"] == "standby"
+        assert nowhere in said["etcd_error"], said
+    finally:
+        stray.stop()
+

@@ -217,6 +217,8 @@ class Elector:
         self._is_of_cluster = False  # _claim_cluster found its mark the cluster's
         # Set (with the reason) when this candidate refuses to stand: see _claim_cluster.
         self.refusal: asyncio.Future[KVPoolError] | None = None
+        # Why the last attempt to reach etcd failed, until one succeeds (the master's /health).
+        self.etcd_error: str | None = None
 
     def __repr__(self) -> str:
         return f"<Elector {self.config.cluster_id} {self.record.endpoint} {self.leadership!r}>"
@@ -262,6 +264,7 @@ class Elector:
                 self.refusal.set_result(exc)
                 return
             except _ETCD_ERRORS as exc:
+                self.etcd_error = f"{type(exc).__name__}: {exc}"
                 delay_ms = backoff_ms // 2 + random.randrange(backoff_ms // 2 + 1)
                 log.warning("election: etcd %s: %s: %s; retrying in %d ms",
                             ",".join(self.config.etcd_endpoints), type(exc).__name__, exc,
@@ -292,6 +295,7 @@ class Elector:
         etcd = self._etcd
         sent_ms = self._clock_ms()
         lease_id, ttl_ms = await etcd.grant_lease(self.config.lease_ttl_ms)
+        self.etcd_error = None
         try:
             created, holder, revision = await etcd.create(
                 self._key, self.record.encode(), lease_id=lease_id

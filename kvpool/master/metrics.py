@@ -196,8 +196,15 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
         return web.Response(body=server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(_request: web.Request) -> web.Response:
-        # role: "single", "leader", "recovering" or "standby" (HA masters, election.py).
-        return web.json_response({"status": "ok", "endpoint": server.endpoint, "role": server.role})
+        # role: "single", "leader", "recovering" or "standby" (HA masters, election.py). An HA
+        # master that cannot reach etcd answers 503: a standby with a mistyped --etcd looked
+        # healthy until the failover that needed it.
+        answer = {"status": "ok", "endpoint": server.endpoint, "role": server.role}
+        etcd_error = server.elector.etcd_error if server.elector is not None else None
+        if etcd_error is not None:
+            answer.update(status="etcd unreachable", etcd_error=etcd_error)
+            return web.json_response(answer, status=503)
+        return web.json_response(answer)
 
     async def status(_request: web.Request) -> web.Response:
         reply = server.service.cluster_status(ClusterStatus(), 0)
