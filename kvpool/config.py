@@ -48,11 +48,19 @@ class MasterConfig:
             raise InvalidParams("need 0 < evict_ratio < evict_watermark_ratio_high <= 1")
         if self.put_discard_timeout_ms > self.put_release_timeout_ms:
             raise InvalidParams("put_discard_timeout_ms must not exceed put_release_timeout_ms")
-        for name in ("lease_ttl_ms", "put_discard_timeout_ms", "node_ttl_ms"):
+        for name in ("lease_ttl_ms", "put_discard_timeout_ms", "node_ttl_ms", "promotion_window_ms"):
             if getattr(self, name) <= 0:
                 raise InvalidParams(f"{name} must be positive")
-        if self.promote_reads < 0 or self.promotion_window_ms <= 0:
-            raise InvalidParams("need promote_reads >= 0 and promotion_window_ms > 0")
+        # `kvpool node` heartbeats every HEARTBEAT_INTERVAL_MS_DEFAULT: with a shorter TTL (10,
+        # seconds meant) every node was dropped between two heartbeats and mounted again at the
+        # next, forever, and every put failed. The floor is one heartbeat, which tests whose
+        # in-process nodes heartbeat faster use; three outlast a late one (limits.py asserts it).
+        if self.node_ttl_ms < limits.HEARTBEAT_INTERVAL_MS_DEFAULT:
+            raise InvalidParams(f"node_ttl_ms {self.node_ttl_ms}: at least {limits.HEARTBEAT_INTERVAL_MS_DEFAULT} "
+                                f"ms, the nodes' heartbeat interval (a shorter TTL drops every node between two "
+                                f"heartbeats; the default is {limits.NODE_TTL_MS_DEFAULT})")  # fmt: skip
+        if self.promote_reads < 0:
+            raise InvalidParams(f"promote_reads {self.promote_reads}: give 0 (never) or more")
         if self.remount_grace_ms < 0:  # 0: a new leader takes puts at once
             raise InvalidParams(f"remount_grace_ms {self.remount_grace_ms}: give 0 or more")
         durations = ("lease_ttl_ms", "soft_pin_ttl_ms", "put_discard_timeout_ms", "put_release_timeout_ms",

@@ -134,6 +134,18 @@ def test_a_refusal_of_a_setting_from_the_file_says_the_file_set_it(tmp_path):
     assert "--disk-size needs --disk-dir" in later and "from [node]" not in later, later
 
 
+def test_a_node_ttl_under_the_heartbeat_from_the_file_is_refused_as_on_the_command_line(tmp_path):
+    """`node-ttl-ms = 10` (seconds meant): the master started, and dropped every node between two
+    of its heartbeats, forever. Refused at start as `--node-ttl-ms 10` is, saying the file set it."""
+    path = tmp_path / "master.toml"
+    path.write_text("[master]\nport = 0\nhttp-port = 0\nnode-ttl-ms = 10\n")
+    run = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "master", "--config", str(path)],
+                         capture_output=True, timeout=60)  # fmt: skip
+    said = " ".join(run.stderr.decode().split())
+    assert run.returncode == 1 and said.startswith("error: --node-ttl-ms 10: at least 1000 ms"), said
+    assert said.endswith(f"(--node-ttl-ms: from [master] in {path})"), said
+
+
 def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_path, monkeypatch):
     """`kvpool demo` on a production host: the deployment's settings file, DFS mount, etcd and
     token in the environment are not its cluster's (its nodes used to read the file's [node]

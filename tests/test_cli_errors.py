@@ -3,7 +3,8 @@ a master that stops answering (SIGSTOP after the CLI connected), a stdout that i
 closed, a put over an existing key or with more replicas than segments, a `rm` given two
 selections, keys holding control characters, output to a pipe, help at 80 columns, a node
 started before its master or with the wrong token, and a --master port that is another
-service's. Each case runs the command as a child
+service's; a node refused once mounted (its master restarted with another token), and a node
+with a token whose master has none. Each case runs the command as a child
 process and checks its exit status and its lines: one `error: ...` line, never a traceback.
 Every process a test starts is ended by its pid."""
 
@@ -219,6 +220,57 @@ def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
     refused = kvpool_cli("ls", "--master", cluster.master_endpoint, "--token-file", str(wrong))
     assert_one_error_line(refused, "error: Unauthorized: ", "wrong cluster token")
     assert b"cannot reach" not in refused.stderr
+
+
+def test_a_node_refused_once_mounted_exits_as_at_start(make_cluster, tmp_path):
+    """Its master restarted with another token (rotated on the master only): the node, mounted
+    before, retried every 2 s forever, said "ok" on /health, and its log showed only the
+    "Connection refused" of the restart for 30 s (the refusal waited for that line's log slot).
+    It now logs the refusal at once and exits 1 with it, as at start, its ready file and segment
+    file removed."""
+    cluster = make_cluster(0, token="the-first-cluster-token-0123456789abcdef")
+    first = tmp_path / "first-token"
+    first.write_text("the-first-cluster-token-0123456789abcdef")
+    first.chmod(0o600)
+    shm_dir, ready = tmp_path / "shm", tmp_path / "node.ready"
+    node = _start_node(cluster.master_endpoint, shm_dir, "--token-file", str(first), "--ready-file", str(ready))
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline and node.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), "the node never mounted"
+        cluster.master.stop()  # type: ignore[union-attr]
+        (cluster.workdir / "token").write_text("the-second-cluster-token-0123456789abcdef")  # the master's own
+        cluster.start_master()  # on the same port
+        restarted = time.monotonic()
+        assert node.wait(30) == 1
+        assert time.monotonic() - restarted < 8, "the node retried a refused token"  # reconnects within 2 s
+        stderr = node.stderr.read().decode()  # type: ignore[union-attr]
+        refusals = [line for line in stderr.splitlines() if "wrong cluster token" in line]
+        assert len(refusals) == 2 and "ERROR" in refusals[0], stderr  # logged, then the exit's one line
+        assert stderr.splitlines()[-1] == refusals[1] and refusals[1].startswith("error: "), stderr
+        assert "Traceback" not in stderr, stderr
+        assert not ready.exists() and list(shm_dir.iterdir()) == []
+    finally:
+        _end(node)
+
+
+def test_a_node_with_a_token_and_a_master_without_one_says_which_has_none(make_cluster, tmp_path):
+    """The node refuses to trust a master without a token; the line said the master refused the
+    node, and "a node needs its master's cluster token", as if the node had none."""
+    cluster = make_cluster(0)
+    token = tmp_path / "token"
+    token.write_text("a-cluster-token-0123456789abcdef")
+    token.chmod(0o600)
+    node = _start_node(cluster.master_endpoint, tmp_path / "shm", "--token-file", str(token))
+    try:
+        assert node.wait(30) == 1
+        last = node.stderr.read().decode().splitlines()[-1]  # type: ignore[union-attr]
+        assert last.startswith("error: ") and "has no cluster token; refusing to trust it" in last, last
+        assert "the master and its nodes need the same cluster token" in last, last
+        assert "refused node" not in last and "a node needs" not in last, last
+    finally:
+        _end(node)
 
 
 def test_get_of_an_object_whose_nodes_are_gone_says_so_not_not_found(make_cluster, monkeypatch):

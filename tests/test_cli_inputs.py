@@ -8,8 +8,9 @@ standard input holds more than an object can is refused with one line naming the
 read at most one byte past it (an endless input, `kvpool put k < /dev/zero`, was read until the
 memory ran out); KVPOOL_SHM turns shared memory off with the spellings engines' shm_enabled
 takes (off, False), not only 0, false and no; an option out of its range (--replicas, a server's
-durations, over a week too, an address that is not one, a --master that is none: exit status 2
-for an object command) or a key over
+durations, over a week too, a node TTL under the heartbeat, a tier size of 0, an address that is
+not one, a --master that is none: exit status 2 for an object command), a node's --dfs-dir that
+is a file, or a key over
 limits.KEY_SIZE_BYTES_MAX is refused with one line naming it and its range, before a Store
 opens or a server starts (both replaced by stubs that raise); so is a duration of the config
 records that no flag sets, over a week; an empty path option is a usage error, and nothing is
@@ -19,6 +20,7 @@ made in the working directory. Bounded: well under a second.
 from __future__ import annotations
 
 import io
+import logging
 import sys
 from pathlib import Path
 
@@ -145,6 +147,16 @@ def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
         (["master", "--node-ttl-ms", "604800001"], "--node-ttl-ms 604800001: at most 604800000 ms (a week)"),
         (["master", "--put-release-timeout-ms", "604800001"],
          "--put-release-timeout-ms 604800001: at most 604800000 ms (a week)"),
+        # Under the nodes' heartbeat (seconds meant): every node was dropped between two of
+        # them and mounted again at the next, forever, and every put failed.
+        (["master", "--node-ttl-ms", "10"], "--node-ttl-ms 10: at least 1000 ms, the nodes' heartbeat interval (a "
+         "shorter TTL drops every node between two heartbeats; the default is 10000)"),
+        # It named a field no flag sets: "need --promote-reads >= 0 and promotion_window_ms > 0".
+        (["master", "--promote-reads", "-1"], "--promote-reads -1: give 0 (never) or more"),
+        # A size of 0 was taken as none given: "... holds no disk tier yet: give its size
+        # (--disk-size)"; the DFS tier took the filesystem's size.
+        (["node", "--disk-dir", "/kvpool-test-never-made", "--disk-size", "0"], "--disk-size 0: must be positive"),
+        (["master", "--dfs-dir", "/kvpool-test-never-made", "--dfs-size", "0KiB"], "--dfs-size 0KiB: must be positive"),
         # Taken, and the master started (a negative grace: puts at once; the etcd lease unused).
         (["master", "--remount-grace-ms", "-5"], "--remount-grace-ms -5: give 0 or more"),
         (["master", "--etcd-lease-ttl-ms", "-5000"], "--etcd-lease-ttl-ms -5000: give whole seconds, 3000 or more"),
@@ -229,6 +241,7 @@ def test_a_duration_over_a_week_is_refused_by_its_config(record, field: str) -> 
         ["get", "é" * 2048],
         ["master", "--remount-grace-ms", "0", "--etcd-lease-ttl-ms", "3000", "--etcd", "127.0.0.1:2379"],
         ["master", "--lease-ttl-ms", WEEK_MS, "--node-ttl-ms", WEEK_MS, "--put-release-timeout-ms", WEEK_MS],
+        ["master", "--node-ttl-ms", "1000", "--promote-reads", "0"],  # one heartbeat; never promote
         ["stat", "k", "a" * 4096],
         ["master", "--host", "10.0.0.5", "--http-host", "::1"],  # an address not held here is the bind's to refuse
         ["node", "--host", "localhost"],
@@ -312,3 +325,20 @@ def test_an_empty_path_is_a_usage_error_not_the_working_directory(
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{option}'" in result.output and "an empty path" in result.output, result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_node_dfs_dir_that_is_a_file_is_refused_and_one_not_there_yet_is_named(
+    nothing_opens, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A regular file started a node that failed every DFS move the master sent ("not a tier
+    of this node", never naming the path); the master's `--dfs-dir FILE` was refused. A path
+    not there yet is taken (a share mounted later is picked up), with a warning naming it."""
+    a_file = tmp_path / "dfs"
+    a_file.write_text("")
+    result = CliRunner().invoke(app, ["node", "--memory", "16MiB", "--dfs-dir", str(a_file)])
+    assert (result.exit_code, result.output) == (1, f"error: --dfs-dir {a_file}: not a directory\n")
+    not_mounted = tmp_path / "mnt" / "kvpool"
+    with caplog.at_level(logging.WARNING, logger="kvpool.cli.main"):
+        result = CliRunner().invoke(app, ["node", "--memory", "16MiB", "--dfs-dir", str(not_mounted)])
+    assert isinstance(result.exception, Opened), result.output
+    assert f"--dfs-dir {not_mounted} does not exist" in caplog.text, caplog.text

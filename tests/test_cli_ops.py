@@ -1,12 +1,20 @@
 """What an operator's scripts rely on from the `kvpool` CLI, on real processes on 127.0.0.1: a
-setting that means nothing without etcd is refused rather than ignored, and the object commands'
-exit statuses tell a miss from a failure and from a usage error. Every process a test starts is
-ended by its pid."""
+setting that means nothing without etcd is refused rather than ignored, the object commands'
+exit statuses tell a miss from a failure and from a usage error, and a server's --ready-file is
+there only while it serves. Every process a test starts is ended by its pid."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import wait_until
+
 from kvpool import Store
-from kvpool.cli.launcher import spawn
+from kvpool.cli.launcher import free_port, spawn
 from tests.test_cluster_surface import kvpool_cli
 
 MASTER_ANY_PORTS = ("master", "--port", "0", "--http-port", "0")
@@ -54,3 +62,46 @@ def test_object_commands_exit_0_done_1_failed_2_usage_3_not_found(make_cluster):
                           (("rm",), "Exit status 3 when some were not removed")):  # fmt: skip
         shown = " ".join(kvpool_cli(*command, "--help").stdout.decode().split())  # where a script's author looks
         assert said in shown, shown
+
+
+def _endpoint_in(ready_file: Path) -> str | None:
+    """The endpoint a --ready-file names, or None while there is none."""
+    try:
+        return json.loads(ready_file.read_text())["endpoint"]
+    except (FileNotFoundError, ValueError):  # ValueError: the instant it is renamed into place
+        return None
+
+
+def test_a_ready_file_is_there_only_while_its_server_serves(tmp_path):
+    """--ready-file stayed after a stop and across a restart: a script that waited for it after
+    a restart went ahead at once, with the previous run's endpoint (with --port 0, a port nobody
+    listens on). A master and a node now remove it at start, before they are ready (a node
+    waiting for its master is not, nor a master that refuses its settings), and at a stop."""
+    stale = json.dumps({"endpoint": "127.0.0.1:1", "http_port": 1, "segment_id": "gone"})
+    master_ready, node_ready = tmp_path / "master.ready", tmp_path / "node.ready"
+    master_ready.write_text(stale)
+    refused = kvpool_cli(*MASTER_ANY_PORTS, "--node-ttl-ms", "10", "--ready-file", str(master_ready))
+    assert refused.returncode == 1 and not master_ready.exists(), refused.stderr
+    node_ready.write_text(stale)
+    master_ready.write_text(stale)
+    port = free_port()  # nobody listens here yet
+    (tmp_path / "shm").mkdir()
+    cli = [sys.executable, "-m", "kvpool.cli.main"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    node = subprocess.Popen([*cli, "node", "--master", f"127.0.0.1:{port}", "--memory", "16MiB", "--shm-dir",
+                             str(tmp_path / "shm"), "--ready-file", str(node_ready)], **quiet)  # fmt: skip
+    master = None
+    try:
+        wait_until(lambda: not node_ready.exists() or node.poll() is not None, 30)
+        assert node.poll() is None and not node_ready.exists()  # waiting for its master
+        master = subprocess.Popen([*cli, "master", "--port", str(port), "--http-port", "0", "--ready-file",
+                                   str(master_ready)], **quiet)  # fmt: skip
+        wait_until(lambda: _endpoint_in(node_ready) and _endpoint_in(master_ready) == f"127.0.0.1:{port}", 30)
+        for server, ready in ((node, node_ready), (master, master_ready)):
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(30) == 0 and not ready.exists()
+    finally:
+        for server in (node, master):
+            if server is not None and server.poll() is None:
+                server.kill()
+                server.wait(10)

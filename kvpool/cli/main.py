@@ -300,6 +300,18 @@ def _size_of(flag: str, text: str, code: int = 1) -> int:
         raise _fail(f"{flag}: {exc}", code) from None
 
 
+def _tier_size_of(flag: str, text: str | None) -> int:
+    """A tier's size flag in bytes, 0 when not given (its config's "the size stored, or the
+    filesystem's"). Given as 0 it is refused: it was taken as not given, and a new --disk-dir
+    was answered "give its size (--disk-size)"."""
+    if not text:
+        return 0
+    size_bytes = _size_of(flag, text)
+    if size_bytes == 0:
+        raise _fail(f"{flag} {text}: must be positive")
+    return size_bytes
+
+
 def _shm_from_environment() -> bool:
     """KVPOOL_SHM=0 (or off, false, no, in any case: as engines' shm_enabled) makes object
     commands use TCP even on the nodes' host; set empty, it is unset."""
@@ -487,6 +499,7 @@ def master(
     from kvpool.master.server import MasterServer
 
     _setup_logging(log_level)
+    _remove_ready(ready_file)
     _require_directory("--dfs-size", dfs_size, "--dfs-dir", dfs_dir)
     _check_listen_host("--host", host)
     if http_host is not None:
@@ -529,7 +542,7 @@ def master(
         server = MasterServer(
             config, host=host, port=port, http_port=http_port, http_host=http_host, token=_token(token_file),
             debug_invariants=debug_invariants, election=election, advertise_host=advertise_host,
-            dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=_size_of("--dfs-size", dfs_size) if dfs_size else 0,
+            dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=_tier_size_of("--dfs-size", dfs_size),
             busy_poll_us=busy_poll_us,
         )  # fmt: skip
     except KVPoolError as exc:
@@ -551,6 +564,7 @@ def master(
                 raise refusal.result()
         finally:
             await server.stop()
+            _remove_ready(ready_file, is_stopping=True)
 
     try:
         uvloop.run(main())
@@ -617,7 +631,9 @@ def node(
     from kvpool.node.server import Node
 
     _setup_logging(log_level)
+    _remove_ready(ready_file)
     _require_directory("--disk-size", disk_size, "--disk-dir", disk_dir)
+    _check_dfs_mount(dfs_dir)
     _check_master(master, EXIT_FAILED)
     _check_listen_host("--host", host)
     if metrics_host is not None:
@@ -635,7 +651,7 @@ def node(
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             disk_dir=str(disk_dir) if disk_dir else "",
-            disk_bytes=_size_of("--disk-size", disk_size) if disk_size else 0,
+            disk_bytes=_tier_size_of("--disk-size", disk_size),
             disk_fsync=disk_fsync,
             dfs_dir=str(dfs_dir) if dfs_dir else "",
             busy_poll_us=busy_poll_us,
@@ -663,11 +679,12 @@ def node(
                         "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
                     },
                 )
-            await stop.wait()
+            await _serve_until_stopped_or_refused(storage_node, stop)
             if drain_ms:  # decommissioning: readers of what it holds move on meanwhile
                 await _drain(storage_node, drain_ms, stop)
         finally:
             await storage_node.stop()
+            _remove_ready(ready_file, is_stopping=True)
 
     try:
         uvloop.run(main())
@@ -709,6 +726,26 @@ async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
         stopped.cancel()
 
 
+async def _serve_until_stopped_or_refused(storage_node: Node, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set (a signal), or until the handshake with a master fails over
+    the cluster token once mounted (its master restarted with another token): that ends
+    `kvpool node` as it does at start, since no retry mends it. The node used to retry every
+    2 s for as long as it ran, its /health saying "ok".
+
+    Raises:
+        Unauthorized: the node and its master do not share a cluster token.
+    """
+    stopped = asyncio.ensure_future(stop.wait())
+    refused = asyncio.ensure_future(storage_node.wait_refused())
+    try:
+        await asyncio.wait((stopped, refused), return_when=asyncio.FIRST_COMPLETED)
+        if refused.done():
+            raise refused.result()
+    finally:
+        stopped.cancel()
+        refused.cancel()
+
+
 async def _drain(storage_node: Node, drain_ms: int, stop: asyncio.Event) -> None:
     """Drain for `drain_ms`, or until a second signal (an operator's second Ctrl-C, a
     supervisor's grace period ending in another SIGTERM): then leave at once."""
@@ -740,6 +777,40 @@ def _stop_on_signal() -> asyncio.Event:
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def _remove_ready(path: Optional[Path], is_stopping: bool = False) -> None:
+    """Remove --ready-file, if there: at start, before the server is ready, so that a script
+    that waits for it after a restart does not go ahead at once with the previous run's
+    endpoint (with --port 0, a port nobody listens on); and at a stop, so that it is there
+    only while the server serves. One that cannot be removed ends the start with one line
+    (typer.Exit); at a stop it is let be."""
+    if path is None:
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        if not is_stopping:
+            raise _fail(f"cannot remove --ready-file {path}: {exc.strerror or exc}") from None
+
+
+def _check_dfs_mount(dfs_dir: Optional[Path]) -> None:
+    """Refuse a node's --dfs-dir that is there but no directory (a file), or cannot be looked
+    at, with one line: it started, and failed every DFS move the master sent with "not a tier
+    of this node", never naming the path. One not there yet is taken, as a share mounted
+    later is picked up (docs/tiers.md), with a warning naming it: a typo looks the same."""
+    if dfs_dir is None:
+        return
+    try:
+        dfs_dir.stat()
+    except FileNotFoundError:
+        log.warning("--dfs-dir %s does not exist: this node fails the master's DFS moves until it does (the shared "
+                    "filesystem mounted there)", dfs_dir)  # fmt: skip
+        return
+    except OSError as exc:
+        raise _fail(f"--dfs-dir {dfs_dir}: {exc.strerror or exc}") from None
+    if not dfs_dir.is_dir():
+        raise _fail(f"--dfs-dir {dfs_dir}: not a directory")
 
 
 def _write_ready(path: Path, payload: dict) -> None:

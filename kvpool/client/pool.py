@@ -309,6 +309,11 @@ class MasterLink(_ClosedForGood):
                 if conn is not None:
                     if conn is self._conn:
                         self.suspect(self._conn_endpoint)
+                    if isinstance(exc, RpcTimeout) and remaining_ms < timeout_ms:  # what earlier tries left
+                        raise RpcTimeout(
+                            f"{type(message).__name__} to {conn.peer}: no answer within the call's bound "
+                            f"({timeout_ms} ms, after {self._connect_timeout_ms} ms to connect)"
+                        ) from None
                     raise  # The request may be running: the call's time is spent anyway.
                 self._drop(None, f"unreachable: {exc}")
                 if not is_dynamic:

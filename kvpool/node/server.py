@@ -12,7 +12,9 @@ Life of a node:
               ─► master link task: connect ─► MountSegment(info, inventory) ─► heartbeats
     master link (until stop): every heartbeat_interval_ms Heartbeat(segment ids, disk tier's room);
               reply says "unknown" (master restarted) ─► re-mount with the whole inventory;
-              link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount.
+              link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount;
+              the handshake refused over the cluster token, before a mount or after ─►
+              wait_refused returns it (`kvpool node` exits; an embedded node retries on).
               With `etcd://...` each reconnect dials the leader etcd names (discovery.py),
               looking again at most every MASTER_RESOLVE_BACKOFF_MS_MAX during a failover.
               Reads and writes keep being served whatever the master's state.
@@ -166,8 +168,9 @@ class Node:
         self._stale_segments_task: asyncio.Task[None] | None = None
         self._mounted = asyncio.Event()
         self._first_attempt = asyncio.Event()
-        # The master refused the cluster token at the last attempt (wait_mounted raises it: a
-        # wrong token does not mend itself); and when the link's failures were last logged.
+        # The handshake failed over the cluster token since the last mount (wait_mounted raises
+        # it, wait_refused returns it: a wrong token does not mend itself); and when the link's
+        # other failures were last logged.
         self._refusal: Unauthorized | None = None
         self._refused = asyncio.Event()
         self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S
@@ -347,7 +350,7 @@ class Node:
 
         Raises:
             RpcTimeout: not mounted within timeout_ms.
-            Unauthorized: the master refused this node's cluster token (not mounted).
+            Unauthorized: the node and its master do not share a cluster token (not mounted).
         """
         mounted = asyncio.ensure_future(self._mounted.wait())
         refused = asyncio.ensure_future(self._refused.wait())
@@ -359,11 +362,20 @@ class Node:
         if self._mounted.is_set():
             return
         if self._refusal is not None:
-            raise Unauthorized(
-                f"the master at {self.config.master_endpoint} refused node {self.node_id}: {self._refusal} "
-                "(a node needs its master's cluster token: --token-file or KVPOOL_TOKEN_FILE)"
-            )
+            raise self._refusal
         raise RpcTimeout(f"node {self.node_id} not mounted on {self.config.master_endpoint} after {timeout_ms} ms")
+
+    async def wait_refused(self) -> Unauthorized:
+        """Wait, however long, until the handshake with the master fails over the cluster
+        token, before the first mount or after one (a master restarted with another token).
+
+        Returns:
+            The refusal, its message one line for the operator. The link goes on retrying
+            until the node stops, but no retry mends it: `kvpool node` exits on it.
+        """
+        while self._refusal is None:  # a mount between the refusal and this wake-up clears it
+            await self._refused.wait()
+        return self._refusal
 
     async def drain(self, timeout_ms: int = limits.DRAIN_TIMEOUT_MS_DEFAULT) -> None:
         """Leave gracefully: no new allocations here, reads served for timeout_ms, then unmount.
@@ -445,20 +457,33 @@ class Node:
     def _link_failed(self, exc: KVPoolError) -> None:
         """Log a failed attempt of the master link: the first, then at most one every
         LINK_FAILURE_LOG_INTERVAL_S (a node started before its master retries every 2 s, for as
-        long as it takes). A wrong cluster token is recorded for wait_mounted."""
-        if isinstance(exc, Unauthorized):
-            self._refusal = exc
+        long as it takes). A refusal over the cluster token is recorded for wait_mounted and
+        wait_refused, and logged at once, once until the next mount: it had to wait for the
+        slot of the "Connection refused" of the master's restart before it (30 s)."""
+        if isinstance(exc, Unauthorized):  # no retry mends it: `kvpool node` exits on it
+            is_news = self._refusal is None
+            self._refusal = self._refusal_of(exc)
             self._refused.set()
+            if is_news:
+                log.error("%s", self._refusal)
+            return
         now_s = time.monotonic()
         if now_s - self._failure_logged_s < LINK_FAILURE_LOG_INTERVAL_S:
             return
         self._failure_logged_s = now_s
-        if isinstance(exc, Unauthorized):  # no retry mends it: `kvpool node` exits on it (wait_mounted)
-            log.error("node %s: the master at %s refused it: %s", self.node_id, self.config.master_endpoint, exc)
-            return
         log.warning("node %s: master link to %s: %s: %s (retrying with backoff; said again at most every %d s)",
                     self.node_id, self.config.master_endpoint, type(exc).__name__, exc,
                     LINK_FAILURE_LOG_INTERVAL_S)  # fmt: skip
+
+    def _refusal_of(self, exc: Unauthorized) -> Unauthorized:
+        """A refusal of the handshake as the node's one line. The handshake's words say which
+        side holds no token, or that the two differ; a node with a token is not refused by a
+        master without one, it refuses that master ("has no cluster token"), so the remedy
+        names neither side as the one without."""
+        return Unauthorized(
+            f"node {self.node_id} cannot mount on the master at {self.config.master_endpoint}: {exc} "
+            "(the master and its nodes need the same cluster token: --token-file or KVPOOL_TOKEN_FILE)"
+        )
 
     async def _heartbeat(self, conn: Connection) -> None:
         """Heartbeat until the link closes (return to reconnect) or the node leaves (unmount)."""
