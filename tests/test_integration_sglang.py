@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -299,6 +300,46 @@ def test_a_master_that_stops_answering_costs_the_prefetch_thread_one_short_wait(
             cluster.master.signal(signal.SIGCONT)
         wait_until(lambda: backend.batch_exists(["s0"]) == 1, timeout_s=10)
     finally:
+        backend.close()
+
+
+def test_a_clear_while_the_master_does_not_answer_gives_up_after_a_short_wait(make_cluster):
+    """SGLang calls clear() on its scheduler thread: a master alive but not answering
+    (SIGSTOP) held it the removal's bound, 300 s. Now clear() waits on the removal while the
+    master answers a probe of lookup_timeout_ms, and otherwise gives up (logged); close()
+    does not wait for the removal given up on. Once the master answers, a clear removes the
+    model's pages."""
+    cluster = make_cluster(1, "16MiB")
+    config = storage_config(cluster.master_endpoint)
+    config.extra_config.update(lookup_timeout_ms=200)
+    stuck, backend = create(config, MHAHostPool("page_first")), create(config, MHAHostPool("page_first"))
+    took_s: list[float] = []
+
+    def timed_clear() -> None:
+        started = time.monotonic()
+        stuck.clear()
+        took_s.append(time.monotonic() - started)
+
+    clearing = threading.Thread(target=timed_clear, daemon=True)
+    try:
+        assert backend.batch_set_v1(["c0", "c1"], host_indices([0, 1])) == [True, True]
+        cluster.master.signal(signal.SIGSTOP)
+        try:
+            clearing.start()
+            clearing.join(timeout=5)
+            assert took_s, "clear() still waits on the master"
+            assert took_s[0] < 2, took_s  # two bounds of 0.2 s and a connect (was 300 s)
+            started = time.monotonic()
+            stuck.close()
+            assert time.monotonic() - started < 2
+            wait_until(lambda: not any(t.name.startswith("kvpool-clear") for t in threading.enumerate()), 2)
+        finally:
+            cluster.master.signal(signal.SIGCONT)
+        clearing.join(timeout=10)
+        backend.clear()
+        assert backend.batch_exists(["c0", "c1"]) == 0
+    finally:
+        stuck.close()
         backend.close()
 
 

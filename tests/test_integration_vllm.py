@@ -578,6 +578,33 @@ def test_a_reset_leaves_the_blocks_of_a_namespace_that_extends_this_ones(make_cl
             side.shutdown()
 
 
+def test_an_at_in_a_cache_prefix_or_model_name_reaches_no_other_namespace(make_cluster):
+    """The namespace's parts end with an '@', which the cache_prefix and model name were not
+    kept from holding: cache_prefix "team" with model "org/tiny" and model "team@org/tiny"
+    without one both named their blocks "team@org/tiny@kv:...", and each loaded the other's
+    blocks as its own. An '@' in either becomes a '-' (as in SGLang's adapter); the keys of
+    names without one are as before, so the blocks a pool holds stay found."""
+    cluster = make_cluster(1, "16MiB")
+    prefixed = vllm_config(cluster.master_endpoint, cache_prefix="team")
+    at_in_name = vllm_config(cluster.master_endpoint)
+    at_in_name.kv_transfer_config.kv_connector_extra_config["model_name"] = "team@org/tiny"
+    sched, worker = connector(prefixed, KVConnectorRole.SCHEDULER), connector(prefixed, KVConnectorRole.WORKER)
+    other = connector(at_in_name, KVConnectorRole.SCHEDULER)
+    try:
+        worker.register_kv_caches(paged_cache(seed=6))
+        meta = first_prefill(sched, "p-1", [0, 1, 2, 3])
+        assert run_worker_step(worker, meta) == set()
+        wait_until(lambda: sched.get_num_new_matched_tokens(request("p-2", PROMPT), 0) == (12, False), 10)
+        assert other.get_num_new_matched_tokens(request("o-1", PROMPT), 0) == (0, False)
+        first = meta.saves[0].block_hashes[0]
+        layout = "kv:auto@tp_size:1@pp_size:1@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
+        assert worker._key(first) == f"team@org/tiny@{layout}@{first}"  # as before
+        assert other._key("ab").startswith("team-org/tiny@kv:")
+    finally:
+        for side in (worker, sched, other):
+            side.shutdown()
+
+
 def test_hit_sources_name_the_nearest_replica_of_each_block():
     def segment(segment_id: str, tier: str, hostname: str) -> SegmentInfo:
         return SegmentInfo(segment_id, "n", hostname, "h:1", "", b"", 1 << 20, tier)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from kvpool import ErrorCode, Store
 from kvpool.integrations.mooncake_compat import (
@@ -182,6 +183,57 @@ def test_preferred_segment_is_the_embedded_segment(make_cluster):
         reply = store._store.query(keys)
         segment_ids = {replicas[0].segment_id for replicas in reply.replicas}
         assert segment_ids == {store._segment_id}
+    finally:
+        store.close()
+
+
+def test_lookups_lease_what_they_find_as_mooncakes_do(make_cluster):
+    """Mooncake's is_exist, batch_is_exist, get_size and replica descriptors put each object
+    found under a read lease (master_service.cpp ExistKey), and vLLM's Mooncake store
+    connector looks prompts up with batch_is_exist, counting on the lease to keep what it
+    found until its load. kvpool's took none: a remove right after returned 0 where
+    Mooncake's returns OBJECT_HAS_LEASE, and the blocks found could be evicted before the
+    load. Now they lease, and the leases lapse at the master's TTL; batch_probe_key (vLLM's
+    lease-free probe) takes none."""
+    cluster = make_cluster(0, master_args=("--lease-ttl-ms", "1000"))
+    store = setup_store(cluster.master_endpoint)
+    lookups = {
+        "is_exist": lambda key: store.is_exist(key) == 1,
+        "batch_is_exist": lambda key: store.batch_is_exist([key, "absent"]) == [1, 0],
+        "get_size": lambda key: store.get_size(key) == 3,
+        "get_replica_desc": lambda key: len(store.get_replica_desc(key)) == 1,
+        "batch_get_replica_desc": lambda key: list(store.batch_get_replica_desc([key, "absent"])) == [key],
+    }
+    try:
+        for name, lookup in lookups.items():
+            assert store.put(name, b"abc") == 0
+            assert lookup(name), name
+            assert store.remove(name) == ErrorCode.OBJECT_HAS_LEASE, name
+        assert store.put("probed", b"abc") == 0
+        assert store.batch_probe_key(["probed", "absent"]) == [1, 0]
+        assert store.remove("probed") == 0
+        assert store.get_size("absent") == ErrorCode.OBJECT_NOT_FOUND
+        wait_until(lambda: store.batch_remove(list(lookups)) == [0] * len(lookups), timeout_s=5)  # lapsed
+    finally:
+        store.close()
+
+
+def test_batch_puts_of_lists_of_different_lengths_are_invalid_params(make_cluster):
+    """batch_put_from and batch_put_from_multi_buffers indexed past the shorter list and
+    raised IndexError where Mooncake answers INVALID_PARAMS for every key."""
+    cluster = make_cluster(0)
+    store = setup_store(cluster.master_endpoint)
+    buffer = np.zeros(64, dtype=np.uint8)
+    address = buffer.ctypes.data
+    invalid = int(ErrorCode.INVALID_PARAMS)
+    try:
+        assert store.register_buffer(address, buffer.nbytes) == 0
+        assert store.batch_put_from(["x", "y"], [address], [10, 10]) == [invalid] * 2
+        assert store.batch_put_from(["x", "y"], [address, address + 16], [10]) == [invalid] * 2
+        assert store.batch_put_from_multi_buffers(["x", "y"], [[address]], [[10], [10]]) == [invalid] * 2
+        assert store.batch_put_from_multi_buffers(["x"], [[address]], [[10], [10]]) == [invalid]
+        assert store.batch_probe_key(["x", "y"]) == [0, 0]
+        assert store.batch_put_from(["x", "y"], [address, address + 16], [10, 10]) == [0, 0]
     finally:
         store.close()
 

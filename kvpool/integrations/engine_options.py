@@ -137,3 +137,9 @@ def _warn_of_unread_keys(
             "kvpool: %s has %s, which kvpool does not read (misspelt?); it reads %s",
             where, ", ".join(map(repr, unread)), ", ".join(prefix + key for key in kvpool_keys),
         )  # fmt: skip
+
+
+def without_ats(name: str) -> str:
+    """A part of a key namespace (a model name, a cache prefix, a tag) with no '@', which ends
+    each part: "team" + "m" and "team@m" would share their keys."""
+    return name.replace("@", "-")

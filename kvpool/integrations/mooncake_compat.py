@@ -19,7 +19,8 @@ master; `global_segment_size > 0` contributes a segment of that size from this p
 `put_tensor` use kvpool's own small header, not Mooncake's `TensorMetadata` layout, so tensor
 objects are not byte-compatible between the two stores (plain objects are). Read leases run
 for the master's whole TTL as Mooncake's do: kvpool's own Store gives them back once a get is
-done (`ClientConfig.release_leases`).
+done (`ClientConfig.release_leases`). As in Mooncake, lookups (`is_exist`, `get_size`, the
+replica descriptors) lease what they find too; `batch_probe_key` does not.
 """
 
 from __future__ import annotations
@@ -34,11 +35,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpool.client.store import key_list
 from kvpool.client.sync import Store
 from kvpool.config import parse_size
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.protocol import objectfile
-from kvpool.protocol.messages import TIER_DFS, TIER_DISK, TIER_DRAM, SegmentInfo
+from kvpool.protocol.messages import (
+    TIER_DFS,
+    TIER_DISK,
+    TIER_DRAM,
+    GetReplicaList,
+    GetReplicaListReply,
+    SegmentInfo,
+)
 from kvpool.protocol.messages import ReplicateConfig as KVPoolReplicateConfig
 
 log = logging.getLogger(__name__)
@@ -390,10 +399,27 @@ class MooncakeDistributedStore:
     # --- metadata API ---------------------------------------------------------------------
 
     def is_exist(self, key: str) -> int:
-        """1 present, 0 absent, a negative ErrorCode on error."""
+        """1 present, 0 absent, a negative ErrorCode on error. An object found is under a
+        read lease afterwards (_leased_lookup)."""
         return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
+        """Per key 1 present (then under a read lease: _leased_lookup), 0 absent or still
+        being put, or a negative ErrorCode. vLLM's Mooncake store connector looks a prompt up
+        with it and counts on the lease to keep what it found until its load."""
+        if self._store is None:
+            return [INVALID_PARAMS] * len(keys)
+        try:
+            reply = self._leased_lookup(keys)
+        except KVPoolError as exc:
+            return [int(exc.code)] * len(keys)
+        return [1 if code == OK else 0 for code in reply.codes]
+
+    def batch_probe_key(self, keys: list[str]) -> list[int]:
+        """batch_is_exist without the read lease: an existence check that keeps nothing from
+        eviction (Mooncake's BatchProbeKey, added after 0.3.13; vLLM's Mooncake store connector
+        probes with it under VLLM_MOONCAKE_STORE_SELECTIVE_LEASE, then leases only the keys
+        its hit loads with batch_is_exist)."""
         if self._store is None:
             return [INVALID_PARAMS] * len(keys)
         try:
@@ -402,27 +428,50 @@ class MooncakeDistributedStore:
             return [int(exc.code)] * len(keys)
 
     def get_size(self, key: str) -> int:
-        """Size in bytes, or a negative ErrorCode (OBJECT_NOT_FOUND for a miss)."""
+        """Size in bytes, or a negative ErrorCode (OBJECT_NOT_FOUND for a miss, and for an
+        object still being put, as is_exist says it is absent). The object found is under a
+        read lease afterwards (_leased_lookup)."""
         if self._store is None:
             return INVALID_PARAMS
         try:
-            return self._store.get_size(key)
+            reply = self._leased_lookup([key])
         except KVPoolError as exc:
             return int(exc.code)
+        code = reply.codes[0]
+        if code == ErrorCode.REPLICA_IS_NOT_READY:
+            return int(ErrorCode.OBJECT_NOT_FOUND)
+        return reply.sizes[0] if code == OK else int(code)
+
+    def _leased_lookup(self, keys: Sequence[str]) -> GetReplicaListReply:
+        """Where each key's replicas lie, each object found put under a read lease of the
+        master's TTL, as a get's lookup is. Mooncake's is_exist, get_size and replica
+        descriptors take one (master_service.cpp ExistKey: "Grant a lease to the object as it
+        may be further used by the client"; GetReplicaList likewise): a remove right after
+        is refused with OBJECT_HAS_LEASE, and eviction skips the object until its load. The
+        lease lapses at its TTL, as this Store's gets' do (release_leases=False). kvpool's
+        Store has no public call for this (its exists and query take no lease, so that its
+        checks never keep objects from eviction): it asks the master what a get asks.
+
+        Raises:
+            KVPoolError: the master's or the connection's.
+        """
+        assert self._store is not None, "_leased_lookup before setup"
+        reply = self._store._ask(GetReplicaList(key_list(keys)))
+        assert isinstance(reply, GetReplicaListReply), reply
+        return reply
 
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
         """Where the object's replicas lie; [] on a miss or an error, as in Mooncake."""
         return self.batch_get_replica_desc([key]).get(key, [])
 
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
-        """The replica descriptors of each key found; a key not found (or every key, on an
-        error) is left out, as in Mooncake. Two master round trips: the keys' replicas, then
-        where their segments are."""
+        """The replica descriptors of each key found, then under a read lease
+        (_leased_lookup); a key not found (or every key, on an error) is left out, as in
+        Mooncake. One master round trip: its answer says where the replicas' segments are."""
         if self._store is None or not keys:
             return {}
         try:
-            reply = self._store.query(keys)
-            segments = self._store.cluster_status().segment_infos()
+            reply = self._leased_lookup(keys)
         except KVPoolError as exc:
             log.info("batch_get_replica_desc failed: %s", exc)
             return {}
@@ -430,9 +479,8 @@ class MooncakeDistributedStore:
         for key, code, size, replicas in zip(keys, reply.codes, reply.sizes, reply.replicas):
             if code == OK:
                 found[key] = [
-                    _replica_descriptor(key, size, replica.offset, segments[replica.segment_id])
+                    _replica_descriptor(key, size, replica.offset, reply.segments[replica.segment_id])
                     for replica in replicas
-                    if replica.segment_id in segments  # else unmounted since the query
                 ]
         return found
 
@@ -511,8 +559,9 @@ class MooncakeDistributedStore:
         all_sizes: list[list[int]],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
-        """Per key 0 or a negative ErrorCode; each object gathered from several buffers."""
-        if self._store is None:
+        """Per key 0 or a negative ErrorCode; each object gathered from several buffers.
+        Lists of different lengths are INVALID_PARAMS for every key, as in Mooncake."""
+        if self._store is None or not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [INVALID_PARAMS] * len(keys)
         first = _first_indexes(keys)
         try:

@@ -68,10 +68,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvpool import limits
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
-from kvpool.integrations.engine_options import EngineOptions
+from kvpool.integrations.engine_options import EngineOptions, without_ats
 from kvpool.integrations.host_memory import RefusedRegistrations, covering_ranges, register_tensors
+from kvpool.integrations.namespace_removal import NamespaceRemovals
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._refused = RefusedRegistrations(self._store)
         parts = []
         if extra.get("extra_backend_tag") is not None:
-            parts.append(_without_ats(str(extra["extra_backend_tag"])))
+            parts.append(without_ats(str(extra["extra_backend_tag"])))
         if storage_config.model_name:
-            parts.append(_without_ats("-".join(storage_config.model_name.split("/"))))
+            parts.append(without_ats("-".join(storage_config.model_name.split("/"))))
         # The namespace ends with an '@', which no tag or model name holds: with '_', which
         # they do, the namespace of model "m" was a prefix of model "m_2"'s, and clear()
         # removed both.
@@ -156,6 +156,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._prefetch_bandwidth: list[float] = []
         self._backup_bandwidth: list[float] = []
         self._gb_per_page = 0.0
+        # Each clear's removal of the namespace, waited for while the master answers (clear).
+        self._clears = NamespaceRemovals(self._store, self._lookup_timeout_ms, "kvpool-clear")
 
     def __repr__(self) -> str:
         return f"<KVPoolHiCacheStorage prefix={self._prefix!r} mla={self.is_mla} {self._store!r}>"
@@ -282,6 +284,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def close(self) -> None:
+        self._clears.close()
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered.clear()
@@ -621,10 +624,15 @@ class KVPoolHiCacheStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove every object of this model's namespace (all ranks, every page format).
-        Never raises."""
-        pattern = f"^{re.escape(self._prefix)}"
+        Never raises.
+
+        SGLang calls it on its scheduler thread (/clear_hicache_storage_backend), which serves
+        nothing meanwhile: the removal (seconds for millions of objects) is waited for while
+        the master answers a probe of lookup_timeout_ms between waits of that length, and
+        given up on (logged) when one goes unanswered (namespace_removal.py); a master alive
+        but not answering held SGLang's scheduler the removal's bound, 300 s."""
         try:
-            removed = self._store.remove_by_regex(pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS)
+            removed = self._clears.remove(f"^{re.escape(self._prefix)}")
         except KVPoolError as exc:
             log.warning("kvpool clear failed: %s", exc)
             return
@@ -672,11 +680,6 @@ def _storage_metrics_class() -> Any:
             StorageMetrics = None  # noqa: N806
         _STORAGE_METRICS.append(StorageMetrics)
     return _STORAGE_METRICS[0]
-
-
-def _without_ats(name: str) -> str:
-    """A tag or model name with no '@', which ends the namespace."""
-    return name.replace("@", "-")
 
 
 def _total_kv_heads(extra: dict, tp_size: int) -> int | None:

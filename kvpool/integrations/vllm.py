@@ -26,7 +26,8 @@ layer for FlashAttention-style caches; the block as it lies for block-first and 
 named like vLLM's own Mooncake store connector (vllm/distributed/kv_transfer/kv_connector/v1/
 mooncake/store/data.py PoolKey) with the block's format after the model (_kv_format):
 `model@kv:DTYPE@tp_size:N@pp_size:M@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash>`
-(`tp_size:any` for an MLA model, whose blocks are the same bytes at every TP size; with PP,
+(`cache_prefix@` before it when set, an '@' in either name becoming a '-'; `tp_size:any`
+for an MLA model, whose blocks are the same bytes at every TP size; with PP,
 `@pp_layers:16.16` after the PP size: how many layers each stage holds). TP ranks
 that hold the same bytes share their keys, as in that connector: every rank of an MLA model
 (one latent per token), and the ranks over which vLLM replicates a KV head when TP exceeds
@@ -97,8 +98,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool import limits
 from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
-from kvpool.integrations.engine_options import EngineOptions
+from kvpool.integrations.engine_options import EngineOptions, without_ats
 from kvpool.integrations.host_memory import register_tensors
+from kvpool.integrations.namespace_removal import NamespaceRemovals
 from kvpool.integrations.vllm_events import SaveEvents
 from kvpool.integrations.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics, StatsRecorder
 from kvpool.protocol.messages import TIER_DRAM, QueryReply, Replica, SegmentInfo
@@ -206,8 +208,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._breaker = options.lookup_breaker("vLLM's scheduler lookups")
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config.model if vllm_config.model_config else extra.get("model_name", "")
-        prefix = f"{extra['cache_prefix']}@" if extra.get("cache_prefix") else ""
-        self._namespace = f"{prefix}{model}@"  # every block of this model, in any KV format
+        # Each part ends with an '@', which neither holds (one in either becomes a '-', as in
+        # SGLang's adapter): cache_prefix "team" with model "m" and model "team@m" without one
+        # shared their keys, and read each other's blocks.
+        prefix = f"{without_ats(str(extra['cache_prefix']))}@" if extra.get("cache_prefix") else ""
+        self._namespace = f"{prefix}{without_ats(str(model))}@"  # every block of this model, in any KV format
         self._model_prefix = f"{self._namespace}{_kv_format(vllm_config)}"
         assert self._model_prefix.startswith(f"{self._namespace}kv:"), self._model_prefix  # reset_cache's pattern
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -257,9 +262,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._remover: concurrent.futures.ThreadPoolExecutor | None = None
         self._removal: concurrent.futures.Future[bool] | None = None
         self._last_removed: list[tuple[int, list[str], list[int]]] = []
-        # Each reset's removal of the namespace runs on a thread of its own, waited for while
-        # the master answers (reset_cache): the removals still running, with their threads.
-        self._resets: list[tuple[concurrent.futures.ThreadPoolExecutor, concurrent.futures.Future[int]]] = []
+        # Each reset's removal of the namespace, waited for while the master answers (reset_cache).
+        self._resets = NamespaceRemovals(self._store, self._lookup_timeout_ms, "kvpool-reset")
         # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
         # reference of their own until every worker reported the job: _pin_saves), with the
         # workers yet to report it and the job's block hashes.
@@ -536,7 +540,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         of the steps in flight and of those no worker has finished go again at the next
         updates, until those saves are over (_remove_doomed_saves, as after a failed load).
         Returns False when the pool could not be reached, or its master stopped answering
-        (_answered): vLLM then fails the reset."""
+        (namespace_removal.py): vLLM then fails the reset."""
         pinned_hashes = [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
         self._first_blocks_in_pool.clear()
         self._doom_saves(self._recent_save_hashes() + pinned_hashes, list(self._pinned))
@@ -544,42 +548,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         # where a model's name extends this one's past an '@' (a cache_prefix named like
         # this model, or a model "m@x" beside "m").
         pattern = f"^{re.escape(self._namespace)}kv:"
-        for reset in [reset for reset in self._resets if reset[1].done()]:
-            reset[0].shutdown(wait=False)
-            self._resets.remove(reset)
-        # A thread per reset (they are rare): behind one given up on, stuck on a connection
-        # that never answers while probes on another do, a reset waited out its 300 s.
-        resetter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-reset")
-        removal = resetter.submit(
-            self._store.remove_by_regex, pattern, force=True, timeout_ms=limits.BULK_REMOVE_TIMEOUT_MS
-        )
-        self._resets.append((resetter, removal))
         try:
-            removed = self._answered(removal)
+            removed = self._resets.remove(pattern)
         except KVPoolError as exc:
             log.warning("kvpool: the reset of the connector's cache failed: %s", exc)
             return False
         log.info("kvpool: the connector's cache was reset: %d objects of %s removed", removed, self._namespace)
         return True
-
-    def _answered(self, removal: concurrent.futures.Future[int]) -> int:
-        """The reset's removal's count, waited for in vLLM's engine loop for as long as the
-        master answers: a master removing millions of objects takes seconds, and answers
-        other requests between its steps; one that answers nothing (SIGSTOP, a partition)
-        held the engine loop the removal's bound, 300 s. Between waits of lookup_timeout_ms,
-        a probe of that bound must be answered. A removal given up on goes on, on its
-        thread, until the master answers it, its bound ends or the connector shuts down; a
-        later reset's removal runs beside it (removing more is harmless).
-
-        Raises:
-            KVPoolError: the removal's, or the probe's (the master did not answer it).
-        """
-        wait_s = self._lookup_timeout_ms / 1000
-        while True:
-            try:
-                return removal.result(timeout=wait_s)
-            except concurrent.futures.TimeoutError:
-                self._store.cluster_status(timeout_ms=self._lookup_timeout_ms)
 
     def has_pending_push_work(self) -> bool:
         """Saves still read pinned blocks: vLLM keeps stepping until the workers report them."""
@@ -925,9 +900,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._saver.shutdown(wait=True)
         if self._remover is not None:
             self._remover.shutdown(wait=True)
-        for resetter, _ in self._resets:  # a removal waiting on a master that does not answer ends with the store
-            resetter.shutdown(wait=False, cancel_futures=True)
-        self._resets = []
+        self._resets.close()
         for address in self._registered:
             self._store.unregister_buffer(address)
         self._registered = []
