@@ -281,6 +281,8 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
         # Election settings without an election (ignored, before).
         (("master", "--port", "0", "--remount-grace-ms", "100"), 1, "--remount-grace-ms needs --etcd"),
         (("master", "--port", "0", "--etcd-lease-ttl-ms", "10000"), 1, "--etcd-lease-ttl-ms needs --etcd"),
+        (("master", "--port", "0", "--advertise-host", "127.0.0.1"), 1, "--advertise-host needs --etcd"),
+        ((*node, "--metrics-host", "127.0.0.1"), 1, "--metrics-host needs --metrics-port"),
         ((*node, "--disk-dir", str(tmp_path / "disk"), "--disk-size", str(free_bytes + limits.GIB)), 1,
          f"a disk tier of {free_bytes + limits.GIB} bytes (--disk-size) does not fit in {tmp_path / 'disk'}"),
         (("demo", "--object-size", "0"), 1, "--object-size 0 bytes: give 1 byte to --memory (128 MiB)"),

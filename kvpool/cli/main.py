@@ -534,6 +534,8 @@ def master(
         # host for its HA masters, is left to them; a flag or a settings file's line is refused.
         if not etcd and _source_name(ctx, "cluster_id") in ("COMMANDLINE", "DEFAULT_MAP"):
             raise _fail("--cluster-id needs --etcd: it names the cluster in etcd, and without --etcd there is none")
+        if advertise_host is not None and not etcd:  # ignored, before
+            raise _fail("--advertise-host needs --etcd: it is the address the leader record in etcd names")
         if etcd:
             from kvpool.master.election import ElectionConfig
             from kvpool.transports.etcd import parse_etcd_endpoints
@@ -637,6 +639,8 @@ def node(
     _check_master(master, EXIT_FAILED)
     _check_listen_host("--host", host)
     if metrics_host is not None:
+        if metrics_port is None:  # ignored, before
+            raise _fail("--metrics-host needs --metrics-port: without it the node serves no /metrics")
         _check_listen_host("--metrics-host", metrics_host)
     try:
         config = NodeConfig(
