@@ -22,14 +22,16 @@ from conftest import raw_server, requests_read
 
 from kvpool import limits
 from kvpool.config import MasterConfig
-from kvpool.errors import ConnectFailed, InvalidParams, RpcFailed, RpcTimeout, Unauthorized
+from kvpool.errors import ConnectFailed, ErrorCode, InvalidParams, ObjectNotFound, RpcFailed, RpcTimeout, Unauthorized
 from kvpool.master.server import MasterServer
 from kvpool.protocol import auth
 from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
     CountReply,
+    ErrorReply,
     ExistKeys,
     ExistsReply,
+    GetReplicaList,
     ListObjects,
     LongestPrefix,
 )
@@ -354,3 +356,42 @@ def test_frames_decode_as_the_loop_side_sends_them() -> None:
     decoder.receive_data(encode_frame(CountReply(3), 5, is_reply=True))
     frame = decoder.next_event()
     assert frame.message == CountReply(3) and frame.request_id == 5 and frame.is_reply
+
+
+def test_requests_that_fill_the_socket_while_replies_come_are_sent_whole_and_answered() -> None:
+    """Pipelined requests larger than the sockets' buffers, to a peer that answers each as it
+    reads it and stops reading while its replies go unread (as a kvpool server does): the
+    sender wrote them all before reading any reply, and both sides waited on each other
+    until the deadline. Replies that come while requests still go out are kept; a send the
+    peer does not take by the deadline is an RpcTimeout, never the builtin TimeoutError."""
+    ours, theirs = socket.socketpair()
+    for sock in (ours, theirs):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    requests = [GetReplicaList([f"{i:04d}-{n:04d}".ljust(1000, "k") for n in range(64)]) for i in range(16)]
+
+    def answering_peer() -> None:  # blocking writes: it stops reading while a reply waits to go
+        decoder = FrameDecoder()
+        answered = 0
+        while answered < len(requests):
+            received = theirs.recv_into(decoder.get_buffer())
+            if not received:
+                return
+            decoder.buffer_updated(received)
+            while (frame := decoder.next_event()) is not NEED_DATA:
+                reply = ErrorReply(int(ErrorCode.OBJECT_NOT_FOUND), "x" * 100_000)  # a large reply
+                theirs.sendall(encode_frame(reply, frame.request_id, is_reply=True))
+                answered += 1
+
+    peer = threading.Thread(target=answering_peer, daemon=True)
+    peer.start()
+    conn = BlockingConnection("peer:1", ours, "peer")
+    deadline = time.monotonic() + 10
+    request_ids = conn.send(requests, deadline)  # 1 MB of requests, 1.6 MB of replies
+    for request_id in request_ids:
+        with pytest.raises(ObjectNotFound):
+            conn.reply(request_id, deadline)
+    peer.join(10)
+    silent, _ = socket.socketpair()  # a peer that reads nothing: the send times out, typed
+    with pytest.raises(RpcTimeout):
+        BlockingConnection("peer:2", silent, "peer").send(requests, time.monotonic() - 1)

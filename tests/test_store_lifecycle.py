@@ -528,12 +528,16 @@ def _stored_and_nothing_held(endpoint: str, keys: list[str], values: list[bytes]
         assert sum(s.used_bytes for s in status.segments) == sum(footprint_bytes(len(v)) for v in values)
 
 
-@pytest.mark.parametrize("shm_enabled", [True, False])
-def test_a_put_under_way_when_another_thread_closes_the_store_finishes_stored(make_cluster, monkeypatch, shm_enabled):
+@pytest.mark.parametrize("shm_enabled, beside_another", [(True, False), (False, False), (True, True)])
+def test_a_put_under_way_when_another_thread_closes_the_store_finishes_stored(
+    make_cluster, monkeypatch, shm_enabled, beside_another
+):
     """A serving engine shuts down while a worker thread saves blocks. The close cut the put
     off and dropped what it gave back: its keys refused puts (REPLICA_IS_NOT_READY) for the
     master's discard timeout (30 s) and its ranges (16 MiB here) stayed out of use for the
-    release timeout (10 minutes). A put under way now finishes first; no new put starts."""
+    release timeout (10 minutes). A put under way now finishes first; no new put starts.
+    `beside_another`: another thread's put under way too, so this one goes through the loop,
+    its copy outlasting the close's first wait (the put then failed, and its keys stayed pending)."""
     from kvpool.client.transfer import PutJob
 
     cluster = make_cluster(1, "64MiB")
@@ -541,13 +545,18 @@ def test_a_put_under_way_when_another_thread_closes_the_store_finishes_stored(ma
     store.put("warm-up", b"w")
     keys, values = [f"k{i}" for i in range(64)], [os.urandom(256 << 10) for _ in range(64)]
     copy_local, copying = PutJob.copy_local, threading.Event()
+    held_s = 0.4 if beside_another else 0.0  # past CLOSE_PUTS_WAIT_MS (0.25 s)
 
     def copy_once_closing(job):  # the put holds here until the close has begun
         copying.set()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while not store._closing and time.monotonic() < deadline:
             time.sleep(0.001)
+        time.sleep(held_s)
         copy_local(job)
+
+    if beside_another:
+        store._puts_in_flight += 1  # as when another thread's put is under way
 
     monkeypatch.setattr(PutJob, "copy_local", copy_once_closing)
     outcome: dict[str, object] = {}

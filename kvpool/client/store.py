@@ -822,7 +822,9 @@ class AsyncStore:
         await what is returned."""
         if job.reads_files():
             return self._copy_on_a_worker(job)
-        job.copy_local()
+        job.copy_local(read_files=False)
+        if job.reads_files():  # a mapped copy failed its checksum, and the next replica is a file here
+            return self._copy_on_a_worker(job)
         return None
 
     async def _copy_on_a_worker(self, job: GetJob) -> None:

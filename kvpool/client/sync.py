@@ -706,13 +706,16 @@ class Store:
                     # Small batches: the copies cost less than a second thread hand-off (~50 us).
                     # (Batches that repeat a key go this way too: the loop side puts each key once.)
                     return self._run(self._async._put_parts(keys, parts, config))
-                job = self._run(self._async._put_start(keys, parts, config))
+                # Taken once: a close from another thread during the copy makes self._async
+                # raise, and the put must still end (or give its keys back) on its AsyncStore.
+                async_store = self._async
+                job = self._run(async_store._put_start(keys, parts, config))
                 try:
                     job.copy_local()
                 except BaseException:  # Ctrl-C in the copy, a close meanwhile: the keys go back (_put_direct's way)
                     self._give_up([job])
                     raise
-                return self._run(self._async._put_finish(job))
+                return self._run(async_store._put_finish(job))
         finally:
             with self._in_flight_lock:
                 self._puts_in_flight -= 1

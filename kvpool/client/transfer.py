@@ -645,19 +645,21 @@ class GetJob:
         """Whether copy_local would read object files here (disk or DFS replicas)."""
         return self._has_file_tiers and any(self._file_path(i) is not None for i in self.pending_indexes())
 
-    def copy_local(self) -> None:
+    def copy_local(self, read_files: bool = True) -> None:
         """Read every pending key whose next candidate replica is here (a mapped segment, an
-        object file this host opens), then verify. A key whose read fails goes on to its next
-        candidate, read in another pass when that one is here too (a rotted disk file, then the
-        DFS copy): with one pass it went to the TCP reads, which have no way to a DFS file (a
-        sync get raised InvalidParams, an async one missed)."""
+        object file this host opens, unless not `read_files`), then verify. A key whose read
+        fails goes on to its next candidate, read in another pass when that one is here too (a
+        rotted disk file, then the DFS copy): with one pass it went to the TCP reads, which
+        have no way to a DFS file (a sync get raised InvalidParams, an async one missed).
+        Without `read_files` (on an event loop, where a disk's latency must not stall it), keys
+        whose next candidate is a file here are left for a call that reads them (reads_files)."""
         while True:
             failures = self._failures
-            self._copy_local_pass()
+            self._copy_local_pass(read_files)
             if self._failures == failures:
                 return
 
-    def _copy_local_pass(self) -> None:
+    def _copy_local_pass(self, read_files: bool) -> None:
         reply = self.reply
         segments, sizes, checksums = reply.segments, reply.sizes, reply.checksums
         reads: list[tuple[int, Path]] = []  # object files this host can open
@@ -673,10 +675,10 @@ class GetJob:
             else:
                 info = segments[segment_id]
                 if info.tier in _FILE_TIERS:
-                    path = self._file_path(index)
+                    path = self._file_path(index) if read_files else None
                     if path is not None:
                         reads.append((index, path))
-                    continue  # else a remote disk replica: over TCP
+                    continue  # else a remote disk replica (over TCP), or one to read later
                 segment = mapped_by_id[segment_id] = self._local_segments(info)
             if segment is None:
                 continue

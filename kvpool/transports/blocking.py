@@ -221,7 +221,8 @@ class BlockingConnection:
 
         Raises:
             ConnectFailed: the requests could not be sent: the peer never saw them.
-            RpcFailed: the peer broke the protocol in a reply that came meanwhile.
+            RpcFailed: the connection broke after some of them left (the peer may have carried
+                them out), or the peer broke the protocol in a reply that came meanwhile.
             RpcTimeout: not sent by `deadline` (time.monotonic()).
         """
         request_ids = [self._take_request_id() for _ in messages]
@@ -243,8 +244,15 @@ class BlockingConnection:
 
     def _send_reading_replies(self, data: memoryview, deadline: float) -> None:
         """Send `data` whole by `deadline`; while the socket has no room, keep the replies
-        that come (_keep_replies)."""
+        that come (_keep_replies).
+
+        Raises:
+            _BrokenWhileSending: the connection broke (or was closed by another thread) before
+                a byte went. RpcFailed: after some did (a request may have been carried out).
+            RpcTimeout: not sent by `deadline`.
+        """
         sock = self._live_socket()
+        size = len(data)
         poller = None
         while data:
             try:
@@ -254,14 +262,22 @@ class BlockingConnection:
             except BlockingIOError:
                 pass
             except OSError as exc:
-                raise _BrokenWhileSending(f"connection to {self.peer} broke: {exc}") from None
-            if poller is None:
-                poller = select.poll()
-                poller.register(sock, select.POLLIN | select.POLLOUT)
-            events = poller.poll(max(0, int(_remaining_s(deadline) * 1000)))
+                broken = _BrokenWhileSending if len(data) == size else RpcFailed
+                raise broken(f"connection to {self.peer} broke: {exc}") from None
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise RpcTimeout(f"sending to {self.peer} timed out")
+            try:
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(sock, select.POLLIN | select.POLLOUT)
+                events = poller.poll(left_ms)
+            except (OSError, ValueError):  # closed meanwhile by another thread (its descriptor gone)
+                broken = _BrokenWhileSending if len(data) == size else RpcFailed
+                raise broken(f"connection to {self.peer} is closed") from None
             if not events:
                 raise RpcTimeout(f"sending to {self.peer} timed out")
-            if events[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            if events[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL):
                 self._keep_replies()
 
     def _keep_replies(self) -> None:
