@@ -257,6 +257,8 @@ class MasterServer:
         self.advertise_host = advertise_host
         self._election = election
         self.elector: Elector | None = None
+        # A mount in parts under way: its objects re-adopted and rejected so far (_log_mount).
+        self._mount_counts: dict[str, tuple[int, int]] = {}
         self._takeover: Takeover | None = None
         self._removed_at_start = RemovedAtStart(0)  # set at start, or at each election
         self._node_links: dict[str, _NodeLink] = {}  # per segment id
@@ -458,12 +460,7 @@ class MasterServer:
                 service.hear(siblings, liveness_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
-                log.info(
-                    "mounted segment %s of %s (%d bytes, %d objects re-adopted, %d rejected)",
-                    message.segment.segment_id, message.segment.endpoint,
-                    message.segment.capacity_bytes, len(message.inventory) - len(reply.rejected),
-                    len(reply.rejected),
-                )  # fmt: skip
+                self._log_mount(message, reply)
                 return reply
             case Heartbeat():
                 # A node binds its segments to its connection by mounting them (it mounts on
@@ -500,6 +497,21 @@ class MasterServer:
             case ReleaseLeases():
                 return service.release_leases(message, now_ms)
         raise InvalidParams(f"the master does not serve {type(message).__name__}")
+
+    def _log_mount(self, mount: MountSegment, reply: MountReply) -> None:
+        """One line per mount, at its last part, with the counts of all its parts: a node of
+        40,000 objects logged a line per part of 16,384, the last saying "7232 objects
+        re-adopted", which read like a loss."""
+        segment = mount.segment
+        before = self._mount_counts.pop(segment.segment_id, (0, 0))
+        adopted, rejected = (0, 0) if mount.is_first else before
+        adopted += len(mount.inventory) - len(reply.rejected)
+        rejected += len(reply.rejected)
+        if not mount.is_last:
+            self._mount_counts[segment.segment_id] = (adopted, rejected)
+            return
+        log.info("mounted segment %s of %s (%d bytes, %d objects re-adopted, %d rejected)",
+                 segment.segment_id, segment.endpoint, segment.capacity_bytes, adopted, rejected)  # fmt: skip
 
     def _mount(self, service: MasterService, mount: MountSegment, now_ms: int) -> MountReply:
         """service.mount_segment, less the entries a remove of this master's first moments
