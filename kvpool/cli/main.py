@@ -161,8 +161,9 @@ PORT_MAX = 65535
 # endpoint) is cut with "…" to fit 80 columns, as it would be by default (cli/replay.py does
 # the same).
 CONSOLE_WIDTH_NOT_TERMINAL = 1_000
-# A node waiting for its master says so when it starts waiting, then at most this often.
-MASTER_WAIT_LOG_INTERVAL_MS = 30_000
+# A node waiting for its master says so when it starts waiting; its master link's failures
+# say why it still waits, at most every 30 s (a second line of its own each time was noise).
+MASTER_WAIT_INTERVAL_MS = 30_000
 
 
 def _setup_logging(level: LogLevel) -> None:
@@ -699,8 +700,7 @@ def node(
 async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
     """Wait until a master takes the node's segment, however long: nodes and their master start
     in any order (systemd, Kubernetes), and the node's master link retries with backoff (its
-    failures logged at most every 30 s). Says when it starts waiting, then every
-    MASTER_WAIT_LOG_INTERVAL_MS.
+    failures logged at most every 30 s). Says when it starts waiting.
 
     Returns:
         True once mounted; False when `stop` was set first (a signal).
@@ -715,15 +715,14 @@ async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
     stopped = asyncio.ensure_future(stop.wait())
     try:
         while True:  # a mount, a signal or a refusal ends it
-            mounted = asyncio.ensure_future(storage_node.wait_mounted(MASTER_WAIT_LOG_INTERVAL_MS))
+            mounted = asyncio.ensure_future(storage_node.wait_mounted(MASTER_WAIT_INTERVAL_MS))
             await asyncio.wait((mounted, stopped), return_when=asyncio.FIRST_COMPLETED)
             if stopped.done():
                 mounted.cancel()
                 return False
             try:
                 mounted.result()
-            except RpcTimeout:
-                log.info("node %s: still waiting for a master at %s", storage_node.node_id, config.master_endpoint)
+            except RpcTimeout:  # still waiting: the link's own line (every 30 s) says why
                 continue
             return True
     finally:
