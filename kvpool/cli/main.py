@@ -143,7 +143,7 @@ TimeoutOption = Annotated[
     typer.Option(
         "--timeout", envvar="KVPOOL_TIMEOUT", min=0.1, max=3600.0,
         help="Seconds to wait for each answer of the master before the command fails (reaching "
-        "it: at most 2 s of them). Moves of bytes to and from nodes have their own 30 s bound.",
+        "it, etcd:// included, may take up to 2 s more). Moves of bytes to and from nodes have their own 30 s bound.",
     ),
 ]  # fmt: skip
 TIMEOUT_DEFAULT = limits.RPC_TIMEOUT_MS_DEFAULT / 1000
