@@ -1140,7 +1140,8 @@ def _plain_option(value: object) -> object:
 # What a code means to the caller of a one-key call, where its name alone leaves it a riddle.
 _WHY_BY_ACTION_CODE = {
     ("put", ErrorCode.NO_AVAILABLE_HANDLE): "no segment has room for it even after eviction (what is "
-    "left is leased, pinned or being written), or it is larger than every segment, or no segment is mounted "
+    "left is leased, pinned, being written, or held after puts cut short while writing: "
+    "kvpool_master_segment_quarantined_bytes), or it is larger than every segment, or no segment is mounted "
     "(a master just started waits about a second for its nodes to mount again)",
     ("put", ErrorCode.REPLICA_IS_NOT_READY): "another put of this key is in flight (or, just after a remove "
     "of it, a node's move of the removed object: at most a minute)",
