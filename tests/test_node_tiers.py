@@ -233,6 +233,27 @@ def test_two_writers_of_one_key_never_produce_a_torn_file(tmp_path):
 # --- the disk tier ------------------------------------------------------------------------
 
 
+def test_the_removal_of_a_refused_entry_spares_the_object_a_move_published_at_its_offset(tmp_path):
+    """A node re-mounts its disk tier; the master refuses an entry (removed while the node was
+    away) and, the range free in its view, grants it to a move at once: the move's file was
+    published at the entry's offset (files are named by offset) before the refused entry's
+    removal ran, which deleted it, and the master listed a replica without a file (a history
+    run under every fault). A removal now takes a file only while it holds its own object."""
+    tier = DiskTier.open(tmp_path / "d", 16 * MIB, "node-1", is_durable=True)
+    old, new = os.urandom(50_000), os.urandom(60_000)
+    refused = InventoryEntry("removed-while-away", 4096, len(old), xxhash.xxh3_64_intdigest(old))
+    tier.publish(refused, tier.write_temporary(refused, [memoryview(old)]))
+    assert tier.record([refused]) == []
+    forgotten = tier.forget([refused])  # the mount reply's refusal, on the loop
+    moved = InventoryEntry("moved-in", 4096, len(new), xxhash.xxh3_64_intdigest(new))
+    tier.publish(moved, tier.write_temporary(moved, [memoryview(new)]))  # the move, first
+    assert tier.remove_files(forgotten) == []  # the refusal's removal, after
+    assert tier.record([moved]) == []
+    assert files.holds_object(tier.path_of(4096), "moved-in", len(new), moved.checksum)
+    assert tier.remove_files([moved]) == [] and not tier.path_of(4096).exists()  # its own file: removed
+    tier.close()
+
+
 def test_disk_tier_keeps_its_identity_refuses_a_second_user_and_cleans_up_after_a_crash(tmp_path):
     with pytest.raises(InvalidParams, match="no disk tier yet: give its size"):  # a new one needs a size
         DiskTier.open(tmp_path / "d", 0, "node-1", is_durable=True)

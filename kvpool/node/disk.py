@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -72,6 +73,10 @@ class DiskTier:
         # so the master neither reuses its range nor forgets that the node still has it.
         self.unremoved: dict[int, InventoryEntry] = {}
         self._lock_fd: int | None = lock_fd
+        # Held by a publish's rename and by a removal's look at a file and its unlink: a file
+        # named by offset may be another object's by the time its removal runs (_drop_rejected:
+        # the master never gave the refused entry its range, and may have granted it to a move).
+        self._files_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<DiskTier {self.directory} {self.segment_id} {self.inventory!r}>"
@@ -199,7 +204,8 @@ class DiskTier:
     def publish(self, entry: InventoryEntry, temporary: Path) -> None:
         """Rename a file write_temporary wrote to `entry`'s name (sync() makes it durable).
         Raises TransferFailed (the temporary file is removed)."""
-        files.publish(temporary, self.path_of(entry.offset))
+        with self._files_lock:
+            files.publish(temporary, self.path_of(entry.offset))
 
     def filesystem_report(self) -> FilesystemReport:
         """What the filesystem under the tier can take, for the master (files.filesystem_report):
@@ -218,12 +224,27 @@ class DiskTier:
         left: list[InventoryEntry] = []
         for entry in entries:
             try:
-                files.remove(self.path_of(entry.offset))
+                with self._files_lock:
+                    if self._holds(entry):
+                        files.remove(self.path_of(entry.offset))
             except TransferFailed:
                 left.append(entry)
         if len(left) < len(entries):
             self.sync()
         return left
+
+    def _holds(self, entry: InventoryEntry) -> bool:
+        """Whether `entry`'s file name holds `entry`'s object (or no readable object): not
+        another object's a move has published there since. A refused inventory entry's
+        removal deleted the file of the object the master had placed at its offset meanwhile,
+        and the master listed a replica without a file (a history run, 2026-12-07)."""
+        try:
+            header = files.read_header(self.path_of(entry.offset))
+        except ObjectNotFound:
+            return False
+        except TransferFailed:
+            return True  # unreadable: not another object's, as far as anyone can tell
+        return header is None or header.key == entry.key
 
     def open_range(
         self, entry: InventoryEntry, offset: int, size_bytes: int, opened: dict[int, tuple[int, int]] | None = None
