@@ -229,3 +229,28 @@ def test_a_capacity_is_parsed_exactly() -> None:
     # Through a float, 999999999999G was 999,999,999,999,000,051,712 tokens.
     assert parse_capacity_tokens("999999999999G", 1) == 999_999_999_999 * 10**9
     assert parse_capacity_tokens("9" * 400, 1) == 10**400 - 1  # an OverflowError through a float
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
+def test_a_replay_whose_stdout_fails_still_writes_its_results(tmp_path: Path) -> None:
+    """`kvpool replay ... | head` (the reader leaves) or a full disk under stdout: the first
+    failed print (the progress, the table) ended the run with exit 1, and a whole sweep's
+    results were never written. They are written now; the exit status is 1, with one line
+    for a full disk and none for a reader that left."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "kvpool.cli.main", "replay", str(TRACE), "--limit", "300", "--capacity", "500K"]
+    with open("/dev/full", "w") as full:  # noqa: PTH123
+        done = subprocess.run([*command, "--out", str(tmp_path / "full")], stdout=full, stderr=subprocess.PIPE,
+                              timeout=120, check=False)  # fmt: skip
+    said = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 1 and said == ["error: cannot write to standard output: No space left on device"], said
+    reader = subprocess.Popen([*command, "--out", str(tmp_path / "pipe")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.readline().startswith(b"kvpool replay (sim)")
+    reader.stdout.close()  # the reader leaves after the first line
+    assert reader.wait(120) == 1 and reader.stderr.read() == b""
+    reader.stderr.close()
+    for out in ("full", "pipe"):
+        assert json.loads((tmp_path / out / "replay.json").read_text())["results"], out
+        assert (tmp_path / out / "replay.md").is_file() and (tmp_path / out / "replay.png").is_file()

@@ -12,6 +12,10 @@ disk tier sizes (--disk-capacity), which are never unbounded.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
+import os
 import re
 import shlex
 import sys
@@ -138,9 +142,11 @@ def replay(
     """Replay a request trace: hit rates of local caches vs one pool, per capacity and policy."""
     from kvpool.cli.launcher import sigterm_as_interrupt
 
-    console = Console(emoji=False)
-    if not console.is_terminal:
-        console = Console(width=CONSOLE_WIDTH_NOT_TERMINAL, emoji=False)  # a log file: do not fold the table
+    stdout = _ForgivingStdout()
+    console = Console(file=stdout, emoji=False)
+    if not console.is_terminal:  # a log file: do not fold the table
+        console = Console(file=stdout, width=CONSOLE_WIDTH_NOT_TERMINAL, emoji=False)
+    errors = Console(stderr=True, soft_wrap=True, emoji=False)
     try:
         # Live, SIGTERM stops the clusters as SIGINT does (no process or segment outlives it).
         with sigterm_as_interrupt():
@@ -149,8 +155,44 @@ def replay(
                 mode, limit, skip, out, watermark_high, speedup, seed, check_every,
             )  # fmt: skip
     except KVPoolError as exc:
-        Console(stderr=True, soft_wrap=True, emoji=False).print(f"[red]error:[/red] {exc}")  # one line, for logs
+        errors.print(f"[red]error:[/red] {exc}")  # one line, for logs
         raise typer.Exit(1) from None
+    if stdout.failure is not None:  # the files are written; the table and progress were not all shown
+        if stdout.failure.errno != errno.EPIPE:  # a reader that left (`| head`) wants no word of it
+            errors.print(f"[red]error:[/red] cannot write to standard output: {stdout.failure.strerror}")
+        raise typer.Exit(1)
+
+
+class _ForgivingStdout(io.TextIOBase):
+    """Standard output that a reader who left (`| head`, quitting `less`) or a full disk does
+    not stop: a replay's results are its files, and a failed print of its progress or table
+    ended the run before they were written. What is not written goes to /dev/null; `failure`
+    says why, for the exit status."""
+
+    def __init__(self) -> None:
+        self.failure: OSError | None = None
+
+    def write(self, text: str) -> int:
+        self._tried(lambda: sys.stdout.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._tried(sys.stdout.flush)
+
+    def isatty(self) -> bool:
+        return sys.stdout.isatty()
+
+    def _tried(self, output) -> None:
+        if self.failure is not None:
+            return
+        try:
+            output()
+        except OSError as exc:
+            self.failure = exc
+            with contextlib.suppress(OSError, ValueError):  # the interpreter's flush at exit would fail again
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
 
 
 def _run(
@@ -267,6 +309,15 @@ def _run(
 
             results.append(run_one(config, on_progress))
             progress.remove_task(task)
+    # The files first: a stdout closed or full (`| head`, quitting `less`) failed the printing,
+    # and with it a whole sweep's results.
+    is_cli = len(sys.argv) > 1 and sys.argv[1] == "replay"
+    command = "kvpool replay " + " ".join(shlex.quote(arg) for arg in sys.argv[2:]) if is_cli else ""
+    meta = {"trace": str(trace), "skip": skip, "requests": len(requests), "mode": mode, "command": command}
+    report.write_json(out / "replay.json", results, meta)
+    report.write_markdown(out / "replay.md", results, meta)
+    title = f"{trace.name}: {len(requests)} requests, {instances} instance(s), {mode}"[:PLOT_TITLE_MAX]
+    report.plot_hit_rates(out / "replay.png", results, title)
     table = Table(*report.table_columns(results), title=f"hit rates ({mode})")
     for row in report.table_rows(results):
         table.add_row(*row)
@@ -277,13 +328,6 @@ def _run(
         for row in live:
             live_table.add_row(*row)
         console.print(live_table)
-    is_cli = len(sys.argv) > 1 and sys.argv[1] == "replay"
-    command = "kvpool replay " + " ".join(shlex.quote(arg) for arg in sys.argv[2:]) if is_cli else ""
-    meta = {"trace": str(trace), "skip": skip, "requests": len(requests), "mode": mode, "command": command}
-    report.write_json(out / "replay.json", results, meta)
-    report.write_markdown(out / "replay.md", results, meta)
-    title = f"{trace.name}: {len(requests)} requests, {instances} instance(s), {mode}"[:PLOT_TITLE_MAX]
-    report.plot_hit_rates(out / "replay.png", results, title)
     console.print(f"wrote {out / 'replay.json'}, {out / 'replay.md'}, {out / 'replay.png'}")
     return results
 

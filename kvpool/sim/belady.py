@@ -50,8 +50,10 @@ class BeladyPolicy(EvictionPolicy):
         self._pinned_heap: list[tuple[int, int, int, str]] = []
 
     def announce(self, priorities: dict[str, Priority]) -> None:
-        """The next use of each key of the request about to be served (replaces the last)."""
-        self._announced = priorities
+        """The next use of each key of the request about to be served. A key keeps its last
+        announced next use until it is used again: an object a move puts back in DRAM later (a
+        failed offload, with a disk tier) is placed by it."""
+        self._announced.update(priorities)
 
     def attach(self, table: ObjectTable) -> None:
         assert self._table is None, "policy attached twice"
@@ -118,13 +120,16 @@ class BeladyPolicy(EvictionPolicy):
                     held.append(entry)
                     continue
                 verdict = judge(key, meta)
+                # Every entry goes back, a victim's too: with a disk tier a victim stays in the
+                # table, offloaded (or its offload refused), and one taken out of the heap for
+                # good left its object unevictable ("no live entry in the heap"); one removed
+                # is a stale entry from then on.
+                held.append(entry)
                 if verdict is Verdict.TAKE:
                     victims.append(key)
-                else:
-                    held.append(entry)
-                    if verdict is Verdict.STOP:
-                        stopped = True
-                        break
+                elif verdict is Verdict.STOP:
+                    stopped = True
+                    break
             for entry in held:
                 heapq.heappush(heap, entry)
             if stopped or scanned >= scan_max:
