@@ -246,7 +246,8 @@ def test_a_replay_whose_stdout_fails_still_writes_its_results(tmp_path: Path) ->
                               timeout=120, check=False)  # fmt: skip
     said = done.stderr.decode().strip().splitlines()
     assert done.returncode == 1 and said == ["error: cannot write to standard output: No space left on device"], said
-    reader = subprocess.Popen([*command, "--out", str(tmp_path / "pipe")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    reader = subprocess.Popen([*command, "--out", str(tmp_path / "pipe")], **pipes)
     assert reader.stdout.readline().startswith(b"kvpool replay (sim)")
     reader.stdout.close()  # the reader leaves after the first line
     assert reader.wait(120) == 1 and reader.stderr.read() == b""
