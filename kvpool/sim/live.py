@@ -32,7 +32,7 @@ import xxhash
 from kvpool import limits
 from kvpool.cli.launcher import LocalCluster, StartedInContext
 from kvpool.client.sync import Store
-from kvpool.errors import ErrorCode, InvalidParams, TransferFailed
+from kvpool.errors import ErrorCode, InvalidParams, MembershipError, TransferFailed
 from kvpool.master.eviction import POLICIES
 from kvpool.protocol.messages import TIER_DISK, TIER_DRAM, ReplicateConfig
 from kvpool.sim.cluster import ReadOutcome, WriteOutcome, leading_on
@@ -262,6 +262,18 @@ class LiveCluster(StartedInContext):
                 for index in range(self._nodes_per_cluster)
             ])  # fmt: skip
 
+    def check_whole(self) -> None:
+        """Raises MembershipError: a master or node of the replay exited during it. A node
+        killed mid-run left a table of lower hit rates and exit status 0, which read as the
+        configuration's."""
+        for cluster in self.clusters:
+            for process in [*cluster.masters, *cluster.nodes]:
+                if not process.is_alive():
+                    raise MembershipError(
+                        f"{process.name} of the live replay exited (status {process.popen.returncode}) during it: "
+                        f"its hit rates are not the configuration's (its log: {process.log_path})"
+                    )
+
     def bind(self) -> None:
         """Open a Store per instance on clusters already started."""
         for instance in range(self.config.instance_count):
@@ -310,6 +322,7 @@ def _replay_on(
         live.stores, live.segment_ids, live.is_pooled, live.block_size_bytes, speedup, live.disk_segment_ids
     )
     result = run_protocol(requests, live.config, capacity_blocks, backend, BLOCK_KEY_PREFIX, on_progress, mode="live")
+    live.check_whole()
     result.block_size_bytes_live = live.block_size_bytes
     result.read_retries_live = backend.read_retries
     if result.runtime_s:
@@ -339,6 +352,7 @@ def replay_live(
         InvalidParams: a policy the master process cannot run, or a pool too large.
         ConnectFailed: a process did not start.
         TransferFailed: a block was read back wrong.
+        MembershipError: a master or node exited during the replay (LiveCluster.check_whole).
     """
     check_live_config(requests, config)
     capacity_blocks = resolve_capacity_blocks(requests, config.capacity_blocks)
