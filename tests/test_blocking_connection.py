@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -142,6 +143,44 @@ def test_a_server_that_never_answers_is_a_timeout_within_the_bound() -> None:
         assert 0.25 < time.monotonic() - started < 2
         assert conn.is_closed()  # a late reply cannot answer the next request
         done.set()
+
+
+def test_a_server_not_yet_authenticated_may_not_send_a_large_control_message() -> None:
+    """Until the handshake is over the decoder takes control messages of 64 KiB at most
+    (HANDSHAKE_CONTROL_SIZE_BYTES_MAX), as Connection's does: a first frame that announced
+    72 MiB, from a server or whatever a client was steered to, was waited for and decoded.
+    Once authenticated, a reply of more than that is taken as before."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def announce_a_large_challenge() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            header = struct.pack(limits.FRAME_HEADER_FMT, limits.FRAME_MAGIC, limits.FRAME_VERSION, 0, 0,
+                                 limits.FRAME_CONTROL_SIZE_BYTES_MAX, 0)  # fmt: skip
+            conn.sendall(header + bytes(64 * 1024))
+            conn.recv(1)  # until the client closes
+
+    server = threading.Thread(target=announce_a_large_challenge, daemon=True)
+    server.start()
+    started_s = time.monotonic()
+    with pytest.raises(ConnectFailed, match="too large"):  # not the timeout, waiting for 72 MiB
+        BlockingConnection.open(endpoint, key=None, timeout_ms=5_000, prefer_local=False)
+    assert time.monotonic() - started_s < 2
+    server.join(10)
+    listener.close()
+
+    def answer_large(conn: socket.socket) -> None:
+        request_id = requests_read(conn, 1)[0].request_id
+        reply = ErrorReply(int(ErrorCode.OBJECT_NOT_FOUND), "x" * 200_000)  # over the handshake's 64 KiB
+        conn.sendall(encode_frame(reply, request_id, is_reply=True))
+        time.sleep(0.2)
+
+    with raw_server(answer_large) as endpoint:
+        conn = BlockingConnection.open(endpoint, key=None, timeout_ms=2_000, prefer_local=False)
+        with pytest.raises(ObjectNotFound, match="x" * 1000):  # the reply, whole
+            conn.request(ExistKeys(["a"]), 2_000)
+        conn.close()
 
 
 @pytest.mark.parametrize("answer", ["garbage", "wrong request id", "closed"])
@@ -386,6 +425,7 @@ def test_requests_that_fill_the_socket_while_replies_come_are_sent_whole_and_ans
     peer = threading.Thread(target=answering_peer, daemon=True)
     peer.start()
     conn = BlockingConnection("peer:1", ours, "peer")
+    conn._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)  # as its handshake would (none here)
     deadline = time.monotonic() + 10
     request_ids = conn.send(requests, deadline)  # 1 MB of requests, 1.6 MB of replies
     for request_id in request_ids:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvpool import limits
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
+from kvpool.master.metadata import SEGMENT_COUNT_MAX
 from kvpool.protocol import messages
 from kvpool.protocol.frames import (
     DIRECT_SINK_BYTES_MIN,
@@ -37,6 +38,7 @@ from kvpool.protocol.messages import (
     CodesReply,
     GetReplicaList,
     PutStart,
+    PutStartReply,
     ReadReply,
     ReplicateConfig,
     WriteGrant,
@@ -389,42 +391,83 @@ def test_a_control_message_larger_than_the_buffer_is_copied_a_bounded_number_of_
     assert copied[0] <= 4 * len(wire), (copied[0], len(wire))
 
 
-def _unbounded_containers(info, path: str, inside: str | None) -> Iterator[str]:
-    """The containers below `info` (msgspec.inspect) that a request could make its receiver
-    decode millions of items of: one with no bound or more than BATCH_KEYS_MAX items, or one
-    inside another (a bounded list of bounded lists multiplies the bounds)."""
-    if isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.DictType)):
-        max_length = info.max_length
-        if max_length is None or max_length > limits.BATCH_KEYS_MAX:
-            yield f"{path}: {max_length} items at most"
-        if inside is not None:
-            yield f"{path}: a container inside {inside}"
-        items = (info.item_type,) if isinstance(info, msgspec.inspect.ListType) else (info.key_type, info.value_type)
-        for item in items:
-            yield from _unbounded_containers(item, f"{path}[]", inside or path)
+# The most items a reply may make its receiver decode along a path of containers: a batch of
+# keys with REPLICAS_PER_OBJECT_MAX replicas each (GetReplicaListReply), which decoded in ~0.1 s
+# and ~35 MB here. A request holds a batch at most.
+REPLY_ITEMS_MAX = 1 << 20
+
+_SEQUENCES = (msgspec.inspect.ListType, msgspec.inspect.SetType, msgspec.inspect.FrozenSetType,
+              msgspec.inspect.VarTupleType)  # fmt: skip
+
+
+def _unbounded_containers(info, path: str, items_max: int, items_around: int = 1) -> Iterator[str]:
+    """The containers below `info` (msgspec.inspect) that could make a message's receiver
+    decode more than `items_max` items: one with no bound, or whose bound times the bounds of
+    the containers around it is more (a bounded list of bounded lists multiplies them)."""
+    if isinstance(info, (*_SEQUENCES, msgspec.inspect.DictType)):
+        if info.max_length is None:
+            yield f"{path}: unbounded"
+            return
+        items = items_around * info.max_length
+        if items > items_max:
+            yield f"{path}: {items} items at most"
+        inner = (info.item_type,) if isinstance(info, _SEQUENCES) else (info.key_type, info.value_type)
+        for item in inner:
+            yield from _unbounded_containers(item, f"{path}[]", items_max, items)
+    elif isinstance(info, (msgspec.inspect.TupleType, msgspec.inspect.UnionType)):
+        for item in info.item_types if isinstance(info, msgspec.inspect.TupleType) else info.types:
+            yield from _unbounded_containers(item, f"{path}()", items_max, items_around)
     elif isinstance(info, msgspec.inspect.StructType):
         for field in info.fields:
-            yield from _unbounded_containers(field.type, f"{path}.{field.name}", inside)
+            yield from _unbounded_containers(field.type, f"{path}.{field.name}", items_max, items_around)
 
 
-def test_no_request_holds_more_items_than_a_batch():
-    """A request is decoded before anyone looks at it, on the receiver's loop: a 64 MiB
+def test_no_message_holds_more_items_than_its_bound():
+    """A message is decoded before anyone looks at it, on the receiver's loop: a 64 MiB
     control message of a list of lists (ReleaseLeases) or of an unbounded dict (Heartbeat)
-    held 15 million keys, and a master's loop for 6-7 s at 1.2 GB (review helper-56). Every
-    list and dict of a message a peer sends unasked is bounded by a batch, and none nests."""
-    requests = [
+    held 15 million keys, and a master's loop for 6-7 s at 1.2 GB (review helper-56). A reply
+    too: one sent unasked is decoded before its receiver finds no request waiting for it, and
+    a PutStartReply of 24 million empty placement lists held a master's loop for 11 s at
+    1.7 GB. Every list and dict of a request holds a batch at most, nested or not; a reply's
+    hold what a legitimate answer may, and together at most REPLY_ITEMS_MAX."""
+    kinds = [
         cls
         for cls in vars(messages).values()
         if isinstance(cls, type) and issubclass(cls, messages.Message) and cls is not messages.Message
-        and not cls.__name__.endswith("Reply")
-    ]  # fmt: skip
-    assert len(requests) > 20
+    ]
+    replies = [cls for cls in kinds if issubclass(cls, messages.REPLY_TYPES)]
+    assert len(kinds) > 35 and len(replies) > 10
     found = [
         problem
-        for cls in requests
-        for problem in _unbounded_containers(msgspec.inspect.type_info(cls), cls.__name__, None)
+        for cls in kinds
+        for problem in _unbounded_containers(
+            msgspec.inspect.type_info(cls),
+            cls.__name__,
+            REPLY_ITEMS_MAX if issubclass(cls, messages.REPLY_TYPES) else limits.BATCH_KEYS_MAX,
+        )
     ]
     assert found == []
+    assert messages.SEGMENTS_MAX == SEGMENT_COUNT_MAX  # all a master's ClusterStatusReply may list
+
+
+def test_a_reply_over_its_bound_is_refused_before_its_items_are_decoded():
+    """The frame the review sent unasked, smaller: refused by the decoder at its outer list's
+    length (a legitimate reply of the most a put_start answers still decodes)."""
+    attack = encode_frame(PutStartReply([], [[]] * 2_000_000, [], {}), 9, is_reply=True)
+    decoder = FrameDecoder()
+    decoder.receive_data(attack)
+    with pytest.raises(RemoteProtocolError, match=f"length <= {limits.BATCH_KEYS_MAX}"):
+        decoder.next_event()
+    grant = WriteGrant("s", 0, 4096, 1)
+    most = PutStartReply(
+        [0] * limits.BATCH_KEYS_MAX,
+        [[(0, 0)] * limits.REPLICA_NUM_MAX] * limits.BATCH_KEYS_MAX,
+        [grant] * (limits.BATCH_KEYS_MAX * limits.REPLICA_NUM_MAX),
+        {},
+    )
+    decoder = FrameDecoder()
+    decoder.receive_data(encode_frame(most, 9, is_reply=True))
+    assert drain(decoder)[0].message == most
 
 
 @settings(max_examples=300, deadline=None)

@@ -98,9 +98,10 @@ class Peer:
         self.sock.close()
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now, or at its peak with `field` "VmHWM"."""
     with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
 
 
 def master_requests(cluster, kind: str) -> float:
@@ -147,6 +148,30 @@ def test_a_peer_that_reads_no_replies_has_no_more_of_its_requests_answered_until
         assert peer.send(encode_frame(m.ExistKeys([keys[0]]), count + 1))
         assert (reply := peer.read_frame(10)) is not None and reply.message == m.ExistsReply([True])
         peer.close()
+        store.put("after", b"x" * 5000)
+        assert store.get("after") == b"x" * 5000
+    assert unexpected_log_lines(cluster) == []
+
+
+def test_a_reply_sent_unasked_is_refused_at_its_bound_by_the_master_and_by_a_node(make_cluster):
+    """A frame with the reply flag is decoded before its receiver finds no request waiting
+    under its id: a token holder's PutStartReply of 24 million empty placement lists (24 MiB)
+    held the master's loop for 11 s and took it from 71 MB to 1.7 GB, and a node's the same
+    way; then it was dropped and the connection kept. Now the decoder refuses it at its list's
+    length (messages.Batch), before decoding an item, and the connection is closed."""
+    cluster = make_cluster(1, "16MiB", token=TOKEN)
+    with Store(cluster.master_endpoint, token=TOKEN) as store:
+        node_endpoint = store.cluster_status().segments[0].segment.endpoint
+        pids = [cluster.master.pid, cluster.nodes[0].pid]
+        peaks_before = [rss_bytes(pid, "VmHWM") for pid in pids]
+        frame = encode_frame(m.PutStartReply([], [[]] * 4_000_000, [], {}), 4242, is_reply=True)  # ~4 MB
+        for endpoint in (cluster.master_endpoint, node_endpoint):
+            peer = Peer(endpoint)
+            assert peer.send(frame)
+            assert peer.read_frame(5) is None and peer.closed  # closed unanswered, not kept
+            peer.close()
+        grown = [rss_bytes(pid, "VmHWM") - before for pid, before in zip(pids, peaks_before)]
+        assert max(grown) < 32 * limits.MIB, grown  # 4 million lists decoded: ~280 MB
         store.put("after", b"x" * 5000)
         assert store.get("after") == b"x" * 5000
     assert unexpected_log_lines(cluster) == []

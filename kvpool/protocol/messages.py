@@ -32,6 +32,25 @@ T = TypeVar("T")
 # a longer one before it reads an item: a 64 MiB control message holds 22 million one-byte
 # keys, whose decoding held a master's loop for seconds and took GiBs (any token holder could).
 Batch = Annotated[list[T], msgspec.Meta(max_length=limits.BATCH_KEYS_MAX)]
+# Replies are bounded as requests are: a frame with the reply flag is decoded before its
+# receiver looks for a request waiting under its id, and a token holder's unasked
+# PutStartReply of 24 million empty placement lists (24 MiB) held a master's loop for 11 s and
+# took 1.7 GB. A list inside a list is bounded too, so that their product is. Each bound is
+# what a legitimate answer may hold (below, and at the replies' fields).
+#
+# Replicas of one object in a reply: a put places at most REPLICA_NUM_MAX, write-through and
+# offloads add disk and DFS copies, and a master rebuilding from its nodes' inventories adopts
+# every copy they hold (one per segment, uncapped: master/mounts.py adopt). A batch of keys
+# with this many each decodes in well under a second (tests/test_protocol_frames.py).
+REPLICAS_PER_OBJECT_MAX = 64
+Replicas = Annotated[list[T], msgspec.Meta(max_length=REPLICAS_PER_OBJECT_MAX)]
+# Segments a master mounts at once (master/metadata.py SEGMENT_COUNT_MAX, which the tests
+# check this equals): all a ClusterStatusReply lists, and more than a reply's segments name.
+SEGMENTS_MAX = 1 << 16
+Segments = Annotated[list[T], msgspec.Meta(max_length=SEGMENTS_MAX)]
+SegmentsById = Annotated[dict[str, T], msgspec.Meta(max_length=SEGMENTS_MAX)]
+# A listing's keys (ListObjects.limit is at most this).
+Listing = Annotated[list[T], msgspec.Meta(max_length=limits.LIST_OBJECTS_MAX)]
 
 
 class Message(msgspec.Struct, array_like=True, tag_field="t", frozen=False):
@@ -196,7 +215,7 @@ class OkReply(Message, tag=2):
 class CodesReply(Message, tag=3):
     """One `ErrorCode` per key of a batch request, in request order."""
 
-    codes: list[int]
+    codes: Batch[int]
 
 
 class CountReply(Message, tag=4):
@@ -249,10 +268,12 @@ class PutStartReply(Message, tag=11):
     allocates a run of keys as one range per replica (master/puts.py). OBJECT_ALREADY_EXISTS
     means the object is complete already: nothing to write, and the put counts as done."""
 
-    codes: list[int]
-    placements: list[list[tuple[int, int]]]
-    grants: list[WriteGrant]
-    segments: dict[str, SegmentInfo]
+    codes: Batch[int]
+    # One (grant, offset) per replica: replica_num of them at most.
+    placements: Batch[Annotated[list[tuple[int, int]], msgspec.Meta(max_length=limits.REPLICA_NUM_MAX)]]
+    # One per run of keys and replica: a run per key at most.
+    grants: Annotated[list[WriteGrant], msgspec.Meta(max_length=limits.BATCH_KEYS_MAX * limits.REPLICA_NUM_MAX)]
+    segments: SegmentsById[SegmentInfo]
     # How long the grants last from the put_start (the master's put_discard_timeout_ms): a
     # writer ends its writes well within it, so that what it wrote can still be put_end'ed.
     # Appended: 0 from an older master.
@@ -298,12 +319,12 @@ class GetReplicaListReply(Message, tag=15):
     at `lease_granted_ms` (the master's clock): a reader that is done gives it back with that
     time (ReleaseLeases)."""
 
-    codes: list[int]
-    sizes: list[int]
-    checksums: list[int]
-    replicas: list[list[Replica]]
+    codes: Batch[int]
+    sizes: Batch[int]
+    checksums: Batch[int]
+    replicas: Batch[Replicas[Replica]]
     lease_ttl_ms: int
-    segments: dict[str, SegmentInfo]
+    segments: SegmentsById[SegmentInfo]
     lease_granted_ms: int = 0
 
 
@@ -325,7 +346,7 @@ class ExistKeys(Message, tag=16):
 
 
 class ExistsReply(Message, tag=17):
-    flags: list[bool]
+    flags: Batch[bool]
 
 
 class LongestPrefix(Message, tag=18):
@@ -362,9 +383,9 @@ class QueryObjects(Message, tag=22):
 
 
 class QueryReply(Message, tag=23):
-    codes: list[int]
-    sizes: list[int]
-    replicas: list[list[Replica]]
+    codes: Batch[int]
+    sizes: Batch[int]
+    replicas: Batch[Replicas[Replica]]
 
 
 class ListObjects(Message, tag=24):
@@ -373,8 +394,8 @@ class ListObjects(Message, tag=24):
 
 
 class ListReply(Message, tag=25):
-    keys: list[str]
-    sizes: list[int]
+    keys: Listing[str]
+    sizes: Listing[int]
     truncated: bool
 
 
@@ -394,11 +415,12 @@ class ClusterStatus(Message, tag=26):
 
 
 class ClusterStatusReply(Message, tag=27):
-    segments: list[SegmentStatus]
+    segments: Segments[SegmentStatus]
     object_count: int
     pending_count: int
     evicted_count: int
-    tiers: list[TierStatus] = []  # appended with the tiers; empty from an older master
+    # One per tier; appended with the tiers, empty from an older master.
+    tiers: Annotated[list[TierStatus], msgspec.Meta(max_length=len(TIERS))] = []
     # Appended: the master's --evict-watermark-high (eviction starts above it, segment by
     # segment; kvpool bench plans below it); 0.0 from an older master.
     evict_watermark_high: float = 0.0
@@ -456,7 +478,7 @@ class MountReply(Message, tag=41):
     `master_time_ms` is the master's wall clock as it answered (0: not said), which the node
     checks grant expiries against (node/clock.py)."""
 
-    rejected: list[InventoryEntry]
+    rejected: Batch[InventoryEntry]  # (of the MountSegment's inventory)
     term: int = 0
     master_time_ms: int = 0
 
@@ -485,7 +507,7 @@ class HeartbeatReply(Message, tag=43):
     """Segments the master does not know (it restarted): the node re-mounts them. And the
     master's wall clock as it answered (0: not said; MountReply)."""
 
-    unknown_segment_ids: list[str]
+    unknown_segment_ids: Batch[str]  # (of the Heartbeat's)
     master_time_ms: int = 0
 
 

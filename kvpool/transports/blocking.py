@@ -48,7 +48,13 @@ from kvpool.protocol.frames import (
     encode_frame,
 )
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ErrorReply, Message
-from kvpool.transports.connection import NO_HANDSHAKE_WHY, LateReply, hand_late_reply, split_endpoint
+from kvpool.transports.connection import (
+    HANDSHAKE_CONTROL_SIZE_BYTES_MAX,
+    NO_HANDSHAKE_WHY,
+    LateReply,
+    hand_late_reply,
+    split_endpoint,
+)
 
 # Buffers per sendmsg: Linux takes at most IOV_MAX (1024) in one call.
 IOV_PARTS_MAX = 1024
@@ -81,6 +87,9 @@ class BlockingConnection:
         self.peer = peer
         self._socket: socket.socket | None = sock
         self._decoder = FrameDecoder()
+        # Until authenticated, as Connection: a server (or whatever a client was steered to)
+        # that is not proven yet buys no large buffer, nor a decode of a 72 MiB first frame.
+        self._decoder.limit_control_size(HANDSHAKE_CONTROL_SIZE_BYTES_MAX)
         self._next_request_id = 1
         self._unanswered: set[int] = set()  # ids of the requests sent whose reply is not read yet
         self._early: dict[int, Frame] = {}  # replies read before their request's turn
@@ -153,6 +162,7 @@ class BlockingConnection:
         if not isinstance(ok, AuthOk):
             raise RpcFailed(f"{self.peer} answered the handshake with {type(ok).__name__}")
         handshake.check(ok)
+        self._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)
 
     def request(
         self, message: Message, timeout_ms: int, late_reply: LateReply | None = None
