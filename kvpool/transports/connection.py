@@ -12,8 +12,10 @@ worker thread, and the frames after it wait their turn (see `_write_frame`).
 Same host, a connection moves to a Unix-domain socket: every server also listens on an
 abstract-namespace Unix socket with a random name, announced in its first frame on TCP, and a
 client that asks for it (`connect(prefer_local=True)`) dials that name and keeps the TCP
-connection only if it cannot. Reaching the name proves the same host and network namespace (a
-network-namespace partition holds for it as for TCP); the handshake is the same. On this
+connection only if it cannot. The client dials it only when the server says it runs on the
+same kernel and in the same network namespace, and keeps it only when the process at the other
+end is the server's (transports/same_host.py: an abstract name is anyone's to bind); the
+handshake is the same. On this
 project's VM a loopback TCP send costs ~30 µs of the sender's CPU and a round trip ~135 µs,
 a Unix one ~4 µs and ~60 µs (`benchmarks/bench_core.py` records both), so the control
 traffic of a same-host master and node (put_start, put_end, commits) goes twice as fast.
@@ -71,7 +73,7 @@ from kvpool.protocol.messages import (
     Message,
 )
 from kvpool.repeated_log import RepeatedLog
-from kvpool.transports import files
+from kvpool.transports import files, same_host
 from kvpool.transports.busy_poll import BusyPoll
 from kvpool.transports.files import FileRange
 
@@ -189,8 +191,10 @@ class Connection(asyncio.BufferedProtocol):
     ) -> None:
         self.name = name
         # Server side: the Unix socket name announced to TCP clients. Client side: the name the
-        # server announced ("" when none, or on a Unix connection).
+        # server announced ("" when none, on a Unix connection, or not on this host), and the
+        # process the server said it is.
         self.local_name = local_name
+        self.local_pid = 0
         self._registry = registry
         # A server's connections still in their handshake, oldest first (see _begin_handshake).
         self._handshaking = handshaking
@@ -385,7 +389,10 @@ class Connection(asyncio.BufferedProtocol):
         if self._is_server:
             self._begin_handshake()
             self._nonce_server = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
-            challenge = AuthChallenge(self._nonce_server, self._key is not None, self.local_name)
+            challenge = AuthChallenge(
+                self._nonce_server, self._key is not None, self.local_name,
+                same_host.host_identity() if self.local_name else "", os.getpid(),
+            )  # fmt: skip
             self._write_now(encode_frame(challenge, 0))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -899,7 +906,9 @@ class Connection(asyncio.BufferedProtocol):
             if isinstance(message, AuthChallenge):
                 self._handshake = auth.ClientHandshake(self._key, self.peer)
                 response = self._handshake.answer(message)
-                self.local_name = message.local_name
+                # Dialled only where the server bound it itself (transports/same_host.py).
+                self.local_name = message.local_name if same_host.is_this_host(message.local_host) else ""
+                self.local_pid = message.local_pid
                 self._write_now(encode_frame(response, 0))
                 return
             if isinstance(message, AuthOk) and self._handshake is not None:
@@ -1201,6 +1210,8 @@ async def connect(
         local_socket.setblocking(False)
         async with asyncio.timeout(timeout_ms / 1000):  # not wait_for: see wait_ready
             await loop.sock_connect(local_socket, conn.local_name)
+        if not same_host.is_served_by(local_socket, conn.local_pid):
+            raise ConnectFailed(f"the same-host socket {conn.local_name[1:]!r} is not the server's process")
         local = await _open(loop.create_unix_connection(new_connection, sock=local_socket), endpoint, timeout_ms)
     except BaseException as exc:
         # Whatever went wrong, the transport (if one was made) is closed and has let go of
