@@ -177,6 +177,20 @@ HANDSHAKES_PENDING_MAX = 256
 # kernel's queue of new connections is closed as it comes, without a word to either side
 # (libuv's answer to EMFILE), and a client only sees "connection closed by peer".
 OPEN_FILES_WARN_RATIO = 0.9
+# The HTTP ports (/metrics, /health, /status: transports/http.py) take no token, and the
+# RPC's bound does not count their connections: before, 1,070 connections that each sent half a
+# request's head and stalled held 1,008 of a master's 1,024 descriptors, and no client nor node
+# could connect for as long as they stayed. A port holds this many at once (a monitoring
+# system's scrapes, a few at a time and a few ms each; past it a newcomer is closed as it
+# comes): well within the quarter of its open files a server keeps out of its connections'
+# share (256 of 1,024, connection.py authenticated_connections_max).
+HTTP_CONNECTIONS_MAX = 64
+# ... closes a connection whose first request's head has not all come this long after it
+# opened (a scraper sends it in one packet) ...
+HTTP_REQUEST_HEAD_TIMEOUT_MS = 5_000
+# ... and one idle between requests, or in the middle of a later request's head, this long
+# (aiohttp's keepalive_timeout, an hour by default; a scrape every 15 s opens a new one).
+HTTP_KEEPALIVE_TIMEOUT_MS = 5_000
 REGISTERED_BUFFERS_MAX = 65_536
 # Operations of one kind an engine adapter keeps for the engine's stats until the engine takes
 # them (vLLM does after every step: integrations/vllm_stats.py); past it they are not kept.
@@ -193,6 +207,7 @@ assert HEARTBEAT_INTERVAL_MS_DEFAULT * 3 <= NODE_TTL_MS_DEFAULT
 assert (HEARTBEAT_INTERVAL_MS_DEFAULT + FILESYSTEM_LOOK_WAIT_MS) * 3 <= NODE_TTL_MS_DEFAULT
 assert 0.0 < EVICT_RATIO_DEFAULT < EVICT_WATERMARK_RATIO_HIGH_DEFAULT <= 1.0
 assert CONNECTIONS_PER_PEER_DEFAULT <= CONNECTIONS_PER_PEER_MAX
+assert HTTP_CONNECTIONS_MAX <= 1_024 // 4  # within the quarter a server of 1,024 open files keeps
 # A batch of maximal keys, each with up to 64 bytes of what its request or reply adds (a size,
 # a code, a str header), fits one control message with a MiB to spare.
 assert BATCH_KEYS_MAX * (KEY_SIZE_BYTES_MAX + 64) <= FRAME_CONTROL_SIZE_BYTES_MAX - MIB

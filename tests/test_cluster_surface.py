@@ -567,6 +567,55 @@ def test_the_http_ports_listen_where_they_are_told(make_cluster):
             assert probe.connect_ex((address, port)) != 0  # not served there
 
 
+def test_http_connections_that_send_no_request_cannot_take_the_masters_descriptors(make_cluster):
+    """Connections to the master's HTTP port (no token) that each sent half a request's head and
+    stalled held every descriptor of the master: then no client could connect. A port now holds
+    HTTP_CONNECTIONS_MAX connections and closes those past them as they come, closes those with
+    no complete request within HTTP_REQUEST_HEAD_TIMEOUT_MS and idle ones after
+    HTTP_KEEPALIVE_TIMEOUT_MS: a client with the token is served throughout, and /health answers
+    once they are gone."""
+    import resource
+
+    cluster = make_cluster(1, "16MiB", token="secret")
+    resource.prlimit(cluster.master.pid, resource.RLIMIT_NOFILE, (200, 200))
+    health_url = f"http://127.0.0.1:{cluster.http_port}/health"
+    t0 = time.monotonic()
+    idle = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=5)  # keep-alive, then silent
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+    flood: list[socket.socket] = [idle]
+    try:
+        for _ in range(250):  # more than the master's descriptors
+            sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=5)
+            flood.append(sock)
+            with contextlib.suppress(OSError):  # refused already
+                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(ConnectionResetError):
+            assert flood[-1].recv(65536) == b""  # closed: the port holds as many as it may
+        with Store(cluster.master_endpoint, token="secret") as store:
+            store.put("served", b"x" * 1000)
+            assert store.get("served") == b"x" * 1000
+        with pytest.raises(OSError):  # closed (urllib: connection reset, or remote end closed)
+            urllib.request.urlopen(health_url, timeout=5)
+        while True:  # the stalled ones are closed, and the port serves again
+            try:
+                assert b'"status"' in urllib.request.urlopen(health_url, timeout=5).read()
+                break
+            except OSError:
+                assert time.monotonic() - t0 < limits.HTTP_REQUEST_HEAD_TIMEOUT_MS / 1000 + 5, "never answered"
+                time.sleep(0.2)
+        for sock in flood[: limits.HTTP_CONNECTIONS_MAX]:  # the idle one too
+            sock.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(65536) == b""
+    finally:
+        for sock in flood:
+            sock.close()
+    log_text = cluster.master.log_tail(100)
+    assert f"it holds {limits.HTTP_CONNECTIONS_MAX} connections, the most it may" in log_text, log_text
+    assert f"no complete request within {limits.HTTP_REQUEST_HEAD_TIMEOUT_MS} ms" in log_text, log_text
+
+
 def test_a_flood_of_connections_that_never_authenticate_holds_bounded_memory(make_cluster):
     """Connections that send part of a first frame and stall: the master held each one's
     buffers until its handshake timed out (2 s), 220-500 MB under a flood (helper-53). It now
