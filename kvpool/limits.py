@@ -50,6 +50,14 @@ REMOVE_STEP_KEYS = 16_384
 # frame is sent (one descriptor per file, shared by its items: DiskTier.open_range).
 DISK_ITEMS_PER_FRAME_MAX = BATCH_KEYS_MAX
 REPLICA_NUM_MAX = 8
+# Replicas one object may have: a put places at most REPLICA_NUM_MAX, write-through and
+# offloads add disk and DFS copies, and a master rebuilding from its nodes' inventories adopts
+# one copy per segment up to this (master/mounts.py adopt: the rest are refused, their nodes
+# drop them); what a reply lists per key (protocol/messages.py Replicas).
+REPLICAS_PER_OBJECT_MAX = 64
+# Segments a master mounts at once (a segment's index is 16 bits in a packed replica,
+# master/metadata.py): all a ClusterStatusReply lists.
+SEGMENTS_MAX = 1 << 16
 REGEX_SIZE_BYTES_MAX = 4 * KIB
 LIST_OBJECTS_MAX = 100_000
 # A listing ends (truncated) once its keys hold this many bytes: 100,000 long keys would not fit

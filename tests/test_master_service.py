@@ -25,6 +25,7 @@ from kvpool.master.allocator import footprint_bytes
 from kvpool.master.eviction import EVICT_SHORTFALL_BACKOFF_MS, EvictionPolicy, Verdict, make_policy
 from kvpool.master.service import MasterService, PendingCommit
 from kvpool.protocol import auth
+from kvpool.protocol.frames import FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
     ClusterStatus,
     DrainSegment,
@@ -748,6 +749,24 @@ def test_list_objects() -> None:
             svc.list_objects(ListObjects("", limit), 0)
     with pytest.raises(InvalidParams):
         svc.list_objects(ListObjects("[", 10), 0)
+
+
+def test_a_rebuild_adopts_no_more_copies_of_an_object_than_a_reply_lists() -> None:
+    """A restarted master adopts every copy its nodes report, one per segment: past
+    REPLICAS_PER_OBJECT_MAX (what a reply lists per key) a get of the key would break the
+    client's connection with a protocol error. The copies past it are refused (their nodes
+    drop them)."""
+    svc = make()
+    entry = InventoryEntry("k", 0, OBJECT_SIZE, checksum_of("k"))
+    for i in range(limits.REPLICAS_PER_OBJECT_MAX):
+        assert mount(svc, f"s{i}", inventory=[entry]) == []
+    assert mount(svc, "one-too-many", inventory=[entry]) == [entry]
+    reply = svc.get_replica_list(GetReplicaList(["k"]), 0)
+    assert len(reply.replicas[0]) == limits.REPLICAS_PER_OBJECT_MAX
+    decoder = FrameDecoder()  # and it is a reply a client takes
+    decoder.receive_data(encode_frame(reply, 1, is_reply=True))
+    assert len(decoder.next_event().message.replicas[0]) == limits.REPLICAS_PER_OBJECT_MAX
+    svc.check_invariants()
 
 
 def test_a_listing_of_long_keys_ends_within_one_reply_frame(monkeypatch) -> None:

@@ -46,6 +46,7 @@ SEGMENT_INDEX_BITS = 16
 # Segments mounted at the same time; an index is reused only after every replica on the
 # segment that held it is gone (membership.py), so a packed replica never points at a stranger.
 SEGMENT_COUNT_MAX = 1 << SEGMENT_INDEX_BITS
+assert SEGMENT_COUNT_MAX == limits.SEGMENTS_MAX  # what a reply may list
 _SEGMENT_INDEX_MASK = SEGMENT_COUNT_MAX - 1
 CHECKSUM_MAX = 2**64 - 1
 

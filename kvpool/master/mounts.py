@@ -133,6 +133,8 @@ class MountFlow:
                 if here is None:
                     if self._is_moving_into(key, segment):
                         rejected.append(entry)
+                    elif meta is not None and len(meta.replica_tuple()) >= limits.REPLICAS_PER_OBJECT_MAX:
+                        rejected.append(entry)  # copies enough: what a reply lists per key (messages.py)
                     else:
                         candidates.append(entry)
                 elif here != offset:

@@ -38,17 +38,12 @@ Batch = Annotated[list[T], msgspec.Meta(max_length=limits.BATCH_KEYS_MAX)]
 # took 1.7 GB. A list inside a list is bounded too, so that their product is. Each bound is
 # what a legitimate answer may hold (below, and at the replies' fields).
 #
-# Replicas of one object in a reply: a put places at most REPLICA_NUM_MAX, write-through and
-# offloads add disk and DFS copies, and a master rebuilding from its nodes' inventories adopts
-# every copy they hold (one per segment, uncapped: master/mounts.py adopt). A batch of keys
-# with this many each decodes in well under a second (tests/test_protocol_frames.py).
-REPLICAS_PER_OBJECT_MAX = 64
-Replicas = Annotated[list[T], msgspec.Meta(max_length=REPLICAS_PER_OBJECT_MAX)]
-# Segments a master mounts at once (master/metadata.py SEGMENT_COUNT_MAX, which the tests
-# check this equals): all a ClusterStatusReply lists, and more than a reply's segments name.
-SEGMENTS_MAX = 1 << 16
-Segments = Annotated[list[T], msgspec.Meta(max_length=SEGMENTS_MAX)]
-SegmentsById = Annotated[dict[str, T], msgspec.Meta(max_length=SEGMENTS_MAX)]
+# Replicas of one object in a reply (limits.REPLICAS_PER_OBJECT_MAX): a batch of keys with
+# this many each decodes in well under a second (tests/test_protocol_frames.py).
+Replicas = Annotated[list[T], msgspec.Meta(max_length=limits.REPLICAS_PER_OBJECT_MAX)]
+# All a ClusterStatusReply lists, and more than a reply's segments name.
+Segments = Annotated[list[T], msgspec.Meta(max_length=limits.SEGMENTS_MAX)]
+SegmentsById = Annotated[dict[str, T], msgspec.Meta(max_length=limits.SEGMENTS_MAX)]
 # A listing's keys (ListObjects.limit is at most this).
 Listing = Annotated[list[T], msgspec.Meta(max_length=limits.LIST_OBJECTS_MAX)]
 
