@@ -223,14 +223,13 @@ class CountReply(Message, tag=4):
 class AuthChallenge(Message, tag=5):
     """First frame from any server. `required` is False when the server has no cluster token;
     `local_name` is the server's same-host Unix socket (transports/connection.py), if any;
-    `local_host` and `local_pid` (appended) what a client checks before it moves there
-    (transports/same_host.py: "" and 0 from an older server, whose socket it does not take)."""
+    `local_host` (appended) where the server runs, which a client checks before it moves there
+    (transports/same_host.py: "" from an older server, whose socket it does not take)."""
 
     nonce: bytes
     required: bool
     local_name: str = ""
     local_host: str = ""
-    local_pid: int = 0
 
 
 class AuthResponse(Message, tag=6):

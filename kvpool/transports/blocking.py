@@ -122,7 +122,7 @@ class BlockingConnection:
         try:
             challenge = conn._challenge(deadline)
             if prefer_local and challenge.local_name and same_host.is_this_host(challenge.local_host):
-                local = conn._moved_to(challenge, deadline)
+                local = conn._moved_to(challenge.local_name, deadline)
                 if local is not None:
                     conn.close()
                     conn, challenge = local, local._challenge(deadline)
@@ -136,17 +136,13 @@ class BlockingConnection:
             raise
         return conn
 
-    def _moved_to(self, challenge: AuthChallenge, deadline: float) -> BlockingConnection | None:
-        """A connection to the server's Unix socket, or None (not reached, or another process
-        at the other end: transports/same_host.py)."""
+    def _moved_to(self, local_name: str, deadline: float) -> BlockingConnection | None:
+        """A connection to the server's Unix socket, or None (not reached)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(_remaining_s(deadline))
-            sock.connect(challenge.local_name)
+            sock.connect(local_name)
         except OSError:
-            sock.close()
-            return None
-        if not same_host.is_served_by(sock, challenge.local_pid):
             sock.close()
             return None
         return BlockingConnection(self.endpoint, sock, f"{self.endpoint} (same-host socket)")

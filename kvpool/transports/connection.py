@@ -13,9 +13,8 @@ Same host, a connection moves to a Unix-domain socket: every server also listens
 abstract-namespace Unix socket with a random name, announced in its first frame on TCP, and a
 client that asks for it (`connect(prefer_local=True)`) dials that name and keeps the TCP
 connection only if it cannot. The client dials it only when the server says it runs on the
-same kernel and in the same network namespace, and keeps it only when the process at the other
-end is the server's (transports/same_host.py: an abstract name is anyone's to bind); the
-handshake is the same. On this
+same kernel and in the same network namespace, where the server bound the name itself
+(transports/same_host.py: an abstract name is anyone's to bind); the handshake is the same. On this
 project's VM a loopback TCP send costs ~30 µs of the sender's CPU and a round trip ~135 µs,
 a Unix one ~4 µs and ~60 µs (`benchmarks/bench_core.py` records both), so the control
 traffic of a same-host master and node (put_start, put_end, commits) goes twice as fast.
@@ -191,10 +190,8 @@ class Connection(asyncio.BufferedProtocol):
     ) -> None:
         self.name = name
         # Server side: the Unix socket name announced to TCP clients. Client side: the name the
-        # server announced ("" when none, on a Unix connection, or not on this host), and the
-        # process the server said it is.
+        # server announced ("" when none, on a Unix connection, or not on this host).
         self.local_name = local_name
-        self.local_pid = 0
         self._registry = registry
         # A server's connections still in their handshake, oldest first (see _begin_handshake).
         self._handshaking = handshaking
@@ -391,7 +388,7 @@ class Connection(asyncio.BufferedProtocol):
             self._nonce_server = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
             challenge = AuthChallenge(
                 self._nonce_server, self._key is not None, self.local_name,
-                same_host.host_identity() if self.local_name else "", os.getpid(),
+                same_host.host_identity() if self.local_name else "",
             )  # fmt: skip
             self._write_now(encode_frame(challenge, 0))
 
@@ -908,7 +905,6 @@ class Connection(asyncio.BufferedProtocol):
                 response = self._handshake.answer(message)
                 # Dialled only where the server bound it itself (transports/same_host.py).
                 self.local_name = message.local_name if same_host.is_this_host(message.local_host) else ""
-                self.local_pid = message.local_pid
                 self._write_now(encode_frame(response, 0))
                 return
             if isinstance(message, AuthOk) and self._handshake is not None:
@@ -1210,8 +1206,6 @@ async def connect(
         local_socket.setblocking(False)
         async with asyncio.timeout(timeout_ms / 1000):  # not wait_for: see wait_ready
             await loop.sock_connect(local_socket, conn.local_name)
-        if not same_host.is_served_by(local_socket, conn.local_pid):
-            raise ConnectFailed(f"the same-host socket {conn.local_name[1:]!r} is not the server's process")
         local = await _open(loop.create_unix_connection(new_connection, sock=local_socket), endpoint, timeout_ms)
     except BaseException as exc:
         # Whatever went wrong, the transport (if one was made) is closed and has let go of

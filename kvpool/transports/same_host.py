@@ -7,18 +7,15 @@ name a client dialled on its own host could be anyone's, and a local user withou
 token could bind it, relay the real server's handshake, and keep the authenticated connection
 (a security review, 2026-12-07). So a client moves to the socket only when the server says it
 runs on the same kernel and in the same network namespace, where the server bound that name
-itself and nobody else can while it runs; and once connected, only when the peer's process
-(SO_PEERCRED) is the server's.
+itself and nobody else can while it runs (and a name learnt from a server that has died since
+leads to no server to relay to). The processes' pid namespaces do not matter: a master in a
+container with the host's network (docker --network host) and a client outside it still move.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import socket
-import struct
-
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 @functools.cache
@@ -37,13 +34,3 @@ def host_identity() -> str:
 def is_this_host(identity: str) -> bool:
     """Whether a server that announced `identity` runs on this kernel, in this network namespace."""
     return bool(identity) and identity == host_identity()
-
-
-def is_served_by(sock: socket.socket, pid: int) -> bool:
-    """Whether the process at the other end of the connected Unix socket `sock` is `pid` (as
-    this process's pid namespace sees it: a server in another one is not taken for its own)."""
-    try:
-        peer_pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    except OSError:
-        return False
-    return pid > 0 and peer_pid == pid
