@@ -494,6 +494,52 @@ def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_re
             side.shutdown()
 
 
+def test_saves_a_pool_does_not_take_give_their_blocks_back_rather_than_pin_vllms_cache(make_cluster):
+    """A pool that stops answering (master SIGSTOP: each put waits out its 5 s RPC bound, one
+    after another on the saver thread) kept every planned save's blocks pinned until vLLM's
+    KV cache was full, and the engine produced no token (a review, 2 s into the stall). Past
+    _SAVE_JOBS_WAITING_MAX jobs waiting, a worker gives a step's saves up at once (reported
+    done, not put: the scheduler unpins their blocks); and while the lookup breaker is open
+    (the master did not answer a lookup) the scheduler plans no save at all."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvpool.errors import RpcTimeout
+    from kvpool.integrations.vllm import _SAVE_JOBS_WAITING_MAX
+
+    cluster = make_cluster(1, "16MiB")
+    config = vllm_config(cluster.master_endpoint)
+    sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    sched.bind_gpu_block_pool(pool)
+    worker.register_kv_caches(paged_cache(seed=4))
+    entered, gate = threading.Event(), threading.Event()
+    held_put = worker._store.batch_put_from_multi_buffers
+
+    def stalled_put(*args):  # as a put to a master that does not answer
+        entered.set()
+        gate.wait(10)
+        return held_put(*args)
+
+    worker._store.batch_put_from_multi_buffers = stalled_put
+    try:
+        assert run_worker_step(worker, first_prefill(sched, "r-0", [0, 1, 2, 3])) == set()
+        assert entered.wait(10)  # job 0 on the saver thread, stalled
+        for index in range(1, _SAVE_JOBS_WAITING_MAX + 4):
+            assert run_worker_step(worker, first_prefill(sched, f"r-{index}", [0, 1, 2, 3])) == set()
+        reported = worker.build_connector_worker_meta()
+        given_up = list(range(_SAVE_JOBS_WAITING_MAX + 1, _SAVE_JOBS_WAITING_MAX + 4))
+        assert sorted(reported.saved) == given_up and sorted(reported.failed) == given_up, reported
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
+        assert len(sched._pinned) == _SAVE_JOBS_WAITING_MAX + 1  # the stalled one and those waiting
+        sched._breaker.record_failure(RpcTimeout("a lookup the master did not answer"))
+        assert first_prefill(sched, "r-breaker-open", [4, 5, 6, 7]).saves == []
+        assert [pool.blocks[b].ref_cnt for b in (4, 5, 6)] == [0, 0, 0]
+    finally:
+        gate.set()
+        worker.shutdown()
+        sched.shutdown()
+
+
 def test_a_reset_of_the_connectors_cache_removes_the_models_blocks_and_the_saves_in_flight(make_cluster):
     """vLLM resets the connector's cache with reset_prefix_cache(reset_connector=True), and
     by default on sleep and on a pause that clears caches, as around a weight update: blocks

@@ -85,6 +85,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import re
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,7 @@ from kvpool.integrations.namespace_removal import NamespaceRemovals
 from kvpool.integrations.vllm_events import SaveEvents
 from kvpool.integrations.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics, StatsRecorder
 from kvpool.protocol.messages import TIER_DRAM, QueryReply, Replica, SegmentInfo
+from kvpool.repeated_log import RepeatedLog
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,8 +116,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+_backed_up_log = RepeatedLog(log, logging.WARNING)
 
 _PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+# Save jobs a worker's saver thread may have waiting: past it a step's saves are given up at
+# once (reported done, not put), so that a pool that stops answering (each put waiting out its
+# RPC bound, one after another) does not keep pinning vLLM's blocks until its KV cache is full
+# and the engine stops producing tokens (a review: 0 tokens/s 2 s into a master SIGSTOP).
+_SAVE_JOBS_WAITING_MAX = 8
 # First blocks of prompts the scheduler last knew in the pool (may_load_async), at most: ~10 MB.
 _FIRST_BLOCKS_KNOWN_MAX = 65_536
 
@@ -281,6 +289,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         # since the last step's report (build_connector_worker_meta), each with the positions
         # of its blocks this worker did not put.
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None
+        self._saves_waiting = 0  # jobs submitted to the saver and not begun (_SAVE_JOBS_WAITING_MAX)
+        self._saves_waiting_lock = threading.Lock()
         self._saved: collections.deque[tuple[int, Sequence[int]]] = collections.deque()
 
     # --- keys ---------------------------------------------------------------------------------
@@ -567,9 +577,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         full = min(full, len(state.block_hashes), len(state.block_ids))
         if full > state.stored_block_count:
             first = state.stored_block_count
+            state.stored_block_count = full
+            if self._breaker.is_open():  # the master does not answer: no save, no block pinned for one
+                return
             hashes, block_ids = state.block_hashes[first:full], state.block_ids[first:full]
             meta.saves.append(BlockTransfer(req_id, hashes, block_ids, first_block=first))
-            state.stored_block_count = full
             if first == 0:
                 self._know_first_block(hashes[0], True)
 
@@ -844,11 +856,21 @@ class KVPoolConnector(KVConnectorBase_V1):
             elif not mine:
                 self._saved.append((save.job, ()))
             else:
+                with self._saves_waiting_lock:
+                    is_backed_up = self._saves_waiting >= _SAVE_JOBS_WAITING_MAX
+                    self._saves_waiting += not is_backed_up
+                if is_backed_up:  # the pool is slow or not answering: its blocks go back to vLLM now
+                    _backed_up_log.log("kvpool: %d save jobs wait already (the pool is slow or not answering): "
+                                       "not saving %d blocks", _SAVE_JOBS_WAITING_MAX, len(mine))  # fmt: skip
+                    self._saved.append((save.job, mine))
+                    continue
                 if self._saver is None:
                     self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
                 self._saver.submit(self._save_job, save, mine, meta.key_prefix)
 
     def _save_job(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
+        with self._saves_waiting_lock:
+            self._saves_waiting -= 1
         failed: Sequence[int] = mine
         try:
             failed = self._save(save, mine, key_prefix)
