@@ -872,6 +872,22 @@ def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_
         assert torch.equal(pool_b.kv_buffer[: 2 * PAGE_SIZE], pool_a.kv_buffer[: 2 * PAGE_SIZE])
 
 
+def test_a_page_another_instance_is_saving_counts_as_saved(make_cluster):
+    """Several instances saving one prompt (a shared system prompt) at once: all but the first
+    got REPLICA_IS_NOT_READY for its pages (another put of the key in flight), which counted
+    as failed: SGLang logged the pages failed and gave the rest of its backup up."""
+    cluster = make_cluster(1, "16MiB")
+    pool = MHAHostPool("page_first")
+    backend = create(storage_config(cluster.master_endpoint), pool)
+    try:
+        object_keys = backend._object_keys(["s0"])
+        other = backend._store._async  # another instance's put of the same objects, under way
+        backend._store._loop.run(other._put_start(object_keys, [[memoryview(b"x" * 64)]] * len(object_keys), None), 5_000)
+        assert backend.batch_set_v1(["s0"], host_indices([0])) == [True]
+    finally:
+        backend.close()
+
+
 def test_a_dead_master_fails_pages_without_raising(make_cluster):
     cluster = make_cluster(1, "16MiB")
     pool = MHAHostPool("page_first")

@@ -19,7 +19,7 @@ from typing import Any
 from kvpool import limits
 from kvpool.client.sync import Store
 from kvpool.config import parse_flag, parse_size, token_from
-from kvpool.errors import InvalidParams
+from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.integrations import breaker
 from kvpool.protocol.messages import ReplicateConfig
 
@@ -143,3 +143,10 @@ def without_ats(name: str) -> str:
     """A part of a key namespace (a model name, a cache prefix, a tag) with no '@', which ends
     each part: "team" + "m" and "team@m" would share their keys."""
     return name.replace("@", "-")
+
+
+# What a save's put answers for a block that is (or is being) stored: done; there already;
+# another put of it in flight (another instance saving the same prompt, REPLICA_IS_NOT_READY:
+# counted failed, three of four instances saving a shared system prompt reported every block
+# failed, and SGLang gave up the rest of its backup).
+SAVED_CODES = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.REPLICA_IS_NOT_READY)

@@ -55,15 +55,14 @@ from lmcache.v1.storage_backend.connector import (
 )
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvpool.errors import ErrorCode, KVPoolError
-from kvpool.integrations.engine_options import EngineOptions
+from kvpool.errors import KVPoolError
+from kvpool.integrations.engine_options import SAVED_CODES, EngineOptions
 from kvpool.integrations.host_memory import RefusedRegistrations
 
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "kvpool"
 URL_SCHEME = "plugin://"
-_PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
 
 
 class KVPoolConnectorAdapter(ConnectorAdapter):
@@ -315,7 +314,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         finally:
             for address in registered:
                 self._refused.unregister(address)  # retried if refused; the chunk is LMCache's
-        failed = sum(code not in _PUT_OK for code in codes)
+        failed = sum(code not in SAVED_CODES for code in codes)
         if failed:
             log.warning("kvpool put: %d of %d chunks failed", failed, len(codes))
         return codes

@@ -68,8 +68,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
-from kvpool.integrations.engine_options import EngineOptions, without_ats
+from kvpool.errors import InvalidParams, KVPoolError
+from kvpool.integrations.engine_options import SAVED_CODES, EngineOptions, without_ats
 from kvpool.integrations.host_memory import RefusedRegistrations, covering_ranges, register_tensors
 from kvpool.integrations.namespace_removal import NamespaceRemovals
 
@@ -77,7 +77,6 @@ log = logging.getLogger(__name__)
 
 # A stats window bigger than this is dropped from the front: get_stats() may never be called.
 STATS_SAMPLES_MAX = 10_000
-_PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
 # What SGLang 0.5.23 itself reads from the extra config it hands the backend (the dynamic
 # backend's, cache_controller.py, hybrid_cache_controller.py): not kvpool's, and no typo.
 _SGLANG_KEYS = (
@@ -369,7 +368,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                 codes = self._store.batch_put_from_multi_buffers(
                     object_keys, addresses, sizes, self._replicate
                 )
-                ok = [code in _PUT_OK for code in codes]
+                ok = [code in SAVED_CODES for code in codes]
             else:
                 read = self._store.batch_get_into_multi_buffers(object_keys, addresses, sizes)
                 ok = [n == sum(s) for n, s in zip(read, sizes)]
@@ -506,7 +505,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         try:
             if is_set:
                 codes = self._store.batch_put_from_multi_buffers(object_keys, addresses, sizes, self._replicate)
-                ok = [code in _PUT_OK for code in codes]
+                ok = [code in SAVED_CODES for code in codes]
             else:
                 read = self._store.batch_get_into_multi_buffers(object_keys, addresses, sizes)
                 ok = [n == sum(s) for n, s in zip(read, sizes)]
@@ -606,7 +605,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             moving = [object_keys[page * per_page + part] for page in pages for part in range(per_page)]
             if moving and is_set:
                 codes = self._store.batch_put_from_multi_buffers(moving, addresses, sizes, self._replicate)
-                ok = [code in _PUT_OK for code in codes]
+                ok = [code in SAVED_CODES for code in codes]
             elif moving:
                 read = self._store.batch_get_into_multi_buffers(moving, addresses, sizes)
                 ok = [n == sum(s) for n, s in zip(read, sizes)]

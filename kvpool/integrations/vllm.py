@@ -99,7 +99,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool import limits
 from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
-from kvpool.integrations.engine_options import EngineOptions, without_ats
+from kvpool.integrations.engine_options import SAVED_CODES, EngineOptions, without_ats
 from kvpool.integrations.host_memory import register_tensors
 from kvpool.integrations.namespace_removal import NamespaceRemovals
 from kvpool.integrations.vllm_events import SaveEvents
@@ -118,7 +118,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _backed_up_log = RepeatedLog(log, logging.WARNING)
 
-_PUT_OK = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
 # Save jobs a worker's saver thread may have waiting: past it a step's saves are given up at
 # once (reported done, not put), so that a pool that stops answering (each put waiting out its
 # RPC bound, one after another) does not keep pinning vLLM's blocks until its KV cache is full
@@ -891,13 +890,13 @@ class KVPoolConnector(KVConnectorBase_V1):
                 codes = self._store.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate)
                 # (a block already in the pool moved no bytes, and did not fail)
                 outcome.size_bytes = sum(sum(parts) for code, parts in zip(codes, sizes) if code == ErrorCode.OK)
-                outcome.failed_keys = failed = sum(code not in _PUT_OK for code in codes)
+                outcome.failed_keys = failed = sum(code not in SAVED_CODES for code in codes)
         except KVPoolError as exc:
             log.warning("kvpool save of %s failed: %s", save.request_id, exc)
             return mine
         if failed:
             log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
-        return [i for i, code in zip(mine, codes) if code not in _PUT_OK]
+        return [i for i, code in zip(mine, codes) if code not in SAVED_CODES]
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
         """The save jobs this worker finished since the last step (each once), and the
