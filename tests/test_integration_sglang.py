@@ -882,7 +882,8 @@ def test_a_page_another_instance_is_saving_counts_as_saved(make_cluster):
     try:
         object_keys = backend._object_keys(["s0"])
         other = backend._store._async  # another instance's put of the same objects, under way
-        backend._store._loop.run(other._put_start(object_keys, [[memoryview(b"x" * 64)]] * len(object_keys), None), 5_000)
+        in_flight = other._put_start(object_keys, [[memoryview(b"x" * 64)]] * len(object_keys), None)
+        backend._store._loop.run(in_flight, 5_000)
         assert backend.batch_set_v1(["s0"], host_indices([0])) == [True]
     finally:
         backend.close()

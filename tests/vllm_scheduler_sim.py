@@ -64,7 +64,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvpool.cli.launcher import LocalCluster  # noqa: E402
-from kvpool.integrations.vllm import _PUT_OK  # noqa: E402
+from kvpool.integrations.engine_options import SAVED_CODES  # noqa: E402
 
 # A tiny Llama's config: vLLM reads the architecture and sizes from it; no weights are loaded
 # (vLLM's model registry imports the model's module, which needs einops).
@@ -232,7 +232,7 @@ class Instance:
             inst._check_save(keys, addresses)
             codes = orig_put(keys, addresses, sizes, *a, **k)
             inst.stats.saves_blocks += len(keys)
-            inst.stats.saves_ok += sum(1 for c in codes if c in _PUT_OK)
+            inst.stats.saves_ok += sum(1 for c in codes if c in SAVED_CODES)
             return codes
 
         def get(keys, addresses, sizes, *a, **k):

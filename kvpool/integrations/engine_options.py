@@ -145,8 +145,9 @@ def without_ats(name: str) -> str:
     return name.replace("@", "-")
 
 
-# What a save's put answers for a block that is (or is being) stored: done; there already;
-# another put of it in flight (another instance saving the same prompt, REPLICA_IS_NOT_READY:
-# counted failed, three of four instances saving a shared system prompt reported every block
-# failed, and SGLang gave up the rest of its backup).
-SAVED_CODES = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.REPLICA_IS_NOT_READY)
+# What a save's put answers for a block the pool holds now: done, or there already.
+STORED_CODES = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+# ... or will hold, not a failure: another put of it in flight (another instance saving the
+# same prompt, REPLICA_IS_NOT_READY: counted failed, three of four instances saving a shared
+# system prompt reported every block failed, and SGLang gave up the rest of its backup).
+SAVED_CODES = (*STORED_CODES, ErrorCode.REPLICA_IS_NOT_READY)

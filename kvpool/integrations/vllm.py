@@ -99,7 +99,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool import limits
 from kvpool.config import parse_flag
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
-from kvpool.integrations.engine_options import SAVED_CODES, EngineOptions, without_ats
+from kvpool.integrations.engine_options import SAVED_CODES, STORED_CODES, EngineOptions, without_ats
 from kvpool.integrations.host_memory import register_tensors
 from kvpool.integrations.namespace_removal import NamespaceRemovals
 from kvpool.integrations.vllm_events import SaveEvents
@@ -896,7 +896,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             return mine
         if failed:
             log.info("kvpool save of %s: %d of %d blocks failed", save.request_id, failed, len(codes))
-        return [i for i, code in zip(mine, codes) if code not in SAVED_CODES]
+        # Not put by this rank: failed, or another writer's put still in flight (not failed, but
+        # the pool may not hold the block yet: KV events announce it only once it does).
+        return [i for i, code in zip(mine, codes) if code not in STORED_CODES]
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
         """The save jobs this worker finished since the last step (each once), and the
