@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import struct
+import threading
 import time
 
 import pytest
@@ -277,3 +278,32 @@ def test_a_bad_kvpool_value_is_logged_and_lmcache_starts_without_the_pool():
         assert backend.batched_contains([key(1)]) == 0
     finally:
         loop.close()
+
+
+def test_lookups_and_reads_do_not_wait_behind_puts_the_pool_is_slow_to_take(make_cluster):
+    """Puts waiting on a master or node that stopped answering filled the loop's default
+    executor (6 threads here), and LMCache's lookups and reads queued behind them: 30 s for
+    a lookup of a 1 s bound, 5.5 s for a read from a healthy node. Puts have threads of their
+    own now."""
+    cluster = make_cluster(1, "16MiB")
+    instance = Instance(cluster.master_endpoint, True)
+    gate = threading.Event()
+    store = instance.conn._connector._store  # LMCache wraps the plugin (InstrumentedRemoteConnector)
+    put = store.batch_put_from_multi_buffers
+    store.batch_put_from_multi_buffers = lambda *args: gate.wait(30) and put(*args)
+    try:
+        stored = [key(h) for h in (21, 22)]
+
+        async def main() -> None:
+            puts = [asyncio.ensure_future(instance.conn.put(key(100 + i), instance.chunk(i))) for i in range(12)]
+            await asyncio.sleep(0.2)  # every put begun, held
+            assert await asyncio.wait_for(instance.conn.batched_async_contains("l-1", stored), 5) == 0
+            assert await asyncio.wait_for(instance.conn.batched_get(stored), 5) == [None, None]
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(*puts), 30)
+
+        instance.run(main())
+        assert instance.conn.batched_contains([key(100 + i) for i in range(12)]) == 12
+    finally:
+        gate.set()
+        instance.close()

@@ -29,8 +29,10 @@ Mooncake connector stores it, so partial chunks read back with their shapes; wit
 the bytes, read straight into a buffer from LMCache's local CPU backend. Writes gather the
 header and the chunk with the multi-buffer API (no concatenation copy).
 
-The Store is synchronous and bounded; every call runs in a worker thread (`asyncio.to_thread`)
-so LMCache's event loop never blocks. Operating errors become misses (None, False, 0) and
+The Store is synchronous and bounded; every call runs in a worker thread so LMCache's event
+loop never blocks: puts on threads of their own (PUT_THREADS), the rest on the loop's default
+executor, where puts queued behind a master or node that stopped answering had lookups and
+reads wait 30 s. Operating errors become misses (None, False, 0) and
 logged failed puts, never exceptions into LMCache. Lookups (`batched_contains`, `exists`) wait
 lookup_timeout_ms at most: LMCache asks them inside vLLM's scheduler step, with no timeout of
 its own around the synchronous ones, and after one could not reach the master the next ones
@@ -41,6 +43,7 @@ used without LMCache.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import struct
 from collections.abc import Sequence
@@ -61,6 +64,8 @@ from kvpool.integrations.host_memory import RefusedRegistrations
 
 log = logging.getLogger(__name__)
 
+# Threads of a connector's puts (its writes of chunks): apart from LMCache's lookups and reads.
+PUT_THREADS = 2
 PLUGIN_TYPE = "kvpool"
 URL_SCHEME = "plugin://"
 
@@ -99,6 +104,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._lookup_hold_ms = options.lookup_hold_ms
         self._lookup_timeout_ms = options.lookup_timeout_ms
         self._breaker = options.lookup_breaker("LMCache's lookups")
+        self._putter = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="kvpool-lmcache-put")
         # Chunks whose registration the Store refused to drop (a cancelled get's disk read
         # still writes into them): given back to LMCache once it lets them go.
         self._refused = RefusedRegistrations(self._store)
@@ -278,7 +284,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         return True
 
     async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
-        await asyncio.to_thread(self._put_objects, keys, memory_objs)
+        await asyncio.get_running_loop().run_in_executor(self._putter, self._put_objects, keys, memory_objs)
 
     def _put_objects(self, keys: Sequence[Any], memory_objs: Sequence[Any]) -> list[int]:
         """Store each chunk (header + bytes, or bytes), gathered without a copy. Returns the
@@ -348,6 +354,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         return 0
 
     async def close(self) -> None:
+        self._putter.shutdown(wait=False, cancel_futures=True)  # a put waiting on the pool ends with the store
         await asyncio.to_thread(self._store.close)
 
 
