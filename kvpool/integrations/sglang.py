@@ -68,7 +68,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvpool.errors import InvalidParams, KVPoolError
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import SAVED_CODES, EngineOptions, without_ats
 from kvpool.integrations.host_memory import RefusedRegistrations, covering_ranges, register_tensors
 from kvpool.integrations.namespace_removal import NamespaceRemovals
@@ -424,7 +424,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return PoolTransferResult(kv_pages, hits, restorable)
         try:
             object_keys = [self._sidecar_keys(t.name, keys[:kv_pages]) for t in transfers]
-            found = iter(self._store.batch_exists([k for ks in object_keys for k in ks]))
+            # Bounded as the KV lookup before it (it cost the prefetch thread the RPC timeout, 5 s).
+            queried = self._store.query([k for ks in object_keys for k in ks], timeout_ms=self._lookup_timeout_ms)
+            found = iter([code == ErrorCode.OK for code in queried.codes])
         except KVPoolError as exc:
             if not self._breaker.record_failure(exc):
                 log.warning("kvpool batch_exists_v2 failed, reporting a miss: %s", exc)
