@@ -255,3 +255,15 @@ def test_a_replay_whose_stdout_fails_still_writes_its_results(tmp_path: Path) ->
     for out in ("full", "pipe"):
         assert json.loads((tmp_path / out / "replay.json").read_text())["results"], out
         assert (tmp_path / out / "replay.md").is_file() and (tmp_path / out / "replay.png").is_file()
+
+
+def test_a_trace_named_by_the_environment_must_be_there(monkeypatch, tmp_path: Path) -> None:
+    """KVPOOL_TRACE naming no file fell back to the shipped trace without a word (the demo's
+    replay then named another trace than the one asked for)."""
+    from kvpool.cli.replay import TRACE_ENV, find_trace
+
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "typo.jsonl"))
+    with pytest.raises(InvalidParams, match="no such file"):
+        find_trace()
+    (tmp_path / "typo.jsonl").write_text("")
+    assert find_trace() == tmp_path / "typo.jsonl"

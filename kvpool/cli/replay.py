@@ -416,6 +416,9 @@ def find_trace() -> Path | None:
         str(repo.parent / "shared" / "data" / "synthetic_trace.jsonl"),
         str(repo / "data" / "synthetic_trace.jsonl"),
     ]
+    named = os.environ.get(TRACE_ENV, "")
+    if named and not Path(named).is_file():  # a typo fell back to the shipped trace without a word
+        raise InvalidParams(f"{TRACE_ENV}={named}: no such file")
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
@@ -437,6 +440,8 @@ def run_demo_replay(console: Console) -> None:
         console.print(f"[dim]trace replay skipped: no trace found (set {TRACE_ENV}=.../synthetic_trace.jsonl)[/dim]")
         return
     requests = load_trace(trace)[-DEMO_REQUESTS:]
+    if not requests:
+        raise InvalidParams(f"{trace}: no requests in the trace")
     origin = requests[0].timestamp
     requests = [msgspec.structs.replace(r, timestamp=r.timestamp - origin) for r in requests]
     tokens = report.human_tokens(DEMO_CAPACITY_BLOCKS * BLOCK_TOKENS)
@@ -457,5 +462,9 @@ def run_demo_replay(console: Console) -> None:
             f"{result.lookup_load_ms_p50:.2f} ms",
         )  # fmt: skip
     console.print(table)
-    gain = pooled.block_hit_rate / local.block_hit_rate if local.block_hit_rate else float("inf")
-    console.print(f"[green]pooling the same memory: {gain:.1f}x the hit rate of local caches[/green]")
+    if local.block_hit_rate:
+        gain = pooled.block_hit_rate / local.block_hit_rate
+        console.print(f"[green]pooling the same memory: {gain:.1f}x the hit rate of local caches[/green]")
+    else:  # "infx": a trace whose tail reuses nothing locally
+        rate = f"{pooled.block_hit_rate:.3f}"
+        console.print(f"[green]pooling the same memory: a hit rate of {rate} against none in local caches[/green]")
