@@ -75,7 +75,8 @@ def test_sighup_to_the_demo_and_its_processes_leaves_nothing(tmp_path: Path) -> 
     args = ["demo", "--nodes", "2", "--objects", "4", "--object-size", "64KiB", "--memory", "4MiB"]
     command = Command(args, tmp_path, {"KVPOOL_TRACE": str(TRACE)})
     try:
-        command.wait_for(lambda: has_ready("node2.ready")(tmp_path))
+        # Both nodes (they start side by side: the second may be ready before the first).
+        command.wait_for(lambda: has_ready("node1.ready")(tmp_path) and has_ready("node2.ready")(tmp_path))
         assert len(command.children) == 3 and len(command.segments) == 2  # a master and two nodes
         for pid in (command.popen.pid, *command.children):  # the terminal's process group
             os.kill(pid, signal.SIGHUP)
