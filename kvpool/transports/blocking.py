@@ -304,11 +304,17 @@ class BlockingConnection:
             raise RpcFailed(f"{self.peer} closed the connection")
         decoder.buffer_updated(received)
         while (frame := self._next_event()) is not NEED_DATA:
-            if not isinstance(frame, Frame) or not frame.is_reply or frame.payload_size:
-                raise RpcFailed(f"{self.peer} sent an unexpected frame while requests went out")
-            if frame.request_id not in self._unanswered or frame.request_id in self._early:
-                raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
+            if not isinstance(frame, Frame):
+                raise RpcFailed(f"{self.peer} sent an unexpected {type(frame).__name__} while requests went out")
+            self._check_awaited(frame)
             self._early[frame.request_id] = frame
+
+    def _check_awaited(self, frame: Frame) -> None:
+        """Raises RpcFailed: `frame` is no payload-less reply to a request of `send` that has
+        none yet."""
+        unexpected = frame.request_id not in self._unanswered or frame.request_id in self._early
+        if not frame.is_reply or unexpected or frame.payload_size:
+            raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
 
     def send_payload(
         self, message: Message, payload: Sequence[memoryview], landing: int | None, deadline: float
@@ -419,9 +425,7 @@ class BlockingConnection:
             frame = self._early.pop(request_id, None)
             while frame is None:
                 frame = self._receive(deadline)
-                unexpected = frame.request_id not in self._unanswered or frame.request_id in self._early
-                if not frame.is_reply or unexpected or frame.payload_size:
-                    raise RpcFailed(f"{self.peer} sent an unexpected frame for request {frame.request_id}")
+                self._check_awaited(frame)
                 if frame.request_id != request_id:
                     self._early[frame.request_id], frame = frame, None
         except _CUT_SHORT:
