@@ -12,7 +12,7 @@ Between two processes (this client and a node process; the master is a third):
 Prints JSON: medians of --repeats rounds; every round measures the machine's limit next to the
 put and the get, and the ratios the targets are stated in are medians of per-round ratios.
 
-    python benchmarks/bench_core.py [--repeats 5] [--quick] [--busy-poll-us 200]
+    python benchmarks/bench_core.py [--repeats 5] [--quick] [--busy-poll-us 200] [--token T]
 """
 
 from __future__ import annotations
@@ -219,13 +219,15 @@ def small_objects(store: Store, repeats: int, threads: int, batch_count: int = 4
 FULL_CACHE_MEMORY = 64 * MIB
 
 
-def small_puts_into_a_full_cache(repeats: int, polling: tuple[str, str], memory: int = FULL_CACHE_MEMORY) -> dict:
+def small_puts_into_a_full_cache(
+    repeats: int, polling: tuple[str, str], memory: int = FULL_CACHE_MEMORY, token: str | None = None
+) -> dict:
     """4 KiB puts in batches of 128 from one thread into a node of `memory` that was filled
     twice over first: each put finds no room until eviction makes it. Every put must be
     stored."""
     batches_per_round = 48 * memory // FULL_CACHE_MEMORY
     value = os.urandom(4096)
-    with LocalCluster(1, f"{memory // MIB}MiB", master_args=polling, node_args=polling) as cluster:
+    with LocalCluster(1, f"{memory // MIB}MiB", master_args=polling, node_args=polling, token=token) as cluster:
         with Store(cluster.master_endpoint, token=cluster.client_token) as store:
             next_batch = 0
 
@@ -280,16 +282,23 @@ def main() -> None:
         "--busy-poll-us", type=int, default=limits.BUSY_POLL_US_DEFAULT,
         help="the master's and node's polling window after replies (0: off; docs/performance.md)",
     )  # fmt: skip
+    parser.add_argument(
+        "--token", default="",
+        help="run the cluster with this cluster token, as a deployment does (every frame after a handshake "
+        "carries its MAC); default none (loopback only)",
+    )  # fmt: skip
     args = parser.parse_args()
     total = (64 if args.quick else 256) * MIB
     result: dict = {"machine": {"cpus": os.cpu_count()}, "total_bytes_per_run": total}
     result["busy_poll_us"] = args.busy_poll_us
+    result["token"] = bool(args.token)
     baseline_socket = median_of(args.repeats, lambda: socket_pair_gbps(total))
     result["socket_pair_gbps"] = round(baseline_socket, 3)
     result["loopback_rtt_us_p50"] = round(round_trip_us(socket.AF_INET), 1)
     result["unix_socket_rtt_us_p50"] = round(round_trip_us(socket.AF_UNIX), 1)
     polling = ("--busy-poll-us", str(args.busy_poll_us))
-    with LocalCluster(1, f"{2 * total // MIB + 64}MiB", master_args=polling, node_args=polling) as cluster:
+    token = args.token or None
+    with LocalCluster(1, f"{2 * total // MIB + 64}MiB", master_args=polling, node_args=polling, token=token) as cluster:
         for path, shm_enabled in (("tcp", False), ("shm", True)):
             with Store(cluster.master_endpoint, token=cluster.client_token, shm_enabled=shm_enabled) as store:
                 for size in (MIB, 4 * MIB):
@@ -331,7 +340,7 @@ def main() -> None:
     # under the tests' invariant checks (O(objects) after every request) takes seconds.
     full_cache_memory = FULL_CACHE_MEMORY // 4 if args.quick else FULL_CACHE_MEMORY
     result["small_4KiB_batch128_shm_1_thread_full_cache"] = small_puts_into_a_full_cache(
-        args.repeats, polling, full_cache_memory
+        args.repeats, polling, full_cache_memory, token
     )
     json.dump(result, sys.stdout, indent=2)
     print()

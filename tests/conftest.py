@@ -7,6 +7,7 @@ import compileall
 import contextlib
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -17,8 +18,9 @@ from pathlib import Path
 import pytest
 
 import kvpool
+from kvpool import limits
 from kvpool.cli.launcher import DEPLOYMENT_VARIABLES, LocalCluster
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
+from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame
 from kvpool.protocol.messages import AuthChallenge, AuthOk
 
 # Masters started by tests check every structure after every request (STYLE.md).
@@ -190,3 +192,18 @@ def pytest_unconfigure(config) -> None:
     characters, and a failure's message (a log tail, a diff) can fill them."""
     if _failed_tests:
         print("\nfailed:", *_failed_tests, sep="\n  ")
+
+
+def sealed_by_hand(seal: FrameSeal | None, frame: bytes) -> bytes:
+    """A frame built by hand (a header and control message, then any payload) as the next
+    frame of a connection sealed with `seal` (protocol/frames.py FrameSeal): its tag after its
+    control message. Unchanged without a seal. For raw peers that must get past the tag check
+    to test what comes after it."""
+    if seal is None:
+        return frame
+    header = struct.Struct(limits.FRAME_HEADER_FMT)
+    magic, version, flags, request_id, control_size, payload_size = header.unpack_from(frame)
+    end = header.size + control_size
+    head = header.pack(magic, version, flags | FLAG_SEALED, request_id, control_size + limits.FRAME_TAG_SIZE_BYTES,
+                       payload_size) + frame[header.size : end]  # fmt: skip
+    return head + seal.tag(head) + frame[end:]

@@ -59,6 +59,8 @@ RPC_TIMEOUT_MS, CONNECT_TIMEOUT_MS, TRANSFER_TIMEOUT_MS = 4_000, 1_000, 2_000
 CALL_BOUND_MS = TRANSFER_TIMEOUT_MS + 3 * RPC_TIMEOUT_MS  # sync Store's bound on one call
 NODE_TTL_MS, LEASE_TTL_MS, PUT_DISCARD_MS, PUT_RELEASE_MS = 2_000, 3_000, 3_000, 4_000
 REMOVE_DROPS_WAIT_MS = 1_000  # a remove answers once its drops are acknowledged, or after this (master/server.py)
+# As a deployment runs: with a cluster token, so every frame after a handshake is sealed.
+TOKEN = "history-token"
 MASTER_ARGS = (
     "--node-ttl-ms", str(NODE_TTL_MS), "--lease-ttl-ms", str(LEASE_TTL_MS),
     "--put-discard-timeout-ms", str(PUT_DISCARD_MS), "--put-release-timeout-ms", str(PUT_RELEASE_MS),
@@ -259,8 +261,8 @@ class HistoryRun:
         master_args = MASTER_ARGS
         if self.dfs_dir is not None:
             master_args += ("--dfs-dir", str(self.dfs_dir), "--promote-reads", str(promote_reads))
-        self.cluster = LocalCluster(0, memory, master_args=master_args, workdir=out_dir / "cluster")
-        (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
+        (out_dir / "cluster").mkdir(parents=True, exist_ok=True)  # before the cluster writes its token there
+        self.cluster = LocalCluster(0, memory, master_args=master_args, workdir=out_dir / "cluster", token=TOKEN)
         self.node_count = nodes
         self.disk = disk
         self.node_extra: dict[int, tuple[str, ...]] = {}  # node slot -> its own flags (a disk tier)
@@ -308,7 +310,7 @@ class HistoryRun:
         if self.dfs_dir is not None:
             command += ["--dfs-dir", str(self.dfs_dir)]
         command += ["--key-space", str(self.key_space)]
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), KVPOOL_TOKEN=TOKEN)
         with open(self.out_dir / f"client-{writer}.log", "ab") as log:
             popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.clients.append(Client(popen, writer, client))
@@ -394,7 +396,7 @@ class HistoryRun:
         path = self.out_dir / "ops-0.jsonl"
         try:
             with Store(self.cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS,
-                       dfs_dir=str(self.dfs_dir)) as store:  # fmt: skip
+                       dfs_dir=str(self.dfs_dir), token=TOKEN) as store:  # fmt: skip
                 if tier != "dfs":
                     wait_mounted(store, tier, NODE_TTL_MS / 1000 + 5)
                 dfs = {s.segment.segment_id for s in store.cluster_status().segments if s.segment.tier == "dfs"}
@@ -547,7 +549,8 @@ def _state_now(cluster, slots: list, tier_dirs: dict[str, str] | None, key_space
     keys = all_keys(key_space)
     dfs_dir = next((d for d in (tier_dirs or {}).values() if tier_of(d) == "dfs"), "")
     exists, got, prefixes = [], [], []
-    with Store(cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS, dfs_dir=dfs_dir) as store:
+    with Store(cluster.master_endpoint, shm_enabled=False, rpc_timeout_ms=RPC_TIMEOUT_MS, dfs_dir=dfs_dir,
+               token=TOKEN) as store:  # fmt: skip
         if reads:
             exists = store.batch_exists(keys)
             got = [None if d is None else attribution(k, d) for k, d in zip(keys, store.get_batch(keys))]

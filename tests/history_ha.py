@@ -39,6 +39,7 @@ from tests.history_check import (
     CONNECT_TIMEOUT_MS,
     NEVER,
     RPC_TIMEOUT_MS,
+    TOKEN,
     TRANSFER_TIMEOUT_MS,
     Evidence,
     History,
@@ -92,7 +93,7 @@ class HAHistoryRun(HistoryRun):
         self.cluster = EtcdCluster(0, self.cluster.memory, master_args=(*self.cluster.master_args, *HA_ARGS),
                                    workdir=self.out_dir / "cluster",
                                    etcd_endpoint=self.etcd.endpoint, cluster_id=f"history-{self.seed}",
-                                   master_count=self.masters)  # fmt: skip
+                                   master_count=self.masters, token=TOKEN)  # fmt: skip
         super().start()
         self._back(time.monotonic())
 

@@ -28,7 +28,7 @@ import aiohttp
 import msgspec
 import pytest
 import xxhash
-from conftest import python_child, segment_owner
+from conftest import python_child, sealed_by_hand, segment_owner
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import limits
@@ -46,7 +46,7 @@ from kvpool.node.clock import CLOCK_OFFSET_SAMPLES_MAX, MasterClock, wall_clock_
 from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.server import Node, NodeState
 from kvpool.protocol import auth
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, encode_frame
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame
 from kvpool.protocol.messages import (
     AuthChallenge,
     AuthResponse,
@@ -229,22 +229,41 @@ async def put(
 # --- raw sockets for malformed input ------------------------------------------------------------
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    decoder = FrameDecoder()
+async def read_frame(reader: asyncio.StreamReader, decoder: FrameDecoder | None = None) -> Frame:
+    """The next frame (of a handshake when no `decoder` carries the connection's state)."""
+    decoder = decoder or FrameDecoder()
     while True:
         event = decoder.next_event()
         if event is not NEED_DATA:
             assert isinstance(event, Frame)
             return event
         data = await asyncio.wait_for(reader.read(4096), 2)
-        assert data, "connection closed during the handshake"
+        assert data, "connection closed"
         decoder.receive_data(data)
 
 
-async def raw_connect(
-    endpoint: str, key: bytes | None = KEY
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A raw socket past the handshake, ready to send anything."""
+class RawPeer:
+    """A raw connection past the handshake, ready to send anything: `frame` and `sealed` make
+    a frame this connection's next (its tag, with a key), `read_frame` reads the replies."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seals) -> None:
+        self.reader, self.writer = reader, writer
+        self._seal, incoming = seals or (None, None)
+        self._decoder = FrameDecoder()
+        if incoming is not None:
+            self._decoder.expect_seal(incoming)
+
+    def frame(self, message, request_id: int, **options) -> bytes:
+        return encode_frame(message, request_id, seal=self._seal, **options)
+
+    def sealed(self, frame: bytes) -> bytes:
+        return sealed_by_hand(self._seal, frame)
+
+    async def read_frame(self) -> Frame:
+        return await read_frame(self.reader, self._decoder)
+
+
+async def raw_connect(endpoint: str, key: bytes | None = KEY) -> RawPeer:
     host, port = endpoint.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     challenge = (await read_frame(reader)).message
@@ -253,7 +272,7 @@ async def raw_connect(
     mac = auth.client_proof(key, challenge.nonce, nonce) if key else b""
     writer.write(encode_frame(AuthResponse(nonce, mac), 0))
     await read_frame(reader)  # AuthOk
-    return reader, writer
+    return RawPeer(reader, writer, key and auth.frame_seals(key, challenge.nonce, nonce, is_server=False))
 
 
 async def is_closed_by_peer(reader: asyncio.StreamReader, timeout_s: float = 3.0) -> bool:
@@ -516,38 +535,41 @@ def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
             await put(master, node, good, "stored", 0, stored)
             sid = node.segment_id
             free_grant = grant_for(node, 8192, 100)
-            write_msg = encode_frame(WriteSlices([WriteItem(free_grant, 0, 100)]), 3, payload_size=50)
             body = msgspec.msgpack.encode([99, "what"])  # an unknown message tag
-            attacks: dict[str, bytes] = {
-                "random bytes": os.urandom(4096),
-                "bad magic": header(0, magic=0x1234),
-                "bad version": header(0, version=99),
-                "unknown flags": header(0, flags=0x80),
-                "huge control size": header(limits.FRAME_CONTROL_SIZE_BYTES_MAX + 1),
-                "huge payload size": header(10, limits.FRAME_PAYLOAD_SIZE_BYTES_MAX + 1),
-                "undecodable control": header(5) + b"\xc1" * 5,
-                "unknown message tag": header(len(body)) + body,
-                "reply flag on a request": encode_frame(ReadSlices([]), 3)[:2] + b"\x01\x01"
-                + encode_frame(ReadSlices([]), 3)[4:],
-                "second handshake": encode_frame(AuthResponse(b"x", b"y"), 0),
+            # Each attack is its connection's next frame, sealed where it must get past the tag.
+            attacks: dict[str, Callable[[RawPeer], bytes]] = {
+                "random bytes": lambda peer: os.urandom(4096),
+                "bad magic": lambda peer: header(0, magic=0x1234),
+                "bad version": lambda peer: header(0, version=99),
+                "unknown flags": lambda peer: header(0, flags=0x80),
+                "huge control size": lambda peer: header(limits.FRAME_CONTROL_SIZE_BYTES_MAX + 1),
+                "huge payload size": lambda peer: header(10, limits.FRAME_PAYLOAD_SIZE_BYTES_MAX + 1),
+                "no tag": lambda peer: encode_frame(ReadSlices([]), 3),
+                "a tag of another key": lambda peer: encode_frame(ReadSlices([]), 3, seal=FrameSeal(os.urandom(32))),
+                "undecodable control": lambda peer: peer.sealed(header(5) + b"\xc1" * 5),
+                "unknown message tag": lambda peer: peer.sealed(header(len(body)) + body),
+                "reply flag on a request": lambda peer: peer.sealed(
+                    encode_frame(ReadSlices([]), 3)[:2] + b"\x01\x01" + encode_frame(ReadSlices([]), 3)[4:]
+                ),
+                "second handshake": lambda peer: peer.frame(AuthResponse(b"x", b"y"), 0),
             }
             # A payload whose size differs from its items is refused with a reply; the payload
             # is discarded and the connection stays usable.
-            reader, writer = await raw_connect(node.endpoint)
-            writer.write(write_msg + bytes(50))
-            refusal = await read_frame(reader)
+            peer = await raw_connect(node.endpoint)
+            peer.writer.write(peer.frame(WriteSlices([WriteItem(free_grant, 0, 100)]), 3, payload_size=50) + bytes(50))
+            refusal = await peer.read_frame()
             assert isinstance(refusal.message, ErrorReply), refusal
             assert refusal.message.code == ErrorCode.INVALID_PARAMS
-            writer.write(encode_frame(ReadSlices([ReadItem(sid, 0, len(stored))]), 4))
-            reply = await read_frame(reader)
+            peer.writer.write(peer.frame(ReadSlices([ReadItem(sid, 0, len(stored))]), 4))
+            reply = await peer.read_frame()
             assert isinstance(reply.message, ReadReply)
-            writer.close()
+            peer.writer.close()
             assert bytes(node.segment.data[8192 : 8192 + 100]) == bytes(100)
             for name, attack in attacks.items():
-                reader, writer = await raw_connect(node.endpoint)
-                writer.write(attack)
-                assert await is_closed_by_peer(reader), name
-                writer.close()
+                peer = await raw_connect(node.endpoint)
+                peer.writer.write(attack(peer))
+                assert await is_closed_by_peer(peer.reader), name
+                peer.writer.close()
                 # The server keeps serving everyone else, and nothing it stores changed.
                 assert await read(good, sid, 0, len(stored)) == stored, name
             # Garbage instead of a handshake.
@@ -557,18 +579,18 @@ def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
             assert await is_closed_by_peer(reader)
             writer.close()
             # A frame cut short by the peer hanging up.
-            reader, writer = await raw_connect(node.endpoint)
-            frame = encode_frame(ReadSlices([ReadItem(sid, 0, 10)]), 5)
-            writer.write(frame[: len(frame) - 3])
-            writer.write_eof()
-            assert await is_closed_by_peer(reader)
-            writer.close()
+            peer = await raw_connect(node.endpoint)
+            frame = peer.frame(ReadSlices([ReadItem(sid, 0, 10)]), 5)
+            peer.writer.write(frame[: len(frame) - 3])
+            peer.writer.write_eof()
+            assert await is_closed_by_peer(peer.reader)
+            peer.writer.close()
             # A truncated frame that just sits there holds only its own connection.
-            reader, writer = await raw_connect(node.endpoint)
-            writer.write(frame[:10])
-            await writer.drain()
+            peer = await raw_connect(node.endpoint)
+            peer.writer.write(frame[:10])
+            await peer.writer.drain()
             assert await read(good, sid, 0, len(stored)) == stored
-            writer.close()
+            peer.writer.close()
             assert bytes(node.segment.data[8192 : 8192 + 100]) == bytes(100)
             assert node.inventory.entries() == [entry("stored", 0, stored)]
             good.close()
@@ -593,49 +615,50 @@ def test_a_frame_left_half_sent_closes_its_connection_at_the_frame_deadline(
             stored = os.urandom(5000)
             await put(master, node, good, "stored", 0, stored)
             sid = node.segment_id
-            request = encode_frame(ReadSlices([]), 5)  # its reply has no payload to skip
-            assert len(request) > 20
             # Half of a 1 MiB control message, then silence.
-            reader, writer = await raw_connect(node.endpoint)
-            writer.write(header(limits.MIB) + bytes(limits.MIB // 2))
-            await writer.drain()
+            peer = await raw_connect(node.endpoint)
+            peer.writer.write(header(limits.MIB) + bytes(limits.MIB // 2))
+            await peer.writer.drain()
             started_s = loop.time()
-            assert await is_closed_by_peer(reader, timeout_s=6)
+            assert await is_closed_by_peer(peer.reader, timeout_s=6)
             assert 1.3 < loop.time() - started_s < 5
-            writer.close()
+            peer.writer.close()
             # A byte every 100 ms: bytes keep coming, the frame never completes in time.
-            reader, writer = await raw_connect(node.endpoint)
-            closed = asyncio.ensure_future(is_closed_by_peer(reader, timeout_s=6))
+            peer = await raw_connect(node.endpoint)
+            request = peer.frame(ReadSlices([]), 5)  # its reply has no payload to skip
+            assert len(request) > 20
+            closed = asyncio.ensure_future(is_closed_by_peer(peer.reader, timeout_s=6))
             started_s = loop.time()
             with contextlib.suppress(ConnectionError):
                 for byte in request[:-1]:
                     if closed.done():
                         break
-                    writer.write(bytes([byte]))
+                    peer.writer.write(bytes([byte]))
                     await asyncio.sleep(0.1)
             assert await closed
             assert loop.time() - started_s < 2.5
-            writer.close()
+            peer.writer.close()
             # Replies left unread until the node stops reading (its buffers full), then half a
             # frame: stalled both ways, it is closed all the same.
-            reader, writer = await raw_connect(node.endpoint)
-            local = "%s:%d" % writer.get_extra_info("sockname")[:2]
+            peer = await raw_connect(node.endpoint)
+            local = "%s:%d" % peer.writer.get_extra_info("sockname")[:2]
             assert node._server is not None
             (conn,) = [c for c in node._server.connections if c.peer == local]
-            read_stored = encode_frame(ReadSlices([ReadItem(sid, 0, len(stored))]), 6)
-            writer.write(read_stored * 4_000 + header(limits.MIB) + bytes(1_000))  # 20 MB of replies
+            reads = b"".join(peer.frame(ReadSlices([ReadItem(sid, 0, len(stored))]), 6) for _ in range(4_000))
+            peer.writer.write(reads + header(limits.MIB) + bytes(1_000))  # 20 MB of replies
             await until(conn.is_closed, timeout_s=8)
             assert conn.close_reason.startswith("frame not complete within 1500 ms"), conn.close_reason
-            writer.close()
+            peer.writer.close()
             # Two requests, each sent in halves a second apart: each in time, together not.
-            reader, writer = await raw_connect(node.endpoint)
+            peer = await raw_connect(node.endpoint)
             for _ in range(2):
-                writer.write(request[:10])
+                request = peer.frame(ReadSlices([]), 5)
+                peer.writer.write(request[:10])
                 await asyncio.sleep(1.0)
-                writer.write(request[10:])
-                reply = await read_frame(reader)
+                peer.writer.write(request[10:])
+                reply = await peer.read_frame()
                 assert isinstance(reply.message, ReadReply), reply
-            writer.close()
+            peer.writer.close()
             assert await read(good, sid, 0, len(stored)) == stored
             good.close()
 
@@ -943,7 +966,7 @@ def test_a_write_whose_payload_outlives_its_grant_is_cut_off_and_lands_no_more(t
                 BlockingConnection.open, node.endpoint, key=KEY, timeout_ms=2_000, prefer_local=False
             )
             sock = writer._socket
-            header = encode_frame(WriteSlices([WriteItem(grant, 0, size)]), 1, payload_size=size)
+            header = encode_frame(WriteSlices([WriteItem(grant, 0, size)]), 1, payload_size=size, seal=writer._seal)
             sock.sendall(header + b"\x01" * (size // 2))
             await asyncio.sleep(0.8)  # the grant expired meanwhile
             node.segment.data[size // 2 : size] = b"\x00" * (size // 2)  # the range's new tenant

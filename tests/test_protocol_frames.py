@@ -21,12 +21,14 @@ from kvpool.protocol import messages
 from kvpool.protocol.frames import (
     DIRECT_SINK_BYTES_MIN,
     FLAG_PADDED,
+    FLAG_SEALED,
     NEED_DATA,
     PADDED_PAYLOAD_BYTES_MIN,
     PADDING_BYTES_MAX,
     PAGE_BYTES,
     Frame,
     FrameDecoder,
+    FrameSeal,
     PayloadDone,
     buffer_address,
     encode_frame,
@@ -287,6 +289,89 @@ def test_bad_padding_is_a_protocol_error(padding_byte):
     decoder.receive_data(wire(padding_byte))
     with pytest.raises(RemoteProtocolError):
         drain(decoder)
+
+
+def _sealed_pair() -> tuple[FrameSeal, FrameDecoder]:
+    """A sender's seal and a receiver's decoder that expects its frames (one key)."""
+    key = os.urandom(32)
+    decoder = FrameDecoder()
+    decoder.expect_seal(FrameSeal(key))
+    return FrameSeal(key), decoder
+
+
+def test_sealed_frames_decode_whole_and_byte_by_byte_padded_or_not_with_their_payloads():
+    seal, decoder = _sealed_pair()
+    payload = os.urandom(2 * PADDED_PAYLOAD_BYTES_MIN)
+    plain = encode_frame(GetReplicaList(["a", "b"]), 1, seal=seal)
+    padded = encode_frame(ReadReply(len(payload)), 2, is_reply=True, payload_size=len(payload),
+                          payload_source=16, seal=seal)  # fmt: skip
+    assert _flags(plain) & FLAG_SEALED and _flags(padded) & FLAG_SEALED and _flags(padded) & FLAG_PADDED
+    assert not is_slow_copy(16, len(padded)), "the padding counts the tag"
+    sink = bytearray(len(payload))
+    events = []
+    for byte in plain + padded + payload:
+        decoder.receive_data(bytes([byte]))
+        events += drain(decoder, lambda frame: [memoryview(sink)])
+    assert events == [
+        Frame(1, False, GetReplicaList(["a", "b"]), 0),
+        Frame(2, True, ReadReply(len(payload)), len(payload)),
+        PayloadDone(2),
+    ]
+    assert sink == payload
+
+
+def _refused(decoder: FrameDecoder, wire: bytes, why: str) -> None:
+    decoder.receive_data(wire)
+    with pytest.raises(RemoteProtocolError, match=why):
+        drain(decoder)
+
+
+@pytest.mark.parametrize("position", [6, limits.FRAME_HEADER_SIZE_BYTES + 2, -1], ids=["header", "message", "tag"])
+def test_a_sealed_frame_changed_anywhere_is_refused(position):
+    seal, decoder = _sealed_pair()
+    wire = bytearray(encode_frame(GetReplicaList(["key"]), 1, seal=seal))
+    wire[position] ^= 0x01
+    _refused(decoder, bytes(wire), "does not hold")
+
+
+def test_a_sealed_frame_replayed_reordered_or_from_another_key_is_refused():
+    seal, replayed = _sealed_pair()
+    first = encode_frame(GetReplicaList(["a"]), 1, seal=seal)
+    replayed.receive_data(first)
+    assert len(drain(replayed)) == 1
+    _refused(replayed, first, "does not hold")
+
+    seal, reordered = _sealed_pair()
+    encode_frame(GetReplicaList(["a"]), 1, seal=seal)  # the first, dropped on the way
+    _refused(reordered, encode_frame(GetReplicaList(["b"]), 2, seal=seal), "does not hold")
+
+    _, stranger = _sealed_pair()
+    _refused(stranger, encode_frame(GetReplicaList(["a"]), 1, seal=FrameSeal(os.urandom(32))), "does not hold")
+
+
+def test_a_frame_without_its_tag_after_the_handshake_or_with_one_before_is_refused():
+    seal, sealed = _sealed_pair()
+    _refused(sealed, encode_frame(GetReplicaList(["a"]), 1), "without its tag")
+    _refused(FrameDecoder(), encode_frame(GetReplicaList(["a"]), 1, seal=seal), "before the handshake")
+    short = _header(flags=FLAG_SEALED, control=3) + b"\x92\x3e\x00"  # a ReadReply(0) without room for a tag
+    _, too_short = _sealed_pair()
+    _refused(too_short, short, "too short")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_sealed_frames_are_refused_unless_unchanged(data):
+    seal, decoder = _sealed_pair()
+    original = encode_frame(PutStart(["k1", "k2"], [10, 20], ReplicateConfig()), 5, seal=seal)
+    wire = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 4))):
+        wire[data.draw(st.integers(0, len(wire) - 1))] = data.draw(st.integers(0, 255))
+    decoder.receive_data(bytes(wire))
+    try:
+        events = drain(decoder)
+    except RemoteProtocolError:
+        return
+    assert wire == original or events == [], "a changed frame was taken"
 
 
 def test_buffer_address_of_writable_read_only_sliced_and_empty_buffers():

@@ -28,12 +28,12 @@ import urllib.request
 from typing import Annotated, Any
 
 import msgspec
-from conftest import wait_until
+from conftest import sealed_by_hand, wait_until
 
 from kvpool import Store, limits
 from kvpool.protocol import auth
 from kvpool.protocol import messages as m
-from kvpool.protocol.frames import FLAG_REPLY, Frame, FrameDecoder, PayloadDone, encode_frame
+from kvpool.protocol.frames import FLAG_REPLY, Frame, FrameDecoder, FrameSeal, PayloadDone, encode_frame
 
 TOKEN = "wire-fuzz-token"
 KEY = auth.cluster_key(TOKEN)
@@ -51,6 +51,7 @@ class Peer:
         host, port = endpoint.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.decoder = FrameDecoder()
+        self.seal: FrameSeal | None = None
         self.closed = False
         self._with_payload: Frame | None = None
         if handshake:
@@ -61,6 +62,18 @@ class Peer:
             self.send(encode_frame(m.AuthResponse(nonce, mac), 0))
             ok = self.read_frame(5)
             assert ok is not None and isinstance(ok.message, m.AuthOk), ok
+            if key is not None:
+                self.seal, incoming = auth.frame_seals(key, challenge.message.nonce, nonce, is_server=False)
+                self.decoder.expect_seal(incoming)
+
+    def frame(self, message: m.Message, request_id: int, **options) -> bytes:
+        """`message` as this connection's next frame (with its tag, past a handshake with a key)."""
+        return encode_frame(message, request_id, seal=self.seal, **options)
+
+    def sealed(self, frame: bytes) -> bytes:
+        """A frame built by hand as this connection's next: hostile frames get past the tag
+        check, to reach the decoding and the handlers behind it."""
+        return sealed_by_hand(self.seal, frame)
 
     def send(self, data: bytes) -> bool:
         try:
@@ -135,7 +148,7 @@ def test_a_peer_that_reads_no_replies_has_no_more_of_its_requests_answered_until
         peer = Peer(cluster.master_endpoint)
         count = 200
         assert peer.send(
-            b"".join(encode_frame(m.ListObjects("", limits.LIST_OBJECTS_MAX), i + 1) for i in range(count))
+            b"".join(peer.frame(m.ListObjects("", limits.LIST_OBJECTS_MAX), i + 1) for i in range(count))
         )
         answered = wait_until(lambda: master_requests(cluster, "ListObjects"))
         grown = rss_bytes(cluster.master.pid) - rss_before
@@ -145,7 +158,7 @@ def test_a_peer_that_reads_no_replies_has_no_more_of_its_requests_answered_until
         replies = [peer.read_frame(10) for _ in range(count)]
         assert [r.request_id for r in replies if r is not None] == list(range(1, count + 1))
         assert all(isinstance(r.message, m.ListReply) and len(r.message.keys) == 1000 for r in replies if r)
-        assert peer.send(encode_frame(m.ExistKeys([keys[0]]), count + 1))
+        assert peer.send(peer.frame(m.ExistKeys([keys[0]]), count + 1))
         assert (reply := peer.read_frame(10)) is not None and reply.message == m.ExistsReply([True])
         peer.close()
         store.put("after", b"x" * 5000)
@@ -164,10 +177,9 @@ def test_a_reply_sent_unasked_is_refused_at_its_bound_by_the_master_and_by_a_nod
         node_endpoint = store.cluster_status().segments[0].segment.endpoint
         pids = [cluster.master.pid, cluster.nodes[0].pid]
         peaks_before = [rss_bytes(pid, "VmHWM") for pid in pids]
-        frame = encode_frame(m.PutStartReply([], [[]] * 4_000_000, [], {}), 4242, is_reply=True)  # ~4 MB
         for endpoint in (cluster.master_endpoint, node_endpoint):
             peer = Peer(endpoint)
-            assert peer.send(frame)
+            assert peer.send(peer.frame(m.PutStartReply([], [[]] * 4_000_000, [], {}), 4242, is_reply=True))  # ~4 MB
             assert peer.read_frame(5) is None and peer.closed  # closed unanswered, not kept
             peer.close()
         grown = [rss_bytes(pid, "VmHWM") - before for pid, before in zip(pids, peaks_before)]
@@ -314,7 +326,7 @@ def test_seeded_hostile_frames_leave_every_server_serving_with_its_objects_intac
         while connections < 80:  # a count, not a time: the same frames on a slow runner (~6 s)
             if connections % 20 == 0:  # fresh real grants, to reach past the grant checks
                 peer = Peer(cluster.master_endpoint)
-                peer.send(encode_frame(m.PutStart([f"grant-{connections}"], [70_000], m.ReplicateConfig()), 1))
+                peer.send(peer.frame(m.PutStart([f"grant-{connections}"], [70_000], m.ReplicateConfig()), 1))
                 reply = peer.read_frame(5)
                 assert reply is not None and isinstance(reply.message, m.PutStartReply), reply
                 known.grants = reply.message.grants
@@ -336,9 +348,9 @@ def test_seeded_hostile_frames_leave_every_server_serving_with_its_objects_intac
             )
             style = rng.choice(["whole", "whole", "tiny sends", "one request id", "cut short"])
             for index in range(rng.randrange(1, 8)):
-                frame = hostile_frame(
+                frame = peer.sealed(hostile_frame(
                     rng, known, kinds, 7 if style == "one request id" else rng.choice([index + 1, 0, 2**32 - 1])
-                )
+                ))  # fmt: skip
                 if style == "cut short":
                     frame = frame[: rng.randrange(1, len(frame))]
                     frames += peer.send(frame)

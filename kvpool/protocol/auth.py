@@ -14,6 +14,12 @@ Handshake (only when the server has a token):
 The refusal tells the client it holds the wrong token (Unauthorized, which no caller retries);
 it tells nothing about the right one. A client from before the refusal existed took it for a
 protocol error and closed, as it did when the server just closed.
+
+Every frame after AuthOk is sealed (protocol/frames.py FrameSeal) with a key per direction
+derived from the cluster key and both nonces (`frame_seals`): the handshake proves who is at
+each end, and the tags prove that each later frame came from that end, in that order. Without
+them, whoever steered a token holder's connection through itself (a network path, DNS, a leader
+record in etcd) could relay the handshake and then send frames of its own on the connection.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 
 from kvpool import limits
 from kvpool.errors import ErrorCode, KVPoolError, Unauthorized, error_from_code
+from kvpool.protocol.frames import FrameSeal
 from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, ErrorReply, WriteGrant
 
 _GRANT_MAC_SIZE_BYTES = 16
@@ -54,6 +61,17 @@ def is_valid_proof(expected: bytes, received: bytes) -> bool:
     return hmac.compare_digest(expected, received)
 
 
+def frame_seals(
+    key: bytes, server_nonce: bytes, client_nonce: bytes, *, is_server: bool
+) -> tuple[FrameSeal, FrameSeal]:
+    """This end's (outgoing, incoming) seals for the frames after the handshake: one key per
+    direction and connection, from the cluster key and both nonces."""
+    nonces = server_nonce + client_nonce
+    to_server = FrameSeal(hmac.digest(key, b"frames to server\0" + nonces, "sha256"))
+    to_client = FrameSeal(hmac.digest(key, b"frames to client\0" + nonces, "sha256"))
+    return (to_client, to_server) if is_server else (to_server, to_client)
+
+
 class ClientHandshake:
     """The client's side of the handshake, for either I/O shell (transports/connection.py and
     transports/blocking.py): answer the server's challenge, then check the server's proof. A
@@ -82,13 +100,18 @@ class ClientHandshake:
         """The server's refusal of this client's proof, as the error to raise (Unauthorized)."""
         return error_from_code(reply.code, f"{self._peer} refused the connection: {reply.message}")
 
-    def check(self, ok: AuthOk) -> None:
-        """Raises Unauthorized: the server did not prove it holds the token."""
+    def check(self, ok: AuthOk) -> tuple[FrameSeal, FrameSeal] | None:
+        """The client's (outgoing, incoming) frame seals, None without a token.
+
+        Raises:
+            Unauthorized: the server did not prove it holds the token.
+        """
         if self._key is None:
-            return
+            return None
         expected = server_proof(self._key, self._server_nonce, self._client_nonce)
         if not is_valid_proof(expected, ok.mac):
             raise Unauthorized(f"{self._peer} failed to prove the token")
+        return frame_seals(self._key, self._server_nonce, self._client_nonce, is_server=False)
 
 
 def refusal() -> ErrorReply:

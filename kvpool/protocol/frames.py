@@ -23,12 +23,25 @@ raises `RemoteProtocolError`; the decoder is then unusable and the connection mu
 
 A frame with a large payload may pad its control message (FLAG_PADDED; `payload_padding`
 says why): the padding's last byte holds its length, and the decoder drops it.
+
+On a connection whose handshake proved the cluster token, every frame after it is sealed
+(FLAG_SEALED): its control message ends with a tag, a keyed BLAKE2b MAC of the frame's header and
+control message and of its place in that direction's sequence (`FrameSeal`; the keys are the
+connection's own, protocol/auth.py `frame_seals`). A frame altered, injected, replayed, dropped
+or reordered on the way fails the check, and the connection closes. The payload is not in the
+MAC: it is object data, whose checksum (xxh3, in the sealed control messages of the put's
+put_end and of every lookup) is verified on every read, so payload bytes changed on the way read
+as a checksum mismatch (a miss), never as the object; and a MAC of every payload byte would
+cost the TCP path three quarters of its speed (keyed BLAKE2b hashes ~0.9 GB/s on this project's
+VM, where TCP puts move ~2.8 GB/s; ad hoc).
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
+import hashlib
+import hmac
 import struct
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -42,7 +55,8 @@ from kvpool.protocol.messages import REPLY_TYPES, AnyMessage, Message
 
 FLAG_REPLY: Final = 0x01  # The frame answers the peer's request with the same id.
 FLAG_PADDED: Final = 0x02  # The control message ends with padding; its last byte is the length.
-_FLAGS_KNOWN: Final = FLAG_REPLY | FLAG_PADDED
+FLAG_SEALED: Final = 0x04  # The control message ends with the frame's tag (FrameSeal).
+_FLAGS_KNOWN: Final = FLAG_REPLY | FLAG_PADDED | FLAG_SEALED
 
 _header = struct.Struct(limits.FRAME_HEADER_FMT)
 
@@ -124,6 +138,30 @@ def buffer_address(buffer: memoryview | bytes) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+class FrameSeal:
+    """The MAC of one direction of one authenticated connection: `tag` of each frame's header
+    and control message, in the order the frames go (the sender tags each as it encodes it, the
+    receiver checks each as it decodes it), so a frame's tag holds for that place only. Its key
+    is the connection's own (protocol/auth.py frame_seals): a tag of another connection, or of
+    the other direction, never holds. Keyed BLAKE2b (RFC 7693 MAC mode): ~0.5 us a frame here,
+    a quarter of HMAC-SHA256's."""
+
+    __slots__ = ("_mac", "_sequence")
+
+    def __init__(self, key: bytes) -> None:
+        self._mac = hashlib.blake2b(key=key, digest_size=limits.FRAME_TAG_SIZE_BYTES)
+        self._sequence = 0
+
+    def tag(self, frame: bytes | bytearray | memoryview) -> bytes:
+        """The tag of the next frame of this direction (header and control message, padding
+        included, tag excluded); each call is the next place in the sequence."""
+        mac = self._mac.copy()
+        mac.update(self._sequence.to_bytes(8, "little"))
+        mac.update(frame)
+        self._sequence += 1
+        return mac.digest()
+
+
 class Sentinel(enum.Enum):
     NEED_DATA = "NEED_DATA"
 
@@ -158,10 +196,13 @@ def encode_frame(
     payload_size: int = 0,
     payload_source: int | None = None,
     payload_landing: int | None = None,
+    seal: FrameSeal | None = None,
 ) -> bytes:
     """Header plus control message; the caller sends `payload_size` payload bytes after it.
     Given where the payload is read from or lands, the control message is padded so that
-    its copies are fast (payload_padding).
+    its copies are fast (payload_padding). With `seal` (a connection past its handshake with
+    a token) the control message ends with the frame's tag: encode a frame only to send it
+    next on that connection, as the tag holds for that place in its sequence only.
 
     Raises:
         LocalProtocolError: a field is out of range (a bug on the sending side).
@@ -175,19 +216,25 @@ def encode_frame(
     buffer = bytearray(limits.FRAME_HEADER_SIZE_BYTES)
     _encoder.encode_into(message, buffer, limits.FRAME_HEADER_SIZE_BYTES)
     flags = FLAG_REPLY if is_reply else 0
+    tag_size = 0
+    if seal is not None:
+        flags |= FLAG_SEALED
+        tag_size = limits.FRAME_TAG_SIZE_BYTES
     if payload_size >= PADDED_PAYLOAD_BYTES_MIN:
-        padding = payload_padding(len(buffer), payload_source, payload_landing)
+        padding = payload_padding(len(buffer) + tag_size, payload_source, payload_landing)
         if padding:
             buffer += bytes(padding - 1)
             buffer.append(padding)
             flags |= FLAG_PADDED
-    control_size = len(buffer) - limits.FRAME_HEADER_SIZE_BYTES
+    control_size = len(buffer) + tag_size - limits.FRAME_HEADER_SIZE_BYTES
     if control_size > limits.FRAME_CONTROL_SIZE_BYTES_MAX:
         raise LocalProtocolError(f"control message of {control_size} bytes exceeds the limit")
     _header.pack_into(
         buffer, 0, limits.FRAME_MAGIC, limits.FRAME_VERSION, flags, request_id,
         control_size, payload_size,
     )  # fmt: skip
+    if seal is not None:
+        buffer += seal.tag(buffer)
     return bytes(buffer)
 
 
@@ -227,6 +274,7 @@ class FrameDecoder:
         self._sink_left = 0
         self._discard = False
         self._on_landed: Callable[[memoryview], None] | None = None
+        self._seal: FrameSeal | None = None  # the peer's frames' MAC, once authenticated
         self._buffer_is_sink = False  # where the buffer last handed out by get_buffer points
         self._frame_bytes = 0  # size of the unfinished frame at _start, once its header came
         self.frames_decoded = 0  # how many frames next_event returned (a frame's identity)
@@ -285,6 +333,11 @@ class FrameDecoder:
         """The largest control message accepted from now on (a connection not yet
         authenticated takes only its handshake's)."""
         self._control_size_bytes_max = size_bytes
+
+    def expect_seal(self, seal: FrameSeal) -> None:
+        """Every frame from now on must carry its tag under `seal` (the handshake proved the
+        token): one without, or with a wrong one, is a RemoteProtocolError."""
+        self._seal = seal
 
     def buffer_updated(self, size_bytes: int) -> bool:
         """`size_bytes` bytes were written into the buffer last returned by get_buffer.
@@ -382,7 +435,10 @@ class FrameDecoder:
                 raise RemoteProtocolError(f"not a kvpool peer (a wrong port?): it sent {first!r}")
             raise RemoteProtocolError(f"bad frame magic 0x{magic:04x}")
         if version != limits.FRAME_VERSION:
-            raise RemoteProtocolError(f"unsupported frame version {version}")
+            raise RemoteProtocolError(
+                f"the peer speaks wire version {version}, this process {limits.FRAME_VERSION}: "
+                "run one kvpool version across the cluster"
+            )
         if flags & ~_FLAGS_KNOWN:
             raise RemoteProtocolError(f"unknown frame flags 0x{flags:02x}")
         if control_size > self._control_size_bytes_max:
@@ -396,9 +452,11 @@ class FrameDecoder:
         self._frame_bytes = 0
         body_start = self._start + limits.FRAME_HEADER_SIZE_BYTES
         body_end = body_start + control_size
+        if flags & FLAG_SEALED or self._seal is not None:
+            body_end = self._check_tag(flags, body_end)
         if flags & FLAG_PADDED:
-            padding = self._staging[body_end - 1] if control_size else 0
-            if not 0 < padding <= control_size:
+            padding = self._staging[body_end - 1] if body_end > body_start else 0
+            if not 0 < padding <= body_end - body_start:
                 raise RemoteProtocolError(f"padding of {padding} bytes in a control message of {control_size}")
             body_end -= padding
         body = memoryview(self._staging)[body_start:body_end]
@@ -418,6 +476,30 @@ class FrameDecoder:
             self._request_id = request_id
             self._sink_left = payload_size
         return Frame(request_id, is_reply, message, payload_size)
+
+    def _check_tag(self, flags: int, body_end: int) -> int:
+        """Check the tag that ends the control message at `body_end`; returns where the
+        control message ends without it.
+
+        Raises:
+            RemoteProtocolError: a sealed frame before the handshake, an unsealed one after,
+                or a tag that does not hold (the frame was altered, injected, replayed or
+                reordered on the way, or its sender holds another token).
+        """
+        if self._seal is None:
+            raise RemoteProtocolError("a sealed frame before the handshake")
+        if not flags & FLAG_SEALED:
+            raise RemoteProtocolError("a frame without its tag after the handshake (a peer of another version?)")
+        tag_start = body_end - limits.FRAME_TAG_SIZE_BYTES
+        if tag_start < self._start + limits.FRAME_HEADER_SIZE_BYTES:
+            raise RemoteProtocolError("a sealed control message too short to hold its tag")
+        with memoryview(self._staging) as staging:
+            expected = self._seal.tag(staging[self._start : tag_start])
+            if not hmac.compare_digest(expected, staging[tag_start:body_end]):
+                raise RemoteProtocolError(
+                    "a frame whose tag does not hold: altered, injected, replayed or reordered on the way"
+                )
+        return tag_start
 
     def _drain_staging_into_sinks(self) -> None:
         """Move payload bytes that arrived in the staging buffer to their sinks."""

@@ -43,6 +43,7 @@ from kvpool.protocol.frames import (
     PADDED_PAYLOAD_BYTES_MIN,
     Frame,
     FrameDecoder,
+    FrameSeal,
     PayloadDone,
     buffer_address,
     encode_frame,
@@ -79,8 +80,8 @@ class BlockingConnection:
     `send_payload`, then `reply_into`). Once closed it stays closed."""
 
     __slots__ = (
-        "endpoint", "peer", "_socket", "_decoder", "_next_request_id", "_unanswered", "_early", "_pads_payloads",
-        "_opener_pid",
+        "endpoint", "peer", "_socket", "_decoder", "_seal", "_next_request_id", "_unanswered", "_early",
+        "_pads_payloads", "_opener_pid",
     )  # fmt: skip
 
     def __init__(self, endpoint: str, sock: socket.socket, peer: str) -> None:
@@ -91,6 +92,9 @@ class BlockingConnection:
         # Until authenticated, as Connection: a server (or whatever a client was steered to)
         # that is not proven yet buys no large buffer, nor a decode of a 72 MiB first frame.
         self._decoder.limit_control_size(HANDSHAKE_CONTROL_SIZE_BYTES_MAX)
+        # This side's frames' MAC once authenticated with a token: each frame is tagged as it is
+        # encoded, so a frame encoded is sent next, whole, or the connection closes.
+        self._seal: FrameSeal | None = None
         self._next_request_id = 1
         self._unanswered: set[int] = set()  # ids of the requests sent whose reply is not read yet
         self._early: dict[int, Frame] = {}  # replies read before their request's turn
@@ -162,7 +166,9 @@ class BlockingConnection:
             raise handshake.refused(ok)
         if not isinstance(ok, AuthOk):
             raise RpcFailed(f"{self.peer} answered the handshake with {type(ok).__name__}")
-        handshake.check(ok)
+        if (seals := handshake.check(ok)) is not None:
+            self._seal, incoming = seals
+            self._decoder.expect_seal(incoming)
         self._decoder.limit_control_size(limits.FRAME_CONTROL_SIZE_BYTES_MAX)
 
     def request(
@@ -186,7 +192,7 @@ class BlockingConnection:
         assert not self._unanswered, "request() while replies of sent requests are unread"
         deadline = time.monotonic() + timeout_ms / 1000
         request_id = self._take_request_id()
-        self._send_requests(encode_frame(message, request_id), deadline)
+        self._send_requests(encode_frame(message, request_id, seal=self._seal), deadline)
         try:
             frame = self._receive(deadline)
             if not frame.is_reply or frame.request_id != request_id or frame.payload_size:
@@ -237,7 +243,9 @@ class BlockingConnection:
             RpcTimeout: not sent by `deadline` (time.monotonic()).
         """
         request_ids = [self._take_request_id() for _ in messages]
-        data = b"".join(map(encode_frame, messages, request_ids))
+        data = b"".join(
+            encode_frame(message, request_id, seal=self._seal) for message, request_id in zip(messages, request_ids)
+        )
         if self._socket is None:
             raise ConnectFailed(f"connection to {self.peer} is closed")
         self._unanswered.update(request_ids)
@@ -351,7 +359,7 @@ class BlockingConnection:
         source = buffer_address(payload[0]) if self._pads_payloads and size >= PADDED_PAYLOAD_BYTES_MIN else None
         header = encode_frame(
             message, request_id, payload_size=size, payload_source=source,
-            payload_landing=landing if source is not None else None,
+            payload_landing=landing if source is not None else None, seal=self._seal,
         )  # fmt: skip
         if self._socket is None:
             raise ConnectFailed(f"connection to {self.peer} is closed")

@@ -60,6 +60,7 @@ from kvpool.protocol.frames import (
     PADDED_PAYLOAD_BYTES_MIN,
     Frame,
     FrameDecoder,
+    FrameSeal,
     PayloadDone,
     buffer_address,
     encode_frame,
@@ -211,6 +212,7 @@ class Connection(asyncio.BufferedProtocol):
         self._closed: asyncio.Future[None] = self._loop.create_future()
         self._nonce_server = b""  # the server's side of the handshake; a client's is here:
         self._handshake: auth.ClientHandshake | None = None
+        self._seal: FrameSeal | None = None  # this side's frames' MAC, once authenticated with a token
         self._next_request_id = 1
         # Per request id: its future, reply sinks, late reply callback and `on_landed`.
         self._pending: dict[int, tuple[asyncio.Future[Message], ReplySinks | None, LateReply | None, OnLanded]] = {}
@@ -867,7 +869,7 @@ class Connection(asyncio.BufferedProtocol):
             landing = None
         return encode_frame(
             message, request_id, is_reply=is_reply, payload_size=payload_size,
-            payload_source=source, payload_landing=landing,
+            payload_source=source, payload_landing=landing, seal=self._seal,
         )  # fmt: skip
 
     def _reply_error(self, request_id: int, exc: KVPoolError) -> None:
@@ -897,6 +899,7 @@ class Connection(asyncio.BufferedProtocol):
                     return
                 proof = auth.server_proof(self._key, self._nonce_server, message.nonce)
                 self._write_now(encode_frame(AuthOk(proof), 0))
+                self._seal_frames(auth.frame_seals(self._key, self._nonce_server, message.nonce, is_server=True))
             self._authenticated()
             return
         try:
@@ -908,7 +911,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._write_now(encode_frame(response, 0))
                 return
             if isinstance(message, AuthOk) and self._handshake is not None:
-                self._handshake.check(message)
+                self._seal_frames(self._handshake.check(message))
                 self._authenticated()
                 return
             if isinstance(message, ErrorReply) and self._handshake is not None:
@@ -917,6 +920,15 @@ class Connection(asyncio.BufferedProtocol):
             self._fail_handshake(exc)
             return
         raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
+
+    def _seal_frames(self, seals: tuple[FrameSeal, FrameSeal] | None) -> None:
+        """From now on, tag every frame sent and check every frame received (a handshake with
+        a token: protocol/auth.py). Every frame is tagged as it is written (`_header` is
+        followed by `_write_frame`, which keeps their order), so the tags follow the order the
+        peer receives them in."""
+        if seals is not None:
+            self._seal, incoming = seals
+            self._decoder.expect_seal(incoming)
 
     def _begin_handshake(self) -> None:
         """A peer that does not finish the handshake in time is cut off (slow loris), and so is

@@ -1,0 +1,146 @@
+"""A connection steered through someone without the token (a network path, DNS, a leader record
+in etcd) is theirs to relay, not to use: every frame after the handshake carries its tag
+(protocol/frames.py FrameSeal), so frames they inject, replay or alter close the connection
+and change nothing stored. Real processes: a master and a node with a token, a Store that
+dials a relay in this test, which forwards its bytes to the master and adds its own."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+from conftest import wait_until
+
+from kvpool import Store, limits
+from kvpool.protocol.frames import FLAG_SEALED, FrameDecoder, FrameSeal, encode_frame
+from kvpool.protocol.messages import Remove, RemoveAll
+
+TOKEN = "relayed-connections-token"
+
+
+class Relay:
+    """Forwards each connection it accepts to `upstream`, byte for byte, and keeps, per
+    connection, its upstream socket and every byte the client sent it (`sent`)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self._upstream = upstream
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.links: list[tuple[socket.socket, bytearray, threading.Event]] = []
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self._upstream)
+            sent, closed = bytearray(), threading.Event()
+            self._sockets += [client, up]
+            self.links.append((up, sent, closed))
+            threading.Thread(target=self._pipe, args=(client, up, sent, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, client, None, closed), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, kept: bytearray | None, closed: threading.Event | None):
+        try:
+            while data := source.recv(65536):
+                if kept is not None:
+                    kept += data
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            if closed is not None:
+                closed.set()  # the master closed its end
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+
+def _frames_sent(data: bytes) -> list[bytes]:
+    """The frames in what a client sent, each as its bytes, split by their headers' sizes."""
+    frames, offset = [], 0
+    while offset < len(data):
+        control_size = int.from_bytes(data[offset + 8 : offset + 12], "little")
+        payload_size = int.from_bytes(data[offset + 12 : offset + 20], "little")
+        size = limits.FRAME_HEADER_SIZE_BYTES + control_size + payload_size
+        frames.append(bytes(data[offset : offset + size]))
+        offset += size
+    return frames
+
+
+def _message_of(frame: bytes):
+    """The message of a sealed frame without payload, its tag not checked (this test is not
+    an end of that connection)."""
+    tag_size = limits.FRAME_TAG_SIZE_BYTES
+    control_size = int.from_bytes(frame[8:12], "little") - tag_size
+    unsealed = bytearray(frame[: limits.FRAME_HEADER_SIZE_BYTES + control_size])
+    unsealed[3] &= ~FLAG_SEALED
+    unsealed[8:12] = control_size.to_bytes(4, "little")
+    decoder = FrameDecoder()
+    decoder.receive_data(bytes(unsealed))
+    return decoder.next_event().message
+
+
+@pytest.fixture
+def relayed(make_cluster):
+    cluster = make_cluster(1, "16MiB", token=TOKEN)
+    host, port = cluster.master_endpoint.rsplit(":", 1)
+    relay = Relay((host, int(port)))
+    yield cluster, relay
+    relay.close()
+
+
+@pytest.mark.parametrize("forged_with", ["no tag", "a key of its own"])
+def test_frames_injected_into_a_relayed_connection_close_it_and_remove_nothing(relayed, forged_with):
+    cluster, relay = relayed
+    keys = [f"held/{i}" for i in range(8)]
+    with Store(relay.endpoint, token=TOKEN, shm_enabled=False) as victim:
+        victim.put_batch(keys, [bytes([i]) * 4096 for i in range(8)])
+        assert relay.links, "the Store dialled the relay"
+        # Whoever relays holds authenticated connections: it sends a RemoveAll of its own.
+        seal = None if forged_with == "no tag" else FrameSeal(os.urandom(32))
+        forged = encode_frame(RemoveAll(force=True), 4_000_000_000, seal=seal)
+        for up, _, _ in relay.links:
+            up.sendall(forged)
+        for _, _, closed in relay.links:
+            assert closed.wait(10), "the master kept a connection that carried a forged frame"
+        assert wait_until(lambda: "does not hold" in cluster.master.log_tail(100) or "without its tag"
+                          in cluster.master.log_tail(100), 5), cluster.master.log_tail(30)  # fmt: skip
+    with Store(cluster.master_endpoint, token=TOKEN, shm_enabled=False) as owner:
+        assert [owner.get(key) for key in keys] == [bytes([i]) * 4096 for i in range(8)]
+
+
+def test_a_request_replayed_on_its_connection_closes_it_and_acts_once(relayed):
+    """The relay records a Remove the client sent, the client writes that key again, and the
+    relay sends the recorded frame again: a frame's tag holds for its place in the sequence
+    only, so the master refuses it instead of removing the key a second time."""
+    cluster, relay = relayed
+    with Store(relay.endpoint, token=TOKEN, shm_enabled=False) as victim:
+        victim.put("phoenix", b"first life")
+        victim.remove("phoenix")
+        victim.put("phoenix", b"second life")
+        removes = [
+            (up, closed, frame)
+            for up, sent, closed in relay.links
+            for frame in _frames_sent(bytes(sent))[1:]  # the first is the handshake's answer
+            if isinstance(_message_of(frame), Remove)
+        ]
+        assert len(removes) == 1, "the relay saw the client's Remove"
+        up, closed, remove = removes[0]
+        up.sendall(remove)
+        assert closed.wait(10), "the master took a replayed frame"
+        assert victim.get("phoenix") == b"second life"  # on a new connection
+    with Store(cluster.master_endpoint, token=TOKEN, shm_enabled=False) as owner:
+        assert owner.get("phoenix") == b"second life"
