@@ -272,7 +272,9 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
     node = ("node", "--master", "127.0.0.1:1", "--memory", "16MiB")
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    free_bytes = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    # Larger than the whole filesystem: it cannot fit however much others free meanwhile (the
+    # free space plus 1 GiB fitted once, when a test beside this one deleted its files).
+    too_large = os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize + limits.GIB
     cases = (
         ((*node, "--log-level", "loud"), 2, "'loud' is not one of 'debug', 'info', 'warning', 'error'"),
         (("master", "--port", "0", "--log-level", "verbose"), 2, "'verbose' is not one of"),
@@ -283,8 +285,8 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
         (("master", "--port", "0", "--etcd-lease-ttl-ms", "10000"), 1, "--etcd-lease-ttl-ms needs --etcd"),
         (("master", "--port", "0", "--advertise-host", "127.0.0.1"), 1, "--advertise-host needs --etcd"),
         ((*node, "--metrics-host", "127.0.0.1"), 1, "--metrics-host needs --metrics-port"),
-        ((*node, "--disk-dir", str(tmp_path / "disk"), "--disk-size", str(free_bytes + limits.GIB)), 1,
-         f"a disk tier of {free_bytes + limits.GIB} bytes (--disk-size) does not fit in {tmp_path / 'disk'}"),
+        ((*node, "--disk-dir", str(tmp_path / "disk"), "--disk-size", str(too_large)), 1,
+         f"a disk tier of {too_large} bytes (--disk-size) does not fit in {tmp_path / 'disk'}"),
         (("demo", "--object-size", "0"), 1, "--object-size 0 bytes: give 1 byte to --memory (128 MiB)"),
         (("demo", "--memory", "16MiB", "--object-size", "17MiB"), 1, "--object-size 17 MiB: give 1 byte to --memory"),
         # The config's checks name the flag typed, not the field behind it (was lease_ttl_ms).
