@@ -111,6 +111,13 @@ LOOKUP_HOLD_READS_MAX = 1_024
 # someone else's object (Mooncake put_start_discard_timeout_sec=30, release_timeout_sec=600).
 PUT_DISCARD_TIMEOUT_MS_DEFAULT = 30_000
 PUT_RELEASE_TIMEOUT_MS_DEFAULT = 600_000
+# A put revoked with writes to other hosts in flight holds its ranges until its grants expire
+# plus this, not the release timeout: those writes go through nodes, which take no byte past a
+# grant's expiry by the master's clock (node/clock.py errs early) and close the connection then;
+# this covers a node's loop stalled past that moment with bytes already in its socket, which
+# land before the timer that closes it runs. (A same-host writer copies into the mapped segment
+# itself, and nothing stops one that stalled mid-copy: a discarded put keeps the release timeout.)
+REVOKED_WRITES_FENCE_MARGIN_MS = 30_000
 EVICT_WATERMARK_RATIO_HIGH_DEFAULT = 0.90
 EVICT_RATIO_DEFAULT = 0.05
 

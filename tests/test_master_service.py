@@ -345,10 +345,19 @@ def test_revoke_frees_at_once() -> None:
     assert svc.put_end(PutEnd(["w"], [1]), 0).codes == [ErrorCode.OBJECT_NOT_FOUND]
 
 
-def test_a_revoke_with_writes_in_flight_frees_the_key_at_once_and_the_range_after_the_release_timeout() -> None:
+@pytest.mark.parametrize(
+    ("release_timeout_ms", "released_at_ms"),
+    [(600_000, 100 + 1_000 + limits.REVOKED_WRITES_FENCE_MARGIN_MS), (5_000, 5_100)],
+    ids=["fenced-by-the-grants", "release-timeout-first"],
+)
+def test_a_revoke_with_writes_in_flight_frees_the_key_at_once_and_the_range_once_nodes_take_no_more(
+    release_timeout_ms, released_at_ms
+) -> None:
     """A writer cancelled mid-write: its keys can be put again at once, but a write of its
-    may still land, so its ranges are not handed out until the release timeout."""
-    svc = make(put_discard_timeout_ms=1_000, put_release_timeout_ms=5_000, node_ttl_ms=100_000)
+    to a node may still land, so its ranges are not handed out until the nodes take no more of
+    them: its grants' expiry (put_start + discard timeout) and a margin, or the release timeout
+    if that comes first (it was always the release timeout, 10 minutes by default)."""
+    svc = make(put_discard_timeout_ms=1_000, put_release_timeout_ms=release_timeout_ms, node_ttl_ms=10_000_000)
     mount(svc, "s1")
     svc.put_start(PutStart(["w"], [OBJECT_SIZE], config()), 100)
     assert svc.put_revoke(PutRevoke(["w", "nope"], writes_in_flight=True), 200).codes == [
@@ -358,7 +367,9 @@ def test_a_revoke_with_writes_in_flight_frees_the_key_at_once_and_the_range_afte
     assert svc.put_end(PutEnd(["w"], [1]), 201).codes == [ErrorCode.OBJECT_NOT_FOUND]
     assert put(svc, ["w"], now=300) == [OK]  # a new range: the old one is quarantined
     assert used(svc, "s1") == 2 * footprint_bytes(OBJECT_SIZE)
-    svc.tick(5_100)  # put_start + release timeout
+    svc.tick(released_at_ms - 1)
+    assert used(svc, "s1") == 2 * footprint_bytes(OBJECT_SIZE)
+    svc.tick(released_at_ms)
     assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)
 
 

@@ -465,7 +465,9 @@ class PutFlow:
 
     def revoke(self, keys: list[str], writes_in_flight: bool, put_id: int) -> CodesReply:
         """Forget writing puts of `put_id`: free their ranges at once, or with
-        `writes_in_flight` quarantine them as a discard does (see service.put_revoke)."""
+        `writes_in_flight` (writes to nodes that may land yet) quarantine them until the nodes
+        take no more of them: the grants' expiry plus REVOKED_WRITES_FENCE_MARGIN_MS (a
+        minute after put_start by default, where it was the release timeout, 10 minutes)."""
         table = self._table
         codes_out: list[int] = []
         for key in keys:
@@ -477,7 +479,10 @@ class PutFlow:
             elif put.is_committing:
                 codes_out.append(codes.REPLICA_IS_NOT_READY)
             elif writes_in_flight:
-                self.discard(key, put)
+                # Writes to nodes only (the writer's same-host copies are done): fenced by the
+                # nodes at the grants' expiry (limits.REVOKED_WRITES_FENCE_MARGIN_MS).
+                fenced_ms = put.start_ms + self._config.put_discard_timeout_ms + limits.REVOKED_WRITES_FENCE_MARGIN_MS
+                self.discard(key, put, fenced_ms)
                 codes_out.append(codes.OK)
             else:
                 del table.pending[key]
@@ -486,13 +491,17 @@ class PutFlow:
                 codes_out.append(codes.OK)
         return CodesReply(codes_out)
 
-    def discard(self, key: str, put: PendingPut) -> None:
-        """Forget a writing put; quarantine its ranges until its writer cannot write any more
-        (its grants expired at start + put_discard_timeout_ms; the release timeout is larger)."""
+    def discard(self, key: str, put: PendingPut, fenced_ms: int | None = None) -> None:
+        """Forget a writing put; quarantine its ranges until its writer cannot write any more:
+        start + put_release_timeout_ms (its grants expired at start + put_discard_timeout_ms,
+        but a same-host writer stalled mid-copy is stopped by nothing), or `fenced_ms` if
+        earlier (its writes went through nodes, which fence them: see revoke)."""
         assert not put.is_committing, f"discard of committing put {key!r}"
         assert self._table.pending.get(key) is put, f"discard of unknown put {key!r}"
         del self._table.pending[key]
         release_ms = put.start_ms + self._config.put_release_timeout_ms
+        if fenced_ms is not None:
+            release_ms = min(release_ms, fenced_ms)
         for segment, offset in put.replicas:
             self._quarantine.add(segment, offset, put.size_bytes, release_ms)
 

@@ -665,8 +665,8 @@ class MasterService:
 
     def put_revoke(self, msg: PutRevoke, now_ms: int) -> CodesReply:
         """The writer gave up: the keys are free at once, and so are their ranges when it says
-        no write of its may still land (else they are quarantined until the put's release
-        timeout, as a discarded put's: PutRevoke.writes_in_flight).
+        no write of its may still land (else they are quarantined until the nodes take no more
+        of its writes: PutRevoke.writes_in_flight, puts.revoke).
 
         Per key: OK; OBJECT_NOT_FOUND (no put in flight); OBJECT_ALREADY_EXISTS (complete:
         use remove); REPLICA_IS_NOT_READY (its put_end is being committed).

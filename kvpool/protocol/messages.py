@@ -297,10 +297,11 @@ class PutEnd(Message, tag=12):
 
 
 class PutRevoke(Message, tag=13):
-    """The writer gave up these keys' puts. `writes_in_flight`: some of its writes may still
-    land (it stopped waiting for them: a cancelled or timed-out call), so the keys are free at
-    once but their ranges stay quarantined until the put's release timeout, as a discarded
-    put's; else every range is free at once."""
+    """The writer gave up these keys' puts. `writes_in_flight`: some of its writes to nodes
+    may still land (it stopped waiting for them: a cancelled or timed-out call), so the keys are
+    free at once but their ranges stay quarantined until the nodes take no more of them (the
+    grants' expiry and a margin: master/puts.py revoke); else every range is free at once. Its
+    writes into mapped segments (same host) must be over before it is sent."""
 
     keys: Batch[str]
     writes_in_flight: bool = False
