@@ -684,7 +684,8 @@ def node(
                         "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
                     },
                 )
-            await _serve_until_stopped_or_refused(storage_node, stop)
+            # Refused by a master once mounted, it retries on, keeping its objects (node/server.py).
+            await stop.wait()
             if drain_ms:  # decommissioning: readers of what it holds move on meanwhile
                 await _drain(storage_node, drain_ms, stop)
         finally:
@@ -727,26 +728,6 @@ async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
             return True
     finally:
         stopped.cancel()
-
-
-async def _serve_until_stopped_or_refused(storage_node: Node, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set (a signal), or until the handshake with a master fails over
-    the cluster token once mounted (its master restarted with another token): that ends
-    `kvpool node` as it does at start, since no retry mends it. The node used to retry every
-    2 s for as long as it ran, its /health saying "ok".
-
-    Raises:
-        Unauthorized: the node and its master do not share a cluster token.
-    """
-    stopped = asyncio.ensure_future(stop.wait())
-    refused = asyncio.ensure_future(storage_node.wait_refused())
-    try:
-        await asyncio.wait((stopped, refused), return_when=asyncio.FIRST_COMPLETED)
-        if refused.done():
-            raise refused.result()
-    finally:
-        stopped.cancel()
-        refused.cancel()
 
 
 async def _drain(storage_node: Node, drain_ms: int, stop: asyncio.Event) -> None:

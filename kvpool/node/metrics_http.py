@@ -46,4 +46,8 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _get_health(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self._health()), content_type="application/json")
+        """200 while the node serves the cluster; 503 when it does not (starting, stopping, or
+        refused by its master over the cluster token), for probes that read only the code."""
+        health = self._health()
+        status = 200 if health["status"] == "ok" else 503
+        return web.Response(text=json.dumps(health), status=status, content_type="application/json")

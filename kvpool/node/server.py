@@ -13,8 +13,11 @@ Life of a node:
     master link (until stop): every heartbeat_interval_ms Heartbeat(segment ids, disk tier's room);
               reply says "unknown" (master restarted) ─► re-mount with the whole inventory;
               link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount;
-              the handshake refused over the cluster token, before a mount or after ─►
-              wait_refused returns it (`kvpool node` exits; an embedded node retries on).
+              the handshake refused over the cluster token ─► before the first mount,
+              wait_mounted raises it (`kvpool node` exits); after one, the link retries on,
+              keeping the segment and its objects, /health "refused" (503) until a master
+              takes it again: a refusal comes before the master proved the token, so it may
+              be a relay's (docs/operations.md "Security"), and exiting lost every object.
               With `etcd://...` each reconnect dials the leader etcd names (discovery.py),
               looking again at most every MASTER_RESOLVE_BACKOFF_MS_MAX during a failover.
               Reads and writes keep being served whatever the master's state.
@@ -169,10 +172,10 @@ class Node:
         self._mounted = asyncio.Event()
         self._first_attempt = asyncio.Event()
         # The handshake failed over the cluster token since the last mount (wait_mounted raises
-        # it, wait_refused returns it: a wrong token does not mend itself); and when the link's
-        # other failures were last logged.
+        # it; /health says it); and when the link's failures were last logged.
         self._refusal: Unauthorized | None = None
         self._refused = asyncio.Event()
+        self._mounted_once = False
         self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S
         self._leave = asyncio.Event()
         self._drain_deadline_ms = 0
@@ -365,18 +368,6 @@ class Node:
             raise self._refusal
         raise RpcTimeout(f"node {self.node_id} not mounted on {self.config.master_endpoint} after {timeout_ms} ms")
 
-    async def wait_refused(self) -> Unauthorized:
-        """Wait, however long, until the handshake with the master fails over the cluster
-        token, before the first mount or after one (a master restarted with another token).
-
-        Returns:
-            The refusal, its message one line for the operator. The link goes on retrying
-            until the node stops, but no retry mends it: `kvpool node` exits on it.
-        """
-        while self._refusal is None:  # a mount between the refusal and this wake-up clears it
-            await self._refused.wait()
-        return self._refusal
-
     async def drain(self, timeout_ms: int = limits.DRAIN_TIMEOUT_MS_DEFAULT) -> None:
         """Leave gracefully: no new allocations here, reads served for timeout_ms, then unmount.
 
@@ -458,15 +449,16 @@ class Node:
         """Log a failed attempt of the master link: the first, then at most one every
         LINK_FAILURE_LOG_INTERVAL_S (a node started before its master retries every 2 s, for as
         long as it takes). A refusal over the cluster token is recorded for wait_mounted and
-        wait_refused, and logged at once, once until the next mount: it had to wait for the
-        slot of the "Connection refused" of the master's restart before it (30 s)."""
-        if isinstance(exc, Unauthorized):  # no retry mends it: `kvpool node` exits on it
+        /health, and logged at once when it is news: it had to wait for the slot of the
+        "Connection refused" of the master's restart before it (30 s)."""
+        if isinstance(exc, Unauthorized):
             is_news = self._refusal is None
             self._refusal = self._refusal_of(exc)
             self._refused.set()
             if is_news:
+                self._failure_logged_s = time.monotonic()
                 log.error("%s", self._refusal)
-            return
+                return
         now_s = time.monotonic()
         if now_s - self._failure_logged_s < LINK_FAILURE_LOG_INTERVAL_S:
             return
@@ -480,8 +472,9 @@ class Node:
         side holds no token, or that the two differ; a node with a token is not refused by a
         master without one, it refuses that master ("has no cluster token"), so the remedy
         names neither side as the one without."""
+        kept = " (it keeps its objects and retries)" if self._mounted_once else ""
         return Unauthorized(
-            f"node {self.node_id} cannot mount on the master at {self.config.master_endpoint}: {exc} "
+            f"node {self.node_id} cannot mount on the master at {self.config.master_endpoint}{kept}: {exc} "
             "(the master and its nodes need the same cluster token: --token-file or KVPOOL_TOKEN_FILE)"
         )
 
@@ -543,6 +536,7 @@ class Node:
                 log.warning("node %s: %s; mounting every segment again", self.node_id, exc)
         inventory = self.inventory
         self._mounted.set()
+        self._mounted_once = True
         self._refusal = None
         self._refused.clear()
         self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S  # the next failure is news
@@ -733,8 +727,12 @@ class Node:
 
     def _health(self) -> dict[str, Any]:
         inventory = self._inventory
+        status = "ok" if self._state in (NodeState.SERVING, NodeState.DRAINING) else "down"
+        if status == "ok" and self._refusal is not None:
+            status = "refused"  # by its master, over the cluster token: not serving the cluster
         return {
-            "status": "ok" if self._state in (NodeState.SERVING, NodeState.DRAINING) else "down",
+            "status": status,
+            "refusal": str(self._refusal or ""),
             "state": self._state.value,
             "node_id": self.node_id,
             "segment_id": self._segment_id,
