@@ -28,6 +28,7 @@ from kvpool.master.server import MasterServer
 from kvpool.protocol import auth
 from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
+    AuthChallenge,
     CountReply,
     ErrorReply,
     ExistKeys,
@@ -37,6 +38,7 @@ from kvpool.protocol.messages import (
     LongestPrefix,
 )
 from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.connection import connect
 
 TOKEN = "blocking-test-token"
 
@@ -114,6 +116,40 @@ def test_a_token_that_does_not_match_is_refused_either_way() -> None:
     with master_on_a_thread(None) as endpoint:
         with pytest.raises(Unauthorized):  # a token, and a server that has none to prove
             BlockingConnection.open(endpoint, key=auth.cluster_key(TOKEN), timeout_ms=2_000, prefer_local=False)
+
+
+def test_a_handshake_answered_with_an_error_no_server_sends_is_a_connect_failure_in_both_shells(capfd) -> None:
+    """A relay (or a broken peer) that answers a client's proof with an error other than the
+    refusal of its token: the client of either shell fails to connect (ConnectFailed, which
+    callers retry), where the event loop's printed a "Fatal error on transport" traceback."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def answer_with_an_error() -> None:
+        for _ in range(2):  # once per shell
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(encode_frame(AuthChallenge(os.urandom(32), True, ""), 0))
+                conn.recv(4096)  # the client's proof
+                conn.sendall(encode_frame(ErrorReply(int(ErrorCode.INTERNAL_ERROR), "no such luck"), 0, is_reply=True))
+                conn.recv(4096)  # until the client closes
+
+    thread = threading.Thread(target=answer_with_an_error, daemon=True)
+    thread.start()
+    key = auth.cluster_key(TOKEN)
+    try:
+        with pytest.raises(ConnectFailed, match="answered the handshake with error"):
+            BlockingConnection.open(endpoint, key=key, timeout_ms=2_000, prefer_local=False)
+
+        async def connect_async() -> None:
+            with pytest.raises(ConnectFailed, match="answered the handshake with error"):
+                await connect(endpoint, key=key, timeout_ms=2_000)
+
+        uvloop.run(connect_async())
+    finally:
+        listener.close()
+        thread.join(10)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_is_usable_sees_a_peer_that_closed_without_waiting() -> None:

@@ -29,7 +29,7 @@ import hmac
 import os
 
 from kvpool import limits
-from kvpool.errors import ErrorCode, KVPoolError, Unauthorized, error_from_code
+from kvpool.errors import ConnectFailed, ErrorCode, KVPoolError, Unauthorized, error_from_code
 from kvpool.protocol.frames import FrameSeal
 from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, ErrorReply, WriteGrant
 
@@ -97,7 +97,11 @@ class ClientHandshake:
         return AuthResponse(self._client_nonce, mac)
 
     def refused(self, reply: ErrorReply) -> KVPoolError:
-        """The server's refusal of this client's proof, as the error to raise (Unauthorized)."""
+        """The server's refusal of this client's proof, as the error to raise: Unauthorized;
+        ConnectFailed for an error a server never answers a handshake with (a relay's, or a
+        broken peer's: not worth a traceback, and a retry may find the real server)."""
+        if reply.code != ErrorCode.ILLEGAL_CLIENT:
+            return ConnectFailed(f"{self._peer} answered the handshake with error {reply.code}: {reply.message:.200}")
         return error_from_code(reply.code, f"{self._peer} refused the connection: {reply.message}")
 
     def check(self, ok: AuthOk) -> tuple[FrameSeal, FrameSeal] | None:

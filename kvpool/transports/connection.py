@@ -916,7 +916,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             if isinstance(message, ErrorReply) and self._handshake is not None:
                 raise self._handshake.refused(message)
-        except Unauthorized as exc:
+        except (Unauthorized, ConnectFailed) as exc:
             self._fail_handshake(exc)
             return
         raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
