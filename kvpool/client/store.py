@@ -86,6 +86,7 @@ from kvpool.protocol.messages import (
     WriteSlices,
 )
 from kvpool.transports import files
+from kvpool.transports.connection import LateReply
 from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
@@ -419,11 +420,16 @@ class AsyncStore:
         scheduler looks up, its workers load moments later; `hold_reads` is how many ranks
         load each object, all the TP ranks of an MLA model, which share its blocks).
         `timeout_ms`: the call's own bound on the master's answer (call_bound), shorter than
-        the RPC timeout for an engine's loop that waits on the lookup."""
+        the RPC timeout for an engine's loop that waits on the lookup; it bounds the whole
+        call, finding the master again and connecting included (_call_within).
+
+        Raises:
+            RpcTimeout: no answer within `timeout_ms`. ConnectFailed and the like, as any call.
+        """
         checked_args(hold_ms=(hold_ms, int), hold_reads=(hold_reads, int))
         bound = call_bound(timeout_ms)
         message = LongestPrefix(key_list(keys), hold_ms, hold_reads)
-        return prefix_count(await self._master.call(message, is_idempotent=True, timeout_ms=bound))
+        return prefix_count(await self._call_within(message, bound))
 
     async def get_size(self, key: str) -> int:
         """Raises ObjectNotFound."""
@@ -432,7 +438,7 @@ class AsyncStore:
     async def query(self, keys: Sequence[str], timeout_ms: int | None = None) -> QueryReply:
         """Each key's replicas. `timeout_ms`: as longest_prefix."""
         bound = call_bound(timeout_ms)
-        return query_reply(await self._master.call(QueryObjects(key_list(keys)), is_idempotent=True, timeout_ms=bound))
+        return query_reply(await self._call_within(QueryObjects(key_list(keys)), bound))
 
     async def remove(self, key: str, force: bool = False) -> None:
         """Raises ObjectNotFound, or ObjectHasLease while a reader holds it (unless force)."""
@@ -491,9 +497,38 @@ class AsyncStore:
     async def cluster_status(self, timeout_ms: int | None = None) -> ClusterStatusReply:
         """`timeout_ms`: as longest_prefix."""
         bound = call_bound(timeout_ms)
-        reply = await self._master.call(ClusterStatus(), is_idempotent=True, timeout_ms=bound)
+        reply = await self._call_within(ClusterStatus(), bound)
         assert isinstance(reply, ClusterStatusReply)
         return reply
+
+    async def _call_within(
+        self,
+        message: Message,
+        timeout_ms: int | None,
+        is_idempotent: bool = True,
+        late_reply: LateReply | None = None,
+    ) -> Message:
+        """The master's answer within `timeout_ms` (a call's own bound, call_bound) in all,
+        finding the master and connecting to it included: MasterLink.call grants a call a
+        connect timeout on top of its bound, and a lookup that had to find a killed leader's
+        successor took 2-3 s of an engine's lookup_timeout_ms of 1 s. None: MasterLink.call's
+        bound (the connect timeout, then the RPC timeout).
+
+        Raises:
+            RpcTimeout: no answer within `timeout_ms` (a connect under way goes on, for the
+                next call).
+            As MasterLink.call otherwise.
+        """
+        call = self._master.call(message, is_idempotent=is_idempotent, timeout_ms=timeout_ms, late_reply=late_reply)
+        if timeout_ms is None:
+            return await call
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                return await call
+        except TimeoutError:
+            raise RpcTimeout(
+                f"{type(message).__name__}: no answer from the master within the call's bound ({timeout_ms} ms)"
+            ) from None
 
     # --- phases (also driven by the sync Store) ---------------------------------------------
 
@@ -782,12 +817,14 @@ class AsyncStore:
         targets: Sequence[list[memoryview] | None],
         starts: Sequence[int | None] | None,
         piece: tuple[int, int] | None = None,
+        bounds_file_reads: bool = False,
     ) -> GetJob:
         """The get of `keys` the master's GetReplicaList answer describes (a lease taken at
         `lease_start_ms` or later); with `piece` (start, end), of keys[start:end] (their
         targets and starts likewise). Its reads over TCP end within one transfer timeout from
         `lease_start_ms`, all replicas together, however long the lease: within the sync
-        Store's bound on a call. Any thread: the sync Store builds it in the caller's."""
+        Store's bound on a call; with `bounds_file_reads` (the sync Store's), its reads of
+        object files here too (GetJob). Any thread: the sync Store builds it in the caller's."""
         assert isinstance(reply, GetReplicaListReply)
         if piece is not None:
             start, end = piece
@@ -796,7 +833,7 @@ class AsyncStore:
         span = self.buffers.view if starts is not None else None
         return GetJob(
             reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span,
-            self.slow_nodes.is_slow, lease_start_ms + self.config.transfer_timeout_ms,
+            self.slow_nodes.is_slow, lease_start_ms + self.config.transfer_timeout_ms, bounds_file_reads,
         )  # fmt: skip
 
     async def _read_remote(self, job: GetJob) -> None:

@@ -3,8 +3,12 @@
 Every process has one loop thread (started on first use) that runs all its Stores' I/O. A call
 submits its network phases there and waits with a bound; the same-host memcpy and checksum
 work of a put or get runs in the caller's own thread, so that many threads copy in parallel
-and the loop only does I/O. The methods mirror AsyncStore's one for one (see there for
-semantics); nothing here decides anything on its own.
+and the loop only does I/O. A get's reads of object files here (disk and DFS replicas) run
+on file-reading threads within the get's deadline, and only the caller's thread copies what
+they read into its buffers: a read stuck on a hung mount never holds the caller's thread,
+nor writes its buffers after the call returned (GetJob._read_files_apart). The methods
+mirror AsyncStore's one for one (see there for semantics); nothing here decides anything on
+its own.
 
 Requests to the master take a shorter way: each caller thread keeps a blocking connection of
 its own to the master the loop is connected to (transports/blocking.py) and asks there,
@@ -507,18 +511,26 @@ class Store:
         master did not see the request there (see the module and _DirectLinks.ask).
         `late_reply`: given the reply if it comes after the call timed out, either way (on a
         thread of its own, or on the loop: it must not raise). `timeout_ms` (checked:
-        call_bound): the call's own bound, both ways together, instead of the RPC timeout."""
+        call_bound): the call's own bound, both ways together and connecting included,
+        instead of the RPC timeout (and a connect timeout).
+
+        Raises:
+            RpcTimeout: no answer within `timeout_ms` (or the RPC timeout).
+            As _DirectLinks.ask and MasterLink.call otherwise.
+        """
         self._check_open()
         started = time.monotonic()
         reply = self._direct.ask(message, is_idempotent, late_reply, timeout_ms)
-        if reply is None:
-            if timeout_ms is not None:  # what the direct try left of it
-                timeout_ms = max(1, timeout_ms - int((time.monotonic() - started) * 1000))
-            call = self._async._master.call(
-                message, is_idempotent=is_idempotent, late_reply=late_reply, timeout_ms=timeout_ms
-            )
-            reply = self._run(call, timeout_ms)
-        return reply
+        if reply is not None:
+            return reply
+        if timeout_ms is None:
+            call = self._async._master.call(message, is_idempotent=is_idempotent, late_reply=late_reply)
+            return self._run(call)
+        # What the direct try left of the bound, for the loop to find the master again and ask:
+        # each used to have a bound of its own, and the loop's a connect timeout more (2-3 s
+        # for a lookup of 1 s after a leader was killed).
+        left_ms = max(1, timeout_ms - int((time.monotonic() - started) * 1000))
+        return self._run(self._async._call_within(message, left_ms, is_idempotent, late_reply), left_ms)
 
     def close(self) -> None:
         """Close every connection; a later call raises StoreClosed. Idempotent.
@@ -896,7 +908,7 @@ class Store:
         lease_start_ms = now_monotonic_ms()
         lookup = GetReplicaList(key_list(keys))
         reply = self._ask(lookup, late_reply=functools.partial(async_store._give_back_late_leases, lookup.keys))
-        job = async_store._get_job(reply, lease_start_ms, keys, targets, starts)
+        job = async_store._get_job(reply, lease_start_ms, keys, targets, starts, bounds_file_reads=True)
         job.copy_local()
         return self._got([job], len(keys) >= GET_PIECES_FROM_KEYS)
 
@@ -914,7 +926,9 @@ class Store:
         answered: list[GetJob] = []
 
         def found(index: int, reply: Message) -> None:
-            job = jobs[index] = async_store._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
+            job = jobs[index] = async_store._get_job(
+                reply, lease_start_ms, keys, targets, starts, pieces[index], bounds_file_reads=True
+            )
             answered.append(job)
             job.copy_local()
 

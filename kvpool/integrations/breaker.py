@@ -14,6 +14,8 @@ the breaker opens: for `lookup_backoff_ms_min` every lookup answers a miss witho
 then one lookup probes, and each probe that fails doubles the window, up to
 `lookup_backoff_ms_max`; one that succeeds closes the breaker. It logs once when it opens and
 once when it closes. An error the master answered with (a bad key, say) leaves it closed.
+It adds no wait of its own: a lookup it lets through takes `lookup_timeout_ms` at most,
+finding the master again included (the Store's `timeout_ms` bounds the whole call).
 
 Not a retry policy, and not for loads and saves: those run off the engine's loop, under the
 transfer timeout, and a failed one is a recompute or a future miss.
