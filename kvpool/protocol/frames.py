@@ -30,10 +30,11 @@ control message and of its place in that direction's sequence (`FrameSeal`; the 
 connection's own, protocol/auth.py `frame_seals`). A frame altered, injected, replayed, dropped
 or reordered on the way fails the check, and the connection closes. The payload is not in the
 MAC: it is object data, whose checksum (xxh3, in the sealed control messages of the put's
-put_end and of every lookup) is verified on every read, so payload bytes changed on the way read
-as a checksum mismatch (a miss), never as the object; and a MAC of every payload byte would
-cost the TCP path three quarters of its speed (keyed BLAKE2b hashes ~0.9 GB/s on this project's
-VM, where TCP puts move ~2.8 GB/s; ad hoc).
+put_end and of every lookup) every read verifies. That catches bytes that rot, not a relay that
+computes replacement bytes of the same checksum (xxh3 is no MAC: a review forged objects so):
+the payload's own tag (Poly1305, keyed per frame) is not built yet (docs/operations.md
+"Security"). Keyed BLAKE2b over every payload byte would cost the TCP path three quarters of its
+speed (~0.9 GB/s on this project's VM, where TCP puts move ~2.8 GB/s; ad hoc).
 """
 
 from __future__ import annotations
