@@ -28,10 +28,13 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # (LongestPrefix.hold_reads: a master of version 6 would end an MLA block's hold at the first
 # of the TP ranks that read it). 8: ReleaseLeases' keys in one bounded list with a count per
 # grant time (its list of lists let one frame hold 15 million keys). 9: frames after a handshake
-# with a token carry a tag (frames.FLAG_SEALED): a peer of version 8 sends none, and is refused.
+# with a token carry a tag (frames.FLAG_SEALED), and their payloads one more: a peer of version 8
+# sends none, and is refused.
 FRAME_VERSION = 9
-# The tag that ends a sealed frame's control message (frames.FrameSeal): 128 bits.
+# The tag that ends a sealed frame's control message (frames.FrameSeal), and the one that
+# follows its payload, if any (Poly1305): 128 bits each.
 FRAME_TAG_SIZE_BYTES = 16
+PAYLOAD_TAG_SIZE_BYTES = 16
 # A control message is metadata only (keys, offsets, codes); 72 MiB holds a batch of 16,384
 # maximal keys with what each carries (asserted below: 64 MiB was the keys alone, and such a
 # batch failed with LocalProtocolError), and bounds what a malicious peer can make us buffer.

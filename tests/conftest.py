@@ -20,7 +20,7 @@ import pytest
 import kvpool
 from kvpool import limits
 from kvpool.cli.launcher import DEPLOYMENT_VARIABLES, LocalCluster
-from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame
+from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame, payload_tag
 from kvpool.protocol.messages import AuthChallenge, AuthOk
 
 # Masters started by tests check every structure after every request (STYLE.md).
@@ -197,8 +197,9 @@ def pytest_unconfigure(config) -> None:
 def sealed_by_hand(seal: FrameSeal | None, frame: bytes) -> bytes:
     """A frame built by hand (a header and control message, then any payload) as the next
     frame of a connection sealed with `seal` (protocol/frames.py FrameSeal): its tag after its
-    control message. Unchanged without a seal. For raw peers that must get past the tag check
-    to test what comes after it."""
+    control message, and its payload's after the payload (as much of it as `frame` holds).
+    Unchanged without a seal. For raw peers that must get past the tag checks to test what
+    comes after them."""
     if seal is None:
         return frame
     header = struct.Struct(limits.FRAME_HEADER_FMT)
@@ -206,4 +207,8 @@ def sealed_by_hand(seal: FrameSeal | None, frame: bytes) -> bytes:
     end = header.size + control_size
     head = header.pack(magic, version, flags | FLAG_SEALED, request_id, control_size + limits.FRAME_TAG_SIZE_BYTES,
                        payload_size) + frame[header.size : end]  # fmt: skip
-    return head + seal.tag(head) + frame[end:]
+    sealed = head + seal.tag(head)
+    if not payload_size:
+        return sealed + frame[end:]
+    payload = frame[end:]
+    return sealed + payload + payload_tag(seal.payload_mac(), [payload])

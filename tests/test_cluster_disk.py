@@ -83,23 +83,26 @@ def only_on_disk(make_cluster, tmp_path: Path, key: str, data: bytes):
     return cluster
 
 
-def test_dram_filled_past_the_watermark_is_read_back_from_disk_by_another_client(make_cluster, tmp_path):
-    cluster = make_cluster(0, "8MiB")
+@pytest.mark.parametrize("token", ["", "disk-tier-token"], ids=["no-token", "token"])
+def test_dram_filled_past_the_watermark_is_read_back_from_disk_by_another_client(make_cluster, tmp_path, token):
+    """With a token, the disk replies' payloads (sent with sendfile) carry their tag too, made
+    by the sending thread from the files (transports/files.py payload_tag_of)."""
+    cluster = make_cluster(0, "8MiB", token=token or None)
     cluster.start_nodes([disk_args(tmp_path / f"disk{index}") for index in range(2)])
     values = values_for("fill", 96, OBJECT_SIZE)  # 24 MiB through 16 MiB of DRAM
-    with Store(cluster.master_endpoint) as writer:
+    with Store(cluster.master_endpoint, token=token) as writer:
         for key, value in values.items():
             writer.put(key, value)
         # The tick's watermark eviction brings DRAM below 0.90 by moving objects to disk.
         wait_until(lambda: tiers_of(writer)["dram"]["used_bytes"] <= 0.9 * 16 * 1024 * 1024)
-    with Store(cluster.master_endpoint, shm_enabled=False) as reader:  # TCP only
+    with Store(cluster.master_endpoint, shm_enabled=False, token=token) as reader:  # TCP only
         assert reader.get_batch(list(values)) == list(values.values())
         tiers = tiers_of(reader)
         assert tiers["disk"]["object_count"] >= 96 - 64
         assert tiers["disk"]["offloads"] == tiers["dram"]["evictions"] >= 32
         assert tiers["disk"]["hits"] >= 32 and tiers["dram"]["hits"] + tiers["disk"]["hits"] >= 96
         assert tiers["disk"]["capacity_bytes"] == 2 * 64 * 1024 * 1024
-    stat = kvpool_cli("stat", "--json", "--master", cluster.master_endpoint)
+    stat = kvpool_cli("stat", "--json", "--master", cluster.master_endpoint, env={"KVPOOL_TOKEN": token})
     assert stat.returncode == 0, stat.stderr.decode()
     assert {t["tier"] for t in json.loads(stat.stdout)["tiers"]} == {"dram", "disk", "dfs"}
     assert master_metric(cluster, 'kvpool_master_tier_offloads_total{tier="disk"}') >= 32

@@ -46,7 +46,7 @@ from kvpool.node.clock import CLOCK_OFFSET_SAMPLES_MAX, MasterClock, wall_clock_
 from kvpool.node.segment import Segment, remove_stale_segments
 from kvpool.node.server import Node, NodeState
 from kvpool.protocol import auth
-from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame
+from kvpool.protocol.frames import NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame, payload_tag
 from kvpool.protocol.messages import (
     AuthChallenge,
     AuthResponse,
@@ -258,6 +258,11 @@ class RawPeer:
 
     def sealed(self, frame: bytes) -> bytes:
         return sealed_by_hand(self._seal, frame)
+
+    def payload_mac(self):
+        """The MAC of the payload of the frame `frame` made last."""
+        assert self._seal is not None
+        return self._seal.payload_mac()
 
     async def read_frame(self) -> Frame:
         return await read_frame(self.reader, self._decoder)
@@ -556,7 +561,8 @@ def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
             # A payload whose size differs from its items is refused with a reply; the payload
             # is discarded and the connection stays usable.
             peer = await raw_connect(node.endpoint)
-            peer.writer.write(peer.frame(WriteSlices([WriteItem(free_grant, 0, 100)]), 3, payload_size=50) + bytes(50))
+            short_write = peer.frame(WriteSlices([WriteItem(free_grant, 0, 100)]), 3, payload_size=50)
+            peer.writer.write(short_write + bytes(50) + payload_tag(peer.payload_mac(), [bytes(50)]))
             refusal = await peer.read_frame()
             assert isinstance(refusal.message, ErrorReply), refusal
             assert refusal.message.code == ErrorCode.INVALID_PARAMS
@@ -594,6 +600,37 @@ def test_malformed_frames_close_only_that_connection(tmp_path: Path) -> None:
             assert bytes(node.segment.data[8192 : 8192 + 100]) == bytes(100)
             assert node.inventory.entries() == [entry("stored", 0, stored)]
             good.close()
+
+    run(main)
+
+
+def test_a_write_whose_payload_was_changed_on_the_way_is_never_answered(tmp_path: Path) -> None:
+    """A relay that changes a write's payload (its frame's tag does not cover it, and xxh3
+    checksums can be forged to match): the payload's own tag fails, and the node closes the
+    connection without answering the write, so its writer revokes the put rather than commit
+    it (a put_end follows only writes answered OK); the same write unchanged is taken."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as (master, node):
+            data = os.urandom(70_000)
+            changed = bytearray(data)
+            changed[1234] ^= 0x01
+            for payload, offset in ((bytes(changed), 0), (data, 131_072)):
+                peer = await raw_connect(node.endpoint)
+                grant = grant_for(node, offset, len(data))
+                write = peer.frame(WriteSlices([WriteItem(grant, 0, len(data))]), 3, payload_size=len(data))
+                tag = payload_tag(peer.payload_mac(), [data])  # made by the writer, over what it wrote
+                peer.writer.write(write + payload + tag)
+                if payload is data:
+                    reply = await peer.read_frame()
+                    assert isinstance(reply.message, CodesReply) and reply.message.codes == [0], reply
+                else:
+                    assert await is_closed_by_peer(peer.reader)
+                peer.writer.close()
+            assert await master.commit(node.segment_id, [entry("taken", 131_072, data)]) == [0]
+            reader = await connect(node.endpoint, key=KEY)
+            assert await read(reader, node.segment_id, 131_072, len(data)) == data
+            reader.close()
 
     run(main)
 

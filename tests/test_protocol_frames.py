@@ -34,6 +34,7 @@ from kvpool.protocol.frames import (
     encode_frame,
     is_slow_copy,
     payload_padding,
+    payload_tag,
 )
 from kvpool.protocol.messages import (
     CodesReply,
@@ -305,19 +306,57 @@ def test_sealed_frames_decode_whole_and_byte_by_byte_padded_or_not_with_their_pa
     plain = encode_frame(GetReplicaList(["a", "b"]), 1, seal=seal)
     padded = encode_frame(ReadReply(len(payload)), 2, is_reply=True, payload_size=len(payload),
                           payload_source=16, seal=seal)  # fmt: skip
+    tag = payload_tag(seal.payload_mac(), [payload[:100], payload[100:]])
+    assert len(tag) == limits.PAYLOAD_TAG_SIZE_BYTES
     assert _flags(plain) & FLAG_SEALED and _flags(padded) & FLAG_SEALED and _flags(padded) & FLAG_PADDED
     assert not is_slow_copy(16, len(padded)), "the padding counts the tag"
     sink = bytearray(len(payload))
     events = []
-    for byte in plain + padded + payload:
+    wire = plain + padded + payload + tag
+    for byte in wire[:-1]:
         decoder.receive_data(bytes([byte]))
         events += drain(decoder, lambda frame: [memoryview(sink)])
     assert events == [
         Frame(1, False, GetReplicaList(["a", "b"]), 0),
         Frame(2, True, ReadReply(len(payload)), len(payload)),
-        PayloadDone(2),
     ]
+    decoder.receive_data(wire[-1:])  # the payload is done once its tag is in, and holds
+    assert drain(decoder) == [PayloadDone(2)]
     assert sink == payload
+
+
+@pytest.mark.parametrize("sinks", ["direct", "staged", "discarded"])
+def test_a_sealed_payload_changed_on_the_way_is_refused_before_it_is_done(sinks):
+    """Payload bytes are not in the frame's tag but in their own, after them: a payload a relay
+    changed (xxh3 checksums can be forged to match) fails it, landed straight in a sink,
+    through the staging buffer, or discarded, and no PayloadDone lets anyone act on it."""
+    size = 2 * DIRECT_SINK_BYTES_MIN
+    for changed in (False, True):
+        seal, decoder = _sealed_pair()
+        header = encode_frame(ReadReply(size), 7, is_reply=True, payload_size=size, seal=seal)
+        payload = bytearray(os.urandom(size))
+        tag = payload_tag(seal.payload_mac(), [payload])
+        if changed:
+            payload[size // 2] ^= 0x01
+        sink = bytearray(size)
+        decoder.receive_data(header)
+        assert drain(decoder, lambda frame: None if sinks == "discarded" else [memoryview(sink)]) == [
+            Frame(7, True, ReadReply(size), size)
+        ]
+        if sinks == "direct":  # as a socket's recv_into does
+            view = decoder.get_buffer()
+            assert len(view) == size, "the sink itself"
+            view[:] = payload
+            view.release()
+            decoder.buffer_updated(size)
+            decoder.receive_data(tag)
+        else:
+            decoder.receive_data(bytes(payload) + tag)
+        if changed:
+            with pytest.raises(RemoteProtocolError, match="payload whose tag does not hold"):
+                drain(decoder)
+        else:
+            assert drain(decoder) == [PayloadDone(7)]
 
 
 def _refused(decoder: FrameDecoder, wire: bytes, why: str) -> None:

@@ -47,6 +47,7 @@ from kvpool.protocol.frames import (
     PayloadDone,
     buffer_address,
     encode_frame,
+    payload_tag,
 )
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ErrorReply, Message
 from kvpool.transports import same_host
@@ -364,7 +365,10 @@ class BlockingConnection:
         if self._socket is None:
             raise ConnectFailed(f"connection to {self.peer} is closed")
         self._unanswered.add(request_id)  # a failure to send closes the connection, and forgets it
-        return request_id, [part for part in (memoryview(header), *payload) if len(part)]
+        parts = [memoryview(header), *payload]
+        if self._seal is not None and size:
+            parts.append(memoryview(payload_tag(self._seal.payload_mac(), payload)))
+        return request_id, [part for part in parts if len(part)]
 
     def send_some(self, parts: list[memoryview]) -> list[memoryview]:
         """Send what the socket takes now, without waiting: the parts not sent yet (none once

@@ -64,6 +64,7 @@ from kvpool.protocol.frames import (
     PayloadDone,
     buffer_address,
     encode_frame,
+    payload_tag,
 )
 from kvpool.protocol.messages import (
     AuthChallenge,
@@ -517,6 +518,12 @@ class Connection(asyncio.BufferedProtocol):
                     await asyncio.sleep(0.001)
                 if self.is_closed():
                     return
+                if type(parts[-1]) is files.PayloadTagOwed:  # read from the files: on a thread
+                    parts[-1] = await self._loop.run_in_executor(
+                        _file_senders.executor(), files.payload_tag_of, parts[-1].mac, parts[1:-1]
+                    )
+                    if self.is_closed():
+                        return
                 sock = transport.get_extra_info("socket")
                 self._sender_fd = os.dup(sock.fileno())
                 try:
@@ -575,7 +582,7 @@ class Connection(asyncio.BufferedProtocol):
             await asyncio.shield(self._ready)
         if self.is_closed() or self._transport is None:
             raise RpcFailed(f"connection to {self.peer} is closed: {self.close_reason}")
-        self._write_frame([self._header(message, request_id, False, payload, landing), *payload])
+        self._write_frame(self._frame_parts(message, request_id, False, payload, landing))
         if self._write_paused:
             waiter = self._loop.create_future()
             self._drain_waiters.append(waiter)
@@ -848,11 +855,25 @@ class Connection(asyncio.BufferedProtocol):
         if self.is_closed():
             files.close_parts(payload)
         else:
-            self._write_frame([self._header(message, request_id, True, payload, landing), *payload])
+            self._write_frame(self._frame_parts(message, request_id, True, payload, landing))
             if self._busy_poll is not None:
                 self._busy_poll.replied(request, message)
         if then is not None:
             then()
+
+    def _frame_parts(
+        self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None
+    ) -> list:
+        """What `_write_frame` sends of a frame: its header, its payload and, sealed, the
+        payload's tag (or what the file-sending thread makes it from: PayloadTagOwed)."""
+        parts = [self._header(message, request_id, is_reply, payload, landing), *payload]
+        if self._seal is not None and payload:
+            mac = self._seal.payload_mac()
+            if any(type(part) is FileRange for part in payload):
+                parts.append(files.PayloadTagOwed(mac))
+            else:
+                parts.append(payload_tag(mac, payload))  # type: ignore[arg-type]
+        return parts
 
     def _header(
         self, message: Message, request_id: int, is_reply: bool, payload: Payload, landing: int | None

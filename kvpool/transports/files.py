@@ -41,6 +41,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
 from kvpool import limits
 from kvpool.checksums import checksum_of, copy_bytes
 from kvpool.errors import (
@@ -54,7 +56,7 @@ from kvpool.errors import (
     map_exceptions,
 )
 from kvpool.protocol import objectfile
-from kvpool.protocol.frames import PAGE_BYTES, buffer_address, is_slow_copy
+from kvpool.protocol.frames import PAGE_BYTES, buffer_address, is_slow_copy, payload_tag
 from kvpool.protocol.messages import FilesystemReport
 from kvpool.protocol.objectfile import ObjectHeader, TierIdentity
 
@@ -99,6 +101,13 @@ class FileRange(NamedTuple):
 
 
 Part = bytes | bytearray | memoryview | FileRange
+
+
+class PayloadTagOwed(NamedTuple):
+    """In place of the tag that follows a sealed payload holding file ranges, until the thread
+    that sends the frame reads them (payload_tag_of): the loop does not read files."""
+
+    mac: Poly1305
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -251,6 +260,30 @@ def _read_through_bounce(fd: int, view: memoryview, position: int) -> None:
         count = _read_some(fd, bounce[at : at + min(BOUNCE_BUFFER_BYTES, len(view) - done)], position + done)
         copy_bytes(bounce[at : at + count], view[done : done + count])
         done += count
+
+
+def payload_tag_of(mac: Poly1305, payload: Sequence[Part]) -> bytes:
+    """frames.payload_tag of a payload that holds file ranges: their bytes read through this
+    thread's bounce buffer (the page cache keeps them for the sendfile that follows). Blocks:
+    a sending thread's (Connection._send_file_frames).
+
+    Raises:
+        TransferFailed: a file could not be read.
+    """
+    bounce = getattr(_bounce, "buffer", None)
+    if bounce is None:
+        bounce = _bounce.buffer = memoryview(mmap.mmap(-1, BOUNCE_BUFFER_BYTES + PAGE_BYTES))
+    for part in payload:
+        if not isinstance(part, FileRange):
+            mac.update(part)
+            continue
+        done = 0
+        with map_exceptions(_READ_ERRORS):
+            while done < part.size:
+                count = _read_some(part.fd, bounce[: min(BOUNCE_BUFFER_BYTES, part.size - done)], part.offset + done)
+                mac.update(bounce[:count])
+                done += count
+    return payload_tag(mac, ())
 
 
 def read_object_into(path: str | Path, key: str, size_bytes: int, views: Sequence[memoryview]) -> None:
