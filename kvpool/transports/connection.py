@@ -867,7 +867,7 @@ class Connection(asyncio.BufferedProtocol):
         """What `_write_frame` sends of a frame: its header, its payload and, sealed, the
         payload's tag (or what the file-sending thread makes it from: PayloadTagOwed)."""
         parts = [self._header(message, request_id, is_reply, payload, landing), *payload]
-        if self._seal is not None and payload:
+        if self._seal is not None and _payload_size(payload):  # as the header says: parts may be empty
             mac = self._seal.payload_mac()
             if any(type(part) is FileRange for part in payload):
                 parts.append(files.PayloadTagOwed(mac))
