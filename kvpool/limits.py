@@ -118,7 +118,8 @@ PUT_RELEASE_TIMEOUT_MS_DEFAULT = 600_000
 # plus this, not the release timeout: those writes go through nodes, which take no byte past a
 # grant's expiry by the master's clock (node/clock.py errs early) and close the connection then;
 # this covers a node's loop stalled past that moment with bytes already in its socket, which
-# land before the timer that closes it runs. (A same-host writer copies into the mapped segment
+# land before the timer that closes it runs, and a step forward of the master's wall clock of
+# up to as much (its nodes see it at their next heartbeat). (A same-host writer copies into the mapped segment
 # itself, and nothing stops one that stalled mid-copy: a discarded put keeps the release timeout.)
 REVOKED_WRITES_FENCE_MARGIN_MS = 30_000
 EVICT_WATERMARK_RATIO_HIGH_DEFAULT = 0.90

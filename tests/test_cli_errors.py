@@ -233,8 +233,9 @@ def test_a_node_refused_once_mounted_keeps_its_objects_says_so_and_mounts_again(
     before, retried forever saying "ok" on /health (before 2026-12-07), then exited 1 at once,
     which lost every object it held: and a refusal comes before the master proved the token,
     so a relay could make every node exit with one changed frame (docs/operations.md
-    "Security"). It now logs the refusal at once, answers /health 503 "refused", keeps its
-    segment, and mounts again with its objects once its master holds its token again."""
+    "Security"). It now logs the refusal at once, says "refused" on /health (200: a liveness
+    probe must not restart it) and on /ready (503), keeps its segment, and mounts again with
+    its objects once its master holds its token again."""
     first_token = "the-first-cluster-token-0123456789abcdef"
     cluster = make_cluster(0, token=first_token)
     token_file = tmp_path / "first-token"
@@ -252,7 +253,7 @@ def test_a_node_refused_once_mounted_keeps_its_objects_says_so_and_mounts_again(
     try:
         wait_until(lambda: ready.exists() or node.poll() is not None, 30)
         assert ready.exists(), log_path.read_text()
-        health_url = f"http://{json.loads(ready.read_text())['metrics_endpoint']}/health"
+        http = f"http://{json.loads(ready.read_text())['metrics_endpoint']}"
         values = {f"kept/{i}": os.urandom(5000) for i in range(10)}
         with Store(cluster.master_endpoint, token=first_token) as store:
             store.put_batch(list(values), list(values.values()))
@@ -261,15 +262,16 @@ def test_a_node_refused_once_mounted_keeps_its_objects_says_so_and_mounts_again(
         cluster.start_master()  # on the same port
         assert wait_until(lambda: "wrong cluster token" in log_path.read_text(), 10), log_path.read_text()
 
-        def health() -> tuple[int, dict]:
+        def answer(path: str) -> tuple[int, dict]:
             try:
-                with urllib.request.urlopen(health_url, timeout=5) as answer:
-                    return answer.status, json.loads(answer.read())
+                with urllib.request.urlopen(http + path, timeout=5) as reply:
+                    return reply.status, json.loads(reply.read())
             except urllib.error.HTTPError as error:
                 return error.code, json.loads(error.read())
 
-        code, body = health()
-        assert code == 503 and body["status"] == "refused" and "wrong cluster token" in body["refusal"], body
+        for path, code in (("/health", 200), ("/ready", 503)):
+            got, body = answer(path)
+            assert got == code and body["status"] == "refused" and "wrong cluster token" in body["refusal"], body
         time.sleep(3)  # retrying meanwhile: still there, said once
         assert node.poll() is None and ready.exists() and list(shm_dir.iterdir())
         refusals = [line for line in log_path.read_text().splitlines() if "wrong cluster token" in line]
@@ -279,7 +281,7 @@ def test_a_node_refused_once_mounted_keeps_its_objects_says_so_and_mounts_again(
         cluster.start_master()
         with Store(cluster.master_endpoint, token=first_token) as store:
             assert wait_until(lambda: store.get_batch(list(values)) == list(values.values()), 15)
-        assert health()[0] == 200
+        assert answer("/ready") == (200, answer("/health")[1])
         assert "Traceback" not in log_path.read_text()
     finally:
         _end(node)

@@ -1,4 +1,4 @@
-"""A node's HTTP surface: GET /metrics (Prometheus text) and GET /health (JSON).
+"""A node's HTTP surface: GET /metrics (Prometheus text), GET /health and GET /ready (JSON).
 
 Apart from node/metrics.py because it brings aiohttp, a seventh of a second of every start: a
 node imports it only when a metrics port is configured (not in tests' clusters, nor in a node
@@ -19,7 +19,7 @@ from kvpool.transports.http import serve_http
 
 
 class MetricsServer:
-    """aiohttp server for GET /metrics (Prometheus text) and GET /health (JSON)."""
+    """aiohttp server for GET /metrics (Prometheus text), GET /health and GET /ready (JSON)."""
 
     def __init__(self, metrics: NodeMetrics, health: Callable[[], dict[str, Any]]) -> None:
         self._metrics = metrics
@@ -32,6 +32,7 @@ class MetricsServer:
         app = web.Application()
         app.router.add_get("/metrics", self._get_metrics)
         app.router.add_get("/health", self._get_health)
+        app.router.add_get("/ready", self._get_ready)
         runner, bound_port = await serve_http(app, host, port, "--metrics-port")
         self._runner = runner
         self.endpoint = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
@@ -46,8 +47,15 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _get_health(self, request: web.Request) -> web.Response:
-        """200 while the node serves the cluster; 503 when it does not (starting, stopping, or
-        refused by its master over the cluster token), for probes that read only the code."""
+        """200 while the process answers: a liveness probe's. Its `status` says whether the node
+        serves the cluster; a probe that restarted a node its master refused (a forged refusal
+        too) would lose every object the node held: a restarted node refused exits."""
+        return web.Response(text=json.dumps(self._health()), content_type="application/json")
+
+    async def _get_ready(self, request: web.Request) -> web.Response:
+        """The same JSON; 200 while the node serves the cluster (`status` "ok"), else 503
+        (starting, stopping, refused by its master over the cluster token): a readiness probe's
+        or an alert's, never a reason to restart the node."""
         health = self._health()
         status = 200 if health["status"] == "ok" else 503
         return web.Response(text=json.dumps(health), status=status, content_type="application/json")
