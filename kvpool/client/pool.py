@@ -76,6 +76,10 @@ class PeerPool(_ClosedForGood):
         self._connect_timeout_ms = connect_timeout_ms
         self._conns: dict[str, list[Connection]] = {}
         self._opening: set[asyncio.Task[Connection]] = set()  # connects under way, ended by close()
+        # Per endpoint, the connect under way that the calls finding too few connections share
+        # (`_one_more`): a burst of 360 gets on an empty pool opened 360 connections to one
+        # node, whose oldest handshakes past 256 were closed, and their gets missed.
+        self._adding: dict[str, asyncio.Task[None]] = {}
 
     def __repr__(self) -> str:
         return f"<PeerPool {sum(len(c) for c in self._conns.values())} connections>"
@@ -90,21 +94,59 @@ class PeerPool(_ClosedForGood):
         """
         self._check_usable()
         count = max(1, min(count, self._size))
-        conns = self._conns.setdefault(endpoint, [])
-        conns[:] = [c for c in conns if not c.is_closed()]  # in place: shared by concurrent calls
-        while len(conns) < count:
+        for _ in range(count - len(self._live(endpoint))):
             try:
-                conn = self._kept(await self._open(endpoint, timeout_ms))
+                await self._one_more(endpoint, timeout_ms)
             except ConnectFailed:
-                if conns:
+                if self._live(endpoint):
                     break
                 raise
-            # Another call may have filled the pool while this one connected.
-            if len(conns) >= self._size:
-                conn.close("pool full")
-                break
-            conns.append(conn)
+        conns = self._live(endpoint)
+        if not conns:  # opened, and closed by the peer at once
+            raise ConnectFailed(f"{endpoint} closed every connection opened to it")
         return sorted(conns, key=Connection.inflight_count)[:count]
+
+    def _live(self, endpoint: str) -> list[Connection]:
+        """The pool's open connections to `endpoint` (its list, the closed ones dropped)."""
+        conns = self._conns.setdefault(endpoint, [])
+        conns[:] = [c for c in conns if not c.is_closed()]  # in place: shared by concurrent calls
+        return conns
+
+    async def _one_more(self, endpoint: str, timeout_ms: int | None) -> None:
+        """One more connection to `endpoint` in the pool: the one being opened by another
+        call, else one opened now; waited for within `timeout_ms` (at most the connect
+        timeout) by each caller, the connect going on for the others.
+
+        Raises:
+            ConnectFailed, Unauthorized: not opened (in time).
+            StoreClosed: closed before or during the connect.
+        """
+        adding = self._adding.get(endpoint)
+        if adding is None or adding.done():
+            adding = self._adding[endpoint] = asyncio.get_running_loop().create_task(
+                self._add(endpoint, timeout_ms), name=f"kvpool connect {endpoint}"
+            )
+            # Its error is every waiting call's; retrieved here in case none waits any more.
+            adding.add_done_callback(lambda task: task.cancelled() or task.exception())
+        wait_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
+        try:
+            # shield and asyncio.timeout: as MasterLink._connection.
+            async with asyncio.timeout(wait_ms / 1000):
+                await asyncio.shield(adding)
+        except TimeoutError:
+            raise ConnectFailed(f"no connection to {endpoint} within {wait_ms} ms") from None
+        except asyncio.CancelledError:
+            if adding.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
+                raise StoreClosed("the store was closed during the call") from None
+            raise
+
+    async def _add(self, endpoint: str, timeout_ms: int | None) -> None:
+        conn = self._kept(await self._open(endpoint, timeout_ms))
+        conns = self._live(endpoint)
+        if len(conns) >= self._size:
+            conn.close("pool full")
+        else:
+            conns.append(conn)
 
     async def _open(self, endpoint: str, timeout_ms: int | None = None) -> Connection:
         """A new connection; StoreClosed if close() came during the connect, which it ends:
