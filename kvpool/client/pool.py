@@ -1,8 +1,9 @@
 """Pooled connections to peers: the master link and a few lanes per node.
 
 `PeerPool` keeps up to `connections_per_peer` authenticated connections per endpoint, opened
-on demand, and hands out the least busy one, so that a batch moves on several lanes at once.
-Dead connections are dropped and replaced on the next call. `MasterLink` is the client's single
+on demand (concurrent calls share each connect under way), and hands out the least busy one,
+so that a batch moves on several lanes at once. Dead connections are dropped and replaced on
+the next call. `MasterLink` is the client's single
 multiplexed connection to the master, re-opened when it breaks; given `etcd://...` it dials
 the elected leader (discovery.py) and follows a failover within the bound of each call.
 Neither retries a request on its own beyond what is said here: timeouts are the caller's.
