@@ -30,6 +30,20 @@ RPC_TIMEOUT_MS = 300
 SLACK_S = 0.3  # a loaded 2-core CI machine
 
 
+@pytest.fixture
+def attempts(monkeypatch) -> list[str]:
+    """The endpoints the client connects to, one entry a connect."""
+    made: list[str] = []
+    connect = pool.connect
+
+    async def counted_connect(endpoint, **kwargs):
+        made.append(endpoint)
+        return await connect(endpoint, **kwargs)
+
+    monkeypatch.setattr(pool, "connect", counted_connect)
+    return made
+
+
 def _frozen_master() -> socket.socket:
     return socket.create_server(("127.0.0.1", 0), backlog=64)  # never accept()s
 
@@ -47,16 +61,8 @@ async def _calls_took_s(link: MasterLink, count: int) -> list[float]:
         link.close()
 
 
-def test_concurrent_calls_share_one_connect_and_each_keeps_its_bound(monkeypatch):
+def test_concurrent_calls_share_one_connect_and_each_keeps_its_bound(attempts):
     """They queued on a lock, each redoing the connect: the Nth took N connect timeouts."""
-    attempts = []
-    connect = pool.connect
-
-    async def counted_connect(endpoint, **kwargs):
-        attempts.append(endpoint)
-        return await connect(endpoint, **kwargs)
-
-    monkeypatch.setattr(pool, "connect", counted_connect)
     with _frozen_master() as master:
         endpoint = f"127.0.0.1:{master.getsockname()[1]}"
         link = MasterLink(endpoint, None, CONNECT_TIMEOUT_MS, RPC_TIMEOUT_MS, prefer_local=False)
@@ -168,7 +174,7 @@ def test_a_call_cancelled_as_its_connect_completes_sends_nothing(run):
     assert conn.sent == []
 
 
-def test_a_burst_of_gets_on_a_new_store_opens_a_few_connections_to_a_node_not_one_each(make_cluster, monkeypatch):
+def test_a_burst_of_gets_on_a_new_store_opens_a_few_connections_to_a_node_not_one_each(make_cluster, attempts):
     """Calls that find too few connections to a node share the connect under way. A burst of
     360 gets on a new AsyncStore opened 360 connections to one node: past 256 handshakes at
     once the node closed the oldest, and their gets missed (a review's script, ad hoc); here,
@@ -180,14 +186,6 @@ def test_a_burst_of_gets_on_a_new_store_opens_a_few_connections_to_a_node_not_on
     with Store(cluster.master_endpoint) as writer:
         writer.put_batch(list(values), list(values.values()))
     node_endpoint = f"127.0.0.1:{cluster.nodes[0].info['endpoint'].rsplit(':', 1)[1]}"
-    attempts = []
-    connect = pool.connect
-
-    async def counted_connect(endpoint, **kwargs):
-        attempts.append(endpoint)
-        return await connect(endpoint, **kwargs)
-
-    monkeypatch.setattr(pool, "connect", counted_connect)
 
     async def burst() -> list[bytes | None]:
         async with await AsyncStore.open(cluster.master_endpoint, shm_enabled=False) as store:

@@ -15,7 +15,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
@@ -25,6 +26,7 @@ from kvpool.protocol.messages import Message
 from kvpool.transports.connection import Connection, LateReply, OnLanded, ReplySinks, connect
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class _ClosedForGood:
@@ -61,6 +63,36 @@ class _ClosedForGood:
         """Mark closed; whether the connections are this process's to close."""
         self._is_closed = True
         return self._opened_in == forks()
+
+    @staticmethod
+    def _shared_attempt(coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
+        """A connect that every call in want of it waits for (`_wait_for`), started now."""
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        # Its error is every waiting call's; retrieved here in case none waits any more.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return task
+
+    async def _wait_for(self, attempt: asyncio.Task[_T], wait_s: float, too_late: str) -> _T:
+        """`attempt`'s outcome, waited for `wait_s` at most by this call, the attempt going on for
+        the others.
+
+        Raises:
+            ConnectFailed: `too_late`, past `wait_s`; or the attempt's error.
+            StoreClosed: close() cancelled the attempt.
+        """
+        try:
+            # shield: a call that gives up (timeout, cancelled) leaves the attempt to the others.
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that comes in
+            # the loop step the connect completes, and the cancelled call sent its request.
+            async with asyncio.timeout(max(wait_s, 0.001)):
+                return await asyncio.shield(attempt)
+        except TimeoutError:
+            raise ConnectFailed(too_late) from None
+        except asyncio.CancelledError:
+            # close() cancelled the attempt, not this call's caller: say what happened.
+            if attempt.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
+                raise StoreClosed("the store was closed during the call") from None
+            raise
 
 
 class PeerPool(_ClosedForGood):
@@ -124,22 +156,11 @@ class PeerPool(_ClosedForGood):
         """
         adding = self._adding.get(endpoint)
         if adding is None or adding.done():
-            adding = self._adding[endpoint] = asyncio.get_running_loop().create_task(
-                self._add(endpoint, timeout_ms), name=f"kvpool connect {endpoint}"
+            adding = self._adding[endpoint] = self._shared_attempt(
+                self._add(endpoint, timeout_ms), f"kvpool connect {endpoint}"
             )
-            # Its error is every waiting call's; retrieved here in case none waits any more.
-            adding.add_done_callback(lambda task: task.cancelled() or task.exception())
         wait_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
-        try:
-            # shield and asyncio.timeout: as MasterLink._connection.
-            async with asyncio.timeout(wait_ms / 1000):
-                await asyncio.shield(adding)
-        except TimeoutError:
-            raise ConnectFailed(f"no connection to {endpoint} within {wait_ms} ms") from None
-        except asyncio.CancelledError:
-            if adding.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
-                raise StoreClosed("the store was closed during the call") from None
-            raise
+        await self._wait_for(adding, wait_ms / 1000, f"no connection to {endpoint} within {wait_ms} ms")
 
     async def _add(self, endpoint: str, timeout_ms: int | None) -> None:
         conn = self._kept(await self._open(endpoint, timeout_ms))
@@ -260,23 +281,9 @@ class MasterLink(_ClosedForGood):
             raise StoreClosed("the store is closed")
         opening = self._opening
         if opening is None or opening.done():
-            opening = self._opening = asyncio.get_running_loop().create_task(self._open(), name="kvpool master connect")
-            # Its error is every waiting call's; retrieved here in case none waits any more.
-            opening.add_done_callback(lambda task: task.cancelled() or task.exception())
-        wait_s = deadline - time.monotonic()
-        try:
-            # shield: a call that gives up (timeout, cancelled) leaves the attempt to the others.
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that comes in
-            # the loop step the connect completes, and the cancelled call sent its request.
-            async with asyncio.timeout(max(wait_s, 0.001)):
-                return await asyncio.shield(opening)
-        except TimeoutError:
-            raise ConnectFailed(f"no connection to the master {self.endpoint} within the call's bound") from None
-        except asyncio.CancelledError:
-            # close() cancelled the attempt, not this call's caller: say what happened.
-            if opening.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
-                raise StoreClosed("the store was closed during the call") from None
-            raise
+            opening = self._opening = self._shared_attempt(self._open(), "kvpool master connect")
+        too_late = f"no connection to the master {self.endpoint} within the call's bound"
+        return await self._wait_for(opening, deadline - time.monotonic(), too_late)
 
     async def _open(self) -> Connection:
         """Look the master up and connect, within connect_timeout_ms in all; the link's
