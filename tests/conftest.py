@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool import limits
+from kvpool import Store, limits
 from kvpool.cli.launcher import DEPLOYMENT_VARIABLES, LocalCluster
 from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame, payload_tag
 from kvpool.protocol.messages import AuthChallenge, AuthOk
@@ -58,6 +58,43 @@ def make_cluster() -> Iterator:
     yield make
     for cluster in clusters:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def _clusters_by_node_count():
+    """The module's shared clusters, started on first use and stopped at its end."""
+    with contextlib.ExitStack() as stack:
+        yield stack, {}
+
+
+@pytest.fixture
+def shared_cluster(_clusters_by_node_count):
+    """shared_cluster(node_count) -> the module's LocalCluster of that many 16 MiB nodes, empty
+    as a new one: after each test every object is removed (leased or not) and none may be
+    left. For tests that neither stop its processes nor count on a master that served no
+    other test: a cluster of their own was a second of start-up each."""
+    stack, clusters = _clusters_by_node_count
+    used: list[LocalCluster] = []
+
+    def get(node_count: int) -> LocalCluster:
+        if node_count not in clusters:
+            clusters[node_count] = stack.enter_context(LocalCluster(node_count, "16MiB"))
+        used.append(clusters[node_count])
+        return clusters[node_count]
+
+    yield get
+    for node_count, cluster in list(clusters.items()):
+        if not any(cluster is mine for mine in used):
+            continue
+        try:
+            with Store(cluster.master_endpoint, token="") as store:
+                store.remove_all(force=True)
+                left = store.list_objects("", 1).keys
+            assert left == [], f"an object outlived its test on a shared cluster: {left}"
+        except BaseException:
+            del clusters[node_count]  # the next test gets a new one, not what this one left
+            cluster.stop()
+            raise
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -73,17 +74,24 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
         "a setting twice": ('[node]\ndisk-dir = "/a"\ndisk_dir = "/b"\n', "sets 'disk_dir' twice", ("node",)),
         "an array of tables": ("[[master]]\nport = 1\n", "[[master]] is an array of tables", both),
     }
-    for name, (text, said, commands) in cases.items():
-        path = tmp_path / "bad.toml"
+    checks = []  # a file of its own per case: the commands run two at a time (independent)
+    for index, (name, (text, said, commands)) in enumerate(cases.items()):
+        path = tmp_path / f"bad{index}.toml"
         path.write_text(text)
-        for command in commands:
-            run = subprocess.run(
-                [sys.executable, "-m", "kvpool.cli.main", command, "--config", str(path)],
-                capture_output=True, timeout=60,
-            )  # fmt: skip
-            err = " ".join(run.stderr.decode().split())
-            assert run.returncode == 2 and said in err and str(path) in err, (name, command, err)
-            assert "Traceback" not in err, (name, command, err)
+        checks += [(name, said, command, path) for command in commands]
+
+    def run_with(check: tuple) -> subprocess.CompletedProcess:
+        _, _, command, path = check
+        return subprocess.run([sys.executable, "-m", "kvpool.cli.main", command, "--config", str(path)],
+                              capture_output=True, timeout=60)  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(run_with, checks))
+    for (name, said, command, path), run in zip(checks, runs):
+        err = " ".join(run.stderr.decode().split())
+        assert run.returncode == 2 and said in err and str(path) in err, (name, command, err)
+        assert "Traceback" not in err, (name, command, err)
+    path = tmp_path / "bad.toml"
     path.write_bytes(b"\xff\xfe[master]\n")  # not UTF-8: was a UnicodeDecodeError traceback
     run = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "master", "--config", str(path)],
                          capture_output=True, timeout=60)  # fmt: skip

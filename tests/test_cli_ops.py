@@ -15,7 +15,7 @@ from conftest import wait_until
 
 from kvpool import Store
 from kvpool.cli.launcher import free_port, spawn
-from tests.test_cluster_surface import kvpool_cli
+from tests.test_cluster_surface import kvpool_cli, kvpool_cli_each
 
 MASTER_ANY_PORTS = ("master", "--port", "0", "--http-port", "0")
 
@@ -47,21 +47,30 @@ def test_object_commands_exit_0_done_1_failed_2_usage_3_not_found(make_cluster):
     cluster = make_cluster(1, "16MiB")
     master = ("--master", cluster.master_endpoint)
     assert kvpool_cli("put", "here", *master, stdin=b"v").returncode == 0
-    assert kvpool_cli("get", "here", *master).returncode == 0
-    missed = kvpool_cli("get", "absent", *master)
+    helps = (((), "2 usage error, 3 not found"), (("get",), "Exit status 3 when there is none"),
+             (("rm",), "Exit status 3 when some were not removed"))  # fmt: skip
+    got, missed, unreachable, unknown_option, no_key, nothing_named, rm_unreachable, *helped = kvpool_cli_each(
+        ("get", "here", *master),
+        ("get", "absent", *master),
+        ("get", "here", "--master", "127.0.0.1:1"),
+        ("get", "here", "--no-such-option", *master),
+        ("get", *master),
+        ("rm", *master),
+        ("rm", "here", "--master", "127.0.0.1:1"),
+        *((*command, "--help") for command, _ in helps),
+    )  # none of them changes what the cluster holds: side by side
+    assert got.returncode == 0
     assert missed.returncode == 3 and missed.stderr.strip().endswith(b"not found"), missed.stderr
-    unreachable = kvpool_cli("get", "here", "--master", "127.0.0.1:1")
     assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr, unreachable.stderr
-    assert kvpool_cli("get", "here", "--no-such-option", *master).returncode == 2
-    assert kvpool_cli("get", *master).returncode == 2  # no key
+    assert unknown_option.returncode == 2
+    assert no_key.returncode == 2
+    assert nothing_named.returncode == 2
+    assert rm_unreachable.returncode == 1
+    for (_, said), shown in zip(helps, helped):
+        shown = " ".join(shown.stdout.decode().split())  # where a script's author looks
+        assert said in shown, shown
     not_removed = kvpool_cli("rm", "here", "absent", *master)
     assert not_removed.returncode == 3 and b"removed 1 of 2 object(s)" in not_removed.stderr, not_removed.stderr
-    assert kvpool_cli("rm", *master).returncode == 2  # nothing named
-    assert kvpool_cli("rm", "here", "--master", "127.0.0.1:1").returncode == 1
-    for command, said in (((), "2 usage error, 3 not found"), (("get",), "Exit status 3 when there is none"),
-                          (("rm",), "Exit status 3 when some were not removed")):  # fmt: skip
-        shown = " ".join(kvpool_cli(*command, "--help").stdout.decode().split())  # where a script's author looks
-        assert said in shown, shown
 
 
 def _endpoint_in(ready_file: Path) -> str | None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,14 @@ def kvpool_cli(*args: str, stdin: bytes = b"", env: dict | None = None) -> subpr
         [sys.executable, "-m", "kvpool.cli.main", *args], input=stdin, capture_output=True, timeout=60,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+def kvpool_cli_each(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """kvpool_cli of each command, in their order, two at a time: for commands that do not
+    depend on one another. Each is half a second of one core's Python start-up, and the test
+    runner waits meanwhile: a CI machine's second core did nothing."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda args: kvpool_cli(*args), commands))
 
 
 def hostile_payloads() -> dict[str, bytes]:
@@ -181,9 +190,9 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
         assert leased.returncode == 3 and b"OBJECT_HAS_LEASE" in leased.stderr
     assert kvpool_cli("rm", "cli/a", "--force", *master).returncode == 0
     assert kvpool_cli("get", "cli/b", "-o", str(tmp_path / "b.out"), *master).returncode == 0
-    for unreadable in (  # a clean error, not a traceback
-        kvpool_cli("put", "cli/c", str(tmp_path / "absent"), *master),
-        kvpool_cli("get", "cli/b", "-o", str(tmp_path / "absent" / "b.out"), *master),
+    for unreadable in kvpool_cli_each(  # a clean error, not a traceback
+        ("put", "cli/c", str(tmp_path / "absent"), *master),
+        ("get", "cli/b", "-o", str(tmp_path / "absent" / "b.out"), *master),
     ):
         message = b" ".join(unreadable.stderr.split())  # rich wraps long lines
         assert unreadable.returncode == 1 and b"No such file or directory" in message, message
@@ -193,24 +202,28 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     assert kvpool_cli("rm", "--all", "--force", *master).returncode == 0
     assert kvpool_cli("ls", *master).stdout == b""
     assert kvpool_cli("rm", *master).returncode == 2  # nothing named: usage error
-    unreachable = kvpool_cli("get", "x", "--master", "127.0.0.1:1")
+    helps = ("master", "node", "put", "get", "rm", "ls", "stat", "demo", "bench")
+    unreachable, bad_master, out_of_range, no_nodes, *helped = kvpool_cli_each(
+        ("get", "x", "--master", "127.0.0.1:1"),
+        ("node", "--master", "nohost", "--memory", "16MiB"),
+        ("master", "--port", "99999"),
+        ("demo", "--nodes", "0"),
+        *((command, "--help") for command in helps),
+    )  # fmt: skip
     assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr
     # Said as an operator reads it: was "ConnectionRefusedError: [Errno 111] Connection refused".
     assert b"127.0.0.1:1: Connection refused (ECONNREFUSED)" in b" ".join(unreachable.stderr.split())
-    for command in ("master", "node", "put", "get", "rm", "ls", "stat", "demo", "bench"):
-        assert kvpool_cli(command, "--help").returncode == 0
+    assert [out.returncode for out in helped] == [0] * len(helps), helped
     # What an operator types or stores is printed as it is, never read as rich markup.
     marked = "cli/[red]x[/]"
     assert kvpool_cli("put", marked, *master, stdin=b"m").returncode == 0
     shown = kvpool_cli("stat", marked, *master)
     assert shown.returncode == 0 and marked.encode() in shown.stdout, shown.stdout
     assert kvpool_cli("rm", marked, "[/]", *master).stderr.count(b"[/]") == 1  # "[/]: not removed"
-    bad_master = kvpool_cli("node", "--master", "nohost", "--memory", "16MiB")
     assert bad_master.returncode == 1 and b"[/CLUSTER_ID]" in bad_master.stderr, bad_master.stderr
     # A port beyond 65535 is a usage error, not another port (99999 listened on 34463).
-    out_of_range = kvpool_cli("master", "--port", "99999")
     assert out_of_range.returncode == 2 and b"65535" in out_of_range.stderr
-    assert kvpool_cli("demo", "--nodes", "0").returncode == 2  # refused before a master starts
+    assert no_nodes.returncode == 2  # refused before a master starts
 
 
 def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path):
@@ -219,12 +232,14 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
     master's default, is node_exporter's)."""
     binary = tmp_path / "binary"
     binary.write_bytes(b"\xff\xfe\x01")
-    for path, reason in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory"), (binary, "not UTF-8")):
-        for args in (("ls", "--master", "127.0.0.1:1"), ("master", "--port", "0", "--http-port", "0")):
-            out = kvpool_cli(*args, "--token-file", str(path))
-            assert out.returncode == 1, out
-            assert f"cannot read token file {path}: {reason}" in " ".join(out.stderr.decode().split())
-            assert b"Traceback" not in out.stderr
+    reasons = ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory"), (binary, "not UTF-8"))
+    commands = (("ls", "--master", "127.0.0.1:1"), ("master", "--port", "0", "--http-port", "0"))
+    unreadable = [(path, reason, args) for path, reason in reasons for args in commands]
+    outs = kvpool_cli_each(*((*args, "--token-file", str(path)) for path, _, args in unreadable))
+    for (path, reason, _), out in zip(unreadable, outs):
+        assert out.returncode == 1, out
+        assert f"cannot read token file {path}: {reason}" in " ".join(out.stderr.decode().split())
+        assert b"Traceback" not in out.stderr
     # The file named by the environment, not on the command line: the error says where from.
     named = kvpool_cli("ls", "--master", "127.0.0.1:1", env={"KVPOOL_TOKEN_FILE": str(tmp_path / "missing")})
     message = " ".join(named.stderr.decode().split())
@@ -239,26 +254,25 @@ def test_unreadable_token_files_and_busy_http_ports_are_one_line_errors(tmp_path
         assert out.returncode == 1 and b"Traceback" not in out.stderr, out  # no master there: it went on
     with socket.create_server(("127.0.0.1", 0)) as held:
         port = str(held.getsockname()[1])
-        for args, option in (
-            (("master", "--port", "0", "--http-port", port), "--http-port"),
-            (("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--metrics-port", port), "--metrics-port"),
-        ):
-            out = kvpool_cli(*args)
+        metrics_ports = ((("master", "--port", "0", "--http-port", port), "--http-port"),
+                         (("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--metrics-port", port),
+                          "--metrics-port"))  # fmt: skip
+        rpc_ports = (("master", "--port", port, "--http-port", "0"),  # the RPC port: was "OSError: [Errno 98] ..."
+                     ("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--port", port))  # fmt: skip
+        *metrics_outs, master_out, node_out = kvpool_cli_each(*(args for args, _ in metrics_ports), *rpc_ports)
+        for (_, option), out in zip(metrics_ports, metrics_outs):
             message = " ".join(out.stderr.decode().split())
             assert out.returncode == 1 and b"Traceback" not in out.stderr, out
             assert f"cannot listen on 127.0.0.1:{port} for /metrics ({option})" in message
-        for args in (("master", "--port", port, "--http-port", "0"),  # the RPC port: was "OSError: [Errno 98] ..."
-                     ("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--port", port)):  # fmt: skip
-            out = kvpool_cli(*args)
+        for out in (master_out, node_out):
             last = out.stderr.decode().strip().splitlines()[-1]
             assert out.returncode == 1 and b"Traceback" not in out.stderr, out
             expected = f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use"
             assert last.startswith("error: ") and expected in last
     # A host name the resolver refuses: its reason, not "Unknown error -2" (the resolver's errno
     # read as the system's).
-    for args in (("master", "--port", "0", "--http-port", "0"),
-                 ("node", "--master", "127.0.0.1:1", "--memory", "16MiB")):  # fmt: skip
-        out = kvpool_cli(*args, "--host", "::1%lo")
+    for out in kvpool_cli_each(("master", "--port", "0", "--http-port", "0", "--host", "::1%lo"),
+                               ("node", "--master", "127.0.0.1:1", "--memory", "16MiB", "--host", "::1%lo")):
         last = out.stderr.decode().strip().splitlines()[-1]
         assert out.returncode == 1 and b"Traceback" not in out.stderr, out
         assert "cannot listen on ::1%lo:0 (--host, --port): " in last and "Unknown error" not in last, last
@@ -299,8 +313,7 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
         ((*node, "--disk-dir", str(a_file), "--disk-size", "32MiB"), 1,
          f"error: cannot make directory {a_file / 'objects'}: Not a directory"),
     )  # fmt: skip
-    for args, code, reason in cases:
-        out = kvpool_cli(*args)
+    for (_, code, reason), out in zip(cases, kvpool_cli_each(*(args for args, _, _ in cases))):
         assert out.returncode == code and b"Traceback" not in out.stderr, out
         assert reason in " ".join(out.stderr.decode().split()), out.stderr
     assert not (tmp_path / "disk").exists()  # no tier was made, nor its directory (it was, empty)

@@ -87,8 +87,8 @@ def key(chunk_hash: int) -> CacheEngineKey:
 
 
 @pytest.mark.parametrize("save_chunk_meta", [True, False], ids=["with-header", "zero-copy"])
-def test_instance_b_reads_chunks_instance_a_stored(make_cluster, save_chunk_meta):
-    cluster = make_cluster(2, "16MiB")
+def test_instance_b_reads_chunks_instance_a_stored(shared_cluster, save_chunk_meta):
+    cluster = shared_cluster(2)
     a = Instance(cluster.master_endpoint, save_chunk_meta)
     b = Instance(cluster.master_endpoint, save_chunk_meta)
     try:
@@ -128,11 +128,11 @@ def test_instance_b_reads_chunks_instance_a_stored(make_cluster, save_chunk_meta
         b.close()
 
 
-def test_a_pinned_lookup_holds_its_chunks_until_they_are_retrieved(make_cluster):
+def test_a_pinned_lookup_holds_its_chunks_until_they_are_retrieved(shared_cluster):
     """LMCache's lookup pins what it found so that it is still there for the retrieval: the
     hits are held from eviction (a remove that spares leased objects stands for it here) until
     the retrieval's lease goes back. An unpinned async lookup holds nothing."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     a = Instance(cluster.master_endpoint)
     try:
         unpinned, pinned, synced = [key(h) for h in (21, 22)], [key(h) for h in (23, 24)], [key(25)]
@@ -153,11 +153,11 @@ def test_a_pinned_lookup_holds_its_chunks_until_they_are_retrieved(make_cluster)
         a.close()
 
 
-def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(make_cluster):
+def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(shared_cluster):
     """Headerless chunks are reshaped from their byte count: an object under a chunk's name
     that is not whole tokens (another model's layout, say) is a miss, not a ValueError
     raised into LMCache."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     b = Instance(cluster.master_endpoint, save_chunk_meta=False)
     try:
         b.run(b.conn.put(key(22), b.chunk(seed=2)))
@@ -188,13 +188,13 @@ def _header(dtype_code: int, dims: list[int], length: int) -> bytes:
     ],
     ids=["no-header", "no-dtype", "negative-dim", "huge-shape"],
 )
-def test_an_object_without_a_usable_chunk_header_is_a_miss_and_the_batch_is_read(make_cluster, header):
+def test_an_object_without_a_usable_chunk_header_is_a_miss_and_the_batch_is_read(shared_cluster, header):
     """With save_chunk_meta (LMCache's default) every object starts with LMCache's header. One
     under a chunk's name without a usable one (written by an instance with save_chunk_meta
     off, say) raised from the header's decoding or the allocation it asked for: the whole
     batch failed, and the chunks allocated for the keys before it were never given back to
     LMCache's CPU backend."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     b = Instance(cluster.master_endpoint)
     try:
         b.run(b.conn.batched_put([key(30), key(32)], [b.chunk(seed=30), b.chunk(seed=32)]))
@@ -280,12 +280,12 @@ def test_a_bad_kvpool_value_is_logged_and_lmcache_starts_without_the_pool():
         loop.close()
 
 
-def test_lookups_and_reads_do_not_wait_behind_puts_the_pool_is_slow_to_take(make_cluster):
+def test_lookups_and_reads_do_not_wait_behind_puts_the_pool_is_slow_to_take(shared_cluster):
     """Puts waiting on a master or node that stopped answering filled the loop's default
     executor (6 threads here), and LMCache's lookups and reads queued behind them: 30 s for
     a lookup of a 1 s bound, 5.5 s for a read from a healthy node. Puts have threads of their
     own now."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     instance = Instance(cluster.master_endpoint, True)
     gate = threading.Event()
     store = instance.conn._connector._store  # LMCache wraps the plugin (InstrumentedRemoteConnector)

@@ -196,8 +196,8 @@ def host_indices(pages: list[int]):
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_instance_b_loads_pages_instance_a_backed_up(make_cluster, mla, layout):
-    cluster = make_cluster(2, "16MiB")
+def test_instance_b_loads_pages_instance_a_backed_up(shared_cluster, mla, layout):
+    cluster = shared_cluster(2)
     pool_class = MLAHostPool if mla else MHAHostPool
     pool_a, pool_b = pool_class(layout), pool_class(layout)
     torch.manual_seed(0)
@@ -227,8 +227,8 @@ def test_instance_b_loads_pages_instance_a_backed_up(make_cluster, mla, layout):
         b.close()
 
 
-def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
-    cluster = make_cluster(1, "16MiB")
+def test_leading_run_rank_namespaces_and_mla_sharing(shared_cluster):
+    cluster = shared_cluster(1)
     pool = MHAHostPool("page_first")
     pool.kv_buffer.fill_(1)
     rank0 = create(storage_config(cluster.master_endpoint), pool)
@@ -256,12 +256,12 @@ def test_leading_run_rank_namespaces_and_mla_sharing(make_cluster):
             backend.close()
 
 
-def test_clear_leaves_the_pages_of_a_model_whose_name_extends_this_ones(make_cluster):
+def test_clear_leaves_the_pages_of_a_model_whose_name_extends_this_ones(shared_cluster):
     """Key parts are joined with '_', and clear() removed every key starting with the
     namespace and a '_': model "org/llama" removed "org/llama_3"'s pages too (and with a tag,
     tag "a" model "b" those of model "b_..."). The namespace now ends with an '@', which no
     tag or model name holds."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     llama = create(storage_config(cluster.master_endpoint, model="org/llama"), MHAHostPool("page_first"))
     llama_3 = create(storage_config(cluster.master_endpoint, model="org/llama_3"), MHAHostPool("page_first"))
     try:
@@ -343,11 +343,11 @@ def test_a_clear_while_the_master_does_not_answer_gives_up_after_a_short_wait(ma
         backend.close()
 
 
-def test_the_pages_batch_exists_found_are_held_until_they_are_fetched(make_cluster):
+def test_the_pages_batch_exists_found_are_held_until_they_are_fetched(shared_cluster):
     """SGLang prefetches what batch_exists found: meanwhile those pages cannot be evicted (a
     remove that spares leased objects stands for eviction here). The fetch's lease release
     ends the hold."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     pool = MHAHostPool("page_first")
     pool.kv_buffer.fill_(1)
     backend = create(storage_config(cluster.master_endpoint), pool)
@@ -363,12 +363,12 @@ def test_the_pages_batch_exists_found_are_held_until_they_are_fetched(make_clust
         backend.close()
 
 
-def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):
+def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(shared_cluster):
     """SGLang's host layouts order a page's bytes differently in objects of one size, and
     bf16 / fp16 pages have one size too, as have the fp8 formats (stored as uint8 by the host
     pool): by model and hash alone, an instance read another's pages as garbage. Each is part
     of the key (the device pool's dtype), and the TP size for MHA."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     pool = MHAHostPool("page_first")
     pool.kv_buffer.fill_(1)
     writer = create(storage_config(cluster.master_endpoint), pool)
@@ -398,11 +398,11 @@ def test_pages_of_another_layout_dtype_or_tp_size_are_not_found(make_cluster):
             backend.close()
 
 
-def test_pages_of_another_pipeline_split_are_not_found(make_cluster):
+def test_pages_of_another_pipeline_split_are_not_found(shared_cluster):
     """The PP rank alone named a stage's pages: rank 1 of two stages split 16/16 and, by a
     custom split, 20/12 (or of two and four stages) holds other layers in pages that can be
     of one size. The PP size and the stage's first layer (the device pool's) are in the key."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
 
     def stage(pp_size: int, start_layer: int):
         config = storage_config(cluster.master_endpoint)
@@ -440,13 +440,13 @@ def kv_head_rank(master: str, tp_rank: int, total_kv_heads: object = None, *, v1
     return create(config, pool), pool
 
 
-def test_ranks_holding_one_kv_head_store_one_copy_and_each_reads_it(make_cluster):
+def test_ranks_holding_one_kv_head_store_one_copy_and_each_reads_it(shared_cluster):
     """8 KV heads at TP 16: each head on two ranks, which stored the same pages twice, each
     under its rank. SGLang does not tell a backend the head count (the host pool's head_num is
     1 for 16 KV heads too): with the operator's "total_kv_heads" the ranks of one head share
     one copy, named by the head, written by the first of them and read by all; the pool holds
     half the objects. Here 2 KV heads at TP 4."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     ranks = [kv_head_rank(cluster.master_endpoint, rank, total_kv_heads=2) for rank in range(4)]
     try:
         keys = ["g0", "g1"]
@@ -475,10 +475,10 @@ def test_ranks_holding_one_kv_head_store_one_copy_and_each_reads_it(make_cluster
             rank.close()
 
 
-def test_a_kv_heads_pages_are_held_until_each_of_its_ranks_has_fetched_them(make_cluster):
+def test_a_kv_heads_pages_are_held_until_each_of_its_ranks_has_fetched_them(shared_cluster):
     """As an MLA model's shared pages: a hold that ended with the first rank's fetch let an
     eviction fail the other's. A remove that spares leased objects stands for eviction."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     (rank0, _), (rank1, _) = ranks = [kv_head_rank(cluster.master_endpoint, rank, 2) for rank in (0, 1)]
     try:
         assert rank0.batch_set_v1(["h0"], host_indices([0])) == [True]
@@ -493,8 +493,8 @@ def test_a_kv_heads_pages_are_held_until_each_of_its_ranks_has_fetched_them(make
             rank.close()
 
 
-def test_the_v0_interface_writes_a_kv_heads_pages_from_its_first_rank(make_cluster):
-    cluster = make_cluster(1, "16MiB")
+def test_the_v0_interface_writes_a_kv_heads_pages_from_its_first_rank(shared_cluster):
+    cluster = shared_cluster(1)
     (rank0, pool0), (rank1, pool1) = ranks = [kv_head_rank(cluster.master_endpoint, r, 2, v1=False) for r in (0, 1)]
     try:
         assert rank1.batch_set(["v0"], [pool1.get_data_page(0)]) is True  # rank 0 writes it
@@ -507,10 +507,10 @@ def test_the_v0_interface_writes_a_kv_heads_pages_from_its_first_rank(make_clust
             rank.close()
 
 
-def test_without_total_kv_heads_every_rank_keeps_its_own_pages(make_cluster):
+def test_without_total_kv_heads_every_rank_keeps_its_own_pages(shared_cluster):
     """One head per rank may be a head two ranks hold or a head of its own: never guessed.
     Nor at a head count of the TP size or above, where no two ranks hold one head."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     ranks = [kv_head_rank(cluster.master_endpoint, rank, heads) for heads in (None, 4) for rank in (0, 1)]
     try:
         for rank, _ in ranks:
@@ -523,8 +523,8 @@ def test_without_total_kv_heads_every_rank_keeps_its_own_pages(make_cluster):
             rank.close()
 
 
-def test_a_total_kv_heads_that_cannot_be_the_models_is_refused(make_cluster):
-    cluster = make_cluster(1, "16MiB")
+def test_a_total_kv_heads_that_cannot_be_the_models_is_refused(shared_cluster):
+    cluster = shared_cluster(1)
     for heads in (3, 0, "x", "²", 2.0):
         with pytest.raises(InvalidParams, match="total_kv_heads"):
             kv_head_rank(cluster.master_endpoint, 0, heads)
@@ -539,9 +539,9 @@ def test_a_total_kv_heads_that_cannot_be_the_models_is_refused(make_cluster):
     create(mla, MLAHostPool("page_first")).close()
 
 
-def test_attention_context_parallelism_is_refused_at_start(make_cluster):
-    cluster = make_cluster(1, "16MiB")
-    config = storage_config(cluster.master_endpoint)
+def test_attention_context_parallelism_is_refused_at_start():
+    # Refused before it dials: no master listens there (a backend that dialled would fail otherwise).
+    config = storage_config("127.0.0.1:1")
     config.attn_cp_size = 2
     with pytest.raises(InvalidParams, match="attention CP"):
         StorageBackendFactory.create_backend("dynamic", config, MHAHostPool("page_first"))
@@ -565,9 +565,9 @@ class UnpairedHostPool(MHAHostPool):
         return pointers + pointers[: len(pointers) // 2], sizes + sizes[: len(sizes) // 2]
 
 
-def test_host_pools_that_cannot_address_their_pages_are_refused_at_attach(make_cluster):
+def test_host_pools_that_cannot_address_their_pages_are_refused_at_attach(shared_cluster):
     """Before, the attach passed and every prefetch and backup raised in SGLang's I/O threads."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     for pool, reason in (
         (KOnlyHostPool("layer_first"), "KOnlyHostPool (layout layer_first): Unsupported layout: layer_first"),
         (UnpairedHostPool("page_first"), "MHA page with 3 ranges: K and V do not pair"),
@@ -658,12 +658,12 @@ def states(slots: list[int], keys: list[str], policy=None):
     return transfer
 
 
-def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(make_cluster):
+def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(shared_cluster):
     """Instance A backs up a hybrid model's KV pages (v1) and Mamba states at two page
     boundaries (v2); instance B finds the prefixes it can restore, KV and state together,
     and loads a state into another slot, byte for byte. Before 2026-12-03 the attach of such
     a model was refused."""
-    cluster = make_cluster(2, "16MiB")
+    cluster = shared_cluster(2)
     mamba_a, mamba_b = MambaHostPool(), MambaHostPool()
     mamba_a.fill_randomly()
     config = storage_config(cluster.master_endpoint)
@@ -715,12 +715,12 @@ def test_a_mamba_hybrid_models_states_are_backed_up_found_and_loaded(make_cluste
             backend.close()
 
 
-def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(make_cluster):
+def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(shared_cluster):
     """In an MLA model SGLang backs pages up from the first TP rank only, except the Mamba
     states, which each rank shards (HybridCacheController.should_backup): rank 1 finds rank
     0's KV and DSA indexer pages (ALL_PAGES), and a prefix that needs rank 1's own state
     only once rank 1 wrote it."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     indexer_0 = IndexerHostPool()
     written = indexer_0.index_k_with_scale_buffer
     written.copy_(torch.randint(0, 255, written.shape, dtype=torch.uint8))
@@ -751,14 +751,14 @@ def test_an_mla_models_indexer_is_shared_by_ranks_and_its_mamba_state_is_not(mak
         rank1.close()
 
 
-def test_an_mla_models_shared_pages_are_held_until_every_rank_has_fetched_them(make_cluster):
+def test_an_mla_models_shared_pages_are_held_until_every_rank_has_fetched_them(shared_cluster):
     """Each TP rank of an MLA model looks the pages up (SGLang syncs the ranks' hits before
     any fetch), then fetches them into its own host pool. The KV and indexer pages are one
     object for every rank: their hold lasted until the first rank's fetch, and an eviction
     before the second rank's failed it. Now it lasts until both have fetched; a rank's own
     Mamba state (one object per rank) is held for that rank's fetch only. A remove that
     spares leased objects stands for eviction here."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     ranks, mambas = [], []
     for rank in (0, 1):
         mambas.append(MambaHostPool())
@@ -828,8 +828,8 @@ def test_other_pools_kvpool_cannot_store_are_refused_at_attach_and_bad_transfers
         mla.close()
 
 
-def test_v0_page_tensor_interface(make_cluster):
-    cluster = make_cluster(1, "16MiB")
+def test_v0_page_tensor_interface(shared_cluster):
+    cluster = shared_cluster(1)
     with v0_backends(cluster.master_endpoint) as ((pool_a, a), (pool_b, b)):
         pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(3)]
         assert a.batch_set(["t0", "t1", "t2"], pages) is True
@@ -845,7 +845,7 @@ def test_v0_page_tensor_interface(make_cluster):
         assert a.batch_set([], []) is False
 
 
-def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_cluster):
+def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(shared_cluster):
     """SGLang's MLA host pool hands out a page as a view of its kv_buffer (pool_host/mla.py
     get_data_page, page_first layouts: a slice flattened without a copy), which the backend
     registered whole at attach: registering the page again overlapped it, and every backup
@@ -859,7 +859,7 @@ def test_v0_page_tensors_of_an_mla_pool_are_views_of_its_registered_buffer(make_
         def get_dummy_flat_data_page(self):
             return torch.zeros(LAYERS * PAGE_SIZE * MLA_DIM, dtype=self.dtype)
 
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     with v0_backends(cluster.master_endpoint, MLAPoolPages, mla=True) as ((pool_a, a), (pool_b, b)):
         pages = [pool_a.get_data_page(i * PAGE_SIZE) for i in range(2)]
         assert pages[0].data_ptr() == pool_a.kv_buffer.data_ptr()  # a view, not a copy

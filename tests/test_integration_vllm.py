@@ -253,12 +253,12 @@ def test_instance_b_loads_blocks_instance_a_saved(make_cluster):
             assert not cache_b[name][:, 11:13].any()
 
 
-def test_layers_that_share_one_kv_cache_save_and_load_it_once(make_cluster):
+def test_layers_that_share_one_kv_cache_save_and_load_it_once(shared_cluster):
     """Cross-layer KV sharing (Gemma 3n, Gemma 4): vLLM registers a shared layer as the very
     tensor of the layer it shares (gpu_model_runner.py, kv_caches[layer] =
     kv_caches[target]). Its ranges twice in one block's read overlapped, which a get refuses:
     every load failed."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     cache_a, cache_b = paged_cache(seed=1), paged_cache(seed=None)
     for cache in (cache_a, cache_b):
         cache["model.layers.9.self_attn.attn"] = cache["model.layers.0.self_attn.attn"]
@@ -283,10 +283,10 @@ def a_saves_and_b_loads(master: str, cache_a: dict, cache_b: dict) -> None:
             side.shutdown()
 
 
-def test_the_cpu_backends_block_first_layout_saves_and_loads_whole_blocks(make_cluster):
+def test_the_cpu_backends_block_first_layout_saves_and_loads_whole_blocks(shared_cluster):
     """vLLM's CPU attention (the backend this connector serves) lays a layer out block
     first, K and V in one row: (num_blocks, kv_heads, block_size, 2 * head_size)."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     cache_a, cache_b = paged_cache(1, CPU_ATTENTION_SHAPE), paged_cache(None, CPU_ATTENTION_SHAPE)
     a_saves_and_b_loads(cluster.master_endpoint, cache_a, cache_b)
     for name in cache_a:
@@ -328,11 +328,11 @@ def test_a_lookup_of_more_keys_than_a_master_batch_finds_every_block_a_worker_ca
         tp1.shutdown()
 
 
-def test_a_kv_cache_outside_host_memory_is_refused_at_registration(make_cluster):
+def test_a_kv_cache_outside_host_memory_is_refused_at_registration(shared_cluster):
     """A GPU's cache address is not this process's memory: the first save or load would
     memcpy from it and crash the worker. vLLM hands the worker its caches at start
     (register_kv_caches), so that is where it must fail, naming the layer."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     worker = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.WORKER)
     try:
         on_device = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in paged_cache(None).items()}
@@ -345,7 +345,7 @@ def test_a_kv_cache_outside_host_memory_is_refused_at_registration(make_cluster)
         worker.shutdown()
 
 
-def test_a_load_that_fails_on_one_tp_rank_only_leaves_no_rank_the_blocks_computed_over_it(make_cluster):
+def test_a_load_that_fails_on_one_tp_rank_only_leaves_no_rank_the_blocks_computed_over_it(shared_cluster):
     """TP rank 0's object of a planned block is lost between the lookup and the load; rank
     1's loads. Rank 0 skips its saves of that step, but rank 1 saved the block it computed
     over hidden states rank 0's garbage entered (all-reduced), under its right key: a later
@@ -353,7 +353,7 @@ def test_a_load_that_fails_on_one_tp_rank_only_leaves_no_rank_the_blocks_compute
     scheduler, which hears rank 0's failure, removes every rank's saves of that step."""
     import types
 
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.parallel_config.tensor_parallel_size = 2
     sched_a, sched_b = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.SCHEDULER)
@@ -400,13 +400,13 @@ class _Model:
      (False, 4, [0, 1, 2, 3], [3, 3, 3, 3])],
     ids=["mla", "two-kv-heads", "four-kv-heads"],
 )  # fmt: skip
-def test_tp_ranks_that_hold_the_same_kv_store_it_once(make_cluster, use_mla, kv_heads, key_ranks, blocks_saved):
+def test_tp_ranks_that_hold_the_same_kv_store_it_once(shared_cluster, use_mla, kv_heads, key_ranks, blocks_saved):
     """At TP 4 an MLA model's ranks all hold the same latent KV, and with 2 KV heads vLLM
     gives ranks 0-1 one head and 2-3 the other. Every rank stored its bytes under a key of its
     own: four copies of each MLA block in the pool. Ranks that hold the same bytes now share
     keys, save the blocks of a step in turns, and all load every block. An MLA block is the
     same at any TP size: a deployment at TP 2 finds it too; a GQA one must not."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.parallel_config.tensor_parallel_size = 4
     config.model_config = _Model(use_mla, kv_heads)
@@ -449,7 +449,7 @@ def test_tp_ranks_that_hold_the_same_kv_store_it_once(make_cluster, use_mla, kv_
             side.shutdown()
 
 
-def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_reports(make_cluster):
+def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_reports(shared_cluster):
     """With vLLM's block pool bound (its scheduler binds it), wait_for_save returns at once and
     a worker puts the step's blocks on its saver thread, during the next forward passes; the
     scheduler holds a reference on each block until every worker has reported the save done,
@@ -458,7 +458,7 @@ def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_re
     stored under its old key."""
     from vllm.v1.core.block_pool import BlockPool
 
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.parallel_config.tensor_parallel_size = 2
     sched = connector(config, KVConnectorRole.SCHEDULER)
@@ -599,11 +599,11 @@ def test_a_reset_of_the_connectors_cache_removes_the_models_blocks_and_the_saves
             side.shutdown()
 
 
-def test_a_reset_leaves_the_blocks_of_a_namespace_that_extends_this_ones(make_cluster):
+def test_a_reset_leaves_the_blocks_of_a_namespace_that_extends_this_ones(shared_cluster):
     """The reset removed every key starting with the namespace, "team@": the blocks of
     another deployment whose cache_prefix is "team" ("team@org/tiny@kv:...") went with those
     of model "team". It now matches up to the KV format's first field."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     prefixed = vllm_config(cluster.master_endpoint, cache_prefix="team")
     named_like_it = vllm_config(cluster.master_endpoint)
     named_like_it.kv_transfer_config.kv_connector_extra_config["model_name"] = "team"
@@ -624,13 +624,13 @@ def test_a_reset_leaves_the_blocks_of_a_namespace_that_extends_this_ones(make_cl
             side.shutdown()
 
 
-def test_an_at_in_a_cache_prefix_or_model_name_reaches_no_other_namespace(make_cluster):
+def test_an_at_in_a_cache_prefix_or_model_name_reaches_no_other_namespace(shared_cluster):
     """The namespace's parts end with an '@', which the cache_prefix and model name were not
     kept from holding: cache_prefix "team" with model "org/tiny" and model "team@org/tiny"
     without one both named their blocks "team@org/tiny@kv:...", and each loaded the other's
     blocks as its own. An '@' in either becomes a '-' (as in SGLang's adapter); the keys of
     names without one are as before, so the blocks a pool holds stay found."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     prefixed = vllm_config(cluster.master_endpoint, cache_prefix="team")
     at_in_name = vllm_config(cluster.master_endpoint)
     at_in_name.kv_transfer_config.kv_connector_extra_config["model_name"] = "team@org/tiny"
@@ -670,14 +670,14 @@ def test_hit_sources_name_the_nearest_replica_of_each_block():
     assert {source("here"), source("there"), source("nvme")} <= {s.value for s in CacheHitSource}
 
 
-def test_async_loads_run_beside_the_forward_passes_and_end_once(make_cluster):
+def test_async_loads_run_beside_the_forward_passes_and_end_once(shared_cluster):
     """The default: vLLM parks a request with a hit in WAITING_FOR_REMOTE_KVS, its blocks load
     on the worker's loader thread while forward passes go on, and the worker reports the
     request done once; it is scheduled to compute after that, and saves its own blocks.
     vLLM (0.34, with --max-num-inflight-kv-loads) queues a request that may load so before it
     asks: any prompt longer than a block, but not one looked up again after an async load
     (it loads nothing more) unless it was preempted since."""
-    cluster = make_cluster(2, "16MiB")
+    cluster = shared_cluster(2)
     config = vllm_config(cluster.master_endpoint, load_async=None)
     with two_instances(config, 4) as (sched_a, worker_a, cache_a, sched_b, worker_b, cache_b):
         assert run_worker_step(worker_a, first_prefill(sched_a, "a-1", [5, 6, 7, 8])) == set()
@@ -707,11 +707,11 @@ def test_async_loads_run_beside_the_forward_passes_and_end_once(make_cluster):
         assert sched_b.get_num_new_matched_tokens(req_b, 0) == (16, True)
 
 
-def test_the_worker_holds_the_kv_caches_it_registered_until_it_shuts_down(make_cluster):
+def test_the_worker_holds_the_kv_caches_it_registered_until_it_shuts_down(shared_cluster):
     """Loads write into the registered caches, on the loader thread too: a caller that drops
     its own reference must not leave the connector writing into freed memory (tests that
     did corrupted the test process's heap: a segfault, now and then, later in the run)."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     worker = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.WORKER)
     cache = paged_cache(seed=8)
     layers = [weakref.ref(tensor) for tensor in cache.values()]
@@ -750,11 +750,11 @@ def test_a_failed_async_load_reports_its_blocks_with_its_end(make_cluster):
 
 
 @pytest.mark.parametrize("hold_ms", [None, 0])
-def test_the_blocks_a_lookup_planned_to_load_are_held_until_the_load(make_cluster, hold_ms):
+def test_the_blocks_a_lookup_planned_to_load_are_held_until_the_load(shared_cluster, hold_ms):
     """Between the scheduler's lookup and its workers' load, what it planned to load cannot be
     evicted (a remove that spares leased objects stands for eviction here): the lookup held
     it. The load gives its leases back, and the hold ends with them. lookup_hold_ms 0: none."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     extra = {} if hold_ms is None else {"lookup_hold_ms": hold_ms}
     config = vllm_config(cluster.master_endpoint, **extra)
     sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
@@ -919,11 +919,11 @@ def test_a_master_that_stops_answering_costs_the_scheduler_one_short_wait_not_on
         sched.shutdown()
 
 
-def test_an_mla_block_is_held_until_every_tp_rank_has_loaded_it(make_cluster):
+def test_an_mla_block_is_held_until_every_tp_rank_has_loaded_it(shared_cluster):
     """The TP ranks of an MLA model share each block's object and each loads it. The lookup's
     hold waited for one read: the first rank's release ended it, and an eviction before a
     later rank's read failed that rank's load. Now it lasts until every rank has read it."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.parallel_config.tensor_parallel_size = 2
     config.model_config = _Model(use_mla=True, kv_heads=1)
@@ -1066,11 +1066,11 @@ def test_failed_loads_are_reported_for_recompute(make_cluster):
         sched.shutdown()
 
 
-def test_blocks_of_another_kv_dtype_are_not_found(make_cluster):
+def test_blocks_of_another_kv_dtype_are_not_found(shared_cluster):
     """bf16 and fp16 blocks have one size: by key alone, an fp16 instance loaded a bf16
     instance's blocks as garbage, with no error. The KV dtype (and the TP and PP sizes) are
     part of the key."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config_a = vllm_config(cluster.master_endpoint)
     config_b = vllm_config(cluster.master_endpoint)
     config_b.cache_config.cache_dtype = "fp8_e5m2"
@@ -1087,11 +1087,11 @@ def test_blocks_of_another_kv_dtype_are_not_found(make_cluster):
             sched.shutdown()
 
 
-def test_with_async_scheduling_the_step_after_a_failed_load_saves_nothing_either(make_cluster):
+def test_with_async_scheduling_the_step_after_a_failed_load_saves_nothing_either(shared_cluster):
     """vLLM schedules the next step before it learns of a failed load: that step's forward
     pass may compute over the failed block too (its request's next chunk, another request
     its prefix cache let share it), so its saves are skipped as well; the step after saves."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.scheduler_config.async_scheduling = True
     assert config.max_concurrent_batches == 2
@@ -1119,11 +1119,11 @@ def test_with_async_scheduling_the_step_after_a_failed_load_saves_nothing_either
         sched.shutdown()
 
 
-def test_keys_are_the_schedulers_whatever_the_workers_config_became(make_cluster):
+def test_keys_are_the_schedulers_whatever_the_workers_config_became(shared_cluster):
     """Loading some attention layers rewrites cache_dtype in the worker's config (sparse MLA
     with fp8: fp8_ds_mla), after the scheduler built its keys from the same setting: the
     workers saved under keys the scheduler's lookups never found."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.cache_config.cache_dtype = "fp8"
     worker_config = vllm_config(cluster.master_endpoint)
@@ -1138,11 +1138,11 @@ def test_keys_are_the_schedulers_whatever_the_workers_config_became(make_cluster
         sched.shutdown()
 
 
-def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(make_cluster):
+def test_a_block_is_found_only_when_every_pipeline_stage_holds_it(shared_cluster):
     """With pipeline parallelism each stage saves its layers of a block under its own key. The
     scheduler (whose own PP rank is 0) counted a block found when stage 0 held it: a stage
     that missed it failed its load, and vLLM recomputed what the lookup promised."""
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     config = vllm_config(cluster.master_endpoint)
     config.parallel_config.pipeline_parallel_size = 2
     sched = connector(config, KVConnectorRole.SCHEDULER)
@@ -1204,7 +1204,7 @@ def test_deployments_whose_pipeline_stages_split_the_layers_otherwise_share_no_b
             role.shutdown()
 
 
-def test_failed_blocks_and_the_blocks_after_them_leave_vllms_prefix_cache(make_cluster):
+def test_failed_blocks_and_the_blocks_after_them_leave_vllms_prefix_cache(shared_cluster):
     """Under kv_load_failure_policy "recompute" vLLM keeps a failed block cached for its request
     to recompute in place; a request preempted first freed it with its hash, and the next
     request with that prefix read its garbage as a prefix-cache hit (and the connector saved
@@ -1224,7 +1224,7 @@ def test_failed_blocks_and_the_blocks_after_them_leave_vllms_prefix_cache(make_c
         def evict_blocks(self, block_ids):
             self.evicted |= set(block_ids)
 
-    cluster = make_cluster(1, "16MiB")
+    cluster = shared_cluster(1)
     sched = connector(vllm_config(cluster.master_endpoint), KVConnectorRole.SCHEDULER)
     try:
         for req_id in ("loader", "sharer", "bystander"):
