@@ -11,7 +11,9 @@ as the leader for the etcd:// case.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import threading
 import time
 
 import pytest
@@ -21,7 +23,8 @@ from kvpool.client import pool
 from kvpool.client.pool import MasterLink
 from kvpool.discovery import LeaderRecord, leader_key, mark_key
 from kvpool.errors import ConnectFailed, RpcTimeout, StoreClosed
-from kvpool.protocol.messages import ExistKeys
+from kvpool.protocol.frames import encode_frame
+from kvpool.protocol.messages import AuthChallenge, AuthOk, ExistKeys
 from kvpool.transports.connection import Connection
 from kvpool.transports.etcd import EtcdClient
 
@@ -195,3 +198,46 @@ def test_a_burst_of_gets_on_a_new_store_opens_a_few_connections_to_a_node_not_on
     to_the_node = [endpoint for endpoint in attempts if endpoint != cluster.master_endpoint]
     assert to_the_node and set(to_the_node) <= {node_endpoint, cluster.nodes[0].info["endpoint"]}
     assert len(to_the_node) <= limits.CONNECTIONS_PER_PEER_DEFAULT, len(to_the_node)
+
+
+def test_a_call_that_joins_a_connect_under_way_keeps_its_own_bound():
+    """A node connect that calls share was made with the bound of the call that started it: a
+    get with 50 ms of its round left started one, and every get and put that joined it failed
+    at 50 ms (and marked a healthy node slow). The connect now has the connect timeout, and
+    each call waits for it within its own bound."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def slow_handshakes() -> None:  # a node that takes 300 ms to answer a connect
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            time.sleep(0.3)
+            conn.sendall(encode_frame(AuthChallenge(os.urandom(32), False, ""), 0))
+            conn.recv(4096)
+            conn.sendall(encode_frame(AuthOk(b""), 0))
+            held.append(conn)
+
+    held: list[socket.socket] = []
+    threading.Thread(target=slow_handshakes, daemon=True).start()
+
+    async def main() -> None:
+        peers = pool.PeerPool(None, 4, 2_000, prefer_local=False)
+        try:
+            hurried = asyncio.create_task(peers.lanes(endpoint, 1, 50))
+            await asyncio.sleep(0.01)  # it started the connect
+            patient = asyncio.create_task(peers.lanes(endpoint, 1, 5_000))
+            with pytest.raises(ConnectFailed):
+                await hurried
+            assert len(await patient) == 1
+        finally:
+            peers.close()
+
+    try:
+        uvloop.run(main())
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()

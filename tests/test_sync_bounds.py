@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import uvloop
 from conftest import wait_until
 
@@ -185,3 +186,27 @@ def test_a_lookup_that_must_find_a_new_leader_keeps_its_bound(make_cluster, etcd
             loop.run_until_complete(async_store.aclose())
     finally:
         loop.close()
+
+
+def test_a_sync_get_interrupted_while_its_file_read_hangs_gives_its_lease_back_at_once(make_cluster, tmp_path):
+    """Ctrl-C during a get's wait for a hung file read: the read lease went back only at its
+    TTL (10 s), and until then a remove (and eviction) skipped the object."""
+    cluster, data, paths = disk_only(make_cluster, tmp_path, 64 * 1024, ["k"])
+    with Store(cluster.master_endpoint, transfer_timeout_ms=10_000) as store:
+        assert wait_until(lambda: store.exists("k"), 10)
+        (path,) = paths
+        path.rename(path.with_suffix(".aside"))
+        os.mkfifo(path)  # open() blocks until a writer comes
+        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                store.get("k")
+        finally:
+            interrupt.cancel()
+            os.close(os.open(path, os.O_RDWR))  # the blocked open() ends
+            path.unlink()
+            path.with_suffix(".aside").rename(path)  # else the node's own reads of it hang its stop
+        started = time.monotonic()
+        store.remove("k")  # refused while a lease holds it (ObjectHasLease)
+        assert time.monotonic() - started < 2

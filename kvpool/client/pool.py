@@ -118,8 +118,8 @@ class PeerPool(_ClosedForGood):
         return f"<PeerPool {sum(len(c) for c in self._conns.values())} connections>"
 
     async def lanes(self, endpoint: str, count: int, timeout_ms: int | None = None) -> list[Connection]:
-        """Up to `count` distinct live connections to `endpoint` (at least one), each opened
-        within `timeout_ms` (at most the connect timeout).
+        """Up to `count` distinct live connections to `endpoint` (at least one), those it opens
+        within `timeout_ms` in all (at most the connect timeout).
 
         Raises:
             ConnectFailed, Unauthorized: no connection could be opened.
@@ -127,9 +127,11 @@ class PeerPool(_ClosedForGood):
         """
         self._check_usable()
         count = max(1, min(count, self._size))
+        wait_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
+        deadline = time.monotonic() + wait_ms / 1000  # one bound for them all: a connect each took N of them
         for _ in range(count - len(self._live(endpoint))):
             try:
-                await self._one_more(endpoint, timeout_ms)
+                await self._one_more(endpoint, deadline)
             except ConnectFailed:
                 if self._live(endpoint):
                     break
@@ -145,10 +147,11 @@ class PeerPool(_ClosedForGood):
         conns[:] = [c for c in conns if not c.is_closed()]  # in place: shared by concurrent calls
         return conns
 
-    async def _one_more(self, endpoint: str, timeout_ms: int | None) -> None:
+    async def _one_more(self, endpoint: str, deadline: float) -> None:
         """One more connection to `endpoint` in the pool: the one being opened by another
-        call, else one opened now; waited for within `timeout_ms` (at most the connect
-        timeout) by each caller, the connect going on for the others.
+        call, else one opened now, within the connect timeout (not the first caller's bound,
+        which failed every call that shared its connect); waited for until `deadline`
+        (time.monotonic()) by each caller, the connect going on for the others.
 
         Raises:
             ConnectFailed, Unauthorized: not opened (in time).
@@ -156,27 +159,24 @@ class PeerPool(_ClosedForGood):
         """
         adding = self._adding.get(endpoint)
         if adding is None or adding.done():
-            adding = self._adding[endpoint] = self._shared_attempt(
-                self._add(endpoint, timeout_ms), f"kvpool connect {endpoint}"
-            )
-        wait_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
-        await self._wait_for(adding, wait_ms / 1000, f"no connection to {endpoint} within {wait_ms} ms")
+            adding = self._adding[endpoint] = self._shared_attempt(self._add(endpoint), f"kvpool connect {endpoint}")
+        wait_s = deadline - time.monotonic()
+        await self._wait_for(adding, wait_s, f"no connection to {endpoint} within the call's bound")
 
-    async def _add(self, endpoint: str, timeout_ms: int | None) -> None:
-        conn = self._kept(await self._open(endpoint, timeout_ms))
+    async def _add(self, endpoint: str) -> None:
+        conn = self._kept(await self._open(endpoint))
         conns = self._live(endpoint)
         if len(conns) >= self._size:
             conn.close("pool full")
         else:
             conns.append(conn)
 
-    async def _open(self, endpoint: str, timeout_ms: int | None = None) -> Connection:
-        """A new connection; StoreClosed if close() came during the connect, which it ends:
-        a closing store's puts wait for their transfers to end (AsyncStore.aclose), and a
-        connect to a node that does not answer took its whole timeout."""
-        timeout_ms = min(timeout_ms or self._connect_timeout_ms, self._connect_timeout_ms)
+    async def _open(self, endpoint: str) -> Connection:
+        """A new connection, within the connect timeout; StoreClosed if close() came during the
+        connect, which it ends: a closing store's puts wait for their transfers to end
+        (AsyncStore.aclose), and a connect to a node that does not answer took its whole timeout."""
         opening = asyncio.ensure_future(connect(
-            endpoint, key=self._key, timeout_ms=timeout_ms, name="client", prefer_local=self._prefer_local
+            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client", prefer_local=self._prefer_local
         ))  # fmt: skip
         self._opening.add(opening)
         try:

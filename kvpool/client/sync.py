@@ -909,7 +909,10 @@ class Store:
         lookup = GetReplicaList(key_list(keys))
         reply = self._ask(lookup, late_reply=functools.partial(async_store._give_back_late_leases, lookup.keys))
         job = async_store._get_job(reply, lease_start_ms, keys, targets, starts, bounds_file_reads=True)
-        job.copy_local()
+        # Interrupted while it waits for its file reads (Ctrl-C on a hung mount), the get gives
+        # its read leases back at once, not at their TTL.
+        with async_store.leases_back_if_abandoned([job]):
+            job.copy_local()
         return self._got([job], len(keys) >= GET_PIECES_FROM_KEYS)
 
     def _get_in_pieces(
