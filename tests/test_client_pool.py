@@ -241,3 +241,24 @@ def test_a_call_that_joins_a_connect_under_way_keeps_its_own_bound():
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_a_close_ends_a_node_connect_under_way_and_its_callers_get_store_closed():
+    """A connect to a node that does not answer its handshake took its whole timeout after the
+    store closed (a closing store's puts wait for their transfers); close() ends it, and every
+    call that shared it gets StoreClosed at once."""
+    with _frozen_master() as node:
+        endpoint = f"127.0.0.1:{node.getsockname()[1]}"
+
+        async def main() -> float:
+            peers = pool.PeerPool(None, 4, 5_000, prefer_local=False)
+            calls = [asyncio.create_task(peers.lanes(endpoint, 1)) for _ in range(3)]
+            await asyncio.sleep(0.2)  # connecting: the node's kernel took the TCP handshake
+            closed_at = time.monotonic()
+            peers.close()
+            for call in calls:
+                with pytest.raises(StoreClosed):
+                    await call
+            return time.monotonic() - closed_at
+
+        assert uvloop.run(main()) < SLACK_S

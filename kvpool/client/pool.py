@@ -108,10 +108,10 @@ class PeerPool(_ClosedForGood):
         self._size = connections_per_peer
         self._connect_timeout_ms = connect_timeout_ms
         self._conns: dict[str, list[Connection]] = {}
-        self._opening: set[asyncio.Task[Connection]] = set()  # connects under way, ended by close()
         # Per endpoint, the connect under way that the calls finding too few connections share
-        # (`_one_more`): a burst of 360 gets on an empty pool opened 360 connections to one
-        # node, whose oldest handshakes past 256 were closed, and their gets missed.
+        # (`_one_more`), ended by close(): a burst of 360 gets on an empty pool opened 360
+        # connections to one node, whose oldest handshakes past 256 were closed, and their gets
+        # missed.
         self._adding: dict[str, asyncio.Task[None]] = {}
 
     def __repr__(self) -> str:
@@ -164,29 +164,18 @@ class PeerPool(_ClosedForGood):
         await self._wait_for(adding, wait_s, f"no connection to {endpoint} within the call's bound")
 
     async def _add(self, endpoint: str) -> None:
-        conn = self._kept(await self._open(endpoint))
+        """A new connection in the pool, within the connect timeout (a shared attempt: close()
+        cancels it, and its callers get StoreClosed: a closing store's puts wait for their
+        transfers to end, AsyncStore.aclose, and a connect to a node that does not answer took
+        its whole timeout)."""
+        conn = self._kept(await connect(
+            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client", prefer_local=self._prefer_local
+        ))  # fmt: skip
         conns = self._live(endpoint)
         if len(conns) >= self._size:
             conn.close("pool full")
         else:
             conns.append(conn)
-
-    async def _open(self, endpoint: str) -> Connection:
-        """A new connection, within the connect timeout; StoreClosed if close() came during the
-        connect, which it ends: a closing store's puts wait for their transfers to end
-        (AsyncStore.aclose), and a connect to a node that does not answer took its whole timeout."""
-        opening = asyncio.ensure_future(connect(
-            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client", prefer_local=self._prefer_local
-        ))  # fmt: skip
-        self._opening.add(opening)
-        try:
-            return await opening
-        except asyncio.CancelledError:
-            if opening.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
-                raise StoreClosed("the store was closed during the call") from None
-            raise
-        finally:
-            self._opening.discard(opening)
 
     def drop(self, endpoint: str) -> None:
         for conn in self._conns.pop(endpoint, []):
@@ -195,8 +184,8 @@ class PeerPool(_ClosedForGood):
     def close(self) -> None:
         """For good (_ClosedForGood), connects under way too."""
         if self._close_for_good():
-            for opening in list(self._opening):
-                opening.cancel()
+            for adding in list(self._adding.values()):
+                adding.cancel()
             for endpoint in list(self._conns):
                 self.drop(endpoint)
 
