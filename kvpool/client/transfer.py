@@ -1122,11 +1122,6 @@ def _grown(last: WriteItem | ReadItem, size: int) -> bool:
 _file_readers = ThreadPool(FILE_READ_THREADS, "kvpool-file-read")
 
 
-def _prefetch_each(paths: list[Path]) -> None:
-    for path in paths:
-        files.prefetch(path)
-
-
 # A read apart into the caller's buffers (_read_object_apart) comes through memory of its
 # thread's own this many bytes at a time, in cache (a core's L2 here), and is copied on from
 # there. Batches of 4 MiB objects read from a same-host disk tier into registered buffers:

@@ -15,8 +15,8 @@ Life of a node:
               link lost or master unreachable ─► reconnect with bounded backoff ─► re-mount;
               the handshake refused over the cluster token ─► before the first mount,
               wait_mounted raises it (`kvpool node` exits); after one, the link retries on,
-              keeping the segment and its objects, /health "refused" (503) until a master
-              takes it again: a refusal comes before the master proved the token, so it may
+              keeping the segment and its objects, "refused" on /health and /ready (503)
+              until a master takes it again: a refusal comes before the master proved the token, so it may
               be a relay's (docs/operations.md "Security"), and exiting lost every object.
               With `etcd://...` each reconnect dials the leader etcd names (discovery.py),
               looking again at most every MASTER_RESOLVE_BACKOFF_MS_MAX during a failover.

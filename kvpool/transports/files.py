@@ -56,7 +56,7 @@ from kvpool.errors import (
     map_exceptions,
 )
 from kvpool.protocol import objectfile
-from kvpool.protocol.frames import PAGE_BYTES, buffer_address, is_slow_copy, payload_tag
+from kvpool.protocol.frames import PAGE_BYTES, buffer_address, is_slow_copy
 from kvpool.protocol.messages import FilesystemReport
 from kvpool.protocol.objectfile import ObjectHeader, TierIdentity
 
@@ -248,12 +248,18 @@ def _read_some(fd: int, view: memoryview, position: int) -> int:
     return count
 
 
-def _read_through_bounce(fd: int, view: memoryview, position: int) -> None:
-    """Read into this thread's bounce buffer at the file's own page offset (the kernel's copy
-    is then aligned), then copy into `view` with numpy's SIMD loop (checksums.copy_bytes)."""
+def _thread_bounce() -> memoryview:
+    """This thread's bounce buffer: BOUNCE_BUFFER_BYTES, and a page to start at any offset."""
     bounce = getattr(_bounce, "buffer", None)
     if bounce is None:
         bounce = _bounce.buffer = memoryview(mmap.mmap(-1, BOUNCE_BUFFER_BYTES + PAGE_BYTES))
+    return bounce
+
+
+def _read_through_bounce(fd: int, view: memoryview, position: int) -> None:
+    """Read into this thread's bounce buffer at the file's own page offset (the kernel's copy
+    is then aligned), then copy into `view` with numpy's SIMD loop (checksums.copy_bytes)."""
+    bounce = _thread_bounce()
     done = 0
     while done < len(view):
         at = (position + done) % PAGE_BYTES
@@ -270,9 +276,7 @@ def payload_tag_of(mac: Poly1305, payload: Sequence[Part]) -> bytes:
     Raises:
         TransferFailed: a file could not be read.
     """
-    bounce = getattr(_bounce, "buffer", None)
-    if bounce is None:
-        bounce = _bounce.buffer = memoryview(mmap.mmap(-1, BOUNCE_BUFFER_BYTES + PAGE_BYTES))
+    bounce = _thread_bounce()
     for part in payload:
         if not isinstance(part, FileRange):
             mac.update(part)
@@ -283,7 +287,7 @@ def payload_tag_of(mac: Poly1305, payload: Sequence[Part]) -> bytes:
                 count = _read_some(part.fd, bounce[: min(BOUNCE_BUFFER_BYTES, part.size - done)], part.offset + done)
                 mac.update(bounce[:count])
                 done += count
-    return payload_tag(mac, ())
+    return mac.finalize()
 
 
 def read_object_into(path: str | Path, key: str, size_bytes: int, views: Sequence[memoryview]) -> None:
