@@ -325,8 +325,7 @@ class AsyncStore:
     def unregister_buffer(self, address: int) -> None:
         """Forget a registered range. Raises InvalidParams if none starts at `address`, or while
         a call in flight uses it (a transfer may read or write it until that call returned:
-        free the memory only after unregistering), or a cancelled get's read of a disk file
-        that outlasted the transfer timeout still writes into it (_copy_on_a_worker).
+        free the memory only after unregistering).
         StoreClosed once closed."""
         self._check_not_closed()
         self.buffers.unregister(address)
@@ -817,14 +816,13 @@ class AsyncStore:
         targets: Sequence[list[memoryview] | None],
         starts: Sequence[int | None] | None,
         piece: tuple[int, int] | None = None,
-        bounds_file_reads: bool = False,
     ) -> GetJob:
         """The get of `keys` the master's GetReplicaList answer describes (a lease taken at
         `lease_start_ms` or later); with `piece` (start, end), of keys[start:end] (their
         targets and starts likewise). Its reads over TCP end within one transfer timeout from
         `lease_start_ms`, all replicas together, however long the lease: within the sync
-        Store's bound on a call; with `bounds_file_reads` (the sync Store's), its reads of
-        object files here too (GetJob). Any thread: the sync Store builds it in the caller's."""
+        Store's bound on a call; its reads of object files here too (GetJob). Any thread: the
+        sync Store builds it in the caller's."""
         assert isinstance(reply, GetReplicaListReply)
         if piece is not None:
             start, end = piece
@@ -833,7 +831,7 @@ class AsyncStore:
         span = self.buffers.view if starts is not None else None
         return GetJob(
             reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span,
-            self.slow_nodes.is_slow, lease_start_ms + self.config.transfer_timeout_ms, bounds_file_reads,
+            self.slow_nodes.is_slow, lease_start_ms + self.config.transfer_timeout_ms,
         )  # fmt: skip
 
     async def _read_remote(self, job: GetJob) -> None:
@@ -865,20 +863,23 @@ class AsyncStore:
         return None
 
     async def _copy_on_a_worker(self, job: GetJob) -> None:
-        """job.copy_local on a worker thread. A get cancelled meanwhile (or timed out) returns
-        only once the thread stopped writing into the caller's buffers, as a cancelled read
-        over TCP does (Connection.request): the caller may reuse them the moment it has its
-        error. Cancelling stops the wait, not the thread's preadv.
+        """job.copy_local on a worker thread. A get cancelled meanwhile (or timed out) gives
+        its file reads up (a hung disk or DFS mount's: they end on their threads, writing
+        nothing of the caller's) and returns once the worker stopped writing into the caller's
+        buffers, as a cancelled read over TCP does (Connection.request): the caller may reuse
+        them the moment it has its error.
 
-        A thread that does not end within the transfer timeout (a hung disk or DFS mount) is
-        left to it: the call returns, but the buffers stay in use for unregister_buffer until
-        the thread ended, so that their memory is not freed under its write (BufferRegistry.hold).
+        A worker that does not stop within the transfer timeout (a chunk's copy into memory
+        that does not answer) is left to it: the call returns, but the buffers stay in use for
+        unregister_buffer until it has, so that their memory is not freed under its write
+        (BufferRegistry.hold).
         """
         loop = asyncio.get_running_loop()
         copying = loop.run_in_executor(None, job.copy_local)
         try:
             await asyncio.shield(copying)
         except asyncio.CancelledError:
+            job.give_up()
             release = self.buffers.hold(view for target in job.targets if target is not None for view in target)
             copying.add_done_callback(lambda _: release())
             deadline = loop.time() + self.config.transfer_timeout_ms / 1000
@@ -887,7 +888,7 @@ class AsyncStore:
                     await asyncio.wait([copying], timeout=left_s)
             if not copying.done():
                 log.warning(
-                    "a cancelled get's read of an object file had not ended within %d ms: its buffers "
+                    "a cancelled get's copy into its buffers had not ended within %d ms: they "
                     "stay in use until it has", self.config.transfer_timeout_ms,
                 )  # fmt: skip
             raise

@@ -6,7 +6,7 @@ work of a put or get runs in the caller's own thread, so that many threads copy 
 and the loop only does I/O. A get's reads of object files here (disk and DFS replicas) run
 on file-reading threads within the get's deadline, and only the caller's thread copies what
 they read into its buffers: a read stuck on a hung mount never holds the caller's thread,
-nor writes its buffers after the call returned (GetJob._read_files_apart). The methods
+nor writes its buffers after the call returned (GetJob._read_files). The methods
 mirror AsyncStore's one for one (see there for semantics); nothing here decides anything on
 its own.
 
@@ -908,7 +908,7 @@ class Store:
         lease_start_ms = now_monotonic_ms()
         lookup = GetReplicaList(key_list(keys))
         reply = self._ask(lookup, late_reply=functools.partial(async_store._give_back_late_leases, lookup.keys))
-        job = async_store._get_job(reply, lease_start_ms, keys, targets, starts, bounds_file_reads=True)
+        job = async_store._get_job(reply, lease_start_ms, keys, targets, starts)
         # Interrupted while it waits for its file reads (Ctrl-C on a hung mount), the get gives
         # its read leases back at once, not at their TTL.
         with async_store.leases_back_if_abandoned([job]):
@@ -929,9 +929,7 @@ class Store:
         answered: list[GetJob] = []
 
         def found(index: int, reply: Message) -> None:
-            job = jobs[index] = async_store._get_job(
-                reply, lease_start_ms, keys, targets, starts, pieces[index], bounds_file_reads=True
-            )
+            job = jobs[index] = async_store._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
             answered.append(job)
             job.copy_local()
 

@@ -13,8 +13,8 @@ owned by one call and is never shared between threads at the same time.
 With slower tiers (docs/tiers.md) a get tries replicas nearest first: local DRAM (mapped),
 remote DRAM, local disk, remote disk, DFS. "Local" disk and DFS replicas are object files this
 host can open (a same-host node's disk directory, this host's mount of the DFS), read by
-copy_local with preadv straight into the caller's buffers (a sync Store's get reads them on
-other threads, within its deadline: GetJob._read_files_apart); remote disk replicas come over TCP
+copy_local on the file-reading threads, within the get's deadline, and copied on into the
+caller's buffers only while the get waits (GetJob._read_files); remote disk replicas come over TCP
 like DRAM ones (the node sends them with sendfile). A DFS replica this host cannot open is
 skipped: no node serves it.
 """
@@ -22,6 +22,7 @@ skipped: no node serves it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -552,11 +553,11 @@ class GetJob:
     bytes land in `_landed[i]` (plain API) or the caller's buffers, and become a result only
     once their checksum matches.
 
-    With `bounds_file_reads` (a sync Store's caller thread, which must return within its
-    bound), copy_local returns by the reads' deadline whatever a filesystem does, and the
-    caller's buffers are written only by the thread that calls it (_read_files_apart).
-    Without, it reads object files straight into the caller's buffers, for as long as they
-    take (AsyncStore's worker thread, whose cancel waits for it: _copy_on_a_worker).
+    copy_local returns by the reads' deadline whatever a filesystem does, or soon after
+    give_up(), and writes nothing into the caller's buffers once it returned (_read_files):
+    a sync Store's caller thread must return within its bound, and an AsyncStore get that
+    was cancelled, or timed out, hands its buffers straight back to an engine that reuses
+    them (a late write there corrupts another request's KV cache unseen).
     """
 
     def __init__(
@@ -571,7 +572,6 @@ class GetJob:
         span: Span | None = None,
         is_slow: Callable[[str], bool] | None = None,
         reads_deadline_ms: int | None = None,
-        bounds_file_reads: bool = False,
     ) -> None:
         self.reply = reply
         self._is_slow = is_slow  # a node endpoint that stopped answering in time (slow_nodes.py)
@@ -587,8 +587,8 @@ class GetJob:
         self.lease_deadline_ms = lease_start_ms + reply.lease_ttl_ms
         # When every round of TCP reads must have ended (round_timeout_ms), whatever the lease.
         self.reads_deadline_ms = self.lease_deadline_ms if reads_deadline_ms is None else reads_deadline_ms
-        # Whether copy_local reads object files apart, within the reads' deadline (_read_files_apart).
-        self._bounds_file_reads = bounds_file_reads
+        # Done once the get's caller stopped waiting (give_up): copy_local ends its reads at once.
+        self._given_up: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._local_segments = local_segments
         # Per key its replicas nearest first, and how many of them were tried: the next to
         # read is candidates[i][tried[i]] (the reply's own list when there is nothing to order:
@@ -670,11 +670,18 @@ class GetJob:
         have no way to a DFS file (a sync get raised InvalidParams, an async one missed).
         Without `read_files` (on an event loop, where a disk's latency must not stall it), keys
         whose next candidate is a file here are left for a call that reads them (reads_files)."""
-        while True:
+        while not self._given_up.done():
             failures = self._failures
             self._copy_local_pass(read_files)
             if self._failures == failures:
                 return
+
+    def give_up(self) -> None:
+        """The get's caller stopped waiting (an AsyncStore get cancelled): a copy_local under
+        way on another thread stops waiting for its file reads and returns within a chunk's
+        copy (_Handover.close), writing nothing more into the caller's buffers. Any thread."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # given up before
+            self._given_up.set_result(None)
 
     def _copy_local_pass(self, read_files: bool) -> None:
         reply = self.reply
@@ -720,23 +727,8 @@ class GetJob:
                 mapped.append(index)
         if reads:
             self._read_files(reads)
-        if mapped:
+        if mapped and not self._given_up.done():
             self._copy_mapped(mapped)
-
-    def _read_files(self, reads: list[tuple[int, Path]]) -> None:
-        """Read these keys from their object files here, and check them."""
-        if self._bounds_file_reads:
-            self._read_files_apart(reads)
-            return
-        for path in self._to_prefetch(reads):
-            files.prefetch(path)  # the device reads them all at once
-        if len(reads) > 1:  # several files: on several threads, so the device has them all
-            sums = _file_readers.map_settled(lambda read: self._read_file(*read), reads)
-        else:
-            sums = [self._read_file(*read) for read in reads]
-        for (index, _), checksum in zip(reads, sums):
-            if checksum is not None:
-                self._check(index, checksum)
 
     def _to_prefetch(self, reads: list[tuple[int, Path]]) -> list[Path]:
         """The files of `reads` to advise ahead of reading them: the first FILE_PREFETCH_BYTES_MAX."""
@@ -749,10 +741,12 @@ class GetJob:
             prefetched_bytes += self.reply.sizes[index]
         return paths
 
-    def _read_files_apart(self, reads: list[tuple[int, Path]]) -> None:
-        """_read_files for a thread that must return by the reads' deadline: a read stuck in
-        the kernel (a hung NFS or DFS mount) held a sync Store's caller thread for good, past
-        the bound every call promises. The files are read on the file-reading threads, into
+    def _read_files(self, reads: list[tuple[int, Path]]) -> None:
+        """Read these keys from their object files here, and check them, by the reads'
+        deadline or give_up(), whatever a filesystem does: a read stuck in the kernel (a hung
+        NFS or DFS mount) held a sync Store's caller thread for good, past the bound every
+        call promises, and went on writing into an AsyncStore caller's buffers after its
+        cancelled get returned. The files are read on the file-reading threads, into
         memory of their own, and copied from there into the caller's buffers only while this
         thread waits for them (_Handover), so that a read that ends after the get returned
         writes nothing of the caller's. A read not ended by the deadline is given up: its
@@ -766,7 +760,7 @@ class GetJob:
         left_ms = min(self.lease_deadline_ms, self.reads_deadline_ms) - now_monotonic_ms()
         readings: dict[concurrent.futures.Future[tuple[bytes | None, int]], int] = {}  # -> its key's index
         handover = _Handover()
-        if left_ms > 0 and not _held_readers.are_all_held():
+        if left_ms > 0 and not _held_readers.are_all_held() and not self._given_up.done():
             readers = _file_readers.executor()
             advised = self._to_prefetch(reads)  # by the first read, ahead of its own: the device has them all at once
             for index, path in reads:
@@ -775,15 +769,20 @@ class GetJob:
                 readings[reading], advised = index, []
         taken: set[int] = set()
         try:  # each checked as it comes, while the others are read
-            for reading in concurrent.futures.as_completed(readings, timeout=max(0, left_ms) / 1000):
+            waited_for = [*readings, self._given_up] if readings else []
+            for reading in concurrent.futures.as_completed(waited_for, timeout=max(0, left_ms) / 1000):
+                if reading is self._given_up:
+                    break
                 index = readings[reading]
                 taken.add(index)
                 try:
                     self._landed[index], checksum = reading.result()
                 except KVPoolError:  # Gone, cut short or unreadable: reported (its node checks), the next replica.
                     self._found_bad(index)
-                    continue
-                self._check(index, checksum)
+                else:
+                    self._check(index, checksum)
+                if len(taken) == len(readings):
+                    break  # (as_completed would wait on for _given_up)
         except TimeoutError:
             pass
         finally:  # the deadline passed, or Ctrl-C: a read not started yet never starts, none goes on writing
@@ -842,24 +841,6 @@ class GetJob:
         if info.tier == TIER_DISK:
             return directory / objectfile.OBJECTS_DIR / objectfile.disk_name(replica.offset)
         return directory / objectfile.dfs_relative_path(self.keys[index], replica.offset)
-
-    def _read_file(self, index: int, path: Path) -> int | None:
-        """Read key `index` from its object file here and hash what landed, in the reading
-        thread while the bytes are still in cache (the other threads keep the device busy
-        meanwhile). The checksum, or None when the file is gone or unreadable (the next
-        replica, then)."""
-        self._take_next(index)
-        key, size = self.keys[index], self.reply.sizes[index]
-        target = self.targets[index]
-        try:
-            if target is None:
-                self._landed[index] = files.read_object_bytes(path, key, size)
-            else:
-                files.read_object_into(path, key, size, target)
-        except KVPoolError:  # Gone, cut short or unreadable: reported (its node checks), the next replica.
-            self._found_bad(index)
-            return None
-        return checksum_of(self._landed_views(index))
 
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
@@ -1135,7 +1116,7 @@ _bounces = threading.local()  # each file-reading thread's (page-aligned: preadv
 
 class _Handover:
     """The caller's buffers of one get, lent to the file-reading threads that read into them
-    apart (_read_files_apart) for as long as the get waits for them. A thread writes into them
+    apart (_read_files) for as long as the get waits for them. A thread writes into them
     only between begin() and end(), a copy out of its own memory (no filesystem call), and
     begins none once the get closed the handover; close() returns once no copy is under way.
     So nothing writes the caller's buffers after the get returned, whatever a filesystem does."""
@@ -1205,7 +1186,7 @@ _given_up_log = RepeatedLog(log, logging.WARNING)  # each get says it while a mo
 def _read_object_apart(
     path: Path, key: str, size: int, target: list[memoryview] | None, handover: _Handover, advised: list[Path]
 ) -> tuple[bytes | None, int]:
-    """Read an object from its file on a file-reading thread (_read_files_apart), hashing it
+    """Read an object from its file on a file-reading thread (_read_files), hashing it
     as it comes, after advising the files `advised` (files.prefetch). For a plain get
     (`target` None): a new bytes object, and its checksum (a large object's made by
     _new_bytes, which faults in a few huge pages rather than 4 KiB at a time). Into the
