@@ -6,6 +6,7 @@ from __future__ import annotations
 import compileall
 import contextlib
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -42,6 +43,17 @@ def _no_deployment_in_the_environment(monkeypatch) -> None:
     and a Store given no token reads the environment's."""
     for name in (*DEPLOYMENT_VARIABLES, "KVPOOL_MASTER", "KVPOOL_SHM"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_left_as_found() -> Iterator[None]:
+    """A test that runs a server's command in this process (CliRunner) must leave the signal
+    handlers as it found them: uvloop's stayed on SIGINT, and a later test's Ctrl-C (a sync
+    get interrupted while its file read hangs) was swallowed."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = [signal.getsignal(sig) for sig in signals]
+    yield
+    assert [signal.getsignal(sig) for sig in signals] == before, "a signal handler was changed and left"
 
 
 @pytest.fixture
