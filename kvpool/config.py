@@ -83,9 +83,11 @@ _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(text: str) -> int:
     """Bytes in a size such as "1GiB", "512MB", "4096" (binary units throughout: "1GB" is 1 GiB).
+    A fraction of a unit is taken, rounded down to a byte ("0.1GiB" is 107374182 bytes); a
+    byte count must be whole ("1.3" is refused, not read as 1).
 
     Raises:
-        InvalidParams: the text is not a size.
+        InvalidParams: the text is not a size, or not a whole number of bytes.
     """
     match = _SIZE_RE.match(text)
     if match is None:
@@ -93,7 +95,11 @@ def parse_size(text: str) -> int:
     number, unit = match.groups()
     multiplier = _SIZE_UNITS[(unit or "").upper().rstrip("B").rstrip("I")]
     # Exact, and any length: through a float, 400 digits raised OverflowError (a traceback).
-    return int(Fraction(number) * multiplier)
+    size_bytes = Fraction(number) * multiplier
+    if multiplier == 1 and size_bytes.denominator != 1:  # "1.3" was read as 1 byte, without a word
+        whole = int(size_bytes)
+        raise InvalidParams(f"{text.strip()} is not a whole number of bytes (between {whole} and {whole + 1})")
+    return int(size_bytes)
 
 
 def exact_size(size_bytes: int) -> str:

@@ -1,5 +1,6 @@
 """What belongs to one process and not to a child forked from it: which fork of the process
-this is, and its thread pools (and how a call leaves work it gave them: `settle`).
+this is, and its thread pools (and how a call leaves work it gave them: `settle`); and the
+process's resources: its open files limit, its standard output once writes to it fail.
 
 A child forked from a process (multiprocessing's default start method on Linux, as serving
 engines' worker pools use it) inherits a copy of the parent's objects but none of its other
@@ -13,9 +14,11 @@ by an ancestor, whose sockets it must leave alone (client/sync.py, client/pool.p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import resource
+import sys
 import threading
 import time
 import weakref
@@ -112,6 +115,18 @@ def raise_open_files_limit() -> int:
     return hard
 
 
+def discard_stdout() -> None:
+    """Send the rest of this process's standard output to /dev/null, once a write to it failed
+    (a full disk, a reader that left: `| head`): what stays buffered would fail again at the
+    interpreter's flush at exit, with a second message. Never raises."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: sys.stdout closed or replaced
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+
+
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
 
 
@@ -124,4 +139,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["ThreadPool", "forks", "raise_open_files_limit", "settle"]
+__all__ = ["ThreadPool", "discard_stdout", "forks", "raise_open_files_limit", "settle"]

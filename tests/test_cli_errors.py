@@ -1,7 +1,8 @@
 """What the `kvpool` CLI tells an operator when things go wrong, on real processes on 127.0.0.1:
 a master that stops answering (SIGSTOP after the CLI connected), a stdout that is full or
-closed, a put over an existing key or with more replicas than segments, a `rm` given two
-selections, keys holding control characters, output to a pipe, help at 80 columns, a node
+closed (and the writes after the first that failed), a put over an existing key or with more
+replicas than segments, a `rm` given two selections, keys holding control characters, output
+to a pipe, help at 80 columns, a node
 started before its master or with the wrong token, and a --master port that is another
 service's; a node refused once mounted (its master restarted with another token), and a node
 with a token whose master has none. Each case runs the command as a child
@@ -23,10 +24,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from conftest import wait_until
 
 from kvpool import Store
-from tests.test_cluster_surface import kvpool_cli
+from tests.test_cluster_surface import kvpool_cli, kvpool_cli_each
 
 # The CLI, with every Store it opens freezing the master (SIGSTOP) once connected: a master
 # that hangs between the handshake and the request. The tests give it `--timeout 1` (5 s by
@@ -97,6 +99,31 @@ def test_a_full_or_closed_stdout_is_one_line_or_silence(make_cluster):
             reader_gone.kill()
             reader_gone.wait(10)
         reader_gone.stderr.close()  # type: ignore[union-attr]
+
+
+# A process whose write to standard output failed: what it writes afterwards, and the flush
+# at its exit, must fail no more.
+_WRITES_ON_AFTER_A_FAILED_WRITE = """
+import sys
+from kvpool.process import discard_stdout
+try:
+    sys.stdout.write("x" * 100_000)  # over the buffer: written at once, and refused
+except OSError:
+    discard_stdout()
+sys.stdout.write("left buffered for the flush at exit")
+sys.stdout.close()
+discard_stdout()  # a closed stdout: nothing to do, no error
+"""
+
+
+def test_stdout_discarded_after_a_failed_write_takes_the_rest_quietly():
+    """process.discard_stdout, which `kvpool get`, `ls`, `stat` (above) and `kvpool replay`
+    call once a write to standard output failed: later writes and the interpreter's flush at
+    exit go to /dev/null, and a stdout already closed is no error."""
+    with open("/dev/full", "wb") as full:
+        out = subprocess.run([sys.executable, "-c", _WRITES_ON_AFTER_A_FAILED_WRITE], stdout=full,
+                             stderr=subprocess.PIPE, timeout=60)  # fmt: skip
+    assert (out.returncode, out.stderr.decode()) == (0, "")
 
 
 def test_put_rm_and_ls_say_what_they_did(make_cluster):
@@ -387,6 +414,22 @@ def test_a_port_that_is_not_a_kvpool_server_is_named_as_such():
         for conn in accepted:
             conn.close()
         thread.join(10)
+
+
+def test_a_nodes_address_given_as_the_master_is_named_as_such(make_cluster):
+    """A node's port as --master (one of the addresses `kvpool node` printed): the node takes
+    the handshake and refuses the Store's first request, which said "cannot reach the master
+    at ...: unexpected ClusterStatus request". Now every object command, and a Store, says it
+    is a node's."""
+    from kvpool.errors import InvalidParams
+
+    cluster = make_cluster(1, "4MiB")
+    node = cluster.nodes[0].info["endpoint"]
+    said = f"--master: {node} is a kvpool node, not a master: give the master's address"
+    for run in kvpool_cli_each(("ls", "--master", node), ("get", "k", "--master", node), ("bench", "--master", node)):
+        assert_one_error_line(run, said)
+    with pytest.raises(InvalidParams, match="is a kvpool node, not a master"):
+        Store(node)
 
 
 # The command's entry point, with a Ctrl-C arriving while it loads the CLI's modules.

@@ -8,8 +8,9 @@ standard input holds more than an object can is refused with one line naming the
 read at most one byte past it (an endless input, `kvpool put k < /dev/zero`, was read until the
 memory ran out); KVPOOL_SHM turns shared memory off with the spellings engines' shm_enabled
 takes (off, False), not only 0, false and no; an option out of its range (--replicas, a server's
-durations, over a week too, a node TTL under the heartbeat, a tier size of 0, an address that is
-not one, a --master that is none: exit status 2 for an object command), a node's --dfs-dir that
+durations, over a week too, a node TTL under the heartbeat, a tier size of 0, a byte count that is not
+a whole number, an address that is not one, a --master that is none: exit status 2 for an
+object command), a node's --dfs-dir that
 is a file, or a key over
 limits.KEY_SIZE_BYTES_MAX is refused with one line naming it and its range, before a Store
 opens or a server starts (both replaced by stubs that raise); so is a duration of the config
@@ -175,6 +176,8 @@ def nothing_opens(monkeypatch: pytest.MonkeyPatch) -> None:
         (["node", "--memory", "5iB"], "--memory: not a size: '5iB' (try 1GiB, 512MiB or a byte count)"),
         (["node", "--memory", "1.5KiB"], "--memory 1536 out of [1048576, 140737488355328] bytes (1 MiB to 128 TiB)"),
         (["node", "--memory", "-1GB"], "--memory: not a size: '-1GB' (try 1GiB, 512MiB or a byte count)"),
+        # A fraction of a byte count was cut off without a word: "1.3" was 1 byte.
+        (["node", "--memory", "1.3"], "--memory: 1.3 is not a whole number of bytes (between 1 and 2)"),
     ],
 )  # fmt: skip
 def test_a_bad_option_or_key_is_named_before_anything_opens(nothing_opens, args: list[str], line: str) -> None:
@@ -200,6 +203,7 @@ MASTER_ADDRESS_FORMS = "(HOST:PORT, or etcd://HOST:PORT[,...][/CLUSTER_ID])"
         (["put", "k", "-", "-m", "master-host:99999"],
          f"--master: not a master address: 'master-host:99999' {MASTER_ADDRESS_FORMS}"),
         (["stat", "-m", "etcd://"], "--master: no etcd endpoint in ''"),
+        (["bench", "--size", "4096.5B"], "--size: 4096.5B is not a whole number of bytes (between 4096 and 4097)"),
     ],
 )  # fmt: skip
 def test_an_object_command_out_of_range_is_a_usage_error_naming_the_option(

@@ -33,7 +33,8 @@ from rich.table import Table
 from kvpool import limits
 from kvpool.cli.config_file import flags_from_file, forget_settings, load_settings
 from kvpool.config import parse_flag, parse_size, token_from
-from kvpool.errors import ErrorCode, KVPoolError, NoAvailableHandle, RpcTimeout, Unauthorized
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NoAvailableHandle, RpcTimeout, Unauthorized
+from kvpool.process import discard_stdout
 
 if TYPE_CHECKING:
     from kvpool.client.sync import Store
@@ -358,6 +359,8 @@ def _store(
         )  # fmt: skip
     except Unauthorized as exc:  # reached, and refused: the token, not the network
         raise _fail(f"Unauthorized: {exc}") from None
+    except InvalidParams as exc:  # reached, and not a master (a node's port)
+        raise _fail(f"--master: {exc}") from None
     except KVPoolError as exc:
         raise _fail(f"cannot reach the master at {master}: {exc}") from None
 
@@ -393,12 +396,7 @@ def _writing_stdout() -> Iterator[None]:
         yield
         sys.stdout.flush()
     except OSError as exc:
-        # What was not written stays buffered, and the interpreter's flush at exit would fail
-        # again with a second message: the rest goes to /dev/null.
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+        discard_stdout()
         if exc.errno == errno.EPIPE:
             raise typer.Exit(EXIT_FAILED) from None
         raise _fail(f"cannot write to standard output: {exc.strerror or exc}") from None

@@ -12,10 +12,8 @@ disk tier sizes (--disk-capacity), which are never unbounded.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
-import os
 import re
 import shlex
 import sys
@@ -38,6 +36,7 @@ from rich.table import Table
 from kvpool import limits
 from kvpool.config import parse_size
 from kvpool.errors import InvalidParams, KVPoolError
+from kvpool.process import discard_stdout
 
 _TOKENS_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*(?:tokens?)?\s*$", re.IGNORECASE)
 _TOKEN_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
@@ -189,10 +188,7 @@ class _ForgivingStdout(io.TextIOBase):
             output()
         except OSError as exc:
             self.failure = exc
-            with contextlib.suppress(OSError, ValueError):  # the interpreter's flush at exit would fail again
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                os.close(devnull)
+            discard_stdout()
 
 
 def _run(

@@ -174,7 +174,8 @@ class AsyncStore:
 
         Raises:
             ConnectFailed, Unauthorized: the master cannot be reached or rejects the token.
-            InvalidParams: an option that ClientConfig does not have, or of another type.
+            InvalidParams: an option that ClientConfig does not have, or of another type; a
+                `master` that is a node's address.
         """
         if master is not None:
             options["master"] = master
@@ -184,7 +185,11 @@ class AsyncStore:
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await self._master.call(ClusterStatus(), is_idempotent=True)
+        try:
+            await self._master.call(ClusterStatus(), is_idempotent=True)
+        except InvalidParams:  # a master answers it always; a node's port takes the handshake, refuses the rest
+            master = self.config.master
+            raise InvalidParams(f"{master} is a kvpool node, not a master: give the master's address") from None
         if self.config.embedded_memory_bytes:
             from kvpool.config import NodeConfig
             from kvpool.node.server import Node
