@@ -29,8 +29,10 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # of the TP ranks that read it). 8: ReleaseLeases' keys in one bounded list with a count per
 # grant time (its list of lists let one frame hold 15 million keys). 9: frames after a handshake
 # with a token carry a tag (frames.FLAG_SEALED), and their payloads one more: a peer of version 8
-# sends none, and is refused.
-FRAME_VERSION = 9
+# sends none, and is refused. 10: the server's proof covers its challenge's fields
+# (auth.server_proof: whether it requires a token, its same-host socket), and a client without
+# a token answers the challenge (its server logs the refusal).
+FRAME_VERSION = 10
 # The tag that ends a sealed frame's control message (frames.FrameSeal), and the one that
 # follows its payload, if any (Poly1305): 128 bits each.
 FRAME_TAG_SIZE_BYTES = 16

@@ -1,9 +1,10 @@
 """BlockingConnection (kvpool/transports/blocking.py): a caller thread's own connection.
 
 How: a real MasterServer on its own event loop thread, with and without a cluster token, asked
-from this thread; and raw sockets playing a server that authenticates and then never answers,
-or answers garbage. Every failure must be a typed error within the bound, and leave the
-connection closed so that a late reply never answers the next request.
+from this thread, directly or through a relay that changes its first frame; and raw sockets
+playing a server that authenticates and then never answers, or answers garbage. Every failure
+must be a typed error within the bound, and leave the connection closed so that a late reply
+never answers the next request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import uvloop
 from conftest import raw_server, requests_read
@@ -150,6 +152,65 @@ def test_a_handshake_answered_with_an_error_no_server_sends_is_a_connect_failure
         listener.close()
         thread.join(10)
     assert "Traceback" not in capfd.readouterr().err
+
+
+@contextlib.contextmanager
+def challenge_changed(endpoint: str, **fields: object) -> Iterator[str]:
+    """A relay in front of `endpoint` that sets these fields of the server's challenge (its
+    first frame) and forwards every other byte unchanged; yields its endpoint."""
+    host, port = endpoint.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    sockets = [listener]
+
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def relay() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection((host, int(port)))
+            sockets.extend((client, upstream))
+            decoder = FrameDecoder()
+            while (frame := decoder.next_event()) is NEED_DATA:
+                decoder.receive_data(upstream.recv(4096))
+            client.sendall(encode_frame(msgspec.structs.replace(frame.message, **fields), 0))
+            for ends in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=ends, daemon=True).start()
+
+    threading.Thread(target=relay, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.mark.parametrize("field", ["local_name", "local_host"])
+def test_a_challenge_changed_on_the_way_fails_the_handshake_in_both_shells(field: str) -> None:
+    """The server's proof covers every field of its challenge, so a client of either shell
+    that received a changed one refuses the server, and its connection closes. Before, only
+    the nonces were covered: a relay could name a same-host socket of its own, or make a
+    server on another host look like this host's, and the handshake went through."""
+    key = auth.cluster_key(TOKEN)
+    changed = {"local_name": "\0kvpool-a-relays-own", "local_host": "another-boot-id/4026531840"}[field]
+    with master_on_a_thread(TOKEN) as endpoint:
+        with challenge_changed(endpoint) as untouched:  # a relay alone fails nothing
+            BlockingConnection.open(untouched, key=key, timeout_ms=2_000, prefer_local=False).close()
+        with challenge_changed(endpoint, **{field: changed}) as relayed:
+            with pytest.raises(Unauthorized, match="changed on the way"):
+                BlockingConnection.open(relayed, key=key, timeout_ms=2_000, prefer_local=False)
+
+            async def connect_async() -> None:
+                with pytest.raises(Unauthorized, match="changed on the way"):
+                    await connect(relayed, key=key, timeout_ms=2_000)
+
+            uvloop.run(connect_async())
 
 
 def test_is_usable_sees_a_peer_that_closed_without_waiting() -> None:

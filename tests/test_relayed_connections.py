@@ -1,33 +1,51 @@
 """A connection steered through someone without the token (a network path, DNS, a leader record
 in etcd) is theirs to relay, not to use: every frame after the handshake carries its tag
 (protocol/frames.py FrameSeal), so frames they inject, replay or alter close the connection
-and change nothing stored. Real processes: a master and a node with a token, a Store that
-dials a relay in this test, which forwards its bytes to the master and adds its own."""
+and change nothing stored; nor can they send a client to a same-host socket of their own (the
+master's proof covers its first frame). Real processes: a master and a node with a token, a
+Store (or either I/O shell) that dials a relay in this test, which forwards its bytes to the
+master and adds its own or changes the master's. And a client without the token is named in
+the master's log."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 
+import msgspec
 import pytest
-from conftest import wait_until
+from conftest import requests_read, wait_until
 
 from kvpool import Store, limits
-from kvpool.protocol.frames import FLAG_SEALED, FrameDecoder, FrameSeal, encode_frame
-from kvpool.protocol.messages import Remove, RemoveAll
+from kvpool.errors import Unauthorized
+from kvpool.protocol import auth
+from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, FrameDecoder, FrameSeal, encode_frame
+from kvpool.protocol.messages import AuthResponse, Remove, RemoveAll
+from kvpool.transports import same_host
+from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.connection import connect
 
 TOKEN = "relayed-connections-token"
 
 
 class Relay:
     """Forwards each connection it accepts to `upstream`, byte for byte, and keeps, per
-    connection, its upstream socket and every byte the client sent it (`sent`)."""
+    connection, its upstream socket and every byte the client sent it (`sent`). It listens on
+    TCP, or on the abstract Unix socket `unix_name`; `challenge_changes` are set in the
+    server's first frame on the way."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], unix_name: str = "", **challenge_changes: object) -> None:
         self._upstream = upstream
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._challenge_changes = challenge_changes
+        if unix_name:
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(unix_name)
+            self._listener.listen()
+        else:
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self.links: list[tuple[socket.socket, bytearray, threading.Event]] = []
         self._sockets: list[socket.socket] = [self._listener]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -41,6 +59,12 @@ class Relay:
             up = socket.create_connection(self._upstream)
             sent, closed = bytearray(), threading.Event()
             self._sockets += [client, up]
+            if self._challenge_changes:
+                decoder = FrameDecoder()
+                while (challenge := decoder.next_event()) is NEED_DATA:
+                    decoder.receive_data(up.recv(4096))
+                changed = msgspec.structs.replace(challenge.message, **self._challenge_changes)
+                client.sendall(encode_frame(changed, 0))
             self.links.append((up, sent, closed))
             threading.Thread(target=self._pipe, args=(client, up, sent, None), daemon=True).start()
             threading.Thread(target=self._pipe, args=(up, client, None, closed), daemon=True).start()
@@ -144,3 +168,56 @@ def test_a_request_replayed_on_its_connection_closes_it_and_acts_once(relayed):
         assert victim.get("phoenix") == b"second life"  # on a new connection
     with Store(cluster.master_endpoint, token=TOKEN, shm_enabled=False) as owner:
         assert owner.get("phoenix") == b"second life"
+
+
+
+@pytest.mark.skipif(not same_host.host_identity(), reason="no boot id or network namespace to read here")
+@pytest.mark.parametrize("shell", ["blocking", "event loop"])
+def test_a_same_host_socket_named_by_a_relay_is_never_taken(relayed, shell):
+    """A relay names, in the master's first frame, an abstract Unix socket it bound itself
+    (the master runs on this host, so the client would move there), behind which it forwards
+    to the master. The master's proof covers the name: the client of either shell refuses the
+    master, and sends through that socket nothing but its answer to the challenge. Before, the
+    proof covered the nonces only, and the client moved to the relay's socket for good."""
+    cluster, _ = relayed
+    host, port = cluster.master_endpoint.rsplit(":", 1)
+    relays_own = f"\0kvpool-relays-own-{os.urandom(8).hex()}"
+    behind = Relay((host, int(port)), unix_name=relays_own)
+    relay = Relay((host, int(port)), local_name=relays_own)
+    key = auth.cluster_key(TOKEN)
+
+    async def connected() -> None:
+        (await connect(relay.endpoint, key=key, timeout_ms=5_000, prefer_local=True)).close()
+
+    try:
+        with pytest.raises(Unauthorized, match="changed on the way"):
+            if shell == "blocking":
+                BlockingConnection.open(relay.endpoint, key=key, timeout_ms=5_000, prefer_local=True).close()
+            else:
+                asyncio.run(connected())
+        assert relay.links, "the client dialled the relay"
+        assert all(len(_frames_sent(bytes(sent))) <= 1 for _, sent, _ in behind.links), "a request went through"
+    finally:
+        relay.close()
+        behind.close()
+
+
+def test_a_client_without_the_token_is_named_in_the_masters_log_once_a_while(make_cluster):
+    """A client without the token, at a master that has one, is refused, and the master says
+    why in one line that names the peer, however many such clients come (repeated_log.py).
+    Before, it logged nothing: the client closed at the challenge, and an operator asking why
+    a client does not connect found nothing on the master's side."""
+    cluster = make_cluster(0, token=TOKEN)
+    host, port = cluster.master_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # as a client without the token answers
+        requests_read(sock, 1)  # the challenge
+        sock.sendall(encode_frame(AuthResponse(os.urandom(limits.AUTH_NONCE_SIZE_BYTES), b""), 0))
+        (refusal,) = requests_read(sock, 1)
+        assert "requires a cluster token" in refusal.message.message, refusal
+        first = "%s:%d" % sock.getsockname()
+    for _ in range(20):  # a flood of them
+        with pytest.raises(Unauthorized, match="requires a cluster token"):
+            BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=False)
+    said = f"peer {first} sent no token; this cluster requires one"
+    assert wait_until(lambda: said in cluster.master.log_tail(200), 10), cluster.master.log_tail(30)
+    assert cluster.master.log_tail(200).count("sent no token") == 1, cluster.master.log_tail(30)

@@ -6,14 +6,25 @@ made for one purpose can never be replayed as another.
 
 Handshake (only when the server has a token):
 
-    server -> client  AuthChallenge(nonce_s, required=True)
+    server -> client  AuthChallenge(nonce_s, required=True, local_name, local_host)
     client -> server  AuthResponse(nonce_c, mac=client_proof(key, nonce_s, nonce_c))
-    server -> client  AuthOk(mac=server_proof(key, nonce_s, nonce_c))
-                      or ErrorReply(ILLEGAL_CLIENT, "wrong cluster token"), then it closes
+                      (mac empty from a client without a token)
+    server -> client  AuthOk(mac=server_proof(key, challenge, nonce_c))
+                      or ErrorReply(ILLEGAL_CLIENT, "wrong cluster token" or "... requires a
+                      cluster token"), then it closes
 
-The refusal tells the client it holds the wrong token (Unauthorized, which no caller retries);
-it tells nothing about the right one. A client from before the refusal existed took it for a
-protocol error and closed, as it did when the server just closed.
+The refusal tells the client it holds the wrong token, or none (Unauthorized, which no caller
+retries); it tells nothing about the right one. A client from before the refusal existed took
+it for a protocol error and closed, as it did when the server just closed. A client without a
+token answers too (before wire version 10 it closed at the challenge), so that the server can
+log who came without one.
+
+The server's proof covers every field of its challenge, not only the nonce: the challenge
+comes before anything is proven, and a relay that changed `local_name` and `local_host` could
+send a same-host client to a Unix socket of the relay's choosing (transports/same_host.py), or
+one that changed `required` could make either end give up. The client checks the proof
+against the challenge it received, so a changed field fails the handshake (before wire version
+10 the proof covered the nonces only).
 
 Every frame after AuthOk is sealed (protocol/frames.py FrameSeal) with a key per direction
 derived from the cluster key and both nonces (`frame_seals`): the handshake proves who is at
@@ -53,8 +64,12 @@ def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.digest(key, b"client\0" + server_nonce + client_nonce, "sha256")
 
 
-def server_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.digest(key, b"server\0" + server_nonce + client_nonce, "sha256")
+def server_proof(key: bytes, challenge: AuthChallenge, client_nonce: bytes) -> bytes:
+    """The server's proof of the token, bound to every field of the challenge it sent."""
+    name, host = challenge.local_name.encode(), challenge.local_host.encode()
+    # Each name with its length: an abstract socket's name starts with a NUL, so no separator is safe.
+    fields = b"%d %d:%b %d:%b" % (challenge.required, len(name), name, len(host), host)
+    return hmac.digest(key, b"server\0" + challenge.nonce + client_nonce + fields, "sha256")
 
 
 def is_valid_proof(expected: bytes, received: bytes) -> bool:
@@ -74,24 +89,24 @@ def frame_seals(
 
 class ClientHandshake:
     """The client's side of the handshake, for either I/O shell (transports/connection.py and
-    transports/blocking.py): answer the server's challenge, then check the server's proof. A
-    client with a token refuses a server without one, and the other way round."""
+    transports/blocking.py): answer the server's challenge, then check the server's proof,
+    which covers the challenge as this client received it. A client with a token refuses a
+    server without one; a client without one answers a server that requires one, which then
+    refuses it, saying why (`refused`)."""
 
-    __slots__ = ("_key", "_peer", "_server_nonce", "_client_nonce")
+    __slots__ = ("_key", "_peer", "_challenge", "_client_nonce")
 
     def __init__(self, key: bytes | None, peer: str) -> None:
         self._key = key
         self._peer = peer
-        self._server_nonce = b""
+        self._challenge: AuthChallenge | None = None
         self._client_nonce = b""
 
     def answer(self, challenge: AuthChallenge) -> AuthResponse:
-        """Raises Unauthorized: one side has a cluster token and the other has none."""
-        if challenge.required and self._key is None:
-            raise Unauthorized(f"{self._peer} requires a cluster token")
+        """Raises Unauthorized: this client has a cluster token and the server has none."""
         if not challenge.required and self._key is not None:
             raise Unauthorized(f"{self._peer} has no cluster token; refusing to trust it")
-        self._server_nonce = challenge.nonce
+        self._challenge = challenge
         self._client_nonce = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
         mac = b"" if self._key is None else client_proof(self._key, challenge.nonce, self._client_nonce)
         return AuthResponse(self._client_nonce, mac)
@@ -102,25 +117,38 @@ class ClientHandshake:
         broken peer's: not worth a traceback, and a retry may find the real server)."""
         if reply.code != ErrorCode.ILLEGAL_CLIENT:
             return ConnectFailed(f"{self._peer} answered the handshake with error {reply.code}: {reply.message:.200}")
+        if self._key is None:
+            return Unauthorized(f"{self._peer} requires a cluster token")
         return error_from_code(reply.code, f"{self._peer} refused the connection: {reply.message}")
 
     def check(self, ok: AuthOk) -> tuple[FrameSeal, FrameSeal] | None:
         """The client's (outgoing, incoming) frame seals, None without a token.
 
         Raises:
-            Unauthorized: the server did not prove it holds the token.
+            Unauthorized: the server did not prove it holds the token, or its challenge was
+                changed on the way; or it took no token where it required one (a relay's
+                AuthOk: no server sends it).
         """
+        challenge = self._challenge
+        assert challenge is not None, "check() before answer()"
         if self._key is None:
+            if challenge.required:
+                raise Unauthorized(f"{self._peer} requires a cluster token, yet took none")
             return None
-        expected = server_proof(self._key, self._server_nonce, self._client_nonce)
+        expected = server_proof(self._key, challenge, self._client_nonce)
         if not is_valid_proof(expected, ok.mac):
-            raise Unauthorized(f"{self._peer} failed to prove the token")
-        return frame_seals(self._key, self._server_nonce, self._client_nonce, is_server=False)
+            raise Unauthorized(
+                f"{self._peer} failed to prove the token, or its challenge (whether it requires one, "
+                "its same-host socket) was changed on the way"
+            )
+        return frame_seals(self._key, challenge.nonce, self._client_nonce, is_server=False)
 
 
-def refusal() -> ErrorReply:
-    """What a server answers a client whose proof is wrong, before it closes."""
-    return ErrorReply(int(ErrorCode.ILLEGAL_CLIENT), "wrong cluster token")
+def refusal(response: AuthResponse) -> ErrorReply:
+    """What a server with a token answers a client whose proof is wrong or missing, before it
+    closes."""
+    why = "wrong cluster token" if response.mac else "this cluster requires a cluster token; none was sent"
+    return ErrorReply(int(ErrorCode.ILLEGAL_CLIENT), why)
 
 
 def _grant_body(segment_id: str, offset: int, size: int, expiry_ms: int, term: int) -> bytes:

@@ -224,7 +224,8 @@ class AuthChallenge(Message, tag=5):
     """First frame from any server. `required` is False when the server has no cluster token;
     `local_name` is the server's same-host Unix socket (transports/connection.py), if any;
     `local_host` (appended) where the server runs, which a client checks before it moves there
-    (transports/same_host.py: "" from an older server, whose socket it does not take)."""
+    (transports/same_host.py: "" from an older server, whose socket it does not take). With a
+    token, the server's proof (AuthOk) covers every field (protocol/auth.py server_proof)."""
 
     nonce: bytes
     required: bool

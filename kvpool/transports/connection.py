@@ -14,7 +14,9 @@ abstract-namespace Unix socket with a random name, announced in its first frame 
 client that asks for it (`connect(prefer_local=True)`) dials that name and keeps the TCP
 connection only if it cannot. The client dials it only when the server says it runs on the
 same kernel and in the same network namespace, where the server bound the name itself
-(transports/same_host.py: an abstract name is anyone's to bind); the handshake is the same. On this
+(transports/same_host.py: an abstract name is anyone's to bind), and only once the TCP
+handshake's proof, which covers the name and the host (protocol/auth.py), holds: a relay
+cannot name a socket of its own. The handshake there is the same. On this
 project's VM a loopback TCP send costs ~30 µs of the sender's CPU and a round trip ~135 µs,
 a Unix one ~4 µs and ~60 µs (`benchmarks/bench_core.py` records both), so the control
 traffic of a same-host master and node (put_start, put_end, commits) goes twice as fast.
@@ -89,6 +91,9 @@ NO_HANDSHAKE_WHY = "(a stalled server, or not a kvpool port: an HTTP or etcd por
 log = logging.getLogger(__name__)
 # Peers refused before their handshake (wrong token, none in time, not kvpool's protocol).
 _refused_peers = RepeatedLog(log, logging.WARNING)
+# Peers that came without a token to a server that has one: its own line, so that an operator
+# asking why a client does not connect finds it even under a flood of the others.
+_tokenless_peers = RepeatedLog(log, logging.WARNING)
 _near_open_files_limit = RepeatedLog(log, logging.WARNING)
 # Connections closed, and newcomers refused, because a server holds as many as it may
 # (Connection._has_room).
@@ -211,7 +216,7 @@ class Connection(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[None] = self._loop.create_future()
         self._closed: asyncio.Future[None] = self._loop.create_future()
-        self._nonce_server = b""  # the server's side of the handshake; a client's is here:
+        self._challenge: AuthChallenge | None = None  # the server's side of the handshake; a client's is here:
         self._handshake: auth.ClientHandshake | None = None
         self._seal: FrameSeal | None = None  # this side's frames' MAC, once authenticated with a token
         self._next_request_id = 1
@@ -388,12 +393,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._pads_payloads = True
         if self._is_server:
             self._begin_handshake()
-            self._nonce_server = os.urandom(limits.AUTH_NONCE_SIZE_BYTES)
-            challenge = AuthChallenge(
-                self._nonce_server, self._key is not None, self.local_name,
+            self._challenge = AuthChallenge(
+                os.urandom(limits.AUTH_NONCE_SIZE_BYTES), self._key is not None, self.local_name,
                 same_host.host_identity() if self.local_name else "",
             )  # fmt: skip
-            self._write_now(encode_frame(challenge, 0))
+            self._write_now(encode_frame(self._challenge, 0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._finish(f"connection lost: {exc}" if exc else "connection closed by peer")
@@ -906,28 +910,28 @@ class Connection(asyncio.BufferedProtocol):
                     return
                 self._write_now(encode_frame(AuthOk(b""), 0))
             else:
-                expected = auth.client_proof(self._key, self._nonce_server, message.nonce)
-                if not auth.is_valid_proof(expected, message.mac):
+                challenge = self._challenge
+                assert challenge is not None, "a server sends its challenge as the connection is made"
+                if not message.mac:
+                    _tokenless_peers.log("peer %s sent no token; this cluster requires one", self.peer)
+                    self._refuse(message)
+                    return
+                if not auth.is_valid_proof(auth.client_proof(self._key, challenge.nonce, message.nonce), message.mac):
                     _refused_peers.log("rejecting %s: wrong cluster token", self.peer)
-                    # Say why before closing (the client raises Unauthorized, not a network
-                    # error it would retry); close() would abort, dropping the frame unsent.
-                    self._write_now(encode_frame(auth.refusal(), 0, is_reply=True))
-                    if self._transport is not None:
-                        self._transport.close()
-                    self._finish("wrong cluster token")
+                    self._refuse(message)
                     return
                 if not self._has_room():
                     return
-                proof = auth.server_proof(self._key, self._nonce_server, message.nonce)
-                self._write_now(encode_frame(AuthOk(proof), 0))
-                self._seal_frames(auth.frame_seals(self._key, self._nonce_server, message.nonce, is_server=True))
+                self._write_now(encode_frame(AuthOk(auth.server_proof(self._key, challenge, message.nonce)), 0))
+                self._seal_frames(auth.frame_seals(self._key, challenge.nonce, message.nonce, is_server=True))
             self._authenticated()
             return
         try:
             if isinstance(message, AuthChallenge):
                 self._handshake = auth.ClientHandshake(self._key, self.peer)
                 response = self._handshake.answer(message)
-                # Dialled only where the server bound it itself (transports/same_host.py).
+                # Dialled only where the server bound it itself (transports/same_host.py), and
+                # only once the server's proof, which covers both fields, holds (connect).
                 self.local_name = message.local_name if same_host.is_this_host(message.local_host) else ""
                 self._write_now(encode_frame(response, 0))
                 return
@@ -941,6 +945,15 @@ class Connection(asyncio.BufferedProtocol):
             self._fail_handshake(exc)
             return
         raise RemoteProtocolError(f"unexpected {type(message).__name__} during the handshake")
+
+    def _refuse(self, response: AuthResponse) -> None:
+        """Say why before closing (the client raises Unauthorized, not a network error it would
+        retry); close() would abort, dropping the frame unsent."""
+        refusal = auth.refusal(response)
+        self._write_now(encode_frame(refusal, 0, is_reply=True))
+        if self._transport is not None:
+            self._transport.close()
+        self._finish(refusal.message)
 
     def _seal_frames(self, seals: tuple[FrameSeal, FrameSeal] | None) -> None:
         """From now on, tag every frame sent and check every frame received (a handshake with
@@ -1223,7 +1236,8 @@ async def connect(
 
     Raises:
         ConnectFailed: refused, unreachable or timed out.
-        Unauthorized: the token does not match.
+        Unauthorized: the token does not match, or the server's challenge was changed on the
+            way (protocol/auth.py).
     """
     host, port = split_endpoint(endpoint)
     loop = asyncio.get_running_loop()

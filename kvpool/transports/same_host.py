@@ -10,6 +10,9 @@ runs on the same kernel and in the same network namespace, where the server boun
 itself and nobody else can while it runs (and a name learnt from a server that has died since
 leads to no server to relay to). The processes' pid namespaces do not matter: a master in a
 container with the host's network (docker --network host) and a client outside it still move.
+What the server says of its socket and host is covered by its proof of the cluster token
+(protocol/auth.py server_proof), which the client checks before it takes the socket: a relay
+cannot name one of its own, nor make another host's server look like this host's.
 """
 
 from __future__ import annotations
