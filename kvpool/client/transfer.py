@@ -760,7 +760,16 @@ class GetJob:
         left_ms = min(self.lease_deadline_ms, self.reads_deadline_ms) - now_monotonic_ms()
         readings: dict[concurrent.futures.Future[tuple[bytes | None, int]], int] = {}  # -> its key's index
         handover = _Handover()
-        if left_ms > 0 and not _held_readers.are_all_held() and not self._given_up.done():
+        # Why reads not taken were given up, for the log: a hung mount is the likely cause,
+        # but not of a get whose time was up before it began (a slow lookup) or that its
+        # caller gave up (None).
+        why: str | None = None
+        if left_ms <= 0 or self._given_up.done():
+            pass
+        elif _held_readers.are_all_held():
+            why = "every file-reading thread is held by reads given up before"
+        else:
+            why = "not done by the get's deadline"
             readers = _file_readers.executor()
             advised = self._to_prefetch(reads)  # by the first read, ahead of its own: the device has them all at once
             for index, path in reads:
@@ -791,11 +800,10 @@ class GetJob:
                     _held_readers.hold(reading)
             handover.close()
         given_up = [(index, path) for index, path in reads if index not in taken]
-        if given_up:
+        if given_up and why is not None and not self._given_up.done():
             _given_up_log.log(
-                "%d object file reads (%s, ...) given up: not done by the get's deadline, or every file-reading "
-                "thread held by reads given up before (a hung mount?)", len(given_up), given_up[0][1],
-            )  # fmt: skip
+                "%d object file reads (%s, ...) given up: %s (a hung mount?)", len(given_up), given_up[0][1], why
+            )
         for index, _ in given_up:
             self._next_candidate(index, ErrorCode.TRANSFER_FAIL)
 
