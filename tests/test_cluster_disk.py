@@ -12,7 +12,6 @@ reports per tier. Sizes are small (tens of MiB) and every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ from tests.test_cluster import kvpool_cli, values_for, wait_until
 
 OBJECT_SIZE = 256 * 1024
 FILLER = 0xA5  # what a buffer holds before a get that must leave it untouched
+LOOP_WORKERS = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
 
 
 def disk_args(path: Path, size: str = "64MiB") -> tuple[str, ...]:
@@ -70,12 +70,12 @@ def master_metric(cluster, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def only_on_disk(make_cluster, tmp_path: Path, key: str, data: bytes):
+def only_on_disk(make_cluster, tmp_path: Path, key: str, data: bytes, master_args: tuple[str, ...] = ()):
     """A cluster whose one node holds `key` on its disk tier only (put with a disk copy, then
     the node restarted: its DRAM is gone, its disk re-adopted)."""
     from kvpool import ReplicateConfig
 
-    cluster = make_cluster(0, "8MiB")
+    cluster = make_cluster(0, "8MiB", master_args=master_args)
     node = cluster.start_node(disk_args(tmp_path / "disk"))
     with Store(cluster.master_endpoint) as store:
         assert store.put_batch([key], [data], ReplicateConfig(with_disk_copy=True)) == [ErrorCode.OK]
@@ -251,7 +251,7 @@ def test_an_async_get_into_whose_disk_file_hangs_returns_in_time_and_never_write
     thread into memory of its own: a get returns a miss by its deadline, a cancelled one at
     once, and the read, when the disk answers, writes nothing of the caller's."""
     data = os.urandom(1536 * 1024)  # more than one chunk of a reading thread's memory (BOUNCE_BYTES)
-    cluster = only_on_disk(make_cluster, tmp_path, "k", data)
+    cluster = only_on_disk(make_cluster, tmp_path, "k", data, ("--promote-reads", "0"))  # read from disk, always
     with Store(cluster.master_endpoint) as store:
         assert wait_until(lambda: store.exists("k"), 10)  # re-adopted from the disk
     reading, release, read_ended = threading.Event(), threading.Event(), threading.Event()
@@ -298,9 +298,25 @@ def test_an_async_get_into_whose_disk_file_hangs_returns_in_time_and_never_write
             assert loop.time() - started < 0.5
             store.unregister_buffer(address)  # nothing writes there any more
             assert await a_late_read_wrote_nothing(buffer), "the cancelled get's read wrote into the buffer"
-            monkeypatch.undo()
             address = store.register_buffer(buffer)
+            # More gets than the loop's worker threads, then all cancelled: each returns at once
+            # (one still queued for a worker waited for the transfer timeout), and the reads they
+            # leave under way, cancelled not overdue, hold no reading thread: the next get waits
+            # for the disk and reads (four such made every get of the process an instant miss).
+            reading.clear()
+            gets = [asyncio.ensure_future(store.get_into("k", address, len(data))) for _ in range(LOOP_WORKERS + 2)]
+            assert await asyncio.to_thread(reading.wait, 10)
+            await asyncio.sleep(0.2)  # every reading thread in its open(), the last gets queued for a worker
+            for cancelled in (gets[-2:], gets[:-2]):  # those queued first, while the others wait on
+                started = loop.time()
+                for get in cancelled:
+                    get.cancel()
+                ended = await asyncio.gather(*cancelled, return_exceptions=True)
+                assert all(isinstance(outcome, asyncio.CancelledError) for outcome in ended), ended
+                assert loop.time() - started < 0.5
+            loop.call_later(0.3, release.set)
             assert await store.get_into("k", address, len(data)) == len(data) and buffer == data
+            monkeypatch.undo()
 
     async def main() -> None:
         try:

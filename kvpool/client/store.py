@@ -884,7 +884,8 @@ class AsyncStore:
         try:
             await asyncio.shield(copying)
         except asyncio.CancelledError:
-            job.give_up()
+            if not job.give_up():  # not begun (queued behind other workers): it never will
+                raise
             release = self.buffers.hold(view for target in job.targets if target is not None for view in target)
             copying.add_done_callback(lambda _: release())
             deadline = loop.time() + self.config.transfer_timeout_ms / 1000

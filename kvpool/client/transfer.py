@@ -589,6 +589,8 @@ class GetJob:
         self.reads_deadline_ms = self.lease_deadline_ms if reads_deadline_ms is None else reads_deadline_ms
         # Done once the get's caller stopped waiting (give_up): copy_local ends its reads at once.
         self._given_up: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._copying = False  # a copy_local runs (give_up says so), under _giving_up
+        self._giving_up = threading.Lock()
         self._local_segments = local_segments
         # Per key its replicas nearest first, and how many of them were tried: the next to
         # read is candidates[i][tried[i]] (the reply's own list when there is nothing to order:
@@ -670,18 +672,30 @@ class GetJob:
         have no way to a DFS file (a sync get raised InvalidParams, an async one missed).
         Without `read_files` (on an event loop, where a disk's latency must not stall it), keys
         whose next candidate is a file here are left for a call that reads them (reads_files)."""
-        while not self._given_up.done():
-            failures = self._failures
-            self._copy_local_pass(read_files)
-            if self._failures == failures:
+        with self._giving_up:
+            if self._given_up.done():
                 return
+            self._copying = True
+        try:
+            while not self._given_up.done():
+                failures = self._failures
+                self._copy_local_pass(read_files)
+                if self._failures == failures:
+                    return
+        finally:
+            with self._giving_up:
+                self._copying = False
 
-    def give_up(self) -> None:
+    def give_up(self) -> bool:
         """The get's caller stopped waiting (an AsyncStore get cancelled): a copy_local under
         way on another thread stops waiting for its file reads and returns within a chunk's
-        copy (_Handover.close), writing nothing more into the caller's buffers. Any thread."""
-        with contextlib.suppress(concurrent.futures.InvalidStateError):  # given up before
-            self._given_up.set_result(None)
+        copy (_Handover.close), writing nothing more into the caller's buffers, and one not
+        begun yet (a worker still queued) does nothing. Whether one was under way (then wait
+        for it to return). Any thread."""
+        with self._giving_up:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # given up before
+                self._given_up.set_result(None)
+            return self._copying
 
     def _copy_local_pass(self, read_files: bool) -> None:
         reply = self.reply
@@ -777,6 +791,7 @@ class GetJob:
                 reading = readers.submit(_read_object_apart, path, keys[index], sizes[index], target, handover, advised)
                 readings[reading], advised = index, []
         taken: set[int] = set()
+        overran = False  # the deadline passed with reads under way (not the caller giving up)
         try:  # each checked as it comes, while the others are read
             waited_for = [*readings, self._given_up] if readings else []
             for reading in concurrent.futures.as_completed(waited_for, timeout=max(0, left_ms) / 1000):
@@ -793,10 +808,13 @@ class GetJob:
                 if len(taken) == len(readings):
                     break  # (as_completed would wait on for _given_up)
         except TimeoutError:
-            pass
-        finally:  # the deadline passed, or Ctrl-C: a read not started yet never starts, none goes on writing
+            overran = True
+        finally:  # the deadline passed, given up, or Ctrl-C: a read not started yet never starts, none goes on writing
             for reading in readings:
-                if not reading.cancel() and not reading.done():
+                # Only a read that overran its deadline counts as held (a hung mount, perhaps):
+                # a get given up meanwhile says nothing of the mount, and four such made every
+                # get of the process a miss until their reads ended.
+                if not reading.cancel() and not reading.done() and overran:
                     _held_readers.hold(reading)
             handover.close()
         given_up = [(index, path) for index, path in reads if index not in taken]
