@@ -550,25 +550,26 @@ def master(
         raise _fail_in_flags(exc, _MASTER_FLAGS) from None
 
     async def main() -> None:
-        with _stop_on_signal() as stop:
-            await server.start()
-            try:
-                _freeze_start_up_objects()
-                if ready_file:
-                    _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
-                # Until a signal, or (a candidate on etcd) until it refuses to stand: another token.
-                refusal = server.elector.refusal if server.elector is not None else None
-                stopping = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({stopping, *([refusal] if refusal else [])}, return_when=asyncio.FIRST_COMPLETED)
-                stopping.cancel()
-                if refusal is not None and refusal.done():
-                    raise refusal.result()
-            finally:
-                await server.stop()
-                _remove_ready(ready_file, is_stopping=True)
+        stop = _stop_on_signal()
+        await server.start()
+        try:
+            _freeze_start_up_objects()
+            if ready_file:
+                _write_ready(ready_file, {"endpoint": server.endpoint, "http_port": server.http_port})
+            # Until a signal, or (a candidate on etcd) until it refuses to stand: another token.
+            refusal = server.elector.refusal if server.elector is not None else None
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({stopping, *([refusal] if refusal else [])}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if refusal is not None and refusal.done():
+                raise refusal.result()
+        finally:
+            await server.stop()
+            _remove_ready(ready_file, is_stopping=True)
 
     try:
-        uvloop.run(main())
+        with _signal_handlers_kept():
+            uvloop.run(main())
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
 
@@ -663,35 +664,36 @@ def node(
         raise _fail_in_flags(exc, _NODE_FLAGS) from None
 
     async def main() -> None:
-        with _stop_on_signal() as stop:
-            storage_node = Node(config)
-            await storage_node.start()
-            _freeze_start_up_objects()
-            try:
-                # Until a master takes the segment, or a signal: then the node leaves as it would
-                # once serving (segment file removed).
-                if not await _wait_for_master(storage_node, stop):
-                    return
-                if ready_file:
-                    _write_ready(
-                        ready_file,
-                        {
-                            "endpoint": storage_node.endpoint,
-                            "segment_id": storage_node.segment_info.segment_id,
-                            "metrics_endpoint": storage_node.metrics_endpoint,
-                            "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
-                        },
-                    )
-                # Refused by a master once mounted, it retries on, keeping its objects (node/server.py).
-                await stop.wait()
-                if drain_ms:  # decommissioning: readers of what it holds move on meanwhile
-                    await _drain(storage_node, drain_ms, stop)
-            finally:
-                await storage_node.stop()
-                _remove_ready(ready_file, is_stopping=True)
+        stop = _stop_on_signal()
+        storage_node = Node(config)
+        await storage_node.start()
+        _freeze_start_up_objects()
+        try:
+            # Until a master takes the segment, or a signal: then the node leaves as it would
+            # once serving (segment file removed).
+            if not await _wait_for_master(storage_node, stop):
+                return
+            if ready_file:
+                _write_ready(
+                    ready_file,
+                    {
+                        "endpoint": storage_node.endpoint,
+                        "segment_id": storage_node.segment_info.segment_id,
+                        "metrics_endpoint": storage_node.metrics_endpoint,
+                        "disk_segment_id": storage_node.disk_info.segment_id if storage_node.disk_info else "",
+                    },
+                )
+            # Refused by a master once mounted, it retries on, keeping its objects (node/server.py).
+            await stop.wait()
+            if drain_ms:  # decommissioning: readers of what it holds move on meanwhile
+                await _drain(storage_node, drain_ms, stop)
+        finally:
+            await storage_node.stop()
+            _remove_ready(ready_file, is_stopping=True)
 
     try:
-        uvloop.run(main())
+        with _signal_handlers_kept():
+            uvloop.run(main())
     except KVPoolError as exc:
         raise _fail(str(exc)) from None
 
@@ -745,30 +747,35 @@ async def _drain(storage_node: Node, drain_ms: int, stop: asyncio.Event) -> None
         again.cancel()
 
 
-@contextlib.contextmanager
-def _stop_on_signal() -> Iterator[asyncio.Event]:
-    """An event that SIGTERM, SIGINT or SIGHUP sets within the block. Taken before a server
-    starts, so that a signal while it starts (a node may wait seconds for its master) ends it
-    through its graceful stop rather than the default handler's instant death. SIGHUP (the
-    terminal or ssh session that started it closed) killed a node that way, and left its
-    segment file in /dev/shm; it is left alone where it is ignored (`nohup kvpool node`).
-    The handlers from before are back once the block ends: uvloop (0.23) leaves its own when
-    its loop closes, and a process that had run a server in its main thread (a test, a
-    program embedding one) took no Ctrl-C from then on."""
+def _stop_on_signal() -> asyncio.Event:
+    """An event that SIGTERM, SIGINT or SIGHUP sets, from now on. Taken before a server starts,
+    so that a signal while it starts (a node may wait seconds for its master) ends it through
+    its graceful stop rather than the default handler's instant death. SIGHUP (the terminal or
+    ssh session that started it closed) killed a node that way, and left its segment file in
+    /dev/shm; it is left alone where it is ignored (`nohup kvpool node`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = [signal.SIGTERM, signal.SIGINT]
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signals.append(signal.SIGHUP)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Around a server's event loop: the signal handlers from before are back once it closed.
+    uvloop (0.23) leaves its own (_stop_on_signal's) on SIGINT, SIGTERM and SIGHUP, and a
+    process that had run a server in its main thread (a test, a program embedding one) took no
+    Ctrl-C from then on. Restored after the loop closed, not when the server stopped, so that
+    a second signal during the loop's teardown still finds the server's handler."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        yield stop
+        yield
     finally:
         for sig, handler in previous.items():
-            loop.remove_signal_handler(sig)
-            if handler is not None:  # None: one set outside Python, which the removal left
+            if handler is not None:  # None: one set outside Python, which nothing here changed
                 signal.signal(sig, handler)
 
 
