@@ -984,12 +984,12 @@ def check(out_dir: Path, final: dict | None = None) -> list[str]:
                     continue
                 if evidence.master_away(miss.start, miss.end):
                     excused["pinned miss while the master was away"] += 1
-                # From a node TTL before the put: a node killed then is still in the master's
-                # tables (it learns of the death at the TTL), so a put of a key it held finds the
-                # key there and is answered OK without writing (keys are immutable), and the
-                # master may list no live replica after it (an empty sample: any node's fault).
-                elif evidence.departure_between(history.where(key, put, miss.end) or None,
-                                                put.start - NODE_TTL_MS * 1_000_000, miss.end, True):  # fmt: skip
+                # A put of a key held only by a node whose connection is lost writes it anew
+                # (PutFlow.start); one held by a stopped node (its connection open until the TTL)
+                # is answered OK without writing, within that node's fault. The master may list
+                # no replica after the put (its TTL dropped the stopped node's meanwhile, or a
+                # fault right after the put): an empty sample is any node's fault.
+                elif evidence.departure_between(history.where(key, put, miss.end) or None, put.start, miss.end, True):
                     excused["pinned miss after a fault on its node"] += 1
                 else:
                     violations.append(f"{key}: a miss after acknowledged put {put.writer}/{put.sequence}")

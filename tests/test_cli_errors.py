@@ -332,18 +332,24 @@ def test_a_node_with_a_token_and_a_master_without_one_says_which_has_none(make_c
         _end(node)
 
 
-def test_get_of_an_object_whose_nodes_are_gone_says_so_not_not_found(make_cluster, monkeypatch):
-    """The only replica is on a node that died (the master keeps it listed until the node TTL):
-    `kvpool get` said "not found" while `kvpool stat KEY` said OK. (Over TCP: on the node's own
-    host its segment file outlives a SIGKILL, and a get still reads it there, checked.)"""
+def test_get_of_an_object_whose_nodes_stopped_answering_says_so_not_not_found(make_cluster, monkeypatch):
+    """The only replica is on a node that stopped answering (SIGSTOP: its connection to the
+    master stays open, so the master lists the object until the node TTL): `kvpool get` said
+    "not found" while `kvpool stat KEY` said OK. A node killed (its connection closed) leaves
+    its objects missing for every lookup at once, and both say not found. (Over TCP: on the
+    node's own host its segment file outlives a SIGKILL, and a get still reads it there, checked.)"""
     monkeypatch.setenv("KVPOOL_SHM", "0")
     cluster = make_cluster(1, "16MiB", master_args=("--node-ttl-ms", "60000"))
     master = ["--master", cluster.master_endpoint]
     assert kvpool_cli("put", "orphan", *master, stdin=b"v").returncode == 0
-    cluster.nodes[0].kill()
-    got = kvpool_cli("get", "orphan", *master)
+    node = cluster.nodes[0]
+    node.signal(signal.SIGSTOP)
+    got = kvpool_cli("get", "orphan", *master, "--timeout", "1")
     assert got.returncode == 3 and b"stored, but no replica could be read" in got.stderr, got.stderr
     assert b"`kvpool stat orphan` shows where" in got.stderr, got.stderr  # was a literal {shown}
+    node.kill()
+    assert wait_until(lambda: kvpool_cli("get", "orphan", *master).stderr.strip().endswith(b"not found"), 10)
+    assert b"OBJECT_NOT_FOUND" in kvpool_cli("stat", "orphan", *master).stdout
     assert kvpool_cli("get", "never-put", *master).stderr.strip().endswith(b"not found")
 
 

@@ -151,6 +151,65 @@ def test_puts_right_after_a_node_is_killed_go_to_the_live_nodes(make_cluster, sh
     assert segments[victim_segment] == "unreachable"
 
 
+def test_a_put_of_keys_held_only_by_a_killed_node_stores_them_again_before_its_ttl(make_cluster):
+    """Keys are content hashes, so a put of an existing key writes nothing. But the master
+    lists a killed node's replicas until the node TTL (a minute here): a put of a key held
+    only there was answered OK without writing, and every get of it missed until the TTL and
+    a put after it, though the writer was told it was stored. The master knows the node's
+    connection is lost, so the put writes the key anew on a live node (single and batch).
+    TCP only: a same-host client could still read the dead node's segment file."""
+    cluster = make_cluster(2, master_args=("--node-ttl-ms", "60000"))
+    victim = cluster.nodes[0]
+    victim_segment = victim.info["segment_id"]
+    on_victim = ReplicateConfig(placement="preferred", preferred_segments=[victim_segment])
+    values = values_for("held-by-the-dead", 5, 64 * 1024)
+    keys = list(values)
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        assert store.put_batch(keys, list(values.values()), on_victim) == [ErrorCode.OK] * len(keys)
+        assert {r.segment_id for rs in store.query(keys).replicas for r in rs} == {victim_segment}
+        victim.kill()
+        assert wait_until(lambda: _segment_states(store).get(victim_segment) == "unreachable", 5)
+        store.put(keys[0], values[keys[0]])
+        assert store.get(keys[0]) == values[keys[0]]
+        assert store.put_batch(keys[1:], [values[k] for k in keys[1:]]) == [ErrorCode.OK] * (len(keys) - 1)
+        assert store.get_batch(keys) == list(values.values())
+        assert all(r.segment_id != victim_segment for rs in store.query(keys).replicas for r in rs)
+        assert _segment_states(store).get(victim_segment) == "unreachable"  # not dropped: the TTL is far
+
+
+def test_lookups_answer_keys_held_only_by_a_killed_node_missing_before_its_ttl(make_cluster):
+    """An engine looks keys up before it saves them (SGLang's batch_exists, vLLM's and LMCache's
+    longest_prefix), and loads what the lookup found. A killed node's keys were answered
+    present until the node TTL (a minute here): the engine skipped their saves, and every load
+    missed. The master knows the node's connection is lost, so every lookup answers those keys
+    missing (a get misses at once), and the save that follows stores them on the live node. A
+    key with a replica there stays present. TCP only, as the test above."""
+    cluster = make_cluster(2, master_args=("--node-ttl-ms", "60000"))
+    victim = cluster.nodes[0]
+    victim_segment, live_segment = victim.info["segment_id"], cluster.nodes[1].info["segment_id"]
+    values = values_for("looked-up", 4, 64 * 1024)
+    keys = list(values)
+    lost, live = keys[:3], keys[3]
+    missing = [ErrorCode.OBJECT_NOT_FOUND] * len(lost)
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        on_victim = ReplicateConfig(placement="preferred", preferred_segments=[victim_segment])
+        assert store.put_batch(lost, [values[k] for k in lost], on_victim) == [ErrorCode.OK] * len(lost)
+        store.put(live, values[live], ReplicateConfig(placement="preferred", preferred_segments=[live_segment]))
+        victim.kill()
+        assert wait_until(lambda: _segment_states(store).get(victim_segment) == "unreachable", 5)
+        assert store.batch_exists(keys) == [False] * len(lost) + [True]
+        assert store.longest_prefix([live, *lost], hold_ms=5_000) == 1
+        assert store.query(keys).codes == [*missing, ErrorCode.OK]
+        assert store.get(lost[0]) is None
+
+        # The engine saves what its lookup missed, and loads it.
+        unsaved = [key for key, is_present in zip(keys, store.batch_exists(keys)) if not is_present]
+        assert store.put_batch(unsaved, [values[k] for k in unsaved]) == [ErrorCode.OK] * len(lost)
+        assert store.longest_prefix(keys) == len(keys)
+        assert store.get_batch(keys) == list(values.values())
+        assert _segment_states(store).get(victim_segment) == "unreachable"  # not dropped: the TTL is far
+
+
 def _segment_states(store: Store) -> dict[str, str]:
     return {s.segment.segment_id: s.state for s in store.cluster_status().segments}
 

@@ -1,13 +1,14 @@
 """The object lifecycle of MasterService against a naive model, under random interleavings.
 
-How: a hypothesis RuleBasedStateMachine drives mount / heartbeat / drain / unmount,
+How: a hypothesis RuleBasedStateMachine drives mount / heartbeat / a lost node link / drain / unmount,
 put_start / put_end (+ finish, immediately or held across other steps) / put_revoke, get,
 exists, remove, remove_by_regex, advance_clock, tick, drop acknowledgements and a master
 restart (a new service rebuilt from the nodes' inventories). The model is plain dicts: the
 acknowledged objects with their replicas, puts in flight, leases, and for every segment the
 byte ranges that must not be handed out (replicas, puts in flight, quarantined ranges, drops
 not yet acknowledged). After every step the invariant calls `check_invariants()` and compares:
-exactly the model's objects are visible, with their size, checksum and replicas; per-segment
+exactly the model's objects are visible, with their size, checksum and replicas, but for those
+whose every replica is on a node whose link is lost (read as missing, put anew); per-segment
 used bytes equal the model's busy ranges; every new grant lies on free model space (so a range
 is never reused before its drop is acknowledged). Evictions are the one thing the model does
 not predict: it reads them from the drop outbox after each step and checks that no evicted
@@ -168,6 +169,12 @@ class MasterMachine(RuleBasedStateMachine):
         self.quarantine = [q for q in self.quarantine if q[1] != segment_id]
         self.taken = [t for t in self.taken if t[0] != segment_id]
 
+    def _is_readable(self, key: str) -> bool:
+        """A complete object with a replica on a segment whose node's connection the master
+        holds: any other reads as missing (exists, prefix, query, get) and a put writes it anew."""
+        obj = self.objects.get(key)
+        return obj is not None and any(self.segments[s].is_reachable for s in obj.replicas)
+
     def _is_leased(self, key: str) -> bool:
         return self.leases.get(key, 0) > self.now
 
@@ -278,7 +285,7 @@ class MasterMachine(RuleBasedStateMachine):
         reply = self.service.put_start(PutStart(keys, [size] * len(keys), config, "host"), self.now)
         for index, (key, code) in enumerate(zip(keys, reply.codes)):
             granted = [(grant.segment_id, grant.offset + start) for grant, start in reply.replicas_of(index)]
-            if key in self.objects:
+            if self._is_readable(key):
                 assert code == ErrorCode.OBJECT_ALREADY_EXISTS, (key, code)
             elif key in self.pending:
                 assert code == ErrorCode.REPLICA_IS_NOT_READY, (key, code)
@@ -288,6 +295,9 @@ class MasterMachine(RuleBasedStateMachine):
             else:
                 assert code == OK, (key, code)
                 assert 1 <= len(granted) <= replica_num
+                if key in self.objects:  # no replica readable (their node's link lost): written anew
+                    self._drop_object(key)
+                    event("put anew: its replicas unreadable")
                 put = Put(size, self.now, {}, pin == "hard")
                 for segment_id, offset in granted:
                     seg = self.segments[segment_id]
@@ -413,11 +423,13 @@ class MasterMachine(RuleBasedStateMachine):
             keys, reply.codes, reply.sizes, reply.checksums, reply.replicas
         ):
             obj = self.objects.get(key)
-            if obj is None:
+            if not self._is_readable(key):  # no lease, no access
                 expected = (
                     ErrorCode.REPLICA_IS_NOT_READY if key in self.pending else ErrorCode.OBJECT_NOT_FOUND
                 )
                 assert code == expected, (key, code)
+                if obj is not None:
+                    event("get of an object on lost nodes only: a miss")
                 continue
             assert code == OK and (size, checksum) == (obj.size, obj.checksum), (key, size, checksum, obj)
             assert {r.segment_id: r.offset for r in replicas} == obj.replicas
@@ -461,10 +473,12 @@ class MasterMachine(RuleBasedStateMachine):
         found = data.draw(st.lists(st.sampled_from(sorted(self.objects)), max_size=3)) if self.objects else []
         keys = found + data.draw(st.lists(st.sampled_from(KEYS), max_size=3))
         flags = self.service.exist_keys(ExistKeys(keys), self.now).flags
-        assert flags == [key in self.objects for key in keys]
+        assert flags == [self._is_readable(key) for key in keys]
         prefix = self.service.longest_prefix(LongestPrefix(keys, hold_ms, hold_reads), self.now).count
-        expected = next((i for i, key in enumerate(keys) if key not in self.objects), len(keys))
+        expected = next((i for i, key in enumerate(keys) if not self._is_readable(key)), len(keys))
         assert prefix == expected
+        if expected < len(keys) and keys[expected] in self.objects:
+            event("prefix ended by an object on lost nodes only")
         for key in keys[:prefix] if hold_ms else ():
             if not self._is_leased(key):
                 self.readers[key] = self.awaited[key] = 0
@@ -596,11 +610,14 @@ class MasterMachine(RuleBasedStateMachine):
     def agrees_with_model(self) -> None:
         service = self.service
         service.check_invariants()
-        assert service.exist_keys(ExistKeys(KEYS), self.now).flags == [k in self.objects for k in KEYS]
+        assert service.exist_keys(ExistKeys(KEYS), self.now).flags == [self._is_readable(k) for k in KEYS]
         query = service.query_objects(QueryObjects(KEYS), self.now)
         for key, code, size, replicas in zip(KEYS, query.codes, query.sizes, query.replicas):
             obj = self.objects.get(key)
             if obj is None:
+                continue
+            if not self._is_readable(key):
+                assert (code, replicas) == (ErrorCode.OBJECT_NOT_FOUND, []), (key, code, replicas)
                 continue
             assert code == OK and size == obj.size, (key, code, size)
             assert {r.segment_id: r.offset for r in replicas} == obj.replicas, (key, replicas, obj)

@@ -15,8 +15,9 @@ than one step looks at (UNMOUNT_SWEEP_KEYS_PER_STEP), a segment with objects lea
 pending put keeps a range there), then each step takes the replicas of a slice of a snapshot
 of the table, and the last step unmounts it. The ranges let go meanwhile stay allocated
 (Segment.taken): the whole allocator goes with the segment. Until a replica is taken, readers
-are still sent to it, as they are during a dead node's TTL: a failed read is a miss or the
-next replica.
+of an object with a replica elsewhere are still sent to it, as they are during a dead node's
+TTL (a failed read is a miss or the next replica); an object with none elsewhere reads as
+missing already (Segment.is_readable).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ This module moves a key through its put states and the ranges through the alloca
                             |   or forced remove)      start + put_release_timeout_ms
 
 A committing put cannot be discarded or revoked: a node may be adding it to its inventory, and
-a range in an inventory must never be reused before it is dropped. This module is not the
+a range in an inventory must never be reused before it is dropped. A put of a complete key
+writes nothing (keys are content hashes), unless no replica of the object can be read (every
+one on a segment whose node's connection is lost, or leaving): then the key is written anew
+and the old object dropped, as a remove drops it (see PutFlow.start). This module is not the
 request surface (service.py validates requests and runs eviction) and it decides no placement
 order (placement.py).
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -158,11 +161,14 @@ class PutFlow:
 
     Holds references only (the registry, the table, the quarantine and the counters belong to
     MasterService); its own state is nothing. Requests reach it validated at request level
-    (batch length, replica config); per-key validation happens here.
+    (batch length, replica config); per-key validation happens here. `drop_objects` takes
+    complete objects out as a remove does (MasterService._drop_objects: their replicas to
+    the drop outbox).
     """
 
     __slots__ = (
         "_config", "_rng", "_cluster_key", "_term", "_registry", "_table", "_quarantine", "_counters", "_moving",
+        "_drop_objects",
     )  # fmt: skip
 
     def __init__(
@@ -176,6 +182,7 @@ class PutFlow:
         quarantine: Quarantine,
         counters: MasterCounters,
         moving: Mapping[str, object],
+        drop_objects: Callable[[list[str]], object],
     ):
         self._config = config
         self._term = term
@@ -186,6 +193,7 @@ class PutFlow:
         self._quarantine = quarantine
         self._counters = counters
         self._moving = moving  # keys with a move in flight (TierFlow.moves.by_key)
+        self._drop_objects = drop_objects
 
     def start(
         self,
@@ -200,6 +208,16 @@ class PutFlow:
 
         Accepted keys are allocated in runs (see RUN_BYTES_MAX): one extent per replica for the
         whole run, carved into the keys' ranges in key order, and one grant per extent.
+
+        A complete key is OBJECT_ALREADY_EXISTS while a replica of it can be read
+        (Segment.is_readable). When none can (their node's connection is lost; the node TTL
+        drops it only later), a put answered OK without writing left every get missing until
+        then: so the key is put like a new one, and its old object is dropped (as a remove
+        drops it) once the key has its grants, or kept when it found no room. The old
+        replicas' ranges are held until their node, back, forgets them (a re-mount listing
+        them meanwhile is refused: mounts.py), or go with it as tombstones. A read lease does
+        not stop this: a reader of the old replicas gets no bytes from the lost node, or once
+        their range was reused a checksum that does not match (a miss, as after a forced remove).
         """
         table = self._table
         objects, lower, pending, moving = table.objects, table.lower, table.pending, self._moving
@@ -207,7 +225,9 @@ class PutFlow:
             len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config,
             put_id,
         )
+        is_every_segment_readable = not self._registry.has_unreadable
         accepted: set[str] = set()
+        unreadable: list[int] = []  # indexes of accepted keys whose object no reader can find
         run: list[tuple[int, int]] = []  # (key index, where its range starts in the run)
         run_bytes = 0
         shortfall_bytes = 0
@@ -216,13 +236,14 @@ class PutFlow:
                 code = codes.INVALID_KEY
             elif not is_valid_size(size):
                 code = codes.INVALID_PARAMS
-            elif key in objects or key in lower:
+            elif (key in objects or key in lower) and (is_every_segment_readable or self._has_readable_replica(key)):
                 code = codes.OBJECT_ALREADY_EXISTS
             elif key in pending or key in accepted or key in moving:
                 # A move of the object removed meanwhile is still running: its node will
                 # record the copy under this key, over the entry of a new put of it (a node's
                 # inventory holds one entry per key), and a master restart would lose the new
-                # object. So the key waits for the move, as it waits for another writer.
+                # object. So the key waits for the move, as it waits for another writer (and so
+                # does an object no reader can find: its move, on the lost node, ends first).
                 code = codes.REPLICA_IS_NOT_READY
             elif footprint_bytes(size) > self._registry.capacity_max:
                 code = codes.NO_AVAILABLE_HANDLE  # fits in no segment: evicting would not help
@@ -232,6 +253,8 @@ class PutFlow:
                     shortfall_bytes += self._grant_run(grants, keys, sizes, run, run_bytes, config, client_hostname)
                     run, run_bytes = [], 0
                 accepted.add(key)
+                if key in objects or key in lower:
+                    unreadable.append(index)
                 run.append((index, run_bytes))
                 run_bytes += footprint
                 continue
@@ -240,7 +263,17 @@ class PutFlow:
                 self._counters.errors += 1
         if run:
             shortfall_bytes += self._grant_run(grants, keys, sizes, run, run_bytes, config, client_hostname)
+        if unreadable:  # now, before anything sees a key both pending and complete (ObjectTable)
+            replaced = [keys[index] for index in unreadable if grants.codes[index] == codes.OK]
+            if replaced:
+                self._drop_objects(replaced)
         return grants.reply(), shortfall_bytes
+
+    def _has_readable_replica(self, key: str) -> bool:
+        """Whether a replica of the complete object `key` lies on a readable segment."""
+        meta = self._table.get(key)
+        assert meta is not None, f"{key!r} is no complete object"
+        return self._registry.has_readable_replica(meta)
 
     def _grant_run(
         self,

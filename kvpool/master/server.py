@@ -379,13 +379,17 @@ class MasterServer:
 
     def connection_closed(self, conn: Connection) -> None:
         # The node may reconnect and re-mount; liveness (node TTL) decides when it is gone.
-        # Meanwhile nothing new is placed on its segments (service.node_link_lost).
+        # Meanwhile nothing new is placed on its segments, and objects held only there read
+        # as missing (service.node_link_lost).
         lost = [segment_id for segment_id, link in self._node_links.items() if link.conn is conn]
         for segment_id in lost:
             del self._node_links[segment_id]
         self._dfs_writer_of_conn.pop(conn, None)
         if lost and self.service.node_link_lost(lost):
-            log.info("lost the connection to the node of %s: no puts there until it speaks again", ", ".join(lost))
+            log.info(
+                "lost the connection to the node of %s: no puts there, and objects held only there read as "
+                "missing, until it speaks again", ", ".join(lost),
+            )  # fmt: skip
 
     def handle(self, conn: Connection, message: Message) -> HandlerResult | Awaitable[HandlerResult]:
         result = self._dispatch(conn, message)
