@@ -27,6 +27,8 @@ from kvpool.master.service import MasterService, PendingCommit
 from kvpool.protocol import auth
 from kvpool.protocol.frames import FrameDecoder, encode_frame
 from kvpool.protocol.messages import (
+    PIN_HARD,
+    PIN_SOFT,
     ClusterStatus,
     DrainSegment,
     ExistKeys,
@@ -923,6 +925,39 @@ def test_a_key_on_a_lost_node_that_finds_no_room_elsewhere_keeps_its_object() ->
     svc.heartbeat(Heartbeat(["s1"]), 1)
     assert exists(svc, ["k"], 1) == [True]
     assert put(svc, ["k"]) == [ErrorCode.OBJECT_ALREADY_EXISTS]
+
+
+def test_a_key_written_anew_keeps_the_pins_of_its_old_object() -> None:
+    """An engine's put of a key whose every replica is on a lost node names no pin: the new
+    object takes the old one's (a hard pin, a soft pin not lapsed; the stronger of both
+    stands). Else the node's pinned copy, refused on its re-mount, left the key to be
+    evicted like any other."""
+    svc = make(seed=7, node_ttl_ms=600_000, soft_pin_ttl_ms=10_000, evict_watermark_ratio_high=0.9, evict_ratio=0.2)
+    mount(svc, "s1")
+    mount(svc, "s2")  # 16 objects fill it
+    on_s1 = dict(placement="preferred", preferred_segments=["s1"])
+    assert put(svc, ["lapsed"], with_soft_pin=True, **on_s1) == [OK]  # its pin lapses at 10 s
+    assert put(svc, ["hard"], now=5_000, with_hard_pin=True, **on_s1) == [OK]
+    assert put(svc, ["soft", "soft+hard"], now=5_000, with_soft_pin=True, **on_s1) == [OK, OK]
+    assert put(svc, ["plain"], now=5_000, **on_s1) == [OK]
+    svc.node_link_lost(["s1"])
+
+    keys = ["plain", "lapsed", "hard", "soft"]
+    start = svc.put_start(PutStart(keys, [OBJECT_SIZE] * 4, config()), 12_000)
+    assert start.codes == [OK] * 4
+    again = svc.put_start(PutStart(["soft+hard"], [OBJECT_SIZE], config(with_hard_pin=True)), 12_000)
+    assert again.codes == [OK]
+    pending = svc.put_end(PutEnd([*keys, "soft+hard"], [checksum_of(k) for k in [*keys, "soft+hard"]]), 12_000)
+    assert {e.key: e.pins for e in pending.commits["s2"]} == {
+        "plain": 0, "lapsed": 0, "hard": PIN_HARD, "soft": PIN_SOFT, "soft+hard": PIN_HARD,
+    }  # fmt: skip
+    assert commit(svc, pending, 12_000) == [OK] * 5
+
+    fill(svc, "s2", 11, prefix="f", now=12_001)  # s2 full: eviction takes the unpinned first
+    svc.tick(13_000)
+    ack_drops(svc, 13_000)
+    assert svc.counters.evictions >= 3
+    assert exists(svc, ["plain", "lapsed", "hard", "soft", "soft+hard"], 13_000) == [False, False, True, True, True]
 
 
 def test_lookups_answer_a_key_whose_every_replica_is_on_a_lost_node_missing() -> None:

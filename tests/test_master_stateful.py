@@ -295,10 +295,12 @@ class MasterMachine(RuleBasedStateMachine):
             else:
                 assert code == OK, (key, code)
                 assert 1 <= len(granted) <= replica_num
+                is_hard_pinned = pin == "hard"
                 if key in self.objects:  # no replica readable (their node's link lost): written anew
+                    is_hard_pinned = is_hard_pinned or self.objects[key].is_hard_pinned  # its pin kept
                     self._drop_object(key)
                     event("put anew: its replicas unreadable")
-                put = Put(size, self.now, {}, pin == "hard")
+                put = Put(size, self.now, {}, is_hard_pinned)
                 for segment_id, offset in granted:
                     seg = self.segments[segment_id]
                     assert seg.drain_deadline_ms is None, "allocated on a draining segment"

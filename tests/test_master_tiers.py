@@ -574,6 +574,52 @@ def test_without_a_lower_tier_eviction_drops_as_before():
     assert svc.raw.object_count == 13
 
 
+@pytest.mark.parametrize("has_disk", [True, False])
+def test_a_dram_victim_whose_other_replica_is_on_a_lost_node_is_offloaded(has_disk):
+    """A DRAM replica is dropped without a copy when the object has one in another tier, but
+    one on a node whose connection is lost cannot be read: dropped for it, the object read as
+    missing. It is offloaded to its live node's disk tier instead; with nowhere to go, its
+    DRAM replica goes and the lost one is kept (its node may speak again)."""
+    svc = make(node_ttl_ms=limits.SETTING_DURATION_MS_MAX, evict_watermark_ratio_high=0.9, evict_ratio=0.1)
+    k = InventoryEntry("k", 0, OBJECT_SIZE, checksum_of("k"))
+    svc.mount_segment(MountSegment(dram("A", "n1"), []), 0)
+    svc.mount_segment(MountSegment(disk("A/disk", "n1", token=b"d1"), [k]), 0)
+    svc.mount_segment(MountSegment(dram("B", "n2"), [k]), 0)  # "k": B (DRAM) and A/disk
+    if has_disk:
+        svc.mount_segment(MountSegment(disk("B/disk", "n2", token=b"d2"), []), 0)
+    svc.node_link_lost(["A", "A/disk"])
+    for index in range(15):  # B past its watermark: "k" is its oldest object
+        assert put(svc, [f"f{index}"], now=1, placement="preferred", preferred_segments=["B"]) == [OK]
+    svc.tick(10)
+    run_moves(svc, 10)
+    ack_drops(svc, 10)
+    if has_disk:
+        assert where(svc, "k") == ["A/disk", "B/disk"]
+        assert svc.exist_keys(ExistKeys(["k"]), 10).flags == [True]
+    else:
+        assert where(svc, "k") == []  # listed on A/disk alone: read as missing
+        svc.heartbeat(Heartbeat(["A", "A/disk"]), 11)
+        assert where(svc, "k") == ["A/disk"]
+
+
+def test_a_get_served_from_the_dfs_while_its_dram_replica_is_on_a_lost_node_counts_a_dfs_hit():
+    """A hit counts for the fastest tier a reader can read: not DRAM while the object's DRAM
+    replica is on a node whose connection is lost (its readers go on to the DFS copy), DRAM
+    again once the node speaks."""
+    svc = make(node_ttl_ms=limits.SETTING_DURATION_MS_MAX)
+    k = InventoryEntry("k", 0, OBJECT_SIZE, checksum_of("k"))
+    svc.mount_segment(MountSegment(dram("A", "n1"), [k]), 0)
+    svc.mount_segment(MountSegment(dram("B", "n2"), []), 0)
+    svc.mount_segment(MountSegment(dfs(), [k]), 0)
+    svc.node_link_lost(["A"])
+    for now in (1, 2, 3):
+        assert svc.get_replica_list(GetReplicaList(["k"]), now).codes == [OK]
+    assert {tier: status["hits"] for tier, status in tiers(svc).items()} == {TIER_DRAM: 0, TIER_DISK: 0, TIER_DFS: 3}
+    svc.heartbeat(Heartbeat(["A"]), 4)
+    svc.get_replica_list(GetReplicaList(["k"]), 4)
+    assert tiers(svc)[TIER_DRAM]["hits"] == 1
+
+
 def offloaded(promote_reads: int):
     """A service whose node A's DRAM filled and offloaded; returns it and a key only on A/disk."""
     svc = cluster(promote_reads=promote_reads)

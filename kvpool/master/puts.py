@@ -213,9 +213,10 @@ class PutFlow:
         (Segment.is_readable). When none can (their node's connection is lost; the node TTL
         drops it only later), a put answered OK without writing left every get missing until
         then: so the key is put like a new one, and its old object is dropped (as a remove
-        drops it) once the key has its grants, or kept when it found no room. The old
-        replicas' ranges are held until their node, back, forgets them (a re-mount listing
-        them meanwhile is refused: mounts.py), or go with it as tombstones. A read lease does
+        drops it) once the key has its grants, or kept when it found no room; the new put
+        keeps the old object's pins, the stronger of its own and theirs standing (_keep_pins).
+        The old replicas' ranges are held until their node, back, forgets them (a re-mount
+        listing them meanwhile is refused: mounts.py), or go with it as tombstones. A read lease does
         not stop this: a reader of the old replicas gets no bytes from the lost node, or once
         their range was reused a checksum that does not match (a miss, as after a forced remove).
         """
@@ -266,8 +267,25 @@ class PutFlow:
         if unreadable:  # now, before anything sees a key both pending and complete (ObjectTable)
             replaced = [keys[index] for index in unreadable if grants.codes[index] == codes.OK]
             if replaced:
+                for key in replaced:
+                    self._keep_pins(key, now_ms)
                 self._drop_objects(replaced)
         return grants.reply(), shortfall_bytes
+
+    def _keep_pins(self, key: str, now_ms: int) -> None:
+        """The put writing a complete key anew takes the old object's pins: a hard pin, or a
+        soft pin not lapsed, unless its own is stronger. An engine's put of the key names no
+        pin, and the node's pinned copy is refused on re-mount (mounts.py): without them the
+        key was evicted like any other. A kept soft pin runs a whole soft_pin_ttl_ms from
+        the commit, as a new one does (soft_pin_order stays in expiry order)."""
+        old = self._table.get(key)
+        assert old is not None, f"{key!r} is no complete object"
+        put = self._table.pending[key]
+        if old.is_hard_pinned:
+            put.is_hard_pinned = True
+            put.is_soft_pinned = False  # a hard-pinned object is not soft-pinned (ObjectTable)
+        elif old.soft_pin_expiry_ms > now_ms and not put.is_hard_pinned:
+            put.is_soft_pinned = True
 
     def _has_readable_replica(self, key: str) -> bool:
         """Whether a replica of the complete object `key` lies on a readable segment."""

@@ -700,8 +700,10 @@ class MasterService:
         objects, lower, pending = table.objects, table.lower, table.pending
         by_index = self._registry.by_index
         in_dram, in_lower = objects.get, lower.get
-        if self._registry.has_unreadable:
+        is_every_segment_readable = not self._registry.has_unreadable
+        if not is_every_segment_readable:
             in_dram, in_lower = self._readable_only(in_dram), self._readable_only(in_lower)
+        tier_of_nearest = self._tiers.tier_of_nearest
         access = table.access
         lease_ttl_ms, soft_pin_ttl_ms = self.config.lease_ttl_ms, self.config.soft_pin_ttl_ms
         if not self._first_lease_ms:
@@ -718,7 +720,10 @@ class MasterService:
         for key in keys:
             meta = in_dram(key)
             if meta is not None:
-                dram_hits += 1
+                if is_every_segment_readable:
+                    dram_hits += 1
+                else:  # its DRAM replicas may all be on lost nodes: served from a slower tier then
+                    tier_counters[tier_of_nearest(meta)].hits += 1
             else:
                 meta = in_lower(key)
                 if meta is None:
@@ -728,7 +733,7 @@ class MasterService:
                     replica_lists.append([])
                     continue
                 # Not in DRAM: served from a slower tier, and counted towards a promotion.
-                tier_counters[self._tiers.tier_of_nearest(meta)].hits += 1
+                tier_counters[tier_of_nearest(meta)].hits += 1
                 self._tiers.count_read(key, now_ms)
             hits += 1
             accessed.append((key, meta))

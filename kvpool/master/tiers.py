@@ -414,9 +414,13 @@ class TierFlow:
         self._table.place(key, meta, self.resident_tiers(key, meta))
 
     def tier_of_nearest(self, meta: ObjectMeta) -> str:
-        """The fastest tier holding a replica (what a get will most likely read)."""
+        """The fastest tier holding a readable replica (what a get will most likely read);
+        the object must have one (SegmentRegistry.has_readable_replica). One on a lost node
+        or a leaving segment is skipped: its readers are served by the next."""
         by_index = self._registry.by_index
-        ranks = [TIERS.index(by_index(replica_segment_index(p)).tier) for p in meta.replica_tuple()]
+        segments = [by_index(replica_segment_index(p)) for p in meta.replica_tuple()]
+        ranks = [TIERS.index(segment.tier) for segment in segments if segment.is_readable]
+        assert ranks, "tier_of_nearest of an object with no readable replica"
         return TIERS[min(ranks)]
 
     # --- eviction: down a tier -------------------------------------------------------------
@@ -426,7 +430,11 @@ class TierFlow:
 
         With a replica in another tier, those replicas are dropped. Otherwise the object is
         offloaded to the next tier down that has room (the node's disk tier, then the DFS),
-        and dropped only when there is none. Returns False when nothing could be done now
+        and dropped only when there is none. A replica elsewhere that cannot be read
+        (Segment.is_readable: its node's connection lost, or leaving) does not count while one
+        here can (_is_readable_elsewhere): dropped for it, the only readable replicas left the
+        object missing. Without room below they are dropped all the same, the unreadable
+        ones kept (their node may speak again). Returns False when nothing could be done now
         (room is coming, or the node's move budget is spent): the tick backs off, a put tries
         again in its next round (server.py).
         `asked`: the room the victims before it in the same eviction asked of each lower
@@ -448,7 +456,7 @@ class TierFlow:
         if not here:
             return True
         counters = self.counters[tier]
-        if elsewhere:
+        if elsewhere and self._is_readable_elsewhere(meta, tier):
             self._drop_replicas(key, meta, here)
             counters.evictions += len(here)
             self.place(key, meta)
@@ -471,8 +479,28 @@ class TierFlow:
             self.place(key, meta)
             return True
         counters.evictions += len(here)
-        self._evict_objects([key])
+        if elsewhere:  # on segments no reader can find now: kept, their node may speak again
+            self._drop_replicas(key, meta, here)
+            self.place(key, meta)
+        else:
+            self._evict_objects([key])
         return True
+
+    def _is_readable_elsewhere(self, meta: ObjectMeta, tier: str) -> bool:
+        """Whether the object stays as readable without its replicas in `tier`: one in another
+        tier can be read (Segment.is_readable), or none in `tier` can. Always true unless the
+        registry `has_unreadable`, so the common case looks at no segment."""
+        if not self._registry.has_unreadable:
+            return True
+        by_index = self._registry.by_index
+        is_readable_here = False
+        for packed in meta.replica_tuple():
+            segment = by_index(replica_segment_index(packed))
+            if segment.is_readable:
+                if segment.tier != tier:
+                    return True
+                is_readable_here = True
+        return not is_readable_here
 
     def demote_all(self, keys: list[str], tier: str, now_ms: int) -> bool:
         """demote() each key (every one, even after one could not go); False if any could not.
