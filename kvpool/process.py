@@ -22,13 +22,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from kvpool import limits
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +55,6 @@ class ThreadPool:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self._name)
             return self._executor
-
-    def map_settled(self, function: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        """[function(item) for item in items] on the pool's threads; when it raises (one
-        failed, or Ctrl-C came while the caller waited), none of them runs any more (settle)."""
-        futures: list[concurrent.futures.Future[R]] = []
-        try:
-            executor = self.executor()
-            futures.extend(executor.submit(function, item) for item in items)
-            return [future.result() for future in futures]
-        except BaseException:
-            settle(futures)
-            raise
 
     def _forget_after_fork(self) -> None:
         self._lock = threading.Lock()

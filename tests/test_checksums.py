@@ -129,25 +129,6 @@ def test_a_split_copy_that_raises_returns_only_once_no_share_is_still_copying(mo
     assert sorted(done) == finished_by_then and finished_by_then, (finished_by_then, done)
 
 
-def test_a_pool_map_that_raises_leaves_no_call_running():
-    pool = ThreadPool(4, "test-settle")
-    finished: list[int] = []
-
-    def work(item: int) -> int:
-        if item == 0:
-            raise KeyboardInterrupt
-        time.sleep(0.1)
-        finished.append(item)
-        return item
-
-    with pytest.raises(KeyboardInterrupt):
-        pool.map_settled(work, range(4))
-    finished_by_then = sorted(finished)
-    time.sleep(0.3)
-    assert sorted(finished) == finished_by_then, "calls ran on after map_settled raised"
-    assert pool.map_settled(lambda x: x * 2, range(5)) == [0, 2, 4, 6, 8]
-
-
 def test_a_call_that_raised_waits_for_a_hung_task_only_so_long(caplog):
     """A read of a file on a hung mount may never end: Ctrl-C must still end the call, after
     the bound, saying that the task runs on."""
