@@ -120,6 +120,19 @@ def test_a_token_that_does_not_match_is_refused_either_way() -> None:
             BlockingConnection.open(endpoint, key=auth.cluster_key(TOKEN), timeout_ms=2_000, prefer_local=False)
 
 
+def assert_both_shells_fail(endpoint: str, key: bytes, error: type[Exception], match: str) -> None:
+    """A connect to `endpoint` fails with `error` (its message matching `match`) in the
+    blocking shell and in the event loop's."""
+    with pytest.raises(error, match=match):
+        BlockingConnection.open(endpoint, key=key, timeout_ms=2_000, prefer_local=False)
+
+    async def connect_async() -> None:
+        with pytest.raises(error, match=match):
+            await connect(endpoint, key=key, timeout_ms=2_000)
+
+    uvloop.run(connect_async())
+
+
 def test_a_handshake_answered_with_an_error_no_server_sends_is_a_connect_failure_in_both_shells(capfd) -> None:
     """A relay (or a broken peer) that answers a client's proof with an error other than the
     refusal of its token: the client of either shell fails to connect (ConnectFailed, which
@@ -140,14 +153,7 @@ def test_a_handshake_answered_with_an_error_no_server_sends_is_a_connect_failure
     thread.start()
     key = auth.cluster_key(TOKEN)
     try:
-        with pytest.raises(ConnectFailed, match="answered the handshake with error"):
-            BlockingConnection.open(endpoint, key=key, timeout_ms=2_000, prefer_local=False)
-
-        async def connect_async() -> None:
-            with pytest.raises(ConnectFailed, match="answered the handshake with error"):
-                await connect(endpoint, key=key, timeout_ms=2_000)
-
-        uvloop.run(connect_async())
+        assert_both_shells_fail(endpoint, key, ConnectFailed, "answered the handshake with error")
     finally:
         listener.close()
         thread.join(10)
@@ -203,14 +209,7 @@ def test_a_challenge_changed_on_the_way_fails_the_handshake_in_both_shells(field
         with challenge_changed(endpoint) as untouched:  # a relay alone fails nothing
             BlockingConnection.open(untouched, key=key, timeout_ms=2_000, prefer_local=False).close()
         with challenge_changed(endpoint, **{field: changed}) as relayed:
-            with pytest.raises(Unauthorized, match="changed on the way"):
-                BlockingConnection.open(relayed, key=key, timeout_ms=2_000, prefer_local=False)
-
-            async def connect_async() -> None:
-                with pytest.raises(Unauthorized, match="changed on the way"):
-                    await connect(relayed, key=key, timeout_ms=2_000)
-
-            uvloop.run(connect_async())
+            assert_both_shells_fail(relayed, key, Unauthorized, "changed on the way")
 
 
 def test_is_usable_sees_a_peer_that_closed_without_waiting() -> None:
