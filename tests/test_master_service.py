@@ -927,6 +927,31 @@ def test_a_key_on_a_lost_node_that_finds_no_room_elsewhere_keeps_its_object() ->
     assert put(svc, ["k"]) == [ErrorCode.OBJECT_ALREADY_EXISTS]
 
 
+def test_an_object_on_a_lost_node_only_is_neither_listed_nor_kept_by_its_lease() -> None:
+    """Lookups answer missing for an object whose every replica is on a lost node: `ls` did
+    list it, and a remove without force answered OBJECT_HAS_LEASE for a lease taken before the
+    node was lost, though a put of the key drops it. A segment draining when its node's link
+    is lost reads "unreachable" as an active one does (it read "draining")."""
+    svc = make(seed=7)
+    mount(svc, "s1", capacity=64 * MIB)
+    mount(svc, "s2", capacity=64 * MIB)
+    on_s1 = dict(placement="preferred", preferred_segments=["s1"])
+    assert put(svc, ["lost", "lost2", "lost3"], **on_s1) == [OK] * 3
+    assert put(svc, ["kept"], placement="preferred", preferred_segments=["s2"]) == [OK]
+    assert get(svc, ["lost", "lost2", "lost3", "kept"]).codes == [OK] * 4  # all four leased
+    svc.drain_segment(DrainSegment("s1", 60_000), 1)
+    svc.node_link_lost(["s1"])
+
+    assert svc.list_objects(ListObjects("", 10), 1).keys == ["kept"]
+    assert {s.segment.segment_id: s.state for s in svc.cluster_status(ClusterStatus(), 1).segments} == {
+        "s1": "unreachable", "s2": "active",
+    }  # fmt: skip
+    assert svc.remove(Remove(["lost", "kept"]), 1).codes == [OK, ErrorCode.OBJECT_HAS_LEASE]
+    assert svc.remove_by_regex(RemoveByRegex("lost|kept"), 1).count == 2  # lost2, lost3
+    assert svc.object_count == 1
+    assert sorted(entry.key for entry in svc.take_drops()["s1"]) == ["lost", "lost2", "lost3"]
+
+
 def test_a_key_written_anew_keeps_the_pins_of_its_old_object() -> None:
     """An engine's put of a key whose every replica is on a lost node names no pin: the new
     object takes the old one's (a hard pin, a soft pin not lapsed; the stronger of both

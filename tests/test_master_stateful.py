@@ -456,7 +456,7 @@ class MasterMachine(RuleBasedStateMachine):
             if not self.readers[key] and not self.awaited.get(key, 0):
                 del self.leases[key]
                 event("lease ended by its last reader")
-            elif not self.readers[key]:
+            elif not self.readers[key] and self._is_readable(key):
                 event("lease kept for a read a hold awaits")
                 # Still leased: a remove that spares leased objects is refused (and changes nothing).
                 assert self.service.remove(Remove([key]), self.now).codes == [ErrorCode.OBJECT_HAS_LEASE]
@@ -494,9 +494,11 @@ class MasterMachine(RuleBasedStateMachine):
         for key, code in zip(keys, codes):
             put = self.pending.get(key)
             if key in self.objects:
-                if self._is_leased(key) and not force:
+                if self._is_leased(key) and not force and self._is_readable(key):
                     expected = ErrorCode.OBJECT_HAS_LEASE
                 else:
+                    if not force and self._is_leased(key):
+                        event("a leased object on lost nodes only removed")
                     expected = OK
                     self._drop_object(key)
             elif put is None:
@@ -512,7 +514,10 @@ class MasterMachine(RuleBasedStateMachine):
     @rule(pattern=st.sampled_from(PATTERNS), force=st.booleans())
     def remove_by_regex(self, pattern: str, force: bool) -> None:
         count = self.service.remove_by_regex(RemoveByRegex(pattern, force), self.now).count
-        doomed = [k for k in self.objects if re.search(pattern, k) and (force or not self._is_leased(k))]
+        doomed = [
+            k for k in self.objects
+            if re.search(pattern, k) and (force or not self._is_leased(k) or not self._is_readable(k))
+        ]
         assert count == len(doomed)
         for key in doomed:
             self._drop_object(key)
@@ -629,7 +634,7 @@ class MasterMachine(RuleBasedStateMachine):
             busy = sum(size for size, _, _ in seg.busy.values())
             assert counters[segment_id].used_bytes == busy, (segment_id, counters[segment_id], seg.busy)
             state = "draining" if seg.drain_deadline_ms is not None else "active"
-            if state == "active" and not seg.is_reachable:
+            if not seg.is_reachable:
                 state = "unreachable"
             assert counters[segment_id].state == state
         assert service.pending_count == len(self.pending)

@@ -130,9 +130,12 @@ class Segment:
 
     @property
     def status(self) -> str:
-        """The state as operators see it: an ACTIVE segment whose node's connection is lost
-        (before the node TTL decides) reads "unreachable"."""
-        return self.state.value if self.is_reachable or not self.is_active else "unreachable"
+        """The state as operators see it: an ACTIVE or DRAINING segment whose node's
+        connection is lost (before the node TTL decides) reads "unreachable": its replicas
+        cannot be read, which matters more than whether it takes puts."""
+        if self.is_reachable or self.state is SegmentState.LEAVING or self.state is SegmentState.UNMOUNTED:
+            return self.state.value
+        return "unreachable"
 
     def transition(self, to: SegmentState) -> None:
         assert to in _TRANSITIONS[self.state], f"segment {self.segment_id}: {self.state} -> {to}"

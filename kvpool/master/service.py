@@ -885,9 +885,9 @@ class MasterService:
         return QueryReply(codes_out, sizes, replica_lists)
 
     def list_objects(self, msg: ListObjects, now_ms: int) -> ListReply:
-        """Complete objects whose key matches `pattern` (RE2 search; "" matches all), at most
-        `limit` and LIST_OBJECTS_KEY_BYTES_MAX of keys (a reply frame's worth), in eviction
-        order (least recently accessed first under LRU). O(n).
+        """Complete objects that can be read (as exist_keys answers) whose key matches `pattern`
+        (RE2 search; "" matches all), at most `limit` and LIST_OBJECTS_KEY_BYTES_MAX of keys (a
+        reply frame's worth), in eviction order (least recently accessed first under LRU). O(n).
 
         Raises:
             InvalidParams: a bad pattern, or a limit outside 1..LIST_OBJECTS_MAX.
@@ -901,8 +901,11 @@ class MasterService:
         sizes: list[int] = []
         truncated = False
         room_bytes = limits.LIST_OBJECTS_KEY_BYTES_MAX
+        is_readable = self._registry.has_readable_replica if self._registry.has_unreadable else None
         for key, meta in self._table.items():
             if search is not None and search(key) is None:
+                continue
+            if is_readable is not None and not is_readable(meta):
                 continue
             room_bytes -= len(key.encode())
             if len(keys) == msg.limit or room_bytes < 0:
@@ -929,7 +932,9 @@ class MasterService:
     def remove(self, msg: Remove, now_ms: int) -> CodesReply:
         """Remove objects; their replicas go to the drop outbox (ranges freed at drops_done).
 
-        Per key: OK; OBJECT_HAS_LEASE (a reader holds a lease; `force` overrides);
+        Per key: OK; OBJECT_HAS_LEASE (a reader holds a lease; `force` overrides; an object
+        none of whose replicas can be read goes all the same, as a put writes it anew: it is
+        missing to every lookup, exist_keys);
         OBJECT_NOT_FOUND; REPLICA_IS_NOT_READY (a put is in flight; with `force` a writing put
         is discarded: the key is free at once, its ranges are quarantined like a zombie's
         because the writer may still be writing; a committing put is never removed).
@@ -941,10 +946,11 @@ class MasterService:
         table = self._table
         codes_out: list[int] = []
         absent: list[str] = []  # removed without an object here: a node away may hold one
+        spares_leased = self._spares_leased(msg.force, now_ms)
         for key in msg.keys:
             meta = table.get(key)
             if meta is not None:
-                if not msg.force and meta.has_lease(now_ms):
+                if spares_leased(meta):
                     codes_out.append(codes.OBJECT_HAS_LEASE)
                     continue
                 self._drop_object(key)
@@ -1292,12 +1298,24 @@ class MasterService:
                     segment.schedule_drop(InventoryEntry(key, replica_offset(packed), meta.size_bytes, meta.checksum))
         return metas
 
+    def _spares_leased(self, force: bool, now_ms: int) -> Callable[[ObjectMeta], bool]:
+        """Whether a remove keeps an object for its lease: without `force`, one under a lease
+        that a reader could still be served from (an object no replica of which can be read
+        is missing to every lookup and goes, as a put of its key drops it: PutFlow.start)."""
+        if force:
+            return lambda meta: False
+        if not self._registry.has_unreadable:
+            return lambda meta: meta.has_lease(now_ms)
+        has_readable_replica = self._registry.has_readable_replica
+        return lambda meta: meta.has_lease(now_ms) and has_readable_replica(meta)
+
     def _remove_matching(self, keys: list[str], search, force: bool, now_ms: int) -> int:
         """Remove those of `keys` still complete objects that `search` finds (all without one),
         skipping leased ones unless `force`; how many went. Those found that are no object any
         more still go from the replicas segments that went left behind (tombstones.py). A key
         may come twice (lost, then put again): it goes once."""
         get = self._table.get
+        spares_leased = self._spares_leased(force, now_ms)
         doomed: dict[str, None] = {}
         absent = []
         for key in keys:
@@ -1306,7 +1324,7 @@ class MasterService:
             meta = get(key)
             if meta is None:
                 absent.append(key)
-            elif force or not meta.has_lease(now_ms):
+            elif not spares_leased(meta):
                 doomed[key] = None
         if absent:
             self.tombstones.gone(absent)
