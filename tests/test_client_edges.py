@@ -242,3 +242,40 @@ def test_a_get_whose_replicas_stopped_answering_is_a_miss_within_the_transfer_ti
             for node in cluster.nodes:
                 node.signal(signal.SIGCONT)
         assert store.get("k") == value
+
+
+@pytest.mark.parametrize("path", ["loop", "caller thread"])
+def test_a_node_that_stopped_answering_costs_later_gets_a_second_not_a_round(make_cluster, path):
+    """A node frozen (SIGSTOP, a hung host, or cut off from this client while the master still
+    hears it) is listed until its TTL, for ever if only the client lost it. Once one read of it
+    timed out, every get of an object only there still waited out a whole round (its share of
+    the read lease: 10 s by default, 3 s here), and a batch that also read a live node's keys
+    waited with it. Reads of a node marked slow now have SLOW_NODE_BUDGET_MS (1 s); the live
+    node's keys come back; a node that answers again is read as before."""
+    from kvpool import ReplicateConfig
+    from kvpool.client.slow_nodes import SLOW_NODE_BUDGET_MS
+
+    cluster = make_cluster(2, "4MiB", master_args=("--node-ttl-ms", "60000"))
+    frozen, live = cluster.nodes
+    values = {"on-frozen": os.urandom(64 << 10), "on-live": os.urandom(64 << 10)}
+    options = {"shm_enabled": False, "transfer_timeout_ms": 3_000, "rpc_timeout_ms": 1_000}
+    with Store(cluster.master_endpoint, **options) as store:
+        for key, node in zip(values, (frozen, live)):
+            on_node = ReplicateConfig(placement="preferred", preferred_segments=[node.info["segment_id"]])
+            store.put(key, values[key], on_node)
+        assert store.get_batch(list(values)) == list(values.values())
+        if path == "loop":  # a caller thread beyond the Store's NODE_LINK_THREADS_MAX reads through the loop
+            store._nodes.read = lambda job: False
+        frozen.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.get("on-frozen") is None  # the first read waits out its round
+            assert time.monotonic() - started >= 1.5  # (the loop: a new connection's handshake, 2 s)
+            for _ in range(2):
+                started = time.monotonic()
+                assert store.get_batch(list(values)) == [None, values["on-live"]]
+                assert time.monotonic() - started < SLOW_NODE_BUDGET_MS / 1000 + 0.5
+        finally:
+            frozen.signal(signal.SIGCONT)
+        assert wait_until(lambda: store.get("on-frozen") == values["on-frozen"], 5)
+        assert not store._opened.slow_nodes.is_slow(frozen.info["endpoint"])

@@ -115,11 +115,12 @@ class NodeLinks:
             budget_ms = job.round_timeout_ms(now_monotonic_ms(), self._transfer_timeout_ms)
             if not budget_ms:
                 return True  # the lease lapsed: misses (job.finish)
-            deadline = time.monotonic() + budget_ms / 1000
-            conns = self._connections(batches, deadline)
+            now = time.monotonic()
+            conns = self._connections(batches, now + budget_ms / 1000)
             if conns is None:
                 return False
-            failed = self._round(batches, conns, deadline, budget_ms)
+            budgets = [self._slow_nodes.budget_ms(batch.endpoint, budget_ms) for batch in batches]
+            failed = self._round(batches, conns, now, budgets)
             self._check_open()
             job.remote_done({i for batch in batches for i in batch.owners[0]}, set().union(*failed))
             job.copy_local()  # a failed key's next replica may be mapped (or a file) here
@@ -132,26 +133,29 @@ class NodeLinks:
         the module) and nothing was sent: the caller writes through the loop."""
         batches = job.remote
         timeout_ms = job.write_timeout_ms(self._transfer_timeout_ms)
-        deadline = time.monotonic() + timeout_ms / 1000
-        conns = self._connections(batches, deadline)
+        now = time.monotonic()
+        conns = self._connections(batches, now + timeout_ms / 1000)
         if conns is None:
             return None
-        failed = self._round(batches, conns, deadline, timeout_ms)
+        failed = self._round(batches, conns, now, [timeout_ms] * len(batches))
         self._check_open()
         return failed
 
     def _round(
-        self, batches: list[RemoteBatch], conns: list[BlockingConnection], deadline: float, budget_ms: int
+        self, batches: list[RemoteBatch], conns: list[BlockingConnection], started: float, budgets_ms: list[int]
     ) -> list[set[int]]:
-        """Send each node its frame and take its reply; per batch, the key indexes whose frame
-        failed (the node refused it, the connection broke, the deadline passed), none or all.
+        """Send each node its frame and take its reply, each within its budget from `started`
+        (a node marked slow has a shorter one: SlowNodes.budget_ms); per batch, the key
+        indexes whose frame failed (the node refused it, the connection broke, its deadline
+        passed), none or all.
 
         One node: plain blocking calls. Several: each is sent what its socket takes, then
         whichever has room is sent more, and each reply is landed as it starts to come
         (selectors), so that a node that stops reading or answering holds none of the
-        others' frames or replies."""
+        others' frames or replies, nor the round past its own deadline."""
+        deadlines = [started + budget_ms / 1000 for budget_ms in budgets_ms]
         if len(batches) == 1:
-            return [self._transfer(batches[0], conns[0], deadline, budget_ms)]
+            return [self._transfer(batches[0], conns[0], deadlines[0], budgets_ms[0])]
         # Every batch fails until its reply says otherwise.
         failed: list[set[int]] = [set(batch.owners[0]) for batch in batches]
         pending: dict[int, list] = {}  # by descriptor: [batch index, connection, request id, parts unsent, sinks]
@@ -166,17 +170,26 @@ class NodeLinks:
                     (request_id, parts), sinks = conn.begin(message), views
                 pending[descriptor] = [index, conn, request_id, conn.send_some(parts), sinks]
             except KVPoolError as exc:
-                failed[index] = self._failed(batch, conn, exc, budget_ms)
+                failed[index] = self._failed(batch, conn, exc, budgets_ms[index])
         try:
             with selectors.DefaultSelector() as selector:
                 for descriptor, (index, conn, _, parts, _) in list(pending.items()):
                     if not self._watch(selector.register, descriptor, parts):
-                        failed[index] = self._closed_meanwhile(batches[index], conn, budget_ms)
+                        failed[index] = self._closed_meanwhile(batches[index], conn, budgets_ms[index])
                         del pending[descriptor]
-                while pending and (remaining_s := deadline - time.monotonic()) > 0 and not self._links.is_closed:
+                while pending and not self._links.is_closed:
+                    now = time.monotonic()
+                    for descriptor in [d for d, (index, *_) in pending.items() if deadlines[index] <= now]:
+                        with contextlib.suppress(KeyError, OSError, ValueError):  # past its deadline
+                            selector.unregister(descriptor)
+                        self._late(batches, pending.pop(descriptor)[0], budgets_ms, failed)
+                    if not pending:
+                        break
+                    remaining_s = min(deadlines[index] for index, *_ in pending.values()) - now
                     for key, _ in selector.select(min(remaining_s, CLOSED_CHECK_S)):
                         exchange = pending[key.fd]
                         index, conn, request_id, parts, sinks = exchange
+                        budget_ms = budgets_ms[index]
                         if parts:  # room for more of the frame
                             try:
                                 exchange[3] = conn.send_some(parts)
@@ -189,19 +202,29 @@ class NodeLinks:
                                     continue
                                 failed[index] = self._closed_meanwhile(batches[index], conn, budget_ms)
                         else:
-                            failed[index] = self._reply(batches[index], conn, request_id, sinks, deadline, budget_ms)
+                            failed[index] = self._reply(
+                                batches[index], conn, request_id, sinks, deadlines[index], budget_ms
+                            )
                         with contextlib.suppress(KeyError, OSError, ValueError):
                             selector.unregister(key.fd)
                         del pending[key.fd]
-        finally:  # not done in time (or interrupted, or closed): a late reply must not answer the next
-            is_late = time.monotonic() >= deadline
+        finally:  # not done (interrupted, or the Store closed): a late reply must not answer the next
+            now = time.monotonic()
             for index, *_ in pending.values():
-                self._links.link().drop(batches[index].endpoint)
-                if is_late:
-                    self._slow_nodes.timed_out(batches[index].endpoint, budget_ms)
-                failed[index] = set(batches[index].owners[0])
-                log.info("transfer with %s failed: not done in time", batches[index].endpoint)
+                self._late(batches, index, budgets_ms if now >= deadlines[index] else None, failed)
         return failed
+
+    def _late(
+        self, batches: list[RemoteBatch], index: int, budgets_ms: list[int] | None, failed: list[set[int]]
+    ) -> None:
+        """A round's batch given up before its reply came, past its deadline (`budgets_ms`, by
+        which its node is marked slow) or not (None: interrupted, or the Store closed): its
+        connection goes, so that a late reply does not answer the next request."""
+        self._links.link().drop(batches[index].endpoint)
+        if budgets_ms is not None:
+            self._slow_nodes.timed_out(batches[index].endpoint, budgets_ms[index])
+        failed[index] = set(batches[index].owners[0])
+        log.info("transfer with %s failed: not done in time", batches[index].endpoint)
 
     @staticmethod
     def _watch(how: Callable[[int, int], object], descriptor: int, parts: list[memoryview]) -> bool:
@@ -257,6 +280,7 @@ class NodeLinks:
         except BaseException:  # interrupted: a reply may still come, and must not answer the next
             self._links.link().drop(batch.endpoint)
             raise
+        self._slow_nodes.answered(batch.endpoint)
         return set()
 
     def _failed(self, batch: RemoteBatch, conn: BlockingConnection, exc: KVPoolError, budget_ms: int) -> set[int]:
@@ -281,6 +305,8 @@ class NodeLinks:
             if conn is not None and (conn.awaits_replies() or not conn.is_usable()):  # a node that restarted
                 link.drop(endpoint)
                 conn = None
+            if conn is None and self._slow_nodes.is_slow(endpoint):
+                return None  # a frozen node's handshake waits out the open: the loop's is bounded less
             conn = conn if conn is not None else self._open(link, endpoint, deadline)
             if conn is None:
                 return None

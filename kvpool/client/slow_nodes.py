@@ -1,10 +1,13 @@
-"""Nodes that stopped answering in time: a get reads their replicas last, for a while.
+"""Nodes that stopped answering in time: a get reads their replicas last, and briefly, for a while.
 
 A frozen node (stopped, swapping, a hung link) takes a request's bytes into its kernel buffers
 and answers nothing, so each get that reads from it first waits out its round (a share of the
 read lease, GetJob.round_timeout_ms) before it tries the next replica. Once one transfer with a
-node timed out, gets read other replicas of its objects first, until SLOW_NODE_MS have passed:
-by then the master has dropped a node that stopped heartbeating (its TTL), or it answers again.
+node timed out, gets read other replicas of its objects first, and give a read of it at most
+SLOW_NODE_BUDGET_MS, until SLOW_NODE_MS have passed or it answers in time: by then the master
+has dropped a node that stopped heartbeating (its TTL), or it answers again. Without that
+bound, every get of an object only there waited out a round: 10 s by default, for as long as
+the node stayed frozen, or cut off from this client while the master still heard it.
 Shared by a Store's loop and its caller threads (dict operations are atomic).
 """
 
@@ -18,6 +21,10 @@ SLOW_NODE_MS = limits.NODE_TTL_MS_DEFAULT
 # A transfer that timed out with less time than this says little about its node (a round's
 # share of a lease nearly spent): it marks nothing.
 SLOW_NODE_BUDGET_MIN_MS = 250
+# What a transfer with a node marked slow is given, at most: a second of a KV cache's read is
+# already worth less than its prefill; a read that times out again keeps the mark.
+SLOW_NODE_BUDGET_MS = 1_000
+assert SLOW_NODE_BUDGET_MS >= SLOW_NODE_BUDGET_MIN_MS
 
 
 class SlowNodes:
@@ -28,6 +35,16 @@ class SlowNodes:
         """A transfer with `endpoint` did not finish within `budget_ms`."""
         if budget_ms >= SLOW_NODE_BUDGET_MIN_MS:
             self._until[endpoint] = time.monotonic() + SLOW_NODE_MS / 1000
+
+    def answered(self, endpoint: str) -> None:
+        """A transfer with `endpoint` ended in time: it is not slow (any more)."""
+        if self._until:
+            self._until.pop(endpoint, None)
+
+    def budget_ms(self, endpoint: str, budget_ms: int) -> int:
+        """What a transfer with `endpoint` may take of `budget_ms`: SLOW_NODE_BUDGET_MS at most
+        while it is slow."""
+        return min(budget_ms, SLOW_NODE_BUDGET_MS) if self._until and self.is_slow(endpoint) else budget_ms
 
     def is_slow(self, endpoint: str) -> bool:
         until = self._until.get(endpoint)
