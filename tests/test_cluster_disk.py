@@ -327,6 +327,69 @@ def test_an_async_get_into_whose_disk_file_hangs_returns_in_time_and_never_write
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_disk_directory_that_hangs_when_first_looked_at_is_read_through_its_node_meanwhile(
+    make_cluster, tmp_path, monkeypatch, api
+):
+    """The first get of a same-host disk (or DFS) segment's object reads the directory's
+    identity file, to know it may open the files: on a hung mount that read held the get for
+    good (an AsyncStore's event loop with it: every call of the store). Now a get waits
+    DIRECTORY_LOOK_WAIT_MS for the look, then reads through the node; once the look answers,
+    gets open the files here."""
+    from kvpool.client.store import DIRECTORY_LOOK_WAIT_MS
+
+    data = os.urandom(256 * 1024)
+    cluster = only_on_disk(make_cluster, tmp_path, "k", data, ("--promote-reads", "0"))  # read from disk, always
+    looking, release, opened = threading.Event(), threading.Event(), []
+    real_load, real_open = files.load_identity, files.open_object
+
+    def hung_load(directory):
+        looking.set()
+        assert release.wait(30)  # the mount answers when the test says
+        return real_load(directory)
+
+    def counted_open(*args):
+        opened.append(args)
+        return real_open(*args)
+
+    monkeypatch.setattr(files, "load_identity", hung_load)
+    monkeypatch.setattr(files, "open_object", counted_open)
+
+    async def checks(store) -> None:
+        async def get() -> bytes | None:
+            return await store.get("k") if api == "async" else store.get("k")
+
+        started = time.monotonic()
+        assert await get() == data  # through the node
+        assert time.monotonic() - started < DIRECTORY_LOOK_WAIT_MS / 1000 + 1.0
+        assert looking.is_set() and not opened
+        started = time.monotonic()
+        assert await get() == data  # the look still hangs: not waited for again
+        assert time.monotonic() - started < DIRECTORY_LOOK_WAIT_MS / 1000 / 2 and not opened
+        release.set()
+        for _ in range(100):
+            if opened:
+                break
+            assert await get() == data
+            await asyncio.sleep(0.05)
+        assert opened, "the files were never opened here once the look answered"
+
+    try:
+        if api == "sync":
+            with Store(cluster.master_endpoint) as store:
+                assert wait_until(lambda: store.exists("k"), 10)  # the node's re-adopted disk object
+                asyncio.run(checks(store))
+        else:
+
+            async def main() -> None:
+                async with await AsyncStore.open(cluster.master_endpoint) as store:
+                    await checks(store)
+
+            asyncio.run(main())
+    finally:
+        release.set()
+
+
 def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cluster, tmp_path):
     """An object only on the disk tier (the node restarted: its DRAM is gone) whose file rots:
     a same-host reader gets a miss, never the bytes; its report has the node re-read and hash

@@ -13,6 +13,7 @@ transfer.py, connections in pool.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -55,7 +56,7 @@ from kvpool.errors import (
     error_from_code,
 )
 from kvpool.node.segment import Segment
-from kvpool.process import forks
+from kvpool.process import ThreadPool, forks
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     TIER_DFS,
@@ -85,6 +86,7 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     WriteSlices,
 )
+from kvpool.repeated_log import RepeatedLog
 from kvpool.transports import files
 from kvpool.transports.connection import LateReply
 from kvpool.transports.dfs import DfsDirectory
@@ -121,6 +123,14 @@ SEGMENTS_REMEMBERED_MAX = 65_536
 # A DFS not found at a store's dfs_dir (the share not mounted yet) is looked for again after
 # this long: it was skipped for the life of the store.
 DFS_LOOK_AGAIN_S = 60.0
+# A get waits this long for a look at a disk or DFS segment's directory here (its identity
+# file), then goes on without it: the disk tier is read over TCP meanwhile, and a DFS replica
+# is skipped. On a hung mount the read never ends: it held the get's thread for good, and an
+# AsyncStore's event loop with it. The look goes on, on a thread of _directory_lookers, and
+# its answer is taken by the first get after it.
+DIRECTORY_LOOK_WAIT_MS = limits.FILESYSTEM_LOOK_WAIT_MS
+_directory_lookers = ThreadPool(2, "kvpool-directory-look")
+_slow_directory_look = RepeatedLog(log, logging.WARNING)
 # While a segment is mapped, whether its file is gone is looked at this often: a node stopped
 # for good (scaled down, moved) held its whole segment's memory in /dev/shm in every
 # long-lived same-host client until the client mapped another segment.
@@ -151,6 +161,7 @@ class AsyncStore:
         self._sweep: asyncio.TimerHandle | None = None  # the next look for unlinked segments
         # Disk and DFS segments whose object files this host can open (docs/tiers.md).
         self._directories: dict[str, Path | None] = {}
+        self._directory_looks: dict[str, concurrent.futures.Future[Path | None]] = {}  # not yet taken
         self._dfs_look_again_at = 0.0  # when a DFS not found at dfs_dir is looked for again
         self.buffers = BufferRegistry()
         self._embedded_node = None
@@ -945,29 +956,50 @@ class AsyncStore:
         """The directory of a disk or DFS segment's object files, if this host can open them:
         a disk tier of a node on this host (its identity file holds the advertised token),
         or the DFS at this client's own dfs_dir (likewise). Else None (read over TCP, or not
-        at all for the DFS)."""
+        at all for the DFS). Waits DIRECTORY_LOOK_WAIT_MS at most for the filesystem."""
+        segment_id = info.segment_id
         try:  # one lookup: another thread may clear them meanwhile (SEGMENTS_REMEMBERED_MAX)
-            directory = self._directories[info.segment_id]
+            directory = self._directories[segment_id]
             if directory is not None or info.tier != TIER_DFS or time.monotonic() < self._dfs_look_again_at:
                 return directory
         except KeyError:
             pass
-        directory = None
         if info.tier == TIER_DISK:
-            if self.config.shm_enabled and info.shm_path and info.hostname == self.hostname:
-                identity = files.load_identity(Path(info.shm_path))
-                if identity is not None and identity.token == info.shm_token:
-                    directory = Path(info.shm_path)
-        elif info.tier == TIER_DFS and self.config.dfs_dir:
-            if DfsDirectory(self.config.dfs_dir).has_token(info.shm_token):
-                directory = Path(self.config.dfs_dir)
-            else:  # not mounted yet, perhaps: looked for again a minute on
-                self._dfs_look_again_at = time.monotonic() + DFS_LOOK_AGAIN_S
-                log.info("DFS %s is not at %s: DFS replicas are skipped", info.segment_id, self.config.dfs_dir)
+            is_here = self.config.shm_enabled and bool(info.shm_path) and info.hostname == self.hostname
+        else:
+            is_here = info.tier == TIER_DFS and bool(self.config.dfs_dir)
+        if is_here:
+            look = self._directory_looks.get(segment_id)
+            if look is None:
+                if len(self._directory_looks) >= SEGMENTS_REMEMBERED_MAX:
+                    self._directory_looks.clear()
+                look = _directory_lookers.executor().submit(self._look_for_directory, info)
+                look = self._directory_looks.setdefault(segment_id, look)  # (another thread's, if first)
+                concurrent.futures.wait([look], DIRECTORY_LOOK_WAIT_MS / 1000)
+            if not look.done():
+                _slow_directory_look.log(
+                    "the files of %s segment %s did not answer within %d ms (a hung mount?): %s meanwhile",
+                    info.tier, segment_id, DIRECTORY_LOOK_WAIT_MS,
+                    "its objects are read through its node" if info.tier == TIER_DISK else "DFS replicas are skipped",
+                )  # fmt: skip
+                return None
+            self._directory_looks.pop(segment_id, None)
+        directory = look.result() if is_here else None
         if len(self._directories) >= SEGMENTS_REMEMBERED_MAX:
             self._directories.clear()  # each is looked at again when met (they hold nothing)
-        self._directories[info.segment_id] = directory
+        self._directories[segment_id] = directory
         return directory
+
+    def _look_for_directory(self, info: SegmentInfo) -> Path | None:
+        """_local_directory's look at the filesystem (on a thread of _directory_lookers)."""
+        if info.tier == TIER_DISK:
+            identity = files.load_identity(Path(info.shm_path))
+            return Path(info.shm_path) if identity is not None and identity.token == info.shm_token else None
+        if DfsDirectory(self.config.dfs_dir).has_token(info.shm_token):
+            return Path(self.config.dfs_dir)
+        self._dfs_look_again_at = time.monotonic() + DFS_LOOK_AGAIN_S  # not mounted yet, perhaps
+        log.info("DFS %s is not at %s: DFS replicas are skipped", info.segment_id, self.config.dfs_dir)
+        return None
 
     def _local_segment(self, info: SegmentInfo) -> Segment | None:
         """The mapped segment if it is on this host and its token matches, else None."""
