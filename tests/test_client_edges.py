@@ -250,8 +250,8 @@ def test_a_node_that_stopped_answering_costs_later_gets_a_second_not_a_round(mak
     hears it) is listed until its TTL, for ever if only the client lost it. Once one read of it
     timed out, every get of an object only there still waited out a whole round (its share of
     the read lease: 10 s by default, 3 s here), and a batch that also read a live node's keys
-    waited with it. Reads of a node marked slow now have SLOW_NODE_BUDGET_MS (1 s); the live
-    node's keys come back; a node that answers again is read as before."""
+    waited with it. Reads of a node marked slow now have SLOW_NODE_BUDGET_MS (1 s, for small
+    reads); the live node's keys come back; a node that answers again is read as before."""
     from kvpool import ReplicateConfig
     from kvpool.client.slow_nodes import SLOW_NODE_BUDGET_MS
 

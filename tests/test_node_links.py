@@ -147,3 +147,35 @@ def test_a_node_that_never_reads_holds_none_of_another_nodes_write(transfer_time
         finally:
             released.set()
             links.close()
+
+
+def test_a_slow_mark_shortens_reads_by_their_size_and_lapses_whatever_timeouts_come_meanwhile(monkeypatch):
+    """A node marked slow gets SLOW_NODE_BUDGET_MS a read and SLOW_NODE_MS_PER_MIB more per
+    MiB. A read that overran that shorter budget kept re-marking it: a node that was only busy
+    (a long prefix's load takes more than a second) stayed marked for as long as such reads came,
+    and each missed part of its keys. A timeout while marked does not extend the mark."""
+    from kvpool.client import slow_nodes
+    from kvpool.client.slow_nodes import SLOW_NODE_BUDGET_MS, SLOW_NODE_MS, SLOW_NODE_MS_PER_MIB
+
+    now = [1_000.0]
+    monkeypatch.setattr(slow_nodes.time, "monotonic", lambda: now[0])
+    nodes = SlowNodes()
+
+    def unasked() -> int:
+        raise AssertionError("the size of a read of a node not marked is not needed")
+
+    assert nodes.budget_ms("a", 8_000, unasked) == 8_000
+    nodes.timed_out("a", 200)  # too short a budget to say anything of the node
+    assert nodes.budget_ms("a", 8_000, unasked) == 8_000
+    nodes.timed_out("a", 8_000)
+    assert nodes.budget_ms("a", 8_000, lambda: 64 << 10) == SLOW_NODE_BUDGET_MS
+    assert nodes.budget_ms("a", 8_000, lambda: 1 << 30) == SLOW_NODE_BUDGET_MS + 1024 * SLOW_NODE_MS_PER_MIB
+    assert nodes.budget_ms("a", 2_500, lambda: 1 << 30) == 2_500
+    assert nodes.budget_ms("b", 8_000, unasked) == 8_000
+    now[0] += SLOW_NODE_MS / 1000 - 0.5
+    nodes.timed_out("a", SLOW_NODE_BUDGET_MS)  # a read under the shorter budget overran it
+    now[0] += 0.6
+    assert not nodes.is_slow("a")  # SLOW_NODE_MS after it was marked
+    nodes.timed_out("a", 8_000)
+    nodes.answered("a")  # a transfer in time
+    assert nodes.budget_ms("a", 8_000, unasked) == 8_000

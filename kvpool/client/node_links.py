@@ -32,6 +32,7 @@ through the loop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import selectors
 import time
@@ -119,7 +120,8 @@ class NodeLinks:
             conns = self._connections(batches, now + budget_ms / 1000)
             if conns is None:
                 return False
-            budgets = [self._slow_nodes.budget_ms(batch.endpoint, budget_ms) for batch in batches]
+            slow_budget_ms, bytes_of = self._slow_nodes.budget_ms, job.bytes_of
+            budgets = [slow_budget_ms(b.endpoint, budget_ms, functools.partial(bytes_of, b)) for b in batches]
             failed = self._round(batches, conns, now, budgets)
             self._check_open()
             job.remote_done({i for batch in batches for i in batch.owners[0]}, set().union(*failed))

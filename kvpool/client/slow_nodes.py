@@ -4,16 +4,21 @@ A frozen node (stopped, swapping, a hung link) takes a request's bytes into its 
 and answers nothing, so each get that reads from it first waits out its round (a share of the
 read lease, GetJob.round_timeout_ms) before it tries the next replica. Once one transfer with a
 node timed out, gets read other replicas of its objects first, and give a read of it at most
-SLOW_NODE_BUDGET_MS, until SLOW_NODE_MS have passed or it answers in time: by then the master
-has dropped a node that stopped heartbeating (its TTL), or it answers again. Without that
-bound, every get of an object only there waited out a round: 10 s by default, for as long as
-the node stayed frozen, or cut off from this client while the master still heard it.
+SLOW_NODE_BUDGET_MS (and as long as its bytes take at SLOW_NODE_MS_PER_MIB), until
+SLOW_NODE_MS have passed or it answers in time: by then the master has dropped a node that
+stopped heartbeating (its TTL), or it answers again. Without that bound, every get of an
+object only there waited out a round: 10 s by default, for as long as the node stayed frozen,
+or cut off from this client while the master still heard it. A timeout while it is marked
+does not extend the mark: a node that is only busy, whose reads overran the shorter budget,
+is given whole rounds again SLOW_NODE_MS after it was marked (a frozen one is marked again by
+its next read).
 Shared by a Store's loop and its caller threads (dict operations are atomic).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvpool import limits
 
@@ -22,8 +27,10 @@ SLOW_NODE_MS = limits.NODE_TTL_MS_DEFAULT
 # share of a lease nearly spent): it marks nothing.
 SLOW_NODE_BUDGET_MIN_MS = 250
 # What a transfer with a node marked slow is given, at most: a second of a KV cache's read is
-# already worth less than its prefill; a read that times out again keeps the mark.
+# already worth less than its prefill; and 2 ms more for each MiB it reads (512 MiB/s), so
+# that a long prefix's load from a node that is only busy is not cut short.
 SLOW_NODE_BUDGET_MS = 1_000
+SLOW_NODE_MS_PER_MIB = 2
 assert SLOW_NODE_BUDGET_MS >= SLOW_NODE_BUDGET_MIN_MS
 
 
@@ -32,19 +39,23 @@ class SlowNodes:
         self._until: dict[str, float] = {}  # endpoint -> monotonic time its mark ends
 
     def timed_out(self, endpoint: str, budget_ms: int) -> None:
-        """A transfer with `endpoint` did not finish within `budget_ms`."""
-        if budget_ms >= SLOW_NODE_BUDGET_MIN_MS:
-            self._until[endpoint] = time.monotonic() + SLOW_NODE_MS / 1000
+        """A transfer with `endpoint` did not finish within `budget_ms`: marked, unless it is."""
+        now = time.monotonic()
+        if budget_ms >= SLOW_NODE_BUDGET_MIN_MS and self._until.get(endpoint, 0.0) <= now:
+            self._until[endpoint] = now + SLOW_NODE_MS / 1000
 
     def answered(self, endpoint: str) -> None:
         """A transfer with `endpoint` ended in time: it is not slow (any more)."""
         if self._until:
             self._until.pop(endpoint, None)
 
-    def budget_ms(self, endpoint: str, budget_ms: int) -> int:
-        """What a transfer with `endpoint` may take of `budget_ms`: SLOW_NODE_BUDGET_MS at most
-        while it is slow."""
-        return min(budget_ms, SLOW_NODE_BUDGET_MS) if self._until and self.is_slow(endpoint) else budget_ms
+    def budget_ms(self, endpoint: str, budget_ms: int, size_bytes: Callable[[], int]) -> int:
+        """What a read of `size_bytes()` bytes (asked only while it is slow) from `endpoint`
+        may take of `budget_ms`: while it is slow, SLOW_NODE_BUDGET_MS and
+        SLOW_NODE_MS_PER_MIB at most."""
+        if not self._until or not self.is_slow(endpoint):
+            return budget_ms
+        return min(budget_ms, SLOW_NODE_BUDGET_MS + SLOW_NODE_MS_PER_MIB * size_bytes() // (1 << 20))
 
     def is_slow(self, endpoint: str) -> bool:
         until = self._until.get(endpoint)

@@ -861,7 +861,9 @@ class AsyncStore:
             timeout_ms = job.round_timeout_ms(now_monotonic_ms(), self.config.transfer_timeout_ms)
             if not timeout_ms:
                 return  # the lease lapsed: misses (job.finish)
-            for outcome in await self._run_batches(batches, timeout_ms, self.slow_nodes.budget_ms):
+            budget_ms = self.slow_nodes.budget_ms
+            timeouts_ms = [budget_ms(b.endpoint, timeout_ms, functools.partial(job.bytes_of, b)) for b in batches]
+            for outcome in await asyncio.gather(*map(self._run_batch, batches, timeouts_ms)):
                 failed |= outcome
             job.remote_done(asked, failed)
             if (copying := self._copy_local(job)) is not None:
@@ -910,20 +912,12 @@ class AsyncStore:
                 )  # fmt: skip
             raise
 
-    async def _run_batches(
-        self,
-        batches: Sequence[RemoteBatch],
-        timeout_ms: int | None = None,
-        budget_ms: Callable[[str, int], int] | None = None,
-    ) -> list[set[int]]:
+    async def _run_batches(self, batches: Sequence[RemoteBatch], timeout_ms: int | None = None) -> list[set[int]]:
         """Send every batch's frames over lanes to its endpoint, all endpoints at once, within
-        `timeout_ms` (the transfer timeout by default), or what `budget_ms` (endpoint,
-        timeout_ms) gives of it (a get's: less to a node marked slow, SlowNodes.budget_ms).
-        Returns, per batch, the key indexes whose frames failed."""
+        `timeout_ms` (the transfer timeout by default). Returns, per batch, the key indexes
+        whose frames failed."""
         timeout_ms = timeout_ms or self.config.transfer_timeout_ms
-        if budget_ms is None:
-            return list(await asyncio.gather(*(self._run_batch(b, timeout_ms) for b in batches)))
-        return list(await asyncio.gather(*(self._run_batch(b, budget_ms(b.endpoint, timeout_ms)) for b in batches)))
+        return list(await asyncio.gather(*(self._run_batch(b, timeout_ms) for b in batches)))
 
     async def _run_batch(self, batch: RemoteBatch, timeout_ms: int) -> set[int]:
         try:

@@ -868,6 +868,11 @@ class GetJob:
             return directory / objectfile.OBJECTS_DIR / objectfile.disk_name(replica.offset)
         return directory / objectfile.dfs_relative_path(self.keys[index], replica.offset)
 
+    def bytes_of(self, batch: RemoteBatch) -> int:
+        """The bytes of the objects a batch of remote_batches reads."""
+        sizes = self.reply.sizes
+        return sum([sizes[index] for index in {index for owners in batch.owners for index in owners}])
+
     def remote_batches(self) -> list[RemoteBatch]:
         """TCP frames for pending keys whose next candidate is remote, grouped by endpoint."""
         pending = self.pending_indexes()
