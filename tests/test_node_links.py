@@ -176,6 +176,11 @@ def test_a_slow_mark_shortens_reads_by_their_size_and_lapses_whatever_timeouts_c
     nodes.timed_out("a", SLOW_NODE_BUDGET_MS)  # a read under the shorter budget overran it
     now[0] += 0.6
     assert not nodes.is_slow("a")  # SLOW_NODE_MS after it was marked
-    nodes.timed_out("a", 8_000)
+    now[0] += 0.5
+    nodes.timed_out("a", 1_500)  # begun while it was marked, ended after
+    assert not nodes.is_slow("a")
+    now[0] += 1.0
+    nodes.timed_out("a", 1_000)  # begun after the mark ended
+    assert nodes.is_slow("a")
     nodes.answered("a")  # a transfer in time
     assert nodes.budget_ms("a", 8_000, unasked) == 8_000

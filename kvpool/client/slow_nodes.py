@@ -8,10 +8,10 @@ SLOW_NODE_BUDGET_MS (and as long as its bytes take at SLOW_NODE_MS_PER_MIB), unt
 SLOW_NODE_MS have passed or it answers in time: by then the master has dropped a node that
 stopped heartbeating (its TTL), or it answers again. Without that bound, every get of an
 object only there waited out a round: 10 s by default, for as long as the node stayed frozen,
-or cut off from this client while the master still heard it. A timeout while it is marked
-does not extend the mark: a node that is only busy, whose reads overran the shorter budget,
-is given whole rounds again SLOW_NODE_MS after it was marked (a frozen one is marked again by
-its next read).
+or cut off from this client while the master still heard it. A read begun while it was
+marked that times out does not mark it again: a node that is only busy, whose reads overran
+the shorter budget, is given whole rounds again SLOW_NODE_MS after it was marked (a frozen
+one is marked again by its next read).
 Shared by a Store's loop and its caller threads (dict operations are atomic).
 """
 
@@ -32,17 +32,26 @@ SLOW_NODE_BUDGET_MIN_MS = 250
 SLOW_NODE_BUDGET_MS = 1_000
 SLOW_NODE_MS_PER_MIB = 2
 assert SLOW_NODE_BUDGET_MS >= SLOW_NODE_BUDGET_MIN_MS
+# How many endpoints' marks are remembered, ended ones included (those go first).
+SLOW_NODES_REMEMBERED_MAX = 1_024
 
 
 class SlowNodes:
     def __init__(self) -> None:
-        self._until: dict[str, float] = {}  # endpoint -> monotonic time its mark ends
+        # endpoint -> monotonic time its mark ends; kept after it ended (timed_out), up to
+        # SLOW_NODES_REMEMBERED_MAX endpoints.
+        self._until: dict[str, float] = {}
 
     def timed_out(self, endpoint: str, budget_ms: int) -> None:
-        """A transfer with `endpoint` did not finish within `budget_ms`: marked, unless it is."""
+        """A transfer with `endpoint` did not finish within `budget_ms`: the node is marked,
+        unless the transfer began while it was (its shorter budget, overrun, says nothing new:
+        the mark must end SLOW_NODE_MS after it began, even if one such read ends after it)."""
         now = time.monotonic()
-        if budget_ms >= SLOW_NODE_BUDGET_MIN_MS and self._until.get(endpoint, 0.0) <= now:
-            self._until[endpoint] = now + SLOW_NODE_MS / 1000
+        if budget_ms < SLOW_NODE_BUDGET_MIN_MS or now - budget_ms / 1000 < self._until.get(endpoint, 0.0):
+            return
+        if len(self._until) >= SLOW_NODES_REMEMBERED_MAX:  # a new dict: other threads may read the old
+            self._until = {other: until for other, until in self._until.items() if until > now}
+        self._until[endpoint] = now + SLOW_NODE_MS / 1000
 
     def answered(self, endpoint: str) -> None:
         """A transfer with `endpoint` ended in time: it is not slow (any more)."""
@@ -58,10 +67,4 @@ class SlowNodes:
         return min(budget_ms, SLOW_NODE_BUDGET_MS + SLOW_NODE_MS_PER_MIB * size_bytes() // (1 << 20))
 
     def is_slow(self, endpoint: str) -> bool:
-        until = self._until.get(endpoint)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        self._until.pop(endpoint, None)
-        return False
+        return time.monotonic() < self._until.get(endpoint, 0.0)
