@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 
 from kvpool import limits
-from kvpool.client.slow_nodes import SlowNodes
+from kvpool.client.slow_nodes import SLOW_NODE_OPEN_MS, SlowNodes
 from kvpool.client.thread_links import ThreadLink, ThreadLinks
 from kvpool.client.transfer import GetJob, PutJob, RemoteBatch, now_monotonic_ms, write_landing
 from kvpool.config import ClientConfig
@@ -307,9 +307,11 @@ class NodeLinks:
             if conn is not None and (conn.awaits_replies() or not conn.is_usable()):  # a node that restarted
                 link.drop(endpoint)
                 conn = None
-            if conn is None and self._slow_nodes.is_slow(endpoint):
-                return None  # a frozen node's handshake waits out the open: the loop's is bounded less
-            conn = conn if conn is not None else self._open(link, endpoint, deadline)
+            if conn is None:
+                open_by = deadline
+                if self._slow_nodes.is_slow(endpoint):  # a frozen node's handshake never ends
+                    open_by = min(deadline, time.monotonic() + SLOW_NODE_OPEN_MS / 1000)
+                conn = self._open(link, endpoint, open_by)
             if conn is None:
                 return None
             conns.append(conn)

@@ -32,6 +32,9 @@ SLOW_NODE_BUDGET_MIN_MS = 250
 SLOW_NODE_BUDGET_MS = 1_000
 SLOW_NODE_MS_PER_MIB = 2
 assert SLOW_NODE_BUDGET_MS >= SLOW_NODE_BUDGET_MIN_MS
+# A caller thread's connection to a node marked slow has this long to open (a frozen node's
+# handshake never ends); the read then goes through the Store's loop, within its own budget.
+SLOW_NODE_OPEN_MS = 250
 # How many endpoints' marks are remembered, ended ones included (those go first).
 SLOW_NODES_REMEMBERED_MAX = 1_024
 
