@@ -750,7 +750,7 @@ def client() -> dict:
                 reply = await store._master.call(GetReplicaList(keys), is_idempotent=True)
 
                 def new_job() -> GetJob:
-                    return GetJob(reply, [None] * BATCH, 0, store._local_segment, keys, store._local_directory)
+                    return GetJob(reply, [None] * BATCH, 0, store._local_segment, keys, store.directories.find)
 
                 jobs = [new_job() for _ in range(300)]
                 return {

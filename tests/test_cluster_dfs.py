@@ -206,9 +206,9 @@ def test_a_running_node_takes_the_new_identity_of_a_dfs_emptied_under_it(make_cl
 def test_a_store_reads_a_dfs_mounted_after_it_first_looked(make_cluster, tmp_path, monkeypatch):
     """A serving process started before the share was mounted at its dfs_dir skipped the DFS
     for the life of its store; it looks again (after DFS_LOOK_AGAIN_S, a minute)."""
-    from kvpool.client import store as store_module
+    from kvpool.client import directories
 
-    monkeypatch.setattr(store_module, "DFS_LOOK_AGAIN_S", 0.0)
+    monkeypatch.setattr(directories, "DFS_LOOK_AGAIN_S", 0.0)
     dfs, mount_point = tmp_path / "dfs", tmp_path / "mnt"
     cluster = make_cluster(0, "8MiB", master_args=("--dfs-dir", str(dfs), "--node-ttl-ms", "2000"))
     node = cluster.start_node(("--dfs-dir", str(dfs)))

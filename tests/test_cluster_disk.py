@@ -15,12 +15,15 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvpool import AsyncStore, ErrorCode, Store
 from kvpool.protocol import objectfile
@@ -334,9 +337,9 @@ def test_a_disk_directory_that_hangs_when_first_looked_at_is_read_through_its_no
     """The first get of a same-host disk (or DFS) segment's object reads the directory's
     identity file, to know it may open the files: on a hung mount that read held the get for
     good (an AsyncStore's event loop with it: every call of the store). Now a get waits
-    DIRECTORY_LOOK_WAIT_MS for the look, then reads through the node; once the look answers,
+    LOOK_WAIT_MS for the look, then reads through the node; once the look answers,
     gets open the files here."""
-    from kvpool.client.store import DIRECTORY_LOOK_WAIT_MS
+    from kvpool.client.directories import LOOK_WAIT_MS
 
     data = os.urandom(256 * 1024)
     cluster = only_on_disk(make_cluster, tmp_path, "k", data, ("--promote-reads", "0"))  # read from disk, always
@@ -361,11 +364,11 @@ def test_a_disk_directory_that_hangs_when_first_looked_at_is_read_through_its_no
 
         started = time.monotonic()
         assert await get() == data  # through the node
-        assert time.monotonic() - started < DIRECTORY_LOOK_WAIT_MS / 1000 + 1.0
+        assert time.monotonic() - started < LOOK_WAIT_MS / 1000 + 1.0
         assert looking.is_set() and not opened
         started = time.monotonic()
         assert await get() == data  # the look still hangs: not waited for again
-        assert time.monotonic() - started < DIRECTORY_LOOK_WAIT_MS / 1000 / 2 and not opened
+        assert time.monotonic() - started < LOOK_WAIT_MS / 1000 / 2 and not opened
         release.set()
         for _ in range(100):
             if opened:
@@ -388,6 +391,56 @@ def test_a_disk_directory_that_hangs_when_first_looked_at_is_read_through_its_no
             asyncio.run(main())
     finally:
         release.set()
+
+
+# A client whose look at a disk directory never answers (a hung mount): its get, then its exit.
+_HUNG_LOOK_CLIENT = """
+import sys, threading
+import xxhash
+from kvpool import Store
+from kvpool.transports import files
+files.load_identity = lambda directory: threading.Event().wait()
+with Store(sys.argv[1]) as store:
+    assert xxhash.xxh3_64_hexdigest(store.get("k")) == sys.argv[2]
+print("done", flush=True)
+"""
+
+
+def test_first_gets_at_once_all_wait_for_a_directory_look_and_a_hung_one_does_not_hold_the_exit(
+    make_cluster, tmp_path, monkeypatch
+):
+    """Gets that meet a look at a directory under way wait for it as the first does (they went
+    on without it, and read a DFS object as a miss); a look that never answers lets its process
+    exit (the pool of threads it ran on held the interpreter's exit until the mount answered)."""
+    data = os.urandom(64 * 1024)
+    cluster = only_on_disk(make_cluster, tmp_path, "k", data, ("--promote-reads", "0"))
+    real_load, real_open, opened = files.load_identity, files.open_object, []
+
+    def slow_load(directory):
+        time.sleep(0.3)
+        return real_load(directory)
+
+    def counted_open(*args):
+        opened.append(args)
+        return real_open(*args)
+
+    monkeypatch.setattr(files, "load_identity", slow_load)
+    monkeypatch.setattr(files, "open_object", counted_open)
+    with Store(cluster.master_endpoint) as store:
+        assert wait_until(lambda: store.exists("k"), 10)
+        with ThreadPoolExecutor(8) as threads:
+            assert list(threads.map(lambda _: store.get("k"), range(8))) == [data] * 8
+        assert len(opened) == 8  # every get read the file here
+
+    client = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_LOOK_CLIENT, cluster.master_endpoint, xxhash.xxh3_64_hexdigest(data)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = client.communicate(timeout=30)
+    finally:
+        client.kill()
+    assert client.returncode == 0 and out == b"done\n", err.decode()
 
 
 def test_a_disk_file_that_reads_bad_is_confirmed_by_its_node_and_dropped(make_cluster, tmp_path):

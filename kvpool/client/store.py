@@ -13,7 +13,6 @@ transfer.py, connections in pool.py.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -25,12 +24,12 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 
 import msgspec
 
 from kvpool import limits
 from kvpool.client.buffers import BufferRegistry
+from kvpool.client.directories import HostDirectories
 from kvpool.client.leases import RELEASE_DELAY_MS, LeaseReleases
 from kvpool.client.pool import MasterLink, PeerPool, request_on_lanes
 from kvpool.client.slow_nodes import SlowNodes
@@ -56,11 +55,9 @@ from kvpool.errors import (
     error_from_code,
 )
 from kvpool.node.segment import Segment
-from kvpool.process import ThreadPool, forks
+from kvpool.process import forks
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
-    TIER_DFS,
-    TIER_DISK,
     ClusterStatus,
     ClusterStatusReply,
     CodesReply,
@@ -86,10 +83,7 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     WriteSlices,
 )
-from kvpool.repeated_log import RepeatedLog
-from kvpool.transports import files
 from kvpool.transports.connection import LateReply
-from kvpool.transports.dfs import DfsDirectory
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +114,6 @@ MAPPED_SEGMENT_RETIRE_MS = 60_000
 # disk or DFS segment's files): of this many segments at most, so that a long-lived client
 # of a cluster whose nodes come and go does not remember them without end (_map_segment).
 SEGMENTS_REMEMBERED_MAX = 65_536
-# A DFS not found at a store's dfs_dir (the share not mounted yet) is looked for again after
-# this long: it was skipped for the life of the store.
-DFS_LOOK_AGAIN_S = 60.0
-# A get waits this long for a look at a disk or DFS segment's directory here (its identity
-# file), then goes on without it: the disk tier is read over TCP meanwhile, and a DFS replica
-# is skipped. On a hung mount the read never ends: it held the get's thread for good, and an
-# AsyncStore's event loop with it. The look goes on, on a thread of _directory_lookers, and
-# its answer is taken by the first get after it.
-DIRECTORY_LOOK_WAIT_MS = limits.FILESYSTEM_LOOK_WAIT_MS
-_directory_lookers = ThreadPool(2, "kvpool-directory-look")
-_slow_directory_look = RepeatedLog(log, logging.WARNING)
 # While a segment is mapped, whether its file is gone is looked at this often: a node stopped
 # for good (scaled down, moved) held its whole segment's memory in /dev/shm in every
 # long-lived same-host client until the client mapped another segment.
@@ -160,9 +143,7 @@ class AsyncStore:
         self._mapping = threading.Lock()
         self._sweep: asyncio.TimerHandle | None = None  # the next look for unlinked segments
         # Disk and DFS segments whose object files this host can open (docs/tiers.md).
-        self._directories: dict[str, Path | None] = {}
-        self._directory_looks: dict[str, concurrent.futures.Future[Path | None]] = {}  # not yet taken
-        self._dfs_look_again_at = 0.0  # when a DFS not found at dfs_dir is looked for again
+        self.directories = HostDirectories(self.hostname, config.shm_enabled, config.dfs_dir)
         self.buffers = BufferRegistry()
         self._embedded_node = None
         self._reports: set[asyncio.Task] = set()  # bad-replica reports and lease releases in flight
@@ -617,7 +598,9 @@ class AsyncStore:
         try:
             with self.leases_back_if_abandoned(jobs):  # cancelled, or a lookup failed
                 for piece, lookup in zip(pieces, lookups):
-                    jobs.append(job := self._get_job(await lookup, lease_start_ms, keys, targets, starts, piece))
+                    reply = await lookup
+                    await self.directories.wait_async(self.directory_looks(reply))
+                    jobs.append(job := self._get_job(reply, lease_start_ms, keys, targets, starts, piece))
                     if (copying := self._copy_local(job)) is not None:
                         await copying
         finally:  # the lookups of pieces not reached (cancelled, or one failed) are not wanted:
@@ -811,6 +794,7 @@ class AsyncStore:
     ) -> GetJob:
         lease_start_ms = now_monotonic_ms()
         reply = await self._look_up(key_list(keys))
+        await self.directories.wait_async(self.directory_looks(reply))
         return self._get_job(reply, lease_start_ms, keys, targets, starts)
 
     def _look_up(self, keys: list[str]) -> Awaitable[Message]:
@@ -846,7 +830,7 @@ class AsyncStore:
             starts = None if starts is None else starts[start:end]
         span = self.buffers.view if starts is not None else None
         return GetJob(
-            reply, targets, lease_start_ms, self._local_segment, keys, self._local_directory, starts, span,
+            reply, targets, lease_start_ms, self._local_segment, keys, self.directories.find, starts, span,
             self.slow_nodes.is_slow, lease_start_ms + self.config.transfer_timeout_ms,
         )  # fmt: skip
 
@@ -946,54 +930,12 @@ class AsyncStore:
             self.slow_nodes.answered(batch.endpoint)
         return failed
 
-    def _local_directory(self, info: SegmentInfo) -> Path | None:
-        """The directory of a disk or DFS segment's object files, if this host can open them:
-        a disk tier of a node on this host (its identity file holds the advertised token),
-        or the DFS at this client's own dfs_dir (likewise). Else None (read over TCP, or not
-        at all for the DFS). Waits DIRECTORY_LOOK_WAIT_MS at most for the filesystem."""
-        segment_id = info.segment_id
-        try:  # one lookup: another thread may clear them meanwhile (SEGMENTS_REMEMBERED_MAX)
-            directory = self._directories[segment_id]
-            if directory is not None or info.tier != TIER_DFS or time.monotonic() < self._dfs_look_again_at:
-                return directory
-        except KeyError:
-            pass
-        if info.tier == TIER_DISK:
-            is_here = self.config.shm_enabled and bool(info.shm_path) and info.hostname == self.hostname
-        else:
-            is_here = info.tier == TIER_DFS and bool(self.config.dfs_dir)
-        if is_here:
-            look = self._directory_looks.get(segment_id)
-            if look is None:
-                if len(self._directory_looks) >= SEGMENTS_REMEMBERED_MAX:
-                    self._directory_looks.clear()
-                look = _directory_lookers.executor().submit(self._look_for_directory, info)
-                look = self._directory_looks.setdefault(segment_id, look)  # (another thread's, if first)
-                concurrent.futures.wait([look], DIRECTORY_LOOK_WAIT_MS / 1000)
-            if not look.done():
-                _slow_directory_look.log(
-                    "the files of %s segment %s did not answer within %d ms (a hung mount?): %s meanwhile",
-                    info.tier, segment_id, DIRECTORY_LOOK_WAIT_MS,
-                    "its objects are read through its node" if info.tier == TIER_DISK else "DFS replicas are skipped",
-                )  # fmt: skip
-                return None
-            self._directory_looks.pop(segment_id, None)
-        directory = look.result() if is_here else None
-        if len(self._directories) >= SEGMENTS_REMEMBERED_MAX:
-            self._directories.clear()  # each is looked at again when met (they hold nothing)
-        self._directories[segment_id] = directory
-        return directory
-
-    def _look_for_directory(self, info: SegmentInfo) -> Path | None:
-        """_local_directory's look at the filesystem (on a thread of _directory_lookers)."""
-        if info.tier == TIER_DISK:
-            identity = files.load_identity(Path(info.shm_path))
-            return Path(info.shm_path) if identity is not None and identity.token == info.shm_token else None
-        if DfsDirectory(self.config.dfs_dir).has_token(info.shm_token):
-            return Path(self.config.dfs_dir)
-        self._dfs_look_again_at = time.monotonic() + DFS_LOOK_AGAIN_S  # not mounted yet, perhaps
-        log.info("DFS %s is not at %s: DFS replicas are skipped", info.segment_id, self.config.dfs_dir)
-        return None
+    def directory_looks(self, reply: Message) -> list:
+        """The looks at disk and DFS directories a get must wait for (HostDirectories.wait)
+        before it chooses among the replicas `reply` (its GetReplicaList answer) names."""
+        if not isinstance(reply, GetReplicaListReply) or not reply.segments:
+            return []
+        return self.directories.looks_for(reply.segments.values())
 
     def _local_segment(self, info: SegmentInfo) -> Segment | None:
         """The mapped segment if it is on this host and its token matches, else None."""

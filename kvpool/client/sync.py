@@ -908,6 +908,7 @@ class Store:
         lease_start_ms = now_monotonic_ms()
         lookup = GetReplicaList(key_list(keys))
         reply = self._ask(lookup, late_reply=functools.partial(async_store._give_back_late_leases, lookup.keys))
+        async_store.directories.wait(async_store.directory_looks(reply))
         job = async_store._get_job(reply, lease_start_ms, keys, targets, starts)
         # Interrupted while it waits for its file reads (Ctrl-C on a hung mount), the get gives
         # its read leases back at once, not at their TTL.
@@ -929,6 +930,7 @@ class Store:
         answered: list[GetJob] = []
 
         def found(index: int, reply: Message) -> None:
+            async_store.directories.wait(async_store.directory_looks(reply))
             job = jobs[index] = async_store._get_job(reply, lease_start_ms, keys, targets, starts, pieces[index])
             answered.append(job)
             job.copy_local()
