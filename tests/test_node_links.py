@@ -182,5 +182,13 @@ def test_a_slow_mark_shortens_reads_by_their_size_and_lapses_whatever_timeouts_c
     now[0] += 1.0
     nodes.timed_out("a", 1_000)  # begun after the mark ended
     assert nodes.is_slow("a")
+    began_marked = now[0]
+    now[0] += 0.1
     nodes.answered("a")  # a transfer in time
     assert nodes.budget_ms("a", 8_000, unasked) == 8_000
+    now[0] += 1.0
+    nodes.timed_out("a", 1_100, began_marked)  # begun before the answer, while marked
+    assert not nodes.is_slow("a")
+    now[0] += 4.0
+    nodes.timed_out("a", 10_000, now[0] - 2)  # a connect that failed after 2 s of a 10 s round
+    assert nodes.is_slow("a")  # (dated 10 s back, it fell in the mark the answer ended: nothing)

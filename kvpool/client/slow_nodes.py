@@ -45,21 +45,24 @@ class SlowNodes:
         # SLOW_NODES_REMEMBERED_MAX endpoints.
         self._until: dict[str, float] = {}
 
-    def timed_out(self, endpoint: str, budget_ms: int) -> None:
-        """A transfer with `endpoint` did not finish within `budget_ms`: the node is marked,
+    def timed_out(self, endpoint: str, budget_ms: int, started_s: float | None = None) -> None:
+        """A transfer with `endpoint`, begun at `started_s` (time.monotonic; None: `budget_ms`
+        ago, its whole budget run), did not finish within `budget_ms`: the node is marked,
         unless the transfer began while it was (its shorter budget, overrun, says nothing new:
         the mark must end SLOW_NODE_MS after it began, even if one such read ends after it)."""
         now = time.monotonic()
-        if budget_ms < SLOW_NODE_BUDGET_MIN_MS or now - budget_ms / 1000 < self._until.get(endpoint, 0.0):
+        started_s = now - budget_ms / 1000 if started_s is None else started_s
+        if budget_ms < SLOW_NODE_BUDGET_MIN_MS or started_s < self._until.get(endpoint, 0.0):
             return
         if len(self._until) >= SLOW_NODES_REMEMBERED_MAX:  # a new dict: other threads may read the old
             self._until = {other: until for other, until in self._until.items() if until > now}
         self._until[endpoint] = now + SLOW_NODE_MS / 1000
 
     def answered(self, endpoint: str) -> None:
-        """A transfer with `endpoint` ended in time: it is not slow (any more)."""
-        if self._until:
-            self._until.pop(endpoint, None)
+        """A transfer with `endpoint` ended in time: it is not slow (any more). The mark ends
+        now, and is kept: a read begun before it did still says nothing new (timed_out)."""
+        if (until := self._until.get(endpoint)) is not None and until > (now := time.monotonic()):
+            self._until[endpoint] = now
 
     def budget_ms(self, endpoint: str, budget_ms: int, size_bytes: Callable[[], int]) -> int:
         """What a read of `size_bytes()` bytes (asked only while it is slow) from `endpoint`

@@ -904,11 +904,12 @@ class AsyncStore:
         return list(await asyncio.gather(*(self._run_batch(b, timeout_ms) for b in batches)))
 
     async def _run_batch(self, batch: RemoteBatch, timeout_ms: int) -> set[int]:
+        started_s = time.monotonic()
         try:
             lanes = await self._peers.lanes(batch.endpoint, len(batch.frames), timeout_ms)
         except KVPoolError as exc:
             log.info("node %s unreachable: %s", batch.endpoint, exc)
-            self.slow_nodes.timed_out(batch.endpoint, timeout_ms)  # a stopped node's handshake never ends
+            self.slow_nodes.timed_out(batch.endpoint, timeout_ms, started_s)  # a stopped node's handshake never ends
             return {i for owners in batch.owners for i in owners}
         requests = []
         for frame, (message, views) in enumerate(batch.frames):
@@ -923,7 +924,7 @@ class AsyncStore:
                 if not isinstance(result, (KVPoolError, asyncio.TimeoutError)):
                     raise result
                 if isinstance(result, (RpcTimeout, asyncio.TimeoutError)):
-                    self.slow_nodes.timed_out(batch.endpoint, timeout_ms)
+                    self.slow_nodes.timed_out(batch.endpoint, timeout_ms, started_s)
                 log.info("transfer to %s failed: %s", batch.endpoint, result)
                 failed.update(owners)
         if not failed:
