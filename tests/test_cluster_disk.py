@@ -330,6 +330,19 @@ def test_an_async_get_into_whose_disk_file_hangs_returns_in_time_and_never_write
     asyncio.run(main())
 
 
+def _files_opened_with_looks_by(load_identity, monkeypatch) -> list:
+    """Directories looked at with `load_identity`: the list of the object files opened since."""
+    real_open, opened = files.open_object, []
+
+    def counted_open(*args):
+        opened.append(args)
+        return real_open(*args)
+
+    monkeypatch.setattr(files, "load_identity", load_identity)
+    monkeypatch.setattr(files, "open_object", counted_open)
+    return opened
+
+
 @pytest.mark.parametrize("api", ["sync", "async"])
 def test_a_disk_directory_that_hangs_when_first_looked_at_is_read_through_its_node_meanwhile(
     make_cluster, tmp_path, monkeypatch, api
@@ -343,20 +356,15 @@ def test_a_disk_directory_that_hangs_when_first_looked_at_is_read_through_its_no
 
     data = os.urandom(256 * 1024)
     cluster = only_on_disk(make_cluster, tmp_path, "k", data, ("--promote-reads", "0"))  # read from disk, always
-    looking, release, opened = threading.Event(), threading.Event(), []
-    real_load, real_open = files.load_identity, files.open_object
+    looking, release = threading.Event(), threading.Event()
+    real_load = files.load_identity
 
     def hung_load(directory):
         looking.set()
         assert release.wait(30)  # the mount answers when the test says
         return real_load(directory)
 
-    def counted_open(*args):
-        opened.append(args)
-        return real_open(*args)
-
-    monkeypatch.setattr(files, "load_identity", hung_load)
-    monkeypatch.setattr(files, "open_object", counted_open)
+    opened = _files_opened_with_looks_by(hung_load, monkeypatch)
 
     async def checks(store) -> None:
         async def get() -> bytes | None:
@@ -414,18 +422,13 @@ def test_first_gets_at_once_all_wait_for_a_directory_look_and_a_hung_one_does_no
     exit (the pool of threads it ran on held the interpreter's exit until the mount answered)."""
     data = os.urandom(64 * 1024)
     cluster = only_on_disk(make_cluster, tmp_path, "k", data, ("--promote-reads", "0"))
-    real_load, real_open, opened = files.load_identity, files.open_object, []
+    real_load = files.load_identity
 
     def slow_load(directory):
         time.sleep(0.3)
         return real_load(directory)
 
-    def counted_open(*args):
-        opened.append(args)
-        return real_open(*args)
-
-    monkeypatch.setattr(files, "load_identity", slow_load)
-    monkeypatch.setattr(files, "open_object", counted_open)
+    opened = _files_opened_with_looks_by(slow_load, monkeypatch)
     with Store(cluster.master_endpoint) as store:
         assert wait_until(lambda: store.exists("k"), 10)
         with ThreadPoolExecutor(8) as threads:
