@@ -18,7 +18,15 @@ import pytest
 from kvpool.errors import ErrorCode, SegmentNotFound
 from kvpool.master.metadata import ObjectTable
 from kvpool.master.tombstones import Tombstones
-from kvpool.protocol.messages import Heartbeat, InventoryEntry, MountSegment, Remove, RemoveAll, RemoveByRegex
+from kvpool.protocol.messages import (
+    Heartbeat,
+    InventoryEntry,
+    MountSegment,
+    Remove,
+    RemoveAll,
+    RemoveByRegex,
+    UnmountSegment,
+)
 from tests.test_master_service import OBJECT_SIZE, OK, checksum_of, exists, get, info, make, mount, put
 
 NOT_FOUND = ErrorCode.OBJECT_NOT_FOUND
@@ -244,6 +252,23 @@ def test_removed_lost_keys_stay_removed_when_other_lost_keys_go_over_the_budget(
     svc.tick(2_100)  # s3 goes: e and f lost, 6 > 5
     assert comes_back(svc, held, now=2_200) == KEYS
     assert exists(svc, KEYS, 2_300) == [False] * 4
+
+
+def test_a_dram_segment_its_node_unmounts_leaves_nothing_behind_to_crowd_out_lost_keys() -> None:
+    """A DRAM segment that its node unmounted (stopped with SIGTERM) never mounts again: its
+    file is gone, and the next start of the node mounts a new id. The keys lost with it were
+    kept all the same, on the budget of lost keys (LOST_KEYS_MAX), and one node stopped with a
+    million objects pushed out those of a node that does come back (a disk tier, a node cut
+    off): removed meanwhile, they came back with it."""
+    svc = make(node_ttl_ms=1_000)
+    svc.tombstones.lost_keys_max = 5  # stands for LOST_KEYS_MAX
+    held = lost_with_s1(svc)  # a, b, c and d: lost keys, not removed yet
+    mount(svc, "s3", now=1_100)
+    assert put(svc, ["e", "f", "g"], now=1_100, placement="preferred", preferred_segments=["s3"]) == [OK] * 3
+    svc.unmount_segment(UnmountSegment("s3"), 1_200)  # 7 > 5, had they been kept
+    assert svc.remove_all(RemoveAll(), 1_300).count == 0
+    assert comes_back(svc, held) == KEYS
+    assert exists(svc, KEYS, 1_600) == [False] * 4
 
 
 def test_a_remove_between_the_parts_of_a_mount_reaches_a_lost_key_in_a_later_part() -> None:

@@ -79,6 +79,7 @@ class Segment:
         "taken",
         "is_reachable",
         "has_whole_inventory",
+        "is_gone_for_good",
     )
 
     def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, heard_ms: int):
@@ -101,6 +102,8 @@ class Segment:
         self.is_reachable = True
         # Whether its node's inventory came whole (SegmentRegistry.set_inventory_whole).
         self.has_whole_inventory = True
+        # Leaving, and never to mount again (MountFlow.leave): nothing is left behind for it.
+        self.is_gone_for_good = False
 
     @property
     def segment_id(self) -> str:

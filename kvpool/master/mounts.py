@@ -169,9 +169,14 @@ class MountFlow:
         move = self._tiers.moves.by_key.get(key)
         return move is not None and any(target is segment for target, _ in move.targets)
 
-    def leave(self, segment: Segment) -> None:
+    def leave(self, segment: Segment, for_good: bool = False) -> None:
         """Unmount a segment: at once when it holds no object or the table is small, else in
-        steps (the module). A segment already leaving is left as it is."""
+        steps (the module). A segment already leaving is left as it is. `for_good`: it can
+        never mount again (a DRAM segment its node unmounted: its file is gone, and the next
+        start of the node mounts a new id), so nothing it goes with is left behind for its
+        return (tombstones.py): the keys lost with a large one took the budget of lost keys
+        (LOST_KEYS_MAX) from the disk tiers', whose nodes do come back with them."""
+        segment.is_gone_for_good = segment.is_gone_for_good or for_good
         if segment.state is SegmentState.LEAVING:
             return
         if not segment.object_count or len(self._table) <= limits.UNMOUNT_SWEEP_KEYS_PER_STEP:
@@ -237,9 +242,9 @@ class MountFlow:
         their keys were removed (a remove of a lost key finds none, yet must reach it)."""
         index = segment.index
         segment_id, ttl_ms = segment.segment_id, _tombstone_ttl_ms(segment)
-        if lost:
+        if lost and not segment.is_gone_for_good:
             self._tombstones.leave_lost(segment_id, _offsets_on(index, lost), ttl_ms)
-        if kept:
+        if kept and not segment.is_gone_for_good:
             self._tombstones.leave_behind(segment_id, _offsets_on(index, kept), ttl_ms)
         lost_keys = [key for key, _ in lost]
         self._table.remove_many(lost_keys)
@@ -266,7 +271,9 @@ class MountFlow:
         removed objects; the targets there of the other moves in flight are left behind."""
         ttl_ms = _tombstone_ttl_ms(segment)
         targets, removed = self._tiers.stranded_on(segment)
-        if segment.drops_unsent or segment.drops_sent or removed:
+        if segment.is_gone_for_good:
+            targets, removed = [], []  # (drops unacknowledged: not buried either, below)
+        elif segment.drops_unsent or segment.drops_sent or removed:
             # Oldest first, as a later tombstone of a key replaces an earlier (its node holds one
             # entry per key, the last written): drops_sent holds those taken before any of
             # drops_unsent was scheduled. A key removed, put again there and removed again,

@@ -421,7 +421,7 @@ class MasterService:
         """
         segment = self._segment_or_raise(msg.segment_id)
         log.info("segment %s unmounted by its node (%d objects)", msg.segment_id, segment.object_count)
-        self._mounts.leave(segment)
+        self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM)  # (its file goes: mounts.py)
         return OkReply()
 
     @property
@@ -1038,7 +1038,7 @@ class MasterService:
             elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= local_ms:
                 log.info("segment %s: drain over, unmounted (%d objects)", segment.info.segment_id,
                          segment.object_count)  # fmt: skip
-                self._mounts.leave(segment)
+                self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM)  # (its node is stopping)
 
     # --- tiers: moves outbox (docs/tiers.md) ---------------------------------------------
 
