@@ -89,6 +89,27 @@ def test_bench_refuses_a_run_that_would_evict_cached_objects(make_cluster):
         assert store.cluster_status().evicted_count == 0 and bench_keys(store) == []
 
 
+def test_a_refused_bench_says_that_one_segment_bounds_a_batch_and_what_fits(make_cluster):
+    """Two empty 32 MiB nodes have 28.8 MiB each below the watermark, 57.6 MiB in all: --total
+    32MiB in the default batches of 32 objects of 1 MiB was refused "(57.6 MiB free there in
+    all)", as if 32 did not fit 57.6. A batch goes whole to one segment: the refusal says so,
+    with the roomiest segment's room and the largest --batch that fits; where each batch fits
+    but not all of them, how much of --total they take. The largest --batch said then runs."""
+    cluster = make_cluster(2, "32MiB")
+    master = ("--master", cluster.master_endpoint)
+    whole_batch, all_batches = kvpool_cli_each(("bench", "--total", "32MiB", *master),
+                                               ("bench", "--total", "56MiB", "--batch", "8", *master))  # fmt: skip
+    room = b"each batch goes whole to one segment, and the roomiest has 28.8 MiB there (57.6 MiB in all, on 2 DRAM"
+    said = b" ".join(whole_batch.stderr.split())
+    assert whole_batch.returncode == 1 and room in said and b"would evict cached objects" in said, said
+    assert b"a batch of 32 objects of --size 1 MiB (32 MiB)" in said and b"give --batch 28 or less" in said, said
+    said = b" ".join(all_batches.stderr.split())
+    assert all_batches.returncode == 1 and room in said, said
+    assert b"batches of 8 fit 48 MiB of --total" in said and b"give a smaller --total" in said, said
+    fits = kvpool_cli("bench", "--total", "32MiB", "--batch", "28", "--rounds", "1", *master)
+    assert fits.returncode == 0, fits.stderr.decode()[-2000:]
+
+
 def test_bench_keeps_each_segment_below_the_watermark(make_cluster):
     """The master evicts segment by segment: room on one segment cannot stand in for another's.
     Node A is 84% full of cached objects, node B empty; 24 MiB of bench objects fit the two

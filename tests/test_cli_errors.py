@@ -246,6 +246,7 @@ def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
         assert last.startswith("error: ") and "wrong cluster token" in last, stderr
         assert "Traceback" not in stderr and stderr.count("wrong cluster token") <= 2, stderr
         assert "retrying" not in stderr, stderr  # it does not: it exits
+        assert "waiting for a master" not in stderr, stderr  # it said so after the fatal line, before
         assert list(shm_dir.iterdir()) == []
     finally:
         _end(node)
@@ -422,11 +423,12 @@ def test_a_port_that_is_not_a_kvpool_server_is_named_as_such():
         thread.join(10)
 
 
-def test_a_nodes_address_given_as_the_master_is_named_as_such(make_cluster):
+def test_a_nodes_address_given_as_the_master_is_named_as_such(make_cluster, tmp_path):
     """A node's port as --master (one of the addresses `kvpool node` printed): the node takes
     the handshake and refuses the Store's first request, which said "cannot reach the master
     at ...: unexpected ClusterStatus request". Now every object command, and a Store, says it
-    is a node's."""
+    is a node's. So does a second node given it: it retried for ever, saying "InvalidParams:
+    unexpected MountSegment request"; it exits 1 at once, its segment file removed."""
     from kvpool.errors import InvalidParams
 
     cluster = make_cluster(1, "4MiB")
@@ -436,6 +438,18 @@ def test_a_nodes_address_given_as_the_master_is_named_as_such(make_cluster):
         assert_one_error_line(run, said)
     with pytest.raises(InvalidParams, match="is a kvpool node, not a master"):
         Store(node)
+    second = _start_node(node, tmp_path / "shm")
+    try:
+        assert second.wait(15) == 1
+        stderr = second.stderr.read().decode()  # type: ignore[union-attr]
+        last = stderr.splitlines()[-1]
+        assert last.startswith("error: node ") and last.endswith(
+            f"cannot mount on {node}: it is a kvpool node, not a master: give the master's address"
+        ), stderr
+        assert "Traceback" not in stderr and "retrying" not in stderr and "waiting for a master" not in stderr, stderr
+        assert list((tmp_path / "shm").iterdir()) == []
+    finally:
+        _end(second)
 
 
 # The command's entry point, with a Ctrl-C arriving while it loads the CLI's modules.

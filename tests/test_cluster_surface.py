@@ -506,6 +506,22 @@ def test_a_node_signalled_while_it_waits_for_its_master_leaves_gracefully(tmp_pa
             node.wait(10)
 
 
+def test_a_master_stopped_by_a_signal_says_so_as_a_node_does(tmp_path: Path) -> None:
+    """SIGTERM, SIGINT and SIGHUP stop a master gracefully, and a node logs "node N stopped";
+    the master logged nothing, so its log did not tell a stop from a kill (SIGKILL, OOM)."""
+    masters = []
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            master, info = _start_server(tmp_path, sig.name, ("master", "--port", "0", "--http-port", "0"))
+            masters.append(master)
+            master.send_signal(sig)
+            assert master.wait(15) == 0, (tmp_path / f"{sig.name}.log").read_text()
+            last = (tmp_path / f"{sig.name}.log").read_text().splitlines()[-1]
+            assert " INFO " in last and last.endswith(f": master {info['endpoint']} stopped"), last
+    finally:
+        _stop(masters)
+
+
 def _rss_kib(pid: int, field: str = "VmRSS") -> int:
     """A process's resident memory now, or at its peak (field "VmHWM")."""
     status = Path(f"/proc/{pid}/status").read_text()

@@ -13,8 +13,10 @@ It leaves the cache's own objects alone:
   (placement "preferred"), planned before each round from what the master reports, so that no
   segment passes the watermark; a run that does not fit is refused before anything is
   written. The master evicts segment by segment, so the room of one segment cannot stand in
-  for another's. The watermark is the one the master reports; writers other than the bench use
-  room meanwhile: what it keeps clear of is the room at the start of each round.
+  for another's, and a batch goes whole to each of its segments: one segment's room bounds
+  --batch, and a refusal says the largest that fits. The watermark is the one the master
+  reports; writers other than the bench use room meanwhile: what it keeps clear of is the
+  room at the start of each round.
 
 The figures are the client's view: a TCP client measures the network and the nodes, a
 same-host client (shm, the default) the memory copies. GB/s count each object once, whatever
@@ -141,34 +143,64 @@ def room_below_watermark(status: ClusterStatusReply) -> dict[str, int]:
 
 def place_batches(plan: BenchPlan, room: dict[str, int]) -> list[list[str]]:
     """For each batch, the segments of its replicas: those with the most room left after the
-    batches before it, so that none passes the watermark.
+    batches before it, so that none passes the watermark. A batch goes whole to each of its
+    segments: the room of one segment, not the cluster's, bounds it.
 
     Raises:
-        InvalidParams: the batches do not fit (said in terms of the flags).
+        InvalidParams: the batches do not fit (said in terms of the flags: what fits instead).
     """
+    if not room:
+        raise InvalidParams("the cluster has no active DRAM segment to measure")
+    if len(room) < plan.replica_num:
+        raise InvalidParams(f"--replicas {plan.replica_num}: the cluster has {_segments(len(room))}")
     left = [(-bytes_left, segment_id) for segment_id, bytes_left in room.items()]
     heapq.heapify(left)
     footprint = footprint_bytes(plan.object_size)
     placed: list[list[str]] = []
     for start, end in plan.batches():
         need = footprint * (end - start)
-        chosen = [heapq.heappop(left) for _ in range(min(plan.replica_num, len(left)))]
-        if len(chosen) < plan.replica_num or -chosen[-1][0] < need:
-            segments = f"{len(room)} DRAM segment{'' if len(room) == 1 else 's'}"
-            if not room:
-                raise InvalidParams("the cluster has no active DRAM segment to measure")
-            if len(room) < plan.replica_num:
-                raise InvalidParams(f"--replicas {plan.replica_num}: the cluster has {segments}")
-            free = f"{max(0, sum(room.values())) / (1 << 20):.1f} MiB"
-            raise InvalidParams(
-                f"--total {exact_size(plan.total_bytes)} x {plan.replica_num} replica(s) in batches of "
-                f"{plan.batch} does not fit below the eviction watermark of the cluster's {segments} ({free} "
-                "free there in all): the run would evict cached objects; give a smaller --total or --batch"
-            )
+        chosen = [heapq.heappop(left) for _ in range(plan.replica_num)]
+        if -chosen[-1][0] < need:
+            raise InvalidParams(_batches_do_not_fit(plan, room, footprint, start))
         for bytes_left, segment_id in chosen:
             heapq.heappush(left, (bytes_left + need, segment_id))
         placed.append([segment_id for _, segment_id in chosen])
     return placed
+
+
+def _batches_do_not_fit(plan: BenchPlan, room: dict[str, int], footprint: int, placed_count: int) -> str:
+    """Why place_batches refused, with what to change: the first batch larger than the room of
+    the segments it needs (a smaller --batch or --size), or all of them more than the segments
+    hold once cut in batches (a smaller --total, or a smaller --batch that leaves less room
+    unused). `placed_count`: the objects whose batches fit before the one that did not."""
+    # The replica_num-th roomiest segment: each batch needs that many with room for it whole.
+    segment_room = max(0, sorted(room.values(), reverse=True)[plan.replica_num - 1])
+    if plan.replica_num == 1:
+        where = f"each batch goes whole to one segment, and the roomiest has {_mib(segment_room)} there"
+    else:
+        where = (f"each batch goes whole to one segment per replica, and the {plan.replica_num} roomiest have "
+                 f"{_mib(segment_room)} there at least")  # fmt: skip
+    where += f" ({_mib(max(0, sum(room.values())))} in all, on {_segments(len(room))})"
+    refused = "the run would evict cached objects"
+    size = exact_size(plan.object_size)
+    if placed_count == 0:  # not even the first batch
+        first_batch = min(plan.batch, plan.object_count)
+        batch_max = segment_room // footprint
+        advice = f"give --batch {batch_max} or less, or a smaller --size" if batch_max else "give a smaller --size"
+        return (f"a batch of {first_batch} objects of --size {size} ({exact_size(first_batch * footprint)}) does not "
+                f"fit below the eviction watermark: {where}; {refused}: {advice}")  # fmt: skip
+    return (f"--total {exact_size(plan.total_bytes)} x {plan.replica_num} replica(s) in batches of {plan.batch} does "
+            f"not fit below the eviction watermark: {where}; batches of {plan.batch} fit "
+            f"{exact_size(placed_count * plan.object_size)} of --total; {refused}: give a smaller --total, or a "
+            "smaller --batch (less room left unused at each segment's end)")  # fmt: skip
+
+
+def _mib(size_bytes: int) -> str:
+    return f"{size_bytes / (1 << 20):.1f} MiB"
+
+
+def _segments(count: int) -> str:
+    return f"{count} DRAM segment{'' if count == 1 else 's'}"
 
 
 @contextlib.contextmanager

@@ -465,13 +465,19 @@ def master(
                      help="Name of the cluster in etcd (with --etcd; KVPOOL_CLUSTER_ID is ignored without it)."),
     ] = limits.CLUSTER_ID_DEFAULT,
     etcd_lease_ttl_ms: Annotated[
-        int, typer.Option(help="The leader's etcd lease (whole seconds): how long a failover waits for a dead leader.")
+        int,
+        typer.Option(help="The leader's etcd lease (whole seconds): how long a failover waits for a dead leader "
+                     "(with --etcd; refused without it)."),
     ] = limits.ETCD_LEASE_TTL_MS_DEFAULT,
     remount_grace_ms: Annotated[
-        int, typer.Option(help="A new leader takes puts once its predecessor's nodes re-mount, or after this.")
+        int,
+        typer.Option(help="A new leader takes puts once its predecessor's nodes re-mount, or after this (with "
+                     "--etcd; refused without it)."),
     ] = limits.REMOUNT_GRACE_MS_DEFAULT,
     advertise_host: Annotated[
-        Optional[str], typer.Option(help="Address the leader record tells clients and nodes to dial (default: --host).")
+        Optional[str],
+        typer.Option(help="Address the leader record tells clients and nodes to dial (default: --host; with --etcd; "
+                     "refused without it)."),
     ] = None,
     dfs_dir: Annotated[
         Optional[Path], typer.Option(envvar="KVPOOL_DFS_DIR", parser=_path,
@@ -566,6 +572,7 @@ def master(
         finally:
             await server.stop()
             _remove_ready(ready_file, is_stopping=True)
+            log.info("master %s stopped", server.endpoint)  # as a node says it: a stop, not a kill
 
     try:
         with _signal_handlers_kept():
@@ -591,11 +598,13 @@ def node(
     ] = True,
     metrics_port: Annotated[
         Optional[int],
-        typer.Option(help="Port of /metrics and /health (0 = any free port; default: none served).", min=0,
-                     max=PORT_MAX),  # fmt: skip
+        typer.Option(help="Port of /metrics, /health and /ready (0 = any free port; default: none served).",
+                     min=0, max=PORT_MAX),  # fmt: skip
     ] = None,
     metrics_host: Annotated[
-        Optional[str], typer.Option(help="Address /metrics and /health listen on (default: --host).")
+        Optional[str],
+        typer.Option(help="Address /metrics, /health and /ready listen on (default: --host). They only read, and "
+                     "take no token: where only your monitoring reaches (needs --metrics-port)."),
     ] = None,
     disk_dir: Annotated[
         Optional[Path],
@@ -708,10 +717,13 @@ async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:
 
     Raises:
         Unauthorized: the master refused the cluster token (a permanent error).
+        InvalidParams: the address given as the master's is a kvpool node's (as permanent).
     """
     config = storage_node.config
     if storage_node.is_mounted:
         return True
+    if storage_node.refusal is not None:  # the first attempt was refused for good: no wait follows
+        raise storage_node.refusal
     log.info("node %s: waiting for a master at %s to take its segment", storage_node.node_id, config.master_endpoint)
     stopped = asyncio.ensure_future(stop.wait())
     try:
@@ -1131,7 +1143,9 @@ def bench(
     total: Annotated[
         str, typer.Option(help=f"Bytes a round puts and reads back (whole objects; {SIZE_UNITS}).")
     ] = "64MiB",
-    batch: Annotated[int, typer.Option(help="Objects per put or get call.")] = 32,
+    batch: Annotated[
+        int, typer.Option(help="Objects per put or get call (a batch goes whole to one segment per replica).")
+    ] = 32,
     rounds: Annotated[int, typer.Option(help="Rounds of put then get; the figures are their medians.")] = 3,
     replicas: Annotated[int, typer.Option(help="Replicas of each object, on distinct segments.")] = 1,
     shm: Annotated[

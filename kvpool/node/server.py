@@ -17,7 +17,8 @@ Life of a node:
               wait_mounted raises it (`kvpool node` exits); after one, the link retries on,
               keeping the segment and its objects, "refused" on /health and /ready (503)
               until a master takes it again: a refusal comes before the master proved the token, so it may
-              be a relay's (docs/operations.md "Security"), and exiting lost every object.
+              be a relay's (docs/operations.md "Security"), and exiting lost every object;
+              likewise a node's port at the master's address (it refuses the mount).
               With `etcd://...` each reconnect dials the leader etcd names (discovery.py),
               looking again at most every MASTER_RESOLVE_BACKOFF_MS_MAX during a failover.
               Reads and writes keep being served whatever the master's state.
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvpool import limits
 from kvpool.config import NodeConfig
 from kvpool.discovery import MasterResolver, parse_master_address
-from kvpool.errors import KVPoolError, RemoteProtocolError, RpcTimeout, SegmentNotFound, Unauthorized
+from kvpool.errors import InvalidParams, KVPoolError, RemoteProtocolError, RpcTimeout, SegmentNotFound, Unauthorized
 from kvpool.node.clock import MasterClock, monotonic_ms, wall_clock_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
@@ -61,6 +62,7 @@ from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     TIER_DRAM,
     DrainSegment,
+    ExistKeys,
     FilesystemReport,
     Heartbeat,
     HeartbeatReply,
@@ -171,9 +173,10 @@ class Node:
         self._stale_segments_task: asyncio.Task[None] | None = None
         self._mounted = asyncio.Event()
         self._first_attempt = asyncio.Event()
-        # The handshake failed over the cluster token since the last mount (wait_mounted raises
-        # it; /health says it); and when the link's failures were last logged.
-        self._refusal: Unauthorized | None = None
+        # Why the master link was refused for good since the last mount: the cluster token, or
+        # a node's port at the master's address (wait_mounted raises it; /health says it); and
+        # when the link's failures were last logged.
+        self._refusal: KVPoolError | None = None
         self._refused = asyncio.Event()
         self._mounted_once = False
         self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S
@@ -236,8 +239,14 @@ class Node:
         return self._mounted.is_set()
 
     @property
+    def refusal(self) -> KVPoolError | None:
+        """Why the master link is refused for good since the last mount (said at once in an ERROR
+        line; wait_mounted raises it), or None."""
+        return self._refusal
+
+    @property
     def metrics_endpoint(self) -> str:
-        """The HTTP "host:port" of /metrics and /health, or "" when metrics are off."""
+        """The HTTP "host:port" of /metrics, /health and /ready, or "" when metrics are off."""
         return self._metrics_server.endpoint if self._metrics_server is not None else ""
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -354,6 +363,7 @@ class Node:
         Raises:
             RpcTimeout: not mounted within timeout_ms.
             Unauthorized: the node and its master do not share a cluster token (not mounted).
+            InvalidParams: the master's address is a kvpool node's (not mounted).
         """
         mounted = asyncio.ensure_future(self._mounted.wait())
         refused = asyncio.ensure_future(self._refused.wait())
@@ -413,6 +423,7 @@ class Node:
         assert resolver is not None, "master link started before start()"
         while not self._leave.is_set():
             conn: Connection | None = None
+            endpoint = self.config.master_endpoint
             try:
                 endpoint = await resolver.resolve(self.config.connect_timeout_ms)
                 conn = await connect(
@@ -425,6 +436,10 @@ class Node:
                 backoff_ms = _RECONNECT_BACKOFF_MS_MIN
                 self._first_attempt.set()
                 await self._heartbeat(conn)
+            except Unauthorized as exc:
+                self._link_failed(exc, self._refusal_of(exc))
+            except InvalidParams as exc:  # a mount the master cannot take, or a node's port
+                self._link_failed(exc, await self._not_a_master(conn, endpoint))
             except KVPoolError as exc:
                 self._link_failed(exc)
             except Exception:  # a bug, or an error no layer below typed: the node must not stay unmounted
@@ -445,15 +460,16 @@ class Node:
             except asyncio.TimeoutError:
                 pass  # Time to try again.
 
-    def _link_failed(self, exc: KVPoolError) -> None:
+    def _link_failed(self, exc: KVPoolError, refusal: KVPoolError | None = None) -> None:
         """Log a failed attempt of the master link: the first, then at most one every
         LINK_FAILURE_LOG_INTERVAL_S (a node started before its master retries every 2 s, for as
-        long as it takes). A refusal over the cluster token is recorded for wait_mounted and
-        /health, and logged at once when it is news: it had to wait for the slot of the
-        "Connection refused" of the master's restart before it (30 s)."""
-        if isinstance(exc, Unauthorized):
+        long as it takes). A `refusal` (the one line of a failure that retrying does not end:
+        the cluster token, a node's port) is recorded for wait_mounted and /health, and logged
+        at once when it is news: it had to wait for the slot of the "Connection refused" of the
+        master's restart before it (30 s)."""
+        if refusal is not None:
             is_news = self._refusal is None
-            self._refusal = self._refusal_of(exc)
+            self._refusal = refusal
             self._refused.set()
             if is_news:
                 self._failure_logged_s = time.monotonic()
@@ -477,6 +493,24 @@ class Node:
             f"node {self.node_id} cannot mount on the master at {self.config.master_endpoint}{kept}: {exc} "
             "(the master and its nodes need the same cluster token: --token-file or KVPOOL_TOKEN_FILE)"
         )
+
+    async def _not_a_master(self, conn: Connection | None, endpoint: str) -> InvalidParams | None:
+        """After an InvalidParams on the link: the refusal to say when `endpoint` is a kvpool
+        node's port, else None. A node takes the handshake and refuses every request of a
+        master's (InvalidParams: "unexpected MountSegment request"); a master refuses a mount it
+        cannot take with InvalidParams too, but answers an ExistKeys of no key (the client asks
+        ClusterStatus, AsyncStore._start: a reply of every segment, too much to ask at each retry)."""
+        if conn is None or conn.is_closed():
+            return None
+        try:
+            await conn.request(ExistKeys([]), timeout_ms=self.config.rpc_timeout_ms)
+        except InvalidParams:
+            kept = " (it keeps its objects and retries)" if self._mounted_once else ""
+            return InvalidParams(f"node {self.node_id} cannot mount on {endpoint}{kept}: it is a kvpool node, not a "
+                                 "master: give the master's address")  # fmt: skip
+        except KVPoolError:
+            pass  # not a node's answer: the link's own failure is said
+        return None
 
     async def _heartbeat(self, conn: Connection) -> None:
         """Heartbeat until the link closes (return to reconnect) or the node leaves (unmount)."""
@@ -729,7 +763,7 @@ class Node:
         inventory = self._inventory
         status = "ok" if self._state in (NodeState.SERVING, NodeState.DRAINING) else "down"
         if status == "ok" and self._refusal is not None:
-            status = "refused"  # by its master, over the cluster token: not serving the cluster
+            status = "refused"  # by its master over the cluster token, or a node's port: not serving the cluster
         return {
             "status": status,
             "refusal": str(self._refusal or ""),
