@@ -19,7 +19,7 @@ import pytest
 from conftest import requests_read, wait_until
 
 from kvpool import Store, limits
-from kvpool.errors import Unauthorized
+from kvpool.errors import KVPoolError, Unauthorized
 from kvpool.protocol import auth
 from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, FrameDecoder, FrameSeal, encode_frame
 from kvpool.protocol.messages import AuthResponse, Remove, RemoveAll
@@ -221,3 +221,20 @@ def test_a_client_without_the_token_is_named_in_the_masters_log_once_a_while(mak
     said = f"peer {first} sent no token; this cluster requires one"
     assert wait_until(lambda: said in cluster.master.log_tail(200), 10), cluster.master.log_tail(30)
     assert cluster.master.log_tail(200).count("sent no token") == 1, cluster.master.log_tail(30)
+
+
+@pytest.mark.parametrize("shell", ["blocking", "asyncio"])
+def test_a_client_of_another_wire_version_is_named_in_the_masters_log(make_cluster, monkeypatch, shell):
+    """Peers of two wire versions refuse each other. The client, which hears first, said why
+    and closed; the master logged nothing, and an operator who upgraded it saw only nodes go
+    missing. The client now sends a frame header of its own version before it closes, and the
+    master says what it speaks."""
+    cluster = make_cluster(0)
+    monkeypatch.setattr(limits, "FRAME_VERSION", limits.FRAME_VERSION + 1)  # this process: a newer release
+    with pytest.raises(KVPoolError, match=f"wire version {limits.FRAME_VERSION - 1}, this process"):
+        if shell == "blocking":
+            BlockingConnection.open(cluster.master_endpoint, key=None, timeout_ms=5_000, prefer_local=False)
+        else:
+            asyncio.run(connect(cluster.master_endpoint, key=None, timeout_ms=5_000))
+    said = f"the peer speaks wire version {limits.FRAME_VERSION}, this process {limits.FRAME_VERSION - 1}"
+    assert wait_until(lambda: said in cluster.master.log_tail(50), 10), cluster.master.log_tail(30)

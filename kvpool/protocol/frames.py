@@ -65,6 +65,22 @@ _FLAGS_KNOWN: Final = FLAG_REPLY | FLAG_PADDED | FLAG_SEALED
 _header = struct.Struct(limits.FRAME_HEADER_FMT)
 
 
+class WireVersionMismatch(RemoteProtocolError):
+    """The peer's frames are of another wire version."""
+
+
+def version_notice() -> bytes:
+    """What a client sends a server whose challenge came in another wire version, before it
+    closes: a frame header of its own version (and room for a longer header), for the server
+    to say in its log why the peer went (it said nothing: the client, which hears first, just
+    closed). The magic and version lead the header in every version."""
+    header = _header.pack(limits.FRAME_MAGIC, limits.FRAME_VERSION, 0, 0, 0, 0)
+    return header + bytes(max(0, VERSION_NOTICE_BYTES - len(header)))
+
+
+VERSION_NOTICE_BYTES = 64
+
+
 def _as_plain(value: object) -> object:
     """A str subclass (numpy.str_, as an array of key strings yields) goes as its text: the
     client's key check takes it for the str it is (client/store.py key_list)."""
@@ -464,7 +480,7 @@ class FrameDecoder:
                 raise RemoteProtocolError(f"not a kvpool peer (a wrong port?): it sent {first!r}")
             raise RemoteProtocolError(f"bad frame magic 0x{magic:04x}")
         if version != limits.FRAME_VERSION:
-            raise RemoteProtocolError(
+            raise WireVersionMismatch(
                 f"the peer speaks wire version {version}, this process {limits.FRAME_VERSION}: "
                 "run one kvpool version across the cluster"
             )

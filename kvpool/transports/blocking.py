@@ -45,9 +45,11 @@ from kvpool.protocol.frames import (
     FrameDecoder,
     FrameSeal,
     PayloadDone,
+    WireVersionMismatch,
     buffer_address,
     encode_frame,
     payload_tag,
+    version_notice,
 )
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ErrorReply, Message
 from kvpool.transports import same_host
@@ -582,6 +584,9 @@ class BlockingConnection:
         try:
             return self._decoder.next_event()
         except ProtocolError as exc:
+            if isinstance(exc, WireVersionMismatch):  # the server's challenge: it says why we go
+                with contextlib.suppress(OSError, RpcFailed):
+                    self._live_socket().send(version_notice())
             raise RpcFailed(f"{self.peer} broke the protocol: {exc}") from None
 
     def _receive_some(self, deadline: float) -> None:

@@ -64,9 +64,11 @@ from kvpool.protocol.frames import (
     FrameDecoder,
     FrameSeal,
     PayloadDone,
+    WireVersionMismatch,
     buffer_address,
     encode_frame,
     payload_tag,
+    version_notice,
 )
 from kvpool.protocol.messages import (
     AuthChallenge,
@@ -460,6 +462,8 @@ class Connection(asyncio.BufferedProtocol):
         try:
             self._process_events()
         except ProtocolError as exc:
+            if isinstance(exc, WireVersionMismatch) and not self._is_server:
+                self._write_now(version_notice())  # for the server to say why this peer went
             if self._ready.done():
                 log.warning("closing connection %s %s: %s", self.name, self.peer, exc)
             elif self._is_server:  # an unauthenticated peer: a flood of them says it once in a while
