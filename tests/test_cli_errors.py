@@ -146,6 +146,9 @@ def test_put_rm_and_ls_say_what_they_did(make_cluster):
     # A key and a regex: refused, nothing removed (the key used to be ignored).
     both = kvpool_cli("rm", "dup", "--regex", "^three$", *master)
     assert both.returncode == 2 and b"only one of them" in both.stderr, both.stderr
+    # A key not found: said so, not "not removed" (a copy on a node away goes when it is back).
+    absent = kvpool_cli("rm", "never-put", *master)
+    assert absent.returncode == 3 and absent.stderr.startswith(b"never-put: not found ("), absent.stderr
     # A key that would print as two lines of `ls` (a fake object) is printed as a literal.
     forged = "fake\n      999999  spoofed"
     assert kvpool_cli("put", forged, *master, stdin=b"f").returncode == 0

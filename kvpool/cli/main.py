@@ -1017,7 +1017,10 @@ def rm(
         else:
             codes = store.batch_remove(keys or [], force)
             for key, code in zip(keys or [], codes):
-                if code != ErrorCode.OK:
+                if code == ErrorCode.OBJECT_NOT_FOUND:  # remembered all the same (master/tombstones.py)
+                    err_console.print(f"{escape(_shown(key))}: not found (a copy on a node that is away "
+                                      "goes when that node comes back)")  # fmt: skip
+                elif code != ErrorCode.OK:
                     err_console.print(f"{escape(_shown(key))}: not removed ({ErrorCode(code).name})")
             count = sum(1 for c in codes if c == ErrorCode.OK)
             if count < len(codes):
