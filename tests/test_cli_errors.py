@@ -11,6 +11,7 @@ Every process a test starts is ended by its pid."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -451,6 +452,36 @@ def test_a_nodes_address_given_as_the_master_is_named_as_such(make_cluster, tmp_
         ), stderr
         assert "Traceback" not in stderr and "retrying" not in stderr and "waiting for a master" not in stderr, stderr
         assert list((tmp_path / "shm").iterdir()) == []
+    finally:
+        _end(second)
+
+
+def test_a_node_that_etcd_sends_to_another_node_retries_rather_than_exits(make_cluster, tmp_path, etcd_endpoint):
+    """etcd's leader record names a node's address (the master gone, a node on its address since,
+    within the record's lease): the node given `etcd://` exited 1 telling the operator to give
+    the master's address, which they never typed. It says what etcd named and retries: the next
+    leader's record would take it."""
+    from kvpool.discovery import LeaderRecord, leader_key, mark_key
+    from kvpool.transports.etcd import EtcdClient
+
+    cluster = make_cluster(1, "4MiB")
+    node = cluster.nodes[0].info["endpoint"]
+    cluster_id = f"stale-{time.monotonic_ns()}"
+
+    async def record() -> None:
+        async with EtcdClient([etcd_endpoint]) as etcd:
+            await etcd.put(mark_key(cluster_id), b"")
+            await etcd.put(leader_key(cluster_id), LeaderRecord(node, "", "gone").encode())
+
+    asyncio.run(record())
+    second = _start_node(f"etcd://{etcd_endpoint}/{cluster_id}", tmp_path / "shm")
+    try:
+        time.sleep(4)
+        assert second.poll() is None, second.stderr.read().decode()  # type: ignore[union-attr]
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(15) == 0
+        stderr = second.stderr.read().decode()  # type: ignore[union-attr]
+        assert f"cannot mount on {node}, which etcd's leader record names: it is a kvpool node" in stderr, stderr
     finally:
         _end(second)
 

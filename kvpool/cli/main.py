@@ -1017,9 +1017,9 @@ def rm(
         else:
             codes = store.batch_remove(keys or [], force)
             for key, code in zip(keys or [], codes):
-                if code == ErrorCode.OBJECT_NOT_FOUND:  # remembered all the same (master/tombstones.py)
-                    err_console.print(f"{escape(_shown(key))}: not found (a copy on a node that is away "
-                                      "goes when that node comes back)")  # fmt: skip
+                if code == ErrorCode.OBJECT_NOT_FOUND:  # remembered for a while all the same (master/tombstones.py)
+                    err_console.print(f"{escape(_shown(key))}: not found (a copy on a node that is away goes when "
+                                      "it comes back, within docs/tiers.md's limits)")  # fmt: skip
                 elif code != ErrorCode.OK:
                     err_console.print(f"{escape(_shown(key))}: not removed ({ErrorCode(code).name})")
             count = sum(1 for c in codes if c == ErrorCode.OK)

@@ -49,7 +49,7 @@ from kvpool import limits
 from kvpool.config import NodeConfig
 from kvpool.discovery import MasterResolver, parse_master_address
 from kvpool.errors import InvalidParams, KVPoolError, RemoteProtocolError, RpcTimeout, SegmentNotFound, Unauthorized
-from kvpool.node.clock import MasterClock, monotonic_ms, wall_clock_ms
+from kvpool.node.clock import MasterClock, monotonic_ms
 from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import NodeMetrics, TierMetrics
@@ -388,7 +388,7 @@ class Node:
         if self._state is not NodeState.SERVING:
             return
         self._set_state(NodeState.DRAINING)
-        self._drain_deadline_ms = wall_clock_ms() + timeout_ms
+        self._drain_deadline_ms = monotonic_ms() + timeout_ms  # (a wall clock stepped back kept it going)
         conn = self._master_conn
         if conn is not None and self.is_mounted:
             await self._send_drain(conn)
@@ -439,7 +439,12 @@ class Node:
             except Unauthorized as exc:
                 self._link_failed(exc, self._refusal_of(exc))
             except InvalidParams as exc:  # a mount the master cannot take, or a node's port
-                self._link_failed(exc, await self._not_a_master(conn, endpoint))
+                if (not_a_master := await self._not_a_master(conn, endpoint)) is None:
+                    self._link_failed(exc)
+                elif resolver.is_dynamic:  # etcd named it: a stale record (its port taken since), not for good
+                    self._link_failed(not_a_master)
+                else:
+                    self._link_failed(not_a_master, not_a_master)
             except KVPoolError as exc:
                 self._link_failed(exc)
             except Exception:  # a bug, or an error no layer below typed: the node must not stay unmounted
@@ -505,6 +510,10 @@ class Node:
         try:
             await conn.request(ExistKeys([]), timeout_ms=self.config.rpc_timeout_ms)
         except InvalidParams:
+            if self._resolver is not None and self._resolver.is_dynamic:
+                return InvalidParams(f"node {self.node_id} cannot mount on {endpoint}, which etcd's leader record "
+                                     "names: it is a kvpool node, not a master (a master gone, its address taken "
+                                     "since?); retrying")  # fmt: skip
             kept = " (it keeps its objects and retries)" if self._mounted_once else ""
             return InvalidParams(f"node {self.node_id} cannot mount on {endpoint}{kept}: it is a kvpool node, not a "
                                  "master: give the master's address")  # fmt: skip
@@ -546,13 +555,14 @@ class Node:
         Raises:
             KVPoolError: the master refused or the link failed (the caller reconnects).
         """
-        if self._state is NodeState.DRAINING and self._drain_remaining_ms() == 0:
-            # The master ended our drain by unmounting us: coming back would invite allocations.
-            log.info("node %s: drain over, not re-mounting", self.node_id)
-            return
         self._master_clock.forget()
         assert self._mover is not None
         for restart in range(limits.MOUNT_RESTARTS_MAX + 1):
+            if self._state is NodeState.DRAINING and self._drain_remaining_ms() == 0:
+                # The master ended our drain by unmounting us, for good (MountFlow.leave): coming
+                # back would invite allocations, and bring back what was removed meanwhile.
+                log.info("node %s: drain over, not re-mounting", self.node_id)
+                return
             # The master rebuilds the segments from the inventories sent now: a move begun
             # before must not be recorded after (its target is not in them, and may be given
             # out again). So at each restart too: the master may have placed moves into the
@@ -612,7 +622,7 @@ class Node:
         self.metrics.master_clock_offset.set(clock.wall_offset_ms / 1000)
 
     def _drain_remaining_ms(self) -> int:
-        return max(0, self._drain_deadline_ms - wall_clock_ms())
+        return max(0, self._drain_deadline_ms - monotonic_ms())
 
     async def _send_drain(self, conn: Connection) -> None:
         try:
