@@ -76,12 +76,9 @@ class HostDirectories:
         """The directory of the segment's object files if this host can open them; None when
         it cannot, or is not known to yet (a look under way). Never waits."""
         segment_id = info.segment_id
-        try:  # one lookup: another thread may clear them meanwhile
-            directory = self._found[segment_id]
-            if directory is not None or info.tier != TIER_DFS or time.monotonic() < self._dfs_look_again_at:
-                return directory
-        except KeyError:
-            pass
+        found = self._found  # (another thread may replace it meanwhile)
+        if self._is_known(info, found):
+            return found[segment_id]
         if not self._may_be_here(info):
             self._remember(segment_id, None)
             return None
@@ -101,13 +98,18 @@ class HostDirectories:
         looks = []
         found = self._found
         for info in segments:
-            if info.tier not in (TIER_DISK, TIER_DFS) or info.segment_id in found and (
-                info.tier != TIER_DFS or found[info.segment_id] is not None
-            ):
+            if info.tier not in (TIER_DISK, TIER_DFS) or self._is_known(info, found):
                 continue
             if self._may_be_here(info) and (look := self._look_at(info)) is not None and not look.answer.done():
                 looks.append(look)
         return looks
+
+    def _is_known(self, info: SegmentInfo, found: dict[str, Path | None]) -> bool:
+        """Whether the segment's directory is known (here or not), with no look due: a DFS not
+        found is looked for again DFS_LOOK_AGAIN_S on."""
+        if info.segment_id not in found:
+            return False
+        return info.tier != TIER_DFS or found[info.segment_id] is not None or time.monotonic() < self._dfs_look_again_at
 
     def wait(self, looks: list[_Look]) -> None:
         """Until these looks are answered or their time to be waited for is up."""
