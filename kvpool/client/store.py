@@ -110,9 +110,9 @@ CLOSE_PUTS_WAIT_MS = 250
 # A segment whose file is gone is unmapped this long after it is found so: longer than any
 # get or put begun before may copy from it (their transfers are bounded by 30 s).
 MAPPED_SEGMENT_RETIRE_MS = 60_000
-# A store remembers, per segment it met, whether it is mapped here (and the directory of a
-# disk or DFS segment's files): of this many segments at most, so that a long-lived client
-# of a cluster whose nodes come and go does not remember them without end (_map_segment).
+# A store remembers, per segment it met, whether it is mapped here: of this many segments at
+# most, so that a long-lived client of a cluster whose nodes come and go does not remember
+# them without end (_map_segment; directories.py bounds its directories alike).
 SEGMENTS_REMEMBERED_MAX = 65_536
 # While a segment is mapped, whether its file is gone is looked at this often: a node stopped
 # for good (scaled down, moved) held its whole segment's memory in /dev/shm in every
