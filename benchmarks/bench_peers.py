@@ -369,6 +369,7 @@ class Servers:
         self.master_only = None
         self.addresses: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
+        self.socket_dir: Path | None = None
 
     def _spawn(self, args: list[str], log: str, **kwargs) -> subprocess.Popen:
         process = subprocess.Popen(
@@ -448,7 +449,10 @@ class Servers:
             self.skipped["redis"] = "redis-server not found (scripts/install-peers.sh redis, as root)"
             return
         port = free_port()
-        unix = str(self.log_dir / "redis.sock")
+        # A Unix socket's path holds at most 107 bytes: one under a deep TMPDIR (pytest's
+        # under xdist) made redis-server exit at start. Its own short directory, removed at stop.
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="kvpool-redis-", dir="/tmp"))
+        unix = str(self.socket_dir / "redis.sock")
         process = self._spawn(
             [binary, "--bind", "127.0.0.1", "--port", str(port), "--unixsocket", unix,
              "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
@@ -467,6 +471,8 @@ class Servers:
             if process.stdin:
                 process.stdin.close()
             end(process)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def run_client(
