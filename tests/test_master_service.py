@@ -1768,25 +1768,33 @@ def test_cluster_status_and_counters() -> None:
     assert gauges.capacity_bytes == MIB and gauges.object_count == 2
 
 
-def test_a_commit_refused_after_the_put_was_answered_drops_the_object() -> None:
+def test_a_commit_refused_after_the_put_was_answered_drops_that_replica_and_keeps_the_others() -> None:
     """The server answers a put once its commits are on their way; a node that then refuses
-    a replica (bytes not matching the checksum) gets the whole object dropped: every replica
-    goes to its drop outbox, and the space comes back once the nodes acknowledge."""
+    a replica (bytes not matching the checksum: its write broke off) gets that replica
+    dropped, and the object is read from its others, which their own nodes check. Until
+    2026-12-07 the whole object went: a put of two replicas whose write to one node broke off
+    (the node frozen mid-frame) lost its good copy when that node woke. An object whose every
+    replica is refused goes; its space comes back once the nodes acknowledge."""
     svc = make()
     for segment_id in ("s1", "s2"):
         mount(svc, segment_id)
     assert put(svc, ["bad", "good"], replica_num=2) == [OK, OK]
     offsets = {r.segment_id: r.offset for r in get(svc, ["bad"]).replicas[0]}
-    refused = [InventoryEntry("bad", offsets["s1"], OBJECT_SIZE, checksum_of("bad"))]
-    assert svc.refuse_commits("s1", refused, 1) == 1
+    refused = {s: [InventoryEntry("bad", offsets[s], OBJECT_SIZE, checksum_of("bad"))] for s in offsets}
+    assert svc.refuse_commits("s1", refused["s1"], 1) == (1, 0)
+    assert exists(svc, ["bad", "good"]) == [True, True]
+    assert [r.segment_id for r in get(svc, ["bad"]).replicas[0]] == ["s2"]
+    assert {s: [e.key for e in entries] for s, entries in ack_drops(svc).items()} == {"s1": ["bad"]}
+    assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE) and used(svc, "s2") == 2 * footprint_bytes(OBJECT_SIZE)
+    # A refusal that comes too late (the replica is gone, or on an unknown segment) is ignored.
+    assert svc.refuse_commits("s1", refused["s1"], 2) == (0, 0)
+    assert svc.refuse_commits("gone", refused["s1"], 2) == (0, 0)
+    # The last replica refused too: the object goes.
+    assert svc.refuse_commits("s2", refused["s2"], 3) == (1, 1)
     assert exists(svc, ["bad", "good"]) == [False, True]
-    drops = ack_drops(svc)
-    assert sorted((s, [e.key for e in entries]) for s, entries in drops.items()) == [("s1", ["bad"]), ("s2", ["bad"])]
+    assert {s: [e.key for e in entries] for s, entries in ack_drops(svc).items()} == {"s2": ["bad"]}
     assert used(svc, "s1") == used(svc, "s2") == footprint_bytes(OBJECT_SIZE)  # "good" only
-    # A refusal that comes too late (the object is gone, or on an unknown segment) is ignored.
-    assert svc.refuse_commits("s1", refused, 2) == 0
-    assert svc.refuse_commits("gone", refused, 2) == 0
-    assert svc.counters.errors == 1
+    assert svc.counters.errors == 2
 
 
 def test_grants_and_mount_replies_carry_the_master_term() -> None:

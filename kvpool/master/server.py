@@ -657,9 +657,10 @@ class MasterServer:
         # The answer does not wait for the nodes: once every CommitObjects frame is in the
         # kernel (the node receives it even if this master dies next), the objects are made
         # visible and the put is answered. A node that then refuses an entry (its bytes do
-        # not hash to the writer's checksum: a broken or stale writer) gets the object
-        # dropped (refuse_commits); readers verify checksums, so until then a bad replica is
-        # a miss, never wrong bytes. A node the master has no connection to, or a frame
+        # not hash to the writer's checksum: a write that broke off, a broken or stale
+        # writer) gets that replica dropped, the object too if it has no other
+        # (refuse_commits); readers verify checksums, so until then a bad replica is a miss,
+        # never wrong bytes. A node the master has no connection to, or a frame
         # still queued in this process, is waited for as before. This takes the nodes'
         # verification (a hash of every byte) and a round trip off the put's critical path.
         # Entering the objects into the table waits until the reply is written (Reply.then):
@@ -709,9 +710,11 @@ class MasterServer:
             return
         refused = [entry for entry, code in zip(entries, codes) if code != ErrorCode.OK]
         if refused and service is self.service:
-            dropped = service.refuse_commits(segment_id, refused, wall_clock_ms())
-            log.warning("segment %s refused %d commits after the put was answered; %d objects dropped",
-                        segment_id, len(refused), dropped)  # fmt: skip
+            replicas, objects = service.refuse_commits(segment_id, refused, wall_clock_ms())
+            log.warning(
+                "segment %s refused %d commits after the put was answered (their writes broke off?): "
+                "%d replicas dropped, %d objects with no other", segment_id, len(refused), replicas, objects,
+            )  # fmt: skip
 
     async def _commit(
         self, segment_id: str, entries: list[InventoryEntry], is_hashed_in_place: bool = False

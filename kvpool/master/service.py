@@ -16,6 +16,7 @@ Two exchanges need the nodes in the middle, so the service hands the server an o
                              the server runs it as settle_put_end, then publish_put_end once
                              the reply is written
     refuse_commits(seg,e) <- entries a node refused after the put was answered: drop those
+                             replicas (an object left with none goes)
     take_drops()          -> per segment, DropObjects entries (removed/evicted objects)
     drops_done(seg, e)    <- the node forgot them: only now are their ranges free for reuse
 
@@ -598,24 +599,32 @@ class MasterService:
         """The second step of finish_put_end: make the settled objects visible."""
         self._puts.publish(pending, now_ms)
 
-    def refuse_commits(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> int:
+    def refuse_commits(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> tuple[int, int]:
         """A node refused these commits after their put was answered (the server answers once
-        the commits are on their way, master/server.py). Each object that still has the
-        refused replica is dropped, with its other replicas: a writer whose bytes did not
-        hash to its checksum is trusted for none. Returns how many objects were dropped."""
-        dropped = 0
-        for _, entry, _ in self._replicas_still_at(segment_id, entries):
-            self._drop_object(entry.key)
-            self.counters.errors += 1
-            dropped += 1
-        return dropped
+        the commits are on their way, master/server.py): its bytes do not hash to the writer's
+        checksum, most often a write to it that broke off (a node frozen or cut off mid-frame:
+        the writer gave up on it and put_end'ed the key for its other replicas). Each such
+        replica goes; its object keeps the others, which their own nodes verify at their
+        commits (or the writer hashed where they landed). Until 2026-12-07 the whole object
+        went: a replicated put lost its good copies when a node that froze during it woke.
+        Returns (replicas dropped, objects left with none and dropped)."""
+        replicas, objects = self._drop_replicas(segment_id, entries)
+        self.counters.errors += replicas
+        return replicas, objects
 
     def drop_bad_replicas(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> tuple[int, int]:
         """A node confirmed that these replicas no longer hash to their object's checksum (a
-        reader found them bad: a bit flip, a stale writer). Each goes, and its object keeps
-        its other replicas, which were checked on their own at commit and are on every read;
-        an object left with none (or in the middle of a move) goes whole. Returns (replicas
-        dropped, objects dropped)."""
+        reader found them bad: a bit flip, a stale writer). Returns (replicas dropped, objects
+        dropped), as refuse_commits."""
+        replicas, objects = self._drop_replicas(segment_id, entries)
+        self.counters.bad_replicas += replicas
+        self.counters.errors += replicas
+        return replicas, objects
+
+    def _drop_replicas(self, segment_id: str, entries: list[InventoryEntry]) -> tuple[int, int]:
+        """Each entry's replica that is still there goes, and its object keeps its other
+        replicas, each checked on its own (at its commit, and on every read); an object left
+        with none (or in the middle of a move) goes whole. Returns (replicas, objects) dropped."""
         replicas = objects = 0
         for segment, entry, meta in self._replicas_still_at(segment_id, entries):
             if len(meta.replica_tuple()) > 1 and not self._tiers.is_moving(entry.key):
@@ -623,8 +632,6 @@ class MasterService:
             else:
                 self._drop_object(entry.key)
                 objects += 1
-            self.counters.bad_replicas += 1
-            self.counters.errors += 1
             replicas += 1
         return replicas, objects
 
