@@ -1,5 +1,5 @@
-"""A short account of two values that differ where objects' bytes are involved, for pytest's
-assertion messages (conftest.py's pytest_assertrepr_compare).
+"""A short account of two values that differ where objects' bytes or long lists are involved,
+for pytest's assertion messages (conftest.py's pytest_assertrepr_compare).
 
 pytest's own diff pretty-prints every byte: one 64 KiB value is some 2,700 lines, and CI keeps
 the last 12,000 characters of the run, so a failed `get_batch(keys) == values` showed only the
@@ -12,13 +12,19 @@ import numpy as np
 import xxhash
 
 LARGE_BYTES = 64  # shorter ones read well in pytest's own diff
+# pytest diffs sequences with difflib, quadratic in their length: two lists of 16,384 error
+# codes took over two minutes, and the test's timeout fired instead of its assertion.
+LONG_SEQUENCE = 256
 SHOWN_DIFFERENCES = 12
 
 Bytes = (bytes, bytearray, memoryview)
 
 
 def explain(left: object, right: object) -> list[str] | None:
-    """Lines saying how `left == right` fails, or None for pytest's own diff (no large bytes)."""
+    """Lines saying how `left == right` fails, or None for pytest's own diff (no large bytes,
+    no long sequences)."""
+    if _is_long_sequence(left) and _is_long_sequence(right):
+        return _explain_items(left, right)
     if not (_holds_large_bytes(left) or _holds_large_bytes(right)):
         return None
     if isinstance(left, Bytes) and isinstance(right, Bytes):
@@ -26,6 +32,10 @@ def explain(left: object, right: object) -> list[str] | None:
     if type(left) is type(right) and isinstance(left, (list, tuple, dict)):
         return _explain_items(left, right)
     return [f"{_describe(left)} == {_describe(right)}"]
+
+
+def _is_long_sequence(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > LONG_SEQUENCE
 
 
 def _holds_large_bytes(value: object) -> bool:

@@ -29,3 +29,14 @@ def test_items_without_a_plain_answer_to_equality_count_as_differing():
 
     lines = explain([b"x" * 100, np.zeros(3)], [b"x" * 100, np.ones(3)])
     assert lines[0].endswith("1 position(s) differ") and lines[1].startswith("  [1] array(")
+
+
+def test_long_lists_of_codes_name_the_positions_not_a_diff_of_every_item():
+    """pytest's own diff of two lists of 16,384 codes ran for minutes (difflib is quadratic),
+    and the test's timeout fired in place of its assertion."""
+    codes = [0] * 16_384
+    codes[7], codes[9_000] = -706, -704
+    lines = explain(codes, [0] * 16_384)
+    assert lines[0] == "<list of 16384> == <list of 16384>: 2 position(s) differ"
+    assert lines[1:] == ["  [7] -706 != 0", "  [9000] -704 != 0"]
+    assert explain([0] * 3, [1] * 3) is None

@@ -22,7 +22,15 @@ from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import InvalidKey, InvalidParams, ObjectHasLease, ObjectNotFound, RpcFailed
 from kvpool.master.server import MasterServer
 from kvpool.node.server import Node
-from kvpool.protocol.messages import GetReplicaList, Message, PutEnd, PutRevoke, PutStart, ReportBadReplicas
+from kvpool.protocol.messages import (
+    GetReplicaList,
+    Message,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    ReleaseLeases,
+    ReportBadReplicas,
+)
 
 
 @contextlib.asynccontextmanager
@@ -627,6 +635,28 @@ def test_a_remove_right_after_the_stores_own_get_is_not_refused_for_its_lease():
         assert store.get("c") == b"3"
         assert store.remove_all() == 1  # "c"; "held" stays under the other store's lease
         assert store.list_objects().keys == ["held"]
+
+
+def test_a_remove_waits_for_the_lease_releases_the_store_already_sent(monkeypatch):
+    """The store's flush gives a finished get's leases back RELEASE_DELAY_MS after it; a
+    remove that came as it flushed took nothing to give back, and its frame went out before
+    the flush's release (the master refused the key with OBJECT_HAS_LEASE for a read that was
+    over: a test under load saw it). Here the flush's release is held 200 ms on its way:
+    the remove waits for it."""
+    with cluster_on_a_thread() as endpoint, Store(endpoint) as store:
+        link = store._async._master
+        real_call = link.call
+
+        async def slow_releases(message, **kwargs):
+            if isinstance(message, ReleaseLeases):
+                await asyncio.sleep(0.2)
+            return await real_call(message, **kwargs)
+
+        monkeypatch.setattr(link, "call", slow_releases)
+        store.put_batch(["a", "b"], [b"1", b"2"])
+        assert store.get_batch(["a", "b"]) == [b"1", b"2"]
+        time.sleep(0.05)  # the flush took the leases; its release is on its way
+        assert store.batch_remove(["a", "b"]) == [ErrorCode.OK, ErrorCode.OK]
 
 
 def test_a_lease_that_lapses_during_the_read_is_a_clean_miss(monkeypatch):

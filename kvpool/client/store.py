@@ -75,6 +75,7 @@ from kvpool.protocol.messages import (
     PutStartReply,
     QueryObjects,
     QueryReply,
+    ReleaseLeases,
     Remove,
     RemoveAll,
     RemoveByRegex,
@@ -147,6 +148,7 @@ class AsyncStore:
         self.buffers = BufferRegistry()
         self._embedded_node = None
         self._reports: set[asyncio.Task] = set()  # bad-replica reports and lease releases in flight
+        self._releases: set[asyncio.Task] = set()  # the lease releases among them
         self._is_closed = False
         self._puts_in_flight = 0  # on the loop: puts under way here, which aclose lets finish
         self._leases = LeaseReleases()  # leases of finished gets, to give back (client/leases.py)
@@ -475,14 +477,18 @@ class AsyncStore:
 
     async def _leases_given_back(self, force: bool) -> None:
         """Before a remove that spares leased objects: give back the leases of this store's
-        finished gets now, not RELEASE_DELAY_MS later with the gets after them, so that a
-        remove right after the store's own get is not refused (OBJECT_HAS_LEASE) for a read
-        that is over. A release that fails leaves the lease to its TTL, as it would have."""
+        finished gets now, not RELEASE_DELAY_MS later with the gets after them, and wait for
+        those the flush gave back already, so that a remove right after the store's own get
+        is not refused (OBJECT_HAS_LEASE) for a read that is over. The flush's releases may
+        not be out yet (a remove whose task starts in the turn of the loop that flushed sends
+        its frame first: the master took it before them). A release that fails leaves the
+        lease to its TTL, as it would have; a remove cancelled meanwhile leaves them going."""
         if force:
             return
-        releases = [self._master.call(message, is_idempotent=False) for message in self._leases.take()]
-        if releases:  # together: one bound for all, however many (a failure is the TTL's to end)
-            await asyncio.gather(*releases, return_exceptions=True)
+        for message in self._leases.take():
+            self._release(message)
+        if self._releases:  # together: one bound for all, however many
+            await asyncio.wait(set(self._releases))
 
     async def list_objects(self, pattern: str = "", limit: int = 1000) -> ListReply:
         checked_args(pattern=(pattern, str), limit=(limit, int))
@@ -680,18 +686,27 @@ class AsyncStore:
 
     def _send_releases(self) -> None:
         for message in self._leases.take():
-            self._in_background(message, False, "giving back read leases failed (they run out instead)")
+            self._release(message)
 
-    def _in_background(self, message: Message, is_idempotent: bool, failure: str) -> None:
+    def _release(self, message: ReleaseLeases) -> None:
+        """Give leases back in the background; a remove waits for those in flight."""
+        task = self._in_background(message, False, "giving back read leases failed (they run out instead)")
+        if task is not None:
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    def _in_background(self, message: Message, is_idempotent: bool, failure: str) -> asyncio.Task | None:
         """Send `message` to the master without waiting for its answer; log `failure` if it
         fails (a report or a release the get's caller has no use for). On the loop. Not once
         the master's link is closed (a get that finished meanwhile): its leases lapse instead;
-        a closing store's puts still give back what they held (aclose)."""
+        a closing store's puts still give back what they held (aclose). Returns the task
+        sending it, if any."""
         if self._master.is_closed:
-            return
+            return None
         task = asyncio.ensure_future(self._master.call(message, is_idempotent=is_idempotent))
         self._reports.add(task)
         task.add_done_callback(functools.partial(self._background_done, failure))
+        return task
 
     def _background_done(self, failure: str, task: asyncio.Task) -> None:
         self._reports.discard(task)
