@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool import Store, limits
+from kvpool import ErrorCode, Store, limits
 from kvpool.cli.launcher import DEPLOYMENT_VARIABLES, LocalCluster
 from kvpool.protocol.frames import FLAG_SEALED, NEED_DATA, Frame, FrameDecoder, FrameSeal, encode_frame, payload_tag
 from kvpool.protocol.messages import AuthChallenge, AuthOk
@@ -218,6 +218,22 @@ def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def removed_as_released(batch_remove, keys: list[str], timeout_s: float = 5.0) -> None:
+    """Remove `keys` with `batch_remove` (a store's, sparing leased objects) as their leases
+    end, within `timeout_s`: each try removes those whose lease ended, the rest are tried
+    again. One try of them all, retried until every code was OK, never ended where leases
+    end apart: a key removed by an earlier try reads not found in the next."""
+    leased = list(keys)
+
+    def removed() -> bool:
+        codes = batch_remove(leased)
+        assert set(codes) <= {ErrorCode.OK, ErrorCode.OBJECT_HAS_LEASE}, codes
+        leased[:] = [key for key, code in zip(leased, codes) if code != ErrorCode.OK]
+        return not leased
+
+    wait_until(removed, timeout_s)
 
 
 def pytest_assertrepr_compare(config, op: str, left: object, right: object) -> list[str] | None:

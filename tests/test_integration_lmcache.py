@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import removed_as_released, wait_until
 
 torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
 pytest.importorskip(
@@ -147,7 +147,7 @@ def test_a_pinned_lookup_holds_its_chunks_until_they_are_retrieved(shared_cluste
             assert store.batch_remove(names) == refused
             for obj in a.run(a.conn.batched_get(pinned)):  # the retrieval
                 obj.ref_count_down()
-            wait_until(lambda: store.batch_remove(names[2:4]) == [ErrorCode.OK] * 2, timeout_s=5)
+            removed_as_released(store.batch_remove, names[2:4])
             assert store.batch_remove(names[4:]) == [ErrorCode.OBJECT_HAS_LEASE]  # never retrieved
     finally:
         a.close()

@@ -30,7 +30,7 @@ import threading
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import removed_as_released, wait_until
 
 torch = pytest.importorskip("torch", reason="needs torch==2.13.0")
 factory_module = pytest.importorskip(
@@ -358,7 +358,7 @@ def test_the_pages_batch_exists_found_are_held_until_they_are_fetched(shared_clu
         names = backend._object_keys(keys)
         assert backend._store.batch_remove(names) == [ErrorCode.OBJECT_HAS_LEASE] * len(names)
         assert backend.batch_get_v1(keys, host_indices([2, 3])) == [True] * 2
-        wait_until(lambda: backend._store.batch_remove(names) == [ErrorCode.OK] * len(names), timeout_s=5)
+        removed_as_released(backend._store.batch_remove, names)
     finally:
         backend.close()
 
@@ -487,7 +487,7 @@ def test_a_kv_heads_pages_are_held_until_each_of_its_ranks_has_fetched_them(shar
         assert rank0.batch_get_v1(["h0"], host_indices([1])) == [True]
         assert rank0._store.batch_remove(names) == [ErrorCode.OBJECT_HAS_LEASE] * 2
         assert rank1.batch_get_v1(["h0"], host_indices([1])) == [True]
-        wait_until(lambda: rank1._store.batch_remove(names) == [ErrorCode.OK] * 2, timeout_s=5)
+        removed_as_released(rank1._store.batch_remove, names)
     finally:
         for rank, _ in ranks:
             rank.close()

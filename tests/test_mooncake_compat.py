@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import removed_as_released
 
 from kvpool import ErrorCode, Store
 from kvpool.integrations.mooncake_compat import (
@@ -213,18 +213,7 @@ def test_lookups_lease_what_they_find_as_mooncakes_do(make_cluster):
         assert store.batch_probe_key(["probed", "absent"]) == [1, 0]
         assert store.remove("probed") == 0
         assert store.get_size("absent") == ErrorCode.OBJECT_NOT_FOUND
-        # Each lease lapses a second after its lookup: the keys whose lease lapsed first are
-        # removed by an earlier try (a later one would find them gone), so each try removes
-        # what it can and the rest are still leased.
-        leased = list(lookups)
-
-        def removed_once_lapsed() -> bool:
-            codes = store.batch_remove(leased)
-            assert set(codes) <= {0, ErrorCode.OBJECT_HAS_LEASE}, codes
-            leased[:] = [key for key, code in zip(leased, codes) if code != 0]
-            return not leased
-
-        wait_until(removed_once_lapsed, timeout_s=5)
+        removed_as_released(store.batch_remove, list(lookups))  # each lease lapses a second after its lookup
     finally:
         store.close()
 
