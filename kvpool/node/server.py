@@ -439,12 +439,9 @@ class Node:
             except Unauthorized as exc:
                 self._link_failed(exc, self._refusal_of(exc))
             except InvalidParams as exc:  # a mount the master cannot take, or a node's port
-                if (not_a_master := await self._not_a_master(conn, endpoint)) is None:
-                    self._link_failed(exc)
-                elif resolver.is_dynamic:  # etcd named it: a stale record (its port taken since), not for good
-                    self._link_failed(not_a_master)
-                else:
-                    self._link_failed(not_a_master, not_a_master)
+                not_a_master = await self._not_a_master(conn, endpoint)
+                # A node's port that etcd named is a stale record (its port taken since), not for good.
+                self._link_failed(not_a_master or exc, None if resolver.is_dynamic else not_a_master)
             except KVPoolError as exc:
                 self._link_failed(exc)
             except Exception:  # a bug, or an error no layer below typed: the node must not stay unmounted
