@@ -31,8 +31,9 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # with a token carry a tag (frames.FLAG_SEALED), and their payloads one more: a peer of version 8
 # sends none, and is refused. 10: the server's proof covers its challenge's fields
 # (auth.server_proof: whether it requires a token, its same-host socket), and a client without
-# a token answers the challenge (its server logs the refusal).
-FRAME_VERSION = 10
+# a token answers the challenge (its server logs the refusal). 11: the replicas a writer knows
+# are partial (PutEnd.unwritten: a master of version 10 would publish them unread).
+FRAME_VERSION = 11
 # The tag that ends a sealed frame's control message (frames.FrameSeal), and the one that
 # follows its payload, if any (Poly1305): 128 bits each.
 FRAME_TAG_SIZE_BYTES = 16

@@ -375,6 +375,40 @@ def test_a_revoke_with_writes_in_flight_frees_the_key_at_once_and_the_range_once
     assert used(svc, "s1") == footprint_bytes(OBJECT_SIZE)
 
 
+def test_replicas_a_writer_names_unwritten_are_never_published_and_their_ranges_are_fenced() -> None:
+    """A put of two replicas whose write to one node broke off (the node froze mid-frame) is
+    put_end'ed for the other: the writer names the broken one (PutEnd.unwritten), so no reader
+    is ever sent to it, and its range waits as a revoked write's (the write may land yet)
+    before another put may have it. A key whose every replica is named fails and is free
+    again; an index out of range is refused, and nothing of that put_end is committed."""
+    svc = make(put_discard_timeout_ms=1_000, node_ttl_ms=10_000_000)
+    for segment_id in ("s1", "s2"):
+        mount(svc, segment_id)
+    keys = ["half", "none", "whole"]
+    start = svc.put_start(PutStart(keys, [OBJECT_SIZE] * 3, config(replica_num=2)), 100)
+    assert start.codes == [OK] * 3
+    refused = svc.put_end(PutEnd(keys, [checksum_of(k) for k in keys], put_id=0, unwritten=[(3, "s1")]), 150)
+    assert refused.codes == [ErrorCode.INVALID_PARAMS] * 3 and refused.commits == {}
+    unwritten = [(0, "s1"), (1, "s1"), (1, "s2")]
+    pending = svc.put_end(PutEnd(keys, [checksum_of(k) for k in keys], put_id=0, unwritten=unwritten), 200)
+    assert {s: [e.key for e in entries] for s, entries in pending.commits.items()} == {
+        "s1": ["whole"], "s2": ["half", "whole"]
+    }  # fmt: skip
+    assert commit(svc, pending, 200) == [OK, ErrorCode.TRANSFER_FAIL, OK]
+    assert [sorted(r.segment_id for r in replicas) for replicas in get(svc, ["half", "whole"]).replicas] == [
+        ["s2"], ["s1", "s2"]
+    ]  # fmt: skip
+    assert exists(svc, ["none"]) == [False] and svc.pending_count == 0
+    assert put(svc, ["none"], now=300, replica_num=2) == [OK]  # the key is free again
+    # s1 holds "whole" and "none" (put again), and the ranges of "half" and of the first "none", fenced.
+    assert used(svc, "s1") == used(svc, "s2") == 4 * footprint_bytes(OBJECT_SIZE)
+    released_at_ms = 100 + 1_000 + limits.REVOKED_WRITES_FENCE_MARGIN_MS
+    svc.tick(released_at_ms - 1)
+    assert used(svc, "s1") == 4 * footprint_bytes(OBJECT_SIZE)
+    svc.tick(released_at_ms)
+    assert used(svc, "s1") == 2 * footprint_bytes(OBJECT_SIZE) and used(svc, "s2") == 3 * footprint_bytes(OBJECT_SIZE)
+
+
 # --- zombies ----------------------------------------------------------------------------
 
 

@@ -330,6 +330,8 @@ class PutJob:
         self.codes: list[int] = []
         self.needs_end: list[bool] = []
         self.hashed_in_place: list[str] = []  # see PutEnd; known after copy_local
+        self.unwritten: list[tuple[int, str]] = []  # see PutEnd; known after settle_writes
+        self._reply = reply
         # The same-host replicas, in three lists of ints rather than a tuple and a view each:
         # a batch of pages then keeps fewer objects alive for the garbage collector to find
         # and promote (each promotion brings the next full collection of the whole heap
@@ -469,19 +471,35 @@ class PutJob:
 
     def settle_writes(self, failed: Sequence[set[int]]) -> tuple[list[int], list[int]]:
         """Given, per remote batch, the key indexes whose frames failed: the keys to put_end
-        and the keys to revoke. A key fails only if every replica failed; a partly written
-        replica fails its checksum at commit and the master drops just that replica."""
+        and the keys to revoke. A key fails only if every replica failed; the replicas that
+        failed of a key put_end'ed are named in its PutEnd (`unwritten`), and the master
+        leaves them out."""
         written_somewhere = set(self._local_keys)
         tried: set[int] = set()
+        failed_at: list[tuple[int, str]] = []  # (key index, endpoint)
         for batch, failed_keys in zip(self.remote, failed):
             keys = {i for owners in batch.owners for i in owners}
             tried |= keys
             written_somewhere |= keys - failed_keys
+            failed_at += [(index, batch.endpoint) for index in failed_keys]
         for index in tried - written_somewhere:
             self.codes[index] = int(ErrorCode.TRANSFER_FAIL)
         end = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] == _OK]
         revoke = [i for i, needs in enumerate(self.needs_end) if needs and self.codes[i] != _OK]
+        self.unwritten = self._replicas_at(failed_at)
         return end, revoke
+
+    def _replicas_at(self, failed_at: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """(key index, segment id) of the replicas of the keys still OK on the endpoints where
+        their writes failed (a node's DRAM and disk tier share its endpoint)."""
+        reply, codes = self._reply, self.codes
+        return [
+            (index, grant.segment_id)
+            for index, endpoint in failed_at
+            if codes[index] == _OK
+            for grant_index, _ in reply.placements[index]
+            if reply.segments[(grant := reply.grants[grant_index]).segment_id].endpoint == endpoint
+        ]
 
     def write_timeout_ms(self, transfer_timeout_ms: int) -> int:
         """How long the writes to other hosts may take from now: the transfer timeout, within
@@ -496,10 +514,16 @@ class PutJob:
         return [self.keys[i] for i in needed if i in remote], [self.keys[i] for i in needed if i not in remote]
 
     def put_end(self, end: Sequence[int]) -> PutEnd:
-        """The PutEnd of the keys at `end` (indexes), with their checksums."""
+        """The PutEnd of the keys at `end` (indexes), with their checksums and the replicas
+        among them that settle_writes found unwritten."""
+        unwritten: list[tuple[int, str]] = []
+        if self.unwritten:  # rare: a node failed mid-put
+            at = {key_index: position for position, key_index in enumerate(end)}
+            unwritten = [(at[index], segment_id) for index, segment_id in self.unwritten if index in at]
         return PutEnd(
-            [self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place, self.put_id
-        )
+            [self.keys[i] for i in end], [self.checksums[i] for i in end], self.hashed_in_place, self.put_id,
+            unwritten[: limits.BATCH_KEYS_MAX],
+        )  # fmt: skip
 
     def put_revoke(self, revoke: Sequence[int]) -> PutRevoke:
         """The PutRevoke of the keys at `revoke` (indexes): every write of theirs failed, but a
@@ -520,15 +544,17 @@ def put_end_of_each(ends: Sequence[tuple[PutJob, list[int]]]) -> PutEnd:
     (put_id,) = {job.put_id for job, _ in ends}
     keys: list[str] = []
     checksums: list[int] = []
+    unwritten: list[tuple[int, str]] = []
     hashed: set[str] = set()
     not_hashed: set[str] = set()
     for job, end in ends:
         message = job.put_end(end)
+        unwritten += [(len(keys) + index, segment_id) for index, segment_id in message.unwritten]
         keys += message.keys
         checksums += message.checksums
         hashed.update(job.hashed_in_place)
         not_hashed.update(set(job.granted_segments) - set(job.hashed_in_place))
-    return PutEnd(keys, checksums, sorted(hashed - not_hashed), put_id)
+    return PutEnd(keys, checksums, sorted(hashed - not_hashed), put_id, unwritten[: limits.BATCH_KEYS_MAX])
 
 
 def ended_each(ends: Sequence[tuple[PutJob, list[int]]], reply: Message) -> None:

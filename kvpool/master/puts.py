@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from kvpool import limits
 from kvpool.config import MasterConfig
@@ -53,6 +53,16 @@ from kvpool.protocol.messages import (
     SegmentInfo,
     WriteGrant,
 )
+
+
+def _unwritten_by_index(unwritten: Sequence[tuple[int, str]], key_count: int) -> dict[int, set[str]] | None:
+    """PutEnd.unwritten as key index -> segment ids; None if an index is out of range."""
+    by_index: dict[int, set[str]] = {}
+    for index, segment_id in unwritten:
+        if not 0 <= index < key_count:
+            return None
+        by_index.setdefault(index, set()).add(segment_id)
+    return by_index
 
 
 def copy_tiers_of(config: ReplicateConfig) -> tuple[str, ...]:
@@ -407,12 +417,16 @@ class PutFlow:
             pending[keys[index]] = new_put(sizes[index], places)
             placements[index] = [(g, position) for g in grant_indexes]
 
-    def end(self, keys: list[str], checksums: list[int], put_id: int) -> PendingCommit:
+    def end(
+        self, keys: list[str], checksums: list[int], put_id: int, unwritten: Sequence[tuple[int, str]] = ()
+    ) -> PendingCommit:
         """Decide what can be decided now; list the commits for the rest (see service.put_end).
-        A key whose put in flight is not `put_id`'s is not this writer's to end."""
+        A key whose put in flight is not `put_id`'s is not this writer's to end. `unwritten`
+        (PutEnd's): replicas the writer failed to write, left out of the commits."""
         table = self._table
         pending = table.pending
-        is_length_ok = len(checksums) == len(keys)
+        unwritten_at = _unwritten_by_index(unwritten, len(keys))
+        is_length_ok = len(checksums) == len(keys) and unwritten_at is not None
         commit = PendingCommit(keys=list(keys), codes=[], commits={})
         commits, segments, puts, awaiting = commit.commits, commit.segments, commit.puts, commit.awaiting
         ok, invalid, failed = codes.OK, codes.INVALID_PARAMS, codes.TRANSFER_FAIL
@@ -429,6 +443,8 @@ class PutFlow:
             elif not put.replicas:
                 del pending[key]  # Every segment it was granted on is gone.
                 code = failed
+            elif index in unwritten_at and not self._leave_out(key, put, unwritten_at[index]):
+                code = failed  # no replica was written: discarded, as a revoke would
             else:
                 checksum = checksums[index]
                 pins = PIN_HARD if put.is_hard_pinned else PIN_SOFT if put.is_soft_pinned else 0
@@ -449,6 +465,22 @@ class PutFlow:
                 self._counters.errors += 1
             commit.codes.append(code)
         return commit
+
+    def _leave_out(self, key: str, put: PendingPut, segment_ids: set[str]) -> bool:
+        """Take the replicas on `segment_ids` out of `put`, their ranges quarantined as a
+        revoked write's (the write may land yet). False: none was left, and the put is
+        discarded."""
+        fenced_ms = put.start_ms + self._config.put_discard_timeout_ms + limits.REVOKED_WRITES_FENCE_MARGIN_MS
+        kept = [replica for replica in put.replicas if replica[0].info.segment_id not in segment_ids]
+        if not kept:
+            self.discard(key, put, fenced_ms)
+            return False
+        release_ms = min(put.start_ms + self._config.put_release_timeout_ms, fenced_ms)
+        for segment, offset in put.replicas:
+            if segment.info.segment_id in segment_ids:
+                self._quarantine.add(segment, offset, put.size_bytes, release_ms)
+        put.replicas = kept
+        return True
 
     def finish(self, pending: PendingCommit, results: dict[str, list[int]], now_ms: int) -> CodesReply:
         """Apply the nodes' codes and make the objects visible (see service.finish_put_end)."""

@@ -558,7 +558,8 @@ class MasterService:
         Per key, decided now: OBJECT_NOT_FOUND (no put in flight: never started, revoked or
         discarded), OBJECT_ALREADY_EXISTS (complete already), REPLICA_IS_NOT_READY (its
         put_end is already being committed), INVALID_PARAMS (bad checksum, or the checksum
-        list does not match the keys), TRANSFER_FAIL (every replica's segment is gone). The
+        list does not match the keys, or `unwritten` names a key index out of range),
+        TRANSFER_FAIL (every replica's segment is gone, or `unwritten` names them all). The
         other keys go into `commits` and get their code from finish_put_end; until then they
         are neither visible nor discardable.
 
@@ -566,7 +567,7 @@ class MasterService:
             InvalidParams: too many keys.
         """
         self._check_batch(msg.keys)
-        return self._puts.end(msg.keys, msg.checksums, msg.put_id)
+        return self._puts.end(msg.keys, msg.checksums, msg.put_id, msg.unwritten)
 
     def finish_put_end(
         self, pending: PendingCommit, results: dict[str, list[int]], now_ms: int
@@ -602,8 +603,8 @@ class MasterService:
     def refuse_commits(self, segment_id: str, entries: list[InventoryEntry], now_ms: int) -> tuple[int, int]:
         """A node refused these commits after their put was answered (the server answers once
         the commits are on their way, master/server.py): its bytes do not hash to the writer's
-        checksum, most often a write to it that broke off (a node frozen or cut off mid-frame:
-        the writer gave up on it and put_end'ed the key for its other replicas). Each such
+        checksum (a buffer changed during its send; a write that broke off mid-frame is named
+        by its writer in PutEnd.unwritten and never committed). Each such
         replica goes; its object keeps the others, which their own nodes verify at their
         commits (or the writer hashed where they landed). Until 2026-12-07 the whole object
         went: a replicated put lost its good copies when a node that froze during it woke.

@@ -288,13 +288,20 @@ class PutEnd(Message, tag=12):
     its mapping (same host), hashing the bytes where they landed (checksums.copy_checksummed).
     Their nodes record those commits without hashing the bytes again: a copy through a mapping
     cannot land in part, so the second hash would only repeat the first (readers verify every
-    read regardless). A writer over TCP lists nothing: a write that broke off mid-way is then
-    refused by the node's hash."""
+    read regardless). A writer over TCP lists nothing: a write that broke off mid-way is
+    refused by the node's hash.
+
+    `unwritten`: (index into `keys`, segment id) of each replica whose write failed or broke
+    off (its node timed out or closed mid-frame) while the key's other replicas were written.
+    The master commits the key without them, so a reader is never sent to a replica the writer
+    knows is partial; their ranges stay quarantined as a revoked write's (it may land yet).
+    Since wire version 11; a list cut at BATCH_KEYS_MAX leaves the rest to the nodes' hashes."""
 
     keys: Batch[str]
     checksums: Batch[int]
     hashed_in_place: Batch[str] = []
     put_id: int = 0  # the PutStart's (the pieces of one put share it)
+    unwritten: Batch[tuple[int, str]] = []
 
 
 class PutRevoke(Message, tag=13):
