@@ -260,6 +260,45 @@ def test_a_node_with_the_wrong_token_exits_at_once(make_cluster, tmp_path):
     assert b"cannot reach" not in refused.stderr
 
 
+def _http_answer(url: str) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_node_no_master_holds_is_not_ready_until_one_mounts_it_again(make_cluster, tmp_path):
+    """/ready is for readiness probes and alerts: a node whose master went away gets no new
+    puts, so it answers 503 with status "unmounted" (200 "ok" before 2026-12-07), while /health
+    stays 200 (a liveness probe must not restart it: its objects would go). Once the master
+    is back and holds the node's segment again, /ready is 200, and the objects read back."""
+    cluster = make_cluster(0)
+    shm_dir, ready = tmp_path / "shm", tmp_path / "node.ready"
+    node = _start_node(cluster.master_endpoint, shm_dir, "--ready-file", str(ready), "--metrics-port", "0")
+    try:
+        wait_until(lambda: ready.exists() or node.poll() is not None, 30)
+        assert ready.exists(), node.stderr.read().decode()  # type: ignore[union-attr]
+        http = f"http://{json.loads(ready.read_text())['metrics_endpoint']}"
+        status, body = _http_answer(http + "/ready")
+        assert status == 200 and body["status"] == "ok" and body["mounted"] is True, body
+        values = {f"kept/{i}": os.urandom(5000) for i in range(10)}
+        with Store(cluster.master_endpoint) as store:
+            store.put_batch(list(values), list(values.values()))
+        cluster.master.stop()  # type: ignore[union-attr]
+        assert wait_until(lambda: _http_answer(http + "/ready")[0] == 503, 10)
+        status, body = _http_answer(http + "/ready")
+        assert body["status"] == "unmounted" and body["mounted"] is False and body["objects"] == 10, body
+        assert _http_answer(http + "/health") == (200, body)
+        cluster.start_master()  # on the same port
+        assert wait_until(lambda: _http_answer(http + "/ready")[0] == 200, 15)
+        with Store(cluster.master_endpoint) as store:
+            assert store.get_batch(list(values)) == list(values.values())
+    finally:
+        _end(node)
+
+
 def test_a_node_refused_once_mounted_keeps_its_objects_says_so_and_mounts_again(make_cluster, tmp_path):
     """Its master restarted with another token (rotated on the master only). The node, mounted
     before, retried forever saying "ok" on /health (before 2026-12-07), then exited 1 at once,
@@ -295,11 +334,7 @@ def test_a_node_refused_once_mounted_keeps_its_objects_says_so_and_mounts_again(
         assert wait_until(lambda: "wrong cluster token" in log_path.read_text(), 10), log_path.read_text()
 
         def answer(path: str) -> tuple[int, dict]:
-            try:
-                with urllib.request.urlopen(http + path, timeout=5) as reply:
-                    return reply.status, json.loads(reply.read())
-            except urllib.error.HTTPError as error:
-                return error.code, json.loads(error.read())
+            return _http_answer(http + path)
 
         for path, code in (("/health", 200), ("/ready", 503)):
             got, body = answer(path)

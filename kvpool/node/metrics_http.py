@@ -54,8 +54,8 @@ class MetricsServer:
 
     async def _get_ready(self, request: web.Request) -> web.Response:
         """The same JSON; 200 while the node serves the cluster (`status` "ok"), else 503
-        (starting, stopping, refused by its master over the cluster token): a readiness probe's
-        or an alert's, never a reason to restart the node."""
+        (starting, stopping, no master holds its segment, refused by its master over the
+        cluster token): a readiness probe's or an alert's, never a reason to restart the node."""
         health = self._health()
         status = 200 if health["status"] == "ok" else 503
         return web.Response(text=json.dumps(health), status=status, content_type="application/json")

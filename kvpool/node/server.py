@@ -771,6 +771,8 @@ class Node:
         status = "ok" if self._state in (NodeState.SERVING, NodeState.DRAINING) else "down"
         if status == "ok" and self._refusal is not None:
             status = "refused"  # by its master over the cluster token, or a node's port: not serving the cluster
+        elif status == "ok" and not self.is_mounted:
+            status = "unmounted"  # no master holds its segment (yet, or since its link broke): no new puts
         return {
             "status": status,
             "refusal": str(self._refusal or ""),
