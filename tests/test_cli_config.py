@@ -5,11 +5,13 @@ before anything starts."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import wait_until
 
 from kvpool import Store
 from kvpool.cli.launcher import spawn
@@ -152,6 +154,30 @@ def test_a_node_ttl_under_the_heartbeat_from_the_file_is_refused_as_on_the_comma
     said = " ".join(run.stderr.decode().split())
     assert run.returncode == 1 and said.startswith("error: --node-ttl-ms 10: at least 1000 ms"), said
     assert said.endswith(f"(--node-ttl-ms: from [master] in {path})"), said
+
+
+@pytest.mark.parametrize(("node_ttl_ms", "is_warned"), [(2_999, True), (3_000, False)])
+def test_a_node_ttl_of_under_three_heartbeats_is_taken_with_a_warning(tmp_path, node_ttl_ms, is_warned):
+    """A TTL of one or two heartbeats drops a node whose heartbeat comes a little late, and its
+    objects with it (a test's master with a TTL of one heartbeat did so under load): the master
+    starts, and says so."""
+    ready = tmp_path / "master.ready"
+    master = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli.main", "master", "--port", "0", "--http-port", "0",
+         "--node-ttl-ms", str(node_ttl_ms), "--ready-file", str(ready)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert wait_until(lambda: ready.exists() or master.poll() is not None, 30) and ready.exists()
+        master.send_signal(signal.SIGTERM)
+        assert master.wait(30) == 0
+        said = " ".join(master.stderr.read().decode().split())  # type: ignore[union-attr]
+        warning = f"--node-ttl-ms {node_ttl_ms} is under 3 heartbeats (3000 ms): a node whose heartbeat comes"
+        assert (warning in said) == is_warned and "Traceback" not in said, said
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait(10)
 
 
 def test_a_local_cluster_takes_nothing_from_a_deployment_in_the_environment(tmp_path, monkeypatch):

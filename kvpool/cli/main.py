@@ -165,6 +165,9 @@ CONSOLE_WIDTH_NOT_TERMINAL = 1_000
 # A node waiting for its master says so when it starts waiting; its master link's failures
 # say why it still waits, at most every 30 s (a second line of its own each time was noise).
 MASTER_WAIT_INTERVAL_MS = 30_000
+# A master whose node TTL is under this many heartbeats says so at start: one heartbeat a little
+# late drops a live node (its objects counted lost) until it mounts again: a flapping node.
+NODE_TTL_HEARTBEATS_MIN = 3
 
 
 def _setup_logging(level: LogLevel) -> None:
@@ -429,7 +432,8 @@ def master(
     ] = None,
     lease_ttl_ms: Annotated[int, typer.Option(help="Read lease of a get.")] = limits.LEASE_TTL_MS_DEFAULT,
     node_ttl_ms: Annotated[
-        int, typer.Option(help="A node silent this long is dropped with its replicas.")
+        int, typer.Option(help="A node silent this long is dropped with its replicas (nodes heartbeat every "
+                          "second: give three or more).")
     ] = limits.NODE_TTL_MS_DEFAULT,
     put_discard_timeout_ms: Annotated[
         int, typer.Option(help="A put not ended within this is discarded.")
@@ -554,6 +558,12 @@ def master(
         )  # fmt: skip
     except KVPoolError as exc:
         raise _fail_in_flags(exc, _MASTER_FLAGS) from None
+    if node_ttl_ms < NODE_TTL_HEARTBEATS_MIN * limits.HEARTBEAT_INTERVAL_MS_DEFAULT:
+        log.warning(
+            "--node-ttl-ms %d is under %d heartbeats (%d ms): a node whose heartbeat comes a little late (a busy "
+            "host, a pause) is dropped, with its objects, and mounts again", node_ttl_ms, NODE_TTL_HEARTBEATS_MIN,
+            NODE_TTL_HEARTBEATS_MIN * limits.HEARTBEAT_INTERVAL_MS_DEFAULT,
+        )  # fmt: skip
 
     async def main() -> None:
         stop = _stop_on_signal()
