@@ -136,9 +136,19 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
     """The cluster token: an explicit value, else a file, else the file $KVPOOL_TOKEN_FILE
     names, else $KVPOOL_TOKEN, else None: the command line's order (its --token-file reads
     $KVPOOL_TOKEN_FILE), so that an engine adapter finds the token a deployment exported for
-    every kvpool command and serving process (README, "Deploying on several machines")."""
+    every kvpool command and serving process (README, "Deploying on several machines"). A
+    file's first line: the others are tokens a server accepts as well (tokens_from)."""
+    tokens = tokens_from(token, token_file)
+    return tokens[0] if tokens else None
+
+
+def tokens_from(token: str | None = None, token_file: str | None = None) -> list[str]:
+    """The cluster tokens, from the source token_from reads ([] for none): a token file holds
+    one per line, blank lines skipped. The first is the one a process connects and signs with;
+    a master or node accepts every one from its peers, so that a token can be rotated in and
+    out without a restart (docs/operations.md "Rotating the token")."""
     if token:
-        return token
+        return [token]
     # A file named by the environment is said to be: the command named none.
     source = "" if token_file else " (named by $KVPOOL_TOKEN_FILE)"
     token_file = token_file or os.environ.get("KVPOOL_TOKEN_FILE") or None
@@ -151,16 +161,16 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
         if not text:
             raise InvalidParams(f"token file {token_file}{source} is empty")
         _warn_if_every_user_reads(token_file)
-        return text
+        return list(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
     value = os.environ.get("KVPOOL_TOKEN")
     if not value:
-        return None
+        return []
     # Stripped as a file's text is: a secret made from a file and set as a variable (a
     # Kubernetes secretKeyRef) keeps the file's newline, and gave another cluster key.
     text = value.strip()
     if not text:
         raise InvalidParams("KVPOOL_TOKEN holds only whitespace: set a token, or unset it for none")
-    return text
+    return [text]
 
 
 _token_files_warned: set[str] = set()
@@ -265,6 +275,9 @@ class NodeConfig:
     shm_dir: str = "/dev/shm"
     shm_enabled: bool = True
     token: str | None = None
+    # Tokens accepted from peers besides `token`, which the node connects with (a token
+    # rotating in or out: auth.Keyring); empty without `token`.
+    accepted_tokens: tuple[str, ...] = ()
     heartbeat_interval_ms: int = limits.HEARTBEAT_INTERVAL_MS_DEFAULT
     rpc_timeout_ms: int = limits.RPC_TIMEOUT_MS_DEFAULT
     connect_timeout_ms: int = limits.CONNECT_TIMEOUT_MS_DEFAULT
@@ -298,5 +311,7 @@ class NodeConfig:
                 raise InvalidParams(f"{name} {port} out of range")
         if not self.node_id or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.node_id):
             raise InvalidParams(f"node_id {self.node_id!r}: use letters, digits, '_', '.', '-'")
-        if self.token == "":
+        if self.token == "" or "" in self.accepted_tokens:
             raise InvalidParams("an empty token means no token: pass None")
+        if self.accepted_tokens and not self.token:
+            raise InvalidParams("accepted_tokens without a token: a node with none accepts every peer")

@@ -17,6 +17,7 @@ import uvloop
 from conftest import raw_server, wait_until
 
 from kvpool.errors import RpcTimeout
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.frames import NEED_DATA, FrameDecoder, encode_frame
 from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, Heartbeat
 from kvpool.transports.connection import connect
@@ -64,7 +65,7 @@ def test_a_server_lets_go_of_a_closed_connection_at_once():
             pass
 
     async def main() -> list:
-        listener = await start_server("127.0.0.1", 0, Handler(), key=None, name="test")
+        listener = await start_server("127.0.0.1", 0, Handler(), keyring=Keyring(), name="test")
         try:
             endpoint = f"127.0.0.1:{listener.port}"
             accepted = []
@@ -103,7 +104,7 @@ def test_a_handshake_frame_with_a_payload_closes_the_connection_saying_so():
             reasons.append(conn.close_reason)
 
     async def main() -> None:
-        listener = await start_server("127.0.0.1", 0, Handler(), key=None, name="test")
+        listener = await start_server("127.0.0.1", 0, Handler(), keyring=Keyring(), name="test")
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             await reader.read(4096)  # the challenge

@@ -18,6 +18,7 @@ import time
 import uvloop
 from conftest import raw_server, requests_read
 
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.frames import encode_frame
 from kvpool.protocol.messages import (
     AuthResponse,
@@ -131,7 +132,7 @@ def test_a_file_reply_not_sent_before_the_client_hangs_up_closes_its_file(tmp_pa
             time.sleep(0.5)  # reads nothing, then gives up
 
     async def main() -> None:
-        listener = await start_server("127.0.0.1", 0, Handler(), key=None, name="test")
+        listener = await start_server("127.0.0.1", 0, Handler(), keyring=Keyring(), name="test")
         try:
             await asyncio.get_running_loop().run_in_executor(None, client, listener.port)
             while listener.connections:

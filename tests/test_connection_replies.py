@@ -15,6 +15,7 @@ import socket
 
 import uvloop
 
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import ExistKeys, Heartbeat, Message, OkReply
 from kvpool.transports.connection import Connection, Reply, connect, start_server
 
@@ -58,7 +59,7 @@ class _Handler:
 def test_then_runs_after_the_reply_is_written_and_before_the_next_request():
     async def main() -> _Handler:
         handler = _Handler()
-        server = await start_server("127.0.0.1", 0, handler, key=None, name="test")
+        server = await start_server("127.0.0.1", 0, handler, keyring=Keyring(), name="test")
         try:
             conn = await connect(f"127.0.0.1:{server.port}", key=None, timeout_ms=2_000)
             # uvloop's transport socket cannot recv: peek through a duplicate of it
@@ -80,7 +81,7 @@ def test_then_runs_when_the_connection_closed_before_the_reply():
     async def main() -> _Handler:
         handler = _Handler()
         handler.release.clear()
-        server = await start_server("127.0.0.1", 0, handler, key=None, name="test")
+        server = await start_server("127.0.0.1", 0, handler, keyring=Keyring(), name="test")
         try:
             conn = await connect(f"127.0.0.1:{server.port}", key=None, timeout_ms=2_000)
             request = asyncio.ensure_future(conn.request(Heartbeat([]), timeout_ms=2_000))

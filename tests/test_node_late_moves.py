@@ -182,7 +182,7 @@ def test_a_promotion_stalled_past_its_deadline_never_overwrites_what_the_master_
 
 def node_transfer_handler(node: Node) -> TransferHandler:
     """The client-facing handler of the node, sharing the Mover's DRAM targets (node/server.py)."""
-    handler = TransferHandler(node.segment, DRAM_ID, node.inventory, NodeMetrics(), key=None,
+    handler = TransferHandler(node.segment, DRAM_ID, node.inventory, NodeMetrics(), keyring=auth.Keyring(),
                               clock_ms=lambda: node.now_ms)  # fmt: skip
     handler.moving = node.mover.moving[TIER_DRAM]
     return handler

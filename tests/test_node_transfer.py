@@ -133,7 +133,8 @@ class FakeMaster:
         return [m for m in self.calls if isinstance(m, cls)]
 
     async def start(self, port: int = 0) -> None:
-        self.server = await start_server("127.0.0.1", port, self, key=self.key, name="fake master")
+        keyring = auth.Keyring([self.key] if self.key else [])
+        self.server = await start_server("127.0.0.1", port, self, keyring=keyring, name="fake master")
         self.port = self.server.port
 
     async def stop(self) -> None:

@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -32,7 +32,7 @@ from rich.table import Table
 
 from kvpool import limits
 from kvpool.cli.config_file import flags_from_file, forget_settings, load_settings
-from kvpool.config import parse_flag, parse_size, token_from
+from kvpool.config import parse_flag, parse_size, tokens_from
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, NoAvailableHandle, RpcTimeout, Unauthorized
 from kvpool.process import discard_stdout
 
@@ -136,7 +136,8 @@ TokenFileOption = Annotated[
     typer.Option(
         "--token-file", envvar="KVPOOL_TOKEN_FILE", parser=_path,
         help="File holding the cluster token (or set KVPOOL_TOKEN). Without a token, servers "
-        "bind loopback only.",
+        "bind loopback only. One token per line: the first is used, every one accepted by a master or node "
+        "(kill -USR1 makes it read the file again: a token rotated without a restart).",
     ),
 ]  # fmt: skip
 TimeoutOption = Annotated[
@@ -185,11 +186,33 @@ def _freeze_start_up_objects() -> None:
 
 
 def _token(token_file: Optional[Path]) -> str | None:
+    tokens = _tokens(token_file)
+    return tokens[0] if tokens else None
+
+
+def _tokens(token_file: Optional[Path]) -> list[str]:
+    """Every token --token-file holds (or the environment), the one to connect with first."""
     # --token-file takes $KVPOOL_TOKEN_FILE: the path it holds goes as unnamed, so that an
     # error about the file says where its name came from.
     named = os.environ.get("KVPOOL_TOKEN_FILE")
     from_environment = bool(named) and token_file == Path(named)
-    return token_from(None, str(token_file) if token_file and not from_environment else None)
+    return tokens_from(None, str(token_file) if token_file and not from_environment else None)
+
+
+def _replace_tokens_on_sigusr1(token_file: Optional[Path], replace: Callable[[list[str]], None], name: str) -> None:
+    """From now on, SIGUSR1 reads the tokens again and hands them to `replace` (a server's
+    replace_tokens): a token rotated in or out without a restart (docs/operations.md
+    "Rotating the token"). A file that cannot be read, or a change replace refuses, is logged
+    and the tokens stay as they were. Taken before the server starts: SIGUSR1's default
+    action ends the process."""
+
+    def reload() -> None:
+        try:
+            replace(_tokens(token_file))
+        except KVPoolError as exc:
+            log.error("%s: cluster tokens not replaced (SIGUSR1): %s; the ones before stay", name, exc)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, reload)
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
@@ -550,8 +573,10 @@ def master(
             from kvpool.transports.etcd import parse_etcd_endpoints
 
             election = ElectionConfig(parse_etcd_endpoints(etcd), cluster_id, etcd_lease_ttl_ms)
+        tokens = _tokens(token_file)
         server = MasterServer(
-            config, host=host, port=port, http_port=http_port, http_host=http_host, token=_token(token_file),
+            config, host=host, port=port, http_port=http_port, http_host=http_host,
+            token=tokens[0] if tokens else None, accepted_tokens=tokens[1:],
             debug_invariants=debug_invariants, election=election, advertise_host=advertise_host,
             dfs_dir=str(dfs_dir) if dfs_dir else None, dfs_bytes=_tier_size_of("--dfs-size", dfs_size),
             busy_poll_us=busy_poll_us,
@@ -567,6 +592,7 @@ def master(
 
     async def main() -> None:
         stop = _stop_on_signal()
+        _replace_tokens_on_sigusr1(token_file, server.replace_tokens, "master")
         await server.start()
         try:
             _freeze_start_up_objects()
@@ -662,6 +688,7 @@ def node(
             raise _fail("--metrics-host needs --metrics-port: without it the node serves no /metrics")
         _check_listen_host("--metrics-host", metrics_host)
     try:
+        tokens = _tokens(token_file)
         config = NodeConfig(
             master_endpoint=master,
             memory_bytes=_size_of("--memory", memory),
@@ -670,7 +697,8 @@ def node(
             advertise_host=advertise_host,
             shm_dir=str(shm_dir),
             shm_enabled=shm,
-            token=_token(token_file),
+            token=tokens[0] if tokens else None,
+            accepted_tokens=tuple(tokens[1:]),
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             disk_dir=str(disk_dir) if disk_dir else "",
@@ -685,6 +713,7 @@ def node(
     async def main() -> None:
         stop = _stop_on_signal()
         storage_node = Node(config)
+        _replace_tokens_on_sigusr1(token_file, storage_node.replace_tokens, "node")
         await storage_node.start()
         _freeze_start_up_objects()
         try:
@@ -792,7 +821,7 @@ def _signal_handlers_kept() -> Iterator[None]:
     process that had run a server in its main thread (a test, a program embedding one) took no
     Ctrl-C from then on. Restored after the loop closed, not when the server stopped, so that
     a second signal during the loop's teardown still finds the server's handler."""
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
     try:
         yield
     finally:

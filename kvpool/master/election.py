@@ -173,6 +173,9 @@ class ElectionConfig:
     lease_ttl_ms: int = limits.ETCD_LEASE_TTL_MS_DEFAULT
     step_down_margin_ms: int = limits.LEADER_STEP_DOWN_MARGIN_MS_DEFAULT
     cluster_mark: str = ""  # this candidate's (auth.cluster_mark of its token)
+    # Marks of its other tokens (rotating in or out: auth.Keyring): the cluster's mark may be
+    # one of them, and is then replaced by this candidate's.
+    also_marks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -215,6 +218,7 @@ class Elector:
         self._task: asyncio.Task[None] | None = None
         self._held_lease_id = 0
         self._is_of_cluster = False  # _claim_cluster found its mark the cluster's
+        self._claiming: asyncio.Task[None] | None = None  # rotate_marks's claim
         # Set (with the reason) when this candidate refuses to stand: see _claim_cluster.
         self.refusal: asyncio.Future[KVPoolError] | None = None
         # Why the last attempt to reach etcd failed, until one succeeds (the master's /health).
@@ -238,9 +242,10 @@ class Elector:
 
         Bounded by one etcd request timeout.
         """
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._claiming):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         # _campaign's cleanup stepped down already; whatever the task was doing, no
         # leadership outlives stop(), whose revoke lets a standby win at once.
         self.leadership.step_down()
@@ -272,6 +277,21 @@ class Elector:
                 await asyncio.sleep(delay_ms / 1000)
                 backoff_ms = min(backoff_ms * 2, limits.ELECTION_RETRY_BACKOFF_MS_MAX)
 
+    def rotate_marks(self, cluster_mark: str, also_marks: tuple[str, ...]) -> None:
+        """The master's tokens were replaced (auth.Keyring): claim the cluster again with their
+        marks now, so that a master restarted with the new token alone finds the cluster's mark
+        its own. Not retried: a claim that fails is logged, and made at this master's next start."""
+        self.config = dataclasses.replace(self.config, cluster_mark=cluster_mark, also_marks=also_marks)
+        if self._claiming is None or self._claiming.done():
+            self._claiming = asyncio.get_running_loop().create_task(self._claim_again())
+
+    async def _claim_again(self) -> None:
+        try:
+            await self._claim_cluster()
+        except (KVPoolError, CoordinationError) as exc:
+            log.warning("cluster %s on etcd: its mark not updated for the new token (%s)",
+                        self.config.cluster_id, exc)  # fmt: skip
+
     async def _claim_cluster(self) -> None:
         """Check that this candidate's cluster token is the cluster's (its mark in etcd, set by
         the first candidate). A master with another token stood by without a word, and once it
@@ -280,9 +300,13 @@ class Elector:
         Raises:
             InvalidParams: the cluster's masters have another token.
         """
-        mark = self.config.cluster_mark
-        created, holder, _ = await self._etcd.create(mark_key(self.config.cluster_id), mark.encode(), lease_id=0)
-        if not created and holder is not None and holder.value.decode(errors="replace") != mark:
+        mark, key = self.config.cluster_mark, mark_key(self.config.cluster_id)
+        created, holder, _ = await self._etcd.create(key, mark.encode(), lease_id=0)
+        held = "" if created or holder is None else holder.value.decode(errors="replace")
+        if held and held != mark and held in self.config.also_marks:
+            await self._etcd.put(key, mark.encode())  # the token rotated: the cluster's mark follows
+            log.info("cluster %s on etcd: its mark is now this master's token's", self.config.cluster_id)
+        elif held and held != mark:
             raise InvalidParams(
                 f"cluster {self.config.cluster_id} on etcd has masters with another cluster token: this master "
                 f"will not stand for election (give every master, node and client one token; after changing it, "

@@ -177,7 +177,7 @@ class PutFlow:
     """
 
     __slots__ = (
-        "_config", "_rng", "_cluster_key", "_term", "_registry", "_table", "_quarantine", "_counters", "_moving",
+        "_config", "_rng", "cluster_key", "_term", "_registry", "_table", "_quarantine", "_counters", "_moving",
         "_drop_objects",
     )  # fmt: skip
 
@@ -197,7 +197,7 @@ class PutFlow:
         self._config = config
         self._term = term
         self._rng = rng
-        self._cluster_key = cluster_key
+        self.cluster_key = cluster_key  # signs grants; replaced when the token rotates (auth.Keyring)
         self._registry = registry
         self._table = table
         self._quarantine = quarantine
@@ -233,7 +233,7 @@ class PutFlow:
         table = self._table
         objects, lower, pending, moving = table.objects, table.lower, table.pending, self._moving
         grants = _Grants(
-            len(keys), self._cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config,
+            len(keys), self.cluster_key, self._term, now_ms, now_ms + self._config.put_discard_timeout_ms, config,
             put_id,
         )
         is_every_segment_readable = not self._registry.has_unreadable

@@ -39,7 +39,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
 import msgspec
 
@@ -233,6 +233,7 @@ class MasterServer:
         http_port: int | None = None,
         http_host: str | None = None,
         token: str | None = None,
+        accepted_tokens: Sequence[str] = (),
         seed: int | None = None,
         debug_invariants: bool = False,
         election: ElectionConfig | None = None,
@@ -250,9 +251,12 @@ class MasterServer:
         self.http_host = http_host or host  # /metrics, /health, /status: read-only, no token
         check_busy_poll_us(busy_poll_us)
         self.busy_poll_us = busy_poll_us  # transports/busy_poll.py
-        self._key = auth.cluster_key(token) if token else None
+        # `token` signs grants; it and `accepted_tokens` (rotating in or out) are accepted from peers.
+        self._keyring = auth.Keyring.of([token, *accepted_tokens] if token else [])
         self._seed = seed
-        self.service = MasterService(config, random.Random(seed), self._key, term=_new_term_id(), local_clock=True)
+        self.service = MasterService(
+            config, random.Random(seed), self._keyring.primary, term=_new_term_id(), local_clock=True
+        )
         self.metrics = MasterMetrics(self.service)
         self.advertise_host = advertise_host
         self._election = election
@@ -275,6 +279,7 @@ class MasterServer:
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
         self._move_tasks: set[asyncio.Task[None]] = set()
         self._verify_tasks: set[asyncio.Task[None]] = set()  # checks of reported replicas
+        self._dfs_mark_task: asyncio.Task[None] | None = None  # replace_tokens's
         self._dfs_dir = dfs_dir
         self._dfs_bytes = dfs_bytes
         self._dfs: DfsDirectory | None = None
@@ -323,16 +328,16 @@ class MasterServer:
         return "leader" if takeover is not None and takeover.is_open(local_clock_ms()) else "recovering"
 
     async def start(self) -> None:
-        refuse_open_listen(self.host, self._key)
+        refuse_open_listen(self.host, self._keyring.primary)
         if self.http_port is not None:
-            refuse_open_listen(self.http_host, self._key, " for /metrics, /health and /status")
+            refuse_open_listen(self.http_host, self._keyring.primary, " for /metrics, /health and /status")
         if self._election is None:  # before the DFS mounts: its remounts are then not first mounts
             self._removed_at_start = RemovedAtStart(local_clock_ms() + REMOUNT_WINDOW_MS)
         if self._dfs_dir:
             await self._open_dfs()
             await self._ensure_dfs()
         self._server = await start_server(
-            self.host, self.port, self, key=self._key, name="master", busy_poll_us=self.busy_poll_us,
+            self.host, self.port, self, keyring=self._keyring, name="master", busy_poll_us=self.busy_poll_us,
             not_back_soon=_not_back_soon, flags="--host, --port",
         )  # fmt: skip
         self.metrics.busy_poll = self._server.busy_poll
@@ -343,15 +348,44 @@ class MasterServer:
         http_host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
         http = f", /metrics on http://{http_host}:{self.http_port}" if self._http is not None else ""
         log.info("master listening on %s (auth %s, open files limit %d%s)", self.endpoint,
-                 "on" if self._key else "off", raise_open_files_limit(), http)  # a descriptor per client  # fmt: skip
+                 "on" if self._keyring else "off", raise_open_files_limit(), http)  # fmt: skip
         if self._election is not None:
             http = f"{self.advertised_endpoint.rpartition(':')[0]}:{self.http_port or 0}"
             record = LeaderRecord(self.advertised_endpoint, http, secrets.token_hex(6))
-            election = dataclasses.replace(self._election, cluster_mark=auth.cluster_mark(self._key))
+            mark, *also = self._keyring.marks()
+            election = dataclasses.replace(self._election, cluster_mark=mark, also_marks=tuple(also))
             self.elector = Elector(election, record, self)
             self.elector.start()
             log.info("master %s is a candidate of cluster %s (etcd %s)", record.endpoint,
                      self._election.cluster_id, ",".join(self._election.etcd_endpoints))  # fmt: skip
+
+    def replace_tokens(self, tokens: Sequence[str]) -> None:
+        """Accept these cluster tokens from now on and sign grants with the first (a token
+        rotating in or out: docs/operations.md "Rotating the token"). Connections already
+        authenticated stay; the DFS's and etcd's marks of the cluster follow the first token,
+        so that a master restarted with it alone still finds them its own.
+
+        Raises:
+            InvalidParams: no token for a master started with one, or one for a master started
+                without (auth.Keyring.replace).
+        """
+        self._keyring.replace(tokens)
+        self.service.set_cluster_key(self._keyring.primary)
+        mark, *also = self._keyring.marks()
+        if self.elector is not None:
+            self.elector.rotate_marks(mark, tuple(also))
+        if self._dfs_dir:
+            if self._dfs_mark_task is not None:
+                self._dfs_mark_task.cancel()  # a hung DFS: the latest tokens' mark is the one to write
+            self._dfs_mark_task = asyncio.get_running_loop().create_task(self._mark_dfs(mark, also))
+        log.info("master %s: cluster tokens replaced: %d accepted, grants signed with the first",
+                 self.endpoint, len(self._keyring.keys))  # fmt: skip
+
+    async def _mark_dfs(self, mark: str, also: list[str]) -> None:
+        try:
+            await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, mark, also)
+        except (OSError, KVPoolError) as exc:
+            log.warning("the DFS %s: its cluster mark not updated for the new token: %s", self._dfs_dir, exc)
 
     async def stop(self) -> None:
         if self.elector is not None:
@@ -361,7 +395,7 @@ class MasterServer:
         if self._sweep_task is not None:
             self._sweep_task.cancel()
         for task in [*self._move_tasks, *self._verify_tasks, *self._drop_tasks.values(), self._dfs_task,
-                     self._dfs_temps_task]:  # fmt: skip
+                     self._dfs_temps_task, self._dfs_mark_task]:  # fmt: skip
             if task is not None:
                 task.cancel()
         if self._server is not None:
@@ -1015,9 +1049,8 @@ class MasterServer:
 
     async def _open_dfs(self) -> None:
         assert self._dfs_dir
-        self._dfs = await asyncio.to_thread(
-            DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, auth.cluster_mark(self._key)
-        )
+        mark, *also = self._keyring.marks()
+        self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, mark, also)
         identity = self._dfs.identity()
         assert identity is not None
         self._dfs_info = SegmentInfo(
@@ -1319,7 +1352,7 @@ class MasterServer:
         return [counters.segment_id for counters in self.service.segment_counters()]
 
     def _new_term(self) -> None:
-        self.service = MasterService(self.config, random.Random(self._seed), self._key, term=_new_term_id(),
+        self.service = MasterService(self.config, random.Random(self._seed), self._keyring.primary, term=_new_term_id(),
                                     local_clock=True)
         busy_poll = self.metrics.busy_poll  # the listener's, set once at start: it outlives terms
         self.metrics = MasterMetrics(self.service)

@@ -552,6 +552,11 @@ class MasterService:
         self.counters.errors += reply.codes.count(codes.NO_AVAILABLE_HANDLE)
         return reply
 
+    def set_cluster_key(self, cluster_key: bytes | None) -> None:
+        """Sign later puts' grants with this key: the cluster's token rotated (auth.Keyring);
+        grants given already stay valid where the nodes accept the old key too."""
+        self._puts.cluster_key = cluster_key
+
     def put_end(self, msg: PutEnd, now_ms: int) -> PendingCommit:
         """End the writes of each key: decide what can be decided, and list the commits.
 

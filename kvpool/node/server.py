@@ -42,7 +42,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpool import limits
@@ -143,7 +143,8 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.metrics = NodeMetrics()
-        self._key = auth.cluster_key(config.token) if config.token else None
+        # Connects with the first; its servers accept each (a token rotating: replace_tokens).
+        self._keyring = auth.Keyring.of([config.token, *config.accepted_tokens] if config.token else [])
         self._state = NodeState.NEW
         self._segment: Segment | None = None
         self._segment_id = ""
@@ -238,6 +239,20 @@ class Node:
     def is_mounted(self) -> bool:
         return self._mounted.is_set()
 
+    def replace_tokens(self, tokens: Sequence[str]) -> None:
+        """Accept these cluster tokens from now on, and connect with the first (a token rotating
+        in or out: docs/operations.md "Rotating the token"). Connections already authenticated
+        stay, the link to the master too; a link its master refused tries the new first token
+        at its next attempt. The segment and its objects stay.
+
+        Raises:
+            InvalidParams: no token for a node started with one, or one for a node started
+                without (auth.Keyring.replace).
+        """
+        self._keyring.replace(tokens)
+        log.info("node %s: cluster tokens replaced: %d accepted, connecting with the first",
+                 self.node_id, len(self._keyring.keys))  # fmt: skip
+
     @property
     def refusal(self) -> KVPoolError | None:
         """Why the master link is refused for good since the last mount (said at once in an ERROR
@@ -278,9 +293,9 @@ class Node:
         self._resolver = MasterResolver(parse_master_address(config.master_endpoint))
         master_host = self._resolver.address.probe_host
         # start_server refuses too; saying it first leaves no segment file behind.
-        refuse_open_listen(config.listen_host, self._key)
+        refuse_open_listen(config.listen_host, self._keyring.primary)
         if config.metrics_port is not None:
-            refuse_open_listen(config.metrics_host or config.listen_host, self._key, " for /metrics")
+            refuse_open_listen(config.metrics_host or config.listen_host, self._keyring.primary, " for /metrics")
         remove_stale_segments(config.shm_dir)
         log.info("node %s: open files limit %d", config.node_id, raise_open_files_limit())
         token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
@@ -290,7 +305,7 @@ class Node:
         self._segment_id = f"{config.node_id}-{secrets.token_hex(4)}"
         self._inventory = Inventory(self._segment.capacity_bytes)
         self._transfer = TransferHandler(
-            self._segment, self._segment_id, self._inventory, self.metrics, key=self._key,
+            self._segment, self._segment_id, self._inventory, self.metrics, keyring=self._keyring,
             clock_ms=self._master_clock.now_ms,
         )  # fmt: skip
         if config.disk_dir:
@@ -310,7 +325,7 @@ class Node:
         self._server = await start_server(
             config.listen_host, config.listen_port,
             TieredTransferHandler(self._transfer, self._disk, self._mover, self.tier_metrics),
-            key=self._key, name=f"node {config.node_id}", busy_poll_us=config.busy_poll_us,
+            keyring=self._keyring, name=f"node {config.node_id}", busy_poll_us=config.busy_poll_us,
             # A disk read holds its files open from when it is prepared until it is sent.
             replies_owed_max=limits.HELD_FRAMES_MAX, flags="--host, --port",
         )  # fmt: skip
@@ -427,7 +442,7 @@ class Node:
             try:
                 endpoint = await resolver.resolve(self.config.connect_timeout_ms)
                 conn = await connect(
-                    endpoint, key=self._key, handler=self._master_calls,
+                    endpoint, key=self._keyring.primary, handler=self._master_calls,
                     timeout_ms=self.config.connect_timeout_ms, name=f"node {self.node_id}",
                     prefer_local=self.config.shm_enabled,
                 )  # fmt: skip

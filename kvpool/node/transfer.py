@@ -159,8 +159,8 @@ class TransferHandler(_SegmentHandler):
         segment_id: the id the master knows it by; grants and reads must name it.
         inventory: committed objects; a write must not touch one.
         metrics: where requests and bytes are counted.
-        key: the cluster key grants are signed with, or None (grants then need only be
-            unexpired).
+        keyring: the cluster keys a grant may be signed with (auth.Keyring), or none (grants
+            then need only be unexpired).
         clock_ms: the master's wall clock in ms, as the node estimates it (grant expiries are
             the master's times: node/clock.py).
     """
@@ -172,11 +172,11 @@ class TransferHandler(_SegmentHandler):
         inventory: Inventory,
         metrics: NodeMetrics,
         *,
-        key: bytes | None,
+        keyring: auth.Keyring,
         clock_ms: Callable[[], int] = wall_clock_ms,
     ) -> None:
         super().__init__(segment, segment_id, inventory, metrics)
-        self._key = key
+        self._keyring = keyring
         self._clock_ms = clock_ms
         # The term of the master this segment is mounted with (MountReply); 0 until then.
         self.term = 0
@@ -285,7 +285,7 @@ class TransferHandler(_SegmentHandler):
         # our views to the decoder (a mismatch is refused with InvalidParams: payload_refused).
 
     def _check_grant(self, index: int, grant: WriteGrant, now_ms: int) -> None:
-        if not auth.is_valid_grant(self._key, grant, now_ms=now_ms):
+        if not self._keyring.is_valid_grant(grant, now_ms):
             raise Unauthorized(
                 f"item {index}: grant for [{grant.offset}, +{grant.size}) is forged or expired"
             )

@@ -38,9 +38,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Sequence
 
 from kvpool import limits
-from kvpool.errors import ConnectFailed, ErrorCode, KVPoolError, Unauthorized, error_from_code
+from kvpool.errors import ConnectFailed, ErrorCode, InvalidParams, KVPoolError, Unauthorized, error_from_code
 from kvpool.protocol.frames import FrameSeal
 from kvpool.protocol.messages import AuthChallenge, AuthOk, AuthResponse, ErrorReply, WriteGrant
 
@@ -142,6 +143,62 @@ class ClientHandshake:
                 "its same-host socket) was changed on the way"
             )
         return frame_seals(self._key, challenge.nonce, self._client_nonce, is_server=False)
+
+
+class Keyring:
+    """The cluster keys a server accepts, from its tokens: the first is the one it signs grants
+    and connects with, and every one is accepted from peers, so that a token can be rotated in
+    and out without a restart (docs/operations.md "Rotating the token"). One per process,
+    shared by its servers; `replace` swaps the set in place: new handshakes and grants see it at
+    once, connections already authenticated keep the key they proved. Empty: no token."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Sequence[bytes] = ()) -> None:
+        self.keys: tuple[bytes, ...] = tuple(dict.fromkeys(keys))
+
+    @classmethod
+    def of(cls, tokens: Sequence[str]) -> Keyring:
+        return cls([cluster_key(token) for token in tokens])
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def primary(self) -> bytes | None:
+        """The key this process signs and connects with; None without a token."""
+        return self.keys[0] if self.keys else None
+
+    def marks(self) -> list[str]:
+        """cluster_mark of each key, the primary's first (["none"] without a token)."""
+        return [cluster_mark(key) for key in self.keys] or [cluster_mark(None)]
+
+    def replace(self, tokens: Sequence[str]) -> None:
+        """Take `tokens` in place of the current ones.
+
+        Raises:
+            InvalidParams: none given to a process that has a token, or some to one that has
+                none: which addresses a server may listen on depends on it (a restart).
+        """
+        if bool(tokens) != bool(self.keys):
+            raise InvalidParams(
+                "a process started with a cluster token keeps one" if self.keys
+                else "a process started without a cluster token takes one only at a restart"
+            )  # fmt: skip
+        self.keys = Keyring.of(tokens).keys
+
+    def proven_key(self, server_nonce: bytes, client_nonce: bytes, mac: bytes) -> bytes | None:
+        """The key a client's proof was made with, or None for none of them."""
+        for key in self.keys:
+            if is_valid_proof(client_proof(key, server_nonce, client_nonce), mac):
+                return key
+        return None
+
+    def is_valid_grant(self, grant: WriteGrant, now_ms: int) -> bool:
+        """is_valid_grant under any of the keys (without a token: unexpired)."""
+        if not self.keys:
+            return is_valid_grant(None, grant, now_ms)
+        return any(is_valid_grant(key, grant, now_ms) for key in self.keys)
 
 
 def refusal(response: AuthResponse) -> ErrorReply:

@@ -187,7 +187,7 @@ class Connection(asyncio.BufferedProtocol):
         self,
         handler: RequestHandler | None,
         *,
-        key: bytes | None,
+        key: bytes | None | auth.Keyring,
         is_server: bool,
         name: str = "",
         registry: set[Connection] | None = None,
@@ -210,7 +210,10 @@ class Connection(asyncio.BufferedProtocol):
         self._heard_s = 0.0
         self.peer = ""
         self._handler = handler
-        self._key = key
+        # A client's key (None: no token); a server's keyring (the keys it accepts).
+        self._key = key if not isinstance(key, auth.Keyring) else None
+        self._keyring = key if isinstance(key, auth.Keyring) else auth.Keyring()
+        assert is_server == isinstance(key, auth.Keyring), "a server takes a Keyring, a client a key"
         self._is_server = is_server
         self._decoder = FrameDecoder()
         self._decoder.limit_control_size(HANDSHAKE_CONTROL_SIZE_BYTES_MAX)  # until authenticated
@@ -396,7 +399,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._is_server:
             self._begin_handshake()
             self._challenge = AuthChallenge(
-                os.urandom(limits.AUTH_NONCE_SIZE_BYTES), self._key is not None, self.local_name,
+                os.urandom(limits.AUTH_NONCE_SIZE_BYTES), bool(self._keyring), self.local_name,
                 same_host.host_identity() if self.local_name else "",
             )  # fmt: skip
             self._write_now(encode_frame(self._challenge, 0))
@@ -909,7 +912,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._is_server:
             if not isinstance(message, AuthResponse):
                 raise RemoteProtocolError(f"expected AuthResponse, got {type(message).__name__}")
-            if self._key is None:
+            if not self._keyring:
                 if not self._has_room():
                     return
                 self._write_now(encode_frame(AuthOk(b""), 0))
@@ -920,14 +923,15 @@ class Connection(asyncio.BufferedProtocol):
                     _tokenless_peers.log("peer %s sent no token; this cluster requires one", self.peer)
                     self._refuse(message)
                     return
-                if not auth.is_valid_proof(auth.client_proof(self._key, challenge.nonce, message.nonce), message.mac):
+                key = self._keyring.proven_key(challenge.nonce, message.nonce, message.mac)
+                if key is None:
                     _refused_peers.log("rejecting %s: wrong cluster token", self.peer)
                     self._refuse(message)
                     return
                 if not self._has_room():
                     return
-                self._write_now(encode_frame(AuthOk(auth.server_proof(self._key, challenge, message.nonce)), 0))
-                self._seal_frames(auth.frame_seals(self._key, challenge.nonce, message.nonce, is_server=True))
+                self._write_now(encode_frame(AuthOk(auth.server_proof(key, challenge, message.nonce)), 0))
+                self._seal_frames(auth.frame_seals(key, challenge.nonce, message.nonce, is_server=True))
             self._authenticated()
             return
         try:
@@ -1119,7 +1123,7 @@ async def start_server(
     port: int,
     handler: RequestHandler,
     *,
-    key: bytes | None,
+    keyring: auth.Keyring,
     name: str,
     busy_poll_us: int = 0,
     not_back_soon: Callable[[Message, Message], bool] | None = None,
@@ -1127,7 +1131,8 @@ async def start_server(
     flags: str = "",
 ) -> Listener:
     """Listen for kvpool connections on TCP and on a same-host Unix socket (see the module).
-    Without a cluster key only loopback may be bound. `busy_poll_us`: how long the loop keeps
+    `keyring`: the cluster keys it accepts (empty: no token, and only loopback may be bound;
+    auth.Keyring: replaced in place, it serves new handshakes). `busy_poll_us`: how long the loop keeps
     polling after each reply (transports/busy_poll.py; 0: it sleeps in epoll at once), but
     after those that `not_back_soon(request, reply message)` picks out. `replies_owed_max`:
     how many replies a connection may owe (being prepared by an awaitable handler, or waiting
@@ -1140,7 +1145,7 @@ async def start_server(
         Unauthorized: a non-loopback host without a cluster token.
         ConnectFailed: the address cannot be bound.
     """
-    refuse_open_listen(host, key)
+    refuse_open_listen(host, keyring.primary)
     loop = asyncio.get_running_loop()
     connections: set[Connection] = set()
     handshaking: dict[Connection, None] = {}
@@ -1152,7 +1157,7 @@ async def start_server(
 
     def serving(announced_name: str = "") -> Connection:
         return Connection(
-            handler, key=key, is_server=True, name=name, registry=connections, local_name=announced_name,
+            handler, key=keyring, is_server=True, name=name, registry=connections, local_name=announced_name,
             busy_poll=busy_poll, replies_owed_max=replies_owed_max, handshaking=handshaking, heard=heard,
         )  # fmt: skip
 

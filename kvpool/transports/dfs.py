@@ -86,10 +86,13 @@ class DfsDirectory:
     # --- identity ------------------------------------------------------------------------
 
     @classmethod
-    def create_or_open(cls, path: str | Path, capacity_bytes: int, owner: str = "") -> DfsDirectory:
+    def create_or_open(
+        cls, path: str | Path, capacity_bytes: int, owner: str = "", also_owners: Sequence[str] = ()
+    ) -> DfsDirectory:
         """The master's open: create the directory and its identity on first use, of
         `capacity_bytes` (0: the filesystem's size, up to the largest segment), marked as
-        `owner`'s (auth.cluster_mark).
+        `owner`'s (auth.cluster_mark). `also_owners`: marks of this cluster's other tokens (a
+        token rotating in or out: auth.Keyring); a directory marked with one is marked `owner`'s.
 
         A later start keeps the stored capacity (objects beyond a smaller one would be lost).
         A directory another cluster uses is refused: each master allocates the tier's offsets
@@ -116,7 +119,7 @@ class DfsDirectory:
         elif identity.tier != TIER_DFS:
             raise InvalidParams(f"{directory.path} is a {identity.tier} tier, not a DFS directory")
         elif identity.owner != owner:
-            if identity.owner:
+            if identity.owner and identity.owner not in also_owners:
                 raise InvalidParams(
                     f"{directory.path} is the DFS tier of another cluster (another cluster token): give each "
                     "cluster a --dfs-dir of its own"

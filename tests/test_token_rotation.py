@@ -1,0 +1,205 @@
+"""Rotating the cluster token without a restart: a token file of several lines, and SIGUSR1.
+
+A master or node accepts every token its file holds and connects (and signs grants) with the
+first; SIGUSR1 reads the file again. So a token is rotated in three steps, none of which
+restarts a process or loses an object (docs/operations.md "Rotating the token"). The tests run
+real master and node processes, and check each server's handshake with each token directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from conftest import wait_until
+
+from kvpool import ErrorCode, Store
+from kvpool.config import token_from, tokens_from
+from kvpool.discovery import mark_key
+from kvpool.errors import InvalidParams, Unauthorized
+from kvpool.protocol import auth
+from kvpool.protocol.messages import WriteGrant
+from kvpool.transports import files
+from kvpool.transports.connection import connect
+from kvpool.transports.dfs import DfsDirectory
+from kvpool.transports.etcd import EtcdClient
+from tests.test_ha import TTL_MS, new_cluster_id
+
+OLD = "the-old-cluster-token-0123456789abcdef"
+NEW = "the-new-cluster-token-fedcba9876543210"
+
+
+# --- pure ---------------------------------------------------------------------------------------
+
+
+def test_a_token_file_holds_one_token_per_line_the_first_the_one_to_connect_with(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    path = tmp_path / "token"
+    path.write_text(f"  {NEW}  \n\n{OLD}\n{NEW}\n")
+    path.chmod(0o600)
+    assert tokens_from(None, str(path)) == [NEW, OLD]  # stripped, blank lines and repeats skipped
+    assert token_from(None, str(path)) == NEW  # what a client connects with
+    path.write_text(OLD)  # one line, as before
+    assert tokens_from(None, str(path)) == [OLD]
+    assert tokens_from(NEW, str(path)) == [NEW]  # an explicit token wins, as before
+    assert tokens_from() == []
+
+
+def test_a_keyring_accepts_each_of_its_keys_and_signs_with_the_first() -> None:
+    old, new = auth.cluster_key(OLD), auth.cluster_key(NEW)
+    keyring = auth.Keyring.of([NEW, OLD])
+    assert keyring.primary == new and keyring.marks() == [auth.cluster_mark(new), auth.cluster_mark(old)]
+    nonce_s, nonce_c = b"s" * 16, b"c" * 16
+    for key in (old, new):
+        assert keyring.proven_key(nonce_s, nonce_c, auth.client_proof(key, nonce_s, nonce_c)) == key
+        assert keyring.is_valid_grant(auth.sign_grant(key, "seg", 0, 10, expiry_ms=100), now_ms=50)
+    other = auth.cluster_key("a-third-token-0123456789abcdef")
+    assert keyring.proven_key(nonce_s, nonce_c, auth.client_proof(other, nonce_s, nonce_c)) is None
+    assert not keyring.is_valid_grant(auth.sign_grant(other, "seg", 0, 10, expiry_ms=100), now_ms=50)
+    assert not keyring.is_valid_grant(auth.sign_grant(new, "seg", 0, 10, expiry_ms=100), now_ms=101)  # expired
+    assert not keyring.is_valid_grant(WriteGrant("seg", 0, 10, 100, b"", 0), now_ms=50)  # unsigned
+    keyring.replace([OLD])
+    assert keyring.keys == (old,)
+    # Whether a process has a token decides where it may listen: only a restart changes that.
+    with pytest.raises(InvalidParams, match="keeps one"):
+        keyring.replace([])
+    with pytest.raises(InvalidParams, match="only at a restart"):
+        auth.Keyring().replace([NEW])
+
+
+def test_a_dfs_directory_marked_with_another_of_the_clusters_tokens_is_marked_with_the_first(tmp_path) -> None:
+    old, new = (auth.cluster_mark(auth.cluster_key(token)) for token in (OLD, NEW))
+    third = auth.cluster_mark(auth.cluster_key("a-third-token-0123456789abcdef"))
+    DfsDirectory.create_or_open(tmp_path, 64 << 20, old)
+    with pytest.raises(InvalidParams, match="another cluster"):
+        DfsDirectory.create_or_open(tmp_path, 64 << 20, new)
+    with pytest.raises(InvalidParams, match="another cluster"):
+        DfsDirectory.create_or_open(tmp_path, 64 << 20, new, [third])
+    identity = DfsDirectory.create_or_open(tmp_path, 64 << 20, new, [old]).identity()
+    assert identity is not None and identity.owner == new
+    assert files.load_identity(tmp_path).owner == new  # type: ignore[union-attr]
+    DfsDirectory.create_or_open(tmp_path, 64 << 20, new)  # the new token alone: its own
+
+
+# --- real processes -------------------------------------------------------------------------------
+
+
+def accepts(endpoint: str, token: str) -> bool:
+    """Whether the server at `endpoint` completes a handshake with `token`."""
+
+    async def handshake() -> bool:
+        try:
+            conn = await connect(endpoint, key=auth.cluster_key(token), timeout_ms=5_000)
+        except Unauthorized:
+            return False
+        conn.close("checked")
+        return True
+
+    return asyncio.run(handshake())
+
+
+def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object(make_cluster):
+    cluster = make_cluster(2, "16MiB", token=OLD)
+    servers = [cluster.master_endpoint, *(node.info["endpoint"] for node in cluster.nodes)]
+    processes = [cluster.master, *cluster.nodes]
+    token_file = cluster.workdir / "token"
+    options = {"shm_enabled": False}  # every read and write through the nodes' TCP handshakes
+
+    def rotate(text: str, count: int) -> None:
+        """Write the file, signal every process, and wait until each said it took the tokens."""
+        token_file.write_text(text)
+        for process in processes:
+            process.signal(signal.SIGUSR1)
+        said = f"cluster tokens replaced: {len(text.split())} accepted"
+        for process in processes:
+            assert wait_until(lambda: process.log_path.read_text().count(said) == count, 10), process.log_path
+
+    def put_and_read(token: str, prefix: str, expected: dict[str, bytes]) -> None:
+        values = {f"{prefix}/{i}": os.urandom(64 * 1024) for i in range(8)}
+        with Store(cluster.master_endpoint, token=token, **options) as store:
+            assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * len(values)
+            expected.update(values)
+            assert store.get_batch(list(expected)) == list(expected.values())
+
+    stored: dict[str, bytes] = {}
+    put_and_read(OLD, "before", stored)
+    with Store(cluster.master_endpoint, token=OLD) as store:
+        segments = sorted(s.segment.segment_id for s in store.cluster_status().segments)
+    assert not any(accepts(server, NEW) for server in servers)
+
+    # 1. The new token accepted everywhere; the old one still what every process connects with.
+    rotate(f"{OLD}\n{NEW}\n", 1)
+    assert all(accepts(server, NEW) for server in servers)
+    put_and_read(NEW, "accepted", stored)
+    put_and_read(OLD, "still-old", stored)
+
+    # 2. The new token first: the master signs grants with it, nodes connect with it; clients
+    # still on the old one are served (restart them with the new one meanwhile).
+    rotate(f"{NEW}\n{OLD}\n", 2)
+    put_and_read(OLD, "old-client", stored)  # its grants are the new token's: the nodes take them
+    put_and_read(NEW, "first", stored)
+
+    # 3. The old token out.
+    rotate(f"{NEW}\n", 1)
+    assert not any(accepts(server, OLD) for server in servers)
+    with pytest.raises(Unauthorized, match="wrong cluster token"):
+        with Store(cluster.master_endpoint, token=OLD, **options) as store:
+            store.get_batch(list(stored))
+    put_and_read(NEW, "after", stored)
+    with Store(cluster.master_endpoint, token=NEW) as store:
+        assert sorted(s.segment.segment_id for s in store.cluster_status().segments) == segments  # never remounted
+    assert all(process.is_alive() for process in processes)  # type: ignore[union-attr]
+
+
+def test_a_token_file_that_cannot_be_read_at_sigusr1_leaves_the_tokens_as_they_were(make_cluster):
+    """An empty file (a secret half rotated, a typo) would otherwise leave a master with no
+    token: it keeps the ones it had, says why, and the next good file is taken."""
+    cluster = make_cluster(0, token=OLD)
+    token_file = cluster.workdir / "token"
+    token_file.write_text("\n")
+    os.kill(cluster.master.pid, signal.SIGUSR1)  # type: ignore[union-attr]
+    log = cluster.workdir / "master.log"
+    assert wait_until(lambda: "cluster tokens not replaced (SIGUSR1)" in log.read_text(), 10), log.read_text()
+    assert "is empty; the ones before stay" in log.read_text()
+    assert accepts(cluster.master_endpoint, OLD) and not accepts(cluster.master_endpoint, NEW)
+    token_file.write_text(NEW)
+    os.kill(cluster.master.pid, signal.SIGUSR1)  # type: ignore[union-attr]
+    assert wait_until(lambda: accepts(cluster.master_endpoint, NEW), 10)
+    assert not accepts(cluster.master_endpoint, OLD)
+
+
+def test_the_cluster_marks_in_etcd_and_the_dfs_follow_the_first_token(make_cluster, etcd_endpoint, tmp_path):
+    """etcd and the DFS directory record which token the cluster's masters share (a master with
+    another token refuses to stand; a master of another cluster refuses the directory). After
+    a rotation they name the new first token, so that a master restarted with it alone is the
+    cluster's: a rotation must not turn the next restart into a refusal."""
+    cluster_id, dfs = new_cluster_id(), tmp_path / "dfs"
+    cluster = make_cluster(
+        1, "16MiB", etcd_endpoint=etcd_endpoint, cluster_id=cluster_id, token=OLD,
+        master_args=("--etcd-lease-ttl-ms", str(TTL_MS), "--dfs-dir", str(dfs), "--dfs-size", "64MiB"),
+    )  # fmt: skip
+    cluster.wait_leader()
+    old_mark, new_mark = (auth.cluster_mark(auth.cluster_key(token)) for token in (OLD, NEW))
+
+    def etcd_mark() -> str:
+        async def read() -> str:
+            async with EtcdClient((etcd_endpoint,)) as etcd:
+                held, _ = await etcd.get(mark_key(cluster_id))
+            return held.value.decode() if held is not None else ""
+
+        return asyncio.run(read())
+
+    def dfs_owner() -> str:
+        identity = files.load_identity(dfs)
+        return identity.owner if identity is not None else ""
+
+    assert etcd_mark() == old_mark and dfs_owner() == old_mark
+    (cluster.workdir / "token").write_text(f"{NEW}\n{OLD}\n")
+    cluster.master.signal(signal.SIGUSR1)  # type: ignore[union-attr]
+    assert wait_until(lambda: etcd_mark() == new_mark and dfs_owner() == new_mark, 10), (etcd_mark(), dfs_owner())
+    with Store(cluster.master_address, token=OLD) as store:  # the old token is still accepted
+        store.put("still", b"s" * 100)
+        assert store.get("still") == b"s" * 100
