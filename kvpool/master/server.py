@@ -1216,6 +1216,7 @@ class MasterServer:
         if now_ms < self._dfs_free_due_ms:
             return {}
         self._dfs_free_due_ms = now_ms + limits.HEARTBEAT_INTERVAL_MS_DEFAULT
+        self.service.filesystem_look_begins(info.segment_id)
         return {info.segment_id: await asyncio.to_thread(files.filesystem_report, dfs.path)}
 
     async def _drop_dfs(self, service: MasterService, entries: list[InventoryEntry]) -> None:

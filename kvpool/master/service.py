@@ -344,6 +344,13 @@ class MasterService:
                     )
                 )
 
+    def filesystem_look_begins(self, segment_id: str) -> None:
+        """The master begins a look at slower-tier `segment_id`'s free space (the DFS's), which
+        a heartbeat brings: the moves that end there meanwhile are not counted twice."""
+        segment = self._registry.get(segment_id)
+        if segment is not None:
+            self._tiers.look_begins(segment)
+
     def heartbeat(self, msg: Heartbeat, now_ms: int, local_ms: int | None = None) -> HeartbeatReply:
         """Refresh the liveness of the node's segments (on `local_ms`); unknown ids are returned
         (re-mount them)."""

@@ -355,7 +355,7 @@ class TierFlow:
     __slots__ = (
         "_config", "_rng", "_registry", "_table", "_evict_objects", "moves", "promotions",
         "counters", "_watermark_after_ms", "_room_after_ms", "_without_dfs", "_full", "newly_full",
-        "_reported", "_sharing", "_filesystem_room", "_unwritable",
+        "_reported", "_sharing", "_filesystem_room", "_landed", "_unwritable",
     )  # fmt: skip
 
     def __init__(
@@ -389,6 +389,9 @@ class TierFlow:
         self._reported: dict[str, FreeReport] = {}
         self._sharing: dict[tuple[str, int], dict[str, Segment]] = {}
         self._filesystem_room: dict[tuple[str, int], tuple[int, int]] = {}
+        # Per slower segment whose look at its filesystem is under way (look_begins: the DFS's,
+        # which the master takes), the file bytes of the moves that ended there since it began.
+        self._landed: dict[str, int] = {}
         # Slower segments whose filesystem takes no writes, by their node's last report
         # (report_writable): nothing is moved there until a report says it does again.
         self._unwritable: dict[str, Segment] = {}
@@ -672,14 +675,26 @@ class TierFlow:
         self._reported[segment_id] = FreeReport(segment, free_bytes, filesystem, is_capped)
         self._sharing.setdefault(filesystem, {})[segment_id] = segment
         # Files being written may not have taken their space yet, and files being deleted may
-        # have given theirs back: counted as still to come, and as gone.
+        # have given theirs back: counted as still to come, and as gone. Files that landed
+        # while the look ran (look_begins) are counted as still to come too: the look may
+        # have counted their room free (counted twice, it went to two objects, and a move
+        # found the disk full).
+        landed_bytes = self._landed.pop(segment_id, 0)
         file_bytes = sum(self._file_bytes(s, with_unsettled=False) for s in self._on_filesystem(filesystem))
+        file_bytes -= landed_bytes
         self._filesystem_room[filesystem] = (file_bytes + free_bytes, now_ms + FULL_TIER_RETRY_MS)
         return None if is_capped == was_capped else is_capped
 
     def _on_filesystem(self, filesystem: tuple[str, int]) -> list[Segment]:
         """The live segments whose last report named `filesystem`."""
         return [s for s in self._sharing[filesystem].values() if self._is_live(s)]
+
+    def look_begins(self, segment: Segment) -> None:
+        """A look at slower-tier `segment`'s free space begins, which its next report_free
+        brings: the moves that end there meanwhile are counted as not there yet. Known for
+        the DFS only, whose look the master takes: a node looks, then heartbeats, and the
+        moves that land between are counted twice (docs/tiers.md)."""
+        self._landed[segment.segment_id] = 0
 
     def _forget_report(self, segment_id: str) -> None:
         report = self._reported.pop(segment_id)
@@ -910,6 +925,8 @@ class TierFlow:
                 self._without_dfs[move.executor.info.node_id] = now_ms + FULL_TIER_RETRY_MS
             if not self._is_live(segment):
                 continue
+            if segment.segment_id in self._landed and code in (ErrorCode.OK, UNANSWERED):  # a file there now
+                self._landed[segment.segment_id] += footprint_bytes(size_bytes) + FILE_OVERHEAD_BYTES
             if code not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):  # the source gone is no failure
                 self.counters[segment.tier].failed_moves += 1
             if code == UNANSWERED:  # the node may have recorded it: dropped before reuse
