@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import time
@@ -53,7 +54,6 @@ from kvpool.transports.etcd import EtcdClient, parse_etcd_endpoints
 from tests.test_cluster import kvpool_cli
 
 TTL_MS = 3_000  # Short leases keep these tests quick; the chaos suite runs the 5 s default.
-_cluster_serial = 0
 
 
 def run(coroutine):
@@ -61,9 +61,12 @@ def run(coroutine):
 
 
 def new_cluster_id() -> str:
-    global _cluster_serial
-    _cluster_serial += 1
-    return f"ha-{os.getpid()}-{_cluster_serial}"
+    """A cluster id no other test of this session's etcd uses. Random, not a count: this module
+    is imported twice in a worker (as test_ha, collected, and as tests.test_ha by the other HA
+    test files), each copy with a count of its own, and two tests in one worker were given one
+    id: the second met the first's records in etcd (its mark of another token: the master
+    would not stand, and the test timed out waiting for a leader)."""
+    return f"ha-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 # --- pure ---------------------------------------------------------------------------------------
