@@ -125,6 +125,10 @@ PUT_RELEASE_TIMEOUT_MS_DEFAULT = 600_000
 # up to as much (its nodes see it at their next heartbeat). (A same-host writer copies into the mapped segment
 # itself, and nothing stops one that stalled mid-copy: a discarded put keeps the release timeout.)
 REVOKED_WRITES_FENCE_MARGIN_MS = 30_000
+# A master whose tokens were replaced (auth.Keyring) marks etcd and the DFS with its first
+# token's mark, trying again this often until it has: a master restarted with that token alone
+# would otherwise find the cluster's marks another token's, and refuse to stand or to start.
+CLUSTER_MARK_RETRY_MS = 5_000
 EVICT_WATERMARK_RATIO_HIGH_DEFAULT = 0.90
 EVICT_RATIO_DEFAULT = 0.05
 

@@ -35,6 +35,7 @@ import enum
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvpool import limits
@@ -219,6 +220,7 @@ class Elector:
         self._held_lease_id = 0
         self._is_of_cluster = False  # _claim_cluster found its mark the cluster's
         self._claiming: asyncio.Task[None] | None = None  # rotate_marks's claim
+        self._is_stopped = False
         # Set (with the reason) when this candidate refuses to stand: see _claim_cluster.
         self.refusal: asyncio.Future[KVPoolError] | None = None
         # Why the last attempt to reach etcd failed, until one succeeds (the master's /health).
@@ -242,6 +244,7 @@ class Elector:
 
         Bounded by one etcd request timeout.
         """
+        self._is_stopped = True
         for task in (self._task, self._claiming):
             if task is not None:
                 task.cancel()
@@ -277,20 +280,27 @@ class Elector:
                 await asyncio.sleep(delay_ms / 1000)
                 backoff_ms = min(backoff_ms * 2, limits.ELECTION_RETRY_BACKOFF_MS_MAX)
 
-    def rotate_marks(self, cluster_mark: str, also_marks: tuple[str, ...]) -> None:
-        """The master's tokens were replaced (auth.Keyring): claim the cluster again with their
-        marks now, so that a master restarted with the new token alone finds the cluster's mark
-        its own. Not retried: a claim that fails is logged, and made at this master's next start."""
-        self.config = dataclasses.replace(self.config, cluster_mark=cluster_mark, also_marks=also_marks)
-        if self._claiming is None or self._claiming.done():
+    def rotate_marks(self, marks: Sequence[str]) -> None:
+        """The master's tokens were replaced (auth.Keyring): its first token's mark, then its
+        others'. Claim the cluster again with them now, and until a claim with the latest
+        succeeds (etcd unreachable meanwhile, or tokens replaced again), so that a master
+        restarted with the first token alone finds the cluster's mark its own."""
+        self.config = dataclasses.replace(self.config, cluster_mark=marks[0], also_marks=tuple(marks[1:]))
+        if not self._is_stopped and (self._claiming is None or self._claiming.done()):
             self._claiming = asyncio.get_running_loop().create_task(self._claim_again())
 
     async def _claim_again(self) -> None:
-        try:
-            await self._claim_cluster()
-        except (KVPoolError, CoordinationError) as exc:
-            log.warning("cluster %s on etcd: its mark not updated for the new token (%s)",
-                        self.config.cluster_id, exc)  # fmt: skip
+        while True:
+            config = self.config
+            try:
+                await self._claim_cluster()
+            except (KVPoolError, CoordinationError) as exc:
+                log.warning("cluster %s on etcd: its mark not updated for the new token yet (%s); trying again "
+                            "in %d s", config.cluster_id, exc, limits.CLUSTER_MARK_RETRY_MS // 1000)  # fmt: skip
+                await asyncio.sleep(limits.CLUSTER_MARK_RETRY_MS / 1000)
+                continue
+            if self.config is config:
+                return
 
     async def _claim_cluster(self) -> None:
         """Check that this candidate's cluster token is the cluster's (its mark in etcd, set by

@@ -280,6 +280,7 @@ class MasterServer:
         self._move_tasks: set[asyncio.Task[None]] = set()
         self._verify_tasks: set[asyncio.Task[None]] = set()  # checks of reported replicas
         self._dfs_mark_task: asyncio.Task[None] | None = None  # replace_tokens's
+        self._is_stopping = False
         self._dfs_dir = dfs_dir
         self._dfs_bytes = dfs_bytes
         self._dfs: DfsDirectory | None = None
@@ -361,9 +362,11 @@ class MasterServer:
 
     def replace_tokens(self, tokens: Sequence[str]) -> None:
         """Accept these cluster tokens from now on and sign grants with the first (a token
-        rotating in or out: docs/operations.md "Rotating the token"). Connections already
-        authenticated stay; the DFS's and etcd's marks of the cluster follow the first token,
-        so that a master restarted with it alone still finds them its own.
+        rotating in or out: docs/operations.md "Rotating the token"). Connections whose peer
+        proved a token no longer accepted are closed; the DFS's and etcd's marks of the cluster
+        follow the first token (retried until they do), so that a master restarted with it
+        alone still finds them its own. Before start() (the signal came early) only the
+        tokens change: start() marks with them.
 
         Raises:
             InvalidParams: no token for a master started with one, or one for a master started
@@ -371,23 +374,35 @@ class MasterServer:
         """
         self._keyring.replace(tokens)
         self.service.set_cluster_key(self._keyring.primary)
-        mark, *also = self._keyring.marks()
-        if self.elector is not None:
-            self.elector.rotate_marks(mark, tuple(also))
-        if self._dfs_dir:
-            if self._dfs_mark_task is not None:
-                self._dfs_mark_task.cancel()  # a hung DFS: the latest tokens' mark is the one to write
-            self._dfs_mark_task = asyncio.get_running_loop().create_task(self._mark_dfs(mark, also))
-        log.info("master %s: cluster tokens replaced: %d accepted, grants signed with the first",
-                 self.endpoint, len(self._keyring.keys))  # fmt: skip
+        server = self._server
+        closed = server.close_unaccepted(self._keyring) if server is not None else 0
+        if self._tick_task is not None and not self._is_stopping:  # started, not stopping
+            if self.elector is not None:
+                self.elector.rotate_marks(self._keyring.marks())
+            if self._dfs is not None and (self._dfs_mark_task is None or self._dfs_mark_task.done()):
+                self._dfs_mark_task = asyncio.get_running_loop().create_task(self._mark_dfs(self._dfs))
+        log.info("master %s: cluster tokens replaced: %d accepted, grants signed with the first; %d connections "
+                 "closed (their token is no longer accepted)",
+                 self.endpoint, len(self._keyring.keys), closed)  # fmt: skip
 
-    async def _mark_dfs(self, mark: str, also: list[str]) -> None:
-        try:
-            await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, mark, also)
-        except (OSError, KVPoolError) as exc:
-            log.warning("the DFS %s: its cluster mark not updated for the new token: %s", self._dfs_dir, exc)
+    async def _mark_dfs(self, dfs: DfsDirectory) -> None:
+        """Mark the DFS with the first token's mark, until it is (a share that does not answer
+        is tried again): the marks are read again at each try, so the latest tokens win."""
+        while True:
+            mark, *also = self._keyring.marks()
+            try:
+                await asyncio.to_thread(dfs.mark_owner, mark, also)
+            except (OSError, KVPoolError) as exc:
+                log.warning("the DFS %s: its cluster mark not updated for the new token yet (%s); trying "
+                            "again in %d s", dfs.path, exc, limits.CLUSTER_MARK_RETRY_MS // 1000)  # fmt: skip
+                await asyncio.sleep(limits.CLUSTER_MARK_RETRY_MS / 1000)
+                continue
+            if self._keyring.marks()[0] == mark:
+                log.info("the DFS %s: marked with the first cluster token's mark", dfs.path)
+                return
 
     async def stop(self) -> None:
+        self._is_stopping = True
         if self.elector is not None:
             await self.elector.stop()  # A leader revokes its lease: a standby takes over now.
         if self._tick_task is not None:

@@ -241,17 +241,20 @@ class Node:
 
     def replace_tokens(self, tokens: Sequence[str]) -> None:
         """Accept these cluster tokens from now on, and connect with the first (a token rotating
-        in or out: docs/operations.md "Rotating the token"). Connections already authenticated
-        stay, the link to the master too; a link its master refused tries the new first token
-        at its next attempt. The segment and its objects stay.
+        in or out: docs/operations.md "Rotating the token"). Connections whose peer proved a
+        token no longer accepted are closed; the link to the master stays (the master closes it
+        once it no longer accepts its token, and the node connects again with its first); a
+        link its master refused tries the new first token at its next attempt. The segment and
+        its objects stay.
 
         Raises:
             InvalidParams: no token for a node started with one, or one for a node started
                 without (auth.Keyring.replace).
         """
         self._keyring.replace(tokens)
-        log.info("node %s: cluster tokens replaced: %d accepted, connecting with the first",
-                 self.node_id, len(self._keyring.keys))  # fmt: skip
+        closed = self._server.close_unaccepted(self._keyring) if self._server is not None else 0
+        log.info("node %s: cluster tokens replaced: %d accepted, connecting with the first; %d connections closed "
+                 "(their token is no longer accepted)", self.node_id, len(self._keyring.keys), closed)  # fmt: skip
 
     @property
     def refusal(self) -> KVPoolError | None:

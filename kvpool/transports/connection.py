@@ -214,6 +214,7 @@ class Connection(asyncio.BufferedProtocol):
         self._key = key if not isinstance(key, auth.Keyring) else None
         self._keyring = key if isinstance(key, auth.Keyring) else auth.Keyring()
         assert is_server == isinstance(key, auth.Keyring), "a server takes a Keyring, a client a key"
+        self.proven_key: bytes | None = None  # a server's: the key its peer proved (Listener.close_unaccepted)
         self._is_server = is_server
         self._decoder = FrameDecoder()
         self._decoder.limit_control_size(HANDSHAKE_CONTROL_SIZE_BYTES_MAX)  # until authenticated
@@ -932,6 +933,7 @@ class Connection(asyncio.BufferedProtocol):
                     return
                 self._write_now(encode_frame(AuthOk(auth.server_proof(key, challenge, message.nonce)), 0))
                 self._seal_frames(auth.frame_seals(key, challenge.nonce, message.nonce, is_server=True))
+                self.proven_key = key
             self._authenticated()
             return
         try:
@@ -1104,6 +1106,15 @@ class Listener:
     @property
     def port(self) -> int:
         return self._servers[0].sockets[0].getsockname()[1]
+
+    def close_unaccepted(self, keyring: auth.Keyring) -> int:
+        """Close the connections whose peer proved a key `keyring` no longer holds (a token
+        rotated out: whoever held it is cut off, not only refused new connections). Returns
+        how many."""
+        unaccepted = [c for c in self.connections if c.proven_key is not None and c.proven_key not in keyring.keys]
+        for conn in unaccepted:
+            conn.close("its cluster token is no longer accepted")
+        return len(unaccepted)
 
     async def close(self, timeout_ms: int = limits.CONNECT_TIMEOUT_MS_DEFAULT) -> None:
         for server in self._servers:

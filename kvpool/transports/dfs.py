@@ -116,18 +116,42 @@ class DfsDirectory:
                 secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES), capacity_bytes, owner,
             )  # fmt: skip
             files.store_identity(directory.path, identity)
-        elif identity.tier != TIER_DFS:
-            raise InvalidParams(f"{directory.path} is a {identity.tier} tier, not a DFS directory")
-        elif identity.owner != owner:
-            if identity.owner and identity.owner not in also_owners:
-                raise InvalidParams(
-                    f"{directory.path} is the DFS tier of another cluster (another cluster token): give each "
-                    "cluster a --dfs-dir of its own"
-                )
-            identity = identity._replace(owner=owner)
-            files.store_identity(directory.path, identity)
+        else:
+            identity = directory._owned(identity, owner, also_owners)
         directory._identity = identity
         return directory
+
+    def mark_owner(self, owner: str, also_owners: Sequence[str]) -> None:
+        """Mark this directory `owner`'s where it is marked with one of `also_owners` (a master
+        whose tokens were replaced). Never creates an identity: a share unmounted under a
+        running master shows an empty mount point, which is not this tier.
+
+        Raises:
+            InvalidParams: no identity, another tier's, or another cluster's.
+        """
+        identity = files.load_identity(self.path)
+        if identity is None:
+            raise InvalidParams(f"{self.path} holds no DFS identity (not mounted?)")
+        self._owned(identity, owner, also_owners)
+
+    def _owned(self, identity: TierIdentity, owner: str, also_owners: Sequence[str]) -> TierIdentity:
+        """`identity`, marked `owner`'s (stored so) if it was one of `also_owners` or unmarked.
+
+        Raises:
+            InvalidParams: another tier's, or another cluster's.
+        """
+        if identity.tier != TIER_DFS:
+            raise InvalidParams(f"{self.path} is a {identity.tier} tier, not a DFS directory")
+        if identity.owner == owner:
+            return identity
+        if identity.owner and identity.owner not in also_owners:
+            raise InvalidParams(
+                f"{self.path} is the DFS tier of another cluster (another cluster token): give each "
+                "cluster a --dfs-dir of its own"
+            )
+        identity = identity._replace(owner=owner)
+        files.store_identity(self.path, identity)
+        return identity
 
     def identity(self) -> TierIdentity | None:
         """The identity found in the directory (cached once found), or None."""
