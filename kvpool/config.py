@@ -144,9 +144,10 @@ def token_from(token: str | None = None, token_file: str | None = None) -> str |
 
 def tokens_from(token: str | None = None, token_file: str | None = None) -> list[str]:
     """The cluster tokens, from the source token_from reads ([] for none): a token file holds
-    one per line, blank lines skipped. The first is the one a process connects and signs with;
-    a master or node accepts every one from its peers, so that a token can be rotated in and
-    out without a restart (docs/operations.md "Rotating the token")."""
+    one per line, blank lines and lines that start with "#" skipped. The first is the one a
+    process connects and signs with; a master or node accepts every one from its peers, so
+    that a token can be rotated in and out without a restart (docs/operations.md "Rotating
+    the token")."""
     if token:
         return [token]
     # A file named by the environment is said to be: the command named none.
@@ -158,10 +159,12 @@ def tokens_from(token: str | None = None, token_file: str | None = None) -> list
         except (OSError, ValueError) as exc:  # ValueError: not UTF-8 (the token is text), a NUL in the path
             reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else getattr(exc, "strerror", str(exc))
             raise InvalidParams(f"cannot read token file {token_file}{source}: {reason}") from None
-        if not text:
-            raise InvalidParams(f"token file {token_file}{source} is empty")
+        tokens = list(dict.fromkeys(line for line in map(str.strip, text.splitlines()) if line and line[0] != "#"))
+        if not tokens:
+            raise InvalidParams(f"token file {token_file}{source} is empty (or only comments)")
         _warn_if_every_user_reads(token_file)
-        return list(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
+        _warn_if_short(token_file, tokens)
+        return tokens
     value = os.environ.get("KVPOOL_TOKEN")
     if not value:
         return []
@@ -174,6 +177,19 @@ def tokens_from(token: str | None = None, token_file: str | None = None) -> list
 
 
 _token_files_warned: set[str] = set()
+_short_tokens_warned: set[str] = set()
+# A token shorter than this is said to be guessable (whoever guesses it joins the cluster).
+TOKEN_CHARS_MIN = 16
+
+
+def _warn_if_short(token_file: str, tokens: list[str]) -> None:
+    """Says once per file that it holds a token short enough to guess. Not refused: a test
+    cluster's token may be anything."""
+    short = min(len(token) for token in tokens)
+    if short < TOKEN_CHARS_MIN and token_file not in _short_tokens_warned:
+        _short_tokens_warned.add(token_file)
+        log.warning("token file %s holds a token of %d characters: whoever guesses it joins the cluster; use 32 "
+                    "random bytes (openssl rand -hex 32)", token_file, short)  # fmt: skip
 
 
 def _warn_if_every_user_reads(token_file: str) -> None:

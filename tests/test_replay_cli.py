@@ -10,6 +10,7 @@ its range, before anything runs or is written. Bounded: a few seconds.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -265,5 +266,12 @@ def test_a_trace_named_by_the_environment_must_be_there(monkeypatch, tmp_path: P
     monkeypatch.setenv(TRACE_ENV, str(tmp_path / "typo.jsonl"))
     with pytest.raises(InvalidParams, match="no such file"):
         find_trace()
+    # The demo says so before it starts a process (it ran whole, then failed on it).
+    from rich.console import Console
+
+    from kvpool.cli.demo import run_demo
+
+    with pytest.raises(InvalidParams, match="no such file"):
+        run_demo(3, 32 << 20, 16, 1024, Console(file=io.StringIO()))
     (tmp_path / "typo.jsonl").write_text("")
     assert find_trace() == tmp_path / "typo.jsonl"

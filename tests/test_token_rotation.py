@@ -9,6 +9,7 @@ real master and node processes, and check each server's handshake with each toke
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -41,14 +42,28 @@ def test_a_token_file_holds_one_token_per_line_the_first_the_one_to_connect_with
     monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
     path = tmp_path / "token"
-    path.write_text(f"  {NEW}  \n\n{OLD}\n{NEW}\n")
+    path.write_text(f"# rotating: the new one first\n  {NEW}  \n\n{OLD}\n{NEW}\n")
     path.chmod(0o600)
-    assert tokens_from(None, str(path)) == [NEW, OLD]  # stripped, blank lines and repeats skipped
+    assert tokens_from(None, str(path)) == [NEW, OLD]  # stripped; comments, blank lines and repeats skipped
     assert token_from(None, str(path)) == NEW  # what a client connects with
     path.write_text(OLD)  # one line, as before
     assert tokens_from(None, str(path)) == [OLD]
     assert tokens_from(NEW, str(path)) == [NEW]  # an explicit token wins, as before
     assert tokens_from() == []
+    path.write_text("# nothing but a comment\n")
+    with pytest.raises(InvalidParams, match="is empty"):
+        tokens_from(None, str(path))
+
+
+def test_a_token_short_enough_to_guess_is_taken_with_a_warning(tmp_path, caplog) -> None:
+    path = tmp_path / "short"
+    path.write_text("abc\n")
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="kvpool.config"):
+        assert tokens_from(None, str(path)) == ["abc"]
+        assert tokens_from(None, str(path)) == ["abc"]
+    said = [r.getMessage() for r in caplog.records if "characters" in r.getMessage()]
+    assert len(said) == 1 and "holds a token of 3 characters: whoever guesses it" in said[0]  # once per file
 
 
 def test_a_keyring_accepts_each_of_its_keys_and_signs_with_the_first() -> None:
@@ -210,7 +225,7 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
             leaked.get_batch(list(stored))
     assert not any(accepts(server, OLD) for server in servers)
     said = cluster.master.log_path.read_text()  # type: ignore[union-attr]
-    closed = re.search(r"1 accepted, grants signed with the first; (\d+) connections closed", said)
+    closed = re.search(r"1 accepted, grants signed with the first \(mark \w+\); (\d+) connections closed", said)
     assert closed and int(closed.group(1)) >= 3, closed  # the two nodes' links and the leaked store's
     with Store(cluster.master_endpoint, token=NEW) as store:
         # The nodes' links to the master proved the old token at their start: closed, they
@@ -232,7 +247,7 @@ def test_a_token_file_that_cannot_be_read_at_sigusr1_leaves_the_tokens_as_they_w
     os.kill(cluster.master.pid, signal.SIGUSR1)  # type: ignore[union-attr]
     log = cluster.workdir / "master.log"
     assert wait_until(lambda: "cluster tokens not replaced (SIGUSR1)" in log.read_text(), 10), log.read_text()
-    assert "is empty; the ones before stay" in log.read_text()
+    assert "is empty (or only comments); the ones before stay" in log.read_text()
     assert accepts(cluster.master_endpoint, OLD) and not accepts(cluster.master_endpoint, NEW)
     token_file.write_text(NEW)
     os.kill(cluster.master.pid, signal.SIGUSR1)  # type: ignore[union-attr]
@@ -270,5 +285,18 @@ def test_the_cluster_marks_in_etcd_and_the_dfs_follow_the_first_token(make_clust
     cluster.master.signal(signal.SIGUSR1)  # type: ignore[union-attr]
     assert wait_until(lambda: etcd_mark() == new_mark and dfs_owner() == new_mark, 10), (etcd_mark(), dfs_owner())
     with Store(cluster.master_address, token=OLD) as store:  # the old token is still accepted
+        store.put("still", b"s" * 100)
+        assert store.get("still") == b"s" * 100
+
+
+def test_sigusr1_without_a_token_file_says_so_and_changes_nothing(make_cluster):
+    """A master whose token (none here; or KVPOOL_TOKEN's) is not from a file has nothing to
+    read again: it logged "cluster tokens replaced: 0 accepted", as if something was."""
+    cluster = make_cluster(1, "16MiB")
+    cluster.master.signal(signal.SIGUSR1)  # type: ignore[union-attr]
+    log = cluster.master.log_path  # type: ignore[union-attr]
+    assert wait_until(lambda: "SIGUSR1 reads the token file again, and there is none" in log.read_text(), 10)
+    assert "tokens replaced" not in log.read_text() and cluster.master.is_alive()  # type: ignore[union-attr]
+    with Store(cluster.master_endpoint, token="") as store:
         store.put("still", b"s" * 100)
         assert store.get("still") == b"s" * 100

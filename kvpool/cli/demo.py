@@ -37,8 +37,8 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
     Raises:
         InvalidParams: a segment below the minimum a node takes, or objects that could not be
             stored (empty, larger than a segment or than an object can be) or kept until read
-            back (more than the nodes hold below the eviction watermark): said before any
-            process starts.
+            back (more than the nodes hold below the eviction watermark), or $KVPOOL_TRACE
+            naming no file: said before any process starts.
     """
     if memory_bytes < limits.SEGMENT_SIZE_BYTES_MIN:
         raise InvalidParams(
@@ -65,6 +65,9 @@ def run_demo(node_count: int, memory_bytes: int, object_count: int, object_size_
             f"the eviction watermark ({limits.EVICT_WATERMARK_RATIO_HIGH_DEFAULT:.0%}): they would be evicted "
             "before they are read back"
         )
+    from kvpool.cli.replay import find_trace
+
+    find_trace()  # $KVPOOL_TRACE naming no file: said before the demo runs, not after it
     with sigterm_as_interrupt():
         _run_demo(node_count, memory_bytes, object_count, object_size_bytes, console)
 

@@ -207,6 +207,10 @@ def _replace_tokens_on_sigusr1(token_file: Optional[Path], replace: Callable[[li
     action ends the process."""
 
     def reload() -> None:
+        if token_file is None:  # nothing to read again: KVPOOL_TOKEN is the start's, or no token at all
+            log.warning("%s: SIGUSR1 reads the token file again, and there is none (--token-file, "
+                        "KVPOOL_TOKEN_FILE); KVPOOL_TOKEN is read at start only", name)  # fmt: skip
+            return
         try:
             replace(_tokens(token_file))
         except KVPoolError as exc:

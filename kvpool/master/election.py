@@ -315,7 +315,8 @@ class Elector:
         held = "" if created or holder is None else holder.value.decode(errors="replace")
         if held and held != mark and held in self.config.also_marks:
             await self._etcd.put(key, mark.encode())  # the token rotated: the cluster's mark follows
-            log.info("cluster %s on etcd: its mark is now this master's token's", self.config.cluster_id)
+            log.info("cluster %s on etcd: its mark is now this master's first token's (%s)",
+                     self.config.cluster_id, mark[:8])  # fmt: skip
         elif held and held != mark:
             raise InvalidParams(
                 f"cluster {self.config.cluster_id} on etcd has masters with another cluster token: this master "

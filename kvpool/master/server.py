@@ -348,8 +348,9 @@ class MasterServer:
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
         http_host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
         http = f", /metrics on http://{http_host}:{self.http_port}" if self._http is not None else ""
+        auth_said = f"on, token mark {self._keyring.first_mark()}" if self._keyring else "off"
         log.info("master listening on %s (auth %s, open files limit %d%s)", self.endpoint,
-                 "on" if self._keyring else "off", raise_open_files_limit(), http)  # fmt: skip
+                 auth_said, raise_open_files_limit(), http)  # fmt: skip
         if self._election is not None:
             http = f"{self.advertised_endpoint.rpartition(':')[0]}:{self.http_port or 0}"
             record = LeaderRecord(self.advertised_endpoint, http, secrets.token_hex(6))
@@ -381,9 +382,9 @@ class MasterServer:
                 self.elector.rotate_marks(self._keyring.marks())
             if self._dfs is not None and (self._dfs_mark_task is None or self._dfs_mark_task.done()):
                 self._dfs_mark_task = asyncio.get_running_loop().create_task(self._mark_dfs(self._dfs))
-        log.info("master %s: cluster tokens replaced: %d accepted, grants signed with the first; %d connections "
-                 "closed (their token is no longer accepted)",
-                 self.endpoint, len(self._keyring.keys), closed)  # fmt: skip
+        log.info("master %s: cluster tokens replaced: %d accepted, grants signed with the first (mark %s); %d "
+                 "connections closed (their token is no longer accepted)",
+                 self.endpoint, len(self._keyring.keys), self._keyring.first_mark(), closed)  # fmt: skip
 
     async def _mark_dfs(self, dfs: DfsDirectory) -> None:
         """Mark the DFS with the first token's mark, until it is (a share that does not answer
@@ -398,7 +399,7 @@ class MasterServer:
                 await asyncio.sleep(limits.CLUSTER_MARK_RETRY_MS / 1000)
                 continue
             if self._keyring.marks()[0] == mark:
-                log.info("the DFS %s: marked with the first cluster token's mark", dfs.path)
+                log.info("the DFS %s: marked with the first cluster token's mark (%s)", dfs.path, mark[:8])
                 return
 
     async def stop(self) -> None:

@@ -253,8 +253,9 @@ class Node:
         """
         self._keyring.replace(tokens)
         closed = self._server.close_unaccepted(self._keyring) if self._server is not None else 0
-        log.info("node %s: cluster tokens replaced: %d accepted, connecting with the first; %d connections closed "
-                 "(their token is no longer accepted)", self.node_id, len(self._keyring.keys), closed)  # fmt: skip
+        log.info("node %s: cluster tokens replaced: %d accepted, connecting with the first (mark %s); %d "
+                 "connections closed (their token is no longer accepted)",
+                 self.node_id, len(self._keyring.keys), self._keyring.first_mark(), closed)  # fmt: skip
 
     @property
     def refusal(self) -> KVPoolError | None:

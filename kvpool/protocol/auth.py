@@ -173,6 +173,11 @@ class Keyring:
         """cluster_mark of each key, the primary's first (["none"] without a token)."""
         return [cluster_mark(key) for key in self.keys] or [cluster_mark(None)]
 
+    def first_mark(self) -> str:
+        """What logs name the primary by: its mark's first 8 digits, which tell one token from
+        another and nothing of it ("none" without a token)."""
+        return self.marks()[0][:8]
+
     def replace(self, tokens: Sequence[str]) -> None:
         """Take `tokens` in place of the current ones.
 
