@@ -237,10 +237,15 @@ class ClientConfig:
     # Give a get's read leases back once it is done (client/leases.py); off, they run for the
     # master's whole lease TTL, as Mooncake's do (the Mooncake-compatible API keeps that).
     release_leases: bool = True
+    # Tokens to connect with once a server refuses `token` as a wrong one (auth.ClientKeys): with
+    # `token` None, the rest of the token file's lines (a token being rotated).
+    other_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.token is None:
-            object.__setattr__(self, "token", token_from())  # frozen: set once, here
+            tokens = tokens_from()
+            object.__setattr__(self, "token", tokens[0] if tokens else None)  # frozen: set once, here
+            object.__setattr__(self, "other_tokens", (*self.other_tokens, *tokens[1:]))
         if not 1 <= self.connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX:
             raise InvalidParams(
                 f"connections_per_peer must be in [1, {limits.CONNECTIONS_PER_PEER_MAX}]"

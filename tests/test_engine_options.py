@@ -42,6 +42,11 @@ def test_values_as_json_and_yaml_give_them_are_read(tmp_path, monkeypatch):
         lookup_backoff_ms_max=800,
     )
     assert options.replicate.replica_num == 2
+    # A token file mid-rotation: the connector connects with the first line, and keeps the
+    # others for when a server refuses it (docs/operations.md "Rotating the token").
+    token_file.write_text("the-new-one-0123456789\nsecret\n")
+    rotating = EngineOptions.read(extra, "kv_connector_extra_config")
+    assert (rotating.token, rotating.other_tokens) == ("the-new-one-0123456789", ("secret",))
 
 
 def test_defaults_and_the_master_from_the_environment(monkeypatch):

@@ -88,6 +88,19 @@ def test_a_keyring_accepts_each_of_its_keys_and_signs_with_the_first() -> None:
         auth.Keyring().replace([NEW])
 
 
+def test_a_client_connects_with_its_next_token_once_a_server_refuses_its_first_as_wrong() -> None:
+    old, new = auth.cluster_key(OLD), auth.cluster_key(NEW)
+    keys = auth.ClientKeys([old, new])
+    assert keys.current == old
+    assert keys.refused(old, Unauthorized("127.0.0.1:1 refused the connection: wrong cluster token"))
+    assert keys.current == new  # and the refused one last: tried again only after the others
+    assert keys.refused(old, Unauthorized("... wrong cluster token"))  # another connection's news: try current
+    assert keys.current == new
+    assert not keys.refused(new, Unauthorized("127.0.0.1:1 requires a cluster token"))  # not a wrong token
+    assert not auth.ClientKeys([old]).refused(old, Unauthorized("wrong cluster token"))  # none other to try
+    assert auth.ClientKeys().current is None
+
+
 def test_a_dfs_directory_marked_with_another_of_the_clusters_tokens_is_marked_with_the_first(tmp_path) -> None:
     old, new = (auth.cluster_mark(auth.cluster_key(token)) for token in (OLD, NEW))
     third = auth.cluster_mark(auth.cluster_key("a-third-token-0123456789abcdef"))
@@ -174,7 +187,7 @@ def accepts(endpoint: str, token: str) -> bool:
     return asyncio.run(handshake())
 
 
-def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object(make_cluster):
+def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object(make_cluster, request):
     cluster = make_cluster(2, "16MiB", token=OLD)
     servers = [cluster.master_endpoint, *(node.info["endpoint"] for node in cluster.nodes)]
     processes = [cluster.master, *cluster.nodes]
@@ -208,6 +221,11 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
     assert all(accepts(server, NEW) for server in servers)
     put_and_read(NEW, "accepted", stored)
     put_and_read(OLD, "still-old", stored)
+    # A serving engine started now reads both lines: it connects with the old token, and keeps
+    # the new one for when a server refuses the old (auth.ClientKeys).
+    riding = Store(cluster.master_endpoint, token=OLD, other_tokens=(NEW,), **options)
+    request.addfinalizer(riding.close)  # idempotent
+    assert riding.get_batch(list(stored)) == list(stored.values())
 
     # 2. The new token first: the master signs grants with it, nodes connect with it; clients
     # still on the old one are served (restart them with the new one meanwhile).
@@ -235,6 +253,10 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
 
         assert wait_until(lambda: mounted() == [(segment, "active") for segment in segments], 15), mounted()
     put_and_read(NEW, "after", stored)
+    with riding:  # never restarted: its connections closed at step 3, it connected with the new token
+        assert riding.get_batch(list(stored)) == list(stored.values())
+        riding.put("riding", b"r" * 1000)
+        assert riding.get("riding") == b"r" * 1000
     assert all(process.is_alive() for process in processes)  # type: ignore[union-attr]
 
 

@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
-from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed
+from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed, Unauthorized
 from kvpool.process import forks
+from kvpool.protocol.auth import ClientKeys
 from kvpool.protocol.messages import Message
 from kvpool.transports.connection import Connection, LateReply, OnLanded, ReplySinks, connect
 
@@ -95,15 +96,28 @@ class _ClosedForGood:
             raise
 
 
+async def connect_with(keys: ClientKeys, endpoint: str, **options: Any) -> Connection:
+    """connect() with the store's current key, and with its others while a server refuses
+    them as wrong tokens (auth.ClientKeys: a token rotated)."""
+    for attempt in range(max(1, len(keys))):
+        key = keys.current
+        try:
+            return await connect(endpoint, key=key, **options)
+        except Unauthorized as exc:
+            if attempt == len(keys) - 1 or not keys.refused(key, exc):
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 class PeerPool(_ClosedForGood):
     """Connections by endpoint. Invariant: no closed connection stays in `_conns`."""
 
     def __init__(
-        self, key: bytes | None, connections_per_peer: int, connect_timeout_ms: int, prefer_local: bool
+        self, keys: ClientKeys, connections_per_peer: int, connect_timeout_ms: int, prefer_local: bool
     ) -> None:
         assert 1 <= connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX, connections_per_peer
         super().__init__()
-        self._key = key
+        self._keys = keys
         self._prefer_local = prefer_local
         self._size = connections_per_peer
         self._connect_timeout_ms = connect_timeout_ms
@@ -168,8 +182,8 @@ class PeerPool(_ClosedForGood):
         cancels it, and its callers get StoreClosed: a closing store's puts wait for their
         transfers to end, AsyncStore.aclose, and a connect to a node that does not answer took
         its whole timeout)."""
-        conn = self._kept(await connect(
-            endpoint, key=self._key, timeout_ms=self._connect_timeout_ms, name="client", prefer_local=self._prefer_local
+        conn = self._kept(await connect_with(
+            self._keys, endpoint, timeout_ms=self._connect_timeout_ms, name="client", prefer_local=self._prefer_local
         ))  # fmt: skip
         conns = self._live(endpoint)
         if len(conns) >= self._size:
@@ -209,13 +223,13 @@ class MasterLink(_ClosedForGood):
     """
 
     def __init__(
-        self, endpoint: str, key: bytes | None, connect_timeout_ms: int, rpc_timeout_ms: int, prefer_local: bool
+        self, endpoint: str, keys: ClientKeys, connect_timeout_ms: int, rpc_timeout_ms: int, prefer_local: bool
     ):
         super().__init__()
         self.endpoint = endpoint
         self._prefer_local = prefer_local
         self._resolver = MasterResolver(endpoint)
-        self._key = key
+        self._keys = keys
         self._connect_timeout_ms = connect_timeout_ms
         self._rpc_timeout_ms = rpc_timeout_ms
         self._conn: Connection | None = None
@@ -284,8 +298,8 @@ class MasterLink(_ClosedForGood):
             self._is_stale = False  # Still the leader: other calls keep their connection.
             return old
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        conn = self._kept(await connect(
-            endpoint, key=self._key, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
+        conn = self._kept(await connect_with(
+            self._keys, endpoint, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
         ))  # fmt: skip
         if old is not None:
             old.close("the master moved")

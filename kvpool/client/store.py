@@ -132,12 +132,13 @@ class AsyncStore:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.hostname = config.hostname or socket.gethostname()
-        self._key = auth.cluster_key(config.token) if config.token else None
+        # Every token its file holds, the first first (auth.ClientKeys: a token being rotated).
+        self._keys = auth.ClientKeys.of([config.token, *config.other_tokens] if config.token else [])
         self._master = MasterLink(
-            config.master, self._key, config.connect_timeout_ms, config.rpc_timeout_ms, config.shm_enabled
+            config.master, self._keys, config.connect_timeout_ms, config.rpc_timeout_ms, config.shm_enabled
         )
         self._peers = PeerPool(
-            self._key, config.connections_per_peer, config.connect_timeout_ms, config.shm_enabled
+            self._keys, config.connections_per_peer, config.connect_timeout_ms, config.shm_enabled
         )
         self._mapped: dict[str, Segment | None] = {}
         self._retired: set[Segment] = set()  # unlinked, unmapped soon (_retire_unlinked)

@@ -86,6 +86,7 @@ from kvpool.errors import (
     Unauthorized,
 )
 from kvpool.process import forks
+from kvpool.protocol.auth import ClientKeys
 from kvpool.protocol.messages import (
     ClusterStatusReply,
     ExistKeys,
@@ -273,9 +274,9 @@ class _DirectLinks:
     connected to (see the module). Connections follow that link: when it moves to another
     master, a thread's next request opens a connection there."""
 
-    def __init__(self, master: MasterLink, key: bytes | None, config: ClientConfig) -> None:
+    def __init__(self, master: MasterLink, keys: ClientKeys, config: ClientConfig) -> None:
         self._master = master
-        self._key = key
+        self._keys = keys  # its current one (a refused token's next is found through the loop)
         self._open_timeout_ms = min(config.connect_timeout_ms, DIRECT_OPEN_TIMEOUT_MS)
         self._rpc_timeout_ms = config.rpc_timeout_ms
         self._prefer_local = config.shm_enabled
@@ -397,7 +398,7 @@ class _DirectLinks:
         try:
             conn = BlockingConnection.open(
                 endpoint,
-                key=self._key,
+                key=self._keys.current,
                 timeout_ms=min(self._open_timeout_ms, open_timeout_ms or self._open_timeout_ms),
                 prefer_local=self._prefer_local,
             )
@@ -430,8 +431,8 @@ class Store:
         # The outer bound covers a whole batch: lookups, transfers and the closing round trip.
         self._timeout_ms = config.transfer_timeout_ms + 3 * config.rpc_timeout_ms
         self._opened: AsyncStore = self._loop.run(AsyncStore.open(**vars(config)), self._timeout_ms)
-        self._direct = _DirectLinks(self._opened._master, self._opened._key, config)
-        self._nodes = NodeLinks(self._opened._key, config, self._opened.slow_nodes)
+        self._direct = _DirectLinks(self._opened._master, self._opened._keys, config)
+        self._nodes = NodeLinks(self._opened._keys, config, self._opened.slow_nodes)
         self._in_flight_lock = threading.Lock()
         self._puts_in_flight = 0  # puts of this Store under way, from all threads (_put)
         self._closing = False  # close() began: no new put starts, those under way may finish
@@ -488,8 +489,8 @@ class Store:
             fresh.buffers = inherited.buffers.copy_after_fork()
             _inherited.append((inherited, self._direct, self._nodes))
             self._loop, self._opened = loop, fresh
-            self._direct = _DirectLinks(fresh._master, fresh._key, fresh.config)
-            self._nodes = NodeLinks(fresh._key, fresh.config, fresh.slow_nodes)
+            self._direct = _DirectLinks(fresh._master, fresh._keys, fresh.config)
+            self._nodes = NodeLinks(fresh._keys, fresh.config, fresh.slow_nodes)
             self._in_flight_lock = threading.Lock()  # another parent thread may have held it
             self._puts_in_flight = 0
             self._opened_in = forks()

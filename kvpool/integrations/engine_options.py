@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpool import limits
 from kvpool.client.sync import Store
-from kvpool.config import parse_flag, parse_size, token_from
+from kvpool.config import parse_flag, parse_size, tokens_from
 from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.integrations import breaker
 from kvpool.protocol.messages import ReplicateConfig
@@ -49,6 +49,9 @@ class EngineOptions:
     lookup_timeout_ms: int = breaker.LOOKUP_TIMEOUT_MS_DEFAULT
     lookup_backoff_ms_min: int = breaker.LOOKUP_BACKOFF_MS_MIN_DEFAULT
     lookup_backoff_ms_max: int = breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT
+    # The token file's other lines, tried once a server refuses `token` (auth.ClientKeys: a
+    # token being rotated, so that a serving engine rides through the rotation's last step).
+    other_tokens: tuple[str, ...] = ()
 
     @classmethod
     def read(
@@ -97,9 +100,11 @@ class EngineOptions:
         # (a minimum above the default maximum raises the maximum's default with it)
         default_ms_max = max(backoff_ms_min, breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT)
         backoff_ms_max = whole("lookup_backoff_ms_max", default_ms_max, backoff_ms_min, longest_ms)
+        tokens = tokens_from(value("token", None), value("token_file", None))
         return cls(
             master=str(master),
-            token=token_from(value("token", None), value("token_file", None)),
+            token=tokens[0] if tokens else None,
+            other_tokens=tuple(tokens[1:]),
             embedded_memory_bytes=size("embedded_memory"),
             shm_enabled=parse_flag(value("shm_enabled", True), f"{prefix}shm_enabled in {where}"),
             replicate=ReplicateConfig(replica_num=whole("replica_num", 1, 1, limits.REPLICA_NUM_MAX)),
@@ -118,6 +123,7 @@ class EngineOptions:
         return Store(
             self.master,
             token=self.token,
+            other_tokens=self.other_tokens,
             embedded_memory_bytes=self.embedded_memory_bytes,
             shm_enabled=self.shm_enabled,
         )

@@ -206,10 +206,48 @@ class Keyring:
         return any(is_valid_grant(key, grant, now_ms) for key in self.keys)
 
 
+class ClientKeys:
+    """The cluster keys a client connects with, from its token file's lines: the first, until
+    a server refuses it as a wrong token, then the next. A Store opened between a rotation's
+    first and last steps (docs/operations.md "Rotating the token") holds both tokens, and
+    rides through the last step on the new one. One per Store, shared by its connections;
+    empty: no token."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: Sequence[bytes] = ()) -> None:
+        self._keys = list(dict.fromkeys(keys))
+
+    @classmethod
+    def of(cls, tokens: Sequence[str]) -> ClientKeys:
+        return cls([cluster_key(token) for token in tokens])
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def current(self) -> bytes | None:
+        """The key to connect with now; None without a token."""
+        return self._keys[0] if self._keys else None
+
+    def refused(self, key: bytes | None, error: Unauthorized) -> bool:
+        """A server refused `key`: whether to connect again with `current`, another key (the
+        server said "wrong cluster token", and this client holds another). The refused key
+        goes last: tried again only once the others were refused too."""
+        if key is None or len(self._keys) < 2 or WRONG_TOKEN not in str(error):
+            return False
+        if self._keys[0] == key:
+            self._keys.append(self._keys.pop(0))
+        return True
+
+
+WRONG_TOKEN = "wrong cluster token"  # what a server answers a proof made with another token
+
+
 def refusal(response: AuthResponse) -> ErrorReply:
     """What a server with a token answers a client whose proof is wrong or missing, before it
     closes."""
-    why = "wrong cluster token" if response.mac else "this cluster requires a cluster token; none was sent"
+    why = WRONG_TOKEN if response.mac else "this cluster requires a cluster token; none was sent"
     return ErrorReply(int(ErrorCode.ILLEGAL_CLIENT), why)
 
 
