@@ -19,7 +19,7 @@ import pytest
 from conftest import wait_until
 
 from kvpool import ErrorCode, Store, limits
-from kvpool.config import token_from, tokens_from
+from kvpool.config import ClientConfig, token_from, tokens_from
 from kvpool.discovery import LeaderRecord, mark_key
 from kvpool.errors import CoordinationError, InvalidParams, Unauthorized
 from kvpool.master.election import ElectionConfig, Elector
@@ -53,6 +53,18 @@ def test_a_token_file_holds_one_token_per_line_the_first_the_one_to_connect_with
     path.write_text("# nothing but a comment\n")
     with pytest.raises(InvalidParams, match="is empty"):
         tokens_from(None, str(path))
+
+
+def test_a_store_given_no_token_keeps_every_line_of_the_deployments_file(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "token"
+    path.write_text(f"{NEW}\n{OLD}\n")
+    path.chmod(0o600)
+    monkeypatch.setenv("KVPOOL_TOKEN_FILE", str(path))
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    config = ClientConfig()
+    assert (config.token, config.other_tokens) == (NEW, (OLD,))
+    assert (ClientConfig(token=OLD).token, ClientConfig(token=OLD).other_tokens) == (OLD, ())  # in code: as given
+    assert ClientConfig(token="").token == ""  # none, whatever the environment says
 
 
 def test_a_token_short_enough_to_guess_is_taken_with_a_warning(tmp_path, caplog) -> None:
