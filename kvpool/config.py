@@ -237,7 +237,7 @@ class ClientConfig:
     # Give a get's read leases back once it is done (client/leases.py); off, they run for the
     # master's whole lease TTL, as Mooncake's do (the Mooncake-compatible API keeps that).
     release_leases: bool = True
-    # Tokens to connect with once a server refuses `token` as a wrong one (auth.ClientKeys): with
+    # Tokens to connect with once a server refuses `token` as a wrong one (auth.Keyring): with
     # `token` None, the rest of the token file's lines (a token being rotated).
     other_tokens: tuple[str, ...] = ()
 

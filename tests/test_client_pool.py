@@ -23,7 +23,7 @@ from kvpool.client import pool
 from kvpool.client.pool import MasterLink
 from kvpool.discovery import LeaderRecord, leader_key, mark_key
 from kvpool.errors import ConnectFailed, RpcTimeout, StoreClosed
-from kvpool.protocol.auth import ClientKeys
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.frames import encode_frame
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ExistKeys
 from kvpool.transports.connection import Connection
@@ -69,7 +69,7 @@ def test_concurrent_calls_share_one_connect_and_each_keeps_its_bound(attempts):
     """They queued on a lock, each redoing the connect: the Nth took N connect timeouts."""
     with _frozen_master() as master:
         endpoint = f"127.0.0.1:{master.getsockname()[1]}"
-        link = MasterLink(endpoint, ClientKeys(), CONNECT_TIMEOUT_MS, RPC_TIMEOUT_MS, prefer_local=False)
+        link = MasterLink(endpoint, Keyring(), CONNECT_TIMEOUT_MS, RPC_TIMEOUT_MS, prefer_local=False)
         took_s = uvloop.run(_calls_took_s(link, 6))
     assert max(took_s) < (CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS) / 1000 + SLACK_S, took_s
     assert len(attempts) == 1, attempts
@@ -94,7 +94,7 @@ def test_close_during_the_handshake_ends_the_connect_and_its_callers(monkeypatch
         master = await asyncio.start_server(lambda reader, _: accepted.put_nowait(reader), "127.0.0.1", 0)
         endpoint = f"127.0.0.1:{master.sockets[0].getsockname()[1]}"
         async with master:
-            link = MasterLink(endpoint, ClientKeys(), connect_timeout_ms, RPC_TIMEOUT_MS, prefer_local=False)
+            link = MasterLink(endpoint, Keyring(), connect_timeout_ms, RPC_TIMEOUT_MS, prefer_local=False)
             call = asyncio.create_task(link.call(ExistKeys(["k"]), is_idempotent=True))
             reader = await asyncio.wait_for(accepted.get(), 10)
             await asyncio.wait_for(in_handshake.wait(), 10)
@@ -117,7 +117,7 @@ def test_concurrent_calls_to_a_frozen_leader_named_by_etcd_each_keep_their_bound
             await etcd.put(mark_key(cluster_id), b"")
             await etcd.put(leader_key(cluster_id), LeaderRecord(frozen, "", "frozen").encode(), lease_id=lease_id)
             try:
-                link = MasterLink(f"etcd://{etcd_endpoint}/{cluster_id}", ClientKeys(), CONNECT_TIMEOUT_MS,
+                link = MasterLink(f"etcd://{etcd_endpoint}/{cluster_id}", Keyring(), CONNECT_TIMEOUT_MS,
                                   RPC_TIMEOUT_MS, prefer_local=False)  # fmt: skip
                 return await _calls_took_s(link, 8)
             finally:
@@ -153,7 +153,7 @@ def test_a_call_cancelled_as_its_connect_completes_sends_nothing(run):
     conn = _RecordingConnection()
 
     async def main() -> bool:
-        link = MasterLink("127.0.0.1:1", ClientKeys(), 1000, 1000, prefer_local=False)
+        link = MasterLink("127.0.0.1:1", Keyring(), 1000, 1000, prefer_local=False)
         connected = asyncio.get_running_loop().create_future()
 
         async def open_when_told() -> object:
@@ -225,7 +225,7 @@ def test_a_call_that_joins_a_connect_under_way_keeps_its_own_bound():
     threading.Thread(target=slow_handshakes, daemon=True).start()
 
     async def main() -> None:
-        peers = pool.PeerPool(ClientKeys(), 4, 2_000, prefer_local=False)
+        peers = pool.PeerPool(Keyring(), 4, 2_000, prefer_local=False)
         try:
             hurried = asyncio.create_task(peers.lanes(endpoint, 1, 50))
             await asyncio.sleep(0.01)  # it started the connect
@@ -252,7 +252,7 @@ def test_a_close_ends_a_node_connect_under_way_and_its_callers_get_store_closed(
         endpoint = f"127.0.0.1:{node.getsockname()[1]}"
 
         async def main() -> float:
-            peers = pool.PeerPool(ClientKeys(), 4, 5_000, prefer_local=False)
+            peers = pool.PeerPool(Keyring(), 4, 5_000, prefer_local=False)
             calls = [asyncio.create_task(peers.lanes(endpoint, 1)) for _ in range(3)]
             await asyncio.sleep(0.2)  # connecting: the node's kernel took the TCP handshake
             closed_at = time.monotonic()

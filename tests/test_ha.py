@@ -48,7 +48,7 @@ from kvpool.master.election import ElectionConfig, Elector, Leadership, Role
 from kvpool.master.server import MasterServer
 from kvpool.master.takeover import Takeover
 from kvpool.node.server import Node
-from kvpool.protocol.auth import ClientKeys
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import ClusterStatus, PutStart
 from kvpool.transports.connection import connect
 from kvpool.transports.etcd import EtcdClient, parse_etcd_endpoints
@@ -104,7 +104,7 @@ def test_a_master_that_answers_not_leader_all_along_yields_not_leader(monkeypatc
         # Full backoffs (50, 100 ms...) and bounds a few ms apart: some calls have only a sliver
         # of their bound left after a backoff, which is the case that went wrong.
         for rpc_timeout_ms in range(40, 112, 3):
-            link = MasterLink("etcd://127.0.0.1:1/x", ClientKeys(), 100, rpc_timeout_ms, prefer_local=False)
+            link = MasterLink("etcd://127.0.0.1:1/x", Keyring(), 100, rpc_timeout_ms, prefer_local=False)
             link._resolver = EtcdLookup()  # type: ignore[assignment]
             link._conn, link._conn_endpoint = Recovering(), "127.0.0.1:1"  # type: ignore[assignment]
             try:

@@ -24,7 +24,7 @@ from kvpool.client.slow_nodes import SlowNodes
 from kvpool.client.transfer import GetJob, PutJob, now_monotonic_ms
 from kvpool.config import ClientConfig
 from kvpool.errors import ErrorCode
-from kvpool.protocol.auth import ClientKeys
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.frames import NEED_DATA, FrameDecoder, PayloadDone, encode_frame
 from kvpool.protocol.messages import (
     GetReplicaListReply,
@@ -75,7 +75,7 @@ def test_a_node_that_never_answers_holds_none_of_another_nodes_reply() -> None:
         job = GetJob(reply, [None] * 4, now_monotonic_ms(), lambda info: None, ["a", "b0", "b1", "b2"])
         job.copy_local()  # nothing is mapped here
         assert [batch.endpoint for batch in job.remote_batches()] == [silent, answering]  # the silent first
-        links = NodeLinks(ClientKeys(), ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500), SlowNodes())
+        links = NodeLinks(Keyring(), ClientConfig(shm_enabled=False, transfer_timeout_ms=1_500), SlowNodes())
         try:
             started = time.monotonic()
             assert links.read(job)
@@ -136,7 +136,7 @@ def test_a_node_that_never_reads_holds_none_of_another_nodes_write(transfer_time
         job = PutJob(["k"], [[memoryview(value)]], reply, lambda info: None, put_id=1)
         assert [batch.endpoint for batch in job.remote] == [silent, answering]  # the silent first
         config = ClientConfig(shm_enabled=False, transfer_timeout_ms=transfer_timeout_ms)
-        links = NodeLinks(ClientKeys(), config, SlowNodes())
+        links = NodeLinks(Keyring(), config, SlowNodes())
         try:
             started = time.monotonic()
             failed = links.write(job)

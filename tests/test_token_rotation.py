@@ -102,15 +102,15 @@ def test_a_keyring_accepts_each_of_its_keys_and_signs_with_the_first() -> None:
 
 def test_a_client_connects_with_its_next_token_once_a_server_refuses_its_first_as_wrong() -> None:
     old, new = auth.cluster_key(OLD), auth.cluster_key(NEW)
-    keys = auth.ClientKeys([old, new])
-    assert keys.current == old
+    keys = auth.Keyring([old, new])
+    assert keys.primary == old
     assert keys.refused(old, Unauthorized("127.0.0.1:1 refused the connection: wrong cluster token"))
-    assert keys.current == new  # and the refused one last: tried again only after the others
+    assert keys.primary == new  # and the refused one last: tried again only after the others
     assert keys.refused(old, Unauthorized("... wrong cluster token"))  # another connection's news: try current
-    assert keys.current == new
+    assert keys.primary == new
     assert not keys.refused(new, Unauthorized("127.0.0.1:1 requires a cluster token"))  # not a wrong token
-    assert not auth.ClientKeys([old]).refused(old, Unauthorized("wrong cluster token"))  # none other to try
-    assert auth.ClientKeys().current is None
+    assert not auth.Keyring([old]).refused(old, Unauthorized("wrong cluster token"))  # none other to try
+    assert auth.Keyring().primary is None
 
 
 def test_a_dfs_directory_marked_with_another_of_the_clusters_tokens_is_marked_with_the_first(tmp_path) -> None:
@@ -234,7 +234,7 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
     put_and_read(NEW, "accepted", stored)
     put_and_read(OLD, "still-old", stored)
     # A serving engine started now reads both lines: it connects with the old token, and keeps
-    # the new one for when a server refuses the old (auth.ClientKeys).
+    # the new one for when a server refuses the old (auth.Keyring).
     riding = Store(cluster.master_endpoint, token=OLD, other_tokens=(NEW,), **options)
     request.addfinalizer(riding.close)  # idempotent
     assert riding.get_batch(list(stored)) == list(stored.values())

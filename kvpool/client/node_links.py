@@ -52,7 +52,7 @@ from kvpool.errors import (
     Unauthorized,
     error_from_code,
 )
-from kvpool.protocol.auth import ClientKeys
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import ErrorReply, WriteSlices
 from kvpool.transports.blocking import BlockingConnection
 
@@ -97,7 +97,7 @@ class NodeLinks:
     """Each caller thread's blocking connections to the nodes it reads from and writes to
     (see the module)."""
 
-    def __init__(self, keys: ClientKeys, config: ClientConfig, slow_nodes: SlowNodes) -> None:
+    def __init__(self, keys: Keyring, config: ClientConfig, slow_nodes: SlowNodes) -> None:
         self._keys = keys  # its current one (a refused token's next is found through the loop)
         self._slow_nodes = slow_nodes
         self._open_timeout_ms = min(config.connect_timeout_ms, NODE_OPEN_TIMEOUT_MS)
@@ -332,7 +332,7 @@ class NodeLinks:
             return None
         try:
             conn = BlockingConnection.open(
-                endpoint, key=self._keys.current, timeout_ms=timeout_ms, prefer_local=self._prefer_local
+                endpoint, key=self._keys.primary, timeout_ms=timeout_ms, prefer_local=self._prefer_local
             )
         except (ConnectFailed, Unauthorized) as exc:
             if self._links.is_closed:  # by another thread meanwhile: not through the loop either

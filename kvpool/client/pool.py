@@ -22,7 +22,7 @@ from kvpool import limits
 from kvpool.discovery import MasterResolver
 from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed, Unauthorized
 from kvpool.process import forks
-from kvpool.protocol.auth import ClientKeys
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import Message
 from kvpool.transports.connection import Connection, LateReply, OnLanded, ReplySinks, connect
 
@@ -96,11 +96,11 @@ class _ClosedForGood:
             raise
 
 
-async def connect_with(keys: ClientKeys, endpoint: str, **options: Any) -> Connection:
+async def connect_with(keys: Keyring, endpoint: str, **options: Any) -> Connection:
     """connect() with the store's current key, and with its others while a server refuses
-    them as wrong tokens (auth.ClientKeys: a token rotated)."""
+    them as wrong tokens (auth.Keyring: a token rotated)."""
     for attempt in range(max(1, len(keys))):
-        key = keys.current
+        key = keys.primary
         try:
             return await connect(endpoint, key=key, **options)
         except Unauthorized as exc:
@@ -113,7 +113,7 @@ class PeerPool(_ClosedForGood):
     """Connections by endpoint. Invariant: no closed connection stays in `_conns`."""
 
     def __init__(
-        self, keys: ClientKeys, connections_per_peer: int, connect_timeout_ms: int, prefer_local: bool
+        self, keys: Keyring, connections_per_peer: int, connect_timeout_ms: int, prefer_local: bool
     ) -> None:
         assert 1 <= connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX, connections_per_peer
         super().__init__()
@@ -223,7 +223,7 @@ class MasterLink(_ClosedForGood):
     """
 
     def __init__(
-        self, endpoint: str, keys: ClientKeys, connect_timeout_ms: int, rpc_timeout_ms: int, prefer_local: bool
+        self, endpoint: str, keys: Keyring, connect_timeout_ms: int, rpc_timeout_ms: int, prefer_local: bool
     ):
         super().__init__()
         self.endpoint = endpoint

@@ -132,8 +132,8 @@ class AsyncStore:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.hostname = config.hostname or socket.gethostname()
-        # Every token its file holds, the first first (auth.ClientKeys: a token being rotated).
-        self._keys = auth.ClientKeys.of([config.token, *config.other_tokens] if config.token else [])
+        # Every token its file holds, the first first (auth.Keyring: a token being rotated).
+        self._keys = auth.Keyring.of([config.token, *config.other_tokens] if config.token else [])
         self._master = MasterLink(
             config.master, self._keys, config.connect_timeout_ms, config.rpc_timeout_ms, config.shm_enabled
         )

@@ -86,7 +86,7 @@ from kvpool.errors import (
     Unauthorized,
 )
 from kvpool.process import forks
-from kvpool.protocol.auth import ClientKeys
+from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import (
     ClusterStatusReply,
     ExistKeys,
@@ -274,7 +274,7 @@ class _DirectLinks:
     connected to (see the module). Connections follow that link: when it moves to another
     master, a thread's next request opens a connection there."""
 
-    def __init__(self, master: MasterLink, keys: ClientKeys, config: ClientConfig) -> None:
+    def __init__(self, master: MasterLink, keys: Keyring, config: ClientConfig) -> None:
         self._master = master
         self._keys = keys  # its current one (a refused token's next is found through the loop)
         self._open_timeout_ms = min(config.connect_timeout_ms, DIRECT_OPEN_TIMEOUT_MS)
@@ -398,7 +398,7 @@ class _DirectLinks:
         try:
             conn = BlockingConnection.open(
                 endpoint,
-                key=self._keys.current,
+                key=self._keys.primary,
                 timeout_ms=min(self._open_timeout_ms, open_timeout_ms or self._open_timeout_ms),
                 prefer_local=self._prefer_local,
             )

@@ -49,7 +49,7 @@ class EngineOptions:
     lookup_timeout_ms: int = breaker.LOOKUP_TIMEOUT_MS_DEFAULT
     lookup_backoff_ms_min: int = breaker.LOOKUP_BACKOFF_MS_MIN_DEFAULT
     lookup_backoff_ms_max: int = breaker.LOOKUP_BACKOFF_MS_MAX_DEFAULT
-    # The token file's other lines, tried once a server refuses `token` (auth.ClientKeys: a
+    # The token file's other lines, tried once a server refuses `token` (auth.Keyring: a
     # token being rotated, so that a serving engine rides through the rotation's last step).
     other_tokens: tuple[str, ...] = ()
 

@@ -146,11 +146,14 @@ class ClientHandshake:
 
 
 class Keyring:
-    """The cluster keys a server accepts, from its tokens: the first is the one it signs grants
-    and connects with, and every one is accepted from peers, so that a token can be rotated in
-    and out without a restart (docs/operations.md "Rotating the token"). One per process,
-    shared by its servers; `replace` swaps the set in place: new handshakes and grants see it at
-    once, connections already authenticated keep the key they proved. Empty: no token."""
+    """The cluster keys a process holds, from its tokens, the first first. A server accepts
+    every one from its peers and signs grants with the first; a client connects with the first
+    until a server refuses it as a wrong token, then with the next. So a token is rotated in
+    and out without a restart (docs/operations.md "Rotating the token"), and a Store opened
+    between the rotation's first and last steps rides through the last on the new token.
+    One per process (per Store for a client), shared by its servers or connections; `replace`
+    swaps the set in place: new handshakes and grants see it at once, connections already
+    authenticated keep the key they proved. Empty: no token."""
 
     __slots__ = ("keys",)
 
@@ -161,8 +164,8 @@ class Keyring:
     def of(cls, tokens: Sequence[str]) -> Keyring:
         return cls([cluster_key(token) for token in tokens])
 
-    def __bool__(self) -> bool:
-        return bool(self.keys)
+    def __len__(self) -> int:
+        return len(self.keys)
 
     @property
     def primary(self) -> bytes | None:
@@ -192,6 +195,16 @@ class Keyring:
             )  # fmt: skip
         self.keys = Keyring.of(tokens).keys
 
+    def refused(self, key: bytes | None, error: Unauthorized) -> bool:
+        """A server refused this client's `key`: whether to connect again with `primary`,
+        another key (the server said "wrong cluster token", and there is another). The refused
+        key goes last: tried again only once the others were refused too."""
+        if key is None or len(self.keys) < 2 or WRONG_TOKEN not in str(error):
+            return False
+        if self.keys[0] == key:
+            self.keys = (*self.keys[1:], key)
+        return True
+
     def proven_key(self, server_nonce: bytes, client_nonce: bytes, mac: bytes) -> bytes | None:
         """The key a client's proof was made with, or None for none of them."""
         for key in self.keys:
@@ -204,41 +217,6 @@ class Keyring:
         if not self.keys:
             return is_valid_grant(None, grant, now_ms)
         return any(is_valid_grant(key, grant, now_ms) for key in self.keys)
-
-
-class ClientKeys:
-    """The cluster keys a client connects with, from its token file's lines: the first, until
-    a server refuses it as a wrong token, then the next. A Store opened between a rotation's
-    first and last steps (docs/operations.md "Rotating the token") holds both tokens, and
-    rides through the last step on the new one. One per Store, shared by its connections;
-    empty: no token."""
-
-    __slots__ = ("_keys",)
-
-    def __init__(self, keys: Sequence[bytes] = ()) -> None:
-        self._keys = list(dict.fromkeys(keys))
-
-    @classmethod
-    def of(cls, tokens: Sequence[str]) -> ClientKeys:
-        return cls([cluster_key(token) for token in tokens])
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    @property
-    def current(self) -> bytes | None:
-        """The key to connect with now; None without a token."""
-        return self._keys[0] if self._keys else None
-
-    def refused(self, key: bytes | None, error: Unauthorized) -> bool:
-        """A server refused `key`: whether to connect again with `current`, another key (the
-        server said "wrong cluster token", and this client holds another). The refused key
-        goes last: tried again only once the others were refused too."""
-        if key is None or len(self._keys) < 2 or WRONG_TOKEN not in str(error):
-            return False
-        if self._keys[0] == key:
-            self._keys.append(self._keys.pop(0))
-        return True
 
 
 WRONG_TOKEN = "wrong cluster token"  # what a server answers a proof made with another token
