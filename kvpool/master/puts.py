@@ -470,12 +470,11 @@ class PutFlow:
         """Take the replicas on `segment_ids` out of `put`, their ranges quarantined as a
         revoked write's (the write may land yet). False: none was left, and the put is
         discarded."""
-        fenced_ms = put.start_ms + self._config.put_discard_timeout_ms + limits.REVOKED_WRITES_FENCE_MARGIN_MS
         kept = [replica for replica in put.replicas if replica[0].info.segment_id not in segment_ids]
         if not kept:
-            self.discard(key, put, fenced_ms)
+            self.discard(key, put, is_fenced=True)
             return False
-        release_ms = min(put.start_ms + self._config.put_release_timeout_ms, fenced_ms)
+        release_ms = self._release_ms(put, is_fenced=True)
         for segment, offset in put.replicas:
             if segment.info.segment_id in segment_ids:
                 self._quarantine.add(segment, offset, put.size_bytes, release_ms)
@@ -564,8 +563,7 @@ class PutFlow:
             elif writes_in_flight:
                 # Writes to nodes only (the writer's same-host copies are done): fenced by the
                 # nodes at the grants' expiry (limits.REVOKED_WRITES_FENCE_MARGIN_MS).
-                fenced_ms = put.start_ms + self._config.put_discard_timeout_ms + limits.REVOKED_WRITES_FENCE_MARGIN_MS
-                self.discard(key, put, fenced_ms)
+                self.discard(key, put, is_fenced=True)
                 codes_out.append(codes.OK)
             else:
                 del table.pending[key]
@@ -574,19 +572,26 @@ class PutFlow:
                 codes_out.append(codes.OK)
         return CodesReply(codes_out)
 
-    def discard(self, key: str, put: PendingPut, fenced_ms: int | None = None) -> None:
-        """Forget a writing put; quarantine its ranges until its writer cannot write any more:
-        start + put_release_timeout_ms (its grants expired at start + put_discard_timeout_ms,
-        but a same-host writer stalled mid-copy is stopped by nothing), or `fenced_ms` if
-        earlier (its writes went through nodes, which fence them: see revoke)."""
+    def discard(self, key: str, put: PendingPut, is_fenced: bool = False) -> None:
+        """Forget a writing put; quarantine its ranges until its writer cannot write any more
+        (_release_ms)."""
         assert not put.is_committing, f"discard of committing put {key!r}"
         assert self._table.pending.get(key) is put, f"discard of unknown put {key!r}"
         del self._table.pending[key]
-        release_ms = put.start_ms + self._config.put_release_timeout_ms
-        if fenced_ms is not None:
-            release_ms = min(release_ms, fenced_ms)
+        release_ms = self._release_ms(put, is_fenced)
         for segment, offset in put.replicas:
             self._quarantine.add(segment, offset, put.size_bytes, release_ms)
+
+    def _release_ms(self, put: PendingPut, is_fenced: bool) -> int:
+        """When `put`'s ranges may be reused: start + put_release_timeout_ms (its grants expired
+        at start + put_discard_timeout_ms, but a same-host writer stalled mid-copy is stopped
+        by nothing), or, `is_fenced` (its writes went through nodes, which fence them: see
+        revoke), the grants' expiry plus REVOKED_WRITES_FENCE_MARGIN_MS if that is earlier."""
+        release_ms = put.start_ms + self._config.put_release_timeout_ms
+        if is_fenced:
+            fenced_ms = put.start_ms + self._config.put_discard_timeout_ms + limits.REVOKED_WRITES_FENCE_MARGIN_MS
+            release_ms = min(release_ms, fenced_ms)
+        return release_ms
 
     def discard_zombies(self, now_ms: int) -> int:
         """Discard writing puts older than put_discard_timeout_ms; returns how many.
