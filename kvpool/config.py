@@ -316,8 +316,13 @@ class NodeConfig:
     disk_bytes: int = 0
     disk_fsync: bool = True
     dfs_dir: str = ""
+    # On a stop, leave the DRAM segment and its objects this long for the node started again
+    # with the same node_id (node/segment.py, Segment.keep); 0: unlink it.
+    keep_ms: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.keep_ms <= limits.KEEP_MS_MAX:
+            raise InvalidParams(f"keep_ms {self.keep_ms} out of [0, {limits.KEEP_MS_MAX}]")
         if self.disk_bytes:
             _check_segment_size("disk_bytes", self.disk_bytes)
         _check_segment_size("memory_bytes", self.memory_bytes)

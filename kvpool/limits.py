@@ -32,8 +32,10 @@ FRAME_MAGIC = 0x4B50  # "PK" little-endian: kvpool.
 # sends none, and is refused. 10: the server's proof covers its challenge's fields
 # (auth.server_proof: whether it requires a token, its same-host socket), and a client without
 # a token answers the challenge (its server logs the refusal). 11: the replicas a writer knows
-# are partial (PutEnd.unwritten: a master of version 10 would publish them unread).
-FRAME_VERSION = 11
+# are partial (PutEnd.unwritten: a master of version 10 would publish them unread). 12: a DRAM
+# segment unmounted to be mounted again (UnmountSegment.is_kept: a master of version 11 would
+# forget what was removed meanwhile, and the node's restart bring it back).
+FRAME_VERSION = 12
 # The tag that ends a sealed frame's control message (frames.FrameSeal), and the one that
 # follows its payload, if any (Poly1305): 128 bits each.
 FRAME_TAG_SIZE_BYTES = 16
@@ -160,11 +162,17 @@ MOUNT_RESTARTS_MAX = 3
 UNMOUNT_SWEEP_KEYS_PER_STEP = 20_000
 # Drops a segment left with, unacknowledged (master/tombstones.py): kept this long for its node
 # to come back (a day covers a node's repair; a DRAM segment comes back only from a node cut
-# off, which mounts again as soon as it reaches the master), and at most this many (~100 bytes
+# off, which mounts again as soon as it reaches the master, or one restarted with its segment
+# kept, KEEP_MS_MAX below), and at most this many (~100 bytes
 # each).
 TOMBSTONE_TTL_MS = 24 * 3_600_000
 TOMBSTONE_DRAM_TTL_MS = 10 * 60_000
 TOMBSTONES_MAX = 1_000_000
+# A node stopped with --keep-ms leaves its DRAM segment for its restart at most this long
+# (node/segment.py): what was removed meanwhile is refused when it comes back only while the
+# master keeps the segment's tombstones, and the two clocks may differ by a minute or more.
+KEEP_MS_MAX = 5 * 60_000
+assert KEEP_MS_MAX < TOMBSTONE_DRAM_TTL_MS
 # Keys of objects lost with a segment that went (it held their only replica; a remove meanwhile
 # makes them tombstones): a budget of their own, so that a node timed out with a disk tier of a
 # million objects pushes out neither the replicas left behind nor the drops' tombstones above. As

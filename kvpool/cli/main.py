@@ -238,6 +238,8 @@ _MASTER_FLAGS = {
     "busy_poll_us": "--busy-poll-us",
 }
 _NODE_FLAGS = {
+    "node_id": "--node-id",
+    "keep_ms": "--keep-ms",
     "memory_bytes": "--memory",
     "disk_bytes": "--disk-size",
     "listen_port": "--port",
@@ -672,6 +674,17 @@ def node(
         typer.Option(help="On SIGTERM, SIGINT or SIGHUP, drain first: no new objects here, reads served for this "
                      "long, then leave (0: leave at once).", min=0, max=limits.DRAIN_TIMEOUT_MS_MAX),
     ] = 0,
+    node_id: Annotated[
+        Optional[str],
+        typer.Option(help="The node's name: its segment file's, and what a restart after --keep-ms finds its "
+                     "segment by (letters, digits, '_', '.', '-'; default: a random one each start)."),
+    ] = None,
+    keep_ms: Annotated[
+        int,
+        typer.Option(help="On a stop, keep the DRAM segment and its objects this long for the node started again "
+                     "with the same --node-id (an upgrade, a restart): it serves them again without any client "
+                     "writing them anew (0: drop them).", min=0, max=limits.KEEP_MS_MAX),
+    ] = 0,
     log_level: LogLevelOption = LogLevel.info,
     settings: ConfigOption = None,
 ) -> None:
@@ -684,6 +697,8 @@ def node(
     _setup_logging(log_level)
     _remove_ready(ready_file)
     _require_directory("--disk-size", disk_size, "--disk-dir", disk_dir)
+    if keep_ms and node_id is None:
+        raise _fail("--keep-ms needs --node-id: the node started again finds its kept segment by it")
     _check_dfs_mount(dfs_dir)
     _check_master(master, EXIT_FAILED)
     _check_listen_host("--host", host)
@@ -710,6 +725,8 @@ def node(
             disk_fsync=disk_fsync,
             dfs_dir=str(dfs_dir) if dfs_dir else "",
             busy_poll_us=busy_poll_us,
+            keep_ms=keep_ms,
+            **({"node_id": node_id} if node_id is not None else {}),
         )
     except KVPoolError as exc:
         raise _fail_in_flags(exc, _NODE_FLAGS) from None

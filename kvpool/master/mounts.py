@@ -172,8 +172,8 @@ class MountFlow:
     def leave(self, segment: Segment, for_good: bool = False) -> None:
         """Unmount a segment: at once when it holds no object or the table is small, else in
         steps (the module). A segment already leaving is left as it is. `for_good`: it can
-        never mount again (a DRAM segment its node unmounted: its file is gone, and the next
-        start of the node mounts a new id), so nothing it goes with is left behind for its
+        never mount again (a DRAM segment its node unmounted without keeping it: its file is
+        gone, and the next start of the node mounts a new id), so nothing it goes with is left behind for its
         return (tombstones.py): the keys lost with a large one took the budget of lost keys
         (LOST_KEYS_MAX) from the disk tiers', whose nodes do come back with them."""
         segment.is_gone_for_good = segment.is_gone_for_good or for_good

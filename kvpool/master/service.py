@@ -428,8 +428,11 @@ class MasterService:
             SegmentNotFound: the id is not mounted.
         """
         segment = self._segment_or_raise(msg.segment_id)
-        log.info("segment %s unmounted by its node (%d objects)", msg.segment_id, segment.object_count)
-        self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM)  # (its file goes: mounts.py)
+        log.info("segment %s unmounted by its node (%d objects%s)", msg.segment_id, segment.object_count,
+                 ", kept for its restart" if msg.is_kept else "")  # fmt: skip
+        # A DRAM segment's file goes with its node, unless the node keeps it for its restart:
+        # then what it held is left behind for its return (mounts.py, tombstones.py).
+        self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM and not msg.is_kept)
         return OkReply()
 
     @property

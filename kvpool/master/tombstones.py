@@ -18,7 +18,8 @@ A segment's tombstones go
 - TOMBSTONE_TTL_MS after the segment's last burial (a node that stays away longer comes back
   with what was removed meanwhile: the cost of keeping no state forever), or
   TOMBSTONE_DRAM_TTL_MS for a DRAM segment: its id is new at each start of its node, so only
-  a node cut off from the master and mounting again meets them;
+  a node cut off from the master and mounting again meets them, or one started again after a
+  stop that kept its segment (UnmountSegment.is_kept, node/segment.py);
 - beyond TOMBSTONES_MAX, the oldest segment's first (and a warning is logged).
 
 A segment that goes also leaves behind what its node may come back with though no drop was

@@ -12,6 +12,13 @@ nor the transfer server.
 
 Offsets that the master hands out are offsets into the data area. The file is created with
 mode 0600 (exclusive create), so only processes of the same user can map it.
+
+A node stopped with `--keep-ms` leaves its file in place (`Segment.keep`), with a record
+beside it (`kvpool-<name>.kept`: the segment id, the inventory and a deadline), for the node
+started again with the same name to take (`Segment.adopt`): an upgrade or a restart keeps the
+node's DRAM objects. The file's pages, its token and the mappings of same-host clients stay as
+they were; every kept object's checksum is verified before it is served again. Until the
+deadline the stale-file sweep leaves a kept file alone; after it, the file and its record go.
 """
 
 from __future__ import annotations
@@ -22,13 +29,17 @@ import logging
 import mmap
 import os
 import struct
+import time
 import weakref
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from kvpool import limits
+from kvpool.checksums import checksums_of
 from kvpool.errors import InvalidParams, SegmentNotFound, map_exceptions
+from kvpool.protocol.messages import InventoryEntry
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +49,34 @@ _HEADER = struct.Struct("<8sII Q 16s Q")  # magic, version, header size, capacit
 SHM_DIR_DEFAULT = "/dev/shm"
 SEGMENT_FILE_PREFIX = "kvpool-"
 SEGMENT_FILE_SUFFIX = ".seg"
+KEPT_FILE_SUFFIX = ".kept"
+# A sweep that holds a kept file's lock for a moment (remove_stale_segments) delays its adoption.
+_ADOPT_LOCK_TRIES = 50
+_ADOPT_LOCK_WAIT_S = 0.01
+# Kept objects are verified in slices of this many bytes, and the progress said at this
+# interval: a segment of tens of GiB takes its node seconds to check at start.
+_VERIFY_SLICE_BYTES = 1 << 30
+_VERIFY_PROGRESS_LOG_INTERVAL_S = 10.0
+
+
+class _KeptRecord(msgspec.Struct, array_like=True):
+    """What a node stopped with --keep-ms leaves beside its segment file. The deadline is on the
+    wall clock: the restarted process shares no other clock with the one that stopped."""
+
+    segment_id: str
+    until_ms: int
+    # The file's identity: a record names no file made after it (an inode number is soon
+    # reused; the token is drawn anew for each file).
+    device: int
+    inode: int
+    token: bytes
+    entries: msgspec.Raw  # decoded by adopt only: a sweep reads the fields above
+
+
+_KEPT_VERSION = 1
+_kept_encoder = msgspec.msgpack.Encoder()
+_kept_decoder = msgspec.msgpack.Decoder(tuple[int, _KeptRecord])
+_entries_decoder = msgspec.msgpack.Decoder(list[InventoryEntry])
 
 assert _HEADER.size <= limits.SEGMENT_HEADER_SIZE_BYTES
 assert limits.SEGMENT_TOKEN_SIZE_BYTES == 16
@@ -91,16 +130,12 @@ class Segment:
             raise InvalidParams(f"cannot make segments in {directory}: {exc.strerror or exc}") from exc
         if not os.path.isdir(directory):  # statvfs takes a file too; the open below said only ENOTDIR
             raise InvalidParams(f"cannot make segments in {directory}: not a directory")
-        # hugetlbfs reports its huge page size here and refuses a file size that is not a
-        # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
-        block_size = max(filesystem.f_bsize, limits.PAGE_SIZE_BYTES)
-        file_size = limits.SEGMENT_HEADER_SIZE_BYTES + capacity_bytes
-        file_size -= file_size % block_size
+        file_size = _file_size(filesystem, capacity_bytes)
         capacity_bytes = file_size - limits.SEGMENT_HEADER_SIZE_BYTES
         if capacity_bytes < limits.SEGMENT_SIZE_BYTES_MIN:
             raise InvalidParams(
                 f"segment size rounds down to {max(capacity_bytes, 0)} bytes in {directory} "
-                f"(pages of {block_size} bytes): ask for more"
+                f"(pages of {_block_size(filesystem)} bytes): ask for more"
             )
         free_bytes = filesystem.f_bavail * filesystem.f_frsize
         if file_size > free_bytes:  # the common case, said plainly before any write (_reserve)
@@ -109,6 +144,8 @@ class Segment:
                 "free): ask for less, or give that filesystem more room"
             )
         assert capacity_bytes % limits.PAGE_SIZE_BYTES == 0, capacity_bytes
+        if path.exists():  # said plainly: O_EXCL's "File exists" named no cause
+            raise InvalidParams(f"{path} is in use: another node with the id {name!r} runs on this host")
         with map_exceptions({OSError: InvalidParams}):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             lock_fd = None
@@ -141,6 +178,120 @@ class Segment:
         return segment
 
     @classmethod
+    def adopt(cls, directory: str, name: str, capacity_bytes: int) -> tuple[Segment, str, list[InventoryEntry]] | None:
+        """Take the segment file `directory/kvpool-<name>.seg` that a node stopped with
+        --keep-ms left (`keep`), with the segment id and inventory it recorded. The entries
+        are as recorded: `verified` tells which still hold their bytes.
+
+        Returns None when there is none to take; a kept file that cannot be (its deadline
+        passed, another capacity asked for, its record missing or unreadable) is removed,
+        and the log says why.
+
+        Raises:
+            InvalidParams: the file is held by a running node (another with this name).
+        """
+        path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
+        kept = _kept_path(path)
+        if not path.exists():
+            kept.unlink(missing_ok=True)  # its segment file was removed by hand
+            return None
+        with map_exceptions({OSError: InvalidParams}):
+            fd = os.open(path, os.O_RDWR)
+            lock_fd = None
+            try:
+                lock_fd = os.open(path, os.O_RDONLY)
+                _lock_within_a_sweep(lock_fd, path)
+                header = os.pread(fd, _HEADER.size, 0)
+                problem, record = _kept_problem(lock_fd, header, kept)
+                entries: list[InventoryEntry] = []
+                if record is not None:
+                    try:
+                        entries = _entries_decoder.decode(record.entries)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        problem = f"its record {kept} is unreadable ({exc})"
+                if not problem:
+                    problem = _header_problem(header, os.fstat(fd).st_size)
+                if not problem:
+                    kept_capacity = _HEADER.unpack(header)[3]
+                    asked = _file_size(os.statvfs(directory), capacity_bytes) - limits.SEGMENT_HEADER_SIZE_BYTES
+                    if kept_capacity != asked:
+                        problem = f"it holds {kept_capacity} bytes, {asked} asked for"
+                if problem:
+                    log.warning("segment file %s left by a stop with --keep-ms not taken: %s; removed", path, problem)
+                    path.unlink()  # under the lock, as remove_stale_segments does
+                    kept.unlink(missing_ok=True)
+                    os.close(lock_fd)
+                    return None
+                assert record is not None
+                file_size = os.fstat(fd).st_size
+                flags = mmap.MAP_SHARED  # populated: its pages are in memory already, their tables are not
+                if file_size <= limits.SHM_POPULATE_SIZE_BYTES_MAX:
+                    flags |= mmap.MAP_POPULATE
+                file_map = mmap.mmap(fd, file_size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+                raise
+            finally:
+                os.close(fd)
+        _magic, _version, _size, kept_capacity, token, _pid = _HEADER.unpack_from(file_map, 0)
+        _HEADER.pack_into(
+            file_map, 0, _MAGIC, _VERSION, limits.SEGMENT_HEADER_SIZE_BYTES, kept_capacity, token, os.getpid()
+        )
+        segment = cls(path, file_map, kept_capacity, token, is_owner=True, lock_fd=lock_fd)
+        kept.unlink(missing_ok=True)  # taken: a node that dies from here on left a stale file
+        _owned.add(segment)
+        return segment, record.segment_id, entries
+
+    def keep(self, segment_id: str, entries: list[InventoryEntry], until_ms: int) -> None:
+        """Close, leaving the file for `adopt` (a node started again with the same name) until
+        `until_ms` by the wall clock. The owner's alone; no view may be in use (the node's
+        transfer server is closed first), and no byte may change after (the node stopped
+        writing). The record is written before the lock is let go of: a sweep finds the file
+        locked, or kept."""
+        assert self.is_owner and self._lock_fd is not None, self
+        stat = os.fstat(self._lock_fd)
+        entries_raw = msgspec.Raw(_kept_encoder.encode(entries))
+        record = _KeptRecord(segment_id, until_ms, stat.st_dev, stat.st_ino, self.token, entries_raw)
+        kept = _kept_path(self.path)
+        temporary = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+        with map_exceptions({OSError: InvalidParams}):
+            try:
+                with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
+                    file.write(_kept_encoder.encode((_KEPT_VERSION, record)))
+                os.replace(temporary, kept)
+            except BaseException:
+                temporary.unlink(missing_ok=True)
+                self.close()  # not kept: as a plain stop leaves it
+                raise
+        self.is_owner = False  # close unmaps and lets go of the lock, and unlinks nothing
+        self.close()
+
+    def verified(self, entries: list[InventoryEntry], what: str) -> tuple[list[InventoryEntry], int]:
+        """The entries whose bytes in the segment match their checksum, and how many did not
+        (or lay outside it). Logs its progress over a large segment, as `what`."""
+        inside = [e for e in entries if 0 <= e.offset and e.size > 0 and e.offset + e.size <= self.capacity_bytes]
+        good: list[InventoryEntry] = []
+        checked_bytes = 0
+        total_bytes = sum(e.size for e in inside)
+        said_s = time.monotonic()
+        start = 0
+        while start < len(inside):
+            end, slice_bytes = start, 0
+            while end < len(inside) and (end == start or slice_bytes + inside[end].size <= _VERIFY_SLICE_BYTES):
+                slice_bytes += inside[end].size
+                end += 1
+            batch = inside[start:end]
+            sums = checksums_of([[self.data[e.offset : e.offset + e.size]] for e in batch])
+            good.extend(e for e, checksum in zip(batch, sums) if checksum == e.checksum)
+            checked_bytes += slice_bytes
+            start = end
+            if time.monotonic() - said_s >= _VERIFY_PROGRESS_LOG_INTERVAL_S:
+                said_s = time.monotonic()
+                log.info("%s: %d of %d bytes verified", what, checked_bytes, total_bytes)
+        return good, len(entries) - len(good)
+
+    @classmethod
     def open_mapped(cls, path: str, token: bytes) -> Segment:
         """Map an existing segment file and prove it is the one advertised.
 
@@ -162,14 +313,10 @@ class Segment:
                 file_map = mmap.mmap(fd, file_size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
-        magic, version, header_size, capacity_bytes, file_token, _pid = _HEADER.unpack_from(file_map, 0)
-        problem = ""
-        if magic != _MAGIC or version != _VERSION or header_size != limits.SEGMENT_HEADER_SIZE_BYTES:
-            problem = "not a kvpool segment"
-        elif file_token != token:
+        problem = _header_problem(file_map[: _HEADER.size], file_size)
+        _magic, _version, _header_size, capacity_bytes, file_token, _pid = _HEADER.unpack_from(file_map, 0)
+        if not problem and file_token != token:
             problem = "token mismatch (another segment took this path)"
-        elif header_size + capacity_bytes > file_size:
-            problem = "truncated"
         if problem:
             file_map.close()
             raise SegmentNotFound(f"{path}: {problem}")
@@ -213,6 +360,77 @@ class Segment:
         del pages
 
 
+def _block_size(filesystem: os.statvfs_result) -> int:
+    # hugetlbfs reports its huge page size here and refuses a file size that is not a
+    # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
+    return max(filesystem.f_bsize, limits.PAGE_SIZE_BYTES)
+
+
+def _file_size(filesystem: os.statvfs_result, capacity_bytes: int) -> int:
+    """The size of the file of a segment of `capacity_bytes` there (rounded down to its pages)."""
+    file_size = limits.SEGMENT_HEADER_SIZE_BYTES + capacity_bytes
+    return file_size - file_size % _block_size(filesystem)
+
+
+def _header_problem(header: bytes, file_size: int) -> str:
+    """What is wrong with a segment file's header, or ""."""
+    if len(header) < _HEADER.size:
+        return "not a kvpool segment"
+    magic, version, header_size, capacity_bytes, _token, _pid = _HEADER.unpack_from(header, 0)
+    if magic != _MAGIC or version != _VERSION or header_size != limits.SEGMENT_HEADER_SIZE_BYTES:
+        return "not a kvpool segment"
+    if header_size + capacity_bytes > file_size:
+        return "truncated"
+    return ""
+
+
+def _kept_path(path: Path) -> Path:
+    """Where a kept segment's record is: beside its file, or in /dev/shm for a file on
+    hugetlbfs (which takes no write(2): files there are only mapped)."""
+    name = path.name.removesuffix(SEGMENT_FILE_SUFFIX) + KEPT_FILE_SUFFIX
+    try:
+        is_huge = os.statvfs(path.parent).f_bsize > limits.PAGE_SIZE_BYTES
+    except OSError:
+        is_huge = False
+    return (Path(SHM_DIR_DEFAULT) if is_huge else path.parent) / name
+
+
+def _kept_problem(lock_fd: int, header: bytes, kept: Path) -> tuple[str, _KeptRecord | None]:
+    """Why the segment file locked by `lock_fd`, which begins with `header`, is not kept for a
+    restart, or "" and its record (at `kept`)."""
+    try:
+        version, record = _kept_decoder.decode(kept.read_bytes())
+    except FileNotFoundError:
+        return "no record of a stop with --keep-ms beside it", None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        return f"its record {kept} is unreadable ({exc})", None
+    stat = os.fstat(lock_fd)
+    if version != _KEPT_VERSION:
+        return f"its record is of version {version}, not {_KEPT_VERSION}", None
+    token = _HEADER.unpack_from(header, 0)[4] if len(header) >= _HEADER.size else b""
+    if (record.device, record.inode, record.token) != (stat.st_dev, stat.st_ino, token):
+        return "its record names another file", None
+    if record.until_ms <= time.time() * 1000:
+        return "kept until a moment past", None
+    return "", record
+
+
+def _lock_within_a_sweep(lock_fd: int, path: Path) -> None:
+    """Take the owner's lock on a kept file: a sweep (remove_stale_segments) may hold it for a
+    moment; a running node holds it for good.
+
+    Raises:
+        InvalidParams: a running node holds it.
+    """
+    for _ in range(_ADOPT_LOCK_TRIES):
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(_ADOPT_LOCK_WAIT_S)
+    raise InvalidParams(f"{path} is in use: another node with its id runs on this host")
+
+
 def _reserve(fd: int, file_size: int, directory: str) -> None:
     """Allocate the whole file now (tmpfs, hugetlbfs): the room checked before may have gone
     to another process since, and a store into a page the filesystem cannot give kills the
@@ -250,7 +468,8 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
-    """Unlink segment files whose owner process is gone (a node killed with SIGKILL).
+    """Unlink segment files whose owner process is gone (a node killed with SIGKILL), but for
+    those kept for a restart until a deadline not yet past (`Segment.keep`).
 
     Only files of this user that no process holds the flock of are removed: the owner holds
     it from `create` until the file is unlinked, and the kernel lets go of it when the owner
@@ -274,7 +493,11 @@ def remove_stale_segments(directory: str = SHM_DIR_DEFAULT) -> list[Path]:
                 locked, named = os.fstat(file.fileno()), os.stat(path)
                 if (locked.st_dev, locked.st_ino) != (named.st_dev, named.st_ino):
                     continue
+                kept = _kept_path(path)
+                if not _kept_problem(file.fileno(), header, kept)[0]:
+                    continue  # its node is restarting
                 path.unlink()  # while holding the lock: the file is gone before anyone else looks
+                kept.unlink(missing_ok=True)
             removed.append(path)
             log.info("removed stale segment file %s (its owner died)", path)
         except OSError:

@@ -300,14 +300,21 @@ class Node:
         refuse_open_listen(config.listen_host, self._keyring.primary)
         if config.metrics_port is not None:
             refuse_open_listen(config.metrics_host or config.listen_host, self._keyring.primary, " for /metrics")
+        kept = Segment.adopt(config.shm_dir, config.node_id, config.memory_bytes)  # a stop with keep_ms left it
         remove_stale_segments(config.shm_dir)
         log.info("node %s: open files limit %d", config.node_id, raise_open_files_limit())
-        token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
-        self._segment = Segment.create(config.shm_dir, config.node_id, config.memory_bytes, token)
-        # A new id per incarnation: a restarted node's DRAM is empty, so it must never be
-        # mistaken for the segment (and replicas) its previous run had mounted.
-        self._segment_id = f"{config.node_id}-{secrets.token_hex(4)}"
-        self._inventory = Inventory(self._segment.capacity_bytes)
+        if kept is None:
+            token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
+            self._segment = Segment.create(config.shm_dir, config.node_id, config.memory_bytes, token)
+            # A new id per incarnation: a restarted node's DRAM is empty, so it must never be
+            # mistaken for the segment (and replicas) its previous run had mounted.
+            self._segment_id = f"{config.node_id}-{secrets.token_hex(4)}"
+            self._inventory = Inventory(self._segment.capacity_bytes)
+        else:
+            # The segment its previous run kept: the same id, so that the master's tombstones
+            # of it refuse what was removed while the node was away (master/tombstones.py).
+            self._segment, self._segment_id, entries = kept
+            self._inventory = self._adopted_inventory(entries)
         self._transfer = TransferHandler(
             self._segment, self._segment_id, self._inventory, self.metrics, keyring=self._keyring,
             clock_ms=self._master_clock.now_ms,
@@ -376,6 +383,17 @@ class Node:
         except asyncio.TimeoutError:
             log.warning("node %s: not mounted yet; retrying in the background", config.node_id)
 
+    def _adopted_inventory(self, entries: list[InventoryEntry]) -> Inventory:
+        """The inventory of a kept segment: the recorded entries whose bytes still match."""
+        segment = self.segment
+        good, bad = segment.verified(entries, f"node {self.node_id}: kept segment {self._segment_id}")
+        inventory = Inventory(segment.capacity_bytes)
+        displaced = inventory.add(good)
+        log.info("node %s: took the segment %s its last run kept: %d objects (%d bytes)%s", self.node_id,
+                 self._segment_id, len(inventory), inventory.used_bytes,
+                 f"; {bad + len(displaced)} dropped (bad checksum or overlap)" if bad or displaced else "")  # fmt: skip
+        return inventory
+
     async def wait_mounted(self, timeout_ms: int) -> None:
         """Wait until a master has accepted the segment (the link goes on retrying meanwhile).
 
@@ -429,7 +447,7 @@ class Node:
             self._set_state(NodeState.STOPPED)
             return
         await self._leave_master()
-        await self._teardown()
+        await self._teardown(is_kept=self.config.keep_ms > 0 and self._state is not NodeState.STARTING)
         self._set_state(NodeState.STOPPED)
         log.info("node %s stopped", self.node_id)
 
@@ -652,7 +670,10 @@ class Node:
             return
         try:
             for segment_id in self._segment_ids():
-                await conn.request(UnmountSegment(segment_id),
+                # A DRAM segment kept for the node's restart (config.keep_ms, Segment.keep) comes
+                # back: the master keeps what was removed meanwhile, to refuse it then.
+                is_kept = self.config.keep_ms > 0 and segment_id == self._segment_id
+                await conn.request(UnmountSegment(segment_id, is_kept),
                                    timeout_ms=self.config.rpc_timeout_ms)  # fmt: skip
         except KVPoolError as exc:
             # The master drops a silent node after its TTL: nothing is lost by carrying on.
@@ -742,8 +763,9 @@ class Node:
 
     # --- teardown, state, metrics ----------------------------------------------------------
 
-    async def _teardown(self) -> None:
-        """Release whatever start() acquired, in reverse order. Safe on a partial start."""
+    async def _teardown(self, is_kept: bool = False) -> None:
+        """Release whatever start() acquired, in reverse order. Safe on a partial start.
+        `is_kept`: leave the segment for a restart (config.keep_ms), its file and objects."""
         self._leave.set()
         for task in (self._master_task, self._stale_segments_task):
             if task is not None and not task.done():
@@ -763,7 +785,24 @@ class Node:
         if self._disk is not None:
             self._disk.close()
         if self._segment is not None:
-            self._segment.close()
+            if is_kept and self._inventory is not None:
+                self._keep_segment()
+            else:
+                self._segment.close()
+
+    def _keep_segment(self) -> None:
+        """Leave the segment for the node started again with this id (no byte changes now:
+        the transfer server and the mover are closed)."""
+        segment, inventory = self.segment, self.inventory
+        until_ms = int(time.time() * 1000) + self.config.keep_ms
+        try:
+            segment.keep(self._segment_id, inventory.entries(), until_ms)
+        except InvalidParams as exc:
+            log.error("node %s: could not keep its segment for a restart (%s): its objects are gone", self.node_id, exc)
+            return
+        log.info("node %s: segment %s kept in %s with %d objects (%d bytes) for %d ms: start the node again with "
+                 "--node-id %s to serve them", self.node_id, self._segment_id, segment.path, len(inventory),
+                 inventory.used_bytes, self.config.keep_ms, self.node_id)  # fmt: skip
 
     def _set_state(self, state: NodeState) -> None:
         assert state in _TRANSITIONS[self._state], f"node state {self._state} -> {state}"

@@ -519,7 +519,11 @@ class HeartbeatReply(Message, tag=43):
 
 
 class UnmountSegment(Message, tag=44):
+    """A node takes its segment away. `is_kept`: it keeps the segment's objects for its next
+    start (a DRAM segment its node stops with --keep-ms), which mounts it again."""
+
     segment_id: str
+    is_kept: bool = False
 
 
 class DrainSegment(Message, tag=45):

@@ -1,0 +1,225 @@
+"""A node restarted after a stop with --keep-ms serves its DRAM objects again (node/segment.py
+`Segment.keep` and `Segment.adopt`, node/server.py).
+
+How: the segment functions on files in pytest's tmp_path (a kept file, its record, the stale
+sweep, a file whose bytes changed while no node held it); then real master and node processes
+on loopback: objects put, the node stopped with SIGTERM and started again with the same
+--node-id, every object read back by a same-host client (which kept its mapping of the file)
+and a TCP-only one, without any client writing them again, while what was removed or put anew
+during the restart stays so. A node killed with SIGKILL keeps nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import wait_until
+
+from kvpool import Store
+from kvpool.errors import InvalidParams, ObjectNotFound
+from kvpool.node import segment as segment_module
+from kvpool.node.segment import Segment, remove_stale_segments
+from kvpool.protocol.messages import PIN_SOFT, InventoryEntry
+from tests.test_cluster import kvpool_cli, values_for
+from tests.test_cluster_disk import master_metric
+
+MIB = 1024 * 1024
+OBJECT_SIZE = 64 * 1024
+
+
+def filled(directory: Path, name: str = "n1", objects: int = 8) -> tuple[Segment, list[InventoryEntry]]:
+    """A new segment holding `objects` objects of random bytes, and their entries."""
+    segment = Segment.create(str(directory), name, 4 * MIB, os.urandom(16))
+    entries = []
+    for i in range(objects):
+        data = os.urandom(OBJECT_SIZE - i)
+        offset = i * OBJECT_SIZE
+        segment.data[offset : offset + len(data)] = data
+        checksum = xxhash.xxh3_64_intdigest(data)
+        entries.append(InventoryEntry(f"key-{i}", offset, len(data), checksum, PIN_SOFT * (i % 2)))
+    return segment, entries
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def test_a_kept_segment_is_adopted_whole_with_its_id_token_and_entries(tmp_path):
+    segment, entries = filled(tmp_path)
+    token, path = segment.token, segment.path
+    expected = {e.key: bytes(segment.data[e.offset : e.offset + e.size]) for e in entries}
+    segment.keep("n1-0a0b0c0d", entries, now_ms() + 60_000)
+    assert path.exists() and (tmp_path / "kvpool-n1.kept").exists()
+    assert remove_stale_segments(str(tmp_path)) == []  # unlocked, but kept: the sweep leaves it
+    adopted, segment_id, kept_entries = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+    try:
+        assert (segment_id, kept_entries, adopted.token, adopted.path) == ("n1-0a0b0c0d", entries, token, path)
+        assert not (tmp_path / "kvpool-n1.kept").exists()  # taken: a kill from now on leaves a stale file
+        assert {e.key: bytes(adopted.data[e.offset : e.offset + e.size]) for e in entries} == expected
+        assert adopted.verified(kept_entries, "test") == (entries, 0)
+        # The owner again: it holds the lock (a sweep passes it by), and closing unlinks it.
+        assert remove_stale_segments(str(tmp_path)) == []
+        with pytest.raises(InvalidParams, match="another node with the id 'n1'"):
+            Segment.create(str(tmp_path), "n1", 4 * MIB, os.urandom(16))
+    finally:
+        adopted.close()
+    assert not path.exists()
+
+
+def test_a_kept_segment_held_by_a_running_node_is_not_taken(tmp_path, monkeypatch):
+    segment, entries = filled(tmp_path)
+    segment.keep("n1-1", entries, now_ms() + 60_000)
+    first = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+    assert first is not None
+    monkeypatch.setattr(segment_module, "_ADOPT_LOCK_TRIES", 2)
+    try:
+        with pytest.raises(InvalidParams, match="in use: another node"):
+            Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+    finally:
+        first[0].close()
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        (lambda path, record: None, "kept until a moment past"),
+        (lambda path, record: record.unlink(), "no record"),
+        (lambda path, record: record.write_bytes(b"\x92\x01junk"), "unreadable"),
+    ],
+    ids=["deadline-passed", "no-record", "bad-record"],
+)
+def test_a_kept_segment_that_cannot_be_taken_is_removed_and_the_node_starts_empty(tmp_path, caplog, spoil, reason):
+    segment, entries = filled(tmp_path)
+    path, record = segment.path, tmp_path / "kvpool-n1.kept"
+    until_ms = now_ms() + (60_000 if reason != "kept until a moment past" else -1)
+    segment.keep("n1-2", entries, until_ms)
+    spoil(path, record)
+    assert Segment.adopt(str(tmp_path), "n1", 4 * MIB) is None
+    assert reason in caplog.text
+    assert not path.exists() and not record.exists()
+
+
+def test_a_kept_segment_of_another_size_is_not_taken(tmp_path, caplog):
+    segment, entries = filled(tmp_path)
+    segment.keep("n1-3", entries, now_ms() + 60_000)
+    assert Segment.adopt(str(tmp_path), "n1", 8 * MIB) is None
+    assert f"it holds {4 * MIB} bytes, {8 * MIB} asked for" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sweep_removes_a_kept_segment_once_its_deadline_passed(tmp_path):
+    segment, entries = filled(tmp_path)
+    path = segment.path
+    segment.keep("n1-4", entries, now_ms() + 300)
+    assert remove_stale_segments(str(tmp_path)) == []
+    wait_until(lambda: remove_stale_segments(str(tmp_path)) == [path], 5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_names_its_file_only(tmp_path):
+    """A file made at the path after the record was written (the kept one removed by hand, then
+    a node of that name started and killed) is not the one kept: the sweep removes it."""
+    segment, entries = filled(tmp_path)
+    path = segment.path
+    segment.keep("n1-5", entries, now_ms() + 60_000)
+    path.unlink()
+    dead = Segment.create(str(tmp_path), "n1", 4 * MIB, os.urandom(16))
+    dead.is_owner = False  # "killed": its file stays, and its lock goes
+    dead.close()
+    assert remove_stale_segments(str(tmp_path)) == [path]  # the record does not save it
+    assert Segment.adopt(str(tmp_path), "n1", 4 * MIB) is None
+
+
+def test_objects_whose_bytes_changed_while_kept_are_not_served_again(tmp_path):
+    segment, entries = filled(tmp_path)
+    segment.keep("n1-6", entries, now_ms() + 60_000)
+    with open(segment.path, "r+b") as file:  # any process of the user could write it meanwhile
+        file.seek(4096 + entries[3].offset + 100)
+        file.write(b"\xff" * 8)
+    adopted, _, kept_entries = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+    try:
+        outside = InventoryEntry("outside", 4 * MIB - 10, 20, 0)
+        good, bad = adopted.verified([*kept_entries, outside], "test")
+        assert good == [e for e in entries if e.key != "key-3"]
+        assert bad == 2
+    finally:
+        adopted.close()
+
+
+def node_args(shm_dir: Path, *extra: str) -> tuple[str, ...]:
+    return ("--shm-dir", str(shm_dir), "--node-id", "kept", *extra)
+
+
+def test_a_node_restarted_after_a_stop_with_keep_serves_its_objects_again(make_cluster, tmp_path):
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    cluster = make_cluster(0, "16MiB")
+    kept = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    values = values_for("warm", 40, OBJECT_SIZE)
+    with Store(cluster.master_endpoint) as same_host, Store(cluster.master_endpoint, shm_enabled=False) as remote:
+        same_host.put_batch(list(values), list(values.values()))
+        assert same_host.get_batch(list(values)) == list(values.values())  # it maps the segment file now
+        cluster.start_node()  # another node, for what is put while the first is away
+        puts_before = master_metric(cluster, "kvpool_master_puts_total")
+        kept.stop()  # SIGTERM: it unmounts, and keeps its segment
+        assert "kept in" in kept.log_tail(5)
+        assert sum(remote.batch_exists(list(values))) == 0  # gone from the pool meanwhile...
+        with pytest.raises(ObjectNotFound):  # what is removed meanwhile (not found: it is away)
+            remote.remove("warm-3")  # stays removed,
+        fresh = os.urandom(OBJECT_SIZE)
+        remote.put("warm-5", fresh)  # and what is put anew stays the new bytes
+        restarted = cluster.start_node(node_args(shm_dir))
+        assert restarted.info["segment_id"] == kept.info["segment_id"]
+        expected = {**values, "warm-5": fresh}
+        del expected["warm-3"]
+        wait_until(lambda: all(remote.batch_exists(list(expected))))  # ...and back, as they were
+        for store in (same_host, remote):
+            assert store.get_batch(list(expected)) == list(expected.values())
+            assert store.get("warm-3") is None
+        assert master_metric(cluster, "kvpool_master_puts_total") == puts_before + 1  # the one put anew
+    restarted.stop()  # without --keep-ms this time: the file goes
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_a_whole_cluster_restarted_serves_the_kept_objects(make_cluster, tmp_path):
+    """An upgrade: every process stopped, the master started again, then the node."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    cluster = make_cluster(0, "16MiB")
+    node = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    values = values_for("upgrade", 20, OBJECT_SIZE)
+    with Store(cluster.master_endpoint) as store:
+        store.put_batch(list(values), list(values.values()))
+    node.stop()
+    cluster.master.stop()
+    cluster.start_master()  # on the same port, knowing nothing
+    cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    with Store(cluster.master_endpoint, shm_enabled=False) as store:
+        assert store.get_batch(list(values)) == list(values.values())
+
+
+def test_a_node_killed_keeps_nothing(make_cluster, tmp_path):
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    cluster = make_cluster(0, "16MiB")
+    node = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    with Store(cluster.master_endpoint) as store:
+        store.put("lost", b"x" * OBJECT_SIZE)
+        node.kill()  # no stop ran: nothing says the bytes are whole
+        cluster.start_node(node_args(shm_dir))
+        assert store.get("lost") is None
+        store.put("lost", b"y" * OBJECT_SIZE)
+        assert store.get("lost") == b"y" * OBJECT_SIZE
+
+
+def test_keep_ms_needs_a_node_id_and_is_bounded():
+    refused = kvpool_cli("node", "--master", "127.0.0.1:1", "--keep-ms", "1000")
+    assert refused.returncode == 1 and b"--keep-ms needs --node-id" in refused.stderr
+    too_long = kvpool_cli("node", "--master", "127.0.0.1:1", "--node-id", "n", "--keep-ms", "300001")
+    assert too_long.returncode == 2 and b"less than or equal to 300000" in too_long.stderr
+    bad_id = kvpool_cli("node", "--master", "127.0.0.1:1", "--node-id", "a/b")
+    assert bad_id.returncode == 1 and b"--node-id 'a/b'" in bad_id.stderr
