@@ -149,13 +149,19 @@ class Mover:
         self._read_pool = concurrent.futures.ThreadPoolExecutor(
             limits.DISK_IO_THREADS, thread_name_prefix="kvpool-disk-read"
         )
+        # The DFS's copies, renames and removals have threads of their own too: on the disk
+        # threads, four copies stalled on a hung share held every one of them, and the disk
+        # tier's drops and offloads waited for as long as the share did.
+        self._dfs_pool = concurrent.futures.ThreadPoolExecutor(limits.DISK_IO_THREADS, thread_name_prefix="kvpool-dfs")
+        # Disk offsets whose files a drop is removing -> that removal (drop_disk_files).
+        self._removing: dict[int, asyncio.Future[list[InventoryEntry]]] = {}
 
     def __repr__(self) -> str:
         return f"<Mover {self.segment_id} admitted={self._admitted_bytes}>"
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._read_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._read_pool, self._dfs_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def remounted(self) -> None:
         """The node is mounting its segments (again): the master it mounts on allocates from
@@ -167,9 +173,69 @@ class Mover:
         """Run blocking file I/O on this node's disk threads."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
+    async def _run_for(self, plan: _Plan, function: Callable, *args: object) -> object:
+        """Run a move's file I/O on the DFS's threads when it reads or writes the DFS."""
+        pool = self._dfs_pool if TIER_DFS in (plan.src, plan.dst) else self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
+
     async def read_in_thread(self, function: Callable, *args: object) -> object:
         """Run a client's disk read (opening its files) on the threads kept for reads."""
         return await asyncio.get_running_loop().run_in_executor(self._read_pool, function, *args)
+
+    async def drop_disk_files(self, entries: list[InventoryEntry]) -> tuple[int, list[InventoryEntry]]:
+        """Forget disk tier entries (a drop of the master's, or entries it refused at a mount)
+        and remove their files, then sync the directory. Returns how many were forgotten and
+        those whose file is not removed (kept in DiskTier.unremoved, for the drop sent again).
+
+        The removal runs to its end whatever becomes of its caller, and a drop of the same
+        entries sent again (the master's wait for the first ran out: a stalled unlink or
+        sync) waits for it: before, that one found nothing left to forget and was acknowledged
+        at once, the files still there, and a restart brought the objects back. Each range is
+        held (`moving`) until its file is gone, so that no move renames a file into it first
+        (a refused entry's range is free at the master at once: a move of the same key there
+        had its new file removed as the old). A range a move holds already is left to it (its
+        rename replaces the file), as a file not removed."""
+        disk = self.disk
+        assert disk is not None
+        earlier = {job for entry in entries if (job := self._removing.get(entry.offset)) is not None}
+        if earlier:
+            await asyncio.wait(earlier)
+        forgotten = disk.forget(entries)
+        moving = self.moving[TIER_DISK]
+        held: list[InventoryEntry] = []
+        taken: list[InventoryEntry] = []
+        for entry in forgotten:
+            if moving.is_held(entry.offset, entry.size):
+                taken.append(entry)
+            else:
+                moving.hold(entry.offset, entry.size)
+                held.append(entry)
+        job = asyncio.ensure_future(self._remove_disk_files(held))
+        for entry in held:
+            self._removing[entry.offset] = job
+
+        def done(_: asyncio.Future) -> None:
+            for entry in held:
+                moving.release(entry.offset, entry.size)
+                if self._removing.get(entry.offset) is job:
+                    del self._removing[entry.offset]
+
+        job.add_done_callback(done)
+        disk.unremoved.update((entry.offset, entry) for entry in taken)
+        left = await asyncio.shield(job)
+        return len(forgotten), [*taken, *left]
+
+    async def _remove_disk_files(self, entries: list[InventoryEntry]) -> list[InventoryEntry]:
+        disk = self.disk
+        assert disk is not None
+        try:
+            left = await self.run_in_thread(disk.remove_files, entries)
+        except KVPoolError:  # the directory's sync: the unlinks are not durable yet
+            disk.unremoved.update((entry.offset, entry) for entry in entries)
+            raise
+        assert isinstance(left, list)
+        disk.unremoved.update((entry.offset, entry) for entry in left)
+        return left
 
     async def move(self, message: MoveObjects) -> CodesReply:
         """Copy each item; one code per item (see messages.MoveObjects).
@@ -185,6 +251,7 @@ class Mover:
         mount_number = self._mount_number
         codes: list[int] = [int(ErrorCode.OK)] * len(items)
         plans: list[tuple[int, _Plan]] = []
+        await self._look_at_dfs(items)
         try:
             for index, item in enumerate(items):
                 try:
@@ -220,7 +287,7 @@ class Mover:
             return await self._too_late(plans, [None] * len(plans), codes)
         for _, plan in plans:
             plan.is_started = True
-        outcomes = await asyncio.gather(*(self.run_in_thread(plan.copy) for _, plan in plans), return_exceptions=True)
+        outcomes = await asyncio.gather(*(self._run_for(plan, plan.copy) for _, plan in plans), return_exceptions=True)
         if self._is_late(deadline_ms, mount_number):
             return await self._too_late(plans, outcomes, codes)
         failed: dict[tuple[str, str, str], list[tuple[str, object]]] = {}  # (src, dst, why) -> (key, outcome)
@@ -262,9 +329,9 @@ class Mover:
         """Rename the temporary files into place (a worker thread); by id(plan): None, or the
         error that left it unrenamed (its temporary file removed)."""
 
-        def rename_all() -> dict[int, object]:
+        def rename_all(some: list[tuple[_Plan, Path]]) -> dict[int, object]:
             renamed: dict[int, object] = {}
-            for plan, temporary in written:
+            for plan, temporary in some:
                 assert plan.publish is not None
                 try:
                     plan.publish(temporary)
@@ -273,8 +340,14 @@ class Mover:
                     renamed[id(plan)] = exc
             return renamed
 
-        renamed = await self.run_in_thread(rename_all)
-        assert isinstance(renamed, dict)
+        renamed: dict[int, object] = {}
+        to_dfs = [(plan, temporary) for plan, temporary in written if plan.dst == TIER_DFS]
+        to_disk = [(plan, temporary) for plan, temporary in written if plan.dst != TIER_DFS]
+        for some in await asyncio.gather(
+            *(self._run_for(group[0][0], rename_all, group) for group in (to_dfs, to_disk) if group)
+        ):
+            assert isinstance(some, dict)
+            renamed.update(some)
         return renamed
 
     def _is_late(self, deadline_ms: int, mount_number: int) -> bool:
@@ -305,6 +378,7 @@ class Mover:
         renamed into place (`renamed`: by id(plan), None where it was) or not yet, fail them
         all. A DRAM copy leaves bytes in a range the inventory leaves free."""
         temporaries: list[Path] = []
+        dfs_temporaries: list[Path] = []
         to_disk: list[InventoryEntry] = []
         to_dfs: list[InventoryEntry] = []
         disk = self.disk
@@ -312,7 +386,7 @@ class Mover:
             if not isinstance(outcome, Path):
                 continue
             if renamed is None or id(plan) not in renamed:
-                temporaries.append(outcome)
+                (dfs_temporaries if plan.dst == TIER_DFS else temporaries).append(outcome)
             elif renamed[id(plan)] is None:
                 if plan.dst == TIER_DFS:
                     to_dfs.append(plan.entry)
@@ -320,7 +394,11 @@ class Mover:
                 # key (its file: the same bytes); any other at that name is this copy's.
                 elif disk is not None and disk.entry_at(plan.entry.key, plan.entry.offset) is None:
                     to_disk.append(plan.entry)
-        await self.run_in_thread(self._remove_written, temporaries, to_disk, to_dfs)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            self.run_in_thread(self._remove_written, temporaries, to_disk, []),
+            loop.run_in_executor(self._dfs_pool, self._remove_written, dfs_temporaries, [], to_dfs),
+        )
         for index, plan in plans:
             codes[index] = int(ErrorCode.TRANSFER_FAIL)
             self.metrics.moves.labels(src=plan.src, dst=plan.dst, result="late").inc()
@@ -412,12 +490,26 @@ class Mover:
 
     # --- planning (event loop) -------------------------------------------------------------
 
+    async def _look_at_dfs(self, items: list[MoveItem]) -> None:
+        """Read the DFS directory's identity (on its threads) where `items` name a segment that
+        may be the DFS's and it is not known yet: the first DFS move, or one after the master
+        made the identity anew. Read on the event loop (`_tier_of`), a share that hung froze
+        the node: no heartbeat, and the master dropped its segments."""
+        dfs = self.dfs
+        if dfs is None:
+            return
+        known = {self.segment_id, self.disk.segment_id if self.disk is not None else "", dfs.known_segment_id()}
+        loop = asyncio.get_running_loop()
+        for segment_id in {i.src_segment_id for i in items} | {i.dst_segment_id for i in items}:
+            if segment_id not in known:
+                await loop.run_in_executor(self._dfs_pool, dfs.is_segment, segment_id)
+
     def _tier_of(self, segment_id: str) -> str:
         if segment_id == self.segment_id:
             return TIER_DRAM
         if self.disk is not None and segment_id == self.disk.segment_id:
             return TIER_DISK
-        if self.dfs is not None and self.dfs.is_segment(segment_id):
+        if self.dfs is not None and self.dfs.known_segment_id() == segment_id:  # read by _look_at_dfs
             return TIER_DFS
         # The master learns from this code that the DFS is not mounted here (tiers.py).
         raise SegmentNotFound(f"segment {segment_id!r} is not a tier of this node")

@@ -740,12 +740,12 @@ class Node:
         disk = self._disk
         if disk is not None and info.segment_id == disk.segment_id:
             assert self._mover is not None
-            entries = disk.forget(rejected)
-            left = await self._mover.run_in_thread(disk.remove_files, entries)
+            forgotten, left = await self._mover.drop_disk_files(rejected)
             if left:
-                log.warning("node %s: the files of %d refused objects could not be removed (read-only filesystem?): "
-                            "not served, but offered again at the next start", self.node_id, len(left))  # fmt: skip
-            return len(entries) - len(left)
+                log.warning("node %s: the files of %d refused objects are not removed (a read-only filesystem? a "
+                            "move's file there?): not served, but offered again at the next start", self.node_id,
+                            len(left))  # fmt: skip
+            return forgotten - len(left)
         return len(self.inventory.drop(rejected))
 
     async def _remove_stale_segments_forever(self) -> None:

@@ -295,15 +295,13 @@ class TieredMasterCalls:
         # sends it again until it can (DiskTier.unremoved), and keeps it as a tombstone should
         # the node restart meanwhile, so that the object does not come back.
         tried_before = {entry.offset for entry in message.entries if entry.offset in disk.unremoved}
-        entries = disk.forget(message.entries)
-        left = await self.mover.run_in_thread(disk.remove_files, entries)
+        forgotten, left = await self.mover.drop_disk_files(message.entries)
         if left:
             is_new = any(entry.offset not in tried_before for entry in left)
-            disk.unremoved.update((entry.offset, entry) for entry in left)
-            reason = (f"disk tier {disk.segment_id}: {len(left)} of {len(entries)} dropped objects' files "
+            reason = (f"disk tier {disk.segment_id}: {len(left)} of {forgotten} dropped objects' files "
                       f"could not be removed (read-only filesystem?); no longer served")  # fmt: skip
             if is_new:
                 log.warning("%s; the drop is acknowledged once they are gone", reason)
             raise TransferFailed(reason)
-        log.debug("disk tier %s: dropped %d of %d objects", disk.segment_id, len(entries), len(message.entries))
+        log.debug("disk tier %s: dropped %d of %d objects", disk.segment_id, forgotten, len(message.entries))
         return OkReply()

@@ -24,6 +24,7 @@ was last written (its writer unknown: a name without a writer, a master restarte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -31,7 +32,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.errors import InvalidParams, TransferFailed
+from kvpool.errors import InvalidParams, KVPoolError, TransferFailed
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import TIER_DFS, InventoryEntry
 from kvpool.protocol.objectfile import TierIdentity
@@ -161,6 +162,11 @@ class DfsDirectory:
                 self._identity = identity
         return self._identity
 
+    def known_segment_id(self) -> str:
+        """The segment id of the identity read so far ("" before one was found). No I/O."""
+        identity = self._identity
+        return identity.segment_id if identity is not None else ""
+
     def is_segment(self, segment_id: str) -> bool:
         """True when this directory is the DFS the master mounts as `segment_id`."""
         identity = self.identity()
@@ -212,7 +218,14 @@ class DfsDirectory:
         final = self.path_of(key, offset)
         files.publish(temporary, final)
         if is_durable:
-            files.sync_directory(final.parent)
+            try:
+                files.sync_directory(final.parent)
+            except KVPoolError:
+                # Failed, the move leaves no file: one left whole at its name was in no index
+                # and in no free-space count, and the master's next start adopted it.
+                with contextlib.suppress(KVPoolError):
+                    files.remove(final)
+                raise
 
     def read_into(self, key: str, offset: int, size_bytes: int, views: Sequence[memoryview]) -> None:
         """Read a whole object into `views`. Blocks. Raises as files.read_object_into."""
