@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 
+from kvpool import limits  # noqa: E402
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
 
 StorageBackendFactory = factory_module.StorageBackendFactory
@@ -59,13 +60,13 @@ POOL_TOKENS = 64
 class MHAHostPool:
     """SGLang's MHA host pool as storage backends see it (pool_host/mha.py)."""
 
-    def __init__(self, layout: str) -> None:
+    def __init__(self, layout: str, tokens: int = POOL_TOKENS) -> None:
         self.layout, self.page_size, self.dtype = layout, PAGE_SIZE, torch.bfloat16
-        self.layer_num, self.size, self.head_num, self.head_dim = LAYERS, POOL_TOKENS, HEADS, HEAD_DIM
+        self.layer_num, self.size, self.head_num, self.head_dim = LAYERS, tokens, HEADS, HEAD_DIM
         if layout == "layer_first":
-            dims = (2, LAYERS, POOL_TOKENS, HEADS, HEAD_DIM)
+            dims = (2, LAYERS, tokens, HEADS, HEAD_DIM)
         else:
-            dims = (2, POOL_TOKENS, LAYERS, HEADS, HEAD_DIM)
+            dims = (2, tokens, LAYERS, HEADS, HEAD_DIM)
         self.kv_buffer = torch.zeros(dims, dtype=self.dtype)
 
     def get_size_per_token(self) -> int:
@@ -77,12 +78,12 @@ class MHAHostPool:
     def get_page_buffer_meta(self, indices):
         item = self.dtype.itemsize
         base = self.kv_buffer.data_ptr()
-        v_offset = LAYERS * POOL_TOKENS * HEADS * HEAD_DIM * item
+        v_offset = LAYERS * self.size * HEADS * HEAD_DIM * item
         pointers = []
         for start in indices.tolist()[::PAGE_SIZE]:
             if self.layout == "layer_first":
                 for layer in range(LAYERS):
-                    k = base + (layer * POOL_TOKENS + start) * HEADS * HEAD_DIM * item
+                    k = base + (layer * self.size + start) * HEADS * HEAD_DIM * item
                     pointers += [k, k + v_offset]
             else:
                 k = base + start * LAYERS * HEADS * HEAD_DIM * item
@@ -222,6 +223,32 @@ def test_instance_b_loads_pages_instance_a_backed_up(shared_cluster, mla, layout
         assert listed[: len(expected)] == expected
         stats = a.get_stats()
         assert stats is None or stats.backup_pgs == [5, 2]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_prompt_of_more_pages_than_one_master_request_takes_is_found_stored_and_loaded(shared_cluster):
+    """SGLang's hybrid cache controller (every model's, from 0.5.23) looks a whole request up,
+    and backs it up, at once: past 8,192 pages of an MHA model (16,384 objects, the most one
+    master request takes) the lookup was refused whole, a miss for the longest prompts
+    (review helper-148). The adapter goes in batches now."""
+    cluster = shared_cluster(2)
+    pages = limits.BATCH_KEYS_MAX // 2 + 100
+    tokens = (pages + 1) * PAGE_SIZE
+    pool_a, pool_b = MHAHostPool("page_first", tokens), MHAHostPool("page_first", tokens)
+    torch.manual_seed(0)
+    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.dtype))
+    a = create(storage_config(cluster.master_endpoint), pool_a)
+    b = create(storage_config(cluster.master_endpoint), pool_b)
+    try:
+        keys = [f"long{i}" for i in range(pages)]
+        indices = host_indices(list(range(1, pages + 1)))
+        assert a.batch_set_v1(keys, indices) == [True] * pages
+        assert b.batch_exists(keys) == pages
+        assert b.batch_exists([*keys[:-1], "absent"]) == pages - 1
+        assert b.batch_get_v1(keys, indices) == [True] * pages
+        assert torch.equal(pool_b.kv_buffer[:, PAGE_SIZE:], pool_a.kv_buffer[:, PAGE_SIZE:])  # page 0: unused
     finally:
         a.close()
         b.close()

@@ -55,8 +55,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -68,6 +68,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvpool import limits
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError
 from kvpool.integrations.engine_options import SAVED_CODES, EngineOptions, without_ats
 from kvpool.integrations.host_memory import RefusedRegistrations, covering_ranges, register_tensors
@@ -319,12 +320,26 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return 0
         object_keys = self._object_keys(keys)
         count = self._breaker.ask(
-            lambda: self._store.longest_prefix(
-                object_keys, self._lookup_hold_ms, self._readers_of_each(), self._lookup_timeout_ms
-            ),
+            lambda: self._held_prefix(object_keys),
             0, lambda exc: log.warning("kvpool batch_exists failed, reporting a miss: %s", exc),
         )  # fmt: skip
         return count // self._objects_per_page
+
+    def _held_prefix(self, object_keys: list[str]) -> int:
+        """How many leading objects the pool holds (held for the load), one round trip of
+        lookup_timeout_ms at most per BATCH_KEYS_MAX of them: SGLang's hybrid cache controller
+        (every model's, from 0.5.23) looks a whole request up at once, and a prompt of more
+        than 8,192 pages (MHA: two objects a page) was refused whole, a miss (helper-148)."""
+        found = 0
+        for start in range(0, len(object_keys), limits.BATCH_KEYS_MAX):
+            batch = object_keys[start : start + limits.BATCH_KEYS_MAX]
+            count = self._store.longest_prefix(
+                batch, self._lookup_hold_ms, self._readers_of_each(), self._lookup_timeout_ms
+            )
+            found += count
+            if count < len(batch):
+                break
+        return found
 
     def batch_get_v1(
         self,
@@ -364,14 +379,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         object_keys = self._object_keys(keys)
         try:
             addresses, sizes = self._buffer_meta(keys, host_indices)
-            if is_set:
-                codes = self._store.batch_put_from_multi_buffers(
-                    object_keys, addresses, sizes, self._replicate
-                )
-                ok = [code in SAVED_CODES for code in codes]
-            else:
-                read = self._store.batch_get_into_multi_buffers(object_keys, addresses, sizes)
-                ok = [n == sum(s) for n, s in zip(read, sizes)]
+            ok = self._objects_io(object_keys, addresses, sizes, is_set)
         except KVPoolError as exc:
             log.warning("kvpool %s of %d pages failed: %s", "set" if is_set else "get", len(keys), exc)
             return [False] * len(keys)
@@ -425,8 +433,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         try:
             object_keys = [self._sidecar_keys(t.name, keys[:kv_pages]) for t in transfers]
             # Bounded as the KV lookup before it (it cost the prefetch thread the RPC timeout, 5 s).
-            queried = self._store.query([k for ks in object_keys for k in ks], timeout_ms=self._lookup_timeout_ms)
-            found = iter([code == ErrorCode.OK for code in queried.codes])
+            codes = _batched(lambda batch: self._store.query(batch, timeout_ms=self._lookup_timeout_ms).codes,
+                             [k for ks in object_keys for k in ks])  # fmt: skip
+            found = iter([code == ErrorCode.OK for code in codes])
         except KVPoolError as exc:
             if not self._breaker.record_failure(exc):
                 log.warning("kvpool batch_exists_v2 failed, reporting a miss: %s", exc)
@@ -458,7 +467,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             try:
                 hold_ms, timeout_ms = self._lookup_hold_ms, self._lookup_timeout_ms
                 for readers, held_keys in held.items():
-                    if self._store.longest_prefix(held_keys, hold_ms, readers, timeout_ms) < len(held_keys):
+                    counts = _batched(lambda batch: [self._store.longest_prefix(batch, hold_ms, readers, timeout_ms)],
+                                      held_keys)  # fmt: skip
+                    if sum(counts) < len(held_keys):
                         restorable.pop()  # evicted since it was found: the longest is not restorable now
                         break
             except KVPoolError as exc:
@@ -505,12 +516,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if not spans:
             return results
         try:
-            if is_set:
-                codes = self._store.batch_put_from_multi_buffers(object_keys, addresses, sizes, self._replicate)
-                ok = [code in SAVED_CODES for code in codes]
-            else:
-                read = self._store.batch_get_into_multi_buffers(object_keys, addresses, sizes)
-                ok = [n == sum(s) for n, s in zip(read, sizes)]
+            ok = self._objects_io(object_keys, addresses, sizes, is_set)
         except KVPoolError as exc:
             log.warning("kvpool %s of %d pages of other pools failed: %s", "set" if is_set else "get",
                         len(object_keys), exc)  # fmt: skip
@@ -518,6 +524,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         for name, first, count in spans:
             results[name] = ok[first : first + count]
         return results
+
+    def _objects_io(
+        self, object_keys: list[str], addresses: list[list[int]], sizes: list[list[int]], is_set: bool
+    ) -> list[bool]:
+        """Write or read objects from / into the host pool ranges given; whether each was.
+        One batch per BATCH_KEYS_MAX objects (a master takes no more in one request)."""
+        if is_set:
+            codes = _batched(lambda *b: self._store.batch_put_from_multi_buffers(*b, self._replicate),
+                             object_keys, addresses, sizes)  # fmt: skip
+            return [code in SAVED_CODES for code in codes]
+        read = _batched(self._store.batch_get_into_multi_buffers, object_keys, addresses, sizes)
+        return [n == sum(s) for n, s in zip(read, sizes)]
 
     def _readers_of_each(self, pool_name: str = PoolName.KV.value) -> int:
         """The ranks that load each object of that pool, which a lookup holds it for: all the
@@ -605,12 +623,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                     addresses += [[start], [start + half]]
                     sizes += [[half], [size - half]]
             moving = [object_keys[page * per_page + part] for page in pages for part in range(per_page)]
-            if moving and is_set:
-                codes = self._store.batch_put_from_multi_buffers(moving, addresses, sizes, self._replicate)
-                ok = [code in SAVED_CODES for code in codes]
-            elif moving:
-                read = self._store.batch_get_into_multi_buffers(moving, addresses, sizes)
-                ok = [n == sum(s) for n, s in zip(read, sizes)]
+            if moving:
+                ok = self._objects_io(moving, addresses, sizes, is_set)
         except KVPoolError as exc:
             log.warning("kvpool page tensor %s failed: %s", "set" if is_set else "get", exc)
             return [False] * len(keys)
@@ -751,3 +765,16 @@ def _pool_tensors(pool: Any) -> list[Any]:
         if tensor is not None and hasattr(tensor, "data_ptr"):
             tensors.append(tensor)
     return tensors
+
+
+_R = TypeVar("_R")
+
+
+def _batched(call: Callable[..., Sequence[_R]], *columns: list) -> list[_R]:
+    """`call` over the rows of `columns` (parallel lists, one row per object) in batches of at
+    most BATCH_KEYS_MAX rows, the results joined: a master takes no more keys in one request,
+    and a larger batch was refused whole."""
+    results: list[_R] = []
+    for start in range(0, len(columns[0]), limits.BATCH_KEYS_MAX):
+        results += call(*(column[start : start + limits.BATCH_KEYS_MAX] for column in columns))
+    return results
