@@ -46,7 +46,8 @@ KV_SHAPE = (3, 2, CHUNK, 2, 8)  # layers, k/v, tokens, heads, head size
 class Instance:
     """One LMCache worker: its config, CPU backend and connector, on its own event loop."""
 
-    def __init__(self, master: str, save_chunk_meta: bool = True, **options) -> None:
+    def __init__(self, master: str, save_chunk_meta: bool = True, worker: tuple[int, int] = (0, 1), mla: bool = False,
+                 **options) -> None:  # fmt: skip
         self.config = LMCacheEngineConfig.from_defaults(
             chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
             remote_storage_plugins=["kvpool"],
@@ -58,8 +59,8 @@ class Instance:
             },
         )  # fmt: skip
         self.metadata = LMCacheMetadata(
-            model_name="org/tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-            kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK,
+            model_name="org/tiny", world_size=worker[1], local_world_size=worker[1], worker_id=worker[0],
+            local_worker_id=worker[0], kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK, use_mla=mla,
         )  # fmt: skip
         self.cpu = LocalCPUBackend(self.config, self.metadata, dst_device="cpu")
         self.loop = asyncio.new_event_loop()
@@ -151,6 +152,32 @@ def test_a_pinned_lookup_holds_its_chunks_until_they_are_retrieved(shared_cluste
             assert store.batch_remove(names[4:]) == [ErrorCode.OBJECT_HAS_LEASE]  # never retrieved
     finally:
         a.close()
+
+
+def test_an_mla_models_lookup_holds_its_chunks_until_every_worker_retrieved_them(shared_cluster):
+    """With MLA at TP 2, LMCache looks chunks up on worker 0 alone and both workers read worker
+    0's chunks: the hold lasts until the second's retrieval (it ended with the first's, and the
+    chunk could be evicted before the other worker read it: review helper-148)."""
+    cluster = shared_cluster(1)
+    first, second = (Instance(cluster.master_endpoint, worker=(rank, 2), mla=True) for rank in (0, 1))
+    try:
+        keys = [key(31)]
+        first.run(first.conn.batched_put(keys, [first.chunk(31)]))
+        assert first.run(first.conn.batched_async_contains("l-1", keys, pin=True)) == 1
+        names = [k.to_string() for k in keys]
+        with Store(cluster.master_endpoint) as store:
+            for worker in (first, second):  # worker 1 reads worker 0's key (as RemoteBackend makes it)
+                for obj in worker.run(worker.conn.batched_get(keys)):
+                    obj.ref_count_down()
+                if worker is first:
+                    # Its read lease goes back 10 ms after the read (client/leases.py); a release
+                    # later than this wait would only hold the chunk too, never fail the check.
+                    time.sleep(0.3)
+                    assert store.batch_remove(names) == [ErrorCode.OBJECT_HAS_LEASE]  # still held
+            removed_as_released(store.batch_remove, names)
+    finally:
+        first.close()
+        second.close()
 
 
 def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(shared_cluster):

@@ -103,6 +103,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._replicate = options.replicate
         self._lookup_hold_ms = options.lookup_hold_ms
         self._lookup_timeout_ms = options.lookup_timeout_ms
+        self._readers_of_each = _readers_of_each(config, metadata)
         self._breaker = options.lookup_breaker("LMCache's lookups")
         self._putter = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="kvpool-lmcache-put")
         # Chunks whose registration the Store refused to drop (a cancelled get's disk read
@@ -143,7 +144,7 @@ class KVPoolRemoteConnector(RemoteConnector):
             return 0
         names = [k.to_string() for k in keys]
         return self._breaker.ask(
-            lambda: self._store.longest_prefix(names, hold_ms, timeout_ms=self._lookup_timeout_ms), 0,
+            lambda: self._store.longest_prefix(names, hold_ms, self._readers_of_each, self._lookup_timeout_ms), 0,
             lambda exc: log.info("kvpool lookup failed, reporting a miss: %s", exc),
         )  # fmt: skip
 
@@ -365,3 +366,16 @@ def _release_late_chunks(reading: asyncio.Future) -> None:
     for obj in reading.result():
         if obj is not None:
             obj.ref_count_down()
+
+
+def _readers_of_each(config: Any, metadata: Any) -> int:
+    """The workers that read each chunk a lookup finds, which its hold waits for: all of them
+    for an MLA model at TP > 1, where every worker reads worker 0's chunks and only worker 0
+    looks them up (LMCache's `remote_enable_mla_worker_id_as0`, on by default with MLA);
+    before 2026-12-07 the hold ended with the first worker's read, and a chunk evicted before a
+    later worker read it failed that worker's load (review helper-148)."""
+    use_mla = bool(getattr(metadata, "use_mla", False))
+    world_size = int(getattr(metadata, "world_size", 1) or 1)
+    if use_mla and world_size > 1 and config.get_extra_config_value("remote_enable_mla_worker_id_as0", use_mla):
+        return world_size
+    return 1
