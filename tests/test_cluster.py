@@ -134,7 +134,7 @@ def test_puts_right_after_a_node_is_killed_go_to_the_live_nodes(make_cluster, sh
     """SIGKILL closes the node's connections at once, long before the node TTL (10 s here)
     says it is gone: from then on the master places puts on the nodes it can reach (before,
     about half of them went to the dead node and failed), and `kvpool stat` shows the dead
-    node's segment as unreachable."""
+    node's segment as unreachable, as the master's /metrics do."""
     cluster = make_cluster(2)
     victim = cluster.nodes[0]
     victim_segment = victim.info["segment_id"]
@@ -142,6 +142,13 @@ def test_puts_right_after_a_node_is_killed_go_to_the_live_nodes(make_cluster, sh
     with Store(cluster.master_endpoint, shm_enabled=shm) as store:
         victim.kill()
         assert wait_until(lambda: _segment_states(store).get(victim_segment) == "unreachable", 5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=5) as response:
+            metrics = response.read().decode().splitlines()
+        assert 'kvpool_master_segments{state="unreachable",tier="dram"} 1.0' in metrics
+        assert 'kvpool_master_segments{state="active",tier="dram"} 1.0' in metrics
+        reachable = {line.split('segment="')[1].split('"')[0]: line.rsplit(" ", 1)[1]
+                     for line in metrics if line.startswith("kvpool_master_segment_reachable{")}  # fmt: skip
+        assert reachable == {victim_segment: "0.0", cluster.nodes[1].info["segment_id"]: "1.0"}
         codes = [store.put_batch([key], [value])[0] for key, value in values.items()]
         assert codes == [ErrorCode.OK] * len(values)
         assert store.get_batch(list(values)) == list(values.values())

@@ -15,6 +15,8 @@ segment_free_extents{...} and segment_largest_free_bytes{...} (fragmentation: a 
 that churns leaves its free space in holes, docs/performance.md "A full cache that churns"),
 segment_filesystem_free_bytes{...} and segment_writable{...} (what a slower tier's node last
 reported of the filesystem under it: docs/tiers.md "Bounds and back-pressure"),
+segment_reachable{...} (0 while its node's link is down, before the TTL drops it), and
+segments{tier,state} (active, draining, unreachable, ...: an alert's `state="unreachable"`),
 and per tier (docs/tiers.md) tier_capacity_bytes{tier}, tier_used_bytes{tier}, tier_objects{tier},
 tier_hits_total{tier}, tier_offloads_total{tier}, tier_promotions_total{tier},
 tier_copies_total{tier}, tier_evictions_total{tier}, tier_failed_moves_total{tier}; busy_poll_seconds_total and
@@ -115,6 +117,13 @@ class MasterMetrics(Collector):
         writable = GaugeMetricFamily(
             _PREFIX + "segment_writable", "0 while a slower tier's filesystem takes no writes.", labels=labels
         )
+        reachable = GaugeMetricFamily(
+            _PREFIX + "segment_reachable",
+            "0 from when its node's connection closed until it speaks again or the node TTL drops it: its "
+            "objects read as missing meanwhile.", labels=labels,
+        )  # fmt: skip
+        by_state = GaugeMetricFamily(_PREFIX + "segments", "Segments mounted, by tier and state.",
+                                     labels=["tier", "state"])  # fmt: skip
         holes = {c.segment_id: c for c in self._service.segment_counters()}
         for segment in status.segments:
             values = [segment.segment.segment_id, segment.segment.node_id, segment.segment.endpoint]
@@ -128,7 +137,12 @@ class MasterMetrics(Collector):
             if segment.filesystem_free_bytes >= 0:
                 filesystem_free.add_metric(values, segment.filesystem_free_bytes)
             writable.add_metric(values, int(segment.is_writable))
-        yield from (capacity, used, objects, quarantined, extents, largest, filesystem_free, writable)
+            reachable.add_metric(values, int(segment.state != "unreachable"))
+        states = CountByName((s.segment.tier, s.state) for s in status.segments)
+        for (tier, state), count in sorted(states.items()):
+            by_state.add_metric([tier, state], count)
+        yield from (capacity, used, objects, quarantined, extents, largest, filesystem_free, writable, reachable,
+                    by_state)  # fmt: skip
         yield from _tier_metrics(status)
         yield from _policy_metrics(self._service.policy_stats())
         if self.busy_poll is not None:
