@@ -81,6 +81,7 @@ from kvpool.master.tiers import FULL_TIER_RETRY_MS, SLOWER_TIERS, Move, TierFlow
 from kvpool.master.tombstones import Tombstones
 from kvpool.protocol.messages import (
     PLACEMENTS,
+    TIER_DFS,
     TIER_DRAM,
     TIERS,
     ClusterStatus,
@@ -399,7 +400,9 @@ class MasterService:
             return
         room_bytes = min(segment.allocator.used_bytes + free_bytes, segment.allocator.capacity_bytes)
         then = "make room by evicting its oldest objects once it holds that much" if change else "use it all again"
-        log.log(logging.WARNING if change else logging.INFO,
+        # A DFS's capacity is its filesystem's size unless given, so a share that holds other
+        # files caps it from its first look on: said, not warned of, at every start.
+        log.log(logging.WARNING if change and segment.tier != TIER_DFS else logging.INFO,
                 "%s segment %s (node %s): its filesystem has %d bytes free, room for %d of its %d bytes; "
                 "offloads there %s", segment.tier, segment.segment_id, segment.info.node_id, free_bytes, room_bytes,
                 segment.allocator.capacity_bytes, then)  # fmt: skip
