@@ -204,6 +204,9 @@ MASTER_ADDRESS_FORMS = "(HOST:PORT, or etcd://HOST:PORT[,...][/CLUSTER_ID])"
          f"--master: not a master address: 'master-host:99999' {MASTER_ADDRESS_FORMS}"),
         (["stat", "-m", "etcd://"], "--master: no etcd endpoint in ''"),
         (["bench", "--size", "4096.5B"], "--size: 4096.5B is not a whole number of bytes (between 4096 and 4097)"),
+        # The master's refusal, exit status 1, as if the cluster had failed (walk-through helper-147).
+        (["ls", "(a"], "PATTERN: bad pattern '(a' (RE2 syntax): missing ): (a"),
+        (["rm", "--regex", "a)"], "--regex: bad pattern 'a)' (RE2 syntax): unexpected ): a)"),
     ],
 )  # fmt: skip
 def test_an_object_command_out_of_range_is_a_usage_error_naming_the_option(

@@ -248,6 +248,17 @@ _NODE_FLAGS = {
 }
 
 
+def _check_pattern(name: str, pattern: str) -> None:
+    """A key pattern RE2 cannot read is a usage error (exit status 2), said before the master is
+    asked (it was exit status 1, as a failure of the cluster's)."""
+    from kvpool.patterns import compile_pattern
+
+    try:
+        compile_pattern(pattern)
+    except InvalidParams as exc:
+        raise _fail(f"{name}: {exc}", EXIT_USAGE) from None
+
+
 def _fail_in_flags(exc: KVPoolError, flags: dict[str, str]) -> typer.Exit:
     """_fail for a config error, each field it names spelt as its command-line flag."""
     pattern = r"\b(" + "|".join(flags) + r")\b"
@@ -630,7 +641,8 @@ def node(
     host: Annotated[str, typer.Option(help="Address the transfer server listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Transfer port (0 = any free port).", min=0, max=PORT_MAX)] = 0,
     advertise_host: Annotated[
-        Optional[str], typer.Option(help="Address clients dial (default: the listen address).")
+        Optional[str], typer.Option(help="Address clients dial (default: --host; for 0.0.0.0 or ::, this host's "
+                                    "first address that is not loopback, else its name).")
     ] = None,
     shm_dir: Annotated[
         Path, typer.Option(parser=_path, help="Directory of the segment file: /dev/shm or a hugetlbfs mount.")
@@ -1057,6 +1069,8 @@ def rm(
         raise _fail("name keys, --regex PATTERN or --all" + (", only one of them" if chosen else ""), EXIT_USAGE)
     if regex == "":  # an unset shell variable in `--regex "$PREFIX"`: every key would match
         raise _fail("--regex '': an empty pattern matches every key (--all says so)", EXIT_USAGE)
+    if regex is not None:
+        _check_pattern("--regex", regex)
     for key in keys or []:
         _check_key("rm", key)
     with _connected("rm", master, token_file, timeout_s=timeout) as store:
@@ -1098,6 +1112,7 @@ def ls(
     timeout: TimeoutOption = TIMEOUT_DEFAULT,
 ) -> None:
     """List objects (key and size). A key with control characters is printed as a literal."""
+    _check_pattern("PATTERN", pattern)
     with _connected("ls", master, token_file, timeout_s=timeout) as store:
         reply = store.list_objects(pattern, limit)
     with _writing_stdout():

@@ -23,7 +23,7 @@ from collections.abc import Collection
 
 import re2
 
-from kvpool import limits
+from kvpool import limits, patterns
 from kvpool.protocol.messages import InventoryEntry
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,6 @@ PATTERNS_MAX = 64
 # this long after its last was abandoned (its node died), and no longer holds the window's memory.
 MOUNT_PARTS_WAIT_MS = 60_000
 
-_PATTERN_OPTIONS = re2.Options()
-_PATTERN_OPTIONS.log_errors = False
 
 
 class RemovedAtStart:
@@ -81,9 +79,9 @@ class RemovedAtStart:
 
     def _add_pattern(self, pattern: str) -> None:
         self._patterns.append(pattern)
-        self._searches.append(re2.compile(pattern, _PATTERN_OPTIONS).search)  # the remove compiled it so
+        self._searches.append(re2.compile(pattern, patterns.OPTIONS).search)  # the remove compiled it so
         try:
-            self._search = re2.compile("|".join(f"(?:{p})" for p in self._patterns), _PATTERN_OPTIONS).search
+            self._search = re2.compile("|".join(f"(?:{p})" for p in self._patterns), patterns.OPTIONS).search
         except re2.error:  # together they do not compile (too large; a \Q left open takes the ")")
             searches = self._searches
             self._search = lambda key: any(search(key) for search in searches)

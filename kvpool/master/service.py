@@ -79,6 +79,7 @@ from kvpool.master.mounts import MountFlow
 from kvpool.master.puts import PendingCommit, PutFlow, merge_retried
 from kvpool.master.tiers import FULL_TIER_RETRY_MS, SLOWER_TIERS, Move, TierFlow
 from kvpool.master.tombstones import Tombstones
+from kvpool.patterns import compile_pattern
 from kvpool.protocol.messages import (
     PLACEMENTS,
     TIER_DFS,
@@ -124,8 +125,6 @@ from kvpool.protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
-_PATTERN_OPTIONS = re2.Options()
-_PATTERN_OPTIONS.log_errors = False  # a bad pattern is the caller's InvalidParams, not a log line
 
 
 class Removal:
@@ -1266,17 +1265,11 @@ class MasterService:
             )
 
     def _compile(self, pattern: str) -> re2._Regexp:
-        """A key pattern in RE2 syntax: matched in time linear in the key, so that no pattern
-        holds the master (Python's backtracking `re` took 26 s for `^(a+)+$` on a key of 28
-        characters and one more, doubling with each: the nodes' heartbeats went unanswered
-        and the master dropped them). No backreferences or lookaround."""
-        if type(pattern) is not str or len(pattern.encode(errors="replace")) > limits.REGEX_SIZE_BYTES_MAX:
-            raise self._count_error(InvalidParams(f"pattern longer than {limits.REGEX_SIZE_BYTES_MAX} bytes"))
+        """A key pattern (patterns.py), its refusal counted as an error."""
         try:
-            return re2.compile(pattern, options=_PATTERN_OPTIONS)
-        except re2.error as exc:
-            why = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else exc
-            raise self._count_error(InvalidParams(f"bad pattern {pattern[:200]!r} (RE2 syntax): {why}")) from None
+            return compile_pattern(pattern)
+        except InvalidParams as exc:
+            raise self._count_error(exc) from None
 
     def _segment_or_raise(self, segment_id: str) -> Segment:
         segment = self._registry.get(segment_id)
