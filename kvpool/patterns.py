@@ -19,6 +19,10 @@ def compile_pattern(pattern: str) -> re2._Regexp:
     if type(pattern) is not str or len(pattern.encode(errors="replace")) > limits.REGEX_SIZE_BYTES_MAX:
         raise InvalidParams(f"pattern longer than {limits.REGEX_SIZE_BYTES_MAX} bytes")
     try:
+        pattern.encode()
+    except UnicodeEncodeError:  # a lone surrogate: bytes of a command line that are not UTF-8
+        raise InvalidParams(f"pattern must be valid UTF-8 text: {pattern!r:.100}") from None
+    try:
         return re2.compile(pattern, options=OPTIONS)
     except re2.error as exc:
         why = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else exc

@@ -180,6 +180,35 @@ def test_an_mla_models_lookup_holds_its_chunks_until_every_worker_retrieved_them
         second.close()
 
 
+def test_lmcaches_health_probe_reads_back_what_it_wrote_last(shared_cluster):
+    """LMCache's health check, after a run of failed gets, writes fresh bytes under one fixed
+    key (model "test", chunk 0) and wants them back before it uses the pool again. A put of a
+    key already stored writes nothing (keys name their bytes), so once any worker had probed,
+    every later probe read the first one's bytes, and LMCache stayed off the pool until a
+    restart (review helper-148). That key alone is written anew."""
+    cluster = shared_cluster(1)
+    a, b = Instance(cluster.master_endpoint), Instance(cluster.master_endpoint)
+    probe = CacheEngineKey(model_name="test", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.bfloat16)
+    try:
+        for instance, seed in ((a, 1), (b, 2), (a, 3)):
+            written = instance.chunk(seed)
+            expected = written.raw_tensor.clone()  # (the put gives the chunk back to LMCache)
+            instance.run(instance.conn.batched_put([probe], [written]))
+            (read,) = instance.run(instance.conn.batched_get([probe]))
+            assert torch.equal(read.raw_tensor, expected)
+            read.ref_count_down()
+        ordinary, first, second = key(41), a.chunk(41), a.chunk(42)
+        expected = first.raw_tensor.clone()
+        a.run(a.conn.batched_put([ordinary], [first]))
+        a.run(a.conn.batched_put([ordinary], [second]))  # any other key: the first bytes stay
+        (read,) = a.run(a.conn.batched_get([ordinary]))
+        assert torch.equal(read.raw_tensor, expected)
+        read.ref_count_down()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_an_object_that_is_no_chunk_of_this_model_is_a_miss(shared_cluster):
     """Headerless chunks are reshaped from their byte count: an object under a chunk's name
     that is not whole tokens (another model's layout, say) is a miss, not a ValueError

@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lmcache.utils import CacheEngineKey
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import (
     ConnectorAdapter,
@@ -287,6 +289,17 @@ class KVPoolRemoteConnector(RemoteConnector):
     async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
         await asyncio.get_running_loop().run_in_executor(self._putter, self._put_objects, keys, memory_objs)
 
+    def _forget_health_probe(self) -> None:
+        """LMCache's health check writes fresh bytes under one fixed key and wants them back
+        (remote_backend_check.py): a put of a key stored already writes nothing (keys name
+        their bytes), so once any worker had probed, every later probe read the first one's
+        bytes and LMCache stayed off the pool until a restart. That key alone is removed
+        before it is written."""
+        try:
+            self._store.batch_remove([_health_probe_name()], force=True)
+        except KVPoolError as exc:
+            log.info("kvpool: LMCache's health probe was not removed before its put: %s", exc)
+
     def _put_objects(self, keys: Sequence[Any], memory_objs: Sequence[Any]) -> list[int]:
         """Store each chunk (header + bytes, or bytes), gathered without a copy. Returns the
         per-chunk codes; failures are logged (LMCache treats a lost put as a future miss)."""
@@ -312,9 +325,10 @@ class KVPoolRemoteConnector(RemoteConnector):
                 else:
                     addresses.append([obj.data_ptr])
                     sizes.append([obj.get_size()])
-            codes = self._store.batch_put_from_multi_buffers(
-                [k.to_string() for k in keys], addresses, sizes, self._replicate
-            )
+            names = [k.to_string() for k in keys]
+            if _health_probe_name() in names:
+                self._forget_health_probe()
+            codes = self._store.batch_put_from_multi_buffers(names, addresses, sizes, self._replicate)
         except KVPoolError as exc:
             log.warning("kvpool put of %d chunks failed: %s", len(keys), exc)
             return [int(exc.code)] * len(keys)
@@ -379,3 +393,10 @@ def _readers_of_each(config: Any, metadata: Any) -> int:
     if use_mla and world_size > 1 and config.get_extra_config_value("remote_enable_mla_worker_id_as0", use_mla):
         return world_size
     return 1
+
+
+@functools.cache
+def _health_probe_name() -> str:
+    """The object LMCache's health check writes and reads back (lmcache/v1/health_monitor/checks/
+    remote_backend_check.py: model "test", chunk 0)."""
+    return CacheEngineKey(model_name="test", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.bfloat16).to_string()
