@@ -75,6 +75,10 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
         "an empty path": ('[node]\ndisk-dir = ""\n', "empty (remove the line", ("node",)),
         "a setting twice": ('[node]\ndisk-dir = "/a"\ndisk_dir = "/b"\n', "sets 'disk_dir' twice", ("node",)),
         "an array of tables": ("[[master]]\nport = 1\n", "[[master]] is an array of tables", both),
+        # It said "eviction policy 'fifo' not one of [...]", exit status 1, naming neither (helper-147).
+        "a choice not offered": ('[master]\neviction-policy = "fifo"\n',
+                                 "[master] eviction-policy = 'fifo': Value error, 'fifo' is not one of 'probation', "
+                                 "'lru'", ("master",)),
     }
     checks = []  # a file of its own per case: the commands run two at a time (independent)
     for index, (name, (text, said, commands)) in enumerate(cases.items()):
@@ -242,3 +246,10 @@ def test_kvpool_token_is_stripped_as_a_token_file_is(tmp_path):
             assert (out.returncode, out.stderr[: len(stderr)]) == (code, stderr), out.stderr
     finally:
         master.stop()
+
+
+def test_the_eviction_policies_offered_are_the_masters():
+    from kvpool.cli.main import EvictionPolicyName
+    from kvpool.master.eviction import POLICIES
+
+    assert {name.value for name in EvictionPolicyName} == set(POLICIES)

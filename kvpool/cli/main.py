@@ -119,6 +119,13 @@ class LogLevel(str, Enum):
     error = "error"
 
 
+class EvictionPolicyName(str, Enum):
+    """kvpool master --eviction-policy: master/eviction.py POLICIES (a test checks they agree)."""
+
+    probation = "probation"
+    lru = "lru"
+
+
 def _path(text: str) -> Path:
     """A path option's value. An empty one is refused: click reads "" as ".", and
     `--disk-dir ""` made a disk tier in the working directory."""
@@ -535,8 +542,8 @@ def master(
         int, typer.Option(help="Copy an object back into DRAM after this many reads from disk or DFS (0: never).")
     ] = limits.PROMOTE_READS_DEFAULT,
     eviction_policy: Annotated[
-        str, typer.Option(help="DRAM eviction order: probation (never-read objects first) or lru.")
-    ] = limits.EVICTION_POLICY_DEFAULT,
+        EvictionPolicyName, typer.Option(help="DRAM eviction order: probation (never-read objects first) or lru.")
+    ] = EvictionPolicyName(limits.EVICTION_POLICY_DEFAULT),
     busy_poll_us: BusyPollOption = limits.BUSY_POLL_US_DEFAULT,
     log_level: LogLevelOption = LogLevel.info,
     settings: ConfigOption = None,
@@ -569,7 +576,7 @@ def master(
             evict_ratio=evict_ratio,
             remount_grace_ms=remount_grace_ms,
             promote_reads=promote_reads,
-            eviction_policy=eviction_policy,
+            eviction_policy=eviction_policy.value,
         )
         election = None
         # Settings of an election, which only --etcd holds: without it they were ignored.
