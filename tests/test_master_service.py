@@ -1638,6 +1638,54 @@ def test_drain_stops_allocation_then_unmounts() -> None:
     assert not svc.has_segment("s1")
 
 
+@pytest.mark.parametrize("is_kept", [False, True], ids=["stopping", "kept-for-a-restart"])
+def test_a_drain_that_ends_before_its_kept_segments_unmount_still_refuses_what_was_removed_meanwhile(is_kept):
+    """A node stopped with --drain-ms and --keep-ms: the master's end of the drain came before
+    the node's own unmount, and unmounted the segment for good (its file goes with the node):
+    nothing was kept of it, and a key removed meanwhile came back when the node did (review
+    helper-150). A drain that says its segment is kept leaves it behind, as a kept unmount does."""
+    svc = make(node_ttl_ms=100_000)
+    mount(svc, "s1")
+    put(svc, ["gone", "stays"])
+    entries = inventories(svc)["s1"]
+    svc.drain_segment(DrainSegment("s1", 1_000, is_kept), 0)
+    svc.tick(1_000)
+    assert not svc.has_segment("s1")
+    assert svc.remove(Remove(["gone"]), 2_000).codes == [ErrorCode.OBJECT_NOT_FOUND]  # lost with its segment
+    rejected = mount(svc, "s1", 3_000, inventory=entries)  # the node back, with its kept segment
+    assert [entry.key for entry in rejected] == (["gone"] if is_kept else [])
+
+
+def quarantined(svc, segment_id: str) -> int:
+    return next(c.quarantined_bytes for c in svc.segment_counters() if c.segment_id == segment_id)
+
+
+@pytest.mark.parametrize("is_kept", [True, False], ids=["kept-for-a-restart", "gone-for-good"])
+def test_a_segment_mounted_again_with_its_file_keeps_the_ranges_writers_may_still_write(is_kept):
+    """A same-host writer copies into the segment file itself, and a TCP write's grant stays
+    good under the same segment id: a segment that mounts again with the same file (kept for
+    its node's restart, or its node cut off) must not hand out, before their release times,
+    the ranges of the puts in flight when it went, nor its quarantined ones: an object put
+    after a node's restart was destroyed by a copy granted before it (review helper-150). A
+    segment gone for good comes back as a new file: nothing to fence."""
+    svc = make(put_discard_timeout_ms=1_000, put_release_timeout_ms=5_000, node_ttl_ms=100_000)
+    mount(svc, "s1")
+    assert svc.put_start(PutStart(["zombie"], [OBJECT_SIZE], config()), 0).codes == [OK]
+    svc.tick(1_500)  # its writer silent past the discard timeout: quarantined until 5_000
+    assert svc.put_start(PutStart(["writing"], [OBJECT_SIZE], config()), 1_500).codes == [OK]  # until 6_500
+    assert quarantined(svc, "s1") == footprint_bytes(OBJECT_SIZE)
+    svc.unmount_segment(UnmountSegment("s1", is_kept), 2_000)
+    mount(svc, "s1", 2_500, **({} if is_kept else {"token": b"t-new-file"}))
+    if not is_kept:
+        assert quarantined(svc, "s1") == used(svc, "s1") == 0
+        return
+    assert quarantined(svc, "s1") == used(svc, "s1") == 2 * footprint_bytes(OBJECT_SIZE)
+    svc.tick(5_000)
+    assert quarantined(svc, "s1") == footprint_bytes(OBJECT_SIZE)
+    svc.tick(6_500)
+    assert quarantined(svc, "s1") == used(svc, "s1") == 0
+
+
 # --- mount and rebuild --------------------------------------------------------------------
 
 

@@ -12,6 +12,10 @@ during the restart stays so. A node killed with SIGKILL keeps nothing.
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,10 +59,13 @@ def test_a_kept_segment_is_adopted_whole_with_its_id_token_and_entries(tmp_path)
     segment.keep("n1-0a0b0c0d", entries, now_ms() + 60_000)
     assert path.exists() and (tmp_path / "kvpool-n1.kept").exists()
     assert remove_stale_segments(str(tmp_path)) == []  # unlocked, but kept: the sweep leaves it
-    adopted, segment_id, kept_entries = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+    adopted, segment_id, kept_entries, until_ms = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
     try:
         assert (segment_id, kept_entries, adopted.token, adopted.path) == ("n1-0a0b0c0d", entries, token, path)
-        assert not (tmp_path / "kvpool-n1.kept").exists()  # taken: a kill from now on leaves a stale file
+        assert until_ms > now_ms() + 50_000
+        assert (tmp_path / "kvpool-n1.kept").exists()  # until verified: a kill meanwhile takes it again
+        adopted.kept_taken()
+        assert not (tmp_path / "kvpool-n1.kept").exists()  # a kill from now on leaves a stale file
         assert {e.key: bytes(adopted.data[e.offset : e.offset + e.size]) for e in entries} == expected
         assert adopted.verified(kept_entries, "test") == (entries, 0)
         # The owner again: it holds the lock (a sweep passes it by), and closing unlinks it.
@@ -140,7 +147,7 @@ def test_objects_whose_bytes_changed_while_kept_are_not_served_again(tmp_path):
     with open(segment.path, "r+b") as file:  # any process of the user could write it meanwhile
         file.seek(4096 + entries[3].offset + 100)
         file.write(b"\xff" * 8)
-    adopted, _, kept_entries = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+    adopted, _, kept_entries, _ = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
     try:
         outside = InventoryEntry("outside", 4 * MIB - 10, 20, 0)
         good, bad = adopted.verified([*kept_entries, outside], "test")
@@ -200,6 +207,61 @@ def test_a_whole_cluster_restarted_serves_the_kept_objects(make_cluster, tmp_pat
     cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
     with Store(cluster.master_endpoint, shm_enabled=False) as store:
         assert store.get_batch(list(values)) == list(values.values())
+
+
+def kept_until_ms(shm_dir: Path) -> int:
+    """The deadline in a kept segment's record (segment.py: magic, version, then until_ms)."""
+    return struct.unpack_from("<Q", (shm_dir / "kvpool-kept.kept").read_bytes(), 12)[0]
+
+
+def test_a_start_that_fails_after_taking_a_kept_segment_keeps_it_again(make_cluster, tmp_path):
+    """A start that failed after the node took its kept segment (here its metrics port is
+    taken) unlinked the file: the objects were lost to a typo (review helper-150)."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    cluster = make_cluster(0, "16MiB")
+    node = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    data = os.urandom(OBJECT_SIZE)
+    with Store(cluster.master_endpoint) as store:
+        store.put("survivor", data)
+    node.stop()
+    until_ms = kept_until_ms(shm_dir)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        failed = kvpool_cli("node", "--master", cluster.master_endpoint, "--memory", "16MiB", *node_args(shm_dir),
+                            "--keep-ms", "60000", "--metrics-port", str(taken.getsockname()[1]))  # fmt: skip
+    assert failed.returncode == 1 and b"took the segment" in failed.stderr, failed.stderr
+    assert kept_until_ms(shm_dir) == until_ms  # kept again, as long as it was
+    cluster.start_node(node_args(shm_dir))
+    with Store(cluster.master_endpoint) as store:
+        assert store.get("survivor") == data
+
+
+def test_a_run_that_never_mounted_keeps_the_segment_no_longer_than_it_was_kept(make_cluster, tmp_path):
+    """A node that took its kept segment, never reached a master and was stopped again kept it
+    for a whole new window, past the master's tombstones of it, which refuse what was removed
+    meanwhile only for so long (review helper-150)."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    cluster = make_cluster(0, "16MiB")
+    cluster.start_node(node_args(shm_dir, "--keep-ms", "60000")).stop()
+    until_ms = kept_until_ms(shm_dir)
+    log_path = tmp_path / "lost.log"
+    with socket.socket() as closed:  # a port nothing listens on: the master is not there
+        closed.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{closed.getsockname()[1]}"
+    with open(log_path, "wb") as log_file:
+        lost = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "node", "--master", nowhere, "--memory", "16MiB",
+             *node_args(shm_dir), "--keep-ms", "300000"], stderr=log_file,
+        )  # fmt: skip
+    try:
+        wait_until(lambda: b"took the segment" in log_path.read_bytes(), 30)
+    finally:
+        lost.terminate()
+        assert lost.wait(30) == 0
+    assert kept_until_ms(shm_dir) == until_ms
 
 
 def test_a_node_killed_keeps_nothing(make_cluster, tmp_path):

@@ -80,6 +80,7 @@ class Segment:
         "is_reachable",
         "has_whole_inventory",
         "is_gone_for_good",
+        "is_kept",
     )
 
     def __init__(self, index: int, info: SegmentInfo, allocator: OffsetAllocator, heard_ms: int):
@@ -104,6 +105,8 @@ class Segment:
         self.has_whole_inventory = True
         # Leaving, and never to mount again (MountFlow.leave): nothing is left behind for it.
         self.is_gone_for_good = False
+        # Its node keeps a DRAM segment for its restart (DrainSegment.is_kept): not gone for good.
+        self.is_kept = False
 
     @property
     def segment_id(self) -> str:
@@ -264,6 +267,10 @@ class Quarantine:
         segment.quarantine(offset, size_bytes)
         self._seq += 1
         heapq.heappush(self._heap, (release_ms, self._seq, segment, offset))
+
+    def releases_of(self, segment: Segment) -> dict[int, int]:
+        """offset -> release time of `segment`'s quarantined ranges. O(q)."""
+        return {offset: release_ms for release_ms, _, quarantined, offset in self._heap if quarantined is segment}
 
     def release_due(self, now_ms: int) -> int:
         """Free every range due by `now_ms`; returns how many. O(due log q)."""

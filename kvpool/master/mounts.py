@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from kvpool import limits
 from kvpool.master.counters import MasterCounters
-from kvpool.master.membership import Segment, SegmentRegistry, SegmentState
+from kvpool.master.membership import Quarantine, Segment, SegmentRegistry, SegmentState
 from kvpool.master.metadata import (
     ObjectMeta,
     ObjectTable,
@@ -59,7 +59,8 @@ class _Sweep:
 class MountFlow:
     """Adopts inventories and unmounts segments over the master's shared structures."""
 
-    __slots__ = ("_counters", "_registry", "_table", "_tiers", "_tombstones", "_sweeps")
+    __slots__ = ("_counters", "_registry", "_table", "_tiers", "_tombstones", "_sweeps", "_quarantine",
+                 "_release_timeout_ms", "_fences")  # fmt: skip
 
     def __init__(
         self,
@@ -68,6 +69,8 @@ class MountFlow:
         tiers: TierFlow,
         tombstones: Tombstones,
         counters: MasterCounters,
+        quarantine: Quarantine,
+        release_timeout_ms: int,
     ):
         self._registry = registry
         self._table = table
@@ -75,6 +78,10 @@ class MountFlow:
         self._tombstones = tombstones
         self._counters = counters
         self._sweeps: list[_Sweep] = []  # leaving segments, the first being swept
+        self._quarantine = quarantine
+        self._release_timeout_ms = release_timeout_ms
+        # segment id -> (its file's token, [(offset, size, release_ms)]): `fences`.
+        self._fences: dict[str, tuple[bytes, dict[int, tuple[int, int]]]] = {}
 
     @property
     def is_sweeping(self) -> bool:
@@ -179,6 +186,7 @@ class MountFlow:
         segment.is_gone_for_good = segment.is_gone_for_good or for_good
         if segment.state is SegmentState.LEAVING:
             return
+        self._keep_fences(segment)
         if not segment.object_count or len(self._table) <= limits.UNMOUNT_SWEEP_KEYS_PER_STEP:
             self.unmount(segment)
             return
@@ -270,6 +278,7 @@ class MountFlow:
         not acknowledged become tombstones (tombstones.py), as do the ranges there of moves of
         removed objects; the targets there of the other moves in flight are left behind."""
         ttl_ms = _tombstone_ttl_ms(segment)
+        self._keep_fences(segment)
         targets, removed = self._tiers.stranded_on(segment)
         if segment.is_gone_for_good:
             targets, removed = [], []  # (drops unacknowledged: not buried either, below)
@@ -300,6 +309,47 @@ class MountFlow:
         segment.object_count = 0
         segment.transition(SegmentState.UNMOUNTED)
         self._registry.remove(segment)
+
+
+    def _keep_fences(self, segment: Segment) -> None:
+        """Remember the ranges writers may still write into, of a DRAM segment going whose file
+        may mount again (its node cut off, or keeping it for its restart): those of its puts in
+        flight and its quarantined ranges, each until its release time. A same-host writer
+        copies into the file itself, and a TCP write's grant stays good under the same segment
+        id: the allocator the segment mounts with again would have handed those ranges out
+        while such a write may still land (a review's reproduction, helper-150: an object put
+        after a node's restart destroyed by a copy granted before it)."""
+        if segment.tier != TIER_DRAM or segment.is_gone_for_good:
+            return
+        token, fences = self._fences.setdefault(segment.segment_id, (segment.info.shm_token, {}))
+        if token != segment.info.shm_token:
+            self._fences[segment.segment_id] = (segment.info.shm_token, fences := {})
+        for put in self._table.pending.values():
+            for target, offset in put.replicas:
+                if target is segment:
+                    fences[offset] = (put.size_bytes, put.start_ms + self._release_timeout_ms)
+        releases = self._quarantine.releases_of(segment) if segment.quarantined else {}
+        for offset, size_bytes in segment.quarantined.items():
+            fences[offset] = (size_bytes, releases.get(offset, 0))
+        if not fences:
+            del self._fences[segment.segment_id]
+
+    def fence(self, segment: Segment, now_ms: int) -> None:
+        """Quarantine in a segment mounting anew (a new allocator) the ranges `_keep_fences`
+        kept of it, until their release times, when it mounts with the same file (token)."""
+        token, fences = self._fences.pop(segment.segment_id, (b"", {}))
+        if token != segment.info.shm_token:
+            return
+        for offset, (size_bytes, release_ms) in sorted(fences.items()):
+            if release_ms > now_ms and segment.allocator.allocate_at(offset, size_bytes):
+                self._quarantine.add(segment, offset, size_bytes, release_ms)
+
+    def forget_fences(self, now_ms: int) -> None:
+        """Forget the fences all of whose ranges are released by `now_ms` (a segment that never
+        mounted again)."""
+        for segment_id, (_, fences) in list(self._fences.items()):
+            if all(release_ms <= now_ms for _, release_ms in fences.values()):
+                del self._fences[segment_id]
 
 
 def _tombstone_ttl_ms(segment: Segment) -> int:

@@ -218,7 +218,8 @@ class MasterService:
             self._tiers.moves.by_key, self._drop_objects,
         )  # fmt: skip
         self.tombstones = Tombstones()
-        self._mounts = MountFlow(self._registry, self._table, self._tiers, self.tombstones, self.counters)
+        self._mounts = MountFlow(self._registry, self._table, self._tiers, self.tombstones, self.counters,
+                                 self._quarantine, config.put_release_timeout_ms)  # fmt: skip
 
     # --- gauges -------------------------------------------------------------------------
 
@@ -310,6 +311,7 @@ class MasterService:
                 raise self._count_error(InvalidParams("too many segments mounted"))
             self._check_token_unique(info)
             segment = self._registry.add(info, OffsetAllocator(info.capacity_bytes), heard_ms)
+            self._mounts.fence(segment, now_ms)  # before its inventory: writes granted before may land
         inventory, removed = self.tombstones.unearth(info.segment_id, msg.inventory, msg.is_last)
         if removed:
             self.counters.refused_returns += len(removed)
@@ -461,6 +463,7 @@ class MasterService:
         if type(msg.timeout_ms) is not int or msg.timeout_ms < 0:
             raise self._count_error(InvalidParams(f"drain timeout_ms {msg.timeout_ms!r}"))
         self._registry.set_draining(segment, (now_ms if local_ms is None else local_ms) + msg.timeout_ms)
+        segment.is_kept = msg.is_kept
         return OkReply()
 
     # --- client side: puts --------------------------------------------------------------
@@ -1041,6 +1044,7 @@ class MasterService:
         self._puts.discard_zombies(now_ms)
         self._quarantine.release_due(now_ms)
         self.tombstones.expire(now_ms)
+        self._mounts.forget_fences(now_ms)
         self._table.expire_soft_pins(now_ms)
         self._evict_above_watermark(now_ms)
         self._tiers.evict_above_watermark(now_ms)
@@ -1063,7 +1067,8 @@ class MasterService:
             elif segment.state is SegmentState.DRAINING and segment.drain_deadline_ms <= local_ms:
                 log.info("segment %s: drain over, unmounted (%d objects)", segment.info.segment_id,
                          segment.object_count)  # fmt: skip
-                self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM)  # (its node is stopping)
+                # (its node is stopping: a DRAM segment's file goes with it, unless kept)
+                self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM and not segment.is_kept)
 
     # --- tiers: moves outbox (docs/tiers.md) ---------------------------------------------
 

@@ -32,6 +32,7 @@ import struct
 import time
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -51,7 +52,7 @@ SEGMENT_FILE_PREFIX = "kvpool-"
 SEGMENT_FILE_SUFFIX = ".seg"
 KEPT_FILE_SUFFIX = ".kept"
 # A sweep that holds a kept file's lock for a moment (remove_stale_segments) delays its adoption.
-_ADOPT_LOCK_TRIES = 50
+_ADOPT_LOCK_TRIES = 500
 _ADOPT_LOCK_WAIT_S = 0.01
 # Kept objects are verified in slices of this many bytes, and the progress said at this
 # interval: a segment of tens of GiB takes its node seconds to check at start.
@@ -59,24 +60,23 @@ _VERIFY_SLICE_BYTES = 1 << 30
 _VERIFY_PROGRESS_LOG_INTERVAL_S = 10.0
 
 
-class _KeptRecord(msgspec.Struct, array_like=True):
-    """What a node stopped with --keep-ms leaves beside its segment file. The deadline is on the
-    wall clock: the restarted process shares no other clock with the one that stopped."""
+# What a node stopped with --keep-ms leaves beside its segment file: this header, then the
+# segment id and the inventory (msgpack), read by `adopt` only (a sweep reads the header: a
+# record of millions of entries is a hundred MB). The deadline is on the wall clock: the
+# restarted process shares no other clock with the one that stopped. The file's identity
+# (device, inode, token) makes a record name no file made after it: an inode number is soon
+# reused, and the token is drawn anew for each file.
+_KEPT_MAGIC = b"KVPOOLKP"
+_KEPT_VERSION = 1
+_KEPT_HEADER = struct.Struct("<8sI Q Q Q 16s")  # magic, version, until_ms, device, inode, token
+_kept_body = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(tuple[str, list[InventoryEntry]]))
 
-    segment_id: str
+
+class _KeptRecord(NamedTuple):
     until_ms: int
-    # The file's identity: a record names no file made after it (an inode number is soon
-    # reused; the token is drawn anew for each file).
     device: int
     inode: int
     token: bytes
-    entries: msgspec.Raw  # decoded by adopt only: a sweep reads the fields above
-
-
-_KEPT_VERSION = 1
-_kept_encoder = msgspec.msgpack.Encoder()
-_kept_decoder = msgspec.msgpack.Decoder(tuple[int, _KeptRecord])
-_entries_decoder = msgspec.msgpack.Decoder(list[InventoryEntry])
 
 assert _HEADER.size <= limits.SEGMENT_HEADER_SIZE_BYTES
 assert limits.SEGMENT_TOKEN_SIZE_BYTES == 16
@@ -178,10 +178,14 @@ class Segment:
         return segment
 
     @classmethod
-    def adopt(cls, directory: str, name: str, capacity_bytes: int) -> tuple[Segment, str, list[InventoryEntry]] | None:
+    def adopt(
+        cls, directory: str, name: str, capacity_bytes: int
+    ) -> tuple[Segment, str, list[InventoryEntry], int] | None:
         """Take the segment file `directory/kvpool-<name>.seg` that a node stopped with
-        --keep-ms left (`keep`), with the segment id and inventory it recorded. The entries
-        are as recorded: `verified` tells which still hold their bytes.
+        --keep-ms left (`keep`), with the segment id, inventory and deadline it recorded. The
+        entries are as recorded: `verified` tells which still hold their bytes. The record
+        stays until `kept_taken`: a node killed while it verifies takes the file again at its
+        next start.
 
         Returns None when there is none to take; a kept file that cannot be (its deadline
         passed, another capacity asked for, its record missing or unreadable) is removed,
@@ -192,6 +196,8 @@ class Segment:
         """
         path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
         kept = _kept_path(path)
+        for left in kept.parent.glob(f"{kept.name}.*.tmp"):  # a record a kill cut short
+            left.unlink(missing_ok=True)
         if not path.exists():
             kept.unlink(missing_ok=True)  # its segment file was removed by hand
             return None
@@ -200,14 +206,14 @@ class Segment:
             lock_fd = None
             try:
                 lock_fd = os.open(path, os.O_RDONLY)
-                _lock_within_a_sweep(lock_fd, path)
+                _lock_within_a_sweep(lock_fd, path, name)
                 header = os.pread(fd, _HEADER.size, 0)
                 problem, record = _kept_problem(lock_fd, header, kept)
-                entries: list[InventoryEntry] = []
+                segment_id, entries = "", []
                 if record is not None:
                     try:
-                        entries = _entries_decoder.decode(record.entries)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        segment_id, entries = _kept_body[1].decode(kept.read_bytes()[_KEPT_HEADER.size :])
+                    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
                         problem = f"its record {kept} is unreadable ({exc})"
                 if not problem:
                     problem = _header_problem(header, os.fstat(fd).st_size)
@@ -239,9 +245,13 @@ class Segment:
             file_map, 0, _MAGIC, _VERSION, limits.SEGMENT_HEADER_SIZE_BYTES, kept_capacity, token, os.getpid()
         )
         segment = cls(path, file_map, kept_capacity, token, is_owner=True, lock_fd=lock_fd)
-        kept.unlink(missing_ok=True)  # taken: a node that dies from here on left a stale file
         _owned.add(segment)
-        return segment, record.segment_id, entries
+        return segment, segment_id, entries, record.until_ms
+
+    def kept_taken(self) -> None:
+        """Remove the record of an adopted segment, once its objects are verified: from then on
+        its bytes may change, and a node that dies leaves a stale file."""
+        _kept_path(self.path).unlink(missing_ok=True)
 
     def keep(self, segment_id: str, entries: list[InventoryEntry], until_ms: int) -> None:
         """Close, leaving the file for `adopt` (a node started again with the same name) until
@@ -251,14 +261,14 @@ class Segment:
         locked, or kept."""
         assert self.is_owner and self._lock_fd is not None, self
         stat = os.fstat(self._lock_fd)
-        entries_raw = msgspec.Raw(_kept_encoder.encode(entries))
-        record = _KeptRecord(segment_id, until_ms, stat.st_dev, stat.st_ino, self.token, entries_raw)
+        header = _KEPT_HEADER.pack(_KEPT_MAGIC, _KEPT_VERSION, until_ms, stat.st_dev, stat.st_ino, self.token)
         kept = _kept_path(self.path)
         temporary = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
         with map_exceptions({OSError: InvalidParams}):
             try:
                 with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
-                    file.write(_kept_encoder.encode((_KEPT_VERSION, record)))
+                    file.write(header)
+                    file.write(_kept_body[0].encode((segment_id, entries)))
                 os.replace(temporary, kept)
             except BaseException:
                 temporary.unlink(missing_ok=True)
@@ -397,25 +407,29 @@ def _kept_path(path: Path) -> Path:
 
 def _kept_problem(lock_fd: int, header: bytes, kept: Path) -> tuple[str, _KeptRecord | None]:
     """Why the segment file locked by `lock_fd`, which begins with `header`, is not kept for a
-    restart, or "" and its record (at `kept`)."""
+    restart, or "" and its record's header (at `kept`: its first bytes only are read)."""
     try:
-        version, record = _kept_decoder.decode(kept.read_bytes())
+        with open(kept, "rb") as file:
+            raw = file.read(_KEPT_HEADER.size)
     except FileNotFoundError:
         return "no record of a stop with --keep-ms beside it", None
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+    except OSError as exc:
         return f"its record {kept} is unreadable ({exc})", None
-    stat = os.fstat(lock_fd)
+    if len(raw) < _KEPT_HEADER.size or raw[: len(_KEPT_MAGIC)] != _KEPT_MAGIC:
+        return f"its record {kept} is unreadable (not a record)", None
+    _magic, version, until_ms, device, inode, token = _KEPT_HEADER.unpack(raw)
     if version != _KEPT_VERSION:
         return f"its record is of version {version}, not {_KEPT_VERSION}", None
-    token = _HEADER.unpack_from(header, 0)[4] if len(header) >= _HEADER.size else b""
-    if (record.device, record.inode, record.token) != (stat.st_dev, stat.st_ino, token):
+    stat = os.fstat(lock_fd)
+    segment_token = _HEADER.unpack_from(header, 0)[4] if len(header) >= _HEADER.size else b""
+    if (device, inode, token) != (stat.st_dev, stat.st_ino, segment_token):
         return "its record names another file", None
-    if record.until_ms <= time.time() * 1000:
+    if until_ms <= time.time() * 1000:
         return "kept until a moment past", None
-    return "", record
+    return "", _KeptRecord(until_ms, device, inode, token)
 
 
-def _lock_within_a_sweep(lock_fd: int, path: Path) -> None:
+def _lock_within_a_sweep(lock_fd: int, path: Path, name: str) -> None:
     """Take the owner's lock on a kept file: a sweep (remove_stale_segments) may hold it for a
     moment; a running node holds it for good.
 
@@ -428,7 +442,7 @@ def _lock_within_a_sweep(lock_fd: int, path: Path) -> None:
             return
         except BlockingIOError:
             time.sleep(_ADOPT_LOCK_WAIT_S)
-    raise InvalidParams(f"{path} is in use: another node with its id runs on this host")
+    raise InvalidParams(f"{path} is in use: another node with the id {name!r} runs on this host")
 
 
 def _reserve(fd: int, file_size: int, directory: str) -> None:

@@ -183,6 +183,9 @@ class Node:
         self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S
         self._leave = asyncio.Event()
         self._drain_deadline_ms = 0
+        # The deadline of the kept segment this run took, until it mounts: a run that never
+        # mounted keeps it no longer than that (the master's tombstones of it run out).
+        self._kept_until_ms: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -287,7 +290,9 @@ class Node:
         try:
             await self._start()
         except BaseException:
-            await self._teardown()
+            # A segment its previous run kept is kept again, as it was: not lost to a start
+            # that failed after taking it (a port in use, a bad disk tier).
+            await self._teardown(is_kept=self._kept_until_ms is not None)
             self._set_state(NodeState.STOPPED)
             raise
         self._set_state(NodeState.SERVING)
@@ -313,8 +318,9 @@ class Node:
         else:
             # The segment its previous run kept: the same id, so that the master's tombstones
             # of it refuse what was removed while the node was away (master/tombstones.py).
-            self._segment, self._segment_id, entries = kept
+            self._segment, self._segment_id, entries, self._kept_until_ms = kept
             self._inventory = self._adopted_inventory(entries)
+            self._segment.kept_taken()  # verified: a kill from here on leaves a stale file
         self._transfer = TransferHandler(
             self._segment, self._segment_id, self._inventory, self.metrics, keyring=self._keyring,
             clock_ms=self._master_clock.now_ms,
@@ -447,7 +453,8 @@ class Node:
             self._set_state(NodeState.STOPPED)
             return
         await self._leave_master()
-        await self._teardown(is_kept=self.config.keep_ms > 0 and self._state is not NodeState.STARTING)
+        is_kept = self.config.keep_ms > 0 or self._kept_until_ms is not None
+        await self._teardown(is_kept=is_kept and self._state is not NodeState.STARTING)
         self._set_state(NodeState.STOPPED)
         log.info("node %s stopped", self.node_id)
 
@@ -615,6 +622,7 @@ class Node:
         inventory = self.inventory
         self._mounted.set()
         self._mounted_once = True
+        self._kept_until_ms = None
         self._refusal = None
         self._refused.clear()
         self._failure_logged_s = -LINK_FAILURE_LOG_INTERVAL_S  # the next failure is news
@@ -660,7 +668,7 @@ class Node:
 
     async def _send_drain(self, conn: Connection) -> None:
         try:
-            await conn.request(DrainSegment(self._segment_id, self._drain_remaining_ms()),
+            await conn.request(DrainSegment(self._segment_id, self._drain_remaining_ms(), self.config.keep_ms > 0),
                                timeout_ms=self.config.rpc_timeout_ms)  # fmt: skip
         except KVPoolError as exc:
             log.warning("node %s: drain request failed: %s", self.node_id, exc)
@@ -785,7 +793,7 @@ class Node:
         if self._disk is not None:
             self._disk.close()
         if self._segment is not None:
-            if is_kept and self._inventory is not None:
+            if is_kept and self._inventory is not None and self._segment.is_owner:
                 self._keep_segment()
             else:
                 self._segment.close()
@@ -795,6 +803,8 @@ class Node:
         the transfer server and the mover are closed)."""
         segment, inventory = self.segment, self.inventory
         until_ms = int(time.time() * 1000) + self.config.keep_ms
+        if self._kept_until_ms is not None:  # taken and never mounted: as long as it was kept
+            until_ms = self._kept_until_ms if not self.config.keep_ms else min(until_ms, self._kept_until_ms)
         try:
             segment.keep(self._segment_id, inventory.entries(), until_ms)
         except InvalidParams as exc:
@@ -802,7 +812,7 @@ class Node:
             return
         log.info("node %s: segment %s kept in %s with %d objects (%d bytes) for %d ms: start the node again with "
                  "--node-id %s to serve them", self.node_id, self._segment_id, segment.path, len(inventory),
-                 inventory.used_bytes, self.config.keep_ms, self.node_id)  # fmt: skip
+                 inventory.used_bytes, until_ms - int(time.time() * 1000), self.node_id)  # fmt: skip
 
     def _set_state(self, state: NodeState) -> None:
         assert state in _TRANSITIONS[self._state], f"node state {self._state} -> {state}"

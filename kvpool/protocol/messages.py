@@ -527,10 +527,13 @@ class UnmountSegment(Message, tag=44):
 
 
 class DrainSegment(Message, tag=45):
-    """Stop new allocations on a segment; unmount it after `timeout_ms` (readable till then)."""
+    """Stop new allocations on a segment; unmount it after `timeout_ms` (readable till then).
+    `is_kept`: its node keeps the segment for its restart (UnmountSegment.is_kept), should the
+    drain's end come before the node's own unmount."""
 
     segment_id: str
     timeout_ms: int
+    is_kept: bool = False
 
 
 class CommitObjects(Message, tag=46):
