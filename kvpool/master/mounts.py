@@ -18,6 +18,11 @@ of the table, and the last step unmounts it. The ranges let go meanwhile stay al
 of an object with a replica elsewhere are still sent to it, as they are during a dead node's
 TTL (a failed read is a miss or the next replica); an object with none elsewhere reads as
 missing already (Segment.is_readable).
+
+A DRAM segment that goes and may mount again with the same file (its node cut off, or keeping
+it for its restart: UnmountSegment.is_kept) leaves fences: the ranges writers may still write
+into (its puts in flight, its quarantined ranges), quarantined again until their release times
+in the allocator it mounts with again (`fence`), before its inventory is adopted.
 """
 
 from __future__ import annotations
