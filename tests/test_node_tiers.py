@@ -116,6 +116,49 @@ def test_a_write_into_a_full_filesystem_says_so_and_leaves_nothing(small_filesys
         write(directory / "absent", "a.kvo", "a", b"x")
 
 
+def test_a_rename_or_a_bucket_that_finds_the_filesystem_full_says_so(tmp_path, monkeypatch):
+    """A rename into a directory that must grow, or a DFS bucket made, on a full filesystem is
+    a full filesystem too (the master then caps the tier and keeps the object), not a failed
+    copy that loses the object being offloaded (review helper-149)."""
+    temporary = tmp_path / "a.tmp"
+    temporary.write_bytes(b"x")
+    dfs = DfsDirectory.create_or_open(tmp_path / "dfs", 64 * 1024 * 1024)
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", full)
+    with pytest.raises(FilesystemFull, match="No space left"):
+        files.publish(temporary, tmp_path / "a.kvo")
+    assert not temporary.exists()
+    monkeypatch.setattr(os, "mkdir", full)
+    with pytest.raises(FilesystemFull, match="No space left"):
+        dfs.write_temporary("k", 0, 1, [memoryview(b"x")], is_durable=False)
+
+
+def test_read_ahead_advice_refused_fails_no_read(tmp_path, monkeypatch):
+    """posix_fadvise is advice: its refusal raised an OSError (no KVPoolError), and the reader
+    got no reply but its timeout (review helper-149)."""
+    tier = DiskTier.open(tmp_path / "d", 16 * 1024 * 1024, "n1", is_durable=False)
+    try:
+        data = os.urandom(10_000)
+        entry = InventoryEntry("k", 0, len(data), xxhash.xxh3_64_intdigest(data))
+        tier.publish(entry, tier.write_temporary(entry, [memoryview(data)]))
+        tier.record([entry])
+
+        def refused(*_args) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        monkeypatch.setattr(os, "posix_fadvise", refused)
+        part = tier.open_range(entry, 0, len(data))
+        try:
+            assert os.pread(part.fd, part.size, part.offset) == data
+        finally:
+            files.close_parts([part])
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("shift", [0, 16, 40, 4080], ids=lambda shift: f"{shift}-past-a-page")
 def test_reads_into_buffers_at_any_offset_of_a_page_land_whole(tmp_path, monkeypatch, shift):
     """Into a buffer at a slow offset from the file's pages (16, 40), reads go through the

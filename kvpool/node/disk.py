@@ -28,6 +28,7 @@ master re-adopts its objects without any client writing them anew.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -272,8 +273,11 @@ class DiskTier:
                 opened[entry.offset] = found
         fd, data_start = found
         start = data_start + offset - entry.offset
-        # Read ahead now: the ranges of a frame are opened together and sent one by one.
-        os.posix_fadvise(fd, start, size_bytes, os.POSIX_FADV_WILLNEED)
+        # Read ahead now: the ranges of a frame are opened together and sent one by one. Only
+        # advice: a refusal of it is no read's failure (raised, it was no KVPoolError, and the
+        # reader got no reply but its timeout).
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, start, size_bytes, os.POSIX_FADV_WILLNEED)
         return FileRange(fd, start, size_bytes)
 
     def containing(self, offset: int, size_bytes: int) -> InventoryEntry:

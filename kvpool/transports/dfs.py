@@ -25,6 +25,7 @@ was last written (its writer unknown: a name without a writer, a master restarte
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import time
@@ -32,7 +33,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import limits
-from kvpool.errors import InvalidParams, KVPoolError, TransferFailed
+from kvpool.errors import FilesystemFull, InvalidParams, KVPoolError, TransferFailed
 from kvpool.protocol import objectfile
 from kvpool.protocol.messages import TIER_DFS, InventoryEntry
 from kvpool.protocol.objectfile import TierIdentity
@@ -60,7 +61,8 @@ def _make_bucket(bucket: Path) -> None:
     files no other host could read.
 
     Raises:
-        TransferFailed: the objects directory is gone, or the bucket cannot be made.
+        FilesystemFull: no room for the bucket. TransferFailed: the objects directory is gone, or
+            the bucket cannot be made.
     """
     try:
         os.mkdir(bucket, 0o700)
@@ -69,6 +71,8 @@ def _make_bucket(bucket: Path) -> None:
     except FileNotFoundError as exc:
         raise TransferFailed(f"{bucket.parent} is gone (is the shared filesystem mounted?)") from exc
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # as a full write: the master caps the tier
+            raise FilesystemFull(f"cannot make directory {bucket}: {exc.strerror}") from exc
         raise TransferFailed(f"cannot make directory {bucket}: {exc.strerror or exc}") from exc
 
 

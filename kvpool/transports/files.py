@@ -421,12 +421,15 @@ def write_temporary(
 
 def publish(temporary: Path, final: Path) -> None:
     """Rename a file write_temporary wrote into place (replacing any file there). Raises
-    TransferFailed (the temporary file is removed)."""
+    FilesystemFull (a directory that must grow for the name, on a full filesystem) or
+    TransferFailed (the temporary file is removed either way)."""
     with map_exceptions(_WRITE_ERRORS):
         try:
             os.rename(temporary, final)
-        except BaseException:
+        except BaseException as exc:
             temporary.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+                raise FilesystemFull(f"{final.parent}: {exc.strerror}") from exc
             raise
 
 
