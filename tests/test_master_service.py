@@ -1599,6 +1599,25 @@ def test_a_bad_replica_report_names_only_current_replicas_and_changes_nothing() 
     assert exists(svc, ["a", "b"]) == [False, True]
 
 
+def test_a_bad_replica_confirmed_after_its_key_was_put_again_there_spares_the_new_object() -> None:
+    """The check of a reported replica runs on its node while the master serves on: the key
+    removed and put again (other bytes) at that very offset meanwhile, the check's verdict on
+    the old bytes dropped the new replica (review helper-149). A verdict names the checksum it
+    checked, and spares another."""
+    svc = make()
+    mount(svc, "s1")
+    assert put(svc, ["k"]) == [OK]
+    offset = get(svc, ["k"]).replicas[0][0].offset
+    suspects = svc.suspect_replicas(ReportBadReplicas(["k"], ["s1"], [offset]), 1)
+    assert svc.remove(Remove(["k"], force=True), 2).codes == [OK]  # (the get above holds a lease)
+    ack_drops(svc, 2)
+    start = svc.put_start(PutStart(["k"], [OBJECT_SIZE], config()), 3)
+    assert where(start, 0) == [("s1", offset)]  # the range the old replica held
+    assert commit(svc, svc.put_end(PutEnd(["k"], [checksum_of("k") ^ 1]), 3), 3) == [OK]
+    assert svc.drop_bad_replicas("s1", suspects["s1"], 4) == (0, 0)
+    assert exists(svc, ["k"]) == [True]
+
+
 def test_segment_lost_mid_put() -> None:
     svc = make()
     mount(svc, "s1")

@@ -661,13 +661,19 @@ class MasterService:
     ) -> Iterator[tuple[Segment, InventoryEntry, ObjectMeta]]:
         """(segment, entry, object) for each entry whose object still has a replica at that
         offset of that segment, looked up as the caller goes (not removed or moved meanwhile:
-        a removed object's drop is on its way already)."""
+        a removed object's drop is on its way already), and is still the object checked (its
+        size and checksum: a key removed and put again, placed at that very offset while the
+        check ran, had its new replica dropped for the old one's bad bytes)."""
         segment = self._registry.get(segment_id)
         if segment is None:
             return
         for entry in entries:
             meta = self._table.get(entry.key)
-            if meta is not None and meta.offset_on(segment.index) == entry.offset:
+            if (
+                meta is not None
+                and meta.offset_on(segment.index) == entry.offset
+                and (meta.size_bytes, meta.checksum) == (entry.size, entry.checksum)
+            ):
                 yield segment, entry, meta
 
     def suspect_replicas(self, msg: ReportBadReplicas, now_ms: int) -> dict[str, list[InventoryEntry]]:
