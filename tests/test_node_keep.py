@@ -161,26 +161,33 @@ def node_args(shm_dir: Path, *extra: str) -> tuple[str, ...]:
     return ("--shm-dir", str(shm_dir), "--node-id", "kept", *extra)
 
 
-def test_a_node_restarted_after_a_stop_with_keep_serves_its_objects_again(make_cluster, tmp_path):
+@pytest.fixture
+def kept(make_cluster, tmp_path):
+    """A master and one node run with --keep-ms, its segment file in tmp_path/shm:
+    (cluster, shm_dir, node)."""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     cluster = make_cluster(0, "16MiB")
-    kept = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    return cluster, shm_dir, cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+
+
+def test_a_node_restarted_after_a_stop_with_keep_serves_its_objects_again(kept):
+    cluster, shm_dir, node = kept
     values = values_for("warm", 40, OBJECT_SIZE)
     with Store(cluster.master_endpoint) as same_host, Store(cluster.master_endpoint, shm_enabled=False) as remote:
         same_host.put_batch(list(values), list(values.values()))
         assert same_host.get_batch(list(values)) == list(values.values())  # it maps the segment file now
         cluster.start_node()  # another node, for what is put while the first is away
         puts_before = master_metric(cluster, "kvpool_master_puts_total")
-        kept.stop()  # SIGTERM: it unmounts, and keeps its segment
-        assert "kept in" in kept.log_tail(5)
+        node.stop()  # SIGTERM: it unmounts, and keeps its segment
+        assert "kept in" in node.log_tail(5)
         assert sum(remote.batch_exists(list(values))) == 0  # gone from the pool meanwhile...
         with pytest.raises(ObjectNotFound):  # what is removed meanwhile (not found: it is away)
             remote.remove("warm-3")  # stays removed,
         fresh = os.urandom(OBJECT_SIZE)
         remote.put("warm-5", fresh)  # and what is put anew stays the new bytes
         restarted = cluster.start_node(node_args(shm_dir))
-        assert restarted.info["segment_id"] == kept.info["segment_id"]
+        assert restarted.info["segment_id"] == node.info["segment_id"]
         expected = {**values, "warm-5": fresh}
         del expected["warm-3"]
         wait_until(lambda: all(remote.batch_exists(list(expected))))  # ...and back, as they were
@@ -192,12 +199,9 @@ def test_a_node_restarted_after_a_stop_with_keep_serves_its_objects_again(make_c
     assert list(shm_dir.iterdir()) == []
 
 
-def test_a_whole_cluster_restarted_serves_the_kept_objects(make_cluster, tmp_path):
+def test_a_whole_cluster_restarted_serves_the_kept_objects(kept):
     """An upgrade: every process stopped, the master started again, then the node."""
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
-    cluster = make_cluster(0, "16MiB")
-    node = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    cluster, shm_dir, node = kept
     values = values_for("upgrade", 20, OBJECT_SIZE)
     with Store(cluster.master_endpoint) as store:
         store.put_batch(list(values), list(values.values()))
@@ -214,13 +218,10 @@ def kept_until_ms(shm_dir: Path) -> int:
     return struct.unpack_from("<Q", (shm_dir / "kvpool-kept.kept").read_bytes(), 12)[0]
 
 
-def test_a_start_that_fails_after_taking_a_kept_segment_keeps_it_again(make_cluster, tmp_path):
+def test_a_start_that_fails_after_taking_a_kept_segment_keeps_it_again(kept):
     """A start that failed after the node took its kept segment (here its metrics port is
     taken) unlinked the file: the objects were lost to a typo (review helper-150)."""
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
-    cluster = make_cluster(0, "16MiB")
-    node = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+    cluster, shm_dir, node = kept
     data = os.urandom(OBJECT_SIZE)
     with Store(cluster.master_endpoint) as store:
         store.put("survivor", data)
@@ -238,14 +239,12 @@ def test_a_start_that_fails_after_taking_a_kept_segment_keeps_it_again(make_clus
         assert store.get("survivor") == data
 
 
-def test_a_run_that_never_mounted_keeps_the_segment_no_longer_than_it_was_kept(make_cluster, tmp_path):
+def test_a_run_that_never_mounted_keeps_the_segment_no_longer_than_it_was_kept(kept, tmp_path):
     """A node that took its kept segment, never reached a master and was stopped again kept it
     for a whole new window, past the master's tombstones of it, which refuse what was removed
     meanwhile only for so long (review helper-150)."""
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
-    cluster = make_cluster(0, "16MiB")
-    cluster.start_node(node_args(shm_dir, "--keep-ms", "60000")).stop()
+    _, shm_dir, node = kept
+    node.stop()
     until_ms = kept_until_ms(shm_dir)
     log_path = tmp_path / "lost.log"
     with socket.socket() as closed:  # a port nothing listens on: the master is not there
@@ -264,11 +263,8 @@ def test_a_run_that_never_mounted_keeps_the_segment_no_longer_than_it_was_kept(m
     assert kept_until_ms(shm_dir) == until_ms
 
 
-def test_a_node_killed_keeps_nothing(make_cluster, tmp_path):
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
-    cluster = make_cluster(0, "16MiB")
-    node = cluster.start_node(node_args(shm_dir, "--keep-ms", "60000"))
+def test_a_node_killed_keeps_nothing(kept):
+    cluster, shm_dir, node = kept
     with Store(cluster.master_endpoint) as store:
         store.put("lost", b"x" * OBJECT_SIZE)
         node.kill()  # no stop ran: nothing says the bytes are whole
