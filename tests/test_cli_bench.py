@@ -171,6 +171,7 @@ def test_an_interrupted_bench_removes_what_it_wrote(make_cluster):
                     bench.wait()
             assert bench.returncode == 128 + sig, (sig, bench.returncode, err[-2000:])
             assert b"Traceback" not in err, err[-2000:]
+            assert f"bench: interrupted by {sig.name}: no figures".encode() in err, err[-2000:]  # it said nothing
             assert bench_keys(store) == [], sig
             # Nor a put in flight: the run stops between two calls, never inside one (a put
             # cut in its middle stayed pending, then its ranges quarantined for minutes).

@@ -1259,6 +1259,8 @@ def bench(
         try:
             figures = run_bench(store, plan, err_console, check)
         except Interrupted as exc:
+            # Its objects are removed on the way out (run_bench; one it could not remove is said).
+            err_console.print(f"bench: interrupted by {signal.Signals(exc.signum).name}: no figures", markup=False)
             raise typer.Exit(128 + exc.signum) from None
     figures["master"] = master
     figures["shm_enabled"] = shm
