@@ -432,6 +432,23 @@ def test_a_put_refused_for_want_of_a_segment_says_so(make_cluster):
     assert_one_error_line(refused, "no segment takes puts now (segments: none mounted)")
 
 
+def test_a_put_refused_while_a_master_took_its_nodes_back_says_to_try_again():
+    """Right after a master restarted, a put was refused (no node mounted yet), and by the time
+    the command looked why, the nodes were back: it said "the cache is full of objects in use",
+    neither true (walk-through helper-147). The cluster's status is a stand-in here: the race
+    is a matter of milliseconds."""
+    from kvpool.cli.main import _why_no_room
+    from kvpool.protocol.messages import ClusterStatusReply, SegmentInfo, SegmentStatus
+
+    def status_of(used_bytes: int):
+        info = SegmentInfo("s1", "n1", "h", "h:1", "", b"", 1 << 20)
+        return type("Store", (), {"cluster_status": lambda self: ClusterStatusReply(
+            [SegmentStatus(info, "active", used_bytes, 1)], 1, 0, 0)})()  # fmt: skip
+
+    assert _why_no_room(status_of(0), 4096).startswith("a segment has room for it now: try again")
+    assert _why_no_room(status_of((1 << 20) - 100), 4096).startswith("no segment had room for 4096 bytes")
+
+
 def test_a_port_that_is_not_a_kvpool_server_is_named_as_such():
     """An operator who gives the master's HTTP port, etcd's, or another service's as --master:
     a peer that sends something else says what it sent; one that waits for a request (HTTP,

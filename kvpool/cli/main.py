@@ -1049,6 +1049,11 @@ def _why_no_room(store: Store, size: int) -> str:
     if segments is not None and not any(s.state == "active" for s in segments):
         states = ", ".join(sorted({s.state for s in segments})) or "none mounted"
         return f"no segment takes puts now (segments: {states})"
+    if segments is not None and any(
+        s.state == "active" and s.segment.capacity_bytes - s.used_bytes >= size for s in segments
+    ):  # the nodes of a master that had just started were mounting meanwhile (walk-through helper-147)
+        return "a segment has room for it now: try again (a master that just started takes its nodes back " \
+               "over a second)"
     return (f"no segment had room for {size} bytes: the cache is full of objects in use, or the object is "
             "larger than every segment")
 
