@@ -185,18 +185,22 @@ def test_lmcaches_health_probe_reads_back_what_it_wrote_last(shared_cluster):
     key (model "test", chunk 0) and wants them back before it uses the pool again. A put of a
     key already stored writes nothing (keys name their bytes), so once any worker had probed,
     every later probe read the first one's bytes, and LMCache stayed off the pool until a
-    restart (review helper-148). That key alone is written anew."""
+    restart (review helper-148), and a worker's probe between another's put and get failed
+    that one's (helper-151). Each connector's probe is an object of its own, written anew."""
     cluster = shared_cluster(1)
     a, b = Instance(cluster.master_endpoint), Instance(cluster.master_endpoint)
     probe = CacheEngineKey(model_name="test", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.bfloat16)
     try:
-        for instance, seed in ((a, 1), (b, 2), (a, 3)):
-            written = instance.chunk(seed)
-            expected = written.raw_tensor.clone()  # (the put gives the chunk back to LMCache)
-            instance.run(instance.conn.batched_put([probe], [written]))
-            (read,) = instance.run(instance.conn.batched_get([probe]))
-            assert torch.equal(read.raw_tensor, expected)
-            read.ref_count_down()
+        for seeds in ((1, 2), (3, 4)):  # both probe at once, as every worker does after an outage
+            expected = {}
+            for instance, seed in zip((a, b), seeds):
+                written = instance.chunk(seed)
+                expected[instance] = written.raw_tensor.clone()  # (the put gives the chunk back to LMCache)
+                instance.run(instance.conn.batched_put([probe], [written]))
+            for instance in (a, b):
+                (read,) = instance.run(instance.conn.batched_get([probe]))
+                assert torch.equal(read.raw_tensor, expected[instance])
+                read.ref_count_down()
         ordinary, first, second = key(41), a.chunk(41), a.chunk(42)
         expected = first.raw_tensor.clone()
         a.run(a.conn.batched_put([ordinary], [first]))

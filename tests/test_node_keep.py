@@ -11,6 +11,7 @@ during the restart stays so. A node killed with SIGKILL keeps nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -78,14 +79,20 @@ def test_a_kept_segment_is_adopted_whole_with_its_id_token_and_entries(tmp_path)
 
 
 def test_a_kept_segment_held_by_a_running_node_is_not_taken(tmp_path, monkeypatch):
+    """Nor touched: the node holding it may be writing its record (a new node started before
+    the old one had finished stopping removed that record's temporary file, and the old one's
+    keep then failed and unlinked the segment: review helper-151)."""
     segment, entries = filled(tmp_path)
     segment.keep("n1-1", entries, now_ms() + 60_000)
     first = Segment.adopt(str(tmp_path), "n1", 4 * MIB)
     assert first is not None
+    being_written = tmp_path / "kvpool-n1.kept.999.tmp"
+    being_written.write_bytes(b"the holder's record, half written")
     monkeypatch.setattr(segment_module, "_ADOPT_LOCK_TRIES", 2)
     try:
-        with pytest.raises(InvalidParams, match="in use: another node"):
+        with pytest.raises(InvalidParams, match="in use: another node with the id 'n1'"):
             Segment.adopt(str(tmp_path), "n1", 4 * MIB)
+        assert being_written.exists()
     finally:
         first[0].close()
 
@@ -100,6 +107,7 @@ def test_a_kept_segment_held_by_a_running_node_is_not_taken(tmp_path, monkeypatc
     ids=["deadline-passed", "no-record", "bad-record"],
 )
 def test_a_kept_segment_that_cannot_be_taken_is_removed_and_the_node_starts_empty(tmp_path, caplog, spoil, reason):
+    caplog.set_level(logging.INFO, logger="kvpool.node.segment")  # (a file without a record: a killed node's)
     segment, entries = filled(tmp_path)
     path, record = segment.path, tmp_path / "kvpool-n1.kept"
     until_ms = now_ms() + (60_000 if reason != "kept until a moment past" else -1)

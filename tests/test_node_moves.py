@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from conftest import wait_until
 
 from kvpool import limits
 from kvpool.errors import ErrorCode, TransferFailed
@@ -304,3 +305,66 @@ def test_dfs_copies_stalled_on_a_hung_share_hold_up_no_disk_drop_nor_offload(wit
         asyncio.run(asyncio.wait_for(main(), 30))
     finally:
         released.set()
+
+
+def test_a_copy_into_dram_is_counted_until_its_thread_ends_whatever_became_of_its_request(tiers: Tiers, monkeypatch):
+    """A node keeping its segment for a restart must know no copy still writes into it: a
+    request cancelled at the stop leaves its thread running (review helper-151)."""
+    on_disk = tiers.on_disk("P", 0)
+    entered, released = threading.Event(), threading.Event()
+    real = DiskTier.open_range
+
+    def stalled(self, *args, **kwargs):
+        entered.set()
+        assert released.wait(10)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "open_range", stalled)
+
+    async def main() -> None:
+        move = asyncio.ensure_future(tiers.mover.move(MoveObjects([tiers.promote(on_disk, MIB)], 60_000)))
+        assert await asyncio.to_thread(entered.wait, 10)
+        move.cancel()  # the stop's cancellation: the thread goes on
+        await asyncio.gather(move, return_exceptions=True)
+        assert tiers.mover.copies_into_dram == 1
+        released.set()
+        await asyncio.to_thread(wait_until, lambda: tiers.mover.copies_into_dram == 0, 10)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        released.set()
+
+
+def test_drops_sent_again_twice_are_acknowledged_only_once_the_file_is_gone(tiers: Tiers, monkeypatch) -> None:
+    """Three drops of one file whose removal fails (a read-only disk): the second and the third
+    waited on the first; when it ended, the second took the entry back and removed again, and
+    the third found nothing to forget and was acknowledged, the file still there (review
+    helper-151). None is acknowledged while the file stays."""
+    entry = tiers.on_disk("A", 0)
+    path = tiers.disk.path_of(0)
+    entered, released = threading.Event(), threading.Event()
+
+    def read_only(target: Path) -> bool:
+        if Path(target) == path:
+            entered.set()
+            assert released.wait(10)
+            raise TransferFailed("Read-only file system (EROFS)")
+        return True
+
+    monkeypatch.setattr(files, "remove", read_only)
+
+    async def main() -> list:
+        drops = [asyncio.ensure_future(tiers.mover.drop_disk_files([entry]))]
+        assert await asyncio.to_thread(entered.wait, 10)
+        drops += [asyncio.ensure_future(tiers.mover.drop_disk_files([entry])) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        released.set()
+        return await asyncio.gather(*drops)
+
+    try:
+        results = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        released.set()
+    assert all(left == [entry] for _, left in results), results  # each one fails: the master sends it again
+    assert path.exists() and tiers.disk.unremoved == {0: entry}

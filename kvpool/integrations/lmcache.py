@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import struct
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,6 +106,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._lookup_hold_ms = options.lookup_hold_ms
         self._lookup_timeout_ms = options.lookup_timeout_ms
         self._readers_of_each = _readers_of_each(config, metadata)
+        self._probe_name = f"{_HEALTH_PROBE_NAME}@probe:{uuid.uuid4().hex}"  # _names
         self._breaker = options.lookup_breaker("LMCache's lookups")
         self._putter = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="kvpool-lmcache-put")
         # Chunks whose registration the Store refused to drop (a cancelled get's disk read
@@ -144,7 +145,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         """How many leading chunks are stored; 0 when the master cannot be asked (breaker.py)."""
         if not keys:
             return 0
-        names = [k.to_string() for k in keys]
+        names = self._names(keys)
         return self._breaker.ask(
             lambda: self._store.longest_prefix(names, hold_ms, self._readers_of_each, self._lookup_timeout_ms), 0,
             lambda exc: log.info("kvpool lookup failed, reporting a miss: %s", exc),
@@ -188,7 +189,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._refused.retry()
         if not keys:
             return []
-        names = [k.to_string() for k in keys]
+        names = self._names(keys)
         if self.save_chunk_meta:
             try:
                 values = self._store.get_batch(names)
@@ -289,14 +290,20 @@ class KVPoolRemoteConnector(RemoteConnector):
     async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
         await asyncio.get_running_loop().run_in_executor(self._putter, self._put_objects, keys, memory_objs)
 
+    def _names(self, keys: Sequence[Any]) -> list[str]:
+        """The objects of LMCache's keys: `to_string()`, but for the health probe's (below)."""
+        names = [key.to_string() for key in keys]
+        return [self._probe_name if name == _HEALTH_PROBE_NAME else name for name in names]
+
     def _forget_health_probe(self) -> None:
         """LMCache's health check writes fresh bytes under one fixed key and wants them back
         (remote_backend_check.py): a put of a key stored already writes nothing (keys name
         their bytes), so once any worker had probed, every later probe read the first one's
-        bytes and LMCache stayed off the pool until a restart. That key alone is removed
-        before it is written."""
+        bytes and LMCache stayed off the pool until a restart. Each connector's probe is an
+        object of its own (every worker probes at once after an outage: one's removal or put
+        landed between another's put and get), removed before it is written again."""
         try:
-            self._store.batch_remove([_health_probe_name()], force=True)
+            self._store.batch_remove([self._probe_name], force=True)
         except KVPoolError as exc:
             log.info("kvpool: LMCache's health probe was not removed before its put: %s", exc)
 
@@ -325,8 +332,8 @@ class KVPoolRemoteConnector(RemoteConnector):
                 else:
                     addresses.append([obj.data_ptr])
                     sizes.append([obj.get_size()])
-            names = [k.to_string() for k in keys]
-            if _health_probe_name() in names:
+            names = self._names(keys)
+            if self._probe_name in names:
                 self._forget_health_probe()
             codes = self._store.batch_put_from_multi_buffers(names, addresses, sizes, self._replicate)
         except KVPoolError as exc:
@@ -344,7 +351,7 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     def remove_sync(self, key: Any) -> bool:
         try:
-            self._store.remove(key.to_string(), force=True)
+            self._store.remove(self._names([key])[0], force=True)
         except KVPoolError:
             return False
         return True
@@ -395,8 +402,8 @@ def _readers_of_each(config: Any, metadata: Any) -> int:
     return 1
 
 
-@functools.cache
-def _health_probe_name() -> str:
-    """The object LMCache's health check writes and reads back (lmcache/v1/health_monitor/checks/
-    remote_backend_check.py: model "test", chunk 0)."""
-    return CacheEngineKey(model_name="test", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.bfloat16).to_string()
+# The object LMCache's health check writes and reads back (lmcache/v1/health_monitor/checks/
+# remote_backend_check.py: model "test", chunk 0): each connector's own (_names).
+_HEALTH_PROBE_NAME = CacheEngineKey(
+    model_name="test", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.bfloat16
+).to_string()

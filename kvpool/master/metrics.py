@@ -137,7 +137,8 @@ class MasterMetrics(Collector):
             if segment.filesystem_free_bytes >= 0:
                 filesystem_free.add_metric(values, segment.filesystem_free_bytes)
             writable.add_metric(values, int(segment.is_writable))
-            reachable.add_metric(values, int(segment.state != "unreachable"))
+            if segment.state != "leaving":  # (a leaving one's link is neither here nor there)
+                reachable.add_metric(values, int(segment.state != "unreachable"))
         states = CountByName((s.segment.tier, s.state) for s in status.segments)
         for (tier, state), count in sorted(states.items()):
             by_state.add_metric([tier, state], count)

@@ -69,6 +69,7 @@ _VERIFY_PROGRESS_LOG_INTERVAL_S = 10.0
 _KEPT_MAGIC = b"KVPOOLKP"
 _KEPT_VERSION = 1
 _KEPT_HEADER = struct.Struct("<8sI Q Q Q 16s")  # magic, version, until_ms, device, inode, token
+_NO_RECORD = "no record of a stop with --keep-ms beside it"
 _kept_body = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(tuple[str, list[InventoryEntry]]))
 
 
@@ -196,8 +197,6 @@ class Segment:
         """
         path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
         kept = _kept_path(path)
-        for left in kept.parent.glob(f"{kept.name}.*.tmp"):  # a record a kill cut short
-            left.unlink(missing_ok=True)
         if not path.exists():
             kept.unlink(missing_ok=True)  # its segment file was removed by hand
             return None
@@ -207,6 +206,9 @@ class Segment:
             try:
                 lock_fd = os.open(path, os.O_RDONLY)
                 _lock_within_a_sweep(lock_fd, path, name)
+                # Under the lock: the node that keeps the file writes its record before it lets go.
+                for left in kept.parent.glob(f"{kept.name}.*.tmp"):  # a record a kill cut short
+                    left.unlink(missing_ok=True)
                 header = os.pread(fd, _HEADER.size, 0)
                 problem, record = _kept_problem(lock_fd, header, kept)
                 segment_id, entries = "", []
@@ -222,9 +224,12 @@ class Segment:
                     asked = _file_size(os.statvfs(directory), capacity_bytes) - limits.SEGMENT_HEADER_SIZE_BYTES
                     if kept_capacity != asked:
                         problem = f"it holds {kept_capacity} bytes, {asked} asked for"
-                if problem:
+                if problem == _NO_RECORD:  # a node of this name killed: nothing was kept
+                    log.info("removed the segment file %s a node of this name left (%s)", path, problem)
+                elif problem:
                     log.warning("segment file %s left by a stop with --keep-ms not taken: %s; removed", path, problem)
-                    path.unlink()  # under the lock, as remove_stale_segments does
+                if problem:
+                    path.unlink(missing_ok=True)  # under the lock, as remove_stale_segments does
                     kept.unlink(missing_ok=True)
                     os.close(lock_fd)
                     return None
@@ -255,10 +260,10 @@ class Segment:
 
     def keep(self, segment_id: str, entries: list[InventoryEntry], until_ms: int) -> None:
         """Close, leaving the file for `adopt` (a node started again with the same name) until
-        `until_ms` by the wall clock. The owner's alone; no view may be in use (the node's
-        transfer server is closed first), and no byte may change after (the node stopped
-        writing). The record is written before the lock is let go of: a sweep finds the file
-        locked, or kept."""
+        `until_ms` by the wall clock. The owner's alone; no byte may change after (the node's
+        transfer server is closed, and no copy into the segment runs: Node._copies_into_dram_ended).
+        The record is written before the lock is let go of: a sweep finds the file locked, or
+        kept."""
         assert self.is_owner and self._lock_fd is not None, self
         stat = os.fstat(self._lock_fd)
         header = _KEPT_HEADER.pack(_KEPT_MAGIC, _KEPT_VERSION, until_ms, stat.st_dev, stat.st_ino, self.token)
@@ -412,7 +417,7 @@ def _kept_problem(lock_fd: int, header: bytes, kept: Path) -> tuple[str, _KeptRe
         with open(kept, "rb") as file:
             raw = file.read(_KEPT_HEADER.size)
     except FileNotFoundError:
-        return "no record of a stop with --keep-ms beside it", None
+        return _NO_RECORD, None
     except OSError as exc:
         return f"its record {kept} is unreadable ({exc})", None
     if len(raw) < _KEPT_HEADER.size or raw[: len(_KEPT_MAGIC)] != _KEPT_MAGIC:

@@ -100,6 +100,8 @@ LINK_FAILURE_LOG_INTERVAL_S = 30
 # How often a running node removes the segment files of processes that died on its host (a
 # serving process killed with its embedded segment): their memory stays taken until then.
 STALE_SEGMENTS_SWEEP_INTERVAL_MS = 30_000
+# How long a node stopping with keep_ms waits for copies into its DRAM segment to end.
+KEEP_COPIES_WAIT_MS = 5_000
 # How long a node tries to reach its own advertised address at start (_warn_if_unreachable).
 ADVERTISE_CHECK_TIMEOUT_MS = 1_000
 # A MountSegment is one control frame (FRAME_CONTROL_SIZE_BYTES_MAX): a larger inventory goes
@@ -790,6 +792,8 @@ class Node:
             await self._metrics_server.stop()
         if self._mover is not None:
             self._mover.close()
+            if is_kept:
+                is_kept = await self._copies_into_dram_ended()
         if self._disk is not None:
             self._disk.close()
         if self._segment is not None:
@@ -797,6 +801,23 @@ class Node:
                 self._keep_segment()
             else:
                 self._segment.close()
+
+    async def _copies_into_dram_ended(self) -> bool:
+        """Whether the copies into the DRAM segment still running (a promotion from a disk or
+        share that stalls) ended within KEEP_COPIES_WAIT_MS: a segment with one still running
+        is not kept, as its copy could land in a range the restarted node's master hands out
+        again (review helper-151)."""
+        mover = self._mover
+        assert mover is not None
+        deadline_s = time.monotonic() + KEEP_COPIES_WAIT_MS / 1000
+        while mover.copies_into_dram and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.01)
+        if mover.copies_into_dram:
+            log.warning("node %s: %d copies into its DRAM segment still run after %d ms (a disk or share that "
+                        "stalls): the segment is not kept, its objects are gone", self.node_id,
+                        mover.copies_into_dram, KEEP_COPIES_WAIT_MS)  # fmt: skip
+            return False
+        return True
 
     def _keep_segment(self) -> None:
         """Leave the segment for the node started again with this id (no byte changes now:

@@ -188,9 +188,12 @@ class DfsDirectory:
     def _identity_again(self) -> TierIdentity | None:
         """The identity read anew: the master may have made a new one (the directory emptied
         by an operator, then the master restarted), which a node that kept the old refused
-        every DFS move against until it restarted."""
-        self._identity = None
-        return self.identity()
+        every DFS move against until it restarted. The one known stays until the new one is
+        read: a move that already looked finds one meanwhile (a hung share reads for long)."""
+        identity = files.load_identity(self.path)
+        if identity is not None and identity.tier == TIER_DFS:
+            self._identity = identity
+        return self._identity
 
     # --- objects -------------------------------------------------------------------------
 
