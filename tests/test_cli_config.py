@@ -136,6 +136,16 @@ def test_a_refusal_of_a_setting_from_the_file_says_the_file_set_it(tmp_path):
     assert f"--memory: not a size: 'abc' (try 1GiB, 512MiB or a byte count) (--memory: from [node] in {path})" in said
     said = refusal("--disk-size", "1Q", "--disk-dir", str(tmp_path), "--memory", "64MiB")
     assert "--disk-size: not a size: '1Q'" in said and "from [node]" not in said, said
+    # Refusals at start name the flag too (they named a path alone: walk-through helper-147).
+    path.write_text(f'[node]\ntoken-file = "{tmp_path / "absent-token"}"\n')
+    said = refusal()
+    assert "--token-file: cannot read token file" in said and f"(--token-file: from [node] in {path})" in said, said
+    master_path = tmp_path / "master.toml"
+    master_path.write_text(f'[master]\ndfs-dir = "{tmp_path / "absent" / "kvpool"}"\n')
+    run = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "master", "--port", "0", "--http-port", "0",
+                          "--config", str(master_path)], capture_output=True, timeout=60)  # fmt: skip
+    said = " ".join(run.stderr.decode().split())
+    assert run.returncode == 1 and "--dfs-dir: " in said and f"(--dfs-dir: from [master] in {master_path})" in said
     path.write_text('[node]\ndisk-size = "1GiB"\nmemory = "0"\n')
     # Commands run one after the other in one process (a CLI runner): the file was the first's.
     from typer.testing import CliRunner

@@ -203,7 +203,12 @@ def _tokens(token_file: Optional[Path]) -> list[str]:
     # error about the file says where its name came from.
     named = os.environ.get("KVPOOL_TOKEN_FILE")
     from_environment = bool(named) and token_file == Path(named)
-    return tokens_from(None, str(token_file) if token_file and not from_environment else None)
+    try:
+        return tokens_from(None, str(token_file) if token_file and not from_environment else None)
+    except InvalidParams as exc:
+        if token_file is None or from_environment:
+            raise
+        raise InvalidParams(f"--token-file: {exc}") from None  # (said with the settings file that set it)
 
 
 def _replace_tokens_on_sigusr1(token_file: Optional[Path], replace: Callable[[list[str]], None], name: str) -> None:
@@ -234,6 +239,7 @@ def _fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
 # The options behind the config fields their errors name (config.py speaks in fields): an
 # operator is told about the flag typed, not a Python name.
 _MASTER_FLAGS = {
+    "dfs_dir": "--dfs-dir",
     "lease_ttl_ms": "--lease-ttl-ms",
     "node_ttl_ms": "--node-ttl-ms",
     "put_discard_timeout_ms": "--put-discard-timeout-ms",
@@ -246,6 +252,7 @@ _MASTER_FLAGS = {
 }
 _NODE_FLAGS = {
     "node_id": "--node-id",
+    "shm_dir": "--shm-dir",
     "keep_ms": "--keep-ms",
     "memory_bytes": "--memory",
     "disk_bytes": "--disk-size",
@@ -638,7 +645,7 @@ def master(
         with _signal_handlers_kept():
             uvloop.run(main())
     except KVPoolError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail_in_flags(exc, _MASTER_FLAGS) from None
 
 
 @app.command(short_help="Run a storage node: a DRAM segment (and a disk tier) for the pool.")
@@ -783,7 +790,7 @@ def node(
         with _signal_handlers_kept():
             uvloop.run(main())
     except KVPoolError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail_in_flags(exc, _NODE_FLAGS) from None
 
 
 async def _wait_for_master(storage_node: Node, stop: asyncio.Event) -> bool:

@@ -1066,7 +1066,10 @@ class MasterServer:
     async def _open_dfs(self) -> None:
         assert self._dfs_dir
         mark, *also = self._keyring.marks()
-        self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, mark, also)
+        try:
+            self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, mark, also)
+        except InvalidParams as exc:  # named by the setting (the CLI says its flag)
+            raise InvalidParams(f"dfs_dir: {exc}") from None
         identity = self._dfs.identity()
         assert identity is not None
         self._dfs_info = SegmentInfo(
