@@ -201,6 +201,20 @@ def test_lmcaches_health_probe_reads_back_what_it_wrote_last(shared_cluster):
                 (read,) = instance.run(instance.conn.batched_get([probe]))
                 assert torch.equal(read.raw_tensor, expected[instance])
                 read.ref_count_down()
+        # An MLA model at TP 2: worker 0 alone puts the probe, and worker 1 reads worker 0's
+        # (LMCache's RemoteBackend): their probe is the instance's (helper-152 found each
+        # worker reading a probe of its own, never written).
+        first_worker, second_worker = (Instance(cluster.master_endpoint, worker=(r, 2), mla=True) for r in (0, 1))
+        try:
+            written = first_worker.chunk(5)
+            expected = written.raw_tensor.clone()
+            first_worker.run(first_worker.conn.batched_put([probe], [written]))
+            (read,) = second_worker.run(second_worker.conn.batched_get([probe]))
+            assert read is not None and torch.equal(read.raw_tensor, expected)
+            read.ref_count_down()
+        finally:
+            first_worker.close()
+            second_worker.close()
         ordinary, first, second = key(41), a.chunk(41), a.chunk(42)
         expected = first.raw_tensor.clone()
         a.run(a.conn.batched_put([ordinary], [first]))

@@ -106,7 +106,11 @@ class KVPoolRemoteConnector(RemoteConnector):
         self._lookup_hold_ms = options.lookup_hold_ms
         self._lookup_timeout_ms = options.lookup_timeout_ms
         self._readers_of_each = _readers_of_each(config, metadata)
-        self._probe_name = f"{_HEALTH_PROBE_NAME}@probe:{uuid.uuid4().hex}"  # _names
+        # The health probe's object (_names): each connector's own, but where every worker reads
+        # worker 0's chunks (an MLA model at TP > 1), which only worker 0 writes: theirs.
+        is_shared = self._readers_of_each > 1
+        self._probe_name = _HEALTH_PROBE_NAME if is_shared else f"{_HEALTH_PROBE_NAME}@probe:{uuid.uuid4().hex}"
+        self._has_probed = False
         self._breaker = options.lookup_breaker("LMCache's lookups")
         self._putter = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="kvpool-lmcache-put")
         # Chunks whose registration the Store refused to drop (a cancelled get's disk read
@@ -301,7 +305,9 @@ class KVPoolRemoteConnector(RemoteConnector):
         their bytes), so once any worker had probed, every later probe read the first one's
         bytes and LMCache stayed off the pool until a restart. Each connector's probe is an
         object of its own (every worker probes at once after an outage: one's removal or put
-        landed between another's put and get), removed before it is written again."""
+        landed between another's put and get), removed before it is written again; but an MLA
+        model's at TP > 1, where the other workers read worker 0's probe (its put alone is
+        made), shared by the instance's workers (and with other instances: they may race)."""
         try:
             self._store.batch_remove([self._probe_name], force=True)
         except KVPoolError as exc:
@@ -335,6 +341,7 @@ class KVPoolRemoteConnector(RemoteConnector):
             names = self._names(keys)
             if self._probe_name in names:
                 self._forget_health_probe()
+                self._has_probed = True
             codes = self._store.batch_put_from_multi_buffers(names, addresses, sizes, self._replicate)
         except KVPoolError as exc:
             log.warning("kvpool put of %d chunks failed: %s", len(keys), exc)
@@ -377,6 +384,8 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     async def close(self) -> None:
         self._putter.shutdown(wait=False, cancel_futures=True)  # a put waiting on the pool ends with the store
+        if self._has_probed and self._probe_name != _HEALTH_PROBE_NAME:  # its own probe: of use to no one now
+            await asyncio.to_thread(self._forget_health_probe)
         await asyncio.to_thread(self._store.close)
 
 
