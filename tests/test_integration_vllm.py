@@ -53,7 +53,13 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvpool import Store, limits  # noqa: E402
 from kvpool.errors import ErrorCode, InvalidParams  # noqa: E402
-from kvpool.integrations.vllm import KVPoolConnector, KVPoolWorkerMetadata, _hex, _hit_source  # noqa: E402
+from kvpool.integrations.vllm import (  # noqa: E402
+    KVPoolConnector,
+    KVPoolConnectorMetadata,
+    KVPoolWorkerMetadata,
+    _hex,
+    _hit_source,
+)
 from kvpool.protocol.messages import Replica, SegmentInfo  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -452,13 +458,14 @@ def test_tp_ranks_that_hold_the_same_kv_store_it_once(shared_cluster, use_mla, k
             side.shutdown()
 
 
-def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_reports(shared_cluster):
+def test_saves_run_after_the_step_and_a_step_handing_their_blocks_out_again_waits_for_them(shared_cluster):
     """With vLLM's block pool bound (its scheduler binds it), wait_for_save returns at once and
-    a worker puts the step's blocks on its saver thread, during the next forward passes; the
-    scheduler holds a reference on each block until every worker has reported the save done,
-    so that vLLM hands none of them out again (a finished or preempted request frees its
-    blocks at once) while a put still reads them: written again under it, a block would be
-    stored under its old key."""
+    a worker puts the step's blocks on its saver thread, during the next forward passes. A
+    step that hands one of those blocks to a request again (a finished or preempted request
+    frees its blocks at once) names the save in its plan, and each worker ends it before that
+    step writes anything: written again under a put, a block would be stored under its old
+    key. Until 2026-12-07 the scheduler held a reference on each block instead, and vLLM's
+    reset_prefix_cache(reset_running_requests=True) failed meanwhile (review helper-148)."""
     from vllm.v1.core.block_pool import BlockPool
 
     cluster = shared_cluster(1)
@@ -476,20 +483,31 @@ def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_re
     workers[0]._store.batch_put_from_multi_buffers = lambda *args: gate.wait(10) and held_put(*args)
     try:
         meta = first_prefill(sched, "a-1", [5, 6, 7, 8])
-        assert [save.job for save in meta.saves] == [0]
-        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [1, 1, 1] and sched.has_pending_push_work()
+        assert [save.job for save in meta.saves] == [0] and meta.flush_jobs == []
+        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [0, 0, 0]  # no reference of its own
+        assert sched.has_pending_push_work()
         for worker in workers:
             assert run_worker_step(worker, meta) == set()  # returns with rank 0's put held
         reported = wait_until(workers[1].build_connector_worker_meta, 10)
         assert reported.saved == {0: 1}
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
-        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [1, 1, 1] and sched.has_pending_push_work()
-        assert workers[0].build_connector_worker_meta() is None  # its put still reads the blocks
+        assert sched.has_pending_push_work() and workers[0].build_connector_worker_meta() is None
+        handing_out = first_prefill(sched, "b-1", [6, 9, 10, 11])  # block 6 again, under job 0's put
+        assert handing_out.flush_jobs == [0]
+        workers[1].bind_connector_metadata(handing_out)  # its part of job 0 is over: at once
+        binding = threading.Thread(target=workers[0].bind_connector_metadata, args=(handing_out,))
+        binding.start()
+        binding.join(0.3)
+        assert binding.is_alive()  # rank 0 waits for its put before the step writes block 6
         gate.set()
-        reported = wait_until(workers[0].build_connector_worker_meta, 10)
-        assert reported.aggregate(KVPoolWorkerMetadata({0: 1})).saved == {0: 2}  # as vLLM sums them
+        binding.join(10)
+        assert not binding.is_alive()
+        reported = workers[0].build_connector_worker_meta()
+        assert reported is not None and reported.aggregate(KVPoolWorkerMetadata({0: 1})).saved == {0: 2}
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
-        assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [0, 0, 0] and not sched.has_pending_push_work()
+        assert 0 not in sched._saving
+        for worker in workers:
+            worker.clear_connector_metadata()
         assert sched.get_num_new_matched_tokens(request("a-2", PROMPT), 0) == (12, False)  # both ranks put
     finally:
         gate.set()
@@ -497,13 +515,14 @@ def test_saves_run_after_the_step_with_their_blocks_pinned_until_every_worker_re
             side.shutdown()
 
 
-def test_saves_a_pool_does_not_take_give_their_blocks_back_rather_than_pin_vllms_cache(make_cluster):
+def test_saves_a_pool_does_not_take_are_given_up_rather_than_hold_vllm_back(make_cluster):
     """A pool that stops answering (master SIGSTOP: each put waits out its 5 s RPC bound, one
     after another on the saver thread) kept every planned save's blocks pinned until vLLM's
     KV cache was full, and the engine produced no token (a review, 2 s into the stall). Past
     _SAVE_JOBS_WAITING_MAX jobs waiting, a worker gives a step's saves up at once (reported
-    done, not put: the scheduler unpins their blocks); and while the lookup breaker is open
-    (the master did not answer a lookup) the scheduler plans no save at all."""
+    done, not put); a step that hands out the blocks of saves still waiting gives them up
+    rather than wait; and while the lookup breaker is open (the master did not answer a
+    lookup) the scheduler plans no save at all."""
     from vllm.v1.core.block_pool import BlockPool
 
     from kvpool.errors import RpcTimeout
@@ -512,9 +531,11 @@ def test_saves_a_pool_does_not_take_give_their_blocks_back_rather_than_pin_vllms
     cluster = make_cluster(1, "16MiB")
     config = vllm_config(cluster.master_endpoint)
     sched, worker = connector(config, KVConnectorRole.SCHEDULER), connector(config, KVConnectorRole.WORKER)
-    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    requests = _SAVE_JOBS_WAITING_MAX + 4
+    num_blocks = 4 * (requests + 1)  # blocks of their own each: no step hands out another's
+    pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE)
     sched.bind_gpu_block_pool(pool)
-    worker.register_kv_caches(paged_cache(seed=4))
+    worker.register_kv_caches(paged_cache(seed=4, shape=(2, num_blocks, *FLASH_ATTENTION_SHAPE[2:])))
     entered, gate = threading.Event(), threading.Event()
     held_put = worker._store.batch_put_from_multi_buffers
 
@@ -527,16 +548,26 @@ def test_saves_a_pool_does_not_take_give_their_blocks_back_rather_than_pin_vllms
     try:
         assert run_worker_step(worker, first_prefill(sched, "r-0", [0, 1, 2, 3])) == set()
         assert entered.wait(10)  # job 0 on the saver thread, stalled
-        for index in range(1, _SAVE_JOBS_WAITING_MAX + 4):
-            assert run_worker_step(worker, first_prefill(sched, f"r-{index}", [0, 1, 2, 3])) == set()
+        for index in range(1, requests):
+            blocks = list(range(4 * index, 4 * index + 4))
+            assert run_worker_step(worker, first_prefill(sched, f"r-{index}", blocks)) == set()
         reported = worker.build_connector_worker_meta()
         given_up = list(range(_SAVE_JOBS_WAITING_MAX + 1, _SAVE_JOBS_WAITING_MAX + 4))
         assert sorted(reported.saved) == given_up and sorted(reported.failed) == given_up, reported
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
-        assert len(sched._pinned) == _SAVE_JOBS_WAITING_MAX + 1  # the stalled one and those waiting
+        assert len(sched._saving) == _SAVE_JOBS_WAITING_MAX + 1  # the stalled one and those waiting
+        waiting = list(range(1, _SAVE_JOBS_WAITING_MAX + 1))
+        binding = threading.Thread(target=worker.bind_connector_metadata,
+                                   args=(KVPoolConnectorMetadata(flush_jobs=waiting),))  # their blocks handed out
+        binding.start()
+        binding.join(5)
+        assert not binding.is_alive() and not gate.is_set()  # given up: not behind the put still stalled
+        reported = worker.build_connector_worker_meta()
+        assert sorted(reported.saved) == waiting and sorted(reported.failed) == waiting, reported
+        worker.clear_connector_metadata()
         sched._breaker.record_failure(RpcTimeout("a lookup the master did not answer"))
-        assert first_prefill(sched, "r-breaker-open", [4, 5, 6, 7]).saves == []
-        assert [pool.blocks[b].ref_cnt for b in (4, 5, 6)] == [0, 0, 0]
+        last = list(range(4 * requests, 4 * requests + 4))
+        assert first_prefill(sched, "r-breaker-open", last).saves == []
     finally:
         gate.set()
         worker.shutdown()

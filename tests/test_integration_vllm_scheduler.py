@@ -87,3 +87,47 @@ def test_with_async_scheduling_and_async_loads_failed_loads_are_recomputed_witho
     outcome = sim.run(sim.arguments(["--seed", str(seed), "--async", "--load-async", "--faults", "0.3", *SMALL]))
     assert outcome.stats.load_failed_blocks > 0 and outcome.stats.finished == outcome.stats.requests
     assert not outcome.problems, dict(outcome.problems)
+
+
+def test_a_reset_of_the_prefix_cache_with_running_requests_succeeds_while_saves_are_put():
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts every running request and
+    then requires every block free: the connector held a reference on the blocks of each save
+    until every worker had put them, and the reset raised RuntimeError ("Failed to reset KV
+    cache even when all the running requests are preempted") with a save in flight, as around
+    an RL loop's weight update (review helper-148). The save in flight here is held on the
+    worker's saver thread while the reset runs."""
+    import json
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from kvpool.cli.launcher import LocalCluster
+
+    args = sim.arguments(["--blocks", "32"])
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(args.block_size, sha256)
+    gate = threading.Event()
+    with tempfile.TemporaryDirectory() as model_dir, LocalCluster(1, args.pool) as cluster:
+        Path(model_dir, "config.json").write_text(json.dumps(sim.TINY_MODEL_CONFIG))
+        args.model_dir = model_dir
+        inst = sim.Instance("A", args, cluster.master_endpoint, sim.Stats(), lambda *report: None)
+        store = inst.worker._store
+        put = store.batch_put_from_multi_buffers
+        store.batch_put_from_multi_buffers = lambda *a, **k: gate.wait(30) and put(*a, **k)
+        try:
+            prompt = list(range(3, 3 + 6 * args.block_size + 1))
+            inst.add(Request("r1", prompt, SamplingParams(max_tokens=8, ignore_eos=True), None, block_hasher=hasher))
+            inst.engine_step(0.0, None)  # the prefill: its blocks' save goes to the saver thread, held
+            connector = inst.scheduler.get_kv_connector()
+            assert connector.has_pending_push_work() and inst.scheduler.running
+            assert inst.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        finally:
+            gate.set()
+            inst.flush()
+            inst.worker.shutdown()
+            inst.scheduler.shutdown()

@@ -13,7 +13,8 @@ plays each SchedulerOutput the way vLLM's GPU model runner + KVConnectorModelRun
   clear_connector_metadata -> ModelRunnerOutput -> scheduler.update_from_output.
 
 vLLM's scheduler binds its block pool to the connector, so saves run on the worker's saver
-thread with their blocks pinned. Each step's saves run on during the next step's forward
+thread, and a step that hands their blocks out again ends them first (bind_connector_metadata:
+flush_jobs). Each step's saves run on during the next step's forward
 pass (which writes the cache beside them) and end before that step's own saves start; the
 step reports them to the scheduler then (build_connector_worker_meta), so that which saves a
 step reports depends on the seed alone.

@@ -53,12 +53,15 @@ of them load every block.
   before the forward pass; an async one on the worker's loader thread, whose end
   `get_finished` reports once, with the blocks that failed. `wait_for_save` hands the
   prompt blocks computed in this step to the worker's saver thread
-  (`batch_put_from_multi_buffers`), which puts them during the next forward passes while the
-  scheduler holds a reference on each block (vLLM's block pool, `bind_gpu_block_pool`), so
-  that none is handed out and written again under a put; each worker reports its finished
-  saves with the next step's output (`build_connector_worker_meta`), and the scheduler lets
-  a save's blocks go once every worker has (`update_connector_output`). Without a bound pool
-  (a scheduler that is not vLLM's) a step's saves are put in the step. A block that fails to
+  (`batch_put_from_multi_buffers`), which puts them during the next forward passes; a step
+  that hands one of their blocks to a request again names the save in its plan, and each
+  worker ends it before that step writes anything (`bind_connector_metadata`: a save not
+  begun is given up, the one running waited for), so that no block is written again under a
+  put (vLLM's offloading connector's way; until 2026-12-07 the scheduler held a reference on
+  each block, and vLLM's reset_prefix_cache(reset_running_requests=True) failed meanwhile).
+  Each worker reports its finished saves with the next step's output
+  (`build_connector_worker_meta`). Without a bound pool (`bind_gpu_block_pool`: a scheduler
+  that is not vLLM's) a step's saves are put in the step. A block that fails to
   load is reported by `get_block_ids_with_load_errors` (vLLM then recomputes or fails the
   request, per its kv_load_failure_policy); after a synchronous load, the saves of its step
   and of the steps in flight with it are skipped (computed over it); the scheduler side
@@ -136,7 +139,7 @@ class BlockTransfer:
     block_ids: list[int]
     is_async: bool = False  # a load vLLM waits for in WAITING_FOR_REMOTE_KVS, not before a forward
     first_block: int = 0  # the first block's position in the prompt (which rank saves which)
-    job: int = -1  # a save whose blocks the scheduler pinned: reported done by every worker
+    job: int = -1  # a save put after the step, on the workers' saver threads: reported done by every worker
 
 
 @dataclasses.dataclass
@@ -149,6 +152,9 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
     key_prefix: str = ""
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
     saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    # Save jobs whose blocks vLLM hands out again in this step: a worker ends them before
+    # anything writes those blocks (bind_connector_metadata).
+    flush_jobs: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -271,11 +277,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._last_removed: list[tuple[int, list[str], list[int]]] = []
         # Each reset's removal of the namespace, waited for while the master answers (reset_cache).
         self._resets = NamespaceRemovals(self._store, self._lookup_timeout_ms, "kvpool-reset")
-        # Scheduler: vLLM's block pool, and the blocks each save job still reads (pinned with a
-        # reference of their own until every worker reported the job: _pin_saves), with the
-        # workers yet to report it and the job's block hashes.
+        # Scheduler: vLLM's block pool, the blocks each save job still reads until every worker
+        # reported it (_number_saves), with the workers yet to report it and the job's block
+        # hashes, and the jobs that read each block (a step that hands one out again flushes them).
         self._block_pool: BlockPool | None = None
-        self._pinned: dict[int, tuple[list[int], int, list[str]]] = {}
+        self._saving: dict[int, tuple[list[int], int, list[str]]] = {}
+        self._saving_blocks: dict[int, set[int]] = {}
         self._next_job = 0
         self._workers = self.tp_size * self.pp_size  # each reports every job (context parallelism is refused)
         # vLLM's KV events for the blocks saved and removed, kept only while they are on (as
@@ -291,6 +298,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._saves_waiting = 0  # jobs submitted to the saver and not begun (_SAVE_JOBS_WAITING_MAX)
         self._saves_waiting_lock = threading.Lock()
         self._saved: collections.deque[tuple[int, Sequence[int]]] = collections.deque()
+        # Jobs on the saver thread, not reported yet: their future and this worker's positions.
+        self._save_futures: dict[int, tuple[concurrent.futures.Future, list[int]]] = {}
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -485,52 +494,78 @@ class KVPoolConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._loaded_async.discard(req_id)
-        self._pin_saves(meta)
+        meta.flush_jobs = self._jobs_reading(scheduler_output)
+        self._number_saves(meta)
         self._recent_saves.append(([h for save in meta.saves for h in save.block_hashes], [s.job for s in meta.saves]))
         return meta
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """vLLM's block pool (the real scheduler binds it): with it, saves run after the
-        forward pass on the workers' saver threads while their blocks stay pinned."""
+        forward pass on the workers' saver threads, and a step that hands their blocks out
+        again flushes them first (_jobs_reading)."""
         self._block_pool = gpu_block_pool
 
-    def _pin_saves(self, meta: KVPoolConnectorMetadata) -> None:
-        """Give each save a job and take a reference on its blocks, so that vLLM reuses none of
-        them (a finished or preempted request frees its blocks at once) while a worker's put
-        still reads them: written again under a put in flight, a block would be stored under
-        its old key. Released when every worker has reported the job (update_connector_output)."""
-        pool = self._block_pool
-        if pool is None:
-            return  # no pool to pin in (a scheduler vLLM did not bind): workers save in the step
+    def _jobs_reading(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """The save jobs in flight that read a block this step hands to a request (a request
+        new, resumed or growing): its worker ends them before the step writes the block
+        (bind_connector_metadata). Before, the scheduler held a reference on each block of a
+        save until every worker had put it, and vLLM's reset_prefix_cache(
+        reset_running_requests=True) failed while one did (review helper-148): the way of
+        vLLM's own offloading connector. (A prefix-cache hit handed to a new request is
+        flushed too: it is not written, but the step's data does not tell it apart.)"""
+        if not self._saving_blocks:
+            return []
+        handed: set[int] = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            for group in new.block_ids:
+                handed.update(group)
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for group in ids or ():
+                handed.update(group)
+        reading = self._saving_blocks
+        return sorted({job for block in handed & reading.keys() for job in reading[block]})
+
+    def _number_saves(self, meta: KVPoolConnectorMetadata) -> None:
+        """Give each save a job, put after the step on the workers' saver threads: the blocks
+        it reads are written again only once it is over (_jobs_reading). Its end is known
+        when every worker has reported it (update_connector_output)."""
+        if self._block_pool is None:
+            return  # a scheduler vLLM did not bind: workers save in the step
         for save in meta.saves:
             save.job, self._next_job = self._next_job, self._next_job + 1
             block_ids = list(dict.fromkeys(save.block_ids))
-            pool.touch([pool.blocks[block_id] for block_id in block_ids])
-            self._pinned[save.job] = (block_ids, self._workers, save.block_hashes)
+            self._saving[save.job] = (block_ids, self._workers, save.block_hashes)
+            for block_id in block_ids:
+                self._saving_blocks.setdefault(block_id, set()).add(save.job)
             state = self._requests.get(save.request_id)
             if self._save_events is not None and state is not None and state.request is not None:
                 self._save_events.plan(save.job, state.request, save.first_block, len(save.block_hashes))
 
-    def _unpin_saved(self, worker_meta: Any) -> None:
-        """Release the blocks of the save jobs every worker has now reported (in job order:
-        with KV events on, a job's blocks are announced then, after those of the jobs before
-        it, which hold their parents)."""
+    def _end_saves(self, worker_meta: Any) -> None:
+        """Forget the save jobs every worker has now reported (in job order: with KV events
+        on, a job's blocks are announced then, after those of the jobs before it, which hold
+        their parents)."""
         if not isinstance(worker_meta, KVPoolWorkerMetadata) or self._block_pool is None:
             return
         pool = self._block_pool
         doomed = self._doomed_hashes() if self._save_events is not None else set()
         for job, count in sorted(worker_meta.saved.items()):
-            pinned = self._pinned.pop(job, None)
-            if pinned is None:  # a bug (a job reported by more workers than there are): say so
+            saving = self._saving.pop(job, None)
+            if saving is None:  # a bug (a job reported by more workers than there are): say so
                 log.warning("kvpool: save job %d reported done again", job)
                 continue
-            block_ids, left, hashes = pinned
+            block_ids, left, hashes = saving
             if self._save_events is not None:
                 self._save_events.report(job, worker_meta.failed.get(job, ()), left <= count, pool, doomed)
             if left > count:
-                self._pinned[job] = (block_ids, left - count, hashes)
+                self._saving[job] = (block_ids, left - count, hashes)
                 continue
-            pool.free_blocks(pool.blocks[block_id] for block_id in reversed(block_ids))
+            for block_id in block_ids:
+                jobs = self._saving_blocks.get(block_id)
+                if jobs is not None:
+                    jobs.discard(job)
+                    if not jobs:
+                        del self._saving_blocks[block_id]
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events since vLLM last asked (each step, publishing them with its own):
@@ -550,9 +585,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         updates, until those saves are over (_remove_doomed_saves, as after a failed load).
         Returns False when the pool could not be reached, or its master stopped answering
         (namespace_removal.py): vLLM then fails the reset."""
-        pinned_hashes = [h for _, _, job_hashes in self._pinned.values() for h in job_hashes]
+        saving_hashes = [h for _, _, job_hashes in self._saving.values() for h in job_hashes]
         self._first_blocks_in_pool.clear()
-        self._doom_saves(self._recent_save_hashes() + pinned_hashes, list(self._pinned))
+        self._doom_saves(self._recent_save_hashes() + saving_hashes, list(self._saving))
         # Up to the KV format's first field: a namespace alone is a prefix of another's
         # where a model's name extends this one's past an '@' (a cache_prefix named like
         # this model, or a model "m@x" beside "m").
@@ -566,8 +601,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         return True
 
     def has_pending_push_work(self) -> bool:
-        """Saves still read pinned blocks: vLLM keeps stepping until the workers report them."""
-        return bool(self._pinned)
+        """Saves are still put: vLLM keeps stepping until the workers report them."""
+        return bool(self._saving)
 
     def _plan_save(
         self, meta: KVPoolConnectorMetadata, req_id: str, state: _RequestState, computed_tokens: int
@@ -577,7 +612,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if full > state.stored_block_count:
             first = state.stored_block_count
             state.stored_block_count = full
-            if self._breaker.is_open():  # the master does not answer: no save, no block pinned for one
+            if self._breaker.is_open():  # the master does not answer: no save
                 return
             hashes, block_ids = state.block_hashes[first:full], state.block_ids[first:full]
             meta.saves.append(BlockTransfer(req_id, hashes, block_ids, first_block=first))
@@ -598,7 +633,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if invalid:  # before the saves reported now are announced (KV events): they go too
             self._doom_recent_saves()
-        self._unpin_saved(getattr(connector_output, "kv_connector_worker_meta", None))
+        self._end_saves(getattr(connector_output, "kv_connector_worker_meta", None))
         self._remove_doomed_saves()
         manager = getattr(self, "_kv_cache_manager", None)
         if not invalid or manager is None:
@@ -636,7 +671,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         taken. Only the scheduler hears every rank's failures. A save of a step still in
         flight may land after a removal: hence again, at each of the next updates (each
         comes after one more step's saves), and for as long as a worker has not reported one
-        of those saves done (saves put on the workers' threads: _pin_saves). A reset of the
+        of those saves done (saves put on the workers' threads: _number_saves). A reset of the
         connector's cache dooms the saves planned before it alike (reset_cache).
 
         The removals run on the remover thread: a master that does not answer cost vLLM's
@@ -660,12 +695,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._last_removed = [
             (left, hashes, jobs)
             for left, hashes, jobs in self._doomed_saves
-            if left <= 1 and not any(job in self._pinned for job in jobs)
+            if left <= 1 and not any(job in self._saving for job in jobs)
         ]
         self._doomed_saves = [
             (left - 1, hashes, jobs)
             for left, hashes, jobs in self._doomed_saves
-            if left > 1 or any(job in self._pinned for job in jobs)
+            if left > 1 or any(job in self._saving for job in jobs)
         ]
         if self._remover is None:
             self._remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-remove")
@@ -826,8 +861,9 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Write the prompt blocks this step computed: on the saver thread, while the next
-        steps run, when the scheduler pinned their blocks (a job per save: _pin_saves), else
-        now. A failure is logged: a future miss. Each job is reported done once, put or not
+        steps run, when the scheduler gave the save a job (_number_saves: it then flushes the
+        job before a step writes its blocks again, bind_connector_metadata), else now. A
+        failure is logged: a future miss. Each job is reported done once, put or not
         (build_connector_worker_meta).
 
         Not after a load failed, in its step and in the steps vLLM scheduled before it learnt
@@ -858,14 +894,42 @@ class KVPoolConnector(KVConnectorBase_V1):
                 with self._saves_waiting_lock:
                     is_backed_up = self._saves_waiting >= _SAVE_JOBS_WAITING_MAX
                     self._saves_waiting += not is_backed_up
-                if is_backed_up:  # the pool is slow or not answering: its blocks go back to vLLM now
+                if is_backed_up:  # the pool is slow or not answering: no step waits for these
                     _backed_up_log.log("kvpool: %d save jobs wait already (the pool is slow or not answering): "
                                        "not saving %d blocks", _SAVE_JOBS_WAITING_MAX, len(mine))  # fmt: skip
                     self._saved.append((save.job, mine))
                     continue
                 if self._saver is None:
                     self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
-                self._saver.submit(self._save_job, save, mine, meta.key_prefix)
+                future = self._saver.submit(self._save_job, save, mine, meta.key_prefix)
+                self._save_futures[save.job] = (future, mine)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's plan, bound before its forward pass (which vLLM may run before
+        start_load_kv): the save jobs reading blocks this step hands out again end first."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KVPoolConnectorMetadata) and connector_metadata.flush_jobs:
+            self._flush(connector_metadata.flush_jobs)
+
+    def _flush(self, jobs: Sequence[int]) -> None:
+        """End these save jobs before their blocks are written again: one not begun is given up
+        (reported done, its blocks not put: a future miss), the one running is waited for
+        (its put is bounded by the Store's timeouts)."""
+        running = []
+        for job in jobs:
+            found = self._save_futures.get(job)
+            if found is None:  # reported, given up, or never this worker's
+                continue
+            future, mine = found
+            if future.cancel():
+                self._save_futures.pop(job, None)
+                with self._saves_waiting_lock:
+                    self._saves_waiting -= 1
+                self._saved.append((job, mine))
+            else:
+                running.append(future)
+        if running:
+            concurrent.futures.wait(running)
 
     def _save_job(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> None:
         with self._saves_waiting_lock:
@@ -873,10 +937,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         failed: Sequence[int] = mine
         try:
             failed = self._save(save, mine, key_prefix)
-        except Exception:  # a bug, not an operating error: the job still ends (its blocks unpinned)
+        except Exception:  # a bug, not an operating error: the job still ends
             log.exception("kvpool save of %s failed", save.request_id)
         finally:
             self._saved.append((save.job, failed))
+            self._save_futures.pop(save.job, None)
 
     def _save(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> list[int]:
         """Put this rank's blocks of `save` (those at `mine`); a failure is logged. Returns the
