@@ -492,6 +492,10 @@ def test_saves_run_after_the_step_and_a_step_handing_their_blocks_out_again_wait
         assert reported.saved == {0: 1}
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
         assert sched.has_pending_push_work() and workers[0].build_connector_worker_meta() is None
+        # A prefix-cache hit on the save's blocks is read, not written: no flush (it held a
+        # shared prompt's next request behind the put: review helper-153).
+        hit = request("hit", PROMPT + [1, 2, 3, 4])
+        assert sched.build_connector_meta(step([new_request_data(hit, [5, 6, 7, 9], 12)], {"hit": 6})).flush_jobs == []
         handing_out = first_prefill(sched, "b-1", [6, 9, 10, 11])  # block 6 again, under job 0's put
         assert handing_out.flush_jobs == [0]
         workers[1].bind_connector_metadata(handing_out)  # its part of job 0 is over: at once

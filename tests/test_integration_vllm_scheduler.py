@@ -51,9 +51,13 @@ FULL_BATCHES = ["--blocks", "64", "--convs", "16", "--max-seqs", "3"]  # running
         # --max-num-inflight-kv-loads: loads start while every running slot is taken.
         ["--seed", "0", "--faults", "0.3", "--load-async", "--inflight-loads", "4", *FULL_BATCHES],
         ["--seed", "3", "--async", "--faults", "0.3", "--load-async", "--inflight-loads", "2", *FULL_BATCHES],
+        # A pool slower than a step: a save still reads its blocks when a later step hands them
+        # out again, to an async load too (POOL-POISONED in seeds 0-2 before the loads' blocks
+        # were fenced: review helper-153).
+        ["--seed", "0", "--faults", "0.3", "--load-async", "--put-delay-ms", "30", *SMALL],
     ],
     ids=["recompute", "recompute-block-16", "fail", "async-no-faults", "async-fail", "load-async", "load-async-fail",
-         "async-load-async-no-faults", "inflight-loads", "async-inflight-loads"],
+         "async-load-async-no-faults", "inflight-loads", "async-inflight-loads", "slow-pool"],
 )
 def test_no_wrong_kv_reaches_vllm_or_the_pool(argv):
     outcome = sim.run(sim.arguments(argv))

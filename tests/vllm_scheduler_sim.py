@@ -230,6 +230,9 @@ class Instance:
         inst = self
 
         def put(keys, addresses, sizes, *a, **k):
+            # A pool slower than a step (--put-delay-ms): the saves of a step then read their
+            # blocks during the next steps' binds, loads and forward passes.
+            time.sleep(inst.args.put_delay_ms / 1000)
             inst._check_save(keys, addresses)
             codes = orig_put(keys, addresses, sizes, *a, **k)
             inst.stats.saves_blocks += len(keys)
@@ -613,6 +616,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--time-limit", type=float, default=150)
     ap.add_argument("--pool", default="64MiB")
+    ap.add_argument("--put-delay-ms", type=int, default=0, help="each save's put starts this late (a slow pool)")
     ap.add_argument("-v", action="store_true")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--policy", default="recompute", choices=["recompute", "fail"],

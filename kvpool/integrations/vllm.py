@@ -494,7 +494,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._loaded_async.discard(req_id)
-        meta.flush_jobs = self._jobs_reading(scheduler_output)
+        meta.flush_jobs = self._jobs_reading(scheduler_output, meta.loads)
         self._number_saves(meta)
         self._recent_saves.append(([h for save in meta.saves for h in save.block_hashes], [s.job for s in meta.saves]))
         return meta
@@ -505,25 +505,29 @@ class KVPoolConnector(KVConnectorBase_V1):
         again flushes them first (_jobs_reading)."""
         self._block_pool = gpu_block_pool
 
-    def _jobs_reading(self, scheduler_output: SchedulerOutput) -> list[int]:
-        """The save jobs in flight that read a block this step hands to a request (a request
-        new, resumed or growing): its worker ends them before the step writes the block
-        (bind_connector_metadata). Before, the scheduler held a reference on each block of a
-        save until every worker had put it, and vLLM's reset_prefix_cache(
-        reset_running_requests=True) failed while one did (review helper-148): the way of
-        vLLM's own offloading connector. (A prefix-cache hit handed to a new request is
-        flushed too: it is not written, but the step's data does not tell it apart.)"""
+    def _jobs_reading(self, scheduler_output: SchedulerOutput, loads: list[BlockTransfer]) -> list[int]:
+        """The save jobs in flight that read a block this step writes: one handed to a request
+        for the tokens it computes (new or resumed past its prefix-cache hits, or growing), or
+        one a load of this step writes (an async load's request is scheduled only once it has
+        landed: its blocks are in no request of the step's). Its worker ends the job before
+        the step writes the block (bind_connector_metadata). Before, the scheduler held a
+        reference on each block of a save until every worker had put it, and vLLM's
+        reset_prefix_cache(reset_running_requests=True) failed while one did (review
+        helper-148): the way of vLLM's own offloading connector. A prefix-cache hit is read,
+        not written: flushing for it held a step behind the put of a shared prompt's save
+        (review helper-153, as was a save whose blocks an async load took)."""
         if not self._saving_blocks:
             return []
-        handed: set[int] = set()
+        written: set[int] = {block for load in loads for block in load.block_ids}
         for new in scheduler_output.scheduled_new_reqs:
+            hits = new.num_computed_tokens // self.block_size  # (this step's loads are above)
             for group in new.block_ids:
-                handed.update(group)
+                written.update(group[hits:])
         for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
             for group in ids or ():
-                handed.update(group)
+                written.update(group)
         reading = self._saving_blocks
-        return sorted({job for block in handed & reading.keys() for job in reading[block]})
+        return sorted({job for block in written & reading.keys() for job in reading[block]})
 
     def _number_saves(self, meta: KVPoolConnectorMetadata) -> None:
         """Give each save a job, put after the step on the workers' saver threads: the blocks
@@ -903,6 +907,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                     self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
                 future = self._saver.submit(self._save_job, save, mine, meta.key_prefix)
                 self._save_futures[save.job] = (future, mine)
+                # Forgotten once done (at once if it is already: after the entry, whatever the order).
+                future.add_done_callback(lambda _, job=save.job: self._save_futures.pop(job, None))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's plan, bound before its forward pass (which vLLM may run before
@@ -941,7 +947,6 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.exception("kvpool save of %s failed", save.request_id)
         finally:
             self._saved.append((save.job, failed))
-            self._save_futures.pop(save.job, None)
 
     def _save(self, save: BlockTransfer, mine: list[int], key_prefix: str) -> list[int]:
         """Put this rank's blocks of `save` (those at `mine`); a failure is logged. Returns the
