@@ -191,7 +191,6 @@ class MountFlow:
         segment.is_gone_for_good = segment.is_gone_for_good or for_good
         if segment.state is SegmentState.LEAVING:
             return
-        self._keep_fences(segment)
         if not segment.object_count or len(self._table) <= limits.UNMOUNT_SWEEP_KEYS_PER_STEP:
             self.unmount(segment)
             return
@@ -269,12 +268,18 @@ class MountFlow:
         segment.object_count -= len(lost) + len(kept)
 
     def _strip_pending_puts(self, segment: Segment) -> list[tuple[int, int]]:
-        """Puts in flight lose their ranges on `segment`; returns them, (offset, size)."""
+        """Puts in flight lose their ranges on `segment` (kept as fences, with its quarantined
+        ranges: _keep_fences); returns them, (offset, size)."""
         ranges: list[tuple[int, int]] = []
+        writing: list[tuple[int, int, int]] = []  # (offset, size, release_ms)
         for put in self._table.pending.values():
             if any(seg is segment for seg, _ in put.replicas):
-                ranges += [(offset, put.size_bytes) for seg, offset in put.replicas if seg is segment]
+                for seg, offset in put.replicas:
+                    if seg is segment:
+                        ranges.append((offset, put.size_bytes))
+                        writing.append((offset, put.size_bytes, put.start_ms + self._release_timeout_ms))
                 put.replicas = [(seg, offset) for seg, offset in put.replicas if seg is not segment]
+        self._keep_fences(segment, writing)
         return ranges
 
     def unmount(self, segment: Segment) -> None:
@@ -283,7 +288,6 @@ class MountFlow:
         not acknowledged become tombstones (tombstones.py), as do the ranges there of moves of
         removed objects; the targets there of the other moves in flight are left behind."""
         ttl_ms = _tombstone_ttl_ms(segment)
-        self._keep_fences(segment)
         targets, removed = self._tiers.stranded_on(segment)
         if segment.is_gone_for_good:
             targets, removed = [], []  # (drops unacknowledged: not buried either, below)
@@ -316,10 +320,11 @@ class MountFlow:
         self._registry.remove(segment)
 
 
-    def _keep_fences(self, segment: Segment) -> None:
+    def _keep_fences(self, segment: Segment, writing: list[tuple[int, int, int]]) -> None:
         """Remember the ranges writers may still write into, of a DRAM segment going whose file
         may mount again (its node cut off, or keeping it for its restart): those of its puts in
-        flight and its quarantined ranges, each until its release time. A same-host writer
+        flight (`writing`: offset, size, release time) and its quarantined ranges, each until
+        its release time. A same-host writer
         copies into the file itself, and a TCP write's grant stays good under the same segment
         id: the allocator the segment mounts with again would have handed those ranges out
         while such a write may still land (a review's reproduction, helper-150: an object put
@@ -329,10 +334,8 @@ class MountFlow:
         token, fences = self._fences.setdefault(segment.segment_id, (segment.info.shm_token, {}))
         if token != segment.info.shm_token:
             self._fences[segment.segment_id] = (segment.info.shm_token, fences := {})
-        for put in self._table.pending.values():
-            for target, offset in put.replicas:
-                if target is segment:
-                    fences[offset] = (put.size_bytes, put.start_ms + self._release_timeout_ms)
+        for offset, size_bytes, release_ms in writing:
+            fences[offset] = (size_bytes, release_ms)
         releases = self._quarantine.releases_of(segment) if segment.quarantined else {}
         for offset, size_bytes in segment.quarantined.items():
             fences[offset] = (size_bytes, releases.get(offset, 0))
