@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import wait_until
 
 from kvpool import limits
 from kvpool.errors import ErrorCode, TransferFailed
@@ -326,9 +325,9 @@ def test_a_copy_into_dram_is_counted_until_its_thread_ends_whatever_became_of_it
         assert await asyncio.to_thread(entered.wait, 10)
         move.cancel()  # the stop's cancellation: the thread goes on
         await asyncio.gather(move, return_exceptions=True)
-        assert tiers.mover.copies_into_dram == 1
+        assert await tiers.mover.copies_into_dram_left(0) == 1
         released.set()
-        await asyncio.to_thread(wait_until, lambda: tiers.mover.copies_into_dram == 0, 10)
+        assert await tiers.mover.copies_into_dram_left(10_000) == 0
 
     try:
         asyncio.run(asyncio.wait_for(main(), 30))

@@ -153,7 +153,7 @@ class Mover:
         # threads, four copies stalled on a hung share held every one of them, and the disk
         # tier's drops and offloads waited for as long as the share did.
         self._dfs_pool = concurrent.futures.ThreadPoolExecutor(limits.DISK_IO_THREADS, thread_name_prefix="kvpool-dfs")
-        # The threads' futures of copies into the DRAM segment still running (copies_into_dram).
+        # The threads' futures of copies into the DRAM segment still running (copies_into_dram_left).
         self._into_dram: set[concurrent.futures.Future] = set()
         # Disk offsets whose files a drop is removing -> that removal (drop_disk_files).
         self._removing: dict[int, asyncio.Future[list[InventoryEntry]]] = {}
@@ -178,7 +178,7 @@ class Mover:
     async def _run_for(self, plan: _Plan, function: Callable, *args: object) -> object:
         """Run a move's file I/O on the DFS's threads when it reads or writes the DFS. A copy
         into the DRAM segment is counted until its thread is done, whatever became of the
-        request (`copies_into_dram`)."""
+        request (`copies_into_dram_left`)."""
         pool = self._dfs_pool if TIER_DFS in (plan.src, plan.dst) else self._pool
         future = pool.submit(function, *args)
         if plan.dst == TIER_DRAM:
@@ -186,10 +186,13 @@ class Mover:
             future.add_done_callback(self._into_dram.discard)
         return await asyncio.wrap_future(future)
 
-    @property
-    def copies_into_dram(self) -> int:
-        """Copies into the DRAM segment whose threads still run (a request cancelled at stop does
-        not stop its thread): a segment kept for the node's restart must have none."""
+    async def copies_into_dram_left(self, wait_ms: int) -> int:
+        """How many copies into the DRAM segment still run after waiting for them at most
+        `wait_ms` (a request cancelled at stop does not stop its thread): a segment kept for
+        the node's restart must have none."""
+        running = list(self._into_dram)
+        if running:
+            await asyncio.wait([asyncio.wrap_future(future) for future in running], timeout=wait_ms / 1000)
         return len(self._into_dram)
 
     async def read_in_thread(self, function: Callable, *args: object) -> object:

@@ -807,17 +807,13 @@ class Node:
         share that stalls) ended within KEEP_COPIES_WAIT_MS: a segment with one still running
         is not kept, as its copy could land in a range the restarted node's master hands out
         again (review helper-151)."""
-        mover = self._mover
-        assert mover is not None
-        deadline_s = time.monotonic() + KEEP_COPIES_WAIT_MS / 1000
-        while mover.copies_into_dram and time.monotonic() < deadline_s:
-            await asyncio.sleep(0.01)
-        if mover.copies_into_dram:
+        assert self._mover is not None
+        left = await self._mover.copies_into_dram_left(KEEP_COPIES_WAIT_MS)
+        if left:
             log.warning("node %s: %d copies into its DRAM segment still run after %d ms (a disk or share that "
-                        "stalls): the segment is not kept, its objects are gone", self.node_id,
-                        mover.copies_into_dram, KEEP_COPIES_WAIT_MS)  # fmt: skip
-            return False
-        return True
+                        "stalls): the segment is not kept, its objects are gone", self.node_id, left,
+                        KEEP_COPIES_WAIT_MS)  # fmt: skip
+        return not left
 
     def _keep_segment(self) -> None:
         """Leave the segment for the node started again with this id (no byte changes now:
