@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import compileall
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -207,6 +208,22 @@ def dead_segment_owner(shm_dir, name: str, size_bytes: int = 1 << 20) -> Path:
     child.kill()
     child.wait(10)
     return path
+
+
+@pytest.fixture
+def steady_heap() -> Iterator[None]:
+    """For a test that times calls against their bound: the objects this worker already holds
+    are frozen out of the garbage collector meanwhile. A worker that ran the vLLM, SGLang or
+    torch tests holds their modules (~400,000 objects), and one full collection of them takes
+    ~230 ms on this machine, longer loaded: the likeliest cause of a 300 ms lookup measured at
+    581 ms once in a full run (not reproduced otherwise, even with the CPUs three times
+    oversubscribed), a pause of the test's own process, not of the call it timed."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):

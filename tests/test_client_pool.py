@@ -33,6 +33,9 @@ CONNECT_TIMEOUT_MS = 300
 RPC_TIMEOUT_MS = 300
 SLACK_S = 0.3  # a loaded 2-core CI machine
 
+# Most tests here time calls against their bounds (conftest.steady_heap).
+pytestmark = pytest.mark.usefixtures("steady_heap")
+
 
 @pytest.fixture
 def attempts(monkeypatch) -> list[str]:

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import uvloop
 from conftest import wait_until
 
@@ -36,6 +37,9 @@ from tests.test_ha import TTL_MS, new_cluster_id
 TRANSFER_TIMEOUT_MS = 1_000
 SLACK_S = 0.25
 FILLER = 0xA5
+
+# Every test here times calls against their bound (conftest.steady_heap).
+pytestmark = pytest.mark.usefixtures("steady_heap")
 
 
 def disk_only(make_cluster, tmp_path: Path, size_bytes: int, keys: list[str]) -> tuple[object, bytes, list[Path]]:
