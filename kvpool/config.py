@@ -246,6 +246,10 @@ class ClientConfig:
             tokens = tokens_from()
             object.__setattr__(self, "token", tokens[0] if tokens else None)  # frozen: set once, here
             object.__setattr__(self, "other_tokens", (*self.other_tokens, *tokens[1:]))
+        if self.other_tokens and not self.token:  # dropped unsaid, the refusal named no token at all
+            raise InvalidParams("other_tokens without a token: give the token to connect with first")
+        if "" in self.other_tokens:
+            raise InvalidParams("other_tokens holds an empty token")
         if not 1 <= self.connections_per_peer <= limits.CONNECTIONS_PER_PEER_MAX:
             raise InvalidParams(
                 f"connections_per_peer must be in [1, {limits.CONNECTIONS_PER_PEER_MAX}]"

@@ -26,6 +26,7 @@ from kvpool.errors import ConnectFailed, RpcTimeout, StoreClosed
 from kvpool.protocol.auth import Keyring
 from kvpool.protocol.frames import encode_frame
 from kvpool.protocol.messages import AuthChallenge, AuthOk, ExistKeys
+from kvpool.transports import connection
 from kvpool.transports.connection import Connection
 from kvpool.transports.etcd import EtcdClient
 
@@ -41,13 +42,13 @@ pytestmark = pytest.mark.usefixtures("steady_heap")
 def attempts(monkeypatch) -> list[str]:
     """The endpoints the client connects to, one entry a connect."""
     made: list[str] = []
-    connect = pool.connect
+    connect = connection.connect
 
     async def counted_connect(endpoint, **kwargs):
         made.append(endpoint)
         return await connect(endpoint, **kwargs)
 
-    monkeypatch.setattr(pool, "connect", counted_connect)
+    monkeypatch.setattr(connection, "connect", counted_connect)  # what connect_with calls
     return made
 
 

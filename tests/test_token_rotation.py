@@ -13,12 +13,13 @@ import logging
 import os
 import re
 import signal
+import time
 import types
 
 import pytest
 from conftest import wait_until
 
-from kvpool import ErrorCode, Store, limits
+from kvpool import ErrorCode, ReplicateConfig, Store, limits
 from kvpool.config import ClientConfig, token_from, tokens_from
 from kvpool.discovery import LeaderRecord, mark_key
 from kvpool.errors import CoordinationError, InvalidParams, Unauthorized
@@ -199,21 +200,23 @@ def accepts(endpoint: str, token: str) -> bool:
     return asyncio.run(handshake())
 
 
+def rotate(cluster, text: str, count: int) -> None:
+    """Write the cluster's token file, signal every process of it, and wait until each said it
+    took the tokens (`count`: the times it has said so for as many tokens)."""
+    (cluster.workdir / "token").write_text(text)
+    processes = [cluster.master, *cluster.nodes]
+    for process in processes:
+        process.signal(signal.SIGUSR1)
+    said = f"cluster tokens replaced: {len(text.split())} accepted"
+    for process in processes:
+        assert wait_until(lambda: process.log_path.read_text().count(said) == count, 10), process.log_path
+
+
 def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object(make_cluster, request):
     cluster = make_cluster(2, "16MiB", token=OLD)
     servers = [cluster.master_endpoint, *(node.info["endpoint"] for node in cluster.nodes)]
     processes = [cluster.master, *cluster.nodes]
-    token_file = cluster.workdir / "token"
     options = {"shm_enabled": False}  # every read and write through the nodes' TCP handshakes
-
-    def rotate(text: str, count: int) -> None:
-        """Write the file, signal every process, and wait until each said it took the tokens."""
-        token_file.write_text(text)
-        for process in processes:
-            process.signal(signal.SIGUSR1)
-        said = f"cluster tokens replaced: {len(text.split())} accepted"
-        for process in processes:
-            assert wait_until(lambda: process.log_path.read_text().count(said) == count, 10), process.log_path
 
     def put_and_read(token: str, prefix: str, expected: dict[str, bytes]) -> None:
         values = {f"{prefix}/{i}": os.urandom(64 * 1024) for i in range(8)}
@@ -229,7 +232,7 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
     assert not any(accepts(server, NEW) for server in servers)
 
     # 1. The new token accepted everywhere; the old one still what every process connects with.
-    rotate(f"{OLD}\n{NEW}\n", 1)
+    rotate(cluster, f"{OLD}\n{NEW}\n", 1)
     assert all(accepts(server, NEW) for server in servers)
     put_and_read(NEW, "accepted", stored)
     put_and_read(OLD, "still-old", stored)
@@ -241,7 +244,7 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
 
     # 2. The new token first: the master signs grants with it, nodes connect with it; clients
     # still on the old one are served (restart them with the new one meanwhile).
-    rotate(f"{NEW}\n{OLD}\n", 2)
+    rotate(cluster, f"{NEW}\n{OLD}\n", 2)
     put_and_read(OLD, "old-client", stored)  # its grants are the new token's: the nodes take them
     put_and_read(NEW, "first", stored)
 
@@ -250,7 +253,7 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
     # the old token is cut off, connected or not.
     with Store(cluster.master_endpoint, token=OLD, **options) as leaked:
         assert leaked.get_batch(list(stored)) == list(stored.values())  # connected to the master and nodes
-        rotate(f"{NEW}\n", 1)
+        rotate(cluster, f"{NEW}\n", 1)
         with pytest.raises(Unauthorized, match="wrong cluster token"):
             leaked.get_batch(list(stored))
     assert not any(accepts(server, OLD) for server in servers)
@@ -270,6 +273,96 @@ def test_a_token_rotated_in_then_out_with_sigusr1_keeps_every_process_and_object
         riding.put("riding", b"r" * 1000)
         assert riding.get("riding") == b"r" * 1000
     assert all(process.is_alive() for process in processes)  # type: ignore[union-attr]
+
+
+def test_a_store_contributing_a_segment_rides_through_every_step(make_cluster, request):
+    """An engine's connector may contribute a segment of its own (embedded_memory_bytes). Its
+    node took only the token the store connected with: past step 2 (grants signed with the new
+    token) no put could land on a segment of a store opened after step 1, one opened after
+    step 2 refused the clients still on the old token, and at step 3 the first one's node was
+    refused for good, its objects gone from the cluster (review helper-154). It shares the
+    store's keys now, connecting with the next one once refused, as the store does."""
+    cluster = make_cluster(0, token=OLD)  # the stores' segments are the cluster's only ones
+    options = {"shm_enabled": False, "embedded_memory_bytes": 16 * limits.MIB}
+    rotate(cluster, f"{OLD}\n{NEW}\n", 1)
+    early = Store(cluster.master_endpoint, token=OLD, other_tokens=(NEW,), **options)  # opened after step 1
+    request.addfinalizer(early.close)
+    rotate(cluster, f"{NEW}\n{OLD}\n", 2)
+    late = Store(cluster.master_endpoint, token=NEW, other_tokens=(OLD,), **options)  # after step 2
+    request.addfinalizer(late.close)
+    stored: dict[str, bytes] = {}
+    for store in (early, late):  # a put onto each store's own segment, with a grant of the new token
+        segment_id = store.embedded_segment.segment_id  # type: ignore[union-attr]
+        key, value = f"on/{segment_id}", os.urandom(64 * 1024)
+        store.put(key, value, ReplicateConfig(preferred_segments=[segment_id]))
+        stored[key] = value
+    for token in (OLD, NEW):  # clients on either token are served until step 3
+        with Store(cluster.master_endpoint, token=token, shm_enabled=False) as reader:
+            assert reader.get_batch(list(stored)) == list(stored.values()), token
+
+    rotate(cluster, f"{NEW}\n", 1)  # the early store's node and master links proved the old token: closed
+    with Store(cluster.master_endpoint, token=NEW, shm_enabled=False) as reader:
+        segments = sorted(store.embedded_segment.segment_id for store in (early, late))  # type: ignore[union-attr]
+
+        def mounted() -> list[tuple[str, str]]:
+            return sorted((s.segment.segment_id, s.state) for s in reader.cluster_status().segments)
+
+        assert wait_until(lambda: mounted() == [(segment, "active") for segment in segments], 15), mounted()
+        assert reader.get_batch(list(stored)) == list(stored.values())
+    early.put("after", b"a" * 1000)
+    assert early.get("after") == b"a" * 1000
+
+
+def test_a_master_given_new_tokens_while_its_dfs_opens_marks_the_dfs_with_them(tmp_path, monkeypatch):
+    """A SIGUSR1 while a master's start opened its DFS (a share slow to answer) changed the
+    tokens, and the DFS kept the mark of the old first one: the line an operator waits for
+    before step 3 never came, and a master restarted with the new token alone refused the DFS
+    (review helper-154). The server in this process, its DFS a real directory."""
+    from kvpool.config import MasterConfig
+    from kvpool.master import server as master_server
+
+    opened = asyncio.Event()
+    open_dfs = master_server.DfsDirectory.create_or_open
+
+    def slow_open(*args, **kwargs):
+        loop.call_soon_threadsafe(opened.set)
+        time.sleep(0.3)  # the signal comes meanwhile
+        return open_dfs(*args, **kwargs)
+
+    monkeypatch.setattr(master_server.DfsDirectory, "create_or_open", staticmethod(slow_open))
+    new_mark = auth.cluster_mark(auth.cluster_key(NEW))
+
+    async def start_and_rotate() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        master = master_server.MasterServer(
+            MasterConfig(), port=0, token=OLD, accepted_tokens=[NEW], dfs_dir=str(tmp_path), dfs_bytes=64 * limits.MIB
+        )
+        starting = asyncio.create_task(master.start())
+        await opened.wait()
+        master.replace_tokens([NEW, OLD])  # step 2's SIGUSR1, during the start
+        await starting
+        try:
+            async with asyncio.timeout(10):
+                while files.load_identity(tmp_path).owner != new_mark:
+                    await asyncio.sleep(0.05)
+        finally:
+            await master.stop()
+
+    loop: asyncio.AbstractEventLoop | None = None
+    asyncio.run(start_and_rotate())
+
+
+def test_other_tokens_without_a_token_to_connect_with_first_are_refused(monkeypatch) -> None:
+    """They were dropped unsaid, and a cluster with a token then refused a client that sent none."""
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    with pytest.raises(InvalidParams, match="other_tokens without a token"):
+        ClientConfig(other_tokens=(NEW,))
+    with pytest.raises(InvalidParams, match="other_tokens without a token"):
+        ClientConfig(token="", other_tokens=(NEW,))
+    with pytest.raises(InvalidParams, match="empty token"):
+        ClientConfig(token=OLD, other_tokens=("",))
 
 
 def test_a_token_file_that_cannot_be_read_at_sigusr1_leaves_the_tokens_as_they_were(make_cluster):

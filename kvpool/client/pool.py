@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
-from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed, Unauthorized
+from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed
 from kvpool.process import forks
 from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import Message
-from kvpool.transports.connection import Connection, LateReply, OnLanded, ReplySinks, connect
+from kvpool.transports.connection import Connection, LateReply, OnLanded, ReplySinks, connect_with
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -94,19 +94,6 @@ class _ClosedForGood:
             if attempt.cancelled() and self._is_closed and not asyncio.current_task().cancelling():
                 raise StoreClosed("the store was closed during the call") from None
             raise
-
-
-async def connect_with(keys: Keyring, endpoint: str, **options: Any) -> Connection:
-    """connect() with the store's current key, and with its others while a server refuses
-    them as wrong tokens (auth.Keyring: a token rotated)."""
-    for attempt in range(max(1, len(keys))):
-        key = keys.primary
-        try:
-            return await connect(endpoint, key=key, **options)
-        except Unauthorized as exc:
-            if attempt == len(keys) - 1 or not keys.refused(key, exc):
-                raise
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 class PeerPool(_ClosedForGood):

@@ -194,9 +194,13 @@ class AsyncStore:
                     master_endpoint=self.config.master,
                     memory_bytes=self.config.embedded_memory_bytes,
                     token=self.config.token or None,  # "": none
+                    accepted_tokens=self.config.other_tokens,
                     shm_enabled=self.config.shm_enabled,
                     busy_poll_us=0,  # the application's loop: a spinning one would hold the GIL
-                )
+                ),
+                # The store's keys, shared: a token being rotated is accepted and connected with
+                # alike (its master link moves to the next token once refused, as the store does).
+                keyring=self._keys,
             )
             await self._embedded_node.start()
 

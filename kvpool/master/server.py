@@ -280,6 +280,7 @@ class MasterServer:
         self._move_tasks: set[asyncio.Task[None]] = set()
         self._verify_tasks: set[asyncio.Task[None]] = set()  # checks of reported replicas
         self._dfs_mark_task: asyncio.Task[None] | None = None  # replace_tokens's
+        self._dfs_opened_marks: list[str] = []  # the marks the DFS was opened with (start)
         self._is_stopping = False
         self._dfs_dir = dfs_dir
         self._dfs_bytes = dfs_bytes
@@ -346,6 +347,10 @@ class MasterServer:
         if self.http_port is not None:
             self._http, self.http_port = await start_http(self.http_host, self.http_port, self)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
+        if self._dfs is not None and self._keyring.marks() != self._dfs_opened_marks:
+            # Tokens replaced while the DFS opened (a SIGUSR1 during a slow share's start):
+            # replace_tokens left the marking to start(), whose open read the old marks.
+            self._dfs_mark_task = asyncio.get_running_loop().create_task(self._mark_dfs(self._dfs))
         http_host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
         http = f", /metrics on http://{http_host}:{self.http_port}" if self._http is not None else ""
         auth_said = f"on, token mark {self._keyring.first_mark()}" if self._keyring else "off"
@@ -366,8 +371,8 @@ class MasterServer:
         rotating in or out: docs/operations.md "Rotating the token"). Connections whose peer
         proved a token no longer accepted are closed; the DFS's and etcd's marks of the cluster
         follow the first token (retried until they do), so that a master restarted with it
-        alone still finds them its own. Before start() (the signal came early) only the
-        tokens change: start() marks with them.
+        alone still finds them its own. Before start() has started its tick (the signal came
+        early) only the tokens change: start() marks with them.
 
         Raises:
             InvalidParams: no token for a master started with one, or one for a master started
@@ -1065,7 +1070,8 @@ class MasterServer:
 
     async def _open_dfs(self) -> None:
         assert self._dfs_dir
-        mark, *also = self._keyring.marks()
+        self._dfs_opened_marks = self._keyring.marks()
+        mark, *also = self._dfs_opened_marks
         try:
             self._dfs = await asyncio.to_thread(DfsDirectory.create_or_open, self._dfs_dir, self._dfs_bytes, mark, also)
         except InvalidParams as exc:  # named by the setting (the CLI says its flag)

@@ -76,7 +76,7 @@ from kvpool.protocol.messages import (
 from kvpool.transports.connection import (
     Connection,
     Listener,
-    connect,
+    connect_with,
     is_loopback,
     refuse_open_listen,
     start_server,
@@ -142,11 +142,15 @@ class Node:
     MountSegment on the current link.
     """
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, keyring: auth.Keyring | None = None) -> None:
+        """`keyring`: the keys of the client process that embeds this node, shared with it (a
+        Store's, which moves to its next token once a server refuses one), in place of
+        config's tokens."""
         self.config = config
         self.metrics = NodeMetrics()
-        # Connects with the first; its servers accept each (a token rotating: replace_tokens).
-        self._keyring = auth.Keyring.of([config.token, *config.accepted_tokens] if config.token else [])
+        # Connects with the first (the next once refused); its servers accept each (a token
+        # rotating: replace_tokens).
+        self._keyring = keyring or auth.Keyring.of([config.token, *config.accepted_tokens] if config.token else [])
         self._state = NodeState.NEW
         self._segment: Segment | None = None
         self._segment_id = ""
@@ -472,8 +476,8 @@ class Node:
             endpoint = self.config.master_endpoint
             try:
                 endpoint = await resolver.resolve(self.config.connect_timeout_ms)
-                conn = await connect(
-                    endpoint, key=self._keyring.primary, handler=self._master_calls,
+                conn = await connect_with(
+                    self._keyring, endpoint, handler=self._master_calls,
                     timeout_ms=self.config.connect_timeout_ms, name=f"node {self.node_id}",
                     prefer_local=self.config.shm_enabled,
                 )  # fmt: skip

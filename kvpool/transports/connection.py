@@ -40,7 +40,7 @@ import socket
 import sys
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpool import limits
 from kvpool.errors import (
@@ -1287,6 +1287,19 @@ async def connect(
     conn.close("moved to the same-host socket")
     local.peer = f"{endpoint} (same-host socket)"  # what errors name, rather than "local"
     return local
+
+
+async def connect_with(keys: auth.Keyring, endpoint: str, **options: Any) -> Connection:
+    """connect() with the process's current key, and with its others while a server refuses
+    them as wrong tokens (auth.Keyring: a token rotated)."""
+    for attempt in range(max(1, len(keys))):
+        key = keys.primary
+        try:
+            return await connect(endpoint, key=key, **options)
+        except Unauthorized as exc:
+            if attempt == len(keys) - 1 or not keys.refused(key, exc):
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 async def _open(opening: Awaitable[tuple[object, object]], endpoint: str, timeout_ms: int) -> Connection:
