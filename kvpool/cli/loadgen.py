@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     assert 0.0 <= args.put_ratio <= 1.0 and 0 < args.size_min <= args.size_max, args
 
     from kvpool.client.sync import Store
-    from kvpool.config import token_from
+    from kvpool.config import tokens_from
     from kvpool.protocol.messages import ReplicateConfig
 
     stopping = False
@@ -121,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     stats_path = args.out_dir / f"stats-{args.worker_id}.json"
     rng = random.Random(f"{args.run_id}/{args.worker_id}")
     config = ReplicateConfig(replica_num=args.replicas)
+    tokens = tokens_from(None, args.token_file)  # every line: a rotation's next token too
     store = Store(
         args.master,
-        token=token_from(None, args.token_file),
+        token=tokens[0] if tokens else None,
+        other_tokens=tuple(tokens[1:]),
         shm_enabled=bool(args.shm),
         rpc_timeout_ms=args.rpc_timeout_ms,
         connect_timeout_ms=args.connect_timeout_ms,
