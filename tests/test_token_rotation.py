@@ -183,6 +183,42 @@ def test_the_etcd_mark_follows_the_first_token_once_etcd_answers_and_after_a_sec
     asyncio.run(main())
 
 
+def test_a_claim_of_the_older_mark_that_lands_after_a_rotations_claim_is_made_again() -> None:
+    """A master's claim at start with its first token's mark (etcd held another of its tokens'
+    mark: it puts its own back), a rotation's claim beside it: the start's put landed last, and
+    etcd kept the older mark (review helper-154). A claim now sees the tokens replaced during
+    it and claims again with the latest."""
+    old, new = (auth.cluster_mark(auth.cluster_key(t)) for t in (OLD, NEW))
+
+    class HeldPut(_FlakyEtcd):
+        """The first put waits until `released` (a slow answer)."""
+
+        def __init__(self, held: str) -> None:
+            super().__init__(held, failures=0)
+            self.released, self.puts = asyncio.Event(), 0
+
+        async def put(self, key: bytes, value: bytes, *, lease_id: int = 0) -> int:
+            self.puts += 1
+            if self.puts == 1:
+                await self.released.wait()
+            return await super().put(key, value, lease_id=lease_id)
+
+    async def main() -> None:
+        config = ElectionConfig(("127.0.0.1:1",), "rotating", cluster_mark=old, also_marks=(new,))
+        elector = Elector(config, LeaderRecord("127.0.0.1:2", "127.0.0.1:3", "c"), listener=None)  # type: ignore[arg-type]
+        etcd = elector._etcd = HeldPut(new)  # type: ignore[assignment]
+        starting = asyncio.create_task(elector._claim_cluster())  # puts the old mark back: held
+        while not etcd.puts:
+            await asyncio.sleep(0.001)
+        elector.rotate_marks([new, old])  # etcd holds the new one yet: this claim writes nothing
+        await elector._claiming
+        etcd.released.set()
+        await starting
+        assert etcd.held == new
+
+    asyncio.run(main())
+
+
 # --- real processes -------------------------------------------------------------------------------
 
 

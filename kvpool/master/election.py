@@ -310,19 +310,26 @@ class Elector:
         Raises:
             InvalidParams: the cluster's masters have another token.
         """
-        mark, key = self.config.cluster_mark, mark_key(self.config.cluster_id)
-        created, holder, _ = await self._etcd.create(key, mark.encode(), lease_id=0)
-        held = "" if created or holder is None else holder.value.decode(errors="replace")
-        if held and held != mark and held in self.config.also_marks:
-            await self._etcd.put(key, mark.encode())  # the token rotated: the cluster's mark follows
-            log.info("cluster %s on etcd: its mark is now this master's first token's (%s)",
-                     self.config.cluster_id, mark[:8])  # fmt: skip
-        elif held and held != mark:
-            raise InvalidParams(
-                f"cluster {self.config.cluster_id} on etcd has masters with another cluster token: this master "
-                f"will not stand for election (give every master, node and client one token; after changing it, "
-                f"delete the key {mark_key(self.config.cluster_id).decode()} in etcd)"
-            )
+        while True:
+            config = self.config
+            mark, key = config.cluster_mark, mark_key(config.cluster_id)
+            created, holder, _ = await self._etcd.create(key, mark.encode(), lease_id=0)
+            held = "" if created or holder is None else holder.value.decode(errors="replace")
+            if held and held != mark and held in config.also_marks:
+                await self._etcd.put(key, mark.encode())  # the token rotated: the cluster's mark follows
+                log.info("cluster %s on etcd: its mark is now this master's first token's (%s)",
+                         config.cluster_id, mark[:8])  # fmt: skip
+            elif held and held != mark:
+                raise InvalidParams(
+                    f"cluster {config.cluster_id} on etcd has masters with another cluster token: this master "
+                    f"will not stand for election (give every master, node and client one token; after changing "
+                    f"it, delete the key {mark_key(config.cluster_id).decode()} in etcd)"
+                )
+            if self.config is config:
+                break
+            # Tokens replaced meanwhile (rotate_marks): the claim of the latest may have run
+            # beside this one, and this one's put of an older mark landed after it (review
+            # helper-154). Claim again with the latest: the last write is then its mark.
         self._is_of_cluster = True
 
     async def _campaign(self) -> None:
