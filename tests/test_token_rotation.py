@@ -13,8 +13,11 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 from conftest import wait_until
@@ -450,6 +453,41 @@ def test_the_cluster_marks_in_etcd_and_the_dfs_follow_the_first_token(make_clust
     with Store(cluster.master_address, token=OLD) as store:  # the old token is still accepted
         store.put("still", b"s" * 100)
         assert store.get("still") == b"s" * 100
+
+
+def test_sigusr1_while_the_command_starts_does_not_end_it(tmp_path) -> None:
+    """SIGUSR1's default ends a process: one sent to every kvpool process of a host in a
+    rotation killed a master or node whose modules were still loading, before it took the
+    signal (review helper-154). The `kvpool` command ignores it from its first line until the
+    server takes it; /proc says when it does."""
+    log_path = tmp_path / "master.log"
+    with log_path.open("w") as log:
+        master = subprocess.Popen(
+            [sys.executable, "-c", "from kvpool.cli import main; main()", "master", "--port", "0", "--http-port", "0"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        def sigusr1_is(mask: str) -> bool:  # "SigIgn": ignored, "SigCgt": a handler's
+            status = Path(f"/proc/{master.pid}/status").read_text()
+            bits = int(re.search(rf"^{mask}:\s*([0-9a-f]+)$", status, re.M).group(1), 16)  # type: ignore[union-attr]
+            return bool(bits & (1 << (signal.SIGUSR1 - 1)))
+
+        # From the command's first line (its modules take 0.1-0.5 s to load) until the server's
+        # handler: looked at every millisecond, the ignored state is seen before the handler.
+        deadline = time.monotonic() + 10
+        while not sigusr1_is("SigIgn"):
+            assert not sigusr1_is("SigCgt") and time.monotonic() < deadline, "SIGUSR1 was never ignored"
+            time.sleep(0.001)
+        while "master listening on" not in log_path.read_text():  # signalled all through its start
+            assert master.poll() is None, log_path.read_text()
+            master.send_signal(signal.SIGUSR1)
+            time.sleep(0.005)
+        master.send_signal(signal.SIGUSR1)  # once it serves, the server's to take
+        assert wait_until(lambda: "SIGUSR1 reads the token file again" in log_path.read_text(), 10)
+        assert master.poll() is None
+    finally:
+        master.terminate()
+        master.wait(10)
 
 
 def test_sigusr1_without_a_token_file_says_so_and_changes_nothing(make_cluster):
