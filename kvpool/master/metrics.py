@@ -56,7 +56,7 @@ COUNTER_HELP = {
     "evictions": "Objects evicted.",
     "evicted_bytes": "Footprint freed by evictions, every replica.",
     "removes": "Objects removed.",
-    "lost": "Objects lost with their last segment.",
+    "lost": "Objects lost with their last segment (not those of a node restarting with --keep-ms).",
     "bad_replicas": "Replicas dropped because a check confirmed bad bytes.",
     "errors": "Failed requests and per-key failures.",
     "put_room_rounds": "Rounds puts waited for eviction to make room.",

@@ -261,7 +261,8 @@ class MountFlow:
         lost_keys = [key for key, _ in lost]
         self._table.remove_many(lost_keys)
         self._tiers.promotions.forget_many(lost_keys)
-        self._counters.lost += len(lost)
+        if not segment.is_kept:  # a node restarting with its DRAM (--keep-ms) brings them back
+            self._counters.lost += len(lost)
         for key, meta in kept:
             meta.set_replicas([r for r in meta.replica_tuple() if replica_segment_index(r) != index])
             self._tiers.place(key, meta)

@@ -436,6 +436,7 @@ class MasterService:
                  ", kept for its restart" if msg.is_kept else "")  # fmt: skip
         # A DRAM segment's file goes with its node, unless the node keeps it for its restart:
         # then what it held is left behind for its return (mounts.py, tombstones.py).
+        segment.is_kept = msg.is_kept  # its objects are not counted lost then: they come back
         self._mounts.leave(segment, for_good=segment.tier == TIER_DRAM and not msg.is_kept)
         return OkReply()
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from kvpool import limits
 from kvpool.checksums import checksums_of
+from kvpool.config import exact_size
 from kvpool.errors import InvalidParams, SegmentNotFound, map_exceptions
 from kvpool.protocol.messages import InventoryEntry
 
@@ -189,11 +190,11 @@ class Segment:
         next start.
 
         Returns None when there is none to take; a kept file that cannot be (its deadline
-        passed, another capacity asked for, its record missing or unreadable) is removed,
-        and the log says why.
+        passed, its record missing or unreadable) is removed, and the log says why.
 
         Raises:
-            InvalidParams: the file is held by a running node (another with this name).
+            InvalidParams: the file is held by a running node (another with this name), or
+                another capacity is asked for (the file and its record stay).
         """
         path = Path(directory) / f"{SEGMENT_FILE_PREFIX}{name}{SEGMENT_FILE_SUFFIX}"
         kept = _kept_path(path)
@@ -223,7 +224,14 @@ class Segment:
                     kept_capacity = _HEADER.unpack(header)[3]
                     asked = _file_size(os.statvfs(directory), capacity_bytes) - limits.SEGMENT_HEADER_SIZE_BYTES
                     if kept_capacity != asked:
-                        problem = f"it holds {kept_capacity} bytes, {asked} asked for"
+                        # Refused, not removed: a mistyped size would lose every object kept for
+                        # this restart, and cannot be undone (walk-through helper-155).
+                        raise InvalidParams(
+                            f"the segment kept for this node's restart ({path}, {len(entries)} objects) holds "
+                            f"{exact_size(kept_capacity)}, memory_bytes asks for {exact_size(asked)}: start with "
+                            f"the kept size to serve its objects again, or remove {path} and {kept} to start "
+                            "without them"
+                        )
                 if problem == _NO_RECORD:  # a node of this name killed: nothing was kept
                     log.info("removed the segment file %s a node of this name left (%s)", path, problem)
                 elif problem:
