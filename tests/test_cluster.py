@@ -296,6 +296,10 @@ def test_the_masters_http_port_changes_nothing(make_cluster):
             urllib.request.urlopen(drain, timeout=5)
         assert refused.value.code in (404, 405)
         assert [s.state for s in store.cluster_status().segments] == ["active"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/status", timeout=5) as response:
+        status = json.loads(response.read())
+    assert status["role"] == "single" and len(status["segments"]) == 1  # a standby's says so
+    assert master_metrics(cluster)["kvpool_master_objects"] == 0
 
 
 def test_a_node_stopped_with_a_drain_serves_its_objects_takes_no_new_ones_then_leaves(make_cluster):

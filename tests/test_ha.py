@@ -316,6 +316,14 @@ def test_one_leader_standby_refuses_and_takes_over_when_the_leader_stops(etcd_en
         await second.start()
         await _wait_for(lambda: second.elector.leader is not None)
         assert second.role == "standby"
+
+        def role_of(master) -> str:  # what /metrics says: a standby's empty figures read as its
+            samples = {role: master.metrics.registry.get_sample_value("kvpool_master_role", {"role": role})
+                       for role in ("single", "leader", "recovering", "standby")}  # fmt: skip
+            (role,) = [role for role, value in samples.items() if value == 1]
+            return role
+
+        assert (role_of(first), role_of(second)) == ("leader", "standby")
         address = f"etcd://{etcd_endpoint}/{cluster_id}"
         node = Node(NodeConfig(master_endpoint=address, memory_bytes=8 << 20))
         await node.start()
@@ -332,6 +340,7 @@ def test_one_leader_standby_refuses_and_takes_over_when_the_leader_stops(etcd_en
                 started = time.monotonic()
                 await _wait_for(lambda: second.role == "leader", 15.0)
                 assert time.monotonic() - started < 15.0  # against the 30 s the lease had left
+                assert role_of(second) == "leader"
                 # The node re-mounts by itself; the store finds the new leader by itself.
                 await _wait_for(lambda: second.service.object_count == 1, 5.0)
                 assert await store.get("k") == b"v" * 1000

@@ -4,7 +4,8 @@ The service keeps plain integer counters (no prometheus calls on the hot path); 
 reads them at scrape time, with per-segment gauges from the service's cluster status. Each
 master has its own registry, so several masters (tests, HA) can share a process.
 
-Metric names (prefix kvpool_master_): objects, pending_puts, tombstones, requests_total{kind},
+Metric names (prefix kvpool_master_): role{role} (1 for the master's role: single, leader,
+recovering, standby; a standby's other figures are empty), objects, pending_puts, tombstones, requests_total{kind},
 puts_total, put_bytes_total, gets_total, hits_total, misses_total, evictions_total,
 evicted_bytes_total, removes_total, errors_total, put_room_rounds_total,
 leases_released_total, refused_returns_total, per segment
@@ -28,7 +29,7 @@ the default eviction policy policy_objects{set} (probation, protected) and readm
 from __future__ import annotations
 
 from collections import Counter as CountByName
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -65,13 +66,16 @@ COUNTER_HELP = {
     "refused_returns": "Objects a node mounted again that were removed or evicted while it was away: refused.",
 }
 COUNTER_NAMES = tuple(COUNTER_HELP)
+# MasterServer.role's answers: no election, leading, leading before its nodes came back, not leading.
+ROLES = ("single", "leader", "recovering", "standby")
 
 
 class MasterMetrics(Collector):
     """Reads the service's counters when Prometheus scrapes."""
 
-    def __init__(self, service: MasterService) -> None:
+    def __init__(self, service: MasterService, role: Callable[[], str] = lambda: "single") -> None:
         self._service = service
+        self._role = role  # the master's (MasterServer.role): a standby's figures are empty
         self.busy_poll: BusyPoll | None = None  # the listener's, once serving
         self.requests: CountByName[str] = CountByName()
         self.registry = CollectorRegistry(auto_describe=False)
@@ -81,6 +85,12 @@ class MasterMetrics(Collector):
         self.requests[kind] += 1
 
     def collect(self) -> Iterator[Any]:
+        # A standby knows nothing of the cluster: its zeros must not read as a leader that lost
+        # every node (an alert on objects == 0 fired on it: walk-through helper-155).
+        role, current = GaugeMetricFamily(_PREFIX + "role", "1 for this master's role.", labels=["role"]), self._role()
+        for name in ROLES:
+            role.add_metric([name], float(name == current))
+        yield role
         status = self._service.cluster_status(ClusterStatus(), 0)
         yield GaugeMetricFamily(_PREFIX + "objects", "Complete objects.", value=status.object_count)
         yield GaugeMetricFamily(
@@ -223,7 +233,7 @@ async def start_http(host: str, port: int, server: MasterServer) -> tuple[web.Ap
 
     async def status(_request: web.Request) -> web.Response:
         reply = server.service.cluster_status(ClusterStatus(), 0)
-        return web.json_response(reply.to_dict())
+        return web.json_response({**reply.to_dict(), "role": server.role})  # a standby's: empty
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

@@ -257,7 +257,7 @@ class MasterServer:
         self.service = MasterService(
             config, random.Random(seed), self._keyring.primary, term=_new_term_id(), local_clock=True
         )
-        self.metrics = MasterMetrics(self.service)
+        self.metrics = MasterMetrics(self.service, lambda: self.role)
         self.advertise_host = advertise_host
         self._election = election
         self.elector: Elector | None = None
@@ -1381,7 +1381,7 @@ class MasterServer:
         self.service = MasterService(self.config, random.Random(self._seed), self._keyring.primary, term=_new_term_id(),
                                     local_clock=True)
         busy_poll = self.metrics.busy_poll  # the listener's, set once at start: it outlives terms
-        self.metrics = MasterMetrics(self.service)
+        self.metrics = MasterMetrics(self.service, lambda: self.role)
         self.metrics.busy_poll = busy_poll
         self._node_links = {}
         self._unsent_drops = {}
