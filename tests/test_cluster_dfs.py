@@ -65,6 +65,9 @@ def test_dfs_objects_outlive_every_node_and_a_master_restart(make_cluster, tmp_p
     missed = kvpool_cli("get", first, "--master", cluster.master_endpoint)
     assert missed.returncode == 3
     assert "kept only on the DFS tier, which no node serves: give --dfs-dir" in " ".join(missed.stderr.decode().split())
+    elsewhere = kvpool_cli("get", first, "--master", cluster.master_endpoint, "--dfs-dir", str(tmp_path))  # its parent
+    assert elsewhere.returncode == 3
+    assert f"which --dfs-dir {tmp_path} does not hold" in " ".join(elsewhere.stderr.decode().split())
     with Store(cluster.master_endpoint, shm_enabled=False) as outsider:
         assert outsider.get(first) is None
     cluster.master.kill()

@@ -1018,6 +1018,7 @@ def get(
     """Fetch an object. Exit status 3 when there is none to read (a miss: not found, or no
     replica readable), 1 when the command failed (the master unreachable), 2 on a usage error."""
     from kvpool.protocol.messages import TIER_DFS
+    from kvpool.transports.dfs import DfsDirectory
 
     _check_key("get", key)
     shown = _shown(key)
@@ -1025,10 +1026,17 @@ def get(
         data = store.get(key)
         if data is None:  # a miss: say which kind
             (replicas,) = store.query([key]).replicas
-            tiers = {s.segment.segment_id: s.segment.tier for s in store.cluster_status().segments}
-            if not dfs_dir and replicas and all(tiers.get(r.segment_id) == TIER_DFS for r in replicas):
-                raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir",
-                            code=EXIT_NOT_FOUND)  # fmt: skip
+            segments = {s.segment.segment_id: s.segment for s in store.cluster_status().segments}
+            dfs_only = [segments[r.segment_id] for r in replicas if r.segment_id in segments]
+            if replicas and len(dfs_only) == len(replicas) and all(s.tier == TIER_DFS for s in dfs_only):
+                if not dfs_dir:
+                    raise _fail(f"{shown}: kept only on the DFS tier, which no node serves: give --dfs-dir",
+                                code=EXIT_NOT_FOUND)  # fmt: skip
+                if not DfsDirectory(str(dfs_dir)).has_token(dfs_only[0].shm_token):
+                    # It blamed the nodes (walk-through helper-155): the directory is the wrong one.
+                    raise _fail(f"{shown}: kept only on the DFS tier, which --dfs-dir {dfs_dir} does not hold (no "
+                                f"kvpool-tier.json of this cluster's DFS there: give the directory the master's "
+                                f"--dfs-dir names, as this host mounts it)", code=EXIT_NOT_FOUND)  # fmt: skip
             if replicas:
                 raise _fail(f"{shown}: stored, but no replica could be read (its nodes: down, not answering, "
                             f"or bad bytes; `kvpool stat {shown}` shows where it lives)",
