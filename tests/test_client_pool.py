@@ -132,6 +132,26 @@ def test_concurrent_calls_to_a_frozen_leader_named_by_etcd_each_keep_their_bound
     assert max(took_s) < (CONNECT_TIMEOUT_MS + RPC_TIMEOUT_MS) / 1000 + SLACK_S, took_s
 
 
+def test_a_call_whose_bound_ends_while_etcd_does_not_answer_says_so():
+    """It said "no connection to the master ... within the call's bound", and nothing of etcd,
+    which the node's log and the master's /health named (walk-through helper-155). An etcd
+    that takes connections and never answers (frozen: SIGSTOP)."""
+    with _frozen_master() as frozen_etcd:
+        etcd = f"127.0.0.1:{frozen_etcd.getsockname()[1]}"
+        link = MasterLink(f"etcd://{etcd}/c", Keyring(), CONNECT_TIMEOUT_MS, RPC_TIMEOUT_MS, prefer_local=False)
+
+        async def call() -> str:
+            try:
+                with pytest.raises((ConnectFailed, RpcTimeout)) as failed:  # the latter: no time to try again
+                    await link.call(ExistKeys(["k"]), is_idempotent=True)
+                return str(failed.value)
+            finally:
+                link.close()
+
+        said = uvloop.run(call())
+    assert f"etcd {etcd} did not answer" in said, said
+
+
 class _RecordingConnection:
     """A master connection that records what it is asked (a unit test of MasterLink alone)."""
 

@@ -20,7 +20,15 @@ from typing import Any, TypeVar
 
 from kvpool import limits
 from kvpool.discovery import MasterResolver
-from kvpool.errors import ConnectFailed, InvalidRequest, NotLeader, RpcFailed, RpcTimeout, StoreClosed
+from kvpool.errors import (
+    ConnectFailed,
+    InvalidRequest,
+    KVPoolError,
+    NotLeader,
+    RpcFailed,
+    RpcTimeout,
+    StoreClosed,
+)
 from kvpool.process import forks
 from kvpool.protocol.auth import Keyring
 from kvpool.protocol.messages import Message
@@ -228,6 +236,9 @@ class MasterLink(_ClosedForGood):
         # connection. Calls used to queue on a lock and each redo both: the Nth call to a
         # master that accepts TCP but does not answer took N connect timeouts.
         self._opening: asyncio.Task[Connection] | None = None
+        # The last look-up and connect's error, until one succeeds: a call whose bound ends
+        # while the next attempt waits says it (it said only "no connection").
+        self._open_failure: KVPoolError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first call: the link's
 
     def __repr__(self) -> str:
@@ -273,21 +284,29 @@ class MasterLink(_ClosedForGood):
         if opening is None or opening.done():
             opening = self._opening = self._shared_attempt(self._open(), "kvpool master connect")
         too_late = f"no connection to the master {self.endpoint} within the call's bound"
+        if self._open_failure is not None:  # what stands in the way (etcd not answering, say)
+            too_late += f" (the last attempt: {type(self._open_failure).__name__}: {self._open_failure})"
         return await self._wait_for(opening, deadline - time.monotonic(), too_late)
 
     async def _open(self) -> Connection:
         """Look the master up and connect, within connect_timeout_ms in all; the link's
         connection from then on."""
         deadline = time.monotonic() + self._connect_timeout_ms / 1000
-        endpoint = await self._resolver.resolve(self._connect_timeout_ms)
-        old = self._conn
-        if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
-            self._is_stale = False  # Still the leader: other calls keep their connection.
-            return old
-        timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        conn = self._kept(await connect_with(
-            self._keys, endpoint, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
-        ))  # fmt: skip
+        try:
+            endpoint = await self._resolver.resolve(self._connect_timeout_ms)
+            old = self._conn
+            if old is not None and not old.is_closed() and endpoint == self._conn_endpoint:
+                self._is_stale = False  # Still the leader: other calls keep their connection.
+                self._open_failure = None
+                return old
+            timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            conn = self._kept(await connect_with(
+                self._keys, endpoint, timeout_ms=timeout_ms, name="master", prefer_local=self._prefer_local
+            ))  # fmt: skip
+        except KVPoolError as exc:
+            self._open_failure = exc
+            raise
+        self._open_failure = None
         if old is not None:
             old.close("the master moved")
         self._conn, self._conn_endpoint, self._is_stale = conn, endpoint, False
