@@ -430,6 +430,11 @@ def test_a_put_refused_for_want_of_a_segment_says_so(make_cluster):
     cluster = make_cluster(0)
     refused = kvpool_cli("put", "k", "--master", cluster.master_endpoint, stdin=b"v")
     assert_one_error_line(refused, "no segment takes puts now (segments: none mounted)")
+    # ls and stat answer, exit 0, and say why nothing is listed: a master that just started lists
+    # nothing until its nodes mount again, and a script took that for an empty cache (helper-155).
+    for args in (("ls",), ("stat",)):
+        shown = kvpool_cli(*args, "--master", cluster.master_endpoint)
+        assert shown.returncode == 0 and b"no segment is mounted" in shown.stderr, shown.stderr
 
 
 def test_a_put_refused_while_a_master_took_its_nodes_back_says_to_try_again():

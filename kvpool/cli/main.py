@@ -1142,12 +1142,20 @@ def ls(
     _check_pattern("PATTERN", pattern)
     with _connected("ls", master, token_file, timeout_s=timeout) as store:
         reply = store.list_objects(pattern, limit)
+        if not reply.keys and not store.cluster_status().segments:
+            err_console.print(_NO_SEGMENT_YET)  # a script must not take it for an empty cache
     with _writing_stdout():
         # Plain writes: a rich console folds a long key onto a second line.
         for key, size in zip(reply.keys, reply.sizes):
             sys.stdout.write(f"{size:>12}  {_shown(key)}\n")
     if reply.truncated:
         err_console.print(f"(first {limit} shown)")
+
+
+# A master that just started knows what its nodes hold only once they mounted again (within a
+# few seconds): until then it lists nothing (walk-through helper-155).
+_NO_SEGMENT_YET = ("(no segment is mounted: no node runs, or the master just started and its nodes are "
+                   "mounting again, within seconds)")
 
 
 @app.command(epilog=EXIT_STATUSES_HELP, short_help="Show the segments and their usage, or where objects live.")
@@ -1166,6 +1174,8 @@ def stat(
             reply = store.query(keys)
         else:
             status = store.cluster_status()
+            if not status.segments:
+                err_console.print(_NO_SEGMENT_YET)
     out = _table_console()
     with _writing_stdout():
         if keys:
