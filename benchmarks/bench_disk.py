@@ -241,6 +241,8 @@ def main() -> None:
     total, object_size = parse_size(args.total), parse_size(args.object_size)
     count = total // object_size
     total = count * object_size
+    if args.dir and not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir}: no such directory (give one on the filesystem to measure)")
     base = Path(tempfile.mkdtemp(prefix="kvpool-bench-disk-", dir=args.dir or None))
     plain_path = base / "plain.bin"
     disk_dir = base / "disk"
