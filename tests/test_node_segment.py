@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from conftest import dead_segment_owner
 
 from kvpool import limits
 from kvpool.errors import InvalidParams, SegmentNotFound
-from kvpool.node.segment import Segment, remove_stale_segments
+from kvpool.node.segment import MEMORY_FILESYSTEMS, Segment, filesystem_type, remove_stale_segments
 
 HUGE_PAGE_SIZE_BYTES = 2 * limits.MIB
 
@@ -188,3 +189,12 @@ def test_a_sweep_never_removes_the_file_of_a_node_that_restarted_under_it(tmp_pa
         monkeypatch.undo()
         for segment in restarted:
             segment.close()
+
+
+def test_the_filesystem_under_a_segment_directory_is_told_as_df_tells_it(tmp_path):
+    """A node warns when its --shm-dir is on a disk (the kernel writes the segment back to it):
+    the type is the mount table's, as df reads it."""
+    for directory in ("/dev/shm", str(tmp_path)):
+        shown = subprocess.run(["df", "--output=fstype", directory], capture_output=True, text=True, check=True)
+        assert filesystem_type(directory) == shown.stdout.split()[-1], directory
+    assert filesystem_type("/dev/shm") in MEMORY_FILESYSTEMS

@@ -383,6 +383,30 @@ class Segment:
         del pages
 
 
+# Filesystems whose files live in memory alone: a segment elsewhere is written back to a disk.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs", "ramfs"})
+
+
+def filesystem_type(directory: str) -> str:
+    """The type of the filesystem `directory` is on ("tmpfs", "ext4", ...), from the mount
+    table: the mount point that holds it most closely. "" when it cannot be told."""
+    path = os.path.realpath(directory)
+    best, best_type = "", ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, best_type = point, fields[2]
+    except OSError:
+        return ""
+    return best_type
+
+
 def _block_size(filesystem: os.statvfs_result) -> int:
     # hugetlbfs reports its huge page size here and refuses a file size that is not a
     # multiple of it (ftruncate: EINVAL); tmpfs reports the base page size.
