@@ -75,6 +75,8 @@ def test_a_settings_file_that_cannot_be_right_is_a_usage_error_naming_it(tmp_pat
         "an empty path": ('[node]\ndisk-dir = ""\n', "empty (remove the line", ("node",)),
         "a setting twice": ('[node]\ndisk-dir = "/a"\ndisk_dir = "/b"\n', "sets 'disk_dir' twice", ("node",)),
         "an array of tables": ("[[master]]\nport = 1\n", "[[master]] is an array of tables", both),
+        # The node ran on its defaults without a word (walk-through helper-155).
+        "no table for the command": ("[master]\nport = 50299\n", "has no [node] table", ("node",)),
         # It said "eviction policy 'fifo' not one of [...]", exit status 1, naming neither (helper-147).
         "a choice not offered": ('[master]\neviction-policy = "fifo"\n',
                                  "[master] eviction-policy = 'fifo': Value error, 'fifo' is not one of 'probation', "

@@ -48,7 +48,7 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
     Raises:
         typer.BadParameter: the file cannot be read or is not TOML; it holds a setting the
             command does not have (or twice), a value of a kind or range the option refuses,
-            a table no command reads, or a key outside a table.
+            a table no command reads, a key outside a table, or no table for this command.
     """
     if path is None or ctx.resilient_parsing:
         return path
@@ -70,6 +70,8 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
         if name not in COMMANDS:
             raise typer.BadParameter(f"{path}: no command reads [{name}] (the tables are {tables_named})")
     command = ctx.info_name or ""
+    if command not in tables:  # it ran on defaults without a word (walk-through helper-155)
+        raise typer.BadParameter(f"{path} has no [{command}] table: nothing in it is for `kvpool {command}`")
     options = {option.name: option for option in ctx.command.params if option.name != param.name}
     defaults: dict[str, object] = {}
     for key, value in tables.get(command, {}).items():
