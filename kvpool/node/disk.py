@@ -122,8 +122,9 @@ class DiskTier:
             elif identity.tier != TIER_DISK:
                 raise InvalidParams(f"{path} is a {identity.tier} tier, not a disk tier")
             elif capacity_bytes and identity.capacity_bytes != capacity_bytes:
-                log.warning("disk tier %s keeps its capacity of %d bytes (asked: %d)", path,
-                            identity.capacity_bytes, capacity_bytes)  # fmt: skip
+                log.warning("disk tier %s keeps its capacity of %d bytes (asked: %d): a tier's size is fixed when "
+                            "it is made; to resize it, start the node on an empty directory (its objects go: "
+                            "docs/tiers.md \"Operating\")", path, identity.capacity_bytes, capacity_bytes)  # fmt: skip
             tier = cls(path, identity, lock_fd, is_durable)
             tier._adopt_files()
         except BaseException:
