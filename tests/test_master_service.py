@@ -1675,6 +1675,34 @@ def test_a_drain_that_ends_before_its_kept_segments_unmount_still_refuses_what_w
     assert [entry.key for entry in rejected] == (["gone"] if is_kept else [])
 
 
+@pytest.mark.parametrize("comes_back", ["with-its-file", "never", "with-another-file"])
+def test_objects_of_a_kept_segment_count_lost_only_if_its_node_does_not_bring_them_back(comes_back):
+    """kvpool_master_lost_total rose at every restart of a node with --keep-ms, whose objects
+    come back with it (walk-through helper-155); taken on the node's word alone, it then missed
+    those of a node killed before it kept them, or never started again (review helper-156)."""
+    svc = make(node_ttl_ms=3 * limits.TOMBSTONE_DRAM_TTL_MS)  # no heartbeats here: none goes silent past it
+    mount(svc, "s1")
+    put(svc, ["a", "b"])
+    entries = inventories(svc)["s1"]
+    svc.unmount_segment(UnmountSegment("s1", True), 1_000)
+    svc.tick(1_000)
+    assert svc.counters.lost == 0  # away, not lost
+    if comes_back == "with-its-file":
+        mount(svc, "s1", 2_000, inventory=entries)
+        svc.tick(1_000 + limits.TOMBSTONE_DRAM_TTL_MS + 1)
+        assert svc.counters.lost == 0 and exists(svc, ["a", "b"]) == [True, True]
+    elif comes_back == "never":
+        svc.tick(1_000 + limits.TOMBSTONE_DRAM_TTL_MS - 1)
+        assert svc.counters.lost == 0
+        svc.tick(1_000 + limits.TOMBSTONE_DRAM_TTL_MS)
+        assert svc.counters.lost == 2
+    else:  # the same id, another file: what was kept is not there
+        mount(svc, "s1", 2_000, token=b"t-another-file")
+        assert svc.counters.lost == 2
+    svc.tick(2 * limits.TOMBSTONE_DRAM_TTL_MS)
+    assert svc.counters.lost == (0 if comes_back == "with-its-file" else 2)  # once
+
+
 def quarantined(svc, segment_id: str) -> int:
     return next(c.quarantined_bytes for c in svc.segment_counters() if c.segment_id == segment_id)
 

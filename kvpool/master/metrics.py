@@ -57,7 +57,7 @@ COUNTER_HELP = {
     "evictions": "Objects evicted.",
     "evicted_bytes": "Footprint freed by evictions, every replica.",
     "removes": "Objects removed.",
-    "lost": "Objects lost with their last segment (not those of a node restarting with --keep-ms).",
+    "lost": "Objects lost with their last segment (a kept one's once its node did not bring it back).",
     "bad_replicas": "Replicas dropped because a check confirmed bad bytes.",
     "errors": "Failed requests and per-key failures.",
     "put_room_rounds": "Rounds puts waited for eviction to make room.",

@@ -65,7 +65,7 @@ class MountFlow:
     """Adopts inventories and unmounts segments over the master's shared structures."""
 
     __slots__ = ("_counters", "_registry", "_table", "_tiers", "_tombstones", "_sweeps", "_quarantine",
-                 "_release_timeout_ms", "_fences")  # fmt: skip
+                 "_release_timeout_ms", "_fences", "_away")  # fmt: skip
 
     def __init__(
         self,
@@ -87,6 +87,10 @@ class MountFlow:
         self._release_timeout_ms = release_timeout_ms
         # segment id -> (its file's token, [(offset, size, release_ms)]): `fences`.
         self._fences: dict[str, tuple[bytes, dict[int, tuple[int, int]]]] = {}
+        # segment id -> (its file's token, objects it went with alone, when they count as lost
+        # (0: not set yet)): a node that keeps its segment for its restart brings them back, and
+        # they are counted lost only if it does not come back with that file (`_count_away`).
+        self._away: dict[str, tuple[bytes, int, int]] = {}
 
     @property
     def is_sweeping(self) -> bool:
@@ -261,7 +265,10 @@ class MountFlow:
         lost_keys = [key for key, _ in lost]
         self._table.remove_many(lost_keys)
         self._tiers.promotions.forget_many(lost_keys)
-        if not segment.is_kept:  # a node restarting with its DRAM (--keep-ms) brings them back
+        if segment.is_kept and lost:  # a node restarting with its DRAM (--keep-ms) brings them back
+            token, count, _ = self._away.get(segment.segment_id, (segment.info.shm_token, 0, 0))
+            self._away[segment.segment_id] = (token, count + len(lost), 0)
+        else:
             self._counters.lost += len(lost)
         for key, meta in kept:
             meta.set_replicas([r for r in meta.replica_tuple() if replica_segment_index(r) != index])
@@ -346,6 +353,9 @@ class MountFlow:
     def fence(self, segment: Segment, now_ms: int) -> None:
         """Quarantine in a segment mounting anew (a new allocator) the ranges `_keep_fences`
         kept of it, until their release times, when it mounts with the same file (token)."""
+        token, count, _ = self._away.pop(segment.segment_id, (b"", 0, 0))
+        if token != segment.info.shm_token:  # not the file it kept: what it went with is lost
+            self._counters.lost += count
         token, fences = self._fences.pop(segment.segment_id, (b"", {}))
         if token != segment.info.shm_token:
             return
@@ -355,10 +365,19 @@ class MountFlow:
 
     def forget_fences(self, now_ms: int) -> None:
         """Forget the fences all of whose ranges are released by `now_ms` (a segment that never
-        mounted again)."""
+        mounted again), and count lost the objects of a kept segment that did not come back
+        while its tombstones last (past the longest keep, limits.KEEP_MS_MAX: its node was
+        killed before it kept it, or never started again): the node said it would keep them,
+        and may not have (review helper-156)."""
         for segment_id, (_, fences) in list(self._fences.items()):
             if all(release_ms <= now_ms for _, release_ms in fences.values()):
                 del self._fences[segment_id]
+        for segment_id, (token, count, lost_at_ms) in list(self._away.items()):
+            if not lost_at_ms:  # the first tick since it went
+                self._away[segment_id] = (token, count, now_ms + limits.TOMBSTONE_DRAM_TTL_MS)
+            elif now_ms >= lost_at_ms:
+                del self._away[segment_id]
+                self._counters.lost += count
 
 
 def _tombstone_ttl_ms(segment: Segment) -> int:
