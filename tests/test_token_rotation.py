@@ -455,17 +455,19 @@ def test_the_cluster_marks_in_etcd_and_the_dfs_follow_the_first_token(make_clust
         assert store.get("still") == b"s" * 100
 
 
-def test_sigusr1_while_the_command_starts_does_not_end_it(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "command", [("-c", "from kvpool.cli import main; main()"), ("-m", "kvpool.cli.main")], ids=["kvpool", "python-m"]
+)
+def test_sigusr1_while_the_command_starts_does_not_end_it(tmp_path, command) -> None:
     """SIGUSR1's default ends a process: one sent to every kvpool process of a host in a
     rotation killed a master or node whose modules were still loading, before it took the
-    signal (review helper-154). The `kvpool` command ignores it from its first line until the
+    signal (review helper-154). The `kvpool` command (and `python -m kvpool.cli.main`, as
+    LocalCluster starts servers: review helper-156) ignores it from its first lines until the
     server takes it; /proc says when it does."""
     log_path = tmp_path / "master.log"
     with log_path.open("w") as log:
-        master = subprocess.Popen(
-            [sys.executable, "-c", "from kvpool.cli import main; main()", "master", "--port", "0", "--http-port", "0"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        args = [sys.executable, *command, "master", "--port", "0", "--http-port", "0"]
+        master = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
         def sigusr1_is(mask: str) -> bool:  # "SigIgn": ignored, "SigCgt": a handler's
             status = Path(f"/proc/{master.pid}/status").read_text()

@@ -7,6 +7,11 @@ Object commands talk to a running cluster through the sync `Store`.
 
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":  # `python -m kvpool.cli.main` (as LocalCluster starts servers): see kvpool.cli.main
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
 import asyncio
 import contextlib
 import errno
@@ -16,7 +21,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import sys
 import unicodedata
