@@ -20,7 +20,7 @@ from conftest import dead_segment_owner
 
 from kvpool import limits
 from kvpool.errors import InvalidParams, SegmentNotFound
-from kvpool.node.segment import MEMORY_FILESYSTEMS, Segment, filesystem_type, remove_stale_segments
+from kvpool.node.segment import MEMORY_FILESYSTEM_MAGICS, Segment, filesystem_magic, remove_stale_segments
 
 HUGE_PAGE_SIZE_BYTES = 2 * limits.MIB
 
@@ -191,10 +191,11 @@ def test_a_sweep_never_removes_the_file_of_a_node_that_restarted_under_it(tmp_pa
             segment.close()
 
 
-def test_the_filesystem_under_a_segment_directory_is_told_as_df_tells_it(tmp_path):
-    """A node warns when its --shm-dir is on a disk (the kernel writes the segment back to it):
-    the type is the mount table's, as df reads it."""
+def test_the_filesystem_under_a_segment_directory_is_told_as_stat_tells_it(tmp_path):
+    """A node warns when its --shm-dir is not in memory (the kernel writes the segment back to
+    a disk): the kernel's statfs type of the directory itself, as `stat -f` reads it."""
     for directory in ("/dev/shm", str(tmp_path)):
-        shown = subprocess.run(["df", "--output=fstype", directory], capture_output=True, text=True, check=True)
-        assert filesystem_type(directory) == shown.stdout.split()[-1], directory
-    assert filesystem_type("/dev/shm") in MEMORY_FILESYSTEMS
+        shown = subprocess.run(["stat", "-f", "-c", "%t", directory], capture_output=True, text=True, check=True)
+        assert filesystem_magic(directory) == int(shown.stdout, 16), directory
+    assert filesystem_magic("/dev/shm") in MEMORY_FILESYSTEM_MAGICS
+    assert filesystem_magic(str(tmp_path / "absent")) is None

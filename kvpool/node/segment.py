@@ -23,6 +23,7 @@ deadline the stale-file sweep leaves a kept file alone; after it, the file and i
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -383,28 +384,20 @@ class Segment:
         del pages
 
 
-# Filesystems whose files live in memory alone: a segment elsewhere is written back to a disk.
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs", "ramfs"})
+# statfs(2) f_type of the filesystems whose files live in memory alone (linux/magic.h: tmpfs,
+# hugetlbfs, ramfs): a segment elsewhere is written back to a disk.
+MEMORY_FILESYSTEM_MAGICS = frozenset({0x01021994, 0x958458F6, 0x858458F6})
+_libc = ctypes.CDLL(None, use_errno=True)  # statfs(2): os has statvfs only, which has no type
 
 
-def filesystem_type(directory: str) -> str:
-    """The type of the filesystem `directory` is on ("tmpfs", "ext4", ...), from the mount
-    table: the mount point that holds it most closely. "" when it cannot be told."""
-    path = os.path.realpath(directory)
-    best, best_type = "", ""
-    try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
-                inside = path == point or path.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, best_type = point, fields[2]
-    except OSError:
-        return ""
-    return best_type
+def filesystem_magic(directory: str) -> int | None:
+    """statfs(2)'s f_type of the filesystem `directory` is on (what `stat -f -c %t` prints),
+    or None when it cannot be read. The kernel's answer for the directory itself: a mount
+    table read by path is wrong under a bind mount over a parent (review helper-156)."""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on x86-64 and arm64
+    if _libc.statfs(os.fsencode(directory), buffer) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buffer).value & 0xFFFFFFFF  # f_type, the first field
 
 
 def _block_size(filesystem: os.statvfs_result) -> int:

@@ -54,7 +54,7 @@ from kvpool.node.disk import DiskTier
 from kvpool.node.inventory import Inventory
 from kvpool.node.metrics import NodeMetrics, TierMetrics
 from kvpool.node.moves import Mover
-from kvpool.node.segment import MEMORY_FILESYSTEMS, Segment, filesystem_type, remove_stale_segments
+from kvpool.node.segment import MEMORY_FILESYSTEM_MAGICS, Segment, filesystem_magic, remove_stale_segments
 from kvpool.node.tiered import TieredMasterCalls, TieredTransferHandler
 from kvpool.node.transfer import MasterCallHandler, TransferHandler
 from kvpool.process import raise_open_files_limit
@@ -313,11 +313,11 @@ class Node:
             refuse_open_listen(config.metrics_host or config.listen_host, self._keyring.primary, " for /metrics")
         kept = Segment.adopt(config.shm_dir, config.node_id, config.memory_bytes)  # a stop with keep_ms left it
         remove_stale_segments(config.shm_dir)
-        filesystem = filesystem_type(config.shm_dir)
-        if filesystem and filesystem not in MEMORY_FILESYSTEMS:  # taken without a word (walk-through helper-155)
-            log.warning("node %s: its segment's directory %s (--shm-dir) is on %s, not tmpfs or hugetlbfs: the "
-                        "kernel writes the segment's pages back to that disk", config.node_id, config.shm_dir,
-                        filesystem)  # fmt: skip
+        magic = filesystem_magic(config.shm_dir)
+        if magic is not None and magic not in MEMORY_FILESYSTEM_MAGICS:  # taken unsaid (walk-through helper-155)
+            log.warning("node %s: its segment's directory %s (--shm-dir) is not on tmpfs or hugetlbfs (filesystem "
+                        "type 0x%x, `stat -f` names it): the kernel writes the segment's pages back to that disk",
+                        config.node_id, config.shm_dir, magic)  # fmt: skip
         log.info("node %s: open files limit %d", config.node_id, raise_open_files_limit())
         if kept is None:
             token = secrets.token_bytes(limits.SEGMENT_TOKEN_SIZE_BYTES)
