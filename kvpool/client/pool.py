@@ -285,7 +285,7 @@ class MasterLink(_ClosedForGood):
             opening = self._opening = self._shared_attempt(self._open(), "kvpool master connect")
         too_late = f"no connection to the master {self.endpoint} within the call's bound"
         if self._open_failure is not None:  # what stands in the way (etcd not answering, say)
-            too_late += f" (the last attempt: {type(self._open_failure).__name__}: {self._open_failure})"
+            too_late += f" (the last failed attempt: {type(self._open_failure).__name__}: {self._open_failure})"
         return await self._wait_for(opening, deadline - time.monotonic(), too_late)
 
     async def _open(self) -> Connection:
