@@ -211,6 +211,20 @@ def dead_segment_owner(shm_dir, name: str, size_bytes: int = 1 << 20) -> Path:
 
 
 @pytest.fixture
+def memory_dir() -> Iterator[Path]:
+    """A directory of its own on /dev/shm (tmpfs), removed after: a node's --shm-dir where the
+    test reads every line a node says (one on the test's disk is warned of)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="kvpool-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def steady_heap() -> Iterator[None]:
     """For a test that times calls against their bound: the objects this worker already holds
     are frozen out of the garbage collector meanwhile. A worker that ran the vLLM, SGLang or

@@ -321,14 +321,13 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path):
     assert "--log-level <debug|info|warning|error>" in out.stdout.decode()
 
 
-def test_a_ready_file_that_cannot_be_written_is_one_line_and_leaves_no_segment(make_cluster, tmp_path):
+def test_a_ready_file_that_cannot_be_written_is_one_line_and_leaves_no_segment(make_cluster, tmp_path, memory_dir):
     """--ready-file where no file can be made (a missing directory): the server, already started,
     ended with a traceback; now with one line, and the node removes its segment file (in a
     directory of its own: other tests' nodes come and go in /dev/shm meanwhile)."""
     cluster = make_cluster(0)
     ready = tmp_path / "missing" / "ready"
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
+    shm_dir = memory_dir
     node = ("node", "--master", cluster.master_endpoint, "--memory", "16MiB", "--shm-dir", str(shm_dir))
     for args in (("master", "--port", "0", "--http-port", "0"), node):
         out = kvpool_cli(*args, "--log-level", "warning", "--ready-file", str(ready))
