@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import Store, limits
 from kvpool.cli.replay import find_trace
-from kvpool.errors import InvalidParams, SegmentNotFound, Unauthorized
+from kvpool.errors import ConnectFailed, InvalidParams, SegmentNotFound, Unauthorized
 from kvpool.protocol.frames import encode_frame
 from kvpool.protocol.messages import (
     AuthResponse,
@@ -213,6 +213,9 @@ def test_object_commands_of_the_cli(make_cluster, tmp_path):
     assert unreachable.returncode == 1 and b"cannot reach the master" in unreachable.stderr
     # Said as an operator reads it: was "ConnectionRefusedError: [Errno 111] Connection refused".
     assert b"127.0.0.1:1: Connection refused (ECONNREFUSED)" in b" ".join(unreachable.stderr.split())
+    # The API says the address too: it said "Connection refused (ECONNREFUSED)" alone (helper-157).
+    with pytest.raises(ConnectFailed, match=r"^connect to 127\.0\.0\.1:1: Connection refused"):
+        Store("127.0.0.1:1", token="")
     assert [out.returncode for out in helped] == [0] * len(helps), helped
     # What an operator types or stores is printed as it is, never read as rich markup.
     marked = "cli/[red]x[/]"

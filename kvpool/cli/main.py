@@ -423,7 +423,8 @@ def _store(
     except InvalidParams as exc:  # reached, and not a master (a node's port)
         raise _fail(f"--master: {exc}") from None
     except KVPoolError as exc:
-        raise _fail(f"cannot reach the master at {master}: {exc}") from None
+        at = "" if master in str(exc) else f" at {master}"  # most errors name it already
+        raise _fail(f"cannot reach the master{at}: {exc}") from None
 
 
 @contextlib.contextmanager

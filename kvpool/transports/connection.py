@@ -1310,6 +1310,8 @@ async def _open(opening: Awaitable[tuple[object, object]], endpoint: str, timeou
                 _, conn = await opening
     except TimeoutError:
         raise ConnectFailed(f"connect to {endpoint} timed out after {timeout_ms} ms") from None
+    except ConnectFailed as exc:  # the address too: a Store(...) said only "Connection refused"
+        raise ConnectFailed(f"connect to {endpoint}: {exc}") from exc.__cause__
     assert isinstance(conn, Connection)
     try:
         await conn.wait_ready(timeout_ms)
