@@ -34,6 +34,8 @@ def test_lent_views_are_the_registered_bytes_and_hold_exactly_their_buffers():
         (lambda a, b: a - 1, 10, "not in a registered buffer"),
         (lambda a, b: a + 4000, 200, "runs past"),  # past the end of the first buffer
         (lambda a, b: b + 8191, 2, "runs past"),  # past the end of the last one
+        # After the last one, in no buffer: it said "runs past its registered buffer" (helper-157).
+        (lambda a, b: b + 8192, 2, "not in a registered buffer"),
         (lambda a, b: a, -1, "negative size"),
     ],
 )

@@ -239,10 +239,11 @@ class BufferRegistry:
         if size_bytes < 0:
             raise InvalidParams(f"negative size {size_bytes}")
         index = bisect.bisect_right(self._starts, address) - 1
-        if index < 0:
-            raise InvalidParams(f"address 0x{address:x} is not in a registered buffer")
-        start = self._starts[index]
-        whole = self._views[start]
+        start = self._starts[index] if index >= 0 else 0
+        whole = self._views.get(start) if index >= 0 else None
+        # Past the end of the buffer below it is outside too (it said "runs past its buffer").
+        if whole is None or (size_bytes and address - start >= len(whole)):
+            raise InvalidParams(f"address 0x{address:x} is not in a registered buffer (register_buffer it first)")
         if address - start + size_bytes > len(whole):
             raise InvalidParams(f"range 0x{address:x}+{size_bytes} runs past its registered buffer")
         return start, whole
