@@ -1192,7 +1192,9 @@ _WHY_BY_ACTION_CODE = {
     "or the writer was stalled past its grants)",
     ("put", ErrorCode.OBJECT_NOT_FOUND): "the master had given the put up before it ended (its writes took "
     "longer than their grants)",
-    ("remove", ErrorCode.OBJECT_HAS_LEASE): "a reader holds a read lease on it (force=True removes it anyway)",
+    ("remove", ErrorCode.OBJECT_HAS_LEASE): "a read lease is on it: a get in flight, a lookup's hold "
+    "(longest_prefix hold_ms), or a get just ended (its lease goes back within milliseconds, or at the lease "
+    "TTL from a client that keeps them); it ends by itself: try again shortly, or force=True removes it anyway",
     ("put", ErrorCode.INVALID_KEY): f"a key holds 1 to {limits.KEY_SIZE_BYTES_MAX} bytes of UTF-8",
     ("put", ErrorCode.INVALID_PARAMS): f"an object holds 1 to {limits.OBJECT_SIZE_BYTES_MAX} bytes (empty objects "
     "are not stored)",
