@@ -9,8 +9,8 @@ return `None` for expected outcomes, services raise these, batch APIs return one
     KVPoolError
       ObjectError        ObjectNotFound(-704) ObjectAlreadyExists(-705) ObjectHasLease(-706)
                          LeaseExpired(-707) ReplicaNotReady(-703) ChecksumMismatch(-800)
-      CapacityError      NoAvailableHandle(-200)  BufferOverflow(-10)
-      InvalidRequest     InvalidKey(-400)  InvalidParams(-600)  Unauthorized(-601)
+      CapacityError      NoAvailableHandle(-200)  FilesystemFull(-200)  BufferOverflow(-10)
+      InvalidRequest     InvalidKey(-400)  InvalidParams(-600)  Unauthorized(-601)  StoreClosed(-600)
       MembershipError    SegmentNotFound(-101)  ClientNotFound(-103)  SegmentAlreadyExists(-102)
                          NotLeader(-1010)
       TransportError     TransferFailed(-800)  RpcFailed(-900)  RpcTimeout(-901)  ConnectFailed(-900)

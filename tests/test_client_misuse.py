@@ -90,8 +90,16 @@ def test_a_closed_async_store_refuses_to_register_or_unregister_a_buffer(endpoin
             store.unregister_buffer(address)
         with pytest.raises(StoreClosed):
             await store.get_into("k", address, len(buffer))
+        with pytest.raises(StoreClosed):  # was taken, and the block ran on a closed store (helper-157)
+            async with store:
+                pass
 
     asyncio.run(asyncio.wait_for(main(), 30))
+    closed = Store(endpoint, token="")
+    closed.close()
+    with pytest.raises(StoreClosed):
+        with closed:
+            pass
 
 
 @pytest.mark.parametrize("api", ["Store", "AsyncStore"])

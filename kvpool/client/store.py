@@ -283,6 +283,7 @@ class AsyncStore:
             self._puts_in_flight -= 1
 
     async def __aenter__(self) -> AsyncStore:
+        self._check_not_closed()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -304,7 +305,9 @@ class AsyncStore:
     async def put_batch(
         self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
     ) -> list[int]:
-        """Store many objects with one master round trip per phase; one ErrorCode per key."""
+        """Store many objects with one master round trip per phase; one ErrorCode per key. A key
+        that exists already is left as it is (OK); a key given twice is stored once, with its
+        first value (both OK); a key another put has in flight is REPLICA_IS_NOT_READY."""
         if len(keys) != len(values):
             raise InvalidParams(f"{len(keys)} keys but {len(values)} values")
         return await self._put_parts(keys, value_views(values), config)
@@ -1103,8 +1106,9 @@ def call_bound(timeout_ms: int | None) -> int | None:
     """A call's own bound on the master's answer (None: the RPC timeout), the same check for
     Store and AsyncStore. Raises InvalidParams."""
     if timeout_ms is not None:
-        checked_args(timeout_ms=(timeout_ms, int))
-        if not 0 < timeout_ms <= limits.CALL_TIMEOUT_MS_MAX:
+        if type(timeout_ms) is not int:
+            checked_args(timeout_ms=(timeout_ms, int))  # raises: of another type
+        if not 0 < timeout_ms <= limits.CALL_TIMEOUT_MS_MAX:  # a negative one said as 0 is
             raise InvalidParams(
                 f"timeout_ms {timeout_ms} not in 1..{limits.CALL_TIMEOUT_MS_MAX} (None: the store's RPC timeout)"
             )
@@ -1119,7 +1123,8 @@ def checked_args(**args: tuple[object, type]) -> None:
     UnicodeEncodeError from deep in the frame encoder). Raises InvalidParams."""
     for name, (value, kind) in args.items():
         if type(value) is not kind:
-            raise InvalidParams(f"{name} must be a {kind.__name__}, not {type(value).__name__}: {value!r:.100}")
+            article = "an" if kind.__name__[0] in "aeiou" else "a"
+            raise InvalidParams(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}: {value!r:.100}")
         if kind is int and not 0 <= value < 2**63:  # type: ignore[operator]
             raise InvalidParams(f"{name} {value} is out of range")
         if kind is str and not _is_utf8(value):  # type: ignore[arg-type]  # a lone surrogate: no frame holds it

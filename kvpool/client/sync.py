@@ -560,6 +560,7 @@ class Store:
             time.sleep(0.002)
 
     def __enter__(self) -> Store:
+        self._check_open()  # a closed one raises StoreClosed, as every call does (it was taken)
         return self
 
     def __exit__(self, *exc: object) -> None:
