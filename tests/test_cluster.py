@@ -227,7 +227,7 @@ def test_a_put_larger_than_any_node_fails_at_once_and_evicts_nothing(make_cluste
     with Store(cluster.master_endpoint) as store:
         assert store.put_batch(list(values), list(values.values())) == [ErrorCode.OK] * 20
         started = time.monotonic()
-        with pytest.raises(NoAvailableHandle):
+        with pytest.raises(NoAvailableHandle, match=r"\(this object: 40 MiB\)"):  # to set against 32 MiB
             store.put("huge", os.urandom(40 * 1024 * 1024))
         assert time.monotonic() - started < 1.0  # no rounds waiting for room that cannot come
         assert all(store.batch_exists(list(values)))  # before: the whole cache was evicted for it

@@ -42,7 +42,7 @@ from kvpool.client.transfer import (
     now_monotonic_ms,
     write_landing,
 )
-from kvpool.config import ClientConfig
+from kvpool.config import ClientConfig, exact_size
 from kvpool.errors import (
     ErrorCode,
     InvalidKey,
@@ -300,7 +300,7 @@ class AsyncStore:
         """
         code = (await self.put_batch([key], [value], config))[0]
         if code != ErrorCode.OK:
-            raise key_error(code, "put", key)
+            raise key_error(code, "put", key, memoryview(value).nbytes)
 
     async def put_batch(
         self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
@@ -1206,14 +1206,17 @@ _WHY_BY_ACTION_CODE = {
 }
 
 
-def key_error(code: int, action: str, key: str) -> KVPoolError:
-    """The error of a one-key call whose key came back with `code` (not OK), for `action`."""
+def key_error(code: int, action: str, key: str, size_bytes: int | None = None) -> KVPoolError:
+    """The error of a one-key call whose key came back with `code` (not OK), for `action`
+    (a put: of `size_bytes`)."""
     try:
         reason = ErrorCode(code).name
     except ValueError:
         reason = f"code {code}"
     if why := _WHY_BY_ACTION_CODE.get((action, code)):
         reason = f"{reason}: {why}"
+    if size_bytes is not None and code == ErrorCode.NO_AVAILABLE_HANDLE:  # to set against the segments' sizes
+        reason = f"{reason} (this object: {exact_size(size_bytes)})"
     if (action, code) == ("put", ErrorCode.INVALID_KEY):  # key_list let it by: a str of UTF-8
         reason = f"{reason} (this one: {len(key.encode())})"
     return error_from_code(code, f"{action} {key!r:.100} failed: {reason}")

@@ -580,7 +580,7 @@ class Store:
     def put(self, key: str, value: BytesLike, config: ReplicateConfig | None = None) -> None:
         code = self.put_batch([key], [value], config)[0]
         if code != ErrorCode.OK:
-            raise key_error(code, "put", key)
+            raise key_error(code, "put", key, memoryview(value).nbytes)
 
     def put_batch(
         self, keys: Sequence[str], values: Sequence[BytesLike], config: ReplicateConfig | None = None
