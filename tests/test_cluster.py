@@ -351,6 +351,28 @@ def test_master_killed_and_restarted_serves_every_object_the_nodes_hold(make_clu
         assert store.get_batch(list(values)) == list(values.values())
 
 
+def test_a_put_right_after_a_master_restart_waits_for_a_node_to_mount_again(make_cluster):
+    """In the second a restarted master's nodes took to mount again, a put was refused (no
+    segment mounted), a serving engine's saves with it (walk-through helper-147). It waits for
+    a node's mount now (a moment at most). The node is stopped (SIGSTOP) across the restart,
+    so that the put surely comes before its mount."""
+    cluster = make_cluster(1, "16MiB")
+    node = cluster.nodes[0]
+    node.signal(signal.SIGSTOP)
+    try:
+        cluster.master.kill()
+        cluster.start_master()
+        with Store(cluster.master_endpoint) as store:
+            assert store.cluster_status().segments == []  # nothing mounted: the put comes first
+            threading.Timer(0.3, node.signal, (signal.SIGCONT,)).start()
+            started = time.monotonic()
+            store.put("right-after", b"r" * 1000)
+            assert time.monotonic() - started >= 0.25  # it waited for the node
+            assert store.get("right-after") == b"r" * 1000
+    finally:
+        node.signal(signal.SIGCONT)
+
+
 def test_sync_requests_take_each_threads_own_connection_and_follow_a_master_restart(make_cluster):
     """A sync Store asks the master for puts, gets, exists, prefixes and sizes on a connection
     of the calling thread's own (client/sync.py), authenticated with the cluster token like any

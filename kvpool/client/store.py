@@ -1190,7 +1190,7 @@ _WHY_BY_ACTION_CODE = {
     ("put", ErrorCode.NO_AVAILABLE_HANDLE): "no segment has room for it even after eviction (what is "
     "left is leased, pinned, being written, or held after puts cut short while writing: "
     "kvpool_master_segment_quarantined_bytes), or it is larger than every segment, or no segment is mounted "
-    "(a master just started waits about a second for its nodes to mount again)",
+    "(no node runs, or none mounted within the wait of a master that just started)",
     ("put", ErrorCode.REPLICA_IS_NOT_READY): "another put of this key is in flight (or, just after a remove "
     "of it, a node's move of the removed object: at most a minute)",
     ("put", ErrorCode.TRANSFER_FAIL): "no replica could be written (its nodes refused the bytes or did not answer, "

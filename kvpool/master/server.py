@@ -276,6 +276,10 @@ class MasterServer:
         self._drops_moving: asyncio.Future[None] | None = None  # done when drops move on (_removed)
         # Puts waiting for room, oldest first: room that lands is theirs before any new put's.
         self._room_waiters: list[_RoomWaiter] = []
+        # A master without election, just started: a put that finds no segment waits a moment
+        # for its nodes' mounts until then (local clock; 0: not waiting), `_node_mounted` says one came.
+        self._first_mounts_until_ms = 0
+        self._node_mounted = asyncio.Event()
         # Tiers: the moves being sent, the DFS directory, and the service it is mounted in.
         self._move_tasks: set[asyncio.Task[None]] = set()
         self._verify_tasks: set[asyncio.Task[None]] = set()  # checks of reported replicas
@@ -335,6 +339,7 @@ class MasterServer:
             refuse_open_listen(self.http_host, self._keyring.primary, " for /metrics, /health and /status")
         if self._election is None:  # before the DFS mounts: its remounts are then not first mounts
             self._removed_at_start = RemovedAtStart(local_clock_ms() + REMOUNT_WINDOW_MS)
+            self._first_mounts_until_ms = local_clock_ms() + REMOUNT_WINDOW_MS
         if self._dfs_dir:
             await self._open_dfs()
             await self._ensure_dfs()
@@ -519,6 +524,8 @@ class MasterServer:
                 service.hear(siblings, liveness_clock_ms())
                 if self._takeover is not None and message.is_last:  # its inventory is whole
                     self._takeover.mounted(message.segment.segment_id)
+                if message.is_last:
+                    self._node_mounted.set()
                 self._log_mount(message, reply)
                 return reply
             case Heartbeat():
@@ -627,11 +634,45 @@ class MasterServer:
             i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
         ]
         if not retry:
+            if self._waits_for_first_mounts(service, reply):
+                return self._put_start_after_a_mount(service, message, reply)
             return service.put_start_settled(reply)  # the common case answers at once, without a task
         if not self._is_room_coming(service):
             _no_room.log("put of %d keys: no room, and none coming (nothing evictable)", len(retry))
             return service.put_start_settled(reply)
         return self._put_start_after_drops(service, message, reply, retry)
+
+    def _waits_for_first_mounts(self, service: MasterService, reply: PutStartReply) -> bool:
+        """Whether a put some of whose keys found no segment at all waits for a node's mount:
+        right after a master without election started (REMOUNT_WINDOW_MS), before any node
+        mounted. It was refused in the second its nodes took to mount again, and a serving
+        engine's saves with it (walk-through helper-147)."""
+        return (
+            not self._node_mounted.is_set()
+            and local_clock_ms() < self._first_mounts_until_ms
+            and ErrorCode.NO_AVAILABLE_HANDLE in reply.codes
+            and not service.fits_a_segment(1)  # no segment takes puts
+        )
+
+    async def _put_start_after_a_mount(
+        self, service: MasterService, message: PutStart, reply: PutStartReply
+    ) -> PutStartReply:
+        """_put_start's keys that found no segment, placed again once a node mounted (waited
+        for PUT_ROOM_WAIT_MS at most, within the client's RPC timeout)."""
+        wait_ms = min(PUT_ROOM_WAIT_MS, self._first_mounts_until_ms - local_clock_ms())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0, wait_ms) / 1000):
+                await self._node_mounted.wait()
+        fits = service.fits_a_segment
+        retry = [
+            i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
+        ]
+        if retry and service is self.service:
+            service.put_start_again(message, reply, retry, wall_clock_ms(), evict=False)  # a new node: room
+        settled = service.put_start_settled(reply)
+        if settled.grants:  # what is left of their life now, as after a wait for room
+            settled.grant_ttl_ms = max(1, min(grant.expiry_ms for grant in settled.grants) - wall_clock_ms())
+        return settled
 
     def _are_drops_coming(self, service: MasterService) -> bool:
         # Eviction scheduled drops, or drops are in flight, or wait to be sent (again: a node
