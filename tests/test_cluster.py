@@ -354,10 +354,14 @@ def test_master_killed_and_restarted_serves_every_object_the_nodes_hold(make_clu
 def test_a_put_right_after_a_master_restart_waits_for_a_node_to_mount_again(make_cluster):
     """In the second a restarted master's nodes took to mount again, a put was refused (no
     segment mounted), a serving engine's saves with it (walk-through helper-147). It waits for
-    a node's mount now (a moment at most). The node is stopped (SIGSTOP) across the restart,
-    so that the put surely comes before its mount."""
+    a node's mount now (a moment at most), then evicts as any put does: the node comes back
+    full, as a serving cache is (review helper-158: it took only free room, and failed). The
+    node is stopped (SIGSTOP) across the restart, so that the put surely comes first."""
     cluster = make_cluster(1, "16MiB")
     node = cluster.nodes[0]
+    with Store(cluster.master_endpoint) as store:
+        for i in range(40):  # 40 MiB through a 16 MiB node: full
+            store.put(f"filler-{i}", os.urandom(1024 * 1024))
     node.signal(signal.SIGSTOP)
     try:
         cluster.master.kill()
@@ -366,9 +370,10 @@ def test_a_put_right_after_a_master_restart_waits_for_a_node_to_mount_again(make
             assert store.cluster_status().segments == []  # nothing mounted: the put comes first
             threading.Timer(0.3, node.signal, (signal.SIGCONT,)).start()
             started = time.monotonic()
-            store.put("right-after", b"r" * 1000)
+            value = os.urandom(4 * 1024 * 1024)
+            store.put("right-after", value)
             assert time.monotonic() - started >= 0.25  # it waited for the node
-            assert store.get("right-after") == b"r" * 1000
+            assert store.get("right-after") == value
     finally:
         node.signal(signal.SIGCONT)
 

@@ -657,22 +657,25 @@ class MasterServer:
     async def _put_start_after_a_mount(
         self, service: MasterService, message: PutStart, reply: PutStartReply
     ) -> PutStartReply:
-        """_put_start's keys that found no segment, placed again once a node mounted (waited
-        for PUT_ROOM_WAIT_MS at most, within the client's RPC timeout)."""
-        wait_ms = min(PUT_ROOM_WAIT_MS, self._first_mounts_until_ms - local_clock_ms())
+        """_put_start's keys that found no segment, placed again once a node mounted, as any
+        put is: a node back after a restart brings its whole inventory, a full cache's, and
+        keys short of room wait for eviction's. The mount and the room share one wait,
+        PUT_ROOM_WAIT_MS (within the client's default RPC timeout). Replicas are best effort:
+        the first node to mount takes them all (review helper-158)."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + min(PUT_ROOM_WAIT_MS, self._first_mounts_until_ms - local_clock_ms()) / 1000
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0, wait_ms) / 1000):
+            async with asyncio.timeout_at(deadline_s):
                 await self._node_mounted.wait()
         fits = service.fits_a_segment
         retry = [
             i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
         ]
         if retry and service is self.service:
-            service.put_start_again(message, reply, retry, wall_clock_ms(), evict=False)  # a new node: room
-        settled = service.put_start_settled(reply)
-        if settled.grants:  # what is left of their life now, as after a wait for room
-            settled.grant_ttl_ms = max(1, min(grant.expiry_ms for grant in settled.grants) - wall_clock_ms())
-        return settled
+            retry = service.put_start_again(message, reply, retry, wall_clock_ms())
+            if retry and self._is_room_coming(service) and loop.time() < deadline_s:
+                return await self._put_start_after_drops(service, message, reply, retry, deadline_s)
+        return self._settled_late(service, reply)
 
     def _are_drops_coming(self, service: MasterService) -> bool:
         # Eviction scheduled drops, or drops are in flight, or wait to be sent (again: a node
@@ -688,16 +691,23 @@ class MasterServer:
         return is_coming or service.evict_back_off_left_ms(wall_clock_ms()) > 0
 
     async def _put_start_after_drops(
-        self, service: MasterService, message: PutStart, reply: PutStartReply, retry: list[int]
+        self,
+        service: MasterService,
+        message: PutStart,
+        reply: PutStartReply,
+        retry: list[int],
+        deadline_s: float | None = None,
     ) -> PutStartReply:
         """Try the keys that found no room again once the room coming is there: in rounds
         (limits.PUT_ROOM_ROUNDS_MAX, PUT_ROOM_WAIT_MS in all), each waiting for the moves in flight
         (offloads free their DRAM ranges once copied), then flushing the drops (a range is free
         once its node forgot the object). Meanwhile room that lands is given to the waiting
         puts first, oldest first (_give_room_to_waiters), so that new puts do not take it from
-        under them round after round."""
+        under them round after round. `deadline_s` (loop time): the end of a wait begun before
+        (PUT_ROOM_WAIT_MS from now by default)."""
         loop = asyncio.get_running_loop()
-        deadline_s = loop.time() + PUT_ROOM_WAIT_MS / 1000
+        if deadline_s is None:
+            deadline_s = loop.time() + PUT_ROOM_WAIT_MS / 1000
         waiter = _RoomWaiter(service, message, reply, retry)
         self._room_waiters.append(waiter)
         rounds = 0
@@ -731,8 +741,14 @@ class MasterServer:
         if waiter.retry:  # why, for an operator whose errors_total climbs (and a test that fails)
             why = "none coming" if not self._is_room_coming(service) else "the wait is over"
             _no_room.log("put of %d keys: no room after %d rounds (%s)", len(waiter.retry), rounds + 1, why)
+        return self._settled_late(service, reply)
+
+    @staticmethod
+    def _settled_late(service: MasterService, reply: PutStartReply) -> PutStartReply:
+        """put_start_settled of a put answered after a wait: its grants' life is what is left
+        of it now, not what it was before the wait."""
         settled = service.put_start_settled(reply)
-        if settled.grants:  # what is left of their life now, not what it was before the wait
+        if settled.grants:
             settled.grant_ttl_ms = max(1, min(grant.expiry_ms for grant in settled.grants) - wall_clock_ms())
         return settled
 
