@@ -154,6 +154,13 @@ class _RoomWaiter:
         self.served = asyncio.Event()  # set once room that landed took its last key
 
 
+def _short_of_room(service: MasterService, message: PutStart, reply: PutStartReply) -> list[int]:
+    """The indexes of a put's keys that found no room and may yet (eviction, a node's mount):
+    one larger than every segment never would."""
+    fits = service.fits_a_segment
+    return [i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])]
+
+
 async def _wait_unless_served(waiter: _RoomWaiter, tasks: list[asyncio.Task[None]], deadline_s: float) -> None:
     """Until `tasks` are done, room that landed took the waiter's last key (a node slow to
     answer may hold up its own moves or drops long after), or the deadline (loop time)."""
@@ -628,11 +635,7 @@ class MasterServer:
     def _put_start(self, message: PutStart) -> PutStartReply | Awaitable[PutStartReply]:
         service = self.service
         reply = service.put_start(message, wall_clock_ms())
-        # Keys that found no room wait for eviction; one larger than every segment never would.
-        fits = service.fits_a_segment
-        retry = [
-            i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
-        ]
+        retry = _short_of_room(service, message, reply)
         if not retry:
             if self._waits_for_first_mounts(service, reply):
                 return self._put_start_after_a_mount(service, message, reply)
@@ -667,10 +670,7 @@ class MasterServer:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline_s):
                 await self._node_mounted.wait()
-        fits = service.fits_a_segment
-        retry = [
-            i for i, code in enumerate(reply.codes) if code == ErrorCode.NO_AVAILABLE_HANDLE and fits(message.sizes[i])
-        ]
+        retry = _short_of_room(service, message, reply)
         if retry and service is self.service:
             retry = service.put_start_again(message, reply, retry, wall_clock_ms())
             if retry and self._is_room_coming(service) and loop.time() < deadline_s:
