@@ -74,7 +74,7 @@ def load_settings(ctx: typer.Context, param: typer.CallbackParam, path: Optional
         raise typer.BadParameter(f"{path} has no [{command}] table: nothing in it is for `kvpool {command}`")
     options = {option.name: option for option in ctx.command.params if option.name != param.name}
     defaults: dict[str, object] = {}
-    for key, value in tables.get(command, {}).items():
+    for key, value in tables[command].items():
         option = options.get(key.replace("-", "_"))
         if option is None:
             raise typer.BadParameter(f"{path}: [{command}] has no setting {key!r} (`kvpool {command} --help`)")

@@ -7,10 +7,10 @@ Object commands talk to a running cluster through the sync `Store`.
 
 from __future__ import annotations
 
-import signal
+if __name__ == "__main__":  # `python -m kvpool.cli.main`, as LocalCluster starts servers: first of all
+    from kvpool.cli import ignore_sigusr1_until_served
 
-if __name__ == "__main__":  # `python -m kvpool.cli.main` (as LocalCluster starts servers): see kvpool.cli.main
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    ignore_sigusr1_until_served()
 
 import asyncio
 import contextlib
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import unicodedata
