@@ -239,14 +239,15 @@ class BufferRegistry:
         if size_bytes < 0:
             raise InvalidParams(f"negative size {size_bytes}")
         index = bisect.bisect_right(self._starts, address) - 1
-        start = self._starts[index] if index >= 0 else 0
-        whole = self._views.get(start) if index >= 0 else None
-        # Past the end of the buffer below it is outside too (it said "runs past its buffer").
-        if whole is None or (size_bytes and address - start >= len(whole)):
-            raise InvalidParams(f"address 0x{address:x} is not in a registered buffer (register_buffer it first)")
-        if address - start + size_bytes > len(whole):
-            raise InvalidParams(f"range 0x{address:x}+{size_bytes} runs past its registered buffer")
-        return start, whole
+        if index >= 0:
+            start = self._starts[index]
+            whole = self._views[start]
+            # Past the end of the buffer below it is in none (it said "runs past" that one).
+            if not size_bytes or address - start < len(whole):
+                if address - start + size_bytes > len(whole):
+                    raise InvalidParams(f"range 0x{address:x}+{size_bytes} runs past its registered buffer")
+                return start, whole
+        raise InvalidParams(f"address 0x{address:x} is not in a registered buffer (register_buffer it first)")
 
     def view(self, address: int, size_bytes: int) -> memoryview:
         """A memoryview of a range inside a registered buffer (held by a `lent` block of the

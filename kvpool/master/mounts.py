@@ -89,7 +89,8 @@ class MountFlow:
         self._fences: dict[str, tuple[bytes, dict[int, tuple[int, int]]]] = {}
         # segment id -> (its file's token, objects it went with alone, when they count as lost
         # (0: not set yet)): a node that keeps its segment for its restart brings them back, and
-        # they are counted lost only if it does not come back with that file (`_count_away`).
+        # they are counted lost only if it does not come back with that file (`fence`,
+        # `forget_fences`).
         self._away: dict[str, tuple[bytes, int, int]] = {}
 
     @property
